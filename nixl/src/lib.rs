@@ -1,0 +1,1 @@
+//! Safe NIXL API.
