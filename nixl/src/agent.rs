@@ -1,0 +1,286 @@
+//! The NIXL agent: one per process (or per worker), owning backends, registrations and transfers.
+
+use std::ptr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use nixl_sys as sys;
+
+use crate::error::{check, Result};
+use crate::raw::c_name;
+
+/// How NIXL locks an agent's internal state across threads.
+///
+/// Whatever is chosen, [`Agent`] stays safe to share between threads: with
+/// [`ThreadSync::None`] this crate serialises every call on the agent itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ThreadSync {
+    /// NIXL takes no locks; this crate then serialises all calls with a mutex.
+    None,
+    /// NIXL serialises every call with one lock.
+    Strict,
+    /// NIXL lets data-path calls (transfers, status) run in parallel and serialises
+    /// control-path calls (registration, metadata, backends). The default.
+    #[default]
+    ReadWrite,
+}
+
+impl ThreadSync {
+    fn to_raw(self) -> sys::nixl_capi_thread_sync_t::Type {
+        use sys::nixl_capi_thread_sync_t as raw;
+        match self {
+            ThreadSync::None => raw::NIXL_CAPI_THREAD_SYNC_NONE,
+            ThreadSync::Strict => raw::NIXL_CAPI_THREAD_SYNC_STRICT,
+            ThreadSync::ReadWrite => raw::NIXL_CAPI_THREAD_SYNC_RW,
+        }
+    }
+}
+
+/// Every setting of a NIXL agent. Built with [`Agent::builder`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AgentConfig {
+    /// Run NIXL's progress thread, which advances transfers and receives notifications
+    /// in the background.
+    pub progress_thread: bool,
+    /// Sleep between progress-thread polls. Zero makes the thread spin a whole core.
+    pub progress_delay: Duration,
+    /// Run NIXL's metadata listener thread (socket metadata exchange).
+    pub listener_thread: bool,
+    /// TCP port of the metadata listener; 0 lets the OS choose.
+    pub listen_port: u16,
+    /// Sleep between listener-thread polls.
+    pub listener_delay: Duration,
+    /// NIXL's locking mode.
+    pub thread_sync: ThreadSync,
+    /// Worker count NIXL's agent config carries. NIXL 1.5.1's C API does not forward it;
+    /// use a backend parameter (UCX: `num_workers`) to set workers.
+    pub num_workers: u32,
+    /// Record per-request telemetry ([`crate::XferRequest::telemetry`]).
+    pub telemetry: bool,
+}
+
+impl Default for AgentConfig {
+    /// Progress thread on with a 1 ms delay (an idle agent then costs a few percent of a
+    /// core instead of a whole one), no listener, read-write locking, telemetry off.
+    fn default() -> Self {
+        AgentConfig {
+            progress_thread: true,
+            progress_delay: Duration::from_millis(1),
+            listener_thread: false,
+            listen_port: 0,
+            listener_delay: Duration::from_millis(100),
+            thread_sync: ThreadSync::ReadWrite,
+            num_workers: 1,
+            telemetry: false,
+        }
+    }
+}
+
+/// Builds an [`Agent`] from a name and an [`AgentConfig`].
+#[derive(Debug, Clone)]
+#[must_use = "call build() to create the agent"]
+pub struct AgentBuilder {
+    name: String,
+    config: AgentConfig,
+}
+
+impl AgentBuilder {
+    /// Turns the progress thread on or off.
+    pub fn progress_thread(mut self, on: bool) -> Self {
+        self.config.progress_thread = on;
+        self
+    }
+
+    /// Sets the progress thread's sleep between polls (rounded down to microseconds).
+    pub fn progress_delay(mut self, delay: Duration) -> Self {
+        self.config.progress_delay = delay;
+        self
+    }
+
+    /// Turns the metadata listener thread on or off.
+    pub fn listener_thread(mut self, on: bool) -> Self {
+        self.config.listener_thread = on;
+        self
+    }
+
+    /// Sets the metadata listener's TCP port (0: chosen by the OS).
+    pub fn listen_port(mut self, port: u16) -> Self {
+        self.config.listen_port = port;
+        self
+    }
+
+    /// Sets the listener thread's sleep between polls.
+    pub fn listener_delay(mut self, delay: Duration) -> Self {
+        self.config.listener_delay = delay;
+        self
+    }
+
+    /// Sets NIXL's locking mode.
+    pub fn thread_sync(mut self, mode: ThreadSync) -> Self {
+        self.config.thread_sync = mode;
+        self
+    }
+
+    /// Sets the worker count carried in NIXL's agent config.
+    pub fn num_workers(mut self, workers: u32) -> Self {
+        self.config.num_workers = workers;
+        self
+    }
+
+    /// Turns per-request telemetry on or off.
+    pub fn telemetry(mut self, on: bool) -> Self {
+        self.config.telemetry = on;
+        self
+    }
+
+    /// Replaces the whole configuration.
+    pub fn config(mut self, config: AgentConfig) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// Creates the agent.
+    ///
+    /// # Errors
+    /// [`Error::InvalidName`](crate::Error::InvalidName) for an empty name or one with a NUL
+    /// byte; [`Error::Nixl`](crate::Error::Nixl) if NIXL cannot create it.
+    pub fn build(self) -> Result<Agent> {
+        let name = c_name("agent name", &self.name)?;
+        let cfg = &self.config;
+        let raw_cfg = sys::nixl_capi_agent_config_t {
+            enable_prog_thread: cfg.progress_thread,
+            enable_listen_thread: cfg.listener_thread,
+            listen_port: i32::from(cfg.listen_port),
+            thread_sync: cfg.thread_sync.to_raw(),
+            num_workers: cfg.num_workers,
+            pthr_delay_us: micros(cfg.progress_delay),
+            lthr_delay_us: micros(cfg.listener_delay),
+            capture_telemetry: cfg.telemetry,
+        };
+        let mut raw = ptr::null_mut();
+        // SAFETY: valid C string and config, out-pointer to a local.
+        let status =
+            unsafe { sys::nixl_capi_create_configured_agent(name.as_ptr(), &raw_cfg, &mut raw) };
+        check(status, "create agent")?;
+        tracing::debug!(agent = %self.name, config = ?self.config, "created NIXL agent");
+        Ok(Agent {
+            inner: Arc::new(AgentInner {
+                raw,
+                serialize: (cfg.thread_sync == ThreadSync::None).then(|| Mutex::new(())),
+                backends: Mutex::new(Vec::new()),
+                name: self.name,
+                config: self.config,
+            }),
+        })
+    }
+}
+
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
+/// A NIXL agent.
+///
+/// Cheap to clone: clones share one NIXL agent, which is destroyed when the last clone and
+/// the last object made from it (backend, registration, list, request) are gone.
+///
+/// # Thread safety
+/// `Agent` is `Send + Sync`: every method takes `&self` and may be called from any number of
+/// threads at once. The locking follows NIXL's own rules for the chosen [`ThreadSync`]:
+/// with `ReadWrite` (the default) or `Strict`, NIXL locks internally and this crate adds no
+/// lock; with `None`, NIXL does no locking, so this crate serialises every call on the
+/// agent with one mutex. Objects that change state ([`crate::XferRequest`],
+/// descriptor lists) take `&mut self` for those changes, so one such object is never used by
+/// two threads at once; they are `Send` and can move between threads.
+#[derive(Clone)]
+pub struct Agent {
+    pub(crate) inner: Arc<AgentInner>,
+}
+
+impl std::fmt::Debug for Agent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Agent")
+            .field("name", &self.inner.name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Agent {
+    /// Creates an agent with the default [`AgentConfig`].
+    pub fn new(name: &str) -> Result<Agent> {
+        Agent::builder(name).build()
+    }
+
+    /// Starts building an agent named `name`.
+    pub fn builder(name: &str) -> AgentBuilder {
+        AgentBuilder {
+            name: name.to_string(),
+            config: AgentConfig::default(),
+        }
+    }
+
+    /// The agent's name, as remote agents know it.
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// The configuration the agent was created with.
+    pub fn config(&self) -> &AgentConfig {
+        &self.inner.config
+    }
+}
+
+/// The owner of the C agent handle. Everything made from an agent holds an `Arc` of this.
+pub(crate) struct AgentInner {
+    raw: sys::nixl_capi_agent_t,
+    serialize: Option<Mutex<()>>,
+    /// Plugin name and C handle of every backend created on this agent, freed with it.
+    pub(crate) backends: Mutex<Vec<(String, BackendHandle)>>,
+    pub(crate) name: String,
+    pub(crate) config: AgentConfig,
+}
+
+// SAFETY: the handle is only used through `with`, which serialises calls when NIXL itself
+// does no locking (ThreadSync::None); in the other modes NIXL's agent is thread-safe.
+unsafe impl Send for AgentInner {}
+// SAFETY: as above.
+unsafe impl Sync for AgentInner {}
+
+impl AgentInner {
+    /// Runs `f` with the raw agent, holding the crate's lock where NIXL has none.
+    pub(crate) fn with<R>(&self, f: impl FnOnce(sys::nixl_capi_agent_t) -> R) -> R {
+        let _guard = self
+            .serialize
+            .as_ref()
+            .map(|lock| lock.lock().unwrap_or_else(|poisoned| poisoned.into_inner()));
+        f(self.raw)
+    }
+}
+
+/// A C backend handle, owned by the agent that created it.
+pub(crate) struct BackendHandle(pub(crate) sys::nixl_capi_backend_t);
+
+// SAFETY: the handle is an immutable reference to a backend owned by the agent; every call
+// that uses it goes through the agent, which provides the locking.
+unsafe impl Send for BackendHandle {}
+
+impl Drop for AgentInner {
+    fn drop(&mut self) {
+        let backends = std::mem::take(self.backends.get_mut().unwrap_or_else(|p| p.into_inner()));
+        for (plugin, handle) in backends {
+            // SAFETY: frees only the handle wrapper; no Backend value is left to use it.
+            let status = unsafe { sys::nixl_capi_destroy_backend(handle.0) };
+            if let Err(err) = check(status, "destroy backend handle") {
+                tracing::error!(%plugin, %err, "leaking NIXL backend handle");
+            }
+        }
+        // SAFETY: the last reference is gone, so no child object can use the handle again.
+        let status = unsafe { sys::nixl_capi_destroy_agent(self.raw) };
+        match check(status, "destroy agent") {
+            Ok(()) => tracing::debug!(agent = %self.name, "destroyed NIXL agent"),
+            Err(err) => {
+                tracing::error!(agent = %self.name, %err, "NIXL agent not destroyed cleanly")
+            }
+        }
+    }
+}

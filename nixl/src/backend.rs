@@ -1,0 +1,243 @@
+//! Plugins (what NIXL can load) and backends (loaded plugin instances on an agent).
+
+use std::collections::BTreeMap;
+use std::ptr;
+use std::sync::Arc;
+
+use nixl_sys as sys;
+
+use crate::agent::{Agent, AgentInner, BackendHandle};
+use crate::error::{check, Error, Result};
+use crate::mem_type::MemType;
+use crate::raw::{c_name, take_mem_list, take_string_list, Params};
+
+/// What a plugin supports before any backend is created from it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PluginInfo {
+    /// The plugin's name (`UCX`, `POSIX`, ...).
+    pub name: String,
+    /// Memory types its backends can register and move.
+    pub mem_types: Vec<MemType>,
+    /// Its parameters and their default values.
+    pub params: BTreeMap<String, String>,
+}
+
+/// A backend: an instance of a plugin created on an agent.
+///
+/// Cheap to clone. It keeps its agent alive, so it can never outlive it.
+#[derive(Clone)]
+pub struct Backend {
+    inner: Arc<BackendInner>,
+}
+
+struct BackendInner {
+    agent: Arc<AgentInner>,
+    raw: sys::nixl_capi_backend_t,
+    plugin: String,
+}
+
+// SAFETY: the handle is an immutable reference to a backend owned by the agent; all calls
+// that use it go through the agent, which provides the locking. The agent frees it.
+unsafe impl Send for BackendInner {}
+// SAFETY: as above.
+unsafe impl Sync for BackendInner {}
+
+impl std::fmt::Debug for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Backend")
+            .field("plugin", &self.inner.plugin)
+            .field("agent", &self.inner.agent.name)
+            .finish()
+    }
+}
+
+impl PartialEq for Backend {
+    fn eq(&self, other: &Self) -> bool {
+        self.inner.raw == other.inner.raw
+    }
+}
+
+impl Eq for Backend {}
+
+impl Backend {
+    /// The plugin this backend was created from.
+    pub fn plugin(&self) -> &str {
+        &self.inner.plugin
+    }
+
+    /// The name of the agent that owns this backend.
+    pub fn agent_name(&self) -> &str {
+        &self.inner.agent.name
+    }
+
+    /// The parameters the backend runs with.
+    pub fn params(&self) -> Result<BTreeMap<String, String>> {
+        self.query().map(|(_, params)| params)
+    }
+
+    /// The memory types the backend supports.
+    pub fn mem_types(&self) -> Result<Vec<MemType>> {
+        self.query().map(|(types, _)| types)
+    }
+
+    fn query(&self) -> Result<BackendDescription> {
+        describe_backend(&self.inner.agent, self.inner.raw)
+    }
+
+    pub(crate) fn raw(&self) -> sys::nixl_capi_backend_t {
+        self.inner.raw
+    }
+
+    /// Whether this backend belongs to `agent`.
+    pub(crate) fn belongs_to(&self, agent: &Arc<AgentInner>) -> bool {
+        Arc::ptr_eq(&self.inner.agent, agent)
+    }
+}
+
+/// A backend's memory types and parameters.
+pub(crate) type BackendDescription = (Vec<MemType>, BTreeMap<String, String>);
+
+/// Reads the memory types and parameters of a backend handle of `agent`.
+pub(crate) fn describe_backend(
+    agent: &AgentInner,
+    raw: sys::nixl_capi_backend_t,
+) -> Result<BackendDescription> {
+    let (mut mems, mut params) = (ptr::null_mut(), ptr::null_mut());
+    // SAFETY: live agent and backend; out-pointers to locals, owned by us on success.
+    let status = agent.with(|agent| unsafe {
+        sys::nixl_capi_get_backend_params(agent, raw, &mut mems, &mut params)
+    });
+    check(status, "get backend parameters")?;
+    let params = Params::from_raw(params);
+    // SAFETY: returned to us above and not used again.
+    let types = unsafe { take_mem_list(mems) }?;
+    Ok((types, params.to_map()?))
+}
+
+impl Agent {
+    /// Every backend created on this agent so far.
+    pub fn backends(&self) -> Vec<Backend> {
+        let handles = self
+            .inner
+            .backends
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        handles
+            .iter()
+            .map(|(plugin, handle)| Backend {
+                inner: Arc::new(BackendInner {
+                    agent: self.inner.clone(),
+                    raw: handle.0,
+                    plugin: plugin.clone(),
+                }),
+            })
+            .collect()
+    }
+
+    /// Names of the plugins NIXL can load (from its plugin directory).
+    pub fn available_plugins(&self) -> Result<Vec<String>> {
+        let mut list = ptr::null_mut();
+        // SAFETY: live agent, out-pointer to a local.
+        let status = self
+            .inner
+            .with(|agent| unsafe { sys::nixl_capi_get_available_plugins(agent, &mut list) });
+        check(status, "list available plugins")?;
+        // SAFETY: returned to us above and not used again.
+        unsafe { take_string_list(list) }
+    }
+
+    /// A plugin's supported memory types and default parameters.
+    ///
+    /// # Errors
+    /// [`Error::UnknownPlugin`] (listing the available ones) if NIXL has no such plugin.
+    pub fn plugin_info(&self, plugin: &str) -> Result<PluginInfo> {
+        let name = c_name("plugin name", plugin)?;
+        let (mut mems, mut params) = (ptr::null_mut(), ptr::null_mut());
+        let status = self.inner.with(|agent| {
+            // SAFETY: live agent, valid C string, out-pointers to locals.
+            unsafe {
+                sys::nixl_capi_get_plugin_params(agent, name.as_ptr(), &mut mems, &mut params)
+            }
+        });
+        if check(status, "get plugin parameters").is_err() {
+            return Err(self.unknown_plugin(plugin));
+        }
+        let params = Params::from_raw(params);
+        // SAFETY: returned to us above and not used again.
+        let mem_types = unsafe { take_mem_list(mems) }?;
+        Ok(PluginInfo {
+            name: plugin.to_string(),
+            mem_types,
+            params: params.to_map()?,
+        })
+    }
+
+    /// Creates a backend from `plugin` with its default parameters.
+    pub fn create_backend(&self, plugin: &str) -> Result<Backend> {
+        self.create_backend_with(plugin, std::iter::empty::<(&str, &str)>())
+    }
+
+    /// Creates a backend from `plugin`, overriding some of its default parameters.
+    ///
+    /// # Errors
+    /// [`Error::UnknownPlugin`] for a plugin NIXL does not have,
+    /// [`Error::UnknownBackendParam`] for a key the plugin does not define, and
+    /// [`Error::Nixl`] when NIXL rejects a value or cannot start the backend.
+    pub fn create_backend_with<K, V>(
+        &self,
+        plugin: &str,
+        overrides: impl IntoIterator<Item = (K, V)>,
+    ) -> Result<Backend>
+    where
+        K: Into<String>,
+        V: Into<String>,
+    {
+        let info = self.plugin_info(plugin)?;
+        let mut params = info.params.clone();
+        for (key, value) in overrides {
+            let key = key.into();
+            if !params.contains_key(&key) {
+                return Err(Error::UnknownBackendParam {
+                    plugin: plugin.to_string(),
+                    key,
+                    known: info.params.keys().cloned().collect(),
+                });
+            }
+            params.insert(key, value.into());
+        }
+        let name = c_name("plugin name", plugin)?;
+        let raw_params = Params::from_map(&params)?;
+        let mut raw = ptr::null_mut();
+        let status = self.inner.with(|agent| {
+            // SAFETY: live agent and params, valid C string, out-pointer to a local.
+            unsafe {
+                sys::nixl_capi_create_backend(agent, name.as_ptr(), raw_params.raw(), &mut raw)
+            }
+        });
+        check(status, "create backend").map_err(|err| {
+            tracing::warn!(agent = %self.inner.name, plugin, %err, "backend creation failed");
+            err
+        })?;
+        tracing::debug!(agent = %self.inner.name, plugin, ?params, "created backend");
+        let mut handles = self
+            .inner
+            .backends
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        handles.push((plugin.to_string(), BackendHandle(raw)));
+        Ok(Backend {
+            inner: Arc::new(BackendInner {
+                agent: self.inner.clone(),
+                raw,
+                plugin: plugin.to_string(),
+            }),
+        })
+    }
+
+    fn unknown_plugin(&self, plugin: &str) -> Error {
+        Error::UnknownPlugin {
+            name: plugin.to_string(),
+            available: self.available_plugins().unwrap_or_default(),
+        }
+    }
+}

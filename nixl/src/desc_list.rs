@@ -1,0 +1,273 @@
+//! Transfer descriptor lists: local ones built from registrations, remote ones from addresses.
+
+use std::ptr;
+use std::sync::Arc;
+
+use nixl_sys as sys;
+
+use crate::descriptor::{validate, XferDesc};
+use crate::error::{check, Error, Result};
+use crate::mem_type::MemType;
+use crate::registration::{RegInner, Registration};
+
+/// An owned `nixl_capi_xfer_dlist_t` with a Rust copy of its descriptors.
+pub(crate) struct XferDlist {
+    raw: sys::nixl_capi_xfer_dlist_t,
+    mem_type: MemType,
+    descs: Vec<XferDesc>,
+}
+
+// SAFETY: the list is plain data owned by this value; mutation needs `&mut self`.
+unsafe impl Send for XferDlist {}
+// SAFETY: shared access only passes the handle to NIXL calls that read it.
+unsafe impl Sync for XferDlist {}
+
+impl XferDlist {
+    fn new(mem_type: MemType, capacity: usize) -> Result<Self> {
+        let mut raw = ptr::null_mut();
+        // SAFETY: out-pointer to a local.
+        check(
+            unsafe { sys::nixl_capi_create_xfer_dlist(mem_type.to_raw(), &mut raw) },
+            "create descriptor list",
+        )?;
+        Ok(XferDlist {
+            raw,
+            mem_type,
+            descs: Vec::with_capacity(capacity),
+        })
+    }
+
+    fn push(&mut self, operation: &'static str, desc: XferDesc) -> Result<()> {
+        validate(
+            operation,
+            self.mem_type,
+            self.descs.len(),
+            desc.addr,
+            desc.len,
+        )?;
+        // SAFETY: live list; NIXL copies the descriptor.
+        let status = unsafe {
+            sys::nixl_capi_xfer_dlist_add_desc(self.raw, desc.addr, desc.len, desc.dev_id)
+        };
+        check(status, operation)?;
+        self.descs.push(desc);
+        Ok(())
+    }
+
+    fn clear(&mut self) -> Result<()> {
+        // SAFETY: live list.
+        check(
+            unsafe { sys::nixl_capi_xfer_dlist_clear(self.raw) },
+            "clear descriptor list",
+        )?;
+        self.descs.clear();
+        Ok(())
+    }
+
+    pub(crate) fn raw(&self) -> sys::nixl_capi_xfer_dlist_t {
+        self.raw
+    }
+
+    pub(crate) fn descs(&self) -> &[XferDesc] {
+        &self.descs
+    }
+}
+
+impl Drop for XferDlist {
+    fn drop(&mut self) {
+        // SAFETY: owned handle, destroyed only here.
+        let status = unsafe { sys::nixl_capi_destroy_xfer_dlist(self.raw) };
+        if let Err(err) = check(status, "destroy descriptor list") {
+            tracing::error!(%err, "leaking NIXL descriptor list");
+        }
+    }
+}
+
+/// Descriptors of this agent's own registered memory, for the local side of a transfer.
+///
+/// Every descriptor comes from a [`Registration`] and is bounds-checked against it; the
+/// list holds those registrations, so their memory stays registered while the list (or a
+/// request made from it) exists.
+pub struct LocalDescList<'m> {
+    pub(crate) list: XferDlist,
+    pub(crate) keep: Vec<Arc<RegInner<'m>>>,
+}
+
+impl std::fmt::Debug for LocalDescList<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalDescList")
+            .field("mem_type", &self.list.mem_type)
+            .field("descs", &self.list.descs.len())
+            .finish()
+    }
+}
+
+impl<'m> LocalDescList<'m> {
+    /// An empty list of `mem_type` descriptors.
+    pub fn new(mem_type: MemType) -> Result<Self> {
+        Self::with_capacity(mem_type, 0)
+    }
+
+    /// An empty list with room for `capacity` descriptors.
+    pub fn with_capacity(mem_type: MemType, capacity: usize) -> Result<Self> {
+        Ok(LocalDescList {
+            list: XferDlist::new(mem_type, capacity)?,
+            keep: Vec::new(),
+        })
+    }
+
+    /// Adds `len` bytes at `offset` of region `region` of `reg`.
+    ///
+    /// # Errors
+    /// [`Error::MemTypeMismatch`] if `reg` is not of the list's memory type,
+    /// [`Error::OutOfBounds`] / [`Error::IndexOutOfRange`] for a range outside `reg`,
+    /// [`Error::ZeroLength`] for `len == 0`.
+    pub fn push(
+        &mut self,
+        reg: &Registration<'m>,
+        region: usize,
+        offset: usize,
+        len: usize,
+    ) -> Result<()> {
+        const OP: &str = "add local descriptor";
+        self.hold(OP, reg)?;
+        let addr = reg.locate(OP, region, offset, len)?;
+        let dev_id = reg.inner.regions[region].dev_id;
+        self.list.push(OP, XferDesc { addr, len, dev_id })
+    }
+
+    /// Adds the whole of region `region` of `reg`.
+    pub fn push_region(&mut self, reg: &Registration<'m>, region: usize) -> Result<()> {
+        let len = reg.regions().get(region).map_or(0, |d| d.len);
+        self.push(reg, region, 0, len)
+    }
+
+    /// Adds one descriptor of `block_len` bytes per block index, blocks laid out back to back
+    /// in region `region` of `reg` (a KV cache's layout).
+    pub fn push_blocks(
+        &mut self,
+        reg: &Registration<'m>,
+        region: usize,
+        block_len: usize,
+        blocks: impl IntoIterator<Item = usize>,
+    ) -> Result<()> {
+        for block in blocks {
+            let offset = block.checked_mul(block_len).ok_or(Error::OutOfBounds {
+                operation: "add local descriptor",
+                region,
+                offset: usize::MAX,
+                len: block_len,
+                region_len: reg.regions().get(region).map_or(0, |d| d.len),
+            })?;
+            self.push(reg, region, offset, block_len)?;
+        }
+        Ok(())
+    }
+
+    /// Removes every descriptor (the registrations stay held until the list is dropped).
+    pub fn clear(&mut self) -> Result<()> {
+        self.list.clear()
+    }
+
+    /// The descriptors, in order.
+    pub fn descs(&self) -> &[XferDesc] {
+        self.list.descs()
+    }
+
+    /// Number of descriptors.
+    pub fn len(&self) -> usize {
+        self.list.descs.len()
+    }
+
+    /// Whether the list has no descriptors.
+    pub fn is_empty(&self) -> bool {
+        self.list.descs.is_empty()
+    }
+
+    /// The memory type of the list.
+    pub fn mem_type(&self) -> MemType {
+        self.list.mem_type
+    }
+
+    fn hold(&mut self, operation: &'static str, reg: &Registration<'m>) -> Result<()> {
+        if reg.mem_type() != self.list.mem_type {
+            return Err(Error::MemTypeMismatch {
+                operation,
+                expected: self.list.mem_type,
+                found: reg.mem_type(),
+            });
+        }
+        if !self
+            .keep
+            .iter()
+            .rev()
+            .any(|held| Arc::ptr_eq(held, &reg.inner))
+        {
+            self.keep.push(reg.inner.clone());
+        }
+        Ok(())
+    }
+}
+
+/// Descriptors of a remote agent's memory (or of a file this agent registered), for the
+/// remote side of a transfer. NIXL checks them against the remote agent's metadata.
+pub struct RemoteDescList {
+    pub(crate) list: XferDlist,
+}
+
+impl std::fmt::Debug for RemoteDescList {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteDescList")
+            .field("mem_type", &self.list.mem_type)
+            .field("descs", &self.list.descs.len())
+            .finish()
+    }
+}
+
+impl RemoteDescList {
+    /// An empty list of `mem_type` descriptors.
+    pub fn new(mem_type: MemType) -> Result<Self> {
+        Ok(RemoteDescList {
+            list: XferDlist::new(mem_type, 0)?,
+        })
+    }
+
+    /// A list holding `descs`.
+    pub fn from_descs(mem_type: MemType, descs: &[XferDesc]) -> Result<Self> {
+        let mut list = XferDlist::new(mem_type, descs.len())?;
+        for desc in descs {
+            list.push("add remote descriptor", *desc)?;
+        }
+        Ok(RemoteDescList { list })
+    }
+
+    /// Adds one descriptor.
+    pub fn push(&mut self, desc: XferDesc) -> Result<()> {
+        self.list.push("add remote descriptor", desc)
+    }
+
+    /// Removes every descriptor.
+    pub fn clear(&mut self) -> Result<()> {
+        self.list.clear()
+    }
+
+    /// The descriptors, in order.
+    pub fn descs(&self) -> &[XferDesc] {
+        self.list.descs()
+    }
+
+    /// Number of descriptors.
+    pub fn len(&self) -> usize {
+        self.list.descs.len()
+    }
+
+    /// Whether the list has no descriptors.
+    pub fn is_empty(&self) -> bool {
+        self.list.descs.is_empty()
+    }
+
+    /// The memory type of the list.
+    pub fn mem_type(&self) -> MemType {
+        self.list.mem_type
+    }
+}

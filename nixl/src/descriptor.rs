@@ -1,0 +1,55 @@
+//! Descriptors: one contiguous range of memory each.
+
+use crate::error::{Error, Result};
+use crate::mem_type::MemType;
+
+/// A range to register: address (or offset), length, device id and backend metadata.
+///
+/// What `addr` and `dev_id` mean depends on the [`MemType`]: for DRAM a virtual address and
+/// 0, for VRAM a device address and the GPU index, for FILE an offset and the file descriptor.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct RegDesc {
+    /// Start address, or offset for FILE/BLOCK/OBJECT.
+    pub addr: usize,
+    /// Length in bytes.
+    pub len: usize,
+    /// Device index, file descriptor, or object id.
+    pub dev_id: u64,
+    /// Backend-specific bytes (e.g. an object key); empty for DRAM.
+    pub metadata: Vec<u8>,
+}
+
+/// A range to transfer: address (or offset), length and device id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
+pub struct XferDesc {
+    /// Start address, or offset for FILE/BLOCK/OBJECT.
+    pub addr: usize,
+    /// Length in bytes.
+    pub len: usize,
+    /// Device index, file descriptor, or object id.
+    pub dev_id: u64,
+}
+
+impl XferDesc {
+    /// A descriptor over `len` bytes at `addr` on device `dev_id`.
+    pub fn new(addr: usize, len: usize, dev_id: u64) -> Self {
+        XferDesc { addr, len, dev_id }
+    }
+}
+
+/// Rejects a descriptor of length zero, or a null DRAM/VRAM address.
+pub(crate) fn validate(
+    operation: &'static str,
+    mem_type: MemType,
+    index: usize,
+    addr: usize,
+    len: usize,
+) -> Result<()> {
+    if len == 0 {
+        return Err(Error::ZeroLength { operation, index });
+    }
+    if addr == 0 && matches!(mem_type, MemType::Dram | MemType::Vram) {
+        return Err(Error::NullAddress { operation, index });
+    }
+    Ok(())
+}

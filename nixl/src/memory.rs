@@ -1,0 +1,233 @@
+//! Memory that can be registered safely: the [`RegisterMemory`] trait and its implementations.
+
+use std::alloc::{self, Layout};
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::ptr::NonNull;
+
+use crate::descriptor::RegDesc;
+use crate::error::{Error, Result};
+use crate::mem_type::MemType;
+
+/// Memory a [`crate::Registration`] can own or borrow.
+///
+/// # Safety
+/// Implementors promise that every region [`regions`](Self::regions) describes is valid for
+/// NIXL to read and write (for DRAM: allocated, writable, not freed or moved) for as long as
+/// the value lives, and that moving the value does not move the regions.
+pub unsafe trait RegisterMemory: Send + Sync {
+    /// The memory type of every region.
+    fn mem_type(&self) -> MemType;
+    /// The regions to register, in order.
+    fn regions(&self) -> Vec<RegDesc>;
+}
+
+fn dram(ptr: *const u8, len: usize) -> RegDesc {
+    RegDesc {
+        addr: ptr as usize,
+        len,
+        dev_id: 0,
+        metadata: Vec::new(),
+    }
+}
+
+// SAFETY: a Vec's heap buffer does not move when the Vec moves, and the registration owns it.
+unsafe impl RegisterMemory for Vec<u8> {
+    fn mem_type(&self) -> MemType {
+        MemType::Dram
+    }
+    fn regions(&self) -> Vec<RegDesc> {
+        vec![dram(self.as_ptr(), self.len())]
+    }
+}
+
+// SAFETY: as for Vec<u8>.
+unsafe impl RegisterMemory for Box<[u8]> {
+    fn mem_type(&self) -> MemType {
+        MemType::Dram
+    }
+    fn regions(&self) -> Vec<RegDesc> {
+        vec![dram(self.as_ptr(), self.len())]
+    }
+}
+
+// SAFETY: the exclusive borrow keeps the slice alive and unaliased for the registration's lifetime.
+unsafe impl RegisterMemory for &mut [u8] {
+    fn mem_type(&self) -> MemType {
+        MemType::Dram
+    }
+    fn regions(&self) -> Vec<RegDesc> {
+        vec![dram(self.as_ptr(), self.len())]
+    }
+}
+
+// SAFETY: each inner buffer is a separate heap allocation owned by the outer Vec.
+unsafe impl RegisterMemory for Vec<Vec<u8>> {
+    fn mem_type(&self) -> MemType {
+        MemType::Dram
+    }
+    fn regions(&self) -> Vec<RegDesc> {
+        self.iter().map(|b| dram(b.as_ptr(), b.len())).collect()
+    }
+}
+
+// SAFETY: as for Vec<Vec<u8>>.
+unsafe impl RegisterMemory for Vec<HostBuffer> {
+    fn mem_type(&self) -> MemType {
+        MemType::Dram
+    }
+    fn regions(&self) -> Vec<RegDesc> {
+        self.iter().map(|b| dram(b.ptr.as_ptr(), b.len)).collect()
+    }
+}
+
+// SAFETY: the buffer owns its allocation and never moves it.
+unsafe impl RegisterMemory for HostBuffer {
+    fn mem_type(&self) -> MemType {
+        MemType::Dram
+    }
+    fn regions(&self) -> Vec<RegDesc> {
+        vec![dram(self.ptr.as_ptr(), self.len)]
+    }
+}
+
+/// Zeroed host memory aligned for transfers: 4 KiB pages, and 2 MiB for buffers of 2 MiB or
+/// more, which Linux may then back with transparent huge pages (as NumPy's large arrays are).
+pub struct HostBuffer {
+    ptr: NonNull<u8>,
+    len: usize,
+    layout: Layout,
+}
+
+// SAFETY: a plain owned allocation with no thread affinity.
+unsafe impl Send for HostBuffer {}
+// SAFETY: shared access only reads through `&[u8]`.
+unsafe impl Sync for HostBuffer {}
+
+impl HostBuffer {
+    const HUGE_PAGE: usize = 2 << 20;
+
+    /// Allocates `len` zeroed bytes.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for `len == 0` or a size the allocator cannot lay out;
+    /// [`Error::Io`] when the allocation fails.
+    pub fn zeroed(len: usize) -> Result<Self> {
+        let align = if len >= Self::HUGE_PAGE {
+            Self::HUGE_PAGE
+        } else {
+            4096
+        };
+        let layout = Layout::from_size_align(len, align)
+            .ok()
+            .filter(|_| len > 0)
+            .ok_or_else(|| Error::InvalidArgument {
+                operation: "allocate host buffer",
+                reason: format!("cannot allocate {len} bytes"),
+            })?;
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(ptr).ok_or_else(|| Error::Io {
+            operation: "allocate host buffer",
+            source: std::io::Error::from(std::io::ErrorKind::OutOfMemory),
+        })?;
+        if align == Self::HUGE_PAGE {
+            // SAFETY: advisory call on memory we own; failure only means no huge pages.
+            unsafe { libc::madvise(ptr.as_ptr().cast(), len, libc::MADV_HUGEPAGE) };
+        }
+        Ok(HostBuffer { ptr, len, layout })
+    }
+
+    /// Number of bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always false: a buffer has at least one byte.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl std::ops::Deref for HostBuffer {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: `len` initialised (zeroed) bytes owned by self.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl std::ops::DerefMut for HostBuffer {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in deref, and `&mut self` makes the access exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for HostBuffer {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `zeroed` with this layout.
+        unsafe { alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+    }
+}
+
+impl std::fmt::Debug for HostBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostBuffer")
+            .field("ptr", &self.ptr)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+/// A byte range of an open file, registered as NIXL FILE memory (POSIX and GDS backends).
+///
+/// The registration owns the [`File`], so its descriptor stays open while registered.
+#[derive(Debug)]
+pub struct FileRegion {
+    file: File,
+    offset: usize,
+    len: usize,
+}
+
+impl FileRegion {
+    /// The `len` bytes of `file` starting at `offset`.
+    ///
+    /// # Errors
+    /// [`Error::ZeroLength`] for `len == 0`.
+    pub fn new(file: File, offset: usize, len: usize) -> Result<Self> {
+        if len == 0 {
+            return Err(Error::ZeroLength {
+                operation: "describe file region",
+                index: 0,
+            });
+        }
+        Ok(FileRegion { file, offset, len })
+    }
+
+    /// The open file.
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
+    /// The file descriptor NIXL uses as the descriptors' `dev_id`.
+    pub fn fd(&self) -> u64 {
+        u64::try_from(self.file.as_raw_fd()).unwrap_or_default()
+    }
+}
+
+// SAFETY: the file stays open (and the fd valid) while the value lives; NIXL only does
+// positioned I/O within the described range.
+unsafe impl RegisterMemory for FileRegion {
+    fn mem_type(&self) -> MemType {
+        MemType::File
+    }
+    fn regions(&self) -> Vec<RegDesc> {
+        vec![RegDesc {
+            addr: self.offset,
+            len: self.len,
+            dev_id: self.fd(),
+            metadata: Vec::new(),
+        }]
+    }
+}

@@ -1,0 +1,250 @@
+//! Metadata exchange: what a remote agent needs to reach this agent's memory.
+
+use std::ptr;
+
+use nixl_sys as sys;
+
+use crate::agent::Agent;
+use crate::backend::Backend;
+use crate::desc_list::RemoteDescList;
+use crate::error::{check, check_hint, Error, Result, HINT_LOAD_REMOTE_MD};
+use crate::mem_type::MemType;
+use crate::raw::{c_name, take_malloced, OptArgs};
+use crate::registration::{RegDlist, Registration};
+use crate::status::Status;
+
+/// Where [`Agent::send_local_metadata`] and friends exchange metadata.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MetadataPeer {
+    /// The etcd server(s) in the `NIXL_ETCD_ENDPOINTS` environment variable, read when the
+    /// agent is created.
+    Etcd,
+    /// The NIXL metadata listener of another agent (built with `listener_thread(true)`).
+    Socket {
+        /// IP address of the peer.
+        ip: String,
+        /// Its listener port.
+        port: u16,
+    },
+}
+
+impl MetadataPeer {
+    fn to_args(&self, backends: &[&Backend]) -> Result<OptArgs> {
+        let args = OptArgs::with_backends(backends)?;
+        if let MetadataPeer::Socket { ip, port } = self {
+            args.set_socket(ip, *port)?;
+        }
+        Ok(args)
+    }
+}
+
+/// Builds the registration list of `regs` for partial metadata (all of one memory type).
+fn partial_list(operation: &'static str, regs: &[&Registration<'_>]) -> Result<RegDlist> {
+    let mem_type = regs.first().map_or(MemType::Dram, |r| r.mem_type());
+    let mut descs = Vec::new();
+    for reg in regs {
+        if reg.mem_type() != mem_type {
+            return Err(Error::MemTypeMismatch {
+                operation,
+                expected: mem_type,
+                found: reg.mem_type(),
+            });
+        }
+        descs.extend_from_slice(reg.regions());
+    }
+    RegDlist::build(operation, mem_type, &descs)
+}
+
+impl Agent {
+    /// This agent's full metadata: connection info and every registration.
+    pub fn local_metadata(&self) -> Result<Vec<u8>> {
+        let (mut data, mut len) = (ptr::null_mut(), 0);
+        // SAFETY: live agent; on success `data` is a malloc'd buffer we own.
+        let status = self
+            .inner
+            .with(|agent| unsafe { sys::nixl_capi_get_local_md(agent, &mut data, &mut len) });
+        check(status, "get local metadata")?;
+        // SAFETY: malloc'd by NIXL, `len` bytes, freed once here.
+        Ok(unsafe { take_malloced(data, len) })
+    }
+
+    /// Metadata for just `regs` (none: connection info only) as seen through `backends`.
+    pub fn local_partial_metadata(
+        &self,
+        regs: &[&Registration<'_>],
+        backends: &[&Backend],
+    ) -> Result<Vec<u8>> {
+        const OP: &str = "get partial local metadata";
+        let list = partial_list(OP, regs)?;
+        let args = OptArgs::with_backends(backends)?;
+        let (mut data, mut len) = (ptr::null_mut(), 0);
+        let status = self.inner.with(|agent| {
+            // SAFETY: live agent, list and args; on success `data` is a malloc'd buffer we own.
+            unsafe {
+                sys::nixl_capi_get_local_partial_md(
+                    agent,
+                    list.raw(),
+                    &mut data,
+                    &mut len,
+                    args.raw(),
+                )
+            }
+        });
+        check(status, OP)?;
+        // SAFETY: malloc'd by NIXL, `len` bytes, freed once here.
+        Ok(unsafe { take_malloced(data, len) })
+    }
+
+    /// Loads a remote agent's metadata and returns that agent's name.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for empty bytes; [`Error::Nixl`] for bytes NIXL cannot parse
+    /// (garbage, truncated) or an agent it cannot connect to.
+    pub fn load_remote_metadata(&self, metadata: &[u8]) -> Result<String> {
+        const OP: &str = "load remote metadata";
+        if metadata.is_empty() {
+            return Err(Error::InvalidArgument {
+                operation: OP,
+                reason: "the metadata is empty".to_string(),
+            });
+        }
+        let mut name = ptr::null_mut();
+        let status = self.inner.with(|agent| {
+            // SAFETY: live agent, bytes valid for their length; on success `name` is malloc'd.
+            unsafe {
+                sys::nixl_capi_load_remote_md(
+                    agent,
+                    metadata.as_ptr().cast(),
+                    metadata.len(),
+                    &mut name,
+                )
+            }
+        });
+        check(status, OP)?;
+        // SAFETY: NUL-terminated malloc'd string; its length excludes the NUL.
+        let len = unsafe { libc::strlen(name) };
+        // SAFETY: malloc'd by NIXL, `len` bytes, freed once here.
+        let bytes = unsafe { take_malloced(name.cast(), len) };
+        let remote = String::from_utf8_lossy(&bytes).into_owned();
+        tracing::debug!(agent = %self.inner.name, remote = %remote, "loaded remote metadata");
+        Ok(remote)
+    }
+
+    /// Whether metadata of `remote_agent` is loaded.
+    pub fn has_remote_metadata(&self, remote_agent: &str) -> bool {
+        self.check_remote_metadata(remote_agent, None)
+            .unwrap_or(false)
+    }
+
+    /// Whether `remote_agent`'s metadata is loaded and, given `descs`, covers all of them.
+    pub fn check_remote_metadata(
+        &self,
+        remote_agent: &str,
+        descs: Option<&RemoteDescList>,
+    ) -> Result<bool> {
+        let name = c_name("remote agent name", remote_agent)?;
+        let list = descs.map_or(ptr::null_mut(), |d| d.list.raw());
+        // SAFETY: live agent; valid C string; list null or live.
+        let status = self
+            .inner
+            .with(|agent| unsafe { sys::nixl_capi_check_remote_md(agent, name.as_ptr(), list) });
+        match check(status, "check remote metadata") {
+            Ok(()) => Ok(true),
+            Err(err) if err.status() == Some(Status::NotFound) => Ok(false),
+            Err(err) => Err(err),
+        }
+    }
+
+    /// Forgets `remote_agent`'s metadata and disconnects from it.
+    pub fn invalidate_remote_metadata(&self, remote_agent: &str) -> Result<()> {
+        let name = c_name("remote agent name", remote_agent)?;
+        // SAFETY: live agent; valid C string.
+        let status = self
+            .inner
+            .with(|agent| unsafe { sys::nixl_capi_invalidate_remote_md(agent, name.as_ptr()) });
+        check_hint(
+            status,
+            "invalidate remote metadata",
+            Status::NotFound,
+            "no metadata of that agent is loaded",
+        )
+    }
+
+    /// Publishes this agent's full metadata to `peer`.
+    pub fn send_local_metadata(&self, peer: &MetadataPeer) -> Result<()> {
+        let args = peer.to_args(&[])?;
+        // SAFETY: live agent and args.
+        let status = self
+            .inner
+            .with(|agent| unsafe { sys::nixl_capi_send_local_md(agent, args.raw()) });
+        check(status, "send local metadata")
+    }
+
+    /// Publishes metadata of `regs` only (none: connection info only) to `peer`.
+    pub fn send_local_partial_metadata(
+        &self,
+        regs: &[&Registration<'_>],
+        backends: &[&Backend],
+        peer: &MetadataPeer,
+    ) -> Result<()> {
+        const OP: &str = "send partial local metadata";
+        let list = partial_list(OP, regs)?;
+        let args = peer.to_args(backends)?;
+        // SAFETY: live agent, list and args.
+        let status = self.inner.with(|agent| unsafe {
+            sys::nixl_capi_send_local_partial_md(agent, list.raw(), args.raw())
+        });
+        check(status, OP)
+    }
+
+    /// Asks `peer` for `remote_agent`'s metadata; it is loaded in the background, so poll
+    /// [`has_remote_metadata`](Self::has_remote_metadata) until it is there.
+    pub fn fetch_remote_metadata(&self, remote_agent: &str, peer: &MetadataPeer) -> Result<()> {
+        let name = c_name("remote agent name", remote_agent)?;
+        let args = peer.to_args(&[])?;
+        // SAFETY: live agent and args; valid C string.
+        let status = self.inner.with(|agent| unsafe {
+            sys::nixl_capi_fetch_remote_md(agent, name.as_ptr(), args.raw())
+        });
+        check(status, "fetch remote metadata")
+    }
+
+    /// Withdraws this agent's metadata from `peer`.
+    pub fn invalidate_local_metadata(&self, peer: &MetadataPeer) -> Result<()> {
+        let args = peer.to_args(&[])?;
+        // SAFETY: live agent and args.
+        let status = self
+            .inner
+            .with(|agent| unsafe { sys::nixl_capi_invalidate_local_md(agent, args.raw()) });
+        check(status, "invalidate local metadata")
+    }
+
+    /// Connects to `remote_agent` now instead of at the first transfer.
+    pub fn make_connection(&self, remote_agent: &str, backends: &[&Backend]) -> Result<()> {
+        let name = c_name("remote agent name", remote_agent)?;
+        let args = OptArgs::with_backends(backends)?;
+        // SAFETY: live agent and args; valid C string.
+        let status = self.inner.with(|agent| unsafe {
+            sys::nixl_capi_agent_make_connection(agent, name.as_ptr(), args.raw())
+        });
+        check_hint(
+            status,
+            "make connection",
+            Status::NotFound,
+            HINT_LOAD_REMOTE_MD,
+        )
+        .map_err(|err| {
+            if self.has_remote_metadata(remote_agent) {
+                err
+            } else {
+                crate::error::with_hint(err, Status::Backend, HINT_LOAD_REMOTE_MD)
+            }
+        })
+    }
+
+    /// Whether the linked NIXL is a stub build that cannot move data.
+    pub fn is_stub_library() -> bool {
+        // SAFETY: no arguments, no state.
+        unsafe { sys::nixl_capi_is_stub() }
+    }
+}

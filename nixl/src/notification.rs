@@ -1,0 +1,144 @@
+//! Notifications: small byte messages between agents, delivered through the backends.
+
+use std::collections::HashMap;
+use std::ffi::CString;
+use std::ptr;
+
+use nixl_sys as sys;
+
+use crate::agent::Agent;
+use crate::error::{check, check_hint, Result, HINT_LOAD_REMOTE_MD};
+use crate::raw::{c_name, lossy_string};
+use crate::status::Status;
+
+/// New notifications, by sending agent, in arrival order. Messages are arbitrary bytes.
+pub type Notifications = HashMap<String, Vec<Vec<u8>>>;
+
+/// An owned `nixl_capi_notif_map_t`.
+struct NotifMap {
+    raw: sys::nixl_capi_notif_map_t,
+}
+
+impl NotifMap {
+    fn new() -> Result<Self> {
+        let mut raw = ptr::null_mut();
+        // SAFETY: out-pointer to a local.
+        check(
+            unsafe { sys::nixl_capi_create_notif_map(&mut raw) },
+            "create notification map",
+        )?;
+        Ok(NotifMap { raw })
+    }
+
+    /// Copies every message out.
+    fn to_map(&self) -> Result<Notifications> {
+        const OP: &str = "read notifications";
+        let mut agents = 0;
+        // SAFETY: live map.
+        check(
+            unsafe { sys::nixl_capi_notif_map_size(self.raw, &mut agents) },
+            OP,
+        )?;
+        let mut out = Notifications::with_capacity(agents);
+        for index in 0..agents {
+            let mut name_ptr = ptr::null();
+            // SAFETY: index < size; the name is borrowed from the map and copied below.
+            check(
+                unsafe { sys::nixl_capi_notif_map_get_agent_at(self.raw, index, &mut name_ptr) },
+                OP,
+            )?;
+            // SAFETY: NUL-terminated string owned by the map.
+            let name = unsafe { lossy_string(name_ptr) };
+            let c_agent = CString::new(name.as_str()).unwrap_or_default();
+            let mut count = 0;
+            // SAFETY: live map and a name it contains.
+            check(
+                unsafe {
+                    sys::nixl_capi_notif_map_get_notifs_size(self.raw, c_agent.as_ptr(), &mut count)
+                },
+                OP,
+            )?;
+            let messages = out.entry(name).or_default();
+            for n in 0..count {
+                let (mut data, mut len) = (ptr::null(), 0);
+                // SAFETY: n < count; the bytes are borrowed from the map and copied at once.
+                check(
+                    unsafe {
+                        sys::nixl_capi_notif_map_get_notif(
+                            self.raw,
+                            c_agent.as_ptr(),
+                            n,
+                            &mut data,
+                            &mut len,
+                        )
+                    },
+                    OP,
+                )?;
+                messages.push(if data.is_null() {
+                    Vec::new()
+                } else {
+                    // SAFETY: `len` bytes at `data`, owned by the map.
+                    unsafe { std::slice::from_raw_parts(data.cast::<u8>(), len) }.to_vec()
+                });
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl Drop for NotifMap {
+    fn drop(&mut self) {
+        // SAFETY: owned handle, destroyed only here.
+        if let Err(err) = check(
+            unsafe { sys::nixl_capi_destroy_notif_map(self.raw) },
+            "destroy notification map",
+        ) {
+            tracing::error!(%err, "leaking NIXL notification map");
+        }
+    }
+}
+
+impl Agent {
+    /// Sends `message` (any bytes) to `remote_agent`, whose metadata must be loaded.
+    pub fn send_notification(&self, remote_agent: &str, message: &[u8]) -> Result<()> {
+        let name = c_name("remote agent name", remote_agent)?;
+        let status = self.inner.with(|agent| {
+            // SAFETY: live agent, valid C string, `message` valid for its length.
+            unsafe {
+                sys::nixl_capi_gen_notif(
+                    agent,
+                    name.as_ptr(),
+                    message.as_ptr().cast(),
+                    message.len(),
+                    ptr::null_mut(),
+                )
+            }
+        });
+        let result = check_hint(
+            status,
+            "send notification",
+            Status::NotFound,
+            HINT_LOAD_REMOTE_MD,
+        );
+        if result.is_err() && !self.has_remote_metadata(remote_agent) {
+            return result
+                .map_err(|err| crate::error::with_hint(err, Status::Backend, HINT_LOAD_REMOTE_MD));
+        }
+        result
+    }
+
+    /// Takes every notification that arrived since the last call.
+    pub fn notifications(&self) -> Result<Notifications> {
+        let map = NotifMap::new()?;
+        // SAFETY: live agent and map.
+        let status = self
+            .inner
+            .with(|agent| unsafe { sys::nixl_capi_get_notifs(agent, map.raw, ptr::null_mut()) });
+        check(status, "get notifications")?;
+        let notifications = map.to_map()?;
+        if !notifications.is_empty() {
+            tracing::trace!(agent = %self.inner.name, senders = notifications.len(), "received notifications");
+        }
+        Ok(notifications)
+    }
+}

@@ -1,0 +1,249 @@
+//! Prepared descriptor lists: prepare once, then make requests from index slices.
+
+use std::ffi::c_int;
+use std::ptr;
+use std::sync::Arc;
+
+use nixl_sys as sys;
+
+use crate::agent::{Agent, AgentInner};
+use crate::backend::Backend;
+use crate::desc_list::{LocalDescList, RemoteDescList, XferDlist};
+use crate::error::{check, Error, Result};
+use crate::raw::{c_name, OptArgs};
+use crate::registration::RegInner;
+use crate::xfer::{check_pairing, XferOp, XferOptions, XferRequest};
+
+/// The owner of a prepared-list handle, shared by the list and the requests made from it.
+pub(crate) struct PreparedShared<'m> {
+    agent: Arc<AgentInner>,
+    raw: sys::nixl_capi_xfer_dlist_handle_t,
+    lens: Vec<usize>,
+    keep: Vec<Arc<RegInner<'m>>>,
+}
+
+// SAFETY: the handle is only read by NIXL calls made through the agent's locking.
+unsafe impl Send for PreparedShared<'_> {}
+// SAFETY: as above.
+unsafe impl Sync for PreparedShared<'_> {}
+
+impl Drop for PreparedShared<'_> {
+    fn drop(&mut self) {
+        // SAFETY: live agent and handle, released once; no request uses it any more.
+        let status = self
+            .agent
+            .with(|agent| unsafe { sys::nixl_capi_release_xfer_dlist_handle(agent, self.raw) });
+        if let Err(err) = check(status, "release prepared list") {
+            tracing::error!(agent = %self.agent.name, %err, "prepared list not released cleanly");
+        }
+    }
+}
+
+/// A local descriptor list prepared for repeated requests (vLLM's pattern).
+///
+/// It holds the registrations of its memory, like [`LocalDescList`].
+#[derive(Clone)]
+pub struct PreparedLocal<'m> {
+    shared: Arc<PreparedShared<'m>>,
+}
+
+/// A remote agent's descriptor list prepared for repeated requests.
+#[derive(Clone)]
+pub struct PreparedRemote {
+    shared: Arc<PreparedShared<'static>>,
+    remote_agent: String,
+}
+
+impl std::fmt::Debug for PreparedLocal<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PreparedLocal")
+            .field("descs", &self.shared.lens.len())
+            .finish()
+    }
+}
+
+impl std::fmt::Debug for PreparedRemote {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PreparedRemote")
+            .field("remote_agent", &self.remote_agent)
+            .field("descs", &self.shared.lens.len())
+            .finish()
+    }
+}
+
+impl PreparedLocal<'_> {
+    /// Number of descriptors (valid indices are `0..len()`).
+    pub fn len(&self) -> usize {
+        self.shared.lens.len()
+    }
+
+    /// Whether the list has no descriptors.
+    pub fn is_empty(&self) -> bool {
+        self.shared.lens.is_empty()
+    }
+}
+
+impl PreparedRemote {
+    /// Number of descriptors (valid indices are `0..len()`).
+    pub fn len(&self) -> usize {
+        self.shared.lens.len()
+    }
+
+    /// Whether the list has no descriptors.
+    pub fn is_empty(&self) -> bool {
+        self.shared.lens.is_empty()
+    }
+
+    /// The agent whose memory the list describes.
+    pub fn remote_agent(&self) -> &str {
+        &self.remote_agent
+    }
+}
+
+/// Converts indices to NIXL's `int`s, checking each against the list length.
+fn to_c_indices(operation: &'static str, indices: &[usize], len: usize) -> Result<Vec<c_int>> {
+    indices
+        .iter()
+        .map(|&index| match c_int::try_from(index) {
+            Ok(i) if index < len => Ok(i),
+            _ => Err(Error::IndexOutOfRange {
+                operation,
+                index,
+                len,
+            }),
+        })
+        .collect()
+}
+
+impl Agent {
+    fn prepare<'m>(
+        &self,
+        agent_name: &str,
+        list: &XferDlist,
+        backends: &[&Backend],
+        keep: Vec<Arc<RegInner<'m>>>,
+    ) -> Result<Arc<PreparedShared<'m>>> {
+        const OP: &str = "prepare descriptor list";
+        if list.descs().is_empty() {
+            return Err(Error::EmptyDescList { operation: OP });
+        }
+        // An empty name stands for this agent as the initiator.
+        let name = std::ffi::CString::new(agent_name).map_err(|_| Error::InvalidName {
+            what: "remote agent name",
+            value: agent_name.to_string(),
+            reason: "it contains a NUL byte",
+        })?;
+        let options = XferOptions {
+            backends: backends.iter().map(|b| (*b).clone()).collect(),
+            ..XferOptions::default()
+        };
+        let args = options.to_raw(&self.inner, OP)?;
+        let mut raw = ptr::null_mut();
+        let status = self.inner.with(|agent| {
+            // SAFETY: live agent, list and args; valid C string; out-pointer to a local.
+            unsafe {
+                sys::nixl_capi_prep_xfer_dlist(
+                    agent,
+                    name.as_ptr(),
+                    list.raw(),
+                    &mut raw,
+                    args.raw(),
+                )
+            }
+        });
+        check(status, OP).map_err(|err| self.explain_request_failure(err, agent_name))?;
+        Ok(Arc::new(PreparedShared {
+            agent: self.inner.clone(),
+            raw,
+            lens: list.descs().iter().map(|d| d.len).collect(),
+            keep,
+        }))
+    }
+
+    /// Prepares a local list once, for many requests made with [`Agent::make_xfer_req`].
+    pub fn prepare_local<'m>(
+        &self,
+        list: &LocalDescList<'m>,
+        backends: &[&Backend],
+    ) -> Result<PreparedLocal<'m>> {
+        let shared = self.prepare("", &list.list, backends, list.keep.clone())?;
+        Ok(PreparedLocal { shared })
+    }
+
+    /// Prepares a list of `remote_agent`'s memory (its metadata must be loaded).
+    pub fn prepare_remote(
+        &self,
+        remote_agent: &str,
+        list: &RemoteDescList,
+        backends: &[&Backend],
+    ) -> Result<PreparedRemote> {
+        c_name("remote agent name", remote_agent)?;
+        let shared = self.prepare(remote_agent, &list.list, backends, Vec::new())?;
+        Ok(PreparedRemote {
+            shared,
+            remote_agent: remote_agent.to_string(),
+        })
+    }
+
+    /// Makes a request from prepared lists: local descriptor `local_indices[i]` pairs with
+    /// remote descriptor `remote_indices[i]`.
+    ///
+    /// # Errors
+    /// [`Error::IndexOutOfRange`] for an index past a list's end, [`Error::LengthMismatch`]
+    /// when the index slices or the paired lengths differ, [`Error::Nixl`] if NIXL refuses.
+    pub fn make_xfer_req<'m>(
+        &self,
+        op: XferOp,
+        local: &PreparedLocal<'m>,
+        local_indices: &[usize],
+        remote: &PreparedRemote,
+        remote_indices: &[usize],
+        options: &XferOptions,
+    ) -> Result<XferRequest<'m>> {
+        const OP: &str = "make transfer request";
+        for shared in [&local.shared.agent, &remote.shared.agent] {
+            if !Arc::ptr_eq(shared, &self.inner) {
+                return Err(Error::InvalidArgument {
+                    operation: OP,
+                    reason: format!("the prepared list belongs to agent {:?}", shared.name),
+                });
+            }
+        }
+        let l = to_c_indices(OP, local_indices, local.shared.lens.len())?;
+        let r = to_c_indices(OP, remote_indices, remote.shared.lens.len())?;
+        check_pairing(
+            OP,
+            local_indices.iter().map(|&i| local.shared.lens[i]),
+            remote_indices.iter().map(|&i| remote.shared.lens[i]),
+        )?;
+        let args: OptArgs = options.to_raw(&self.inner, OP)?;
+        let mut raw = ptr::null_mut();
+        let status = self.inner.with(|agent| {
+            // SAFETY: live agent, handles and args; index arrays valid for their lengths.
+            unsafe {
+                sys::nixl_capi_make_xfer_req(
+                    agent,
+                    op.to_raw(),
+                    local.shared.raw,
+                    l.as_ptr(),
+                    l.len(),
+                    remote.shared.raw,
+                    r.as_ptr(),
+                    r.len(),
+                    &mut raw,
+                    args.raw(),
+                )
+            }
+        });
+        check(status, OP).map_err(|err| self.explain_request_failure(err, &remote.remote_agent))?;
+        let keep = local.shared.keep.clone();
+        let prepared = vec![local.shared.clone(), remote.shared.clone()];
+        Ok(XferRequest::new(
+            self.inner.clone(),
+            raw,
+            keep,
+            prepared,
+            remote.remote_agent.clone(),
+        ))
+    }
+}

@@ -1,0 +1,346 @@
+//! Memory registration: `register_memory(descs, backends)` and the guard that deregisters.
+
+use std::ptr;
+use std::sync::Arc;
+
+use nixl_sys as sys;
+
+use crate::agent::{Agent, AgentInner};
+use crate::backend::Backend;
+use crate::descriptor::{validate, RegDesc};
+use crate::error::{check, Error, Result};
+use crate::mem_type::MemType;
+use crate::memory::RegisterMemory;
+use crate::raw::OptArgs;
+
+/// An owned `nixl_capi_reg_dlist_t`.
+pub(crate) struct RegDlist {
+    raw: sys::nixl_capi_reg_dlist_t,
+}
+
+impl RegDlist {
+    /// Builds a C registration list from descriptors, checking each one.
+    pub(crate) fn build(
+        operation: &'static str,
+        mem_type: MemType,
+        descs: &[RegDesc],
+    ) -> Result<Self> {
+        let mut raw = ptr::null_mut();
+        // SAFETY: out-pointer to a local.
+        check(
+            unsafe { sys::nixl_capi_create_reg_dlist(mem_type.to_raw(), &mut raw) },
+            "create registration list",
+        )?;
+        let list = RegDlist { raw };
+        for (index, d) in descs.iter().enumerate() {
+            validate(operation, mem_type, index, d.addr, d.len)?;
+            // SAFETY: live list; NIXL copies the descriptor and its metadata bytes.
+            let status = unsafe {
+                sys::nixl_capi_reg_dlist_add_desc(
+                    list.raw,
+                    d.addr,
+                    d.len,
+                    d.dev_id,
+                    d.metadata.as_ptr().cast(),
+                    d.metadata.len(),
+                )
+            };
+            check(status, "add registration descriptor")?;
+        }
+        Ok(list)
+    }
+
+    pub(crate) fn raw(&self) -> sys::nixl_capi_reg_dlist_t {
+        self.raw
+    }
+}
+
+impl Drop for RegDlist {
+    fn drop(&mut self) {
+        // SAFETY: owned handle, destroyed only here.
+        let status = unsafe { sys::nixl_capi_destroy_reg_dlist(self.raw) };
+        if let Err(err) = check(status, "destroy registration list") {
+            tracing::error!(%err, "leaking NIXL registration list");
+        }
+    }
+}
+
+/// Registered memory. Deregisters (with the same backends) when the last user is gone.
+///
+/// It keeps the memory alive: owned memory (`Vec<u8>`, [`crate::HostBuffer`], ...) lives in
+/// the registration, borrowed memory (`&'m mut [u8]`) stays borrowed for `'m`. Descriptor
+/// lists, prepared lists and transfer requests built from it hold it too, so memory is never
+/// deregistered or freed under a transfer.
+///
+/// Remote agents that loaded this agent's metadata can write into registered memory at any
+/// time; read and write it through [`read`](Self::read) and [`write`](Self::write), which copy.
+pub struct Registration<'m> {
+    pub(crate) inner: Arc<RegInner<'m>>,
+}
+
+impl std::fmt::Debug for Registration<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registration")
+            .field("agent", &self.inner.agent.name)
+            .field("mem_type", &self.inner.mem_type)
+            .field("regions", &self.inner.regions.len())
+            .field(
+                "backends",
+                &self
+                    .inner
+                    .backends
+                    .iter()
+                    .map(Backend::plugin)
+                    .collect::<Vec<_>>(),
+            )
+            .finish()
+    }
+}
+
+pub(crate) struct RegInner<'m> {
+    pub(crate) agent: Arc<AgentInner>,
+    pub(crate) mem_type: MemType,
+    pub(crate) regions: Vec<RegDesc>,
+    backends: Vec<Backend>,
+    dlist: RegDlist,
+    opts: OptArgs,
+    registered: bool,
+    memory: Option<Box<dyn Send + Sync + 'm>>,
+}
+
+// SAFETY: the C handles inside are used only under the agent's locking rules, and the
+// memory box is Send + Sync.
+unsafe impl Send for RegInner<'_> {}
+// SAFETY: as above; shared access never mutates the C handles.
+unsafe impl Sync for RegInner<'_> {}
+
+impl RegInner<'_> {
+    fn deregister_now(&mut self) -> Result<()> {
+        if !self.registered {
+            return Ok(());
+        }
+        let status = self
+            .agent
+            // SAFETY: live agent, list and options; the list was registered with these options.
+            .with(|agent| unsafe {
+                sys::nixl_capi_deregister_mem(agent, self.dlist.raw(), self.opts.raw())
+            });
+        check(status, "deregister memory")?;
+        self.registered = false;
+        tracing::debug!(agent = %self.agent.name, regions = self.regions.len(), "deregistered memory");
+        Ok(())
+    }
+}
+
+impl Drop for RegInner<'_> {
+    fn drop(&mut self) {
+        if let Err(err) = self.deregister_now() {
+            // NIXL may still let peers reach this memory: keep it allocated rather than free it.
+            tracing::error!(agent = %self.agent.name, %err, "deregistration failed; leaking the memory to stay safe");
+            std::mem::forget(self.memory.take());
+        }
+    }
+}
+
+impl<'m> Registration<'m> {
+    /// The memory type of every region.
+    pub fn mem_type(&self) -> MemType {
+        self.inner.mem_type
+    }
+
+    /// The registered regions, in order.
+    pub fn regions(&self) -> &[RegDesc] {
+        &self.inner.regions
+    }
+
+    /// The backends it was registered with (empty: every capable backend).
+    pub fn backends(&self) -> &[Backend] {
+        &self.inner.backends
+    }
+
+    /// Checks that `offset..offset+len` lies inside region `region` and returns its address.
+    pub(crate) fn locate(
+        &self,
+        operation: &'static str,
+        region: usize,
+        offset: usize,
+        len: usize,
+    ) -> Result<usize> {
+        let desc = self
+            .inner
+            .regions
+            .get(region)
+            .ok_or(Error::IndexOutOfRange {
+                operation,
+                index: region,
+                len: self.inner.regions.len(),
+            })?;
+        match offset.checked_add(len) {
+            Some(end) if end <= desc.len => Ok(desc.addr + offset),
+            _ => Err(Error::OutOfBounds {
+                operation,
+                region,
+                offset,
+                len,
+                region_len: desc.len,
+            }),
+        }
+    }
+
+    fn host_ptr(
+        &self,
+        operation: &'static str,
+        region: usize,
+        offset: usize,
+        len: usize,
+    ) -> Result<*mut u8> {
+        if self.inner.mem_type != MemType::Dram {
+            return Err(Error::MemTypeMismatch {
+                operation,
+                expected: MemType::Dram,
+                found: self.inner.mem_type,
+            });
+        }
+        Ok(self.locate(operation, region, offset, len)? as *mut u8)
+    }
+
+    /// Copies bytes out of DRAM region `region`, starting at `offset`, into `out`.
+    pub fn read(&self, region: usize, offset: usize, out: &mut [u8]) -> Result<()> {
+        let src = self.host_ptr("read registered memory", region, offset, out.len())?;
+        // SAFETY: the range is inside a live DRAM region the registration keeps alive; no
+        // Rust reference to it exists, so copying through a raw pointer aliases nothing.
+        unsafe { ptr::copy_nonoverlapping(src, out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
+
+    /// Copies `data` into DRAM region `region`, starting at `offset`.
+    pub fn write(&self, region: usize, offset: usize, data: &[u8]) -> Result<()> {
+        let dst = self.host_ptr("write registered memory", region, offset, data.len())?;
+        // SAFETY: as in `read`; the region is writable memory the registration keeps alive.
+        unsafe { ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
+        Ok(())
+    }
+
+    /// Borrows DRAM region `region` as a slice.
+    ///
+    /// # Safety
+    /// No transfer may write into the region while the slice lives: no local READ in flight
+    /// into it, and no remote agent writing to it.
+    pub unsafe fn region_slice(&self, region: usize) -> Result<&[u8]> {
+        let len = self.inner.regions.get(region).map_or(0, |d| d.len);
+        let ptr = self.host_ptr("borrow registered memory", region, 0, len)?;
+        // SAFETY: live DRAM region of `len` bytes; the caller rules out concurrent writes.
+        Ok(unsafe { std::slice::from_raw_parts(ptr, len) })
+    }
+
+    /// Deregisters now and reports the outcome.
+    ///
+    /// Consumes the registration, so it cannot be deregistered twice.
+    ///
+    /// # Errors
+    /// [`Error::RegistrationInUse`] while descriptor lists or requests still hold it (it is
+    /// then deregistered when the last of them is dropped); [`Error::Nixl`] if NIXL fails.
+    pub fn deregister(self) -> Result<()> {
+        match Arc::try_unwrap(self.inner) {
+            Ok(mut inner) => inner.deregister_now(),
+            Err(shared) => Err(Error::RegistrationInUse {
+                users: Arc::strong_count(&shared) - 1,
+            }),
+        }
+    }
+}
+
+impl Agent {
+    /// Registers `memory` with `backends` (empty: every backend that supports its memory
+    /// type, as NIXL does) in one call, and returns the registration that owns or borrows it.
+    ///
+    /// # Errors
+    /// [`Error::EmptyDescList`], [`Error::ZeroLength`], [`Error::NullAddress`] for bad regions,
+    /// [`Error::InvalidArgument`] for a backend of another agent, [`Error::NoCudaDevice`] for
+    /// VRAM without a GPU, and [`Error::Nixl`] when NIXL or a backend refuses.
+    pub fn register_memory<'m, M>(
+        &self,
+        memory: M,
+        backends: &[&Backend],
+    ) -> Result<Registration<'m>>
+    where
+        M: RegisterMemory + 'm,
+    {
+        let mem_type = memory.mem_type();
+        let regions = memory.regions();
+        // SAFETY: `RegisterMemory` guarantees the regions stay valid while `memory` lives,
+        // and the registration owns `memory` until after it deregisters.
+        unsafe { self.register(mem_type, regions, backends, Some(Box::new(memory))) }
+    }
+
+    /// Registers raw descriptors with `backends` (empty: every capable backend).
+    ///
+    /// # Safety
+    /// Every descriptor must describe memory (or a file range, for FILE) that stays valid for
+    /// NIXL to read and write until the returned registration and everything made from it
+    /// (descriptor lists, prepared lists, requests) have been dropped.
+    pub unsafe fn register_raw(
+        &self,
+        mem_type: MemType,
+        descs: &[RegDesc],
+        backends: &[&Backend],
+    ) -> Result<Registration<'static>> {
+        // SAFETY: forwarded from the caller's contract.
+        unsafe { self.register(mem_type, descs.to_vec(), backends, None) }
+    }
+
+    /// # Safety
+    /// The regions stay valid while the returned registration lives (see callers).
+    unsafe fn register<'m>(
+        &self,
+        mem_type: MemType,
+        regions: Vec<RegDesc>,
+        backends: &[&Backend],
+        memory: Option<Box<dyn Send + Sync + 'm>>,
+    ) -> Result<Registration<'m>> {
+        const OP: &str = "register memory";
+        let _span = tracing::debug_span!("register_memory", agent = %self.inner.name, %mem_type, regions = regions.len()).entered();
+        if regions.is_empty() {
+            return Err(Error::EmptyDescList { operation: OP });
+        }
+        for backend in backends {
+            if !backend.belongs_to(&self.inner) {
+                return Err(Error::InvalidArgument {
+                    operation: OP,
+                    reason: format!(
+                        "backend {} belongs to agent {:?}, not {:?}",
+                        backend.plugin(),
+                        backend.agent_name(),
+                        self.inner.name
+                    ),
+                });
+            }
+        }
+        if mem_type == MemType::Vram {
+            crate::cuda::require_device(OP)?;
+        }
+        let dlist = RegDlist::build(OP, mem_type, &regions)?;
+        let opts = OptArgs::with_backends(backends)?;
+        // SAFETY: live agent, list and options; the caller keeps the memory valid.
+        let status = self
+            .inner
+            .with(|agent| unsafe { sys::nixl_capi_register_mem(agent, dlist.raw(), opts.raw()) });
+        check(status, OP).map_err(|err| {
+            tracing::warn!(%err, "registration failed");
+            err
+        })?;
+        tracing::debug!("registered memory");
+        Ok(Registration {
+            inner: Arc::new(RegInner {
+                agent: self.inner.clone(),
+                mem_type,
+                regions,
+                backends: backends.iter().map(|b| (*b).clone()).collect(),
+                dlist,
+                opts,
+                registered: true,
+                memory,
+            }),
+        })
+    }
+}

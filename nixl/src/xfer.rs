@@ -1,0 +1,578 @@
+//! Transfer requests: create, post, poll, wait, repost, and release safely.
+
+use std::ptr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use nixl_sys as sys;
+
+use crate::agent::{Agent, AgentInner};
+use crate::backend::{describe_backend, Backend};
+use crate::desc_list::{LocalDescList, RemoteDescList, XferDlist};
+use crate::error::{
+    check, check_progress, with_hint, Error, Progress, Result, HINT_LOAD_REMOTE_MD,
+};
+use crate::prepared::PreparedShared;
+use crate::raw::{c_name, OptArgs};
+use crate::registration::RegInner;
+use crate::status::Status;
+
+/// Direction of a transfer, seen from the agent that makes the request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum XferOp {
+    /// Copy remote memory into local memory.
+    Read,
+    /// Copy local memory into remote memory.
+    Write,
+}
+
+impl XferOp {
+    pub(crate) fn to_raw(self) -> sys::nixl_capi_xfer_op_t::Type {
+        match self {
+            XferOp::Read => sys::nixl_capi_xfer_op_t::NIXL_CAPI_XFER_OP_READ,
+            XferOp::Write => sys::nixl_capi_xfer_op_t::NIXL_CAPI_XFER_OP_WRITE,
+        }
+    }
+}
+
+/// Where a posted request stands. Failures are errors, not statuses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum XferStatus {
+    /// Every byte has landed.
+    Done,
+    /// Still moving.
+    InProgress,
+}
+
+/// Optional settings of a request.
+#[derive(Debug, Clone, Default)]
+#[must_use]
+pub struct XferOptions {
+    /// Backends NIXL may use (empty: NIXL chooses among those both sides registered with).
+    pub backends: Vec<Backend>,
+    /// Bytes delivered to the remote agent as a notification when the transfer completes.
+    pub notification: Option<Vec<u8>>,
+    /// Keep adjacent descriptors separate instead of merging them.
+    pub skip_desc_merge: bool,
+    /// Backend-specific bytes passed through to the backend.
+    pub custom_param: Option<Vec<u8>>,
+}
+
+impl XferOptions {
+    /// No options: NIXL's defaults.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Restricts the request to `backend` (call again to allow more).
+    pub fn backend(mut self, backend: &Backend) -> Self {
+        self.backends.push(backend.clone());
+        self
+    }
+
+    /// Sends `message` to the remote agent when the transfer completes.
+    pub fn notification(mut self, message: impl Into<Vec<u8>>) -> Self {
+        self.notification = Some(message.into());
+        self
+    }
+
+    /// Sets whether adjacent descriptors are merged.
+    pub fn skip_desc_merge(mut self, skip: bool) -> Self {
+        self.skip_desc_merge = skip;
+        self
+    }
+
+    /// Sets backend-specific bytes.
+    pub fn custom_param(mut self, value: impl Into<Vec<u8>>) -> Self {
+        self.custom_param = Some(value.into());
+        self
+    }
+
+    pub(crate) fn to_raw(
+        &self,
+        agent: &Arc<AgentInner>,
+        operation: &'static str,
+    ) -> Result<OptArgs> {
+        for backend in &self.backends {
+            if !backend.belongs_to(agent) {
+                return Err(Error::InvalidArgument {
+                    operation,
+                    reason: format!(
+                        "backend {} belongs to agent {:?}",
+                        backend.plugin(),
+                        backend.agent_name()
+                    ),
+                });
+            }
+        }
+        let args = OptArgs::with_backends(&self.backends.iter().collect::<Vec<_>>())?;
+        if let Some(message) = &self.notification {
+            args.set_notification(message)?;
+        }
+        if self.skip_desc_merge {
+            args.set_skip_desc_merge(true)?;
+        }
+        if let Some(value) = &self.custom_param {
+            args.set_custom_param(value)?;
+        }
+        Ok(args)
+    }
+}
+
+/// NIXL's estimate of how long a request takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CostEstimate {
+    /// Expected duration.
+    pub duration: Duration,
+    /// Error margin of the estimate.
+    pub error_margin: Duration,
+    /// How it was estimated (NIXL 1.5.1 knows only the backend's analytical model).
+    pub method: CostMethod,
+}
+
+/// How a [`CostEstimate`] was made.
+#[non_exhaustive]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CostMethod {
+    /// The backend's analytical model.
+    AnalyticalBackend,
+    /// A method this crate does not know.
+    Other(i32),
+}
+
+/// Telemetry NIXL recorded for a request (agent built with telemetry on).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct XferTelemetry {
+    /// Start time, microseconds on NIXL's steady clock.
+    pub start_time_us: u64,
+    /// Time spent posting.
+    pub post_duration: Duration,
+    /// Time from post to completion.
+    pub xfer_duration: Duration,
+    /// Bytes moved.
+    pub total_bytes: u64,
+    /// Descriptors in the request.
+    pub desc_count: u64,
+}
+
+/// How long dropping an in-flight request waits for it before leaking it instead.
+const DROP_WAIT: Duration = Duration::from_secs(30);
+
+/// A transfer request.
+///
+/// It holds the registrations of its local memory: while it exists, that memory stays
+/// registered and alive. Dropping a request that is still in flight first waits for it to
+/// finish (up to 30 s); if it still has not, the request and its memory are leaked, never
+/// freed under a live transfer, and the leak is logged.
+///
+/// # Thread safety
+/// `Send` but not `Sync`: methods that talk to NIXL take `&mut self`.
+pub struct XferRequest<'m> {
+    agent: Arc<AgentInner>,
+    raw: sys::nixl_capi_xfer_req_t,
+    keep: Vec<Arc<RegInner<'m>>>,
+    prepared: Vec<Arc<PreparedShared<'m>>>,
+    remote_agent: String,
+    posted: bool,
+    in_flight: bool,
+}
+
+// SAFETY: the request handle is used only through `&mut self` and the agent's locking.
+unsafe impl Send for XferRequest<'_> {}
+
+impl std::fmt::Debug for XferRequest<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("XferRequest")
+            .field("agent", &self.agent.name)
+            .field("remote_agent", &self.remote_agent)
+            .field("posted", &self.posted)
+            .field("in_flight", &self.in_flight)
+            .finish()
+    }
+}
+
+impl<'m> XferRequest<'m> {
+    pub(crate) fn new(
+        agent: Arc<AgentInner>,
+        raw: sys::nixl_capi_xfer_req_t,
+        keep: Vec<Arc<RegInner<'m>>>,
+        prepared: Vec<Arc<PreparedShared<'m>>>,
+        remote_agent: String,
+    ) -> Self {
+        XferRequest {
+            agent,
+            raw,
+            keep,
+            prepared,
+            remote_agent,
+            posted: false,
+            in_flight: false,
+        }
+    }
+
+    /// The remote agent this request moves data with.
+    pub fn remote_agent(&self) -> &str {
+        &self.remote_agent
+    }
+
+    /// Whether the request was posted and has not been seen to finish.
+    pub fn is_in_flight(&self) -> bool {
+        self.in_flight
+    }
+
+    /// Posts (or reposts, once finished) the request.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if it is still in flight; [`Error::Nixl`] if NIXL refuses.
+    pub fn post(&mut self) -> Result<XferStatus> {
+        self.post_raw(None)
+    }
+
+    /// Posts the request with a notification for the remote agent, replacing any set at creation.
+    pub fn post_with_notification(&mut self, message: &[u8]) -> Result<XferStatus> {
+        let args = OptArgs::new()?;
+        args.set_notification(message)?;
+        self.post_raw(Some(&args))
+    }
+
+    fn post_raw(&mut self, args: Option<&OptArgs>) -> Result<XferStatus> {
+        const OP: &str = "post transfer";
+        if self.in_flight && self.status()? == XferStatus::InProgress {
+            return Err(Error::InvalidArgument {
+                operation: OP,
+                reason: "the request is still in flight; wait for it before reposting".to_string(),
+            });
+        }
+        let args = args.map_or(ptr::null_mut(), OptArgs::raw);
+        // SAFETY: live agent and request; args is null or live.
+        let status = self
+            .agent
+            .with(|agent| unsafe { sys::nixl_capi_post_xfer_req(agent, self.raw, args) });
+        self.posted = true;
+        let progress = check_progress(status, OP).map_err(|err| {
+            tracing::warn!(agent = %self.agent.name, remote = %self.remote_agent, %err, "transfer failed at post");
+            err
+        })?;
+        self.in_flight = progress == Progress::InProgress;
+        tracing::trace!(agent = %self.agent.name, remote = %self.remote_agent, ?progress, "posted transfer");
+        Ok(to_status(progress))
+    }
+
+    /// Polls the request once.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] before the first post; [`Error::Nixl`] if the transfer failed.
+    pub fn status(&mut self) -> Result<XferStatus> {
+        if !self.posted {
+            return Err(Error::InvalidArgument {
+                operation: "get transfer status",
+                reason: "the request has not been posted".to_string(),
+            });
+        }
+        // SAFETY: live agent and request.
+        let status = self
+            .agent
+            .with(|agent| unsafe { sys::nixl_capi_get_xfer_status(agent, self.raw) });
+        match check_progress(status, "transfer") {
+            Ok(progress) => {
+                self.in_flight = progress == Progress::InProgress;
+                if !self.in_flight {
+                    tracing::trace!(agent = %self.agent.name, remote = %self.remote_agent, "transfer done");
+                }
+                Ok(to_status(progress))
+            }
+            Err(err) => {
+                self.in_flight = false;
+                tracing::warn!(agent = %self.agent.name, remote = %self.remote_agent, %err, "transfer failed");
+                Err(err)
+            }
+        }
+    }
+
+    /// Polls until the request is done, or `timeout` passes.
+    ///
+    /// The calling thread drives the transfer while it polls (UCX moves the bytes inside the
+    /// poll), so it polls without sleeping, yielding the core every few polls.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] when the deadline passes (the request stays in flight and can be
+    /// waited for again); [`Error::Nixl`] if the transfer failed.
+    pub fn wait(&mut self, timeout: Duration) -> Result<()> {
+        let start = Instant::now();
+        let mut polls: u32 = 0;
+        loop {
+            if self.status()? == XferStatus::Done {
+                return Ok(());
+            }
+            polls = polls.wrapping_add(1);
+            if polls % 64 == 0 {
+                if start.elapsed() >= timeout {
+                    return Err(Error::Timeout {
+                        operation: "wait for transfer",
+                        waited: start.elapsed(),
+                    });
+                }
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+
+    /// Posts the request and waits for it (see [`wait`](Self::wait)).
+    pub fn post_and_wait(&mut self, timeout: Duration) -> Result<()> {
+        match self.post()? {
+            XferStatus::Done => Ok(()),
+            XferStatus::InProgress => self.wait(timeout),
+        }
+    }
+
+    /// NIXL's estimate of the request's duration.
+    pub fn estimate_cost(&self) -> Result<CostEstimate> {
+        let (mut duration, mut margin, mut method) = (0i64, 0i64, 0);
+        let status = self.agent.with(|agent| {
+            // SAFETY: live agent and request; out-pointers to locals.
+            unsafe {
+                sys::nixl_capi_estimate_xfer_cost(
+                    agent,
+                    self.raw,
+                    ptr::null_mut(),
+                    &mut duration,
+                    &mut margin,
+                    &mut method,
+                )
+            }
+        });
+        check(status, "estimate transfer cost")?;
+        let micros = |v: i64| Duration::from_micros(u64::try_from(v).unwrap_or(0));
+        Ok(CostEstimate {
+            duration: micros(duration),
+            error_margin: micros(margin),
+            method: match method {
+                sys::nixl_capi_cost_t::NIXL_CAPI_COST_ANALYTICAL_BACKEND => {
+                    CostMethod::AnalyticalBackend
+                }
+                other => CostMethod::Other(i32::try_from(other).unwrap_or(i32::MAX)),
+            },
+        })
+    }
+
+    /// The plugin name of the backend NIXL chose for this request.
+    pub fn backend(&self) -> Result<String> {
+        const OP: &str = "query transfer backend";
+        let mut raw = ptr::null_mut();
+        // SAFETY: live agent and request; the returned handle is ours to destroy.
+        let status = self
+            .agent
+            .with(|agent| unsafe { sys::nixl_capi_query_xfer_backend(agent, self.raw, &mut raw) });
+        check(status, OP)?;
+        let described = describe_backend(&self.agent, raw);
+        // SAFETY: returned to us above, destroyed once; frees only the wrapper.
+        let destroyed = check(
+            unsafe { sys::nixl_capi_destroy_backend(raw) },
+            "destroy backend handle",
+        );
+        let chosen = described?;
+        destroyed?;
+        let handles = self
+            .agent
+            .backends
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        for (plugin, handle) in handles.iter() {
+            if describe_backend(&self.agent, handle.0)? == chosen {
+                return Ok(plugin.clone());
+            }
+        }
+        Err(Error::InvalidArgument {
+            operation: OP,
+            reason: "NIXL chose a backend this agent did not create".into(),
+        })
+    }
+
+    /// Telemetry of the last run of this request.
+    ///
+    /// # Errors
+    /// [`Error::Nixl`] with [`Status::NoTelemetry`] unless the agent was built with telemetry on.
+    pub fn telemetry(&self) -> Result<XferTelemetry> {
+        let mut raw = sys::nixl_capi_xfer_telemetry_s::default();
+        // SAFETY: live agent and request; NIXL fills the struct we own.
+        let status = self
+            .agent
+            .with(|agent| unsafe { sys::nixl_capi_get_xfer_telemetry(agent, self.raw, &mut raw) });
+        check(status, "get transfer telemetry").map_err(|err| {
+            with_hint(
+                err,
+                Status::NoTelemetry,
+                "build the agent with .telemetry(true)",
+            )
+        })?;
+        Ok(XferTelemetry {
+            start_time_us: raw.start_time_us,
+            post_duration: Duration::from_micros(raw.post_duration_us),
+            xfer_duration: Duration::from_micros(raw.xfer_duration_us),
+            total_bytes: raw.total_bytes,
+            desc_count: raw.desc_count,
+        })
+    }
+
+    /// Waits for an in-flight request before it is released (see the type's docs).
+    fn settle(&mut self) -> bool {
+        let start = Instant::now();
+        while self.in_flight {
+            match self.status() {
+                Ok(XferStatus::InProgress) if start.elapsed() < DROP_WAIT => {
+                    std::thread::yield_now()
+                }
+                Ok(XferStatus::InProgress) => return false,
+                Ok(XferStatus::Done) | Err(_) => {}
+            }
+        }
+        true
+    }
+}
+
+fn to_status(progress: Progress) -> XferStatus {
+    match progress {
+        Progress::Done => XferStatus::Done,
+        Progress::InProgress => XferStatus::InProgress,
+    }
+}
+
+impl Drop for XferRequest<'_> {
+    fn drop(&mut self) {
+        if self.in_flight {
+            tracing::debug!(agent = %self.agent.name, remote = %self.remote_agent, "dropping an in-flight request: waiting for it");
+        }
+        if !self.settle() {
+            tracing::error!(
+                agent = %self.agent.name, remote = %self.remote_agent,
+                "request still in flight after {DROP_WAIT:?}; leaking it and its memory rather than freeing memory under a transfer"
+            );
+            std::mem::forget(std::mem::take(&mut self.keep));
+            std::mem::forget(std::mem::take(&mut self.prepared));
+            return;
+        }
+        // SAFETY: live agent and request, not in flight.
+        let released = self
+            .agent
+            .with(|agent| unsafe { sys::nixl_capi_release_xfer_req(agent, self.raw) });
+        if let Err(err) = check(released, "release transfer request") {
+            tracing::error!(agent = %self.agent.name, %err, "release failed; leaking the request and its memory");
+            std::mem::forget(std::mem::take(&mut self.keep));
+            std::mem::forget(std::mem::take(&mut self.prepared));
+            return;
+        }
+        // SAFETY: released above; frees the wrapper once.
+        if let Err(err) = check(
+            unsafe { sys::nixl_capi_destroy_xfer_req(self.raw) },
+            "destroy transfer request",
+        ) {
+            tracing::error!(%err, "leaking NIXL transfer request wrapper");
+        }
+    }
+}
+
+/// Checks that two sides pair up: same count, same length pairwise.
+pub(crate) fn check_pairing(
+    operation: &'static str,
+    local: impl ExactSizeIterator<Item = usize>,
+    remote: impl ExactSizeIterator<Item = usize>,
+) -> Result<()> {
+    if local.len() == 0 {
+        return Err(Error::EmptyDescList { operation });
+    }
+    if local.len() != remote.len() {
+        return Err(Error::LengthMismatch {
+            operation,
+            what: "descriptor count".to_string(),
+            local: local.len(),
+            remote: remote.len(),
+        });
+    }
+    for (index, (l, r)) in local.zip(remote).enumerate() {
+        if l != r {
+            return Err(Error::LengthMismatch {
+                operation,
+                what: format!("length of descriptor {index}"),
+                local: l,
+                remote: r,
+            });
+        }
+    }
+    Ok(())
+}
+
+impl Agent {
+    /// Creates a request moving `local` to or from `remote` on `remote_agent`.
+    ///
+    /// `remote_agent` may be this agent's own name (e.g. DRAM to a FILE it registered).
+    ///
+    /// # Errors
+    /// [`Error::EmptyDescList`] / [`Error::LengthMismatch`] when the sides do not pair up;
+    /// [`Error::Nixl`] with a hint when the remote agent's metadata is not loaded, the
+    /// addresses lie outside registered memory, or no backend serves both sides.
+    pub fn create_xfer_req<'m>(
+        &self,
+        op: XferOp,
+        local: &LocalDescList<'m>,
+        remote: &RemoteDescList,
+        remote_agent: &str,
+        options: &XferOptions,
+    ) -> Result<XferRequest<'m>> {
+        const OP: &str = "create transfer request";
+        let name = c_name("remote agent name", remote_agent)?;
+        let lens = |list: &XferDlist| list.descs().iter().map(|d| d.len).collect::<Vec<_>>();
+        check_pairing(
+            OP,
+            lens(&local.list).into_iter(),
+            lens(&remote.list).into_iter(),
+        )?;
+        let args = options.to_raw(&self.inner, OP)?;
+        let mut raw = ptr::null_mut();
+        let status = self.inner.with(|agent| {
+            // SAFETY: live agent, lists and args; valid C string; out-pointer to a local.
+            unsafe {
+                sys::nixl_capi_create_xfer_req(
+                    agent,
+                    op.to_raw(),
+                    local.list.raw(),
+                    remote.list.raw(),
+                    name.as_ptr(),
+                    &mut raw,
+                    args.raw(),
+                )
+            }
+        });
+        check(status, OP).map_err(|err| self.explain_request_failure(err, remote_agent))?;
+        tracing::trace!(agent = %self.inner.name, remote = remote_agent, ?op, descs = local.len(), "created transfer request");
+        Ok(XferRequest::new(
+            self.inner.clone(),
+            raw,
+            local.keep.clone(),
+            Vec::new(),
+            remote_agent.to_string(),
+        ))
+    }
+
+    /// Adds the most likely fix to a failed request creation.
+    pub(crate) fn explain_request_failure(&self, err: Error, remote_agent: &str) -> Error {
+        let hint = if remote_agent != self.inner.name && !self.has_remote_metadata(remote_agent) {
+            HINT_LOAD_REMOTE_MD
+        } else {
+            "check that every descriptor lies inside memory registered on both sides, with a backend both sides share"
+        };
+        match err {
+            Error::Nixl {
+                operation,
+                status,
+                hint: None,
+            } => Error::Nixl {
+                operation,
+                status,
+                hint: Some(hint),
+            },
+            other => other,
+        }
+    }
+}
