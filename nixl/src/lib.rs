@@ -62,8 +62,8 @@
 //! [`ThreadSync`] modes.
 //!
 //! # Platforms and configuration
-//! `platform` decides, per hardware platform, which kv-buffer devices NIXL may use and as
-//! which memory type; `kv_config` reads vLLM's `kv_transfer_config` JSON, including the
+//! [`platform`] decides, per hardware platform, which kv-buffer devices NIXL may use and as
+//! which memory type; [`kv_config`] reads vLLM's `kv_transfer_config` JSON, including the
 //! backends to create.
 
 mod agent;
@@ -72,10 +72,12 @@ mod cuda;
 mod desc_list;
 mod descriptor;
 mod error;
+pub mod kv_config;
 mod mem_type;
 mod memory;
 mod metadata;
 mod notification;
+pub mod platform;
 mod prepared;
 mod raw;
 mod registration;
