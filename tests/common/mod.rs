@@ -1,0 +1,176 @@
+//! Helpers shared by the integration tests: unique agent names, connected agent pairs,
+//! byte patterns, bounded waits for notifications and metadata, free TCP ports.
+//!
+//! Every test binary compiles this module and uses a different part of it.
+#![allow(dead_code)]
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use nixl::{
+    Agent, Backend, LocalDescList, Registration, RemoteDescList, XferDesc, XferOp, XferOptions,
+};
+
+/// Upper bound for any single wait in the tests. Only a guard against hangs: nothing asserts
+/// how fast anything is.
+pub const WAIT: Duration = Duration::from_secs(60);
+
+/// A name no other agent in this process (or in a parallel test process) uses.
+pub fn unique_name(prefix: &str) -> String {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    format!(
+        "{prefix}-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// `len` bytes that differ from position to position and from seed to seed.
+pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ ((i >> 8) as u8))
+        .collect()
+}
+
+/// Copies all of DRAM region 0 of `reg`.
+pub fn contents(reg: &Registration<'_>) -> Vec<u8> {
+    let mut out = vec![0u8; reg.regions()[0].len];
+    reg.read(0, 0, &mut out).expect("read registered memory");
+    out
+}
+
+/// Two agents with a UCX backend each, each holding the other's metadata.
+pub struct Pair {
+    pub a: Agent,
+    pub b: Agent,
+    pub ucx_a: Backend,
+    pub ucx_b: Backend,
+}
+
+impl Pair {
+    /// Creates the agents and backends; metadata is exchanged by [`Pair::exchange`].
+    pub fn new(prefix: &str) -> Pair {
+        Pair::with(
+            Agent::new(&unique_name(&format!("{prefix}-a"))).expect("create agent a"),
+            Agent::new(&unique_name(&format!("{prefix}-b"))).expect("create agent b"),
+        )
+    }
+
+    /// Wraps two agents, adding a UCX backend to each.
+    pub fn with(a: Agent, b: Agent) -> Pair {
+        let ucx_a = a.create_backend("UCX").expect("UCX backend on a");
+        let ucx_b = b.create_backend("UCX").expect("UCX backend on b");
+        Pair { a, b, ucx_a, ucx_b }
+    }
+
+    /// Loads each agent's full metadata into the other (call after registering memory).
+    pub fn exchange(&self) {
+        let b_name = self
+            .a
+            .load_remote_metadata(&self.b.local_metadata().expect("b metadata"))
+            .expect("a loads b");
+        assert_eq!(b_name, self.b.name());
+        let a_name = self
+            .b
+            .load_remote_metadata(&self.a.local_metadata().expect("a metadata"))
+            .expect("b loads a");
+        assert_eq!(a_name, self.a.name());
+    }
+}
+
+/// A remote list covering all of region 0 of `reg`.
+pub fn remote_whole(reg: &Registration<'_>) -> RemoteDescList {
+    let r = &reg.regions()[0];
+    RemoteDescList::from_descs(reg.mem_type(), &[XferDesc::new(r.addr, r.len, r.dev_id)])
+        .expect("remote list")
+}
+
+/// A local list covering all of region 0 of `reg`.
+pub fn local_whole<'m>(reg: &Registration<'m>) -> LocalDescList<'m> {
+    let mut list = LocalDescList::new(reg.mem_type()).expect("local list");
+    list.push_region(reg, 0).expect("push region");
+    list
+}
+
+/// Runs one transfer of all of `local` to/from all of `remote` (a registration of
+/// `remote_agent`) and waits for it.
+pub fn transfer(
+    agent: &Agent,
+    op: XferOp,
+    local: &Registration<'_>,
+    remote: &Registration<'_>,
+    remote_agent: &str,
+) -> nixl::Result<()> {
+    let mut req = agent.create_xfer_req(
+        op,
+        &local_whole(local),
+        &remote_whole(remote),
+        remote_agent,
+        &XferOptions::new(),
+    )?;
+    req.post_and_wait(WAIT)
+}
+
+/// Proves that `pair.a` still moves data to `pair.b` correctly: a fresh WRITE of a fresh
+/// pattern, checked byte for byte. Used after every bad-input case.
+pub fn assert_pair_works(pair: &Pair, seed: u8) {
+    let data = pattern(4096, seed);
+    let src = pair
+        .a
+        .register_memory(data.clone(), &[&pair.ucx_a])
+        .expect("register source");
+    let dst = pair
+        .b
+        .register_memory(vec![0u8; 4096], &[&pair.ucx_b])
+        .expect("register destination");
+    pair.a
+        .load_remote_metadata(&pair.b.local_metadata().expect("metadata"))
+        .expect("reload metadata");
+    transfer(&pair.a, XferOp::Write, &src, &dst, pair.b.name()).expect("good transfer");
+    assert_eq!(contents(&dst), data, "data moved after the bad input");
+}
+
+/// Polls `agent` until `count` notifications from `sender` arrived; returns them in order.
+pub fn wait_notifications(agent: &Agent, sender: &str, count: usize) -> Vec<Vec<u8>> {
+    let deadline = Instant::now() + WAIT;
+    let mut got = Vec::new();
+    while got.len() < count {
+        let mut notes = agent.notifications().expect("get notifications");
+        if let Some(mut from) = notes.remove(sender) {
+            got.append(&mut from);
+        }
+        assert!(
+            notes.is_empty(),
+            "notifications from unexpected agents: {notes:?}"
+        );
+        if got.len() >= count {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "only {} of {count} notifications from {sender} arrived",
+            got.len()
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    got
+}
+
+/// Polls until `agent` holds `remote`'s metadata. Panics if it never arrives.
+pub fn wait_metadata(agent: &Agent, remote: &str) {
+    let deadline = Instant::now() + WAIT;
+    while !agent.has_remote_metadata(remote) {
+        assert!(
+            Instant::now() < deadline,
+            "{}: metadata of {remote} never arrived",
+            agent.name()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A TCP port that was free a moment ago on 127.0.0.1.
+pub fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
+    listener.local_addr().expect("local address").port()
+}

@@ -1,0 +1,409 @@
+//! UCX transfers between two agents of one process, over DRAM: WRITE and READ with 1 and
+//! 4096 descriptors, reposting, telemetry, cost estimates, backend queries, connections,
+//! and the remote-metadata calls (full, partial, check, invalidate).
+
+mod common;
+
+use common::{contents, local_whole, pattern, remote_whole, transfer, Pair, WAIT};
+use nixl::{
+    Agent, Error, LocalDescList, MemType, RemoteDescList, Status, XferDesc, XferOp, XferOptions,
+};
+
+#[test]
+fn write_one_descriptor() {
+    let pair = Pair::new("w1");
+    let data = pattern(8192, 1);
+    let src = pair
+        .a
+        .register_memory(data.clone(), &[&pair.ucx_a])
+        .unwrap();
+    let dst = pair
+        .b
+        .register_memory(vec![0u8; 8192], &[&pair.ucx_b])
+        .unwrap();
+    pair.exchange();
+    transfer(&pair.a, XferOp::Write, &src, &dst, pair.b.name()).unwrap();
+    assert_eq!(contents(&dst), data);
+    assert_eq!(contents(&src), data, "a WRITE leaves the source as it was");
+}
+
+#[test]
+fn read_one_descriptor() {
+    let pair = Pair::new("r1");
+    let data = pattern(8192, 2);
+    let dst = pair
+        .a
+        .register_memory(vec![0u8; 8192], &[&pair.ucx_a])
+        .unwrap();
+    let src = pair
+        .b
+        .register_memory(data.clone(), &[&pair.ucx_b])
+        .unwrap();
+    pair.exchange();
+    transfer(&pair.a, XferOp::Read, &dst, &src, pair.b.name()).unwrap();
+    assert_eq!(contents(&dst), data);
+    assert_eq!(
+        contents(&src),
+        data,
+        "a READ leaves the remote side as it was"
+    );
+}
+
+/// Moves 4096 descriptors of `DESC` bytes, each at a stride of `2 * DESC` so that NIXL
+/// cannot merge neighbours; the gaps between descriptors must stay untouched.
+fn many_descriptors(op: XferOp, seed: u8) {
+    const COUNT: usize = 4096;
+    const DESC: usize = 32;
+    const STRIDE: usize = 2 * DESC;
+    const LEN: usize = COUNT * STRIDE;
+    let pair = Pair::new(if op == XferOp::Read { "r4096" } else { "w4096" });
+    let data = pattern(LEN, seed);
+    let filler = 0x5a;
+    // `a` initiates. The side that is written to starts as all `filler`.
+    let (a_mem, b_mem) = match op {
+        XferOp::Write => (data.clone(), vec![filler; LEN]),
+        XferOp::Read => (vec![filler; LEN], data.clone()),
+    };
+    let a_reg = pair.a.register_memory(a_mem, &[&pair.ucx_a]).unwrap();
+    let b_reg = pair.b.register_memory(b_mem, &[&pair.ucx_b]).unwrap();
+    pair.exchange();
+
+    // Local descriptor i is at offset i*STRIDE; remote descriptor i is at the mirrored slot
+    // (COUNT-1-i)*STRIDE, so a mix-up of the pairing would show in the data.
+    let mut local = LocalDescList::with_capacity(MemType::Dram, COUNT).unwrap();
+    let mut remote = RemoteDescList::new(MemType::Dram).unwrap();
+    let b_base = b_reg.regions()[0].addr;
+    for i in 0..COUNT {
+        local.push(&a_reg, 0, i * STRIDE, DESC).unwrap();
+        remote
+            .push(XferDesc::new(b_base + (COUNT - 1 - i) * STRIDE, DESC, 0))
+            .unwrap();
+    }
+    assert_eq!(local.len(), COUNT);
+    assert_eq!(remote.len(), COUNT);
+    let mut req = pair
+        .a
+        .create_xfer_req(op, &local, &remote, pair.b.name(), &XferOptions::new())
+        .unwrap();
+    req.post_and_wait(WAIT).unwrap();
+
+    let (written, source) = match op {
+        XferOp::Write => (contents(&b_reg), contents(&a_reg)),
+        XferOp::Read => (contents(&a_reg), contents(&b_reg)),
+    };
+    assert_eq!(source, data, "the source side is unchanged");
+    let mut expected = vec![filler; LEN];
+    for i in 0..COUNT {
+        let (a_off, b_off) = (i * STRIDE, (COUNT - 1 - i) * STRIDE);
+        let (from, to) = match op {
+            XferOp::Write => (a_off, b_off),
+            XferOp::Read => (b_off, a_off),
+        };
+        expected[to..to + DESC].copy_from_slice(&data[from..from + DESC]);
+    }
+    assert!(
+        written == expected,
+        "4096-descriptor {op:?} moved the wrong bytes"
+    );
+}
+
+#[test]
+fn write_4096_descriptors() {
+    many_descriptors(XferOp::Write, 3);
+}
+
+#[test]
+fn read_4096_descriptors() {
+    many_descriptors(XferOp::Read, 4);
+}
+
+#[test]
+fn repost_finished_request_moves_new_data() {
+    let pair = Pair::new("repost");
+    let first = pattern(4096, 5);
+    let src = pair
+        .a
+        .register_memory(first.clone(), &[&pair.ucx_a])
+        .unwrap();
+    let dst = pair
+        .b
+        .register_memory(vec![0u8; 4096], &[&pair.ucx_b])
+        .unwrap();
+    pair.exchange();
+    let mut req = pair
+        .a
+        .create_xfer_req(
+            XferOp::Write,
+            &local_whole(&src),
+            &remote_whole(&dst),
+            pair.b.name(),
+            &XferOptions::new(),
+        )
+        .unwrap();
+    req.post_and_wait(WAIT).unwrap();
+    assert!(!req.is_in_flight());
+    assert_eq!(contents(&dst), first);
+
+    for round in 0..3u8 {
+        let next = pattern(4096, 100 + round);
+        src.write(0, 0, &next).unwrap();
+        req.post_and_wait(WAIT).unwrap();
+        assert_eq!(
+            contents(&dst),
+            next,
+            "repost {round} moved the new source bytes"
+        );
+    }
+    // A partial change of the source shows up in place after one more repost.
+    src.write(0, 1000, b"changed in the middle").unwrap();
+    req.post_and_wait(WAIT).unwrap();
+    assert_eq!(contents(&dst), contents(&src));
+}
+
+#[test]
+fn telemetry_when_enabled() {
+    let pair = Pair::with(
+        Agent::builder(&common::unique_name("tel-a"))
+            .telemetry(true)
+            .build()
+            .unwrap(),
+        Agent::new(&common::unique_name("tel-b")).unwrap(),
+    );
+    let data = pattern(3 * 1024, 6);
+    let src = pair
+        .a
+        .register_memory(data.clone(), &[&pair.ucx_a])
+        .unwrap();
+    let dst = pair
+        .b
+        .register_memory(vec![0u8; 3 * 1024], &[&pair.ucx_b])
+        .unwrap();
+    pair.exchange();
+    let mut local = LocalDescList::new(MemType::Dram).unwrap();
+    let mut remote = RemoteDescList::new(MemType::Dram).unwrap();
+    // Three separate descriptors, in reverse order so that NIXL cannot merge them.
+    for i in 0..3 {
+        local.push(&src, 0, i * 1024, 1024).unwrap();
+        remote
+            .push(XferDesc::new(
+                dst.regions()[0].addr + (2 - i) * 1024,
+                1024,
+                0,
+            ))
+            .unwrap();
+    }
+    let mut req = pair
+        .a
+        .create_xfer_req(
+            XferOp::Write,
+            &local,
+            &remote,
+            pair.b.name(),
+            &XferOptions::new(),
+        )
+        .unwrap();
+    req.post_and_wait(WAIT).unwrap();
+    let moved = contents(&dst);
+    for i in 0..3 {
+        assert_eq!(
+            moved[(2 - i) * 1024..(3 - i) * 1024],
+            data[i * 1024..(i + 1) * 1024]
+        );
+    }
+    let telemetry = req.telemetry().unwrap();
+    assert_eq!(telemetry.total_bytes, 3 * 1024);
+    assert_eq!(telemetry.desc_count, 3);
+}
+
+#[test]
+fn telemetry_when_disabled_is_a_typed_error() {
+    let pair = Pair::new("notel");
+    let src = pair
+        .a
+        .register_memory(pattern(512, 7), &[&pair.ucx_a])
+        .unwrap();
+    let dst = pair
+        .b
+        .register_memory(vec![0u8; 512], &[&pair.ucx_b])
+        .unwrap();
+    pair.exchange();
+    let mut req = pair
+        .a
+        .create_xfer_req(
+            XferOp::Write,
+            &local_whole(&src),
+            &remote_whole(&dst),
+            pair.b.name(),
+            &XferOptions::new(),
+        )
+        .unwrap();
+    req.post_and_wait(WAIT).unwrap();
+    assert_eq!(contents(&dst), pattern(512, 7));
+    match req.telemetry() {
+        Err(Error::Nixl {
+            status: Status::NoTelemetry,
+            hint: Some(hint),
+            ..
+        }) => assert!(hint.contains("telemetry(true)"), "{hint}"),
+        other => panic!("expected NoTelemetry, got {other:?}"),
+    }
+}
+
+#[test]
+fn estimate_cost_and_chosen_backend() {
+    let pair = Pair::new("cost");
+    let src = pair
+        .a
+        .register_memory(pattern(1 << 16, 8), &[&pair.ucx_a])
+        .unwrap();
+    let dst = pair
+        .b
+        .register_memory(vec![0u8; 1 << 16], &[&pair.ucx_b])
+        .unwrap();
+    pair.exchange();
+    let mut req = pair
+        .a
+        .create_xfer_req(
+            XferOp::Write,
+            &local_whole(&src),
+            &remote_whole(&dst),
+            pair.b.name(),
+            &XferOptions::new(),
+        )
+        .unwrap();
+    assert_eq!(req.backend().unwrap(), "UCX");
+    // UCX implements NIXL's analytical cost model; its value is not asserted (no timing).
+    match req.estimate_cost() {
+        Ok(estimate) => assert_eq!(estimate.method, nixl::CostMethod::AnalyticalBackend),
+        Err(err) => panic!("estimate_cost failed: {err}"),
+    }
+    req.post_and_wait(WAIT).unwrap();
+    assert_eq!(contents(&dst), pattern(1 << 16, 8));
+    assert_eq!(req.backend().unwrap(), "UCX");
+}
+
+#[test]
+fn make_connection_before_transfer() {
+    let pair = Pair::new("conn");
+    let src = pair
+        .a
+        .register_memory(pattern(2048, 9), &[&pair.ucx_a])
+        .unwrap();
+    let dst = pair
+        .b
+        .register_memory(vec![0u8; 2048], &[&pair.ucx_b])
+        .unwrap();
+    pair.exchange();
+    pair.a.make_connection(pair.b.name(), &[]).unwrap();
+    pair.a
+        .make_connection(pair.b.name(), &[&pair.ucx_a])
+        .unwrap();
+    transfer(&pair.a, XferOp::Write, &src, &dst, pair.b.name()).unwrap();
+    assert_eq!(contents(&dst), pattern(2048, 9));
+}
+
+#[test]
+fn check_and_invalidate_remote_metadata() {
+    let pair = Pair::new("chk");
+    let src = pair
+        .a
+        .register_memory(pattern(4096, 10), &[&pair.ucx_a])
+        .unwrap();
+    let dst = pair
+        .b
+        .register_memory(vec![0u8; 4096], &[&pair.ucx_b])
+        .unwrap();
+    let b = pair.b.name().to_string();
+    assert!(!pair.a.has_remote_metadata(&b));
+    assert!(!pair.a.check_remote_metadata(&b, None).unwrap());
+    pair.exchange();
+    assert!(pair.a.has_remote_metadata(&b));
+    assert!(pair.a.check_remote_metadata(&b, None).unwrap());
+
+    let inside = remote_whole(&dst);
+    assert!(pair.a.check_remote_metadata(&b, Some(&inside)).unwrap());
+    let base = dst.regions()[0].addr;
+    let beyond =
+        RemoteDescList::from_descs(MemType::Dram, &[XferDesc::new(base + 4096, 4096, 0)]).unwrap();
+    assert!(
+        !pair.a.check_remote_metadata(&b, Some(&beyond)).unwrap(),
+        "a range outside b's registrations is not covered"
+    );
+
+    pair.a.invalidate_remote_metadata(&b).unwrap();
+    assert!(!pair.a.has_remote_metadata(&b));
+    match pair.a.create_xfer_req(
+        XferOp::Write,
+        &local_whole(&src),
+        &inside,
+        &b,
+        &XferOptions::new(),
+    ) {
+        Err(Error::Nixl {
+            hint: Some(hint), ..
+        }) => assert!(hint.contains("load_remote_metadata"), "{hint}"),
+        other => panic!("expected a NIXL error with a hint, got {other:?}"),
+    }
+    // Invalidating again: nothing is loaded any more.
+    assert!(matches!(
+        pair.a.invalidate_remote_metadata(&b),
+        Err(Error::Nixl { .. })
+    ));
+
+    // Loading again restores everything.
+    pair.exchange();
+    transfer(&pair.a, XferOp::Write, &src, &dst, &b).unwrap();
+    assert_eq!(contents(&dst), pattern(4096, 10));
+}
+
+#[test]
+fn partial_metadata_covers_only_the_named_registrations() {
+    let pair = Pair::new("partial");
+    let src = pair
+        .a
+        .register_memory(pattern(4096, 11), &[&pair.ucx_a])
+        .unwrap();
+    let shared = pair
+        .b
+        .register_memory(vec![0u8; 4096], &[&pair.ucx_b])
+        .unwrap();
+    let private = pair
+        .b
+        .register_memory(vec![0u8; 4096], &[&pair.ucx_b])
+        .unwrap();
+    let b = pair.b.name().to_string();
+
+    // Connection info only: the agent is known, none of its memory is.
+    let conn_only = pair.b.local_partial_metadata(&[], &[]).unwrap();
+    assert_eq!(pair.a.load_remote_metadata(&conn_only).unwrap(), b);
+    assert!(pair.a.has_remote_metadata(&b));
+    assert!(!pair
+        .a
+        .check_remote_metadata(&b, Some(&remote_whole(&shared)))
+        .unwrap());
+
+    let md = pair
+        .b
+        .local_partial_metadata(&[&shared], &[&pair.ucx_b])
+        .unwrap();
+    assert_eq!(pair.a.load_remote_metadata(&md).unwrap(), b);
+    assert!(pair
+        .a
+        .check_remote_metadata(&b, Some(&remote_whole(&shared)))
+        .unwrap());
+    assert!(!pair
+        .a
+        .check_remote_metadata(&b, Some(&remote_whole(&private)))
+        .unwrap());
+
+    transfer(&pair.a, XferOp::Write, &src, &shared, &b).unwrap();
+    assert_eq!(contents(&shared), pattern(4096, 11));
+    assert!(
+        matches!(
+            transfer(&pair.a, XferOp::Write, &src, &private, &b),
+            Err(Error::Nixl { .. })
+        ),
+        "memory left out of the partial metadata cannot be reached"
+    );
+    assert_eq!(contents(&private), vec![0u8; 4096]);
+}
