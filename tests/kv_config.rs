@@ -1,0 +1,236 @@
+//! kv_transfer_config parsing, and from config + platform to a real NIXL agent.
+
+use nixl::kv_config::{KvRole, KvTransferConfig, NixlSetup};
+use nixl::platform::{BuiltinPlatform, PlatformRegistry};
+use nixl::{Agent, Error, MemType, RegDesc};
+
+fn config_error(json: &str) -> String {
+    match KvTransferConfig::from_json(json) {
+        Err(Error::Config { reason }) => reason,
+        other => panic!("expected a config error for {json}, got {other:?}"),
+    }
+}
+
+#[test]
+fn defaults() {
+    let config = KvTransferConfig::from_json("{}").unwrap();
+    assert_eq!(config.kv_connector, None);
+    assert_eq!(config.kv_role, None);
+    assert_eq!(config.kv_buffer_device, "cuda");
+    assert_eq!(config.backends().unwrap(), ["UCX"]);
+    assert_eq!(KvTransferConfig::default(), config);
+}
+
+#[test]
+fn full_config_and_roles() {
+    for (role, want) in [
+        ("kv_producer", KvRole::Producer),
+        ("kv_consumer", KvRole::Consumer),
+        ("kv_both", KvRole::Both),
+    ] {
+        let json = format!(
+            r#"{{"kv_connector":"NixlConnector","kv_role":"{role}","kv_buffer_device":"cpu",
+                "kv_connector_extra_config":{{"backends":["UCX","POSIX"]}}}}"#
+        );
+        let config = KvTransferConfig::from_json(&json).unwrap();
+        assert_eq!(config.kv_connector.as_deref(), Some("NixlConnector"));
+        assert_eq!(config.kv_role, Some(want));
+        assert_eq!(config.kv_buffer_device, "cpu");
+        assert_eq!(config.backends().unwrap(), ["UCX", "POSIX"]);
+    }
+}
+
+#[test]
+fn unknown_keys_are_kept_and_written_back() {
+    let json = r#"{"kv_role":"kv_both","kv_rank":1,"kv_parallel_size":2,"engine_id":"e0",
+                   "kv_connector_extra_config":{"backends":["UCX"],"num_threads":4}}"#;
+    let config = KvTransferConfig::from_json(json).unwrap();
+    assert_eq!(config.other["kv_rank"], 1);
+    assert_eq!(config.other["engine_id"], "e0");
+    assert_eq!(config.kv_connector_extra_config["num_threads"], 4);
+    let again = KvTransferConfig::from_json(&config.to_json()).unwrap();
+    assert_eq!(again, config);
+}
+
+#[test]
+fn malformed_json() {
+    let reason = config_error(r#"{"kv_role": "kv_both""#);
+    assert!(reason.contains("line 1"), "{reason}");
+    config_error("not json");
+    config_error("[1, 2]");
+}
+
+#[test]
+fn wrong_types() {
+    let reason = config_error(r#"{"kv_buffer_device": 5}"#);
+    assert!(reason.contains("invalid type"), "{reason}");
+    config_error(r#"{"kv_connector": ["a"]}"#);
+    config_error(r#"{"kv_connector_extra_config": "UCX"}"#);
+    let reason = config_error(r#"{"kv_connector_extra_config": {"backends": "UCX"}}"#);
+    assert!(reason.contains("must be a list"), "{reason}");
+    let reason = config_error(r#"{"kv_connector_extra_config": {"backends": ["UCX", 3]}}"#);
+    assert!(reason.contains("non-empty strings"), "{reason}");
+}
+
+#[test]
+fn unknown_role() {
+    let reason = config_error(r#"{"kv_role": "kv_prefill"}"#);
+    assert!(
+        reason.contains("kv_prefill") && reason.contains("kv_producer"),
+        "{reason}"
+    );
+}
+
+#[test]
+fn empty_backend_list() {
+    let reason = config_error(r#"{"kv_connector_extra_config": {"backends": []}}"#);
+    assert!(reason.contains("at least one backend"), "{reason}");
+}
+
+fn cpu_config(backends: &str) -> KvTransferConfig {
+    KvTransferConfig::from_json(&format!(
+        r#"{{"kv_role":"kv_both","kv_buffer_device":"cpu","kv_connector_extra_config":{{"backends":{backends}}}}}"#
+    ))
+    .unwrap()
+}
+
+fn plugins(setup: &NixlSetup) -> Vec<String> {
+    setup
+        .backends()
+        .iter()
+        .map(|b| b.plugin().to_string())
+        .collect()
+}
+
+#[test]
+fn ucx_only_creates_and_registers_with_ucx() {
+    let setup = NixlSetup::new(
+        Agent::builder("kvcfg-ucx"),
+        &cpu_config(r#"["UCX"]"#),
+        &BuiltinPlatform::CPU,
+        &PlatformRegistry::new(),
+    )
+    .unwrap();
+    assert_eq!(setup.mem_type(), MemType::Dram);
+    assert_eq!(plugins(&setup), ["UCX"]);
+    let on_agent: Vec<_> = setup
+        .agent()
+        .backends()
+        .iter()
+        .map(|b| b.plugin().to_string())
+        .collect();
+    assert_eq!(on_agent, ["UCX"]);
+    let reg = setup.register_memory(vec![1u8; 8192]).unwrap();
+    let used: Vec<_> = reg.backends().iter().map(|b| b.plugin()).collect();
+    assert_eq!(used, ["UCX"]);
+}
+
+#[test]
+fn ucx_and_posix_create_both_and_register_with_both() {
+    let setup = NixlSetup::new(
+        Agent::builder("kvcfg-ucx-posix"),
+        &cpu_config(r#"["UCX", "POSIX"]"#),
+        &BuiltinPlatform::CPU,
+        &PlatformRegistry::new(),
+    )
+    .unwrap();
+    assert_eq!(plugins(&setup), ["UCX", "POSIX"]);
+    let reg = setup.register_memory(vec![2u8; 8192]).unwrap();
+    let used: Vec<_> = reg.backends().iter().map(|b| b.plugin()).collect();
+    assert_eq!(used, ["UCX", "POSIX"]);
+    reg.deregister().unwrap();
+}
+
+#[test]
+fn unknown_backend_lists_available_plugins() {
+    let err = NixlSetup::new(
+        Agent::builder("kvcfg-nope"),
+        &cpu_config(r#"["NOPE"]"#),
+        &BuiltinPlatform::CPU,
+        &PlatformRegistry::new(),
+    )
+    .unwrap_err();
+    match &err {
+        Error::UnknownPlugin { name, available } => {
+            assert_eq!(name, "NOPE");
+            assert!(
+                available.iter().any(|p| p == "UCX") && available.iter().any(|p| p == "POSIX"),
+                "{available:?}"
+            );
+        }
+        other => panic!("expected UnknownPlugin, got {other:?}"),
+    }
+    assert!(err.to_string().contains("UCX"), "{err}");
+}
+
+#[test]
+fn platform_rejects_kv_buffer_device_before_creating_an_agent() {
+    let config = KvTransferConfig::from_json(r#"{"kv_buffer_device":"cuda"}"#).unwrap();
+    let err = NixlSetup::new(
+        Agent::builder("kvcfg-cpu-cuda"),
+        &config,
+        &BuiltinPlatform::CPU,
+        &PlatformRegistry::new(),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(err, Error::UnsupportedKvBufferDevice { .. }),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn dram_memory_is_refused_for_a_vram_setup() {
+    let config = KvTransferConfig::from_json(r#"{"kv_buffer_device":"cuda"}"#).unwrap();
+    let setup = NixlSetup::new(
+        Agent::builder("kvcfg-vram-dram"),
+        &config,
+        &BuiltinPlatform::CUDA,
+        &PlatformRegistry::new(),
+    )
+    .unwrap();
+    assert!(matches!(
+        setup.register_memory(vec![0u8; 64]),
+        Err(Error::MemTypeMismatch {
+            expected: MemType::Vram,
+            found: MemType::Dram,
+            ..
+        })
+    ));
+}
+
+#[test]
+fn cuda_kv_buffer_resolves_to_vram_then_fails_cleanly_without_a_gpu() {
+    if std::path::Path::new("/dev/nvidia0").exists() {
+        eprintln!("skipped: this machine has a GPU, so VRAM registration would not fail");
+        return;
+    }
+    let config = KvTransferConfig::from_json(r#"{"kv_buffer_device":"cuda"}"#).unwrap();
+    let setup = NixlSetup::new(
+        Agent::builder("kvcfg-cuda"),
+        &config,
+        &BuiltinPlatform::CUDA,
+        &PlatformRegistry::new(),
+    )
+    .unwrap();
+    assert_eq!(setup.mem_type(), MemType::Vram);
+    let desc = RegDesc {
+        addr: 0x7000_0000_0000,
+        len: 1 << 20,
+        dev_id: 0,
+        metadata: Vec::new(),
+    };
+    // SAFETY: the registration is refused before NIXL sees the (fake) device address.
+    let err = unsafe { setup.register_raw(&[desc]) }.unwrap_err();
+    assert!(matches!(err, Error::NoCudaDevice { .. }), "{err:?}");
+    assert!(
+        err.to_string().contains("no CUDA device is present"),
+        "{err}"
+    );
+    // The agent still works: DRAM registers with the configured UCX backend.
+    let ucx = &setup.backends()[0];
+    setup
+        .agent()
+        .register_memory(vec![0u8; 4096], &[ucx])
+        .unwrap();
+}
