@@ -55,6 +55,9 @@ fn partial_list(operation: &'static str, regs: &[&Registration<'_>]) -> Result<R
     RegDlist::build(operation, mem_type, &descs)
 }
 
+/// Hint for a load NIXL refused as an invalid parameter.
+const HINT_RELOAD: &str = "the bytes are not complete NIXL metadata, or an earlier failed load of the same agent's metadata left its connection info behind (NIXL 1.5.1 then refuses every later load of that agent on this agent)";
+
 impl Agent {
     /// This agent's full metadata: connection info and every registration.
     pub fn local_metadata(&self) -> Result<Vec<u8>> {
@@ -100,6 +103,12 @@ impl Agent {
     /// # Errors
     /// [`Error::InvalidArgument`] for empty bytes; [`Error::Nixl`] for bytes NIXL cannot parse
     /// (garbage, truncated) or an agent it cannot connect to.
+    ///
+    /// NIXL 1.5.1 caveat: metadata truncated after its connection info fails to load but
+    /// leaves that connection info in the backend, without the agent counting as loaded;
+    /// every later load of the same remote agent's metadata on this agent then fails with
+    /// [`Status::InvalidParam`], and [`invalidate_remote_metadata`](Self::invalidate_remote_metadata)
+    /// cannot clear it. Pass only complete metadata.
     pub fn load_remote_metadata(&self, metadata: &[u8]) -> Result<String> {
         const OP: &str = "load remote metadata";
         if metadata.is_empty() {
@@ -120,7 +129,10 @@ impl Agent {
                 )
             }
         });
-        check(status, OP)?;
+        check_hint(status, OP, Status::InvalidParam, HINT_RELOAD).map_err(|err| {
+            tracing::warn!(agent = %self.inner.name, %err, "remote metadata not loaded");
+            err
+        })?;
         // SAFETY: NUL-terminated malloc'd string; its length excludes the NUL.
         let len = unsafe { libc::strlen(name) };
         // SAFETY: malloc'd by NIXL, `len` bytes, freed once here.

@@ -235,7 +235,18 @@ impl<'m> Registration<'m> {
 
     /// Deregisters now and reports the outcome.
     ///
-    /// Consumes the registration, so it cannot be deregistered twice.
+    /// Consumes the registration, so it cannot be deregistered twice: a second call does
+    /// not compile.
+    ///
+    /// ```compile_fail
+    /// # fn main() -> nixl::Result<()> {
+    /// let agent = nixl::Agent::new("doc-deregister-twice")?;
+    /// let registration = agent.register_memory(vec![0u8; 64], &[])?;
+    /// registration.deregister()?;
+    /// registration.deregister()?; // error[E0382]: use of moved value
+    /// # Ok(())
+    /// # }
+    /// ```
     ///
     /// # Errors
     /// [`Error::RegistrationInUse`] while descriptor lists or requests still hold it (it is
