@@ -211,8 +211,21 @@ impl Agent {
 
     /// Asks `peer` for `remote_agent`'s metadata; it is loaded in the background, so poll
     /// [`has_remote_metadata`](Self::has_remote_metadata) until it is there.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a [`MetadataPeer::Socket`] peer when this agent runs no
+    /// listener thread: NIXL 1.5.1 receives the answer on that thread, so without it the
+    /// metadata would never arrive. [`Error::Nixl`] if NIXL refuses the request.
     pub fn fetch_remote_metadata(&self, remote_agent: &str, peer: &MetadataPeer) -> Result<()> {
         let name = c_name("remote agent name", remote_agent)?;
+        if matches!(peer, MetadataPeer::Socket { .. }) && !self.inner.config.listener_thread {
+            return Err(Error::InvalidArgument {
+                operation: "fetch remote metadata",
+                reason: "the answer of a socket peer arrives on this agent's listener thread; \
+                         build the agent with listener_thread(true)"
+                    .to_string(),
+            });
+        }
         let args = peer.to_args(&[])?;
         // SAFETY: live agent and args; valid C string.
         let status = self.inner.with(|agent| unsafe {
