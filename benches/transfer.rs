@@ -1,0 +1,705 @@
+//! NIXL transfer benchmarks of the `nixl` crate, side by side with NIXL's Python API
+//! (`bench/python/transfer.py`, same workloads) and a single-thread memcpy probe.
+//!
+//! ```sh
+//! scripts/bench.sh                                                  # everything, A B A B rounds
+//! CARGO_TARGET_DIR=/tmp/target-bench cargo bench -p nixl-rs --bench transfer   # one Rust round
+//! ```
+//!
+//! Setup, identical to the Python side: two agents "A" and "B" in one process, UCX with default
+//! parameters, DRAM buffers from [`HostBuffer`] (large ones 2 MiB-aligned and backed by
+//! transparent huge pages, as NumPy's), metadata exchanged in-process. The agents are created
+//! while the creating thread is pinned to core 1, so NIXL's and UCX's threads inherit that
+//! affinity; the measuring thread then pins itself to core 0.
+//!
+//! Arguments: `[--round N] [--json PATH]` runs one round (JSON lines appended to PATH, else
+//! printed); `report JSONL OUT_DIR` turns the JSON lines of a whole run into `OUT_DIR/results.md`
+//! and `OUT_DIR/transfer.svg`.
+
+#[path = "transfer/report.rs"]
+mod report;
+
+use std::io::Write;
+use std::sync::Barrier;
+use std::time::{Duration, Instant};
+
+use nixl::{
+    Agent, AgentConfig, HostBuffer, LocalDescList, MemType, Registration, RemoteDescList, XferDesc,
+    XferOp, XferOptions, XferRequest, XferStatus,
+};
+
+const KIB: usize = 1 << 10;
+const MIB: usize = 1 << 20;
+const BULK: usize = 64 * MIB;
+const BULK_ITERS: usize = 20;
+const KV_BLOCKS: usize = 8192;
+const KV_BLOCK: usize = 32 * KIB;
+const KV_READ: usize = 1024;
+const KV_ITERS: usize = 16;
+const SMALL: usize = 4 * KIB;
+const SMALL_ITERS: usize = 2000;
+const BUILD_DESCS: usize = 100_000;
+const BUILD_DESC: usize = 64;
+const BUILD_STRIDE: usize = 128;
+const BUILD_REPS: usize = 5;
+const SWEEP: [usize; 5] = [4 * KIB, 64 * KIB, MIB, 16 * MIB, 64 * MIB];
+const IDLE: Duration = Duration::from_secs(1);
+const AGENT_CORE: usize = 1;
+const MEASURE_CORE: usize = 0;
+const WAIT: Duration = Duration::from_secs(60);
+
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+fn main() -> Res<()> {
+    let args: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| a != "--bench")
+        .collect();
+    if args.first().map(String::as_str) == Some("report") {
+        let [_, input, out_dir] = args.as_slice() else {
+            return Err("usage: transfer report JSONL OUT_DIR".into());
+        };
+        return report::write(input.as_ref(), out_dir.as_ref());
+    }
+    let mut out = Output::from_args(&args)?;
+    run_round(&mut out)?;
+    out.summary();
+    Ok(())
+}
+
+/// Where the records go, and the round they belong to.
+struct Output {
+    round: u32,
+    json: Option<std::fs::File>,
+    records: Vec<serde_json::Value>,
+}
+
+impl Output {
+    fn from_args(args: &[String]) -> Res<Output> {
+        let mut out = Output {
+            round: 0,
+            json: None,
+            records: Vec::new(),
+        };
+        let mut it = args.iter();
+        while let Some(arg) = it.next() {
+            match (arg.as_str(), it.next()) {
+                ("--round", Some(n)) => out.round = n.parse()?,
+                ("--json", Some(path)) => {
+                    out.json = Some(
+                        std::fs::OpenOptions::new()
+                            .create(true)
+                            .append(true)
+                            .open(path)?,
+                    );
+                }
+                _ => return Err(format!("unknown argument {arg:?}").into()),
+            }
+        }
+        Ok(out)
+    }
+
+    fn emit(&mut self, lang: &str, config: &str, workload: &str, metric: &str, value: f64) {
+        let unit = match metric {
+            "gbps" => "GB/s",
+            "cpu_s_per_gb" => "CPU s/GB",
+            "req_per_s" => "req/s",
+            "us_per_iter" => "us",
+            "core_pct" => "% of a core",
+            _ => "ms",
+        };
+        let record = serde_json::json!({
+            "lang": lang, "config": config, "workload": workload, "metric": metric,
+            "value": value, "unit": unit, "round": self.round,
+        });
+        match &mut self.json {
+            Some(file) => {
+                if let Err(err) = writeln!(file, "{record}") {
+                    eprintln!("rust bench: cannot write record: {err}");
+                }
+            }
+            None => println!("{record}"),
+        }
+        self.records.push(record);
+    }
+
+    fn summary(&self) {
+        eprintln!(
+            "rust bench round {}: agents A,B created on core {AGENT_CORE} (NIXL/UCX threads inherit it), \
+             measured on core {MEASURE_CORE}; UCX defaults; config 'default' = nixl::AgentConfig::default()",
+            self.round
+        );
+        for r in &self.records {
+            eprintln!(
+                "  {:<7} {:<15} {:<16} {:<13} {:>12.4} {}",
+                r["lang"].as_str().unwrap_or(""),
+                r["config"].as_str().unwrap_or(""),
+                r["workload"].as_str().unwrap_or(""),
+                r["metric"].as_str().unwrap_or(""),
+                r["value"].as_f64().unwrap_or(f64::NAN),
+                r["unit"].as_str().unwrap_or(""),
+            );
+        }
+        let args: Vec<String> = std::env::args().skip(1).collect();
+        eprintln!(
+            "reproduce: CARGO_TARGET_DIR=/tmp/target-bench cargo bench -p nixl-rs --bench transfer -- {}",
+            args.into_iter()
+                .filter(|a| a != "--bench")
+                .collect::<Vec<_>>()
+                .join(" ")
+        );
+    }
+}
+
+/// Pins the calling thread to one core.
+fn pin(core: usize) -> Res<()> {
+    // SAFETY: cpu_set_t is plain bits, valid when zeroed.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `core` is below CPU_SETSIZE (checked by libc's macro) and `set` is ours.
+    unsafe { libc::CPU_SET(core, &mut set) };
+    // SAFETY: pid 0 is the calling thread; the set is valid for its size.
+    let rc = unsafe { libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set) };
+    if rc != 0 {
+        return Err(format!("pin to core {core}: {}", std::io::Error::last_os_error()).into());
+    }
+    Ok(())
+}
+
+/// User plus system CPU seconds of the whole process (every thread, NIXL's and UCX's too).
+fn cpu_seconds() -> f64 {
+    // SAFETY: rusage is plain data, valid when zeroed.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: RUSAGE_SELF with a valid out-pointer.
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) };
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    secs(usage.ru_utime) + secs(usage.ru_stime)
+}
+
+/// Fisher-Yates shuffle of `0..n` driven by splitmix64 (identical to the Python bench).
+fn permutation(n: usize, seed: u64) -> Vec<usize> {
+    let mut state = seed;
+    let mut next = || {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    };
+    let mut perm: Vec<usize> = (0..n).collect();
+    for i in (1..n).rev() {
+        let j = (next() % (i as u64 + 1)) as usize;
+        perm.swap(i, j);
+    }
+    perm
+}
+
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    (0..len / 8)
+        .flat_map(|i| ((i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ seed).to_le_bytes())
+        .collect()
+}
+
+fn contents(reg: &Registration<'_>) -> Res<Vec<u8>> {
+    let mut out = vec![0u8; reg.regions()[0].len];
+    reg.read(0, 0, &mut out)?;
+    Ok(out)
+}
+
+fn check(ok: bool, what: &str) -> Res<()> {
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("destination bytes wrong after {what}").into())
+    }
+}
+
+/// How a benchmark waits for a posted request.
+#[derive(Clone, Copy, PartialEq)]
+enum Poll {
+    /// [`XferRequest::wait`]: the crate's spin-and-yield loop.
+    Wait,
+    /// Polls `status()` back to back, never yielding (an alternative to `wait`).
+    Spin,
+}
+
+fn post_wait(req: &mut XferRequest<'_>, poll: Poll) -> Res<()> {
+    if req.post()? == XferStatus::Done {
+        return Ok(());
+    }
+    match poll {
+        Poll::Wait => req.wait(WAIT)?,
+        Poll::Spin => while req.status()? == XferStatus::InProgress {},
+    }
+    Ok(())
+}
+
+/// Two agents with a UCX backend each and their registered buffers.
+struct Pair {
+    a: Agent,
+    a_bulk: Registration<'static>,
+    b_bulk: Registration<'static>,
+    kv: Option<[Registration<'static>; 2]>,
+    a_small: Registration<'static>,
+    b_small: Registration<'static>,
+    a_build: Registration<'static>,
+    b_build: Registration<'static>,
+    _b: Agent,
+}
+
+impl Pair {
+    /// Creates A and B with `config` on [`AGENT_CORE`], registers the buffers (the KV cache
+    /// only with `kv`), loads B's metadata into A, then moves the caller to [`MEASURE_CORE`].
+    fn new(config: &AgentConfig, kv: bool) -> Res<Pair> {
+        Pair::with(config, config, kv)
+    }
+
+    /// As [`Pair::new`], with different configurations for A (initiator) and B (target).
+    fn with(a_config: &AgentConfig, b_config: &AgentConfig, kv: bool) -> Res<Pair> {
+        pin(AGENT_CORE)?;
+        let a = Agent::builder("A").config(a_config.clone()).build()?;
+        let b = Agent::builder("B").config(b_config.clone()).build()?;
+        let ucx_a = a.create_backend("UCX")?;
+        let ucx_b = b.create_backend("UCX")?;
+        let reg = |agent: &Agent, len: usize| -> Res<Registration<'static>> {
+            let backend = if agent.name() == "A" { &ucx_a } else { &ucx_b };
+            Ok(agent.register_memory(HostBuffer::zeroed(len)?, &[backend])?)
+        };
+        let pair = Pair {
+            a_bulk: reg(&a, BULK)?,
+            b_bulk: reg(&b, BULK)?,
+            kv: if kv {
+                Some([
+                    reg(&a, KV_BLOCKS * KV_BLOCK)?,
+                    reg(&b, KV_BLOCKS * KV_BLOCK)?,
+                ])
+            } else {
+                None
+            },
+            a_small: reg(&a, SMALL)?,
+            b_small: reg(&b, SMALL)?,
+            a_build: reg(&a, BUILD_DESCS * BUILD_STRIDE)?,
+            b_build: reg(&b, BUILD_DESCS * BUILD_STRIDE)?,
+            a,
+            _b: b,
+        };
+        pair.a.load_remote_metadata(&pair._b.local_metadata()?)?;
+        pin(MEASURE_CORE)?;
+        Ok(pair)
+    }
+}
+
+fn remote(reg: &Registration<'_>, offset: usize, len: usize) -> XferDesc {
+    XferDesc::new(reg.regions()[0].addr + offset, len, 0)
+}
+
+/// Requests covering `[0, size)` of A's and B's bulk buffers, cut into `parts` requests.
+fn bulk_requests(
+    pair: &Pair,
+    op: XferOp,
+    size: usize,
+    parts: usize,
+) -> Res<Vec<XferRequest<'static>>> {
+    let part = size / parts;
+    (0..parts)
+        .map(|i| {
+            let mut local = LocalDescList::new(MemType::Dram)?;
+            local.push(&pair.a_bulk, 0, i * part, part)?;
+            let remote =
+                RemoteDescList::from_descs(MemType::Dram, &[remote(&pair.b_bulk, i * part, part)])?;
+            Ok(pair
+                .a
+                .create_xfer_req(op, &local, &remote, "B", &XferOptions::new())?)
+        })
+        .collect()
+}
+
+/// Fills the source with a fresh pattern, clears the destination, runs the requests once
+/// and compares the bytes.
+fn bulk_check(
+    pair: &Pair,
+    op: XferOp,
+    size: usize,
+    reqs: &mut [XferRequest<'_>],
+    seed: u64,
+) -> Res<()> {
+    let (src, dst) = match op {
+        XferOp::Write => (&pair.a_bulk, &pair.b_bulk),
+        XferOp::Read => (&pair.b_bulk, &pair.a_bulk),
+    };
+    src.write(0, 0, &pattern(size, seed))?;
+    dst.write(0, 0, &vec![0u8; size])?;
+    for req in reqs.iter_mut() {
+        post_wait(req, Poll::Wait)?;
+    }
+    check(
+        contents(src)?[..size] == contents(dst)?[..size],
+        "bulk transfer",
+    )
+}
+
+/// Times `iters` reposts of one single-descriptor request; returns (GB/s, CPU s/GB).
+fn bulk(
+    pair: &Pair,
+    op: XferOp,
+    size: usize,
+    iters: usize,
+    poll: Poll,
+    seed: u64,
+) -> Res<(f64, f64)> {
+    let mut reqs = bulk_requests(pair, op, size, 1)?;
+    bulk_check(pair, op, size, &mut reqs, seed)?;
+    let req = &mut reqs[0];
+    let (cpu0, t0) = (cpu_seconds(), Instant::now());
+    for _ in 0..iters {
+        post_wait(req, poll)?;
+    }
+    let (elapsed, cpu) = (t0.elapsed().as_secs_f64(), cpu_seconds() - cpu0);
+    let gb = (size * iters) as f64 / 1e9;
+    Ok((gb / elapsed, cpu / gb))
+}
+
+/// W1 cut into `parts` requests, each posted and polled by its own thread (the measuring
+/// thread on core 0, helpers on core 1): the polling thread does the copy, so the copies run
+/// in parallel. Returns (GB/s, CPU s/GB).
+fn bulk_split(pair: &Pair, op: XferOp, parts: usize, seed: u64) -> Res<(f64, f64)> {
+    let mut reqs = bulk_requests(pair, op, BULK, parts)?;
+    bulk_check(pair, op, BULK, &mut reqs, seed)?;
+    let mut mine = reqs.remove(0);
+    let start = Barrier::new(parts);
+    let done = Barrier::new(parts);
+    let (mut cpu0, mut t0) = (0.0, Instant::now());
+    std::thread::scope(|s| -> Res<()> {
+        let helpers: Vec<_> = reqs
+            .into_iter()
+            .map(|mut req| {
+                let (start, done) = (&start, &done);
+                s.spawn(move || -> Result<(), String> {
+                    pin(AGENT_CORE).map_err(|e| e.to_string())?;
+                    let mut result = Ok(());
+                    for _ in 0..=BULK_ITERS {
+                        start.wait();
+                        if result.is_ok() {
+                            result = post_wait(&mut req, Poll::Wait).map_err(|e| e.to_string());
+                        }
+                        done.wait();
+                    }
+                    result
+                })
+            })
+            .collect();
+        // One untimed iteration so that every thread has started, then the timed ones.
+        for i in 0..=BULK_ITERS {
+            if i == 1 {
+                (cpu0, t0) = (cpu_seconds(), Instant::now());
+            }
+            start.wait();
+            post_wait(&mut mine, Poll::Wait)?;
+            done.wait();
+        }
+        for helper in helpers {
+            helper.join().map_err(|_| "helper thread panicked")??;
+        }
+        Ok(())
+    })?;
+    let (elapsed, cpu) = (t0.elapsed().as_secs_f64(), cpu_seconds() - cpu0);
+    let gb = (BULK * BULK_ITERS) as f64 / 1e9;
+    Ok((gb / elapsed, cpu / gb))
+}
+
+/// W2: READ 1024 of 8192 blocks of 32 KiB per iteration; returns (req/s, GB/s, CPU s/GB).
+fn kv(pair: &Pair, perm: &[usize], prepared: bool, seed: u64) -> Res<(f64, f64, f64)> {
+    let [a_kv, b_kv] = pair.kv.as_ref().ok_or("pair built without the KV cache")?;
+    let chunks = KV_BLOCKS / KV_READ;
+    let blocks = |c: usize| &perm[c * KV_READ..(c + 1) * KV_READ];
+    let picks = |i: usize| (blocks((i + chunks / 2) % chunks), blocks(i % chunks));
+    let opts = XferOptions::new();
+    let b_desc = |block: usize| remote(b_kv, block * KV_BLOCK, KV_BLOCK);
+    let lists = if prepared {
+        let mut local = LocalDescList::with_capacity(MemType::Dram, KV_BLOCKS)?;
+        local.push_blocks(a_kv, 0, KV_BLOCK, 0..KV_BLOCKS)?;
+        let all: Vec<XferDesc> = (0..KV_BLOCKS).map(b_desc).collect();
+        let remote_list = RemoteDescList::from_descs(MemType::Dram, &all)?;
+        Some((
+            pair.a.prepare_local(&local, &[])?,
+            pair.a.prepare_remote("B", &remote_list, &[])?,
+        ))
+    } else {
+        None
+    };
+    let one = |i: usize| -> Res<()> {
+        let (local_idx, remote_idx) = picks(i);
+        let mut req = match &lists {
+            Some((pl, pr)) => {
+                pair.a
+                    .make_xfer_req(XferOp::Read, pl, local_idx, pr, remote_idx, &opts)?
+            }
+            None => {
+                let mut local = LocalDescList::with_capacity(MemType::Dram, KV_READ)?;
+                local.push_blocks(a_kv, 0, KV_BLOCK, local_idx.iter().copied())?;
+                let descs: Vec<XferDesc> = remote_idx.iter().map(|&b| b_desc(b)).collect();
+                let remote_list = RemoteDescList::from_descs(MemType::Dram, &descs)?;
+                pair.a
+                    .create_xfer_req(XferOp::Read, &local, &remote_list, "B", &opts)?
+            }
+        };
+        post_wait(&mut req, Poll::Wait)
+    };
+    b_kv.write(0, 0, &pattern(KV_BLOCKS * KV_BLOCK, seed))?;
+    a_kv.write(0, 0, &vec![0u8; KV_BLOCKS * KV_BLOCK])?;
+    one(0)?;
+    let (a_bytes, b_bytes) = (contents(a_kv)?, contents(b_kv)?);
+    let (local_idx, remote_idx) = picks(0);
+    let block = |bytes: &[u8], b: usize| bytes[b * KV_BLOCK..(b + 1) * KV_BLOCK].to_vec();
+    check(
+        local_idx
+            .iter()
+            .zip(remote_idx)
+            .all(|(&l, &r)| block(&a_bytes, l) == block(&b_bytes, r)),
+        "kv READ",
+    )?;
+    let (cpu0, t0) = (cpu_seconds(), Instant::now());
+    for i in 0..KV_ITERS {
+        one(i)?;
+    }
+    let (elapsed, cpu) = (t0.elapsed().as_secs_f64(), cpu_seconds() - cpu0);
+    let gb = (KV_ITERS * KV_READ * KV_BLOCK) as f64 / 1e9;
+    Ok((KV_ITERS as f64 / elapsed, gb / elapsed, cpu / gb))
+}
+
+/// W3: create, post, wait and release one 4 KiB WRITE; microseconds per iteration.
+fn small(pair: &Pair, poll: Poll, seed: u64) -> Res<f64> {
+    let mut local = LocalDescList::new(MemType::Dram)?;
+    local.push_region(&pair.a_small, 0)?;
+    let remote_list =
+        RemoteDescList::from_descs(MemType::Dram, &[remote(&pair.b_small, 0, SMALL)])?;
+    let opts = XferOptions::new();
+    let one = || -> Res<()> {
+        let mut req = pair
+            .a
+            .create_xfer_req(XferOp::Write, &local, &remote_list, "B", &opts)?;
+        post_wait(&mut req, poll)
+    };
+    pair.a_small.write(0, 0, &pattern(SMALL, seed))?;
+    pair.b_small.write(0, 0, &[0u8; SMALL])?;
+    one()?;
+    check(
+        contents(&pair.a_small)? == contents(&pair.b_small)?,
+        "small WRITE",
+    )?;
+    let t0 = Instant::now();
+    for _ in 0..SMALL_ITERS {
+        one()?;
+    }
+    Ok(t0.elapsed().as_secs_f64() / SMALL_ITERS as f64 * 1e6)
+}
+
+/// W4: local and remote lists of 100,000 descriptors of 64 B and a request (not posted).
+/// Returns the median run's (total, local list, remote list, create) in milliseconds.
+fn build(pair: &Pair) -> Res<[f64; 4]> {
+    let mut runs = Vec::with_capacity(BUILD_REPS);
+    for _ in 0..BUILD_REPS {
+        let t0 = Instant::now();
+        let mut local = LocalDescList::with_capacity(MemType::Dram, BUILD_DESCS)?;
+        for i in 0..BUILD_DESCS {
+            local.push(&pair.a_build, 0, i * BUILD_STRIDE, BUILD_DESC)?;
+        }
+        let t1 = Instant::now();
+        let descs: Vec<XferDesc> = (0..BUILD_DESCS)
+            .map(|i| remote(&pair.b_build, i * BUILD_STRIDE, BUILD_DESC))
+            .collect();
+        let remote_list = RemoteDescList::from_descs(MemType::Dram, &descs)?;
+        let t2 = Instant::now();
+        let req = pair.a.create_xfer_req(
+            XferOp::Write,
+            &local,
+            &remote_list,
+            "B",
+            &XferOptions::new(),
+        )?;
+        let t3 = Instant::now();
+        drop(req);
+        let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
+        runs.push([ms(t0, t3), ms(t0, t1), ms(t1, t2), ms(t2, t3)]);
+    }
+    runs.sort_by(|x, y| x[0].total_cmp(&y[0]));
+    Ok(runs[runs.len() / 2])
+}
+
+/// Percent of a core one idle agent with a UCX backend burns.
+fn idle(config: &AgentConfig, window: Duration) -> Res<f64> {
+    pin(AGENT_CORE)?;
+    let agent = Agent::builder("idle").config(config.clone()).build()?;
+    let _ucx = agent.create_backend("UCX")?;
+    pin(MEASURE_CORE)?;
+    std::thread::sleep(Duration::from_millis(100));
+    let (cpu0, t0) = (cpu_seconds(), Instant::now());
+    std::thread::sleep(window);
+    Ok((cpu_seconds() - cpu0) / t0.elapsed().as_secs_f64() * 100.0)
+}
+
+/// Single-thread memcpy between two huge-page-backed buffers; GB/s.
+fn memcpy(src: &HostBuffer, dst: &mut HostBuffer, size: usize, iters: usize) -> f64 {
+    dst[..size].copy_from_slice(&src[..size]);
+    let t0 = Instant::now();
+    for _ in 0..iters {
+        dst[..size].copy_from_slice(std::hint::black_box(&src[..size]));
+        std::hint::black_box(&mut dst[..size]);
+    }
+    (size * iters) as f64 / 1e9 / t0.elapsed().as_secs_f64()
+}
+
+/// The floor of W4's list building through NIXL's C API, which adds one descriptor per call:
+/// an empty C list and 100,000 `nixl_capi_xfer_dlist_add_desc` calls, no checks. Milliseconds.
+fn raw_list_floor(base: usize) -> Res<f64> {
+    let t0 = Instant::now();
+    let mut list = std::ptr::null_mut();
+    // SAFETY: out-pointer to a local.
+    let status = unsafe {
+        nixl_sys::nixl_capi_create_xfer_dlist(
+            nixl_sys::nixl_capi_mem_type_t::NIXL_CAPI_MEM_DRAM,
+            &mut list,
+        )
+    };
+    if status != nixl_sys::nixl_capi_status_t::NIXL_CAPI_SUCCESS {
+        return Err("create raw descriptor list".into());
+    }
+    for i in 0..BUILD_DESCS {
+        // SAFETY: live list created above; NIXL only copies the numbers.
+        unsafe {
+            nixl_sys::nixl_capi_xfer_dlist_add_desc(list, base + i * BUILD_STRIDE, BUILD_DESC, 0)
+        };
+    }
+    let ms = t0.elapsed().as_secs_f64() * 1e3;
+    // SAFETY: created above, destroyed once, not used again.
+    unsafe { nixl_sys::nixl_capi_destroy_xfer_dlist(list) };
+    Ok(ms)
+}
+
+fn sweep_iters(size: usize) -> usize {
+    (256 * MIB / size).clamp(BULK_ITERS, SMALL_ITERS)
+}
+
+fn run_round(out: &mut Output) -> Res<()> {
+    let round = u64::from(out.round);
+    let default = AgentConfig::default();
+    let no_thread = AgentConfig {
+        progress_thread: false,
+        ..AgentConfig::default()
+    };
+    let delay0 = AgentConfig {
+        progress_delay: Duration::ZERO,
+        ..AgentConfig::default()
+    };
+
+    out.emit("rust", "default", "idle", "core_pct", idle(&default, IDLE)?);
+    out.emit("rust", "delay0", "idle", "core_pct", idle(&delay0, IDLE)?);
+
+    pin(MEASURE_CORE)?;
+    let mut src = HostBuffer::zeroed(BULK)?;
+    src.copy_from_slice(&pattern(BULK, round));
+    let mut dst = HostBuffer::zeroed(BULK)?;
+    for size in SWEEP {
+        let gbps = memcpy(&src, &mut dst, size, sweep_iters(size));
+        out.emit("memcpy", "1 thread", &format!("sweep_{size}"), "gbps", gbps);
+    }
+    let gbps = memcpy(&src, &mut dst, BULK, BULK_ITERS);
+    out.emit("memcpy", "1 thread", "w1_write", "gbps", gbps);
+    drop((src, dst));
+
+    // The crate's default configuration on both agents, then the initiator A without a
+    // progress thread (B, the target, keeps the default one: a WRITE needs B progressed).
+    for (a_config, name) in [(&default, "default"), (&no_thread, "a-no-thread")] {
+        let pair = Pair::with(a_config, &default, true)?;
+        let split = if name == "default" {
+            "split2".to_string()
+        } else {
+            format!("{name}+split2")
+        };
+        if name == "default" {
+            for size in SWEEP {
+                let (gbps, _) = bulk(
+                    &pair,
+                    XferOp::Write,
+                    size,
+                    sweep_iters(size),
+                    Poll::Wait,
+                    3 + round,
+                )?;
+                out.emit("rust", name, &format!("sweep_{size}"), "gbps", gbps);
+            }
+        }
+        for (op, w, seed) in [(XferOp::Write, "w1_write", 5), (XferOp::Read, "w1_read", 6)] {
+            let (gbps, cpu) = bulk(&pair, op, BULK, BULK_ITERS, Poll::Wait, seed + round)?;
+            out.emit("rust", name, w, "gbps", gbps);
+            out.emit("rust", name, w, "cpu_s_per_gb", cpu);
+            let (gbps, cpu) = bulk_split(&pair, op, 2, seed + round)?;
+            out.emit("rust", &split, w, "gbps", gbps);
+            out.emit("rust", &split, w, "cpu_s_per_gb", cpu);
+        }
+        let perm = permutation(KV_BLOCKS, 42);
+        for (prepared, w) in [(false, "w2_fresh"), (true, "w2_prepared")] {
+            let (rps, gbps, cpu) = kv(&pair, &perm, prepared, 7 + round)?;
+            out.emit("rust", name, w, "req_per_s", rps);
+            out.emit("rust", name, w, "gbps", gbps);
+            out.emit("rust", name, w, "cpu_s_per_gb", cpu);
+        }
+        out.emit(
+            "rust",
+            name,
+            "w3_small",
+            "us_per_iter",
+            small(&pair, Poll::Wait, 11 + round)?,
+        );
+        if name == "default" {
+            let (gbps, _) = bulk(
+                &pair,
+                XferOp::Write,
+                BULK,
+                BULK_ITERS,
+                Poll::Spin,
+                5 + round,
+            )?;
+            out.emit("rust", "spin-poll", "w1_write", "gbps", gbps);
+            let us = small(&pair, Poll::Spin, 11 + round)?;
+            out.emit("rust", "spin-poll", "w3_small", "us_per_iter", us);
+            let [total, local, remote_ms, create] = build(&pair)?;
+            for (metric, value) in [
+                ("ms", total),
+                ("local_ms", local),
+                ("remote_ms", remote_ms),
+                ("create_ms", create),
+            ] {
+                out.emit("rust", name, "w4_build", metric, value);
+            }
+            let base = pair.b_build.regions()[0].addr;
+            out.emit(
+                "rust",
+                "raw C API floor",
+                "w4_build",
+                "local_ms",
+                raw_list_floor(base)?,
+            );
+        }
+    }
+
+    // NIXL Python's progress-thread setting (zero delay) on both agents.
+    let pair = Pair::new(&delay0, false)?;
+    let (gbps, cpu) = bulk(
+        &pair,
+        XferOp::Write,
+        BULK,
+        BULK_ITERS,
+        Poll::Wait,
+        5 + round,
+    )?;
+    out.emit("rust", "delay0", "w1_write", "gbps", gbps);
+    out.emit("rust", "delay0", "w1_write", "cpu_s_per_gb", cpu);
+    out.emit(
+        "rust",
+        "delay0",
+        "w3_small",
+        "us_per_iter",
+        small(&pair, Poll::Wait, 11 + round)?,
+    );
+    Ok(())
+}

@@ -1,0 +1,380 @@
+//! Turns the JSON lines of a benchmark run into a markdown table of medians and ratios and
+//! an SVG plot of GB/s against transfer size.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::Path;
+
+use plotters::prelude::*;
+
+use super::{Res, SWEEP};
+
+/// A table row: label, workload, metric, unit, and the target on Rust/Python
+/// (at least or at most, and the bound).
+type Row = (
+    &'static str,
+    &'static str,
+    &'static str,
+    &'static str,
+    Option<(bool, f64)>,
+);
+
+/// (lang, config, workload, metric) -> round -> value.
+type Runs = BTreeMap<(String, String, String, String), BTreeMap<u64, f64>>;
+
+fn load(input: &Path) -> Res<Runs> {
+    let mut runs = Runs::new();
+    for line in std::fs::read_to_string(input)?
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+    {
+        let r: serde_json::Value = serde_json::from_str(line)?;
+        let field = |k: &str| {
+            r[k].as_str()
+                .map(str::to_string)
+                .ok_or(format!("record without {k}: {line}"))
+        };
+        let key = (
+            field("lang")?,
+            field("config")?,
+            field("workload")?,
+            field("metric")?,
+        );
+        let round = r["round"].as_u64().ok_or("record without round")?;
+        let value = r["value"].as_f64().ok_or("record without value")?;
+        runs.entry(key).or_default().insert(round, value);
+    }
+    Ok(runs)
+}
+
+fn median(mut values: Vec<f64>) -> Option<f64> {
+    if values.is_empty() {
+        return None;
+    }
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    Some(if n % 2 == 1 {
+        values[n / 2]
+    } else {
+        (values[n / 2 - 1] + values[n / 2]) / 2.0
+    })
+}
+
+/// One series of a run: its values by round.
+struct Series<'a>(Option<&'a BTreeMap<u64, f64>>);
+
+impl Series<'_> {
+    fn median(&self) -> Option<f64> {
+        median(self.0?.values().copied().collect())
+    }
+
+    /// Median over rounds of the per-round ratio self / other (same round, same run).
+    fn ratio(&self, other: &Series<'_>) -> Option<f64> {
+        let (mine, theirs) = (self.0?, other.0?);
+        median(
+            mine.iter()
+                .filter_map(|(round, v)| theirs.get(round).map(|o| v / o))
+                .collect(),
+        )
+    }
+}
+
+fn series<'a>(
+    runs: &'a Runs,
+    lang: &str,
+    config: &str,
+    workload: &str,
+    metric: &str,
+) -> Series<'a> {
+    Series(runs.get(&(lang.into(), config.into(), workload.into(), metric.into())))
+}
+
+fn fmt(v: Option<f64>, digits: usize) -> String {
+    v.map_or("n/a".into(), |v| format!("{v:.digits$}"))
+}
+
+fn fmt_ratio(v: Option<f64>) -> String {
+    v.map_or("n/a".into(), |v| format!("{v:.2}x"))
+}
+
+/// A target on a ratio: at least (`true`) or at most (`false`) `bound`.
+fn verdict(v: Option<f64>, at_least: bool, bound: f64) -> String {
+    let sign = if at_least { "≥" } else { "≤" };
+    match v {
+        Some(v) if (at_least && v >= bound) || (!at_least && v <= bound) => {
+            format!("{sign} {bound} **met**")
+        }
+        Some(_) => format!("{sign} {bound} **missed**"),
+        None => format!("{sign} {bound} n/a"),
+    }
+}
+
+fn size_name(size: usize) -> String {
+    if size >= 1 << 20 {
+        format!("{} MiB", size >> 20)
+    } else {
+        format!("{} KiB", size >> 10)
+    }
+}
+
+pub fn write(input: &Path, out_dir: &Path) -> Res<()> {
+    let runs = load(input)?;
+    let rounds = runs
+        .values()
+        .flat_map(|r| r.keys().copied())
+        .collect::<std::collections::BTreeSet<_>>()
+        .len();
+    let rust = |c: &str, w: &str, m: &str| series(&runs, "rust", c, w, m);
+    let py = |w: &str, m: &str| series(&runs, "python", "default", w, m);
+    let mem = |w: &str| series(&runs, "memcpy", "1 thread", w, "gbps");
+
+    let mut md = String::new();
+    writeln!(md, "Medians over {rounds} rounds of one run; ratios are medians of per-round ratios (Rust and Python alternate A B A B).\n")?;
+    writeln!(md, "| workload | metric | Rust (crate default) | Python (API default) | Rust/Python | memcpy | Rust/memcpy | target |")?;
+    writeln!(md, "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")?;
+    let memcpy64 = mem("w1_write");
+    for (config, label, w, rust_target) in [
+        ("default", "W1 bulk WRITE 64 MiB", "w1_write", true),
+        ("default", "W1 bulk READ 64 MiB", "w1_read", true),
+        (
+            "split2",
+            "W1 WRITE, best: 2 requests, 2 polling threads",
+            "w1_write",
+            false,
+        ),
+        (
+            "split2",
+            "W1 READ, best: 2 requests, 2 polling threads",
+            "w1_read",
+            false,
+        ),
+    ] {
+        let r = rust(config, w, "gbps");
+        let p = py(w, "gbps");
+        let (vs_py, vs_mem) = (r.ratio(&p), r.ratio(&memcpy64));
+        let target = if rust_target {
+            format!("Rust/Python {}", verdict(vs_py, true, 1.4))
+        } else {
+            format!("Rust/memcpy {}", verdict(vs_mem, true, 1.2))
+        };
+        writeln!(
+            md,
+            "| {label} | GB/s | {} | {} | {} | {} | {} | {target} |",
+            fmt(r.median(), 2),
+            fmt(p.median(), 2),
+            fmt_ratio(vs_py),
+            fmt(memcpy64.median(), 2),
+            fmt_ratio(vs_mem),
+        )?;
+    }
+    let rows: [Row; 10] = [
+        (
+            "W2 kv-blocks fresh (1024 × 32 KiB READ)",
+            "w2_fresh",
+            "req_per_s",
+            "req/s",
+            Some((true, 1.5)),
+        ),
+        (
+            "W2 kv-blocks prepared",
+            "w2_prepared",
+            "req_per_s",
+            "req/s",
+            Some((true, 1.5)),
+        ),
+        ("W2 kv-blocks fresh", "w2_fresh", "gbps", "GB/s", None),
+        ("W2 kv-blocks prepared", "w2_prepared", "gbps", "GB/s", None),
+        (
+            "W3 small 4 KiB WRITE: create, post, wait, release",
+            "w3_small",
+            "us_per_iter",
+            "µs/iter",
+            Some((false, 0.33)),
+        ),
+        (
+            "W4 build 2 × 100,000 descriptors + request",
+            "w4_build",
+            "ms",
+            "ms",
+            Some((false, 1.0)),
+        ),
+        (
+            "CPU cost W1 WRITE",
+            "w1_write",
+            "cpu_s_per_gb",
+            "CPU s/GB",
+            None,
+        ),
+        (
+            "CPU cost W1 READ",
+            "w1_read",
+            "cpu_s_per_gb",
+            "CPU s/GB",
+            None,
+        ),
+        (
+            "CPU cost W2 fresh",
+            "w2_fresh",
+            "cpu_s_per_gb",
+            "CPU s/GB",
+            None,
+        ),
+        (
+            "CPU cost W2 prepared",
+            "w2_prepared",
+            "cpu_s_per_gb",
+            "CPU s/GB",
+            None,
+        ),
+    ];
+    for (label, w, m, unit, target) in rows {
+        let (r, p) = (rust("default", w, m), py(w, m));
+        let ratio = r.ratio(&p);
+        let target = target.map_or(String::new(), |(at_least, bound)| {
+            format!("Rust/Python {}", verdict(ratio, at_least, bound))
+        });
+        writeln!(
+            md,
+            "| {label} | {unit} | {} | {} | {} | | | {target} |",
+            fmt(r.median(), 3),
+            fmt(p.median(), 3),
+            fmt_ratio(ratio),
+        )?;
+    }
+    let (ri, pi) = (rust("default", "idle", "core_pct"), py("idle", "core_pct"));
+    let idle_target = match ri.median() {
+        Some(v) if v <= 5.0 => "Rust ≤ 5 % **met**",
+        Some(_) => "Rust ≤ 5 % **missed**",
+        None => "Rust ≤ 5 % n/a",
+    };
+    writeln!(
+        md,
+        "| Idle agent (UCX backend, no traffic) | % of a core | {} | {} | {} | | | {idle_target} |",
+        fmt(ri.median(), 2),
+        fmt(pi.median(), 2),
+        fmt_ratio(ri.ratio(&pi)),
+    )?;
+
+    writeln!(md, "\n**Alternative Rust configurations** (same run; ratios against the crate default and the Python default):\n")?;
+    writeln!(
+        md,
+        "| config | workload | metric | median | vs Rust default | vs Python default |"
+    )?;
+    writeln!(md, "| --- | --- | --- | ---: | ---: | ---: |")?;
+    for ((lang, config, w, m), values) in &runs {
+        if lang != "rust" || config == "default" {
+            continue;
+        }
+        let s = Series(Some(values));
+        writeln!(
+            md,
+            "| {config} | {w} | {m} | {} | {} | {} |",
+            fmt(s.median(), 3),
+            fmt_ratio(s.ratio(&rust("default", w, m))),
+            fmt_ratio(s.ratio(&py(w, m))),
+        )?;
+    }
+
+    writeln!(
+        md,
+        "\n**W4 breakdown** (ms, median run of each round, medians over rounds):\n"
+    )?;
+    writeln!(md, "| part | Rust | Python | Rust/Python |")?;
+    writeln!(md, "| --- | ---: | ---: | ---: |")?;
+    for (part, m) in [
+        ("local list", "local_ms"),
+        ("remote list", "remote_ms"),
+        ("create request", "create_ms"),
+        ("total", "ms"),
+    ] {
+        let (r, p) = (rust("default", "w4_build", m), py("w4_build", m));
+        writeln!(
+            md,
+            "| {part} | {} | {} | {} |",
+            fmt(r.median(), 3),
+            fmt(p.median(), 3),
+            fmt_ratio(r.ratio(&p))
+        )?;
+    }
+
+    writeln!(
+        md,
+        "\n**Size sweep** (one-descriptor WRITE, request reposted; GB/s):\n"
+    )?;
+    writeln!(
+        md,
+        "| size | Rust | Python | memcpy | Rust/Python | Rust/memcpy |"
+    )?;
+    writeln!(md, "| ---: | ---: | ---: | ---: | ---: | ---: |")?;
+    let mut lines: [Vec<(f64, f64)>; 3] = Default::default();
+    for size in SWEEP {
+        let w = format!("sweep_{size}");
+        let (r, p, m) = (rust("default", &w, "gbps"), py(&w, "gbps"), mem(&w));
+        writeln!(
+            md,
+            "| {} | {} | {} | {} | {} | {} |",
+            size_name(size),
+            fmt(r.median(), 2),
+            fmt(p.median(), 2),
+            fmt(m.median(), 2),
+            fmt_ratio(r.ratio(&p)),
+            fmt_ratio(r.ratio(&m)),
+        )?;
+        for (line, s) in lines.iter_mut().zip([r, p, m]) {
+            if let Some(v) = s.median() {
+                line.push((size as f64, v));
+            }
+        }
+    }
+    std::fs::create_dir_all(out_dir)?;
+    std::fs::write(out_dir.join("results.md"), &md)?;
+    plot(&out_dir.join("transfer.svg"), &lines)?;
+    println!("{md}");
+    Ok(())
+}
+
+fn plot(path: &Path, lines: &[Vec<(f64, f64)>; 3]) -> Res<()> {
+    let root = SVGBackend::new(path, (800, 500)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let top = lines.iter().flatten().map(|&(_, v)| v).fold(1.0, f64::max) * 1.15;
+    let (lo, hi) = (SWEEP[0] as f64, SWEEP[SWEEP.len() - 1] as f64);
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            "NIXL UCX DRAM transfer, one process, 2 agents: GB/s vs size",
+            ("sans-serif", 20),
+        )
+        .margin(15)
+        .x_label_area_size(40)
+        .y_label_area_size(55)
+        .build_cartesian_2d((lo * 0.8..hi * 1.25).log_scale(), 0.0..top)?;
+    chart
+        .configure_mesh()
+        .x_desc("transfer size (bytes, one descriptor)")
+        .y_desc("GB/s (median over rounds)")
+        .x_label_formatter(&|v| size_name(*v as usize))
+        .x_labels(SWEEP.len())
+        .draw()?;
+    let styles = [
+        ("Rust nixl crate (default config)", RED),
+        ("Python nixl_cu12 (default config)", BLUE),
+        ("memcpy, 1 thread", BLACK),
+    ];
+    for (points, (name, color)) in lines.iter().zip(styles) {
+        chart
+            .draw_series(LineSeries::new(
+                points.iter().copied(),
+                color.stroke_width(2),
+            ))?
+            .label(name)
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], color.stroke_width(2)));
+        chart.draw_series(points.iter().map(|&p| Circle::new(p, 3, color.filled())))?;
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()?;
+    root.present()?;
+    Ok(())
+}

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Benchmarks the nixl crate side by side with NIXL's official Python API and memcpy.
+#
+# Installs what it needs (scripts/setup.sh, then a venv with numpy and the pinned NIXL wheel,
+# --no-deps), builds benches/transfer.rs, runs the Rust and the Python benchmark alternately
+# (A B A B ...) for BENCH_ROUNDS rounds (default 5), and writes into bench/results/:
+#   transfer.jsonl  every figure of every round, one JSON object a line
+#   results.md      medians over rounds, ratios Rust/Python and Rust/memcpy from the same run
+#   transfer.svg    GB/s against transfer size for Rust, Python and memcpy
+# Honours an existing CARGO_TARGET_DIR; BENCH_VENV overrides the venv location.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+
+rounds=${BENCH_ROUNDS:-5}
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$root/target}
+export NIXL_LOG_LEVEL=${NIXL_LOG_LEVEL:-WARN}
+results=$root/bench/results
+wheel=$root/vendor/nixl/nixl_cu12-1.5.1-cp311-cp311-manylinux_2_28_x86_64.whl
+venv=${BENCH_VENV:-$CARGO_TARGET_DIR/bench-venv}
+
+scripts/setup.sh
+
+# The wheel is built for CPython 3.11; its Python package needs only numpy (torch is optional).
+if ! "$venv/bin/python" -c 'import numpy, nixl_cu12' 2>/dev/null; then
+    py=""
+    for candidate in python3.11 python3; do
+        if command -v "$candidate" >/dev/null &&
+            "$candidate" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
+            py=$candidate
+            break
+        fi
+    done
+    if [[ -z $py ]]; then
+        echo "bench: the pinned NIXL wheel needs CPython 3.11; install python3.11" >&2
+        exit 1
+    fi
+    echo "bench: creating $venv (numpy + the vendored NIXL wheel, --no-deps)" >&2
+    "$py" -m venv "$venv"
+    "$venv/bin/pip" install --quiet numpy
+    "$venv/bin/pip" install --quiet --no-deps "$wheel"
+fi
+
+echo "bench: building benches/transfer.rs (target dir $CARGO_TARGET_DIR)" >&2
+bin=$(cargo bench -p nixl-rs --bench transfer --no-run --message-format=json 2>/dev/null |
+    python3 -c 'import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "transfer" and m.get("executable"):
+        print(m["executable"])')
+if [[ -z $bin ]]; then
+    cargo bench -p nixl-rs --bench transfer --no-run
+    exit 1
+fi
+
+mkdir -p "$results"
+jsonl=$results/transfer.jsonl
+: >"$jsonl"
+start=$SECONDS
+for ((round = 1; round <= rounds; round++)); do
+    echo "bench: round $round/$rounds: Rust" >&2
+    "$bin" --round "$round" --json "$jsonl" 2>/dev/null
+    echo "bench: round $round/$rounds: Python" >&2
+    "$venv/bin/python" bench/python/transfer.py --round "$round" --json "$jsonl" 2>/dev/null
+done
+echo "bench: $rounds rounds in $((SECONDS - start)) s" >&2
+
+"$bin" report "$jsonl" "$results"
+cat <<EOF
+
+Setup: two agents A and B in one process, UCX defaults, DRAM (huge-page-backed buffers in both
+languages), agents created on core 1 (NIXL/UCX threads inherit it), measuring thread on core 0.
+Results: $results/{transfer.jsonl,results.md,transfer.svg}
+Reproduce everything:  scripts/bench.sh            (BENCH_ROUNDS=$rounds)
+One Rust round:        CARGO_TARGET_DIR=$CARGO_TARGET_DIR cargo bench -p nixl-rs --bench transfer
+One Python round:      $venv/bin/python bench/python/transfer.py
+EOF
