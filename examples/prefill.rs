@@ -1,0 +1,165 @@
+//! The prefill worker of the disaggregated-serving demo: holds a KV cache, announces each
+//! request's blocks to decode workers over a TCP side channel, and frees them when the NIXL
+//! notification of the decode worker's READ arrives.
+//!
+//! ```sh
+//! cargo run --release --example prefill -- --listen 127.0.0.1:7800 --sessions 1
+//! ```
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Parser;
+use nixl::kv_config::KvRole;
+use nixl_rs::cli::parse_size;
+use nixl_rs::config::{self, MetadataMode};
+use nixl_rs::kv_cache::{KvCache, KvLayout};
+use nixl_rs::prefill::{PrefillEvent, PrefillOptions, PrefillServer};
+use nixl_rs::stats::gb_per_s;
+
+/// Prefill worker: serves KV-cache blocks to decode workers through NIXL.
+#[derive(Debug, Parser)]
+#[command(version)]
+struct Args {
+    /// Side-channel address to listen on (port 0: any free port, printed at start).
+    #[arg(long, default_value = "127.0.0.1:7800")]
+    listen: SocketAddr,
+    /// vLLM's kv_transfer_config JSON (backends, kv_role, kv_buffer_device).
+    /// Default: NixlConnector, kv_producer, cpu buffers, backends ["UCX"].
+    #[arg(long)]
+    kv_transfer_config: Option<String>,
+    /// Platform device type from the platform registry.
+    /// Default: $NIXL_RS_PLATFORM, else auto-detected.
+    #[arg(long)]
+    platform: Option<String>,
+    /// Layers of the KV cache (one registered region each).
+    #[arg(long, default_value_t = 32)]
+    layers: usize,
+    /// Blocks per layer.
+    #[arg(long, default_value_t = 512)]
+    blocks: usize,
+    /// Bytes per block (suffixes K/KiB, M/MiB).
+    #[arg(long, default_value = "16KiB", value_parser = parse_size)]
+    block_size: usize,
+    /// How agent metadata is exchanged: side-channel or etcd.
+    #[arg(long, default_value_t = MetadataMode::SideChannel)]
+    metadata: MetadataMode,
+    /// etcd endpoints for --metadata etcd (sets NIXL_ETCD_ENDPOINTS).
+    #[arg(long)]
+    etcd_endpoints: Option<String>,
+    /// Exit after serving this many decode sessions (default: serve forever).
+    #[arg(long)]
+    sessions: Option<u64>,
+    /// Agent name (default: prefill-<pid>).
+    #[arg(long)]
+    name: Option<String>,
+    /// Seconds a new connection may take to complete its handshake.
+    #[arg(long, default_value_t = 10)]
+    handshake_timeout_s: u64,
+    /// Largest side-channel message accepted.
+    #[arg(long, default_value = "16MiB", value_parser = parse_size)]
+    max_frame: usize,
+    /// Fault injection: corrupt one byte of this request id after filling it.
+    #[arg(long, hide = true)]
+    corrupt_request: Option<u64>,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    if let Some(endpoints) = &args.etcd_endpoints {
+        config::set_etcd_endpoints(endpoints);
+    }
+    init_logging();
+    match run(&args) {
+        Ok(code) => code,
+        Err(err) => {
+            eprintln!("prefill: error: {err}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: &Args) -> nixl_rs::Result<ExitCode> {
+    let kv_config =
+        config::kv_transfer_config(args.kv_transfer_config.as_deref(), KvRole::Producer)?;
+    let platform = config::resolve_platform(args.platform.as_deref())?;
+    let name = args
+        .name
+        .clone()
+        .unwrap_or_else(|| format!("prefill-{}", std::process::id()));
+    let setup = config::nixl_setup(&name, &kv_config, platform.as_ref(), args.metadata)?;
+    let layout = KvLayout {
+        layers: args.layers,
+        blocks: args.blocks,
+        block_bytes: args.block_size,
+    };
+    let cache = KvCache::allocate(&setup, layout)?;
+    let backends: Vec<_> = setup
+        .backends()
+        .iter()
+        .map(|b| b.plugin().to_string())
+        .collect();
+    let options = PrefillOptions {
+        mode: args.metadata,
+        max_frame: args.max_frame,
+        handshake_timeout: Duration::from_secs(args.handshake_timeout_s),
+        max_sessions: args.sessions,
+        corrupt_request: args.corrupt_request,
+    };
+    let server = PrefillServer::bind(setup, cache, args.listen, options)?;
+    println!(
+        "prefill: agent {name} listening on {} ({} layers x {} blocks x {} bytes = {:.1} MiB, \
+         backends {backends:?}, platform {}, metadata via {})",
+        server.local_addr()?,
+        layout.layers,
+        layout.blocks,
+        layout.block_bytes,
+        layout.total_bytes() as f64 / (1 << 20) as f64,
+        platform.device_type(),
+        args.metadata,
+    );
+    let stats = server.serve(|event| match event {
+        PrefillEvent::SessionStarted {
+            peer,
+            decode_agent,
+            requests,
+        } => println!("prefill: session with {decode_agent} ({peer}): {requests} requests"),
+        PrefillEvent::SessionEnded(report) => match &report.outcome {
+            Ok(()) => println!(
+                "prefill: session with {} done: {}/{} requests, {:.1} MiB in {:.3} s ({:.2} GB/s)",
+                report.decode_agent,
+                report.requests_acked,
+                report.requests_wanted,
+                report.bytes as f64 / (1 << 20) as f64,
+                report.duration.as_secs_f64(),
+                gb_per_s(report.bytes, report.duration),
+            ),
+            Err(err) => eprintln!(
+                "prefill: session with {} ended early after {}/{} requests: {err}",
+                report.decode_agent, report.requests_acked, report.requests_wanted
+            ),
+        },
+        PrefillEvent::Rejected { peer, error } => {
+            eprintln!("prefill: rejected connection from {peer}: {error}")
+        }
+    })?;
+    println!(
+        "prefill summary: {} sessions ({} ended early), {} requests served, {} connections rejected",
+        stats.sessions, stats.failed_sessions, stats.requests, stats.rejected
+    );
+    Ok(if stats.failed_sessions == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}

@@ -1,0 +1,51 @@
+//! The one error type of the prefill/decode demo.
+
+use crate::framing::FrameError;
+
+/// Result alias used across the demo library.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can stop a prefill session or a decode run.
+#[non_exhaustive]
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A NIXL call failed.
+    #[error(transparent)]
+    Nixl(#[from] nixl::Error),
+    /// A socket or other I/O operation failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// A side-channel frame could not be read or written.
+    #[error("side channel: {0}")]
+    Frame(#[from] FrameError),
+    /// The peer sent a message that breaks the side-channel protocol.
+    #[error("side-channel protocol error: {0}")]
+    Protocol(String),
+    /// The peer refused the session and said why.
+    #[error("rejected by the peer: {0}")]
+    Rejected(String),
+    /// The peer went away before the work was done.
+    #[error("{0}")]
+    PeerGone(String),
+    /// Something did not happen in time.
+    #[error("timed out: {0}")]
+    Timeout(String),
+    /// Sizes, flags or configuration that cannot work.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+}
+
+impl Error {
+    /// An [`Error::Io`] with the operation that failed.
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        Error::Io {
+            context: context.into(),
+            source,
+        }
+    }
+}

@@ -1,0 +1,148 @@
+//! Run statistics: latency percentiles, throughput, and the decode summary.
+
+use std::fmt;
+use std::time::Duration;
+
+use crate::kv_cache::Mismatch;
+
+/// The `p`-th percentile (0..=100) of `samples` by nearest rank; `None` when empty.
+pub fn percentile(samples: &[Duration], p: f64) -> Option<Duration> {
+    if samples.is_empty() {
+        return None;
+    }
+    let mut sorted = samples.to_vec();
+    sorted.sort_unstable();
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    Some(sorted[rank.clamp(1, sorted.len()) - 1])
+}
+
+/// Decimal gigabytes per second.
+pub fn gb_per_s(bytes: u64, elapsed: Duration) -> f64 {
+    let secs = elapsed.as_secs_f64();
+    if secs > 0.0 {
+        bytes as f64 / secs / 1e9
+    } else {
+        0.0
+    }
+}
+
+/// Where a decode run stands; passed to the progress callback and kept in the summary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Progress {
+    /// Requests pulled and verified.
+    pub requests_done: u64,
+    /// Requests asked for.
+    pub requests_total: u64,
+    /// Blocks pulled (one block of one layer each).
+    pub blocks: u64,
+    /// Bytes pulled.
+    pub bytes: u64,
+    /// Time since the handshake finished.
+    pub elapsed: Duration,
+}
+
+impl fmt::Display for Progress {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "progress: {}/{} requests, {:.1} MiB, {:.2} GB/s",
+            self.requests_done,
+            self.requests_total,
+            self.bytes as f64 / (1 << 20) as f64,
+            gb_per_s(self.bytes, self.elapsed)
+        )
+    }
+}
+
+/// What a decode run did.
+#[derive(Debug, Clone)]
+pub struct DecodeSummary {
+    /// The prefill agent served by.
+    pub prefill_agent: String,
+    /// Totals at the end of the run.
+    pub progress: Progress,
+    /// Per-request latency: from the announcement to the last byte landing.
+    pub latencies: Vec<Duration>,
+    /// Every block that did not match the expected pattern.
+    pub mismatches: Vec<Mismatch>,
+}
+
+impl DecodeSummary {
+    /// Whether every byte of every request was right.
+    pub fn ok(&self) -> bool {
+        self.mismatches.is_empty() && self.progress.requests_done == self.progress.requests_total
+    }
+}
+
+/// Mismatches listed in full in the summary; the rest are counted.
+const MISMATCHES_SHOWN: usize = 5;
+
+impl fmt::Display for DecodeSummary {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let p = &self.progress;
+        let ms = |d: Option<Duration>| d.map_or(0.0, |d| d.as_secs_f64() * 1e3);
+        writeln!(f, "decode summary (prefill agent {})", self.prefill_agent)?;
+        writeln!(f, "  requests:  {}/{}", p.requests_done, p.requests_total)?;
+        writeln!(f, "  blocks:    {} (layer blocks pulled)", p.blocks)?;
+        writeln!(
+            f,
+            "  bytes:     {} ({:.1} MiB)",
+            p.bytes,
+            p.bytes as f64 / (1 << 20) as f64
+        )?;
+        writeln!(
+            f,
+            "  time:      {:.3} s, {:.2} GB/s",
+            p.elapsed.as_secs_f64(),
+            gb_per_s(p.bytes, p.elapsed)
+        )?;
+        writeln!(
+            f,
+            "  latency:   p50 {:.2} ms, p99 {:.2} ms (announce to data landed)",
+            ms(percentile(&self.latencies, 50.0)),
+            ms(percentile(&self.latencies, 99.0))
+        )?;
+        if self.mismatches.is_empty() {
+            write!(f, "  errors:    none, every byte verified")
+        } else {
+            write!(
+                f,
+                "  errors:    {} mismatching blocks",
+                self.mismatches.len()
+            )?;
+            for m in self.mismatches.iter().take(MISMATCHES_SHOWN) {
+                write!(f, "\n    {m}")?;
+            }
+            if self.mismatches.len() > MISMATCHES_SHOWN {
+                write!(
+                    f,
+                    "\n    ... and {} more",
+                    self.mismatches.len() - MISMATCHES_SHOWN
+                )?;
+            }
+            Ok(())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles() {
+        let ms = |v: u64| Duration::from_millis(v);
+        let samples: Vec<_> = (1..=100).rev().map(ms).collect();
+        assert_eq!(percentile(&samples, 50.0), Some(ms(50)));
+        assert_eq!(percentile(&samples, 99.0), Some(ms(99)));
+        assert_eq!(percentile(&samples, 100.0), Some(ms(100)));
+        assert_eq!(percentile(&[ms(7)], 99.0), Some(ms(7)));
+        assert_eq!(percentile(&[], 50.0), None);
+    }
+
+    #[test]
+    fn throughput() {
+        assert_eq!(gb_per_s(2_000_000_000, Duration::from_secs(2)), 1.0);
+        assert_eq!(gb_per_s(5, Duration::ZERO), 0.0);
+    }
+}
