@@ -1,7 +1,126 @@
 #!/usr/bin/env bash
-# Main job: for now the raw smoke transfer (two agents, 1 MiB WRITE over UCX, checked).
+# Main job: the prefill/decode KV-cache demo over real NIXL.
+#
+# Builds the `prefill` and `decode` examples in release, starts prefill on loopback, runs
+# decode against it (256 requests of 16 blocks x 32 layers x 16 KiB: 2 GiB pulled with NIXL
+# READs, every byte checked), then prints both sides' output and a verdict. Exits non-zero
+# if either side fails or any byte mismatches.
+#
+#   scripts/demo.sh                            # metadata inside the side channel
+#   scripts/demo.sh --etcd                     # metadata through a private etcd on loopback
+#   scripts/demo.sh -- --requests 32 --in-flight 8   # flags after -- go to decode
+#
+# Environment:
+#   CARGO_TARGET_DIR        where to build (default: target/)
+#   NIXL_DEMO_BIN_DIR       use the prefill/decode binaries in this directory, skip the build
+#   NIXL_DEMO_CACHE_ARGS    cache flags for both sides (e.g. "--layers 4 --blocks 64")
+#   NIXL_DEMO_LISTEN        prefill's side-channel address (default 127.0.0.1:0, any port)
+#   NIXL_DEMO_PREFILL_WRAP  words run before prefill (e.g. "ip netns exec ns env UCX_TLS=tcp")
+#   NIXL_DEMO_DECODE_WRAP   words run before decode
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 scripts/setup.sh
-cargo test --release --locked -p nixl-sys --test raw_smoke -- --nocapture
+
+use_etcd=0
+decode_args=(--requests 256)
+while [[ $# -gt 0 ]]; do
+    case $1 in
+        --etcd) use_etcd=1 ;;
+        --) shift; decode_args+=("$@"); break ;;
+        *) echo "usage: $0 [--etcd] [-- decode flags...]" >&2; exit 2 ;;
+    esac
+    shift
+done
+
+if [[ -n ${NIXL_DEMO_BIN_DIR:-} ]]; then
+    bin=$NIXL_DEMO_BIN_DIR
+else
+    cargo build --release --locked -p nixl-rs --example prefill --example decode
+    bin=${CARGO_TARGET_DIR:-$root/target}/release/examples
+fi
+
+read -r -a cache_args <<<"${NIXL_DEMO_CACHE_ARGS:-}"
+read -r -a prefill_wrap <<<"${NIXL_DEMO_PREFILL_WRAP:-}"
+read -r -a decode_wrap <<<"${NIXL_DEMO_DECODE_WRAP:-}"
+work=$(mktemp -d)
+prefill_pid='' etcd_pid=''
+cleanup() {
+    [[ -n $prefill_pid ]] && kill "$prefill_pid" 2>/dev/null || true
+    [[ -n $etcd_pid ]] && kill "$etcd_pid" 2>/dev/null || true
+    wait 2>/dev/null || true
+    rm -rf "$work"
+}
+trap cleanup EXIT
+
+free_port() {
+    python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+metadata_args=()
+if [[ $use_etcd == 1 ]]; then
+    client_port=$(free_port) peer_port=$(free_port)
+    etcd --name demo --data-dir "$work/etcd" \
+        --listen-client-urls "http://127.0.0.1:$client_port" \
+        --advertise-client-urls "http://127.0.0.1:$client_port" \
+        --listen-peer-urls "http://127.0.0.1:$peer_port" \
+        --initial-advertise-peer-urls "http://127.0.0.1:$peer_port" \
+        --initial-cluster "demo=http://127.0.0.1:$peer_port" >"$work/etcd.log" 2>&1 &
+    etcd_pid=$!
+    for _ in $(seq 100); do
+        if { exec 3<>"/dev/tcp/127.0.0.1/$client_port"; } 2>/dev/null; then
+            printf 'GET /health HTTP/1.0\r\n\r\n' >&3
+            health=$(cat <&3 || true)
+            exec 3<&-
+            [[ $health == *'"health":"true"'* ]] && break
+        fi
+        sleep 0.1
+    done
+    [[ ${health:-} == *'"health":"true"'* ]] || { echo "demo: etcd did not start:" >&2; cat "$work/etcd.log" >&2; exit 1; }
+    echo "demo: etcd on 127.0.0.1:$client_port"
+    metadata_args=(--metadata etcd --etcd-endpoints "http://127.0.0.1:$client_port")
+fi
+
+"${prefill_wrap[@]}" "$bin/prefill" --listen "${NIXL_DEMO_LISTEN:-127.0.0.1:0}" --sessions 1 \
+    "${cache_args[@]}" "${metadata_args[@]}" >"$work/prefill.log" 2>&1 &
+prefill_pid=$!
+addr=''
+for _ in $(seq 300); do
+    addr=$(sed -n 's/.* listening on \([^ ]*\) .*/\1/p' "$work/prefill.log")
+    [[ -n $addr ]] && break
+    kill -0 "$prefill_pid" 2>/dev/null || break
+    sleep 0.1
+done
+if [[ -z $addr ]]; then
+    echo "demo: prefill did not start:" >&2
+    cat "$work/prefill.log" >&2
+    exit 1
+fi
+
+start=$(date +%s.%N)
+decode_rc=0
+"${decode_wrap[@]}" "$bin/decode" --prefill "$addr" "${cache_args[@]}" "${metadata_args[@]}" \
+    "${decode_args[@]}" || decode_rc=$?
+
+prefill_rc=0
+for _ in $(seq 100); do
+    kill -0 "$prefill_pid" 2>/dev/null || break
+    sleep 0.1
+done
+if kill -0 "$prefill_pid" 2>/dev/null; then
+    echo "demo: prefill still running after decode ended; stopping it" >&2
+    kill "$prefill_pid"
+fi
+wait "$prefill_pid" || prefill_rc=$?
+prefill_pid=''
+elapsed=$(echo "$(date +%s.%N) - $start" | bc 2>/dev/null || echo '?')
+
+echo "--- prefill output"
+cat "$work/prefill.log"
+echo "---"
+if [[ $decode_rc == 0 && $prefill_rc == 0 ]]; then
+    echo "demo: PASSED (decode and prefill exited 0, ${elapsed}s after prefill was up)"
+else
+    echo "demo: FAILED (decode exit $decode_rc, prefill exit $prefill_rc)" >&2
+    exit 1
+fi
