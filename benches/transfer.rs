@@ -493,6 +493,38 @@ fn small(pair: &Pair, poll: Poll, seed: u64) -> Res<f64> {
     Ok(t0.elapsed().as_secs_f64() / SMALL_ITERS as f64 * 1e6)
 }
 
+/// W3's floors: the same 4 KiB WRITE with the request made once and reposted (post and wait
+/// only), and with a request made from prepared one-descriptor lists each iteration.
+/// Microseconds per iteration: (repost, prepared).
+fn small_floors(pair: &Pair) -> Res<(f64, f64)> {
+    let mut local = LocalDescList::new(MemType::Dram)?;
+    local.push_region(&pair.a_small, 0)?;
+    let remote_list =
+        RemoteDescList::from_descs(MemType::Dram, &[remote(&pair.b_small, 0, SMALL)])?;
+    let opts = XferOptions::new();
+    let mut req = pair
+        .a
+        .create_xfer_req(XferOp::Write, &local, &remote_list, "B", &opts)?;
+    post_wait(&mut req, Poll::Wait)?;
+    let t0 = Instant::now();
+    for _ in 0..SMALL_ITERS {
+        post_wait(&mut req, Poll::Wait)?;
+    }
+    let repost = t0.elapsed().as_secs_f64() / SMALL_ITERS as f64 * 1e6;
+    drop(req);
+    let pl = pair.a.prepare_local(&local, &[])?;
+    let pr = pair.a.prepare_remote("B", &remote_list, &[])?;
+    let t0 = Instant::now();
+    for _ in 0..SMALL_ITERS {
+        let mut req = pair
+            .a
+            .make_xfer_req(XferOp::Write, &pl, &[0], &pr, &[0], &opts)?;
+        post_wait(&mut req, Poll::Wait)?;
+    }
+    let prepared = t0.elapsed().as_secs_f64() / SMALL_ITERS as f64 * 1e6;
+    Ok((repost, prepared))
+}
+
 /// W4: local and remote lists of 100,000 descriptors of 64 B and a request (not posted).
 /// Returns the median run's (total, local list, remote list, create) in milliseconds.
 fn build(pair: &Pair) -> Res<[f64; 4]> {
@@ -549,8 +581,11 @@ fn memcpy(src: &HostBuffer, dst: &mut HostBuffer, size: usize, iters: usize) -> 
 }
 
 /// The floor of W4's list building through NIXL's C API, which adds one descriptor per call:
-/// an empty C list and 100,000 `nixl_capi_xfer_dlist_add_desc` calls, no checks. Milliseconds.
-fn raw_list_floor(base: usize) -> Res<f64> {
+/// a C list and 100,000 `nixl_capi_xfer_dlist_add_desc` calls, no checks. With `reserve`, the
+/// list's storage is reserved first (`nixl_capi_xfer_dlist_resize` to the final size, then
+/// `clear`, which keeps the capacity). Milliseconds.
+fn raw_list_floor(base: usize, reserve: bool) -> Res<f64> {
+    use nixl_sys::nixl_capi_status_t::NIXL_CAPI_SUCCESS as OK;
     let t0 = Instant::now();
     let mut list = std::ptr::null_mut();
     // SAFETY: out-pointer to a local.
@@ -560,19 +595,37 @@ fn raw_list_floor(base: usize) -> Res<f64> {
             &mut list,
         )
     };
-    if status != nixl_sys::nixl_capi_status_t::NIXL_CAPI_SUCCESS {
+    if status != OK {
         return Err("create raw descriptor list".into());
+    }
+    let mut ok = true;
+    if reserve {
+        // SAFETY: live list created above.
+        ok &= unsafe { nixl_sys::nixl_capi_xfer_dlist_resize(list, BUILD_DESCS) } == OK;
+        // SAFETY: as above.
+        ok &= unsafe { nixl_sys::nixl_capi_xfer_dlist_clear(list) } == OK;
     }
     for i in 0..BUILD_DESCS {
         // SAFETY: live list created above; NIXL only copies the numbers.
-        unsafe {
+        ok &= unsafe {
             nixl_sys::nixl_capi_xfer_dlist_add_desc(list, base + i * BUILD_STRIDE, BUILD_DESC, 0)
-        };
+        } == OK;
     }
     let ms = t0.elapsed().as_secs_f64() * 1e3;
     // SAFETY: created above, destroyed once, not used again.
     unsafe { nixl_sys::nixl_capi_destroy_xfer_dlist(list) };
-    Ok(ms)
+    if ok {
+        Ok(ms)
+    } else {
+        Err("raw descriptor list calls failed".into())
+    }
+}
+
+/// Median of `reps` runs of `f`.
+fn median_of(reps: usize, mut f: impl FnMut() -> Res<f64>) -> Res<f64> {
+    let mut runs = (0..reps).map(|_| f()).collect::<Res<Vec<f64>>>()?;
+    runs.sort_by(f64::total_cmp);
+    Ok(runs[runs.len() / 2])
 }
 
 fn sweep_iters(size: usize) -> usize {
@@ -662,6 +715,15 @@ fn run_round(out: &mut Output) -> Res<()> {
             out.emit("rust", "spin-poll", "w1_write", "gbps", gbps);
             let us = small(&pair, Poll::Spin, 11 + round)?;
             out.emit("rust", "spin-poll", "w3_small", "us_per_iter", us);
+            let (repost, prepared) = small_floors(&pair)?;
+            out.emit("rust", "repost only", "w3_small", "us_per_iter", repost);
+            out.emit(
+                "rust",
+                "prepared 1-desc",
+                "w3_small",
+                "us_per_iter",
+                prepared,
+            );
             let [total, local, remote_ms, create] = build(&pair)?;
             for (metric, value) in [
                 ("ms", total),
@@ -672,13 +734,10 @@ fn run_round(out: &mut Output) -> Res<()> {
                 out.emit("rust", name, "w4_build", metric, value);
             }
             let base = pair.b_build.regions()[0].addr;
-            out.emit(
-                "rust",
-                "raw C API floor",
-                "w4_build",
-                "local_ms",
-                raw_list_floor(base)?,
-            );
+            for (reserve, config) in [(false, "raw C API floor"), (true, "raw C API + reserve")] {
+                let ms = median_of(BUILD_REPS, || raw_list_floor(base, reserve))?;
+                out.emit("rust", config, "w4_build", "local_ms", ms);
+            }
         }
     }
 
