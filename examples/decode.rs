@@ -18,7 +18,7 @@ use nixl_rs::kv_cache::{KvCache, KvLayout};
 
 /// Decode worker: pulls KV-cache blocks from a prefill worker through NIXL.
 #[derive(Debug, Parser)]
-#[command(version)]
+#[command(version, args_override_self = true)]
 struct Args {
     /// Prefill's side-channel address.
     #[arg(long, default_value = "127.0.0.1:7800")]

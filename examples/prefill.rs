@@ -20,7 +20,7 @@ use nixl_rs::stats::gb_per_s;
 
 /// Prefill worker: serves KV-cache blocks to decode workers through NIXL.
 #[derive(Debug, Parser)]
-#[command(version)]
+#[command(version, args_override_self = true)]
 struct Args {
     /// Side-channel address to listen on (port 0: any free port, printed at start).
     #[arg(long, default_value = "127.0.0.1:7800")]

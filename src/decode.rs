@@ -61,6 +61,9 @@ impl DecodeOptions {
     }
 }
 
+/// Pause between polls of in-flight READs.
+const POLL_NAP: Duration = Duration::from_micros(50);
+
 /// Side-channel input, forwarded by the reader thread.
 enum Incoming {
     Message(Message),
@@ -317,7 +320,8 @@ fn pull_all(
                 }
             }
         } else {
-            thread::yield_now();
+            // Brief naps leave the cores to NIXL's progress thread and the prefill worker.
+            thread::sleep(POLL_NAP);
         }
     }
     Ok(DecodeSummary {
