@@ -40,7 +40,9 @@ impl ThreadSync {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AgentConfig {
     /// Run NIXL's progress thread, which advances transfers and receives notifications
-    /// in the background.
+    /// in the background. Without it, an agent that is the passive side of a transfer makes
+    /// progress only while one of its own calls polls (e.g. [`Agent::notifications`]), so a
+    /// peer's transfer into or out of its memory may not finish until then.
     pub progress_thread: bool,
     /// Sleep between progress-thread polls. Zero makes the thread spin a whole core.
     pub progress_delay: Duration,

@@ -12,7 +12,8 @@ use nixl_sys::nixl_capi_status_t as raw;
 pub enum Status {
     /// `-1`: an argument was rejected (null, malformed, out of range, wrong type).
     InvalidParam,
-    /// `-2`: a backend failed, or NIXL folded a more specific error into this one.
+    /// `-2`: a backend failed, or NIXL folded a more specific error into this one (NIXL 1.5.1
+    /// reports "no backend can serve this request" this way).
     Backend,
     /// `-3`: the object is in a state that does not allow the call.
     InvalidState,
@@ -20,7 +21,7 @@ pub enum Status {
     Exception,
     /// `-5`: telemetry was requested but is not enabled on the agent.
     NoTelemetry,
-    /// `-6`: not found: remote metadata not loaded, or no backend can serve the request.
+    /// `-6`: not found, e.g. no metadata of that remote agent is loaded.
     NotFound,
     /// A code this version of the crate does not know.
     Other(i32),
