@@ -1,0 +1,163 @@
+//! The prefill/decode demo as real processes on loopback: a full run with every byte
+//! checked, concurrent decode workers, detected corruption, refused geometry and
+//! configuration, and scripts/demo.sh itself.
+
+mod demo_support;
+
+use std::process::Command;
+
+use demo_support::{decode, examples_dir, run_decode, Prefill, Proc, CACHE_ARGS};
+
+const WORK: [&str; 6] = [
+    "--requests",
+    "20",
+    "--blocks-per-request",
+    "4",
+    "--in-flight",
+    "3",
+];
+
+#[test]
+fn loopback_run_checks_every_byte() {
+    let mut prefill = Prefill::start(&["--sessions", "1"]);
+    let (status, out) = run_decode(prefill.addr, &WORK);
+    assert!(status.success(), "decode failed:\n{out}");
+    assert!(out.contains("requests:  20/20"), "{out}");
+    // 20 requests x 4 blocks x 4 layers of 4 KiB.
+    assert!(out.contains("blocks:    320 "), "{out}");
+    assert!(out.contains("bytes:     1310720 "), "{out}");
+    assert!(out.contains("GB/s"), "{out}");
+    assert!(out.contains("p50") && out.contains("p99"), "{out}");
+    assert!(
+        out.contains("errors:    none, every byte verified"),
+        "{out}"
+    );
+    let status = prefill.proc.finish();
+    let pout = prefill.proc.output();
+    assert!(status.success(), "prefill failed:\n{pout}");
+    assert!(pout.contains("done: 20/20 requests"), "{pout}");
+    assert!(
+        pout.contains("1 sessions (0 ended early), 20 requests served"),
+        "{pout}"
+    );
+}
+
+#[test]
+fn concurrent_decodes_share_one_prefill() {
+    let mut prefill = Prefill::start(&["--sessions", "2"]);
+    let mut a = decode(prefill.addr, &WORK);
+    let mut b = decode(prefill.addr, &WORK);
+    for d in [&mut a, &mut b] {
+        let status = d.finish();
+        assert!(status.success(), "decode failed:\n{}", d.output());
+        assert!(d.output().contains("every byte verified"), "{}", d.output());
+    }
+    let status = prefill.proc.finish();
+    let pout = prefill.proc.output();
+    assert!(status.success(), "{pout}");
+    assert!(
+        pout.contains("2 sessions (0 ended early), 40 requests served"),
+        "{pout}"
+    );
+}
+
+#[test]
+fn corrupted_block_is_reported() {
+    let mut prefill = Prefill::start(&["--sessions", "1", "--corrupt-request", "3"]);
+    let (status, out) = run_decode(prefill.addr, &WORK);
+    assert!(!status.success(), "decode must fail on a mismatch:\n{out}");
+    assert!(out.contains("errors:    1 mismatching blocks"), "{out}");
+    assert!(out.contains("request 3 layer 0"), "{out}");
+    assert!(out.contains("first wrong byte at offset 0"), "{out}");
+    // Prefill served the session in full: the corruption is only in the data.
+    assert!(prefill.proc.finish().success(), "{}", prefill.proc.output());
+}
+
+#[test]
+fn mismatched_geometry_is_refused_and_prefill_keeps_serving() {
+    let mut prefill = Prefill::start(&["--sessions", "1"]);
+    let mut args = WORK.to_vec();
+    args.extend(["--block-size", "8KiB"]);
+    let (status, out) = run_decode(prefill.addr, &args);
+    assert!(!status.success(), "{out}");
+    assert!(out.contains("rejected by the peer"), "{out}");
+    assert!(out.contains("cache geometry differs"), "{out}");
+    let (status, out) = run_decode(prefill.addr, &WORK);
+    assert!(status.success(), "{out}");
+    assert!(prefill.proc.finish().success(), "{}", prefill.proc.output());
+    assert!(prefill.proc.output().contains("1 connections rejected"));
+}
+
+#[test]
+fn decode_cache_too_small_for_in_flight_is_a_config_error() {
+    let prefill = Prefill::start(&[]);
+    let (status, out) = run_decode(
+        prefill.addr,
+        &["--blocks-per-request", "32", "--in-flight", "4"],
+    );
+    assert!(!status.success(), "{out}");
+    assert!(
+        out.contains("need 128 blocks; the decode cache has 64"),
+        "{out}"
+    );
+}
+
+#[test]
+fn configured_backends_are_checked() {
+    let config = r#"{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_buffer_device":"cpu","kv_connector_extra_config":{"backends":["NO_SUCH_PLUGIN"]}}"#;
+    let mut args = vec!["--listen", "127.0.0.1:0", "--kv-transfer-config", config];
+    args.extend(CACHE_ARGS);
+    let mut prefill = Proc::example("prefill", &args);
+    let status = prefill.finish();
+    let out = prefill.output();
+    assert!(!status.success(), "{out}");
+    assert!(out.contains("\"NO_SUCH_PLUGIN\" is not available"), "{out}");
+    assert!(
+        out.contains("UCX"),
+        "the error lists the available plugins: {out}"
+    );
+
+    let consumer = r#"{"kv_role":"kv_consumer","kv_buffer_device":"cpu"}"#;
+    let mut args = vec!["--listen", "127.0.0.1:0", "--kv-transfer-config", consumer];
+    args.extend(CACHE_ARGS);
+    let mut prefill = Proc::example("prefill", &args);
+    assert!(!prefill.finish().success());
+    assert!(prefill.output().contains("this worker is a Producer"));
+}
+
+#[test]
+fn platform_flag_goes_through_the_registry() {
+    let mut args = vec!["--listen", "127.0.0.1:0", "--platform", "no-such-device"];
+    args.extend(CACHE_ARGS);
+    let mut prefill = Proc::example("prefill", &args);
+    assert!(!prefill.finish().success());
+    assert!(
+        prefill.output().contains("no-such-device"),
+        "{}",
+        prefill.output()
+    );
+
+    // TPU keeps its KV cache in host memory as far as NIXL is concerned: allowed.
+    let prefill = Prefill::start(&["--platform", "tpu", "--sessions", "1"]);
+    assert!(prefill.proc.output().contains("platform tpu"));
+    let (status, out) = run_decode(prefill.addr, &WORK);
+    assert!(status.success(), "{out}");
+}
+
+#[test]
+fn demo_script_passes() {
+    let out = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/demo.sh"))
+        .args(["--", "--requests", "12", "--blocks-per-request", "4"])
+        .env("NIXL_DEMO_BIN_DIR", examples_dir())
+        .env("NIXL_DEMO_CACHE_ARGS", CACHE_ARGS.join(" "))
+        .output()
+        .expect("run scripts/demo.sh");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("requests:  12/12"), "{text}");
+    assert!(text.contains("demo: PASSED"), "{text}");
+}

@@ -1,0 +1,321 @@
+//! Helpers of the prefill/decode demo tests: locating (and building) the example binaries,
+//! running them as processes with their output collected line by line, and a private etcd.
+//!
+//! Every demo test binary compiles this module and uses a different part of it.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Read};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// Upper bound for any wait in these tests; only a guard against hangs.
+pub const WAIT: Duration = Duration::from_secs(120);
+
+/// Small caches, so that many runs fit on two cores at once (also in debug builds).
+pub const CACHE_ARGS: [&str; 6] = ["--layers", "4", "--blocks", "64", "--block-size", "4KiB"];
+
+/// The directory holding the `prefill` and `decode` examples of this test's profile, built
+/// once per test process (`cargo test --test X` does not build examples by itself).
+pub fn examples_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        // The test runs as target/<profile>/deps/<name>-<hash>.
+        let exe = std::env::current_exe().expect("test executable path");
+        let profile_dir = exe
+            .parent()
+            .and_then(Path::parent)
+            .expect("target/<profile>/deps");
+        let target_dir = profile_dir.parent().expect("target directory");
+        let mut build = Command::new(env!("CARGO"));
+        build
+            .args(["build", "-p", "nixl-rs", "--example", "prefill"])
+            .args(["--example", "decode"])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .env("CARGO_TARGET_DIR", target_dir);
+        if profile_dir.file_name().is_some_and(|n| n == "release") {
+            build.arg("--release");
+        }
+        let status = build.status().expect("run cargo build for the examples");
+        assert!(status.success(), "building the examples failed: {status}");
+        profile_dir.join("examples")
+    })
+}
+
+/// Path of example `name`.
+pub fn example(name: &str) -> PathBuf {
+    examples_dir().join(name)
+}
+
+/// Output lines of a process, shared with the threads that read them.
+#[derive(Default)]
+struct Lines {
+    lines: Mutex<Vec<String>>,
+    changed: Condvar,
+}
+
+/// A child process whose stdout and stderr are collected line by line; killed when dropped.
+pub struct Proc {
+    name: String,
+    child: Child,
+    lines: Arc<Lines>,
+    status: Option<ExitStatus>,
+}
+
+impl Proc {
+    /// Starts `cmd` with its output piped.
+    pub fn spawn(name: &str, mut cmd: Command) -> Proc {
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = cmd
+            .spawn()
+            .unwrap_or_else(|err| panic!("start {name}: {err}"));
+        let lines = Arc::new(Lines::default());
+        let stdout = child.stdout.take().expect("stdout");
+        let stderr = child.stderr.take().expect("stderr");
+        collect(stdout, lines.clone());
+        collect(stderr, lines.clone());
+        Proc {
+            name: name.to_string(),
+            child,
+            lines,
+            status: None,
+        }
+    }
+
+    /// Starts example `example` with `args`.
+    pub fn example(example_name: &str, args: &[&str]) -> Proc {
+        let mut cmd = Command::new(example(example_name));
+        cmd.args(args);
+        Proc::spawn(example_name, cmd)
+    }
+
+    /// The process id.
+    pub fn id(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Everything printed so far.
+    pub fn output(&self) -> String {
+        self.lines.lines.lock().unwrap().join("\n")
+    }
+
+    /// Waits until a line satisfies `pred` and returns it; `None` after `timeout`.
+    pub fn wait_line(&self, timeout: Duration, pred: impl Fn(&str) -> bool) -> Option<String> {
+        let deadline = Instant::now() + timeout;
+        let mut lines = self.lines.lines.lock().unwrap();
+        loop {
+            if let Some(line) = lines.iter().find(|l| pred(l)) {
+                return Some(line.clone());
+            }
+            let left = deadline.checked_duration_since(Instant::now())?;
+            lines = self
+                .lines
+                .changed
+                .wait_timeout(lines, left.min(Duration::from_millis(100)))
+                .unwrap()
+                .0;
+        }
+    }
+
+    /// Like [`wait_line`](Self::wait_line), panicking with the output on timeout.
+    pub fn expect_line(&self, what: &str, pred: impl Fn(&str) -> bool) -> String {
+        self.wait_line(WAIT, pred).unwrap_or_else(|| {
+            panic!(
+                "{} never printed {what}; output:\n{}",
+                self.name,
+                self.output()
+            )
+        })
+    }
+
+    /// Waits for the process to exit; `None` after `timeout`.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.status {
+                return Some(status);
+            }
+            if let Some(status) = self.child.try_wait().expect("poll child") {
+                self.status = Some(status);
+                // Give the reader threads a moment to take the last lines.
+                std::thread::sleep(Duration::from_millis(50));
+                return Some(status);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Waits (bounded by [`WAIT`]) for the exit status, panicking with the output on timeout.
+    pub fn finish(&mut self) -> ExitStatus {
+        self.wait_exit(WAIT).unwrap_or_else(|| {
+            panic!(
+                "{} did not exit within {WAIT:?}; output:\n{}",
+                self.name,
+                self.output()
+            )
+        })
+    }
+
+    /// Whether the process is still running.
+    pub fn is_running(&mut self) -> bool {
+        self.status.is_none() && self.child.try_wait().expect("poll child").is_none()
+    }
+
+    /// Sends SIGKILL and reaps the process.
+    pub fn kill(&mut self) {
+        if self.status.is_none() {
+            let _ = self.child.kill();
+            self.status = self.child.wait().ok();
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn collect(stream: impl Read + Send + 'static, lines: Arc<Lines>) {
+    std::thread::spawn(move || {
+        for line in BufReader::new(stream).lines() {
+            let Ok(line) = line else { break };
+            lines.lines.lock().unwrap().push(line);
+            lines.changed.notify_all();
+        }
+    });
+}
+
+/// A prefill worker on a free loopback port.
+pub struct Prefill {
+    /// The process.
+    pub proc: Proc,
+    /// Its side-channel address.
+    pub addr: SocketAddr,
+}
+
+impl Prefill {
+    /// Starts prefill with the small cache and `extra` flags, and waits until it listens.
+    pub fn start(extra: &[&str]) -> Prefill {
+        let mut args = vec!["--listen", "127.0.0.1:0"];
+        args.extend(CACHE_ARGS);
+        args.extend(extra);
+        let proc = Proc::example("prefill", &args);
+        let line = proc.expect_line("its address", |l| l.contains(" listening on "));
+        let addr = line
+            .split(" listening on ")
+            .nth(1)
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|a| a.parse().ok())
+            .unwrap_or_else(|| panic!("no address in {line:?}"));
+        Prefill { proc, addr }
+    }
+}
+
+/// Starts decode against `prefill` with the small cache and `extra` flags.
+pub fn decode(prefill: SocketAddr, extra: &[&str]) -> Proc {
+    let addr = prefill.to_string();
+    let mut args = vec!["--prefill", addr.as_str()];
+    args.extend(CACHE_ARGS);
+    args.extend(extra);
+    Proc::example("decode", &args)
+}
+
+/// Runs decode to the end and returns its exit status and output.
+pub fn run_decode(prefill: SocketAddr, extra: &[&str]) -> (ExitStatus, String) {
+    let mut proc = decode(prefill, extra);
+    let status = proc.finish();
+    (status, proc.output())
+}
+
+/// A TCP port that was free a moment ago on 127.0.0.1.
+pub fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
+    listener.local_addr().expect("local address").port()
+}
+
+/// The path of a program on `PATH`.
+pub fn which(program: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|dir| dir.join(program))
+            .find(|p| p.is_file())
+    })
+}
+
+/// A private etcd server on loopback with a temporary data directory; killed when dropped.
+pub struct Etcd {
+    proc: Proc,
+    _data: tempfile::TempDir,
+    /// The client URL, for `--etcd-endpoints`.
+    pub endpoint: String,
+}
+
+impl Etcd {
+    /// Starts etcd on free ports, or says why it cannot.
+    pub fn start() -> Result<Etcd, String> {
+        let binary = which("etcd")
+            .ok_or("no etcd binary on PATH (Debian etcd-server; scripts/setup.sh installs it)")?;
+        let mut last = String::new();
+        // Another process may grab a port between choosing and binding it: retry a few times.
+        for _ in 0..3 {
+            let data = tempfile::tempdir().map_err(|e| e.to_string())?;
+            let (client, peer) = (free_port(), free_port());
+            let endpoint = format!("http://127.0.0.1:{client}");
+            let peer_url = format!("http://127.0.0.1:{peer}");
+            let mut cmd = Command::new(&binary);
+            cmd.arg("--name")
+                .arg("demo")
+                .arg("--data-dir")
+                .arg(data.path())
+                .args(["--listen-client-urls", &endpoint])
+                .args(["--advertise-client-urls", &endpoint])
+                .args(["--listen-peer-urls", &peer_url])
+                .args(["--initial-advertise-peer-urls", &peer_url])
+                .args(["--initial-cluster", &format!("demo={peer_url}")]);
+            let mut etcd = Etcd {
+                proc: Proc::spawn("etcd", cmd),
+                _data: data,
+                endpoint,
+            };
+            match etcd.wait_healthy(client) {
+                Ok(()) => return Ok(etcd),
+                Err(err) => last = err,
+            }
+            etcd.proc.kill();
+        }
+        Err(last)
+    }
+
+    fn wait_healthy(&mut self, port: u16) -> Result<(), String> {
+        use std::io::Write;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            if !self.proc.is_running() {
+                return Err(format!("etcd exited:\n{}", self.proc.output()));
+            }
+            if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+                let mut reply = String::new();
+                let asked = s.write_all(b"GET /health HTTP/1.0\r\n\r\n").is_ok();
+                if asked
+                    && s.read_to_string(&mut reply).is_ok()
+                    && reply.contains("\"health\":\"true\"")
+                {
+                    return Ok(());
+                }
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Err(format!(
+            "etcd not healthy on port {port}:\n{}",
+            self.proc.output()
+        ))
+    }
+}
