@@ -7,6 +7,7 @@
 //! ```
 
 use std::net::SocketAddr;
+use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
@@ -72,23 +73,20 @@ struct Args {
     max_frame: usize,
 }
 
-fn main() {
+fn main() -> ExitCode {
     let args = Args::parse();
     if let Some(endpoints) = &args.etcd_endpoints {
         config::set_etcd_endpoints(endpoints);
     }
     init_logging();
-    let code = match run(&args) {
-        Ok(true) => 0,
-        Ok(false) => 1,
+    match run(&args) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
         Err(err) => {
             eprintln!("decode: error: {err}");
-            1
+            ExitCode::FAILURE
         }
-    };
-    // Exit without tearing NIXL down: after a failure the agent may still hold connections
-    // to a dead prefill, and the OS reclaims everything anyway.
-    std::process::exit(code);
+    }
 }
 
 /// Runs the decode worker; `Ok(false)` when bytes mismatched.
@@ -131,7 +129,13 @@ fn run(args: &Args) -> nixl_rs::Result<bool> {
     );
     let summary = decode::run(&setup, &cache, &options, |progress| {
         println!("decode: {progress}");
-    })?;
+    })
+    .unwrap_or_else(|err| {
+        // Exit before the cache and agent are torn down: NIXL may still hold connections to
+        // a dead prefill, and the OS reclaims everything anyway.
+        eprintln!("decode: error: {err}");
+        std::process::exit(1)
+    });
     println!("{summary}");
     Ok(summary.ok())
 }

@@ -414,8 +414,9 @@ impl<'a> Session<'a> {
         tx: &mut side_channel::Sender,
         rx: &mut side_channel::Receiver,
     ) -> Result<(Hello, Route<'a>, mpsc::Receiver<SessionEvent>)> {
-        rx.set_timeout(Some(shared.options.handshake_timeout))?;
-        let hello = match rx.recv()? {
+        let timeout = shared.options.handshake_timeout;
+        rx.set_timeout(Some(timeout))?;
+        let hello = match rx.recv().map_err(|err| handshake_timeout(err, timeout))? {
             Message::Hello(hello) => hello,
             other => {
                 return Err(Error::Protocol(format!(
@@ -584,6 +585,21 @@ impl<'a> Session<'a> {
         self.acked
             .saturating_mul(u64::from(self.hello.blocks_per_request))
             .saturating_mul((l.layers * l.block_bytes) as u64)
+    }
+}
+
+/// Turns a read timeout while waiting for the Hello into [`Error::Timeout`].
+fn handshake_timeout(err: Error, timeout: Duration) -> Error {
+    match err {
+        Error::Frame(FrameError::Io(io))
+            if matches!(
+                io.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) =>
+        {
+            Error::Timeout(format!("no Hello within {timeout:?}"))
+        }
+        other => other,
     }
 }
 

@@ -1,0 +1,205 @@
+//! Faults around the prefill/decode demo: a prefill that dies mid-run, a decode that dies
+//! mid-run, and garbage, truncated, oversized or silent clients on prefill's side channel.
+
+mod demo_support;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+use demo_support::{decode, run_decode, Prefill, WAIT};
+use nixl_rs::framing::read_frame;
+use nixl_rs::side_channel::{Hello, Message, PROTOCOL_VERSION};
+
+/// Enough requests that a run is still going when the test interferes.
+const ENDLESS: [&str; 10] = [
+    "--requests",
+    "100000000",
+    "--blocks-per-request",
+    "4",
+    "--in-flight",
+    "3",
+    "--progress-interval-ms",
+    "100",
+    "--connect-timeout-s",
+    "60",
+];
+
+const WORK: [&str; 4] = ["--requests", "10", "--blocks-per-request", "4"];
+
+/// The number of requests done in a decode progress line.
+fn requests_done(line: &str) -> u64 {
+    line.split("progress: ")
+        .nth(1)
+        .and_then(|rest| rest.split('/').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+#[test]
+fn killed_prefill_is_reported_within_5_seconds() {
+    let mut prefill = Prefill::start(&[]);
+    let mut decode = decode(prefill.addr, &ENDLESS);
+    decode.expect_line("progress", |l| requests_done(l) > 0);
+    prefill.proc.kill();
+    let killed = Instant::now();
+    let status = decode.wait_exit(Duration::from_secs(5)).unwrap_or_else(|| {
+        panic!(
+            "decode still running 5 s after prefill died:\n{}",
+            decode.output()
+        )
+    });
+    let waited = killed.elapsed();
+    let out = decode.output();
+    assert!(!status.success(), "{out}");
+    assert!(waited <= Duration::from_secs(5), "took {waited:?}");
+    let error = out
+        .lines()
+        .find(|l| l.starts_with("decode: error:"))
+        .unwrap_or_else(|| panic!("no error line:\n{out}"));
+    assert!(error.contains("prefill"), "{error}");
+    assert!(
+        error.contains("died") || error.contains("failed") || error.contains("lost"),
+        "{error}"
+    );
+}
+
+#[test]
+fn killed_decode_leaves_prefill_serving() {
+    let mut prefill = Prefill::start(&[]);
+    let mut doomed = decode(prefill.addr, &ENDLESS);
+    doomed.expect_line("progress", |l| requests_done(l) > 0);
+    doomed.kill();
+    prefill
+        .proc
+        .expect_line("the ended session", |l| l.contains("ended early"));
+    assert!(prefill.proc.is_running(), "{}", prefill.proc.output());
+
+    // Its blocks went back to the pool: a new decode gets the whole cache.
+    let (status, out) = run_decode(
+        prefill.addr,
+        &[
+            "--requests",
+            "10",
+            "--blocks-per-request",
+            "16",
+            "--in-flight",
+            "4",
+        ],
+    );
+    assert!(status.success(), "{out}");
+    assert!(out.contains("every byte verified"), "{out}");
+    prefill
+        .proc
+        .expect_line("the second session", |l| l.contains("done: 10/10 requests"));
+    assert!(prefill.proc.is_running());
+}
+
+/// Connects, sends `bytes`, optionally half-closes, and returns prefill's reply frames.
+fn poke(addr: SocketAddr, bytes: &[u8], close_write: bool) -> Vec<Message> {
+    let mut s = TcpStream::connect(addr).expect("connect to prefill");
+    s.set_read_timeout(Some(WAIT)).unwrap();
+    s.write_all(bytes).expect("send");
+    if close_write {
+        s.shutdown(std::net::Shutdown::Write).unwrap();
+    }
+    let mut replies = Vec::new();
+    let mut buf = Vec::new();
+    let _ = s.read_to_end(&mut buf);
+    let mut r = buf.as_slice();
+    while let Ok(body) = read_frame(&mut r, 1 << 20) {
+        replies.push(Message::decode(&body).expect("prefill's reply parses"));
+    }
+    replies
+}
+
+fn frame(body: &[u8]) -> Vec<u8> {
+    let mut f = (body.len() as u32).to_be_bytes().to_vec();
+    f.extend_from_slice(body);
+    f
+}
+
+fn refusal(replies: &[Message]) -> &str {
+    match replies {
+        [Message::Error { message }] => message,
+        other => panic!("expected one Error reply, got {other:?}"),
+    }
+}
+
+#[test]
+fn bad_side_channel_input_is_rejected_without_harm() {
+    let mut prefill = Prefill::start(&["--max-frame", "64KiB", "--handshake-timeout-s", "2"]);
+    let addr = prefill.addr;
+
+    // Garbage: an HTTP request reads as a 1.2 GB length prefix.
+    let replies = poke(addr, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", true);
+    assert!(
+        refusal(&replies).contains("exceeds the limit"),
+        "{replies:?}"
+    );
+
+    // Oversized: one byte over the limit, and the largest length there is.
+    let replies = poke(addr, &(64u32 * 1024 + 1).to_be_bytes(), true);
+    assert!(refusal(&replies).contains("exceeds the limit of 65536"));
+    let replies = poke(addr, &u32::MAX.to_be_bytes(), true);
+    assert!(refusal(&replies).contains("exceeds the limit"));
+
+    // Truncated: a header cut short, and a body cut short.
+    let replies = poke(addr, &[0, 0], true);
+    assert!(refusal(&replies).contains("truncated"));
+    let replies = poke(addr, &[0, 0, 0, 100, 1, 2, 3], true);
+    assert!(refusal(&replies).contains("truncated frame: expected 100 bytes, got 3"));
+
+    // Well framed, but not a message, or not the expected one.
+    let replies = poke(addr, &frame(&[99, 1, 2]), true);
+    assert!(refusal(&replies).contains("unknown message tag 99"));
+    let replies = poke(
+        addr,
+        &frame(&Message::Complete { requests: 1 }.encode()),
+        true,
+    );
+    assert!(refusal(&replies).contains("expected Hello"));
+    let mut hello = Message::Hello(Hello {
+        version: PROTOCOL_VERSION,
+        agent: "intruder".into(),
+        metadata: vec![0xde, 0xad, 0xbe, 0xef],
+        layers: 4,
+        block_bytes: 4096,
+        requests: 1,
+        blocks_per_request: 1,
+        in_flight: 1,
+    })
+    .encode();
+    let replies = poke(addr, &frame(&hello), true);
+    assert!(
+        refusal(&replies).contains("load remote metadata"),
+        "garbage metadata: {replies:?}"
+    );
+    hello.truncate(hello.len() - 3);
+    let replies = poke(addr, &frame(&hello), true);
+    assert!(refusal(&replies).contains("cut short"), "{replies:?}");
+
+    // Silent: connects and says nothing until the handshake timeout.
+    let replies = poke(addr, &[], false);
+    assert!(
+        refusal(&replies).contains("timed out: no Hello within 2s"),
+        "{replies:?}"
+    );
+
+    // Connects and leaves at once.
+    drop(TcpStream::connect(addr).unwrap());
+
+    let (status, out) = run_decode(addr, &WORK);
+    assert!(status.success(), "prefill must still serve:\n{out}");
+    assert!(prefill.proc.is_running());
+    prefill.proc.expect_line("the last rejection", |l| {
+        l.contains("the peer closed the connection")
+    });
+    let rejected = prefill
+        .proc
+        .output()
+        .lines()
+        .filter(|l| l.starts_with("prefill: rejected connection"))
+        .count();
+    assert_eq!(rejected, 11, "{}", prefill.proc.output());
+}
