@@ -24,8 +24,8 @@ use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
 use nixl::{
-    Agent, AgentConfig, HostBuffer, LocalDescList, MemType, Registration, RemoteDescList, XferDesc,
-    XferOp, XferOptions, XferRequest, XferStatus,
+    Agent, AgentConfig, HostBuffer, LocalDescList, MemType, Registration, RemoteDescList,
+    ThreadSync, XferDesc, XferOp, XferOptions, XferRequest, XferStatus,
 };
 
 const KIB: usize = 1 << 10;
@@ -243,7 +243,7 @@ struct Pair {
     b_small: Registration<'static>,
     a_build: Registration<'static>,
     b_build: Registration<'static>,
-    _b: Agent,
+    b: Agent,
 }
 
 impl Pair {
@@ -280,9 +280,9 @@ impl Pair {
             a_build: reg(&a, BUILD_DESCS * BUILD_STRIDE)?,
             b_build: reg(&b, BUILD_DESCS * BUILD_STRIDE)?,
             a,
-            _b: b,
+            b,
         };
-        pair.a.load_remote_metadata(&pair._b.local_metadata()?)?;
+        pair.a.load_remote_metadata(&pair.b.local_metadata()?)?;
         pin(MEASURE_CORE)?;
         Ok(pair)
     }
@@ -644,6 +644,15 @@ fn run_round(out: &mut Output) -> Res<()> {
         ..AgentConfig::default()
     };
 
+    let sync_none = AgentConfig {
+        thread_sync: ThreadSync::None,
+        ..AgentConfig::default()
+    };
+    let python_like = AgentConfig {
+        progress_delay: Duration::ZERO,
+        ..sync_none.clone()
+    };
+
     out.emit("rust", "default", "idle", "core_pct", idle(&default, IDLE)?);
     out.emit("rust", "delay0", "idle", "core_pct", idle(&delay0, IDLE)?);
 
@@ -739,6 +748,22 @@ fn run_round(out: &mut Output) -> Res<()> {
                 out.emit("rust", config, "w4_build", "local_ms", ms);
             }
         }
+    }
+
+    // NIXL's locking off (the Python API's default), with the crate's 1 ms progress delay
+    // and with the Python API's zero delay (its whole default configuration).
+    for (config, name) in [
+        (&sync_none, "sync-none"),
+        (&python_like, "sync-none+delay0"),
+    ] {
+        let pair = Pair::new(config, false)?;
+        for (op, w, seed) in [(XferOp::Write, "w1_write", 5), (XferOp::Read, "w1_read", 6)] {
+            let (gbps, cpu) = bulk(&pair, op, BULK, BULK_ITERS, Poll::Wait, seed + round)?;
+            out.emit("rust", name, w, "gbps", gbps);
+            out.emit("rust", name, w, "cpu_s_per_gb", cpu);
+        }
+        let us = small(&pair, Poll::Wait, 11 + round)?;
+        out.emit("rust", name, "w3_small", "us_per_iter", us);
     }
 
     // NIXL Python's progress-thread setting (zero delay) on both agents.

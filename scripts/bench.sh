@@ -7,6 +7,7 @@
 #   transfer.jsonl  every figure of every round, one JSON object a line
 #   results.md      medians over rounds, ratios Rust/Python and Rust/memcpy from the same run
 #   transfer.svg    GB/s against transfer size for Rust, Python and memcpy
+#   transfer.log    what each benchmark printed: its figures and the command reproducing them
 # Honours an existing CARGO_TARGET_DIR; BENCH_VENV overrides the venv location.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -56,12 +57,14 @@ fi
 mkdir -p "$results"
 jsonl=$results/transfer.jsonl
 : >"$jsonl"
+log=$results/transfer.log
+: >"$log"
 start=$SECONDS
 for ((round = 1; round <= rounds; round++)); do
     echo "bench: round $round/$rounds: Rust" >&2
-    "$bin" --round "$round" --json "$jsonl" 2>/dev/null
+    "$bin" --round "$round" --json "$jsonl" 2>>"$log"
     echo "bench: round $round/$rounds: Python" >&2
-    "$venv/bin/python" bench/python/transfer.py --round "$round" --json "$jsonl" 2>/dev/null
+    "$venv/bin/python" bench/python/transfer.py --round "$round" --json "$jsonl" 2>>"$log"
 done
 echo "bench: $rounds rounds in $((SECONDS - start)) s" >&2
 
@@ -70,7 +73,7 @@ cat <<EOF
 
 Setup: two agents A and B in one process, UCX defaults, DRAM (huge-page-backed buffers in both
 languages), agents created on core 1 (NIXL/UCX threads inherit it), measuring thread on core 0.
-Results: $results/{transfer.jsonl,results.md,transfer.svg}
+Results: $results/{transfer.jsonl,results.md,transfer.svg,transfer.log}
 Reproduce everything:  scripts/bench.sh            (BENCH_ROUNDS=$rounds)
 One Rust round:        CARGO_TARGET_DIR=$CARGO_TARGET_DIR cargo bench -p nixl-rs --bench transfer
 One Python round:      $venv/bin/python bench/python/transfer.py

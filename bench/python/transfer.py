@@ -153,8 +153,8 @@ class Pair:
 
 
 def bulk(args, pair, size, iters, op, workload, seed):
-    a, src_dst = pair.a, (pair.a_bulk[:size], pair.b_bulk[:size])
-    local, remote = src_dst
+    a = pair.a
+    local, remote = pair.a_bulk[:size], pair.b_bulk[:size]
     local_d = descs(a, addr(local), np.array([0]), size)
     remote_d = descs(a, addr(remote), np.array([0]), size)
     handle = a.initialize_xfer(op, local_d, remote_d, "B")
