@@ -19,6 +19,8 @@
 //!
 //! The libraries themselves are `nixl-sys` (raw bindings) and `nixl` (the safe API).
 
+#![warn(missing_docs)]
+
 pub mod block_pool;
 pub mod cli;
 pub mod codec;

@@ -191,7 +191,7 @@ impl PrefillServer {
     /// (forever without a limit), reporting every session and refused connection.
     ///
     /// # Errors
-    /// [`Error::Io`] when the listener fails.
+    /// [`Error::Io`] when the listener cannot be set up or a helper thread cannot start.
     pub fn serve(self, mut on_event: impl FnMut(PrefillEvent)) -> Result<ServeStats> {
         self.listener
             .set_nonblocking(true)
@@ -207,14 +207,14 @@ impl PrefillServer {
         let (events_tx, events) = mpsc::channel();
         let mut stats = ServeStats::default();
         let mut ended = 0;
-        let result = loop {
+        loop {
             let limit_reached = self
                 .shared
                 .options
                 .max_sessions
                 .is_some_and(|max| stats.sessions >= max);
             if limit_reached && ended >= stats.sessions {
-                break Ok(());
+                break;
             }
             let mut busy = false;
             if !limit_reached {
@@ -230,7 +230,8 @@ impl PrefillServer {
                         }
                     }
                     Err(err) if err.kind() == std::io::ErrorKind::WouldBlock => {}
-                    Err(err) => break Err(Error::io("accept a side-channel connection", err)),
+                    // Aborted handshakes, descriptor exhaustion: keep serving the others.
+                    Err(err) => tracing::warn!(%err, "accepting a side-channel connection failed"),
                 }
             }
             while let Ok(event) = events.try_recv() {
@@ -249,7 +250,7 @@ impl PrefillServer {
             if !busy {
                 thread::sleep(Duration::from_millis(10));
             }
-        };
+        }
         stop.store(true, Ordering::Relaxed);
         if pump.join().is_err() {
             tracing::error!("the notification thread panicked");
@@ -264,7 +265,7 @@ impl PrefillServer {
                 tracing::warn!(%err, "could not withdraw the metadata from etcd");
             }
         }
-        result.map(|()| stats)
+        Ok(stats)
     }
 }
 
