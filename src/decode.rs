@@ -98,7 +98,7 @@ impl Drop for Pulls {
         for pull in self.0.drain(..) {
             if pull.xfer.is_in_flight() {
                 tracing::warn!(request = pull.request, "abandoning an unfinished READ");
-                std::mem::forget(pull.xfer);
+                pull.xfer.abandon();
             }
         }
     }

@@ -839,3 +839,40 @@ fn vram_without_a_gpu() {
     }
     assert_pair_works(&pair, 21);
 }
+
+#[test]
+fn abandoning_an_in_flight_request_keeps_its_memory_registered() {
+    let pair = stalled_pair("abandon");
+    let src = pair
+        .a
+        .register_memory(pattern(1 << 20, 64), &[&pair.ucx_a])
+        .unwrap();
+    let dst = pair
+        .b
+        .register_memory(vec![0u8; 1 << 20], &[&pair.ucx_b])
+        .unwrap();
+    pair.exchange();
+    let mut req = pair
+        .a
+        .create_xfer_req(
+            XferOp::Write,
+            &local_whole(&src),
+            &remote_whole(&dst),
+            pair.b.name(),
+            &XferOptions::new(),
+        )
+        .unwrap();
+    if req.post().unwrap() == XferStatus::Done {
+        eprintln!("the first transfer finished at post; nothing in flight to abandon");
+        return;
+    }
+    // Returns at once instead of waiting; the request's hold on `src` is leaked with it.
+    req.abandon();
+    match src.deregister() {
+        Err(Error::RegistrationInUse { users: 1 }) => {}
+        other => {
+            panic!("expected the abandoned request to keep the memory registered, got {other:?}")
+        }
+    }
+    pair.b.notifications().unwrap();
+}

@@ -416,6 +416,28 @@ impl<'m> XferRequest<'m> {
         })
     }
 
+    /// Gives up on the request without waiting: if it is still in flight, the request and
+    /// the memory it holds are leaked (never freed under a transfer that may still land);
+    /// otherwise it is released as on drop.
+    ///
+    /// Use it when the peer is known to be gone, where dropping would wait up to 30 s.
+    pub fn abandon(mut self) {
+        if self.in_flight {
+            tracing::warn!(
+                agent = %self.agent.name, remote = %self.remote_agent,
+                "abandoning an in-flight request: leaking it and its memory"
+            );
+            self.leak();
+            std::mem::forget(self);
+        }
+    }
+
+    /// Drops the holds on memory without releasing it (used where NIXL may still write).
+    fn leak(&mut self) {
+        std::mem::forget(std::mem::take(&mut self.keep));
+        std::mem::forget(std::mem::take(&mut self.prepared));
+    }
+
     /// Waits for an in-flight request before it is released (see the type's docs).
     fn settle(&mut self) -> bool {
         let start = Instant::now();
@@ -449,8 +471,7 @@ impl Drop for XferRequest<'_> {
                 agent = %self.agent.name, remote = %self.remote_agent,
                 "request still in flight after {DROP_WAIT:?}; leaking it and its memory rather than freeing memory under a transfer"
             );
-            std::mem::forget(std::mem::take(&mut self.keep));
-            std::mem::forget(std::mem::take(&mut self.prepared));
+            self.leak();
             return;
         }
         // SAFETY: live agent and request, not in flight.
@@ -459,8 +480,7 @@ impl Drop for XferRequest<'_> {
             .with(|agent| unsafe { sys::nixl_capi_release_xfer_req(agent, self.raw) });
         if let Err(err) = check(released, "release transfer request") {
             tracing::error!(agent = %self.agent.name, %err, "release failed; leaking the request and its memory");
-            std::mem::forget(std::mem::take(&mut self.keep));
-            std::mem::forget(std::mem::take(&mut self.prepared));
+            self.leak();
             return;
         }
         // SAFETY: released above; frees the wrapper once.
