@@ -3,7 +3,7 @@
 #
 # Installs what it needs (scripts/setup.sh, then a venv with numpy and the pinned NIXL wheel,
 # --no-deps), builds benches/transfer.rs, runs the Rust and the Python benchmark alternately
-# (A B A B ...) for BENCH_ROUNDS rounds (default 5), and writes into bench/results/:
+# (A B A B ...) for BENCH_ROUNDS rounds (default 6), and writes into bench/results/:
 #   transfer.jsonl  every figure of every round, one JSON object a line
 #   results.md      medians over rounds, ratios Rust/Python and Rust/memcpy from the same run
 #   transfer.svg    GB/s against transfer size for Rust, Python and memcpy
@@ -13,7 +13,7 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 
-rounds=${BENCH_ROUNDS:-5}
+rounds=${BENCH_ROUNDS:-6}
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$root/target}
 export NIXL_LOG_LEVEL=${NIXL_LOG_LEVEL:-WARN}
 results=$root/bench/results

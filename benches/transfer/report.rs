@@ -336,8 +336,11 @@ pub fn write(input: &Path, out_dir: &Path) -> Res<()> {
 fn plot(path: &Path, lines: &[Vec<(f64, f64)>; 3]) -> Res<()> {
     let root = SVGBackend::new(path, (800, 500)).into_drawing_area();
     root.fill(&WHITE)?;
-    let top = lines.iter().flatten().map(|&(_, v)| v).fold(1.0, f64::max) * 1.15;
+    let values = lines.iter().flatten().map(|&(_, v)| v);
+    let top = values.clone().fold(1.0, f64::max) * 1.5;
+    let bottom = values.fold(top, f64::min).min(1.0) / 1.5;
     let (lo, hi) = (SWEEP[0] as f64, SWEEP[SWEEP.len() - 1] as f64);
+    let sizes: Vec<f64> = SWEEP.iter().map(|&s| s as f64).collect();
     let mut chart = ChartBuilder::on(&root)
         .caption(
             "NIXL UCX DRAM transfer, one process, 2 agents: GB/s vs size",
@@ -346,11 +349,14 @@ fn plot(path: &Path, lines: &[Vec<(f64, f64)>; 3]) -> Res<()> {
         .margin(15)
         .x_label_area_size(40)
         .y_label_area_size(55)
-        .build_cartesian_2d((lo * 0.8..hi * 1.25).log_scale(), 0.0..top)?;
+        .build_cartesian_2d(
+            (lo * 0.8..hi * 1.25).log_scale().with_key_points(sizes),
+            (bottom..top).log_scale(),
+        )?;
     chart
         .configure_mesh()
-        .x_desc("transfer size (bytes, one descriptor)")
-        .y_desc("GB/s (median over rounds)")
+        .x_desc("transfer size (one descriptor, WRITE A -> B)")
+        .y_desc("GB/s, log scale (median over rounds)")
         .x_label_formatter(&|v| size_name(*v as usize))
         .x_labels(SWEEP.len())
         .draw()?;
