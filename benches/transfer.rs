@@ -628,6 +628,38 @@ fn median_of(reps: usize, mut f: impl FnMut() -> Res<f64>) -> Res<f64> {
     Ok(runs[runs.len() / 2])
 }
 
+/// Two threads (cores 0 and 1) each copying one half of `size` bytes, `iters` times in step:
+/// the ceiling of any split of W1 into two parallel copies on this machine. GB/s.
+fn memcpy2(src: &HostBuffer, dst: &mut HostBuffer, size: usize, iters: usize) -> Res<f64> {
+    let half = size / 2;
+    let (src0, src1) = src[..size].split_at(half);
+    let (dst0, dst1) = dst[..size].split_at_mut(half);
+    let (start, done) = (Barrier::new(2), Barrier::new(2));
+    let mut t0 = Instant::now();
+    std::thread::scope(|s| -> Res<()> {
+        let helper = s.spawn(|| -> Result<(), String> {
+            pin(AGENT_CORE).map_err(|e| e.to_string())?;
+            for _ in 0..=iters {
+                start.wait();
+                dst1.copy_from_slice(std::hint::black_box(src1));
+                done.wait();
+            }
+            Ok(())
+        });
+        for i in 0..=iters {
+            if i == 1 {
+                t0 = Instant::now();
+            }
+            start.wait();
+            dst0.copy_from_slice(std::hint::black_box(src0));
+            done.wait();
+        }
+        helper.join().map_err(|_| "memcpy helper panicked")??;
+        Ok(())
+    })?;
+    Ok((size * iters) as f64 / 1e9 / t0.elapsed().as_secs_f64())
+}
+
 fn sweep_iters(size: usize) -> usize {
     (256 * MIB / size).clamp(BULK_ITERS, SMALL_ITERS)
 }
@@ -666,6 +698,8 @@ fn run_round(out: &mut Output) -> Res<()> {
     }
     let gbps = memcpy(&src, &mut dst, BULK, BULK_ITERS);
     out.emit("memcpy", "1 thread", "w1_write", "gbps", gbps);
+    let gbps = memcpy2(&src, &mut dst, BULK, BULK_ITERS)?;
+    out.emit("memcpy", "2 threads", "w1_write", "gbps", gbps);
     drop((src, dst));
 
     // The crate's default configuration on both agents, then the initiator A without a
