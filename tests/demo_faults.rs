@@ -59,7 +59,7 @@ fn killed_prefill_is_reported_within_5_seconds() {
         .unwrap_or_else(|| panic!("no error line:\n{out}"));
     assert!(error.contains("prefill"), "{error}");
     assert!(
-        error.contains("died") || error.contains("failed") || error.contains("lost"),
+        error.contains("die") || error.contains("failed") || error.contains("lost"),
         "{error}"
     );
 }
