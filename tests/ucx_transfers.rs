@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{contents, local_whole, pattern, remote_whole, transfer, Pair, WAIT};
+use common::{contents, local_whole, pattern, remote_whole, transfer, unique_name, Pair, WAIT};
 use nixl::{
     Agent, Error, LocalDescList, MemType, RemoteDescList, Status, XferDesc, XferOp, XferOptions,
 };
@@ -406,4 +406,55 @@ fn partial_metadata_covers_only_the_named_registrations() {
         "memory left out of the partial metadata cannot be reached"
     );
     assert_eq!(contents(&private), vec![0u8; 4096]);
+}
+
+#[test]
+fn ucx_worker_threads_split_a_multi_descriptor_write() {
+    // num_threads and split_batch_size are read by NIXL's UCX plugin without being advertised.
+    let a = Agent::new(&unique_name("split-a")).unwrap();
+    let b = Agent::new(&unique_name("split-b")).unwrap();
+    let ucx_a = a
+        .create_backend_with("UCX", [("num_threads", "2"), ("split_batch_size", "1")])
+        .unwrap();
+    assert_eq!(
+        ucx_a
+            .params()
+            .unwrap()
+            .get("num_threads")
+            .map(String::as_str),
+        Some("2")
+    );
+    let pair = Pair {
+        ucx_b: b.create_backend("UCX").unwrap(),
+        a,
+        b,
+        ucx_a,
+    };
+    const LEN: usize = 4 << 20;
+    let data = pattern(LEN, 91);
+    let src = pair
+        .a
+        .register_memory(data.clone(), &[&pair.ucx_a])
+        .unwrap();
+    let dst = pair
+        .b
+        .register_memory(vec![0u8; LEN], &[&pair.ucx_b])
+        .unwrap();
+    pair.exchange();
+    let halves = [(0, LEN / 2), (LEN / 2, LEN / 2)];
+    let mut local = LocalDescList::with_capacity(MemType::Dram, 2).unwrap();
+    let mut remote = RemoteDescList::new(MemType::Dram).unwrap();
+    for (offset, len) in halves {
+        local.push(&src, 0, offset, len).unwrap();
+        remote
+            .push(XferDesc::new(dst.regions()[0].addr + offset, len, 0))
+            .unwrap();
+    }
+    let options = XferOptions::new().skip_desc_merge(true);
+    let mut req = pair
+        .a
+        .create_xfer_req(XferOp::Write, &local, &remote, pair.b.name(), &options)
+        .unwrap();
+    req.post_and_wait(WAIT).unwrap();
+    assert_eq!(contents(&dst), data);
 }

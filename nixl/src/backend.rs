@@ -94,6 +94,20 @@ impl Backend {
     }
 }
 
+/// Parameters a NIXL 1.5.1 plugin reads although its advertised defaults do not list them.
+fn unadvertised_params(plugin: &str) -> &'static [&'static str] {
+    match plugin {
+        "UCX" => &[
+            "num_threads",
+            "split_batch_size",
+            "ucx_ep_close_force",
+            "ucx_num_device_channels",
+            "engine_config",
+        ],
+        _ => &[],
+    }
+}
+
 /// A backend's memory types and parameters.
 pub(crate) type BackendDescription = (Vec<MemType>, BTreeMap<String, String>);
 
@@ -179,6 +193,10 @@ impl Agent {
 
     /// Creates a backend from `plugin`, overriding some of its default parameters.
     ///
+    /// Keys are checked against the plugin's advertised parameters plus the ones its backend
+    /// reads without advertising them (UCX: `num_threads`, `split_batch_size`,
+    /// `ucx_ep_close_force`, `ucx_num_device_channels`, `engine_config`).
+    ///
     /// # Errors
     /// [`Error::UnknownPlugin`] for a plugin NIXL does not have,
     /// [`Error::UnknownBackendParam`] for a key the plugin does not define, and
@@ -193,14 +211,17 @@ impl Agent {
         V: Into<String>,
     {
         let info = self.plugin_info(plugin)?;
+        let extra = unadvertised_params(plugin);
         let mut params = info.params.clone();
         for (key, value) in overrides {
             let key = key.into();
-            if !params.contains_key(&key) {
+            if !params.contains_key(&key) && !extra.contains(&key.as_str()) {
+                let mut known: Vec<String> = info.params.keys().cloned().collect();
+                known.extend(extra.iter().map(|k| k.to_string()));
                 return Err(Error::UnknownBackendParam {
                     plugin: plugin.to_string(),
                     key,
-                    known: info.params.keys().cloned().collect(),
+                    known,
                 });
             }
             params.insert(key, value.into());

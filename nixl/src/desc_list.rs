@@ -30,11 +30,26 @@ impl XferDlist {
             unsafe { sys::nixl_capi_create_xfer_dlist(mem_type.to_raw(), &mut raw) },
             "create descriptor list",
         )?;
-        Ok(XferDlist {
+        let list = XferDlist {
             raw,
             mem_type,
             descs: Vec::with_capacity(capacity),
-        })
+        };
+        if capacity > 0 {
+            // Growing then clearing leaves NIXL's vector with room for `capacity`
+            // descriptors, so the adds that follow never reallocate.
+            // SAFETY: live list.
+            check(
+                unsafe { sys::nixl_capi_xfer_dlist_resize(list.raw, capacity) },
+                "reserve descriptor list",
+            )?;
+            // SAFETY: live list.
+            check(
+                unsafe { sys::nixl_capi_xfer_dlist_clear(list.raw) },
+                "reserve descriptor list",
+            )?;
+        }
+        Ok(list)
     }
 
     fn push(&mut self, operation: &'static str, desc: XferDesc) -> Result<()> {

@@ -493,6 +493,11 @@ impl Drop for XferRequest<'_> {
     }
 }
 
+/// The lengths of a list's descriptors.
+fn lens(list: &XferDlist) -> impl ExactSizeIterator<Item = usize> + '_ {
+    list.descs().iter().map(|d| d.len)
+}
+
 /// Checks that two sides pair up: same count, same length pairwise.
 pub(crate) fn check_pairing(
     operation: &'static str,
@@ -542,12 +547,7 @@ impl Agent {
     ) -> Result<XferRequest<'m>> {
         const OP: &str = "create transfer request";
         let name = c_name("remote agent name", remote_agent)?;
-        let lens = |list: &XferDlist| list.descs().iter().map(|d| d.len).collect::<Vec<_>>();
-        check_pairing(
-            OP,
-            lens(&local.list).into_iter(),
-            lens(&remote.list).into_iter(),
-        )?;
+        check_pairing(OP, lens(&local.list), lens(&remote.list))?;
         let args = options.to_raw(&self.inner, OP)?;
         let mut raw = ptr::null_mut();
         let status = self.inner.with(|agent| {
