@@ -10,9 +10,9 @@ use crate::agent::{Agent, AgentInner};
 use crate::backend::Backend;
 use crate::desc_list::{LocalDescList, RemoteDescList, XferDlist};
 use crate::error::{check, Error, Result};
-use crate::raw::{c_name, OptArgs};
+use crate::raw::c_name;
 use crate::registration::RegInner;
-use crate::xfer::{check_pairing, XferOp, XferOptions, XferRequest};
+use crate::xfer::{check_pairing, opt_args_ptr, XferOp, XferOptions, XferRequest};
 
 /// The owner of a prepared-list handle, shared by the list and the requests made from it.
 pub(crate) struct PreparedShared<'m> {
@@ -147,7 +147,7 @@ impl Agent {
                     name.as_ptr(),
                     list.raw(),
                     &mut raw,
-                    args.raw(),
+                    opt_args_ptr(args.as_ref()),
                 )
             }
         });
@@ -216,7 +216,7 @@ impl Agent {
             local_indices.iter().map(|&i| local.shared.lens[i]),
             remote_indices.iter().map(|&i| remote.shared.lens[i]),
         )?;
-        let args: OptArgs = options.to_raw(&self.inner, OP)?;
+        let args = options.to_raw(&self.inner, OP)?;
         let mut raw = ptr::null_mut();
         let status = self.inner.with(|agent| {
             // SAFETY: live agent, handles and args; index arrays valid for their lengths.
@@ -231,7 +231,7 @@ impl Agent {
                     r.as_ptr(),
                     r.len(),
                     &mut raw,
-                    args.raw(),
+                    opt_args_ptr(args.as_ref()),
                 )
             }
         });

@@ -92,7 +92,7 @@ impl XferOptions {
         &self,
         agent: &Arc<AgentInner>,
         operation: &'static str,
-    ) -> Result<OptArgs> {
+    ) -> Result<Option<OptArgs>> {
         for backend in &self.backends {
             if !backend.belongs_to(agent) {
                 return Err(Error::InvalidArgument {
@@ -105,6 +105,14 @@ impl XferOptions {
                 });
             }
         }
+        let defaults = self.backends.is_empty()
+            && self.notification.is_none()
+            && !self.skip_desc_merge
+            && self.custom_param.is_none();
+        if defaults {
+            // NIXL treats null optional arguments as all defaults; skip making a C object.
+            return Ok(None);
+        }
         let args = OptArgs::with_backends(&self.backends.iter().collect::<Vec<_>>())?;
         if let Some(message) = &self.notification {
             args.set_notification(message)?;
@@ -115,8 +123,13 @@ impl XferOptions {
         if let Some(value) = &self.custom_param {
             args.set_custom_param(value)?;
         }
-        Ok(args)
+        Ok(Some(args))
     }
+}
+
+/// The C pointer of optional arguments, or null for NIXL's defaults.
+pub(crate) fn opt_args_ptr(args: Option<&OptArgs>) -> sys::nixl_capi_opt_args_t {
+    args.map_or(ptr::null_mut(), OptArgs::raw)
 }
 
 /// NIXL's estimate of how long a request takes.
@@ -243,7 +256,7 @@ impl<'m> XferRequest<'m> {
                 reason: "the request is still in flight; wait for it before reposting".to_string(),
             });
         }
-        let args = args.map_or(ptr::null_mut(), OptArgs::raw);
+        let args = opt_args_ptr(args);
         // SAFETY: live agent and request; args is null or live.
         let status = self
             .agent
@@ -560,7 +573,7 @@ impl Agent {
                     remote.list.raw(),
                     name.as_ptr(),
                     &mut raw,
-                    args.raw(),
+                    opt_args_ptr(args.as_ref()),
                 )
             }
         });
