@@ -14,21 +14,18 @@ have_libclang() {
     compgen -G '/usr/lib/llvm-*/lib/libclang*.so*' >/dev/null
 }
 
-if ! have_libclang; then
-    echo "setup: installing libclang-dev (bindgen needs libclang)" >&2
-    sudo_cmd=()
+# Installs a Debian package, as root or through sudo, saying why.
+apt_install() {
+    local package=$1 why=$2
+    echo "setup: installing $package ($why)" >&2
+    local sudo_cmd=()
     [[ $(id -u) -eq 0 ]] || sudo_cmd=(sudo)
     "${sudo_cmd[@]}" apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq libclang-dev >/dev/null
-fi
+    DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq "$package" >/dev/null
+}
 
-if ! command -v etcd >/dev/null 2>&1; then
-    echo "setup: installing etcd-server (etcd metadata exchange)" >&2
-    sudo_cmd=()
-    [[ $(id -u) -eq 0 ]] || sudo_cmd=(sudo)
-    "${sudo_cmd[@]}" apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq etcd-server >/dev/null
-fi
+have_libclang || apt_install libclang-dev "bindgen needs libclang"
+command -v etcd >/dev/null 2>&1 || apt_install etcd-server "etcd metadata exchange"
 
 if [[ -z ${NIXL_PREFIX:-}${NIXL_LIB_DIR:-} ]]; then
     "$root/vendor/install-nixl.sh"
