@@ -89,8 +89,8 @@ impl Backend {
     }
 
     /// Whether this backend belongs to `agent`.
-    pub(crate) fn belongs_to(&self, agent: &Arc<AgentInner>) -> bool {
-        Arc::ptr_eq(&self.inner.agent, agent)
+    pub(crate) fn belongs_to(&self, agent: &AgentInner) -> bool {
+        std::ptr::eq(Arc::as_ptr(&self.inner.agent), agent)
     }
 }
 

@@ -4,7 +4,7 @@ use std::ptr;
 
 use nixl_sys as sys;
 
-use crate::agent::Agent;
+use crate::agent::{Agent, AgentInner};
 use crate::backend::Backend;
 use crate::desc_list::RemoteDescList;
 use crate::error::{check, check_hint, Error, Result, HINT_LOAD_REMOTE_MD};
@@ -29,8 +29,13 @@ pub enum MetadataPeer {
 }
 
 impl MetadataPeer {
-    fn to_args(&self, backends: &[&Backend]) -> Result<OptArgs> {
-        let args = OptArgs::with_backends(backends)?;
+    fn to_args(
+        &self,
+        agent: &AgentInner,
+        operation: &'static str,
+        backends: &[&Backend],
+    ) -> Result<OptArgs> {
+        let args = OptArgs::with_backends(agent, operation, backends)?;
         if let MetadataPeer::Socket { ip, port } = self {
             args.set_socket(ip, *port)?;
         }
@@ -79,7 +84,7 @@ impl Agent {
     ) -> Result<Vec<u8>> {
         const OP: &str = "get partial local metadata";
         let list = partial_list(OP, regs)?;
-        let args = OptArgs::with_backends(backends)?;
+        let args = OptArgs::with_backends(&self.inner, OP, backends)?;
         let (mut data, mut len) = (ptr::null_mut(), 0);
         let status = self.inner.with(|agent| {
             // SAFETY: live agent, list and args; on success `data` is a malloc'd buffer we own.
@@ -184,7 +189,7 @@ impl Agent {
 
     /// Publishes this agent's full metadata to `peer`.
     pub fn send_local_metadata(&self, peer: &MetadataPeer) -> Result<()> {
-        let args = peer.to_args(&[])?;
+        let args = peer.to_args(&self.inner, "send local metadata", &[])?;
         // SAFETY: live agent and args.
         let status = self
             .inner
@@ -201,7 +206,7 @@ impl Agent {
     ) -> Result<()> {
         const OP: &str = "send partial local metadata";
         let list = partial_list(OP, regs)?;
-        let args = peer.to_args(backends)?;
+        let args = peer.to_args(&self.inner, OP, backends)?;
         // SAFETY: live agent, list and args.
         let status = self.inner.with(|agent| unsafe {
             sys::nixl_capi_send_local_partial_md(agent, list.raw(), args.raw())
@@ -226,7 +231,7 @@ impl Agent {
                     .to_string(),
             });
         }
-        let args = peer.to_args(&[])?;
+        let args = peer.to_args(&self.inner, "fetch remote metadata", &[])?;
         // SAFETY: live agent and args; valid C string.
         let status = self.inner.with(|agent| unsafe {
             sys::nixl_capi_fetch_remote_md(agent, name.as_ptr(), args.raw())
@@ -236,7 +241,7 @@ impl Agent {
 
     /// Withdraws this agent's metadata from `peer`.
     pub fn invalidate_local_metadata(&self, peer: &MetadataPeer) -> Result<()> {
-        let args = peer.to_args(&[])?;
+        let args = peer.to_args(&self.inner, "invalidate local metadata", &[])?;
         // SAFETY: live agent and args.
         let status = self
             .inner
@@ -247,7 +252,7 @@ impl Agent {
     /// Connects to `remote_agent` now instead of at the first transfer.
     pub fn make_connection(&self, remote_agent: &str, backends: &[&Backend]) -> Result<()> {
         let name = c_name("remote agent name", remote_agent)?;
-        let args = OptArgs::with_backends(backends)?;
+        let args = OptArgs::with_backends(&self.inner, "make connection", backends)?;
         // SAFETY: live agent and args; valid C string.
         let status = self.inner.with(|agent| unsafe {
             sys::nixl_capi_agent_make_connection(agent, name.as_ptr(), args.raw())

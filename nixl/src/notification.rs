@@ -6,10 +6,12 @@ use std::ptr;
 
 use nixl_sys as sys;
 
-use crate::agent::Agent;
+use crate::agent::{Agent, AgentInner};
+use crate::backend::Backend;
 use crate::error::{check, check_hint, Result, HINT_LOAD_REMOTE_MD};
-use crate::raw::{c_name, lossy_string};
+use crate::raw::{c_name, lossy_string, OptArgs};
 use crate::status::Status;
+use crate::xfer::opt_args_ptr;
 
 /// New notifications, by sending agent, in arrival order. Messages are arbitrary bytes.
 pub type Notifications = HashMap<String, Vec<Vec<u8>>>;
@@ -98,10 +100,34 @@ impl Drop for NotifMap {
     }
 }
 
+/// Optional arguments naming `backends`, or none (NIXL's defaults) for an empty slice.
+fn backend_args(
+    agent: &AgentInner,
+    operation: &'static str,
+    backends: &[&Backend],
+) -> Result<Option<OptArgs>> {
+    if backends.is_empty() {
+        Ok(None)
+    } else {
+        OptArgs::with_backends(agent, operation, backends).map(Some)
+    }
+}
+
 impl Agent {
     /// Sends `message` (any bytes) to `remote_agent`, whose metadata must be loaded.
     pub fn send_notification(&self, remote_agent: &str, message: &[u8]) -> Result<()> {
+        self.send_notification_via(remote_agent, message, &[])
+    }
+
+    /// Sends `message` to `remote_agent` through one of `backends` (empty: NIXL chooses).
+    pub fn send_notification_via(
+        &self,
+        remote_agent: &str,
+        message: &[u8],
+        backends: &[&Backend],
+    ) -> Result<()> {
         let name = c_name("remote agent name", remote_agent)?;
+        let args = backend_args(&self.inner, "send notification", backends)?;
         let status = self.inner.with(|agent| {
             // SAFETY: live agent, valid C string, `message` valid for its length.
             unsafe {
@@ -110,7 +136,7 @@ impl Agent {
                     name.as_ptr(),
                     message.as_ptr().cast(),
                     message.len(),
-                    ptr::null_mut(),
+                    opt_args_ptr(args.as_ref()),
                 )
             }
         });
@@ -129,11 +155,17 @@ impl Agent {
 
     /// Takes every notification that arrived since the last call.
     pub fn notifications(&self) -> Result<Notifications> {
+        self.notifications_via(&[])
+    }
+
+    /// Takes the notifications that arrived through `backends` (empty: every backend).
+    pub fn notifications_via(&self, backends: &[&Backend]) -> Result<Notifications> {
         let map = NotifMap::new()?;
-        // SAFETY: live agent and map.
-        let status = self
-            .inner
-            .with(|agent| unsafe { sys::nixl_capi_get_notifs(agent, map.raw, ptr::null_mut()) });
+        let args = backend_args(&self.inner, "get notifications", backends)?;
+        // SAFETY: live agent and map; args null or live.
+        let status = self.inner.with(|agent| unsafe {
+            sys::nixl_capi_get_notifs(agent, map.raw, opt_args_ptr(args.as_ref()))
+        });
         check(status, "get notifications")?;
         let notifications = map.to_map()?;
         if !notifications.is_empty() {

@@ -8,6 +8,7 @@ use std::ptr;
 
 use nixl_sys as sys;
 
+use crate::agent::AgentInner;
 use crate::backend::Backend;
 use crate::error::{check, Error, Result};
 use crate::mem_type::MemType;
@@ -74,8 +75,26 @@ impl OptArgs {
         Ok(OptArgs { raw })
     }
 
-    /// Optional arguments naming these backends (none: NIXL chooses).
-    pub(crate) fn with_backends(backends: &[&Backend]) -> Result<Self> {
+    /// Optional arguments naming these backends of `agent` (none: NIXL chooses).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a backend created on another agent.
+    pub(crate) fn with_backends(
+        agent: &AgentInner,
+        operation: &'static str,
+        backends: &[&Backend],
+    ) -> Result<Self> {
+        if let Some(foreign) = backends.iter().find(|b| !b.belongs_to(agent)) {
+            return Err(Error::InvalidArgument {
+                operation,
+                reason: format!(
+                    "backend {} belongs to agent {:?}, not {:?}",
+                    foreign.plugin(),
+                    foreign.agent_name(),
+                    agent.name
+                ),
+            });
+        }
         let args = Self::new()?;
         for backend in backends {
             // SAFETY: both handles are live; the backend handle stays valid while its agent

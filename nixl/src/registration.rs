@@ -314,24 +314,11 @@ impl Agent {
         if regions.is_empty() {
             return Err(Error::EmptyDescList { operation: OP });
         }
-        for backend in backends {
-            if !backend.belongs_to(&self.inner) {
-                return Err(Error::InvalidArgument {
-                    operation: OP,
-                    reason: format!(
-                        "backend {} belongs to agent {:?}, not {:?}",
-                        backend.plugin(),
-                        backend.agent_name(),
-                        self.inner.name
-                    ),
-                });
-            }
-        }
         if mem_type == MemType::Vram {
             crate::cuda::require_device(OP)?;
         }
         let dlist = RegDlist::build(OP, mem_type, &regions)?;
-        let opts = OptArgs::with_backends(backends)?;
+        let opts = OptArgs::with_backends(&self.inner, OP, backends)?;
         // SAFETY: live agent, list and options; the caller keeps the memory valid.
         let status = self
             .inner

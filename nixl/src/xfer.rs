@@ -93,18 +93,6 @@ impl XferOptions {
         agent: &Arc<AgentInner>,
         operation: &'static str,
     ) -> Result<Option<OptArgs>> {
-        for backend in &self.backends {
-            if !backend.belongs_to(agent) {
-                return Err(Error::InvalidArgument {
-                    operation,
-                    reason: format!(
-                        "backend {} belongs to agent {:?}",
-                        backend.plugin(),
-                        backend.agent_name()
-                    ),
-                });
-            }
-        }
         let defaults = self.backends.is_empty()
             && self.notification.is_none()
             && !self.skip_desc_merge
@@ -113,7 +101,8 @@ impl XferOptions {
             // NIXL treats null optional arguments as all defaults; skip making a C object.
             return Ok(None);
         }
-        let args = OptArgs::with_backends(&self.backends.iter().collect::<Vec<_>>())?;
+        let args =
+            OptArgs::with_backends(agent, operation, &self.backends.iter().collect::<Vec<_>>())?;
         if let Some(message) = &self.notification {
             args.set_notification(message)?;
         }

@@ -1,0 +1,169 @@
+//! Memory views: handles NIXL prepares for device-initiated transfers (GPU kernels using
+//! NIXL's device API). Host code only prepares, passes on and releases them.
+
+use std::ffi::CString;
+use std::ptr;
+use std::sync::Arc;
+
+use nixl_sys as sys;
+
+use crate::agent::{Agent, AgentInner};
+use crate::backend::Backend;
+use crate::desc_list::LocalDescList;
+use crate::descriptor::{validate, XferDesc};
+use crate::error::{check, Error, Result};
+use crate::mem_type::MemType;
+use crate::raw::{c_name, OptArgs};
+use crate::registration::RegInner;
+
+/// A descriptor of another agent's memory, naming that agent (a view can span peers).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerDesc {
+    /// The memory range on the peer.
+    pub desc: XferDesc,
+    /// The agent that owns it.
+    pub agent: String,
+}
+
+/// A prepared memory view. It holds the registrations of local memory it covers and is
+/// released when dropped.
+pub struct MemView<'m> {
+    agent: Arc<AgentInner>,
+    raw: sys::nixl_capi_mem_view_t,
+    _keep: Vec<Arc<RegInner<'m>>>,
+}
+
+// SAFETY: the handle is only passed to NIXL calls made through the agent's locking.
+unsafe impl Send for MemView<'_> {}
+// SAFETY: as above; shared access never uses the handle.
+unsafe impl Sync for MemView<'_> {}
+
+impl std::fmt::Debug for MemView<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemView")
+            .field("agent", &self.agent.name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl MemView<'_> {
+    /// The opaque handle, to hand to device code through NIXL's device API. It stays valid
+    /// while this view lives.
+    pub fn as_raw(&self) -> *mut std::ffi::c_void {
+        self.raw.cast()
+    }
+}
+
+impl Drop for MemView<'_> {
+    fn drop(&mut self) {
+        // SAFETY: prepared by this agent, released once.
+        let status = self
+            .agent
+            .with(|agent| unsafe { sys::nixl_capi_release_mem_view(agent, self.raw) });
+        if let Err(err) = check(status, "release memory view") {
+            tracing::error!(agent = %self.agent.name, %err, "memory view not released cleanly");
+        }
+    }
+}
+
+/// An owned `nixl_capi_remote_dlist_t`.
+struct PeerDlist {
+    raw: sys::nixl_capi_remote_dlist_t,
+}
+
+impl PeerDlist {
+    fn build(operation: &'static str, mem_type: MemType, descs: &[PeerDesc]) -> Result<Self> {
+        let mut raw = ptr::null_mut();
+        // SAFETY: out-pointer to a local.
+        check(
+            unsafe { sys::nixl_capi_create_remote_dlist(mem_type.to_raw(), &mut raw) },
+            operation,
+        )?;
+        let list = PeerDlist { raw };
+        for (index, peer) in descs.iter().enumerate() {
+            validate(operation, mem_type, index, peer.desc.addr, peer.desc.len)?;
+            let name: CString = c_name("remote agent name", &peer.agent)?;
+            // SAFETY: live list, valid C string; NIXL copies both.
+            let status = unsafe {
+                sys::nixl_capi_remote_dlist_add_desc(
+                    list.raw,
+                    peer.desc.addr,
+                    peer.desc.len,
+                    peer.desc.dev_id,
+                    name.as_ptr(),
+                )
+            };
+            check(status, operation)?;
+        }
+        Ok(list)
+    }
+}
+
+impl Drop for PeerDlist {
+    fn drop(&mut self) {
+        // SAFETY: owned handle, destroyed only here.
+        if let Err(err) = check(
+            unsafe { sys::nixl_capi_destroy_remote_dlist(self.raw) },
+            "destroy peer list",
+        ) {
+            tracing::error!(%err, "leaking NIXL peer descriptor list");
+        }
+    }
+}
+
+impl Agent {
+    /// Prepares a view of local registered memory for device-initiated transfers.
+    ///
+    /// # Errors
+    /// [`Error::EmptyDescList`]; [`Error::Nixl`] when no backend supports memory views
+    /// (UCX needs a GPU build with device API support for them).
+    pub fn prepare_local_mem_view<'m>(
+        &self,
+        list: &LocalDescList<'m>,
+        backends: &[&Backend],
+    ) -> Result<MemView<'m>> {
+        const OP: &str = "prepare local memory view";
+        if list.is_empty() {
+            return Err(Error::EmptyDescList { operation: OP });
+        }
+        let args = OptArgs::with_backends(&self.inner, OP, backends)?;
+        let mut raw = ptr::null_mut();
+        // SAFETY: live agent, list and args; out-pointer to a local.
+        let status = self.inner.with(|agent| unsafe {
+            sys::nixl_capi_prep_mem_view_local(agent, list.list.raw(), &mut raw, args.raw())
+        });
+        check(status, OP)?;
+        Ok(MemView {
+            agent: self.inner.clone(),
+            raw,
+            _keep: list.keep.clone(),
+        })
+    }
+
+    /// Prepares a view of peers' memory (each descriptor names its agent, whose metadata
+    /// must be loaded) for device-initiated transfers.
+    pub fn prepare_remote_mem_view(
+        &self,
+        mem_type: MemType,
+        descs: &[PeerDesc],
+        backends: &[&Backend],
+    ) -> Result<MemView<'static>> {
+        const OP: &str = "prepare remote memory view";
+        if descs.is_empty() {
+            return Err(Error::EmptyDescList { operation: OP });
+        }
+        let list = PeerDlist::build(OP, mem_type, descs)?;
+        let args = OptArgs::with_backends(&self.inner, OP, backends)?;
+        let mut raw = ptr::null_mut();
+        // SAFETY: live agent, list and args; out-pointer to a local.
+        let status = self.inner.with(|agent| unsafe {
+            sys::nixl_capi_prep_mem_view_remote(agent, list.raw, &mut raw, args.raw())
+        });
+        check(status, OP)?;
+        Ok(MemView {
+            agent: self.inner.clone(),
+            raw,
+            _keep: Vec::new(),
+        })
+    }
+}
