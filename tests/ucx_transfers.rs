@@ -4,7 +4,9 @@
 
 mod common;
 
-use common::{contents, local_whole, pattern, remote_whole, transfer, unique_name, Pair, WAIT};
+use common::{
+    contents, local_whole, pattern, remote_whole, transfer, unique_name, whole_xfer_req, Pair, WAIT,
+};
 use nixl::{
     Agent, Error, LocalDescList, MemType, RemoteDescList, Status, XferDesc, XferOp, XferOptions,
 };
@@ -13,14 +15,7 @@ use nixl::{
 fn write_one_descriptor() {
     let pair = Pair::new("w1");
     let data = pattern(8192, 1);
-    let src = pair
-        .a
-        .register_memory(data.clone(), &[&pair.ucx_a])
-        .unwrap();
-    let dst = pair
-        .b
-        .register_memory(vec![0u8; 8192], &[&pair.ucx_b])
-        .unwrap();
+    let (src, dst) = pair.source_and_destination(data.clone());
     pair.exchange();
     transfer(&pair.a, XferOp::Write, &src, &dst, pair.b.name()).unwrap();
     assert_eq!(contents(&dst), data);
@@ -31,14 +26,7 @@ fn write_one_descriptor() {
 fn read_one_descriptor() {
     let pair = Pair::new("r1");
     let data = pattern(8192, 2);
-    let dst = pair
-        .a
-        .register_memory(vec![0u8; 8192], &[&pair.ucx_a])
-        .unwrap();
-    let src = pair
-        .b
-        .register_memory(data.clone(), &[&pair.ucx_b])
-        .unwrap();
+    let (dst, src) = pair.register(vec![0u8; 8192], data.clone());
     pair.exchange();
     transfer(&pair.a, XferOp::Read, &dst, &src, pair.b.name()).unwrap();
     assert_eq!(contents(&dst), data);
@@ -64,8 +52,7 @@ fn many_descriptors(op: XferOp, seed: u8) {
         XferOp::Write => (data.clone(), vec![filler; LEN]),
         XferOp::Read => (vec![filler; LEN], data.clone()),
     };
-    let a_reg = pair.a.register_memory(a_mem, &[&pair.ucx_a]).unwrap();
-    let b_reg = pair.b.register_memory(b_mem, &[&pair.ucx_b]).unwrap();
+    let (a_reg, b_reg) = pair.register(a_mem, b_mem);
     pair.exchange();
 
     // Local descriptor i is at offset i*STRIDE; remote descriptor i is at the mirrored slot
@@ -121,25 +108,17 @@ fn read_4096_descriptors() {
 fn repost_finished_request_moves_new_data() {
     let pair = Pair::new("repost");
     let first = pattern(4096, 5);
-    let src = pair
-        .a
-        .register_memory(first.clone(), &[&pair.ucx_a])
-        .unwrap();
-    let dst = pair
-        .b
-        .register_memory(vec![0u8; 4096], &[&pair.ucx_b])
-        .unwrap();
+    let (src, dst) = pair.source_and_destination(first.clone());
     pair.exchange();
-    let mut req = pair
-        .a
-        .create_xfer_req(
-            XferOp::Write,
-            &local_whole(&src),
-            &remote_whole(&dst),
-            pair.b.name(),
-            &XferOptions::new(),
-        )
-        .unwrap();
+    let mut req = whole_xfer_req(
+        &pair.a,
+        XferOp::Write,
+        &src,
+        &dst,
+        pair.b.name(),
+        &XferOptions::new(),
+    )
+    .unwrap();
     req.post_and_wait(WAIT).unwrap();
     assert!(!req.is_in_flight());
     assert_eq!(contents(&dst), first);
@@ -170,14 +149,7 @@ fn telemetry_when_enabled() {
         Agent::new(&common::unique_name("tel-b")).unwrap(),
     );
     let data = pattern(3 * 1024, 6);
-    let src = pair
-        .a
-        .register_memory(data.clone(), &[&pair.ucx_a])
-        .unwrap();
-    let dst = pair
-        .b
-        .register_memory(vec![0u8; 3 * 1024], &[&pair.ucx_b])
-        .unwrap();
+    let (src, dst) = pair.source_and_destination(data.clone());
     pair.exchange();
     let mut local = LocalDescList::new(MemType::Dram).unwrap();
     let mut remote = RemoteDescList::new(MemType::Dram).unwrap();
@@ -218,25 +190,17 @@ fn telemetry_when_enabled() {
 #[test]
 fn telemetry_when_disabled_is_a_typed_error() {
     let pair = Pair::new("notel");
-    let src = pair
-        .a
-        .register_memory(pattern(512, 7), &[&pair.ucx_a])
-        .unwrap();
-    let dst = pair
-        .b
-        .register_memory(vec![0u8; 512], &[&pair.ucx_b])
-        .unwrap();
+    let (src, dst) = pair.source_and_destination(pattern(512, 7));
     pair.exchange();
-    let mut req = pair
-        .a
-        .create_xfer_req(
-            XferOp::Write,
-            &local_whole(&src),
-            &remote_whole(&dst),
-            pair.b.name(),
-            &XferOptions::new(),
-        )
-        .unwrap();
+    let mut req = whole_xfer_req(
+        &pair.a,
+        XferOp::Write,
+        &src,
+        &dst,
+        pair.b.name(),
+        &XferOptions::new(),
+    )
+    .unwrap();
     req.post_and_wait(WAIT).unwrap();
     assert_eq!(contents(&dst), pattern(512, 7));
     match req.telemetry() {
@@ -252,25 +216,17 @@ fn telemetry_when_disabled_is_a_typed_error() {
 #[test]
 fn estimate_cost_and_chosen_backend() {
     let pair = Pair::new("cost");
-    let src = pair
-        .a
-        .register_memory(pattern(1 << 16, 8), &[&pair.ucx_a])
-        .unwrap();
-    let dst = pair
-        .b
-        .register_memory(vec![0u8; 1 << 16], &[&pair.ucx_b])
-        .unwrap();
+    let (src, dst) = pair.source_and_destination(pattern(1 << 16, 8));
     pair.exchange();
-    let mut req = pair
-        .a
-        .create_xfer_req(
-            XferOp::Write,
-            &local_whole(&src),
-            &remote_whole(&dst),
-            pair.b.name(),
-            &XferOptions::new(),
-        )
-        .unwrap();
+    let mut req = whole_xfer_req(
+        &pair.a,
+        XferOp::Write,
+        &src,
+        &dst,
+        pair.b.name(),
+        &XferOptions::new(),
+    )
+    .unwrap();
     assert_eq!(req.backend().unwrap(), "UCX");
     // UCX implements NIXL's analytical cost model; its value is not asserted (no timing).
     match req.estimate_cost() {
@@ -285,14 +241,7 @@ fn estimate_cost_and_chosen_backend() {
 #[test]
 fn make_connection_before_transfer() {
     let pair = Pair::new("conn");
-    let src = pair
-        .a
-        .register_memory(pattern(2048, 9), &[&pair.ucx_a])
-        .unwrap();
-    let dst = pair
-        .b
-        .register_memory(vec![0u8; 2048], &[&pair.ucx_b])
-        .unwrap();
+    let (src, dst) = pair.source_and_destination(pattern(2048, 9));
     pair.exchange();
     pair.a.make_connection(pair.b.name(), &[]).unwrap();
     pair.a
@@ -305,14 +254,7 @@ fn make_connection_before_transfer() {
 #[test]
 fn check_and_invalidate_remote_metadata() {
     let pair = Pair::new("chk");
-    let src = pair
-        .a
-        .register_memory(pattern(4096, 10), &[&pair.ucx_a])
-        .unwrap();
-    let dst = pair
-        .b
-        .register_memory(vec![0u8; 4096], &[&pair.ucx_b])
-        .unwrap();
+    let (src, dst) = pair.source_and_destination(pattern(4096, 10));
     let b = pair.b.name().to_string();
     assert!(!pair.a.has_remote_metadata(&b));
     assert!(!pair.a.check_remote_metadata(&b, None).unwrap());
@@ -359,14 +301,7 @@ fn check_and_invalidate_remote_metadata() {
 #[test]
 fn partial_metadata_covers_only_the_named_registrations() {
     let pair = Pair::new("partial");
-    let src = pair
-        .a
-        .register_memory(pattern(4096, 11), &[&pair.ucx_a])
-        .unwrap();
-    let shared = pair
-        .b
-        .register_memory(vec![0u8; 4096], &[&pair.ucx_b])
-        .unwrap();
+    let (src, shared) = pair.source_and_destination(pattern(4096, 11));
     let private = pair
         .b
         .register_memory(vec![0u8; 4096], &[&pair.ucx_b])
@@ -432,14 +367,7 @@ fn ucx_worker_threads_split_a_multi_descriptor_write() {
     };
     const LEN: usize = 4 << 20;
     let data = pattern(LEN, 91);
-    let src = pair
-        .a
-        .register_memory(data.clone(), &[&pair.ucx_a])
-        .unwrap();
-    let dst = pair
-        .b
-        .register_memory(vec![0u8; LEN], &[&pair.ucx_b])
-        .unwrap();
+    let (src, dst) = pair.source_and_destination(data.clone());
     pair.exchange();
     let halves = [(0, LEN / 2), (LEN / 2, LEN / 2)];
     let mut local = LocalDescList::with_capacity(MemType::Dram, 2).unwrap();

@@ -8,7 +8,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use nixl::{
-    Agent, Backend, LocalDescList, Registration, RemoteDescList, XferDesc, XferOp, XferOptions,
+    Agent, Backend, LocalDescList, RegisterMemory, Registration, RemoteDescList, XferDesc, XferOp,
+    XferOptions, XferRequest,
 };
 
 /// Upper bound for any single wait in the tests. Only a guard against hangs: nothing asserts
@@ -76,6 +77,34 @@ impl Pair {
             .expect("b loads a");
         assert_eq!(a_name, self.a.name());
     }
+
+    /// Registers `a_mem` on `a` with its UCX backend and `b_mem` on `b` with its; metadata
+    /// is not exchanged.
+    pub fn register<M: RegisterMemory + 'static>(
+        &self,
+        a_mem: M,
+        b_mem: M,
+    ) -> (Registration<'static>, Registration<'static>) {
+        let on_a = self
+            .a
+            .register_memory(a_mem, &[&self.ucx_a])
+            .expect("register on a");
+        let on_b = self
+            .b
+            .register_memory(b_mem, &[&self.ucx_b])
+            .expect("register on b");
+        (on_a, on_b)
+    }
+
+    /// `data` registered on `a` as the source of a WRITE and as many zeroed bytes on `b` as
+    /// its destination (see [`Pair::register`]); returns (source, destination).
+    pub fn source_and_destination(
+        &self,
+        data: Vec<u8>,
+    ) -> (Registration<'static>, Registration<'static>) {
+        let len = data.len();
+        self.register(data, vec![0u8; len])
+    }
 }
 
 /// A remote list covering all of region 0 of `reg`.
@@ -92,6 +121,25 @@ pub fn local_whole<'m>(reg: &Registration<'m>) -> LocalDescList<'m> {
     list
 }
 
+/// A request of `agent` moving all of `local` to/from all of `remote` (a registration of
+/// `remote_agent`) with `options`.
+pub fn whole_xfer_req<'m>(
+    agent: &Agent,
+    op: XferOp,
+    local: &Registration<'m>,
+    remote: &Registration<'_>,
+    remote_agent: &str,
+    options: &XferOptions,
+) -> nixl::Result<XferRequest<'m>> {
+    agent.create_xfer_req(
+        op,
+        &local_whole(local),
+        &remote_whole(remote),
+        remote_agent,
+        options,
+    )
+}
+
 /// Runs one transfer of all of `local` to/from all of `remote` (a registration of
 /// `remote_agent`) and waits for it.
 pub fn transfer(
@@ -101,28 +149,14 @@ pub fn transfer(
     remote: &Registration<'_>,
     remote_agent: &str,
 ) -> nixl::Result<()> {
-    let mut req = agent.create_xfer_req(
-        op,
-        &local_whole(local),
-        &remote_whole(remote),
-        remote_agent,
-        &XferOptions::new(),
-    )?;
-    req.post_and_wait(WAIT)
+    whole_xfer_req(agent, op, local, remote, remote_agent, &XferOptions::new())?.post_and_wait(WAIT)
 }
 
 /// Proves that `pair.a` still moves data to `pair.b` correctly: a fresh WRITE of a fresh
 /// pattern, checked byte for byte. Used after every bad-input case.
 pub fn assert_pair_works(pair: &Pair, seed: u8) {
     let data = pattern(4096, seed);
-    let src = pair
-        .a
-        .register_memory(data.clone(), &[&pair.ucx_a])
-        .expect("register source");
-    let dst = pair
-        .b
-        .register_memory(vec![0u8; 4096], &[&pair.ucx_b])
-        .expect("register destination");
+    let (src, dst) = pair.source_and_destination(data.clone());
     pair.a
         .load_remote_metadata(&pair.b.local_metadata().expect("metadata"))
         .expect("reload metadata");
