@@ -6,7 +6,8 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{
-    assert_pair_works, contents, local_whole, pattern, remote_whole, unique_name, Pair, WAIT,
+    assert_pair_works, contents, local_whole, pattern, remote_whole, unique_name, whole_xfer_req,
+    Pair, WAIT,
 };
 use nixl::{
     Agent, Error, FileRegion, HostBuffer, LocalDescList, MemType, RegDesc, RemoteDescList, Status,
@@ -22,14 +23,7 @@ fn pair_with_buffers(
     nixl::Registration<'static>,
 ) {
     let pair = Pair::new(prefix);
-    let src = pair
-        .a
-        .register_memory(pattern(4096, 61), &[&pair.ucx_a])
-        .unwrap();
-    let dst = pair
-        .b
-        .register_memory(vec![0u8; 4096], &[&pair.ucx_b])
-        .unwrap();
+    let (src, dst) = pair.source_and_destination(pattern(4096, 61));
     pair.exchange();
     (pair, src, dst)
 }
@@ -399,15 +393,15 @@ fn unknown_remote_agent() {
         other => panic!("expected a NIXL error with a hint, got {other:?}"),
     };
     hint_says_load(
-        pair.a
-            .create_xfer_req(
-                XferOp::Write,
-                &local_whole(&src),
-                &remote_whole(&dst),
-                "nobody-knows-me",
-                &XferOptions::new(),
-            )
-            .unwrap_err(),
+        whole_xfer_req(
+            &pair.a,
+            XferOp::Write,
+            &src,
+            &dst,
+            "nobody-knows-me",
+            &XferOptions::new(),
+        )
+        .unwrap_err(),
     );
     hint_says_load(
         pair.a
@@ -522,26 +516,22 @@ fn invalid_names() {
         pair.a.create_backend(""),
         Err(Error::InvalidName { .. })
     ));
-    assert!(matches!(
-        pair.a.create_xfer_req(
-            XferOp::Write,
-            &local_whole(&src),
-            &remote_whole(&dst),
-            "b\0",
-            &XferOptions::new()
-        ),
-        Err(Error::InvalidName { .. })
-    ));
-    assert!(matches!(
-        pair.a.create_xfer_req(
-            XferOp::Write,
-            &local_whole(&src),
-            &remote_whole(&dst),
-            "",
-            &XferOptions::new()
-        ),
-        Err(Error::InvalidName { .. })
-    ));
+    for remote_agent in ["b\0", ""] {
+        assert!(
+            matches!(
+                whole_xfer_req(
+                    &pair.a,
+                    XferOp::Write,
+                    &src,
+                    &dst,
+                    remote_agent,
+                    &XferOptions::new()
+                ),
+                Err(Error::InvalidName { .. })
+            ),
+            "remote agent name {remote_agent:?}"
+        );
+    }
     assert!(matches!(
         pair.a.send_notification("", b"x"),
         Err(Error::InvalidName { .. })
@@ -658,16 +648,15 @@ fn wrong_memory_type_in_a_prepared_remote_list() {
 #[test]
 fn status_before_post() {
     let (pair, src, dst) = pair_with_buffers("nopost");
-    let mut req = pair
-        .a
-        .create_xfer_req(
-            XferOp::Write,
-            &local_whole(&src),
-            &remote_whole(&dst),
-            pair.b.name(),
-            &XferOptions::new(),
-        )
-        .unwrap();
+    let mut req = whole_xfer_req(
+        &pair.a,
+        XferOp::Write,
+        &src,
+        &dst,
+        pair.b.name(),
+        &XferOptions::new(),
+    )
+    .unwrap();
     assert!(matches!(req.status(), Err(Error::InvalidArgument { .. })));
     assert!(matches!(req.wait(WAIT), Err(Error::InvalidArgument { .. })));
     assert!(!req.is_in_flight());
@@ -708,25 +697,17 @@ fn finish(pair: &Pair, req: &mut XferRequest<'_>) {
 fn wait_deadline_passes_and_repost_while_in_flight() {
     let pair = stalled_pair("stalled");
     let data = pattern(1 << 20, 62);
-    let src = pair
-        .a
-        .register_memory(data.clone(), &[&pair.ucx_a])
-        .unwrap();
-    let dst = pair
-        .b
-        .register_memory(vec![0u8; 1 << 20], &[&pair.ucx_b])
-        .unwrap();
+    let (src, dst) = pair.source_and_destination(data.clone());
     pair.exchange();
-    let mut req = pair
-        .a
-        .create_xfer_req(
-            XferOp::Write,
-            &local_whole(&src),
-            &remote_whole(&dst),
-            pair.b.name(),
-            &XferOptions::new(),
-        )
-        .unwrap();
+    let mut req = whole_xfer_req(
+        &pair.a,
+        XferOp::Write,
+        &src,
+        &dst,
+        pair.b.name(),
+        &XferOptions::new(),
+    )
+    .unwrap();
     match req.post().unwrap() {
         XferStatus::InProgress => {
             match req.wait(Duration::ZERO) {
@@ -799,10 +780,11 @@ fn backend_of_another_agent() {
         Err(Error::InvalidArgument { .. })
     ));
     assert!(matches!(
-        pair.a.create_xfer_req(
+        whole_xfer_req(
+            &pair.a,
             XferOp::Write,
-            &local_whole(&src),
-            &remote_whole(&dst),
+            &src,
+            &dst,
             pair.b.name(),
             &XferOptions::new().backend(&pair.ucx_b)
         ),
@@ -843,25 +825,17 @@ fn vram_without_a_gpu() {
 #[test]
 fn abandoning_an_in_flight_request_keeps_its_memory_registered() {
     let pair = stalled_pair("abandon");
-    let src = pair
-        .a
-        .register_memory(pattern(1 << 20, 64), &[&pair.ucx_a])
-        .unwrap();
-    let dst = pair
-        .b
-        .register_memory(vec![0u8; 1 << 20], &[&pair.ucx_b])
-        .unwrap();
+    let (src, dst) = pair.source_and_destination(pattern(1 << 20, 64));
     pair.exchange();
-    let mut req = pair
-        .a
-        .create_xfer_req(
-            XferOp::Write,
-            &local_whole(&src),
-            &remote_whole(&dst),
-            pair.b.name(),
-            &XferOptions::new(),
-        )
-        .unwrap();
+    let mut req = whole_xfer_req(
+        &pair.a,
+        XferOp::Write,
+        &src,
+        &dst,
+        pair.b.name(),
+        &XferOptions::new(),
+    )
+    .unwrap();
     if req.post().unwrap() == XferStatus::Done {
         eprintln!("the first transfer finished at post; nothing in flight to abandon");
         return;
