@@ -4,10 +4,10 @@
 
 mod common;
 
-use common::{contents, local_whole, pattern, remote_whole, unique_name, Pair, WAIT};
+use common::{contents, local_whole, pattern, unique_name, whole_xfer_req, Pair, WAIT};
 use nixl::{
     Agent, Backend, Error, FileRegion, MemType, Registration, RemoteDescList, XferDesc, XferOp,
-    XferOptions,
+    XferOptions, XferRequest,
 };
 
 const LEN: usize = 8192;
@@ -46,6 +46,36 @@ fn file_list(reg: &Registration<'_>) -> RemoteDescList {
     .unwrap()
 }
 
+/// A WRITE by `agent` of all of `src` into the file of `file_reg`, also of `agent`.
+fn to_file<'m>(
+    agent: &Agent,
+    src: &Registration<'m>,
+    file_reg: &Registration<'_>,
+    options: &XferOptions,
+) -> nixl::Result<XferRequest<'m>> {
+    agent.create_xfer_req(
+        XferOp::Write,
+        &local_whole(src),
+        &file_list(file_reg),
+        agent.name(),
+        options,
+    )
+}
+
+/// Asserts that NIXL refused to create a request because none of the backends it could use
+/// holds the registrations.
+fn assert_unregistered(result: nixl::Result<XferRequest<'_>>) {
+    match result {
+        // NIXL 1.5.1's C API reports "no backend had the registrations" as a backend error.
+        Err(Error::Nixl {
+            status: nixl::Status::Backend,
+            hint: Some(hint),
+            ..
+        }) => assert!(hint.contains("registered"), "{hint}"),
+        other => panic!("expected a NIXL backend error, got {other:?}"),
+    }
+}
+
 fn read_file(mut file: &std::fs::File) -> Vec<u8> {
     use std::io::{Read, Seek, SeekFrom};
     let mut out = Vec::new();
@@ -68,36 +98,26 @@ fn dram_registered_with_posix_only_cannot_go_over_ucx() {
 
     // Over UCX, explicitly or by NIXL's own choice: UCX has no registration of `src`.
     for options in [XferOptions::new().backend(&pair.ucx_a), XferOptions::new()] {
-        match pair.a.create_xfer_req(
+        assert_unregistered(whole_xfer_req(
+            &pair.a,
             XferOp::Write,
-            &local_whole(&src),
-            &remote_whole(&dst),
+            &src,
+            &dst,
             pair.b.name(),
             &options,
-        ) {
-            // NIXL 1.5.1's C API reports "no backend had the registrations" as a backend error.
-            Err(Error::Nixl {
-                status: nixl::Status::Backend,
-                hint: Some(hint),
-                ..
-            }) => assert!(hint.contains("registered"), "{hint}"),
-            other => panic!("expected a NIXL backend error, got {other:?}"),
-        }
+        ));
     }
     assert_eq!(contents(&dst), vec![0u8; LEN], "nothing moved");
 
     // Over POSIX, to a file of the same agent: served.
     let (file_reg, file) = file_of(&pair.a, &[&posix]);
-    let mut req = pair
-        .a
-        .create_xfer_req(
-            XferOp::Write,
-            &local_whole(&src),
-            &file_list(&file_reg),
-            pair.a.name(),
-            &XferOptions::new().backend(&posix),
-        )
-        .unwrap();
+    let mut req = to_file(
+        &pair.a,
+        &src,
+        &file_reg,
+        &XferOptions::new().backend(&posix),
+    )
+    .unwrap();
     assert_eq!(req.backend().unwrap(), "POSIX");
     req.post_and_wait(WAIT).unwrap();
     assert_eq!(read_file(&file), data);
@@ -114,20 +134,7 @@ fn dram_registered_with_ucx_only_cannot_go_to_a_file() {
     let (file_reg, file) = file_of(&pair.a, &[&posix]);
 
     for options in [XferOptions::new().backend(&posix), XferOptions::new()] {
-        match pair.a.create_xfer_req(
-            XferOp::Write,
-            &local_whole(&src),
-            &file_list(&file_reg),
-            pair.a.name(),
-            &options,
-        ) {
-            Err(Error::Nixl {
-                status: nixl::Status::Backend,
-                hint: Some(hint),
-                ..
-            }) => assert!(hint.contains("registered"), "{hint}"),
-            other => panic!("expected a NIXL backend error, got {other:?}"),
-        }
+        assert_unregistered(to_file(&pair.a, &src, &file_reg, &options));
     }
     assert_eq!(read_file(&file), vec![0u8; LEN], "nothing reached the file");
 
@@ -137,16 +144,15 @@ fn dram_registered_with_ucx_only_cannot_go_to_a_file() {
         .register_memory(vec![0u8; LEN], &[&pair.ucx_b])
         .unwrap();
     pair.exchange();
-    let mut req = pair
-        .a
-        .create_xfer_req(
-            XferOp::Write,
-            &local_whole(&src),
-            &remote_whole(&dst),
-            pair.b.name(),
-            &XferOptions::new().backend(&pair.ucx_a),
-        )
-        .unwrap();
+    let mut req = whole_xfer_req(
+        &pair.a,
+        XferOp::Write,
+        &src,
+        &dst,
+        pair.b.name(),
+        &XferOptions::new().backend(&pair.ucx_a),
+    )
+    .unwrap();
     assert_eq!(req.backend().unwrap(), "UCX");
     req.post_and_wait(WAIT).unwrap();
     assert_eq!(contents(&dst), data);
@@ -163,30 +169,20 @@ fn empty_backend_list_registers_with_every_capable_backend() {
     let dst = pair.b.register_memory(vec![0u8; LEN], &[]).unwrap();
     pair.exchange();
 
-    let mut to_file = pair
-        .a
-        .create_xfer_req(
-            XferOp::Write,
-            &local_whole(&src),
-            &file_list(&file_reg),
-            pair.a.name(),
-            &XferOptions::new(),
-        )
-        .unwrap();
-    assert_eq!(to_file.backend().unwrap(), "POSIX");
-    to_file.post_and_wait(WAIT).unwrap();
+    let mut into_file = to_file(&pair.a, &src, &file_reg, &XferOptions::new()).unwrap();
+    assert_eq!(into_file.backend().unwrap(), "POSIX");
+    into_file.post_and_wait(WAIT).unwrap();
     assert_eq!(read_file(&file), data);
 
-    let mut to_peer = pair
-        .a
-        .create_xfer_req(
-            XferOp::Write,
-            &local_whole(&src),
-            &remote_whole(&dst),
-            pair.b.name(),
-            &XferOptions::new(),
-        )
-        .unwrap();
+    let mut to_peer = whole_xfer_req(
+        &pair.a,
+        XferOp::Write,
+        &src,
+        &dst,
+        pair.b.name(),
+        &XferOptions::new(),
+    )
+    .unwrap();
     assert_eq!(to_peer.backend().unwrap(), "UCX");
     to_peer.post_and_wait(WAIT).unwrap();
     assert_eq!(contents(&dst), data);
@@ -203,19 +199,13 @@ fn backend_of_another_agent_is_rejected() {
         }
         other => panic!("expected InvalidArgument, got {other:?}"),
     }
-    let src = pair
-        .a
-        .register_memory(pattern(LEN, 54), &[&pair.ucx_a])
-        .unwrap();
-    let dst = pair
-        .b
-        .register_memory(vec![0u8; LEN], &[&pair.ucx_b])
-        .unwrap();
+    let (src, dst) = pair.source_and_destination(pattern(LEN, 54));
     pair.exchange();
-    match pair.a.create_xfer_req(
+    match whole_xfer_req(
+        &pair.a,
         XferOp::Write,
-        &local_whole(&src),
-        &remote_whole(&dst),
+        &src,
+        &dst,
         pair.b.name(),
         &XferOptions::new().backend(&other_ucx),
     ) {
