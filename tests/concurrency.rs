@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{contents, local_whole, pattern, remote_whole, Pair, WAIT};
+use common::{contents, pattern, whole_xfer_req, Pair, WAIT};
 use nixl::{Agent, XferOp, XferOptions};
 
 const THREADS: usize = 8;
@@ -32,34 +32,17 @@ fn worker(pair: &Pair, a: &Agent, thread: usize) {
         XferOp::Write => (&mine, &theirs),
         XferOp::Read => (&theirs, &mine),
     };
+    let request =
+        || whole_xfer_req(a, op, &mine, &theirs, pair.b.name(), &XferOptions::new()).unwrap();
     let reuse = thread % 4 < 2;
-    let mut kept = reuse.then(|| {
-        a.create_xfer_req(
-            op,
-            &local_whole(&mine),
-            &remote_whole(&theirs),
-            pair.b.name(),
-            &XferOptions::new(),
-        )
-        .unwrap()
-    });
+    let mut kept = reuse.then(request);
     for i in 0..TRANSFERS {
         let seed = (thread * 31 + i) as u8;
         let data = pattern(LEN, seed);
         src.write(0, 0, &data).unwrap();
         match kept.as_mut() {
             Some(req) => req.post_and_wait(WAIT).unwrap(),
-            None => a
-                .create_xfer_req(
-                    op,
-                    &local_whole(&mine),
-                    &remote_whole(&theirs),
-                    pair.b.name(),
-                    &XferOptions::new(),
-                )
-                .unwrap()
-                .post_and_wait(WAIT)
-                .unwrap(),
+            None => request().post_and_wait(WAIT).unwrap(),
         }
         assert!(
             contents(dst) == data,

@@ -31,14 +31,7 @@ fn local_peer(port: u16) -> MetadataPeer {
 fn send_local_metadata_to_a_listener() {
     let (b, port) = listening("sock-send-b");
     let pair = Pair::with(Agent::new(&unique_name("sock-send-a")).unwrap(), b);
-    let src = pair
-        .a
-        .register_memory(pattern(4096, 71), &[&pair.ucx_a])
-        .unwrap();
-    let dst = pair
-        .b
-        .register_memory(vec![0u8; 4096], &[&pair.ucx_b])
-        .unwrap();
+    let (src, dst) = pair.source_and_destination(pattern(4096, 71));
     // a pushes its metadata to b's listener; b then READs from a.
     pair.a.send_local_metadata(&local_peer(port)).unwrap();
     wait_metadata(&pair.b, pair.a.name());
@@ -51,14 +44,7 @@ fn fetch_remote_metadata_from_a_listener() {
     let (b, port) = listening("sock-fetch-b");
     let (a, _) = listening("sock-fetch-a");
     let pair = Pair::with(a, b);
-    let src = pair
-        .a
-        .register_memory(pattern(4096, 72), &[&pair.ucx_a])
-        .unwrap();
-    let dst = pair
-        .b
-        .register_memory(vec![0u8; 4096], &[&pair.ucx_b])
-        .unwrap();
+    let (src, dst) = pair.source_and_destination(pattern(4096, 72));
     // Without a listener of its own, a would never receive the answer: refused up front.
     let deaf = Agent::new(&unique_name("sock-fetch-deaf")).unwrap();
     match deaf.fetch_remote_metadata(pair.b.name(), &local_peer(port)) {
@@ -81,14 +67,7 @@ fn both_listening_exchange_both_ways() {
     let (a, port_a) = listening("sock-both-a");
     let (b, port_b) = listening("sock-both-b");
     let pair = Pair::with(a, b);
-    let a_reg = pair
-        .a
-        .register_memory(pattern(2048, 73), &[&pair.ucx_a])
-        .unwrap();
-    let b_reg = pair
-        .b
-        .register_memory(pattern(2048, 74), &[&pair.ucx_b])
-        .unwrap();
+    let (a_reg, b_reg) = pair.register(pattern(2048, 73), pattern(2048, 74));
     pair.a.send_local_metadata(&local_peer(port_b)).unwrap();
     pair.b.send_local_metadata(&local_peer(port_a)).unwrap();
     wait_metadata(&pair.a, pair.b.name());

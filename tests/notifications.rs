@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{contents, local_whole, pattern, remote_whole, wait_notifications, Pair, WAIT};
+use common::{contents, pattern, wait_notifications, whole_xfer_req, Pair, WAIT};
 use nixl::{XferOp, XferOptions};
 
 /// Bytes that are not UTF-8, with NULs inside and at the end.
@@ -14,27 +14,19 @@ fn binary_message(tag: u8) -> Vec<u8> {
 #[test]
 fn notification_with_a_transfer() {
     let pair = Pair::new("nx");
-    let src = pair
-        .a
-        .register_memory(pattern(4096, 31), &[&pair.ucx_a])
-        .unwrap();
-    let dst = pair
-        .b
-        .register_memory(vec![0u8; 4096], &[&pair.ucx_b])
-        .unwrap();
+    let (src, dst) = pair.source_and_destination(pattern(4096, 31));
     pair.exchange();
     let message = binary_message(1);
     assert!(std::str::from_utf8(&message).is_err());
-    let mut req = pair
-        .a
-        .create_xfer_req(
-            XferOp::Write,
-            &local_whole(&src),
-            &remote_whole(&dst),
-            pair.b.name(),
-            &XferOptions::new().notification(message.clone()),
-        )
-        .unwrap();
+    let mut req = whole_xfer_req(
+        &pair.a,
+        XferOp::Write,
+        &src,
+        &dst,
+        pair.b.name(),
+        &XferOptions::new().notification(message.clone()),
+    )
+    .unwrap();
     req.post_and_wait(WAIT).unwrap();
     assert_eq!(
         wait_notifications(&pair.b, pair.a.name(), 1),
@@ -64,26 +56,18 @@ fn notification_with_a_transfer() {
 #[test]
 fn notification_on_a_read_goes_to_the_remote_agent() {
     let pair = Pair::new("nr");
-    let dst = pair
-        .a
-        .register_memory(vec![0u8; 1024], &[&pair.ucx_a])
-        .unwrap();
-    let src = pair
-        .b
-        .register_memory(pattern(1024, 34), &[&pair.ucx_b])
-        .unwrap();
+    let (dst, src) = pair.register(vec![0u8; 1024], pattern(1024, 34));
     pair.exchange();
     let message = binary_message(3);
-    let mut req = pair
-        .a
-        .create_xfer_req(
-            XferOp::Read,
-            &local_whole(&dst),
-            &remote_whole(&src),
-            pair.b.name(),
-            &XferOptions::new().notification(message.clone()),
-        )
-        .unwrap();
+    let mut req = whole_xfer_req(
+        &pair.a,
+        XferOp::Read,
+        &dst,
+        &src,
+        pair.b.name(),
+        &XferOptions::new().notification(message.clone()),
+    )
+    .unwrap();
     req.post_and_wait(WAIT).unwrap();
     assert_eq!(contents(&dst), pattern(1024, 34));
     assert_eq!(wait_notifications(&pair.b, pair.a.name(), 1), vec![message]);

@@ -21,14 +21,7 @@ fn remote_blocks(reg: &nixl::Registration<'_>, count: usize) -> RemoteDescList {
 fn write_and_read_index_slices() {
     let pair = Pair::new("prep");
     let data = pattern(BLOCK * BLOCKS, 21);
-    let a_reg = pair
-        .a
-        .register_memory(data.clone(), &[&pair.ucx_a])
-        .unwrap();
-    let b_reg = pair
-        .b
-        .register_memory(vec![0u8; BLOCK * BLOCKS], &[&pair.ucx_b])
-        .unwrap();
+    let (a_reg, b_reg) = pair.source_and_destination(data.clone());
     pair.exchange();
 
     let mut local = LocalDescList::new(MemType::Dram).unwrap();
@@ -98,14 +91,7 @@ fn write_and_read_index_slices() {
 fn every_block_in_many_requests_from_one_preparation() {
     let pair = Pair::new("prepmany");
     let data = pattern(BLOCK * BLOCKS, 22);
-    let a_reg = pair
-        .a
-        .register_memory(vec![0u8; BLOCK * BLOCKS], &[&pair.ucx_a])
-        .unwrap();
-    let b_reg = pair
-        .b
-        .register_memory(data.clone(), &[&pair.ucx_b])
-        .unwrap();
+    let (a_reg, b_reg) = pair.register(vec![0u8; BLOCK * BLOCKS], data.clone());
     pair.exchange();
     let mut local = LocalDescList::new(MemType::Dram).unwrap();
     local.push_blocks(&a_reg, 0, BLOCK, 0..BLOCKS).unwrap();
@@ -144,14 +130,7 @@ fn every_block_in_many_requests_from_one_preparation() {
 fn prepared_list_with_notification_and_repeated_indices() {
     let pair = Pair::new("prepnotif");
     let data = pattern(BLOCK * 4, 23);
-    let a_reg = pair
-        .a
-        .register_memory(data.clone(), &[&pair.ucx_a])
-        .unwrap();
-    let b_reg = pair
-        .b
-        .register_memory(vec![0u8; BLOCK * 4], &[&pair.ucx_b])
-        .unwrap();
+    let (a_reg, b_reg) = pair.source_and_destination(data.clone());
     pair.exchange();
     let mut local = LocalDescList::new(MemType::Dram).unwrap();
     local.push_blocks(&a_reg, 0, BLOCK, 0..4).unwrap();
