@@ -13,9 +13,13 @@
 //! affinity; the measuring thread then pins itself to core 0.
 //!
 //! Arguments: `[--round N] [--json PATH]` runs one round (JSON lines appended to PATH, else
-//! printed); `report JSONL OUT_DIR` turns the JSON lines of a whole run into `OUT_DIR/results.md`
-//! and `OUT_DIR/transfer.svg`.
+//! printed); `cross-process DEMO_OUTPUT [--round N] [--json PATH]` records the GB/s of one
+//! `scripts/demo.sh` run (its output in DEMO_OUTPUT) and a memcpy probe of the same shape;
+//! `report JSONL OUT_DIR` turns the JSON lines of a whole run into `OUT_DIR/results.md` and
+//! `OUT_DIR/transfer.svg`.
 
+#[path = "transfer/cross_process.rs"]
+mod cross_process;
 #[path = "transfer/report.rs"]
 mod report;
 
@@ -61,9 +65,26 @@ fn main() -> Res<()> {
         };
         return report::write(input.as_ref(), out_dir.as_ref());
     }
+    if let [cmd, demo_output, rest @ ..] = args.as_slice() {
+        if cmd == "cross-process" {
+            let mut out = Output::from_args(rest)?;
+            cross_process::record(&mut out, demo_output.as_ref())?;
+            out.summary(&format!(
+                "cross-process round {}: GB/s of one scripts/demo.sh run (decode's summary: bytes / time); \
+                 memcpy probe of the same blocks on core {MEASURE_CORE}",
+                out.round
+            ));
+            return Ok(());
+        }
+    }
     let mut out = Output::from_args(&args)?;
     run_round(&mut out)?;
-    out.summary();
+    out.summary(&format!(
+        "rust bench round {}: agents A,B created on core {AGENT_CORE} (NIXL/UCX threads inherit it), \
+         measured on core {MEASURE_CORE}; UCX defaults unless the config says otherwise; \
+         config 'default' = nixl::AgentConfig::default()",
+        out.round
+    ));
     Ok(())
 }
 
@@ -123,12 +144,9 @@ impl Output {
         self.records.push(record);
     }
 
-    fn summary(&self) {
-        eprintln!(
-            "rust bench round {}: agents A,B created on core {AGENT_CORE} (NIXL/UCX threads inherit it), \
-             measured on core {MEASURE_CORE}; UCX defaults; config 'default' = nixl::AgentConfig::default()",
-            self.round
-        );
+    /// Prints `header`, every record and the command reproducing them to stderr.
+    fn summary(&self, header: &str) {
+        eprintln!("{header}");
         for r in &self.records {
             eprintln!(
                 "  {:<7} {:<15} {:<16} {:<13} {:>12.4} {}",
@@ -153,14 +171,25 @@ impl Output {
 
 /// Pins the calling thread to one core.
 fn pin(core: usize) -> Res<()> {
+    pin_to(&[core])
+}
+
+/// Restricts the calling thread to `cores`.
+fn pin_to(cores: &[usize]) -> Res<()> {
     // SAFETY: cpu_set_t is plain bits, valid when zeroed.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    // SAFETY: `core` is below CPU_SETSIZE (checked by libc's macro) and `set` is ours.
-    unsafe { libc::CPU_SET(core, &mut set) };
+    for &core in cores {
+        // SAFETY: `core` is below CPU_SETSIZE (checked by libc's macro) and `set` is ours.
+        unsafe { libc::CPU_SET(core, &mut set) };
+    }
     // SAFETY: pid 0 is the calling thread; the set is valid for its size.
     let rc = unsafe { libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set) };
     if rc != 0 {
-        return Err(format!("pin to core {core}: {}", std::io::Error::last_os_error()).into());
+        return Err(format!(
+            "pin to cores {cores:?}: {}",
+            std::io::Error::last_os_error()
+        )
+        .into());
     }
     Ok(())
 }
@@ -255,11 +284,23 @@ impl Pair {
 
     /// As [`Pair::new`], with different configurations for A (initiator) and B (target).
     fn with(a_config: &AgentConfig, b_config: &AgentConfig, kv: bool) -> Res<Pair> {
-        pin(AGENT_CORE)?;
+        Pair::with_ucx(a_config, b_config, kv, &[], &[AGENT_CORE])
+    }
+
+    /// As [`Pair::with`], with UCX parameters `ucx` on both agents, created while the
+    /// creating thread may run on `agent_cores` (NIXL's and UCX's threads inherit them).
+    fn with_ucx(
+        a_config: &AgentConfig,
+        b_config: &AgentConfig,
+        kv: bool,
+        ucx: &[(&str, &str)],
+        agent_cores: &[usize],
+    ) -> Res<Pair> {
+        pin_to(agent_cores)?;
         let a = Agent::builder("A").config(a_config.clone()).build()?;
         let b = Agent::builder("B").config(b_config.clone()).build()?;
-        let ucx_a = a.create_backend("UCX")?;
-        let ucx_b = b.create_backend("UCX")?;
+        let ucx_a = a.create_backend_with("UCX", ucx.iter().copied())?;
+        let ucx_b = b.create_backend_with("UCX", ucx.iter().copied())?;
         let reg = |agent: &Agent, len: usize| -> Res<Registration<'static>> {
             let backend = if agent.name() == "A" { &ucx_a } else { &ucx_b };
             Ok(agent.register_memory(HostBuffer::zeroed(len)?, &[backend])?)
@@ -292,7 +333,29 @@ fn remote(reg: &Registration<'_>, offset: usize, len: usize) -> XferDesc {
     XferDesc::new(reg.regions()[0].addr + offset, len, 0)
 }
 
-/// Requests covering `[0, size)` of A's and B's bulk buffers, cut into `parts` requests.
+/// One request covering `[offset, offset + len)` of A's and B's bulk buffers, cut into `descs`
+/// equal descriptors that NIXL is told not to merge back into one.
+fn bulk_request(
+    pair: &Pair,
+    op: XferOp,
+    offset: usize,
+    len: usize,
+    descs: usize,
+) -> Res<XferRequest<'static>> {
+    let piece = len / descs;
+    let mut local = LocalDescList::with_capacity(MemType::Dram, descs)?;
+    let mut remote_descs = Vec::with_capacity(descs);
+    for i in 0..descs {
+        local.push(&pair.a_bulk, 0, offset + i * piece, piece)?;
+        remote_descs.push(remote(&pair.b_bulk, offset + i * piece, piece));
+    }
+    let remote = RemoteDescList::from_descs(MemType::Dram, &remote_descs)?;
+    let opts = XferOptions::new().skip_desc_merge(descs > 1);
+    Ok(pair.a.create_xfer_req(op, &local, &remote, "B", &opts)?)
+}
+
+/// Requests covering `[0, size)` of A's and B's bulk buffers, cut into `parts` requests of
+/// one descriptor each.
 fn bulk_requests(
     pair: &Pair,
     op: XferOp,
@@ -301,15 +364,7 @@ fn bulk_requests(
 ) -> Res<Vec<XferRequest<'static>>> {
     let part = size / parts;
     (0..parts)
-        .map(|i| {
-            let mut local = LocalDescList::new(MemType::Dram)?;
-            local.push(&pair.a_bulk, 0, i * part, part)?;
-            let remote =
-                RemoteDescList::from_descs(MemType::Dram, &[remote(&pair.b_bulk, i * part, part)])?;
-            Ok(pair
-                .a
-                .create_xfer_req(op, &local, &remote, "B", &XferOptions::new())?)
-        })
+        .map(|i| bulk_request(pair, op, i * part, part, 1))
         .collect()
 }
 
@@ -346,7 +401,20 @@ fn bulk(
     poll: Poll,
     seed: u64,
 ) -> Res<(f64, f64)> {
-    let mut reqs = bulk_requests(pair, op, size, 1)?;
+    bulk_descs(pair, op, size, 1, iters, poll, seed)
+}
+
+/// As [`bulk`], with the request cut into `descs` unmerged descriptors.
+fn bulk_descs(
+    pair: &Pair,
+    op: XferOp,
+    size: usize,
+    descs: usize,
+    iters: usize,
+    poll: Poll,
+    seed: u64,
+) -> Res<(f64, f64)> {
+    let mut reqs = vec![bulk_request(pair, op, 0, size, descs)?];
     bulk_check(pair, op, size, &mut reqs, seed)?;
     let req = &mut reqs[0];
     let (cpu0, t0) = (cpu_seconds(), Instant::now());
@@ -798,6 +866,23 @@ fn run_round(out: &mut Output) -> Res<()> {
         }
         let us = small(&pair, Poll::Wait, 11 + round)?;
         out.emit("rust", name, "w3_small", "us_per_iter", us);
+    }
+
+    // UCX's multi-threaded mode (2 worker threads, batches split down to one descriptor) with
+    // W1 cut into 2 and 4 unmerged descriptors, against the same cuts with UCX's defaults.
+    // Agents created while allowed on both cores, so that the workers may run on either.
+    let mt = [("num_threads", "2"), ("split_batch_size", "1")];
+    for (ucx, prefix) in [(&mt[..], "ucx-mt2+"), (&[][..], "")] {
+        let pair = Pair::with_ucx(&default, &default, false, ucx, &[MEASURE_CORE, AGENT_CORE])?;
+        for descs in [2, 4] {
+            let name = format!("{prefix}{descs}desc");
+            for (op, w, seed) in [(XferOp::Write, "w1_write", 5), (XferOp::Read, "w1_read", 6)] {
+                let (gbps, cpu) =
+                    bulk_descs(&pair, op, BULK, descs, BULK_ITERS, Poll::Wait, seed + round)?;
+                out.emit("rust", &name, w, "gbps", gbps);
+                out.emit("rust", &name, w, "cpu_s_per_gb", cpu);
+            }
+        }
     }
 
     // NIXL Python's progress-thread setting (zero delay) on both agents.

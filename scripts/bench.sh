@@ -3,7 +3,10 @@
 #
 # Installs what it needs (scripts/setup.sh, then a venv with numpy and the pinned NIXL wheel,
 # --no-deps), builds benches/transfer.rs, runs the Rust and the Python benchmark alternately
-# (A B A B ...) for BENCH_ROUNDS rounds (default 6), and writes into bench/results/:
+# (A B A B ...) for BENCH_ROUNDS rounds (default 6), each round followed by one run of the
+# prefill/decode demo (scripts/demo.sh, release build: two processes over NIXL/UCX, 2 GiB
+# pulled and verified) and a single-thread memcpy probe of the same blocks, and writes into
+# bench/results/:
 #   transfer.jsonl  every figure of every round, one JSON object a line
 #   results.md      medians over rounds, ratios Rust/Python and Rust/memcpy from the same run
 #   transfer.svg    GB/s against transfer size for Rust, Python and memcpy
@@ -54,6 +57,12 @@ if [[ -z $bin ]]; then
     exit 1
 fi
 
+echo "bench: building the prefill/decode demo (release)" >&2
+cargo build --release --locked -p nixl-rs --example prefill --example decode
+demo_bin=$CARGO_TARGET_DIR/release/examples
+demo_out=$(mktemp)
+trap 'rm -f "$demo_out"' EXIT
+
 mkdir -p "$results"
 jsonl=$results/transfer.jsonl
 : >"$jsonl"
@@ -65,16 +74,28 @@ for ((round = 1; round <= rounds; round++)); do
     "$bin" --round "$round" --json "$jsonl" 2>>"$log"
     echo "bench: round $round/$rounds: Python" >&2
     "$venv/bin/python" bench/python/transfer.py --round "$round" --json "$jsonl" 2>>"$log"
+    echo "bench: round $round/$rounds: prefill/decode demo + memcpy probe" >&2
+    echo "demo round $round: NIXL_DEMO_BIN_DIR=$demo_bin scripts/demo.sh" >>"$log"
+    if ! NIXL_DEMO_BIN_DIR=$demo_bin scripts/demo.sh >"$demo_out" 2>&1; then
+        cat "$demo_out" >&2
+        exit 1
+    fi
+    grep -v 'decode: progress:' "$demo_out" >>"$log"
+    "$bin" cross-process "$demo_out" --round "$round" --json "$jsonl" 2>>"$log"
 done
 echo "bench: $rounds rounds in $((SECONDS - start)) s" >&2
 
 "$bin" report "$jsonl" "$results"
 cat <<EOF
 
-Setup: two agents A and B in one process, UCX defaults, DRAM (huge-page-backed buffers in both
-languages), agents created on core 1 (NIXL/UCX threads inherit it), measuring thread on core 0.
+Setup: two agents A and B in one process, UCX defaults (config ucx-mt2+*: num_threads=2,
+split_batch_size=1), DRAM (huge-page-backed buffers in both languages), agents created on core 1
+(NIXL/UCX threads inherit it; ucx-mt2+* and *desc: cores 0-1), measuring thread on core 0.
+Cross-process: scripts/demo.sh (prefill and decode processes, 256 requests x 16 blocks x 32
+layers x 16 KiB READ over UCX, every byte verified) once per round, GB/s from decode's summary.
 Results: $results/{transfer.jsonl,results.md,transfer.svg,transfer.log}
 Reproduce everything:  scripts/bench.sh            (BENCH_ROUNDS=$rounds)
 One Rust round:        CARGO_TARGET_DIR=$CARGO_TARGET_DIR cargo bench -p nixl-rs --bench transfer
 One Python round:      $venv/bin/python bench/python/transfer.py
+One demo run:          CARGO_TARGET_DIR=$CARGO_TARGET_DIR scripts/demo.sh   (decode prints GB/s)
 EOF

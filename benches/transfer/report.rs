@@ -9,6 +9,9 @@ use plotters::prelude::*;
 
 use super::{Res, SWEEP};
 
+/// The configuration name of the cross-process demo's records.
+pub const XPROC_CONFIG: &str = "prefill/decode";
+
 /// A table row: label, workload, metric, unit, and the target on Rust/Python
 /// (at least or at most, and the bound).
 type Row = (
@@ -178,6 +181,36 @@ pub fn write(input: &Path, out_dir: &Path) -> Res<()> {
         fmt(two.median(), 2),
         fmt_ratio(two.ratio(&memcpy64)),
     )?;
+    for (w, label) in [("w1_write", "WRITE"), ("w1_read", "READ")] {
+        for descs in [2, 4] {
+            let r = rust(&format!("ucx-mt2+{descs}desc"), w, "gbps");
+            let p = py(w, "gbps");
+            writeln!(
+                md,
+                "| W1 {label}, UCX num_threads=2 split_batch_size=1, {descs} descriptors | GB/s | {} | {} | {} | {} | {} | |",
+                fmt(r.median(), 2),
+                fmt(p.median(), 2),
+                fmt_ratio(r.ratio(&p)),
+                fmt(memcpy64.median(), 2),
+                fmt_ratio(r.ratio(&memcpy64)),
+            )?;
+        }
+    }
+    let (demo, demo_mem) = (rust(XPROC_CONFIG, "xproc", "gbps"), mem("xproc"));
+    let xproc = format!(
+        "cross-process prefill/decode demo: {} GB/s (median of {} runs) = {} of a 1-thread memcpy of the same blocks ({} GB/s)",
+        fmt(demo.median(), 2),
+        demo.0.map_or(0, BTreeMap::len),
+        fmt_ratio(demo.ratio(&demo_mem)),
+        fmt(demo_mem.median(), 2),
+    );
+    writeln!(
+        md,
+        "| Cross-process prefill/decode demo (2 processes, decode READs 16 KiB blocks, verifies every byte); memcpy: 1 thread, same blocks | GB/s | {} | | | {} | {} | |",
+        fmt(demo.median(), 2),
+        fmt(demo_mem.median(), 2),
+        fmt_ratio(demo.ratio(&demo_mem)),
+    )?;
     let rows: [Row; 10] = [
         (
             "W2 kv-blocks fresh (1024 × 32 KiB READ)",
@@ -273,7 +306,7 @@ pub fn write(input: &Path, out_dir: &Path) -> Res<()> {
     )?;
     writeln!(md, "| --- | --- | --- | ---: | ---: | ---: |")?;
     for ((lang, config, w, m), values) in &runs {
-        if lang != "rust" || config == "default" {
+        if lang != "rust" || config == "default" || config == XPROC_CONFIG {
             continue;
         }
         let s = Series(Some(values));
@@ -340,7 +373,7 @@ pub fn write(input: &Path, out_dir: &Path) -> Res<()> {
     std::fs::create_dir_all(out_dir)?;
     std::fs::write(out_dir.join("results.md"), &md)?;
     plot(&out_dir.join("transfer.svg"), &lines)?;
-    println!("{md}");
+    println!("{md}\n{xproc}");
     Ok(())
 }
 
