@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{contents, local_whole, pattern, unique_name, whole_xfer_req, Pair, WAIT};
+use common::{contents, local_whole, pattern, unique_name, Pair, WAIT};
 use nixl::{
     Agent, Backend, Error, FileRegion, MemType, Registration, RemoteDescList, XferDesc, XferOp,
     XferOptions, XferRequest,
@@ -98,14 +98,7 @@ fn dram_registered_with_posix_only_cannot_go_over_ucx() {
 
     // Over UCX, explicitly or by NIXL's own choice: UCX has no registration of `src`.
     for options in [XferOptions::new().backend(&pair.ucx_a), XferOptions::new()] {
-        assert_unregistered(whole_xfer_req(
-            &pair.a,
-            XferOp::Write,
-            &src,
-            &dst,
-            pair.b.name(),
-            &options,
-        ));
+        assert_unregistered(pair.whole_request(XferOp::Write, &src, &dst, &options));
     }
     assert_eq!(contents(&dst), vec![0u8; LEN], "nothing moved");
 
@@ -144,15 +137,14 @@ fn dram_registered_with_ucx_only_cannot_go_to_a_file() {
         .register_memory(vec![0u8; LEN], &[&pair.ucx_b])
         .unwrap();
     pair.exchange();
-    let mut req = whole_xfer_req(
-        &pair.a,
-        XferOp::Write,
-        &src,
-        &dst,
-        pair.b.name(),
-        &XferOptions::new().backend(&pair.ucx_a),
-    )
-    .unwrap();
+    let mut req = pair
+        .whole_request(
+            XferOp::Write,
+            &src,
+            &dst,
+            &XferOptions::new().backend(&pair.ucx_a),
+        )
+        .unwrap();
     assert_eq!(req.backend().unwrap(), "UCX");
     req.post_and_wait(WAIT).unwrap();
     assert_eq!(contents(&dst), data);
@@ -174,15 +166,9 @@ fn empty_backend_list_registers_with_every_capable_backend() {
     into_file.post_and_wait(WAIT).unwrap();
     assert_eq!(read_file(&file), data);
 
-    let mut to_peer = whole_xfer_req(
-        &pair.a,
-        XferOp::Write,
-        &src,
-        &dst,
-        pair.b.name(),
-        &XferOptions::new(),
-    )
-    .unwrap();
+    let mut to_peer = pair
+        .whole_request(XferOp::Write, &src, &dst, &XferOptions::new())
+        .unwrap();
     assert_eq!(to_peer.backend().unwrap(), "UCX");
     to_peer.post_and_wait(WAIT).unwrap();
     assert_eq!(contents(&dst), data);
@@ -201,12 +187,10 @@ fn backend_of_another_agent_is_rejected() {
     }
     let (src, dst) = pair.source_and_destination(pattern(LEN, 54));
     pair.exchange();
-    match whole_xfer_req(
-        &pair.a,
+    match pair.whole_request(
         XferOp::Write,
         &src,
         &dst,
-        pair.b.name(),
         &XferOptions::new().backend(&other_ucx),
     ) {
         Err(Error::InvalidArgument { .. }) => {}

@@ -105,11 +105,10 @@ fn empty_lists() {
     let empty_local = LocalDescList::new(MemType::Dram).unwrap();
     let empty_remote = RemoteDescList::new(MemType::Dram).unwrap();
     assert!(matches!(
-        pair.a.create_xfer_req(
+        pair.request(
             XferOp::Write,
             &empty_local,
             &empty_remote,
-            pair.b.name(),
             &XferOptions::new()
         ),
         Err(Error::EmptyDescList { .. })
@@ -209,11 +208,10 @@ fn remote_range_outside_the_remote_registration() {
     for addr in [base + 1, base + 4096] {
         let remote =
             RemoteDescList::from_descs(MemType::Dram, &[XferDesc::new(addr, 4096, 0)]).unwrap();
-        match pair.a.create_xfer_req(
+        match pair.request(
             XferOp::Write,
             &local_whole(&src),
             &remote,
-            pair.b.name(),
             &XferOptions::new(),
         ) {
             Err(Error::Nixl {
@@ -281,13 +279,7 @@ fn local_and_remote_lengths_do_not_match() {
     two.push(&src, 0, 0, 1024).unwrap();
     two.push(&src, 0, 2048, 1024).unwrap();
     let one = RemoteDescList::from_descs(MemType::Dram, &[XferDesc::new(base, 1024, 0)]).unwrap();
-    match pair.a.create_xfer_req(
-        XferOp::Write,
-        &two,
-        &one,
-        pair.b.name(),
-        &XferOptions::new(),
-    ) {
+    match pair.request(XferOp::Write, &two, &one, &XferOptions::new()) {
         Err(Error::LengthMismatch {
             local: 2,
             remote: 1,
@@ -303,13 +295,7 @@ fn local_and_remote_lengths_do_not_match() {
         ],
     )
     .unwrap();
-    match pair.a.create_xfer_req(
-        XferOp::Read,
-        &two,
-        &longer,
-        pair.b.name(),
-        &XferOptions::new(),
-    ) {
+    match pair.request(XferOp::Read, &two, &longer, &XferOptions::new()) {
         Err(Error::LengthMismatch {
             local: 1024,
             remote: 1025,
@@ -632,11 +618,10 @@ fn wrong_memory_type_in_a_prepared_remote_list() {
             "{mem_type}"
         );
         assert!(matches!(
-            pair.a.create_xfer_req(
+            pair.request(
                 XferOp::Write,
                 &local_whole(&src),
                 &wrong,
-                pair.b.name(),
                 &XferOptions::new()
             ),
             Err(Error::Nixl { .. })
@@ -648,15 +633,9 @@ fn wrong_memory_type_in_a_prepared_remote_list() {
 #[test]
 fn status_before_post() {
     let (pair, src, dst) = pair_with_buffers("nopost");
-    let mut req = whole_xfer_req(
-        &pair.a,
-        XferOp::Write,
-        &src,
-        &dst,
-        pair.b.name(),
-        &XferOptions::new(),
-    )
-    .unwrap();
+    let mut req = pair
+        .whole_request(XferOp::Write, &src, &dst, &XferOptions::new())
+        .unwrap();
     assert!(matches!(req.status(), Err(Error::InvalidArgument { .. })));
     assert!(matches!(req.wait(WAIT), Err(Error::InvalidArgument { .. })));
     assert!(!req.is_in_flight());
@@ -699,15 +678,9 @@ fn wait_deadline_passes_and_repost_while_in_flight() {
     let data = pattern(1 << 20, 62);
     let (src, dst) = pair.source_and_destination(data.clone());
     pair.exchange();
-    let mut req = whole_xfer_req(
-        &pair.a,
-        XferOp::Write,
-        &src,
-        &dst,
-        pair.b.name(),
-        &XferOptions::new(),
-    )
-    .unwrap();
+    let mut req = pair
+        .whole_request(XferOp::Write, &src, &dst, &XferOptions::new())
+        .unwrap();
     match req.post().unwrap() {
         XferStatus::InProgress => {
             match req.wait(Duration::ZERO) {
@@ -750,12 +723,10 @@ fn deregistration_while_a_list_holds_the_registration() {
     }
     // The list keeps the memory registered: it still transfers.
     let mut req = pair
-        .a
-        .create_xfer_req(
+        .request(
             XferOp::Write,
             &list,
             &remote_whole(&dst),
-            pair.b.name(),
             &XferOptions::new(),
         )
         .unwrap();
@@ -780,12 +751,10 @@ fn backend_of_another_agent() {
         Err(Error::InvalidArgument { .. })
     ));
     assert!(matches!(
-        whole_xfer_req(
-            &pair.a,
+        pair.whole_request(
             XferOp::Write,
             &src,
             &dst,
-            pair.b.name(),
             &XferOptions::new().backend(&pair.ucx_b)
         ),
         Err(Error::InvalidArgument { .. })
@@ -827,15 +796,9 @@ fn abandoning_an_in_flight_request_keeps_its_memory_registered() {
     let pair = stalled_pair("abandon");
     let (src, dst) = pair.source_and_destination(pattern(1 << 20, 64));
     pair.exchange();
-    let mut req = whole_xfer_req(
-        &pair.a,
-        XferOp::Write,
-        &src,
-        &dst,
-        pair.b.name(),
-        &XferOptions::new(),
-    )
-    .unwrap();
+    let mut req = pair
+        .whole_request(XferOp::Write, &src, &dst, &XferOptions::new())
+        .unwrap();
     if req.post().unwrap() == XferStatus::Done {
         eprintln!("the first transfer finished at post; nothing in flight to abandon");
         return;

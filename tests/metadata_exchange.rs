@@ -81,14 +81,7 @@ fn both_listening_exchange_both_ways() {
         &[nixl::XferDesc::new(b_reg.regions()[0].addr, 1024, 0)],
     )
     .unwrap();
-    pair.a
-        .create_xfer_req(
-            XferOp::Read,
-            &a_local,
-            &b_first,
-            pair.b.name(),
-            &nixl::XferOptions::new(),
-        )
+    pair.request(XferOp::Read, &a_local, &b_first, &nixl::XferOptions::new())
         .unwrap()
         .post_and_wait(common::WAIT)
         .unwrap();

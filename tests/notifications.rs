@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{contents, pattern, wait_notifications, whole_xfer_req, Pair, WAIT};
+use common::{contents, pattern, wait_notifications, Pair, WAIT};
 use nixl::{XferOp, XferOptions};
 
 /// Bytes that are not UTF-8, with NULs inside and at the end.
@@ -18,15 +18,14 @@ fn notification_with_a_transfer() {
     pair.exchange();
     let message = binary_message(1);
     assert!(std::str::from_utf8(&message).is_err());
-    let mut req = whole_xfer_req(
-        &pair.a,
-        XferOp::Write,
-        &src,
-        &dst,
-        pair.b.name(),
-        &XferOptions::new().notification(message.clone()),
-    )
-    .unwrap();
+    let mut req = pair
+        .whole_request(
+            XferOp::Write,
+            &src,
+            &dst,
+            &XferOptions::new().notification(message.clone()),
+        )
+        .unwrap();
     req.post_and_wait(WAIT).unwrap();
     assert_eq!(
         wait_notifications(&pair.b, pair.a.name(), 1),
@@ -59,15 +58,14 @@ fn notification_on_a_read_goes_to_the_remote_agent() {
     let (dst, src) = pair.register(vec![0u8; 1024], pattern(1024, 34));
     pair.exchange();
     let message = binary_message(3);
-    let mut req = whole_xfer_req(
-        &pair.a,
-        XferOp::Read,
-        &dst,
-        &src,
-        pair.b.name(),
-        &XferOptions::new().notification(message.clone()),
-    )
-    .unwrap();
+    let mut req = pair
+        .whole_request(
+            XferOp::Read,
+            &dst,
+            &src,
+            &XferOptions::new().notification(message.clone()),
+        )
+        .unwrap();
     req.post_and_wait(WAIT).unwrap();
     assert_eq!(contents(&dst), pattern(1024, 34));
     assert_eq!(wait_notifications(&pair.b, pair.a.name(), 1), vec![message]);

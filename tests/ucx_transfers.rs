@@ -4,9 +4,7 @@
 
 mod common;
 
-use common::{
-    contents, local_whole, pattern, remote_whole, transfer, unique_name, whole_xfer_req, Pair, WAIT,
-};
+use common::{contents, local_whole, pattern, remote_whole, transfer, unique_name, Pair, WAIT};
 use nixl::{
     Agent, Error, LocalDescList, MemType, RemoteDescList, Status, XferDesc, XferOp, XferOptions,
 };
@@ -69,8 +67,7 @@ fn many_descriptors(op: XferOp, seed: u8) {
     assert_eq!(local.len(), COUNT);
     assert_eq!(remote.len(), COUNT);
     let mut req = pair
-        .a
-        .create_xfer_req(op, &local, &remote, pair.b.name(), &XferOptions::new())
+        .request(op, &local, &remote, &XferOptions::new())
         .unwrap();
     req.post_and_wait(WAIT).unwrap();
 
@@ -110,15 +107,9 @@ fn repost_finished_request_moves_new_data() {
     let first = pattern(4096, 5);
     let (src, dst) = pair.source_and_destination(first.clone());
     pair.exchange();
-    let mut req = whole_xfer_req(
-        &pair.a,
-        XferOp::Write,
-        &src,
-        &dst,
-        pair.b.name(),
-        &XferOptions::new(),
-    )
-    .unwrap();
+    let mut req = pair
+        .whole_request(XferOp::Write, &src, &dst, &XferOptions::new())
+        .unwrap();
     req.post_and_wait(WAIT).unwrap();
     assert!(!req.is_in_flight());
     assert_eq!(contents(&dst), first);
@@ -165,14 +156,7 @@ fn telemetry_when_enabled() {
             .unwrap();
     }
     let mut req = pair
-        .a
-        .create_xfer_req(
-            XferOp::Write,
-            &local,
-            &remote,
-            pair.b.name(),
-            &XferOptions::new(),
-        )
+        .request(XferOp::Write, &local, &remote, &XferOptions::new())
         .unwrap();
     req.post_and_wait(WAIT).unwrap();
     let moved = contents(&dst);
@@ -192,15 +176,9 @@ fn telemetry_when_disabled_is_a_typed_error() {
     let pair = Pair::new("notel");
     let (src, dst) = pair.source_and_destination(pattern(512, 7));
     pair.exchange();
-    let mut req = whole_xfer_req(
-        &pair.a,
-        XferOp::Write,
-        &src,
-        &dst,
-        pair.b.name(),
-        &XferOptions::new(),
-    )
-    .unwrap();
+    let mut req = pair
+        .whole_request(XferOp::Write, &src, &dst, &XferOptions::new())
+        .unwrap();
     req.post_and_wait(WAIT).unwrap();
     assert_eq!(contents(&dst), pattern(512, 7));
     match req.telemetry() {
@@ -218,15 +196,9 @@ fn estimate_cost_and_chosen_backend() {
     let pair = Pair::new("cost");
     let (src, dst) = pair.source_and_destination(pattern(1 << 16, 8));
     pair.exchange();
-    let mut req = whole_xfer_req(
-        &pair.a,
-        XferOp::Write,
-        &src,
-        &dst,
-        pair.b.name(),
-        &XferOptions::new(),
-    )
-    .unwrap();
+    let mut req = pair
+        .whole_request(XferOp::Write, &src, &dst, &XferOptions::new())
+        .unwrap();
     assert_eq!(req.backend().unwrap(), "UCX");
     // UCX implements NIXL's analytical cost model; its value is not asserted (no timing).
     match req.estimate_cost() {
@@ -380,8 +352,7 @@ fn ucx_worker_threads_split_a_multi_descriptor_write() {
     }
     let options = XferOptions::new().skip_desc_merge(true);
     let mut req = pair
-        .a
-        .create_xfer_req(XferOp::Write, &local, &remote, pair.b.name(), &options)
+        .request(XferOp::Write, &local, &remote, &options)
         .unwrap();
     req.post_and_wait(WAIT).unwrap();
     assert_eq!(contents(&dst), data);

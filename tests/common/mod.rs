@@ -96,6 +96,30 @@ impl Pair {
         (on_a, on_b)
     }
 
+    /// A request of `a` moving `local` to/from `remote`, memory of `b`, with `options`.
+    pub fn request<'m>(
+        &self,
+        op: XferOp,
+        local: &LocalDescList<'m>,
+        remote: &RemoteDescList,
+        options: &XferOptions,
+    ) -> nixl::Result<XferRequest<'m>> {
+        self.a
+            .create_xfer_req(op, local, remote, self.b.name(), options)
+    }
+
+    /// A request of `a` moving all of `local` (a registration of `a`) to/from all of
+    /// `remote` (a registration of `b`), with `options`.
+    pub fn whole_request<'m>(
+        &self,
+        op: XferOp,
+        local: &Registration<'m>,
+        remote: &Registration<'_>,
+        options: &XferOptions,
+    ) -> nixl::Result<XferRequest<'m>> {
+        whole_xfer_req(&self.a, op, local, remote, self.b.name(), options)
+    }
+
     /// `data` registered on `a` as the source of a WRITE and as many zeroed bytes on `b` as
     /// its destination (see [`Pair::register`]); returns (source, destination).
     pub fn source_and_destination(
