@@ -12,10 +12,10 @@ use std::time::Duration;
 
 use clap::Parser;
 use nixl::kv_config::KvRole;
-use nixl_rs::cli::parse_size;
-use nixl_rs::config::{self, MetadataMode};
+use nixl_rs::cli::{self, parse_size};
+use nixl_rs::config::{self, MetadataMode, WorkerConfig};
 use nixl_rs::decode::{self, DecodeOptions};
-use nixl_rs::kv_cache::{KvCache, KvLayout};
+use nixl_rs::kv_cache::KvLayout;
 
 /// Decode worker: pulls KV-cache blocks from a prefill worker through NIXL.
 #[derive(Debug, Parser)]
@@ -79,32 +79,26 @@ fn main() -> ExitCode {
         config::set_etcd_endpoints(endpoints);
     }
     init_logging();
-    match run(&args) {
-        Ok(true) => ExitCode::SUCCESS,
-        Ok(false) => ExitCode::FAILURE,
-        Err(err) => {
-            eprintln!("decode: error: {err}");
-            ExitCode::FAILURE
-        }
-    }
+    cli::exit_code("decode", run(&args))
 }
 
-/// Runs the decode worker; `Ok(false)` when bytes mismatched.
-fn run(args: &Args) -> nixl_rs::Result<bool> {
-    let kv_config =
-        config::kv_transfer_config(args.kv_transfer_config.as_deref(), KvRole::Consumer)?;
-    let platform = config::resolve_platform(args.platform.as_deref())?;
-    let name = args
-        .name
-        .clone()
-        .unwrap_or_else(|| format!("decode-{}", std::process::id()));
-    let setup = config::nixl_setup(&name, &kv_config, platform.as_ref(), args.metadata)?;
+/// Runs the decode worker; [`ExitCode::FAILURE`] when bytes mismatched.
+fn run(args: &Args) -> nixl_rs::Result<ExitCode> {
     let layout = KvLayout {
         layers: args.layers,
         blocks: args.blocks,
         block_bytes: args.block_size,
     };
-    let cache = KvCache::allocate(&setup, layout)?;
+    let worker = WorkerConfig {
+        worker: "decode",
+        role: KvRole::Consumer,
+        kv_transfer_config: args.kv_transfer_config.as_deref(),
+        platform: args.platform.as_deref(),
+        name: args.name.as_deref(),
+        metadata: args.metadata,
+        layout,
+    }
+    .set_up()?;
     let options = DecodeOptions {
         prefill: args.prefill,
         mode: args.metadata,
@@ -117,8 +111,9 @@ fn run(args: &Args) -> nixl_rs::Result<bool> {
         progress_interval: Duration::from_millis(args.progress_interval_ms),
     };
     println!(
-        "decode: agent {name} pulling {} requests of {} blocks x {} layers x {} bytes from {} \
+        "decode: agent {} pulling {} requests of {} blocks x {} layers x {} bytes from {} \
          ({} in flight, metadata via {})",
+        worker.name,
         args.requests,
         args.blocks_per_request,
         layout.layers,
@@ -127,7 +122,7 @@ fn run(args: &Args) -> nixl_rs::Result<bool> {
         args.in_flight,
         args.metadata
     );
-    let summary = decode::run(&setup, &cache, &options, |progress| {
+    let summary = decode::run(&worker.setup, &worker.cache, &options, |progress| {
         println!("decode: {progress}");
     })
     .unwrap_or_else(|err| {
@@ -137,7 +132,11 @@ fn run(args: &Args) -> nixl_rs::Result<bool> {
         std::process::exit(1)
     });
     println!("{summary}");
-    Ok(summary.ok())
+    Ok(if summary.ok() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }
 
 fn init_logging() {

@@ -12,9 +12,9 @@ use std::time::Duration;
 
 use clap::Parser;
 use nixl::kv_config::KvRole;
-use nixl_rs::cli::parse_size;
-use nixl_rs::config::{self, MetadataMode};
-use nixl_rs::kv_cache::{KvCache, KvLayout};
+use nixl_rs::cli::{self, parse_size};
+use nixl_rs::config::{self, MetadataMode, WorkerConfig};
+use nixl_rs::kv_cache::KvLayout;
 use nixl_rs::prefill::{PrefillEvent, PrefillOptions, PrefillServer};
 use nixl_rs::stats::gb_per_s;
 
@@ -71,31 +71,27 @@ fn main() -> ExitCode {
         config::set_etcd_endpoints(endpoints);
     }
     init_logging();
-    match run(&args) {
-        Ok(code) => code,
-        Err(err) => {
-            eprintln!("prefill: error: {err}");
-            ExitCode::FAILURE
-        }
-    }
+    cli::exit_code("prefill", run(&args))
 }
 
 fn run(args: &Args) -> nixl_rs::Result<ExitCode> {
-    let kv_config =
-        config::kv_transfer_config(args.kv_transfer_config.as_deref(), KvRole::Producer)?;
-    let platform = config::resolve_platform(args.platform.as_deref())?;
-    let name = args
-        .name
-        .clone()
-        .unwrap_or_else(|| format!("prefill-{}", std::process::id()));
-    let setup = config::nixl_setup(&name, &kv_config, platform.as_ref(), args.metadata)?;
     let layout = KvLayout {
         layers: args.layers,
         blocks: args.blocks,
         block_bytes: args.block_size,
     };
-    let cache = KvCache::allocate(&setup, layout)?;
-    let backends: Vec<_> = setup
+    let worker = WorkerConfig {
+        worker: "prefill",
+        role: KvRole::Producer,
+        kv_transfer_config: args.kv_transfer_config.as_deref(),
+        platform: args.platform.as_deref(),
+        name: args.name.as_deref(),
+        metadata: args.metadata,
+        layout,
+    }
+    .set_up()?;
+    let backends: Vec<_> = worker
+        .setup
         .backends()
         .iter()
         .map(|b| b.plugin().to_string())
@@ -107,16 +103,17 @@ fn run(args: &Args) -> nixl_rs::Result<ExitCode> {
         max_sessions: args.sessions,
         corrupt_request: args.corrupt_request,
     };
-    let server = PrefillServer::bind(setup, cache, args.listen, options)?;
+    let server = PrefillServer::bind(worker.setup, worker.cache, args.listen, options)?;
     println!(
-        "prefill: agent {name} listening on {} ({} layers x {} blocks x {} bytes = {:.1} MiB, \
+        "prefill: agent {} listening on {} ({} layers x {} blocks x {} bytes = {:.1} MiB, \
          backends {backends:?}, platform {}, metadata via {})",
+        worker.name,
         server.local_addr()?,
         layout.layers,
         layout.blocks,
         layout.block_bytes,
         layout.total_bytes() as f64 / (1 << 20) as f64,
-        platform.device_type(),
+        worker.platform.device_type(),
         args.metadata,
     );
     let stats = server.serve(|event| match event {

@@ -1,13 +1,16 @@
 //! Worker configuration: `--kv-transfer-config` and `--platform` turned into a NIXL agent
-//! through the platform registry, and how agent metadata is exchanged.
+//! through the platform registry (and, with the cache geometry, into a worker's KV cache),
+//! and how agent metadata is exchanged.
 
 use std::str::FromStr;
+use std::sync::Arc;
 
 use nixl::kv_config::{KvRole, KvTransferConfig, NixlSetup};
 use nixl::platform::{self, Platform};
 use nixl::Agent;
 
 use crate::error::{Error, Result};
+use crate::kv_cache::{KvCache, KvLayout};
 
 /// The environment variable NIXL reads its etcd endpoints from when an agent is created.
 pub const ETCD_ENDPOINTS_ENV: &str = "NIXL_ETCD_ENDPOINTS";
@@ -112,6 +115,65 @@ pub fn nixl_setup(
         config,
         platform,
     )?)
+}
+
+/// What a worker's command line says about its agent and KV cache.
+#[derive(Debug, Clone, Copy)]
+pub struct WorkerConfig<'a> {
+    /// The worker's kind (`prefill`, `decode`): its agent is named `<worker>-<pid>` unless
+    /// [`name`](Self::name) is given.
+    pub worker: &'a str,
+    /// The worker's role: the default `--kv-transfer-config`, and the role a given one must
+    /// allow (see [`kv_transfer_config`]).
+    pub role: KvRole,
+    /// `--kv-transfer-config`, or `None` for the default of [`role`](Self::role).
+    pub kv_transfer_config: Option<&'a str>,
+    /// `--platform`, or `None` for the current platform (see [`resolve_platform`]).
+    pub platform: Option<&'a str>,
+    /// `--name`, the agent's name.
+    pub name: Option<&'a str>,
+    /// `--metadata`, how agent metadata is exchanged.
+    pub metadata: MetadataMode,
+    /// `--layers`, `--blocks` and `--block-size`.
+    pub layout: KvLayout,
+}
+
+/// A worker's NIXL agent and registered KV cache, as set up by [`WorkerConfig::set_up`].
+pub struct Worker {
+    /// The KV cache, registered with the configured backends. (Declared before `setup`, so
+    /// that it is deregistered before the agent goes.)
+    pub cache: KvCache,
+    /// The agent with its configured backends.
+    pub setup: NixlSetup,
+    /// The platform the memory type was resolved on.
+    pub platform: Arc<dyn Platform>,
+    /// The agent's name.
+    pub name: String,
+}
+
+impl WorkerConfig<'_> {
+    /// Parses the kv_transfer_config, resolves the platform, creates the agent with the
+    /// configured backends and allocates and registers the KV cache.
+    ///
+    /// # Errors
+    /// Those of [`kv_transfer_config`], [`resolve_platform`], [`nixl_setup`] and
+    /// [`KvCache::allocate`].
+    pub fn set_up(&self) -> Result<Worker> {
+        let kv_config = kv_transfer_config(self.kv_transfer_config, self.role)?;
+        let platform = resolve_platform(self.platform)?;
+        let name = match self.name {
+            Some(name) => name.to_string(),
+            None => format!("{}-{}", self.worker, std::process::id()),
+        };
+        let setup = nixl_setup(&name, &kv_config, platform.as_ref(), self.metadata)?;
+        let cache = KvCache::allocate(&setup, self.layout)?;
+        Ok(Worker {
+            cache,
+            setup,
+            platform,
+            name,
+        })
+    }
 }
 
 /// Sets `NIXL_ETCD_ENDPOINTS` for agents created afterwards.
