@@ -4,9 +4,7 @@
 
 mod demo_support;
 
-use std::process::Command;
-
-use demo_support::{decode, examples_dir, run_decode, Prefill, Proc, CACHE_ARGS};
+use demo_support::{decode, run_decode, run_script, Prefill, Proc, CACHE_ARGS};
 
 const WORK: [&str; 6] = [
     "--requests",
@@ -146,18 +144,11 @@ fn platform_flag_goes_through_the_registry() {
 
 #[test]
 fn demo_script_passes() {
-    let out = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/demo.sh"))
-        .args(["--", "--requests", "12", "--blocks-per-request", "4"])
-        .env("NIXL_DEMO_BIN_DIR", examples_dir())
-        .env("NIXL_DEMO_CACHE_ARGS", CACHE_ARGS.join(" "))
-        .output()
-        .expect("run scripts/demo.sh");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+    let (status, text) = run_script(
+        "demo.sh",
+        &["--", "--requests", "12", "--blocks-per-request", "4"],
     );
-    assert!(out.status.success(), "{text}");
+    assert!(status.success(), "{text}");
     assert!(text.contains("requests:  12/12"), "{text}");
     assert!(text.contains("demo: PASSED"), "{text}");
 }

@@ -6,7 +6,7 @@ mod demo_support;
 
 use std::process::Command;
 
-use demo_support::{examples_dir, run_decode, Etcd, Prefill, CACHE_ARGS};
+use demo_support::{examples_dir, run_decode, run_script, Etcd, Prefill, CACHE_ARGS};
 
 fn etcd_or_skip(test: &str) -> Option<Etcd> {
     match Etcd::start() {
@@ -58,25 +58,18 @@ fn demo_script_with_etcd() {
     if etcd_or_skip("demo_script_with_etcd").is_none() {
         return;
     }
-    let out = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/demo.sh"))
-        .args([
+    let (status, text) = run_script(
+        "demo.sh",
+        &[
             "--etcd",
             "--",
             "--requests",
             "8",
             "--blocks-per-request",
             "4",
-        ])
-        .env("NIXL_DEMO_BIN_DIR", examples_dir())
-        .env("NIXL_DEMO_CACHE_ARGS", CACHE_ARGS.join(" "))
-        .output()
-        .expect("run scripts/demo.sh --etcd");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+        ],
     );
-    assert!(out.status.success(), "{text}");
+    assert!(status.success(), "{text}");
     assert!(text.contains("metadata via etcd"), "{text}");
     assert!(text.contains("demo: PASSED"), "{text}");
 }

@@ -6,7 +6,7 @@ mod demo_support;
 
 use std::process::Command;
 
-use demo_support::{examples_dir, CACHE_ARGS};
+use demo_support::run_script;
 
 /// Why namespaces cannot be used here, if they cannot.
 fn netns_unavailable() -> Option<String> {
@@ -34,18 +34,11 @@ fn prefill_and_decode_in_two_namespaces_over_tcp() {
         eprintln!("skipping the two-namespace demo: {reason}");
         return;
     }
-    let out = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/two_hosts.sh"))
-        .args(["--", "--requests", "12", "--blocks-per-request", "4"])
-        .env("NIXL_DEMO_BIN_DIR", examples_dir())
-        .env("NIXL_DEMO_CACHE_ARGS", CACHE_ARGS.join(" "))
-        .output()
-        .expect("run scripts/two_hosts.sh");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+    let (status, text) = run_script(
+        "two_hosts.sh",
+        &["--", "--requests", "12", "--blocks-per-request", "4"],
     );
-    assert!(out.status.success(), "{text}");
+    assert!(status.success(), "{text}");
     assert!(text.contains("listening on 10.77.0.1:7800"), "{text}");
     assert!(
         text.contains("(10.77.0.2:"),

@@ -235,6 +235,27 @@ pub fn run_decode(prefill: SocketAddr, extra: &[&str]) -> (ExitStatus, String) {
     (status, proc.output())
 }
 
+/// Runs `scripts/<script>` with `args`, on this test's example binaries and the small cache;
+/// returns its exit status and its stdout followed by its stderr.
+pub fn run_script(script: &str, args: &[&str]) -> (ExitStatus, String) {
+    let out = Command::new(
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("scripts")
+            .join(script),
+    )
+    .args(args)
+    .env("NIXL_DEMO_BIN_DIR", examples_dir())
+    .env("NIXL_DEMO_CACHE_ARGS", CACHE_ARGS.join(" "))
+    .output()
+    .unwrap_or_else(|err| panic!("run scripts/{script} {args:?}: {err}"));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status, text)
+}
+
 /// A TCP port that was free a moment ago on 127.0.0.1.
 pub fn free_port() -> u16 {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
