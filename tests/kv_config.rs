@@ -1,8 +1,8 @@
 //! kv_transfer_config parsing, and from config + platform to a real NIXL agent.
 
 use nixl::kv_config::{KvRole, KvTransferConfig, NixlSetup};
-use nixl::platform::{BuiltinPlatform, PlatformRegistry};
-use nixl::{Agent, Error, MemType, RegDesc};
+use nixl::platform::{BuiltinPlatform, Platform, PlatformRegistry};
+use nixl::{Agent, Backend, Error, MemType, RegDesc};
 
 fn config_error(json: &str) -> String {
     match KvTransferConfig::from_json(json) {
@@ -94,60 +94,64 @@ fn cpu_config(backends: &str) -> KvTransferConfig {
     .unwrap()
 }
 
-fn plugins(setup: &NixlSetup) -> Vec<String> {
-    setup
-        .backends()
-        .iter()
-        .map(|b| b.plugin().to_string())
-        .collect()
+/// `{"kv_buffer_device":"cuda"}`: VRAM on a CUDA platform, refused on others.
+fn cuda_config() -> KvTransferConfig {
+    KvTransferConfig::from_json(r#"{"kv_buffer_device":"cuda"}"#).unwrap()
+}
+
+/// [`NixlSetup::new`] of agent `name` on `platform`, resolved with the built-in table only.
+fn setup_on(
+    name: &str,
+    config: &KvTransferConfig,
+    platform: &dyn Platform,
+) -> nixl::Result<NixlSetup> {
+    NixlSetup::new(
+        Agent::builder(name),
+        config,
+        platform,
+        &PlatformRegistry::new(),
+    )
+}
+
+fn plugins(backends: &[Backend]) -> Vec<String> {
+    backends.iter().map(|b| b.plugin().to_string()).collect()
 }
 
 #[test]
 fn ucx_only_creates_and_registers_with_ucx() {
-    let setup = NixlSetup::new(
-        Agent::builder("kvcfg-ucx"),
+    let setup = setup_on(
+        "kvcfg-ucx",
         &cpu_config(r#"["UCX"]"#),
         &BuiltinPlatform::CPU,
-        &PlatformRegistry::new(),
     )
     .unwrap();
     assert_eq!(setup.mem_type(), MemType::Dram);
-    assert_eq!(plugins(&setup), ["UCX"]);
-    let on_agent: Vec<_> = setup
-        .agent()
-        .backends()
-        .iter()
-        .map(|b| b.plugin().to_string())
-        .collect();
-    assert_eq!(on_agent, ["UCX"]);
+    assert_eq!(plugins(setup.backends()), ["UCX"]);
+    assert_eq!(plugins(&setup.agent().backends()), ["UCX"]);
     let reg = setup.register_memory(vec![1u8; 8192]).unwrap();
-    let used: Vec<_> = reg.backends().iter().map(|b| b.plugin()).collect();
-    assert_eq!(used, ["UCX"]);
+    assert_eq!(plugins(reg.backends()), ["UCX"]);
 }
 
 #[test]
 fn ucx_and_posix_create_both_and_register_with_both() {
-    let setup = NixlSetup::new(
-        Agent::builder("kvcfg-ucx-posix"),
+    let setup = setup_on(
+        "kvcfg-ucx-posix",
         &cpu_config(r#"["UCX", "POSIX"]"#),
         &BuiltinPlatform::CPU,
-        &PlatformRegistry::new(),
     )
     .unwrap();
-    assert_eq!(plugins(&setup), ["UCX", "POSIX"]);
+    assert_eq!(plugins(setup.backends()), ["UCX", "POSIX"]);
     let reg = setup.register_memory(vec![2u8; 8192]).unwrap();
-    let used: Vec<_> = reg.backends().iter().map(|b| b.plugin()).collect();
-    assert_eq!(used, ["UCX", "POSIX"]);
+    assert_eq!(plugins(reg.backends()), ["UCX", "POSIX"]);
     reg.deregister().unwrap();
 }
 
 #[test]
 fn unknown_backend_lists_available_plugins() {
-    let err = NixlSetup::new(
-        Agent::builder("kvcfg-nope"),
+    let err = setup_on(
+        "kvcfg-nope",
         &cpu_config(r#"["NOPE"]"#),
         &BuiltinPlatform::CPU,
-        &PlatformRegistry::new(),
     )
     .unwrap_err();
     match &err {
@@ -165,14 +169,7 @@ fn unknown_backend_lists_available_plugins() {
 
 #[test]
 fn platform_rejects_kv_buffer_device_before_creating_an_agent() {
-    let config = KvTransferConfig::from_json(r#"{"kv_buffer_device":"cuda"}"#).unwrap();
-    let err = NixlSetup::new(
-        Agent::builder("kvcfg-cpu-cuda"),
-        &config,
-        &BuiltinPlatform::CPU,
-        &PlatformRegistry::new(),
-    )
-    .unwrap_err();
+    let err = setup_on("kvcfg-cpu-cuda", &cuda_config(), &BuiltinPlatform::CPU).unwrap_err();
     assert!(
         matches!(err, Error::UnsupportedKvBufferDevice { .. }),
         "{err:?}"
@@ -181,14 +178,7 @@ fn platform_rejects_kv_buffer_device_before_creating_an_agent() {
 
 #[test]
 fn dram_memory_is_refused_for_a_vram_setup() {
-    let config = KvTransferConfig::from_json(r#"{"kv_buffer_device":"cuda"}"#).unwrap();
-    let setup = NixlSetup::new(
-        Agent::builder("kvcfg-vram-dram"),
-        &config,
-        &BuiltinPlatform::CUDA,
-        &PlatformRegistry::new(),
-    )
-    .unwrap();
+    let setup = setup_on("kvcfg-vram-dram", &cuda_config(), &BuiltinPlatform::CUDA).unwrap();
     assert!(matches!(
         setup.register_memory(vec![0u8; 64]),
         Err(Error::MemTypeMismatch {
@@ -205,14 +195,7 @@ fn cuda_kv_buffer_resolves_to_vram_then_fails_cleanly_without_a_gpu() {
         eprintln!("skipped: this machine has a GPU, so VRAM registration would not fail");
         return;
     }
-    let config = KvTransferConfig::from_json(r#"{"kv_buffer_device":"cuda"}"#).unwrap();
-    let setup = NixlSetup::new(
-        Agent::builder("kvcfg-cuda"),
-        &config,
-        &BuiltinPlatform::CUDA,
-        &PlatformRegistry::new(),
-    )
-    .unwrap();
+    let setup = setup_on("kvcfg-cuda", &cuda_config(), &BuiltinPlatform::CUDA).unwrap();
     assert_eq!(setup.mem_type(), MemType::Vram);
     let desc = RegDesc {
         addr: 0x7000_0000_0000,
