@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{contents, local_whole, pattern, unique_name, Pair, WAIT};
+use common::{contents, file_contents, local_whole, pattern, unique_name, Pair, WAIT};
 use nixl::{
     Agent, Backend, Error, FileRegion, MemType, Registration, RemoteDescList, XferDesc, XferOp,
     XferOptions, XferRequest,
@@ -76,12 +76,10 @@ fn assert_unregistered(result: nixl::Result<XferRequest<'_>>) {
     }
 }
 
-fn read_file(mut file: &std::fs::File) -> Vec<u8> {
-    use std::io::{Read, Seek, SeekFrom};
-    let mut out = Vec::new();
-    file.seek(SeekFrom::Start(0)).unwrap();
-    file.read_to_end(&mut out).unwrap();
-    out
+/// Asserts that NIXL chose `backend` for `req`, then runs it to the end.
+fn run_on(backend: &str, mut req: XferRequest<'_>) {
+    assert_eq!(req.backend().unwrap(), backend);
+    req.post_and_wait(WAIT).unwrap();
 }
 
 #[test]
@@ -104,16 +102,17 @@ fn dram_registered_with_posix_only_cannot_go_over_ucx() {
 
     // Over POSIX, to a file of the same agent: served.
     let (file_reg, file) = file_of(&pair.a, &[&posix]);
-    let mut req = to_file(
-        &pair.a,
-        &src,
-        &file_reg,
-        &XferOptions::new().backend(&posix),
-    )
-    .unwrap();
-    assert_eq!(req.backend().unwrap(), "POSIX");
-    req.post_and_wait(WAIT).unwrap();
-    assert_eq!(read_file(&file), data);
+    run_on(
+        "POSIX",
+        to_file(
+            &pair.a,
+            &src,
+            &file_reg,
+            &XferOptions::new().backend(&posix),
+        )
+        .unwrap(),
+    );
+    assert_eq!(file_contents(&file), data);
 }
 
 #[test]
@@ -129,7 +128,11 @@ fn dram_registered_with_ucx_only_cannot_go_to_a_file() {
     for options in [XferOptions::new().backend(&posix), XferOptions::new()] {
         assert_unregistered(to_file(&pair.a, &src, &file_reg, &options));
     }
-    assert_eq!(read_file(&file), vec![0u8; LEN], "nothing reached the file");
+    assert_eq!(
+        file_contents(&file),
+        vec![0u8; LEN],
+        "nothing reached the file"
+    );
 
     // The UCX registration works over UCX.
     let dst = pair
@@ -137,16 +140,16 @@ fn dram_registered_with_ucx_only_cannot_go_to_a_file() {
         .register_memory(vec![0u8; LEN], &[&pair.ucx_b])
         .unwrap();
     pair.exchange();
-    let mut req = pair
-        .whole_request(
+    run_on(
+        "UCX",
+        pair.whole_request(
             XferOp::Write,
             &src,
             &dst,
             &XferOptions::new().backend(&pair.ucx_a),
         )
-        .unwrap();
-    assert_eq!(req.backend().unwrap(), "UCX");
-    req.post_and_wait(WAIT).unwrap();
+        .unwrap(),
+    );
     assert_eq!(contents(&dst), data);
 }
 
@@ -161,16 +164,17 @@ fn empty_backend_list_registers_with_every_capable_backend() {
     let dst = pair.b.register_memory(vec![0u8; LEN], &[]).unwrap();
     pair.exchange();
 
-    let mut into_file = to_file(&pair.a, &src, &file_reg, &XferOptions::new()).unwrap();
-    assert_eq!(into_file.backend().unwrap(), "POSIX");
-    into_file.post_and_wait(WAIT).unwrap();
-    assert_eq!(read_file(&file), data);
+    run_on(
+        "POSIX",
+        to_file(&pair.a, &src, &file_reg, &XferOptions::new()).unwrap(),
+    );
+    assert_eq!(file_contents(&file), data);
 
-    let mut to_peer = pair
-        .whole_request(XferOp::Write, &src, &dst, &XferOptions::new())
-        .unwrap();
-    assert_eq!(to_peer.backend().unwrap(), "UCX");
-    to_peer.post_and_wait(WAIT).unwrap();
+    run_on(
+        "UCX",
+        pair.whole_request(XferOp::Write, &src, &dst, &XferOptions::new())
+            .unwrap(),
+    );
     assert_eq!(contents(&dst), data);
 }
 

@@ -5,7 +5,7 @@ mod common;
 
 use std::fs::OpenOptions;
 
-use common::{contents, local_whole, pattern, unique_name, WAIT};
+use common::{contents, file_contents, local_whole, pattern, unique_name, WAIT};
 use nixl::{Agent, FileRegion, MemType, RemoteDescList, XferDesc, XferOp, XferOptions};
 
 const LEN: usize = 64 * 1024;
@@ -101,11 +101,7 @@ fn scattered_blocks_at_file_offsets() {
         .unwrap();
     req.post_and_wait(WAIT).unwrap();
 
-    let mut on_disk = Vec::new();
-    use std::io::{Read, Seek, SeekFrom};
-    let mut reader = reader;
-    reader.seek(SeekFrom::Start(0)).unwrap();
-    reader.read_to_end(&mut on_disk).unwrap();
+    let on_disk = file_contents(&reader);
     assert_eq!(on_disk.len(), BLOCK * BLOCKS);
     for i in 0..BLOCKS {
         let j = BLOCKS - 1 - i;

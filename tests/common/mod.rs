@@ -227,6 +227,16 @@ pub fn wait_metadata(agent: &Agent, remote: &str) {
     }
 }
 
+/// All of `file`, read from its start.
+pub fn file_contents(mut file: &std::fs::File) -> Vec<u8> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut out = Vec::new();
+    file.seek(SeekFrom::Start(0))
+        .expect("seek to the start of the file");
+    file.read_to_end(&mut out).expect("read the file");
+    out
+}
+
 /// A TCP port that was free a moment ago on 127.0.0.1.
 pub fn free_port() -> u16 {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
