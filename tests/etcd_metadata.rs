@@ -108,14 +108,7 @@ fn metadata_through_etcd() {
         Agent::new(&unique_name("etcd-a")).unwrap(),
         Agent::new(&unique_name("etcd-b")).unwrap(),
     );
-    let src = pair
-        .a
-        .register_memory(pattern(4096, 81), &[&pair.ucx_a])
-        .unwrap();
-    let dst = pair
-        .b
-        .register_memory(vec![0u8; 4096], &[&pair.ucx_b])
-        .unwrap();
+    let (src, dst) = pair.source_and_destination(pattern(4096, 81));
 
     // b publishes; a fetches b's metadata and WRITEs into b.
     pair.b.send_local_metadata(&MetadataPeer::Etcd).unwrap();

@@ -97,12 +97,7 @@ fn both_listening_exchange_both_ways() {
     pair.b
         .invalidate_local_metadata(&local_peer(port_a))
         .unwrap();
-    let deadline = std::time::Instant::now() + common::WAIT;
-    while pair.a.has_remote_metadata(pair.b.name()) {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "a never dropped b's metadata"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    common::wait_until("a to drop b's metadata", || {
+        !pair.a.has_remote_metadata(pair.b.name())
+    });
 }

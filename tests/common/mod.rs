@@ -214,17 +214,21 @@ pub fn wait_notifications(agent: &Agent, sender: &str, count: usize) -> Vec<Vec<
     got
 }
 
-/// Polls until `agent` holds `remote`'s metadata. Panics if it never arrives.
-pub fn wait_metadata(agent: &Agent, remote: &str) {
+/// Polls `done` every 10 ms until it holds; panics, naming `what` was awaited, after [`WAIT`].
+pub fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
     let deadline = Instant::now() + WAIT;
-    while !agent.has_remote_metadata(remote) {
-        assert!(
-            Instant::now() < deadline,
-            "{}: metadata of {remote} never arrived",
-            agent.name()
-        );
+    while !done() {
+        assert!(Instant::now() < deadline, "waited in vain for {what}");
         std::thread::sleep(Duration::from_millis(10));
     }
+}
+
+/// Polls until `agent` holds `remote`'s metadata. Panics if it never arrives.
+pub fn wait_metadata(agent: &Agent, remote: &str) {
+    wait_until(
+        &format!("{}: metadata of {remote} to arrive", agent.name()),
+        || agent.has_remote_metadata(remote),
+    );
 }
 
 /// All of `file`, read from its start.
