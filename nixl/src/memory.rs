@@ -1,6 +1,5 @@
 //! Memory that can be registered safely: the [`RegisterMemory`] trait and its implementations.
 
-use std::alloc::{self, Layout};
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::ptr::NonNull;
@@ -91,15 +90,18 @@ unsafe impl RegisterMemory for HostBuffer {
     }
 }
 
-/// Zeroed host memory aligned for transfers: 4 KiB pages, and 2 MiB for buffers of 2 MiB or
-/// more, which Linux may then back with transparent huge pages (as NumPy's large arrays are).
+/// Zeroed host memory for transfers, mapped straight from the kernel: page-aligned, and
+/// 2 MiB-aligned and advised for transparent huge pages when it is 2 MiB or larger (as
+/// NumPy's large arrays are). No page is touched before the advice, so Linux can back the
+/// buffer with huge pages from the first fault.
 pub struct HostBuffer {
     ptr: NonNull<u8>,
     len: usize,
-    layout: Layout,
+    /// Start and length of the whole mapping, which may begin before `ptr`.
+    map: (NonNull<u8>, usize),
 }
 
-// SAFETY: a plain owned allocation with no thread affinity.
+// SAFETY: a plain owned mapping with no thread affinity.
 unsafe impl Send for HostBuffer {}
 // SAFETY: shared access only reads through `&[u8]`.
 unsafe impl Sync for HostBuffer {}
@@ -107,35 +109,57 @@ unsafe impl Sync for HostBuffer {}
 impl HostBuffer {
     const HUGE_PAGE: usize = 2 << 20;
 
-    /// Allocates `len` zeroed bytes.
+    /// Maps `len` zeroed bytes.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for `len == 0` or a size the allocator cannot lay out;
-    /// [`Error::Io`] when the allocation fails.
+    /// [`Error::InvalidArgument`] for `len == 0` or a size that overflows;
+    /// [`Error::Io`] when the kernel refuses the mapping.
     pub fn zeroed(len: usize) -> Result<Self> {
-        let align = if len >= Self::HUGE_PAGE {
-            Self::HUGE_PAGE
-        } else {
-            4096
+        const OP: &str = "allocate host buffer";
+        let huge = len >= Self::HUGE_PAGE;
+        let slack = if huge { Self::HUGE_PAGE } else { 0 };
+        let map_len =
+            len.checked_add(slack)
+                .filter(|_| len > 0)
+                .ok_or_else(|| Error::InvalidArgument {
+                    operation: OP,
+                    reason: format!("cannot allocate {len} bytes"),
+                })?;
+        // SAFETY: a fresh private anonymous mapping; no existing memory is affected.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
         };
-        let layout = Layout::from_size_align(len, align)
-            .ok()
-            .filter(|_| len > 0)
-            .ok_or_else(|| Error::InvalidArgument {
-                operation: "allocate host buffer",
-                reason: format!("cannot allocate {len} bytes"),
-            })?;
-        // SAFETY: the layout has a non-zero size.
-        let ptr = unsafe { alloc::alloc_zeroed(layout) };
-        let ptr = NonNull::new(ptr).ok_or_else(|| Error::Io {
-            operation: "allocate host buffer",
-            source: std::io::Error::from(std::io::ErrorKind::OutOfMemory),
-        })?;
-        if align == Self::HUGE_PAGE {
-            // SAFETY: advisory call on memory we own; failure only means no huge pages.
+        if base == libc::MAP_FAILED {
+            return Err(Error::Io {
+                operation: OP,
+                source: std::io::Error::last_os_error(),
+            });
+        }
+        let out_of_memory = || Error::Io {
+            operation: OP,
+            source: std::io::ErrorKind::OutOfMemory.into(),
+        };
+        let base = NonNull::new(base.cast::<u8>()).ok_or_else(out_of_memory)?;
+        let offset = if huge {
+            base.as_ptr().align_offset(Self::HUGE_PAGE)
+        } else {
+            0
+        };
+        // SAFETY: `offset < slack`, so the aligned start and `len` bytes lie inside the mapping.
+        let ptr = NonNull::new(unsafe { base.as_ptr().add(offset) }).ok_or_else(out_of_memory)?;
+        if huge {
+            // SAFETY: advisory call on our own untouched mapping; failure only means no huge pages.
             unsafe { libc::madvise(ptr.as_ptr().cast(), len, libc::MADV_HUGEPAGE) };
         }
-        Ok(HostBuffer { ptr, len, layout })
+        let map = (base, map_len);
+        Ok(HostBuffer { ptr, len, map })
     }
 
     /// Number of bytes.
@@ -166,8 +190,11 @@ impl std::ops::DerefMut for HostBuffer {
 
 impl Drop for HostBuffer {
     fn drop(&mut self) {
-        // SAFETY: allocated in `zeroed` with this layout.
-        unsafe { alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+        // SAFETY: the whole mapping made in `zeroed`, unmapped once; no reference into it
+        // outlives `self`.
+        if unsafe { libc::munmap(self.map.0.as_ptr().cast(), self.map.1) } != 0 {
+            tracing::error!(err = %std::io::Error::last_os_error(), "munmap of a host buffer failed");
+        }
     }
 }
 
