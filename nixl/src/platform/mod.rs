@@ -12,11 +12,11 @@
 //! | `cpu` | `cpu` |
 //!
 //! Resolving `(platform, kv_buffer_device)` to a [`MemType`]:
-//! 1. the platform's device type must be in the table, else [`Error::UnknownDeviceType`];
-//! 2. `kv_buffer_device` must be listed for it, else [`Error::UnsupportedKvBufferDevice`]
+//! 1. the platform's device type must be in the table, else [`Error::UnknownDeviceType`](crate::Error::UnknownDeviceType);
+//! 2. `kv_buffer_device` must be listed for it, else [`Error::UnsupportedKvBufferDevice`](crate::Error::UnsupportedKvBufferDevice)
 //!    ("`<device>` with `<kv_buffer_device>` kv_buffer is not supported");
 //! 3. the memory type is the platform's [`Platform::nixl_memory_type`] override when it gives
-//!    one, else `cuda` → VRAM and `cpu` → DRAM, else [`Error::NoMemoryType`].
+//!    one, else `cuda` → VRAM and `cpu` → DRAM, else [`Error::NoMemoryType`](crate::Error::NoMemoryType).
 //!
 //! # Choosing the current platform
 //! [`current_platform`] returns, from the [global registry](global):
