@@ -357,3 +357,54 @@ fn ucx_worker_threads_split_a_multi_descriptor_write() {
     req.post_and_wait(WAIT).unwrap();
     assert_eq!(contents(&dst), data);
 }
+
+#[test]
+fn large_descriptors_are_cut_in_two_for_the_ucx_worker_threads() {
+    let pair = Pair::with(
+        Agent::builder(&common::unique_name("cut-a"))
+            .telemetry(true)
+            .build()
+            .unwrap(),
+        Agent::new(&common::unique_name("cut-b")).unwrap(),
+    );
+    // The crate's UCX defaults: two worker threads splitting requests of 2+ descriptors.
+    let params = pair.ucx_a.params().unwrap();
+    assert_eq!(params.get("num_threads").map(String::as_str), Some("2"));
+    assert_eq!(
+        params.get("split_batch_size").map(String::as_str),
+        Some("2")
+    );
+    // 16 MiB + 1 byte: cut into a page-aligned half and the rest.
+    const LEN: usize = (16 << 20) + 1;
+    let data = pattern(LEN, 92);
+    let (src, dst) = pair.source_and_destination(data.clone());
+    pair.exchange();
+    for op in [XferOp::Write, XferOp::Read] {
+        let (from, to) = if op == XferOp::Write {
+            (&src, &dst)
+        } else {
+            (&dst, &src)
+        };
+        from.write(0, 0, &data).unwrap();
+        to.write(0, 0, &vec![0u8; LEN]).unwrap();
+        let mut req = pair
+            .request(
+                op,
+                &local_whole(&src),
+                &remote_whole(&dst),
+                &XferOptions::new(),
+            )
+            .unwrap();
+        req.post_and_wait(WAIT).unwrap();
+        assert!(
+            contents(to) == data,
+            "{op:?} of a cut descriptor moved the wrong bytes"
+        );
+        let telemetry = req.telemetry().unwrap();
+        assert_eq!(telemetry.total_bytes, LEN as u64);
+        assert_eq!(
+            telemetry.desc_count, 2,
+            "one user descriptor, moved as two halves"
+        );
+    }
+}

@@ -23,7 +23,7 @@ unsafe impl Send for XferDlist {}
 unsafe impl Sync for XferDlist {}
 
 impl XferDlist {
-    fn new(mem_type: MemType, capacity: usize) -> Result<Self> {
+    pub(crate) fn new(mem_type: MemType, capacity: usize) -> Result<Self> {
         let mut raw = ptr::null_mut();
         // SAFETY: out-pointer to a local.
         check(
@@ -52,7 +52,7 @@ impl XferDlist {
         Ok(list)
     }
 
-    fn push(&mut self, operation: &'static str, desc: XferDesc) -> Result<()> {
+    pub(crate) fn push(&mut self, operation: &'static str, desc: XferDesc) -> Result<()> {
         validate(
             operation,
             self.mem_type,
@@ -85,6 +85,10 @@ impl XferDlist {
 
     pub(crate) fn descs(&self) -> &[XferDesc] {
         &self.descs
+    }
+
+    pub(crate) fn mem_type(&self) -> MemType {
+        self.mem_type
     }
 }
 

@@ -9,9 +9,11 @@ use nixl_sys as sys;
 use crate::agent::{Agent, AgentInner};
 use crate::backend::{describe_backend, Backend};
 use crate::desc_list::{LocalDescList, RemoteDescList, XferDlist};
+use crate::descriptor::XferDesc;
 use crate::error::{
     check, check_progress, with_hint, Error, Progress, Result, HINT_LOAD_REMOTE_MD,
 };
+use crate::mem_type::MemType;
 use crate::prepared::PreparedShared;
 use crate::raw::{c_name, OptArgs};
 use crate::registration::RegInner;
@@ -495,6 +497,42 @@ impl Drop for XferRequest<'_> {
     }
 }
 
+/// Descriptors of at least this many bytes are cut in two by [`Agent::create_xfer_req`].
+const CUT_AT: usize = 8 << 20;
+
+/// Copies of the two lists with every pair of DRAM/VRAM descriptors of [`CUT_AT`] bytes or
+/// more cut into two page-aligned halves, so that a backend with worker threads (UCX's
+/// `num_threads`) can move the halves in parallel; `None` when nothing is that large.
+fn cut_large_descriptors(
+    local: &XferDlist,
+    remote: &XferDlist,
+) -> Result<Option<(XferDlist, XferDlist)>> {
+    const OP: &str = "cut large descriptors";
+    let memory = |list: &XferDlist| matches!(list.mem_type(), MemType::Dram | MemType::Vram);
+    if !memory(local) || !memory(remote) || local.descs().iter().all(|d| d.len < CUT_AT) {
+        return Ok(None);
+    }
+    let extra = local.descs().iter().filter(|d| d.len >= CUT_AT).count();
+    let capacity = local.descs().len() + extra;
+    let (mut l, mut r) = (
+        XferDlist::new(local.mem_type(), capacity)?,
+        XferDlist::new(remote.mem_type(), capacity)?,
+    );
+    for (ld, rd) in local.descs().iter().zip(remote.descs()) {
+        if ld.len < CUT_AT {
+            l.push(OP, *ld)?;
+            r.push(OP, *rd)?;
+            continue;
+        }
+        let half = (ld.len / 2) & !4095;
+        for (offset, len) in [(0, half), (half, ld.len - half)] {
+            l.push(OP, XferDesc::new(ld.addr + offset, len, ld.dev_id))?;
+            r.push(OP, XferDesc::new(rd.addr + offset, len, rd.dev_id))?;
+        }
+    }
+    Ok(Some((l, r)))
+}
+
 /// The lengths of a list's descriptors.
 fn lens(list: &XferDlist) -> impl ExactSizeIterator<Item = usize> + '_ {
     list.descs().iter().map(|d| d.len)
@@ -534,6 +572,9 @@ impl Agent {
     /// Creates a request moving `local` to or from `remote` on `remote_agent`.
     ///
     /// `remote_agent` may be this agent's own name (e.g. DRAM to a FILE it registered).
+    /// DRAM/VRAM descriptor pairs of 8 MiB or more are handed to NIXL cut into two
+    /// page-aligned halves (unmerged), so that UCX's worker threads (on by default, see
+    /// [`Agent::create_backend`]) move them in parallel; the bytes moved are the same.
     ///
     /// # Errors
     /// [`Error::EmptyDescList`] / [`Error::LengthMismatch`] when the sides do not pair up;
@@ -550,7 +591,21 @@ impl Agent {
         const OP: &str = "create transfer request";
         let name = c_name("remote agent name", remote_agent)?;
         check_pairing(OP, lens(&local.list), lens(&remote.list))?;
-        let args = options.to_raw(&self.inner, OP)?;
+        let cut = cut_large_descriptors(&local.list, &remote.list)?;
+        let (local_raw, remote_raw, args) = match &cut {
+            Some((l, r)) => {
+                let options = XferOptions {
+                    skip_desc_merge: true,
+                    ..options.clone()
+                };
+                (l.raw(), r.raw(), options.to_raw(&self.inner, OP)?)
+            }
+            None => (
+                local.list.raw(),
+                remote.list.raw(),
+                options.to_raw(&self.inner, OP)?,
+            ),
+        };
         let mut raw = ptr::null_mut();
         let status = self.inner.with(|agent| {
             // SAFETY: live agent, lists and args; valid C string; out-pointer to a local.
@@ -558,8 +613,8 @@ impl Agent {
                 sys::nixl_capi_create_xfer_req(
                     agent,
                     op.to_raw(),
-                    local.list.raw(),
-                    remote.list.raw(),
+                    local_raw,
+                    remote_raw,
                     name.as_ptr(),
                     &mut raw,
                     opt_args_ptr(args.as_ref()),
