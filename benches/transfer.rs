@@ -81,8 +81,8 @@ fn main() -> Res<()> {
     run_round(&mut out)?;
     out.summary(&format!(
         "rust bench round {}: agents A,B created on core {AGENT_CORE} (NIXL/UCX threads inherit it), \
-         measured on core {MEASURE_CORE}; UCX defaults unless the config says otherwise; \
-         config 'default' = nixl::AgentConfig::default()",
+         measured on core {MEASURE_CORE}; the crate's default UCX backend (num_threads=2, \
+         split_batch_size=2) unless the config says otherwise; config 'default' = nixl::AgentConfig::default()",
         out.round
     ));
     Ok(())
@@ -869,7 +869,8 @@ fn run_round(out: &mut Output) -> Res<()> {
     }
 
     // UCX's multi-threaded mode (2 worker threads, batches split down to one descriptor) with
-    // W1 cut into 2 and 4 unmerged descriptors, against the same cuts with UCX's defaults.
+    // W1 cut into 2 and 4 unmerged descriptors, against the same cuts with the crate's default
+    // UCX backend (num_threads=2, split_batch_size=2).
     // Agents created while allowed on both cores, so that the workers may run on either.
     let mt = [("num_threads", "2"), ("split_batch_size", "1")];
     for (ucx, prefix) in [(&mt[..], "ucx-mt2+"), (&[][..], "")] {
