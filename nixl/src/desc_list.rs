@@ -102,6 +102,37 @@ impl Drop for XferDlist {
     }
 }
 
+/// The accessors both list types share, reading the `list: XferDlist` field.
+macro_rules! list_accessors {
+    () => {
+        /// Removes every descriptor (a local list keeps holding its registrations until it
+        /// is dropped).
+        pub fn clear(&mut self) -> Result<()> {
+            self.list.clear()
+        }
+
+        /// The descriptors, in order.
+        pub fn descs(&self) -> &[XferDesc] {
+            self.list.descs()
+        }
+
+        /// Number of descriptors.
+        pub fn len(&self) -> usize {
+            self.list.descs.len()
+        }
+
+        /// Whether the list has no descriptors.
+        pub fn is_empty(&self) -> bool {
+            self.list.descs.is_empty()
+        }
+
+        /// The memory type of the list.
+        pub fn mem_type(&self) -> MemType {
+            self.list.mem_type
+        }
+    };
+}
+
 /// Descriptors of this agent's own registered memory, for the local side of a transfer.
 ///
 /// Every descriptor comes from a [`Registration`] and is bounds-checked against it; the
@@ -183,30 +214,7 @@ impl<'m> LocalDescList<'m> {
         Ok(())
     }
 
-    /// Removes every descriptor (the registrations stay held until the list is dropped).
-    pub fn clear(&mut self) -> Result<()> {
-        self.list.clear()
-    }
-
-    /// The descriptors, in order.
-    pub fn descs(&self) -> &[XferDesc] {
-        self.list.descs()
-    }
-
-    /// Number of descriptors.
-    pub fn len(&self) -> usize {
-        self.list.descs.len()
-    }
-
-    /// Whether the list has no descriptors.
-    pub fn is_empty(&self) -> bool {
-        self.list.descs.is_empty()
-    }
-
-    /// The memory type of the list.
-    pub fn mem_type(&self) -> MemType {
-        self.list.mem_type
-    }
+    list_accessors!();
 
     fn hold(&mut self, operation: &'static str, reg: &Registration<'m>) -> Result<()> {
         if reg.mem_type() != self.list.mem_type {
@@ -265,28 +273,5 @@ impl RemoteDescList {
         self.list.push("add remote descriptor", desc)
     }
 
-    /// Removes every descriptor.
-    pub fn clear(&mut self) -> Result<()> {
-        self.list.clear()
-    }
-
-    /// The descriptors, in order.
-    pub fn descs(&self) -> &[XferDesc] {
-        self.list.descs()
-    }
-
-    /// Number of descriptors.
-    pub fn len(&self) -> usize {
-        self.list.descs.len()
-    }
-
-    /// Whether the list has no descriptors.
-    pub fn is_empty(&self) -> bool {
-        self.list.descs.is_empty()
-    }
-
-    /// The memory type of the list.
-    pub fn mem_type(&self) -> MemType {
-        self.list.mem_type
-    }
+    list_accessors!();
 }
