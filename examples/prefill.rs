@@ -6,15 +6,14 @@
 //! cargo run --release --example prefill -- --listen 127.0.0.1:7800 --sessions 1
 //! ```
 
+mod common;
+
 use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
 use nixl::kv_config::KvRole;
-use nixl_rs::cli::{self, parse_size};
-use nixl_rs::config::{self, MetadataMode, WorkerConfig};
-use nixl_rs::kv_cache::KvLayout;
 use nixl_rs::prefill::{PrefillEvent, PrefillOptions, PrefillServer};
 use nixl_rs::stats::gb_per_s;
 
@@ -22,44 +21,17 @@ use nixl_rs::stats::gb_per_s;
 #[derive(Debug, Parser)]
 #[command(version, args_override_self = true)]
 struct Args {
+    #[command(flatten)]
+    worker: common::WorkerArgs,
     /// Side-channel address to listen on (port 0: any free port, printed at start).
     #[arg(long, default_value = "127.0.0.1:7800")]
     listen: SocketAddr,
-    /// vLLM's kv_transfer_config JSON (backends, kv_role, kv_buffer_device).
-    /// Default: NixlConnector, kv_producer, cpu buffers, backends ["UCX"].
-    #[arg(long)]
-    kv_transfer_config: Option<String>,
-    /// Platform device type from the platform registry.
-    /// Default: $NIXL_RS_PLATFORM, else auto-detected.
-    #[arg(long)]
-    platform: Option<String>,
-    /// Layers of the KV cache (one registered region each).
-    #[arg(long, default_value_t = 32)]
-    layers: usize,
-    /// Blocks per layer.
-    #[arg(long, default_value_t = 512)]
-    blocks: usize,
-    /// Bytes per block (suffixes K/KiB, M/MiB).
-    #[arg(long, default_value = "16KiB", value_parser = parse_size)]
-    block_size: usize,
-    /// How agent metadata is exchanged: side-channel or etcd.
-    #[arg(long, default_value_t = MetadataMode::SideChannel)]
-    metadata: MetadataMode,
-    /// etcd endpoints for --metadata etcd (sets NIXL_ETCD_ENDPOINTS).
-    #[arg(long)]
-    etcd_endpoints: Option<String>,
     /// Exit after serving this many decode sessions (default: serve forever).
     #[arg(long)]
     sessions: Option<u64>,
-    /// Agent name (default: prefill-<pid>).
-    #[arg(long)]
-    name: Option<String>,
     /// Seconds a new connection may take to complete its handshake.
     #[arg(long, default_value_t = 10)]
     handshake_timeout_s: u64,
-    /// Largest side-channel message accepted.
-    #[arg(long, default_value = "16MiB", value_parser = parse_size)]
-    max_frame: usize,
     /// Fault injection: corrupt one byte of this request id after filling it.
     #[arg(long, hide = true)]
     corrupt_request: Option<u64>,
@@ -67,29 +39,16 @@ struct Args {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    if let Some(endpoints) = &args.etcd_endpoints {
-        config::set_etcd_endpoints(endpoints);
-    }
-    init_logging();
-    cli::exit_code("prefill", run(&args))
+    args.worker.start();
+    common::exit_code("prefill", run(&args))
 }
 
 fn run(args: &Args) -> nixl_rs::Result<ExitCode> {
-    let layout = KvLayout {
-        layers: args.layers,
-        blocks: args.blocks,
-        block_bytes: args.block_size,
-    };
-    let worker = WorkerConfig {
-        worker: "prefill",
-        role: KvRole::Producer,
-        kv_transfer_config: args.kv_transfer_config.as_deref(),
-        platform: args.platform.as_deref(),
-        name: args.name.as_deref(),
-        metadata: args.metadata,
-        layout,
-    }
-    .set_up()?;
+    let layout = args.worker.layout();
+    let worker = args
+        .worker
+        .worker_config("prefill", KvRole::Producer)
+        .set_up()?;
     let backends: Vec<_> = worker
         .setup
         .backends()
@@ -97,8 +56,8 @@ fn run(args: &Args) -> nixl_rs::Result<ExitCode> {
         .map(|b| b.plugin().to_string())
         .collect();
     let options = PrefillOptions {
-        mode: args.metadata,
-        max_frame: args.max_frame,
+        mode: args.worker.metadata,
+        max_frame: args.worker.max_frame,
         handshake_timeout: Duration::from_secs(args.handshake_timeout_s),
         max_sessions: args.sessions,
         corrupt_request: args.corrupt_request,
@@ -114,7 +73,7 @@ fn run(args: &Args) -> nixl_rs::Result<ExitCode> {
         layout.block_bytes,
         layout.total_bytes() as f64 / (1 << 20) as f64,
         worker.platform.device_type(),
-        args.metadata,
+        args.worker.metadata,
     );
     let stats = server.serve(|event| match event {
         PrefillEvent::SessionStarted {
@@ -150,13 +109,4 @@ fn run(args: &Args) -> nixl_rs::Result<ExitCode> {
     } else {
         ExitCode::FAILURE
     })
-}
-
-fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
 }

@@ -1,18 +1,4 @@
-//! Command-line value parsers and the exit code shared by the prefill and decode binaries.
-
-use std::process::ExitCode;
-
-/// The exit code of worker `worker` whose run ended with `result`: the run's own code, or
-/// [`ExitCode::FAILURE`] after printing `<worker>: error: <err>` to stderr.
-pub fn exit_code(worker: &str, result: crate::Result<ExitCode>) -> ExitCode {
-    match result {
-        Ok(code) => code,
-        Err(err) => {
-            eprintln!("{worker}: error: {err}");
-            ExitCode::FAILURE
-        }
-    }
-}
+//! Command-line value parsers shared by the prefill and decode binaries.
 
 /// Parses a byte size: a number with an optional `K`/`KiB`, `M`/`MiB` or `G`/`GiB` suffix
 /// (powers of 1024), e.g. `16KiB`, `4096`, `1M`.

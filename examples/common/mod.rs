@@ -1,0 +1,93 @@
+//! Command-line pieces both demo workers share: the KV-cache and NIXL options, logging, and
+//! how a run's outcome becomes an exit code.
+
+use std::process::ExitCode;
+
+use nixl::kv_config::KvRole;
+use nixl_rs::cli::parse_size;
+use nixl_rs::config::{self, MetadataMode, WorkerConfig};
+use nixl_rs::kv_cache::KvLayout;
+
+/// Options of the KV cache and of the worker's NIXL agent.
+#[derive(Debug, clap::Args)]
+pub struct WorkerArgs {
+    /// vLLM's kv_transfer_config JSON (backends, kv_role, kv_buffer_device).
+    /// Default: NixlConnector, this worker's role, cpu buffers, backends ["UCX"].
+    #[arg(long)]
+    pub kv_transfer_config: Option<String>,
+    /// Platform device type from the platform registry.
+    /// Default: $NIXL_RS_PLATFORM, else auto-detected.
+    #[arg(long)]
+    pub platform: Option<String>,
+    /// Layers of the KV cache (one registered region each); the same on both workers.
+    #[arg(long, default_value_t = 32)]
+    pub layers: usize,
+    /// Blocks per layer.
+    #[arg(long, default_value_t = 512)]
+    pub blocks: usize,
+    /// Bytes per block, the same on both workers (suffixes K/KiB, M/MiB).
+    #[arg(long, default_value = "16KiB", value_parser = parse_size)]
+    pub block_size: usize,
+    /// How agent metadata is exchanged: side-channel or etcd.
+    #[arg(long, default_value_t = MetadataMode::SideChannel)]
+    pub metadata: MetadataMode,
+    /// etcd endpoints for --metadata etcd (sets NIXL_ETCD_ENDPOINTS).
+    #[arg(long)]
+    pub etcd_endpoints: Option<String>,
+    /// Agent name (default: <worker>-<pid>).
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Largest side-channel message accepted.
+    #[arg(long, default_value = "16MiB", value_parser = parse_size)]
+    pub max_frame: usize,
+}
+
+impl WorkerArgs {
+    /// Sets up what must precede any agent (etcd endpoints, logging to stderr, filtered by
+    /// `RUST_LOG`, default `warn`).
+    pub fn start(&self) {
+        if let Some(endpoints) = &self.etcd_endpoints {
+            config::set_etcd_endpoints(endpoints);
+        }
+        let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+        tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .init();
+    }
+
+    /// The KV-cache layout.
+    pub fn layout(&self) -> KvLayout {
+        KvLayout {
+            layers: self.layers,
+            blocks: self.blocks,
+            block_bytes: self.block_size,
+        }
+    }
+
+    /// What these options say about worker `worker` in `role`.
+    pub fn worker_config<'a>(&'a self, worker: &'a str, role: KvRole) -> WorkerConfig<'a> {
+        WorkerConfig {
+            worker,
+            role,
+            kv_transfer_config: self.kv_transfer_config.as_deref(),
+            platform: self.platform.as_deref(),
+            name: self.name.as_deref(),
+            metadata: self.metadata,
+            layout: self.layout(),
+        }
+    }
+}
+
+/// The exit code of worker `worker` whose run ended with `result`: the run's own code, or
+/// [`ExitCode::FAILURE`] after printing `<worker>: error: <err>` to stderr.
+pub fn exit_code(worker: &str, result: nixl_rs::Result<ExitCode>) -> ExitCode {
+    match result {
+        Ok(code) => code,
+        Err(err) => {
+            eprintln!("{worker}: error: {err}");
+            ExitCode::FAILURE
+        }
+    }
+}
