@@ -66,6 +66,8 @@
 //! which memory type; [`kv_config`] reads vLLM's `kv_transfer_config` JSON, including the
 //! backends to create.
 
+#![warn(missing_docs)]
+
 mod agent;
 mod backend;
 mod cuda;
