@@ -257,19 +257,36 @@ impl Agent {
         let status = self.inner.with(|agent| unsafe {
             sys::nixl_capi_agent_make_connection(agent, name.as_ptr(), args.raw())
         });
-        check_hint(
+        check(status, "make connection").map_err(|err| self.hint_for_peer(err, remote_agent, None))
+    }
+
+    /// Adds a hint to a NIXL failure that has none: load the metadata first when
+    /// `remote_agent` is another agent whose metadata is not loaded, else `otherwise`.
+    pub(crate) fn hint_for_peer(
+        &self,
+        err: Error,
+        remote_agent: &str,
+        otherwise: Option<&'static str>,
+    ) -> Error {
+        let Error::Nixl {
+            operation,
             status,
-            "make connection",
-            Status::NotFound,
-            HINT_LOAD_REMOTE_MD,
-        )
-        .map_err(|err| {
-            if self.has_remote_metadata(remote_agent) {
-                err
-            } else {
-                crate::error::with_hint(err, Status::Backend, HINT_LOAD_REMOTE_MD)
-            }
-        })
+            hint: None,
+        } = err
+        else {
+            return err;
+        };
+        let missing = remote_agent != self.inner.name && !self.has_remote_metadata(remote_agent);
+        let hint = if missing {
+            Some(HINT_LOAD_REMOTE_MD)
+        } else {
+            otherwise
+        };
+        Error::Nixl {
+            operation,
+            status,
+            hint,
+        }
     }
 
     /// Whether the linked NIXL is a stub build that cannot move data.

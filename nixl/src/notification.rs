@@ -8,9 +8,8 @@ use nixl_sys as sys;
 
 use crate::agent::{Agent, AgentInner};
 use crate::backend::Backend;
-use crate::error::{check, check_hint, Result, HINT_LOAD_REMOTE_MD};
+use crate::error::{check, Result};
 use crate::raw::{c_name, lossy_string, OptArgs};
-use crate::status::Status;
 use crate::xfer::opt_args_ptr;
 
 /// New notifications, by sending agent, in arrival order. Messages are arbitrary bytes.
@@ -140,17 +139,8 @@ impl Agent {
                 )
             }
         });
-        let result = check_hint(
-            status,
-            "send notification",
-            Status::NotFound,
-            HINT_LOAD_REMOTE_MD,
-        );
-        if result.is_err() && !self.has_remote_metadata(remote_agent) {
-            return result
-                .map_err(|err| crate::error::with_hint(err, Status::Backend, HINT_LOAD_REMOTE_MD));
-        }
-        result
+        check(status, "send notification")
+            .map_err(|err| self.hint_for_peer(err, remote_agent, None))
     }
 
     /// Takes every notification that arrived since the last call.

@@ -10,9 +10,7 @@ use crate::agent::{Agent, AgentInner};
 use crate::backend::{describe_backend, Backend};
 use crate::desc_list::{LocalDescList, RemoteDescList, XferDlist};
 use crate::descriptor::XferDesc;
-use crate::error::{
-    check, check_progress, with_hint, Error, Progress, Result, HINT_LOAD_REMOTE_MD,
-};
+use crate::error::{check, check_progress, with_hint, Error, Progress, Result};
 use crate::mem_type::MemType;
 use crate::prepared::PreparedShared;
 use crate::raw::{c_name, OptArgs};
@@ -634,22 +632,7 @@ impl Agent {
 
     /// Adds the most likely fix to a failed request creation.
     pub(crate) fn explain_request_failure(&self, err: Error, remote_agent: &str) -> Error {
-        let hint = if remote_agent != self.inner.name && !self.has_remote_metadata(remote_agent) {
-            HINT_LOAD_REMOTE_MD
-        } else {
-            "check that every descriptor lies inside memory registered on both sides, with a backend both sides share"
-        };
-        match err {
-            Error::Nixl {
-                operation,
-                status,
-                hint: None,
-            } => Error::Nixl {
-                operation,
-                status,
-                hint: Some(hint),
-            },
-            other => other,
-        }
+        const HINT_REGISTRATIONS: &str = "check that every descriptor lies inside memory registered on both sides, with a backend both sides share";
+        self.hint_for_peer(err, remote_agent, Some(HINT_REGISTRATIONS))
     }
 }
