@@ -202,13 +202,15 @@ impl<'m> LocalDescList<'m> {
         blocks: impl IntoIterator<Item = usize>,
     ) -> Result<()> {
         for block in blocks {
-            let offset = block.checked_mul(block_len).ok_or(Error::OutOfBounds {
-                operation: "add local descriptor",
-                region,
-                offset: usize::MAX,
-                len: block_len,
-                region_len: reg.regions().get(region).map_or(0, |d| d.len),
-            })?;
+            let offset = block
+                .checked_mul(block_len)
+                .ok_or_else(|| Error::OutOfBounds {
+                    operation: "add local descriptor",
+                    region,
+                    offset: usize::MAX,
+                    len: block_len,
+                    region_len: reg.regions().get(region).map_or(0, |d| d.len),
+                })?;
             self.push(reg, region, offset, block_len)?;
         }
         Ok(())

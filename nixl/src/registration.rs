@@ -170,7 +170,7 @@ impl<'m> Registration<'m> {
             .inner
             .regions
             .get(region)
-            .ok_or(Error::IndexOutOfRange {
+            .ok_or_else(|| Error::IndexOutOfRange {
                 operation,
                 index: region,
                 len: self.inner.regions.len(),
