@@ -534,6 +534,36 @@ fn invalid_names() {
 }
 
 #[test]
+fn requests_made_before_the_remote_metadata_was_invalidated() {
+    let (pair, src, dst) = pair_with_buffers("stale");
+    let b = pair.b.name();
+    let mut req =
+        whole_xfer_req(&pair.a, XferOp::Write, &src, &dst, b, &XferOptions::new()).unwrap();
+    let pl = pair.a.prepare_local(&local_whole(&src), &[]).unwrap();
+    let pr = pair.a.prepare_remote(b, &remote_whole(&dst), &[]).unwrap();
+    pair.a.invalidate_remote_metadata(b).unwrap();
+    match req.post() {
+        Err(Error::Nixl {
+            status: Status::NotFound,
+            hint: Some(hint),
+            ..
+        }) => assert!(hint.contains("make a new request"), "{hint}"),
+        other => panic!("expected NotFound with a hint, got {other:?}"),
+    }
+    assert!(matches!(
+        pair.a
+            .make_xfer_req(XferOp::Write, &pl, &[0], &pr, &[0], &XferOptions::new()),
+        Err(Error::Nixl {
+            status: Status::NotFound,
+            ..
+        })
+    ));
+    assert_eq!(contents(&dst), vec![0u8; 4096], "nothing was moved");
+    drop(req);
+    assert_pair_works(&pair, 16);
+}
+
+#[test]
 fn prepared_index_out_of_range() {
     let (pair, src, dst) = pair_with_buffers("index");
     let mut local = LocalDescList::new(MemType::Dram).unwrap();

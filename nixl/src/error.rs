@@ -263,3 +263,8 @@ pub(crate) fn with_hint(err: Error, when: Status, hint: &'static str) -> Error {
 /// Hint for a remote agent NIXL does not know.
 pub(crate) const HINT_LOAD_REMOTE_MD: &str =
     "the remote agent's metadata is not loaded: call Agent::load_remote_metadata (or fetch_remote_metadata) first";
+
+/// Hint for a request whose remote agent's metadata was invalidated after it was made
+/// (NIXL refuses to post it rather than use the freed metadata).
+pub(crate) const HINT_STALE_REQUEST: &str =
+    "the remote agent's metadata was invalidated after this request was made: load it again if needed and make a new request";

@@ -10,7 +10,7 @@ use crate::agent::{Agent, AgentInner};
 use crate::backend::{describe_backend, Backend};
 use crate::desc_list::{LocalDescList, RemoteDescList, XferDlist};
 use crate::descriptor::XferDesc;
-use crate::error::{check, check_progress, with_hint, Error, Progress, Result};
+use crate::error::{check, check_progress, with_hint, Error, Progress, Result, HINT_STALE_REQUEST};
 use crate::mem_type::MemType;
 use crate::prepared::PreparedShared;
 use crate::raw::{c_name, OptArgs};
@@ -225,7 +225,9 @@ impl<'m> XferRequest<'m> {
     /// Posts (or reposts, once finished) the request.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] if it is still in flight; [`Error::Nixl`] if NIXL refuses.
+    /// [`Error::InvalidArgument`] if it is still in flight; [`Error::Nixl`] if NIXL refuses,
+    /// with status `NotFound` when the remote agent's metadata was invalidated since the
+    /// request was made (NIXL then never touches the old metadata; make a new request).
     pub fn post(&mut self) -> Result<XferStatus> {
         self.post_raw(None)
     }
@@ -253,7 +255,7 @@ impl<'m> XferRequest<'m> {
         self.posted = true;
         let progress = check_progress(status, OP).map_err(|err| {
             tracing::warn!(agent = %self.agent.name, remote = %self.remote_agent, %err, "transfer failed at post");
-            err
+            with_hint(err, Status::NotFound, HINT_STALE_REQUEST)
         })?;
         self.in_flight = progress == Progress::InProgress;
         tracing::trace!(agent = %self.agent.name, remote = %self.remote_agent, ?progress, "posted transfer");
