@@ -81,8 +81,8 @@ fn main() -> Res<()> {
     run_round(&mut out)?;
     out.summary(&format!(
         "rust bench round {}: agents A,B created on core {AGENT_CORE} (NIXL/UCX threads inherit it), \
-         measured on core {MEASURE_CORE}; the crate's default UCX backend (num_threads=2, \
-         split_batch_size=2) unless the config says otherwise; config 'default' = nixl::AgentConfig::default()",
+         measured on core {MEASURE_CORE}; the crate's default UCX backend (the plugin's defaults: \
+         no worker threads) unless the config says otherwise; config 'default' = nixl::AgentConfig::default()",
         out.round
     ));
     Ok(())
@@ -870,7 +870,7 @@ fn run_round(out: &mut Output) -> Res<()> {
 
     // UCX's multi-threaded mode (2 worker threads, batches split down to one descriptor) with
     // W1 cut into 2 and 4 unmerged descriptors, against the same cuts with the crate's default
-    // UCX backend (num_threads=2, split_batch_size=2).
+    // UCX backend (no worker threads).
     // Agents created while allowed on both cores, so that the workers may run on either.
     let mt = [("num_threads", "2"), ("split_batch_size", "1")];
     for (ucx, prefix) in [(&mt[..], "ucx-mt2+"), (&[][..], "")] {
@@ -885,6 +885,25 @@ fn run_round(out: &mut Output) -> Res<()> {
             }
         }
     }
+
+    // Two UCX worker threads splitting requests of 2+ descriptors (with W1's 64 MiB cut in two
+    // by create_xfer_req), in the common pinned setup: the crate's default before this run's
+    // measurements made it the plugin's own (no threads).
+    let threads = [("num_threads", "2"), ("split_batch_size", "2")];
+    let pair = Pair::with_ucx(&default, &default, true, &threads, &[AGENT_CORE])?;
+    for (op, w, seed) in [(XferOp::Write, "w1_write", 5), (XferOp::Read, "w1_read", 6)] {
+        let (gbps, cpu) = bulk(&pair, op, BULK, BULK_ITERS, Poll::Wait, seed + round)?;
+        out.emit("rust", "ucx-threads2", w, "gbps", gbps);
+        out.emit("rust", "ucx-threads2", w, "cpu_s_per_gb", cpu);
+    }
+    let perm = permutation(KV_BLOCKS, 42);
+    for (prepared, w) in [(false, "w2_fresh"), (true, "w2_prepared")] {
+        let (rps, _, _) = kv(&pair, &perm, prepared, 7 + round)?;
+        out.emit("rust", "ucx-threads2", w, "req_per_s", rps);
+    }
+    let us = small(&pair, Poll::Wait, 11 + round)?;
+    out.emit("rust", "ucx-threads2", "w3_small", "us_per_iter", us);
+    drop(pair);
 
     // NIXL Python's progress-thread setting (zero delay) on both agents.
     let pair = Pair::new(&delay0, false)?;

@@ -88,8 +88,9 @@ echo "bench: $rounds rounds in $((SECONDS - start)) s" >&2
 "$bin" report "$jsonl" "$results"
 cat <<EOF
 
-Setup: two agents A and B in one process; Rust: the crate's default UCX backend (num_threads=2,
-split_batch_size=2; config ucx-mt2+*: split_batch_size=1), Python: UCX defaults; DRAM (huge-page-backed buffers in both languages), agents created on core 1
+Setup: two agents A and B in one process; Rust: the crate's default UCX backend (the plugin's
+defaults, no worker threads; ucx-threads2: num_threads=2 split_batch_size=2; ucx-mt2+*:
+num_threads=2 split_batch_size=1), Python: UCX defaults; DRAM (huge-page-backed buffers in both languages), agents created on core 1
 (NIXL/UCX threads inherit it; ucx-mt2+* and *desc: cores 0-1), measuring thread on core 0.
 Cross-process: scripts/demo.sh (prefill and decode processes, 256 requests x 16 blocks x 32
 layers x 16 KiB READ over UCX, every byte verified) once per round, GB/s from decode's summary.

@@ -360,20 +360,19 @@ fn ucx_worker_threads_split_a_multi_descriptor_write() {
 
 #[test]
 fn large_descriptors_are_cut_in_two_for_the_ucx_worker_threads() {
-    let pair = Pair::with(
-        Agent::builder(&common::unique_name("cut-a"))
-            .telemetry(true)
-            .build()
-            .unwrap(),
-        Agent::new(&common::unique_name("cut-b")).unwrap(),
-    );
-    // The crate's UCX defaults: two worker threads splitting requests of 2+ descriptors.
-    let params = pair.ucx_a.params().unwrap();
-    assert_eq!(params.get("num_threads").map(String::as_str), Some("2"));
-    assert_eq!(
-        params.get("split_batch_size").map(String::as_str),
-        Some("2")
-    );
+    // Two UCX worker threads splitting requests of 2+ descriptors (not the default).
+    let a = Agent::builder(&common::unique_name("cut-a"))
+        .telemetry(true)
+        .build()
+        .unwrap();
+    let b = Agent::new(&common::unique_name("cut-b")).unwrap();
+    let threads = [("num_threads", "2"), ("split_batch_size", "2")];
+    let pair = Pair {
+        ucx_a: a.create_backend_with("UCX", threads).unwrap(),
+        ucx_b: b.create_backend_with("UCX", threads).unwrap(),
+        a,
+        b,
+    };
     // 16 MiB + 1 byte: cut into a page-aligned half and the rest.
     const LEN: usize = (16 << 20) + 1;
     let data = pattern(LEN, 92);
@@ -407,4 +406,12 @@ fn large_descriptors_are_cut_in_two_for_the_ucx_worker_threads() {
             "one user descriptor, moved as two halves"
         );
     }
+}
+
+#[test]
+fn create_backend_keeps_the_plugin_defaults() {
+    let agent = Agent::new(&unique_name("plugin-defaults")).unwrap();
+    let advertised = agent.plugin_info("UCX").unwrap().params;
+    let ucx = agent.create_backend("UCX").unwrap();
+    assert_eq!(ucx.params().unwrap(), advertised);
 }

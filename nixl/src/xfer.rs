@@ -573,8 +573,9 @@ impl Agent {
     ///
     /// `remote_agent` may be this agent's own name (e.g. DRAM to a FILE it registered).
     /// DRAM/VRAM descriptor pairs of 8 MiB or more are handed to NIXL cut into two
-    /// page-aligned halves (unmerged), so that UCX's worker threads (on by default, see
-    /// [`Agent::create_backend`]) move them in parallel; the bytes moved are the same.
+    /// page-aligned halves (unmerged), so that a UCX backend with worker threads
+    /// (`num_threads=2`, `split_batch_size` of 2 or less; see [`Agent::create_backend`]) moves
+    /// them in parallel; the bytes moved are the same.
     ///
     /// # Errors
     /// [`Error::EmptyDescList`] / [`Error::LengthMismatch`] when the sides do not pair up;
