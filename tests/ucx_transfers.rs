@@ -415,3 +415,59 @@ fn create_backend_keeps_the_plugin_defaults() {
     let ucx = agent.create_backend("UCX").unwrap();
     assert_eq!(ucx.params().unwrap(), advertised);
 }
+
+#[test]
+fn lists_reused_for_many_requests_are_prepared_once() {
+    let pair = Pair::with(
+        Agent::builder(&common::unique_name("reuse-a"))
+            .telemetry(true)
+            .build()
+            .unwrap(),
+        Agent::new(&common::unique_name("reuse-b")).unwrap(),
+    );
+    const BLOCK: usize = 1024;
+    let (src, dst) = pair.source_and_destination(pattern(5 * BLOCK, 0));
+    pair.exchange();
+    let b = pair.b.name().to_string();
+    let base = dst.regions()[0].addr;
+    let mut local = LocalDescList::new(MemType::Dram).unwrap();
+    local.push_blocks(&src, 0, BLOCK, 0..3).unwrap();
+    let mut remote = RemoteDescList::from_descs(
+        MemType::Dram,
+        &(0..3)
+            .map(|i| XferDesc::new(base + i * BLOCK, BLOCK, 0))
+            .collect::<Vec<_>>(),
+    )
+    .unwrap();
+    let write = |local: &LocalDescList<'_>, remote: &RemoteDescList, seed: u8| {
+        let data = pattern(5 * BLOCK, seed);
+        src.write(0, 0, &data).unwrap();
+        let mut req = pair
+            .a
+            .create_xfer_req(XferOp::Write, local, remote, &b, &XferOptions::new())
+            .unwrap();
+        req.post_and_wait(WAIT).unwrap();
+        let blocks = local.len() * BLOCK;
+        assert_eq!(contents(&dst)[..blocks], data[..blocks], "seed {seed}");
+        req.telemetry().unwrap().desc_count
+    };
+    // The first request looks every descriptor up; from the second on, the prepared handles
+    // serve, and NIXL merges the three adjacent blocks into one descriptor.
+    assert_eq!(write(&local, &remote, 1), 3);
+    assert_eq!(write(&local, &remote, 2), 1);
+    assert_eq!(write(&local, &remote, 3), 1);
+    // New metadata of the peer: the prepared remote handle is stale and is replaced.
+    pair.a.invalidate_remote_metadata(&b).unwrap();
+    pair.a
+        .load_remote_metadata(&pair.b.local_metadata().unwrap())
+        .unwrap();
+    assert_eq!(write(&local, &remote, 4), 3);
+    assert_eq!(write(&local, &remote, 5), 1);
+    // A changed list starts over.
+    local.push(&src, 0, 3 * BLOCK, BLOCK).unwrap();
+    remote
+        .push(XferDesc::new(base + 3 * BLOCK, BLOCK, 0))
+        .unwrap();
+    assert_eq!(write(&local, &remote, 6), 4);
+    assert_eq!(write(&local, &remote, 7), 1);
+}

@@ -9,6 +9,7 @@ use crate::descriptor::{validate, XferDesc};
 use crate::error::{check, Error, Result};
 use crate::mem_type::MemType;
 use crate::registration::{RegInner, Registration};
+use crate::reuse::Reuse;
 
 /// An owned `nixl_capi_xfer_dlist_t` with a Rust copy of its descriptors.
 pub(crate) struct XferDlist {
@@ -108,6 +109,7 @@ macro_rules! list_accessors {
         /// Removes every descriptor (a local list keeps holding its registrations until it
         /// is dropped).
         pub fn clear(&mut self) -> Result<()> {
+            self.reuse.reset();
             self.list.clear()
         }
 
@@ -141,6 +143,7 @@ macro_rules! list_accessors {
 pub struct LocalDescList<'m> {
     pub(crate) list: XferDlist,
     pub(crate) keep: Vec<Arc<RegInner<'m>>>,
+    pub(crate) reuse: Reuse<'m>,
 }
 
 impl std::fmt::Debug for LocalDescList<'_> {
@@ -163,6 +166,7 @@ impl<'m> LocalDescList<'m> {
         Ok(LocalDescList {
             list: XferDlist::new(mem_type, capacity)?,
             keep: Vec::new(),
+            reuse: Reuse::default(),
         })
     }
 
@@ -180,6 +184,7 @@ impl<'m> LocalDescList<'m> {
         len: usize,
     ) -> Result<()> {
         const OP: &str = "add local descriptor";
+        self.reuse.reset();
         self.hold(OP, reg)?;
         let addr = reg.locate(OP, region, offset, len)?;
         let dev_id = reg.inner.regions[region].dev_id;
@@ -242,6 +247,7 @@ impl<'m> LocalDescList<'m> {
 /// remote side of a transfer. NIXL checks them against the remote agent's metadata.
 pub struct RemoteDescList {
     pub(crate) list: XferDlist,
+    pub(crate) reuse: Reuse<'static>,
 }
 
 impl std::fmt::Debug for RemoteDescList {
@@ -258,6 +264,7 @@ impl RemoteDescList {
     pub fn new(mem_type: MemType) -> Result<Self> {
         Ok(RemoteDescList {
             list: XferDlist::new(mem_type, 0)?,
+            reuse: Reuse::default(),
         })
     }
 
@@ -267,11 +274,15 @@ impl RemoteDescList {
         for desc in descs {
             list.push("add remote descriptor", *desc)?;
         }
-        Ok(RemoteDescList { list })
+        Ok(RemoteDescList {
+            list,
+            reuse: Reuse::default(),
+        })
     }
 
     /// Adds one descriptor.
     pub fn push(&mut self, desc: XferDesc) -> Result<()> {
+        self.reuse.reset();
         self.list.push("add remote descriptor", desc)
     }
 

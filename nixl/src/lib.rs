@@ -85,6 +85,7 @@ mod prepared;
 mod query;
 mod raw;
 mod registration;
+mod reuse;
 mod status;
 mod xfer;
 

@@ -116,7 +116,8 @@ fn to_c_indices(operation: &'static str, indices: &[usize], len: usize) -> Resul
 }
 
 impl Agent {
-    fn prepare<'m>(
+    /// Prepares `list` for `agent_name` (empty: this agent as the initiator).
+    pub(crate) fn prepare<'m>(
         &self,
         agent_name: &str,
         list: &XferDlist,
@@ -216,6 +217,25 @@ impl Agent {
             local_indices.iter().map(|&i| local.shared.lens[i]),
             remote_indices.iter().map(|&i| remote.shared.lens[i]),
         )?;
+        self.make_request(
+            op,
+            (&local.shared, &l),
+            (&remote.shared, &r),
+            &remote.remote_agent,
+            options,
+        )
+    }
+
+    /// Makes a request from prepared handles, each with its checked indices.
+    pub(crate) fn make_request<'m>(
+        &self,
+        op: XferOp,
+        (local, local_indices): (&Arc<PreparedShared<'m>>, &[c_int]),
+        (remote, remote_indices): (&Arc<PreparedShared<'static>>, &[c_int]),
+        remote_agent: &str,
+        options: &XferOptions,
+    ) -> Result<XferRequest<'m>> {
+        const OP: &str = "make transfer request";
         let args = options.to_raw(&self.inner, OP)?;
         let mut raw = ptr::null_mut();
         let status = self.inner.with(|agent| {
@@ -224,26 +244,24 @@ impl Agent {
                 sys::nixl_capi_make_xfer_req(
                     agent,
                     op.to_raw(),
-                    local.shared.raw,
-                    l.as_ptr(),
-                    l.len(),
-                    remote.shared.raw,
-                    r.as_ptr(),
-                    r.len(),
+                    local.raw,
+                    local_indices.as_ptr(),
+                    local_indices.len(),
+                    remote.raw,
+                    remote_indices.as_ptr(),
+                    remote_indices.len(),
                     &mut raw,
                     opt_args_ptr(args.as_ref()),
                 )
             }
         });
-        check(status, OP).map_err(|err| self.explain_request_failure(err, &remote.remote_agent))?;
-        let keep = local.shared.keep.clone();
-        let prepared = vec![local.shared.clone(), remote.shared.clone()];
+        check(status, OP).map_err(|err| self.explain_request_failure(err, remote_agent))?;
         Ok(XferRequest::new(
             self.inner.clone(),
             raw,
-            keep,
-            prepared,
-            remote.remote_agent.clone(),
+            local.keep.clone(),
+            vec![local.clone(), remote.clone()],
+            remote_agent.to_string(),
         ))
     }
 }

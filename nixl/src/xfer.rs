@@ -577,6 +577,12 @@ impl Agent {
     /// (`num_threads=2`, `split_batch_size` of 2 or less; see [`Agent::create_backend`]) moves
     /// them in parallel; the bytes moved are the same.
     ///
+    /// Lists that serve more than one request are prepared once: from the second request
+    /// with the same agent, `remote_agent` and backends on, requests are made from prepared
+    /// handles (as [`Agent::make_xfer_req`] does with every index in order), which skips
+    /// NIXL's lookup of each descriptor and lets it merge adjacent descriptors unless
+    /// [`XferOptions::skip_desc_merge`] is set. Changing a list starts over.
+    ///
     /// # Errors
     /// [`Error::EmptyDescList`] / [`Error::LengthMismatch`] when the sides do not pair up;
     /// [`Error::Nixl`] with a hint when the remote agent's metadata is not loaded, the
@@ -593,6 +599,11 @@ impl Agent {
         let name = c_name("remote agent name", remote_agent)?;
         check_pairing(OP, lens(&local.list), lens(&remote.list))?;
         let cut = cut_large_descriptors(&local.list, &remote.list)?;
+        if cut.is_none() {
+            if let Some(request) = self.reused_request(op, local, remote, remote_agent, options)? {
+                return Ok(request);
+            }
+        }
         let (local_raw, remote_raw, args) = match &cut {
             Some((l, r)) => {
                 let options = XferOptions {

