@@ -607,7 +607,7 @@ fn build(pair: &Pair) -> Res<[f64; 4]> {
         let descs: Vec<XferDesc> = (0..BUILD_DESCS)
             .map(|i| remote(&pair.b_build, i * BUILD_STRIDE, BUILD_DESC))
             .collect();
-        let remote_list = RemoteDescList::from_descs(MemType::Dram, &descs)?;
+        let remote_list = RemoteDescList::from_vec(MemType::Dram, descs)?;
         let t2 = Instant::now();
         let req = pair.a.create_xfer_req(
             XferOp::Write,

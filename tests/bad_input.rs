@@ -195,6 +195,13 @@ fn null_addresses() {
         RemoteDescList::from_descs(MemType::Dram, &[XferDesc::new(0, 64, 0)]),
         Err(Error::NullAddress { index: 0, .. })
     ));
+    assert!(matches!(
+        RemoteDescList::from_vec(
+            MemType::Dram,
+            vec![XferDesc::new(4096, 64, 0), XferDesc::new(0, 64, 0)]
+        ),
+        Err(Error::NullAddress { index: 1, .. })
+    ));
     // Offset 0 of a file is not a null address.
     assert!(RemoteDescList::from_descs(MemType::File, &[XferDesc::new(0, 64, 3)]).is_ok());
     assert_pair_works(&pair, 6);

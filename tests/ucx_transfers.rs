@@ -432,11 +432,11 @@ fn lists_reused_for_many_requests_are_prepared_once() {
     let base = dst.regions()[0].addr;
     let mut local = LocalDescList::new(MemType::Dram).unwrap();
     local.push_blocks(&src, 0, BLOCK, 0..3).unwrap();
-    let mut remote = RemoteDescList::from_descs(
+    let mut remote = RemoteDescList::from_vec(
         MemType::Dram,
-        &(0..3)
+        (0..3)
             .map(|i| XferDesc::new(base + i * BLOCK, BLOCK, 0))
-            .collect::<Vec<_>>(),
+            .collect(),
     )
     .unwrap();
     let write = |local: &LocalDescList<'_>, remote: &RemoteDescList, seed: u8| {

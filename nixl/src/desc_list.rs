@@ -25,6 +25,11 @@ unsafe impl Sync for XferDlist {}
 
 impl XferDlist {
     pub(crate) fn new(mem_type: MemType, capacity: usize) -> Result<Self> {
+        Self::with_descs(mem_type, capacity, Vec::with_capacity(capacity))
+    }
+
+    /// A C list with room for `capacity` descriptors, and `descs` as the Rust copy.
+    fn with_descs(mem_type: MemType, capacity: usize, descs: Vec<XferDesc>) -> Result<Self> {
         let mut raw = ptr::null_mut();
         // SAFETY: out-pointer to a local.
         check(
@@ -34,7 +39,7 @@ impl XferDlist {
         let list = XferDlist {
             raw,
             mem_type,
-            descs: Vec::with_capacity(capacity),
+            descs,
         };
         if capacity > 0 {
             // Growing then clearing leaves NIXL's vector with room for `capacity`
@@ -53,21 +58,30 @@ impl XferDlist {
         Ok(list)
     }
 
+    /// A list holding `descs`, which becomes the Rust copy without being copied again.
+    fn from_vec(mem_type: MemType, operation: &'static str, descs: Vec<XferDesc>) -> Result<Self> {
+        let mut list = XferDlist::with_descs(mem_type, descs.len(), Vec::new())?;
+        for (index, desc) in descs.iter().enumerate() {
+            list.add(operation, index, desc)?;
+        }
+        list.descs = descs;
+        Ok(list)
+    }
+
     pub(crate) fn push(&mut self, operation: &'static str, desc: XferDesc) -> Result<()> {
-        validate(
-            operation,
-            self.mem_type,
-            self.descs.len(),
-            desc.addr,
-            desc.len,
-        )?;
+        self.add(operation, self.descs.len(), &desc)?;
+        self.descs.push(desc);
+        Ok(())
+    }
+
+    /// Checks `desc` (the list's descriptor number `index`) and appends it to the C list.
+    fn add(&self, operation: &'static str, index: usize, desc: &XferDesc) -> Result<()> {
+        validate(operation, self.mem_type, index, desc.addr, desc.len)?;
         // SAFETY: live list; NIXL copies the descriptor.
         let status = unsafe {
             sys::nixl_capi_xfer_dlist_add_desc(self.raw, desc.addr, desc.len, desc.dev_id)
         };
-        check(status, operation)?;
-        self.descs.push(desc);
-        Ok(())
+        check(status, operation)
     }
 
     fn clear(&mut self) -> Result<()> {
@@ -270,12 +284,13 @@ impl RemoteDescList {
 
     /// A list holding `descs`.
     pub fn from_descs(mem_type: MemType, descs: &[XferDesc]) -> Result<Self> {
-        let mut list = XferDlist::new(mem_type, descs.len())?;
-        for desc in descs {
-            list.push("add remote descriptor", *desc)?;
-        }
+        Self::from_vec(mem_type, descs.to_vec())
+    }
+
+    /// A list holding `descs`, taking the vector over instead of copying it.
+    pub fn from_vec(mem_type: MemType, descs: Vec<XferDesc>) -> Result<Self> {
         Ok(RemoteDescList {
-            list,
+            list: XferDlist::from_vec(mem_type, "add remote descriptor", descs)?,
             reuse: Reuse::default(),
         })
     }
