@@ -19,13 +19,21 @@ pub(crate) struct PreparedShared<'m> {
     agent: Arc<AgentInner>,
     raw: sys::nixl_capi_xfer_dlist_handle_t,
     lens: Vec<usize>,
-    keep: Vec<Arc<RegInner<'m>>>,
+    /// Held so that the list's memory stays registered while the handle exists.
+    _keep: Vec<Arc<RegInner<'m>>>,
 }
 
 // SAFETY: the handle is only read by NIXL calls made through the agent's locking.
 unsafe impl Send for PreparedShared<'_> {}
 // SAFETY: as above.
 unsafe impl Sync for PreparedShared<'_> {}
+
+impl PreparedShared<'_> {
+    /// Number of descriptors in the prepared list.
+    pub(crate) fn len(&self) -> usize {
+        self.lens.len()
+    }
+}
 
 impl Drop for PreparedShared<'_> {
     fn drop(&mut self) {
@@ -157,7 +165,7 @@ impl Agent {
             agent: self.inner.clone(),
             raw,
             lens: list.descs().iter().map(|d| d.len).collect(),
-            keep,
+            _keep: keep,
         }))
     }
 
@@ -256,10 +264,11 @@ impl Agent {
             }
         });
         check(status, OP).map_err(|err| self.explain_request_failure(err, remote_agent))?;
+        // The prepared local list holds the registrations; the request holds both lists.
         Ok(XferRequest::new(
             self.inner.clone(),
             raw,
-            local.keep.clone(),
+            Vec::new(),
             vec![local.clone(), remote.clone()],
             remote_agent.to_string(),
         ))

@@ -17,19 +17,19 @@ use crate::prepared::PreparedShared;
 use crate::status::Status;
 use crate::xfer::{XferOp, XferOptions, XferRequest};
 
-/// What a prepared handle was made for: the agent, the peer (empty for the local side), the
+/// What a prepared handle is made for: the agent, the peer (empty for the local side), the
 /// backends asked for, and how many backends the agent had (a new one may serve the list).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct ReuseKey {
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ReuseKey<'a> {
     agent: usize,
-    peer: String,
-    backends: Vec<usize>,
+    peer: &'a str,
+    backends: &'a [usize],
     backend_count: usize,
 }
 
-impl ReuseKey {
+impl<'a> ReuseKey<'a> {
     /// The key of a request on `agent` with `peer` over `backends` (raw backend handles).
-    pub(crate) fn new(agent: &Arc<AgentInner>, peer: &str, backends: Vec<usize>) -> Self {
+    pub(crate) fn new(agent: &Arc<AgentInner>, peer: &'a str, backends: &'a [usize]) -> Self {
         let backend_count = agent
             .backends
             .lock()
@@ -37,17 +37,45 @@ impl ReuseKey {
             .len();
         ReuseKey {
             agent: Arc::as_ptr(agent) as usize,
-            peer: peer.to_string(),
+            peer,
             backends,
             backend_count,
         }
     }
+
+    fn to_owned(self) -> OwnedKey {
+        OwnedKey {
+            agent: self.agent,
+            peer: self.peer.into(),
+            backends: self.backends.into(),
+            backend_count: self.backend_count,
+        }
+    }
+
+    fn is(&self, owned: &OwnedKey) -> bool {
+        self.agent == owned.agent
+            && self.backend_count == owned.backend_count
+            && *self.peer == *owned.peer
+            && *self.backends == *owned.backends
+    }
 }
+
+/// A [`ReuseKey`] kept by a list.
+#[derive(Debug, Clone)]
+struct OwnedKey {
+    agent: usize,
+    peer: Box<str>,
+    backends: Box<[usize]>,
+    backend_count: usize,
+}
+
+/// A prepared handle and the indices `0..n` of all its descriptors.
+pub(crate) type Prepared<'m> = (Arc<PreparedShared<'m>>, Arc<[c_int]>);
 
 enum State<'m> {
     Fresh,
-    UsedOnce(ReuseKey),
-    Prepared(ReuseKey, Arc<PreparedShared<'m>>),
+    UsedOnce(OwnedKey),
+    Prepared(OwnedKey, Prepared<'m>),
 }
 
 /// A list's memory of the requests made from it.
@@ -83,16 +111,18 @@ impl<'m> Reuse<'m> {
     /// logged and gives `None` (the caller's plain request reports the error).
     pub(crate) fn handle(
         &self,
-        key: ReuseKey,
+        key: ReuseKey<'_>,
         prepare: impl FnOnce() -> Result<Arc<PreparedShared<'m>>>,
-    ) -> Option<Arc<PreparedShared<'m>>> {
+    ) -> Option<Prepared<'m>> {
         let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         match &*state {
-            State::Prepared(held, handle) if *held == key => Some(handle.clone()),
-            State::UsedOnce(held) if *held == key => match prepare() {
+            State::Prepared(held, prepared) if key.is(held) => Some(prepared.clone()),
+            State::UsedOnce(held) if key.is(held) => match prepare() {
                 Ok(handle) => {
-                    *state = State::Prepared(key, handle.clone());
-                    Some(handle)
+                    let count = c_int::try_from(handle.len()).ok()?;
+                    let prepared: Prepared<'m> = (handle, (0..count).collect());
+                    *state = State::Prepared(key.to_owned(), prepared.clone());
+                    Some(prepared)
                 }
                 Err(err) => {
                     tracing::debug!(%err, "could not prepare a reused descriptor list");
@@ -101,7 +131,7 @@ impl<'m> Reuse<'m> {
                 }
             },
             _ => {
-                *state = State::UsedOnce(key);
+                *state = State::UsedOnce(key.to_owned());
                 None
             }
         }
@@ -120,25 +150,24 @@ impl Agent {
         remote_agent: &str,
         options: &XferOptions,
     ) -> Result<Option<XferRequest<'m>>> {
-        let Ok(count) = c_int::try_from(local.len()) else {
-            return Ok(None);
-        };
         let chosen: Vec<&Backend> = options.backends.iter().collect();
         let ids: Vec<usize> = chosen.iter().map(|b| b.raw() as usize).collect();
-        let local_handle = local
-            .reuse
-            .handle(ReuseKey::new(&self.inner, "", ids.clone()), || {
-                self.prepare("", &local.list, &chosen, local.keep.clone())
-            });
-        let remote_handle = remote
-            .reuse
-            .handle(ReuseKey::new(&self.inner, remote_agent, ids), || {
-                self.prepare(remote_agent, &remote.list, &chosen, Vec::new())
-            });
-        let (Some(local_handle), Some(remote_handle)) = (local_handle, remote_handle) else {
+        let local_key = ReuseKey::new(&self.inner, "", &ids);
+        let remote_key = ReuseKey {
+            peer: remote_agent,
+            ..local_key
+        };
+        let local_handle = local.reuse.handle(local_key, || {
+            self.prepare("", &local.list, &chosen, local.keep.clone())
+        });
+        let remote_handle = remote.reuse.handle(remote_key, || {
+            self.prepare(remote_agent, &remote.list, &chosen, Vec::new())
+        });
+        let (Some((local_handle, indices)), Some((remote_handle, _))) =
+            (local_handle, remote_handle)
+        else {
             return Ok(None);
         };
-        let indices: Vec<c_int> = (0..count).collect();
         match self.make_request(
             op,
             (&local_handle, &indices),

@@ -444,6 +444,9 @@ impl<'m> XferRequest<'m> {
 
     /// Waits for an in-flight request before it is released (see the type's docs).
     fn settle(&mut self) -> bool {
+        if !self.in_flight {
+            return true;
+        }
         let start = Instant::now();
         while self.in_flight {
             match self.status() {
@@ -596,7 +599,6 @@ impl Agent {
         options: &XferOptions,
     ) -> Result<XferRequest<'m>> {
         const OP: &str = "create transfer request";
-        let name = c_name("remote agent name", remote_agent)?;
         check_pairing(OP, lens(&local.list), lens(&remote.list))?;
         let cut = cut_large_descriptors(&local.list, &remote.list)?;
         if cut.is_none() {
@@ -604,6 +606,7 @@ impl Agent {
                 return Ok(request);
             }
         }
+        let name = c_name("remote agent name", remote_agent)?;
         let (local_raw, remote_raw, args) = match &cut {
             Some((l, r)) => {
                 let options = XferOptions {
