@@ -195,6 +195,11 @@ impl Agent {
     /// with idle cores, `create_backend_with("UCX", [("num_threads", "2"),
     /// ("split_batch_size", "1")])` lets two threads copy the halves that
     /// [`Agent::create_xfer_req`] cuts large descriptors into (~1.2x one core's memcpy).
+    ///
+    /// NIXL 1.5.1's UCX worker-thread mode has a race: a worker thread can complete its part
+    /// of a request after the request was reposted or released, and then writes through a
+    /// null pointer (`nixlUcxChunkBackendReqH::complete`). The benchmark hit it once in about
+    /// thirty rounds of 64 MiB reposts; with worker threads on, this crate logs a warning.
     pub fn create_backend(&self, plugin: &str) -> Result<Backend> {
         self.create_backend_with(plugin, std::iter::empty::<(&str, &str)>())
     }
@@ -248,6 +253,17 @@ impl Agent {
             err
         })?;
         tracing::debug!(agent = %self.inner.name, plugin, ?params, "created backend");
+        if plugin == "UCX"
+            && params
+                .get("num_threads")
+                .and_then(|n| n.trim().parse::<u64>().ok())
+                .is_some_and(|n| n > 0)
+        {
+            tracing::warn!(
+                agent = %self.inner.name,
+                "UCX worker threads (num_threads) are on: NIXL 1.5.1 can crash in their request completion (see Agent::create_backend)"
+            );
+        }
         let mut handles = self
             .inner
             .backends
