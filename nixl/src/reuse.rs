@@ -19,7 +19,7 @@ use crate::xfer::{XferOp, XferOptions, XferRequest};
 
 /// What a prepared handle is made for: the agent, the peer (empty for the local side), the
 /// backends asked for, and how many backends the agent had (a new one may serve the list).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy)]
 pub(crate) struct ReuseKey<'a> {
     agent: usize,
     peer: &'a str,
@@ -150,18 +150,19 @@ impl Agent {
         remote_agent: &str,
         options: &XferOptions,
     ) -> Result<Option<XferRequest<'m>>> {
-        let chosen: Vec<&Backend> = options.backends.iter().collect();
-        let ids: Vec<usize> = chosen.iter().map(|b| b.raw() as usize).collect();
+        let ids: Vec<usize> = options.backends.iter().map(|b| b.raw() as usize).collect();
         let local_key = ReuseKey::new(&self.inner, "", &ids);
         let remote_key = ReuseKey {
             peer: remote_agent,
             ..local_key
         };
+        // The backend list is only needed when a list is prepared, not on every request.
+        let chosen = || options.backends.iter().collect::<Vec<&Backend>>();
         let local_handle = local.reuse.handle(local_key, || {
-            self.prepare("", &local.list, &chosen, local.keep.clone())
+            self.prepare("", &local.list, &chosen(), local.keep.clone())
         });
         let remote_handle = remote.reuse.handle(remote_key, || {
-            self.prepare(remote_agent, &remote.list, &chosen, Vec::new())
+            self.prepare(remote_agent, &remote.list, &chosen(), Vec::new())
         });
         let (Some((local_handle, indices)), Some((remote_handle, _))) =
             (local_handle, remote_handle)
