@@ -732,6 +732,29 @@ fn sweep_iters(size: usize) -> usize {
     (256 * MIB / size).clamp(BULK_ITERS, SMALL_ITERS)
 }
 
+/// W1 WRITE and READ on `pair`, recorded under config `name`: GB/s and CPU s/GB.
+fn w1(out: &mut Output, pair: &Pair, name: &str, round: u64) -> Res<()> {
+    for (op, w, seed) in [(XferOp::Write, "w1_write", 5), (XferOp::Read, "w1_read", 6)] {
+        let (gbps, cpu) = bulk(pair, op, BULK, BULK_ITERS, Poll::Wait, seed + round)?;
+        out.emit("rust", name, w, "gbps", gbps);
+        out.emit("rust", name, w, "cpu_s_per_gb", cpu);
+    }
+    Ok(())
+}
+
+/// W2 with fresh and with prepared lists on `pair` (which must hold the KV cache), recorded
+/// under config `name`: requests/s, GB/s and CPU s/GB.
+fn w2(out: &mut Output, pair: &Pair, name: &str, round: u64) -> Res<()> {
+    let perm = permutation(KV_BLOCKS, 42);
+    for (prepared, w) in [(false, "w2_fresh"), (true, "w2_prepared")] {
+        let (rps, gbps, cpu) = kv(pair, &perm, prepared, 7 + round)?;
+        out.emit("rust", name, w, "req_per_s", rps);
+        out.emit("rust", name, w, "gbps", gbps);
+        out.emit("rust", name, w, "cpu_s_per_gb", cpu);
+    }
+    Ok(())
+}
+
 fn run_round(out: &mut Output) -> Res<()> {
     let round = u64::from(out.round);
     let default = AgentConfig::default();
@@ -800,13 +823,7 @@ fn run_round(out: &mut Output) -> Res<()> {
             out.emit("rust", &split, w, "gbps", gbps);
             out.emit("rust", &split, w, "cpu_s_per_gb", cpu);
         }
-        let perm = permutation(KV_BLOCKS, 42);
-        for (prepared, w) in [(false, "w2_fresh"), (true, "w2_prepared")] {
-            let (rps, gbps, cpu) = kv(&pair, &perm, prepared, 7 + round)?;
-            out.emit("rust", name, w, "req_per_s", rps);
-            out.emit("rust", name, w, "gbps", gbps);
-            out.emit("rust", name, w, "cpu_s_per_gb", cpu);
-        }
+        w2(out, &pair, name, round)?;
         out.emit(
             "rust",
             name,
@@ -859,11 +876,7 @@ fn run_round(out: &mut Output) -> Res<()> {
         (&python_like, "sync-none+delay0"),
     ] {
         let pair = Pair::new(config, false)?;
-        for (op, w, seed) in [(XferOp::Write, "w1_write", 5), (XferOp::Read, "w1_read", 6)] {
-            let (gbps, cpu) = bulk(&pair, op, BULK, BULK_ITERS, Poll::Wait, seed + round)?;
-            out.emit("rust", name, w, "gbps", gbps);
-            out.emit("rust", name, w, "cpu_s_per_gb", cpu);
-        }
+        w1(out, &pair, name, round)?;
         let us = small(&pair, Poll::Wait, 11 + round)?;
         out.emit("rust", name, "w3_small", "us_per_iter", us);
     }
@@ -891,16 +904,8 @@ fn run_round(out: &mut Output) -> Res<()> {
     // measurements made it the plugin's own (no threads).
     let threads = [("num_threads", "2"), ("split_batch_size", "2")];
     let pair = Pair::with_ucx(&default, &default, true, &threads, &[AGENT_CORE])?;
-    for (op, w, seed) in [(XferOp::Write, "w1_write", 5), (XferOp::Read, "w1_read", 6)] {
-        let (gbps, cpu) = bulk(&pair, op, BULK, BULK_ITERS, Poll::Wait, seed + round)?;
-        out.emit("rust", "ucx-threads2", w, "gbps", gbps);
-        out.emit("rust", "ucx-threads2", w, "cpu_s_per_gb", cpu);
-    }
-    let perm = permutation(KV_BLOCKS, 42);
-    for (prepared, w) in [(false, "w2_fresh"), (true, "w2_prepared")] {
-        let (rps, _, _) = kv(&pair, &perm, prepared, 7 + round)?;
-        out.emit("rust", "ucx-threads2", w, "req_per_s", rps);
-    }
+    w1(out, &pair, "ucx-threads2", round)?;
+    w2(out, &pair, "ucx-threads2", round)?;
     let us = small(&pair, Poll::Wait, 11 + round)?;
     out.emit("rust", "ucx-threads2", "w3_small", "us_per_iter", us);
     drop(pair);
