@@ -5,7 +5,9 @@ mod common;
 
 use std::fs::OpenOptions;
 
-use common::{contents, file_contents, local_whole, pattern, unique_name, WAIT};
+use common::{
+    assert_blocks_reversed, contents, file_contents, local_whole, pattern, unique_name, WAIT,
+};
 use nixl::{Agent, FileRegion, MemType, RemoteDescList, XferDesc, XferOp, XferOptions};
 
 const LEN: usize = 64 * 1024;
@@ -103,12 +105,5 @@ fn scattered_blocks_at_file_offsets() {
 
     let on_disk = file_contents(&reader);
     assert_eq!(on_disk.len(), BLOCK * BLOCKS);
-    for i in 0..BLOCKS {
-        let j = BLOCKS - 1 - i;
-        assert_eq!(
-            on_disk[j * BLOCK..(j + 1) * BLOCK],
-            data[i * BLOCK..(i + 1) * BLOCK],
-            "file block {j}"
-        );
-    }
+    assert_blocks_reversed(&on_disk, &data, BLOCK, BLOCKS);
 }

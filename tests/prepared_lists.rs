@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{contents, pattern, Pair, WAIT};
+use common::{assert_blocks_reversed, contents, pattern, Pair, WAIT};
 use nixl::{LocalDescList, MemType, RemoteDescList, XferDesc, XferOp, XferOptions};
 
 const BLOCK: usize = 256;
@@ -116,14 +116,7 @@ fn every_block_in_many_requests_from_one_preparation() {
         req.post_and_wait(WAIT).unwrap();
     }
     let got = contents(&a_reg);
-    for i in 0..BLOCKS {
-        let j = BLOCKS - 1 - i;
-        assert_eq!(
-            got[i * BLOCK..(i + 1) * BLOCK],
-            data[j * BLOCK..(j + 1) * BLOCK],
-            "block {i}"
-        );
-    }
+    assert_blocks_reversed(&got, &data, BLOCK, BLOCKS);
 }
 
 #[test]

@@ -241,6 +241,19 @@ pub fn file_contents(mut file: &std::fs::File) -> Vec<u8> {
     out
 }
 
+/// Asserts that block `k` of `moved` is block `blocks - 1 - k` of `data` (blocks of `block`
+/// bytes): a transfer that reversed the order of `blocks` blocks.
+pub fn assert_blocks_reversed(moved: &[u8], data: &[u8], block: usize, blocks: usize) {
+    for k in 0..blocks {
+        let from = blocks - 1 - k;
+        assert_eq!(
+            moved[k * block..(k + 1) * block],
+            data[from * block..(from + 1) * block],
+            "block {k} should be source block {from}"
+        );
+    }
+}
+
 /// A TCP port that was free a moment ago on 127.0.0.1.
 pub fn free_port() -> u16 {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
