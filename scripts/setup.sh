@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what building nixl-rs needs on a fresh Debian/Ubuntu machine; safe to rerun.
-#  - libclang (Debian libclang-dev), which bindgen loads, when no libclang is found;
+#  - libclang (Debian libclang-dev), which bindgen loads, when scripts/find-libclang.sh finds
+#    none (a machine with only libclang-cpp has none);
 #  - the pinned NIXL wheel, unpacked into vendor/nixl (skipped when NIXL_PREFIX or
 #    NIXL_LIB_DIR points at another NIXL);
 #  - etcd (Debian etcd-server), when no `etcd` binary is found: the prefill/decode demo's
@@ -8,10 +9,9 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
+# bindgen's libclang, found by the rules clang-sys uses (libclang-cpp does not count).
 have_libclang() {
-    [[ -n ${LIBCLANG_PATH:-} ]] && return 0
-    ldconfig -p 2>/dev/null | grep -q 'libclang[-.0-9]*\.so' && return 0
-    compgen -G '/usr/lib/llvm-*/lib/libclang*.so*' >/dev/null
+    "$root/scripts/find-libclang.sh" >/dev/null
 }
 
 # Installs a Debian package, as root or through sudo, saying why.
