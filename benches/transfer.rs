@@ -228,7 +228,7 @@ fn pattern(len: usize, seed: u64) -> Vec<u8> {
         .collect()
 }
 
-fn contents(reg: &Registration<'_>) -> Res<Vec<u8>> {
+fn contents(reg: &Registration) -> Res<Vec<u8>> {
     let mut out = vec![0u8; reg.regions()[0].len];
     reg.read(0, 0, &mut out)?;
     Ok(out)
@@ -251,7 +251,7 @@ enum Poll {
     Spin,
 }
 
-fn post_wait(req: &mut XferRequest<'_>, poll: Poll) -> Res<()> {
+fn post_wait(req: &mut XferRequest, poll: Poll) -> Res<()> {
     if req.post()? == XferStatus::Done {
         return Ok(());
     }
@@ -265,13 +265,13 @@ fn post_wait(req: &mut XferRequest<'_>, poll: Poll) -> Res<()> {
 /// Two agents with a UCX backend each and their registered buffers.
 struct Pair {
     a: Agent,
-    a_bulk: Registration<'static>,
-    b_bulk: Registration<'static>,
-    kv: Option<[Registration<'static>; 2]>,
-    a_small: Registration<'static>,
-    b_small: Registration<'static>,
-    a_build: Registration<'static>,
-    b_build: Registration<'static>,
+    a_bulk: Registration,
+    b_bulk: Registration,
+    kv: Option<[Registration; 2]>,
+    a_small: Registration,
+    b_small: Registration,
+    a_build: Registration,
+    b_build: Registration,
     b: Agent,
 }
 
@@ -301,7 +301,7 @@ impl Pair {
         let b = Agent::builder("B").config(b_config.clone()).build()?;
         let ucx_a = a.create_backend_with("UCX", ucx.iter().copied())?;
         let ucx_b = b.create_backend_with("UCX", ucx.iter().copied())?;
-        let reg = |agent: &Agent, len: usize| -> Res<Registration<'static>> {
+        let reg = |agent: &Agent, len: usize| -> Res<Registration> {
             let backend = if agent.name() == "A" { &ucx_a } else { &ucx_b };
             Ok(agent.register_memory(HostBuffer::zeroed(len)?, &[backend])?)
         };
@@ -329,7 +329,7 @@ impl Pair {
     }
 }
 
-fn remote(reg: &Registration<'_>, offset: usize, len: usize) -> XferDesc {
+fn remote(reg: &Registration, offset: usize, len: usize) -> XferDesc {
     XferDesc::new(reg.regions()[0].addr + offset, len, 0)
 }
 
@@ -341,7 +341,7 @@ fn bulk_request(
     offset: usize,
     len: usize,
     descs: usize,
-) -> Res<XferRequest<'static>> {
+) -> Res<XferRequest> {
     let piece = len / descs;
     let mut local = LocalDescList::with_capacity(MemType::Dram, descs)?;
     let mut remote_descs = Vec::with_capacity(descs);
@@ -356,12 +356,7 @@ fn bulk_request(
 
 /// Requests covering `[0, size)` of A's and B's bulk buffers, cut into `parts` requests of
 /// one descriptor each.
-fn bulk_requests(
-    pair: &Pair,
-    op: XferOp,
-    size: usize,
-    parts: usize,
-) -> Res<Vec<XferRequest<'static>>> {
+fn bulk_requests(pair: &Pair, op: XferOp, size: usize, parts: usize) -> Res<Vec<XferRequest>> {
     let part = size / parts;
     (0..parts)
         .map(|i| bulk_request(pair, op, i * part, part, 1))
@@ -374,7 +369,7 @@ fn bulk_check(
     pair: &Pair,
     op: XferOp,
     size: usize,
-    reqs: &mut [XferRequest<'_>],
+    reqs: &mut [XferRequest],
     seed: u64,
 ) -> Res<()> {
     let (src, dst) = match op {
@@ -758,23 +753,14 @@ fn w2(out: &mut Output, pair: &Pair, name: &str, round: u64) -> Res<()> {
 fn run_round(out: &mut Output) -> Res<()> {
     let round = u64::from(out.round);
     let default = AgentConfig::default();
-    let no_thread = AgentConfig {
-        progress_thread: false,
-        ..AgentConfig::default()
-    };
-    let delay0 = AgentConfig {
-        progress_delay: Duration::ZERO,
-        ..AgentConfig::default()
-    };
-
-    let sync_none = AgentConfig {
-        thread_sync: ThreadSync::None,
-        ..AgentConfig::default()
-    };
-    let python_like = AgentConfig {
-        progress_delay: Duration::ZERO,
-        ..sync_none.clone()
-    };
+    let mut no_thread = AgentConfig::default();
+    no_thread.progress_thread = false;
+    let mut delay0 = AgentConfig::default();
+    delay0.progress_delay = Duration::ZERO;
+    let mut sync_none = AgentConfig::default();
+    sync_none.thread_sync = ThreadSync::None;
+    let mut python_like = sync_none.clone();
+    python_like.progress_delay = Duration::ZERO;
 
     out.emit("rust", "default", "idle", "core_pct", idle(&default, IDLE)?);
     out.emit("rust", "delay0", "idle", "core_pct", idle(&delay0, IDLE)?);

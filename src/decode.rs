@@ -79,7 +79,7 @@ struct Pending {
 
 /// A READ in flight.
 struct Pull {
-    xfer: XferRequest<'static>,
+    xfer: XferRequest,
     request: u64,
     local: Vec<u32>,
     remote: Vec<u32>,
@@ -432,7 +432,7 @@ impl RunState<'_> {
     fn start_pulls(
         &mut self,
         agent: &nixl::Agent,
-        local_list: &PreparedLocal<'static>,
+        local_list: &PreparedLocal,
         remote_list: &PreparedRemote,
     ) -> Result<()> {
         while !self.pending.is_empty() {

@@ -14,7 +14,7 @@ use crate::error::{Error, Result};
 pub fn fetch(agent: &Agent, remote: &str, timeout: Duration) -> Result<()> {
     let start = Instant::now();
     agent.fetch_remote_metadata(remote, &MetadataPeer::Etcd)?;
-    while !agent.has_remote_metadata(remote) {
+    while !agent.has_remote_metadata(remote)? {
         if start.elapsed() >= timeout {
             return Err(Error::Timeout(format!(
                 "agent {remote:?}'s metadata did not arrive from etcd within {timeout:?}"

@@ -66,7 +66,7 @@ impl KvLayout {
 #[derive(Debug)]
 pub struct KvCache {
     layout: KvLayout,
-    registration: Registration<'static>,
+    registration: Registration,
 }
 
 impl KvCache {
@@ -109,7 +109,7 @@ impl KvCache {
     }
 
     /// The registration of all layers (region `i` is layer `i`).
-    pub fn registration(&self) -> &Registration<'static> {
+    pub fn registration(&self) -> &Registration {
         &self.registration
     }
 
@@ -129,7 +129,7 @@ impl KvCache {
 
     /// One descriptor per (layer, block), layer by layer: index
     /// [`KvLayout::desc_index`]`(layer, block)`.
-    pub fn local_desc_list(&self) -> Result<LocalDescList<'static>> {
+    pub fn local_desc_list(&self) -> Result<LocalDescList> {
         let l = self.layout;
         let mut list = LocalDescList::with_capacity(MemType::Dram, l.layers * l.blocks)?;
         for layer in 0..l.layers {

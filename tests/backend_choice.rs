@@ -28,7 +28,7 @@ fn setup(prefix: &str) -> (Pair, Backend) {
 }
 
 /// A temp file of `LEN` bytes registered as FILE memory of `agent` with `backends`.
-fn file_of(agent: &Agent, backends: &[&Backend]) -> (Registration<'static>, std::fs::File) {
+fn file_of(agent: &Agent, backends: &[&Backend]) -> (Registration, std::fs::File) {
     let file = tempfile::tempfile().unwrap();
     file.set_len(LEN as u64).unwrap();
     let reader = file.try_clone().unwrap();
@@ -38,7 +38,7 @@ fn file_of(agent: &Agent, backends: &[&Backend]) -> (Registration<'static>, std:
     (reg, reader)
 }
 
-fn file_list(reg: &Registration<'_>) -> RemoteDescList {
+fn file_list(reg: &Registration) -> RemoteDescList {
     RemoteDescList::from_descs(
         MemType::File,
         &[XferDesc::new(0, LEN, reg.regions()[0].dev_id)],
@@ -47,12 +47,12 @@ fn file_list(reg: &Registration<'_>) -> RemoteDescList {
 }
 
 /// A WRITE by `agent` of all of `src` into the file of `file_reg`, also of `agent`.
-fn to_file<'m>(
+fn to_file(
     agent: &Agent,
-    src: &Registration<'m>,
-    file_reg: &Registration<'_>,
+    src: &Registration,
+    file_reg: &Registration,
     options: &XferOptions,
-) -> nixl::Result<XferRequest<'m>> {
+) -> nixl::Result<XferRequest> {
     agent.create_xfer_req(
         XferOp::Write,
         &local_whole(src),
@@ -64,7 +64,7 @@ fn to_file<'m>(
 
 /// Asserts that NIXL refused to create a request because none of the backends it could use
 /// holds the registrations.
-fn assert_unregistered(result: nixl::Result<XferRequest<'_>>) {
+fn assert_unregistered(result: nixl::Result<XferRequest>) {
     match result {
         // NIXL 1.5.1's C API reports "no backend had the registrations" as a backend error.
         Err(Error::Nixl {
@@ -77,7 +77,7 @@ fn assert_unregistered(result: nixl::Result<XferRequest<'_>>) {
 }
 
 /// Asserts that NIXL chose `backend` for `req`, then runs it to the end.
-fn run_on(backend: &str, mut req: XferRequest<'_>) {
+fn run_on(backend: &str, mut req: XferRequest) {
     assert_eq!(req.backend().unwrap(), backend);
     req.post_and_wait(WAIT).unwrap();
 }

@@ -98,6 +98,6 @@ fn both_listening_exchange_both_ways() {
         .invalidate_local_metadata(&local_peer(port_a))
         .unwrap();
     common::wait_until("a to drop b's metadata", || {
-        !pair.a.has_remote_metadata(pair.b.name())
+        !pair.a.has_remote_metadata(pair.b.name()).unwrap()
     });
 }

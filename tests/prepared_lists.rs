@@ -9,7 +9,7 @@ const BLOCK: usize = 256;
 const BLOCKS: usize = 16;
 
 /// `count` blocks of `BLOCK` bytes of `reg`'s region 0 as a remote list.
-fn remote_blocks(reg: &nixl::Registration<'_>, count: usize) -> RemoteDescList {
+fn remote_blocks(reg: &nixl::Registration, count: usize) -> RemoteDescList {
     let base = reg.regions()[0].addr;
     let descs: Vec<_> = (0..count)
         .map(|i| XferDesc::new(base + i * BLOCK, BLOCK, 0))

@@ -78,5 +78,8 @@ fn libclang_path_is_the_only_place_looked_at() {
     let elsewhere = dir_with(&["libclang-14.so.1"]);
     let empty = dir_with(&[]);
     // The argument directory holds a libclang, but LIBCLANG_PATH points at an empty one.
-    assert_eq!(found(&find(Some(elsewhere.path()), Some(empty.path()))), None);
+    assert_eq!(
+        found(&find(Some(elsewhere.path()), Some(empty.path()))),
+        None
+    );
 }

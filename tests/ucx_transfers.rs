@@ -228,10 +228,10 @@ fn check_and_invalidate_remote_metadata() {
     let pair = Pair::new("chk");
     let (src, dst) = pair.source_and_destination(pattern(4096, 10));
     let b = pair.b.name().to_string();
-    assert!(!pair.a.has_remote_metadata(&b));
+    assert!(!pair.a.has_remote_metadata(&b).unwrap());
     assert!(!pair.a.check_remote_metadata(&b, None).unwrap());
     pair.exchange();
-    assert!(pair.a.has_remote_metadata(&b));
+    assert!(pair.a.has_remote_metadata(&b).unwrap());
     assert!(pair.a.check_remote_metadata(&b, None).unwrap());
 
     let inside = remote_whole(&dst);
@@ -245,7 +245,7 @@ fn check_and_invalidate_remote_metadata() {
     );
 
     pair.a.invalidate_remote_metadata(&b).unwrap();
-    assert!(!pair.a.has_remote_metadata(&b));
+    assert!(!pair.a.has_remote_metadata(&b).unwrap());
     match pair.a.create_xfer_req(
         XferOp::Write,
         &local_whole(&src),
@@ -283,7 +283,7 @@ fn partial_metadata_covers_only_the_named_registrations() {
     // Connection info only: the agent is known, none of its memory is.
     let conn_only = pair.b.local_partial_metadata(&[], &[]).unwrap();
     assert_eq!(pair.a.load_remote_metadata(&conn_only).unwrap(), b);
-    assert!(pair.a.has_remote_metadata(&b));
+    assert!(pair.a.has_remote_metadata(&b).unwrap());
     assert!(!pair
         .a
         .check_remote_metadata(&b, Some(&remote_whole(&shared)))
@@ -439,7 +439,7 @@ fn lists_reused_for_many_requests_are_prepared_once() {
             .collect(),
     )
     .unwrap();
-    let write = |local: &LocalDescList<'_>, remote: &RemoteDescList, seed: u8| {
+    let write = |local: &LocalDescList, remote: &RemoteDescList, seed: u8| {
         let data = pattern(5 * BLOCK, seed);
         src.write(0, 0, &data).unwrap();
         let mut req = pair

@@ -1,13 +1,16 @@
 //! The NIXL agent: one per process (or per worker), owning backends, registrations and transfers.
 
 use std::ptr;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
 
 use nixl_sys as sys;
 
 use crate::error::{check, Result};
+use crate::leaks::{LeakCounters, LeakStats};
+use crate::local_peers;
 use crate::raw::c_name;
+use crate::registration::RegInner;
 
 /// How NIXL locks an agent's internal state across threads.
 ///
@@ -36,7 +39,9 @@ impl ThreadSync {
     }
 }
 
-/// Every setting of a NIXL agent. Built with [`Agent::builder`].
+/// Every setting of a NIXL agent. Built with [`Agent::builder`], or from
+/// [`AgentConfig::default`] with fields changed and passed to [`AgentBuilder::config`].
+#[non_exhaustive]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AgentConfig {
     /// Run NIXL's progress thread, which advances transfers and receives notifications
@@ -54,9 +59,6 @@ pub struct AgentConfig {
     pub listener_delay: Duration,
     /// NIXL's locking mode.
     pub thread_sync: ThreadSync,
-    /// Worker count NIXL's agent config carries. NIXL 1.5.1's C API does not forward it;
-    /// use a backend parameter (UCX: `num_workers`) to set workers.
-    pub num_workers: u32,
     /// Record per-request telemetry ([`crate::XferRequest::telemetry`]).
     pub telemetry: bool,
 }
@@ -72,7 +74,6 @@ impl Default for AgentConfig {
             listen_port: 0,
             listener_delay: Duration::from_millis(100),
             thread_sync: ThreadSync::ReadWrite,
-            num_workers: 1,
             telemetry: false,
         }
     }
@@ -123,12 +124,6 @@ impl AgentBuilder {
         self
     }
 
-    /// Sets the worker count carried in NIXL's agent config.
-    pub fn num_workers(mut self, workers: u32) -> Self {
-        self.config.num_workers = workers;
-        self
-    }
-
     /// Turns per-request telemetry on or off.
     pub fn telemetry(mut self, on: bool) -> Self {
         self.config.telemetry = on;
@@ -154,7 +149,9 @@ impl AgentBuilder {
             enable_listen_thread: cfg.listener_thread,
             listen_port: i32::from(cfg.listen_port),
             thread_sync: cfg.thread_sync.to_raw(),
-            num_workers: cfg.num_workers,
+            // NIXL 1.5.1's C API ignores this field; a backend parameter (UCX:
+            // `num_workers`) sets workers.
+            num_workers: 1,
             pthr_delay_us: micros(cfg.progress_delay),
             lthr_delay_us: micros(cfg.listener_delay),
             capture_telemetry: cfg.telemetry,
@@ -165,15 +162,17 @@ impl AgentBuilder {
             unsafe { sys::nixl_capi_create_configured_agent(name.as_ptr(), &raw_cfg, &mut raw) };
         check(status, "create agent")?;
         tracing::debug!(agent = %self.name, config = ?self.config, "created NIXL agent");
-        Ok(Agent {
-            inner: Arc::new(AgentInner {
-                raw,
-                serialize: (cfg.thread_sync == ThreadSync::None).then(|| Mutex::new(())),
-                backends: Mutex::new(Vec::new()),
-                name: self.name,
-                config: self.config,
-            }),
-        })
+        let inner = Arc::new(AgentInner {
+            raw,
+            serialize: (cfg.thread_sync == ThreadSync::None).then(|| Mutex::new(())),
+            backends: Mutex::new(Vec::new()),
+            registrations: Mutex::new(Vec::new()),
+            leaks: LeakCounters::default(),
+            name: self.name,
+            config: self.config,
+        });
+        local_peers::add_agent(&inner);
+        Ok(Agent { inner })
     }
 }
 
@@ -230,6 +229,12 @@ impl Agent {
     pub fn config(&self) -> &AgentConfig {
         &self.inner.config
     }
+
+    /// What this agent leaked so far rather than free memory NIXL might still use: requests
+    /// given up in flight, failed deregistrations, refused releases. Each is also logged.
+    pub fn leak_stats(&self) -> LeakStats {
+        self.inner.leaks.snapshot()
+    }
 }
 
 /// The owner of the C agent handle. Everything made from an agent holds an `Arc` of this.
@@ -238,6 +243,10 @@ pub(crate) struct AgentInner {
     serialize: Option<Mutex<()>>,
     /// Plugin name and C handle of every backend created on this agent, freed with it.
     pub(crate) backends: Mutex<Vec<(String, BackendHandle)>>,
+    /// Every registration made on this agent (dead ones are pruned as new ones come).
+    registrations: Mutex<Vec<Weak<RegInner>>>,
+    /// What was leaked rather than freed under NIXL.
+    pub(crate) leaks: LeakCounters,
     pub(crate) name: String,
     pub(crate) config: AgentConfig,
 }
@@ -256,6 +265,27 @@ impl AgentInner {
             .as_ref()
             .map(|lock| lock.lock().unwrap_or_else(|poisoned| poisoned.into_inner()));
         f(self.raw)
+    }
+
+    /// Records a new registration, so that transfers from other agents of this process can
+    /// find and hold it.
+    pub(crate) fn track(&self, registration: &Arc<RegInner>) {
+        let mut all = self
+            .registrations
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        all.retain(|weak| weak.strong_count() > 0);
+        all.push(Arc::downgrade(registration));
+    }
+
+    /// The registrations of this agent that are still alive.
+    pub(crate) fn live_registrations(&self) -> Vec<Arc<RegInner>> {
+        self.registrations
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .filter_map(Weak::upgrade)
+            .collect()
     }
 }
 

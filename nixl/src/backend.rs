@@ -12,6 +12,7 @@ use crate::mem_type::MemType;
 use crate::raw::{c_name, take_mem_list, take_string_list, Params};
 
 /// What a plugin supports before any backend is created from it.
+#[non_exhaustive]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PluginInfo {
     /// The plugin's name (`UCX`, `POSIX`, ...).
@@ -163,7 +164,9 @@ impl Agent {
     /// A plugin's supported memory types and default parameters.
     ///
     /// # Errors
-    /// [`Error::UnknownPlugin`] (listing the available ones) if NIXL has no such plugin.
+    /// [`Error::UnknownPlugin`] (listing the available ones) if NIXL has no such plugin;
+    /// [`Error::Nixl`] if NIXL lists it but cannot describe it; [`Error::UnknownMemType`]
+    /// for a memory type this crate does not know.
     pub fn plugin_info(&self, plugin: &str) -> Result<PluginInfo> {
         let name = c_name("plugin name", plugin)?;
         let (mut mems, mut params) = (ptr::null_mut(), ptr::null_mut());
@@ -173,8 +176,16 @@ impl Agent {
                 sys::nixl_capi_get_plugin_params(agent, name.as_ptr(), &mut mems, &mut params)
             }
         });
-        if check(status, "get plugin parameters").is_err() {
-            return Err(self.unknown_plugin(plugin));
+        if let Err(err) = check(status, "get plugin parameters") {
+            // Only a plugin NIXL does not list is unknown; any other failure is NIXL's own.
+            let available = self.available_plugins()?;
+            if available.iter().any(|p| p == plugin) {
+                return Err(err);
+            }
+            return Err(Error::UnknownPlugin {
+                name: plugin.to_string(),
+                available,
+            });
         }
         let params = Params::from_raw(params);
         // SAFETY: returned to us above and not used again.
@@ -277,12 +288,5 @@ impl Agent {
                 plugin: plugin.to_string(),
             }),
         })
-    }
-
-    fn unknown_plugin(&self, plugin: &str) -> Error {
-        Error::UnknownPlugin {
-            name: plugin.to_string(),
-            available: self.available_plugins().unwrap_or_default(),
-        }
     }
 }

@@ -154,13 +154,13 @@ macro_rules! list_accessors {
 /// Every descriptor comes from a [`Registration`] and is bounds-checked against it; the
 /// list holds those registrations, so their memory stays registered while the list (or a
 /// request made from it) exists.
-pub struct LocalDescList<'m> {
+pub struct LocalDescList {
     pub(crate) list: XferDlist,
-    pub(crate) keep: Vec<Arc<RegInner<'m>>>,
-    pub(crate) reuse: Reuse<'m>,
+    pub(crate) keep: Vec<Arc<RegInner>>,
+    pub(crate) reuse: Reuse,
 }
 
-impl std::fmt::Debug for LocalDescList<'_> {
+impl std::fmt::Debug for LocalDescList {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LocalDescList")
             .field("mem_type", &self.list.mem_type)
@@ -169,7 +169,7 @@ impl std::fmt::Debug for LocalDescList<'_> {
     }
 }
 
-impl<'m> LocalDescList<'m> {
+impl LocalDescList {
     /// An empty list of `mem_type` descriptors.
     pub fn new(mem_type: MemType) -> Result<Self> {
         Self::with_capacity(mem_type, 0)
@@ -192,7 +192,7 @@ impl<'m> LocalDescList<'m> {
     /// [`Error::ZeroLength`] for `len == 0`.
     pub fn push(
         &mut self,
-        reg: &Registration<'m>,
+        reg: &Registration,
         region: usize,
         offset: usize,
         len: usize,
@@ -206,7 +206,7 @@ impl<'m> LocalDescList<'m> {
     }
 
     /// Adds the whole of region `region` of `reg`.
-    pub fn push_region(&mut self, reg: &Registration<'m>, region: usize) -> Result<()> {
+    pub fn push_region(&mut self, reg: &Registration, region: usize) -> Result<()> {
         let len = reg.regions().get(region).map_or(0, |d| d.len);
         self.push(reg, region, 0, len)
     }
@@ -215,7 +215,7 @@ impl<'m> LocalDescList<'m> {
     /// in region `region` of `reg` (a KV cache's layout).
     pub fn push_blocks(
         &mut self,
-        reg: &Registration<'m>,
+        reg: &Registration,
         region: usize,
         block_len: usize,
         blocks: impl IntoIterator<Item = usize>,
@@ -237,7 +237,7 @@ impl<'m> LocalDescList<'m> {
 
     list_accessors!();
 
-    fn hold(&mut self, operation: &'static str, reg: &Registration<'m>) -> Result<()> {
+    fn hold(&mut self, operation: &'static str, reg: &Registration) -> Result<()> {
         if reg.mem_type() != self.list.mem_type {
             return Err(Error::MemTypeMismatch {
                 operation,
@@ -261,7 +261,7 @@ impl<'m> LocalDescList<'m> {
 /// remote side of a transfer. NIXL checks them against the remote agent's metadata.
 pub struct RemoteDescList {
     pub(crate) list: XferDlist,
-    pub(crate) reuse: Reuse<'static>,
+    pub(crate) reuse: Reuse,
 }
 
 impl std::fmt::Debug for RemoteDescList {

@@ -37,7 +37,8 @@ impl XferDesc {
     }
 }
 
-/// Rejects a descriptor of length zero, or a null DRAM/VRAM address.
+/// Rejects a descriptor of length zero, a null DRAM/VRAM address, or one whose end lies
+/// past the end of the address space.
 pub(crate) fn validate(
     operation: &'static str,
     mem_type: MemType,
@@ -50,6 +51,14 @@ pub(crate) fn validate(
     }
     if addr == 0 && matches!(mem_type, MemType::Dram | MemType::Vram) {
         return Err(Error::NullAddress { operation, index });
+    }
+    if addr.checked_add(len).is_none() {
+        return Err(Error::InvalidArgument {
+            operation,
+            reason: format!(
+                "descriptor {index} ({addr:#x}, {len} bytes) ends past the end of the address space"
+            ),
+        });
     }
     Ok(())
 }

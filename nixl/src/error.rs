@@ -181,6 +181,14 @@ pub enum Error {
         /// What was found instead.
         detail: String,
     },
+    /// NIXL reported a memory type this crate does not know.
+    #[error("{operation}: NIXL reported memory type {value}, which this crate does not know (DRAM=0, VRAM=1, BLOCK=2, OBJECT=3, FILE=4); update nixl-rs to match the NIXL library")]
+    UnknownMemType {
+        /// What was being done.
+        operation: &'static str,
+        /// The raw value.
+        value: i64,
+    },
     /// An operating-system call failed.
     #[error("{operation}: {source}")]
     Io {

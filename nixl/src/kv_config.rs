@@ -218,10 +218,7 @@ impl NixlSetup {
     /// # Errors
     /// [`Error::MemTypeMismatch`] when `memory` is not of [`mem_type`](Self::mem_type), then
     /// the errors of [`Agent::register_memory`].
-    pub fn register_memory<'m, M: RegisterMemory + 'm>(
-        &self,
-        memory: M,
-    ) -> Result<Registration<'m>> {
+    pub fn register_memory<M: RegisterMemory + 'static>(&self, memory: M) -> Result<Registration> {
         self.check_mem_type(memory.mem_type())?;
         self.agent.register_memory(memory, &self.backend_refs())
     }
@@ -231,7 +228,7 @@ impl NixlSetup {
     ///
     /// # Safety
     /// As for [`Agent::register_raw`].
-    pub unsafe fn register_raw(&self, descs: &[RegDesc]) -> Result<Registration<'static>> {
+    pub unsafe fn register_raw(&self, descs: &[RegDesc]) -> Result<Registration> {
         // SAFETY: forwarded from the caller's contract.
         unsafe {
             self.agent

@@ -69,12 +69,15 @@
 #![warn(missing_docs)]
 
 mod agent;
+mod atomic_copy;
 mod backend;
 mod cuda;
 mod desc_list;
 mod descriptor;
 mod error;
 pub mod kv_config;
+mod leaks;
+mod local_peers;
 mod mem_type;
 mod mem_view;
 mod memory;
@@ -94,6 +97,7 @@ pub use backend::{Backend, PluginInfo};
 pub use desc_list::{LocalDescList, RemoteDescList};
 pub use descriptor::{RegDesc, XferDesc};
 pub use error::{Error, Result};
+pub use leaks::LeakStats;
 pub use mem_type::MemType;
 pub use mem_view::{MemView, PeerDesc};
 pub use memory::{FileRegion, HostBuffer, RegisterMemory};

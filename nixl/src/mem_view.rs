@@ -12,6 +12,7 @@ use crate::backend::Backend;
 use crate::desc_list::LocalDescList;
 use crate::descriptor::{validate, XferDesc};
 use crate::error::{check, Error, Result};
+use crate::local_peers;
 use crate::mem_type::MemType;
 use crate::raw::{c_name, OptArgs};
 use crate::registration::RegInner;
@@ -27,18 +28,18 @@ pub struct PeerDesc {
 
 /// A prepared memory view. It holds the registrations of local memory it covers and is
 /// released when dropped.
-pub struct MemView<'m> {
+pub struct MemView {
     agent: Arc<AgentInner>,
     raw: sys::nixl_capi_mem_view_t,
-    _keep: Vec<Arc<RegInner<'m>>>,
+    _keep: Vec<Arc<RegInner>>,
 }
 
 // SAFETY: the handle is only passed to NIXL calls made through the agent's locking.
-unsafe impl Send for MemView<'_> {}
+unsafe impl Send for MemView {}
 // SAFETY: as above; shared access never uses the handle.
-unsafe impl Sync for MemView<'_> {}
+unsafe impl Sync for MemView {}
 
-impl std::fmt::Debug for MemView<'_> {
+impl std::fmt::Debug for MemView {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MemView")
             .field("agent", &self.agent.name)
@@ -46,7 +47,7 @@ impl std::fmt::Debug for MemView<'_> {
     }
 }
 
-impl MemView<'_> {
+impl MemView {
     /// The opaque handle, to hand to device code through NIXL's device API. It stays valid
     /// while this view lives.
     pub fn as_raw(&self) -> *mut std::ffi::c_void {
@@ -54,13 +55,14 @@ impl MemView<'_> {
     }
 }
 
-impl Drop for MemView<'_> {
+impl Drop for MemView {
     fn drop(&mut self) {
         // SAFETY: prepared by this agent, released once.
         let status = self
             .agent
             .with(|agent| unsafe { sys::nixl_capi_release_mem_view(agent, self.raw) });
         if let Err(err) = check(status, "release memory view") {
+            self.agent.leaks.failed_release();
             tracing::error!(agent = %self.agent.name, %err, "memory view not released cleanly");
         }
     }
@@ -117,11 +119,11 @@ impl Agent {
     /// # Errors
     /// [`Error::EmptyDescList`]; [`Error::Nixl`] when no backend supports memory views
     /// (UCX needs a GPU build with device API support for them).
-    pub fn prepare_local_mem_view<'m>(
+    pub fn prepare_local_mem_view(
         &self,
-        list: &LocalDescList<'m>,
+        list: &LocalDescList,
         backends: &[&Backend],
-    ) -> Result<MemView<'m>> {
+    ) -> Result<MemView> {
         const OP: &str = "prepare local memory view";
         if list.is_empty() {
             return Err(Error::EmptyDescList { operation: OP });
@@ -147,12 +149,21 @@ impl Agent {
         mem_type: MemType,
         descs: &[PeerDesc],
         backends: &[&Backend],
-    ) -> Result<MemView<'static>> {
+    ) -> Result<MemView> {
         const OP: &str = "prepare remote memory view";
         if descs.is_empty() {
             return Err(Error::EmptyDescList { operation: OP });
         }
         let list = PeerDlist::build(OP, mem_type, descs)?;
+        let mut keep = Vec::new();
+        for peer in descs {
+            keep.extend(local_peers::hold_targets(
+                OP,
+                &peer.agent,
+                mem_type,
+                std::slice::from_ref(&peer.desc),
+            )?);
+        }
         let args = OptArgs::with_backends(&self.inner, OP, backends)?;
         let mut raw = ptr::null_mut();
         // SAFETY: live agent, list and args; out-pointer to a local.
@@ -163,7 +174,7 @@ impl Agent {
         Ok(MemView {
             agent: self.inner.clone(),
             raw,
-            _keep: Vec::new(),
+            _keep: keep,
         })
     }
 }

@@ -8,20 +8,28 @@ use crate::descriptor::RegDesc;
 use crate::error::{Error, Result};
 use crate::mem_type::MemType;
 
-/// Memory a [`crate::Registration`] can own or borrow.
+/// Memory a [`crate::Registration`] can own.
+///
+/// [`crate::Agent::register_memory`] takes the value over (it must be `'static`: owned, or a
+/// `&'static mut` borrow), boxes it, and only then asks for its regions, so the addresses it
+/// hands NIXL come from an exclusive borrow of memory that nothing else can reach. Borrowed
+/// memory with a shorter lifetime can only be registered with the `unsafe`
+/// [`crate::Agent::register_raw`]: a request may outlive every borrow once it is leaked
+/// (`mem::forget`, [`crate::XferRequest::abandon`]), and NIXL may still write into its memory.
 ///
 /// # Safety
 /// Implementors promise that every region [`regions`](Self::regions) describes is valid for
 /// NIXL to read and write (for DRAM: allocated, writable, not freed or moved) for as long as
-/// the value lives, and that moving the value does not move the regions.
+/// the value lives, that moving the value does not move the regions, and that the addresses
+/// are derived from `&mut self` (e.g. `as_mut_ptr`), never from a shared reference.
 pub unsafe trait RegisterMemory: Send + Sync {
     /// The memory type of every region.
     fn mem_type(&self) -> MemType;
-    /// The regions to register, in order.
-    fn regions(&self) -> Vec<RegDesc>;
+    /// The regions to register, in order. Called once, after the registration owns `self`.
+    fn regions(&mut self) -> Vec<RegDesc>;
 }
 
-fn dram(ptr: *const u8, len: usize) -> RegDesc {
+fn dram(ptr: *mut u8, len: usize) -> RegDesc {
     RegDesc {
         addr: ptr as usize,
         len,
@@ -35,8 +43,8 @@ unsafe impl RegisterMemory for Vec<u8> {
     fn mem_type(&self) -> MemType {
         MemType::Dram
     }
-    fn regions(&self) -> Vec<RegDesc> {
-        vec![dram(self.as_ptr(), self.len())]
+    fn regions(&mut self) -> Vec<RegDesc> {
+        vec![dram(self.as_mut_ptr(), self.len())]
     }
 }
 
@@ -45,18 +53,19 @@ unsafe impl RegisterMemory for Box<[u8]> {
     fn mem_type(&self) -> MemType {
         MemType::Dram
     }
-    fn regions(&self) -> Vec<RegDesc> {
-        vec![dram(self.as_ptr(), self.len())]
+    fn regions(&mut self) -> Vec<RegDesc> {
+        vec![dram(self.as_mut_ptr(), self.len())]
     }
 }
 
-// SAFETY: the exclusive borrow keeps the slice alive and unaliased for the registration's lifetime.
-unsafe impl RegisterMemory for &mut [u8] {
+// SAFETY: a `'static` exclusive borrow (e.g. from `Box::leak`) is never freed and, held by
+// the registration, never aliased.
+unsafe impl RegisterMemory for &'static mut [u8] {
     fn mem_type(&self) -> MemType {
         MemType::Dram
     }
-    fn regions(&self) -> Vec<RegDesc> {
-        vec![dram(self.as_ptr(), self.len())]
+    fn regions(&mut self) -> Vec<RegDesc> {
+        vec![dram(self.as_mut_ptr(), self.len())]
     }
 }
 
@@ -65,8 +74,10 @@ unsafe impl RegisterMemory for Vec<Vec<u8>> {
     fn mem_type(&self) -> MemType {
         MemType::Dram
     }
-    fn regions(&self) -> Vec<RegDesc> {
-        self.iter().map(|b| dram(b.as_ptr(), b.len())).collect()
+    fn regions(&mut self) -> Vec<RegDesc> {
+        self.iter_mut()
+            .map(|b| dram(b.as_mut_ptr(), b.len()))
+            .collect()
     }
 }
 
@@ -75,7 +86,7 @@ unsafe impl RegisterMemory for Vec<HostBuffer> {
     fn mem_type(&self) -> MemType {
         MemType::Dram
     }
-    fn regions(&self) -> Vec<RegDesc> {
+    fn regions(&mut self) -> Vec<RegDesc> {
         self.iter().map(|b| dram(b.ptr.as_ptr(), b.len)).collect()
     }
 }
@@ -85,7 +96,7 @@ unsafe impl RegisterMemory for HostBuffer {
     fn mem_type(&self) -> MemType {
         MemType::Dram
     }
-    fn regions(&self) -> Vec<RegDesc> {
+    fn regions(&mut self) -> Vec<RegDesc> {
         vec![dram(self.ptr.as_ptr(), self.len)]
     }
 }
@@ -147,8 +158,10 @@ impl HostBuffer {
             source: std::io::ErrorKind::OutOfMemory.into(),
         };
         let base = NonNull::new(base.cast::<u8>()).ok_or_else(out_of_memory)?;
-        let offset = if huge {
-            base.as_ptr().align_offset(Self::HUGE_PAGE)
+        // Computed from the address: `align_offset` may give up and answer `usize::MAX`.
+        let misalignment = base.as_ptr() as usize % Self::HUGE_PAGE;
+        let offset = if huge && misalignment != 0 {
+            Self::HUGE_PAGE - misalignment
         } else {
             0
         };
@@ -249,7 +262,7 @@ unsafe impl RegisterMemory for FileRegion {
     fn mem_type(&self) -> MemType {
         MemType::File
     }
-    fn regions(&self) -> Vec<RegDesc> {
+    fn regions(&mut self) -> Vec<RegDesc> {
         vec![RegDesc {
             addr: self.offset,
             len: self.len,

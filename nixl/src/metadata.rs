@@ -44,7 +44,7 @@ impl MetadataPeer {
 }
 
 /// Builds the registration list of `regs` for partial metadata (all of one memory type).
-fn partial_list(operation: &'static str, regs: &[&Registration<'_>]) -> Result<RegDlist> {
+fn partial_list(operation: &'static str, regs: &[&Registration]) -> Result<RegDlist> {
     let mem_type = regs.first().map_or(MemType::Dram, |r| r.mem_type());
     let mut descs = Vec::new();
     for reg in regs {
@@ -79,7 +79,7 @@ impl Agent {
     /// Metadata for just `regs` (none: connection info only) as seen through `backends`.
     pub fn local_partial_metadata(
         &self,
-        regs: &[&Registration<'_>],
+        regs: &[&Registration],
         backends: &[&Backend],
     ) -> Result<Vec<u8>> {
         const OP: &str = "get partial local metadata";
@@ -148,9 +148,12 @@ impl Agent {
     }
 
     /// Whether metadata of `remote_agent` is loaded.
-    pub fn has_remote_metadata(&self, remote_agent: &str) -> bool {
+    ///
+    /// # Errors
+    /// [`Error::InvalidName`] for a name NIXL cannot take; [`Error::Nixl`] if NIXL fails
+    /// other than by not knowing the agent.
+    pub fn has_remote_metadata(&self, remote_agent: &str) -> Result<bool> {
         self.check_remote_metadata(remote_agent, None)
-            .unwrap_or(false)
     }
 
     /// Whether `remote_agent`'s metadata is loaded and, given `descs`, covers all of them.
@@ -200,7 +203,7 @@ impl Agent {
     /// Publishes metadata of `regs` only (none: connection info only) to `peer`.
     pub fn send_local_partial_metadata(
         &self,
-        regs: &[&Registration<'_>],
+        regs: &[&Registration],
         backends: &[&Backend],
         peer: &MetadataPeer,
     ) -> Result<()> {
@@ -276,7 +279,9 @@ impl Agent {
         else {
             return err;
         };
-        let missing = remote_agent != self.inner.name && !self.has_remote_metadata(remote_agent);
+        // Only a definite "not loaded" earns the hint; a failed check adds nothing.
+        let missing = remote_agent != self.inner.name
+            && matches!(self.has_remote_metadata(remote_agent), Ok(false));
         let hint = if missing {
             Some(HINT_LOAD_REMOTE_MD)
         } else {

@@ -10,38 +10,40 @@ use crate::agent::{Agent, AgentInner};
 use crate::backend::Backend;
 use crate::desc_list::{LocalDescList, RemoteDescList, XferDlist};
 use crate::error::{check, Error, Result};
+use crate::local_peers;
 use crate::raw::c_name;
 use crate::registration::RegInner;
 use crate::xfer::{check_pairing, opt_args_ptr, XferOp, XferOptions, XferRequest};
 
 /// The owner of a prepared-list handle, shared by the list and the requests made from it.
-pub(crate) struct PreparedShared<'m> {
+pub(crate) struct PreparedShared {
     agent: Arc<AgentInner>,
     raw: sys::nixl_capi_xfer_dlist_handle_t,
     lens: Vec<usize>,
     /// Held so that the list's memory stays registered while the handle exists.
-    _keep: Vec<Arc<RegInner<'m>>>,
+    _keep: Vec<Arc<RegInner>>,
 }
 
 // SAFETY: the handle is only read by NIXL calls made through the agent's locking.
-unsafe impl Send for PreparedShared<'_> {}
+unsafe impl Send for PreparedShared {}
 // SAFETY: as above.
-unsafe impl Sync for PreparedShared<'_> {}
+unsafe impl Sync for PreparedShared {}
 
-impl PreparedShared<'_> {
+impl PreparedShared {
     /// Number of descriptors in the prepared list.
     pub(crate) fn len(&self) -> usize {
         self.lens.len()
     }
 }
 
-impl Drop for PreparedShared<'_> {
+impl Drop for PreparedShared {
     fn drop(&mut self) {
         // SAFETY: live agent and handle, released once; no request uses it any more.
         let status = self
             .agent
             .with(|agent| unsafe { sys::nixl_capi_release_xfer_dlist_handle(agent, self.raw) });
         if let Err(err) = check(status, "release prepared list") {
+            self.agent.leaks.failed_release();
             tracing::error!(agent = %self.agent.name, %err, "prepared list not released cleanly");
         }
     }
@@ -51,18 +53,18 @@ impl Drop for PreparedShared<'_> {
 ///
 /// It holds the registrations of its memory, like [`LocalDescList`].
 #[derive(Clone)]
-pub struct PreparedLocal<'m> {
-    shared: Arc<PreparedShared<'m>>,
+pub struct PreparedLocal {
+    shared: Arc<PreparedShared>,
 }
 
 /// A remote agent's descriptor list prepared for repeated requests.
 #[derive(Clone)]
 pub struct PreparedRemote {
-    shared: Arc<PreparedShared<'static>>,
+    shared: Arc<PreparedShared>,
     remote_agent: String,
 }
 
-impl std::fmt::Debug for PreparedLocal<'_> {
+impl std::fmt::Debug for PreparedLocal {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PreparedLocal")
             .field("descs", &self.shared.lens.len())
@@ -79,7 +81,7 @@ impl std::fmt::Debug for PreparedRemote {
     }
 }
 
-impl PreparedLocal<'_> {
+impl PreparedLocal {
     /// Number of descriptors (valid indices are `0..len()`).
     pub fn len(&self) -> usize {
         self.shared.lens.len()
@@ -125,13 +127,13 @@ fn to_c_indices(operation: &'static str, indices: &[usize], len: usize) -> Resul
 
 impl Agent {
     /// Prepares `list` for `agent_name` (empty: this agent as the initiator).
-    pub(crate) fn prepare<'m>(
+    pub(crate) fn prepare(
         &self,
         agent_name: &str,
         list: &XferDlist,
         backends: &[&Backend],
-        keep: Vec<Arc<RegInner<'m>>>,
-    ) -> Result<Arc<PreparedShared<'m>>> {
+        keep: Vec<Arc<RegInner>>,
+    ) -> Result<Arc<PreparedShared>> {
         const OP: &str = "prepare descriptor list";
         if list.descs().is_empty() {
             return Err(Error::EmptyDescList { operation: OP });
@@ -170,11 +172,11 @@ impl Agent {
     }
 
     /// Prepares a local list once, for many requests made with [`Agent::make_xfer_req`].
-    pub fn prepare_local<'m>(
+    pub fn prepare_local(
         &self,
-        list: &LocalDescList<'m>,
+        list: &LocalDescList,
         backends: &[&Backend],
-    ) -> Result<PreparedLocal<'m>> {
+    ) -> Result<PreparedLocal> {
         let shared = self.prepare("", &list.list, backends, list.keep.clone())?;
         Ok(PreparedLocal { shared })
     }
@@ -186,8 +188,10 @@ impl Agent {
         list: &RemoteDescList,
         backends: &[&Backend],
     ) -> Result<PreparedRemote> {
+        const OP: &str = "prepare descriptor list";
         c_name("remote agent name", remote_agent)?;
-        let shared = self.prepare(remote_agent, &list.list, backends, Vec::new())?;
+        let targets = local_peers::hold_targets(OP, remote_agent, list.mem_type(), list.descs())?;
+        let shared = self.prepare(remote_agent, &list.list, backends, targets)?;
         Ok(PreparedRemote {
             shared,
             remote_agent: remote_agent.to_string(),
@@ -200,15 +204,15 @@ impl Agent {
     /// # Errors
     /// [`Error::IndexOutOfRange`] for an index past a list's end, [`Error::LengthMismatch`]
     /// when the index slices or the paired lengths differ, [`Error::Nixl`] if NIXL refuses.
-    pub fn make_xfer_req<'m>(
+    pub fn make_xfer_req(
         &self,
         op: XferOp,
-        local: &PreparedLocal<'m>,
+        local: &PreparedLocal,
         local_indices: &[usize],
         remote: &PreparedRemote,
         remote_indices: &[usize],
         options: &XferOptions,
-    ) -> Result<XferRequest<'m>> {
+    ) -> Result<XferRequest> {
         const OP: &str = "make transfer request";
         for shared in [&local.shared.agent, &remote.shared.agent] {
             if !Arc::ptr_eq(shared, &self.inner) {
@@ -235,14 +239,14 @@ impl Agent {
     }
 
     /// Makes a request from prepared handles, each with its checked indices.
-    pub(crate) fn make_request<'m>(
+    pub(crate) fn make_request(
         &self,
         op: XferOp,
-        (local, local_indices): (&Arc<PreparedShared<'m>>, &[c_int]),
-        (remote, remote_indices): (&Arc<PreparedShared<'static>>, &[c_int]),
+        (local, local_indices): (&Arc<PreparedShared>, &[c_int]),
+        (remote, remote_indices): (&Arc<PreparedShared>, &[c_int]),
         remote_agent: &str,
         options: &XferOptions,
-    ) -> Result<XferRequest<'m>> {
+    ) -> Result<XferRequest> {
         const OP: &str = "make transfer request";
         let args = options.to_raw(&self.inner, OP)?;
         let mut raw = ptr::null_mut();

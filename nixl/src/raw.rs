@@ -292,7 +292,14 @@ pub(crate) unsafe fn take_mem_list(list: sys::nixl_capi_mem_list_t) -> Result<Ve
             unsafe { sys::nixl_capi_mem_list_get(list, index, &mut value) },
             "read memory types",
         );
-        types.extend(MemType::from_raw(value));
+        if result.is_ok() {
+            result = MemType::from_raw(value)
+                .map(|t| types.push(t))
+                .ok_or(Error::UnknownMemType {
+                    operation: "read memory types",
+                    value: i64::from(value),
+                });
+        }
     }
     // SAFETY: owned and destroyed once.
     let destroyed = check(

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use nixl_sys as sys;
 
 use crate::agent::{Agent, AgentInner};
+use crate::atomic_copy;
 use crate::backend::Backend;
 use crate::descriptor::{validate, RegDesc};
 use crate::error::{check, Error, Result};
@@ -74,11 +75,11 @@ impl Drop for RegDlist {
 ///
 /// Remote agents that loaded this agent's metadata can write into registered memory at any
 /// time; read and write it through [`read`](Self::read) and [`write`](Self::write), which copy.
-pub struct Registration<'m> {
-    pub(crate) inner: Arc<RegInner<'m>>,
+pub struct Registration {
+    pub(crate) inner: Arc<RegInner>,
 }
 
-impl std::fmt::Debug for Registration<'_> {
+impl std::fmt::Debug for Registration {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Registration")
             .field("agent", &self.inner.agent.name)
@@ -97,7 +98,7 @@ impl std::fmt::Debug for Registration<'_> {
     }
 }
 
-pub(crate) struct RegInner<'m> {
+pub(crate) struct RegInner {
     pub(crate) agent: Arc<AgentInner>,
     pub(crate) mem_type: MemType,
     pub(crate) regions: Vec<RegDesc>,
@@ -105,16 +106,16 @@ pub(crate) struct RegInner<'m> {
     dlist: RegDlist,
     opts: OptArgs,
     registered: bool,
-    memory: Option<Box<dyn Send + Sync + 'm>>,
+    memory: Option<Box<dyn Send + Sync>>,
 }
 
 // SAFETY: the C handles inside are used only under the agent's locking rules, and the
 // memory box is Send + Sync.
-unsafe impl Send for RegInner<'_> {}
+unsafe impl Send for RegInner {}
 // SAFETY: as above; shared access never mutates the C handles.
-unsafe impl Sync for RegInner<'_> {}
+unsafe impl Sync for RegInner {}
 
-impl RegInner<'_> {
+impl RegInner {
     fn deregister_now(&mut self) -> Result<()> {
         if !self.registered {
             return Ok(());
@@ -132,17 +133,18 @@ impl RegInner<'_> {
     }
 }
 
-impl Drop for RegInner<'_> {
+impl Drop for RegInner {
     fn drop(&mut self) {
         if let Err(err) = self.deregister_now() {
             // NIXL may still let peers reach this memory: keep it allocated rather than free it.
             tracing::error!(agent = %self.agent.name, %err, "deregistration failed; leaking the memory to stay safe");
+            self.agent.leaks.registration();
             std::mem::forget(self.memory.take());
         }
     }
 }
 
-impl<'m> Registration<'m> {
+impl Registration {
     /// The memory type of every region.
     pub fn mem_type(&self) -> MemType {
         self.inner.mem_type
@@ -205,19 +207,28 @@ impl<'m> Registration<'m> {
     }
 
     /// Copies bytes out of DRAM region `region`, starting at `offset`, into `out`.
+    ///
+    /// Safe while transfers or peers write the same bytes: the copy is made of relaxed
+    /// atomic loads, so a racing write can leave `out` torn (each byte old or new), never
+    /// undefined. Read after the transfer that fills the bytes has finished (or after its
+    /// notification) to see all of it.
     pub fn read(&self, region: usize, offset: usize, out: &mut [u8]) -> Result<()> {
         let src = self.host_ptr("read registered memory", region, offset, out.len())?;
         // SAFETY: the range is inside a live DRAM region the registration keeps alive; no
-        // Rust reference to it exists, so copying through a raw pointer aliases nothing.
-        unsafe { ptr::copy_nonoverlapping(src, out.as_mut_ptr(), out.len()) };
+        // Rust reference to it exists (the registration owns the memory and never lends it),
+        // and every other access is atomic or NIXL's own.
+        unsafe { atomic_copy::copy_out(src, out) };
         Ok(())
     }
 
     /// Copies `data` into DRAM region `region`, starting at `offset`.
+    ///
+    /// Safe while other threads read or write the same bytes (relaxed atomic stores, as in
+    /// [`read`](Self::read)); what a transfer racing with the write moves may be torn.
     pub fn write(&self, region: usize, offset: usize, data: &[u8]) -> Result<()> {
         let dst = self.host_ptr("write registered memory", region, offset, data.len())?;
         // SAFETY: as in `read`; the region is writable memory the registration keeps alive.
-        unsafe { ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
+        unsafe { atomic_copy::copy_in(dst, data) };
         Ok(())
     }
 
@@ -269,19 +280,19 @@ impl Agent {
     /// [`Error::EmptyDescList`], [`Error::ZeroLength`], [`Error::NullAddress`] for bad regions,
     /// [`Error::InvalidArgument`] for a backend of another agent, [`Error::NoCudaDevice`] for
     /// VRAM without a GPU, and [`Error::Nixl`] when NIXL or a backend refuses.
-    pub fn register_memory<'m, M>(
-        &self,
-        memory: M,
-        backends: &[&Backend],
-    ) -> Result<Registration<'m>>
+    pub fn register_memory<M>(&self, memory: M, backends: &[&Backend]) -> Result<Registration>
     where
-        M: RegisterMemory + 'm,
+        M: RegisterMemory + 'static,
     {
+        // Own the memory first, then take its addresses from the exclusive borrow of it.
+        let mut memory = Box::new(memory);
         let mem_type = memory.mem_type();
         let regions = memory.regions();
         // SAFETY: `RegisterMemory` guarantees the regions stay valid while `memory` lives,
-        // and the registration owns `memory` until after it deregisters.
-        unsafe { self.register(mem_type, regions, backends, Some(Box::new(memory))) }
+        // and the registration owns `memory` (never moving it out of its box) until after it
+        // deregisters; if deregistration fails, or the registration is leaked, it is never
+        // freed. `'static` means no borrow can end while NIXL may still use the memory.
+        unsafe { self.register(mem_type, regions, backends, Some(memory)) }
     }
 
     /// Registers raw descriptors with `backends` (empty: every capable backend).
@@ -295,20 +306,20 @@ impl Agent {
         mem_type: MemType,
         descs: &[RegDesc],
         backends: &[&Backend],
-    ) -> Result<Registration<'static>> {
+    ) -> Result<Registration> {
         // SAFETY: forwarded from the caller's contract.
         unsafe { self.register(mem_type, descs.to_vec(), backends, None) }
     }
 
     /// # Safety
     /// The regions stay valid while the returned registration lives (see callers).
-    unsafe fn register<'m>(
+    unsafe fn register(
         &self,
         mem_type: MemType,
         regions: Vec<RegDesc>,
         backends: &[&Backend],
-        memory: Option<Box<dyn Send + Sync + 'm>>,
-    ) -> Result<Registration<'m>> {
+        memory: Option<Box<dyn Send + Sync>>,
+    ) -> Result<Registration> {
         const OP: &str = "register memory";
         let _span = tracing::debug_span!("register_memory", agent = %self.inner.name, %mem_type, regions = regions.len()).entered();
         if regions.is_empty() {
@@ -328,17 +339,17 @@ impl Agent {
             err
         })?;
         tracing::debug!("registered memory");
-        Ok(Registration {
-            inner: Arc::new(RegInner {
-                agent: self.inner.clone(),
-                mem_type,
-                regions,
-                backends: backends.iter().map(|b| (*b).clone()).collect(),
-                dlist,
-                opts,
-                registered: true,
-                memory,
-            }),
-        })
+        let inner = Arc::new(RegInner {
+            agent: self.inner.clone(),
+            mem_type,
+            regions,
+            backends: backends.iter().map(|b| (*b).clone()).collect(),
+            dlist,
+            opts,
+            registered: true,
+            memory,
+        });
+        self.inner.track(&inner);
+        Ok(Registration { inner })
     }
 }

@@ -13,6 +13,7 @@ use crate::agent::{Agent, AgentInner};
 use crate::backend::Backend;
 use crate::desc_list::{LocalDescList, RemoteDescList};
 use crate::error::Result;
+use crate::local_peers;
 use crate::prepared::PreparedShared;
 use crate::status::Status;
 use crate::xfer::{XferOp, XferOptions, XferRequest};
@@ -70,20 +71,20 @@ struct OwnedKey {
 }
 
 /// A prepared handle and the indices `0..n` of all its descriptors.
-pub(crate) type Prepared<'m> = (Arc<PreparedShared<'m>>, Arc<[c_int]>);
+pub(crate) type Prepared = (Arc<PreparedShared>, Arc<[c_int]>);
 
-enum State<'m> {
+enum State {
     Fresh,
     UsedOnce(OwnedKey),
-    Prepared(OwnedKey, Prepared<'m>),
+    Prepared(OwnedKey, Prepared),
 }
 
 /// A list's memory of the requests made from it.
-pub(crate) struct Reuse<'m> {
-    state: Mutex<State<'m>>,
+pub(crate) struct Reuse {
+    state: Mutex<State>,
 }
 
-impl Default for Reuse<'_> {
+impl Default for Reuse {
     fn default() -> Self {
         Reuse {
             state: Mutex::new(State::Fresh),
@@ -91,7 +92,7 @@ impl Default for Reuse<'_> {
     }
 }
 
-impl<'m> Reuse<'m> {
+impl Reuse {
     /// Forgets everything; called when the list changes.
     pub(crate) fn reset(&mut self) {
         *self.state.get_mut().unwrap_or_else(PoisonError::into_inner) = State::Fresh;
@@ -112,15 +113,15 @@ impl<'m> Reuse<'m> {
     pub(crate) fn handle(
         &self,
         key: ReuseKey<'_>,
-        prepare: impl FnOnce() -> Result<Arc<PreparedShared<'m>>>,
-    ) -> Option<Prepared<'m>> {
+        prepare: impl FnOnce() -> Result<Arc<PreparedShared>>,
+    ) -> Option<Prepared> {
         let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         match &*state {
             State::Prepared(held, prepared) if key.is(held) => Some(prepared.clone()),
             State::UsedOnce(held) if key.is(held) => match prepare() {
                 Ok(handle) => {
                     let count = c_int::try_from(handle.len()).ok()?;
-                    let prepared: Prepared<'m> = (handle, (0..count).collect());
+                    let prepared: Prepared = (handle, (0..count).collect());
                     *state = State::Prepared(key.to_owned(), prepared.clone());
                     Some(prepared)
                 }
@@ -142,14 +143,14 @@ impl Agent {
     /// A request made from the prepared handles of `local` and `remote`, once both were
     /// used before with this agent, `remote_agent` and the same backends; `None` otherwise
     /// (the caller then makes a plain request).
-    pub(crate) fn reused_request<'m>(
+    pub(crate) fn reused_request(
         &self,
         op: XferOp,
-        local: &LocalDescList<'m>,
+        local: &LocalDescList,
         remote: &RemoteDescList,
         remote_agent: &str,
         options: &XferOptions,
-    ) -> Result<Option<XferRequest<'m>>> {
+    ) -> Result<Option<XferRequest>> {
         let ids: Vec<usize> = options.backends.iter().map(|b| b.raw() as usize).collect();
         let local_key = ReuseKey::new(&self.inner, "", &ids);
         let remote_key = ReuseKey {
@@ -162,7 +163,13 @@ impl Agent {
             self.prepare("", &local.list, &chosen(), local.keep.clone())
         });
         let remote_handle = remote.reuse.handle(remote_key, || {
-            self.prepare(remote_agent, &remote.list, &chosen(), Vec::new())
+            let targets = local_peers::hold_targets(
+                "prepare descriptor list",
+                remote_agent,
+                remote.mem_type(),
+                remote.descs(),
+            )?;
+            self.prepare(remote_agent, &remote.list, &chosen(), targets)
         });
         let (Some((local_handle, indices)), Some((remote_handle, _))) =
             (local_handle, remote_handle)

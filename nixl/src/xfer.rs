@@ -11,6 +11,7 @@ use crate::backend::{describe_backend, Backend};
 use crate::desc_list::{LocalDescList, RemoteDescList, XferDlist};
 use crate::descriptor::XferDesc;
 use crate::error::{check, check_progress, with_hint, Error, Progress, Result, HINT_STALE_REQUEST};
+use crate::local_peers;
 use crate::mem_type::MemType;
 use crate::prepared::PreparedShared;
 use crate::raw::{c_name, OptArgs};
@@ -44,7 +45,8 @@ pub enum XferStatus {
     InProgress,
 }
 
-/// Optional settings of a request.
+/// Optional settings of a request, built with [`XferOptions::new`] and its setters.
+#[non_exhaustive]
 #[derive(Debug, Clone, Default)]
 #[must_use]
 pub struct XferOptions {
@@ -162,43 +164,55 @@ const DROP_WAIT: Duration = Duration::from_secs(30);
 
 /// A transfer request.
 ///
-/// It holds the registrations of its local memory: while it exists, that memory stays
-/// registered and alive. Dropping a request that is still in flight first waits for it to
-/// finish (up to 30 s); if it still has not, the request and its memory are leaked, never
-/// freed under a live transfer, and the leak is logged.
+/// It holds the registrations of its local memory and, when the remote agent lives in this
+/// process, of the remote memory it targets: while it exists, that memory stays registered
+/// and alive.
+///
+/// # In flight
+/// From a post until NIXL reports the request done, it is *in flight*, and NIXL may write
+/// into its memory. An error from [`post`](Self::post) or [`status`](Self::status) does not
+/// end that: part of the request may already be posted and still land, and NIXL keeps
+/// answering the same error, so such a request stays in flight for good. Dropping an
+/// in-flight request waits for it (up to 30 s) while it can still finish; a request that
+/// failed, timed out there, or was [`abandon`](Self::abandon)ed is leaked with the memory it
+/// holds, never released or freed under a transfer. Leaks are logged and counted in
+/// [`Agent::leak_stats`]. `mem::forget` on a request leaks the same way.
 ///
 /// # Thread safety
 /// `Send` but not `Sync`: methods that talk to NIXL take `&mut self`.
-pub struct XferRequest<'m> {
+pub struct XferRequest {
     agent: Arc<AgentInner>,
     raw: sys::nixl_capi_xfer_req_t,
-    keep: Vec<Arc<RegInner<'m>>>,
-    prepared: Vec<Arc<PreparedShared<'m>>>,
+    keep: Vec<Arc<RegInner>>,
+    prepared: Vec<Arc<PreparedShared>>,
     remote_agent: String,
     posted: bool,
     in_flight: bool,
+    /// Set once post or status failed: NIXL can no longer tell when the request is done.
+    failed: bool,
 }
 
 // SAFETY: the request handle is used only through `&mut self` and the agent's locking.
-unsafe impl Send for XferRequest<'_> {}
+unsafe impl Send for XferRequest {}
 
-impl std::fmt::Debug for XferRequest<'_> {
+impl std::fmt::Debug for XferRequest {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("XferRequest")
             .field("agent", &self.agent.name)
             .field("remote_agent", &self.remote_agent)
             .field("posted", &self.posted)
             .field("in_flight", &self.in_flight)
+            .field("failed", &self.failed)
             .finish()
     }
 }
 
-impl<'m> XferRequest<'m> {
+impl XferRequest {
     pub(crate) fn new(
         agent: Arc<AgentInner>,
         raw: sys::nixl_capi_xfer_req_t,
-        keep: Vec<Arc<RegInner<'m>>>,
-        prepared: Vec<Arc<PreparedShared<'m>>>,
+        keep: Vec<Arc<RegInner>>,
+        prepared: Vec<Arc<PreparedShared>>,
         remote_agent: String,
     ) -> Self {
         XferRequest {
@@ -209,6 +223,7 @@ impl<'m> XferRequest<'m> {
             remote_agent,
             posted: false,
             in_flight: false,
+            failed: false,
         }
     }
 
@@ -217,9 +232,16 @@ impl<'m> XferRequest<'m> {
         &self.remote_agent
     }
 
-    /// Whether the request was posted and has not been seen to finish.
+    /// Whether the request was posted and has not been seen to finish (a failed request
+    /// stays in flight: see the type's docs).
     pub fn is_in_flight(&self) -> bool {
         self.in_flight
+    }
+
+    /// Whether a post or status call failed, so that NIXL can no longer report the request
+    /// done: it stays in flight and is leaked when dropped.
+    pub fn has_failed(&self) -> bool {
+        self.failed
     }
 
     /// Posts (or reposts, once finished) the request.
@@ -241,6 +263,14 @@ impl<'m> XferRequest<'m> {
 
     fn post_raw(&mut self, args: Option<&OptArgs>) -> Result<XferStatus> {
         const OP: &str = "post transfer";
+        if self.failed {
+            return Err(Error::InvalidArgument {
+                operation: OP,
+                reason: "an earlier post or status of this request failed, and parts of it may \
+                         still be in flight; make a new request"
+                    .to_string(),
+            });
+        }
         if self.in_flight && self.status()? == XferStatus::InProgress {
             return Err(Error::InvalidArgument {
                 operation: OP,
@@ -253,8 +283,11 @@ impl<'m> XferRequest<'m> {
             .agent
             .with(|agent| unsafe { sys::nixl_capi_post_xfer_req(agent, self.raw, args) });
         self.posted = true;
+        // Until NIXL says otherwise, part of the request may be on its way.
+        self.in_flight = true;
         let progress = check_progress(status, OP).map_err(|err| {
-            tracing::warn!(agent = %self.agent.name, remote = %self.remote_agent, %err, "transfer failed at post");
+            self.failed = true;
+            tracing::warn!(agent = %self.agent.name, remote = %self.remote_agent, %err, "transfer failed at post; it may be partly in flight");
             with_hint(err, Status::NotFound, HINT_STALE_REQUEST)
         })?;
         self.in_flight = progress == Progress::InProgress;
@@ -273,6 +306,9 @@ impl<'m> XferRequest<'m> {
                 reason: "the request has not been posted".to_string(),
             });
         }
+        if !self.in_flight {
+            return Ok(XferStatus::Done);
+        }
         // SAFETY: live agent and request.
         let status = self
             .agent
@@ -286,8 +322,9 @@ impl<'m> XferRequest<'m> {
                 Ok(to_status(progress))
             }
             Err(err) => {
-                self.in_flight = false;
-                tracing::warn!(agent = %self.agent.name, remote = %self.remote_agent, %err, "transfer failed");
+                // Other parts of the request may still land: it stays in flight.
+                self.failed = true;
+                tracing::warn!(agent = %self.agent.name, remote = %self.remote_agent, %err, "transfer failed; it may be partly in flight");
                 Err(err)
             }
         }
@@ -347,11 +384,19 @@ impl<'m> XferRequest<'m> {
                 )
             }
         });
-        check(status, "estimate transfer cost")?;
-        let micros = |v: i64| Duration::from_micros(u64::try_from(v).unwrap_or(0));
+        const OP: &str = "estimate transfer cost";
+        check(status, OP)?;
+        let micros = |what: &str, v: i64| {
+            u64::try_from(v)
+                .map(Duration::from_micros)
+                .map_err(|_| Error::InvalidArgument {
+                    operation: OP,
+                    reason: format!("NIXL estimated a negative {what} of {v} µs"),
+                })
+        };
         Ok(CostEstimate {
-            duration: micros(duration),
-            error_margin: micros(margin),
+            duration: micros("duration", duration)?,
+            error_margin: micros("error margin", margin)?,
             method: match method {
                 sys::nixl_capi_cost_t::NIXL_CAPI_COST_ANALYTICAL_BACKEND => {
                     CostMethod::AnalyticalBackend
@@ -420,44 +465,49 @@ impl<'m> XferRequest<'m> {
         })
     }
 
-    /// Gives up on the request without waiting: if it is still in flight, the request and
-    /// the memory it holds are leaked (never freed under a transfer that may still land);
-    /// otherwise it is released as on drop.
+    /// Gives up on the request without waiting: if it may still be in flight, the request
+    /// and the memory it holds are leaked (never freed under a transfer that may still
+    /// land) and counted in [`Agent::leak_stats`]; otherwise it is released as on drop.
     ///
     /// Use it when the peer is known to be gone, where dropping would wait up to 30 s.
     pub fn abandon(mut self) {
         if self.in_flight {
-            tracing::warn!(
-                agent = %self.agent.name, remote = %self.remote_agent,
-                "abandoning an in-flight request: leaking it and its memory"
-            );
-            self.leak();
+            self.leak("abandoned while in flight");
             std::mem::forget(self);
         }
     }
 
-    /// Drops the holds on memory without releasing it (used where NIXL may still write).
-    fn leak(&mut self) {
+    /// Leaks the request handle and the memory it holds (used where NIXL may still write),
+    /// logging and counting it.
+    fn leak(&mut self, why: &str) {
+        tracing::error!(
+            agent = %self.agent.name, remote = %self.remote_agent,
+            "transfer request {why}: leaking it and its memory rather than freeing memory NIXL may still write"
+        );
+        self.agent.leaks.request();
         std::mem::forget(std::mem::take(&mut self.keep));
         std::mem::forget(std::mem::take(&mut self.prepared));
     }
 
-    /// Waits for an in-flight request before it is released (see the type's docs).
-    fn settle(&mut self) -> bool {
-        if !self.in_flight {
-            return true;
-        }
+    /// Waits for an in-flight request before it is released (see the type's docs); `Err`
+    /// says why it cannot be released.
+    fn settle(&mut self) -> std::result::Result<(), String> {
         let start = Instant::now();
         while self.in_flight {
+            if self.failed {
+                return Err("failed while it may have been in flight".to_string());
+            }
             match self.status() {
                 Ok(XferStatus::InProgress) if start.elapsed() < DROP_WAIT => {
                     std::thread::yield_now()
                 }
-                Ok(XferStatus::InProgress) => return false,
+                Ok(XferStatus::InProgress) => {
+                    return Err(format!("still in flight after {DROP_WAIT:?}"))
+                }
                 Ok(XferStatus::Done) | Err(_) => {}
             }
         }
-        true
+        Ok(())
     }
 }
 
@@ -468,26 +518,22 @@ fn to_status(progress: Progress) -> XferStatus {
     }
 }
 
-impl Drop for XferRequest<'_> {
+impl Drop for XferRequest {
     fn drop(&mut self) {
         if self.in_flight {
             tracing::debug!(agent = %self.agent.name, remote = %self.remote_agent, "dropping an in-flight request: waiting for it");
         }
-        if !self.settle() {
-            tracing::error!(
-                agent = %self.agent.name, remote = %self.remote_agent,
-                "request still in flight after {DROP_WAIT:?}; leaking it and its memory rather than freeing memory under a transfer"
-            );
-            self.leak();
+        if let Err(why) = self.settle() {
+            self.leak(&why);
             return;
         }
-        // SAFETY: live agent and request, not in flight.
+        // SAFETY: live agent and request, seen done (or never posted).
         let released = self
             .agent
             .with(|agent| unsafe { sys::nixl_capi_release_xfer_req(agent, self.raw) });
         if let Err(err) = check(released, "release transfer request") {
-            tracing::error!(agent = %self.agent.name, %err, "release failed; leaking the request and its memory");
-            self.leak();
+            self.agent.leaks.failed_release();
+            self.leak(&format!("not released ({err})"));
             return;
         }
         // SAFETY: released above; frees the wrapper once.
@@ -529,8 +575,17 @@ fn cut_large_descriptors(
         }
         let half = (ld.len / 2) & !4095;
         for (offset, len) in [(0, half), (half, ld.len - half)] {
-            l.push(OP, XferDesc::new(ld.addr + offset, len, ld.dev_id))?;
-            r.push(OP, XferDesc::new(rd.addr + offset, len, rd.dev_id))?;
+            // Every descriptor was checked not to run past the address space, so the halves
+            // cannot either; checked all the same.
+            let at = |addr: usize| {
+                addr.checked_add(offset)
+                    .ok_or_else(|| Error::InvalidArgument {
+                        operation: OP,
+                        reason: format!("descriptor at {addr:#x} runs past the address space"),
+                    })
+            };
+            l.push(OP, XferDesc::new(at(ld.addr)?, len, ld.dev_id))?;
+            r.push(OP, XferDesc::new(at(rd.addr)?, len, rd.dev_id))?;
         }
     }
     Ok(Some((l, r)))
@@ -590,14 +645,14 @@ impl Agent {
     /// [`Error::EmptyDescList`] / [`Error::LengthMismatch`] when the sides do not pair up;
     /// [`Error::Nixl`] with a hint when the remote agent's metadata is not loaded, the
     /// addresses lie outside registered memory, or no backend serves both sides.
-    pub fn create_xfer_req<'m>(
+    pub fn create_xfer_req(
         &self,
         op: XferOp,
-        local: &LocalDescList<'m>,
+        local: &LocalDescList,
         remote: &RemoteDescList,
         remote_agent: &str,
         options: &XferOptions,
-    ) -> Result<XferRequest<'m>> {
+    ) -> Result<XferRequest> {
         const OP: &str = "create transfer request";
         check_pairing(OP, lens(&local.list), lens(&remote.list))?;
         let cut = cut_large_descriptors(&local.list, &remote.list)?;
@@ -607,6 +662,8 @@ impl Agent {
             }
         }
         let name = c_name("remote agent name", remote_agent)?;
+        let targets =
+            local_peers::hold_targets(OP, remote_agent, remote.mem_type(), remote.descs())?;
         let (local_raw, remote_raw, args) = match &cut {
             Some((l, r)) => {
                 let options = XferOptions {
@@ -638,10 +695,12 @@ impl Agent {
         });
         check(status, OP).map_err(|err| self.explain_request_failure(err, remote_agent))?;
         tracing::trace!(agent = %self.inner.name, remote = remote_agent, ?op, descs = local.len(), "created transfer request");
+        let mut keep = local.keep.clone();
+        keep.extend(targets);
         Ok(XferRequest::new(
             self.inner.clone(),
             raw,
-            local.keep.clone(),
+            keep,
             Vec::new(),
             remote_agent.to_string(),
         ))

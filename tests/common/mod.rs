@@ -34,7 +34,7 @@ pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
 }
 
 /// Copies all of DRAM region 0 of `reg`.
-pub fn contents(reg: &Registration<'_>) -> Vec<u8> {
+pub fn contents(reg: &Registration) -> Vec<u8> {
     let mut out = vec![0u8; reg.regions()[0].len];
     reg.read(0, 0, &mut out).expect("read registered memory");
     out
@@ -84,7 +84,7 @@ impl Pair {
         &self,
         a_mem: M,
         b_mem: M,
-    ) -> (Registration<'static>, Registration<'static>) {
+    ) -> (Registration, Registration) {
         let on_a = self
             .a
             .register_memory(a_mem, &[&self.ucx_a])
@@ -97,49 +97,46 @@ impl Pair {
     }
 
     /// A request of `a` moving `local` to/from `remote`, memory of `b`, with `options`.
-    pub fn request<'m>(
+    pub fn request(
         &self,
         op: XferOp,
-        local: &LocalDescList<'m>,
+        local: &LocalDescList,
         remote: &RemoteDescList,
         options: &XferOptions,
-    ) -> nixl::Result<XferRequest<'m>> {
+    ) -> nixl::Result<XferRequest> {
         self.a
             .create_xfer_req(op, local, remote, self.b.name(), options)
     }
 
     /// A request of `a` moving all of `local` (a registration of `a`) to/from all of
     /// `remote` (a registration of `b`), with `options`.
-    pub fn whole_request<'m>(
+    pub fn whole_request(
         &self,
         op: XferOp,
-        local: &Registration<'m>,
-        remote: &Registration<'_>,
+        local: &Registration,
+        remote: &Registration,
         options: &XferOptions,
-    ) -> nixl::Result<XferRequest<'m>> {
+    ) -> nixl::Result<XferRequest> {
         whole_xfer_req(&self.a, op, local, remote, self.b.name(), options)
     }
 
     /// `data` registered on `a` as the source of a WRITE and as many zeroed bytes on `b` as
     /// its destination (see [`Pair::register`]); returns (source, destination).
-    pub fn source_and_destination(
-        &self,
-        data: Vec<u8>,
-    ) -> (Registration<'static>, Registration<'static>) {
+    pub fn source_and_destination(&self, data: Vec<u8>) -> (Registration, Registration) {
         let len = data.len();
         self.register(data, vec![0u8; len])
     }
 }
 
 /// A remote list covering all of region 0 of `reg`.
-pub fn remote_whole(reg: &Registration<'_>) -> RemoteDescList {
+pub fn remote_whole(reg: &Registration) -> RemoteDescList {
     let r = &reg.regions()[0];
     RemoteDescList::from_descs(reg.mem_type(), &[XferDesc::new(r.addr, r.len, r.dev_id)])
         .expect("remote list")
 }
 
 /// A local list covering all of region 0 of `reg`.
-pub fn local_whole<'m>(reg: &Registration<'m>) -> LocalDescList<'m> {
+pub fn local_whole(reg: &Registration) -> LocalDescList {
     let mut list = LocalDescList::new(reg.mem_type()).expect("local list");
     list.push_region(reg, 0).expect("push region");
     list
@@ -147,14 +144,14 @@ pub fn local_whole<'m>(reg: &Registration<'m>) -> LocalDescList<'m> {
 
 /// A request of `agent` moving all of `local` to/from all of `remote` (a registration of
 /// `remote_agent`) with `options`.
-pub fn whole_xfer_req<'m>(
+pub fn whole_xfer_req(
     agent: &Agent,
     op: XferOp,
-    local: &Registration<'m>,
-    remote: &Registration<'_>,
+    local: &Registration,
+    remote: &Registration,
     remote_agent: &str,
     options: &XferOptions,
-) -> nixl::Result<XferRequest<'m>> {
+) -> nixl::Result<XferRequest> {
     agent.create_xfer_req(
         op,
         &local_whole(local),
@@ -169,8 +166,8 @@ pub fn whole_xfer_req<'m>(
 pub fn transfer(
     agent: &Agent,
     op: XferOp,
-    local: &Registration<'_>,
-    remote: &Registration<'_>,
+    local: &Registration,
+    remote: &Registration,
     remote_agent: &str,
 ) -> nixl::Result<()> {
     whole_xfer_req(agent, op, local, remote, remote_agent, &XferOptions::new())?.post_and_wait(WAIT)
@@ -227,7 +224,11 @@ pub fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
 pub fn wait_metadata(agent: &Agent, remote: &str) {
     wait_until(
         &format!("{}: metadata of {remote} to arrive", agent.name()),
-        || agent.has_remote_metadata(remote),
+        || {
+            agent
+                .has_remote_metadata(remote)
+                .expect("check remote metadata")
+        },
     );
 }
 

@@ -1,0 +1,109 @@
+//! Agents of this process, found by name, so that a transfer whose remote side is one of
+//! them holds the registrations it targets.
+//!
+//! NIXL knows a remote agent only through the metadata it loaded, which can be stale: an
+//! agent of this process may have deregistered (and freed) memory that another agent still
+//! has in its copy of the metadata. When the remote agent of a request lives in this process,
+//! every remote descriptor is therefore resolved here to a live registration that covers it,
+//! and the request holds that registration until NIXL is done. A descriptor that no live
+//! registration covers is refused. Agents in other processes are out of reach: for them
+//! NIXL's own checks, against the metadata loaded, are all there is.
+//!
+//! Names stay known after their agent is gone, so that a request to a dropped agent of this
+//! process is refused too; the table grows by one entry per distinct agent name.
+
+use std::collections::HashMap;
+use std::sync::{Arc, LazyLock, Mutex, PoisonError, Weak};
+
+use crate::agent::AgentInner;
+use crate::descriptor::XferDesc;
+use crate::error::{Error, Result};
+use crate::mem_type::MemType;
+use crate::registration::RegInner;
+
+/// Every agent of this process by name, including dropped ones (as dead weak references).
+static AGENTS: LazyLock<Mutex<HashMap<String, Vec<Weak<AgentInner>>>>> =
+    LazyLock::new(|| Mutex::new(HashMap::new()));
+
+/// Records a new agent of this process.
+pub(crate) fn add_agent(agent: &Arc<AgentInner>) {
+    let mut agents = AGENTS.lock().unwrap_or_else(PoisonError::into_inner);
+    let same_name = agents.entry(agent.name.clone()).or_default();
+    same_name.retain(|weak| weak.strong_count() > 0);
+    same_name.push(Arc::downgrade(agent));
+}
+
+/// The live registrations of `mem_type` of the agents of this process named `name`, or
+/// `None` when no agent of this process ever had that name.
+fn registrations_of(name: &str, mem_type: MemType) -> Option<Vec<Arc<RegInner>>> {
+    let agents: Vec<Arc<AgentInner>> = {
+        let table = AGENTS.lock().unwrap_or_else(PoisonError::into_inner);
+        table.get(name)?.iter().filter_map(Weak::upgrade).collect()
+    };
+    Some(
+        agents
+            .iter()
+            .flat_map(|agent| agent.live_registrations())
+            .filter(|reg| reg.mem_type == mem_type)
+            .collect(),
+    )
+}
+
+/// The registrations that `descs` of `remote_agent` target when that agent lives in this
+/// process (empty when it does not), one hold per registration.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for a descriptor that no live registration of the agent
+/// covers (it was deregistered, or never registered).
+pub(crate) fn hold_targets(
+    operation: &'static str,
+    remote_agent: &str,
+    mem_type: MemType,
+    descs: &[XferDesc],
+) -> Result<Vec<Arc<RegInner>>> {
+    let Some(registrations) = registrations_of(remote_agent, mem_type) else {
+        return Ok(Vec::new());
+    };
+    // (start, end, dev_id, index into `registrations`), sorted by start.
+    let mut regions: Vec<(usize, usize, u64, usize)> = registrations
+        .iter()
+        .enumerate()
+        .flat_map(|(at, reg)| {
+            reg.regions
+                .iter()
+                .map(move |r| (r.addr, r.addr.saturating_add(r.len), r.dev_id, at))
+        })
+        .collect();
+    regions.sort_unstable();
+    let mut used = vec![false; registrations.len()];
+    for (index, desc) in descs.iter().enumerate() {
+        let end = desc.addr.checked_add(desc.len);
+        // Regions may overlap (the same memory registered twice): look at every region that
+        // starts at or before the descriptor.
+        let before = regions.partition_point(|r| r.0 <= desc.addr);
+        let covering = regions[..before]
+            .iter()
+            .rev()
+            .find(|r| r.2 == desc.dev_id && end.is_some_and(|end| end <= r.1));
+        match covering {
+            Some(region) => used[region.3] = true,
+            None => {
+                return Err(Error::InvalidArgument {
+                    operation,
+                    reason: format!(
+                        "remote descriptor {index} ({:#x}, {} bytes, device {}) lies in no live \
+                         {mem_type} registration of agent {remote_agent:?}, which lives in this \
+                         process: it was deregistered or never registered, so NIXL's copy of \
+                         its metadata is stale; load fresh metadata and describe registered memory",
+                        desc.addr, desc.len, desc.dev_id
+                    ),
+                })
+            }
+        }
+    }
+    Ok(registrations
+        .into_iter()
+        .zip(used)
+        .filter_map(|(reg, used)| used.then_some(reg))
+        .collect())
+}
