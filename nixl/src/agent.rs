@@ -41,6 +41,15 @@ impl ThreadSync {
 
 /// Every setting of a NIXL agent. Built with [`Agent::builder`], or from
 /// [`AgentConfig::default`] with fields changed and passed to [`AgentBuilder::config`].
+///
+/// New settings may come with new NIXL versions, so it cannot be built field by field:
+///
+/// ```compile_fail,E0639
+/// let config = nixl::AgentConfig {
+///     progress_thread: false,
+///     ..nixl::AgentConfig::default()
+/// };
+/// ```
 #[non_exhaustive]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AgentConfig {

@@ -74,7 +74,7 @@ mod tests {
                 unsafe { copy_out(source[start..].as_ptr(), &mut out) };
                 assert_eq!(out, source[start..start + len]);
 
-                let mut target = vec![0xAAu8; 64];
+                let mut target = [0xAAu8; 64];
                 // SAFETY: in bounds of `target`, which nothing else touches.
                 unsafe { copy_in(target[start..].as_mut_ptr(), &source[..len]) };
                 assert_eq!(target[start..start + len], source[..len]);

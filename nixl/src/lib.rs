@@ -48,13 +48,32 @@
 //! # }
 //! ```
 //!
-//! # Ownership
+//! # Ownership and safety
 //! Everything made from an [`Agent`] holds it (`Arc`), so the agent outlives its backends,
-//! registrations, lists and requests. A [`Registration`] owns or borrows its memory and is
-//! held by every [`LocalDescList`], prepared list and [`XferRequest`] made from it; it
-//! deregisters when the last of them is dropped, or explicitly with
-//! [`Registration::deregister`], which reports failures. A request dropped while in flight
-//! first waits for it (NIXL can still land data after a release).
+//! registrations, lists and requests. A [`Registration`] owns its memory (`'static` only:
+//! `Vec<u8>`, [`HostBuffer`], [`FileRegion`], `&'static mut [u8]`, ...) and is held by every
+//! [`LocalDescList`], prepared list and [`XferRequest`] made from it; it deregisters when
+//! the last of them is dropped, or explicitly with [`Registration::deregister`], which
+//! reports failures.
+//!
+//! The model, exactly:
+//! - **Leaks are safe.** Memory NIXL may still write is freed only after NIXL reported the
+//!   request done. Leaking a request (`mem::forget`, [`XferRequest::abandon`], a leaked
+//!   `Arc`) leaks its memory with it; since registered memory is `'static`, no borrow can
+//!   end under it. Borrowed memory needs the `unsafe` [`Agent::register_raw`].
+//! - **Errors mean "maybe in flight".** A request whose post or status failed is never
+//!   considered done: it is leaked, with its memory, when dropped. So is one still running
+//!   30 s into its drop. [`Agent::leak_stats`] counts every such leak.
+//! - **Agents of this process.** When a request's remote agent lives in this process (or is
+//!   this agent, e.g. DRAM to its own FILE), each remote descriptor is resolved to a live
+//!   registration of it, which the request holds; a descriptor of memory that agent no
+//!   longer has registered is refused even if NIXL's copy of its metadata still lists it.
+//! - **Racing copies.** [`Registration::read`] and [`Registration::write`] copy with relaxed
+//!   atomics, so racing transfers or threads make them torn, never undefined.
+//! - **Not protected:** a peer in *another* process that holds stale metadata after this
+//!   agent deregistered memory. UCX may still reach that memory (e.g. over CMA); only a
+//!   protocol between the two sides (deregister after the peer confirms) prevents it. The
+//!   same holds for memory registered with `register_raw`, whose contract is the caller's.
 //!
 //! # Thread safety
 //! [`Agent`], [`Backend`], [`Registration`], descriptor lists and prepared lists are

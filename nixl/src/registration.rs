@@ -249,7 +249,7 @@ impl Registration {
     /// Consumes the registration, so it cannot be deregistered twice: a second call does
     /// not compile.
     ///
-    /// ```compile_fail
+    /// ```compile_fail,E0382
     /// # fn main() -> nixl::Result<()> {
     /// let agent = nixl::Agent::new("doc-deregister-twice")?;
     /// let registration = agent.register_memory(vec![0u8; 64], &[])?;
@@ -274,7 +274,41 @@ impl Registration {
 
 impl Agent {
     /// Registers `memory` with `backends` (empty: every backend that supports its memory
-    /// type, as NIXL does) in one call, and returns the registration that owns or borrows it.
+    /// type, as NIXL does) in one call, and returns the registration that owns it.
+    ///
+    /// The memory must be `'static`: a request can be leaked (`mem::forget`,
+    /// [`XferRequest::abandon`](crate::XferRequest::abandon)) while NIXL still writes into
+    /// its memory, so no borrow may end under it. Borrowing a local buffer therefore does
+    /// not compile:
+    ///
+    /// ```compile_fail,E0597
+    /// use nixl::{Agent, LocalDescList, MemType, RemoteDescList, XferDesc, XferOp, XferOptions};
+    /// # fn main() -> nixl::Result<()> {
+    /// # let peer = Agent::new("doc-borrow-peer")?;
+    /// # peer.create_backend("UCX")?;
+    /// # let theirs = peer.register_memory(vec![1u8; 4096], &[])?;
+    /// let agent = Agent::new("doc-borrow")?;
+    /// let ucx = agent.create_backend("UCX")?;
+    /// let mut buf = vec![0u8; 4096];
+    /// let reg = agent.register_memory(&mut buf[..], &[&ucx])?; // error[E0597]
+    /// # agent.load_remote_metadata(&peer.local_metadata()?)?;
+    /// let mut local = LocalDescList::new(MemType::Dram)?;
+    /// local.push_region(&reg, 0)?;
+    /// let remote = RemoteDescList::from_descs(
+    ///     MemType::Dram,
+    ///     &[XferDesc::new(theirs.regions()[0].addr, 4096, 0)],
+    /// )?;
+    /// let mut request =
+    ///     agent.create_xfer_req(XferOp::Read, &local, &remote, "doc-borrow-peer", &XferOptions::new())?;
+    /// request.post()?;
+    /// request.abandon(); // NIXL may still write into `buf`...
+    /// drop(buf); // ...which would be freed here
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// Memory that is not `'static` can only be registered with the `unsafe`
+    /// [`register_raw`](Self::register_raw).
     ///
     /// # Errors
     /// [`Error::EmptyDescList`], [`Error::ZeroLength`], [`Error::NullAddress`] for bad regions,
