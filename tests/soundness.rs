@@ -186,6 +186,36 @@ fn an_in_process_peer_target_that_is_gone_is_refused() {
 }
 
 #[test]
+fn a_local_list_of_another_agents_memory_is_refused() {
+    let pair = Pair::with(
+        Agent::new(&unique_name("foreign-a")).unwrap(),
+        Agent::new(&unique_name("foreign-b")).unwrap(),
+    );
+    let (src, dst) = pair.source_and_destination(pattern(4096, 8));
+    pair.exchange();
+    // b's memory in a list that a uses as its local side.
+    let foreign = local_whole(&dst);
+    let refused = |result: nixl::Result<()>| match result {
+        Err(Error::InvalidArgument { reason, .. }) => {
+            assert!(reason.contains("register it on the agent"), "{reason}")
+        }
+        other => panic!("expected the foreign list to be refused, got {other:?}"),
+    };
+    refused(
+        pair.request(
+            XferOp::Write,
+            &foreign,
+            &remote_whole(&dst),
+            &XferOptions::new(),
+        )
+        .map(drop),
+    );
+    refused(pair.a.prepare_local(&foreign, &[]).map(drop));
+    drop(src);
+    assert_pair_works(&pair, 9);
+}
+
+#[test]
 fn a_failed_post_leaves_the_request_in_flight_and_its_memory_leaked() {
     let pair = Pair::with(
         Agent::new(&unique_name("failpost-a")).unwrap(),

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use nixl_sys as sys;
 
+use crate::agent::AgentInner;
 use crate::descriptor::{validate, XferDesc};
 use crate::error::{check, Error, Result};
 use crate::mem_type::MemType;
@@ -236,6 +237,26 @@ impl LocalDescList {
     }
 
     list_accessors!();
+
+    /// Checks that every registration in the list belongs to `agent`: NIXL would resolve
+    /// the addresses against `agent`'s own registrations, which the list does not hold.
+    pub(crate) fn check_owner(
+        &self,
+        operation: &'static str,
+        agent: &Arc<AgentInner>,
+    ) -> Result<()> {
+        match self.keep.iter().find(|reg| !Arc::ptr_eq(&reg.agent, agent)) {
+            None => Ok(()),
+            Some(foreign) => Err(Error::InvalidArgument {
+                operation,
+                reason: format!(
+                    "the local list holds memory registered on agent {:?}, not {:?}; register \
+                     it on the agent that makes the request",
+                    foreign.agent.name, agent.name
+                ),
+            }),
+        }
+    }
 
     fn hold(&mut self, operation: &'static str, reg: &Registration) -> Result<()> {
         if reg.mem_type() != self.list.mem_type {

@@ -128,6 +128,7 @@ impl Agent {
         if list.is_empty() {
             return Err(Error::EmptyDescList { operation: OP });
         }
+        list.check_owner(OP, &self.inner)?;
         let args = OptArgs::with_backends(&self.inner, OP, backends)?;
         let mut raw = ptr::null_mut();
         // SAFETY: live agent, list and args; out-pointer to a local.

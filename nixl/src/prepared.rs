@@ -177,6 +177,7 @@ impl Agent {
         list: &LocalDescList,
         backends: &[&Backend],
     ) -> Result<PreparedLocal> {
+        list.check_owner("prepare descriptor list", &self.inner)?;
         let shared = self.prepare("", &list.list, backends, list.keep.clone())?;
         Ok(PreparedLocal { shared })
     }

@@ -655,6 +655,7 @@ impl Agent {
     ) -> Result<XferRequest> {
         const OP: &str = "create transfer request";
         check_pairing(OP, lens(&local.list), lens(&remote.list))?;
+        local.check_owner(OP, &self.inner)?;
         let cut = cut_large_descriptors(&local.list, &remote.list)?;
         if cut.is_none() {
             if let Some(request) = self.reused_request(op, local, remote, remote_agent, options)? {
