@@ -3,15 +3,15 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::{
-    assert_pair_works, contents, local_whole, pattern, remote_whole, unique_name, whole_xfer_req,
-    Pair, WAIT,
+    assert_pair_works, contents, finish, local_whole, pattern, remote_whole, stalled_pair,
+    unique_name, whole_xfer_req, Pair, WAIT,
 };
 use nixl::{
     Agent, Error, FileRegion, HostBuffer, LocalDescList, MemType, RegDesc, RemoteDescList, Status,
-    XferDesc, XferOp, XferOptions, XferRequest, XferStatus,
+    XferDesc, XferOp, XferOptions, XferStatus,
 };
 
 /// A pair whose metadata is exchanged, with a source on `a` and a destination on `b`.
@@ -687,33 +687,6 @@ fn status_before_post() {
     assert_eq!(req.status().unwrap(), XferStatus::Done);
     assert_eq!(contents(&dst), pattern(4096, 61));
     assert_pair_works(&pair, 17);
-}
-
-/// A pair whose `b` runs no progress thread, so that a's first transfer to it (UCX has to
-/// wire up both sides first) cannot finish until `b` makes progress: it stays in flight
-/// deterministically until [`finish`] drives `b`.
-fn stalled_pair(prefix: &str) -> Pair {
-    Pair::with(
-        Agent::new(&unique_name(&format!("{prefix}-a"))).unwrap(),
-        Agent::builder(&unique_name(&format!("{prefix}-b")))
-            .progress_thread(false)
-            .build()
-            .unwrap(),
-    )
-}
-
-/// Drives `b` (through its notification poll, which progresses its workers) until `req`
-/// is done.
-fn finish(pair: &Pair, req: &mut XferRequest) {
-    let deadline = Instant::now() + WAIT;
-    loop {
-        pair.b.notifications().unwrap();
-        if req.status().unwrap() == XferStatus::Done {
-            return;
-        }
-        assert!(Instant::now() < deadline, "the transfer never finished");
-        std::thread::yield_now();
-    }
 }
 
 #[test]

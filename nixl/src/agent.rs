@@ -1,11 +1,12 @@
 //! The NIXL agent: one per process (or per worker), owning backends, registrations and transfers.
 
 use std::ptr;
-use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
 use std::time::Duration;
 
 use nixl_sys as sys;
 
+use crate::driver::{Driver, Shared};
 use crate::error::{check, Result};
 use crate::leaks::{LeakCounters, LeakStats};
 use crate::local_peers;
@@ -177,6 +178,8 @@ impl AgentBuilder {
             backends: Mutex::new(Vec::new()),
             registrations: Mutex::new(Vec::new()),
             leaks: LeakCounters::default(),
+            driver: OnceLock::new(),
+            driver_start: Mutex::new(()),
             name: self.name,
             config: self.config,
         });
@@ -256,6 +259,10 @@ pub(crate) struct AgentInner {
     registrations: Mutex<Vec<Weak<RegInner>>>,
     /// What was leaked rather than freed under NIXL.
     pub(crate) leaks: LeakCounters,
+    /// The completion driver, started on first asynchronous use.
+    driver: OnceLock<Driver>,
+    /// Held while the driver starts, so that only one starts.
+    driver_start: Mutex<()>,
     pub(crate) name: String,
     pub(crate) config: AgentConfig,
 }
@@ -274,6 +281,30 @@ impl AgentInner {
             .as_ref()
             .map(|lock| lock.lock().unwrap_or_else(|poisoned| poisoned.into_inner()));
         f(self.raw)
+    }
+
+    /// The agent's completion driver, started on first use.
+    pub(crate) fn driver(self: &Arc<Self>) -> Result<&Driver> {
+        if let Some(driver) = self.driver.get() {
+            return Ok(driver);
+        }
+        let _starting = self
+            .driver_start
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(driver) = self.driver.get() {
+            return Ok(driver);
+        }
+        let driver = Driver::start(self)?;
+        Ok(self.driver.get_or_init(|| driver))
+    }
+
+    /// The driver's shared state, when tasks await notifications through it.
+    pub(crate) fn active_hub(&self) -> Option<Arc<Shared>> {
+        let shared = &self.driver.get()?.shared;
+        crate::driver::lock(&shared.hub)
+            .active
+            .then(|| shared.clone())
     }
 
     /// Records a new registration, so that transfers from other agents of this process can
@@ -307,6 +338,9 @@ unsafe impl Send for BackendHandle {}
 
 impl Drop for AgentInner {
     fn drop(&mut self) {
+        if let Some(driver) = self.driver.get() {
+            driver.stop();
+        }
         let backends = std::mem::take(self.backends.get_mut().unwrap_or_else(|p| p.into_inner()));
         for (plugin, handle) in backends {
             // SAFETY: frees only the handle wrapper; no Backend value is left to use it.

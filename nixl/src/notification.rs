@@ -1,15 +1,17 @@
 //! Notifications: small byte messages between agents, delivered through the backends.
 
 use std::collections::HashMap;
-use std::ffi::CString;
+use std::ffi::CStr;
 use std::ptr;
 
 use nixl_sys as sys;
 
 use crate::agent::{Agent, AgentInner};
 use crate::backend::Backend;
+use crate::driver::lock;
 use crate::error::{check, Result};
-use crate::raw::{c_name, lossy_string, OptArgs};
+use crate::notify_hub::{self, Notification};
+use crate::raw::{c_name, OptArgs};
 use crate::xfer::opt_args_ptr;
 
 /// New notifications, by sending agent, in arrival order. Messages are arbitrary bytes.
@@ -31,8 +33,9 @@ impl NotifMap {
         Ok(NotifMap { raw })
     }
 
-    /// Copies every message out.
-    fn to_map(&self) -> Result<Notifications> {
+    /// Copies every message out, with the exact bytes of each sender's name, in arrival
+    /// order per sender.
+    fn take(&self) -> Result<Vec<Notification>> {
         const OP: &str = "read notifications";
         let mut agents = 0;
         // SAFETY: live map.
@@ -40,26 +43,27 @@ impl NotifMap {
             unsafe { sys::nixl_capi_notif_map_size(self.raw, &mut agents) },
             OP,
         )?;
-        let mut out = Notifications::with_capacity(agents);
+        let mut out = Vec::new();
         for index in 0..agents {
             let mut name_ptr = ptr::null();
-            // SAFETY: index < size; the name is borrowed from the map and copied below.
+            // SAFETY: index < size; the name is borrowed from the map and used below only.
             check(
                 unsafe { sys::nixl_capi_notif_map_get_agent_at(self.raw, index, &mut name_ptr) },
                 OP,
             )?;
-            // SAFETY: NUL-terminated string owned by the map.
-            let name = unsafe { lossy_string(name_ptr) };
-            let c_agent = CString::new(name.as_str()).unwrap_or_default();
+            if name_ptr.is_null() {
+                continue;
+            }
+            // SAFETY: a NUL-terminated string owned by the map, which outlives this loop.
+            let name = unsafe { CStr::from_ptr(name_ptr) };
             let mut count = 0;
             // SAFETY: live map and a name it contains.
             check(
                 unsafe {
-                    sys::nixl_capi_notif_map_get_notifs_size(self.raw, c_agent.as_ptr(), &mut count)
+                    sys::nixl_capi_notif_map_get_notifs_size(self.raw, name.as_ptr(), &mut count)
                 },
                 OP,
             )?;
-            let messages = out.entry(name).or_default();
             for n in 0..count {
                 let (mut data, mut len) = (ptr::null(), 0);
                 // SAFETY: n < count; the bytes are borrowed from the map and copied at once.
@@ -67,7 +71,7 @@ impl NotifMap {
                     unsafe {
                         sys::nixl_capi_notif_map_get_notif(
                             self.raw,
-                            c_agent.as_ptr(),
+                            name.as_ptr(),
                             n,
                             &mut data,
                             &mut len,
@@ -75,11 +79,15 @@ impl NotifMap {
                     },
                     OP,
                 )?;
-                messages.push(if data.is_null() {
+                let message = if data.is_null() {
                     Vec::new()
                 } else {
                     // SAFETY: `len` bytes at `data`, owned by the map.
                     unsafe { std::slice::from_raw_parts(data.cast::<u8>(), len) }.to_vec()
+                };
+                out.push(Notification {
+                    sender: name.to_bytes().to_vec(),
+                    message,
                 });
             }
         }
@@ -144,23 +152,50 @@ impl Agent {
     }
 
     /// Takes every notification that arrived since the last call.
+    ///
+    /// Once any task awaits notifications ([`Agent::notification`],
+    /// [`Agent::notification_stream`]), NIXL's notifications go through the agent's hub:
+    /// this call then returns those that no waiter or stream takes, so no message is lost
+    /// or seen twice. Sender names that are not UTF-8 appear lossily here; the async API
+    /// keeps their exact bytes.
     pub fn notifications(&self) -> Result<Notifications> {
         self.notifications_via(&[])
     }
 
     /// Takes the notifications that arrived through `backends` (empty: every backend).
     pub fn notifications_via(&self, backends: &[&Backend]) -> Result<Notifications> {
-        let map = NotifMap::new()?;
-        let args = backend_args(&self.inner, "get notifications", backends)?;
-        // SAFETY: live agent and map; args null or live.
-        let status = self.inner.with(|agent| unsafe {
-            sys::nixl_capi_get_notifs(agent, map.raw, opt_args_ptr(args.as_ref()))
-        });
-        check(status, "get notifications")?;
-        let notifications = map.to_map()?;
-        if !notifications.is_empty() {
-            tracing::trace!(agent = %self.inner.name, senders = notifications.len(), "received notifications");
+        let notes = match self.inner.active_hub() {
+            Some(shared) if backends.is_empty() => {
+                notify_hub::pull(&self.inner, &shared)?;
+                lock(&shared.hub).take_unclaimed()
+            }
+            _ => take_from_nixl(&self.inner, backends)?,
+        };
+        let mut by_sender = Notifications::new();
+        for note in notes {
+            by_sender
+                .entry(String::from_utf8_lossy(&note.sender).into_owned())
+                .or_default()
+                .push(note.message);
         }
-        Ok(notifications)
+        if !by_sender.is_empty() {
+            tracing::trace!(agent = %self.inner.name, senders = by_sender.len(), "received notifications");
+        }
+        Ok(by_sender)
     }
+}
+
+/// Takes the notifications NIXL holds for `agent` (through `backends`; empty: all).
+pub(crate) fn take_from_nixl(
+    agent: &AgentInner,
+    backends: &[&Backend],
+) -> Result<Vec<Notification>> {
+    let map = NotifMap::new()?;
+    let args = backend_args(agent, "get notifications", backends)?;
+    // SAFETY: live agent and map; args null or live.
+    let status = agent.with(|raw| unsafe {
+        sys::nixl_capi_get_notifs(raw, map.raw, opt_args_ptr(args.as_ref()))
+    });
+    check(status, "get notifications")?;
+    map.take()
 }

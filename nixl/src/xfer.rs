@@ -10,6 +10,7 @@ use crate::agent::{Agent, AgentInner};
 use crate::backend::{describe_backend, Backend};
 use crate::desc_list::{LocalDescList, RemoteDescList, XferDlist};
 use crate::descriptor::XferDesc;
+use crate::driver::{Entry, Slot};
 use crate::error::{check, check_progress, with_hint, Error, Progress, Result, HINT_STALE_REQUEST};
 use crate::local_peers;
 use crate::mem_type::MemType;
@@ -159,9 +160,6 @@ pub struct XferTelemetry {
     pub desc_count: u64,
 }
 
-/// How long dropping an in-flight request waits for it before leaking it instead.
-const DROP_WAIT: Duration = Duration::from_secs(30);
-
 /// A transfer request.
 ///
 /// It holds the registrations of its local memory and, when the remote agent lives in this
@@ -172,11 +170,17 @@ const DROP_WAIT: Duration = Duration::from_secs(30);
 /// From a post until NIXL reports the request done, it is *in flight*, and NIXL may write
 /// into its memory. An error from [`post`](Self::post) or [`status`](Self::status) does not
 /// end that: part of the request may already be posted and still land, and NIXL keeps
-/// answering the same error, so such a request stays in flight for good. Dropping an
-/// in-flight request waits for it (up to 30 s) while it can still finish; a request that
-/// failed, timed out there, or was [`abandon`](Self::abandon)ed is leaked with the memory it
-/// holds, never released or freed under a transfer. Leaks are logged and counted in
-/// [`Agent::leak_stats`]. `mem::forget` on a request leaks the same way.
+/// answering the same error, so such a request stays in flight for good.
+///
+/// Dropping an in-flight request never blocks: the agent's completion driver takes it over
+/// and releases it (and the memory it holds) once NIXL reports it done. A request that
+/// failed, or was [`abandon`](Self::abandon)ed, is leaked with the memory it holds, never
+/// released or freed under a transfer; such leaks are logged and counted in
+/// [`Agent::leak_stats`]. `mem::forget` on a request leaks the same way, uncounted.
+///
+/// # Awaiting
+/// A posted request can be awaited (`request.await`, see [`crate::Completion`]): the agent's
+/// completion driver polls it and wakes the task, under any async runtime.
 ///
 /// # Thread safety
 /// `Send` but not `Sync`: methods that talk to NIXL take `&mut self`.
@@ -469,7 +473,8 @@ impl XferRequest {
     /// and the memory it holds are leaked (never freed under a transfer that may still
     /// land) and counted in [`Agent::leak_stats`]; otherwise it is released as on drop.
     ///
-    /// Use it when the peer is known to be gone, where dropping would wait up to 30 s.
+    /// Use it when the peer is known to be gone and the request would never finish: the
+    /// driver would otherwise poll it for as long as the process lives.
     pub fn abandon(mut self) {
         if self.in_flight {
             self.leak("abandoned while in flight");
@@ -489,25 +494,54 @@ impl XferRequest {
         std::mem::forget(std::mem::take(&mut self.prepared));
     }
 
-    /// Waits for an in-flight request before it is released (see the type's docs); `Err`
-    /// says why it cannot be released.
-    fn settle(&mut self) -> std::result::Result<(), String> {
-        let start = Instant::now();
-        while self.in_flight {
-            if self.failed {
-                return Err("failed while it may have been in flight".to_string());
+    /// Moves the request out, leaving an inert shell whose drop does nothing.
+    fn take(&mut self) -> XferRequest {
+        let moved = XferRequest {
+            agent: self.agent.clone(),
+            raw: self.raw,
+            keep: std::mem::take(&mut self.keep),
+            prepared: std::mem::take(&mut self.prepared),
+            remote_agent: std::mem::take(&mut self.remote_agent),
+            posted: self.posted,
+            in_flight: self.in_flight,
+            failed: self.failed,
+        };
+        self.raw = ptr::null_mut();
+        moved
+    }
+
+    /// Hands the request to its agent's completion driver whatever its load, with the
+    /// outcome going to `slot`; leaks it if the driver cannot start.
+    pub(crate) fn hand_to_driver(mut self, slot: Arc<Slot>) {
+        match self.agent.driver() {
+            Ok(driver) => {
+                let shared = driver.shared.clone();
+                // Forced admission cannot fail.
+                let _ = shared.submit(
+                    Entry {
+                        request: self,
+                        slot,
+                    },
+                    true,
+                    None,
+                );
             }
-            match self.status() {
-                Ok(XferStatus::InProgress) if start.elapsed() < DROP_WAIT => {
-                    std::thread::yield_now()
-                }
-                Ok(XferStatus::InProgress) => {
-                    return Err(format!("still in flight after {DROP_WAIT:?}"))
-                }
-                Ok(XferStatus::Done) | Err(_) => {}
+            Err(err) => {
+                self.leak(&format!(
+                    "in flight, and the completion driver cannot start ({err})"
+                ));
+                std::mem::forget(self);
             }
         }
-        Ok(())
+    }
+
+    pub(crate) fn agent_inner(&self) -> &Arc<AgentInner> {
+        &self.agent
+    }
+
+    /// Whether the request was ever posted.
+    pub fn is_posted(&self) -> bool {
+        self.posted
     }
 }
 
@@ -520,11 +554,19 @@ fn to_status(progress: Progress) -> XferStatus {
 
 impl Drop for XferRequest {
     fn drop(&mut self) {
-        if self.in_flight {
-            tracing::debug!(agent = %self.agent.name, remote = %self.remote_agent, "dropping an in-flight request: waiting for it");
+        if self.raw.is_null() {
+            return; // moved out by `take`
         }
-        if let Err(why) = self.settle() {
-            self.leak(&why);
+        if self.in_flight {
+            if self.failed {
+                self.leak("failed while it may have been in flight");
+                return;
+            }
+            // Never block: the driver releases it once NIXL reports it done.
+            tracing::debug!(agent = %self.agent.name, remote = %self.remote_agent, "dropping an in-flight request: the completion driver takes it over");
+            let slot = Arc::new(Slot::default());
+            slot.cancel();
+            self.take().hand_to_driver(slot);
             return;
         }
         // SAFETY: live agent and request, seen done (or never posted).

@@ -4,12 +4,13 @@
 //! Every test binary compiles this module and uses a different part of it.
 #![allow(dead_code)]
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nixl::{
-    Agent, Backend, LocalDescList, RegisterMemory, Registration, RemoteDescList, XferDesc, XferOp,
-    XferOptions, XferRequest,
+    Agent, Backend, LocalDescList, MemType, RegDesc, RegisterMemory, Registration, RemoteDescList,
+    XferDesc, XferOp, XferOptions, XferRequest, XferStatus,
 };
 
 /// Upper bound for any single wait in the tests. Only a guard against hangs: nothing asserts
@@ -259,4 +260,95 @@ pub fn assert_blocks_reversed(moved: &[u8], data: &[u8], block: usize, blocks: u
 pub fn free_port() -> u16 {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
     listener.local_addr().expect("local address").port()
+}
+
+/// DRAM that records when it is freed.
+pub struct Tracked {
+    bytes: Vec<u8>,
+    freed: Arc<AtomicBool>,
+}
+
+impl Tracked {
+    /// `bytes` as DRAM to register, and the flag its drop sets.
+    pub fn new(bytes: Vec<u8>) -> (Self, Arc<AtomicBool>) {
+        let freed = Arc::new(AtomicBool::new(false));
+        let tracked = Tracked {
+            bytes,
+            freed: freed.clone(),
+        };
+        (tracked, freed)
+    }
+}
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        self.freed.store(true, Ordering::SeqCst);
+    }
+}
+
+// SAFETY: the Vec's heap buffer does not move with the value and is freed only on drop;
+// the address comes from `&mut self`.
+unsafe impl RegisterMemory for Tracked {
+    fn mem_type(&self) -> MemType {
+        MemType::Dram
+    }
+    fn regions(&mut self) -> Vec<RegDesc> {
+        vec![RegDesc {
+            addr: self.bytes.as_mut_ptr() as usize,
+            len: self.bytes.len(),
+            dev_id: 0,
+            metadata: Vec::new(),
+        }]
+    }
+}
+
+/// A pair whose `b` runs no progress thread: a's first transfer to b cannot finish (UCX
+/// needs b for the wire-up) until b polls, so it is deterministically in flight.
+pub fn stalled_pair(prefix: &str) -> Pair {
+    Pair::with(
+        Agent::new(&unique_name(&format!("{prefix}-a"))).unwrap(),
+        Agent::builder(&unique_name(&format!("{prefix}-b")))
+            .progress_thread(false)
+            .build()
+            .unwrap(),
+    )
+}
+
+/// Polls b (which progresses its workers) until `req` is done.
+pub fn finish(pair: &Pair, req: &mut XferRequest) {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        pair.b.notifications().unwrap();
+        if req.status().unwrap() == XferStatus::Done {
+            return;
+        }
+        assert!(Instant::now() < deadline, "the transfer never finished");
+        std::thread::yield_now();
+    }
+}
+
+/// Tracked memory on `a` (the local side) and on `b` (the remote side), metadata exchanged.
+pub fn tracked_pair(
+    pair: &Pair,
+    len: usize,
+) -> (Registration, Arc<AtomicBool>, Registration, Arc<AtomicBool>) {
+    let (a_mem, a_freed) = Tracked::new(pattern(len, 3));
+    let (b_mem, b_freed) = Tracked::new(vec![0u8; len]);
+    let on_a = pair.a.register_memory(a_mem, &[&pair.ucx_a]).unwrap();
+    let on_b = pair.b.register_memory(b_mem, &[&pair.ucx_b]).unwrap();
+    pair.exchange();
+    (on_a, a_freed, on_b, b_freed)
+}
+
+/// A WRITE of all of `src` into all of `dst`, posted and in flight.
+pub fn in_flight_write(pair: &Pair, src: &Registration, dst: &Registration) -> XferRequest {
+    let mut req = pair
+        .whole_request(XferOp::Write, src, dst, &XferOptions::new())
+        .unwrap();
+    assert_eq!(
+        req.post().unwrap(),
+        XferStatus::InProgress,
+        "the first transfer to a stalled peer is in flight"
+    );
+    req
 }

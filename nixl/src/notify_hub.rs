@@ -1,0 +1,350 @@
+//! Notifications for many tasks: the agent's driver takes them from NIXL and hands each to
+//! the oldest waiter whose filter matches; messages nobody waits for are kept (in order)
+//! for the next waiter, stream or [`crate::Agent::notifications`] call. No message is lost
+//! or given twice.
+
+use std::collections::VecDeque;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
+
+use crate::agent::{Agent, AgentInner};
+use crate::driver::{lock, Shared};
+use crate::error::Result;
+
+/// Most bytes of messages the hub keeps before it stops taking more from NIXL (which then
+/// holds them) until waiters catch up.
+const MAX_HELD_BYTES: usize = 64 << 20;
+/// Most messages the hub keeps, likewise.
+const MAX_HELD_MESSAGES: usize = 1 << 20;
+
+/// One notification: the exact bytes of the sender's name and of the message.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Notification {
+    /// The sending agent's name, byte for byte.
+    pub sender: Vec<u8>,
+    /// The message.
+    pub message: Vec<u8>,
+}
+
+/// Which notifications a waiter or stream takes: by sender and by message (whole or
+/// prefix, as Python's `check_remote_xfer_done`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NotificationFilter {
+    sender: Option<Vec<u8>>,
+    message: MessageMatch,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+enum MessageMatch {
+    #[default]
+    Any,
+    Prefix(Vec<u8>),
+    Exact(Vec<u8>),
+}
+
+impl NotificationFilter {
+    /// Every notification.
+    pub fn any() -> Self {
+        Self::default()
+    }
+
+    /// Only notifications from the agent named exactly `sender`.
+    pub fn from_sender(mut self, sender: impl Into<Vec<u8>>) -> Self {
+        self.sender = Some(sender.into());
+        self
+    }
+
+    /// Only messages that start with `prefix`.
+    pub fn prefix(mut self, prefix: impl Into<Vec<u8>>) -> Self {
+        self.message = MessageMatch::Prefix(prefix.into());
+        self
+    }
+
+    /// Only messages equal to `message`.
+    pub fn exact(mut self, message: impl Into<Vec<u8>>) -> Self {
+        self.message = MessageMatch::Exact(message.into());
+        self
+    }
+
+    /// Whether `note` passes the filter.
+    pub fn matches(&self, note: &Notification) -> bool {
+        self.sender.as_ref().map_or(true, |s| *s == note.sender)
+            && match &self.message {
+                MessageMatch::Any => true,
+                MessageMatch::Prefix(p) => note.message.starts_with(p),
+                MessageMatch::Exact(m) => note.message == *m,
+            }
+    }
+}
+
+/// A waiter (one message) or a stream (every message), in the order they subscribed.
+struct Subscriber {
+    id: u64,
+    filter: NotificationFilter,
+    once: bool,
+    queue: VecDeque<Notification>,
+    waker: Option<Waker>,
+}
+
+impl Subscriber {
+    fn wants(&self, note: &Notification) -> bool {
+        (!self.once || self.queue.is_empty()) && self.filter.matches(note)
+    }
+}
+
+/// The agent's notifications awaited asynchronously.
+#[derive(Default)]
+pub(crate) struct Hub {
+    /// Set once anyone subscribed: from then on NIXL's notifications go through the hub.
+    pub(crate) active: bool,
+    unclaimed: VecDeque<Notification>,
+    subscribers: Vec<Subscriber>,
+    held_bytes: usize,
+    held_messages: usize,
+    next_id: u64,
+}
+
+impl Hub {
+    /// Whether the driver should take notifications from NIXL: someone waits, and the hub
+    /// has room.
+    pub(crate) fn wants_messages(&self) -> bool {
+        !self.subscribers.is_empty()
+            && self.held_bytes < MAX_HELD_BYTES
+            && self.held_messages < MAX_HELD_MESSAGES
+    }
+
+    /// Hands `note` to the oldest subscriber that wants it, or keeps it unclaimed; returns
+    /// the waker to call.
+    fn dispatch(&mut self, note: Notification) -> Option<Waker> {
+        self.held_bytes += note.message.len() + note.sender.len();
+        self.held_messages += 1;
+        match self.subscribers.iter_mut().find(|s| s.wants(&note)) {
+            Some(sub) => {
+                sub.queue.push_back(note);
+                sub.waker.take()
+            }
+            None => {
+                self.unclaimed.push_back(note);
+                None
+            }
+        }
+    }
+
+    fn release(&mut self, note: &Notification) {
+        self.held_bytes -= note.message.len() + note.sender.len();
+        self.held_messages -= 1;
+    }
+
+    /// Adds a subscriber, giving it the unclaimed messages it wants.
+    fn subscribe(&mut self, filter: NotificationFilter, once: bool) -> u64 {
+        self.active = true;
+        let id = self.next_id;
+        self.next_id += 1;
+        let mut sub = Subscriber {
+            id,
+            filter,
+            once,
+            queue: VecDeque::new(),
+            waker: None,
+        };
+        let mut kept = VecDeque::with_capacity(self.unclaimed.len());
+        for note in self.unclaimed.drain(..) {
+            if sub.wants(&note) {
+                sub.queue.push_back(note);
+            } else {
+                kept.push_back(note);
+            }
+        }
+        self.unclaimed = kept;
+        self.subscribers.push(sub);
+        id
+    }
+
+    /// The next message of subscriber `id`, or `None` after keeping `waker`.
+    fn next_for(&mut self, id: u64, waker: &Waker) -> Option<Notification> {
+        let sub = self.subscribers.iter_mut().find(|s| s.id == id)?;
+        match sub.queue.pop_front() {
+            Some(note) => {
+                self.release(&note);
+                Some(note)
+            }
+            None => {
+                sub.waker = Some(waker.clone());
+                None
+            }
+        }
+    }
+
+    /// Removes subscriber `id`; messages it did not take go back, first in line, to the
+    /// other subscribers or the unclaimed messages.
+    fn unsubscribe(&mut self, id: u64) -> Vec<Waker> {
+        let Some(at) = self.subscribers.iter().position(|s| s.id == id) else {
+            return Vec::new();
+        };
+        let sub = self.subscribers.remove(at);
+        let mut wakers = Vec::new();
+        let mut back = Vec::new();
+        for note in sub.queue {
+            self.release(&note);
+            match self.subscribers.iter_mut().find(|s| s.wants(&note)) {
+                Some(other) => {
+                    self.held_bytes += note.message.len() + note.sender.len();
+                    self.held_messages += 1;
+                    other.queue.push_back(note);
+                    wakers.extend(other.waker.take());
+                }
+                None => back.push(note),
+            }
+        }
+        for note in back.into_iter().rev() {
+            self.held_bytes += note.message.len() + note.sender.len();
+            self.held_messages += 1;
+            self.unclaimed.push_front(note);
+        }
+        wakers
+    }
+
+    /// Takes every unclaimed message.
+    pub(crate) fn take_unclaimed(&mut self) -> Vec<Notification> {
+        let notes: Vec<Notification> = self.unclaimed.drain(..).collect();
+        for note in &notes {
+            self.held_bytes -= note.message.len() + note.sender.len();
+            self.held_messages -= 1;
+        }
+        notes
+    }
+}
+
+/// Takes the notifications NIXL holds into the hub of `shared`; returns how many arrived.
+pub(crate) fn pull(agent: &AgentInner, shared: &Shared) -> Result<usize> {
+    let _order = lock(&shared.notif_poll);
+    let notes = crate::notification::take_from_nixl(agent, &[])?;
+    let count = notes.len();
+    let wakers: Vec<Waker> = {
+        let mut hub = lock(&shared.hub);
+        notes.into_iter().filter_map(|n| hub.dispatch(n)).collect()
+    };
+    wakers.into_iter().for_each(Waker::wake);
+    Ok(count)
+}
+
+/// A subscription of one task, removed when it is dropped.
+struct Subscription {
+    agent: Agent,
+    shared: Arc<Shared>,
+    id: u64,
+}
+
+impl Subscription {
+    fn new(agent: &Agent, filter: NotificationFilter, once: bool) -> Result<Self> {
+        let shared = agent.inner.driver()?.shared.clone();
+        let id = lock(&shared.hub).subscribe(filter, once);
+        shared.kick();
+        Ok(Subscription {
+            agent: agent.clone(),
+            shared,
+            id,
+        })
+    }
+
+    fn poll_next(&self, cx: &mut Context<'_>) -> Poll<Notification> {
+        let next = lock(&self.shared.hub).next_for(self.id, cx.waker());
+        match next {
+            Some(note) => Poll::Ready(note),
+            None => {
+                self.shared.kick();
+                Poll::Pending
+            }
+        }
+    }
+}
+
+impl Drop for Subscription {
+    fn drop(&mut self) {
+        let wakers = lock(&self.shared.hub).unsubscribe(self.id);
+        wakers.into_iter().for_each(Waker::wake);
+    }
+}
+
+/// A future of the next notification that passes a filter ([`Agent::notification`]).
+///
+/// Subscribed when made, so messages arriving from then on are not missed; dropped before
+/// it completes, it gives up nothing: a message it had taken goes back to the others.
+#[must_use = "futures do nothing unless awaited"]
+pub struct NextNotification {
+    subscription: Subscription,
+}
+
+impl Future for NextNotification {
+    type Output = Notification;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Notification> {
+        self.subscription.poll_next(cx)
+    }
+}
+
+impl std::fmt::Debug for NextNotification {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NextNotification")
+            .field("agent", &self.subscription.agent.name())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A stream of every notification that passes a filter ([`Agent::notification_stream`]).
+/// It never ends while it lives; dropped, its untaken messages go back to the others.
+pub struct NotificationStream {
+    subscription: Subscription,
+}
+
+impl NotificationStream {
+    /// The next notification.
+    pub fn recv(&mut self) -> impl Future<Output = Notification> + '_ {
+        std::future::poll_fn(|cx| self.subscription.poll_next(cx))
+    }
+}
+
+impl futures_core::Stream for NotificationStream {
+    type Item = Notification;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Notification>> {
+        self.subscription.poll_next(cx).map(Some)
+    }
+}
+
+impl std::fmt::Debug for NotificationStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NotificationStream")
+            .field("agent", &self.subscription.agent.name())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Agent {
+    /// The next notification that passes `filter`, for one task to await.
+    ///
+    /// Many tasks can each await their own (by sender, by message prefix); each message
+    /// goes to the oldest waiter it matches, or waits for a later one. The agent's
+    /// completion driver takes notifications from NIXL from then on; see
+    /// [`notifications`](Self::notifications) for mixing with the blocking API.
+    ///
+    /// # Errors
+    /// [`crate::Error::Io`] if the driver thread cannot start.
+    pub fn notification(&self, filter: NotificationFilter) -> Result<NextNotification> {
+        Ok(NextNotification {
+            subscription: Subscription::new(self, filter, true)?,
+        })
+    }
+
+    /// A stream of every notification that passes `filter`.
+    ///
+    /// # Errors
+    /// As for [`notification`](Self::notification).
+    pub fn notification_stream(&self, filter: NotificationFilter) -> Result<NotificationStream> {
+        Ok(NotificationStream {
+            subscription: Subscription::new(self, filter, false)?,
+        })
+    }
+}

@@ -1,0 +1,75 @@
+//! 64 tasks x 200 awaited transfers on a 2-thread tokio runtime: every byte checked, and
+//! no thread per request (the process's thread count stays the same).
+//! Alone in its binary, so that no other test's threads change the count.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{pattern, Pair, WAIT};
+use nixl::{LocalDescList, MemType, RemoteDescList, XferDesc, XferOp, XferOptions};
+
+const TASKS: usize = 64;
+const ROUNDS: usize = 200;
+const BLOCK: usize = 16 << 10;
+
+/// Threads of this process, from /proc.
+fn threads() -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .expect("read /proc/self/task")
+        .count()
+}
+
+#[test]
+fn sixty_four_tasks_times_two_hundred_requests() {
+    let pair = Pair::new("many");
+    let (src, dst) = pair.register(vec![0u8; TASKS * BLOCK], vec![0u8; TASKS * BLOCK]);
+    pair.exchange();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    let shared = Arc::new((pair, src, dst));
+    // Task t owns block t of both buffers; round r writes pattern (t, r) and checks it.
+    let task = |t: usize, rounds: std::ops::Range<usize>| {
+        let shared = shared.clone();
+        async move {
+            let (pair, src, dst) = (&shared.0, &shared.1, &shared.2);
+            let mut local = LocalDescList::new(MemType::Dram).unwrap();
+            local.push(src, 0, t * BLOCK, BLOCK).unwrap();
+            let remote = RemoteDescList::from_descs(
+                MemType::Dram,
+                &[XferDesc::new(dst.regions()[0].addr + t * BLOCK, BLOCK, 0)],
+            )
+            .unwrap();
+            let mut req = pair
+                .request(XferOp::Write, &local, &remote, &XferOptions::new())
+                .unwrap();
+            let mut got = vec![0u8; BLOCK];
+            for round in rounds {
+                let data = pattern(BLOCK, (t * 7 + round) as u8);
+                src.write(0, t * BLOCK, &data).unwrap();
+                req.post().unwrap();
+                req = tokio::time::timeout(WAIT, req).await.unwrap().unwrap();
+                dst.read(0, t * BLOCK, &mut got).unwrap();
+                assert_eq!(got, data, "task {t} round {round}");
+            }
+        }
+    };
+    let run = |rounds: std::ops::Range<usize>| {
+        rt.block_on(async {
+            let tasks: Vec<_> = (0..TASKS)
+                .map(|t| tokio::spawn(task(t, rounds.clone())))
+                .collect();
+            for joined in futures::future::join_all(tasks).await {
+                joined.expect("task panicked");
+            }
+        })
+    };
+    // The first round starts the runtime's and the driver's threads.
+    run(0..1);
+    let before = threads();
+    run(1..ROUNDS);
+    assert_eq!(threads(), before, "no thread per request or per task");
+}
