@@ -75,6 +75,47 @@
 //!   protocol between the two sides (deregister after the peer confirms) prevents it. The
 //!   same holds for memory registered with `register_raw`, whose contract is the caller's.
 //!
+//! # Async
+//! A posted [`XferRequest`] can be awaited (`request.await`, see [`Completion`]), and
+//! notifications awaited per task ([`Agent::notification`], [`Agent::notification_stream`]).
+//! Each agent's completion driver (one thread, started on first use) polls what is awaited
+//! and wakes the tasks through std [`Waker`](std::task::Waker)s, so any runtime works.
+//!
+//! ```
+//! # use nixl::*;
+//! # fn main() -> nixl::Result<()> {
+//! # let a = Agent::new("async-a")?;
+//! # let b = Agent::new("async-b")?;
+//! # let (ucx_a, ucx_b) = (a.create_backend("UCX")?, b.create_backend("UCX")?);
+//! # let dst = a.register_memory(vec![0u8; 4096], &[&ucx_a])?;
+//! # let src = b.register_memory(vec![7u8; 4096], &[&ucx_b])?;
+//! # let remote = a.load_remote_metadata(&b.local_metadata()?)?;
+//! # let mut local = LocalDescList::new(MemType::Dram)?;
+//! # local.push_region(&dst, 0)?;
+//! # let remote_list = RemoteDescList::from_descs(MemType::Dram, &[XferDesc::new(src.regions()[0].addr, 4096, 0)])?;
+//! let waiting = b.notification(NotificationFilter::any().from_sender("async-a").prefix("block"))?;
+//! let mut request = a.create_xfer_req(XferOp::Read, &local, &remote_list, &remote,
+//!     &XferOptions::new().notification(b"block 0 read".to_vec()))?;
+//! # futures_executor_stand_in(async {
+//! request.post()?;
+//! let request = request.await?; // done; can be posted again
+//! assert_eq!(waiting.await.message, b"block 0 read");
+//! # drop(request);
+//! # Ok::<(), nixl::Error>(())
+//! # })?;
+//! # Ok(())
+//! # }
+//! # fn futures_executor_stand_in<F: std::future::Future>(f: F) -> F::Output {
+//! #     let waker = std::task::Waker::noop();
+//! #     let mut cx = std::task::Context::from_waker(&waker);
+//! #     let mut f = std::pin::pin!(f);
+//! #     loop {
+//! #         if let std::task::Poll::Ready(v) = f.as_mut().poll(&mut cx) { return v; }
+//! #         std::thread::yield_now();
+//! #     }
+//! # }
+//! ```
+//!
 //! # Thread safety
 //! [`Agent`], [`Backend`], [`Registration`], descriptor lists and prepared lists are
 //! `Send + Sync`; [`XferRequest`] is `Send`. See [`Agent`] for how locking follows NIXL's
