@@ -75,11 +75,15 @@ fn threads_send_notifications_concurrently() {
     let pair = Pair::new("concnotif");
     pair.exchange();
     const PER_THREAD: usize = 50;
+    // All four threads start sending together, so their calls really overlap.
+    let start = std::sync::Barrier::new(4);
     std::thread::scope(|scope| {
         for thread in 0..4u8 {
             let a = pair.a.clone();
             let b = pair.b.name().to_string();
+            let start = &start;
             scope.spawn(move || {
+                start.wait();
                 for i in 0..PER_THREAD as u8 {
                     a.send_notification(&b, &[0xff, thread, i]).unwrap();
                 }

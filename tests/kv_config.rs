@@ -2,7 +2,13 @@
 
 use nixl::kv_config::{KvRole, KvTransferConfig, NixlSetup};
 use nixl::platform::{BuiltinPlatform, Platform, PlatformRegistry};
-use nixl::{Agent, Backend, Error, MemType, RegDesc};
+use std::os::unix::fs::FileExt;
+use std::time::Duration;
+
+use nixl::{
+    Agent, Backend, Error, FileRegion, LocalDescList, MemType, RegDesc, Registration,
+    RemoteDescList, XferDesc, XferOp, XferOptions,
+};
 
 fn config_error(json: &str) -> String {
     match KvTransferConfig::from_json(json) {
@@ -117,6 +123,47 @@ fn plugins(backends: &[Backend]) -> Vec<String> {
     backends.iter().map(|b| b.plugin().to_string()).collect()
 }
 
+/// Moves all of `src` (a registration of `setup`'s agent) into `dst` (one of `remote`) with
+/// a WRITE restricted to `backend`; returns the plugin NIXL used.
+fn write_over(
+    setup: &NixlSetup,
+    src: &Registration,
+    dst: &Registration,
+    remote: &str,
+    backend: &Backend,
+) -> String {
+    let mut local = LocalDescList::new(src.mem_type()).unwrap();
+    local.push_region(src, 0).unwrap();
+    let d = &dst.regions()[0];
+    let remote_list =
+        RemoteDescList::from_descs(dst.mem_type(), &[XferDesc::new(d.addr, d.len, d.dev_id)])
+            .unwrap();
+    let mut req = setup
+        .agent()
+        .create_xfer_req(
+            XferOp::Write,
+            &local,
+            &remote_list,
+            remote,
+            &XferOptions::new().backend(backend),
+        )
+        .unwrap();
+    req.post_and_wait(Duration::from_secs(60)).unwrap();
+    req.backend().unwrap()
+}
+
+/// A second agent with `backends`, whose metadata `setup`'s agent has loaded, holding
+/// `len` zeroed bytes of DRAM.
+fn peer_of(setup: &NixlSetup, name: &str, backends: &str, len: usize) -> (NixlSetup, Registration) {
+    let peer = setup_on(name, &cpu_config(backends), &BuiltinPlatform::CPU).unwrap();
+    let reg = peer.register_memory(vec![0u8; len]).unwrap();
+    setup
+        .agent()
+        .load_remote_metadata(&peer.agent().local_metadata().unwrap())
+        .unwrap();
+    (peer, reg)
+}
+
 #[test]
 fn ucx_only_creates_and_registers_with_ucx() {
     let setup = setup_on(
@@ -128,8 +175,22 @@ fn ucx_only_creates_and_registers_with_ucx() {
     assert_eq!(setup.mem_type(), MemType::Dram);
     assert_eq!(plugins(setup.backends()), ["UCX"]);
     assert_eq!(plugins(&setup.agent().backends()), ["UCX"]);
-    let reg = setup.register_memory(vec![1u8; 8192]).unwrap();
+    let data: Vec<u8> = (0..8192u32).map(|i| (i % 251) as u8).collect();
+    let reg = setup.register_memory(data.clone()).unwrap();
     assert_eq!(plugins(reg.backends()), ["UCX"]);
+    // The registration really is usable over UCX: a WRITE to a peer moves every byte.
+    let (peer, dst) = peer_of(&setup, "kvcfg-ucx-peer", r#"["UCX"]"#, data.len());
+    let used = write_over(
+        &setup,
+        &reg,
+        &dst,
+        peer.agent().name(),
+        &setup.backends()[0],
+    );
+    assert_eq!(used, "UCX");
+    let mut moved = vec![0u8; data.len()];
+    dst.read(0, 0, &mut moved).unwrap();
+    assert_eq!(moved, data);
 }
 
 #[test]
@@ -141,9 +202,37 @@ fn ucx_and_posix_create_both_and_register_with_both() {
     )
     .unwrap();
     assert_eq!(plugins(setup.backends()), ["UCX", "POSIX"]);
-    let reg = setup.register_memory(vec![2u8; 8192]).unwrap();
+    let (ucx, posix) = (&setup.backends()[0], &setup.backends()[1]);
+    let data: Vec<u8> = (0..8192u32).map(|i| (i % 241) as u8).collect();
+    let reg = setup.register_memory(data.clone()).unwrap();
     assert_eq!(plugins(reg.backends()), ["UCX", "POSIX"]);
-    reg.deregister().unwrap();
+
+    // Over POSIX: the DRAM registration WRITEs into a file this agent registered.
+    let file = tempfile::tempfile().unwrap();
+    file.set_len(data.len() as u64).unwrap();
+    let file_reg = setup
+        .agent()
+        .register_memory(
+            FileRegion::new(file.try_clone().unwrap(), 0, data.len()).unwrap(),
+            &[posix],
+        )
+        .unwrap();
+    let used = write_over(&setup, &reg, &file_reg, setup.agent().name(), posix);
+    assert_eq!(used, "POSIX");
+    let mut on_disk = vec![0u8; data.len()];
+    file.read_exact_at(&mut on_disk, 0).unwrap();
+    assert_eq!(on_disk, data);
+
+    // Over UCX: the same registration WRITEs to a peer.
+    let (peer, dst) = peer_of(&setup, "kvcfg-ucx-posix-peer", r#"["UCX"]"#, data.len());
+    assert_eq!(
+        write_over(&setup, &reg, &dst, peer.agent().name(), ucx),
+        "UCX"
+    );
+    let mut moved = vec![0u8; data.len()];
+    dst.read(0, 0, &mut moved).unwrap();
+    assert_eq!(moved, data);
+    drop(file_reg);
 }
 
 #[test]

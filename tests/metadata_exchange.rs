@@ -88,6 +88,28 @@ fn both_listening_exchange_both_ways() {
     let mut expected = pattern(2048, 73);
     expected[1024..].copy_from_slice(&pattern(2048, 74)[..1024]);
     assert_eq!(contents(&a_reg), expected);
+    // And the other way: b READs a's first half into its own second half.
+    let mut b_local = nixl::LocalDescList::new(nixl::MemType::Dram).unwrap();
+    b_local.push(&b_reg, 0, 1024, 1024).unwrap();
+    let a_first = nixl::RemoteDescList::from_descs(
+        nixl::MemType::Dram,
+        &[nixl::XferDesc::new(a_reg.regions()[0].addr, 1024, 0)],
+    )
+    .unwrap();
+    pair.b
+        .create_xfer_req(
+            XferOp::Read,
+            &b_local,
+            &a_first,
+            pair.a.name(),
+            &nixl::XferOptions::new(),
+        )
+        .unwrap()
+        .post_and_wait(common::WAIT)
+        .unwrap();
+    let mut expected = pattern(2048, 74);
+    expected[1024..].copy_from_slice(&pattern(2048, 73)[..1024]);
+    assert_eq!(contents(&b_reg), expected);
 
     // Partial metadata over the socket too: connection info only, then b's memory.
     pair.b

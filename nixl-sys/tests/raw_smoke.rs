@@ -205,7 +205,12 @@ fn two_agents_write_one_mib_over_ucx() {
             "create request",
         );
         let mut status = nixl_capi_post_xfer_req(a, req, ptr::null_mut());
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
         while status == IN_PROG {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the 1 MiB WRITE did not finish within 60 s"
+            );
             status = nixl_capi_get_xfer_status(a, req);
         }
         check(status, "transfer");
