@@ -2,6 +2,8 @@
 
 use nixl::kv_config::{KvRole, KvTransferConfig, NixlSetup};
 use nixl::platform::{BuiltinPlatform, Platform, PlatformRegistry};
+mod common;
+
 use std::os::unix::fs::FileExt;
 use std::time::Duration;
 
@@ -281,7 +283,10 @@ fn dram_memory_is_refused_for_a_vram_setup() {
 #[test]
 fn cuda_kv_buffer_resolves_to_vram_then_fails_cleanly_without_a_gpu() {
     if std::path::Path::new("/dev/nvidia0").exists() {
-        eprintln!("skipped: this machine has a GPU, so VRAM registration would not fail");
+        common::skip(
+            "cuda_kv_buffer_resolves_to_vram_then_fails_cleanly_without_a_gpu",
+            "this machine has a GPU, so VRAM registration would not fail",
+        );
         return;
     }
     let setup = setup_on("kvcfg-cuda", &cuda_config(), &BuiltinPlatform::CUDA).unwrap();
