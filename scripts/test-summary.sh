@@ -5,7 +5,7 @@
 set -euo pipefail
 log=$1 skips=${2:-}
 awk '
-    /^ *Running / { name = $2; next }
+    /^ *Running / { name = ($2 == "unittests") ? $2 " " $3 : $2; next }
     /^ *Doc-tests / { name = "doc-tests " $2; next }
     /^test result:/ {
         passed = $4; failed = $6; ignored = $8

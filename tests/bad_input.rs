@@ -372,10 +372,11 @@ fn memory_type_mismatch() {
         pair.a.local_partial_metadata(&[&src, &file_reg], &[]),
         Err(Error::MemTypeMismatch { .. })
     ));
-    assert!(matches!(
+    assert_eq!(
         "HBM".parse::<MemType>(),
-        Err(Error::InvalidArgument { .. })
-    ));
+        Err(nixl::ParseMemTypeError("HBM".to_string()))
+    );
+    assert_eq!("dram".parse::<MemType>(), Ok(MemType::Dram));
     assert_pair_works(&pair, 10);
 }
 

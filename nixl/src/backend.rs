@@ -199,13 +199,12 @@ impl Agent {
 
     /// Creates a backend from `plugin` with the plugin's own default parameters.
     ///
-    /// For UCX that means no worker threads: the thread that polls a request does the copy.
-    /// Measured against two worker threads (`num_threads=2`, `split_batch_size=2`) with the
-    /// NIXL threads confined to one core, it moved bulk and KV-block transfers ~1.1x faster
-    /// and made a 4 KiB round trip ~20 % shorter. For single large transfers on a machine
+    /// For UCX that means no worker threads: the thread that polls a request does the copy,
+    /// which measured faster than two worker threads for bulk, KV-block and 4 KiB transfers
+    /// (figures: the README's Benchmarks section). For single large transfers on a machine
     /// with idle cores, `create_backend_with("UCX", [("num_threads", "2"),
     /// ("split_batch_size", "1")])` lets two threads copy the halves that
-    /// [`Agent::create_xfer_req`] cuts large descriptors into (~1.2x one core's memcpy).
+    /// [`Agent::create_xfer_req`] cuts large descriptors into.
     ///
     /// NIXL 1.5.1's UCX worker-thread mode has a race: a worker thread can complete its part
     /// of a request after the request was reposted or released, and then writes through a

@@ -162,7 +162,7 @@ pub use desc_list::{LocalDescList, RemoteDescList};
 pub use descriptor::{RegDesc, XferDesc};
 pub use error::{Error, Result};
 pub use leaks::LeakStats;
-pub use mem_type::MemType;
+pub use mem_type::{MemType, ParseMemTypeError};
 pub use mem_view::{MemView, PeerDesc};
 pub use memory::{FileRegion, HostBuffer, RegisterMemory};
 pub use metadata::MetadataPeer;

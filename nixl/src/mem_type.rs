@@ -5,8 +5,6 @@ use std::str::FromStr;
 
 use nixl_sys::nixl_capi_mem_type_t as raw;
 
-use crate::error::{Error, Result};
-
 /// A NIXL memory type: what the addresses in a descriptor list mean.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum MemType {
@@ -64,19 +62,19 @@ impl fmt::Display for MemType {
     }
 }
 
+/// A name that is not one of NIXL's memory types (see [`MemType::from_str`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("`{0}` is not a NIXL memory type (DRAM, VRAM, BLOCK, OBJECT, FILE)")]
+pub struct ParseMemTypeError(pub String);
+
 impl FromStr for MemType {
-    type Err = Error;
+    type Err = ParseMemTypeError;
 
     /// Parses NIXL's spelling, ignoring case.
-    fn from_str(s: &str) -> Result<Self> {
+    fn from_str(s: &str) -> std::result::Result<Self, ParseMemTypeError> {
         MemType::ALL
             .into_iter()
             .find(|t| t.as_str().eq_ignore_ascii_case(s))
-            .ok_or_else(|| Error::InvalidArgument {
-                operation: "parse memory type",
-                reason: format!(
-                    "`{s}` is not a NIXL memory type (DRAM, VRAM, BLOCK, OBJECT, FILE)"
-                ),
-            })
+            .ok_or_else(|| ParseMemTypeError(s.to_string()))
     }
 }
