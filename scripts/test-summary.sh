@@ -5,7 +5,14 @@
 set -euo pipefail
 log=$1 skips=${2:-}
 awk '
-    /^ *Running / { name = ($2 == "unittests") ? $2 " " $3 : $2; next }
+    /^ *Running / {
+        name = $2
+        if (name == "unittests") {
+            crate = $NF; sub(/.*\//, "", crate); sub(/-[0-9a-f]+\)$/, "", crate)
+            name = "unittests " crate
+        }
+        next
+    }
     /^ *Doc-tests / { name = "doc-tests " $2; next }
     /^test result:/ {
         passed = $4; failed = $6; ignored = $8
