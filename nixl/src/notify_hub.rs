@@ -84,13 +84,15 @@ struct Subscriber {
     id: u64,
     filter: NotificationFilter,
     once: bool,
+    /// A waiter (`once`) that has handed out its message wants no other.
+    served: bool,
     queue: VecDeque<Notification>,
     waker: Option<Waker>,
 }
 
 impl Subscriber {
     fn wants(&self, note: &Notification) -> bool {
-        (!self.once || self.queue.is_empty()) && self.filter.matches(note)
+        !(self.once && (self.served || !self.queue.is_empty())) && self.filter.matches(note)
     }
 }
 
@@ -146,6 +148,7 @@ impl Hub {
             id,
             filter,
             once,
+            served: false,
             queue: VecDeque::new(),
             waker: None,
         };
@@ -167,6 +170,7 @@ impl Hub {
         let sub = self.subscribers.iter_mut().find(|s| s.id == id)?;
         match sub.queue.pop_front() {
             Some(note) => {
+                sub.served = sub.once;
                 self.release(&note);
                 Some(note)
             }
