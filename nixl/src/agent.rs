@@ -8,6 +8,7 @@ use nixl_sys as sys;
 
 use crate::driver::{Driver, Shared};
 use crate::error::{check, Result};
+use crate::handles::BackendHandle;
 use crate::leaks::{LeakCounters, LeakStats};
 use crate::local_peers;
 use crate::raw::c_name;
@@ -329,26 +330,15 @@ impl AgentInner {
     }
 }
 
-/// A C backend handle, owned by the agent that created it.
-pub(crate) struct BackendHandle(pub(crate) sys::nixl_capi_backend_t);
-
-// SAFETY: the handle is an immutable reference to a backend owned by the agent; every call
-// that uses it goes through the agent, which provides the locking.
-unsafe impl Send for BackendHandle {}
-
 impl Drop for AgentInner {
     fn drop(&mut self) {
         if let Some(driver) = self.driver.get() {
             driver.stop();
         }
-        let backends = std::mem::take(self.backends.get_mut().unwrap_or_else(|p| p.into_inner()));
-        for (plugin, handle) in backends {
-            // SAFETY: frees only the handle wrapper; no Backend value is left to use it.
-            let status = unsafe { sys::nixl_capi_destroy_backend(handle.0) };
-            if let Err(err) = check(status, "destroy backend handle") {
-                tracing::error!(%plugin, %err, "leaking NIXL backend handle");
-            }
-        }
+        // The backend handle wrappers go first (no Backend value is left to use them).
+        drop(std::mem::take(
+            self.backends.get_mut().unwrap_or_else(|p| p.into_inner()),
+        ));
         // SAFETY: the last reference is gone, so no child object can use the handle again.
         let status = unsafe { sys::nixl_capi_destroy_agent(self.raw) };
         match check(status, "destroy agent") {

@@ -6,10 +6,12 @@ use std::sync::Arc;
 
 use nixl_sys as sys;
 
-use crate::agent::{Agent, AgentInner, BackendHandle};
+use crate::agent::{Agent, AgentInner};
 use crate::error::{check, Error, Result};
+use crate::handles::Params;
+use crate::handles::{BackendHandle, OptArgs};
 use crate::mem_type::MemType;
-use crate::raw::{c_name, take_mem_list, take_string_list, Params};
+use crate::raw::{c_name, take_mem_list, take_string_list};
 
 /// What a plugin supports before any backend is created from it.
 #[non_exhaustive]
@@ -95,6 +97,35 @@ impl Backend {
     }
 }
 
+/// Optional arguments naming these backends of `agent` (none: NIXL chooses).
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for a backend created on another agent.
+pub(crate) fn backend_args(
+    agent: &AgentInner,
+    operation: &'static str,
+    backends: &[&Backend],
+) -> Result<OptArgs> {
+    if let Some(foreign) = backends.iter().find(|b| !b.belongs_to(agent)) {
+        return Err(Error::InvalidArgument {
+            operation,
+            reason: format!(
+                "backend {} belongs to agent {:?}, not {:?}",
+                foreign.plugin(),
+                foreign.agent_name(),
+                agent.name
+            ),
+        });
+    }
+    let args = OptArgs::new()?;
+    for backend in backends {
+        // SAFETY: the backend handle stays valid while its agent lives, and every user of
+        // these arguments holds that agent.
+        unsafe { args.add_backend(backend.raw()) }?;
+    }
+    Ok(args)
+}
+
 /// Parameters a NIXL 1.5.1 plugin reads although its advertised defaults do not list them.
 fn unadvertised_params(plugin: &str) -> &'static [&'static str] {
     match plugin {
@@ -123,7 +154,8 @@ pub(crate) fn describe_backend(
         sys::nixl_capi_get_backend_params(agent, raw, &mut mems, &mut params)
     });
     check(status, "get backend parameters")?;
-    let params = Params::from_raw(params);
+    // SAFETY: handed to us above, destroyed by the owner only.
+    let params = unsafe { Params::from_raw(params) };
     // SAFETY: returned to us above and not used again.
     let types = unsafe { take_mem_list(mems) }?;
     Ok((types, params.to_map()?))
@@ -142,7 +174,7 @@ impl Agent {
             .map(|(plugin, handle)| Backend {
                 inner: Arc::new(BackendInner {
                     agent: self.inner.clone(),
-                    raw: handle.0,
+                    raw: handle.raw(),
                     plugin: plugin.clone(),
                 }),
             })
@@ -187,7 +219,8 @@ impl Agent {
                 available,
             });
         }
-        let params = Params::from_raw(params);
+        // SAFETY: handed to us above, destroyed by the owner only.
+        let params = unsafe { Params::from_raw(params) };
         // SAFETY: returned to us above and not used again.
         let mem_types = unsafe { take_mem_list(mems) }?;
         Ok(PluginInfo {
@@ -251,17 +284,22 @@ impl Agent {
         }
         let name = c_name("plugin name", plugin)?;
         let raw_params = Params::from_map(&params)?;
-        let mut raw = ptr::null_mut();
-        let status = self.inner.with(|agent| {
-            // SAFETY: live agent and params, valid C string, out-pointer to a local.
-            unsafe {
-                sys::nixl_capi_create_backend(agent, name.as_ptr(), raw_params.raw(), &mut raw)
-            }
-        });
-        check(status, "create backend").map_err(|err| {
-            tracing::warn!(agent = %self.inner.name, plugin, %err, "backend creation failed");
-            err
-        })?;
+        let handle = self
+            .inner
+            .with(|agent| {
+                BackendHandle::create("create backend", |out| {
+                    // SAFETY: live agent and params, valid C string; NIXL stores the new
+                    // handle through the out-pointer.
+                    unsafe {
+                        sys::nixl_capi_create_backend(agent, name.as_ptr(), raw_params.raw(), out)
+                    }
+                })
+            })
+            .map_err(|err| {
+                tracing::warn!(agent = %self.inner.name, plugin, %err, "backend creation failed");
+                err
+            })?;
+        let raw = handle.raw();
         tracing::debug!(agent = %self.inner.name, plugin, ?params, "created backend");
         if plugin == "UCX"
             && params
@@ -279,7 +317,7 @@ impl Agent {
             .backends
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        handles.push((plugin.to_string(), BackendHandle(raw)));
+        handles.push((plugin.to_string(), handle));
         Ok(Backend {
             inner: Arc::new(BackendInner {
                 agent: self.inner.clone(),

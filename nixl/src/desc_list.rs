@@ -1,6 +1,5 @@
 //! Transfer descriptor lists: local ones built from registrations, remote ones from addresses.
 
-use std::ptr;
 use std::sync::Arc;
 
 use nixl_sys as sys;
@@ -8,21 +7,17 @@ use nixl_sys as sys;
 use crate::agent::AgentInner;
 use crate::descriptor::{validate, XferDesc};
 use crate::error::{check, Error, Result};
+use crate::handles::XferDlistHandle;
 use crate::mem_type::MemType;
 use crate::registration::{RegInner, Registration};
 use crate::reuse::Reuse;
 
-/// An owned `nixl_capi_xfer_dlist_t` with a Rust copy of its descriptors.
+/// A C descriptor list with a Rust copy of its descriptors.
 pub(crate) struct XferDlist {
-    raw: sys::nixl_capi_xfer_dlist_t,
+    handle: XferDlistHandle,
     mem_type: MemType,
     descs: Vec<XferDesc>,
 }
-
-// SAFETY: the list is plain data owned by this value; mutation needs `&mut self`.
-unsafe impl Send for XferDlist {}
-// SAFETY: shared access only passes the handle to NIXL calls that read it.
-unsafe impl Sync for XferDlist {}
 
 impl XferDlist {
     pub(crate) fn new(mem_type: MemType, capacity: usize) -> Result<Self> {
@@ -31,14 +26,12 @@ impl XferDlist {
 
     /// A C list with room for `capacity` descriptors, and `descs` as the Rust copy.
     fn with_descs(mem_type: MemType, capacity: usize, descs: Vec<XferDesc>) -> Result<Self> {
-        let mut raw = ptr::null_mut();
-        // SAFETY: out-pointer to a local.
-        check(
-            unsafe { sys::nixl_capi_create_xfer_dlist(mem_type.to_raw(), &mut raw) },
-            "create descriptor list",
-        )?;
+        // SAFETY: NIXL stores a new handle through the out-pointer.
+        let handle = XferDlistHandle::create("create descriptor list", |out| unsafe {
+            sys::nixl_capi_create_xfer_dlist(mem_type.to_raw(), out)
+        })?;
         let list = XferDlist {
-            raw,
+            handle,
             mem_type,
             descs,
         };
@@ -47,12 +40,12 @@ impl XferDlist {
             // descriptors, so the adds that follow never reallocate.
             // SAFETY: live list.
             check(
-                unsafe { sys::nixl_capi_xfer_dlist_resize(list.raw, capacity) },
+                unsafe { sys::nixl_capi_xfer_dlist_resize(list.raw(), capacity) },
                 "reserve descriptor list",
             )?;
             // SAFETY: live list.
             check(
-                unsafe { sys::nixl_capi_xfer_dlist_clear(list.raw) },
+                unsafe { sys::nixl_capi_xfer_dlist_clear(list.raw()) },
                 "reserve descriptor list",
             )?;
         }
@@ -80,7 +73,7 @@ impl XferDlist {
         validate(operation, self.mem_type, index, desc.addr, desc.len)?;
         // SAFETY: live list; NIXL copies the descriptor.
         let status = unsafe {
-            sys::nixl_capi_xfer_dlist_add_desc(self.raw, desc.addr, desc.len, desc.dev_id)
+            sys::nixl_capi_xfer_dlist_add_desc(self.raw(), desc.addr, desc.len, desc.dev_id)
         };
         check(status, operation)
     }
@@ -88,7 +81,7 @@ impl XferDlist {
     fn clear(&mut self) -> Result<()> {
         // SAFETY: live list.
         check(
-            unsafe { sys::nixl_capi_xfer_dlist_clear(self.raw) },
+            unsafe { sys::nixl_capi_xfer_dlist_clear(self.raw()) },
             "clear descriptor list",
         )?;
         self.descs.clear();
@@ -96,7 +89,7 @@ impl XferDlist {
     }
 
     pub(crate) fn raw(&self) -> sys::nixl_capi_xfer_dlist_t {
-        self.raw
+        self.handle.raw()
     }
 
     pub(crate) fn descs(&self) -> &[XferDesc] {
@@ -105,16 +98,6 @@ impl XferDlist {
 
     pub(crate) fn mem_type(&self) -> MemType {
         self.mem_type
-    }
-}
-
-impl Drop for XferDlist {
-    fn drop(&mut self) {
-        // SAFETY: owned handle, destroyed only here.
-        let status = unsafe { sys::nixl_capi_destroy_xfer_dlist(self.raw) };
-        if let Err(err) = check(status, "destroy descriptor list") {
-            tracing::error!(%err, "leaking NIXL descriptor list");
-        }
     }
 }
 

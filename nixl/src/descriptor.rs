@@ -1,6 +1,9 @@
 //! Descriptors: one contiguous range of memory each.
 
-use crate::error::{Error, Result};
+use nixl_sys as sys;
+
+use crate::error::{check, Error, Result};
+use crate::handles::RegDlist;
 use crate::mem_type::MemType;
 
 /// A range to register: address (or offset), length, device id and backend metadata.
@@ -61,4 +64,34 @@ pub(crate) fn validate(
         });
     }
     Ok(())
+}
+
+impl RegDlist {
+    /// Builds a C registration list from descriptors, checking each one.
+    pub(crate) fn build(
+        operation: &'static str,
+        mem_type: MemType,
+        descs: &[RegDesc],
+    ) -> Result<Self> {
+        // SAFETY: NIXL stores a new handle through the out-pointer.
+        let list = RegDlist::create("create registration list", |out| unsafe {
+            sys::nixl_capi_create_reg_dlist(mem_type.to_raw(), out)
+        })?;
+        for (index, d) in descs.iter().enumerate() {
+            validate(operation, mem_type, index, d.addr, d.len)?;
+            // SAFETY: live list; NIXL copies the descriptor and its metadata bytes.
+            let status = unsafe {
+                sys::nixl_capi_reg_dlist_add_desc(
+                    list.raw(),
+                    d.addr,
+                    d.len,
+                    d.dev_id,
+                    d.metadata.as_ptr().cast(),
+                    d.metadata.len(),
+                )
+            };
+            check(status, "add registration descriptor")?;
+        }
+        Ok(list)
+    }
 }

@@ -137,6 +137,7 @@ mod desc_list;
 mod descriptor;
 mod driver;
 mod error;
+mod handles;
 pub mod kv_config;
 mod leaks;
 mod local_peers;

@@ -8,13 +8,15 @@ use std::sync::Arc;
 use nixl_sys as sys;
 
 use crate::agent::{Agent, AgentInner};
+use crate::backend::backend_args;
 use crate::backend::Backend;
 use crate::desc_list::LocalDescList;
 use crate::descriptor::{validate, XferDesc};
 use crate::error::{check, Error, Result};
+use crate::handles::PeerDlist;
 use crate::local_peers;
 use crate::mem_type::MemType;
-use crate::raw::{c_name, OptArgs};
+use crate::raw::c_name;
 use crate::registration::RegInner;
 
 /// A descriptor of another agent's memory, naming that agent (a view can span peers).
@@ -68,27 +70,19 @@ impl Drop for MemView {
     }
 }
 
-/// An owned `nixl_capi_remote_dlist_t`.
-struct PeerDlist {
-    raw: sys::nixl_capi_remote_dlist_t,
-}
-
 impl PeerDlist {
     fn build(operation: &'static str, mem_type: MemType, descs: &[PeerDesc]) -> Result<Self> {
-        let mut raw = ptr::null_mut();
-        // SAFETY: out-pointer to a local.
-        check(
-            unsafe { sys::nixl_capi_create_remote_dlist(mem_type.to_raw(), &mut raw) },
-            operation,
-        )?;
-        let list = PeerDlist { raw };
+        // SAFETY: NIXL stores a new handle through the out-pointer.
+        let list = PeerDlist::create(operation, |out| unsafe {
+            sys::nixl_capi_create_remote_dlist(mem_type.to_raw(), out)
+        })?;
         for (index, peer) in descs.iter().enumerate() {
             validate(operation, mem_type, index, peer.desc.addr, peer.desc.len)?;
             let name: CString = c_name("remote agent name", &peer.agent)?;
             // SAFETY: live list, valid C string; NIXL copies both.
             let status = unsafe {
                 sys::nixl_capi_remote_dlist_add_desc(
-                    list.raw,
+                    list.raw(),
                     peer.desc.addr,
                     peer.desc.len,
                     peer.desc.dev_id,
@@ -98,18 +92,6 @@ impl PeerDlist {
             check(status, operation)?;
         }
         Ok(list)
-    }
-}
-
-impl Drop for PeerDlist {
-    fn drop(&mut self) {
-        // SAFETY: owned handle, destroyed only here.
-        if let Err(err) = check(
-            unsafe { sys::nixl_capi_destroy_remote_dlist(self.raw) },
-            "destroy peer list",
-        ) {
-            tracing::error!(%err, "leaking NIXL peer descriptor list");
-        }
     }
 }
 
@@ -129,7 +111,7 @@ impl Agent {
             return Err(Error::EmptyDescList { operation: OP });
         }
         list.check_owner(OP, &self.inner)?;
-        let args = OptArgs::with_backends(&self.inner, OP, backends)?;
+        let args = backend_args(&self.inner, OP, backends)?;
         let mut raw = ptr::null_mut();
         // SAFETY: live agent, list and args; out-pointer to a local.
         let status = self.inner.with(|agent| unsafe {
@@ -165,11 +147,11 @@ impl Agent {
                 std::slice::from_ref(&peer.desc),
             )?);
         }
-        let args = OptArgs::with_backends(&self.inner, OP, backends)?;
+        let args = backend_args(&self.inner, OP, backends)?;
         let mut raw = ptr::null_mut();
         // SAFETY: live agent, list and args; out-pointer to a local.
         let status = self.inner.with(|agent| unsafe {
-            sys::nixl_capi_prep_mem_view_remote(agent, list.raw, &mut raw, args.raw())
+            sys::nixl_capi_prep_mem_view_remote(agent, list.raw(), &mut raw, args.raw())
         });
         check(status, OP)?;
         Ok(MemView {

@@ -5,12 +5,15 @@ use std::ptr;
 use nixl_sys as sys;
 
 use crate::agent::{Agent, AgentInner};
+use crate::backend::backend_args;
 use crate::backend::Backend;
 use crate::desc_list::RemoteDescList;
 use crate::error::{check, check_hint, Error, Result, HINT_LOAD_REMOTE_MD};
+use crate::handles::OptArgs;
+use crate::handles::RegDlist;
 use crate::mem_type::MemType;
-use crate::raw::{c_name, take_malloced, OptArgs};
-use crate::registration::{RegDlist, Registration};
+use crate::raw::{c_name, take_malloced};
+use crate::registration::Registration;
 use crate::status::Status;
 
 /// Where [`Agent::send_local_metadata`] and friends exchange metadata.
@@ -35,7 +38,7 @@ impl MetadataPeer {
         operation: &'static str,
         backends: &[&Backend],
     ) -> Result<OptArgs> {
-        let args = OptArgs::with_backends(agent, operation, backends)?;
+        let args = backend_args(agent, operation, backends)?;
         if let MetadataPeer::Socket { ip, port } = self {
             args.set_socket(ip, *port)?;
         }
@@ -84,7 +87,7 @@ impl Agent {
     ) -> Result<Vec<u8>> {
         const OP: &str = "get partial local metadata";
         let list = partial_list(OP, regs)?;
-        let args = OptArgs::with_backends(&self.inner, OP, backends)?;
+        let args = backend_args(&self.inner, OP, backends)?;
         let (mut data, mut len) = (ptr::null_mut(), 0);
         let status = self.inner.with(|agent| {
             // SAFETY: live agent, list and args; on success `data` is a malloc'd buffer we own.
@@ -255,7 +258,7 @@ impl Agent {
     /// Connects to `remote_agent` now instead of at the first transfer.
     pub fn make_connection(&self, remote_agent: &str, backends: &[&Backend]) -> Result<()> {
         let name = c_name("remote agent name", remote_agent)?;
-        let args = OptArgs::with_backends(&self.inner, "make connection", backends)?;
+        let args = backend_args(&self.inner, "make connection", backends)?;
         // SAFETY: live agent and args; valid C string.
         let status = self.inner.with(|agent| unsafe {
             sys::nixl_capi_agent_make_connection(agent, name.as_ptr(), args.raw())

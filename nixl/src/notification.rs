@@ -7,30 +7,23 @@ use std::ptr;
 use nixl_sys as sys;
 
 use crate::agent::{Agent, AgentInner};
+use crate::backend::backend_args;
 use crate::backend::Backend;
 use crate::driver::lock;
 use crate::error::{check, Result};
+use crate::handles::{NotifMap, OptArgs};
 use crate::notify_hub::{self, Notification};
-use crate::raw::{c_name, OptArgs};
-use crate::xfer::opt_args_ptr;
+use crate::raw::c_name;
 
 /// New notifications, by sending agent, in arrival order. Messages are arbitrary bytes.
 pub type Notifications = HashMap<String, Vec<Vec<u8>>>;
 
-/// An owned `nixl_capi_notif_map_t`.
-struct NotifMap {
-    raw: sys::nixl_capi_notif_map_t,
-}
-
 impl NotifMap {
     fn new() -> Result<Self> {
-        let mut raw = ptr::null_mut();
-        // SAFETY: out-pointer to a local.
-        check(
-            unsafe { sys::nixl_capi_create_notif_map(&mut raw) },
-            "create notification map",
-        )?;
-        Ok(NotifMap { raw })
+        // SAFETY: NIXL stores a new handle through the out-pointer.
+        NotifMap::create("create notification map", |out| unsafe {
+            sys::nixl_capi_create_notif_map(out)
+        })
     }
 
     /// Copies every message out, with the exact bytes of each sender's name, in arrival
@@ -40,7 +33,7 @@ impl NotifMap {
         let mut agents = 0;
         // SAFETY: live map.
         check(
-            unsafe { sys::nixl_capi_notif_map_size(self.raw, &mut agents) },
+            unsafe { sys::nixl_capi_notif_map_size(self.raw(), &mut agents) },
             OP,
         )?;
         let mut out = Vec::new();
@@ -48,7 +41,7 @@ impl NotifMap {
             let mut name_ptr = ptr::null();
             // SAFETY: index < size; the name is borrowed from the map and used below only.
             check(
-                unsafe { sys::nixl_capi_notif_map_get_agent_at(self.raw, index, &mut name_ptr) },
+                unsafe { sys::nixl_capi_notif_map_get_agent_at(self.raw(), index, &mut name_ptr) },
                 OP,
             )?;
             if name_ptr.is_null() {
@@ -60,7 +53,7 @@ impl NotifMap {
             // SAFETY: live map and a name it contains.
             check(
                 unsafe {
-                    sys::nixl_capi_notif_map_get_notifs_size(self.raw, name.as_ptr(), &mut count)
+                    sys::nixl_capi_notif_map_get_notifs_size(self.raw(), name.as_ptr(), &mut count)
                 },
                 OP,
             )?;
@@ -70,7 +63,7 @@ impl NotifMap {
                 check(
                     unsafe {
                         sys::nixl_capi_notif_map_get_notif(
-                            self.raw,
+                            self.raw(),
                             name.as_ptr(),
                             n,
                             &mut data,
@@ -95,20 +88,8 @@ impl NotifMap {
     }
 }
 
-impl Drop for NotifMap {
-    fn drop(&mut self) {
-        // SAFETY: owned handle, destroyed only here.
-        if let Err(err) = check(
-            unsafe { sys::nixl_capi_destroy_notif_map(self.raw) },
-            "destroy notification map",
-        ) {
-            tracing::error!(%err, "leaking NIXL notification map");
-        }
-    }
-}
-
 /// Optional arguments naming `backends`, or none (NIXL's defaults) for an empty slice.
-fn backend_args(
+fn optional_backend_args(
     agent: &AgentInner,
     operation: &'static str,
     backends: &[&Backend],
@@ -116,7 +97,7 @@ fn backend_args(
     if backends.is_empty() {
         Ok(None)
     } else {
-        OptArgs::with_backends(agent, operation, backends).map(Some)
+        backend_args(agent, operation, backends).map(Some)
     }
 }
 
@@ -134,7 +115,7 @@ impl Agent {
         backends: &[&Backend],
     ) -> Result<()> {
         let name = c_name("remote agent name", remote_agent)?;
-        let args = backend_args(&self.inner, "send notification", backends)?;
+        let args = optional_backend_args(&self.inner, "send notification", backends)?;
         let status = self.inner.with(|agent| {
             // SAFETY: live agent, valid C string, `message` valid for its length.
             unsafe {
@@ -143,7 +124,7 @@ impl Agent {
                     name.as_ptr(),
                     message.as_ptr().cast(),
                     message.len(),
-                    opt_args_ptr(args.as_ref()),
+                    OptArgs::ptr(args.as_ref()),
                 )
             }
         });
@@ -191,10 +172,10 @@ pub(crate) fn take_from_nixl(
     backends: &[&Backend],
 ) -> Result<Vec<Notification>> {
     let map = NotifMap::new()?;
-    let args = backend_args(agent, "get notifications", backends)?;
+    let args = optional_backend_args(agent, "get notifications", backends)?;
     // SAFETY: live agent and map; args null or live.
     let status = agent.with(|raw| unsafe {
-        sys::nixl_capi_get_notifs(raw, map.raw, opt_args_ptr(args.as_ref()))
+        sys::nixl_capi_get_notifs(raw, map.raw(), OptArgs::ptr(args.as_ref()))
     });
     check(status, "get notifications")?;
     map.take()

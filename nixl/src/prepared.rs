@@ -10,10 +10,11 @@ use crate::agent::{Agent, AgentInner};
 use crate::backend::Backend;
 use crate::desc_list::{LocalDescList, RemoteDescList, XferDlist};
 use crate::error::{check, Error, Result};
+use crate::handles::OptArgs;
 use crate::local_peers;
 use crate::raw::c_name;
 use crate::registration::RegInner;
-use crate::xfer::{check_pairing, opt_args_ptr, XferOp, XferOptions, XferRequest};
+use crate::xfer::{check_pairing, XferOp, XferOptions, XferRequest};
 
 /// The owner of a prepared-list handle, shared by the list and the requests made from it.
 pub(crate) struct PreparedShared {
@@ -158,7 +159,7 @@ impl Agent {
                     name.as_ptr(),
                     list.raw(),
                     &mut raw,
-                    opt_args_ptr(args.as_ref()),
+                    OptArgs::ptr(args.as_ref()),
                 )
             }
         });
@@ -264,7 +265,7 @@ impl Agent {
                     remote_indices.as_ptr(),
                     remote_indices.len(),
                     &mut raw,
-                    opt_args_ptr(args.as_ref()),
+                    OptArgs::ptr(args.as_ref()),
                 )
             }
         });

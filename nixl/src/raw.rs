@@ -1,6 +1,6 @@
-//! Owners for the C API's short-lived helper objects, and conversions at the boundary.
-//!
-//! Each owner holds exactly one handle and frees it in `Drop`; none is exposed publicly.
+//! The boundary with the C API: what the owners of its helper objects (optional arguments,
+//! parameters) can do, and conversions of names, strings and lists. It knows only
+//! `nixl-sys`, the error type and plain data.
 
 use std::collections::BTreeMap;
 use std::ffi::{c_char, c_void, CStr, CString};
@@ -8,9 +8,8 @@ use std::ptr;
 
 use nixl_sys as sys;
 
-use crate::agent::AgentInner;
-use crate::backend::Backend;
 use crate::error::{check, Error, Result};
+use crate::handles::{OptArgs, Params};
 use crate::mem_type::MemType;
 
 /// Validates a name that crosses into NIXL as a C string: not empty, no NUL byte.
@@ -59,52 +58,30 @@ pub(crate) unsafe fn take_malloced(data: *mut c_void, len: usize) -> Vec<u8> {
     bytes
 }
 
-/// An owned `nixl_capi_opt_args_t`.
-pub(crate) struct OptArgs {
-    raw: sys::nixl_capi_opt_args_t,
-}
-
 impl OptArgs {
+    /// Empty optional arguments (NIXL's defaults).
     pub(crate) fn new() -> Result<Self> {
-        let mut raw = ptr::null_mut();
-        // SAFETY: out-pointer to a local.
-        check(
-            unsafe { sys::nixl_capi_create_opt_args(&mut raw) },
-            "create optional arguments",
-        )?;
-        Ok(OptArgs { raw })
+        // SAFETY: NIXL stores a new handle through the out-pointer.
+        OptArgs::create("create optional arguments", |out| unsafe {
+            sys::nixl_capi_create_opt_args(out)
+        })
     }
 
-    /// Optional arguments naming these backends of `agent` (none: NIXL chooses).
+    /// Adds a backend NIXL may use.
     ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] for a backend created on another agent.
-    pub(crate) fn with_backends(
-        agent: &AgentInner,
-        operation: &'static str,
-        backends: &[&Backend],
-    ) -> Result<Self> {
-        if let Some(foreign) = backends.iter().find(|b| !b.belongs_to(agent)) {
-            return Err(Error::InvalidArgument {
-                operation,
-                reason: format!(
-                    "backend {} belongs to agent {:?}, not {:?}",
-                    foreign.plugin(),
-                    foreign.agent_name(),
-                    agent.name
-                ),
-            });
-        }
-        let args = Self::new()?;
-        for backend in backends {
-            // SAFETY: both handles are live; the backend handle stays valid while its agent
-            // lives, and every user of these arguments holds that agent.
-            check(
-                unsafe { sys::nixl_capi_opt_args_add_backend(args.raw, backend.raw()) },
-                "add backend to optional arguments",
-            )?;
-        }
-        Ok(args)
+    /// # Safety
+    /// `backend` is a live backend handle that outlives every use of these arguments.
+    pub(crate) unsafe fn add_backend(&self, backend: sys::nixl_capi_backend_t) -> Result<()> {
+        // SAFETY: both handles are live (the caller vouches for the backend).
+        check(
+            unsafe { sys::nixl_capi_opt_args_add_backend(self.raw(), backend) },
+            "add backend to optional arguments",
+        )
+    }
+
+    /// The C pointer of optional arguments, or null for NIXL's defaults.
+    pub(crate) fn ptr(args: Option<&OptArgs>) -> sys::nixl_capi_opt_args_t {
+        args.map_or(ptr::null_mut(), OptArgs::raw)
     }
 
     pub(crate) fn set_notification(&self, message: &[u8]) -> Result<()> {
@@ -112,7 +89,7 @@ impl OptArgs {
         check(
             unsafe {
                 sys::nixl_capi_opt_args_set_notif_msg(
-                    self.raw,
+                    self.raw(),
                     message.as_ptr().cast(),
                     message.len(),
                 )
@@ -121,7 +98,7 @@ impl OptArgs {
         )?;
         // SAFETY: live handle.
         check(
-            unsafe { sys::nixl_capi_opt_args_set_has_notif(self.raw, true) },
+            unsafe { sys::nixl_capi_opt_args_set_has_notif(self.raw(), true) },
             "enable notification",
         )
     }
@@ -129,7 +106,7 @@ impl OptArgs {
     pub(crate) fn set_skip_desc_merge(&self, skip: bool) -> Result<()> {
         // SAFETY: live handle.
         check(
-            unsafe { sys::nixl_capi_opt_args_set_skip_desc_merge(self.raw, skip) },
+            unsafe { sys::nixl_capi_opt_args_set_skip_desc_merge(self.raw(), skip) },
             "set skip_desc_merge",
         )
     }
@@ -139,7 +116,7 @@ impl OptArgs {
         check(
             unsafe {
                 sys::nixl_capi_opt_args_set_custom_param(
-                    self.raw,
+                    self.raw(),
                     value.as_ptr().cast(),
                     value.len(),
                 )
@@ -152,51 +129,24 @@ impl OptArgs {
         let ip = c_name("IP address", ip)?;
         // SAFETY: live handle; NIXL copies the string.
         check(
-            unsafe { sys::nixl_capi_opt_args_set_ip_addr(self.raw, ip.as_ptr()) },
+            unsafe { sys::nixl_capi_opt_args_set_ip_addr(self.raw(), ip.as_ptr()) },
             "set metadata peer address",
         )?;
         // SAFETY: live handle.
         check(
-            unsafe { sys::nixl_capi_opt_args_set_port(self.raw, port) },
+            unsafe { sys::nixl_capi_opt_args_set_port(self.raw(), port) },
             "set metadata peer port",
         )
     }
-
-    pub(crate) fn raw(&self) -> sys::nixl_capi_opt_args_t {
-        self.raw
-    }
-}
-
-impl Drop for OptArgs {
-    fn drop(&mut self) {
-        // SAFETY: created by nixl_capi_create_opt_args and destroyed only here.
-        let status = unsafe { sys::nixl_capi_destroy_opt_args(self.raw) };
-        if let Err(err) = check(status, "destroy optional arguments") {
-            tracing::error!(%err, "leaking NIXL optional arguments");
-        }
-    }
-}
-
-/// An owned `nixl_capi_params_t`.
-pub(crate) struct Params {
-    raw: sys::nixl_capi_params_t,
 }
 
 impl Params {
-    /// Takes ownership of a params handle NIXL returned.
-    pub(crate) fn from_raw(raw: sys::nixl_capi_params_t) -> Self {
-        Params { raw }
-    }
-
     /// Builds a params handle holding `map`.
     pub(crate) fn from_map(map: &BTreeMap<String, String>) -> Result<Self> {
-        let mut raw = ptr::null_mut();
-        // SAFETY: out-pointer to a local.
-        check(
-            unsafe { sys::nixl_capi_create_params(&mut raw) },
-            "create backend parameters",
-        )?;
-        let params = Params { raw };
+        // SAFETY: NIXL stores a new handle through the out-pointer.
+        let params = Params::create("create backend parameters", |out| unsafe {
+            sys::nixl_capi_create_params(out)
+        })?;
         for (key, value) in map {
             let key = c_name("backend parameter name", key)?;
             let value = CString::new(value.as_str()).map_err(|_| Error::InvalidArgument {
@@ -205,15 +155,11 @@ impl Params {
             })?;
             // SAFETY: live handle; NIXL copies both strings.
             check(
-                unsafe { sys::nixl_capi_params_add(params.raw, key.as_ptr(), value.as_ptr()) },
+                unsafe { sys::nixl_capi_params_add(params.raw(), key.as_ptr(), value.as_ptr()) },
                 "add backend parameter",
             )?;
         }
         Ok(params)
-    }
-
-    pub(crate) fn raw(&self) -> sys::nixl_capi_params_t {
-        self.raw
     }
 
     /// Copies the key/value pairs out.
@@ -222,7 +168,7 @@ impl Params {
         let mut empty = true;
         // SAFETY: live handle.
         check(
-            unsafe { sys::nixl_capi_params_is_empty(self.raw, &mut empty) },
+            unsafe { sys::nixl_capi_params_is_empty(self.raw(), &mut empty) },
             "read backend parameters",
         )?;
         if empty {
@@ -231,7 +177,7 @@ impl Params {
         let mut iter = ptr::null_mut();
         // SAFETY: live handle; the iterator is destroyed below, before the params.
         check(
-            unsafe { sys::nixl_capi_params_create_iterator(self.raw, &mut iter) },
+            unsafe { sys::nixl_capi_params_create_iterator(self.raw(), &mut iter) },
             "iterate backend parameters",
         )?;
         let mut has_next = true;
@@ -257,16 +203,6 @@ impl Params {
             "destroy parameter iterator",
         );
         result.and(destroyed).map(|()| map)
-    }
-}
-
-impl Drop for Params {
-    fn drop(&mut self) {
-        // SAFETY: owned handle, destroyed only here.
-        let status = unsafe { sys::nixl_capi_destroy_params(self.raw) };
-        if let Err(err) = check(status, "destroy backend parameters") {
-            tracing::error!(%err, "leaking NIXL backend parameters");
-        }
     }
 }
 

@@ -1,70 +1,18 @@
 //! Memory registration: `register_memory(descs, backends)` and the guard that deregisters.
 
-use std::ptr;
 use std::sync::Arc;
 
 use nixl_sys as sys;
 
 use crate::agent::{Agent, AgentInner};
 use crate::atomic_copy;
+use crate::backend::backend_args;
 use crate::backend::Backend;
-use crate::descriptor::{validate, RegDesc};
+use crate::descriptor::RegDesc;
 use crate::error::{check, Error, Result};
+use crate::handles::{OptArgs, RegDlist};
 use crate::mem_type::MemType;
 use crate::memory::RegisterMemory;
-use crate::raw::OptArgs;
-
-/// An owned `nixl_capi_reg_dlist_t`.
-pub(crate) struct RegDlist {
-    raw: sys::nixl_capi_reg_dlist_t,
-}
-
-impl RegDlist {
-    /// Builds a C registration list from descriptors, checking each one.
-    pub(crate) fn build(
-        operation: &'static str,
-        mem_type: MemType,
-        descs: &[RegDesc],
-    ) -> Result<Self> {
-        let mut raw = ptr::null_mut();
-        // SAFETY: out-pointer to a local.
-        check(
-            unsafe { sys::nixl_capi_create_reg_dlist(mem_type.to_raw(), &mut raw) },
-            "create registration list",
-        )?;
-        let list = RegDlist { raw };
-        for (index, d) in descs.iter().enumerate() {
-            validate(operation, mem_type, index, d.addr, d.len)?;
-            // SAFETY: live list; NIXL copies the descriptor and its metadata bytes.
-            let status = unsafe {
-                sys::nixl_capi_reg_dlist_add_desc(
-                    list.raw,
-                    d.addr,
-                    d.len,
-                    d.dev_id,
-                    d.metadata.as_ptr().cast(),
-                    d.metadata.len(),
-                )
-            };
-            check(status, "add registration descriptor")?;
-        }
-        Ok(list)
-    }
-
-    pub(crate) fn raw(&self) -> sys::nixl_capi_reg_dlist_t {
-        self.raw
-    }
-}
-
-impl Drop for RegDlist {
-    fn drop(&mut self) {
-        // SAFETY: owned handle, destroyed only here.
-        let status = unsafe { sys::nixl_capi_destroy_reg_dlist(self.raw) };
-        if let Err(err) = check(status, "destroy registration list") {
-            tracing::error!(%err, "leaking NIXL registration list");
-        }
-    }
-}
 
 /// Registered memory. Deregisters (with the same backends) when the last user is gone.
 ///
@@ -363,7 +311,7 @@ impl Agent {
             crate::cuda::require_device(OP)?;
         }
         let dlist = RegDlist::build(OP, mem_type, &regions)?;
-        let opts = OptArgs::with_backends(&self.inner, OP, backends)?;
+        let opts = backend_args(&self.inner, OP, backends)?;
         // SAFETY: live agent, list and options; the caller keeps the memory valid.
         let status = self
             .inner

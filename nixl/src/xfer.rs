@@ -7,15 +7,17 @@ use std::time::{Duration, Instant};
 use nixl_sys as sys;
 
 use crate::agent::{Agent, AgentInner};
+use crate::backend::backend_args;
 use crate::backend::{describe_backend, Backend};
 use crate::desc_list::{LocalDescList, RemoteDescList, XferDlist};
 use crate::descriptor::XferDesc;
 use crate::driver::{Entry, Slot};
 use crate::error::{check, check_progress, with_hint, Error, Progress, Result, HINT_STALE_REQUEST};
+use crate::handles::OptArgs;
 use crate::local_peers;
 use crate::mem_type::MemType;
 use crate::prepared::PreparedShared;
-use crate::raw::{c_name, OptArgs};
+use crate::raw::c_name;
 use crate::registration::RegInner;
 use crate::status::Status;
 
@@ -104,8 +106,7 @@ impl XferOptions {
             // NIXL treats null optional arguments as all defaults; skip making a C object.
             return Ok(None);
         }
-        let args =
-            OptArgs::with_backends(agent, operation, &self.backends.iter().collect::<Vec<_>>())?;
+        let args = backend_args(agent, operation, &self.backends.iter().collect::<Vec<_>>())?;
         if let Some(message) = &self.notification {
             args.set_notification(message)?;
         }
@@ -117,11 +118,6 @@ impl XferOptions {
         }
         Ok(Some(args))
     }
-}
-
-/// The C pointer of optional arguments, or null for NIXL's defaults.
-pub(crate) fn opt_args_ptr(args: Option<&OptArgs>) -> sys::nixl_capi_opt_args_t {
-    args.map_or(ptr::null_mut(), OptArgs::raw)
 }
 
 /// NIXL's estimate of how long a request takes.
@@ -281,7 +277,7 @@ impl XferRequest {
                 reason: "the request is still in flight; wait for it before reposting".to_string(),
             });
         }
-        let args = opt_args_ptr(args);
+        let args = OptArgs::ptr(args);
         // SAFETY: live agent and request; args is null or live.
         let status = self
             .agent
@@ -433,7 +429,7 @@ impl XferRequest {
             .lock()
             .unwrap_or_else(|p| p.into_inner());
         for (plugin, handle) in handles.iter() {
-            if describe_backend(&self.agent, handle.0)? == chosen {
+            if describe_backend(&self.agent, handle.raw())? == chosen {
                 return Ok(plugin.clone());
             }
         }
@@ -732,7 +728,7 @@ impl Agent {
                     remote_raw,
                     name.as_ptr(),
                     &mut raw,
-                    opt_args_ptr(args.as_ref()),
+                    OptArgs::ptr(args.as_ref()),
                 )
             }
         });
