@@ -1,7 +1,7 @@
 //! The NIXL agent: one per process (or per worker), owning backends, registrations and transfers.
 
 use std::ptr;
-use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
 use nixl_sys as sys;
@@ -12,7 +12,6 @@ use crate::handles::BackendHandle;
 use crate::leaks::{LeakCounters, LeakStats};
 use crate::local_peers;
 use crate::raw::c_name;
-use crate::registration::RegInner;
 
 /// How NIXL locks an agent's internal state across threads.
 ///
@@ -177,14 +176,13 @@ impl AgentBuilder {
             raw,
             serialize: (cfg.thread_sync == ThreadSync::None).then(|| Mutex::new(())),
             backends: Mutex::new(Vec::new()),
-            registrations: Mutex::new(Vec::new()),
             leaks: LeakCounters::default(),
             driver: OnceLock::new(),
             driver_start: Mutex::new(()),
             name: self.name,
             config: self.config,
         });
-        local_peers::add_agent(&inner);
+        local_peers::add_agent(&inner.name);
         Ok(Agent { inner })
     }
 }
@@ -256,8 +254,6 @@ pub(crate) struct AgentInner {
     serialize: Option<Mutex<()>>,
     /// Plugin name and C handle of every backend created on this agent, freed with it.
     pub(crate) backends: Mutex<Vec<(String, BackendHandle)>>,
-    /// Every registration made on this agent (dead ones are pruned as new ones come).
-    registrations: Mutex<Vec<Weak<RegInner>>>,
     /// What was leaked rather than freed under NIXL.
     pub(crate) leaks: LeakCounters,
     /// The completion driver, started on first asynchronous use.
@@ -306,27 +302,6 @@ impl AgentInner {
         crate::driver::lock(&shared.hub)
             .active
             .then(|| shared.clone())
-    }
-
-    /// Records a new registration, so that transfers from other agents of this process can
-    /// find and hold it.
-    pub(crate) fn track(&self, registration: &Arc<RegInner>) {
-        let mut all = self
-            .registrations
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        all.retain(|weak| weak.strong_count() > 0);
-        all.push(Arc::downgrade(registration));
-    }
-
-    /// The registrations of this agent that are still alive.
-    pub(crate) fn live_registrations(&self) -> Vec<Arc<RegInner>> {
-        self.registrations
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .iter()
-            .filter_map(Weak::upgrade)
-            .collect()
     }
 }
 

@@ -8,6 +8,7 @@ use crate::agent::AgentInner;
 use crate::descriptor::{validate, XferDesc};
 use crate::error::{check, Error, Result};
 use crate::handles::XferDlistHandle;
+use crate::local_peers::Hold;
 use crate::mem_type::MemType;
 use crate::registration::{RegInner, Registration};
 use crate::reuse::Reuse;
@@ -220,6 +221,11 @@ impl LocalDescList {
     }
 
     list_accessors!();
+
+    /// Holds on every registration of the list, for a request or prepared list made from it.
+    pub(crate) fn holds(&self) -> Vec<Hold> {
+        self.keep.iter().map(|reg| reg.clone() as Hold).collect()
+    }
 
     /// Checks that every registration in the list belongs to `agent`: NIXL would resolve
     /// the addresses against `agent`'s own registrations, which the list does not hold.

@@ -1,5 +1,5 @@
-//! Agents of this process, found by name, so that a transfer whose remote side is one of
-//! them holds the registrations it targets.
+//! Memory of the agents of this process, found by agent name, so that a transfer whose
+//! remote side is one of them holds the registrations it targets.
 //!
 //! NIXL knows a remote agent only through the metadata it loaded, which can be stale: an
 //! agent of this process may have deregistered (and freed) memory that another agent still
@@ -15,36 +15,53 @@
 use std::collections::HashMap;
 use std::sync::{Arc, LazyLock, Mutex, PoisonError, Weak};
 
-use crate::agent::AgentInner;
-use crate::descriptor::XferDesc;
+use crate::descriptor::{RegDesc, XferDesc};
 use crate::error::{Error, Result};
 use crate::mem_type::MemType;
-use crate::registration::RegInner;
 
-/// Every agent of this process by name, including dropped ones (as dead weak references).
-static AGENTS: LazyLock<Mutex<HashMap<String, Vec<Weak<AgentInner>>>>> =
+/// Registered memory that a transfer can target and hold.
+pub(crate) trait Target: Send + Sync {
+    /// The memory type of every region.
+    fn mem_type(&self) -> MemType;
+    /// The registered regions.
+    fn regions(&self) -> &[RegDesc];
+}
+
+/// A hold on a target: while it lives, the memory stays registered and allocated.
+pub(crate) type Hold = Arc<dyn Target>;
+
+/// The registrations of every agent name of this process (dead ones pruned as new ones
+/// come); a name with no live registration stays, as a dropped agent's.
+static TARGETS: LazyLock<Mutex<HashMap<String, Vec<Weak<dyn Target>>>>> =
     LazyLock::new(|| Mutex::new(HashMap::new()));
 
-/// Records a new agent of this process.
-pub(crate) fn add_agent(agent: &Arc<AgentInner>) {
-    let mut agents = AGENTS.lock().unwrap_or_else(PoisonError::into_inner);
-    let same_name = agents.entry(agent.name.clone()).or_default();
-    same_name.retain(|weak| weak.strong_count() > 0);
-    same_name.push(Arc::downgrade(agent));
+fn table() -> std::sync::MutexGuard<'static, HashMap<String, Vec<Weak<dyn Target>>>> {
+    TARGETS.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Records that an agent named `name` lives in this process.
+pub(crate) fn add_agent(name: &str) {
+    table().entry(name.to_string()).or_default();
+}
+
+/// Records a registration of the agent named `agent`.
+pub(crate) fn track(agent: &str, target: Hold) {
+    let mut table = table();
+    let targets = table.entry(agent.to_string()).or_default();
+    targets.retain(|weak| weak.strong_count() > 0);
+    targets.push(Arc::downgrade(&target));
 }
 
 /// The live registrations of `mem_type` of the agents of this process named `name`, or
 /// `None` when no agent of this process ever had that name.
-fn registrations_of(name: &str, mem_type: MemType) -> Option<Vec<Arc<RegInner>>> {
-    let agents: Vec<Arc<AgentInner>> = {
-        let table = AGENTS.lock().unwrap_or_else(PoisonError::into_inner);
-        table.get(name)?.iter().filter_map(Weak::upgrade).collect()
-    };
+fn targets_of(name: &str, mem_type: MemType) -> Option<Vec<Hold>> {
+    let table = table();
     Some(
-        agents
+        table
+            .get(name)?
             .iter()
-            .flat_map(|agent| agent.live_registrations())
-            .filter(|reg| reg.mem_type == mem_type)
+            .filter_map(Weak::upgrade)
+            .filter(|target| target.mem_type() == mem_type)
             .collect(),
     )
 }
@@ -60,22 +77,23 @@ pub(crate) fn hold_targets(
     remote_agent: &str,
     mem_type: MemType,
     descs: &[XferDesc],
-) -> Result<Vec<Arc<RegInner>>> {
-    let Some(registrations) = registrations_of(remote_agent, mem_type) else {
+) -> Result<Vec<Hold>> {
+    let Some(targets) = targets_of(remote_agent, mem_type) else {
         return Ok(Vec::new());
     };
-    // (start, end, dev_id, index into `registrations`), sorted by start.
-    let mut regions: Vec<(usize, usize, u64, usize)> = registrations
+    // (start, end, dev_id, index into `targets`), sorted by start.
+    let mut regions: Vec<(usize, usize, u64, usize)> = targets
         .iter()
         .enumerate()
-        .flat_map(|(at, reg)| {
-            reg.regions
+        .flat_map(|(at, target)| {
+            target
+                .regions()
                 .iter()
                 .map(move |r| (r.addr, r.addr.saturating_add(r.len), r.dev_id, at))
         })
         .collect();
     regions.sort_unstable();
-    let mut used = vec![false; registrations.len()];
+    let mut used = vec![false; targets.len()];
     for (index, desc) in descs.iter().enumerate() {
         let end = desc.addr.checked_add(desc.len);
         // Regions may overlap (the same memory registered twice): look at every region that
@@ -101,9 +119,9 @@ pub(crate) fn hold_targets(
             }
         }
     }
-    Ok(registrations
+    Ok(targets
         .into_iter()
         .zip(used)
-        .filter_map(|(reg, used)| used.then_some(reg))
+        .filter_map(|(target, used)| used.then_some(target))
         .collect())
 }

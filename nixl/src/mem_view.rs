@@ -14,10 +14,9 @@ use crate::desc_list::LocalDescList;
 use crate::descriptor::{validate, XferDesc};
 use crate::error::{check, Error, Result};
 use crate::handles::PeerDlist;
-use crate::local_peers;
+use crate::local_peers::{self, Hold};
 use crate::mem_type::MemType;
 use crate::raw::c_name;
-use crate::registration::RegInner;
 
 /// A descriptor of another agent's memory, naming that agent (a view can span peers).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -33,7 +32,7 @@ pub struct PeerDesc {
 pub struct MemView {
     agent: Arc<AgentInner>,
     raw: sys::nixl_capi_mem_view_t,
-    _keep: Vec<Arc<RegInner>>,
+    _keep: Vec<Hold>,
 }
 
 // SAFETY: the handle is only passed to NIXL calls made through the agent's locking.
@@ -121,7 +120,7 @@ impl Agent {
         Ok(MemView {
             agent: self.inner.clone(),
             raw,
-            _keep: list.keep.clone(),
+            _keep: list.holds(),
         })
     }
 

@@ -11,9 +11,8 @@ use crate::backend::Backend;
 use crate::desc_list::{LocalDescList, RemoteDescList, XferDlist};
 use crate::error::{check, Error, Result};
 use crate::handles::OptArgs;
-use crate::local_peers;
+use crate::local_peers::{self, Hold};
 use crate::raw::c_name;
-use crate::registration::RegInner;
 use crate::xfer::{check_pairing, XferOp, XferOptions, XferRequest};
 
 /// The owner of a prepared-list handle, shared by the list and the requests made from it.
@@ -22,7 +21,7 @@ pub(crate) struct PreparedShared {
     raw: sys::nixl_capi_xfer_dlist_handle_t,
     lens: Vec<usize>,
     /// Held so that the list's memory stays registered while the handle exists.
-    _keep: Vec<Arc<RegInner>>,
+    _keep: Vec<Hold>,
 }
 
 // SAFETY: the handle is only read by NIXL calls made through the agent's locking.
@@ -133,7 +132,7 @@ impl Agent {
         agent_name: &str,
         list: &XferDlist,
         backends: &[&Backend],
-        keep: Vec<Arc<RegInner>>,
+        keep: Vec<Hold>,
     ) -> Result<Arc<PreparedShared>> {
         const OP: &str = "prepare descriptor list";
         if list.descs().is_empty() {
@@ -179,7 +178,7 @@ impl Agent {
         backends: &[&Backend],
     ) -> Result<PreparedLocal> {
         list.check_owner("prepare descriptor list", &self.inner)?;
-        let shared = self.prepare("", &list.list, backends, list.keep.clone())?;
+        let shared = self.prepare("", &list.list, backends, list.holds())?;
         Ok(PreparedLocal { shared })
     }
 

@@ -11,6 +11,7 @@ use crate::backend::Backend;
 use crate::descriptor::RegDesc;
 use crate::error::{check, Error, Result};
 use crate::handles::{OptArgs, RegDlist};
+use crate::local_peers::{self, Target};
 use crate::mem_type::MemType;
 use crate::memory::RegisterMemory;
 
@@ -78,6 +79,16 @@ impl RegInner {
         self.registered = false;
         tracing::debug!(agent = %self.agent.name, regions = self.regions.len(), "deregistered memory");
         Ok(())
+    }
+}
+
+impl Target for RegInner {
+    fn mem_type(&self) -> MemType {
+        self.mem_type
+    }
+
+    fn regions(&self) -> &[RegDesc] {
+        &self.regions
     }
 }
 
@@ -331,7 +342,7 @@ impl Agent {
             registered: true,
             memory,
         });
-        self.inner.track(&inner);
+        local_peers::track(&self.inner.name, inner.clone());
         Ok(Registration { inner })
     }
 }

@@ -160,7 +160,7 @@ impl Agent {
         // The backend list is only needed when a list is prepared, not on every request.
         let chosen = || options.backends.iter().collect::<Vec<&Backend>>();
         let local_handle = local.reuse.handle(local_key, || {
-            self.prepare("", &local.list, &chosen(), local.keep.clone())
+            self.prepare("", &local.list, &chosen(), local.holds())
         });
         let remote_handle = remote.reuse.handle(remote_key, || {
             let targets = local_peers::hold_targets(

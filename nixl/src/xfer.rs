@@ -14,11 +14,10 @@ use crate::descriptor::XferDesc;
 use crate::driver::{Entry, Slot};
 use crate::error::{check, check_progress, with_hint, Error, Progress, Result, HINT_STALE_REQUEST};
 use crate::handles::OptArgs;
-use crate::local_peers;
+use crate::local_peers::{self, Hold};
 use crate::mem_type::MemType;
 use crate::prepared::PreparedShared;
 use crate::raw::c_name;
-use crate::registration::RegInner;
 use crate::status::Status;
 
 /// Direction of a transfer, seen from the agent that makes the request.
@@ -183,7 +182,7 @@ pub struct XferTelemetry {
 pub struct XferRequest {
     agent: Arc<AgentInner>,
     raw: sys::nixl_capi_xfer_req_t,
-    keep: Vec<Arc<RegInner>>,
+    keep: Vec<Hold>,
     prepared: Vec<Arc<PreparedShared>>,
     remote_agent: String,
     posted: bool,
@@ -211,7 +210,7 @@ impl XferRequest {
     pub(crate) fn new(
         agent: Arc<AgentInner>,
         raw: sys::nixl_capi_xfer_req_t,
-        keep: Vec<Arc<RegInner>>,
+        keep: Vec<Hold>,
         prepared: Vec<Arc<PreparedShared>>,
         remote_agent: String,
     ) -> Self {
@@ -734,7 +733,7 @@ impl Agent {
         });
         check(status, OP).map_err(|err| self.explain_request_failure(err, remote_agent))?;
         tracing::trace!(agent = %self.inner.name, remote = remote_agent, ?op, descs = local.len(), "created transfer request");
-        let mut keep = local.keep.clone();
+        let mut keep = local.holds();
         keep.extend(targets);
         Ok(XferRequest::new(
             self.inner.clone(),
