@@ -281,7 +281,7 @@ impl AgentInner {
     }
 
     /// The agent's completion driver, started on first use.
-    pub(crate) fn driver(self: &Arc<Self>) -> Result<&Driver> {
+    pub(crate) fn driver(&self) -> Result<&Driver> {
         if let Some(driver) = self.driver.get() {
             return Ok(driver);
         }
@@ -292,7 +292,7 @@ impl AgentInner {
         if let Some(driver) = self.driver.get() {
             return Ok(driver);
         }
-        let driver = Driver::start(self)?;
+        let driver = Driver::start(&self.name)?;
         Ok(self.driver.get_or_init(|| driver))
     }
 

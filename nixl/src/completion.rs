@@ -5,7 +5,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use crate::driver::{Entry, Slot};
+use crate::driver::{Entry, Pollable, Slot};
 use crate::error::{Error, Result};
 use crate::xfer::{XferRequest, XferStatus};
 
@@ -79,7 +79,7 @@ impl Future for Completion {
                 }
                 State::Driven(slot) => {
                     return match slot.take_or_wait(cx.waker()) {
-                        Some(outcome) => Poll::Ready(outcome),
+                        Some(outcome) => Poll::Ready(outcome.and_then(into_request)),
                         None => {
                             self.state = State::Driven(slot);
                             Poll::Pending
@@ -89,6 +89,17 @@ impl Future for Completion {
             }
         }
     }
+}
+
+/// The request the driver gives back (only requests are handed to it by completions).
+fn into_request(item: Box<dyn Pollable>) -> Result<XferRequest> {
+    item.into_any()
+        .downcast::<XferRequest>()
+        .map(|request| *request)
+        .map_err(|_| Error::InvalidArgument {
+            operation: "await transfer",
+            reason: "the completion driver returned something other than the request".into(),
+        })
 }
 
 /// A request that is not in flight: done if it was posted.
@@ -145,13 +156,13 @@ impl XferRequest {
                 return Err(HandOver::Failed(err));
             }
         };
-        let entry = Entry {
-            request: *self,
-            slot,
-        };
+        let entry = Entry { item: self, slot };
         shared
             .submit(entry, false, Some(waker))
-            .map_err(|entry| HandOver::Full(Box::new(entry.request)))
+            .map_err(|entry| match into_request(entry.item) {
+                Ok(request) => HandOver::Full(Box::new(request)),
+                Err(err) => HandOver::Failed(err),
+            })
     }
 }
 

@@ -12,15 +12,14 @@
 //! Backpressure: at most [`CAPACITY`] requests are admitted per agent; further futures wait
 //! for room. A request dropped in flight is always taken (dropping cannot wait).
 
+use std::any::Any;
 use std::collections::VecDeque;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, Weak};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::task::Waker;
 use std::time::{Duration, Instant};
 
-use crate::agent::AgentInner;
 use crate::error::{Error, Result};
-use crate::notify_hub::Hub;
-use crate::xfer::{XferRequest, XferStatus};
+use crate::notify_hub::{Hub, Notification};
 
 /// Most requests one agent's driver holds at once.
 pub(crate) const CAPACITY: usize = 4096;
@@ -34,6 +33,20 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// What the driver polls: a transfer request, as far as the driver is concerned.
+pub(crate) trait Pollable: Send {
+    /// Polls once: `Ok(true)` when done, `Ok(false)` while in progress, `Err` when failed.
+    fn poll_done(&mut self) -> Result<bool>;
+    /// The value itself, for the future that gets it back to recover its type.
+    fn into_any(self: Box<Self>) -> Box<dyn Any + Send>;
+}
+
+/// Takes the notifications NIXL holds for the agent.
+pub(crate) type Fetch = Box<dyn Fn() -> Result<Vec<Notification>> + Send + Sync>;
+
+/// What a polled item ends as: itself when done, or the error that failed it.
+pub(crate) type Outcome = Result<Box<dyn Pollable>>;
+
 /// Where the outcome of one awaited request is handed from the driver to its future.
 #[derive(Default)]
 pub(crate) struct Slot {
@@ -42,7 +55,7 @@ pub(crate) struct Slot {
 
 #[derive(Default)]
 struct SlotState {
-    outcome: Option<Result<XferRequest>>,
+    outcome: Option<Outcome>,
     waker: Option<Waker>,
     /// The future is gone: the driver releases the request itself once it is done.
     cancelled: bool,
@@ -50,7 +63,7 @@ struct SlotState {
 
 impl Slot {
     /// The outcome, if the driver delivered it; otherwise `waker` is called once it does.
-    pub(crate) fn take_or_wait(&self, waker: &Waker) -> Option<Result<XferRequest>> {
+    pub(crate) fn take_or_wait(&self, waker: &Waker) -> Option<Outcome> {
         let mut state = lock(&self.state);
         let outcome = state.outcome.take();
         if outcome.is_none() {
@@ -63,7 +76,7 @@ impl Slot {
     }
 
     /// Marks the future gone; returns an outcome delivered meanwhile, to be dropped.
-    pub(crate) fn cancel(&self) -> Option<Result<XferRequest>> {
+    pub(crate) fn cancel(&self) -> Option<Outcome> {
         let mut state = lock(&self.state);
         state.cancelled = true;
         state.waker = None;
@@ -71,7 +84,7 @@ impl Slot {
     }
 
     /// Hands `outcome` to the future, or gives it back when the future is gone.
-    fn deliver(&self, outcome: Result<XferRequest>) -> Option<Result<XferRequest>> {
+    fn deliver(&self, outcome: Outcome) -> Option<Outcome> {
         let mut state = lock(&self.state);
         if state.cancelled {
             return Some(outcome);
@@ -88,7 +101,7 @@ impl Slot {
 
 /// A request the driver polls, and where its outcome goes.
 pub(crate) struct Entry {
-    pub(crate) request: XferRequest,
+    pub(crate) item: Box<dyn Pollable>,
     pub(crate) slot: Arc<Slot>,
 }
 
@@ -112,7 +125,8 @@ pub(crate) struct Shared {
     /// Serialises taking notifications from NIXL with handing them out, so that messages
     /// keep their order whoever polls.
     pub(crate) notif_poll: Mutex<()>,
-    agent: Weak<AgentInner>,
+    /// How to take notifications from NIXL, installed by the first notification waiter.
+    fetch: OnceLock<Fetch>,
 }
 
 /// The handle an agent keeps on its driver.
@@ -121,19 +135,16 @@ pub(crate) struct Driver {
 }
 
 impl Driver {
-    /// Starts the driver thread of `agent`.
-    pub(crate) fn start(agent: &Arc<AgentInner>) -> Result<Driver> {
+    /// Starts the driver thread of the agent named `agent`.
+    pub(crate) fn start(agent: &str) -> Result<Driver> {
         let shared = Arc::new(Shared {
             queue: Mutex::new(Queue::default()),
             wake: Condvar::new(),
             hub: Mutex::new(Hub::default()),
             notif_poll: Mutex::new(()),
-            agent: Arc::downgrade(agent),
+            fetch: OnceLock::new(),
         });
-        let name: String = format!("nixl-drv-{}", agent.name)
-            .chars()
-            .take(15)
-            .collect();
+        let name: String = format!("nixl-drv-{agent}").chars().take(15).collect();
         let thread_shared = shared.clone();
         std::thread::Builder::new()
             .name(name)
@@ -142,7 +153,7 @@ impl Driver {
                 operation: "start the completion driver",
                 source,
             })?;
-        tracing::debug!(agent = %agent.name, "started the completion driver");
+        tracing::debug!(%agent, "started the completion driver");
         Ok(Driver { shared })
     }
 
@@ -200,19 +211,34 @@ impl Shared {
         wakers.into_iter().for_each(Waker::wake);
     }
 
-    /// Takes notifications from NIXL into the hub, when waiters want them; returns how many
-    /// arrived.
-    fn poll_notifications(&self) -> usize {
-        let Some(agent) = self.agent.upgrade() else {
-            return 0;
+    /// Sets how notifications are taken from NIXL, unless that is set already.
+    pub(crate) fn install_fetch(&self, fetch: Fetch) {
+        let _ = self.fetch.set(fetch);
+    }
+
+    /// Takes the notifications NIXL holds into the hub, handing each to its waiter; returns
+    /// how many arrived.
+    pub(crate) fn pull(&self) -> Result<usize> {
+        let Some(fetch) = self.fetch.get() else {
+            return Ok(0);
         };
-        match crate::notify_hub::pull(&agent, self) {
-            Ok(count) => count,
-            Err(err) => {
-                tracing::warn!(agent = %agent.name, %err, "the completion driver could not take notifications");
-                0
-            }
-        }
+        let _order = lock(&self.notif_poll);
+        let notes = fetch()?;
+        let count = notes.len();
+        let wakers: Vec<Waker> = {
+            let mut hub = lock(&self.hub);
+            notes.into_iter().filter_map(|n| hub.dispatch(n)).collect()
+        };
+        wakers.into_iter().for_each(Waker::wake);
+        Ok(count)
+    }
+
+    /// [`pull`](Self::pull) for the driver thread, which logs a failure and goes on.
+    fn poll_notifications(&self) -> usize {
+        self.pull().unwrap_or_else(|err| {
+            tracing::warn!(%err, "the completion driver could not take notifications");
+            0
+        })
     }
 }
 
@@ -221,21 +247,21 @@ fn poll_requests(shared: &Shared, held: &mut Vec<Entry>) {
     let before = held.len();
     let mut index = 0;
     while index < held.len() {
-        let outcome = match held[index].request.status() {
-            Ok(XferStatus::InProgress) => {
+        let outcome = match held[index].item.poll_done() {
+            Ok(false) => {
                 index += 1;
                 continue;
             }
-            Ok(XferStatus::Done) => None,
+            Ok(true) => None,
             Err(err) => Some(err),
         };
-        let Entry { request, slot } = held.swap_remove(index);
+        let Entry { item, slot } = held.swap_remove(index);
         let leftover = match outcome {
-            None => slot.deliver(Ok(request)),
-            // The failed request may still be partly in flight: dropping it leaks it with
-            // its memory (see XferRequest).
+            None => slot.deliver(Ok(item)),
+            // A failed request may still be partly in flight: dropping it leaks it with its
+            // memory (see XferRequest).
             Some(err) => {
-                drop(request);
+                drop(item);
                 slot.deliver(Err(err))
             }
         };

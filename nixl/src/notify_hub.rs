@@ -1,17 +1,10 @@
-//! Notifications for many tasks: the agent's driver takes them from NIXL and hands each to
-//! the oldest waiter whose filter matches; messages nobody waits for are kept (in order)
-//! for the next waiter, stream or [`crate::Agent::notifications`] call. No message is lost
-//! or given twice.
+//! Notifications for many tasks, as data: each message goes to the oldest waiter whose
+//! filter matches; messages nobody waits for are kept (in order) for the next waiter, stream
+//! or [`crate::Agent::notifications`] call. No message is lost or given twice. Who takes
+//! messages from NIXL and who waits is `driver.rs`'s and `notification_wait.rs`'s business.
 
 use std::collections::VecDeque;
-use std::future::Future;
-use std::pin::Pin;
-use std::sync::Arc;
-use std::task::{Context, Poll, Waker};
-
-use crate::agent::{Agent, AgentInner};
-use crate::driver::{lock, Shared};
-use crate::error::Result;
+use std::task::Waker;
 
 /// Most bytes of messages the hub keeps before it stops taking more from NIXL (which then
 /// holds them) until waiters catch up.
@@ -119,7 +112,7 @@ impl Hub {
 
     /// Hands `note` to the oldest subscriber that wants it, or keeps it unclaimed; returns
     /// the waker to call.
-    fn dispatch(&mut self, note: Notification) -> Option<Waker> {
+    pub(crate) fn dispatch(&mut self, note: Notification) -> Option<Waker> {
         self.held_bytes += note.message.len() + note.sender.len();
         self.held_messages += 1;
         match self.subscribers.iter_mut().find(|s| s.wants(&note)) {
@@ -140,7 +133,7 @@ impl Hub {
     }
 
     /// Adds a subscriber, giving it the unclaimed messages it wants.
-    fn subscribe(&mut self, filter: NotificationFilter, once: bool) -> u64 {
+    pub(crate) fn subscribe(&mut self, filter: NotificationFilter, once: bool) -> u64 {
         self.active = true;
         let id = self.next_id;
         self.next_id += 1;
@@ -166,7 +159,7 @@ impl Hub {
     }
 
     /// The next message of subscriber `id`, or `None` after keeping `waker`.
-    fn next_for(&mut self, id: u64, waker: &Waker) -> Option<Notification> {
+    pub(crate) fn next_for(&mut self, id: u64, waker: &Waker) -> Option<Notification> {
         let sub = self.subscribers.iter_mut().find(|s| s.id == id)?;
         match sub.queue.pop_front() {
             Some(note) => {
@@ -183,7 +176,7 @@ impl Hub {
 
     /// Removes subscriber `id`; messages it did not take go back, first in line, to the
     /// other subscribers or the unclaimed messages.
-    fn unsubscribe(&mut self, id: u64) -> Vec<Waker> {
+    pub(crate) fn unsubscribe(&mut self, id: u64) -> Vec<Waker> {
         let Some(at) = self.subscribers.iter().position(|s| s.id == id) else {
             return Vec::new();
         };
@@ -218,137 +211,5 @@ impl Hub {
             self.held_messages -= 1;
         }
         notes
-    }
-}
-
-/// Takes the notifications NIXL holds into the hub of `shared`; returns how many arrived.
-pub(crate) fn pull(agent: &AgentInner, shared: &Shared) -> Result<usize> {
-    let _order = lock(&shared.notif_poll);
-    let notes = crate::notification::take_from_nixl(agent, &[])?;
-    let count = notes.len();
-    let wakers: Vec<Waker> = {
-        let mut hub = lock(&shared.hub);
-        notes.into_iter().filter_map(|n| hub.dispatch(n)).collect()
-    };
-    wakers.into_iter().for_each(Waker::wake);
-    Ok(count)
-}
-
-/// A subscription of one task, removed when it is dropped.
-struct Subscription {
-    agent: Agent,
-    shared: Arc<Shared>,
-    id: u64,
-}
-
-impl Subscription {
-    fn new(agent: &Agent, filter: NotificationFilter, once: bool) -> Result<Self> {
-        let shared = agent.inner.driver()?.shared.clone();
-        let id = lock(&shared.hub).subscribe(filter, once);
-        shared.kick();
-        Ok(Subscription {
-            agent: agent.clone(),
-            shared,
-            id,
-        })
-    }
-
-    fn poll_next(&self, cx: &mut Context<'_>) -> Poll<Notification> {
-        let next = lock(&self.shared.hub).next_for(self.id, cx.waker());
-        match next {
-            Some(note) => Poll::Ready(note),
-            None => {
-                self.shared.kick();
-                Poll::Pending
-            }
-        }
-    }
-}
-
-impl Drop for Subscription {
-    fn drop(&mut self) {
-        let wakers = lock(&self.shared.hub).unsubscribe(self.id);
-        wakers.into_iter().for_each(Waker::wake);
-    }
-}
-
-/// A future of the next notification that passes a filter ([`Agent::notification`]).
-///
-/// Subscribed when made, so messages arriving from then on are not missed; dropped before
-/// it completes, it gives up nothing: a message it had taken goes back to the others.
-#[must_use = "futures do nothing unless awaited"]
-pub struct NextNotification {
-    subscription: Subscription,
-}
-
-impl Future for NextNotification {
-    type Output = Notification;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Notification> {
-        self.subscription.poll_next(cx)
-    }
-}
-
-impl std::fmt::Debug for NextNotification {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("NextNotification")
-            .field("agent", &self.subscription.agent.name())
-            .finish_non_exhaustive()
-    }
-}
-
-/// A stream of every notification that passes a filter ([`Agent::notification_stream`]).
-/// It never ends while it lives; dropped, its untaken messages go back to the others.
-pub struct NotificationStream {
-    subscription: Subscription,
-}
-
-impl NotificationStream {
-    /// The next notification.
-    pub fn recv(&mut self) -> impl Future<Output = Notification> + '_ {
-        std::future::poll_fn(|cx| self.subscription.poll_next(cx))
-    }
-}
-
-impl futures_core::Stream for NotificationStream {
-    type Item = Notification;
-
-    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Notification>> {
-        self.subscription.poll_next(cx).map(Some)
-    }
-}
-
-impl std::fmt::Debug for NotificationStream {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("NotificationStream")
-            .field("agent", &self.subscription.agent.name())
-            .finish_non_exhaustive()
-    }
-}
-
-impl Agent {
-    /// The next notification that passes `filter`, for one task to await.
-    ///
-    /// Many tasks can each await their own (by sender, by message prefix); each message
-    /// goes to the oldest waiter it matches, or waits for a later one. The agent's
-    /// completion driver takes notifications from NIXL from then on; see
-    /// [`notifications`](Self::notifications) for mixing with the blocking API.
-    ///
-    /// # Errors
-    /// [`crate::Error::Io`] if the driver thread cannot start.
-    pub fn notification(&self, filter: NotificationFilter) -> Result<NextNotification> {
-        Ok(NextNotification {
-            subscription: Subscription::new(self, filter, true)?,
-        })
-    }
-
-    /// A stream of every notification that passes `filter`.
-    ///
-    /// # Errors
-    /// As for [`notification`](Self::notification).
-    pub fn notification_stream(&self, filter: NotificationFilter) -> Result<NotificationStream> {
-        Ok(NotificationStream {
-            subscription: Subscription::new(self, filter, false)?,
-        })
     }
 }

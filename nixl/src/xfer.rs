@@ -1,5 +1,6 @@
 //! Transfer requests: create, post, poll, wait, repost, and release safely.
 
+use std::any::Any;
 use std::ptr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -11,7 +12,7 @@ use crate::backend::backend_args;
 use crate::backend::{describe_backend, Backend};
 use crate::desc_list::{LocalDescList, RemoteDescList, XferDlist};
 use crate::descriptor::XferDesc;
-use crate::driver::{Entry, Slot};
+use crate::driver::{Entry, Pollable, Slot};
 use crate::error::{check, check_progress, with_hint, Error, Progress, Result, HINT_STALE_REQUEST};
 use crate::handles::OptArgs;
 use crate::local_peers::{self, Hold};
@@ -514,7 +515,7 @@ impl XferRequest {
                 // Forced admission cannot fail.
                 let _ = shared.submit(
                     Entry {
-                        request: self,
+                        item: Box::new(self),
                         slot,
                     },
                     true,
@@ -544,6 +545,16 @@ fn to_status(progress: Progress) -> XferStatus {
     match progress {
         Progress::Done => XferStatus::Done,
         Progress::InProgress => XferStatus::InProgress,
+    }
+}
+
+impl Pollable for XferRequest {
+    fn poll_done(&mut self) -> Result<bool> {
+        self.status().map(|status| status == XferStatus::Done)
+    }
+
+    fn into_any(self: Box<Self>) -> Box<dyn Any + Send> {
+        self
     }
 }
 
