@@ -30,12 +30,14 @@ pub(crate) trait Target: Send + Sync {
 /// A hold on a target: while it lives, the memory stays registered and allocated.
 pub(crate) type Hold = Arc<dyn Target>;
 
-/// The registrations of every agent name of this process (dead ones pruned as new ones
-/// come); a name with no live registration stays, as a dropped agent's.
-static TARGETS: LazyLock<Mutex<HashMap<String, Vec<Weak<dyn Target>>>>> =
-    LazyLock::new(|| Mutex::new(HashMap::new()));
+/// The registrations of each agent name of this process.
+type Table = HashMap<String, Vec<Weak<dyn Target>>>;
 
-fn table() -> std::sync::MutexGuard<'static, HashMap<String, Vec<Weak<dyn Target>>>> {
+/// Every agent name of this process with its registrations (dead ones pruned as new ones
+/// come); a name with no live registration stays, as a dropped agent's.
+static TARGETS: LazyLock<Mutex<Table>> = LazyLock::new(|| Mutex::new(HashMap::new()));
+
+fn table() -> std::sync::MutexGuard<'static, Table> {
     TARGETS.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
