@@ -2,105 +2,14 @@
 
 use std::sync::Arc;
 
-use nixl_sys as sys;
-
 use crate::agent::AgentInner;
-use crate::descriptor::{validate, XferDesc};
-use crate::error::{check, Error, Result};
-use crate::handles::XferDlistHandle;
+use crate::descriptor::XferDesc;
+use crate::error::{Error, Result};
 use crate::local_peers::Hold;
 use crate::mem_type::MemType;
 use crate::registration::{RegInner, Registration};
 use crate::reuse::Reuse;
-
-/// A C descriptor list with a Rust copy of its descriptors.
-pub(crate) struct XferDlist {
-    handle: XferDlistHandle,
-    mem_type: MemType,
-    descs: Vec<XferDesc>,
-}
-
-impl XferDlist {
-    pub(crate) fn new(mem_type: MemType, capacity: usize) -> Result<Self> {
-        Self::with_descs(mem_type, capacity, Vec::with_capacity(capacity))
-    }
-
-    /// A C list with room for `capacity` descriptors, and `descs` as the Rust copy.
-    fn with_descs(mem_type: MemType, capacity: usize, descs: Vec<XferDesc>) -> Result<Self> {
-        // SAFETY: NIXL stores a new handle through the out-pointer.
-        let handle = XferDlistHandle::create("create descriptor list", |out| unsafe {
-            sys::nixl_capi_create_xfer_dlist(mem_type.to_raw(), out)
-        })?;
-        let list = XferDlist {
-            handle,
-            mem_type,
-            descs,
-        };
-        if capacity > 0 {
-            // Growing then clearing leaves NIXL's vector with room for `capacity`
-            // descriptors, so the adds that follow never reallocate.
-            // SAFETY: live list.
-            check(
-                unsafe { sys::nixl_capi_xfer_dlist_resize(list.raw(), capacity) },
-                "reserve descriptor list",
-            )?;
-            // SAFETY: live list.
-            check(
-                unsafe { sys::nixl_capi_xfer_dlist_clear(list.raw()) },
-                "reserve descriptor list",
-            )?;
-        }
-        Ok(list)
-    }
-
-    /// A list holding `descs`, which becomes the Rust copy without being copied again.
-    fn from_vec(mem_type: MemType, operation: &'static str, descs: Vec<XferDesc>) -> Result<Self> {
-        let mut list = XferDlist::with_descs(mem_type, descs.len(), Vec::new())?;
-        for (index, desc) in descs.iter().enumerate() {
-            list.add(operation, index, desc)?;
-        }
-        list.descs = descs;
-        Ok(list)
-    }
-
-    pub(crate) fn push(&mut self, operation: &'static str, desc: XferDesc) -> Result<()> {
-        self.add(operation, self.descs.len(), &desc)?;
-        self.descs.push(desc);
-        Ok(())
-    }
-
-    /// Checks `desc` (the list's descriptor number `index`) and appends it to the C list.
-    fn add(&self, operation: &'static str, index: usize, desc: &XferDesc) -> Result<()> {
-        validate(operation, self.mem_type, index, desc.addr, desc.len)?;
-        // SAFETY: live list; NIXL copies the descriptor.
-        let status = unsafe {
-            sys::nixl_capi_xfer_dlist_add_desc(self.raw(), desc.addr, desc.len, desc.dev_id)
-        };
-        check(status, operation)
-    }
-
-    fn clear(&mut self) -> Result<()> {
-        // SAFETY: live list.
-        check(
-            unsafe { sys::nixl_capi_xfer_dlist_clear(self.raw()) },
-            "clear descriptor list",
-        )?;
-        self.descs.clear();
-        Ok(())
-    }
-
-    pub(crate) fn raw(&self) -> sys::nixl_capi_xfer_dlist_t {
-        self.handle.raw()
-    }
-
-    pub(crate) fn descs(&self) -> &[XferDesc] {
-        &self.descs
-    }
-
-    pub(crate) fn mem_type(&self) -> MemType {
-        self.mem_type
-    }
-}
+use crate::xfer_dlist::XferDlist;
 
 /// The accessors both list types share, reading the `list: XferDlist` field.
 macro_rules! list_accessors {
@@ -119,17 +28,17 @@ macro_rules! list_accessors {
 
         /// Number of descriptors.
         pub fn len(&self) -> usize {
-            self.list.descs.len()
+            self.list.descs().len()
         }
 
         /// Whether the list has no descriptors.
         pub fn is_empty(&self) -> bool {
-            self.list.descs.is_empty()
+            self.list.descs().is_empty()
         }
 
         /// The memory type of the list.
         pub fn mem_type(&self) -> MemType {
-            self.list.mem_type
+            self.list.mem_type()
         }
     };
 }
@@ -148,8 +57,8 @@ pub struct LocalDescList {
 impl std::fmt::Debug for LocalDescList {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LocalDescList")
-            .field("mem_type", &self.list.mem_type)
-            .field("descs", &self.list.descs.len())
+            .field("mem_type", &self.list.mem_type())
+            .field("descs", &self.list.descs().len())
             .finish()
     }
 }
@@ -248,10 +157,10 @@ impl LocalDescList {
     }
 
     fn hold(&mut self, operation: &'static str, reg: &Registration) -> Result<()> {
-        if reg.mem_type() != self.list.mem_type {
+        if reg.mem_type() != self.list.mem_type() {
             return Err(Error::MemTypeMismatch {
                 operation,
-                expected: self.list.mem_type,
+                expected: self.list.mem_type(),
                 found: reg.mem_type(),
             });
         }
@@ -277,8 +186,8 @@ pub struct RemoteDescList {
 impl std::fmt::Debug for RemoteDescList {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RemoteDescList")
-            .field("mem_type", &self.list.mem_type)
-            .field("descs", &self.list.descs.len())
+            .field("mem_type", &self.list.mem_type())
+            .field("descs", &self.list.descs().len())
             .finish()
     }
 }

@@ -95,3 +95,33 @@ impl RegDlist {
         Ok(list)
     }
 }
+
+/// Checks that two sides pair up: same count, same length pairwise.
+pub(crate) fn check_pairing(
+    operation: &'static str,
+    local: impl ExactSizeIterator<Item = usize>,
+    remote: impl ExactSizeIterator<Item = usize>,
+) -> Result<()> {
+    if local.len() == 0 {
+        return Err(Error::EmptyDescList { operation });
+    }
+    if local.len() != remote.len() {
+        return Err(Error::LengthMismatch {
+            operation,
+            what: "descriptor count".to_string(),
+            local: local.len(),
+            remote: remote.len(),
+        });
+    }
+    for (index, (l, r)) in local.zip(remote).enumerate() {
+        if l != r {
+            return Err(Error::LengthMismatch {
+                operation,
+                what: format!("length of descriptor {index}"),
+                local: l,
+                remote: r,
+            });
+        }
+    }
+    Ok(())
+}

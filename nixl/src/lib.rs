@@ -149,14 +149,19 @@ mod notif_map;
 mod notification;
 mod notification_wait;
 mod notify_hub;
+mod options;
+mod peer_hints;
 pub mod platform;
 mod prepared;
+mod prepared_handle;
 mod query;
 mod raw;
 mod registration;
+mod requests;
 mod reuse;
 mod status;
 mod xfer;
+mod xfer_dlist;
 
 pub use agent::{Agent, AgentBuilder, AgentConfig, ThreadSync};
 pub use backend::{Backend, PluginInfo};
@@ -172,9 +177,8 @@ pub use metadata::MetadataPeer;
 pub use notification::Notifications;
 pub use notification_wait::{NextNotification, NotificationStream};
 pub use notify_hub::{Notification, NotificationFilter};
+pub use options::{XferOp, XferOptions};
 pub use prepared::{PreparedLocal, PreparedRemote};
 pub use registration::Registration;
 pub use status::Status;
-pub use xfer::{
-    CostEstimate, CostMethod, XferOp, XferOptions, XferRequest, XferStatus, XferTelemetry,
-};
+pub use xfer::{CostEstimate, CostMethod, XferRequest, XferStatus, XferTelemetry};

@@ -8,10 +8,11 @@ use crate::agent::{Agent, AgentInner};
 use crate::backend::backend_args;
 use crate::backend::Backend;
 use crate::desc_list::RemoteDescList;
-use crate::error::{check, check_hint, Error, Result, HINT_LOAD_REMOTE_MD};
+use crate::error::{check, check_hint, Error, Result};
 use crate::handles::OptArgs;
 use crate::handles::RegDlist;
 use crate::mem_type::MemType;
+use crate::peer_hints::remote_metadata_loaded;
 use crate::raw::{c_name, take_malloced};
 use crate::registration::Registration;
 use crate::status::Status;
@@ -165,17 +166,8 @@ impl Agent {
         remote_agent: &str,
         descs: Option<&RemoteDescList>,
     ) -> Result<bool> {
-        let name = c_name("remote agent name", remote_agent)?;
         let list = descs.map_or(ptr::null_mut(), |d| d.list.raw());
-        // SAFETY: live agent; valid C string; list null or live.
-        let status = self
-            .inner
-            .with(|agent| unsafe { sys::nixl_capi_check_remote_md(agent, name.as_ptr(), list) });
-        match check(status, "check remote metadata") {
-            Ok(()) => Ok(true),
-            Err(err) if err.status() == Some(Status::NotFound) => Ok(false),
-            Err(err) => Err(err),
-        }
+        remote_metadata_loaded(&self.inner, remote_agent, list)
     }
 
     /// Forgets `remote_agent`'s metadata and disconnects from it.
@@ -264,37 +256,6 @@ impl Agent {
             sys::nixl_capi_agent_make_connection(agent, name.as_ptr(), args.raw())
         });
         check(status, "make connection").map_err(|err| self.hint_for_peer(err, remote_agent, None))
-    }
-
-    /// Adds a hint to a NIXL failure that has none: load the metadata first when
-    /// `remote_agent` is another agent whose metadata is not loaded, else `otherwise`.
-    pub(crate) fn hint_for_peer(
-        &self,
-        err: Error,
-        remote_agent: &str,
-        otherwise: Option<&'static str>,
-    ) -> Error {
-        let Error::Nixl {
-            operation,
-            status,
-            hint: None,
-        } = err
-        else {
-            return err;
-        };
-        // Only a definite "not loaded" earns the hint; a failed check adds nothing.
-        let missing = remote_agent != self.inner.name
-            && matches!(self.has_remote_metadata(remote_agent), Ok(false));
-        let hint = if missing {
-            Some(HINT_LOAD_REMOTE_MD)
-        } else {
-            otherwise
-        };
-        Error::Nixl {
-            operation,
-            status,
-            hint,
-        }
     }
 
     /// Whether the linked NIXL is a stub build that cannot move data.

@@ -6,48 +6,17 @@ use std::sync::Arc;
 
 use nixl_sys as sys;
 
-use crate::agent::{Agent, AgentInner};
+use crate::agent::Agent;
 use crate::backend::Backend;
-use crate::desc_list::{LocalDescList, RemoteDescList, XferDlist};
+use crate::desc_list::{LocalDescList, RemoteDescList};
+use crate::descriptor::check_pairing;
 use crate::error::{check, Error, Result};
 use crate::handles::OptArgs;
-use crate::local_peers::{self, Hold};
+use crate::local_peers::{self};
+use crate::options::{XferOp, XferOptions};
+use crate::prepared_handle::PreparedShared;
 use crate::raw::c_name;
-use crate::xfer::{check_pairing, XferOp, XferOptions, XferRequest};
-
-/// The owner of a prepared-list handle, shared by the list and the requests made from it.
-pub(crate) struct PreparedShared {
-    agent: Arc<AgentInner>,
-    raw: sys::nixl_capi_xfer_dlist_handle_t,
-    lens: Vec<usize>,
-    /// Held so that the list's memory stays registered while the handle exists.
-    _keep: Vec<Hold>,
-}
-
-// SAFETY: the handle is only read by NIXL calls made through the agent's locking.
-unsafe impl Send for PreparedShared {}
-// SAFETY: as above.
-unsafe impl Sync for PreparedShared {}
-
-impl PreparedShared {
-    /// Number of descriptors in the prepared list.
-    pub(crate) fn len(&self) -> usize {
-        self.lens.len()
-    }
-}
-
-impl Drop for PreparedShared {
-    fn drop(&mut self) {
-        // SAFETY: live agent and handle, released once; no request uses it any more.
-        let status = self
-            .agent
-            .with(|agent| unsafe { sys::nixl_capi_release_xfer_dlist_handle(agent, self.raw) });
-        if let Err(err) = check(status, "release prepared list") {
-            self.agent.leaks.failed_release();
-            tracing::error!(agent = %self.agent.name, %err, "prepared list not released cleanly");
-        }
-    }
-}
+use crate::xfer::XferRequest;
 
 /// A local descriptor list prepared for repeated requests (vLLM's pattern).
 ///
@@ -126,51 +95,6 @@ fn to_c_indices(operation: &'static str, indices: &[usize], len: usize) -> Resul
 }
 
 impl Agent {
-    /// Prepares `list` for `agent_name` (empty: this agent as the initiator).
-    pub(crate) fn prepare(
-        &self,
-        agent_name: &str,
-        list: &XferDlist,
-        backends: &[&Backend],
-        keep: Vec<Hold>,
-    ) -> Result<Arc<PreparedShared>> {
-        const OP: &str = "prepare descriptor list";
-        if list.descs().is_empty() {
-            return Err(Error::EmptyDescList { operation: OP });
-        }
-        // An empty name stands for this agent as the initiator.
-        let name = std::ffi::CString::new(agent_name).map_err(|_| Error::InvalidName {
-            what: "remote agent name",
-            value: agent_name.to_string(),
-            reason: "it contains a NUL byte",
-        })?;
-        let options = XferOptions {
-            backends: backends.iter().map(|b| (*b).clone()).collect(),
-            ..XferOptions::default()
-        };
-        let args = options.to_raw(&self.inner, OP)?;
-        let mut raw = ptr::null_mut();
-        let status = self.inner.with(|agent| {
-            // SAFETY: live agent, list and args; valid C string; out-pointer to a local.
-            unsafe {
-                sys::nixl_capi_prep_xfer_dlist(
-                    agent,
-                    name.as_ptr(),
-                    list.raw(),
-                    &mut raw,
-                    OptArgs::ptr(args.as_ref()),
-                )
-            }
-        });
-        check(status, OP).map_err(|err| self.explain_request_failure(err, agent_name))?;
-        Ok(Arc::new(PreparedShared {
-            agent: self.inner.clone(),
-            raw,
-            lens: list.descs().iter().map(|d| d.len).collect(),
-            _keep: keep,
-        }))
-    }
-
     /// Prepares a local list once, for many requests made with [`Agent::make_xfer_req`].
     pub fn prepare_local(
         &self,

@@ -9,14 +9,9 @@
 use std::ffi::c_int;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use crate::agent::{Agent, AgentInner};
-use crate::backend::Backend;
-use crate::desc_list::{LocalDescList, RemoteDescList};
+use crate::agent::AgentInner;
 use crate::error::Result;
-use crate::local_peers;
-use crate::prepared::PreparedShared;
-use crate::status::Status;
-use crate::xfer::{XferOp, XferOptions, XferRequest};
+use crate::prepared_handle::PreparedShared;
 
 /// What a prepared handle is made for: the agent, the peer (empty for the local side), the
 /// backends asked for, and how many backends the agent had (a new one may serve the list).
@@ -42,6 +37,11 @@ impl<'a> ReuseKey<'a> {
             backends,
             backend_count,
         }
+    }
+
+    /// The same key for the peer `peer` (the remote side of the same request).
+    pub(crate) fn for_peer(self, peer: &'a str) -> Self {
+        ReuseKey { peer, ..self }
     }
 
     fn to_owned(self) -> OwnedKey {
@@ -135,61 +135,6 @@ impl Reuse {
                 *state = State::UsedOnce(key.to_owned());
                 None
             }
-        }
-    }
-}
-
-impl Agent {
-    /// A request made from the prepared handles of `local` and `remote`, once both were
-    /// used before with this agent, `remote_agent` and the same backends; `None` otherwise
-    /// (the caller then makes a plain request).
-    pub(crate) fn reused_request(
-        &self,
-        op: XferOp,
-        local: &LocalDescList,
-        remote: &RemoteDescList,
-        remote_agent: &str,
-        options: &XferOptions,
-    ) -> Result<Option<XferRequest>> {
-        let ids: Vec<usize> = options.backends.iter().map(|b| b.raw() as usize).collect();
-        let local_key = ReuseKey::new(&self.inner, "", &ids);
-        let remote_key = ReuseKey {
-            peer: remote_agent,
-            ..local_key
-        };
-        // The backend list is only needed when a list is prepared, not on every request.
-        let chosen = || options.backends.iter().collect::<Vec<&Backend>>();
-        let local_handle = local.reuse.handle(local_key, || {
-            self.prepare("", &local.list, &chosen(), local.holds())
-        });
-        let remote_handle = remote.reuse.handle(remote_key, || {
-            let targets = local_peers::hold_targets(
-                "prepare descriptor list",
-                remote_agent,
-                remote.mem_type(),
-                remote.descs(),
-            )?;
-            self.prepare(remote_agent, &remote.list, &chosen(), targets)
-        });
-        let (Some((local_handle, indices)), Some((remote_handle, _))) =
-            (local_handle, remote_handle)
-        else {
-            return Ok(None);
-        };
-        match self.make_request(
-            op,
-            (&local_handle, &indices),
-            (&remote_handle, &indices),
-            remote_agent,
-            options,
-        ) {
-            Err(err) if err.status() == Some(Status::NotFound) => {
-                // The peer's metadata was invalidated or replaced since the preparation.
-                local.reuse.forget();
-                remote.reuse.forget();
-                Ok(None)
-            }
-            made => made.map(Some),
         }
     }
 }
