@@ -77,7 +77,7 @@ pub struct XferTelemetry {
 /// and releases it (and the memory it holds) once NIXL reports it done. A request that
 /// failed, or was [`abandon`](Self::abandon)ed, is leaked with the memory it holds, never
 /// released or freed under a transfer; such leaks are logged and counted in
-/// [`Agent::leak_stats`]. `mem::forget` on a request leaks the same way, uncounted.
+/// [`Agent::leak_stats`](crate::Agent::leak_stats). `mem::forget` on a request leaks the same way, uncounted.
 ///
 /// # Awaiting
 /// A posted request can be awaited (`request.await`, see [`crate::Completion`]): the agent's
@@ -372,7 +372,7 @@ impl XferRequest {
 
     /// Gives up on the request without waiting: if it may still be in flight, the request
     /// and the memory it holds are leaked (never freed under a transfer that may still
-    /// land) and counted in [`Agent::leak_stats`]; otherwise it is released as on drop.
+    /// land) and counted in [`Agent::leak_stats`](crate::Agent::leak_stats); otherwise it is released as on drop.
     ///
     /// Use it when the peer is known to be gone and the request would never finish: the
     /// driver would otherwise poll it for as long as the process lives.
