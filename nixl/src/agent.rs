@@ -1,4 +1,5 @@
-//! The NIXL agent: one per process (or per worker), owning backends, registrations and transfers.
+//! The NIXL agent: its C handle, configuration, locking and backend handles, at the bottom
+//! of the crate (it knows nothing of registrations, requests or the driver that use it).
 
 use std::ptr;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};

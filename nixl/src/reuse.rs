@@ -1,4 +1,5 @@
-//! Descriptor lists that serve more than one request are prepared once.
+//! The state a descriptor list keeps to be prepared once when it serves more than one
+//! request (the requests themselves are made in `requests.rs`).
 //!
 //! The second request made from a list with the same agent, peer and backends prepares the
 //! list with NIXL (as [`crate::Agent::prepare_local`] / [`crate::Agent::prepare_remote`] do),

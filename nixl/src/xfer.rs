@@ -1,4 +1,5 @@
-//! Transfer requests: create, post, poll, wait, repost, and release safely.
+//! A transfer request once made: post, poll, wait, repost, and release safely (making one
+//! is `requests.rs`'s).
 
 use std::any::Any;
 use std::ptr;
