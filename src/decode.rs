@@ -15,8 +15,9 @@ use nixl::{
 
 use crate::block_pool::BlockPool;
 use crate::config::MetadataMode;
+use crate::deadline::Deadline;
 use crate::error::{Error, Result};
-use crate::framing::{FrameError, DEFAULT_MAX_FRAME};
+use crate::framing::{progress, FrameError, DEFAULT_MAX_FRAME};
 use crate::kv_cache::{remote_desc_list, KvCache, KvLayout, Mismatch};
 use crate::side_channel::{self, Hello, Message, Welcome, PROTOCOL_VERSION};
 use crate::stats::{DecodeSummary, Progress};
@@ -34,7 +35,7 @@ pub struct DecodeOptions {
     pub blocks_per_request: u32,
     /// Requests in flight at once.
     pub in_flight: u32,
-    /// How long to keep trying to reach prefill, and to wait for its Welcome.
+    /// How long, in all, reaching prefill and the handshake may take.
     pub connect_timeout: Duration,
     /// How long one READ may take before the run fails.
     pub xfer_timeout: Duration,
@@ -170,12 +171,13 @@ fn check_options(options: &DecodeOptions, layout: KvLayout) -> Result<()> {
 fn connect(setup: &NixlSetup, cache: &KvCache, options: &DecodeOptions) -> Result<Connected> {
     let agent = setup.agent();
     let layout = cache.layout();
-    let stream = side_channel::connect(options.prefill, options.connect_timeout)?;
+    let deadline = Deadline::after(options.connect_timeout);
+    let stream = side_channel::connect(options.prefill, deadline)?;
     let (mut tx, mut rx) = side_channel::split(stream, options.max_frame)?;
     let metadata = match options.mode {
         MetadataMode::SideChannel => agent.local_metadata()?,
         MetadataMode::Etcd => {
-            agent.send_local_metadata(&MetadataPeer::Etcd)?;
+            crate::etcd_metadata::publish(agent)?;
             Vec::new()
         }
     };
@@ -189,7 +191,7 @@ fn connect(setup: &NixlSetup, cache: &KvCache, options: &DecodeOptions) -> Resul
         blocks_per_request: options.blocks_per_request,
         in_flight: options.in_flight,
     }))?;
-    rx.set_timeout(Some(options.connect_timeout))?;
+    rx.set_deadline(Some(deadline));
     let welcome = match rx.recv() {
         Ok(Message::Welcome(welcome)) => welcome,
         Ok(Message::Error { message }) => return Err(Error::Rejected(message)),
@@ -202,6 +204,27 @@ fn connect(setup: &NixlSetup, cache: &KvCache, options: &DecodeOptions) -> Resul
         Err(Error::Frame(FrameError::Closed)) => {
             return Err(Error::PeerGone(format!(
                 "prefill at {} closed the side channel during the handshake",
+                options.prefill
+            )))
+        }
+        Err(Error::Frame(FrameError::Stalled { got: 0, .. })) => {
+            return Err(Error::Timeout(format!(
+                "prefill at {} accepted the connection but sent no handshake within {:?}",
+                options.prefill,
+                deadline.limit()
+            )))
+        }
+        Err(Error::Frame(FrameError::Stalled { got, expected })) => {
+            return Err(Error::Timeout(format!(
+                "prefill at {} sent only {} of its handshake within {:?}",
+                options.prefill,
+                progress(got, expected),
+                deadline.limit()
+            )))
+        }
+        Err(Error::Frame(err)) => {
+            return Err(Error::PeerGone(format!(
+                "prefill at {} broke off the handshake: {err}",
                 options.prefill
             )))
         }
@@ -218,11 +241,9 @@ fn connect(setup: &NixlSetup, cache: &KvCache, options: &DecodeOptions) -> Resul
                 )));
             }
         }
-        MetadataMode::Etcd => {
-            crate::etcd_metadata::fetch(agent, &welcome.agent, options.connect_timeout)?
-        }
+        MetadataMode::Etcd => crate::etcd_metadata::fetch(agent, &welcome.agent, deadline)?,
     }
-    rx.set_timeout(None)?;
+    rx.set_deadline(None);
     let (incoming_tx, incoming) = mpsc::channel();
     thread::Builder::new()
         .name("side-channel".into())

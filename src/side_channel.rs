@@ -15,8 +15,9 @@ use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::time::Duration;
 
 use crate::codec::{Decoder, Encoder};
+use crate::deadline::{Deadline, DeadlineStream};
 use crate::error::{Error, Result};
-use crate::framing::{read_frame, write_frame};
+use crate::framing::{read_frame_charged, write_frame, FrameBudget, Unbudgeted};
 
 /// Version of the protocol; both sides must speak the same.
 pub const PROTOCOL_VERSION: u32 = 1;
@@ -194,7 +195,7 @@ impl Message {
 /// The receiving half of a side-channel connection.
 #[derive(Debug)]
 pub struct Receiver {
-    stream: BufReader<TcpStream>,
+    stream: BufReader<DeadlineStream>,
     max_frame: usize,
 }
 
@@ -202,19 +203,27 @@ impl Receiver {
     /// Reads and parses the next message.
     ///
     /// # Errors
-    /// [`Error::Frame`] for a closed, truncated or oversized frame or a socket error,
-    /// [`Error::Protocol`] for a malformed message.
+    /// [`Error::Frame`] for a closed, truncated, oversized or stalled frame (see
+    /// [`set_deadline`](Self::set_deadline)) or a socket error, [`Error::Protocol`] for a
+    /// malformed message.
     pub fn recv(&mut self) -> Result<Message> {
-        let body = read_frame(&mut self.stream, self.max_frame)?;
+        self.recv_charged(&mut Unbudgeted)
+    }
+
+    /// Like [`recv`](Self::recv), charging `budget` for the frame's memory as it grows.
+    ///
+    /// # Errors
+    /// Those of [`recv`](Self::recv), and the budget's refusal.
+    pub fn recv_charged(&mut self, budget: &mut impl FrameBudget) -> Result<Message> {
+        let body = read_frame_charged(&mut self.stream, self.max_frame, budget)?;
         Message::decode(&body)
     }
 
-    /// Sets how long [`recv`](Self::recv) may block (`None`: forever).
-    pub fn set_timeout(&self, timeout: Option<Duration>) -> Result<()> {
-        self.stream
-            .get_ref()
-            .set_read_timeout(timeout)
-            .map_err(|err| Error::io("set side-channel read timeout", err))
+    /// Sets the deadline of the reads to come: a frame not complete by then ends
+    /// [`recv`](Self::recv) with [`FrameError::Stalled`](crate::framing::FrameError::Stalled)
+    /// (`None`: reads may block forever).
+    pub fn set_deadline(&mut self, deadline: Option<Deadline>) {
+        self.stream.get_mut().set_deadline(deadline);
     }
 }
 
@@ -262,30 +271,39 @@ pub fn split(stream: TcpStream, max_frame: usize) -> Result<(Sender, Receiver)> 
             max_frame,
         },
         Receiver {
-            stream: BufReader::new(reader),
+            stream: BufReader::new(DeadlineStream::new(reader)),
             max_frame,
         },
     ))
 }
 
-/// Connects to a prefill side channel, retrying until `timeout` (prefill may still be
+/// Connects to a prefill side channel, retrying until `deadline` (prefill may still be
 /// starting).
 ///
 /// # Errors
 /// [`Error::Timeout`] with the last connection error when no connection succeeds in time.
-pub fn connect(addr: SocketAddr, timeout: Duration) -> Result<TcpStream> {
-    let deadline = std::time::Instant::now() + timeout;
+pub fn connect(addr: SocketAddr, deadline: Deadline) -> Result<TcpStream> {
     loop {
-        match TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
-            Ok(stream) => return Ok(stream),
-            Err(err) if std::time::Instant::now() >= deadline => {
-                return Err(Error::Timeout(format!(
-                    "could not connect to prefill's side channel at {addr} within {timeout:?}: {err}"
-                )))
-            }
-            Err(err) => {
+        let attempt = deadline
+            .remaining()
+            .map(|left| TcpStream::connect_timeout(&addr, left.min(Duration::from_secs(1))));
+        match attempt {
+            Some(Ok(stream)) => return Ok(stream),
+            Some(Err(err)) if !deadline.passed() => {
                 tracing::debug!(%addr, %err, "prefill side channel not reachable yet; retrying");
                 std::thread::sleep(Duration::from_millis(100));
+            }
+            Some(Err(err)) => {
+                return Err(Error::Timeout(format!(
+                    "could not connect to prefill's side channel at {addr} within {:?}: {err}",
+                    deadline.limit()
+                )))
+            }
+            None => {
+                return Err(Error::Timeout(format!(
+                    "could not connect to prefill's side channel at {addr} within {:?}",
+                    deadline.limit()
+                )))
             }
         }
     }
