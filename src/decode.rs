@@ -216,7 +216,7 @@ fn connect(setup: &NixlSetup, cache: &KvCache, options: &DecodeOptions) -> Resul
         }
         Err(Error::Frame(FrameError::Stalled { got, expected })) => {
             return Err(Error::Timeout(format!(
-                "prefill at {} sent only {} of its handshake within {:?}",
+                "prefill at {} sent only {} of its handshake, then the {:?} deadline passed",
                 options.prefill,
                 progress(got, expected),
                 deadline.limit()

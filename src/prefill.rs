@@ -665,7 +665,7 @@ fn handshake_timeout(err: Error, deadline: Deadline) -> Error {
             Error::Timeout(format!("no Hello within {:?}", deadline.limit()))
         }
         Error::Frame(FrameError::Stalled { got, expected }) => Error::Timeout(format!(
-            "only {} of the Hello arrived within {:?}",
+            "decode sent only {} of its Hello, then the {:?} handshake deadline passed",
             progress(got, expected),
             deadline.limit()
         )),
