@@ -91,8 +91,13 @@ impl Proc {
 
     /// Starts example `example` with `args`.
     pub fn example(example_name: &str, args: &[&str]) -> Proc {
+        Proc::example_env(example_name, args, &[])
+    }
+
+    /// Starts example `example` with `args` and the environment variables `env` set.
+    pub fn example_env(example_name: &str, args: &[&str], env: &[(&str, &str)]) -> Proc {
         let mut cmd = Command::new(example(example_name));
-        cmd.args(args);
+        cmd.args(args).envs(env.iter().copied());
         Proc::spawn(example_name, cmd)
     }
 
@@ -207,10 +212,15 @@ pub struct Prefill {
 impl Prefill {
     /// Starts prefill with the small cache and `extra` flags, and waits until it listens.
     pub fn start(extra: &[&str]) -> Prefill {
+        Prefill::start_env(extra, &[])
+    }
+
+    /// Like [`start`](Self::start), with the environment variables `env` set.
+    pub fn start_env(extra: &[&str], env: &[(&str, &str)]) -> Prefill {
         let mut args = vec!["--listen", "127.0.0.1:0"];
         args.extend(CACHE_ARGS);
         args.extend(extra);
-        let proc = Proc::example("prefill", &args);
+        let proc = Proc::example_env("prefill", &args, env);
         let line = proc.expect_line("its address", |l| l.contains(" listening on "));
         let addr = line
             .split(" listening on ")
@@ -224,11 +234,16 @@ impl Prefill {
 
 /// Starts decode against `prefill` with the small cache and `extra` flags.
 pub fn decode(prefill: SocketAddr, extra: &[&str]) -> Proc {
+    decode_env(prefill, extra, &[])
+}
+
+/// Like [`decode`], with the environment variables `env` set.
+pub fn decode_env(prefill: SocketAddr, extra: &[&str], env: &[(&str, &str)]) -> Proc {
     let addr = prefill.to_string();
     let mut args = vec!["--prefill", addr.as_str()];
     args.extend(CACHE_ARGS);
     args.extend(extra);
-    Proc::example("decode", &args)
+    Proc::example_env("decode", &args, env)
 }
 
 /// Runs decode to the end and returns its exit status and output.
