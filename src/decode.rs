@@ -144,9 +144,7 @@ pub fn run(
         tracing::debug!(%err, "could not forget prefill's metadata");
     }
     if options.mode == MetadataMode::Etcd {
-        if let Err(err) = agent.invalidate_local_metadata(&MetadataPeer::Etcd) {
-            tracing::warn!(%err, "could not withdraw the metadata from etcd");
-        }
+        withdraw_metadata(agent);
     }
     result
 }
@@ -167,13 +165,12 @@ fn check_options(options: &DecodeOptions, layout: KvLayout) -> Result<()> {
     Ok(())
 }
 
-/// Connects, exchanges Hello/Welcome and metadata, and starts the side-channel reader.
+/// Takes this agent's metadata (publishes it in etcd mode), then runs the [`handshake`].
+///
+/// Publishing first lets an unreachable etcd end the run before prefill hears of it; the
+/// metadata is withdrawn again if the handshake fails.
 fn connect(setup: &NixlSetup, cache: &KvCache, options: &DecodeOptions) -> Result<Connected> {
     let agent = setup.agent();
-    let layout = cache.layout();
-    let deadline = Deadline::after(options.connect_timeout);
-    let stream = side_channel::connect(options.prefill, deadline)?;
-    let (mut tx, mut rx) = side_channel::split(stream, options.max_frame)?;
     let metadata = match options.mode {
         MetadataMode::SideChannel => agent.local_metadata()?,
         MetadataMode::Etcd => {
@@ -181,6 +178,33 @@ fn connect(setup: &NixlSetup, cache: &KvCache, options: &DecodeOptions) -> Resul
             Vec::new()
         }
     };
+    let connected = handshake(setup, cache, options, metadata);
+    if connected.is_err() && options.mode == MetadataMode::Etcd {
+        withdraw_metadata(agent);
+    }
+    connected
+}
+
+/// Withdraws this agent's metadata from etcd.
+fn withdraw_metadata(agent: &nixl::Agent) {
+    if let Err(err) = agent.invalidate_local_metadata(&MetadataPeer::Etcd) {
+        tracing::warn!(%err, "could not withdraw the metadata from etcd");
+    }
+}
+
+/// Connects to prefill, exchanges Hello (carrying `metadata`) and Welcome and loads prefill's
+/// metadata, all by the connect deadline, and starts the side-channel reader.
+fn handshake(
+    setup: &NixlSetup,
+    cache: &KvCache,
+    options: &DecodeOptions,
+    metadata: Vec<u8>,
+) -> Result<Connected> {
+    let agent = setup.agent();
+    let layout = cache.layout();
+    let deadline = Deadline::after(options.connect_timeout);
+    let stream = side_channel::connect(options.prefill, deadline)?;
+    let (mut tx, mut rx) = side_channel::split(stream, options.max_frame)?;
     tx.send(&Message::Hello(Hello {
         version: PROTOCOL_VERSION,
         agent: agent.name().to_string(),
