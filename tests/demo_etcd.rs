@@ -49,7 +49,7 @@ fn etcd_down_fails_at_once_naming_the_endpoint() {
     };
     let endpoint = etcd.endpoint.clone();
     let etcd_args = ["--metadata", "etcd", "--etcd-endpoints", &endpoint];
-    let mut prefill = Prefill::start(&etcd_args);
+    let prefill = Prefill::start(&etcd_args);
     etcd.stop();
 
     // Before, decode's failed store was only a NIXL log line, and prefill's refusal came 10 s
