@@ -240,7 +240,7 @@ fn handshake(
         }
         Err(Error::Frame(FrameError::Stalled { got, expected })) => {
             return Err(Error::Timeout(format!(
-                "prefill at {} sent only {} of its handshake, then the {:?} deadline passed",
+                "prefill at {} sent only {} of its handshake frame, then the {:?} deadline passed",
                 options.prefill,
                 progress(got, expected),
                 deadline.limit()

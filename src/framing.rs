@@ -41,7 +41,7 @@ pub enum FrameError {
     #[error("empty frame")]
     Empty,
     /// The read timed out (its deadline passed) before the frame was complete.
-    #[error("only {} arrived in time", progress(*got, *expected))]
+    #[error("only {} of a frame arrived in time", progress(*got, *expected))]
     Stalled {
         /// Bytes of the frame, header included, that arrived.
         got: usize,
@@ -195,11 +195,11 @@ fn stalled_or_io(err: std::io::Error, got: usize, expected: Option<usize>) -> Fr
     }
 }
 
-/// How much of a frame arrived, in words: "7 of 1004 bytes of a frame".
+/// How much of a frame arrived, in words: "7 of 1004 bytes", "2 of 4 header bytes".
 pub fn progress(got: usize, expected: Option<usize>) -> String {
     match expected {
-        Some(total) => format!("{got} of {total} bytes of a frame"),
-        None => format!("{got} of the {HEADER_BYTES} header bytes of a frame"),
+        Some(total) => format!("{got} of {total} bytes"),
+        None => format!("{got} of {HEADER_BYTES} header bytes"),
     }
 }
 
@@ -296,7 +296,7 @@ mod tests {
         let err = read_frame(&mut ThenTimeout(&[0, 0]), 64).unwrap_err();
         assert_eq!(
             err.to_string(),
-            "only 2 of the 4 header bytes of a frame arrived in time"
+            "only 2 of 4 header bytes of a frame arrived in time"
         );
         let err = read_frame(&mut ThenTimeout(&[0, 0, 0, 10, 1, 2, 3]), 64).unwrap_err();
         assert_eq!(

@@ -665,7 +665,7 @@ fn handshake_timeout(err: Error, deadline: Deadline) -> Error {
             Error::Timeout(format!("no Hello within {:?}", deadline.limit()))
         }
         Error::Frame(FrameError::Stalled { got, expected }) => Error::Timeout(format!(
-            "decode sent only {} of its Hello, then the {:?} handshake deadline passed",
+            "decode sent only {} of its Hello frame, then the {:?} handshake deadline passed",
             progress(got, expected),
             deadline.limit()
         )),

@@ -93,7 +93,7 @@ fn slow_byte_client_is_cut_off_at_the_handshake_deadline() {
         );
         assert!(
             message.contains("decode sent only")
-                && message.contains(&format!("of {} bytes of a frame", DECLARED + 4))
+                && message.contains(&format!("of {} bytes of its Hello frame", DECLARED + 4))
                 && message.contains("then the 4s handshake deadline passed"),
             "{message}"
         );
@@ -154,7 +154,7 @@ fn slow_prefill_is_cut_off_at_the_connect_deadline() {
     );
     assert!(
         error.contains(&format!("prefill at {addr} sent only"))
-            && error.contains(&format!("of {} bytes of a frame", DECLARED + 4))
+            && error.contains(&format!("of {} bytes of its handshake frame", DECLARED + 4))
             && error.contains("then the 3s deadline passed"),
         "{error}"
     );
