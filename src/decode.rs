@@ -205,7 +205,7 @@ fn handshake(
     let deadline = Deadline::after(options.connect_timeout);
     let stream = side_channel::connect(options.prefill, deadline)?;
     let (mut tx, mut rx) = side_channel::split(stream, options.max_frame)?;
-    tx.send(&Message::Hello(Hello {
+    let hello = Message::Hello(Hello {
         version: PROTOCOL_VERSION,
         agent: agent.name().to_string(),
         metadata,
@@ -214,7 +214,11 @@ fn handshake(
         requests: options.requests,
         blocks_per_request: options.blocks_per_request,
         in_flight: options.in_flight,
-    }))?;
+    });
+    tx.send_by(&hello, deadline).map_err(|err| match err {
+        Error::Timeout(what) => Error::Timeout(format!("prefill at {}: {what}", options.prefill)),
+        other => other,
+    })?;
     rx.set_deadline(Some(deadline));
     let welcome = match rx.recv() {
         Ok(Message::Welcome(welcome)) => welcome,

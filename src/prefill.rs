@@ -24,7 +24,7 @@ use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::framing::{progress, write_frame, FrameError, DEFAULT_MAX_FRAME};
 use crate::kv_cache::KvCache;
-use crate::side_channel::{self, Hello, Message, Welcome, PROTOCOL_VERSION};
+use crate::side_channel::{self, Hello, Message, Welcome, PROTOCOL_VERSION, SHUTDOWN_GRACE};
 
 /// Default of [`PrefillOptions::max_pending_handshakes`].
 pub const DEFAULT_MAX_PENDING_HANDSHAKES: usize = 16;
@@ -468,9 +468,11 @@ impl<'a> Session<'a> {
                 })
             }
             Err(err) => {
-                let _ = tx.send(&Message::Error {
+                let refusal = Message::Error {
                     message: err.to_string(),
-                });
+                };
+                // The deadline may have passed: give the refusal a moment of its own.
+                let _ = tx.send_by(&refusal, Deadline::after(SHUTDOWN_GRACE));
                 tx.shutdown();
                 Err(err)
             }
@@ -529,11 +531,12 @@ impl<'a> Session<'a> {
                 route.metadata_loaded = true;
             }
         }
-        tx.send(&Message::Welcome(Welcome {
+        let welcome = Message::Welcome(Welcome {
             agent: agent.name().to_string(),
             metadata: shared.metadata.clone(),
             cache: shared.cache.describe(),
-        }))?;
+        });
+        tx.send_by(&welcome, deadline)?;
         rx.set_deadline(None);
         // Keep a sender alive in the route table only; the reader thread gets its own.
         drop(events_tx);

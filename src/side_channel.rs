@@ -10,17 +10,20 @@
 //!
 //! Metadata is empty in etcd mode, where it travels through etcd instead.
 
-use std::io::{BufReader, BufWriter, Write};
+use std::io::{BufReader, BufWriter, ErrorKind, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::time::Duration;
 
 use crate::codec::{Decoder, Encoder};
 use crate::deadline::{Deadline, DeadlineStream};
 use crate::error::{Error, Result};
-use crate::framing::{read_frame_charged, write_frame, FrameBudget, Unbudgeted};
+use crate::framing::{read_frame_charged, write_frame, FrameBudget, FrameError, Unbudgeted};
 
 /// Version of the protocol; both sides must speak the same.
 pub const PROTOCOL_VERSION: u32 = 1;
+
+/// How long [`Sender::shutdown`] may wait for unsent bytes to leave.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(1);
 
 /// Longest agent name accepted.
 pub const MAX_NAME_BYTES: usize = 256;
@@ -244,9 +247,46 @@ impl Sender {
         Ok(())
     }
 
-    /// Closes the connection both ways (after what was sent), which also ends a
-    /// [`Receiver::recv`] blocked on the other half.
+    /// Like [`send`](Self::send), but gives up when the peer has not taken the whole frame
+    /// by `deadline` (a peer that reads nothing cannot hold the sender).
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] when the deadline passes; those of [`send`](Self::send).
+    pub fn send_by(&mut self, message: &Message, deadline: Deadline) -> Result<()> {
+        let timed_out = || {
+            Error::Timeout(format!(
+                "the peer did not take the {} message within {:?}",
+                message.kind(),
+                deadline.limit()
+            ))
+        };
+        let left = deadline.remaining().ok_or_else(timed_out)?;
+        self.set_write_timeout(Some(left))?;
+        let sent = self.send(message);
+        self.set_write_timeout(None)?;
+        match sent {
+            Err(Error::Frame(FrameError::Io(err)))
+                if matches!(err.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) =>
+            {
+                Err(timed_out())
+            }
+            other => other,
+        }
+    }
+
+    fn set_write_timeout(&self, timeout: Option<Duration>) -> Result<()> {
+        self.stream
+            .get_ref()
+            .set_write_timeout(timeout)
+            .map_err(|err| Error::io("set the side-channel write timeout", err))
+    }
+
+    /// Closes the connection both ways (after what was sent, given [`SHUTDOWN_GRACE`] to
+    /// leave), which also ends a [`Receiver::recv`] blocked on the other half.
     pub fn shutdown(&mut self) {
+        if let Err(err) = self.set_write_timeout(Some(SHUTDOWN_GRACE)) {
+            tracing::debug!(%err, "side-channel shutdown");
+        }
         let _ = self.stream.flush();
         if let Err(err) = self.stream.get_ref().shutdown(Shutdown::Both) {
             tracing::debug!(%err, "side-channel shutdown");
@@ -368,6 +408,31 @@ mod tests {
         let mut body = Message::Complete { requests: 1 }.encode();
         body.push(0);
         assert!(Message::decode(&body).is_err());
+    }
+
+    #[test]
+    fn a_peer_that_reads_nothing_cannot_hold_the_sender() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let stream = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (_peer, _) = listener.accept().unwrap();
+        let (mut tx, _rx) = split(stream, 16 << 20).unwrap();
+        let mut hello = samples().remove(0);
+        if let Message::Hello(h) = &mut hello {
+            h.metadata = vec![0; MAX_METADATA_BYTES];
+        }
+        let start = std::time::Instant::now();
+        let err = tx
+            .send_by(&hello, Deadline::after(Duration::from_millis(300)))
+            .unwrap_err();
+        assert!(
+            start.elapsed() < Duration::from_secs(3),
+            "{:?}",
+            start.elapsed()
+        );
+        assert_eq!(
+            err.to_string(),
+            "timed out: the peer did not take the Hello message within 300ms"
+        );
     }
 
     #[test]
