@@ -1,7 +1,7 @@
-//! Total deadlines: one time limit for a whole exchange, however many reads it takes, and a
-//! TCP stream whose reads end at such a deadline.
+//! Total deadlines: one time limit for a whole exchange, however many reads or writes it
+//! takes, and a TCP stream whose reads and writes end at such a deadline.
 
-use std::io::{self, ErrorKind, Read};
+use std::io::{self, ErrorKind, Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
@@ -43,16 +43,18 @@ impl Deadline {
     }
 }
 
-/// A TCP stream whose reads stop at a [`Deadline`]: before each read, the socket's read
-/// timeout becomes the time left, so a peer sending a byte at a time cannot stretch it.
+/// A TCP stream whose reads or writes stop at a [`Deadline`]: before each one, the socket's
+/// read or write timeout becomes the time left, so a peer moving a byte at a time cannot
+/// stretch it.
 ///
-/// A read past the deadline fails with [`ErrorKind::TimedOut`] (or the socket's
-/// [`ErrorKind::WouldBlock`] when the time runs out during the read).
+/// Use one `DeadlineStream` per direction (see [`TcpStream::try_clone`]). A read or write past
+/// the deadline fails with [`ErrorKind::TimedOut`] (or the socket's
+/// [`ErrorKind::WouldBlock`] when the time runs out during the call).
 #[derive(Debug)]
 pub struct DeadlineStream {
     stream: TcpStream,
     deadline: Option<Deadline>,
-    /// Whether the socket currently has a read timeout set.
+    /// Whether this stream set a timeout on the socket that is still there.
     timeout_set: bool,
 }
 
@@ -66,7 +68,7 @@ impl DeadlineStream {
         }
     }
 
-    /// Sets the deadline of the reads to come (`None`: they may block forever).
+    /// Sets the deadline of the reads or writes to come (`None`: they may block forever).
     pub fn set_deadline(&mut self, deadline: Option<Deadline>) {
         self.deadline = deadline;
     }
@@ -77,23 +79,45 @@ impl DeadlineStream {
     }
 }
 
-impl Read for DeadlineStream {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+/// Sets a socket's read or write timeout.
+type SetTimeout = fn(&TcpStream, Option<Duration>) -> io::Result<()>;
+
+impl DeadlineStream {
+    /// Sets the timeout `set` controls to the time left, or clears it without a deadline.
+    fn arm(&mut self, set: SetTimeout) -> io::Result<()> {
         match self.deadline {
             Some(deadline) => {
                 let left = deadline
                     .remaining()
                     .ok_or_else(|| io::Error::from(ErrorKind::TimedOut))?;
-                self.stream.set_read_timeout(Some(left))?;
+                set(&self.stream, Some(left))?;
                 self.timeout_set = true;
             }
             None if self.timeout_set => {
-                self.stream.set_read_timeout(None)?;
+                set(&self.stream, None)?;
                 self.timeout_set = false;
             }
             None => {}
         }
+        Ok(())
+    }
+}
+
+impl Read for DeadlineStream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.arm(TcpStream::set_read_timeout)?;
         self.stream.read(buf)
+    }
+}
+
+impl Write for DeadlineStream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.arm(TcpStream::set_write_timeout)?;
+        self.stream.write(buf)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.stream.flush()
     }
 }
 

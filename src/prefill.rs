@@ -44,7 +44,8 @@ pub struct PrefillOptions {
     /// Most connections in their handshake at once; more are refused at once.
     pub max_pending_handshakes: usize,
     /// Most bytes the frames of pending handshakes may hold together, beyond
-    /// [`FREE_BYTES_PER_HANDSHAKE`](crate::admission::FREE_BYTES_PER_HANDSHAKE) each; a handshake whose frame would pass it is refused.
+    /// [`FREE_BYTES_PER_HANDSHAKE`](crate::admission::FREE_BYTES_PER_HANDSHAKE) each; a
+    /// handshake whose frame would pass it is refused.
     pub max_pending_handshake_bytes: usize,
     /// Sessions to serve before [`PrefillServer::serve`] returns (`None`: forever).
     pub max_sessions: Option<u64>,

@@ -233,7 +233,7 @@ impl Receiver {
 /// The sending half of a side-channel connection.
 #[derive(Debug)]
 pub struct Sender {
-    stream: BufWriter<TcpStream>,
+    stream: BufWriter<DeadlineStream>,
     max_frame: usize,
 }
 
@@ -260,10 +260,9 @@ impl Sender {
                 deadline.limit()
             ))
         };
-        let left = deadline.remaining().ok_or_else(timed_out)?;
-        self.set_write_timeout(Some(left))?;
+        self.stream.get_mut().set_deadline(Some(deadline));
         let sent = self.send(message);
-        self.set_write_timeout(None)?;
+        self.stream.get_mut().set_deadline(None);
         match sent {
             Err(Error::Frame(FrameError::Io(err)))
                 if matches!(err.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) =>
@@ -274,21 +273,14 @@ impl Sender {
         }
     }
 
-    fn set_write_timeout(&self, timeout: Option<Duration>) -> Result<()> {
-        self.stream
-            .get_ref()
-            .set_write_timeout(timeout)
-            .map_err(|err| Error::io("set the side-channel write timeout", err))
-    }
-
     /// Closes the connection both ways (after what was sent, given [`SHUTDOWN_GRACE`] to
     /// leave), which also ends a [`Receiver::recv`] blocked on the other half.
     pub fn shutdown(&mut self) {
-        if let Err(err) = self.set_write_timeout(Some(SHUTDOWN_GRACE)) {
-            tracing::debug!(%err, "side-channel shutdown");
-        }
+        self.stream
+            .get_mut()
+            .set_deadline(Some(Deadline::after(SHUTDOWN_GRACE)));
         let _ = self.stream.flush();
-        if let Err(err) = self.stream.get_ref().shutdown(Shutdown::Both) {
+        if let Err(err) = self.stream.get_ref().get_ref().shutdown(Shutdown::Both) {
             tracing::debug!(%err, "side-channel shutdown");
         }
     }
@@ -307,7 +299,7 @@ pub fn split(stream: TcpStream, max_frame: usize) -> Result<(Sender, Receiver)> 
         .map_err(|err| Error::io("duplicate the side-channel socket", err))?;
     Ok((
         Sender {
-            stream: BufWriter::new(stream),
+            stream: BufWriter::new(DeadlineStream::new(stream)),
             max_frame,
         },
         Receiver {
