@@ -223,7 +223,7 @@ impl Receiver {
     }
 
     /// Sets the deadline of the reads to come: a frame not complete by then ends
-    /// [`recv`](Self::recv) with [`FrameError::Stalled`](crate::framing::FrameError::Stalled)
+    /// [`recv`](Self::recv) with [`FrameError::Stalled`]
     /// (`None`: reads may block forever).
     pub fn set_deadline(&mut self, deadline: Option<Deadline>) {
         self.stream.get_mut().set_deadline(deadline);
