@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use nixl::kv_config::KvRole;
+use nixl_rs::cli::parse_positive;
 use nixl_rs::decode::{self, DecodeOptions};
 
 /// Decode worker: pulls KV-cache blocks from a prefill worker through NIXL.
@@ -26,22 +27,22 @@ struct Args {
     #[arg(long, default_value = "127.0.0.1:7800")]
     prefill: SocketAddr,
     /// Requests to pull.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = parse_positive::<u64>)]
     requests: u64,
     /// Blocks per request (in every layer).
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, value_parser = parse_positive::<u32>)]
     blocks_per_request: u32,
     /// Requests in flight at once.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_parser = parse_positive::<u32>)]
     in_flight: u32,
-    /// Seconds to keep trying to reach prefill and to wait for its handshake.
-    #[arg(long, default_value_t = 30)]
+    /// Seconds that reaching prefill and the handshake may take in all.
+    #[arg(long, default_value_t = 30, value_parser = parse_positive::<u64>)]
     connect_timeout_s: u64,
     /// Seconds one READ may take.
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, default_value_t = 20, value_parser = parse_positive::<u64>)]
     xfer_timeout_s: u64,
     /// Milliseconds between progress lines.
-    #[arg(long, default_value_t = 500)]
+    #[arg(long, default_value_t = 500, value_parser = parse_positive::<u64>)]
     progress_interval_ms: u64,
 }
 

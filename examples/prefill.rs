@@ -14,7 +14,10 @@ use std::time::Duration;
 
 use clap::Parser;
 use nixl::kv_config::KvRole;
-use nixl_rs::prefill::{PrefillEvent, PrefillOptions, PrefillServer};
+use nixl_rs::cli::{parse_positive, parse_size};
+use nixl_rs::prefill::{
+    PrefillEvent, PrefillOptions, PrefillServer, DEFAULT_MAX_PENDING_HANDSHAKES,
+};
 use nixl_rs::stats::gb_per_s;
 
 /// Prefill worker: serves KV-cache blocks to decode workers through NIXL.
@@ -27,11 +30,18 @@ struct Args {
     #[arg(long, default_value = "127.0.0.1:7800")]
     listen: SocketAddr,
     /// Exit after serving this many decode sessions (default: serve forever).
-    #[arg(long)]
+    #[arg(long, value_parser = parse_positive::<u64>)]
     sessions: Option<u64>,
-    /// Seconds a new connection may take to complete its handshake.
-    #[arg(long, default_value_t = 10)]
+    /// Seconds a new connection may take, in all, to complete its handshake.
+    #[arg(long, default_value_t = 10, value_parser = parse_positive::<u64>)]
     handshake_timeout_s: u64,
+    /// Most connections in their handshake at once; more are refused at once.
+    #[arg(long, default_value_t = DEFAULT_MAX_PENDING_HANDSHAKES, value_parser = parse_positive::<usize>)]
+    max_pending_handshakes: usize,
+    /// Most bytes the frames of pending handshakes may hold together, beyond 64 KiB each
+    /// (suffixes K/KiB, M/MiB); a handshake that would pass it is refused.
+    #[arg(long, default_value = "64MiB", value_parser = parse_size)]
+    max_pending_handshake_bytes: usize,
     /// Fault injection: corrupt one byte of this request id after filling it.
     #[arg(long, hide = true)]
     corrupt_request: Option<u64>,
@@ -59,6 +69,8 @@ fn run(args: &Args) -> nixl_rs::Result<ExitCode> {
         mode: args.worker.metadata,
         max_frame: args.worker.max_frame,
         handshake_timeout: Duration::from_secs(args.handshake_timeout_s),
+        max_pending_handshakes: args.max_pending_handshakes,
+        max_pending_handshake_bytes: args.max_pending_handshake_bytes,
         max_sessions: args.sessions,
         corrupt_request: args.corrupt_request,
     };

@@ -1,4 +1,7 @@
-//! Command-line value parsers shared by the prefill and decode binaries.
+//! Command-line value parsers shared by the prefill and decode binaries, and whether their
+//! logs use colour.
+
+use std::ffi::OsStr;
 
 /// Parses a byte size: a number with an optional `K`/`KiB`, `M`/`MiB` or `G`/`GiB` suffix
 /// (powers of 1024), e.g. `16KiB`, `4096`, `1M`.
@@ -26,6 +29,28 @@ pub fn parse_size(s: &str) -> Result<usize, String> {
     }
 }
 
+/// Parses a count or duration that must be at least 1, e.g. `--requests` or
+/// `--connect-timeout-s` (clap names the flag in its error).
+///
+/// # Errors
+/// A message for a non-number, a zero, or a number too large for `T`.
+pub fn parse_positive<T: TryFrom<u64>>(s: &str) -> Result<T, String> {
+    let n: u64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a whole number"))?;
+    if n == 0 {
+        return Err("must be at least 1".to_string());
+    }
+    T::try_from(n).map_err(|_| format!("{n} is too large"))
+}
+
+/// Whether logs written to a stream use ANSI colour: only when it is a terminal and
+/// `NO_COLOR` (the value of the environment variable, if set) is absent or empty.
+pub fn use_colour(is_terminal: bool, no_color: Option<&OsStr>) -> bool {
+    is_terminal && no_color.map_or(true, OsStr::is_empty)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -41,5 +66,23 @@ mod tests {
         assert!(parse_size("0").is_err());
         assert!(parse_size("12XB").is_err());
         assert!(parse_size("99999999999999999999G").is_err());
+    }
+
+    #[test]
+    fn positive_numbers() {
+        assert_eq!(parse_positive::<u64>("3"), Ok(3));
+        assert_eq!(parse_positive::<u32>(" 7 "), Ok(7));
+        assert_eq!(parse_positive::<u64>("0"), Err("must be at least 1".into()));
+        assert!(parse_positive::<u64>("-1").is_err());
+        assert!(parse_positive::<u64>("x").is_err());
+        assert!(parse_positive::<u32>("4294967296").is_err());
+    }
+
+    #[test]
+    fn colour_only_on_a_terminal_without_no_color() {
+        assert!(use_colour(true, None));
+        assert!(use_colour(true, Some(OsStr::new(""))));
+        assert!(!use_colour(true, Some(OsStr::new("1"))));
+        assert!(!use_colour(false, None));
     }
 }

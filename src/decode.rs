@@ -15,8 +15,9 @@ use nixl::{
 
 use crate::block_pool::BlockPool;
 use crate::config::MetadataMode;
+use crate::deadline::Deadline;
 use crate::error::{Error, Result};
-use crate::framing::{FrameError, DEFAULT_MAX_FRAME};
+use crate::framing::{progress, FrameError, DEFAULT_MAX_FRAME};
 use crate::kv_cache::{remote_desc_list, KvCache, KvLayout, Mismatch};
 use crate::side_channel::{self, Hello, Message, Welcome, PROTOCOL_VERSION};
 use crate::stats::{DecodeSummary, Progress};
@@ -34,7 +35,7 @@ pub struct DecodeOptions {
     pub blocks_per_request: u32,
     /// Requests in flight at once.
     pub in_flight: u32,
-    /// How long to keep trying to reach prefill, and to wait for its Welcome.
+    /// How long, in all, reaching prefill and the handshake may take.
     pub connect_timeout: Duration,
     /// How long one READ may take before the run fails.
     pub xfer_timeout: Duration,
@@ -143,9 +144,7 @@ pub fn run(
         tracing::debug!(%err, "could not forget prefill's metadata");
     }
     if options.mode == MetadataMode::Etcd {
-        if let Err(err) = agent.invalidate_local_metadata(&MetadataPeer::Etcd) {
-            tracing::warn!(%err, "could not withdraw the metadata from etcd");
-        }
+        withdraw_metadata(agent);
     }
     result
 }
@@ -166,20 +165,47 @@ fn check_options(options: &DecodeOptions, layout: KvLayout) -> Result<()> {
     Ok(())
 }
 
-/// Connects, exchanges Hello/Welcome and metadata, and starts the side-channel reader.
+/// Takes this agent's metadata (publishes it in etcd mode), then runs the [`handshake`].
+///
+/// Publishing first lets an unreachable etcd end the run before prefill hears of it; the
+/// metadata is withdrawn again if the handshake fails.
 fn connect(setup: &NixlSetup, cache: &KvCache, options: &DecodeOptions) -> Result<Connected> {
     let agent = setup.agent();
-    let layout = cache.layout();
-    let stream = side_channel::connect(options.prefill, options.connect_timeout)?;
-    let (mut tx, mut rx) = side_channel::split(stream, options.max_frame)?;
     let metadata = match options.mode {
         MetadataMode::SideChannel => agent.local_metadata()?,
         MetadataMode::Etcd => {
-            agent.send_local_metadata(&MetadataPeer::Etcd)?;
+            crate::etcd_metadata::publish(agent)?;
             Vec::new()
         }
     };
-    tx.send(&Message::Hello(Hello {
+    let connected = handshake(setup, cache, options, metadata);
+    if connected.is_err() && options.mode == MetadataMode::Etcd {
+        withdraw_metadata(agent);
+    }
+    connected
+}
+
+/// Withdraws this agent's metadata from etcd.
+fn withdraw_metadata(agent: &nixl::Agent) {
+    if let Err(err) = agent.invalidate_local_metadata(&MetadataPeer::Etcd) {
+        tracing::warn!(%err, "could not withdraw the metadata from etcd");
+    }
+}
+
+/// Connects to prefill, exchanges Hello (carrying `metadata`) and Welcome and loads prefill's
+/// metadata, all by the connect deadline, and starts the side-channel reader.
+fn handshake(
+    setup: &NixlSetup,
+    cache: &KvCache,
+    options: &DecodeOptions,
+    metadata: Vec<u8>,
+) -> Result<Connected> {
+    let agent = setup.agent();
+    let layout = cache.layout();
+    let deadline = Deadline::after(options.connect_timeout);
+    let stream = side_channel::connect(options.prefill, deadline)?;
+    let (mut tx, mut rx) = side_channel::split(stream, options.max_frame)?;
+    let hello = Message::Hello(Hello {
         version: PROTOCOL_VERSION,
         agent: agent.name().to_string(),
         metadata,
@@ -188,8 +214,12 @@ fn connect(setup: &NixlSetup, cache: &KvCache, options: &DecodeOptions) -> Resul
         requests: options.requests,
         blocks_per_request: options.blocks_per_request,
         in_flight: options.in_flight,
-    }))?;
-    rx.set_timeout(Some(options.connect_timeout))?;
+    });
+    tx.send_by(&hello, deadline).map_err(|err| match err {
+        Error::Timeout(what) => Error::Timeout(format!("prefill at {}: {what}", options.prefill)),
+        other => other,
+    })?;
+    rx.set_deadline(Some(deadline));
     let welcome = match rx.recv() {
         Ok(Message::Welcome(welcome)) => welcome,
         Ok(Message::Error { message }) => return Err(Error::Rejected(message)),
@@ -202,6 +232,27 @@ fn connect(setup: &NixlSetup, cache: &KvCache, options: &DecodeOptions) -> Resul
         Err(Error::Frame(FrameError::Closed)) => {
             return Err(Error::PeerGone(format!(
                 "prefill at {} closed the side channel during the handshake",
+                options.prefill
+            )))
+        }
+        Err(Error::Frame(FrameError::Stalled { got: 0, .. })) => {
+            return Err(Error::Timeout(format!(
+                "prefill at {} accepted the connection but sent no handshake within {:?}",
+                options.prefill,
+                deadline.limit()
+            )))
+        }
+        Err(Error::Frame(FrameError::Stalled { got, expected })) => {
+            return Err(Error::Timeout(format!(
+                "prefill at {} sent only {} of its handshake frame, then the {:?} deadline passed",
+                options.prefill,
+                progress(got, expected),
+                deadline.limit()
+            )))
+        }
+        Err(Error::Frame(err)) => {
+            return Err(Error::PeerGone(format!(
+                "prefill at {} broke off the handshake: {err}",
                 options.prefill
             )))
         }
@@ -218,11 +269,9 @@ fn connect(setup: &NixlSetup, cache: &KvCache, options: &DecodeOptions) -> Resul
                 )));
             }
         }
-        MetadataMode::Etcd => {
-            crate::etcd_metadata::fetch(agent, &welcome.agent, options.connect_timeout)?
-        }
+        MetadataMode::Etcd => crate::etcd_metadata::fetch(agent, &welcome.agent, deadline)?,
     }
-    rx.set_timeout(None)?;
+    rx.set_deadline(None);
     let (incoming_tx, incoming) = mpsc::channel();
     thread::Builder::new()
         .name("side-channel".into())

@@ -32,6 +32,9 @@ pub enum Error {
     /// The peer went away before the work was done.
     #[error("{0}")]
     PeerGone(String),
+    /// This worker turned a peer away to stay within its limits.
+    #[error("{0}")]
+    Busy(String),
     /// Something did not happen in time.
     #[error("timed out: {0}")]
     Timeout(String),

@@ -21,10 +21,12 @@
 
 #![warn(missing_docs)]
 
+pub mod admission;
 pub mod block_pool;
 pub mod cli;
 pub mod codec;
 pub mod config;
+pub mod deadline;
 pub mod decode;
 pub mod error;
 pub mod etcd_metadata;

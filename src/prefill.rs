@@ -7,7 +7,7 @@
 //! the pool and its metadata is forgotten.
 
 use std::collections::HashMap;
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
@@ -17,12 +17,20 @@ use std::time::{Duration, Instant};
 use nixl::kv_config::NixlSetup;
 use nixl::MetadataPeer;
 
+use crate::admission::{Admission, Ticket};
 use crate::block_pool::BlockPool;
 use crate::config::MetadataMode;
+use crate::deadline::Deadline;
 use crate::error::{Error, Result};
-use crate::framing::{FrameError, DEFAULT_MAX_FRAME};
+use crate::framing::{progress, write_frame, FrameError, DEFAULT_MAX_FRAME};
 use crate::kv_cache::KvCache;
-use crate::side_channel::{self, Hello, Message, Welcome, PROTOCOL_VERSION};
+use crate::side_channel::{self, Hello, Message, Welcome, PROTOCOL_VERSION, SHUTDOWN_GRACE};
+
+/// Default of [`PrefillOptions::max_pending_handshakes`].
+pub const DEFAULT_MAX_PENDING_HANDSHAKES: usize = 16;
+
+/// Default of [`PrefillOptions::max_pending_handshake_bytes`] (64 MiB).
+pub const DEFAULT_MAX_PENDING_HANDSHAKE_BYTES: usize = 64 << 20;
 
 /// How the prefill worker runs.
 #[derive(Debug, Clone)]
@@ -31,8 +39,14 @@ pub struct PrefillOptions {
     pub mode: MetadataMode,
     /// Largest side-channel frame accepted.
     pub max_frame: usize,
-    /// How long a new connection may take to complete its handshake.
+    /// How long a new connection may take, in all, to complete its handshake.
     pub handshake_timeout: Duration,
+    /// Most connections in their handshake at once; more are refused at once.
+    pub max_pending_handshakes: usize,
+    /// Most bytes the frames of pending handshakes may hold together, beyond
+    /// [`FREE_BYTES_PER_HANDSHAKE`](crate::admission::FREE_BYTES_PER_HANDSHAKE) each; a
+    /// handshake whose frame would pass it is refused.
+    pub max_pending_handshake_bytes: usize,
     /// Sessions to serve before [`PrefillServer::serve`] returns (`None`: forever).
     pub max_sessions: Option<u64>,
     /// Fault injection: corrupt one byte of the request with this id after filling it.
@@ -45,6 +59,8 @@ impl Default for PrefillOptions {
             mode: MetadataMode::SideChannel,
             max_frame: DEFAULT_MAX_FRAME,
             handshake_timeout: Duration::from_secs(10),
+            max_pending_handshakes: DEFAULT_MAX_PENDING_HANDSHAKES,
+            max_pending_handshake_bytes: DEFAULT_MAX_PENDING_HANDSHAKE_BYTES,
             max_sessions: None,
             corrupt_request: None,
         }
@@ -84,7 +100,8 @@ pub enum PrefillEvent {
     },
     /// A session ended, served in full or not.
     SessionEnded(SessionReport),
-    /// A connection was refused before or during the handshake (bad input, wrong geometry).
+    /// A connection was refused before or during the handshake (bad input, wrong geometry,
+    /// too many pending handshakes).
     Rejected {
         /// The peer's address.
         peer: SocketAddr,
@@ -124,6 +141,8 @@ struct Shared {
     sessions: Mutex<HashMap<String, mpsc::Sender<SessionEvent>>>,
     /// This agent's metadata for the Welcome (empty in etcd mode).
     metadata: Vec<u8>,
+    /// The bounds on pending handshakes.
+    admission: Arc<Admission>,
 }
 
 /// A bound prefill worker, ready to [`serve`](Self::serve).
@@ -146,7 +165,8 @@ impl PrefillServer {
     /// (side-channel mode), and listens on `addr`.
     ///
     /// # Errors
-    /// NIXL metadata errors; [`Error::Io`] when `addr` cannot be bound.
+    /// NIXL metadata errors; [`Error::Io`] when etcd does not answer (etcd mode) or `addr`
+    /// cannot be bound.
     pub fn bind(
         setup: NixlSetup,
         cache: KvCache,
@@ -156,13 +176,17 @@ impl PrefillServer {
         let metadata = match options.mode {
             MetadataMode::SideChannel => setup.agent().local_metadata()?,
             MetadataMode::Etcd => {
-                setup.agent().send_local_metadata(&MetadataPeer::Etcd)?;
+                crate::etcd_metadata::publish(setup.agent())?;
                 Vec::new()
             }
         };
         let listener =
             TcpListener::bind(addr).map_err(|err| Error::io(format!("listen on {addr}"), err))?;
         let blocks = u32::try_from(cache.layout().blocks).unwrap_or(u32::MAX);
+        let admission = Admission::new(
+            options.max_pending_handshakes,
+            options.max_pending_handshake_bytes,
+        );
         Ok(PrefillServer {
             shared: Arc::new(Shared {
                 setup,
@@ -172,6 +196,7 @@ impl PrefillServer {
                 next_request: AtomicU64::new(0),
                 sessions: Mutex::new(HashMap::new()),
                 metadata,
+                admission,
             }),
             listener,
         })
@@ -221,10 +246,18 @@ impl PrefillServer {
                 match self.listener.accept() {
                     Ok((stream, peer)) => {
                         busy = true;
+                        let deadline = Deadline::after(self.shared.options.handshake_timeout);
+                        let Some(ticket) = self.shared.admission.admit() else {
+                            let error = refuse_over_count(&self.shared, stream, peer);
+                            let _ = events_tx.send(PrefillEvent::Rejected { peer, error });
+                            continue;
+                        };
                         let (shared, events_tx) = (self.shared.clone(), events_tx.clone());
                         let spawned = thread::Builder::new()
                             .name(format!("session-{peer}"))
-                            .spawn(move || run_session(&shared, stream, peer, &events_tx));
+                            .spawn(move || {
+                                run_session(&shared, stream, peer, ticket, deadline, &events_tx)
+                            });
                         if let Err(err) = spawned {
                             tracing::error!(%peer, %err, "cannot spawn a session thread");
                         }
@@ -304,15 +337,44 @@ fn pump_notifications(shared: &Shared, stop: &AtomicBool) {
     }
 }
 
+/// Refuses a connection because [`PrefillOptions::max_pending_handshakes`] are pending:
+/// logs it, tells the peer why and closes the connection.
+fn refuse_over_count(shared: &Shared, stream: TcpStream, peer: SocketAddr) -> Error {
+    let max = shared.admission.max_pending();
+    let error = Error::Busy(format!(
+        "prefill is busy: {max} handshakes are already pending, the most it allows; try again later"
+    ));
+    tracing::warn!(
+        %peer,
+        max_pending_handshakes = max,
+        "refused a side-channel connection: {max} handshakes already pending"
+    );
+    // The connection is fresh, so this short frame fits its send buffer; never block on it.
+    let _ = stream.set_nonblocking(true);
+    let refusal = Message::Error {
+        message: error.to_string(),
+    };
+    let _ = write_frame(&mut &stream, &refusal.encode(), shared.options.max_frame);
+    let _ = stream.shutdown(Shutdown::Both);
+    error
+}
+
 /// Runs one connection from handshake to end and reports it.
 fn run_session(
     shared: &Shared,
     stream: TcpStream,
     peer: SocketAddr,
+    ticket: Ticket,
+    deadline: Deadline,
     events: &mpsc::Sender<PrefillEvent>,
 ) {
-    let event = match Session::handshake(shared, stream, peer) {
-        Err(error) => PrefillEvent::Rejected { peer, error },
+    let event = match Session::handshake(shared, stream, peer, ticket, deadline) {
+        Err(error) => {
+            if let Error::Frame(FrameError::OverBudget(reason)) = &error {
+                tracing::warn!(%peer, "refused a side-channel connection: {reason}");
+            }
+            PrefillEvent::Rejected { peer, error }
+        }
         Ok(mut session) => {
             let _ = events.send(PrefillEvent::SessionStarted {
                 peer,
@@ -382,12 +444,18 @@ struct Session<'a> {
 impl<'a> Session<'a> {
     /// Reads the Hello, checks it, loads the decode agent's metadata and answers with the
     /// Welcome. On failure, tells the peer why when it still can.
-    fn handshake(shared: &'a Shared, stream: TcpStream, peer: SocketAddr) -> Result<Self> {
+    fn handshake(
+        shared: &'a Shared,
+        stream: TcpStream,
+        peer: SocketAddr,
+        ticket: Ticket,
+        deadline: Deadline,
+    ) -> Result<Self> {
         stream
             .set_nonblocking(false)
             .map_err(|err| Error::io("make the connection blocking", err))?;
         let (mut tx, mut rx) = side_channel::split(stream, shared.options.max_frame)?;
-        match Self::accept(shared, &mut tx, &mut rx) {
+        match Self::accept(shared, &mut tx, &mut rx, ticket, deadline) {
             Ok((hello, route, events)) => {
                 spawn_reader(rx, route.agent.clone(), peer, shared)?;
                 Ok(Session {
@@ -401,9 +469,11 @@ impl<'a> Session<'a> {
                 })
             }
             Err(err) => {
-                let _ = tx.send(&Message::Error {
+                let refusal = Message::Error {
                     message: err.to_string(),
-                });
+                };
+                // The deadline may have passed: give the refusal a moment of its own.
+                let _ = tx.send_by(&refusal, Deadline::after(SHUTDOWN_GRACE));
                 tx.shutdown();
                 Err(err)
             }
@@ -414,10 +484,12 @@ impl<'a> Session<'a> {
         shared: &'a Shared,
         tx: &mut side_channel::Sender,
         rx: &mut side_channel::Receiver,
+        mut ticket: Ticket,
+        deadline: Deadline,
     ) -> Result<(Hello, Route<'a>, mpsc::Receiver<SessionEvent>)> {
-        let timeout = shared.options.handshake_timeout;
-        rx.set_timeout(Some(timeout))?;
-        let hello = match rx.recv().map_err(|err| handshake_timeout(err, timeout))? {
+        rx.set_deadline(Some(deadline));
+        let received = rx.recv_charged(&mut ticket);
+        let hello = match received.map_err(|err| handshake_timeout(err, deadline))? {
             Message::Hello(hello) => hello,
             other => {
                 return Err(Error::Protocol(format!(
@@ -456,16 +528,17 @@ impl<'a> Session<'a> {
                 }
             }
             MetadataMode::Etcd => {
-                crate::etcd_metadata::fetch(agent, &hello.agent, shared.options.handshake_timeout)?;
+                crate::etcd_metadata::fetch(agent, &hello.agent, deadline)?;
                 route.metadata_loaded = true;
             }
         }
-        tx.send(&Message::Welcome(Welcome {
+        let welcome = Message::Welcome(Welcome {
             agent: agent.name().to_string(),
             metadata: shared.metadata.clone(),
             cache: shared.cache.describe(),
-        }))?;
-        rx.set_timeout(None)?;
+        });
+        tx.send_by(&welcome, deadline)?;
+        rx.set_deadline(None);
         // Keep a sender alive in the route table only; the reader thread gets its own.
         drop(events_tx);
         Ok((hello, route, events))
@@ -589,17 +662,17 @@ impl<'a> Session<'a> {
     }
 }
 
-/// Turns a read timeout while waiting for the Hello into [`Error::Timeout`].
-fn handshake_timeout(err: Error, timeout: Duration) -> Error {
+/// Turns a Hello that did not arrive by the handshake deadline into [`Error::Timeout`].
+fn handshake_timeout(err: Error, deadline: Deadline) -> Error {
     match err {
-        Error::Frame(FrameError::Io(io))
-            if matches!(
-                io.kind(),
-                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-            ) =>
-        {
-            Error::Timeout(format!("no Hello within {timeout:?}"))
+        Error::Frame(FrameError::Stalled { got: 0, .. }) => {
+            Error::Timeout(format!("no Hello within {:?}", deadline.limit()))
         }
+        Error::Frame(FrameError::Stalled { got, expected }) => Error::Timeout(format!(
+            "decode sent only {} of its Hello frame, then the {:?} handshake deadline passed",
+            progress(got, expected),
+            deadline.limit()
+        )),
         other => other,
     }
 }

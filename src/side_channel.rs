@@ -10,16 +10,20 @@
 //!
 //! Metadata is empty in etcd mode, where it travels through etcd instead.
 
-use std::io::{BufReader, BufWriter, Write};
+use std::io::{BufReader, BufWriter, ErrorKind, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::time::Duration;
 
 use crate::codec::{Decoder, Encoder};
+use crate::deadline::{Deadline, DeadlineStream};
 use crate::error::{Error, Result};
-use crate::framing::{read_frame, write_frame};
+use crate::framing::{read_frame_charged, write_frame, FrameBudget, FrameError, Unbudgeted};
 
 /// Version of the protocol; both sides must speak the same.
 pub const PROTOCOL_VERSION: u32 = 1;
+
+/// How long [`Sender::shutdown`] may wait for unsent bytes to leave.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(1);
 
 /// Longest agent name accepted.
 pub const MAX_NAME_BYTES: usize = 256;
@@ -194,7 +198,7 @@ impl Message {
 /// The receiving half of a side-channel connection.
 #[derive(Debug)]
 pub struct Receiver {
-    stream: BufReader<TcpStream>,
+    stream: BufReader<DeadlineStream>,
     max_frame: usize,
 }
 
@@ -202,26 +206,34 @@ impl Receiver {
     /// Reads and parses the next message.
     ///
     /// # Errors
-    /// [`Error::Frame`] for a closed, truncated or oversized frame or a socket error,
-    /// [`Error::Protocol`] for a malformed message.
+    /// [`Error::Frame`] for a closed, truncated, oversized or stalled frame (see
+    /// [`set_deadline`](Self::set_deadline)) or a socket error, [`Error::Protocol`] for a
+    /// malformed message.
     pub fn recv(&mut self) -> Result<Message> {
-        let body = read_frame(&mut self.stream, self.max_frame)?;
+        self.recv_charged(&mut Unbudgeted)
+    }
+
+    /// Like [`recv`](Self::recv), charging `budget` for the frame's memory as it grows.
+    ///
+    /// # Errors
+    /// Those of [`recv`](Self::recv), and the budget's refusal.
+    pub fn recv_charged(&mut self, budget: &mut impl FrameBudget) -> Result<Message> {
+        let body = read_frame_charged(&mut self.stream, self.max_frame, budget)?;
         Message::decode(&body)
     }
 
-    /// Sets how long [`recv`](Self::recv) may block (`None`: forever).
-    pub fn set_timeout(&self, timeout: Option<Duration>) -> Result<()> {
-        self.stream
-            .get_ref()
-            .set_read_timeout(timeout)
-            .map_err(|err| Error::io("set side-channel read timeout", err))
+    /// Sets the deadline of the reads to come: a frame not complete by then ends
+    /// [`recv`](Self::recv) with [`FrameError::Stalled`]
+    /// (`None`: reads may block forever).
+    pub fn set_deadline(&mut self, deadline: Option<Deadline>) {
+        self.stream.get_mut().set_deadline(deadline);
     }
 }
 
 /// The sending half of a side-channel connection.
 #[derive(Debug)]
 pub struct Sender {
-    stream: BufWriter<TcpStream>,
+    stream: BufWriter<DeadlineStream>,
     max_frame: usize,
 }
 
@@ -235,11 +247,40 @@ impl Sender {
         Ok(())
     }
 
-    /// Closes the connection both ways (after what was sent), which also ends a
-    /// [`Receiver::recv`] blocked on the other half.
+    /// Like [`send`](Self::send), but gives up when the peer has not taken the whole frame
+    /// by `deadline` (a peer that reads nothing cannot hold the sender).
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] when the deadline passes; those of [`send`](Self::send).
+    pub fn send_by(&mut self, message: &Message, deadline: Deadline) -> Result<()> {
+        let timed_out = || {
+            Error::Timeout(format!(
+                "the peer did not take the {} message within {:?}",
+                message.kind(),
+                deadline.limit()
+            ))
+        };
+        self.stream.get_mut().set_deadline(Some(deadline));
+        let sent = self.send(message);
+        self.stream.get_mut().set_deadline(None);
+        match sent {
+            Err(Error::Frame(FrameError::Io(err)))
+                if matches!(err.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) =>
+            {
+                Err(timed_out())
+            }
+            other => other,
+        }
+    }
+
+    /// Closes the connection both ways (after what was sent, given [`SHUTDOWN_GRACE`] to
+    /// leave), which also ends a [`Receiver::recv`] blocked on the other half.
     pub fn shutdown(&mut self) {
+        self.stream
+            .get_mut()
+            .set_deadline(Some(Deadline::after(SHUTDOWN_GRACE)));
         let _ = self.stream.flush();
-        if let Err(err) = self.stream.get_ref().shutdown(Shutdown::Both) {
+        if let Err(err) = self.stream.get_ref().get_ref().shutdown(Shutdown::Both) {
             tracing::debug!(%err, "side-channel shutdown");
         }
     }
@@ -258,34 +299,43 @@ pub fn split(stream: TcpStream, max_frame: usize) -> Result<(Sender, Receiver)> 
         .map_err(|err| Error::io("duplicate the side-channel socket", err))?;
     Ok((
         Sender {
-            stream: BufWriter::new(stream),
+            stream: BufWriter::new(DeadlineStream::new(stream)),
             max_frame,
         },
         Receiver {
-            stream: BufReader::new(reader),
+            stream: BufReader::new(DeadlineStream::new(reader)),
             max_frame,
         },
     ))
 }
 
-/// Connects to a prefill side channel, retrying until `timeout` (prefill may still be
+/// Connects to a prefill side channel, retrying until `deadline` (prefill may still be
 /// starting).
 ///
 /// # Errors
 /// [`Error::Timeout`] with the last connection error when no connection succeeds in time.
-pub fn connect(addr: SocketAddr, timeout: Duration) -> Result<TcpStream> {
-    let deadline = std::time::Instant::now() + timeout;
+pub fn connect(addr: SocketAddr, deadline: Deadline) -> Result<TcpStream> {
     loop {
-        match TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
-            Ok(stream) => return Ok(stream),
-            Err(err) if std::time::Instant::now() >= deadline => {
-                return Err(Error::Timeout(format!(
-                    "could not connect to prefill's side channel at {addr} within {timeout:?}: {err}"
-                )))
-            }
-            Err(err) => {
+        let attempt = deadline
+            .remaining()
+            .map(|left| TcpStream::connect_timeout(&addr, left.min(Duration::from_secs(1))));
+        match attempt {
+            Some(Ok(stream)) => return Ok(stream),
+            Some(Err(err)) if !deadline.passed() => {
                 tracing::debug!(%addr, %err, "prefill side channel not reachable yet; retrying");
                 std::thread::sleep(Duration::from_millis(100));
+            }
+            Some(Err(err)) => {
+                return Err(Error::Timeout(format!(
+                    "could not connect to prefill's side channel at {addr} within {:?}: {err}",
+                    deadline.limit()
+                )))
+            }
+            None => {
+                return Err(Error::Timeout(format!(
+                    "could not connect to prefill's side channel at {addr} within {:?}",
+                    deadline.limit()
+                )))
             }
         }
     }
@@ -350,6 +400,31 @@ mod tests {
         let mut body = Message::Complete { requests: 1 }.encode();
         body.push(0);
         assert!(Message::decode(&body).is_err());
+    }
+
+    #[test]
+    fn a_peer_that_reads_nothing_cannot_hold_the_sender() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let stream = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (_peer, _) = listener.accept().unwrap();
+        let (mut tx, _rx) = split(stream, 16 << 20).unwrap();
+        let mut hello = samples().remove(0);
+        if let Message::Hello(h) = &mut hello {
+            h.metadata = vec![0; MAX_METADATA_BYTES];
+        }
+        let start = std::time::Instant::now();
+        let err = tx
+            .send_by(&hello, Deadline::after(Duration::from_millis(300)))
+            .unwrap_err();
+        assert!(
+            start.elapsed() < Duration::from_secs(3),
+            "{:?}",
+            start.elapsed()
+        );
+        assert_eq!(
+            err.to_string(),
+            "timed out: the peer did not take the Hello message within 300ms"
+        );
     }
 
     #[test]

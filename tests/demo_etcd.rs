@@ -5,8 +5,9 @@
 mod demo_support;
 
 use std::process::Command;
+use std::time::{Duration, Instant};
 
-use demo_support::{examples_dir, run_decode, run_script, Etcd, Prefill, CACHE_ARGS};
+use demo_support::{examples_dir, run_decode, run_script, Etcd, Prefill, Proc, CACHE_ARGS};
 
 fn etcd_or_skip(test: &str) -> Option<Etcd> {
     match Etcd::start() {
@@ -39,6 +40,54 @@ fn metadata_through_etcd() {
         assert!(out.contains("every byte verified"), "{out}");
     }
     assert!(prefill.proc.finish().success(), "{}", prefill.proc.output());
+}
+
+#[test]
+fn etcd_down_fails_at_once_naming_the_endpoint() {
+    let Some(mut etcd) = etcd_or_skip("etcd_down_fails_at_once_naming_the_endpoint") else {
+        return;
+    };
+    let endpoint = etcd.endpoint.clone();
+    let etcd_args = ["--metadata", "etcd", "--etcd-endpoints", &endpoint];
+    let prefill = Prefill::start(&etcd_args);
+    etcd.stop();
+
+    // Before, decode's failed store was only a NIXL log line, and prefill's refusal came 10 s
+    // later; now decode stops before its Hello.
+    let mut args = vec!["--requests", "4", "--blocks-per-request", "4"];
+    args.extend(etcd_args);
+    let start = Instant::now();
+    let (status, out) = run_decode(prefill.addr, &args);
+    let took = start.elapsed();
+    eprintln!("decode with etcd down exited after {took:?}");
+    assert!(!status.success(), "{out}");
+    assert!(took < Duration::from_secs(5), "took {took:?}:\n{out}");
+    let error = out
+        .lines()
+        .find(|l| l.starts_with("decode: error:"))
+        .unwrap_or_else(|| panic!("no error line:\n{out}"));
+    assert!(error.contains("etcd does not answer"), "{error}");
+    assert!(error.contains(&format!("{endpoint}: ")), "{error}");
+    assert!(
+        !prefill.proc.output().contains("rejected"),
+        "decode never got as far as prefill: {}",
+        prefill.proc.output()
+    );
+
+    // A prefill started while etcd is down says so at once too.
+    let mut prefill_args = vec!["--listen", "127.0.0.1:0"];
+    prefill_args.extend(CACHE_ARGS);
+    prefill_args.extend(etcd_args);
+    let start = Instant::now();
+    let mut second = Proc::example("prefill", &prefill_args);
+    assert!(!second.finish().success(), "{}", second.output());
+    assert!(start.elapsed() < Duration::from_secs(5));
+    let out = second.output();
+    assert!(
+        out.contains("prefill: error: etcd does not answer"),
+        "{out}"
+    );
+    assert!(out.contains(&endpoint), "{out}");
 }
 
 #[test]

@@ -3,12 +3,11 @@
 
 mod demo_support;
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
-use demo_support::{decode, run_decode, Prefill, WAIT};
-use nixl_rs::framing::read_frame;
+use demo_support::{decode, read_replies, refusal, run_decode, Prefill, WAIT};
 use nixl_rs::side_channel::{Hello, Message, PROTOCOL_VERSION};
 
 /// Enough requests that a run is still going when the test interferes.
@@ -103,27 +102,13 @@ fn poke(addr: SocketAddr, bytes: &[u8], close_write: bool) -> Vec<Message> {
     if close_write {
         s.shutdown(std::net::Shutdown::Write).unwrap();
     }
-    let mut replies = Vec::new();
-    let mut buf = Vec::new();
-    let _ = s.read_to_end(&mut buf);
-    let mut r = buf.as_slice();
-    while let Ok(body) = read_frame(&mut r, 1 << 20) {
-        replies.push(Message::decode(&body).expect("prefill's reply parses"));
-    }
-    replies
+    read_replies(&mut s)
 }
 
 fn frame(body: &[u8]) -> Vec<u8> {
     let mut f = (body.len() as u32).to_be_bytes().to_vec();
     f.extend_from_slice(body);
     f
-}
-
-fn refusal(replies: &[Message]) -> &str {
-    match replies {
-        [Message::Error { message }] => message,
-        other => panic!("expected one Error reply, got {other:?}"),
-    }
 }
 
 #[test]

@@ -1,10 +1,11 @@
 //! Command-line pieces both demo workers share: the KV-cache and NIXL options, logging, and
 //! how a run's outcome becomes an exit code.
 
+use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use nixl::kv_config::KvRole;
-use nixl_rs::cli::parse_size;
+use nixl_rs::cli::{parse_positive, parse_size, use_colour};
 use nixl_rs::config::{self, MetadataMode, WorkerConfig};
 use nixl_rs::kv_cache::KvLayout;
 
@@ -20,10 +21,10 @@ pub struct WorkerArgs {
     #[arg(long)]
     pub platform: Option<String>,
     /// Layers of the KV cache (one registered region each); the same on both workers.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, value_parser = parse_positive::<usize>)]
     pub layers: usize,
     /// Blocks per layer.
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 512, value_parser = parse_positive::<usize>)]
     pub blocks: usize,
     /// Bytes per block, the same on both workers (suffixes K/KiB, M/MiB).
     #[arg(long, default_value = "16KiB", value_parser = parse_size)]
@@ -44,7 +45,8 @@ pub struct WorkerArgs {
 
 impl WorkerArgs {
     /// Sets up what must precede any agent (etcd endpoints, logging to stderr, filtered by
-    /// `RUST_LOG`, default `warn`).
+    /// `RUST_LOG`, default `warn`, in colour only when stderr is a terminal and `NO_COLOR` is
+    /// unset or empty).
     pub fn start(&self) {
         if let Some(endpoints) = &self.etcd_endpoints {
             config::set_etcd_endpoints(endpoints);
@@ -54,6 +56,10 @@ impl WorkerArgs {
         tracing_subscriber::fmt()
             .with_env_filter(filter)
             .with_writer(std::io::stderr)
+            .with_ansi(use_colour(
+                std::io::stderr().is_terminal(),
+                std::env::var_os("NO_COLOR").as_deref(),
+            ))
             .init();
     }
 

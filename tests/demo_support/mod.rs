@@ -11,6 +11,9 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+use nixl_rs::framing::read_frame;
+use nixl_rs::side_channel::Message;
+
 /// Upper bound for any wait in these tests; only a guard against hangs.
 pub const WAIT: Duration = Duration::from_secs(120);
 
@@ -88,8 +91,13 @@ impl Proc {
 
     /// Starts example `example` with `args`.
     pub fn example(example_name: &str, args: &[&str]) -> Proc {
+        Proc::example_env(example_name, args, &[])
+    }
+
+    /// Starts example `example` with `args` and the environment variables `env` set.
+    pub fn example_env(example_name: &str, args: &[&str], env: &[(&str, &str)]) -> Proc {
         let mut cmd = Command::new(example(example_name));
-        cmd.args(args);
+        cmd.args(args).envs(env.iter().copied());
         Proc::spawn(example_name, cmd)
     }
 
@@ -204,10 +212,15 @@ pub struct Prefill {
 impl Prefill {
     /// Starts prefill with the small cache and `extra` flags, and waits until it listens.
     pub fn start(extra: &[&str]) -> Prefill {
+        Prefill::start_env(extra, &[])
+    }
+
+    /// Like [`start`](Self::start), with the environment variables `env` set.
+    pub fn start_env(extra: &[&str], env: &[(&str, &str)]) -> Prefill {
         let mut args = vec!["--listen", "127.0.0.1:0"];
         args.extend(CACHE_ARGS);
         args.extend(extra);
-        let proc = Proc::example("prefill", &args);
+        let proc = Proc::example_env("prefill", &args, env);
         let line = proc.expect_line("its address", |l| l.contains(" listening on "));
         let addr = line
             .split(" listening on ")
@@ -221,11 +234,16 @@ impl Prefill {
 
 /// Starts decode against `prefill` with the small cache and `extra` flags.
 pub fn decode(prefill: SocketAddr, extra: &[&str]) -> Proc {
+    decode_env(prefill, extra, &[])
+}
+
+/// Like [`decode`], with the environment variables `env` set.
+pub fn decode_env(prefill: SocketAddr, extra: &[&str], env: &[(&str, &str)]) -> Proc {
     let addr = prefill.to_string();
     let mut args = vec!["--prefill", addr.as_str()];
     args.extend(CACHE_ARGS);
     args.extend(extra);
-    Proc::example("decode", &args)
+    Proc::example_env("decode", &args, env)
 }
 
 /// Runs decode to the end and returns its exit status and output.
@@ -256,10 +274,46 @@ pub fn run_script(script: &str, args: &[&str]) -> (ExitStatus, String) {
     (out.status, text)
 }
 
+/// Reads what the peer sends on `stream` until it closes the connection (or [`WAIT`]
+/// passes), as side-channel messages.
+pub fn read_replies(stream: &mut std::net::TcpStream) -> Vec<Message> {
+    stream
+        .set_read_timeout(Some(WAIT))
+        .expect("set a read timeout");
+    let mut buf = Vec::new();
+    let _ = stream.read_to_end(&mut buf);
+    let mut r = buf.as_slice();
+    let mut replies = Vec::new();
+    while let Ok(body) = read_frame(&mut r, 1 << 20) {
+        replies.push(Message::decode(&body).expect("the peer's reply parses"));
+    }
+    replies
+}
+
+/// The text of the one Error message `replies` should be.
+pub fn refusal(replies: &[Message]) -> &str {
+    match replies {
+        [Message::Error { message }] => message,
+        other => panic!("expected one Error reply, got {other:?}"),
+    }
+}
+
 /// A TCP port that was free a moment ago on 127.0.0.1.
 pub fn free_port() -> u16 {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
     listener.local_addr().expect("local address").port()
+}
+
+/// A memory figure of process `pid` from `/proc/<pid>/status` in KiB, e.g. `VmRSS` or
+/// `VmHWM` (its peak).
+pub fn status_kib(pid: u32, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_else(|err| panic!("read /proc/{pid}/status: {err}"));
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"))
 }
 
 /// The path of a program on `PATH`.
@@ -313,6 +367,11 @@ impl Etcd {
             etcd.proc.kill();
         }
         Err(last)
+    }
+
+    /// Kills etcd, as if it went down.
+    pub fn stop(&mut self) {
+        self.proc.kill();
     }
 
     fn wait_healthy(&mut self, port: u16) -> Result<(), String> {

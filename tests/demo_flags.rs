@@ -1,0 +1,158 @@
+//! The demo binaries' command line and logs: zero counts and timeouts refused at parsing,
+//! naming the flag; colour in logs only on a terminal, and never with `NO_COLOR`.
+
+mod demo_support;
+
+use std::fs::File;
+use std::io::Read;
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use demo_support::{decode_env, example, free_port, Prefill, CACHE_ARGS, WAIT};
+
+const ESC: &str = "\x1b[";
+
+#[test]
+fn zero_counts_and_timeouts_are_refused_naming_the_flag() {
+    let common = ["--layers", "--blocks", "--block-size", "--max-frame"];
+    let decode_flags = [
+        "--requests",
+        "--blocks-per-request",
+        "--in-flight",
+        "--connect-timeout-s",
+        "--xfer-timeout-s",
+        "--progress-interval-ms",
+    ];
+    let prefill_flags = [
+        "--sessions",
+        "--handshake-timeout-s",
+        "--max-pending-handshakes",
+        "--max-pending-handshake-bytes",
+    ];
+    let cases = common
+        .iter()
+        .chain(&decode_flags)
+        .map(|flag| ("decode", flag))
+        .chain(
+            common
+                .iter()
+                .chain(&prefill_flags)
+                .map(|flag| ("prefill", flag)),
+        );
+    for (binary, flag) in cases {
+        let start = Instant::now();
+        let out = Command::new(example(binary))
+            .args([flag, "0"])
+            .output()
+            .unwrap_or_else(|err| panic!("run {binary}: {err}"));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{binary} {flag} 0: {stderr}");
+        assert!(
+            stderr.contains(&format!("'{flag} <")),
+            "{binary} {flag} 0 does not name the flag: {stderr}"
+        );
+        assert!(
+            stderr.contains("must be at least 1") || stderr.contains("must be non-zero"),
+            "{binary} {flag} 0: {stderr}"
+        );
+        // Refused at parsing, before any NIXL agent exists.
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "{binary} {flag} 0"
+        );
+    }
+}
+
+/// The log lines of `out` that contain `text`.
+fn lines_with<'a>(out: &'a str, text: &str) -> Vec<&'a str> {
+    out.lines().filter(|l| l.contains(text)).collect()
+}
+
+#[test]
+fn logs_to_a_pipe_carry_no_colour() {
+    let mut prefill = Prefill::start_env(&["--sessions", "1"], &[("RUST_LOG", "debug")]);
+    let args = ["--requests", "4", "--blocks-per-request", "4"];
+    let mut decode = decode_env(prefill.addr, &args, &[("RUST_LOG", "info")]);
+    assert!(decode.finish().success(), "{}", decode.output());
+    assert!(prefill.proc.finish().success(), "{}", prefill.proc.output());
+    for (name, out, level) in [
+        ("decode", decode.output(), "INFO"),
+        ("prefill", prefill.proc.output(), "DEBUG"),
+    ] {
+        assert!(
+            !lines_with(&out, level).is_empty(),
+            "{name} logged nothing to check:\n{out}"
+        );
+        assert!(!out.contains(ESC), "{name} wrote colour to a pipe:\n{out}");
+    }
+}
+
+/// Runs decode against a port nobody listens on, with its stderr on a new terminal, and
+/// returns its tracing lines about the retries.
+fn retry_lines_on_a_terminal(no_color: Option<&str>) -> Vec<String> {
+    let (mut master, mut slave) = (-1, -1);
+    // SAFETY: openpty writes the two descriptors it opens; the other arguments may be null.
+    let rc = unsafe {
+        libc::openpty(
+            &mut master,
+            &mut slave,
+            std::ptr::null_mut(),
+            std::ptr::null(),
+            std::ptr::null(),
+        )
+    };
+    assert_eq!(rc, 0, "openpty: {}", std::io::Error::last_os_error());
+    // SAFETY: both descriptors were just opened and are owned by nobody else.
+    let (mut master, slave) = unsafe { (File::from_raw_fd(master), OwnedFd::from_raw_fd(slave)) };
+    let port = free_port().to_string();
+    let mut cmd = Command::new(example("decode"));
+    cmd.args(["--prefill", &format!("127.0.0.1:{port}")])
+        .args(["--connect-timeout-s", "1"])
+        .args(CACHE_ARGS)
+        .env("RUST_LOG", "nixl_rs=debug")
+        .env_remove("NO_COLOR")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(slave));
+    if let Some(value) = no_color {
+        cmd.env("NO_COLOR", value);
+    }
+    let mut child = cmd.spawn().expect("start decode");
+    // Close this process's copy of the terminal's far end, so that reading ends with decode.
+    drop(cmd);
+    let reader = std::thread::spawn(move || {
+        let mut out = Vec::new();
+        let mut buf = [0u8; 4096];
+        // The terminal reports EIO once decode has exited.
+        while let Ok(n @ 1..) = master.read(&mut buf) {
+            out.extend_from_slice(&buf[..n]);
+        }
+        String::from_utf8_lossy(&out).into_owned()
+    });
+    let start = Instant::now();
+    while child.try_wait().expect("poll decode").is_none() {
+        assert!(start.elapsed() < WAIT, "decode did not exit");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = reader.join().expect("the terminal reader");
+    let lines: Vec<String> = lines_with(&out, "not reachable yet")
+        .into_iter()
+        .map(String::from)
+        .collect();
+    assert!(!lines.is_empty(), "no retry lines:\n{out}");
+    lines
+}
+
+#[test]
+fn colour_on_a_terminal_unless_no_color() {
+    let coloured = |lines: &[String]| lines.iter().all(|l| l.contains(ESC));
+    let plain = |lines: &[String]| lines.iter().all(|l| !l.contains(ESC));
+    let lines = retry_lines_on_a_terminal(None);
+    assert!(coloured(&lines), "{lines:?}");
+    let lines = retry_lines_on_a_terminal(Some("1"));
+    assert!(plain(&lines), "NO_COLOR=1: {lines:?}");
+    // An empty NO_COLOR does not count.
+    let lines = retry_lines_on_a_terminal(Some(""));
+    assert!(coloured(&lines), "NO_COLOR='': {lines:?}");
+}
