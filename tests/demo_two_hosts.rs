@@ -1,7 +1,8 @@
 //! The prefill/decode demo across two network namespaces joined by a veth pair, over UCX's
-//! TCP transport (scripts/two_hosts.sh). Needs root and a working `ip netns`; skipped, saying
-//! why, otherwise.
+//! TCP transport (scripts/two_hosts.sh). Needs root and a working `ip netns` (CI has both);
+//! elsewhere it is skipped and listed in scripts/test.sh's summary.
 
+mod common;
 mod demo_support;
 
 use std::process::Command;
@@ -31,7 +32,7 @@ fn netns_unavailable() -> Option<String> {
 #[test]
 fn prefill_and_decode_in_two_namespaces_over_tcp() {
     if let Some(reason) = netns_unavailable() {
-        eprintln!("skipping the two-namespace demo: {reason}");
+        common::skip("prefill_and_decode_in_two_namespaces_over_tcp", &reason);
         return;
     }
     let (status, text) = run_script(

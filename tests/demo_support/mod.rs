@@ -8,6 +8,7 @@ use std::io::{BufRead, BufReader, Read};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -57,6 +58,8 @@ pub fn example(name: &str) -> PathBuf {
 struct Lines {
     lines: Mutex<Vec<String>>,
     changed: Condvar,
+    /// Output streams not yet read to their end.
+    open: AtomicUsize,
 }
 
 /// A child process whose stdout and stderr are collected line by line; killed when dropped.
@@ -65,6 +68,8 @@ pub struct Proc {
     child: Child,
     lines: Arc<Lines>,
     status: Option<ExitStatus>,
+    /// When the exit was first seen.
+    exited_at: Option<Instant>,
 }
 
 impl Proc {
@@ -86,6 +91,7 @@ impl Proc {
             child,
             lines,
             status: None,
+            exited_at: None,
         }
     }
 
@@ -149,14 +155,32 @@ impl Proc {
             }
             if let Some(status) = self.child.try_wait().expect("poll child") {
                 self.status = Some(status);
-                // Give the reader threads a moment to take the last lines.
-                std::thread::sleep(Duration::from_millis(50));
+                self.exited_at = Some(Instant::now());
+                self.wait_for_readers();
                 return Some(status);
             }
             if Instant::now() >= deadline {
                 return None;
             }
             std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// When the process was first seen to have exited.
+    pub fn exited_at(&self) -> Option<Instant> {
+        self.exited_at
+    }
+
+    /// Waits until both output streams are read to their end, so that [`output`](Self::output)
+    /// holds every line. Bounded: a grandchild that inherited the pipes may keep them open.
+    fn wait_for_readers(&self) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut lines = self.lines.lines.lock().unwrap();
+        while self.lines.open.load(Ordering::SeqCst) > 0 {
+            let Some(left) = deadline.checked_duration_since(Instant::now()) else {
+                return;
+            };
+            lines = self.lines.changed.wait_timeout(lines, left).unwrap().0;
         }
     }
 
@@ -192,12 +216,17 @@ impl Drop for Proc {
 }
 
 fn collect(stream: impl Read + Send + 'static, lines: Arc<Lines>) {
+    lines.open.fetch_add(1, Ordering::SeqCst);
     std::thread::spawn(move || {
         for line in BufReader::new(stream).lines() {
             let Ok(line) = line else { break };
             lines.lines.lock().unwrap().push(line);
             lines.changed.notify_all();
         }
+        // Counted down under the lock, so a waiter cannot miss the notification.
+        let _held = lines.lines.lock().unwrap();
+        lines.open.fetch_sub(1, Ordering::SeqCst);
+        lines.changed.notify_all();
     });
 }
 
@@ -334,39 +363,53 @@ pub struct Etcd {
 }
 
 impl Etcd {
-    /// Starts etcd on free ports, or says why it cannot.
+    /// Starts etcd, which binds ports of its own choosing (port 0, so no other process can
+    /// take them between a choice and the bind), or says why it cannot.
     pub fn start() -> Result<Etcd, String> {
         let binary = which("etcd")
             .ok_or("no etcd binary on PATH (Debian etcd-server; scripts/setup.sh installs it)")?;
-        let mut last = String::new();
-        // Another process may grab a port between choosing and binding it: retry a few times.
-        for _ in 0..3 {
-            let data = tempfile::tempdir().map_err(|e| e.to_string())?;
-            let (client, peer) = (free_port(), free_port());
-            let endpoint = format!("http://127.0.0.1:{client}");
-            let peer_url = format!("http://127.0.0.1:{peer}");
-            let mut cmd = Command::new(&binary);
-            cmd.arg("--name")
-                .arg("demo")
-                .arg("--data-dir")
-                .arg(data.path())
-                .args(["--listen-client-urls", &endpoint])
-                .args(["--advertise-client-urls", &endpoint])
-                .args(["--listen-peer-urls", &peer_url])
-                .args(["--initial-advertise-peer-urls", &peer_url])
-                .args(["--initial-cluster", &format!("demo={peer_url}")]);
-            let mut etcd = Etcd {
-                proc: Proc::spawn("etcd", cmd),
-                _data: data,
-                endpoint,
-            };
-            match etcd.wait_healthy(client) {
-                Ok(()) => return Ok(etcd),
-                Err(err) => last = err,
-            }
-            etcd.proc.kill();
-        }
-        Err(last)
+        let data = tempfile::tempdir().map_err(|e| e.to_string())?;
+        let any_port = "http://127.0.0.1:0";
+        let mut cmd = Command::new(&binary);
+        cmd.arg("--name")
+            .arg("demo")
+            .arg("--data-dir")
+            .arg(data.path())
+            .args(["--listen-client-urls", any_port])
+            .args(["--advertise-client-urls", any_port])
+            .args(["--listen-peer-urls", any_port])
+            .args(["--initial-advertise-peer-urls", any_port])
+            .args(["--initial-cluster", &format!("demo={any_port}")]);
+        let mut proc = Proc::spawn("etcd", cmd);
+        // etcd 3.4 says where it listens: "serving insecure client requests on 127.0.0.1:N".
+        const SERVING: &str = "serving insecure client requests on ";
+        let Some(line) = proc.wait_line(Duration::from_secs(30), |l| l.contains(SERVING)) else {
+            proc.kill();
+            return Err(format!(
+                "etcd never said where it serves:\n{}",
+                proc.output()
+            ));
+        };
+        let address = line[line.find(SERVING).unwrap_or(0) + SERVING.len()..]
+            .split(|c: char| c == ',' || c.is_whitespace())
+            .next()
+            .unwrap_or_default()
+            .to_string();
+        let Some(port) = address
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.parse::<u16>().ok())
+        else {
+            proc.kill();
+            return Err(format!("cannot read etcd's client port from {line:?}"));
+        };
+        let mut etcd = Etcd {
+            proc,
+            _data: data,
+            endpoint: format!("http://{address}"),
+        };
+        etcd.wait_healthy(port)?;
+        Ok(etcd)
     }
 
     /// Kills etcd, as if it went down.
