@@ -4,14 +4,13 @@
 
 use std::collections::{HashSet, VecDeque};
 use std::net::SocketAddr;
-use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
+use futures_util::stream::{FuturesUnordered, StreamExt};
 use nixl::kv_config::NixlSetup;
-use nixl::{
-    MetadataPeer, PreparedLocal, PreparedRemote, XferOp, XferOptions, XferRequest, XferStatus,
-};
+use nixl::{MetadataPeer, PreparedLocal, PreparedRemote, XferOp, XferOptions, XferRequest};
+use tokio::sync::mpsc;
 
 use crate::block_pool::BlockPool;
 use crate::config::MetadataMode;
@@ -62,9 +61,6 @@ impl DecodeOptions {
     }
 }
 
-/// Pause between polls of in-flight READs.
-const POLL_NAP: Duration = Duration::from_micros(50);
-
 /// Side-channel input, forwarded by the reader thread.
 enum Incoming {
     Message(Message),
@@ -78,32 +74,22 @@ struct Pending {
     announced: Instant,
 }
 
-/// A READ in flight.
+/// A READ in flight: what it moves (the request itself is awaited on its own).
 struct Pull {
-    xfer: XferRequest,
     request: u64,
     local: Vec<u32>,
     remote: Vec<u32>,
     announced: Instant,
-    posted: Instant,
 }
 
-/// Requests in flight. Dropped early (the run failed), it leaks requests that are still in
-/// flight instead of dropping them: dropping one waits for it for up to 30 s, and a READ
-/// from a dead prefill may never finish.
-#[derive(Default)]
-struct Pulls(Vec<Pull>);
+/// A posted READ and where it goes.
+type Started = (Pull, XferRequest);
 
-impl Drop for Pulls {
-    fn drop(&mut self) {
-        for pull in self.0.drain(..) {
-            if pull.xfer.is_in_flight() {
-                tracing::warn!(request = pull.request, "abandoning an unfinished READ");
-                pull.xfer.abandon();
-            }
-        }
-    }
-}
+/// A READ's outcome: done, failed, or not done by the deadline.
+type Finished = (
+    Pull,
+    std::result::Result<nixl::Result<XferRequest>, tokio::time::error::Elapsed>,
+);
 
 /// The prefill side of a session once the handshake is done.
 struct Connected {
@@ -132,7 +118,19 @@ pub fn run(
     check_options(options, layout)?;
     let mut session = connect(setup, cache, options)?;
     let prefill_agent = session.welcome.agent.clone();
-    let result = pull_all(setup, cache, options, &session, &mut on_progress);
+    let result = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .map_err(|err| Error::io("start the async runtime", err))
+        .and_then(|runtime| {
+            runtime.block_on(pull_all(
+                setup,
+                cache,
+                options,
+                &mut session,
+                &mut on_progress,
+            ))
+        });
     if let Err(err) = &result {
         let _ = session.tx.send(&Message::Error {
             message: err.to_string(),
@@ -272,7 +270,8 @@ fn handshake(
         MetadataMode::Etcd => crate::etcd_metadata::fetch(agent, &welcome.agent, deadline)?,
     }
     rx.set_deadline(None);
-    let (incoming_tx, incoming) = mpsc::channel();
+    // Bounded: a reader that gets ahead of the pull loop waits for it.
+    let (incoming_tx, incoming) = mpsc::channel(64);
     thread::Builder::new()
         .name("side-channel".into())
         .spawn(move || loop {
@@ -280,7 +279,7 @@ fn handshake(
                 Ok(message) => (Incoming::Message(message), false),
                 Err(err) => (Incoming::Closed(err), true),
             };
-            if incoming_tx.send(event).is_err() || closed {
+            if incoming_tx.blocking_send(event).is_err() || closed {
                 break;
             }
         })
@@ -310,13 +309,16 @@ fn check_welcome(welcome: &Welcome, layout: KvLayout) -> Result<()> {
     Ok(())
 }
 
-/// The main loop: take announcements, start READs when local blocks are free, poll them,
-/// verify what landed.
-fn pull_all(
+/// The main loop, on the async API: take announcements, start READs when local blocks are
+/// free, and await them (each with its deadline), checking what landed. Nothing polls or
+/// naps here: the agent's completion driver wakes the loop when a READ is done. If the run
+/// fails, the READs still in flight are handed to the driver, which keeps their memory until
+/// NIXL is done with it.
+async fn pull_all(
     setup: &NixlSetup,
     cache: &KvCache,
     options: &DecodeOptions,
-    session: &Connected,
+    session: &mut Connected,
     on_progress: &mut impl FnMut(&Progress),
 ) -> Result<DecodeSummary> {
     let agent = setup.agent();
@@ -331,7 +333,7 @@ fn pull_all(
         remote_blocks: welcome.cache.blocks,
         pool: BlockPool::new(u32::try_from(layout.blocks).unwrap_or(u32::MAX)),
         pending: VecDeque::new(),
-        pulls: Pulls::default(),
+        in_flight: 0,
         seen: HashSet::new(),
         complete: false,
         latencies: Vec::new(),
@@ -345,32 +347,33 @@ fn pull_all(
         },
     };
     let start = Instant::now();
-    let mut last_report = start;
+    let mut reads = FuturesUnordered::new();
+    let mut report = tokio::time::interval_at(
+        tokio::time::Instant::now() + options.progress_interval,
+        options.progress_interval,
+    );
+    report.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut channel_open = true;
     loop {
-        while let Ok(incoming) = session.incoming.try_recv() {
-            state.handle(incoming)?;
+        for started in state.start_pulls(agent, &local_list, &remote_list)? {
+            reads.push(awaited(started, options.xfer_timeout));
         }
-        state.start_pulls(agent, &local_list, &remote_list)?;
-        state.poll_pulls(cache)?;
         state.progress.elapsed = start.elapsed();
         if state.finished() {
             break;
         }
-        if last_report.elapsed() >= options.progress_interval {
-            on_progress(&state.progress);
-            last_report = Instant::now();
-        }
-        if state.pulls.0.is_empty() && state.pending.is_empty() {
-            match session.incoming.recv_timeout(Duration::from_millis(50)) {
-                Ok(incoming) => state.handle(incoming)?,
-                Err(mpsc::RecvTimeoutError::Timeout) => {}
-                Err(mpsc::RecvTimeoutError::Disconnected) => {
-                    return Err(Error::PeerGone("the side-channel reader stopped".into()))
-                }
-            }
-        } else {
-            // Brief naps leave the cores to NIXL's progress thread and the prefill worker.
-            thread::sleep(POLL_NAP);
+        // Finished READs first: the driver saw a READ done before NIXL sent its notification,
+        // so prefill's next announcement never overtakes the completion it follows.
+        tokio::select! {
+            biased;
+            Some(finished) = reads.next() => state.finish_pull(finished, cache)?,
+            incoming = session.incoming.recv(), if channel_open => match incoming {
+                Some(incoming) => state.handle(incoming)?,
+                // Prefill closes the channel after Complete; only READs are left then.
+                None if state.complete => channel_open = false,
+                None => return Err(Error::PeerGone("the side-channel reader stopped".into())),
+            },
+            _ = report.tick() => on_progress(&state.progress),
         }
     }
     Ok(DecodeSummary {
@@ -381,6 +384,11 @@ fn pull_all(
     })
 }
 
+/// A posted READ awaited until `timeout`.
+async fn awaited((pull, xfer): Started, timeout: Duration) -> Finished {
+    (pull, tokio::time::timeout(timeout, xfer).await)
+}
+
 /// Where a decode run stands.
 struct RunState<'o> {
     options: &'o DecodeOptions,
@@ -388,7 +396,8 @@ struct RunState<'o> {
     remote_blocks: u32,
     pool: BlockPool,
     pending: VecDeque<Pending>,
-    pulls: Pulls,
+    /// READs posted and not yet finished.
+    in_flight: usize,
     seen: HashSet<u64>,
     complete: bool,
     latencies: Vec<Duration>,
@@ -472,25 +481,27 @@ impl RunState<'_> {
         // Prefill may announce the next request as soon as a notification reaches it, a
         // little before this side sees the READ done; anything beyond that is a bug.
         let limit = 2 * self.options.in_flight as usize + 1;
-        if self.pending.len() + self.pulls.0.len() >= limit {
+        if self.pending.len() + self.in_flight >= limit {
             return bad(format!("more than {limit} requests outstanding"));
         }
         Ok(())
     }
 
+    /// Posts a READ for every pending request that free local blocks allow.
     fn start_pulls(
         &mut self,
         agent: &nixl::Agent,
         local_list: &PreparedLocal,
         remote_list: &PreparedRemote,
-    ) -> Result<()> {
+    ) -> Result<Vec<Started>> {
+        let mut started = Vec::new();
         while !self.pending.is_empty() {
             let Some(local) = self.pool.alloc(self.options.blocks_per_request as usize) else {
-                return Ok(());
+                break;
             };
             let Some(p) = self.pending.pop_front() else {
                 self.pool.free(&local);
-                return Ok(());
+                break;
             };
             let remote_layout = KvLayout {
                 blocks: self.remote_blocks as usize,
@@ -513,57 +524,43 @@ impl RunState<'_> {
                 &remote_idx,
                 &notification,
             )?;
-            let posted = Instant::now();
             xfer.post().map_err(|err| read_failed(p.request, err))?;
-            self.pulls.0.push(Pull {
-                xfer,
+            self.in_flight += 1;
+            let pull = Pull {
                 request: p.request,
                 local,
                 remote: p.remote,
                 announced: p.announced,
-                posted,
-            });
+            };
+            started.push((pull, xfer));
         }
-        Ok(())
+        Ok(started)
     }
 
-    fn poll_pulls(&mut self, cache: &KvCache) -> Result<()> {
-        let mut i = 0;
-        while i < self.pulls.0.len() {
-            let pull = &mut self.pulls.0[i];
-            match pull
-                .xfer
-                .status()
-                .map_err(|err| read_failed(pull.request, err))?
-            {
-                XferStatus::InProgress if pull.posted.elapsed() > self.options.xfer_timeout => {
-                    return Err(Error::Timeout(format!(
-                        "the READ of request {} is not done after {:?}",
-                        pull.request, self.options.xfer_timeout
-                    )));
-                }
-                XferStatus::InProgress => i += 1,
-                XferStatus::Done => {
-                    let done = Instant::now();
-                    let pull = self.pulls.0.swap_remove(i);
-                    self.latencies.push(done - pull.announced);
-                    let bad = cache.verify_blocks(&pull.local, &pull.remote, pull.request)?;
-                    if !bad.is_empty() {
-                        tracing::error!(
-                            request = pull.request,
-                            blocks = bad.len(),
-                            "data mismatch"
-                        );
-                    }
-                    self.mismatches.extend(bad);
-                    self.pool.free(&pull.local);
-                    let blocks = (pull.local.len() * self.layout.layers) as u64;
-                    self.progress.requests_done += 1;
-                    self.progress.blocks += blocks;
-                    self.progress.bytes += blocks * self.layout.block_bytes as u64;
-                }
+    /// Checks the blocks of a finished READ and frees them; a failed or late READ ends the run.
+    fn finish_pull(&mut self, (pull, outcome): Finished, cache: &KvCache) -> Result<()> {
+        self.in_flight -= 1;
+        match outcome {
+            Err(_) => {
+                return Err(Error::Timeout(format!(
+                    "the READ of request {} is not done after {:?}",
+                    pull.request, self.options.xfer_timeout
+                )))
             }
+            Ok(Err(err)) => return Err(read_failed(pull.request, err)),
+            Ok(Ok(_done)) => {}
         }
+        self.latencies.push(pull.announced.elapsed());
+        let bad = cache.verify_blocks(&pull.local, &pull.remote, pull.request)?;
+        if !bad.is_empty() {
+            tracing::error!(request = pull.request, blocks = bad.len(), "data mismatch");
+        }
+        self.mismatches.extend(bad);
+        self.pool.free(&pull.local);
+        let blocks = (pull.local.len() * self.layout.layers) as u64;
+        self.progress.requests_done += 1;
+        self.progress.blocks += blocks;
+        self.progress.bytes += blocks * self.layout.block_bytes as u64;
         Ok(())
     }
 }

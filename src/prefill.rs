@@ -8,14 +8,14 @@
 
 use std::collections::HashMap;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use nixl::kv_config::NixlSetup;
-use nixl::MetadataPeer;
+use nixl::{MetadataPeer, Notification, NotificationFilter, NotificationStream};
 
 use crate::admission::{Admission, Ticket};
 use crate::block_pool::BlockPool;
@@ -221,12 +221,18 @@ impl PrefillServer {
         self.listener
             .set_nonblocking(true)
             .map_err(|err| Error::io("make the listener non-blocking", err))?;
-        let stop = Arc::new(AtomicBool::new(false));
+        // Subscribed before any session starts, so no notification is missed.
+        let notes = self
+            .shared
+            .setup
+            .agent()
+            .notification_stream(NotificationFilter::any())?;
+        let (stop, stopped) = tokio::sync::oneshot::channel();
         let pump = {
-            let (shared, stop) = (self.shared.clone(), stop.clone());
+            let shared = self.shared.clone();
             thread::Builder::new()
                 .name("notifications".into())
-                .spawn(move || pump_notifications(&shared, &stop))
+                .spawn(move || pump_notifications(&shared, notes, stopped))
                 .map_err(|err| Error::io("spawn the notification thread", err))?
         };
         let (events_tx, events) = mpsc::channel();
@@ -284,7 +290,7 @@ impl PrefillServer {
                 thread::sleep(Duration::from_millis(10));
             }
         }
-        stop.store(true, Ordering::Relaxed);
+        let _ = stop.send(());
         if pump.join().is_err() {
             tracing::error!("the notification thread panicked");
         }
@@ -302,38 +308,43 @@ impl PrefillServer {
     }
 }
 
-/// Routes every NIXL notification to the session of the agent that sent it.
-fn pump_notifications(shared: &Shared, stop: &AtomicBool) {
-    let agent = shared.setup.agent();
-    while !stop.load(Ordering::Relaxed) {
-        let notes = match agent.notifications() {
-            Ok(notes) => notes,
-            Err(err) => {
-                tracing::error!(%err, "reading notifications failed");
-                thread::sleep(Duration::from_millis(10));
-                continue;
-            }
-        };
-        if notes.is_empty() {
-            thread::sleep(Duration::from_micros(200));
-            continue;
+/// Routes every NIXL notification to the session of the agent that sent it, awaiting them
+/// on the async API until `stopped` fires.
+fn pump_notifications(
+    shared: &Shared,
+    mut notes: NotificationStream,
+    mut stopped: tokio::sync::oneshot::Receiver<()>,
+) {
+    let runtime = match tokio::runtime::Builder::new_current_thread().build() {
+        Ok(runtime) => runtime,
+        Err(err) => {
+            tracing::error!(%err, "cannot start the notification runtime");
+            return;
         }
-        let sessions = shared.sessions.lock().unwrap_or_else(|p| p.into_inner());
-        for (sender, messages) in notes {
-            match sessions.get(&sender) {
-                Some(session) => {
-                    for message in messages {
-                        // A session that just ended has dropped its receiver; nothing to do.
-                        let _ = session.send(SessionEvent::Notification(message));
-                    }
-                }
-                None => tracing::warn!(
-                    %sender,
-                    count = messages.len(),
-                    "notifications from an agent without a session; ignored"
-                ),
+    };
+    runtime.block_on(async {
+        loop {
+            tokio::select! {
+                note = notes.recv() => route(shared, note),
+                _ = &mut stopped => return,
             }
         }
+    });
+}
+
+/// Hands one notification to the session of its sender.
+fn route(shared: &Shared, note: Notification) {
+    let sender = String::from_utf8_lossy(&note.sender);
+    let sessions = shared.sessions.lock().unwrap_or_else(|p| p.into_inner());
+    match sessions.get(sender.as_ref()) {
+        // A session that just ended has dropped its receiver; nothing to do.
+        Some(session) => {
+            let _ = session.send(SessionEvent::Notification(note.message));
+        }
+        None => tracing::warn!(
+            %sender,
+            "a notification from an agent without a session; ignored"
+        ),
     }
 }
 
