@@ -41,13 +41,13 @@ pub enum Error {
         /// What was wrong.
         reason: String,
     },
-    /// The peer's KV cache cannot be transferred with ours.
-    #[error("engine {engine_id:?} (rank {tp_rank}) is incompatible: {reason}")]
+    /// A reader's KV cache cannot be filled from a source's.
+    #[error("{reader} cannot read from {source_rank}: {reason}")]
     Incompatible {
-        /// The peer's engine id.
-        engine_id: String,
-        /// The peer's TP rank.
-        tp_rank: usize,
+        /// The reading engine and rank, e.g. `engine "decode" rank 1`.
+        reader: String,
+        /// The engine and rank read from.
+        source_rank: String,
         /// The mismatch, with both values.
         reason: String,
     },

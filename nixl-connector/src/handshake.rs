@@ -97,31 +97,33 @@ pub fn check_compatible(
     expected_rank: Option<usize>,
 ) -> Result<ReadPlan> {
     let refuse = |reason: String| Error::Incompatible {
-        engine_id: remote.engine_id.clone(),
-        tp_rank: remote.tp_rank as usize,
+        reader: rank_name(local),
+        source_rank: rank_name(remote),
         reason,
     };
     if remote.protocol_version != local.protocol_version {
         return Err(refuse(format!(
-            "protocol version {} (ours is {}); run the same connector version on both engines",
-            remote.protocol_version, local.protocol_version
+            "protocol version {} (reader) vs {} (source); run the same connector version on both engines",
+            local.protocol_version, remote.protocol_version
         )));
     }
     if let Some(engine) = expected_engine {
         if remote.engine_id != engine {
-            return Err(refuse(format!("expected engine {engine:?}")));
+            return Err(refuse(format!(
+                "the transfer params name engine {engine:?}"
+            )));
         }
     }
     if let Some(rank) = expected_rank {
         if remote.tp_rank as usize != rank {
-            return Err(refuse(format!("expected TP rank {rank}")));
+            return Err(refuse(format!("the reader expected TP rank {rank}")));
         }
     }
-    let same = |what: &str, ours: String, theirs: String| {
-        if ours == theirs {
+    let same = |what: &str, reader: String, source: String| {
+        if reader == source {
             Ok(())
         } else {
-            Err(refuse(format!("{what} {theirs}, ours is {ours}")))
+            Err(refuse(format!("{what} {reader} (reader) vs {source} (source); both engines must serve the same model geometry")))
         }
     };
     same(
@@ -151,21 +153,21 @@ pub fn check_compatible(
     )?;
     if remote.block_lens.len() != remote.layer_base_addrs.len() {
         return Err(refuse(format!(
-            "{} block lengths for {} layers",
+            "the source sends {} block lengths for {} layers",
             remote.block_lens.len(),
             remote.layer_base_addrs.len()
         )));
     }
     if remote.tp_size == 0 || local.tp_size % remote.tp_size != 0 {
         return Err(refuse(format!(
-            "TP {} cannot serve a reader of TP {}: the reader's TP must be a multiple of the peer's",
-            remote.tp_size, local.tp_size
+            "reader TP {} is not a multiple of source TP {} (reading from a larger TP is not supported)",
+            local.tp_size, remote.tp_size
         )));
     }
     let ratio = local.tp_size / remote.tp_size;
     if ratio > 1 && local.layout != KvLayout::Hnd {
         return Err(refuse(format!(
-            "TP {} to TP {} needs the HND layout (a head slice of a block contiguous), both use {}",
+            "source TP {} to reader TP {} needs the HND layout (a head slice of a block contiguous), both use {}",
             remote.tp_size, local.tp_size, local.layout
         )));
     }
@@ -173,8 +175,8 @@ pub fn check_compatible(
     let remote_heads = remote.num_kv_heads.checked_mul(remote.tp_size);
     if local_heads != remote_heads || local_heads.is_none() {
         return Err(refuse(format!(
-            "{} KV heads × TP {} in all, ours is {} × TP {}",
-            remote.num_kv_heads, remote.tp_size, local.num_kv_heads, local.tp_size
+            "KV heads per rank × TP: {} × {} (reader) vs {} × {} (source); the total must match",
+            local.num_kv_heads, local.tp_size, remote.num_kv_heads, remote.tp_size
         )));
     }
     let geometry = |m: &HandshakeMessage| {
@@ -187,7 +189,7 @@ pub fn check_compatible(
     let Some(remote_len) = remote_len.filter(|len| remote.block_lens.iter().all(|l| l == len))
     else {
         return Err(refuse(format!(
-            "block lengths {:?} disagree with its geometry (block size × heads × head dim × dtype size)",
+            "the source's block lengths {:?} disagree with its geometry (block size × heads × head dim × dtype size)",
             remote.block_lens
         )));
     };
@@ -197,7 +199,7 @@ pub fn check_compatible(
         .checked_mul(remote.layer_base_addrs.len() as u64);
     if remote.num_blocks == 0 || descriptors.map_or(true, |d| d > MAX_REMOTE_DESCRIPTORS as u64) {
         return Err(refuse(format!(
-            "{} blocks × {} layers; between 1 and {MAX_REMOTE_DESCRIPTORS} descriptors are accepted",
+            "the source declares {} blocks × {} layers; between 1 and {MAX_REMOTE_DESCRIPTORS} descriptors are accepted",
             remote.num_blocks,
             remote.layer_base_addrs.len()
         )));
@@ -219,6 +221,11 @@ pub fn check_compatible(
         remote_block_len: remote_len as usize,
         remote_num_blocks: remote.num_blocks as usize,
     })
+}
+
+/// `engine "e" rank r`, for messages.
+fn rank_name(message: &HandshakeMessage) -> String {
+    format!("engine {:?} rank {}", message.engine_id, message.tp_rank)
 }
 
 impl HandshakeMessage {

@@ -74,8 +74,8 @@ async fn connect(
     let name = agent.load_remote_metadata(&theirs.agent_metadata)?;
     if name != theirs.agent_name {
         return Err(Error::Incompatible {
-            engine_id: theirs.engine_id.clone(),
-            tp_rank: rank,
+            reader: format!("engine {:?} rank {}", ours.engine_id, ours.tp_rank),
+            source_rank: format!("engine {engine:?} rank {rank}"),
             reason: format!(
                 "its metadata names agent {name:?}, its handshake {:?}",
                 theirs.agent_name

@@ -10,6 +10,9 @@ use nixl_connector::{
     Finished, KvCacheSpec, KvConnectorWorker, KvLayout, RemoteBlocks, WorkerConfig,
 };
 
+/// The total deadline of the test workers' side channels.
+pub const SERVER_DEADLINE: Duration = Duration::from_secs(2);
+
 /// A small HND cache: `heads` KV heads per rank.
 pub fn spec(heads: usize) -> KvCacheSpec {
     KvCacheSpec {
@@ -34,6 +37,7 @@ pub fn cpu_config() -> KvTransferConfig {
 pub fn worker(engine: &str, rank: usize, tp: usize, spec: KvCacheSpec) -> KvConnectorWorker {
     let mut config = WorkerConfig::new(engine, rank, tp, cpu_config());
     config.platform = std::sync::Arc::new(nixl::platform::BuiltinPlatform::CPU);
+    config.limits.deadline = SERVER_DEADLINE;
     let worker = KvConnectorWorker::new(config).expect("create worker");
     let layers = (0..spec.num_layers)
         .map(|_| HostBuffer::zeroed(spec.layer_len()))
