@@ -118,7 +118,8 @@ impl Shared {
 /// it, so no method blocks an engine step. Dropping the worker stops its tasks; loads in
 /// flight are left to NIXL's completion driver, which keeps their memory until done.
 pub struct KvConnectorWorker {
-    shared: Arc<Shared>,
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) staging: OnceLock<crate::host_buffer::Staging>,
     runtime: Handle,
     tasks: Mutex<Vec<JoinHandle<()>>>,
 }
@@ -178,6 +179,7 @@ impl KvConnectorWorker {
         };
         Ok(KvConnectorWorker {
             shared,
+            staging: OnceLock::new(),
             runtime,
             tasks: Mutex::new(vec![notes]),
         })
