@@ -180,3 +180,83 @@ impl KvConnectorScheduler {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scheduler() -> KvConnectorScheduler {
+        KvConnectorScheduler::new(SchedulerConfig {
+            engine_id: "p".into(),
+            host: "10.0.0.1".into(),
+            port: 5600,
+            tp_size: 2,
+            abort_timeout: Duration::from_secs(3),
+        })
+    }
+
+    #[test]
+    fn a_prefill_request_for_a_remote_decode_keeps_its_blocks_and_hands_its_params() {
+        let mut s = scheduler();
+        let params = KvTransferParams {
+            do_remote_decode: true,
+            ..Default::default()
+        };
+        let before = Instant::now();
+        let done = s.request_finished("r", &[3, 4], Some(&params));
+        assert!(done.delay_free_blocks);
+        let handed = done.kv_transfer_params.unwrap();
+        assert!(handed.do_remote_prefill && !handed.do_remote_decode);
+        let remote = handed.remote_blocks().unwrap();
+        assert_eq!(
+            (remote.engine_id.as_str(), remote.host.as_str(), remote.port),
+            ("p", "10.0.0.1", 5600)
+        );
+        assert_eq!(
+            (remote.block_ids, remote.request_id.as_str(), remote.tp_size),
+            (vec![3, 4], "r", 2)
+        );
+        let meta = s.build_connector_meta();
+        assert_eq!(meta.sends.len(), 1);
+        assert!(meta.sends[0].deadline >= before + Duration::from_secs(3));
+        assert!(
+            s.build_connector_meta().sends.is_empty(),
+            "handed over once"
+        );
+
+        let plain = s.request_finished("q", &[1], None);
+        assert!(!plain.delay_free_blocks && plain.kv_transfer_params.is_none());
+    }
+
+    #[test]
+    fn a_decode_request_loads_from_the_params_or_is_refused_clearly() {
+        let mut s = scheduler();
+        let mut params = scheduler()
+            .request_finished(
+                "r",
+                &[3, 4],
+                Some(&KvTransferParams {
+                    do_remote_decode: true,
+                    ..Default::default()
+                }),
+            )
+            .kv_transfer_params
+            .unwrap();
+        assert!(KvConnectorScheduler::needs_remote_prefill(Some(&params)));
+        let err = s
+            .update_state_after_alloc("d", &[0], &params)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("2 remote blocks for 1 local blocks"), "{err}");
+        s.update_state_after_alloc("d", &[0, 1], &params).unwrap();
+        let meta = s.build_connector_meta();
+        assert_eq!(meta.loads.len(), 1);
+        assert_eq!(meta.loads[0].local_block_ids, [0, 1]);
+        params.remote_host = None;
+        let err = s
+            .update_state_after_alloc("e", &[0, 1], &params)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("lack remote_engine_id, remote_host"), "{err}");
+    }
+}
