@@ -45,6 +45,8 @@ pub(crate) async fn run(shared: Arc<Shared>, load: Load) {
         descriptors,
         failure,
     });
+    drop(outcomes);
+    shared.load_ended.notify_one();
 }
 
 async fn transfer(shared: &Shared, load: &Load, posted: &mut Option<Instant>) -> Result<()> {

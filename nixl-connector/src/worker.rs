@@ -100,6 +100,8 @@ pub(crate) struct Shared {
     pub(crate) outcomes: Mutex<Outcomes>,
     pub(crate) sends: Mutex<Sends>,
     pub(crate) remotes: Remotes,
+    /// Signalled whenever a load ends.
+    pub(crate) load_ended: tokio::sync::Notify,
 }
 
 impl Shared {
@@ -166,6 +168,7 @@ impl KvConnectorWorker {
             caches: OnceLock::new(),
             outcomes: Mutex::new(Outcomes::default()),
             remotes: Remotes::default(),
+            load_ended: tokio::sync::Notify::new(),
         });
         let notes = {
             let shared = shared.clone();
@@ -424,6 +427,12 @@ impl KvConnectorWorker {
         };
         let recving = std::mem::take(&mut self.shared.outcomes().recving);
         Finished { sending, recving }
+    }
+
+    /// Resolves once a load has ended since the previous call (or immediately if one ended
+    /// before it), so an engine loop can sleep until [`finished`](Self::finished) has news.
+    pub async fn load_ended(&self) {
+        self.shared.load_ended.notified().await;
     }
 
     /// Local block ids whose load failed since the last call, sorted, for recomputation.
