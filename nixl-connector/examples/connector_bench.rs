@@ -125,7 +125,6 @@ async fn prefill(a: &Args) -> nixl_connector::Result<()> {
 }
 
 async fn decode(a: &Args) -> nixl_connector::Result<()> {
-    let spec = spec(a);
     let mut child = Command::new(std::env::current_exe().expect("own path"))
         .args(std::env::args().skip(1))
         .env(PREFILL_ENV, "1")
@@ -139,6 +138,15 @@ async fn decode(a: &Args) -> nixl_connector::Result<()> {
         .find(|l| l.starts_with("PORT "))
         .expect("prefill prints its port");
     let port: u16 = line[5..].parse().expect("a port");
+    let outcome = measure(a, port).await;
+    drop(child.stdin.take());
+    child.wait().ok();
+    outcome
+}
+
+/// Loads every request from the prefill on `port`, checks the bytes, prints the figures.
+async fn measure(a: &Args, port: u16) -> nixl_connector::Result<()> {
+    let spec = spec(a);
     let w = worker("bench-decode", spec)?;
     let remote = |i: usize, blocks: Vec<usize>| RemoteBlocks {
         engine_id: "bench-prefill".into(),
@@ -184,8 +192,6 @@ async fn decode(a: &Args) -> nixl_connector::Result<()> {
     let errors = w.load_errors();
     let metrics = w.metrics();
     let bytes: u64 = metrics.iter().map(|m| m.bytes).sum();
-    drop(child.stdin.take());
-    child.wait().ok();
 
     let cache = w.kv_caches()?;
     let mut bad = 0;
