@@ -9,7 +9,8 @@ pub struct TransferMetrics {
     pub request_id: String,
     /// The engine read from.
     pub remote_engine: String,
-    /// From the post (or the first failure) to completion, handshake excluded.
+    /// From the post to completion or failure, handshake excluded (zero when it failed
+    /// before posting).
     pub duration: Duration,
     /// Bytes moved (requested, when it failed).
     pub bytes: u64,
