@@ -59,6 +59,16 @@ pub enum Error {
         /// The peer's stated reason.
         reason: String,
     },
+    /// The handshake with a remote rank failed; every load waiting for it fails with it.
+    #[error("handshake with engine {engine:?} rank {rank} failed: {reason}")]
+    Handshake {
+        /// The remote engine.
+        engine: String,
+        /// Its TP rank.
+        rank: usize,
+        /// What went wrong.
+        reason: String,
+    },
     /// An argument is out of its valid range.
     #[error("{operation}: {reason}")]
     InvalidArgument {

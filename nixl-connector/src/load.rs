@@ -49,7 +49,7 @@ pub(crate) async fn run(shared: Arc<Shared>, load: Load) {
     shared.load_ended.notify_one();
 }
 
-async fn transfer(shared: &Shared, load: &Load, posted: &mut Option<Instant>) -> Result<()> {
+async fn transfer(shared: &Arc<Shared>, load: &Load, posted: &mut Option<Instant>) -> Result<()> {
     const OP: &str = "load remote blocks";
     let remote = shared
         .remotes

@@ -5,13 +5,13 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
+use futures::future::{BoxFuture, FutureExt, Shared};
 use nixl::{PreparedRemote, RemoteDescList, XferDesc};
-use tokio::sync::OnceCell;
 
 use crate::error::{Error, Result};
 use crate::handshake::{check_compatible, ReadPlan};
 use crate::side_channel::fetch_handshake;
-use crate::worker::Shared;
+use crate::worker::Shared as WorkerShared;
 
 /// A remote rank after a successful handshake.
 #[derive(Debug)]
@@ -23,41 +23,69 @@ pub(crate) struct Remote {
     pub(crate) plan: ReadPlan,
 }
 
-/// A remote rank's slot: empty until a handshake with it succeeds.
-type Slot = Arc<OnceCell<Arc<Remote>>>;
+/// A handshake under way or done, shared by every load that needs it; the error is the
+/// failure's message.
+type Handshake = Shared<BoxFuture<'static, std::result::Result<Arc<Remote>, String>>>;
 
 /// Remote ranks by engine id and rank.
 #[derive(Default)]
 pub(crate) struct Remotes {
-    map: Mutex<HashMap<(String, usize), Slot>>,
+    map: Mutex<HashMap<(String, usize), Handshake>>,
 }
 
 impl Remotes {
     /// The remote rank `rank` of `engine` at `host:port`, handshaking first if no load has
-    /// yet. A failed handshake is retried by the next load.
+    /// yet. Loads that wait for the same handshake share its outcome; a failed one is
+    /// forgotten, so a later load tries again.
+    ///
+    /// # Errors
+    /// [`Error::Handshake`] with the reason.
     pub(crate) async fn get(
         &self,
-        shared: &Shared,
+        shared: &Arc<WorkerShared>,
         engine: &str,
         rank: usize,
         host: &str,
         port: u16,
     ) -> Result<Arc<Remote>> {
-        let cell = self
-            .map
+        let key = (engine.to_string(), rank);
+        let handshake = self
             .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry((engine.to_string(), rank))
-            .or_default()
+            .entry(key.clone())
+            .or_insert_with(|| {
+                let (shared, engine, host) = (shared.clone(), engine.to_string(), host.to_string());
+                async move {
+                    connect(&shared, &engine, rank, &host, port)
+                        .await
+                        .map_err(|err| err.to_string())
+                }
+                .boxed()
+                .shared()
+            })
             .clone();
-        cell.get_or_try_init(|| connect(shared, engine, rank, host, port))
-            .await
-            .cloned()
+        match handshake.clone().await {
+            Ok(remote) => Ok(remote),
+            Err(reason) => {
+                let mut map = self.lock();
+                if map.get(&key).is_some_and(|h| h.ptr_eq(&handshake)) {
+                    map.remove(&key);
+                }
+                Err(Error::Handshake {
+                    engine: engine.to_string(),
+                    rank,
+                    reason,
+                })
+            }
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, usize), Handshake>> {
+        self.map.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
 async fn connect(
-    shared: &Shared,
+    shared: &WorkerShared,
     engine: &str,
     rank: usize,
     host: &str,
