@@ -35,9 +35,21 @@ pub fn cpu_config() -> KvTransferConfig {
 
 /// A worker with a registered zeroed DRAM cache of `spec`.
 pub fn worker(engine: &str, rank: usize, tp: usize, spec: KvCacheSpec) -> KvConnectorWorker {
+    worker_with(engine, rank, tp, spec, |_| {})
+}
+
+/// As [`worker`], with `adjust` applied to the config first.
+pub fn worker_with(
+    engine: &str,
+    rank: usize,
+    tp: usize,
+    spec: KvCacheSpec,
+    adjust: impl FnOnce(&mut WorkerConfig),
+) -> KvConnectorWorker {
     let mut config = WorkerConfig::new(engine, rank, tp, cpu_config());
     config.platform = std::sync::Arc::new(nixl::platform::BuiltinPlatform::CPU);
     config.limits.deadline = SERVER_DEADLINE;
+    adjust(&mut config);
     let worker = KvConnectorWorker::new(config).expect("create worker");
     let layers = (0..spec.num_layers)
         .map(|_| HostBuffer::zeroed(spec.layer_len()))
