@@ -8,6 +8,7 @@ use nixl::{XferOp, XferOptions, XferStatus};
 use crate::error::{Error, Result};
 use crate::metrics::TransferMetrics;
 use crate::params::RemoteBlocks;
+use crate::remote::Remote;
 use crate::sending::notification_message;
 use crate::worker::Shared;
 
@@ -49,8 +50,8 @@ pub(crate) async fn run(shared: Arc<Shared>, load: Load) {
     shared.load_ended.notify_one();
 }
 
+/// Handshakes if needed, then reads; a remote whose READ failed in NIXL is forgotten.
 async fn transfer(shared: &Arc<Shared>, load: &Load, posted: &mut Option<Instant>) -> Result<()> {
-    const OP: &str = "load remote blocks";
     let remote = shared
         .remotes
         .get(
@@ -61,6 +62,23 @@ async fn transfer(shared: &Arc<Shared>, load: &Load, posted: &mut Option<Instant
             load.port,
         )
         .await?;
+    let outcome = read(shared, load, &remote, posted).await;
+    if outcome.is_err() {
+        shared
+            .remotes
+            .forget(&load.remote.engine_id, load.remote_rank, &remote);
+    }
+    outcome
+}
+
+/// The READ itself, from a remote rank after its handshake.
+async fn read(
+    shared: &Shared,
+    load: &Load,
+    remote: &Remote,
+    posted: &mut Option<Instant>,
+) -> Result<()> {
+    const OP: &str = "load remote blocks";
     let caches = shared
         .caches
         .get()

@@ -79,6 +79,20 @@ impl Remotes {
         }
     }
 
+    /// Forgets `remote` (after a transfer with it failed), so the next load handshakes
+    /// again; a newer handshake under the same key is kept.
+    pub(crate) fn forget(&self, engine: &str, rank: usize, remote: &Arc<Remote>) {
+        let key = (engine.to_string(), rank);
+        let mut map = self.lock();
+        let same = map
+            .get(&key)
+            .and_then(|h| h.peek())
+            .is_some_and(|done| done.as_ref().is_ok_and(|r| Arc::ptr_eq(r, remote)));
+        if same {
+            map.remove(&key);
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, usize), Handshake>> {
         self.map.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -99,7 +113,13 @@ async fn connect(
     let theirs = fetch_handshake(addr, ours, shared.config.limits).await?;
     let plan = check_compatible(ours, &theirs, Some(engine), Some(rank))?;
     let agent = shared.setup.agent();
-    let name = agent.load_remote_metadata(&theirs.agent_metadata)?;
+    // The same agent reached again (e.g. after a failed transfer, or under a second engine
+    // id) is not loaded twice: NIXL refuses to reload an agent it knows.
+    let name = if agent.has_remote_metadata(&theirs.agent_name)? {
+        theirs.agent_name.clone()
+    } else {
+        agent.load_remote_metadata(&theirs.agent_metadata)?
+    };
     if name != theirs.agent_name {
         return Err(Error::Incompatible {
             reader: format!("engine {:?} rank {}", ours.engine_id, ours.tp_rank),

@@ -1,5 +1,6 @@
 //! A prefill process killed after its first load: the next load fails in NIXL itself, and
-//! exactly its blocks appear in `load_errors`.
+//! exactly its blocks appear in `load_errors`; the dead remote is forgotten, so the load
+//! after it handshakes again.
 
 mod common;
 
@@ -80,4 +81,15 @@ async fn a_load_from_a_killed_prefill_reports_exactly_its_blocks() {
         "failed in the transfer, not the handshake: {failure}"
     );
     assert_eq!(metrics[0].descriptors, 3 * spec.num_layers);
+
+    // The failed remote is forgotten: the next load handshakes again, and is refused.
+    from.request_id = "third".to_string();
+    decode.start_load("third", &[1, 2, 3], &from).unwrap();
+    poll_until(&decode, Duration::from_secs(20), |f| !f.recving.is_empty()).await;
+    assert_eq!(decode.load_errors(), [1, 2, 3]);
+    let failure = decode.metrics()[0].failure.clone().unwrap();
+    assert!(
+        failure.contains("handshake") && failure.contains("connect"),
+        "{failure}"
+    );
 }
