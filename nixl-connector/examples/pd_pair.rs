@@ -1,0 +1,130 @@
+//! One prefill engine and one decode engine in one process, each with the connector's
+//! scheduler and worker halves, moving one request's KV cache over NIXL (DRAM, UCX).
+//!
+//! ```sh
+//! cargo run -p nixl-connector --example pd_pair
+//! ```
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use nixl::kv_config::KvTransferConfig;
+use nixl::platform::BuiltinPlatform;
+use nixl::HostBuffer;
+use nixl_connector::{
+    KvCacheSpec, KvConnectorScheduler, KvConnectorWorker, KvLayout, KvTransferParams,
+    SchedulerConfig, WorkerConfig,
+};
+
+fn worker(engine: &str, spec: KvCacheSpec) -> nixl_connector::Result<KvConnectorWorker> {
+    let kv = KvTransferConfig::from_json(
+        r#"{"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}"#,
+    )?;
+    let mut config = WorkerConfig::new(engine, 0, 1, kv);
+    config.platform = Arc::new(BuiltinPlatform::CPU);
+    let worker = KvConnectorWorker::new(config)?;
+    let layers = (0..spec.num_layers)
+        .map(|_| HostBuffer::zeroed(spec.layer_len()))
+        .collect::<nixl::Result<Vec<_>>>()?;
+    worker.register_kv_caches(layers, spec)?;
+    Ok(worker)
+}
+
+#[tokio::main]
+async fn main() -> nixl_connector::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .init();
+    let spec = KvCacheSpec {
+        num_layers: 4,
+        num_blocks: 32,
+        block_size: 16,
+        num_kv_heads: 8,
+        head_dim: 128,
+        dtype_size: 2,
+        layout: KvLayout::Hnd,
+    };
+
+    // Prefill engine: computes request "r1" into blocks 4..8, then finishes it for a remote decode.
+    let prefill = worker("prefill-engine", spec)?;
+    let mut prefill_scheduler = KvConnectorScheduler::new(SchedulerConfig {
+        engine_id: "prefill-engine".into(),
+        host: "127.0.0.1".into(),
+        port: prefill.side_channel_addr()?.port(),
+        tp_size: 1,
+        abort_timeout: Duration::from_secs(30),
+    });
+    let cache = prefill.kv_caches()?;
+    for layer in 0..spec.num_layers {
+        for block in 4..8 {
+            cache.write(
+                layer,
+                block * spec.block_len(),
+                &vec![(layer * 10 + block) as u8; spec.block_len()],
+            )?;
+        }
+    }
+    let request = KvTransferParams {
+        do_remote_decode: true,
+        ..Default::default()
+    };
+    let finished = prefill_scheduler.request_finished("r1", &[4, 5, 6, 7], Some(&request));
+    println!(
+        "prefill: delay freeing the blocks: {}",
+        finished.delay_free_blocks
+    );
+    prefill.start_load_kv(&prefill_scheduler.build_connector_meta());
+    let params = finished.kv_transfer_params.expect("params for the decode");
+    println!("prefill → decode params: {params:?}");
+
+    // Decode engine: allocates blocks 0..4 for "r1" and loads them from the prefill.
+    let decode = worker("decode-engine", spec)?;
+    let mut decode_scheduler = KvConnectorScheduler::new(SchedulerConfig {
+        engine_id: "decode-engine".into(),
+        host: "127.0.0.1".into(),
+        port: decode.side_channel_addr()?.port(),
+        tp_size: 1,
+        abort_timeout: Duration::from_secs(30),
+    });
+    assert!(KvConnectorScheduler::needs_remote_prefill(Some(&params)));
+    decode_scheduler.update_state_after_alloc("r1", &[0, 1, 2, 3], &params)?;
+    decode.start_load_kv(&decode_scheduler.build_connector_meta());
+
+    // Engine steps: poll both workers.
+    let (mut received, mut freed) = (false, false);
+    while !(received && freed) {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let d = decode.finished();
+        if !d.recving.is_empty() {
+            println!(
+                "decode: done receiving {:?}, failed blocks {:?}",
+                d.recving,
+                decode.load_errors()
+            );
+            for m in decode.metrics() {
+                println!(
+                    "decode: {} bytes in {} descriptors in {:?}",
+                    m.bytes, m.descriptors, m.duration
+                );
+            }
+            received = true;
+        }
+        let p = prefill.finished();
+        if !p.sending.is_empty() {
+            println!(
+                "prefill: done sending {:?}; its blocks can be freed",
+                p.sending
+            );
+            freed = true;
+        }
+    }
+    let mut block = vec![0u8; spec.block_len()];
+    decode
+        .kv_caches()?
+        .read(3, 2 * spec.block_len(), &mut block)?;
+    println!(
+        "decode: layer 3 block 2 holds {} (prefill block 6)",
+        block[0]
+    );
+    Ok(())
+}

@@ -1,0 +1,117 @@
+//! The crate's one error type.
+
+use std::time::Duration;
+
+/// Result with the connector's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything the connector can fail with; each message says what to check or change.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// NIXL refused an operation.
+    #[error("NIXL: {0}")]
+    Nixl(#[from] nixl::Error),
+    /// A socket operation failed.
+    #[error("{operation} with {peer}: {source}")]
+    Io {
+        /// What was being done.
+        operation: &'static str,
+        /// The peer (or local address) involved.
+        peer: String,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// A side-channel exchange did not finish within its total deadline.
+    #[error("{operation} with {peer} did not finish within {deadline:?} (a total deadline, not per read); the peer is slow, stuck or hostile")]
+    Deadline {
+        /// What was being done.
+        operation: &'static str,
+        /// The peer.
+        peer: String,
+        /// The deadline that passed.
+        deadline: Duration,
+    },
+    /// A peer sent a frame that breaks the side channel's rules (too long, undecodable,
+    /// or closed early).
+    #[error("side channel with {peer}: {reason}")]
+    Protocol {
+        /// The peer.
+        peer: String,
+        /// What was wrong.
+        reason: String,
+    },
+    /// A reader's KV cache cannot be filled from a source's.
+    #[error("{reader} cannot read from {source_rank}: {reason}")]
+    Incompatible {
+        /// The reading engine and rank, e.g. `engine "decode" rank 1`.
+        reader: String,
+        /// The engine and rank read from.
+        source_rank: String,
+        /// The mismatch, with both values.
+        reason: String,
+    },
+    /// The peer refused our handshake, with its reason.
+    #[error("peer {peer} refused the handshake: {reason}")]
+    Refused {
+        /// The peer.
+        peer: String,
+        /// The peer's stated reason.
+        reason: String,
+    },
+    /// The handshake with a remote rank failed; every load waiting for it fails with it.
+    #[error("handshake with engine {engine:?} rank {rank} failed: {reason}")]
+    Handshake {
+        /// The remote engine.
+        engine: String,
+        /// Its TP rank.
+        rank: usize,
+        /// What went wrong.
+        reason: String,
+    },
+    /// An argument is out of its valid range.
+    #[error("{operation}: {reason}")]
+    InvalidArgument {
+        /// What was being done.
+        operation: &'static str,
+        /// What is wrong and what is valid.
+        reason: String,
+    },
+    /// An operation needs the KV caches registered first.
+    #[error("{operation}: register the KV caches first (register_kv_caches)")]
+    NotRegistered {
+        /// What was being done.
+        operation: &'static str,
+    },
+    /// Host-buffer mode needs a CUDA device.
+    #[error("host-buffer mode (kv_buffer_device = \"cpu\" on a cuda platform) stages a VRAM KV cache through host memory and needs a CUDA device: {detail}")]
+    HostBufferNeedsGpu {
+        /// Why no device was usable.
+        detail: String,
+    },
+    /// A transfer did not complete within its deadline.
+    #[error("transfer for request {request_id:?} did not complete within {deadline:?}")]
+    TransferTimeout {
+        /// The request.
+        request_id: String,
+        /// The deadline that passed.
+        deadline: Duration,
+    },
+}
+
+impl Error {
+    pub(crate) fn io(operation: &'static str, peer: impl ToString, source: std::io::Error) -> Self {
+        Error::Io {
+            operation,
+            peer: peer.to_string(),
+            source,
+        }
+    }
+
+    pub(crate) fn invalid(operation: &'static str, reason: impl Into<String>) -> Self {
+        Error::InvalidArgument {
+            operation,
+            reason: reason.into(),
+        }
+    }
+}

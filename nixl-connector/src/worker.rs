@@ -1,0 +1,479 @@
+//! The worker half: registers the KV cache, answers handshakes, loads remote blocks and
+//! tracks what is done.
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+use nixl::kv_config::{KvTransferConfig, NixlSetup};
+use nixl::platform::Platform;
+use nixl::{Agent, NotificationFilter, PreparedLocal, RegisterMemory, Registration};
+use tokio::runtime::Handle;
+use tokio::task::JoinHandle;
+
+use crate::error::{Error, Result};
+use crate::handshake::HandshakeMessage;
+use crate::metrics::{SendStats, TransferMetrics};
+use crate::params::RemoteBlocks;
+use crate::remote::Remotes;
+use crate::scheduler::ConnectorMetadata;
+use crate::sending::Sends;
+use crate::wire::ChannelLimits;
+use crate::KvCacheSpec;
+
+/// A worker's settings.
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    /// The engine's id (the same on all its ranks).
+    pub engine_id: String,
+    /// This worker's TP rank.
+    pub tp_rank: usize,
+    /// The engine's TP size.
+    pub tp_size: usize,
+    /// vLLM's `kv_transfer_config`: the kv-buffer device and the backends.
+    pub kv_transfer_config: KvTransferConfig,
+    /// The platform the memory type is resolved for (see [`nixl::platform`]).
+    pub platform: Arc<dyn Platform>,
+    /// Where this rank's side channel listens (port 0: any free port).
+    pub side_channel: SocketAddr,
+    /// Side-channel limits.
+    pub limits: ChannelLimits,
+    /// Total time one load's transfer may take once posted.
+    pub transfer_timeout: Duration,
+    /// Device id of the KV cache memory, as NIXL describes it.
+    pub device_id: u64,
+}
+
+impl WorkerConfig {
+    /// Defaults: the current platform (or `cpu` when none is detected), side channel on
+    /// 127.0.0.1 port 0, [`ChannelLimits::default`], 30 s transfers, device 0.
+    pub fn new(engine_id: &str, tp_rank: usize, tp_size: usize, kv: KvTransferConfig) -> Self {
+        let platform = nixl::platform::current_platform()
+            .unwrap_or_else(|_| Arc::new(nixl::platform::BuiltinPlatform::CPU));
+        WorkerConfig {
+            engine_id: engine_id.to_string(),
+            tp_rank,
+            tp_size,
+            kv_transfer_config: kv,
+            platform,
+            side_channel: SocketAddr::from(([127, 0, 0, 1], 0)),
+            limits: ChannelLimits::default(),
+            transfer_timeout: Duration::from_secs(30),
+            device_id: 0,
+        }
+    }
+}
+
+/// Requests that finished transferring since the last [`KvConnectorWorker::finished`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Finished {
+    /// Held requests whose blocks may now be freed (read by every decode, or timed out).
+    pub sending: Vec<String>,
+    /// Loads that ended (failed ones too; their blocks are in `load_errors`).
+    pub recving: Vec<String>,
+}
+
+/// The registered cache and what is derived from it.
+pub(crate) struct Caches {
+    pub(crate) registration: Registration,
+    pub(crate) spec: KvCacheSpec,
+    pub(crate) local: PreparedLocal,
+    pub(crate) handshake: Arc<HandshakeMessage>,
+    pub(crate) side_channel: SocketAddr,
+}
+
+/// Outcomes the background tasks report.
+#[derive(Debug, Default)]
+pub(crate) struct Outcomes {
+    pub(crate) recving: Vec<String>,
+    pub(crate) load_errors: BTreeSet<usize>,
+    pub(crate) metrics: Vec<TransferMetrics>,
+}
+
+/// State shared with the background tasks.
+pub(crate) struct Shared {
+    pub(crate) config: WorkerConfig,
+    pub(crate) setup: NixlSetup,
+    pub(crate) caches: OnceLock<Caches>,
+    pub(crate) outcomes: Mutex<Outcomes>,
+    pub(crate) sends: Mutex<Sends>,
+    pub(crate) remotes: Remotes,
+    /// Signalled whenever a load ends.
+    pub(crate) load_ended: tokio::sync::Notify,
+}
+
+impl Shared {
+    pub(crate) fn outcomes(&self) -> MutexGuard<'_, Outcomes> {
+        self.outcomes.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn sends(&self) -> MutexGuard<'_, Sends> {
+        self.sends.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// The worker half of the connector: one per TP rank.
+///
+/// Create it inside a tokio runtime: handshakes, loads and notifications run as tasks on
+/// it, so no method blocks an engine step. Dropping the worker stops its tasks; loads in
+/// flight are left to NIXL's completion driver, which keeps their memory until done.
+pub struct KvConnectorWorker {
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) staging: OnceLock<crate::host_buffer::Staging>,
+    runtime: Handle,
+    tasks: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for KvConnectorWorker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvConnectorWorker")
+            .field("engine_id", &self.shared.config.engine_id)
+            .field("tp_rank", &self.shared.config.tp_rank)
+            .field("agent", &self.shared.setup.agent().name())
+            .finish()
+    }
+}
+
+impl KvConnectorWorker {
+    /// Creates the NIXL agent with the backends of `config.kv_transfer_config` and starts
+    /// listening for decode notifications.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] outside a tokio runtime or for a TP rank not below the TP
+    /// size; the platform and backend errors of [`NixlSetup::new`].
+    pub fn new(config: WorkerConfig) -> Result<Self> {
+        const OP: &str = "create the connector worker";
+        let runtime = Handle::try_current()
+            .map_err(|_| Error::invalid(OP, "call it inside a tokio runtime"))?;
+        if config.tp_size == 0 || config.tp_rank >= config.tp_size {
+            return Err(Error::invalid(
+                OP,
+                format!("TP rank {} of TP size {}", config.tp_rank, config.tp_size),
+            ));
+        }
+        let setup = NixlSetup::with_global_registry(
+            Agent::builder(&agent_name(&config)),
+            &config.kv_transfer_config,
+            config.platform.as_ref(),
+        )?;
+        let stream = setup
+            .agent()
+            .notification_stream(NotificationFilter::any())?;
+        let shared = Arc::new(Shared {
+            sends: Mutex::new(Sends::new(config.tp_size)),
+            config,
+            setup,
+            caches: OnceLock::new(),
+            outcomes: Mutex::new(Outcomes::default()),
+            remotes: Remotes::default(),
+            load_ended: tokio::sync::Notify::new(),
+        });
+        let notes = {
+            let shared = shared.clone();
+            let mut stream = stream;
+            runtime.spawn(async move {
+                loop {
+                    let note = stream.recv().await;
+                    shared.sends().notified(&note.sender, &note.message);
+                }
+            })
+        };
+        Ok(KvConnectorWorker {
+            shared,
+            staging: OnceLock::new(),
+            runtime,
+            tasks: Mutex::new(vec![notes]),
+        })
+    }
+
+    /// The NIXL agent.
+    pub fn agent(&self) -> &Agent {
+        self.shared.setup.agent()
+    }
+
+    /// Registers the KV cache: `caches` holds one region per layer, each at least
+    /// `spec.layer_len()` bytes, of the memory type the platform and kv-buffer device give
+    /// (DRAM for `cpu`), with the configured backends; then starts the side channel.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a bad spec, a wrong region count or short regions, or a
+    /// second call; the registration errors of [`NixlSetup::register_memory`]; [`Error::Io`]
+    /// when the side channel cannot bind.
+    pub fn register_kv_caches<M: RegisterMemory + 'static>(
+        &self,
+        caches: M,
+        spec: KvCacheSpec,
+    ) -> Result<()> {
+        const OP: &str = "register the KV caches";
+        spec.validate()?;
+        if self.shared.caches.get().is_some() {
+            return Err(Error::invalid(OP, "the KV caches are already registered"));
+        }
+        let registration = self.shared.setup.register_memory(caches)?;
+        self.finish_registration(registration, spec)
+    }
+
+    /// Builds the prepared list, the handshake and the side channel for a registration.
+    pub(crate) fn finish_registration(
+        &self,
+        registration: Registration,
+        spec: KvCacheSpec,
+    ) -> Result<()> {
+        const OP: &str = "register the KV caches";
+        let regions = registration.regions();
+        if regions.len() != spec.num_layers {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "{} regions for {} layers; pass one region per layer",
+                    regions.len(),
+                    spec.num_layers
+                ),
+            ));
+        }
+        if let Some((layer, region)) = regions
+            .iter()
+            .enumerate()
+            .find(|(_, r)| r.len < spec.layer_len())
+        {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "layer {layer} has {} bytes, the spec needs {}",
+                    region.len,
+                    spec.layer_len()
+                ),
+            ));
+        }
+        let mut list = nixl::LocalDescList::with_capacity(
+            registration.mem_type(),
+            spec.num_layers * spec.num_blocks,
+        )?;
+        for layer in 0..spec.num_layers {
+            list.push_blocks(&registration, layer, spec.block_len(), 0..spec.num_blocks)?;
+        }
+        let backends: Vec<&nixl::Backend> = self.shared.setup.backends().iter().collect();
+        let local = self.agent().prepare_local(&list, &backends)?;
+        let config = &self.shared.config;
+        let handshake = Arc::new(HandshakeMessage::describe(
+            &config.engine_id,
+            self.agent().name(),
+            self.agent().local_metadata()?,
+            regions.iter().map(|r| r.addr as u64).collect(),
+            &spec,
+            (config.tp_rank, config.tp_size),
+            config.device_id,
+        ));
+        let listener = std::net::TcpListener::bind(config.side_channel)
+            .and_then(|l| l.set_nonblocking(true).map(|()| l))
+            .map_err(|err| Error::io("bind the side channel", config.side_channel, err))?;
+        let side_channel = listener
+            .local_addr()
+            .map_err(|err| Error::io("bind the side channel", config.side_channel, err))?;
+        let listener = {
+            let _entered = self.runtime.enter();
+            tokio::net::TcpListener::from_std(listener)
+                .map_err(|err| Error::io("bind the side channel", side_channel, err))?
+        };
+        let server = {
+            let _entered = self.runtime.enter();
+            crate::side_channel::serve(listener, handshake.clone(), config.limits)
+        };
+        self.tasks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(server);
+        let caches = Caches {
+            registration,
+            spec,
+            local,
+            handshake,
+            side_channel,
+        };
+        if self.shared.caches.set(caches).is_err() {
+            return Err(Error::invalid(OP, "the KV caches are already registered"));
+        }
+        tracing::info!(engine = %config.engine_id, rank = config.tp_rank, %side_channel, layers = spec.num_layers, blocks = spec.num_blocks, block_len = spec.block_len(), "KV caches registered");
+        Ok(())
+    }
+
+    fn caches(&self, operation: &'static str) -> Result<&Caches> {
+        self.shared
+            .caches
+            .get()
+            .ok_or(Error::NotRegistered { operation })
+    }
+
+    /// The registered KV cache (region `l` is layer `l`), e.g. to fill or check blocks.
+    ///
+    /// # Errors
+    /// [`Error::NotRegistered`] before [`register_kv_caches`](Self::register_kv_caches).
+    pub fn kv_caches(&self) -> Result<&Registration> {
+        Ok(&self.caches("read the KV caches")?.registration)
+    }
+
+    /// The address this rank's side channel listens on.
+    ///
+    /// # Errors
+    /// [`Error::NotRegistered`] before [`register_kv_caches`](Self::register_kv_caches).
+    pub fn side_channel_addr(&self) -> Result<SocketAddr> {
+        Ok(self.caches("read the side channel address")?.side_channel)
+    }
+
+    /// This rank's handshake message.
+    ///
+    /// # Errors
+    /// [`Error::NotRegistered`] before [`register_kv_caches`](Self::register_kv_caches).
+    pub fn handshake(&self) -> Result<HandshakeMessage> {
+        Ok((*self.caches("describe the KV caches")?.handshake).clone())
+    }
+
+    /// Starts reading `remote`'s blocks into `local_block_ids` (paired in order) and returns
+    /// at once: the handshake with the remote rank (once per remote engine and rank) and
+    /// the READ run as a task. The READ is one request over prepared lists, by block id,
+    /// with the remote request id as its notification. When it ends the request appears in
+    /// [`finished`](Self::finished)`.recving`; if it failed, its local blocks appear in
+    /// [`load_errors`](Self::load_errors).
+    ///
+    /// With a larger TP than the prefill's, this rank reads its head slice of each block
+    /// from prefill rank `tp_rank / (tp_size / remote.tp_size)` (HND layout).
+    ///
+    /// # Errors
+    /// [`Error::NotRegistered`]; [`Error::InvalidArgument`] for no blocks, a local block id
+    /// out of range, unpaired block lists, or a remote TP this rank cannot read from.
+    pub fn start_load(
+        &self,
+        request_id: &str,
+        local_block_ids: &[usize],
+        remote: &RemoteBlocks,
+    ) -> Result<()> {
+        const OP: &str = "start a load";
+        let caches = self.caches(OP)?;
+        if local_block_ids.is_empty() || local_block_ids.len() != remote.block_ids.len() {
+            return Err(Error::invalid(OP, format!(
+                "request {request_id:?}: {} local blocks for {} remote blocks (at least one each, paired)",
+                local_block_ids.len(),
+                remote.block_ids.len()
+            )));
+        }
+        if let Some(bad) = local_block_ids
+            .iter()
+            .find(|&&b| b >= caches.spec.num_blocks)
+        {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "request {request_id:?}: local block {bad} of {} blocks",
+                    caches.spec.num_blocks
+                ),
+            ));
+        }
+        let config = &self.shared.config;
+        let remote_rank =
+            crate::handshake::remote_rank_for(config.tp_rank, config.tp_size, remote.tp_size)?;
+        let port = u16::try_from(usize::from(remote.port) + remote_rank).map_err(|_| {
+            Error::invalid(
+                OP,
+                format!("port {} + rank {remote_rank} is past 65535", remote.port),
+            )
+        })?;
+        let load = crate::load::Load {
+            request_id: request_id.to_string(),
+            local_block_ids: local_block_ids.to_vec(),
+            remote: remote.clone(),
+            remote_rank,
+            port,
+        };
+        let shared = self.shared.clone();
+        self.runtime.spawn(crate::load::run(shared, load));
+        Ok(())
+    }
+
+    /// Starts every load and holds every send of `meta` (one scheduler step). A load that
+    /// cannot start is reported as finished with its blocks in `load_errors`.
+    pub fn start_load_kv(&self, meta: &ConnectorMetadata) {
+        for load in &meta.loads {
+            if let Err(err) = self.start_load(&load.request_id, &load.local_block_ids, &load.remote)
+            {
+                tracing::warn!(request = %load.request_id, %err, "load not started");
+                let mut outcomes = self.shared.outcomes();
+                outcomes
+                    .load_errors
+                    .extend(load.local_block_ids.iter().copied());
+                outcomes.recving.push(load.request_id.clone());
+            }
+        }
+        for send in &meta.sends {
+            self.hold_for_decode(&send.request_id, send.deadline);
+        }
+    }
+
+    /// Holds a finished prefill request's blocks until the decode notifications arrive
+    /// (one per decode rank reading from this rank) or `deadline` passes; see
+    /// [the scheduler's docs](crate::scheduler).
+    pub fn hold_for_decode(&self, request_id: &str, deadline: Instant) {
+        self.shared.sends().hold(request_id.to_string(), deadline);
+    }
+
+    /// Requests done sending (decode read them, or their abort timeout passed) and done
+    /// receiving, since the last call.
+    pub fn finished(&self) -> Finished {
+        let sending = {
+            let mut sends = self.shared.sends();
+            sends.expire(Instant::now());
+            sends.take_done()
+        };
+        let recving = std::mem::take(&mut self.shared.outcomes().recving);
+        Finished { sending, recving }
+    }
+
+    /// Resolves once a load has ended since the previous call (or immediately if one ended
+    /// before it), so an engine loop can sleep until [`finished`](Self::finished) has news.
+    pub async fn load_ended(&self) {
+        self.shared.load_ended.notified().await;
+    }
+
+    /// Local block ids whose load failed since the last call, sorted, for recomputation.
+    pub fn load_errors(&self) -> Vec<usize> {
+        std::mem::take(&mut self.shared.outcomes().load_errors)
+            .into_iter()
+            .collect()
+    }
+
+    /// Metrics of the loads that ended since the last call.
+    pub fn metrics(&self) -> Vec<TransferMetrics> {
+        std::mem::take(&mut self.shared.outcomes().metrics)
+    }
+
+    /// How held requests were released so far.
+    pub fn send_stats(&self) -> SendStats {
+        self.shared.sends().stats()
+    }
+}
+
+impl Drop for KvConnectorWorker {
+    fn drop(&mut self) {
+        for task in self
+            .tasks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain(..)
+        {
+            task.abort();
+        }
+    }
+}
+
+/// A unique agent name: engine, rank, process and a counter.
+fn agent_name(config: &WorkerConfig) -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    format!(
+        "{}-rank{}-{}-{}",
+        config.engine_id,
+        config.tp_rank,
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}

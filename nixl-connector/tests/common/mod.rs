@@ -1,0 +1,137 @@
+//! Shared helpers of the connector tests: DRAM caches, patterns, polling.
+
+#![allow(dead_code)]
+
+use std::time::{Duration, Instant};
+
+use nixl::kv_config::KvTransferConfig;
+use nixl::HostBuffer;
+use nixl_connector::{
+    Finished, KvCacheSpec, KvConnectorWorker, KvLayout, RemoteBlocks, WorkerConfig,
+};
+
+/// The total deadline of the test workers' side channels.
+pub const SERVER_DEADLINE: Duration = Duration::from_secs(2);
+
+/// A small HND cache: `heads` KV heads per rank.
+pub fn spec(heads: usize) -> KvCacheSpec {
+    KvCacheSpec {
+        num_layers: 3,
+        num_blocks: 16,
+        block_size: 4,
+        num_kv_heads: heads,
+        head_dim: 8,
+        dtype_size: 2,
+        layout: KvLayout::Hnd,
+    }
+}
+
+pub fn cpu_config() -> KvTransferConfig {
+    KvTransferConfig {
+        kv_buffer_device: "cpu".to_string(),
+        ..Default::default()
+    }
+}
+
+/// A worker with a registered zeroed DRAM cache of `spec`.
+pub fn worker(engine: &str, rank: usize, tp: usize, spec: KvCacheSpec) -> KvConnectorWorker {
+    worker_with(engine, rank, tp, spec, |_| {})
+}
+
+/// As [`worker`], with `adjust` applied to the config first.
+pub fn worker_with(
+    engine: &str,
+    rank: usize,
+    tp: usize,
+    spec: KvCacheSpec,
+    adjust: impl FnOnce(&mut WorkerConfig),
+) -> KvConnectorWorker {
+    let mut config = WorkerConfig::new(engine, rank, tp, cpu_config());
+    config.platform = std::sync::Arc::new(nixl::platform::BuiltinPlatform::CPU);
+    config.limits.deadline = SERVER_DEADLINE;
+    adjust(&mut config);
+    let worker = KvConnectorWorker::new(config).expect("create worker");
+    let layers = (0..spec.num_layers)
+        .map(|_| HostBuffer::zeroed(spec.layer_len()))
+        .collect::<nixl::Result<Vec<_>>>()
+        .unwrap();
+    worker.register_kv_caches(layers, spec).expect("register");
+    worker
+}
+
+/// The byte at `offset` of block `block`, layer `layer`, of a prefill cache.
+pub fn pattern(layer: usize, block: usize, offset: usize) -> u8 {
+    (layer * 131 + block * 31 + offset * 7 + 1) as u8
+}
+
+/// Fills every block of a prefill worker with [`pattern`].
+pub fn fill(worker: &KvConnectorWorker, spec: &KvCacheSpec) {
+    let reg = worker.kv_caches().unwrap();
+    let len = spec.block_len();
+    for layer in 0..spec.num_layers {
+        for block in 0..spec.num_blocks {
+            let data: Vec<u8> = (0..len).map(|o| pattern(layer, block, o)).collect();
+            reg.write(layer, block * len, &data).unwrap();
+        }
+    }
+}
+
+/// Reads one block of one layer.
+pub fn block(
+    worker: &KvConnectorWorker,
+    spec: &KvCacheSpec,
+    layer: usize,
+    block: usize,
+) -> Vec<u8> {
+    let mut out = vec![0u8; spec.block_len()];
+    worker
+        .kv_caches()
+        .unwrap()
+        .read(layer, block * spec.block_len(), &mut out)
+        .unwrap();
+    out
+}
+
+/// Where to read `blocks` of request `request` from `prefill`.
+pub fn remote(
+    prefill: &KvConnectorWorker,
+    engine: &str,
+    request: &str,
+    blocks: Vec<usize>,
+    tp: usize,
+) -> RemoteBlocks {
+    RemoteBlocks {
+        engine_id: engine.to_string(),
+        host: "127.0.0.1".to_string(),
+        port: prefill.side_channel_addr().unwrap().port(),
+        block_ids: blocks,
+        request_id: request.to_string(),
+        tp_size: tp,
+    }
+}
+
+/// Polls `worker.finished()` until `done` says so or `limit` passes; returns all finished.
+pub async fn poll_until(
+    worker: &KvConnectorWorker,
+    limit: Duration,
+    mut done: impl FnMut(&Finished) -> bool,
+) -> Finished {
+    let start = Instant::now();
+    let mut all = Finished::default();
+    loop {
+        let step = worker.finished();
+        all.sending.extend(step.sending);
+        all.recving.extend(step.recving);
+        if done(&all) || start.elapsed() > limit {
+            return all;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+pub fn init_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+}

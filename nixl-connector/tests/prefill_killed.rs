@@ -1,0 +1,95 @@
+//! A prefill process killed after its first load: the next load fails in NIXL itself, and
+//! exactly its blocks appear in `load_errors`; the dead remote is forgotten, so the load
+//! after it handshakes again.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::{block, fill, pattern, poll_until, remote, spec, worker, worker_with};
+
+const ROLE_ENV: &str = "NIXL_CONNECTOR_TEST_PREFILL_ROLE";
+
+/// The prefill, run in a child process: fills its cache, prints its port, waits to be killed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "the prefill of a_load_from_a_killed_prefill_reports_exactly_its_blocks, which starts it"]
+async fn prefill_role() {
+    assert!(
+        std::env::var_os(ROLE_ENV).is_some(),
+        "run by the parent test"
+    );
+    let spec = spec(2);
+    let prefill = worker("pf-killed", 0, 1, spec);
+    fill(&prefill, &spec);
+    println!("PORT {}", prefill.side_channel_addr().unwrap().port());
+    tokio::time::sleep(Duration::from_secs(60)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_from_a_killed_prefill_reports_exactly_its_blocks() {
+    common::init_tracing();
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "prefill_role",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(ROLE_ENV, "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start the prefill process");
+    let port: u16 = BufReader::new(child.stdout.take().unwrap())
+        .lines()
+        .map_while(Result::ok)
+        .find_map(|line| {
+            line.find("PORT ")
+                .map(|at| line[at + 5..].trim().parse().unwrap())
+        })
+        .expect("the prefill prints its port");
+    let spec = spec(2);
+    let decode = worker_with("dc-killed", 0, 1, spec, |c| {
+        c.transfer_timeout = Duration::from_secs(8)
+    });
+    let mut from = remote(&decode, "pf-killed", "first", vec![4, 5], 1);
+    from.port = port;
+
+    decode.start_load("first", &[0, 1], &from).unwrap();
+    let done = poll_until(&decode, Duration::from_secs(20), |f| !f.recving.is_empty()).await;
+    assert_eq!(done.recving, ["first"]);
+    assert!(decode.load_errors().is_empty());
+    let want: Vec<u8> = (0..spec.block_len()).map(|o| pattern(2, 5, o)).collect();
+    assert_eq!(block(&decode, &spec, 2, 1), want);
+    decode.metrics();
+
+    child.kill().unwrap();
+    child.wait().unwrap();
+    from.block_ids = vec![6, 7, 8];
+    from.request_id = "second".to_string();
+    decode.start_load("second", &[10, 12, 14], &from).unwrap();
+    let done = poll_until(&decode, Duration::from_secs(20), |f| !f.recving.is_empty()).await;
+    assert_eq!(done.recving, ["second"]);
+    assert_eq!(decode.load_errors(), [10, 12, 14]);
+    let metrics = decode.metrics();
+    let failure = metrics[0].failure.clone().expect("the load failed");
+    assert!(
+        !failure.contains("handshake"),
+        "failed in the transfer, not the handshake: {failure}"
+    );
+    assert_eq!(metrics[0].descriptors, 3 * spec.num_layers);
+
+    // The failed remote is forgotten: the next load handshakes again, and is refused.
+    from.request_id = "third".to_string();
+    decode.start_load("third", &[1, 2, 3], &from).unwrap();
+    poll_until(&decode, Duration::from_secs(20), |f| !f.recving.is_empty()).await;
+    assert_eq!(decode.load_errors(), [1, 2, 3]);
+    let failure = decode.metrics()[0].failure.clone().unwrap();
+    assert!(
+        failure.contains("handshake") && failure.contains("connect"),
+        "{failure}"
+    );
+}
