@@ -29,6 +29,8 @@ const RT_ITERS: usize = 10_000;
 const RT_SLEEP_ITERS: usize = 500;
 /// The variants alternate in this many chunks per round, so that drift hits all of them.
 const RT_CHUNKS: usize = 5;
+/// Awaited 64 MiB READs at most until one is still in flight when handed to the driver.
+const DRIVER_START_TRIES: usize = 20;
 /// W2 measurements per variant and round (alternating), of which the median is recorded.
 const W2_REPS: usize = 3;
 
@@ -194,11 +196,18 @@ fn idle_driver(out: &mut Output, setup: &Setup, pair: &Pair, rt: &Runtime) -> Re
         baseline,
     );
     // Awaited from the agents' cores: the driver thread inherits them, as NIXL's threads do.
+    // A READ done within `post` (or at the future's first poll) never reaches the driver:
+    // the request is reposted until one does.
     pin_to(setup.agent_cores)?;
-    let req = bulk_request(pair, XferOp::Read, 0, BULK, 2)?;
-    rt.block_on(Completer::Await.post_and_complete(req))?;
+    let mut req = bulk_request(pair, XferOp::Read, 0, BULK, 2)?;
+    for _ in 0..DRIVER_START_TRIES {
+        req = rt.block_on(Completer::Await.post_and_complete(req))?;
+        if driver_thread_ns().is_some() {
+            break;
+        }
+    }
     pin(MEASURE_CORE)?;
-    driver_thread_ns().ok_or("the awaited 64 MiB READ did not start the completion driver")?;
+    driver_thread_ns().ok_or("no awaited 64 MiB READ started the completion driver")?;
     std::thread::sleep(Duration::from_millis(100));
     let (ns0, t0) = (driver_thread_ns(), Instant::now());
     let pct = idle_core_pct();
