@@ -16,8 +16,11 @@
 //! printed); `cross-process DEMO_OUTPUT [--round N] [--json PATH]` records the GB/s of one
 //! `scripts/demo.sh` run (its output in DEMO_OUTPUT) and a memcpy probe of the same shape;
 //! `report JSONL OUT_DIR` turns the JSON lines of a whole run into `OUT_DIR/results.md` and
-//! `OUT_DIR/transfer.svg`.
+//! `OUT_DIR/transfer.svg` and `OUT_DIR/latency.svg`. The async completion variants (`.await`,
+//! blocking `wait`, a 5 ms sleep-poll loop) are in `transfer/awaiting.rs`.
 
+#[path = "transfer/awaiting.rs"]
+mod awaiting;
 #[path = "transfer/cross_process.rs"]
 mod cross_process;
 #[path = "transfer/report.rs"]
@@ -27,6 +30,7 @@ use std::io::Write;
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
+use awaiting::Completer;
 use nixl::{
     Agent, AgentConfig, HostBuffer, LocalDescList, MemType, Registration, RemoteDescList,
     ThreadSync, XferDesc, XferOp, XferOptions, XferRequest, XferStatus,
@@ -125,7 +129,8 @@ impl Output {
             "gbps" => "GB/s",
             "cpu_s_per_gb" => "CPU s/GB",
             "req_per_s" => "req/s",
-            "us_per_iter" => "us",
+            "us_per_iter" | "p50_us" | "p99_us" => "us",
+            "in_progress_pct" => "% of posts",
             "core_pct" => "% of a core",
             _ => "ms",
         };
@@ -469,8 +474,16 @@ fn bulk_split(pair: &Pair, op: XferOp, parts: usize, seed: u64) -> Res<(f64, f64
     Ok((gb / elapsed, cpu / gb))
 }
 
-/// W2: READ 1024 of 8192 blocks of 32 KiB per iteration; returns (req/s, GB/s, CPU s/GB).
-fn kv(pair: &Pair, perm: &[usize], prepared: bool, seed: u64) -> Res<(f64, f64, f64)> {
+/// W2: READ 1024 of 8192 blocks of 32 KiB per iteration, each request posted and waited for
+/// by `how` on `rt`; returns (req/s, GB/s, CPU s/GB).
+fn kv(
+    pair: &Pair,
+    perm: &[usize],
+    prepared: bool,
+    seed: u64,
+    rt: &tokio::runtime::Runtime,
+    how: Completer,
+) -> Res<(f64, f64, f64)> {
     let [a_kv, b_kv] = pair.kv.as_ref().ok_or("pair built without the KV cache")?;
     let chunks = KV_BLOCKS / KV_READ;
     let blocks = |c: usize| &perm[c * KV_READ..(c + 1) * KV_READ];
@@ -491,7 +504,7 @@ fn kv(pair: &Pair, perm: &[usize], prepared: bool, seed: u64) -> Res<(f64, f64, 
     };
     let one = |i: usize| -> Res<()> {
         let (local_idx, remote_idx) = picks(i);
-        let mut req = match &lists {
+        let req = match &lists {
             Some((pl, pr)) => {
                 pair.a
                     .make_xfer_req(XferOp::Read, pl, local_idx, pr, remote_idx, &opts)?
@@ -505,7 +518,7 @@ fn kv(pair: &Pair, perm: &[usize], prepared: bool, seed: u64) -> Res<(f64, f64, 
                     .create_xfer_req(XferOp::Read, &local, &remote_list, "B", &opts)?
             }
         };
-        post_wait(&mut req, Poll::Wait)
+        rt.block_on(how.post_and_complete(req)).map(drop)
     };
     b_kv.write(0, 0, &pattern(KV_BLOCKS * KV_BLOCK, seed))?;
     a_kv.write(0, 0, &vec![0u8; KV_BLOCKS * KV_BLOCK])?;
@@ -741,8 +754,9 @@ fn w1(out: &mut Output, pair: &Pair, name: &str, round: u64) -> Res<()> {
 /// under config `name`: requests/s, GB/s and CPU s/GB.
 fn w2(out: &mut Output, pair: &Pair, name: &str, round: u64) -> Res<()> {
     let perm = permutation(KV_BLOCKS, 42);
+    let rt = awaiting::runtime()?;
     for (prepared, w) in [(false, "w2_fresh"), (true, "w2_prepared")] {
-        let (rps, gbps, cpu) = kv(pair, &perm, prepared, 7 + round)?;
+        let (rps, gbps, cpu) = kv(pair, &perm, prepared, 7 + round, &rt, Completer::Blocking)?;
         out.emit("rust", name, w, "req_per_s", rps);
         out.emit("rust", name, w, "gbps", gbps);
         out.emit("rust", name, w, "cpu_s_per_gb", cpu);
@@ -764,6 +778,7 @@ fn run_round(out: &mut Output) -> Res<()> {
 
     out.emit("rust", "default", "idle", "core_pct", idle(&default, IDLE)?);
     out.emit("rust", "delay0", "idle", "core_pct", idle(&delay0, IDLE)?);
+    awaiting::record(out, round)?;
 
     pin(MEASURE_CORE)?;
     let mut src = HostBuffer::zeroed(BULK)?;

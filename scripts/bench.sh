@@ -8,8 +8,11 @@
 # pulled and verified) and a single-thread memcpy probe of the same blocks, and writes into
 # bench/results/:
 #   transfer.jsonl  every figure of every round, one JSON object a line
-#   results.md      medians over rounds, ratios Rust/Python and Rust/memcpy from the same run
+#   results.md      medians over rounds, ratios Rust/Python and Rust/memcpy from the same run,
+#                   and the async completion variants with ratios await/blocking and
+#                   await/sleep-poll (benches/transfer/awaiting.rs)
 #   transfer.svg    GB/s against transfer size for Rust, Python and memcpy
+#   latency.svg     p50/p99 of the 4 KiB round trip: .await, blocking wait, 5 ms sleep-poll, Python
 #   transfer.log    what each benchmark printed: its figures and the command reproducing them
 # Honours an existing CARGO_TARGET_DIR; BENCH_VENV overrides the venv location.
 set -euo pipefail
@@ -115,9 +118,12 @@ Setup: two agents A and B in one process; Rust: the crate's default UCX backend 
 defaults, no worker threads; ucx-threads2: num_threads=2 split_batch_size=2; ucx-mt2+*:
 num_threads=2 split_batch_size=1), Python: UCX defaults; DRAM (huge-page-backed buffers in both languages), agents created on core 1
 (NIXL/UCX threads inherit it; ucx-mt2+* and *desc: cores 0-1), measuring thread on core 0.
+Async completion (each Rust round, variants alternating): .await, blocking wait and a 5 ms
+sleep-poll loop on one tokio current-thread runtime, with the crate's default UCX backend
+(copies within post) and with UCX num_threads=2 split_batch_size=1 (copies after post).
 Cross-process: scripts/demo.sh (prefill and decode processes, 256 requests x 16 blocks x 32
 layers x 16 KiB READ over UCX, every byte verified) once per round, GB/s from decode's summary.
-Results: $results/{transfer.jsonl,results.md,transfer.svg,transfer.log}
+Results: $results/{transfer.jsonl,results.md,transfer.svg,latency.svg,transfer.log}
 Reproduce everything:  scripts/bench.sh            (BENCH_ROUNDS=$rounds)
 One Rust round:        CARGO_TARGET_DIR=$CARGO_TARGET_DIR cargo bench -p nixl-rs --bench transfer
 One Python round:      $venv/bin/python bench/python/transfer.py

@@ -33,6 +33,7 @@ KV_READ = 1024
 KV_ITERS = 16
 SMALL = 4 * KIB
 SMALL_ITERS = 2000
+RT_ITERS = 10_000
 BUILD_DESCS = 100_000
 BUILD_DESC = 64
 BUILD_STRIDE = 128
@@ -246,6 +247,34 @@ def small(args, pair):
     emit(args, "default", "w3_small", "us_per_iter", elapsed / SMALL_ITERS * 1e6, "us")
 
 
+def quantile(sorted_samples, q):
+    """The value below which q of the sorted samples lie (the Rust bench's rule)."""
+    return float(sorted_samples[int(round((len(sorted_samples) - 1) * q))])
+
+
+def round_trip(args, pair):
+    """The 4 KiB round trip: one WRITE handle made once, posted and waited for RT_ITERS
+    times, each timed; mean, p50 and p99 in microseconds."""
+    a = pair.a
+    local_d = descs(a, addr(pair.a_small), np.array([0]), SMALL)
+    remote_d = descs(a, addr(pair.b_small), np.array([0]), SMALL)
+    handle = a.initialize_xfer("WRITE", local_d, remote_d, "B")
+    pair.a_small[:] = pattern(SMALL, 11 + args.round)
+    pair.b_small[:] = 0
+    post_wait(a, handle)
+    check(np.array_equal(pair.a_small, pair.b_small), "4 KiB round trip")
+    us = np.empty(RT_ITERS)
+    for i in range(RT_ITERS):
+        t0 = time.perf_counter()
+        post_wait(a, handle)
+        us[i] = (time.perf_counter() - t0) * 1e6
+    handle.release()
+    us.sort()
+    emit(args, "default", "rt_4k_write", "us_per_iter", float(us.mean()), "us")
+    emit(args, "default", "rt_4k_write", "p50_us", quantile(us, 0.5), "us")
+    emit(args, "default", "rt_4k_write", "p99_us", quantile(us, 0.99), "us")
+
+
 def build(args, pair):
     a = pair.a
     offsets = np.arange(BUILD_DESCS, dtype=np.uint64) * BUILD_STRIDE
@@ -296,6 +325,7 @@ def main():
     kv(args, pair, perm, prepared=False)
     kv(args, pair, perm, prepared=True)
     small(args, pair)
+    round_trip(args, pair)
     build(args, pair)
 
     print(

@@ -1,5 +1,5 @@
 //! Turns the JSON lines of a benchmark run into a markdown table of medians and ratios and
-//! an SVG plot of GB/s against transfer size.
+//! SVG plots: GB/s against transfer size, and the 4 KiB round trip of the async variants.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -7,6 +7,7 @@ use std::path::Path;
 
 use plotters::prelude::*;
 
+use super::awaiting::{Completer, SETUPS};
 use super::{Res, SWEEP};
 
 /// The configuration name of the cross-process demo's records.
@@ -73,10 +74,20 @@ impl Series<'_> {
 
     /// Median over rounds of the per-round ratio self / other (same round, same run).
     fn ratio(&self, other: &Series<'_>) -> Option<f64> {
+        self.per_round(other, |v, o| v / o)
+    }
+
+    /// Median over rounds of the per-round difference self - other.
+    fn difference(&self, other: &Series<'_>) -> Option<f64> {
+        self.per_round(other, |v, o| v - o)
+    }
+
+    /// Median over rounds of `f(self, other)` for the rounds both have.
+    fn per_round(&self, other: &Series<'_>, f: impl Fn(f64, f64) -> f64) -> Option<f64> {
         let (mine, theirs) = (self.0?, other.0?);
         median(
             mine.iter()
-                .filter_map(|(round, v)| theirs.get(round).map(|o| v / o))
+                .filter_map(|(round, v)| theirs.get(round).map(|o| f(*v, *o)))
                 .collect(),
         )
     }
@@ -96,8 +107,10 @@ fn fmt(v: Option<f64>, digits: usize) -> String {
     v.map_or("n/a".into(), |v| format!("{v:.digits$}"))
 }
 
+/// A ratio, or n/a when there is none (e.g. 0/0).
 fn fmt_ratio(v: Option<f64>) -> String {
-    v.map_or("n/a".into(), |v| format!("{v:.2}x"))
+    v.filter(|v| v.is_finite())
+        .map_or("n/a".into(), |v| format!("{v:.2}x"))
 }
 
 /// A target on a ratio: at least (`true`) or at most (`false`) `bound`.
@@ -299,6 +312,8 @@ pub fn write(input: &Path, out_dir: &Path) -> Res<()> {
         fmt_ratio(ri.ratio(&pi)),
     )?;
 
+    let latency = write_async(&mut md, &runs)?;
+
     writeln!(md, "\n**Alternative Rust configurations** (same run; ratios against the crate default and the Python default):\n")?;
     writeln!(
         md,
@@ -306,7 +321,11 @@ pub fn write(input: &Path, out_dir: &Path) -> Res<()> {
     )?;
     writeln!(md, "| --- | --- | --- | ---: | ---: | ---: |")?;
     for ((lang, config, w, m), values) in &runs {
-        if lang != "rust" || config == "default" || config == XPROC_CONFIG {
+        if lang != "rust"
+            || config == "default"
+            || config == XPROC_CONFIG
+            || is_async_variant(config)
+        {
             continue;
         }
         let s = Series(Some(values));
@@ -373,6 +392,7 @@ pub fn write(input: &Path, out_dir: &Path) -> Res<()> {
     std::fs::create_dir_all(out_dir)?;
     std::fs::write(out_dir.join("results.md"), &md)?;
     plot(&out_dir.join("transfer.svg"), &lines)?;
+    plot_latency(&out_dir.join("latency.svg"), &latency)?;
     println!("{md}\n{xproc}");
     Ok(())
 }
@@ -418,6 +438,258 @@ fn plot(path: &Path, lines: &[Vec<(f64, f64)>; 3]) -> Res<()> {
             .label(name)
             .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], color.stroke_width(2)));
         chart.draw_series(points.iter().map(|&p| Circle::new(p, 3, color.filled())))?;
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()?;
+    root.present()?;
+    Ok(())
+}
+
+/// A row of the async table: label, workload, metric, unit, and the bounds (at most) on
+/// await/blocking and await/sleep-poll.
+type AsyncRow = (
+    &'static str,
+    &'static str,
+    &'static str,
+    &'static str,
+    Option<f64>,
+    Option<f64>,
+);
+
+const ASYNC_ROWS: [AsyncRow; 8] = [
+    (
+        "4 KiB WRITE round trip (request reused): mean",
+        "rt_4k_write",
+        "us_per_iter",
+        "µs",
+        Some(1.25),
+        Some(0.02),
+    ),
+    (
+        "4 KiB WRITE round trip: p50",
+        "rt_4k_write",
+        "p50_us",
+        "µs",
+        None,
+        None,
+    ),
+    (
+        "4 KiB WRITE round trip: p99",
+        "rt_4k_write",
+        "p99_us",
+        "µs",
+        None,
+        None,
+    ),
+    (
+        "4 KiB WRITE round trip: posts left in progress",
+        "rt_4k_write",
+        "in_progress_pct",
+        "% of posts",
+        None,
+        None,
+    ),
+    (
+        "W2 kv-blocks prepared (1024 × 32 KiB READ)",
+        "w2_prepared",
+        "req_per_s",
+        "req/s",
+        None,
+        None,
+    ),
+    (
+        "W2 kv-blocks prepared",
+        "w2_prepared",
+        "gbps",
+        "GB/s",
+        None,
+        None,
+    ),
+    (
+        "CPU cost W2 prepared",
+        "w2_prepared",
+        "cpu_s_per_gb",
+        "CPU s/GB",
+        Some(1.1),
+        None,
+    ),
+    (
+        "W2 kv-blocks prepared: posts left in progress",
+        "w2_prepared",
+        "in_progress_pct",
+        "% of posts",
+        None,
+        None,
+    ),
+];
+
+/// p50 and p99 of the 4 KiB round trip (µs, medians over rounds) for one variant.
+type Latency = (String, Option<f64>, Option<f64>);
+
+/// Whether `config` names an async-completion variant of some setup.
+fn is_async_variant(config: &str) -> bool {
+    SETUPS.iter().any(|setup| {
+        Completer::ALL
+            .iter()
+            .any(|c| config == format!("{}{}", setup.prefix, c.config()))
+    })
+}
+
+/// Writes the table of the async completion variants; returns their round-trip latencies.
+fn write_async(md: &mut String, runs: &Runs) -> Res<Vec<Latency>> {
+    writeln!(md, "\n**Async completion** (same run; one tokio current-thread runtime on the measuring thread; await: `req.post()?; req.await?`, A's completion driver polls; blocking: `wait` in the task's thread; sleep-poll: `status()`, then a 5 ms `tokio::time::sleep` while in progress; the variants alternate within each round; ratios are medians of per-round ratios):\n")?;
+    writeln!(md, "| setup | workload | metric | await | blocking | sleep-poll 5 ms | Python | await/blocking | await/sleep-poll | target |")?;
+    writeln!(
+        md,
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"
+    )?;
+    let mut latency = Vec::new();
+    for setup in &SETUPS {
+        let [awaited, blocking, sleep_poll] = Completer::ALL.map(|c| {
+            let config = format!("{}{}", setup.prefix, c.config());
+            move |w: &str, m: &str| series(runs, "rust", &config, w, m)
+        });
+        // Python runs UCX's defaults: comparable with the default setup only.
+        let py = |w: &str, m: &str| {
+            let lang = if setup.prefix.is_empty() {
+                "python"
+            } else {
+                "none"
+            };
+            series(runs, lang, "default", w, m)
+        };
+        for (label, w, m, unit, vs_blocking, vs_sleep) in ASYNC_ROWS {
+            let a = awaited(w, m);
+            let (to_blocking, to_sleep) = (a.ratio(&blocking(w, m)), a.ratio(&sleep_poll(w, m)));
+            let targets: Vec<String> = [
+                ("await/blocking", to_blocking, vs_blocking),
+                ("await/sleep-poll", to_sleep, vs_sleep),
+            ]
+            .into_iter()
+            .filter_map(|(name, v, bound)| Some(format!("{name} {}", verdict(v, false, bound?))))
+            .collect();
+            let waited = awaited(w, "in_progress_pct").median();
+            let targets = match waited {
+                Some(pct) if pct < 1.0 && !targets.is_empty() => format!(
+                    "{} (moot: {pct:.2} % of posts left in progress, the variants ran the same code)",
+                    targets.join("; ")
+                ),
+                _ => targets.join("; "),
+            };
+            writeln!(
+                md,
+                "| {} | {label} | {unit} | {} | {} | {} | {} | {} | {} | {targets} |",
+                setup.label,
+                fmt(a.median(), 3),
+                fmt(blocking(w, m).median(), 3),
+                fmt(sleep_poll(w, m).median(), 3),
+                fmt(py(w, m).median(), 3),
+                fmt_ratio(to_blocking),
+                fmt_ratio(to_sleep),
+            )?;
+        }
+        if setup.idle {
+            write_idle(
+                md,
+                setup.label,
+                &awaited("idle_pair", "core_pct"),
+                &blocking("idle_pair", "core_pct"),
+            )?;
+            writeln!(
+                md,
+                "| {} | Idle driver thread alone (its schedstat) | % of a core | {} | | | | | | |",
+                setup.label,
+                fmt(awaited("idle_driver_thread", "core_pct").median(), 3),
+            )?;
+        }
+        for (how, name) in [
+            (&awaited, "await"),
+            (&blocking, "blocking"),
+            (&sleep_poll, "sleep-poll"),
+        ] {
+            latency.push((
+                format!("{}{name}", setup.prefix),
+                how("rt_4k_write", "p50_us").median(),
+                how("rt_4k_write", "p99_us").median(),
+            ));
+        }
+    }
+    let py = |m: &str| series(runs, "python", "default", "rt_4k_write", m).median();
+    latency.push(("Python".to_string(), py("p50_us"), py("p99_us")));
+    Ok(latency)
+}
+
+/// The idle row: the pair after one awaited READ started A's driver, against the same pair
+/// before; the target is on the difference.
+fn write_idle(
+    md: &mut String,
+    setup: &str,
+    awaited: &Series<'_>,
+    blocking: &Series<'_>,
+) -> Res<()> {
+    let extra = awaited.difference(blocking);
+    writeln!(
+        md,
+        "| {setup} | Idle agents A and B: await = after one awaited READ started A's driver, blocking = the same agents before | % of a core | {} | {} | | | {} | | await − blocking: {} points ≤ 1 {} |",
+        fmt(awaited.median(), 2),
+        fmt(blocking.median(), 2),
+        fmt_ratio(awaited.ratio(blocking)),
+        fmt(extra, 2),
+        match extra {
+            Some(v) if v <= 1.0 => "**met**",
+            Some(_) => "**missed**",
+            None => "n/a",
+        },
+    )?;
+    Ok(())
+}
+
+/// Bars of the 4 KiB round trip's p50 and p99 per variant, log scale.
+fn plot_latency(path: &Path, latency: &[Latency]) -> Res<()> {
+    let root = SVGBackend::new(path, (1000, 500)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let values = latency
+        .iter()
+        .flat_map(|(_, p50, p99)| [*p50, *p99])
+        .flatten();
+    let top = values.clone().fold(1.0, f64::max) * 3.0;
+    let bottom = values.fold(top, f64::min) / 3.0;
+    let names: Vec<&str> = latency.iter().map(|l| l.0.as_str()).collect();
+    // Variant i is centred on x = 10 i, its p50 bar left of it and its p99 bar right.
+    let width = 10 * latency.len() as i32;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            "4 KiB WRITE round trip (post + completion, request reused)",
+            ("sans-serif", 20),
+        )
+        .margin(15)
+        .x_label_area_size(40)
+        .y_label_area_size(55)
+        .build_cartesian_2d(-5..width - 5, (bottom..top).log_scale())?;
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .x_labels(latency.len())
+        .y_desc("µs, log scale (median over rounds)")
+        .x_label_formatter(&|&x| match usize::try_from(x / 10) {
+            Ok(i) if x % 10 == 0 => names.get(i).map_or(String::new(), |n| n.to_string()),
+            _ => String::new(),
+        })
+        .draw()?;
+    for (offset, color, name, pick) in [(-4, BLUE, "p50", 0), (0, RED, "p99", 1)] {
+        let bars = latency.iter().enumerate().filter_map(|(i, (_, p50, p99))| {
+            let v = [*p50, *p99][pick]?;
+            let x = 10 * i as i32 + offset;
+            Some(Rectangle::new([(x, bottom), (x + 4, v)], color.filled()))
+        });
+        chart
+            .draw_series(bars)?
+            .label(name)
+            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 15, y + 5)], color.filled()));
     }
     chart
         .configure_series_labels()
