@@ -87,6 +87,7 @@ mod raw;
 mod registration;
 mod reuse;
 mod status;
+mod wire;
 mod xfer;
 
 pub use agent::{Agent, AgentBuilder, AgentConfig, ThreadSync};
@@ -102,6 +103,7 @@ pub use notification::Notifications;
 pub use prepared::{PreparedLocal, PreparedRemote};
 pub use registration::Registration;
 pub use status::Status;
+pub use wire::validate_metadata;
 pub use xfer::{
     CostEstimate, CostMethod, XferOp, XferOptions, XferRequest, XferStatus, XferTelemetry,
 };

@@ -122,6 +122,10 @@ impl Agent {
                 reason: "the metadata is empty".to_string(),
             });
         }
+        crate::wire::validate_metadata(metadata).map_err(|err| {
+            tracing::warn!(agent = %self.inner.name, %err, "remote metadata rejected");
+            err
+        })?;
         let mut name = ptr::null_mut();
         let status = self.inner.with(|agent| {
             // SAFETY: live agent, bytes valid for their length; on success `name` is malloc'd.
