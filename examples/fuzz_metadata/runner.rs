@@ -1,0 +1,138 @@
+//! The parent side: runs a batch in a child process and reports how it ended.
+
+use std::io::{BufRead, BufReader};
+use std::os::unix::process::ExitStatusExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::child;
+
+/// How a batch ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Every input was tried and the child exited cleanly.
+    Completed,
+    /// The child died on input `index` (killed by `signal`, or exited with `code`).
+    Crashed {
+        index: usize,
+        signal: Option<i32>,
+        code: Option<i32>,
+    },
+    /// The child was still on input `index` when the time limit struck.
+    Hung { index: usize },
+}
+
+/// What a batch did.
+#[derive(Debug, Clone, Copy)]
+pub struct Tally {
+    /// How it ended.
+    pub outcome: Outcome,
+    /// Inputs the child started on.
+    pub started: usize,
+    /// Inputs that passed validation and reached NIXL.
+    pub reached: usize,
+}
+
+/// Runs `inputs` in one child; `scratch` is where the batch file goes.
+pub fn run_batch(inputs: &[Vec<u8>], scratch: &Path, limit: Duration) -> std::io::Result<Tally> {
+    let file = scratch.join(format!("batch-{}.bin", std::process::id()));
+    std::fs::write(&file, child::join(inputs))?;
+    let mut proc = Command::new(std::env::current_exe()?)
+        .arg("child")
+        .arg(&file)
+        .env("NIXL_LOG_LEVEL", "FATAL")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let lines = Arc::new(Mutex::new((None::<usize>, false, 0usize)));
+    let reader = {
+        let lines = Arc::clone(&lines);
+        let stdout = proc.stdout.take().expect("piped stdout");
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let mut state = lines.lock().unwrap();
+                match line.trim().parse::<usize>() {
+                    Ok(i) => state.0 = Some(i),
+                    Err(_) if line.trim() == "done" => state.1 = true,
+                    Err(_) if line.trim() == "reached-nixl" => state.2 += 1,
+                    Err(_) => {}
+                }
+            }
+        })
+    };
+    let deadline = Instant::now() + limit;
+    let status = loop {
+        if let Some(status) = proc.try_wait()? {
+            break Some(status);
+        }
+        if Instant::now() > deadline {
+            let _ = proc.kill();
+            let _ = proc.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    let _ = reader.join();
+    let (last, done, reached) = *lines.lock().unwrap();
+    let started = last.map_or(0, |i| i + 1);
+    let index = last.unwrap_or(0);
+    let outcome = match status {
+        None => Outcome::Hung { index },
+        Some(s) if s.success() && done => Outcome::Completed,
+        Some(s) => Outcome::Crashed {
+            index,
+            signal: s.signal(),
+            code: s.code(),
+        },
+    };
+    Ok(Tally {
+        outcome,
+        started,
+        reached,
+    })
+}
+
+/// Whether `input` alone still crashes a child.
+pub fn crashes(input: &[u8], scratch: &Path, limit: Duration) -> bool {
+    matches!(
+        run_batch(&[input.to_vec()], scratch, limit),
+        Ok(Tally {
+            outcome: Outcome::Crashed { .. },
+            ..
+        })
+    )
+}
+
+/// Shrinks a crashing input by deleting chunks while it still crashes; at most
+/// `max_tries` child runs.
+pub fn minimise(input: &[u8], scratch: &Path, limit: Duration, max_tries: usize) -> Vec<u8> {
+    let mut best = input.to_vec();
+    let mut tries = 0;
+    let mut chunk = best.len().div_ceil(2).max(1);
+    while chunk >= 1 && tries < max_tries {
+        let mut at = 0;
+        let mut shrunk = false;
+        while at < best.len() && tries < max_tries {
+            let end = (at + chunk).min(best.len());
+            let mut candidate = best[..at].to_vec();
+            candidate.extend_from_slice(&best[end..]);
+            tries += 1;
+            if !candidate.is_empty() && crashes(&candidate, scratch, limit) {
+                best = candidate;
+                shrunk = true;
+            } else {
+                at += chunk;
+            }
+        }
+        if !shrunk {
+            if chunk == 1 {
+                break;
+            }
+            chunk /= 2;
+        }
+    }
+    best
+}
