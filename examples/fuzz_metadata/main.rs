@@ -5,7 +5,10 @@
 //! ```sh
 //! cargo run --release --example fuzz_metadata -- --seconds 60          # what .ci/run does
 //! cargo run --release --example fuzz_metadata -- --seconds 3600 --seed 7   # a longer run
+//! cargo run --release --example fuzz_metadata -- --seconds 60 --target python --out /tmp/py
 //! ```
+//! `--target python` feeds the same inputs to NIXL's official Python API, which does not
+//! validate: it shows the harness finding the crashes the crate prevents.
 
 mod child;
 mod fields;
@@ -37,6 +40,10 @@ struct Args {
     /// Where crashing inputs (original and minimised) are saved.
     #[arg(long, default_value = "target/fuzz-metadata")]
     out: PathBuf,
+    /// What loads the inputs: `rust` (Agent::load_remote_metadata, validated) or `python`
+    /// (NIXL's official Python API, unvalidated; shows what the inputs do without the crate).
+    #[arg(long, default_value = "rust")]
+    target: String,
     #[command(subcommand)]
     command: Option<Cmd>,
 }
@@ -80,6 +87,11 @@ fn fuzz(args: &Args) -> Result<usize, Box<dyn std::error::Error>> {
             .duration_since(UNIX_EPOCH)
             .map_or(1, |d| d.as_nanos() as u64)
     });
+    match args.target.as_str() {
+        "rust" => {}
+        "python" => runner::use_python(python()?),
+        other => return Err(format!("unknown --target {other:?}: rust or python").into()),
+    }
     let crash_dir = args.out.join("crashes");
     std::fs::create_dir_all(&crash_dir)?;
     let seeds = seeds::generate()?;
@@ -128,6 +140,18 @@ fn fuzz(args: &Args) -> Result<usize, Box<dyn std::error::Error>> {
         if bad > 0 { format!("; inputs in {}", crash_dir.display()) } else { String::new() }
     );
     Ok(bad)
+}
+
+/// The venv interpreter from scripts/python-venv.sh.
+fn python() -> Result<PathBuf, Box<dyn std::error::Error>> {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/python-venv.sh");
+    let out = std::process::Command::new(script)
+        .stderr(std::process::Stdio::inherit())
+        .output()?;
+    if !out.status.success() {
+        return Err("scripts/python-venv.sh failed".into());
+    }
+    Ok(PathBuf::from(String::from_utf8(out.stdout)?.trim()).join("bin/python"))
 }
 
 /// Saves a crashing input and its minimised form.

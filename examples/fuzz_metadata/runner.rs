@@ -24,6 +24,18 @@ pub enum Outcome {
     Hung { index: usize },
 }
 
+/// The Python interpreter to load inputs with instead of the crate (`--target python`).
+static PYTHON: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+
+/// Loads inputs with NIXL's official Python API (no validation) from now on.
+pub fn use_python(interpreter: std::path::PathBuf) {
+    let _ = PYTHON.set(interpreter);
+}
+
+fn python() -> Option<&'static std::path::PathBuf> {
+    PYTHON.get()
+}
+
 /// What a batch did.
 #[derive(Debug, Clone, Copy)]
 pub struct Tally {
@@ -39,8 +51,22 @@ pub struct Tally {
 pub fn run_batch(inputs: &[Vec<u8>], scratch: &Path, limit: Duration) -> std::io::Result<Tally> {
     let file = scratch.join(format!("batch-{}.bin", std::process::id()));
     std::fs::write(&file, child::join(inputs))?;
-    let mut proc = Command::new(std::env::current_exe()?)
-        .arg("child")
+    let mut command = match python() {
+        Some(py) => {
+            let mut c = Command::new(py);
+            c.arg(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/examples/fuzz_metadata/load_each.py"
+            ));
+            c
+        }
+        None => {
+            let mut c = Command::new(std::env::current_exe()?);
+            c.arg("child");
+            c
+        }
+    };
+    let mut proc = command
         .arg(&file)
         .env("NIXL_LOG_LEVEL", "FATAL")
         .stdin(Stdio::null())

@@ -32,11 +32,13 @@ impl<'a> Reader<'a> {
     }
 
     /// Absolute offset of the next byte.
+    #[inline]
     pub fn offset(&self) -> usize {
         self.base.saturating_add(self.pos)
     }
 
     /// Bytes not read yet.
+    #[inline]
     pub fn remaining(&self) -> usize {
         self.bytes.len().saturating_sub(self.pos)
     }
@@ -55,6 +57,7 @@ impl<'a> Reader<'a> {
     }
 
     /// The next `len` bytes, consumed; `what` names them in the error.
+    #[inline]
     pub fn take(&mut self, len: usize, what: &str) -> Parsed<&'a [u8]> {
         let end = self.pos.checked_add(len);
         match end.and_then(|end| self.bytes.get(self.pos..end)) {
@@ -70,12 +73,14 @@ impl<'a> Reader<'a> {
     }
 
     /// The next byte, consumed.
+    #[inline]
     pub fn u8(&mut self, what: &str) -> Parsed<u8> {
         let b = self.take(1, what)?;
         Ok(b.first().copied().unwrap_or_default())
     }
 
     /// The next byte, not consumed.
+    #[inline]
     pub fn peek(&self, what: &str) -> Parsed<u8> {
         self.bytes
             .get(self.pos)
@@ -84,6 +89,7 @@ impl<'a> Reader<'a> {
     }
 
     /// The next 8 bytes as a little-endian u64, consumed.
+    #[inline]
     pub fn u64(&mut self, what: &str) -> Parsed<u64> {
         let b = self.take(8, what)?;
         let mut raw = [0u8; 8];
@@ -92,6 +98,7 @@ impl<'a> Reader<'a> {
     }
 
     /// Fails unless every byte was read.
+    #[inline]
     pub fn finish(&self, what: &str) -> Parsed<()> {
         if self.remaining() == 0 {
             Ok(())
