@@ -95,5 +95,6 @@ pub fn spots(bytes: &[u8]) -> Vec<Spot> {
         last_tag = tag;
         pos = data + len + 1;
     }
+    out.retain(|spot| spot.len > 0);
     out
 }
