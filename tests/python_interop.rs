@@ -102,3 +102,25 @@ fn python_metadata_of_every_kind_validates_and_loads() {
     agent.load_remote_metadata(&info.conn).unwrap();
     assert_eq!(agent.load_remote_metadata(&info.partial).unwrap(), py_name);
 }
+
+#[test]
+fn python_metadata_with_other_ucx_address_formats_validates_and_loads() {
+    for env in [
+        &[("UCX_ADDRESS_VERSION", "v2")][..],
+        &[("UCX_ADDRESS_DEBUG_INFO", "y")],
+        &[
+            ("UCX_ADDRESS_VERSION", "v2"),
+            ("UCX_ADDRESS_DEBUG_INFO", "y"),
+        ],
+        &[("UCX_TLS", "tcp")],
+    ] {
+        let py_name = unique_name("py-ucx-env");
+        let peer = Peer::start_with_env(&py_name, 4096, env);
+        for md in [&peer.info.full, &peer.info.conn] {
+            nixl::validate_metadata(md).unwrap_or_else(|e| panic!("{env:?}: {e}"));
+            let agent = Agent::new(&unique_name("py-ucx-env-loader")).unwrap();
+            let _ucx = agent.create_backend("UCX").unwrap();
+            assert_eq!(agent.load_remote_metadata(md).unwrap(), py_name, "{env:?}");
+        }
+    }
+}

@@ -40,12 +40,18 @@ pub struct Peer {
 impl Peer {
     /// Starts a Python agent named `name` with `len` registered bytes.
     pub fn start(name: &str, len: usize) -> Peer {
+        Peer::start_with_env(name, len, &[])
+    }
+
+    /// Like [`Peer::start`], with extra environment variables (e.g. UCX settings).
+    pub fn start_with_env(name: &str, len: usize, env: &[(&str, &str)]) -> Peer {
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/py/peer.py");
         let mut child = Command::new(python())
             .arg(script)
             .arg(name)
             .arg(len.to_string())
             .env("NIXL_LOG_LEVEL", "WARN")
+            .envs(env.iter().copied())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()

@@ -18,7 +18,11 @@
 //!     (v2: 0x3f -> next u8), interface address
 //! ```
 //! A worker address never carries endpoint addresses, and v1 ends with an empty last
-//! device whose md field holds the release version.
+//! device whose md field holds the release version. In UCX's unified mode
+//! (`UCX_UNIFIED_MODE=y` in this process) interface entries have no lengths on the wire, so
+//! only the header is checked.
+
+use std::sync::OnceLock;
 
 use super::reader::{Parsed, Reader};
 
@@ -67,6 +71,11 @@ pub(crate) fn check(bytes: &[u8], base: usize) -> Parsed<()> {
         let len = r.u8("UCX worker name length")?;
         r.take(usize::from(len), "UCX worker name")?;
     }
+    if unified_mode() {
+        // Interface entries then carry no lengths (UCX takes them from its own interfaces),
+        // so their bounds cannot be checked here.
+        return Ok(());
+    }
     if r.peek("UCX device list")? == NO_DEVICES {
         r.u8("UCX empty device list")?;
         return r.finish("the UCX worker address");
@@ -78,6 +87,20 @@ pub(crate) fn check(bytes: &[u8], base: usize) -> Parsed<()> {
         }
     }
     r.finish("the UCX worker address")
+}
+
+/// Whether this process runs UCX in unified mode (`UCX_UNIFIED_MODE`, read once), where
+/// UCX unpacks interface entries differently.
+fn unified_mode() -> bool {
+    static UNIFIED: OnceLock<bool> = OnceLock::new();
+    *UNIFIED.get_or_init(|| {
+        std::env::var("UCX_UNIFIED_MODE").is_ok_and(|v| {
+            matches!(
+                v.trim().to_ascii_lowercase().as_str(),
+                "y" | "yes" | "on" | "1" | "true"
+            )
+        })
+    })
 }
 
 /// A value of `mask` bits in `byte`; in v2 the all-ones value means "in the next byte".
