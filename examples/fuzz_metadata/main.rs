@@ -56,6 +56,8 @@ enum Cmd {
 
 /// A child stuck longer than this on one batch counts as hung.
 const BATCH_LIMIT: Duration = Duration::from_secs(60);
+/// Minimising one crashing input stops after this long.
+const MINIMISE_LIMIT: Duration = Duration::from_secs(30);
 /// A single input (during minimisation) gets this long.
 const SINGLE_LIMIT: Duration = Duration::from_secs(20);
 
@@ -87,6 +89,7 @@ fn fuzz(args: &Args) -> Result<usize, Box<dyn std::error::Error>> {
             .duration_since(UNIX_EPOCH)
             .map_or(1, |d| d.as_nanos() as u64)
     });
+    runner::own_exe()?;
     match args.target.as_str() {
         "rust" => {}
         "python" => runner::use_python(python()?),
@@ -135,7 +138,7 @@ fn fuzz(args: &Args) -> Result<usize, Box<dyn std::error::Error>> {
     }
     let secs = start.elapsed().as_secs_f64();
     eprintln!(
-        "fuzz: {tried} inputs in {secs:.0} s ({:.0}/s), {reached} passed validation and reached NIXL, {bad} crashed or hung a child{}",
+        "fuzz: {tried} inputs in {secs:.0} s ({:.0}/s), {reached} reached NIXL, {bad} crashed or hung a child{}",
         tried as f64 / secs,
         if bad > 0 { format!("; inputs in {}", crash_dir.display()) } else { String::new() }
     );
@@ -162,7 +165,13 @@ fn save(dir: &std::path::Path, n: usize, input: &[u8], outcome: Outcome) -> std:
     );
     std::fs::write(dir.join(format!("crash-{n}.bin")), input)?;
     let small = if matches!(outcome, Outcome::Crashed { .. }) {
-        runner::minimise(input, dir, SINGLE_LIMIT, 300)
+        runner::minimise(
+            input,
+            dir,
+            SINGLE_LIMIT,
+            300,
+            Instant::now() + MINIMISE_LIMIT,
+        )
     } else {
         input.to_vec()
     };

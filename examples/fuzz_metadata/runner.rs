@@ -4,7 +4,7 @@ use std::io::{BufRead, BufReader};
 use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::child;
@@ -25,7 +25,7 @@ pub enum Outcome {
 }
 
 /// The Python interpreter to load inputs with instead of the crate (`--target python`).
-static PYTHON: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+static PYTHON: OnceLock<std::path::PathBuf> = OnceLock::new();
 
 /// Loads inputs with NIXL's official Python API (no validation) from now on.
 pub fn use_python(interpreter: std::path::PathBuf) {
@@ -34,6 +34,17 @@ pub fn use_python(interpreter: std::path::PathBuf) {
 
 fn python() -> Option<&'static std::path::PathBuf> {
     PYTHON.get()
+}
+
+/// This executable, resolved once: a rebuild replacing the file mid-run then still leaves
+/// a runnable path (a fresh lookup would name the deleted file).
+pub fn own_exe() -> std::io::Result<&'static std::path::PathBuf> {
+    static EXE: OnceLock<std::path::PathBuf> = OnceLock::new();
+    if let Some(exe) = EXE.get() {
+        return Ok(exe);
+    }
+    let exe = std::env::current_exe()?;
+    Ok(EXE.get_or_init(|| exe))
 }
 
 /// What a batch did.
@@ -61,7 +72,7 @@ pub fn run_batch(inputs: &[Vec<u8>], scratch: &Path, limit: Duration) -> std::io
             c
         }
         None => {
-            let mut c = Command::new(std::env::current_exe()?);
+            let mut c = Command::new(own_exe()?);
             c.arg("child");
             c
         }
@@ -133,15 +144,22 @@ pub fn crashes(input: &[u8], scratch: &Path, limit: Duration) -> bool {
 }
 
 /// Shrinks a crashing input by deleting chunks while it still crashes; at most
-/// `max_tries` child runs.
-pub fn minimise(input: &[u8], scratch: &Path, limit: Duration, max_tries: usize) -> Vec<u8> {
+/// `max_tries` child runs, and none started after `until`.
+pub fn minimise(
+    input: &[u8],
+    scratch: &Path,
+    limit: Duration,
+    max_tries: usize,
+    until: Instant,
+) -> Vec<u8> {
     let mut best = input.to_vec();
     let mut tries = 0;
     let mut chunk = best.len().div_ceil(2).max(1);
-    while chunk >= 1 && tries < max_tries {
+    let more = |tries: usize| tries < max_tries && Instant::now() < until;
+    while chunk >= 1 && more(tries) {
         let mut at = 0;
         let mut shrunk = false;
-        while at < best.len() && tries < max_tries {
+        while at < best.len() && more(tries) {
             let end = (at + chunk).min(best.len());
             let mut candidate = best[..at].to_vec();
             candidate.extend_from_slice(&best[end..]);
