@@ -21,8 +21,11 @@ pub enum Kind {
 /// A field: its kind, offset and length in bytes.
 #[derive(Debug, Clone, Copy)]
 pub struct Spot {
+    /// What the field is.
     pub kind: Kind,
+    /// Offset of its first byte.
     pub offset: usize,
+    /// Its length in bytes.
     pub len: usize,
 }
 

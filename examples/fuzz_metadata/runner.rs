@@ -16,12 +16,18 @@ pub enum Outcome {
     Completed,
     /// The child died on input `index` (killed by `signal`, or exited with `code`).
     Crashed {
+        /// Position of the input in the batch.
         index: usize,
+        /// The signal that ended the child, if one did.
         signal: Option<i32>,
+        /// Its exit code otherwise.
         code: Option<i32>,
     },
     /// The child was still on input `index` when the time limit struck.
-    Hung { index: usize },
+    Hung {
+        /// Position of the input in the batch.
+        index: usize,
+    },
 }
 
 /// The Python interpreter to load inputs with instead of the crate (`--target python`).

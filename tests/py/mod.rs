@@ -21,11 +21,17 @@ pub fn python() -> PathBuf {
 /// Metadata of every kind made by the Python agent, and its registered buffer.
 #[derive(Debug, Clone)]
 pub struct PeerInfo {
+    /// `get_agent_metadata()`.
     pub full: Vec<u8>,
+    /// Partial metadata of the buffer with connection info.
     pub partial_conn: Vec<u8>,
+    /// Partial metadata of the buffer without connection info.
     pub partial: Vec<u8>,
+    /// Connection info only (empty descriptor list).
     pub conn: Vec<u8>,
+    /// Address of the registered buffer.
     pub addr: usize,
+    /// Its length.
     pub len: usize,
 }
 
@@ -34,6 +40,7 @@ pub struct Peer {
     child: Child,
     stdin: ChildStdin,
     stdout: BufReader<ChildStdout>,
+    /// What the peer printed at start.
     pub info: PeerInfo,
 }
 
@@ -128,10 +135,12 @@ pub fn peer_pattern(len: usize) -> Vec<u8> {
     (0..len).map(|i| ((i * 7 + 3) % 256) as u8).collect()
 }
 
+/// Lowercase hex of `bytes`.
 pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// Bytes of lowercase or uppercase hex `s`.
 pub fn unhex(s: &str) -> Vec<u8> {
     (0..s.len() / 2)
         .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).expect("hex"))
