@@ -16,7 +16,14 @@ pub fn run(path: &str) -> std::io::Result<()> {
         stdout.flush()?;
         let agent = match loader.take() {
             Some(agent) => agent,
-            None => Loader::new(index)?,
+            None => match Loader::new(index) {
+                Ok(agent) => agent,
+                Err(err) => {
+                    // Not the input's doing: it was not loaded yet. The parent retries it.
+                    writeln!(stdout, "harness-error {err}")?;
+                    return Err(err);
+                }
+            },
         };
         match agent.agent.load_remote_metadata(input) {
             // Refused before NIXL saw it: the agent is untouched and serves the next input.

@@ -56,6 +56,8 @@ enum Cmd {
 
 /// A child stuck longer than this on one batch counts as hung.
 const BATCH_LIMIT: Duration = Duration::from_secs(60);
+/// The run gives up after this many children failed to create a loading agent.
+const MAX_HARNESS_ERRORS: usize = 20;
 /// Minimising one crashing input stops after this long.
 const MINIMISE_LIMIT: Duration = Duration::from_secs(30);
 /// A single input (during minimisation) gets this long.
@@ -108,7 +110,7 @@ fn fuzz(args: &Args) -> Result<usize, Box<dyn std::error::Error>> {
     let mut rng = rng::Rng::new(seed);
     let start = Instant::now();
     let deadline = start + Duration::from_secs(args.seconds);
-    let (mut tried, mut bad, mut reached) = (0usize, 0usize, 0usize);
+    let (mut tried, mut bad, mut reached, mut harness_errors) = (0usize, 0usize, 0usize, 0usize);
     // The seeds themselves go first: real metadata must load without trouble.
     let mut pending: Vec<Vec<u8>> = corpus.clone();
     while Instant::now() < deadline {
@@ -127,6 +129,16 @@ fn fuzz(args: &Args) -> Result<usize, Box<dyn std::error::Error>> {
                 tried += pending.len();
                 pending.clear();
             }
+            Outcome::HarnessError { index } => {
+                // Inputs before `index` were tried; `index` itself was not loaded: retry it.
+                tried += index;
+                harness_errors += 1;
+                eprintln!("fuzz: a child could not create its loading agent (see child-stderr.log); retrying");
+                if harness_errors > MAX_HARNESS_ERRORS {
+                    return Err("children keep failing to create a loading agent".into());
+                }
+                pending.drain(..index);
+            }
             Outcome::Crashed { index, .. } | Outcome::Hung { index } => {
                 tried += started;
                 bad += 1;
@@ -138,7 +150,7 @@ fn fuzz(args: &Args) -> Result<usize, Box<dyn std::error::Error>> {
     }
     let secs = start.elapsed().as_secs_f64();
     eprintln!(
-        "fuzz: {tried} inputs in {secs:.0} s ({:.0}/s), {reached} reached NIXL, {bad} crashed or hung a child{}",
+        "fuzz: {tried} inputs in {secs:.0} s ({:.0}/s), {reached} reached NIXL, {bad} crashed or hung a child, {harness_errors} retried after a child could not create its agent{}",
         tried as f64 / secs,
         if bad > 0 { format!("; inputs in {}", crash_dir.display()) } else { String::new() }
     );

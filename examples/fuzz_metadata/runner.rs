@@ -23,6 +23,12 @@ pub enum Outcome {
         /// Its exit code otherwise.
         code: Option<i32>,
     },
+    /// The child could not create a loading agent before trying input `index` (not the
+    /// input's doing; the input was not loaded).
+    HarnessError {
+        /// Position of the input in the batch.
+        index: usize,
+    },
     /// The child was still on input `index` when the time limit struck.
     Hung {
         /// Position of the input in the batch.
@@ -88,9 +94,9 @@ pub fn run_batch(inputs: &[Vec<u8>], scratch: &Path, limit: Duration) -> std::io
         .env("NIXL_LOG_LEVEL", "FATAL")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(child_log(scratch))
         .spawn()?;
-    let lines = Arc::new(Mutex::new((None::<usize>, false, 0usize)));
+    let lines = Arc::new(Mutex::new((None::<usize>, false, 0usize, false)));
     let reader = {
         let lines = Arc::clone(&lines);
         let stdout = proc.stdout.take().expect("piped stdout");
@@ -101,6 +107,7 @@ pub fn run_batch(inputs: &[Vec<u8>], scratch: &Path, limit: Duration) -> std::io
                     Ok(i) => state.0 = Some(i),
                     Err(_) if line.trim() == "done" => state.1 = true,
                     Err(_) if line.trim() == "reached-nixl" => state.2 += 1,
+                    Err(_) if line.starts_with("harness-error") => state.3 = true,
                     Err(_) => {}
                 }
             }
@@ -119,12 +126,13 @@ pub fn run_batch(inputs: &[Vec<u8>], scratch: &Path, limit: Duration) -> std::io
         std::thread::sleep(Duration::from_millis(5));
     };
     let _ = reader.join();
-    let (last, done, reached) = *lines.lock().unwrap();
+    let (last, done, reached, harness_error) = *lines.lock().unwrap();
     let started = last.map_or(0, |i| i + 1);
     let index = last.unwrap_or(0);
     let outcome = match status {
         None => Outcome::Hung { index },
         Some(s) if s.success() && done => Outcome::Completed,
+        Some(_) if harness_error => Outcome::HarnessError { index },
         Some(s) => Outcome::Crashed {
             index,
             signal: s.signal(),
@@ -136,6 +144,20 @@ pub fn run_batch(inputs: &[Vec<u8>], scratch: &Path, limit: Duration) -> std::io
         started,
         reached,
     })
+}
+
+/// Where children's stderr goes: `child-stderr.log` in `scratch`, appended (the log is
+/// cut when it passes 64 MiB).
+fn child_log(scratch: &Path) -> Stdio {
+    let path = scratch.join("child-stderr.log");
+    if std::fs::metadata(&path).is_ok_and(|m| m.len() > 64 << 20) {
+        let _ = std::fs::remove_file(&path);
+    }
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .map_or_else(|_| Stdio::null(), Stdio::from)
 }
 
 /// Whether `input` alone still crashes a child.
