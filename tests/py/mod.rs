@@ -5,9 +5,16 @@
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::OnceLock;
 
-/// The Python interpreter of the venv holding the vendored NIXL wheel.
+/// The Python interpreter of the venv holding the vendored NIXL wheel (the venv is made
+/// once per test process, so parallel tests do not race to create it).
 pub fn python() -> PathBuf {
+    static PYTHON: OnceLock<PathBuf> = OnceLock::new();
+    PYTHON.get_or_init(make_venv).clone()
+}
+
+fn make_venv() -> PathBuf {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let out = Command::new(root.join("scripts/python-venv.sh"))
         .stderr(Stdio::inherit())
