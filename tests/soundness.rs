@@ -329,3 +329,33 @@ fn errors_are_reported_not_swallowed() {
         }
     }
 }
+
+#[test]
+fn names_that_would_come_back_altered_are_refused_before_loading() {
+    let agent = Agent::new(&unique_name("names")).unwrap();
+    agent.create_backend("UCX").unwrap();
+    let peer_name = unique_name("name-xyz");
+    let peer = Agent::new(&peer_name).unwrap();
+    peer.create_backend("UCX").unwrap();
+    let good = peer.local_metadata().unwrap();
+    let at = good
+        .windows(peer_name.len())
+        .position(|w| w == peer_name.as_bytes())
+        .expect("the name is in the metadata");
+    // Same length, so only the name's bytes differ: a NUL (NIXL would hand back a cut name,
+    // and invalidating by that name would miss) and a byte that is not UTF-8.
+    for (byte, why) in [(0u8, "NUL"), (0xff, "not UTF-8")] {
+        let mut bad = good.clone();
+        bad[at + 1] = byte;
+        match agent.load_remote_metadata(&bad) {
+            Err(Error::InvalidMetadata { offset, reason }) => {
+                assert_eq!(offset, at + 1, "{reason}");
+                assert!(reason.contains(why), "{reason}");
+            }
+            other => panic!("expected the {why} name to be refused, got {other:?}"),
+        }
+    }
+    // The exact name comes back, and invalidating by it works.
+    assert_eq!(agent.load_remote_metadata(&good).unwrap(), peer_name);
+    agent.invalidate_remote_metadata(&peer_name).unwrap();
+}

@@ -189,6 +189,15 @@ pub enum Error {
         /// The raw value.
         value: i64,
     },
+    /// Remote metadata that NIXL 1.5.1's serializer could not have produced; it was
+    /// rejected before NIXL parsed it (see [`validate_metadata`](crate::validate_metadata)).
+    #[error("invalid metadata at byte {offset}: {reason}")]
+    InvalidMetadata {
+        /// Offset of the first offending byte.
+        offset: usize,
+        /// What is wrong there.
+        reason: String,
+    },
     /// An operating-system call failed.
     #[error("{operation}: {source}")]
     Io {

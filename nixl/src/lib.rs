@@ -160,6 +160,7 @@ mod registration;
 mod requests;
 mod reuse;
 mod status;
+mod wire;
 mod xfer;
 mod xfer_dlist;
 
@@ -181,4 +182,5 @@ pub use options::{XferOp, XferOptions};
 pub use prepared::{PreparedLocal, PreparedRemote};
 pub use registration::Registration;
 pub use status::Status;
+pub use wire::validate_metadata;
 pub use xfer::{CostEstimate, CostMethod, XferRequest, XferStatus, XferTelemetry};

@@ -18,6 +18,15 @@ use crate::registration::Registration;
 use crate::status::Status;
 
 /// Where [`Agent::send_local_metadata`] and friends exchange metadata.
+///
+/// # Trust
+/// Metadata that arrives through a peer (the listener thread for [`MetadataPeer::Socket`],
+/// the etcd watch for [`MetadataPeer::Etcd`]) is loaded by NIXL itself, on its own thread,
+/// with no hook for this crate: it is **not** validated, and NIXL 1.5.1 / UCX crash on
+/// malformed metadata. Use these modes only with peers and an etcd you trust. Bytes the
+/// crate receives itself go through [`Agent::load_remote_metadata`], which validates them
+/// first (see [`validate_metadata`](crate::validate_metadata)); prefer that path for
+/// metadata from an untrusted side channel.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum MetadataPeer {
     /// The etcd server(s) in the `NIXL_ETCD_ENDPOINTS` environment variable, read when the
@@ -109,15 +118,22 @@ impl Agent {
 
     /// Loads a remote agent's metadata and returns that agent's name.
     ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] for empty bytes; [`Error::Nixl`] for bytes NIXL cannot parse
-    /// (garbage, truncated) or an agent it cannot connect to.
+    /// The bytes are untrusted: [`validate_metadata`](crate::validate_metadata) checks them
+    /// before NIXL sees them, so malformed metadata (which crashes NIXL 1.5.1 and UCX) comes
+    /// back as an error instead.
     ///
-    /// NIXL 1.5.1 caveat: metadata truncated after its connection info fails to load but
-    /// leaves that connection info in the backend, without the agent counting as loaded;
-    /// every later load of the same remote agent's metadata on this agent then fails with
-    /// [`Status::InvalidParam`], and [`invalidate_remote_metadata`](Self::invalidate_remote_metadata)
-    /// cannot clear it. Pass only complete metadata.
+    /// # Errors
+    /// [`Error::InvalidArgument`] for empty bytes; [`Error::InvalidMetadata`] for bytes NIXL's
+    /// serializer could not have produced (garbage, truncated, out-of-range fields), with the
+    /// offset and the reason; [`Error::Nixl`] for metadata NIXL refuses or an agent it cannot
+    /// connect to.
+    ///
+    /// NIXL 1.5.1 caveat: metadata that fails inside NIXL after its connection info was
+    /// loaded leaves that connection info in the backend, without the agent counting as
+    /// loaded; every later load of the same remote agent's metadata on this agent then fails
+    /// with [`Status::InvalidParam`], and
+    /// [`invalidate_remote_metadata`](Self::invalidate_remote_metadata) cannot clear it.
+    /// Validation refuses truncated metadata before that can happen.
     pub fn load_remote_metadata(&self, metadata: &[u8]) -> Result<String> {
         const OP: &str = "load remote metadata";
         if metadata.is_empty() {
@@ -126,6 +142,10 @@ impl Agent {
                 reason: "the metadata is empty".to_string(),
             });
         }
+        crate::wire::validate_metadata(metadata).map_err(|err| {
+            tracing::warn!(agent = %self.inner.name, %err, "remote metadata rejected");
+            err
+        })?;
         let mut name = ptr::null_mut();
         let status = self.inner.with(|agent| {
             // SAFETY: live agent, bytes valid for their length; on success `name` is malloc'd.
@@ -146,6 +166,7 @@ impl Agent {
         let len = unsafe { libc::strlen(name) };
         // SAFETY: malloc'd by NIXL, `len` bytes, freed once here.
         let bytes = unsafe { take_malloced(name.cast(), len) };
+        // Validated above as UTF-8 without NUL bytes, so this is the name exactly.
         let remote = String::from_utf8_lossy(&bytes).into_owned();
         tracing::debug!(agent = %self.inner.name, remote = %remote, "loaded remote metadata");
         Ok(remote)

@@ -1,0 +1,103 @@
+//! Where the interesting fields of a metadata blob are, found by walking NIXL's container
+//! (the harness's own light walk; the crate's validator is what is under test).
+
+/// Kinds of field the structure-aware mutations aim at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// An 8-byte field length.
+    Length,
+    /// An 8-byte count (Conns, nixlSecElms, n).
+    Count,
+    /// A 4-byte memory type.
+    MemType,
+    /// The first byte of a UCX worker address (version and flags).
+    UcxHeader,
+    /// Any byte inside a UCX worker address.
+    UcxAddress,
+    /// Any byte inside a descriptor's backend blob (UCX rkey).
+    Rkey,
+}
+
+/// A field: its kind, offset and length in bytes.
+#[derive(Debug, Clone, Copy)]
+pub struct Spot {
+    /// What the field is.
+    pub kind: Kind,
+    /// Offset of its first byte.
+    pub offset: usize,
+    /// Its length in bytes.
+    pub len: usize,
+}
+
+/// The fields of `bytes` that parse as NIXL's container, in order (stops at the first
+/// thing that does not parse).
+pub fn spots(bytes: &[u8]) -> Vec<Spot> {
+    let mut out = Vec::new();
+    let mut pos = b"nixlSerDes|".len();
+    let tags: &[&[u8]] = &[
+        b"nixlSecElms",
+        b"nixlDList",
+        b"Agent",
+        b"Conns",
+        b"bknd",
+        b"t",
+        b"c",
+        b"n",
+    ];
+    let mut last_tag: &[u8] = b"";
+    while pos < bytes.len() {
+        let tag = tags
+            .iter()
+            .find(|t| bytes[pos..].starts_with(t))
+            .copied()
+            .unwrap_or(b"");
+        let len_at = pos + tag.len();
+        let Some(raw) = bytes.get(len_at..len_at + 8) else {
+            break;
+        };
+        let len = u64::from_le_bytes(raw.try_into().unwrap()) as usize;
+        let data = len_at + 8;
+        if data.checked_add(len).map_or(true, |end| end >= bytes.len()) {
+            break;
+        }
+        out.push(Spot {
+            kind: Kind::Length,
+            offset: len_at,
+            len: 8,
+        });
+        match tag {
+            b"Conns" | b"nixlSecElms" | b"n" => out.push(Spot {
+                kind: Kind::Count,
+                offset: data,
+                len: 8,
+            }),
+            b"t" if len == 4 => out.push(Spot {
+                kind: Kind::MemType,
+                offset: data,
+                len: 4,
+            }),
+            b"c" if last_tag == b"t" => {
+                out.push(Spot {
+                    kind: Kind::UcxHeader,
+                    offset: data,
+                    len: 1,
+                });
+                out.push(Spot {
+                    kind: Kind::UcxAddress,
+                    offset: data,
+                    len,
+                });
+            }
+            b"" if len > 24 => out.push(Spot {
+                kind: Kind::Rkey,
+                offset: data + 24,
+                len: len - 24,
+            }),
+            _ => {}
+        }
+        last_tag = tag;
+        pos = data + len + 1;
+    }
+    out.retain(|spot| spot.len > 0);
+    out
+}
