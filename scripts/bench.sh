@@ -23,30 +23,12 @@ rounds=${BENCH_ROUNDS:-6}
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$root/target}
 export NIXL_LOG_LEVEL=${NIXL_LOG_LEVEL:-WARN}
 results=$root/bench/results
-wheel=$root/vendor/nixl/nixl_cu12-1.5.1-cp311-cp311-manylinux_2_28_x86_64.whl
 venv=${BENCH_VENV:-$CARGO_TARGET_DIR/bench-venv}
 
 scripts/setup.sh
 
-# The wheel is built for CPython 3.11; its Python package needs only numpy (torch is optional).
-if ! "$venv/bin/python" -c 'import numpy, nixl_cu12' 2>/dev/null; then
-    py=""
-    for candidate in python3.11 python3; do
-        if command -v "$candidate" >/dev/null &&
-            "$candidate" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
-            py=$candidate
-            break
-        fi
-    done
-    if [[ -z $py ]]; then
-        echo "bench: the pinned NIXL wheel needs CPython 3.11; install python3.11" >&2
-        exit 1
-    fi
-    echo "bench: creating $venv (numpy + the vendored NIXL wheel, --no-deps)" >&2
-    "$py" -m venv "$venv"
-    "$venv/bin/pip" install --quiet numpy
-    "$venv/bin/pip" install --quiet --no-deps "$wheel"
-fi
+# The official Python API in a venv (CPython 3.11, numpy, the vendored wheel --no-deps).
+venv=$(NIXL_PY_VENV=$venv scripts/python-venv.sh)
 
 echo "bench: building benches/transfer.rs (target dir $CARGO_TARGET_DIR)" >&2
 bin=$(cargo bench -p nixl-rs --bench transfer --no-run --message-format=json 2>/dev/null |
