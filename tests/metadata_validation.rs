@@ -180,3 +180,25 @@ fn mutations_of_live_metadata_come_back_as_errors() {
     // After all that, the real metadata still loads.
     assert_eq!(target.load_remote_metadata(&good).unwrap(), agent.name());
 }
+
+#[test]
+fn an_agent_already_loaded_gets_no_pass_for_different_bytes() {
+    let (agent, backends) = agent_with("md-reload", &["UCX"]);
+    let _regs = register(&agent, &backends[0], 1);
+    let good = agent.local_metadata().unwrap();
+    let (target, _b) = loader();
+    assert_eq!(target.load_remote_metadata(&good).unwrap(), agent.name());
+    // Reloading the very same bytes is NIXL's no-op path (not validated a second time).
+    assert_eq!(target.load_remote_metadata(&good).unwrap(), agent.name());
+    // The same agent name with one bad byte is validated, and refused, all the same.
+    let mut bad = good.clone();
+    let mem_type = payload(&good, b"nixlSDList|t", 0);
+    bad[mem_type..mem_type + 4].copy_from_slice(&8u32.to_le_bytes());
+    match target.load_remote_metadata(&bad) {
+        Err(Error::InvalidMetadata { offset, .. }) => assert_eq!(offset, mem_type),
+        other => panic!("expected the bad reload to be refused, got {other:?}"),
+    }
+    // After an invalidation the same bytes load again.
+    target.invalidate_remote_metadata(agent.name()).unwrap();
+    assert_eq!(target.load_remote_metadata(&good).unwrap(), agent.name());
+}

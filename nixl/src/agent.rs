@@ -13,6 +13,7 @@ use crate::handles::BackendHandle;
 use crate::leaks::{LeakCounters, LeakStats};
 use crate::local_peers;
 use crate::raw::c_name;
+use crate::wire::LoadedMetadata;
 
 /// How NIXL locks an agent's internal state across threads.
 ///
@@ -178,6 +179,7 @@ impl AgentBuilder {
             serialize: (cfg.thread_sync == ThreadSync::None).then(|| Mutex::new(())),
             backends: Mutex::new(Vec::new()),
             leaks: LeakCounters::default(),
+            loaded: LoadedMetadata::default(),
             driver: OnceLock::new(),
             driver_start: Mutex::new(()),
             name: self.name,
@@ -257,6 +259,9 @@ pub(crate) struct AgentInner {
     pub(crate) backends: Mutex<Vec<(String, BackendHandle)>>,
     /// What was leaked rather than freed under NIXL.
     pub(crate) leaks: LeakCounters,
+    /// The metadata each remote agent was last loaded from (reloads of the same bytes are
+    /// not validated again).
+    pub(crate) loaded: LoadedMetadata,
     /// The completion driver, started on first asynchronous use.
     driver: OnceLock<Driver>,
     /// Held while the driver starts, so that only one starts.

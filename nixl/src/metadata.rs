@@ -142,10 +142,13 @@ impl Agent {
                 reason: "the metadata is empty".to_string(),
             });
         }
-        crate::wire::validate_metadata(metadata).map_err(|err| {
-            tracing::warn!(agent = %self.inner.name, %err, "remote metadata rejected");
-            err
-        })?;
+        // Bytes identical to those an agent was last loaded from passed validation then.
+        if !self.inner.loaded.is_loaded(metadata) {
+            crate::wire::validate_metadata(metadata).map_err(|err| {
+                tracing::warn!(agent = %self.inner.name, %err, "remote metadata rejected");
+                err
+            })?;
+        }
         let mut name = ptr::null_mut();
         let status = self.inner.with(|agent| {
             // SAFETY: live agent, bytes valid for their length; on success `name` is malloc'd.
@@ -169,6 +172,7 @@ impl Agent {
         // Validated above as UTF-8 without NUL bytes, so this is the name exactly.
         let remote = String::from_utf8_lossy(&bytes).into_owned();
         tracing::debug!(agent = %self.inner.name, remote = %remote, "loaded remote metadata");
+        self.inner.loaded.remember(&remote, metadata);
         Ok(remote)
     }
 
@@ -203,7 +207,9 @@ impl Agent {
             "invalidate remote metadata",
             Status::NotFound,
             "no metadata of that agent is loaded",
-        )
+        )?;
+        self.inner.loaded.forget(remote_agent);
+        Ok(())
     }
 
     /// Publishes this agent's full metadata to `peer`.

@@ -10,12 +10,15 @@
 //! only bounds-checked: NIXL hands them to that backend's plugin as they are.
 
 mod layout;
+mod loaded;
 mod reader;
 mod serdes;
 mod ucx_address;
 mod ucx_rkey;
 
 use crate::error::{Error, Result};
+
+pub(crate) use loaded::LoadedMetadata;
 
 /// Checks that `metadata` is well-formed NIXL 1.5.1 agent metadata (full, partial or
 /// connection-only) with well-formed UCX connection info and remote keys.
