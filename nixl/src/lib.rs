@@ -62,8 +62,10 @@
 //!   `Arc`) leaks its memory with it; since registered memory is `'static`, no borrow can
 //!   end under it. Borrowed memory needs the `unsafe` [`Agent::register_raw`].
 //! - **Errors mean "maybe in flight".** A request whose post or status failed is never
-//!   considered done: it is leaked, with its memory, when dropped. So is one still running
-//!   30 s into its drop. [`Agent::leak_stats`] counts every such leak.
+//!   considered done: it is leaked, with its memory, when dropped, and
+//!   [`Agent::leak_stats`] counts it. A request dropped while still in flight is handed to
+//!   the agent's completion driver, which releases it once NIXL reports it done; dropping
+//!   never blocks.
 //! - **Agents of this process.** When a request's remote agent lives in this process (or is
 //!   this agent, e.g. DRAM to its own FILE), each remote descriptor is resolved to a live
 //!   registration of it, which the request holds; a descriptor of memory that agent no
