@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::Path;
 
+use plotters::coord::Shift;
 use plotters::prelude::*;
 
 use super::awaiting::{Completer, SETUPS};
@@ -439,14 +440,7 @@ fn plot(path: &Path, lines: &[Vec<(f64, f64)>; 3]) -> Res<()> {
             .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], color.stroke_width(2)));
         chart.draw_series(points.iter().map(|&p| Circle::new(p, 3, color.filled())))?;
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()?;
-    root.present()?;
-    Ok(())
+    legend_and_present(&mut chart, &root)
 }
 
 /// A row of the async table: label, workload, metric, unit, and the bounds (at most) on
@@ -691,6 +685,14 @@ fn plot_latency(path: &Path, latency: &[Latency]) -> Res<()> {
             .label(name)
             .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 15, y + 5)], color.filled()));
     }
+    legend_and_present(&mut chart, &root)
+}
+
+/// Draws the series' legend in the upper left corner and writes the chart out.
+fn legend_and_present<'a, CT: CoordTranslate>(
+    chart: &mut ChartContext<'a, SVGBackend<'a>, CT>,
+    root: &DrawingArea<SVGBackend<'a>, Shift>,
+) -> Res<()> {
     chart
         .configure_series_labels()
         .position(SeriesLabelPosition::UpperLeft)
