@@ -30,7 +30,7 @@ pub struct Spot {
 }
 
 /// The fields of `bytes` that parse as NIXL's container, in order (stops at the first
-/// thing that does not parse).
+/// thing that does not parse). Every spot lies inside `bytes`.
 pub fn spots(bytes: &[u8]) -> Vec<Spot> {
     let mut out = Vec::new();
     let mut pos = b"nixlSerDes|".len();
@@ -66,7 +66,8 @@ pub fn spots(bytes: &[u8]) -> Vec<Spot> {
             len: 8,
         });
         match tag {
-            b"Conns" | b"nixlSecElms" | b"n" => out.push(Spot {
+            // A count is 8 bytes; a mutated length may leave fewer.
+            b"Conns" | b"nixlSecElms" | b"n" if len == 8 => out.push(Spot {
                 kind: Kind::Count,
                 offset: data,
                 len: 8,
@@ -98,6 +99,26 @@ pub fn spots(bytes: &[u8]) -> Vec<Spot> {
         last_tag = tag;
         pos = data + len + 1;
     }
-    out.retain(|spot| spot.len > 0);
+    out.retain(|spot| spot.len > 0 && spot.offset + spot.len <= bytes.len());
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_count_cut_short_is_no_spot() {
+        // "Conns" whose payload a mutation cut to 1 byte: no 8-byte count spot may run past it
+        // (the harness once panicked slicing one).
+        let mut md = b"nixlSerDes|Agent".to_vec();
+        md.extend(1u64.to_le_bytes());
+        md.extend(b"a|Conns");
+        md.extend(1u64.to_le_bytes());
+        md.extend(b"x|");
+        let found = spots(&md);
+        assert!(!found.is_empty());
+        assert!(found.iter().all(|s| s.offset + s.len <= md.len()));
+        assert!(found.iter().all(|s| s.kind != Kind::Count));
+    }
 }
