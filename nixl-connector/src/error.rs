@@ -41,6 +41,18 @@ pub enum Error {
         /// What was wrong.
         reason: String,
     },
+    /// The peer closed the side channel between frames.
+    #[error("side channel with {peer}: the peer closed the connection")]
+    Closed {
+        /// The peer.
+        peer: String,
+    },
+    /// The peer closed the side channel inside a frame.
+    #[error("side channel with {peer}: the peer closed the connection inside a frame")]
+    Truncated {
+        /// The peer.
+        peer: String,
+    },
     /// A reader's KV cache cannot be filled from a source's.
     #[error("{reader} cannot read from {source_rank}: {reason}")]
     Incompatible {
@@ -88,6 +100,12 @@ pub enum Error {
     HostBufferNeedsGpu {
         /// Why no device was usable.
         detail: String,
+    },
+    /// Metadata goes through etcd, and no etcd endpoint answers.
+    #[error("etcd does not answer, so this agent's metadata cannot be published (start etcd or fix NIXL_ETCD_ENDPOINTS): {failures}")]
+    EtcdUnreachable {
+        /// Each endpoint and what went wrong there.
+        failures: String,
     },
     /// A transfer did not complete within its deadline.
     #[error("transfer for request {request_id:?} did not complete within {deadline:?}")]

@@ -69,7 +69,9 @@
 
 #![warn(missing_docs)]
 
+mod config;
 mod error;
+pub mod etcd;
 pub mod handshake;
 pub mod host_buffer;
 mod load;
@@ -83,6 +85,7 @@ mod spec;
 mod wire;
 mod worker;
 
+pub use config::{MetadataExchange, WorkerConfig};
 pub use error::{Error, Result};
 pub use handshake::{check_compatible, HandshakeMessage, ReadPlan, PROTOCOL_VERSION};
 pub use metrics::{SendStats, TransferMetrics};
@@ -91,5 +94,5 @@ pub use scheduler::{
     ConnectorMetadata, KvConnectorScheduler, LoadSpec, RequestFinished, SchedulerConfig, SendSpec,
 };
 pub use spec::{KvCacheSpec, KvLayout};
-pub use wire::ChannelLimits;
-pub use worker::{Finished, KvConnectorWorker, WorkerConfig};
+pub use wire::{Channel, ChannelLimits};
+pub use worker::{Finished, KvConnectorWorker};

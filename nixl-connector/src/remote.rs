@@ -8,9 +8,11 @@ use std::sync::{Arc, Mutex};
 use futures::future::{BoxFuture, FutureExt, Shared};
 use nixl::{PreparedRemote, RemoteDescList, XferDesc};
 
+use crate::config::MetadataExchange;
 use crate::error::{Error, Result};
 use crate::handshake::{check_compatible, ReadPlan};
 use crate::side_channel::fetch_handshake;
+use crate::wire::within;
 use crate::worker::Shared as WorkerShared;
 
 /// A remote rank after a successful handshake.
@@ -108,6 +110,7 @@ async fn connect(
     let caches = shared.caches.get().ok_or(Error::NotRegistered {
         operation: "handshake",
     })?;
+    let started = std::time::Instant::now();
     let addr = resolve(host, port).await?;
     let ours = &caches.handshake;
     let theirs = fetch_handshake(addr, ours, shared.config.limits).await?;
@@ -118,7 +121,26 @@ async fn connect(
     let name = if agent.has_remote_metadata(&theirs.agent_name)? {
         theirs.agent_name.clone()
     } else {
-        agent.load_remote_metadata(&theirs.agent_metadata)?
+        match shared.config.metadata_exchange {
+            MetadataExchange::SideChannel => agent.load_remote_metadata(&theirs.agent_metadata)?,
+            MetadataExchange::Etcd => {
+                let fetched = crate::etcd::fetch(agent, &theirs.agent_name);
+                // What is left of the handshake's deadline: one total for the whole of it.
+                let left = shared
+                    .config
+                    .limits
+                    .deadline
+                    .saturating_sub(started.elapsed());
+                within(
+                    "fetch agent metadata from etcd",
+                    &theirs.agent_name,
+                    left,
+                    fetched,
+                )
+                .await?;
+                theirs.agent_name.clone()
+            }
+        }
     };
     if name != theirs.agent_name {
         return Err(Error::Incompatible {

@@ -1,11 +1,13 @@
-//! Framed MessagePack messages on a TCP stream: a length-delimited codec with a frame cap,
-//! so a peer's declared length is refused before anything is allocated for it.
+//! Framed MessagePack messages on a byte stream: a length-delimited codec (a 4-byte
+//! big-endian length, then the body) with a frame cap, so a peer's declared length is refused
+//! before anything is allocated for it.
 
 use std::time::Duration;
 
 use futures::{SinkExt, StreamExt};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 use tokio_util::codec::{Framed, LengthDelimitedCodec};
 
@@ -33,15 +35,31 @@ impl Default for ChannelLimits {
     }
 }
 
-/// One peer's framed stream.
-pub(crate) struct Channel {
-    framed: Framed<TcpStream, LengthDelimitedCodec>,
+/// One peer's framed stream of MessagePack messages, the side channel's wire format, for
+/// any control traffic an engine adds beside the handshake (e.g. a proxy's requests).
+///
+/// Every message is one frame, a MessagePack map of at most `max_frame` bytes. A frame
+/// that declares more is refused before anything is allocated for it. Nothing here has a
+/// deadline: wrap exchanges in `tokio::time::timeout`, one total per exchange.
+pub struct Channel<S = TcpStream> {
+    framed: Framed<S, LengthDelimitedCodec>,
     peer: String,
     max_frame: usize,
 }
 
-impl Channel {
-    pub(crate) fn new(stream: TcpStream, peer: String, max_frame: usize) -> Self {
+impl<S> std::fmt::Debug for Channel<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Channel")
+            .field("peer", &self.peer)
+            .field("max_frame", &self.max_frame)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin> Channel<S> {
+    /// Frames `stream`, whose other end is `peer` (named in errors), with frames of at
+    /// most `max_frame` bytes both ways.
+    pub fn new(stream: S, peer: String, max_frame: usize) -> Self {
         let codec = LengthDelimitedCodec::builder()
             .length_field_type::<u32>()
             .max_frame_length(max_frame)
@@ -53,8 +71,20 @@ impl Channel {
         }
     }
 
-    pub(crate) fn peer(&self) -> &str {
+    /// The peer, as named in errors.
+    pub fn peer(&self) -> &str {
         &self.peer
+    }
+
+    /// The stream underneath.
+    pub fn get_ref(&self) -> &S {
+        self.framed.get_ref()
+    }
+
+    /// The stream underneath, e.g. to change its settings (reading or writing it directly
+    /// would break the framing).
+    pub fn get_mut(&mut self) -> &mut S {
+        self.framed.get_mut()
     }
 
     fn protocol(&self, reason: String) -> Error {
@@ -65,7 +95,11 @@ impl Channel {
     }
 
     /// Sends one message as a MessagePack map.
-    pub(crate) async fn send<T: Serialize>(&mut self, message: &T) -> Result<()> {
+    ///
+    /// # Errors
+    /// [`Error::Protocol`] for a message over the frame cap (nothing is sent);
+    /// [`Error::Io`] when the stream fails.
+    pub async fn send<T: Serialize>(&mut self, message: &T) -> Result<()> {
         let bytes = rmp_serde::to_vec_named(message)
             .map_err(|err| self.protocol(format!("cannot encode a message: {err}")))?;
         if bytes.len() > self.max_frame {
@@ -81,16 +115,33 @@ impl Channel {
             .map_err(|err| Error::io("send a side-channel frame", &self.peer, err))
     }
 
-    /// Receives one message; a frame over the cap, a closed stream or undecodable bytes
-    /// are errors naming the peer.
-    pub(crate) async fn recv<T: DeserializeOwned>(&mut self) -> Result<T> {
+    /// Receives one message.
+    ///
+    /// # Errors
+    /// [`Error::Closed`] when the stream ends between frames, [`Error::Truncated`] inside
+    /// one; [`Error::Protocol`] for a frame over the cap or bytes that do not decode as `T`;
+    /// [`Error::Io`] when the stream fails.
+    pub async fn recv<T: DeserializeOwned>(&mut self) -> Result<T> {
         let frame = match self.framed.next().await {
-            None => return Err(self.protocol("the peer closed the connection".to_string())),
+            None => {
+                return Err(Error::Closed {
+                    peer: self.peer.clone(),
+                })
+            }
             Some(Err(err)) if err.kind() == std::io::ErrorKind::InvalidData => {
                 return Err(self.protocol(format!(
-                    "the peer declared a frame longer than the {}-byte cap ({err})",
+                    "the peer declared a frame longer than the {}-byte cap",
                     self.max_frame
                 )))
+            }
+            // The codec fails at the end of the stream only with bytes of a frame left over.
+            Some(Err(err))
+                if err.kind() == std::io::ErrorKind::Other
+                    && !self.framed.read_buffer().is_empty() =>
+            {
+                return Err(Error::Truncated {
+                    peer: self.peer.clone(),
+                })
             }
             Some(Err(err)) => {
                 return Err(Error::io("receive a side-channel frame", &self.peer, err))
@@ -103,6 +154,16 @@ impl Channel {
                 frame.len()
             ))
         })
+    }
+
+    /// Flushes what was sent and closes the sending half of the stream.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when the stream fails.
+    pub async fn close(&mut self) -> Result<()> {
+        SinkExt::<bytes::Bytes>::close(&mut self.framed)
+            .await
+            .map_err(|err| Error::io("close the side channel", &self.peer, err))
     }
 }
 

@@ -5,14 +5,14 @@ use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use nixl::kv_config::{KvTransferConfig, NixlSetup};
-use nixl::platform::Platform;
-use nixl::{Agent, NotificationFilter, PreparedLocal, RegisterMemory, Registration};
+use nixl::kv_config::NixlSetup;
+use nixl::{Agent, MetadataPeer, NotificationFilter, PreparedLocal, RegisterMemory, Registration};
 use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
 
+use crate::config::{MetadataExchange, WorkerConfig};
 use crate::error::{Error, Result};
 use crate::handshake::HandshakeMessage;
 use crate::metrics::{SendStats, TransferMetrics};
@@ -20,51 +20,7 @@ use crate::params::RemoteBlocks;
 use crate::remote::Remotes;
 use crate::scheduler::ConnectorMetadata;
 use crate::sending::Sends;
-use crate::wire::ChannelLimits;
 use crate::KvCacheSpec;
-
-/// A worker's settings.
-#[derive(Debug, Clone)]
-pub struct WorkerConfig {
-    /// The engine's id (the same on all its ranks).
-    pub engine_id: String,
-    /// This worker's TP rank.
-    pub tp_rank: usize,
-    /// The engine's TP size.
-    pub tp_size: usize,
-    /// vLLM's `kv_transfer_config`: the kv-buffer device and the backends.
-    pub kv_transfer_config: KvTransferConfig,
-    /// The platform the memory type is resolved for (see [`nixl::platform`]).
-    pub platform: Arc<dyn Platform>,
-    /// Where this rank's side channel listens (port 0: any free port).
-    pub side_channel: SocketAddr,
-    /// Side-channel limits.
-    pub limits: ChannelLimits,
-    /// Total time one load's transfer may take once posted.
-    pub transfer_timeout: Duration,
-    /// Device id of the KV cache memory, as NIXL describes it.
-    pub device_id: u64,
-}
-
-impl WorkerConfig {
-    /// Defaults: the current platform (or `cpu` when none is detected), side channel on
-    /// 127.0.0.1 port 0, [`ChannelLimits::default`], 30 s transfers, device 0.
-    pub fn new(engine_id: &str, tp_rank: usize, tp_size: usize, kv: KvTransferConfig) -> Self {
-        let platform = nixl::platform::current_platform()
-            .unwrap_or_else(|_| Arc::new(nixl::platform::BuiltinPlatform::CPU));
-        WorkerConfig {
-            engine_id: engine_id.to_string(),
-            tp_rank,
-            tp_size,
-            kv_transfer_config: kv,
-            platform,
-            side_channel: SocketAddr::from(([127, 0, 0, 1], 0)),
-            limits: ChannelLimits::default(),
-            transfer_timeout: Duration::from_secs(30),
-            device_id: 0,
-        }
-    }
-}
 
 /// Requests that finished transferring since the last [`KvConnectorWorker::finished`].
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -102,6 +58,8 @@ pub(crate) struct Shared {
     pub(crate) remotes: Remotes,
     /// Signalled whenever a load ends.
     pub(crate) load_ended: tokio::sync::Notify,
+    /// Signalled whenever a decode notification arrives for this rank.
+    pub(crate) notified: tokio::sync::Notify,
 }
 
 impl Shared {
@@ -141,8 +99,9 @@ impl KvConnectorWorker {
     /// listening for decode notifications.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] outside a tokio runtime or for a TP rank not below the TP
-    /// size; the platform and backend errors of [`NixlSetup::new`].
+    /// [`Error::InvalidArgument`] outside a tokio runtime, for a TP rank not below the TP
+    /// size, or for etcd metadata without `NIXL_ETCD_ENDPOINTS`; the platform and backend
+    /// errors of [`NixlSetup::new`].
     pub fn new(config: WorkerConfig) -> Result<Self> {
         const OP: &str = "create the connector worker";
         let runtime = Handle::try_current()
@@ -153,8 +112,15 @@ impl KvConnectorWorker {
                 format!("TP rank {} of TP size {}", config.tp_rank, config.tp_size),
             ));
         }
+        if config.metadata_exchange == MetadataExchange::Etcd {
+            crate::etcd::endpoints()?;
+        }
+        let name = config
+            .agent_name
+            .clone()
+            .unwrap_or_else(|| agent_name(&config));
         let setup = NixlSetup::with_global_registry(
-            Agent::builder(&agent_name(&config)),
+            Agent::builder(&name),
             &config.kv_transfer_config,
             config.platform.as_ref(),
         )?;
@@ -169,6 +135,7 @@ impl KvConnectorWorker {
             outcomes: Mutex::new(Outcomes::default()),
             remotes: Remotes::default(),
             load_ended: tokio::sync::Notify::new(),
+            notified: tokio::sync::Notify::new(),
         });
         let notes = {
             let shared = shared.clone();
@@ -177,6 +144,7 @@ impl KvConnectorWorker {
                 loop {
                     let note = stream.recv().await;
                     shared.sends().notified(&note.sender, &note.message);
+                    shared.notified.notify_one();
                 }
             })
         };
@@ -193,14 +161,27 @@ impl KvConnectorWorker {
         self.shared.setup.agent()
     }
 
+    /// The backends the KV cache is registered with (those of the `kv_transfer_config`).
+    pub fn backends(&self) -> &[nixl::Backend] {
+        self.shared.setup.backends()
+    }
+
+    /// The memory type the KV cache is registered as (the platform registry's answer for
+    /// the kv-buffer device).
+    pub fn mem_type(&self) -> nixl::MemType {
+        self.shared.setup.mem_type()
+    }
+
     /// Registers the KV cache: `caches` holds one region per layer, each at least
     /// `spec.layer_len()` bytes, of the memory type the platform and kv-buffer device give
-    /// (DRAM for `cpu`), with the configured backends; then starts the side channel.
+    /// (DRAM for `cpu`), with the configured backends; then publishes the agent metadata
+    /// (etcd mode) and starts the side channel.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for a bad spec, a wrong region count or short regions, or a
-    /// second call; the registration errors of [`NixlSetup::register_memory`]; [`Error::Io`]
-    /// when the side channel cannot bind.
+    /// second call; the registration errors of [`NixlSetup::register_memory`];
+    /// [`Error::EtcdUnreachable`] (etcd mode); [`Error::Io`] when the side channel cannot
+    /// bind.
     pub fn register_kv_caches<M: RegisterMemory + 'static>(
         &self,
         caches: M,
@@ -257,10 +238,17 @@ impl KvConnectorWorker {
         let backends: Vec<&nixl::Backend> = self.shared.setup.backends().iter().collect();
         let local = self.agent().prepare_local(&list, &backends)?;
         let config = &self.shared.config;
+        let metadata = match config.metadata_exchange {
+            MetadataExchange::SideChannel => self.agent().local_metadata()?,
+            MetadataExchange::Etcd => {
+                crate::etcd::publish(self.agent())?;
+                Vec::new()
+            }
+        };
         let handshake = Arc::new(HandshakeMessage::describe(
             &config.engine_id,
             self.agent().name(),
-            self.agent().local_metadata()?,
+            metadata,
             regions.iter().map(|r| r.addr as u64).collect(),
             &spec,
             (config.tp_rank, config.tp_size),
@@ -435,6 +423,14 @@ impl KvConnectorWorker {
         self.shared.load_ended.notified().await;
     }
 
+    /// Resolves once a decode notification has arrived since the previous call (or
+    /// immediately if one arrived before it), so a prefill loop can sleep until
+    /// [`finished`](Self::finished)`.sending` may have news. Requests released by their
+    /// abort timeout wake nobody: call [`finished`](Self::finished) now and then as well.
+    pub async fn notified(&self) {
+        self.shared.notified.notified().await;
+    }
+
     /// Local block ids whose load failed since the last call, sorted, for recomputation.
     pub fn load_errors(&self) -> Vec<usize> {
         std::mem::take(&mut self.shared.outcomes().load_errors)
@@ -462,6 +458,13 @@ impl Drop for KvConnectorWorker {
             .drain(..)
         {
             task.abort();
+        }
+        let published = self.shared.config.metadata_exchange == MetadataExchange::Etcd
+            && self.shared.caches.get().is_some();
+        if published {
+            if let Err(err) = self.agent().invalidate_local_metadata(&MetadataPeer::Etcd) {
+                tracing::warn!(%err, "could not withdraw the agent metadata from etcd");
+            }
         }
     }
 }
