@@ -1,6 +1,7 @@
-//! The decode worker of the disaggregated-serving demo: connects to a prefill worker, pulls
-//! every announced request's KV-cache blocks with NIXL READs (the notification carrying the
-//! request id), verifies every byte, and prints a summary.
+//! The decode worker of the disaggregated-serving demo, a thin client of the KV connector:
+//! connects to a prefill worker, loads every announced request's KV-cache blocks through the
+//! connector (NIXL READs, the notification naming the request), verifies every byte, and
+//! prints a summary.
 //!
 //! ```sh
 //! cargo run --release --example decode -- --prefill 127.0.0.1:7800 --requests 64
@@ -35,7 +36,8 @@ struct Args {
     /// Requests in flight at once.
     #[arg(long, default_value_t = 4, value_parser = parse_positive::<u32>)]
     in_flight: u32,
-    /// Seconds that reaching prefill and the handshake may take in all.
+    /// Seconds that reaching prefill and the handshake may take in all (also the limit of
+    /// the connector's handshake with prefill's side channel).
     #[arg(long, default_value_t = 30, value_parser = parse_positive::<u64>)]
     connect_timeout_s: u64,
     /// Seconds one READ may take.
@@ -49,24 +51,27 @@ struct Args {
 fn main() -> ExitCode {
     let args = Args::parse();
     args.worker.start();
-    common::exit_code("decode", run(&args))
+    let result = common::runtime(None).and_then(|rt| rt.block_on(run(&args)));
+    common::exit_code("decode", result)
 }
 
 /// Runs the decode worker; [`ExitCode::FAILURE`] when bytes mismatched.
-fn run(args: &Args) -> nixl_rs::Result<ExitCode> {
+async fn run(args: &Args) -> nixl_rs::Result<ExitCode> {
     let layout = args.worker.layout();
+    let connect_timeout = Duration::from_secs(args.connect_timeout_s);
     let worker = args
         .worker
         .worker_config("decode", KvRole::Consumer)
-        .set_up()?;
+        .set_up(|config| {
+            config.limits.deadline = connect_timeout;
+            config.transfer_timeout = Duration::from_secs(args.xfer_timeout_s);
+        })?;
     let options = DecodeOptions {
         prefill: args.prefill,
-        mode: args.worker.metadata,
         requests: args.requests,
         blocks_per_request: args.blocks_per_request,
         in_flight: args.in_flight,
-        connect_timeout: Duration::from_secs(args.connect_timeout_s),
-        xfer_timeout: Duration::from_secs(args.xfer_timeout_s),
+        connect_timeout,
         max_frame: args.worker.max_frame,
         progress_interval: Duration::from_millis(args.progress_interval_ms),
     };
@@ -82,12 +87,13 @@ fn run(args: &Args) -> nixl_rs::Result<ExitCode> {
         args.in_flight,
         args.worker.metadata
     );
-    let summary = decode::run(&worker.setup, &worker.cache, &options, |progress| {
+    let summary = decode::run(&worker, &options, |progress| {
         println!("decode: {progress}");
     })
+    .await
     .unwrap_or_else(|err| {
-        // Exit before the cache and agent are torn down: NIXL may still hold connections to
-        // a dead prefill, and the OS reclaims everything anyway.
+        // Exit before the connector and agent are torn down: NIXL may still hold
+        // connections to a dead prefill, and the OS reclaims everything anyway.
         eprintln!("decode: error: {err}");
         std::process::exit(1)
     });

@@ -1,6 +1,7 @@
-//! The prefill worker of the disaggregated-serving demo: holds a KV cache, announces each
-//! request's blocks to decode workers over a TCP side channel, and frees them when the NIXL
-//! notification of the decode worker's READ arrives.
+//! The prefill worker of the disaggregated-serving demo, a thin client of the KV connector:
+//! fills each request's KV-cache blocks, hands decode workers the request's transfer params
+//! over its control channel, and frees the blocks when the connector reports the decode's
+//! notification.
 //!
 //! ```sh
 //! cargo run --release --example prefill -- --listen 127.0.0.1:7800 --sessions 1
@@ -26,7 +27,8 @@ use nixl_rs::stats::gb_per_s;
 struct Args {
     #[command(flatten)]
     worker: common::WorkerArgs,
-    /// Side-channel address to listen on (port 0: any free port, printed at start).
+    /// Control-channel address to listen on (port 0: any free port, printed at start); the
+    /// connector's side channel listens on the same host, on a port of its own.
     #[arg(long, default_value = "127.0.0.1:7800")]
     listen: SocketAddr,
     /// Exit after serving this many decode sessions (default: serve forever).
@@ -38,7 +40,7 @@ struct Args {
     /// Most connections in their handshake at once; more are refused at once.
     #[arg(long, default_value_t = DEFAULT_MAX_PENDING_HANDSHAKES, value_parser = parse_positive::<usize>)]
     max_pending_handshakes: usize,
-    /// Most bytes the frames of pending handshakes may hold together, beyond 64 KiB each
+    /// Most bytes pending handshakes may have received together, beyond 64 KiB each
     /// (suffixes K/KiB, M/MiB); a handshake that would pass it is refused.
     #[arg(long, default_value = "64MiB", value_parser = parse_size)]
     max_pending_handshake_bytes: usize,
@@ -50,68 +52,78 @@ struct Args {
 fn main() -> ExitCode {
     let args = Args::parse();
     args.worker.start();
-    common::exit_code("prefill", run(&args))
+    let result = common::runtime(Some(2)).and_then(|rt| rt.block_on(run(&args)));
+    common::exit_code("prefill", result)
 }
 
-fn run(args: &Args) -> nixl_rs::Result<ExitCode> {
+async fn run(args: &Args) -> nixl_rs::Result<ExitCode> {
     let layout = args.worker.layout();
     let worker = args
         .worker
         .worker_config("prefill", KvRole::Producer)
-        .set_up()?;
+        .set_up(|config| {
+            config.side_channel = SocketAddr::new(args.listen.ip(), 0);
+            config.limits.deadline = Duration::from_secs(args.handshake_timeout_s);
+            config.limits.max_sessions = args.max_pending_handshakes;
+        })?;
     let backends: Vec<_> = worker
-        .setup
+        .connector
         .backends()
         .iter()
         .map(|b| b.plugin().to_string())
         .collect();
+    let (name, platform) = (
+        worker.name.clone(),
+        worker.platform.device_type().to_string(),
+    );
+    let side_channel = worker.connector.side_channel_addr()?;
     let options = PrefillOptions {
-        mode: args.worker.metadata,
         max_frame: args.worker.max_frame,
         handshake_timeout: Duration::from_secs(args.handshake_timeout_s),
         max_pending_handshakes: args.max_pending_handshakes,
         max_pending_handshake_bytes: args.max_pending_handshake_bytes,
         max_sessions: args.sessions,
         corrupt_request: args.corrupt_request,
+        ..PrefillOptions::default()
     };
-    let server = PrefillServer::bind(worker.setup, worker.cache, args.listen, options)?;
+    let server = PrefillServer::bind(worker, args.listen, options).await?;
     println!(
-        "prefill: agent {} listening on {} ({} layers x {} blocks x {} bytes = {:.1} MiB, \
-         backends {backends:?}, platform {}, metadata via {})",
-        worker.name,
+        "prefill: agent {name} listening on {} ({} layers x {} blocks x {} bytes = {:.1} MiB, \
+         backends {backends:?}, platform {platform}, metadata via {}, connector side channel {side_channel})",
         server.local_addr()?,
         layout.layers,
         layout.blocks,
         layout.block_bytes,
         layout.total_bytes() as f64 / (1 << 20) as f64,
-        worker.platform.device_type(),
         args.worker.metadata,
     );
-    let stats = server.serve(|event| match event {
-        PrefillEvent::SessionStarted {
-            peer,
-            decode_agent,
-            requests,
-        } => println!("prefill: session with {decode_agent} ({peer}): {requests} requests"),
-        PrefillEvent::SessionEnded(report) => match &report.outcome {
-            Ok(()) => println!(
-                "prefill: session with {} done: {}/{} requests, {:.1} MiB in {:.3} s ({:.2} GB/s)",
-                report.decode_agent,
-                report.requests_acked,
-                report.requests_wanted,
-                report.bytes as f64 / (1 << 20) as f64,
-                report.duration.as_secs_f64(),
-                gb_per_s(report.bytes, report.duration),
-            ),
-            Err(err) => eprintln!(
-                "prefill: session with {} ended early after {}/{} requests: {err}",
-                report.decode_agent, report.requests_acked, report.requests_wanted
-            ),
-        },
-        PrefillEvent::Rejected { peer, error } => {
-            eprintln!("prefill: rejected connection from {peer}: {error}")
-        }
-    })?;
+    let stats = server
+        .serve(|event| match event {
+            PrefillEvent::SessionStarted {
+                peer,
+                decode_agent,
+                requests,
+            } => println!("prefill: session with {decode_agent} ({peer}): {requests} requests"),
+            PrefillEvent::SessionEnded(report) => match &report.outcome {
+                Ok(()) => println!(
+                    "prefill: session with {} done: {}/{} requests, {:.1} MiB in {:.3} s ({:.2} GB/s)",
+                    report.decode_agent,
+                    report.requests_acked,
+                    report.requests_wanted,
+                    report.bytes as f64 / (1 << 20) as f64,
+                    report.duration.as_secs_f64(),
+                    gb_per_s(report.bytes, report.duration),
+                ),
+                Err(err) => eprintln!(
+                    "prefill: session with {} ended early after {}/{} requests: {err}",
+                    report.decode_agent, report.requests_acked, report.requests_wanted
+                ),
+            },
+            PrefillEvent::Rejected { peer, error } => {
+                eprintln!("prefill: rejected connection from {peer}: {error}")
+            }
+        })
+        .await?;
     println!(
         "prefill summary: {} sessions ({} ended early), {} requests served, {} connections rejected",
         stats.sessions, stats.failed_sessions, stats.requests, stats.rejected

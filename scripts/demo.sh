@@ -6,7 +6,7 @@
 # READs, every byte checked), then prints both sides' output and a verdict. Exits non-zero
 # if either side fails or any byte mismatches.
 #
-#   scripts/demo.sh                            # metadata inside the side channel
+#   scripts/demo.sh                            # metadata inside the connector's handshake
 #   scripts/demo.sh --etcd                     # metadata through a private etcd on loopback
 #   scripts/demo.sh -- --requests 32 --in-flight 8   # flags after -- go to decode
 #
@@ -14,7 +14,7 @@
 #   CARGO_TARGET_DIR        where to build (default: target/)
 #   NIXL_DEMO_BIN_DIR       use the prefill/decode binaries in this directory, skip the build
 #   NIXL_DEMO_CACHE_ARGS    cache flags for both sides (e.g. "--layers 4 --blocks 64")
-#   NIXL_DEMO_LISTEN        prefill's side-channel address (default 127.0.0.1:0, any port)
+#   NIXL_DEMO_LISTEN        prefill's control-channel address (default 127.0.0.1:0, any port)
 #   NIXL_DEMO_PREFILL_WRAP  words run before prefill (e.g. "ip netns exec ns env UCX_TLS=tcp")
 #   NIXL_DEMO_DECODE_WRAP   words run before decode
 set -euo pipefail

@@ -1,6 +1,6 @@
 //! Bounds on the prefill worker's pending handshakes (connections accepted whose Hello is not
-//! yet answered): how many there may be at once, and how many bytes their frames may hold
-//! together.
+//! yet answered): how many there may be at once, and how many bytes they may have received
+//! together (what their frame buffers hold).
 //!
 //! Each pending handshake may hold [`FREE_BYTES_PER_HANDSHAKE`] without charge, so that a
 //! normal Hello is never refused for bytes other connections hold; only what a frame takes
@@ -9,10 +9,8 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use crate::framing::{FrameBudget, FrameError, CHUNK_BYTES};
-
-/// Bytes of frame buffer each pending handshake may hold outside the shared byte limit.
-pub const FREE_BYTES_PER_HANDSHAKE: usize = CHUNK_BYTES;
+/// Bytes each pending handshake may receive outside the shared byte limit (64 KiB).
+pub const FREE_BYTES_PER_HANDSHAKE: usize = 64 << 10;
 
 /// The limits and what is in use of them; shared by the accept loop and the handshakes.
 #[derive(Debug)]
@@ -77,8 +75,12 @@ pub struct Ticket {
     charged: usize,
 }
 
-impl FrameBudget for Ticket {
-    fn charge(&mut self, bytes: usize) -> Result<(), FrameError> {
+impl Ticket {
+    /// Charges `bytes` more received by this handshake.
+    ///
+    /// # Errors
+    /// Why the charge would pass the shared byte limit (nothing is charged then).
+    pub fn charge(&mut self, bytes: usize) -> Result<(), String> {
         let held = self.held.saturating_add(bytes);
         let charged = held.saturating_sub(FREE_BYTES_PER_HANDSHAKE);
         let more = charged - self.charged;
@@ -90,11 +92,11 @@ impl FrameBudget for Ticket {
                     used.checked_add(more).filter(|&n| n <= limits.max_bytes)
                 })
                 .map_err(|used| {
-                    FrameError::OverBudget(format!(
+                    format!(
                         "pending handshakes hold {used} bytes of frames; {more} more would pass \
                          the limit of {} bytes",
                         limits.max_bytes
-                    ))
+                    )
                 })?;
         }
         self.held = held;

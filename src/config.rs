@@ -1,19 +1,18 @@
-//! Worker configuration: `--kv-transfer-config` and `--platform` turned into a NIXL agent
-//! through the platform registry (and, with the cache geometry, into a worker's KV cache),
-//! and how agent metadata is exchanged.
+//! Worker configuration: `--kv-transfer-config` and `--platform` turned into a connector
+//! worker through the platform registry (and, with the cache geometry, into its registered
+//! KV cache), and how agent metadata is exchanged.
 
 use std::str::FromStr;
 use std::sync::Arc;
 
-use nixl::kv_config::{KvRole, KvTransferConfig, NixlSetup};
+use nixl::kv_config::{KvRole, KvTransferConfig};
 use nixl::platform::{self, Platform};
-use nixl::Agent;
+use nixl::{HostBuffer, MemType};
+use nixl_connector::etcd::ETCD_ENDPOINTS_ENV;
+use nixl_connector::{KvConnectorWorker, MetadataExchange, WorkerConfig as ConnectorConfig};
 
 use crate::error::{Error, Result};
 use crate::kv_cache::{KvCache, KvLayout};
-
-/// The environment variable NIXL reads its etcd endpoints from when an agent is created.
-pub const ETCD_ENDPOINTS_ENV: &str = "NIXL_ETCD_ENDPOINTS";
 
 /// The default `--kv-transfer-config` of a worker with `role`: NIXL's connector, KV cache in
 /// host memory, UCX.
@@ -31,11 +30,21 @@ pub fn default_kv_transfer_config(role: KvRole) -> String {
 /// How the two workers exchange NIXL agent metadata.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum MetadataMode {
-    /// Inside the side channel's handshake.
+    /// Inside the connector's side-channel handshake.
     #[default]
     SideChannel,
     /// Through etcd with NIXL's own etcd support (`NIXL_ETCD_ENDPOINTS`).
     Etcd,
+}
+
+impl MetadataMode {
+    /// The connector's setting for this mode.
+    pub fn exchange(self) -> MetadataExchange {
+        match self {
+            MetadataMode::SideChannel => MetadataExchange::SideChannel,
+            MetadataMode::Etcd => MetadataExchange::Etcd,
+        }
+    }
 }
 
 impl FromStr for MetadataMode {
@@ -92,31 +101,6 @@ pub fn kv_transfer_config(json: Option<&str>, role: KvRole) -> Result<KvTransfer
     }
 }
 
-/// Creates agent `name` with the configured backends for `platform`.
-///
-/// In etcd mode `NIXL_ETCD_ENDPOINTS` must already be set (see
-/// [`set_etcd_endpoints`]), since NIXL reads it when the agent is created.
-///
-/// # Errors
-/// [`Error::Config`] for etcd mode without endpoints; [`NixlSetup`]'s errors.
-pub fn nixl_setup(
-    name: &str,
-    config: &KvTransferConfig,
-    platform: &dyn Platform,
-    mode: MetadataMode,
-) -> Result<NixlSetup> {
-    if mode == MetadataMode::Etcd && std::env::var_os(ETCD_ENDPOINTS_ENV).is_none() {
-        return Err(Error::Config(format!(
-            "etcd metadata mode needs {ETCD_ENDPOINTS_ENV} (or --etcd-endpoints)"
-        )));
-    }
-    Ok(NixlSetup::with_global_registry(
-        Agent::builder(name),
-        config,
-        platform,
-    )?)
-}
-
 /// What a worker's command line says about its agent and KV cache.
 #[derive(Debug, Clone, Copy)]
 pub struct WorkerConfig<'a> {
@@ -138,38 +122,69 @@ pub struct WorkerConfig<'a> {
     pub layout: KvLayout,
 }
 
-/// A worker's NIXL agent and registered KV cache, as set up by [`WorkerConfig::set_up`].
+/// A worker's connector, with its agent and registered KV cache, as set up by
+/// [`WorkerConfig::set_up`].
 pub struct Worker {
-    /// The KV cache, registered with the configured backends. (Declared before `setup`, so
-    /// that it is deregistered before the agent goes.)
-    pub cache: KvCache,
-    /// The agent with its configured backends.
-    pub setup: NixlSetup,
+    /// The connector's worker half: the agent with its configured backends, and the KV
+    /// cache registered with them.
+    pub connector: KvConnectorWorker,
+    /// The cache geometry.
+    pub layout: KvLayout,
     /// The platform the memory type was resolved on.
     pub platform: Arc<dyn Platform>,
-    /// The agent's name.
+    /// The agent's name, also the engine id.
     pub name: String,
 }
 
-impl WorkerConfig<'_> {
-    /// Parses the kv_transfer_config, resolves the platform, creates the agent with the
-    /// configured backends and allocates and registers the KV cache.
+impl Worker {
+    /// The registered KV cache.
     ///
     /// # Errors
-    /// Those of [`kv_transfer_config`], [`resolve_platform`], [`nixl_setup`] and
-    /// [`KvCache::allocate`].
-    pub fn set_up(&self) -> Result<Worker> {
+    /// Never once set up; [`Error::Connector`] otherwise.
+    pub fn cache(&self) -> Result<KvCache<'_>> {
+        KvCache::of(&self.connector, self.layout)
+    }
+}
+
+impl WorkerConfig<'_> {
+    /// Parses the kv_transfer_config, resolves the platform, creates the connector worker
+    /// (its agent with the configured backends; `tune` sets the rest of its config, e.g. the
+    /// side-channel address), allocates one zeroed host buffer per layer and registers them
+    /// through the connector. Call it inside a tokio runtime.
+    ///
+    /// # Errors
+    /// Those of [`kv_transfer_config`] and [`resolve_platform`]; [`Error::Config`] for a bad
+    /// layout or a kv-buffer device that is not host memory on this platform; the
+    /// connector's errors.
+    pub fn set_up(&self, tune: impl FnOnce(&mut ConnectorConfig)) -> Result<Worker> {
+        self.layout.validate()?;
         let kv_config = kv_transfer_config(self.kv_transfer_config, self.role)?;
         let platform = resolve_platform(self.platform)?;
         let name = match self.name {
             Some(name) => name.to_string(),
             None => format!("{}-{}", self.worker, std::process::id()),
         };
-        let setup = nixl_setup(&name, &kv_config, platform.as_ref(), self.metadata)?;
-        let cache = KvCache::allocate(&setup, self.layout)?;
+        let mut config = ConnectorConfig::new(&name, 0, 1, kv_config);
+        config.platform = platform.clone();
+        config.agent_name = Some(name.clone());
+        config.metadata_exchange = self.metadata.exchange();
+        tune(&mut config);
+        let connector = KvConnectorWorker::new(config)?;
+        if connector.mem_type() != MemType::Dram {
+            return Err(Error::Config(format!(
+                "the kv_transfer_config resolves to {} memory on this platform, but this demo \
+                 keeps its KV cache in host memory: use \"kv_buffer_device\": \"cpu\"",
+                connector.mem_type()
+            )));
+        }
+        let layer_bytes = self.layout.layer_bytes().unwrap_or_default();
+        let buffers = (0..self.layout.layers)
+            .map(|_| HostBuffer::zeroed(layer_bytes))
+            .collect::<nixl::Result<Vec<_>>>()?;
+        connector.register_kv_caches(buffers, self.layout.spec())?;
         Ok(Worker {
-            cache,
-            setup,
+            connector,
+            layout: self.layout,
             platform,
             name,
         })

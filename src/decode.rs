@@ -1,33 +1,32 @@
-//! The decode worker: connects to a prefill worker, and for every announced request READs
-//! the request's blocks of every layer into free blocks of its own cache through NIXL, with
-//! the request id as the notification, then checks every byte.
+//! The decode worker: a thin client of the KV connector. It connects to a prefill worker's
+//! control channel, and for every announced request hands the request's transfer params to
+//! the connector's scheduler and worker, which READ the request's blocks of every layer into
+//! free local blocks (the notification naming the request, so prefill frees it); then it
+//! checks every byte.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
-use std::thread;
 use std::time::{Duration, Instant};
 
-use futures_util::stream::{FuturesUnordered, StreamExt};
-use nixl::kv_config::NixlSetup;
-use nixl::{MetadataPeer, PreparedLocal, PreparedRemote, XferOp, XferOptions, XferRequest};
-use tokio::sync::mpsc;
+use nixl_connector::{
+    Channel, KvConnectorScheduler, KvTransferParams, SchedulerConfig, TransferMetrics,
+};
+use tokio::net::TcpStream;
+use tokio::time::Instant as Deadline;
 
 use crate::block_pool::BlockPool;
-use crate::config::MetadataMode;
-use crate::deadline::Deadline;
+use crate::config::Worker;
 use crate::error::{Error, Result};
-use crate::framing::{progress, FrameError, DEFAULT_MAX_FRAME};
-use crate::kv_cache::{remote_desc_list, KvCache, KvLayout, Mismatch};
-use crate::side_channel::{self, Hello, Message, Welcome, PROTOCOL_VERSION};
+use crate::kv_cache::{KvCache, KvLayout, Mismatch};
+use crate::metered::Metered;
+use crate::protocol::{Hello, Message, Welcome, DEFAULT_MAX_FRAME, PROTOCOL_VERSION};
 use crate::stats::{DecodeSummary, Progress};
 
 /// How the decode worker runs.
 #[derive(Debug, Clone)]
 pub struct DecodeOptions {
-    /// The prefill worker's side channel.
+    /// The prefill worker's control channel.
     pub prefill: SocketAddr,
-    /// How agent metadata is exchanged.
-    pub mode: MetadataMode,
     /// Requests to pull.
     pub requests: u64,
     /// Blocks per request (in every layer).
@@ -36,9 +35,7 @@ pub struct DecodeOptions {
     pub in_flight: u32,
     /// How long, in all, reaching prefill and the handshake may take.
     pub connect_timeout: Duration,
-    /// How long one READ may take before the run fails.
-    pub xfer_timeout: Duration,
-    /// Largest side-channel frame accepted.
+    /// Largest control-channel frame accepted.
     pub max_frame: usize,
     /// How often the progress callback runs.
     pub progress_interval: Duration,
@@ -49,32 +46,24 @@ impl DecodeOptions {
     pub fn new(prefill: SocketAddr) -> Self {
         DecodeOptions {
             prefill,
-            mode: MetadataMode::SideChannel,
             requests: 64,
             blocks_per_request: 16,
             in_flight: 4,
             connect_timeout: Duration::from_secs(30),
-            xfer_timeout: Duration::from_secs(20),
             max_frame: DEFAULT_MAX_FRAME,
             progress_interval: Duration::from_millis(500),
         }
     }
 }
 
-/// Side-channel input, forwarded by the reader thread.
-enum Incoming {
-    Message(Message),
-    Closed(Error),
-}
-
 /// An announced request waiting for free local blocks.
 struct Pending {
     request: u64,
-    remote: Vec<u32>,
+    params: KvTransferParams,
     announced: Instant,
 }
 
-/// A READ in flight: what it moves (the request itself is awaited on its own).
+/// A load in flight: what it moves.
 struct Pull {
     request: u64,
     local: Vec<u32>,
@@ -82,68 +71,36 @@ struct Pull {
     announced: Instant,
 }
 
-/// A posted READ and where it goes.
-type Started = (Pull, XferRequest);
-
-/// A READ's outcome: done, failed, or not done by the deadline.
-type Finished = (
-    Pull,
-    std::result::Result<nixl::Result<XferRequest>, tokio::time::error::Elapsed>,
-);
-
-/// The prefill side of a session once the handshake is done.
-struct Connected {
-    welcome: Welcome,
-    tx: side_channel::Sender,
-    incoming: mpsc::Receiver<Incoming>,
-}
-
-/// Pulls `options.requests` requests from prefill into `cache`, verifying every byte, and
-/// calls `on_progress` every `options.progress_interval`.
+/// Pulls `options.requests` requests from prefill into `worker`'s cache, verifying every
+/// byte, and calls `on_progress` every `options.progress_interval`. The worker's transfer
+/// timeout bounds each READ, and its side-channel deadline each handshake.
 ///
 /// Returns the summary even when blocks mismatch (see [`DecodeSummary::ok`]).
 ///
 /// # Errors
 /// [`Error::Config`] when the cache cannot hold `in_flight` requests; handshake errors
-/// ([`Error::Rejected`] when prefill refuses); [`Error::PeerGone`] as soon as prefill's side
-/// channel closes before the run is complete; [`Error::Timeout`] for a READ slower than
-/// `xfer_timeout`; NIXL errors of failed transfers.
-pub fn run(
-    setup: &NixlSetup,
-    cache: &KvCache,
+/// ([`Error::Rejected`] when prefill refuses); [`Error::PeerGone`] as soon as prefill's
+/// control channel closes before the run is complete; [`Error::LoadFailed`] for a READ that
+/// failed or passed its timeout.
+pub async fn run(
+    worker: &Worker,
     options: &DecodeOptions,
     mut on_progress: impl FnMut(&Progress),
 ) -> Result<DecodeSummary> {
-    let layout = cache.layout();
-    check_options(options, layout)?;
-    let mut session = connect(setup, cache, options)?;
-    let prefill_agent = session.welcome.agent.clone();
-    let result = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .build()
-        .map_err(|err| Error::io("start the async runtime", err))
-        .and_then(|runtime| {
-            runtime.block_on(pull_all(
-                setup,
-                cache,
-                options,
-                &mut session,
-                &mut on_progress,
-            ))
-        });
+    check_options(options, worker.layout)?;
+    let (mut channel, welcome) = connect(worker, options).await?;
+    let result = pull_all(worker, options, &mut channel, &welcome, &mut on_progress).await;
     if let Err(err) = &result {
-        let _ = session.tx.send(&Message::Error {
-            message: err.to_string(),
-        });
+        let _ = tokio::time::timeout(Duration::from_secs(1), async {
+            channel
+                .send(&Message::Error {
+                    message: err.to_string(),
+                })
+                .await
+        })
+        .await;
     }
-    session.tx.shutdown();
-    let agent = setup.agent();
-    if let Err(err) = agent.invalidate_remote_metadata(&prefill_agent) {
-        tracing::debug!(%err, "could not forget prefill's metadata");
-    }
-    if options.mode == MetadataMode::Etcd {
-        withdraw_metadata(agent);
-    }
+    let _ = tokio::time::timeout(Duration::from_secs(1), channel.close()).await;
     result
 }
 
@@ -163,62 +120,47 @@ fn check_options(options: &DecodeOptions, layout: KvLayout) -> Result<()> {
     Ok(())
 }
 
-/// Takes this agent's metadata (publishes it in etcd mode), then runs the [`handshake`].
-///
-/// Publishing first lets an unreachable etcd end the run before prefill hears of it; the
-/// metadata is withdrawn again if the handshake fails.
-fn connect(setup: &NixlSetup, cache: &KvCache, options: &DecodeOptions) -> Result<Connected> {
-    let agent = setup.agent();
-    let metadata = match options.mode {
-        MetadataMode::SideChannel => agent.local_metadata()?,
-        MetadataMode::Etcd => {
-            crate::etcd_metadata::publish(agent)?;
-            Vec::new()
-        }
-    };
-    let connected = handshake(setup, cache, options, metadata);
-    if connected.is_err() && options.mode == MetadataMode::Etcd {
-        withdraw_metadata(agent);
-    }
-    connected
-}
-
-/// Withdraws this agent's metadata from etcd.
-fn withdraw_metadata(agent: &nixl::Agent) {
-    if let Err(err) = agent.invalidate_local_metadata(&MetadataPeer::Etcd) {
-        tracing::warn!(%err, "could not withdraw the metadata from etcd");
-    }
-}
-
-/// Connects to prefill, exchanges Hello (carrying `metadata`) and Welcome and loads prefill's
-/// metadata, all by the connect deadline, and starts the side-channel reader.
-fn handshake(
-    setup: &NixlSetup,
-    cache: &KvCache,
-    options: &DecodeOptions,
-    metadata: Vec<u8>,
-) -> Result<Connected> {
-    let agent = setup.agent();
-    let layout = cache.layout();
-    let deadline = Deadline::after(options.connect_timeout);
-    let stream = side_channel::connect(options.prefill, deadline)?;
-    let (mut tx, mut rx) = side_channel::split(stream, options.max_frame)?;
+/// Connects to prefill (retrying while it starts), sends the Hello and takes the Welcome,
+/// all by one deadline.
+async fn connect(worker: &Worker, options: &DecodeOptions) -> Result<(Channel<Metered>, Welcome)> {
+    let addr = options.prefill;
+    let limit = options.connect_timeout;
+    let deadline = Deadline::now() + limit;
+    let stream = reach(addr, deadline, limit).await?;
+    let mut channel = Channel::new(
+        Metered::new(stream, None),
+        addr.to_string(),
+        options.max_frame,
+    );
+    let layout = worker.layout;
     let hello = Message::Hello(Hello {
         version: PROTOCOL_VERSION,
-        agent: agent.name().to_string(),
-        metadata,
+        agent: worker.name.clone(),
         layers: u32::try_from(layout.layers).unwrap_or(u32::MAX),
         block_bytes: layout.block_bytes as u64,
         requests: options.requests,
         blocks_per_request: options.blocks_per_request,
         in_flight: options.in_flight,
     });
-    tx.send_by(&hello, deadline).map_err(|err| match err {
-        Error::Timeout(what) => Error::Timeout(format!("prefill at {}: {what}", options.prefill)),
-        other => other,
-    })?;
-    rx.set_deadline(Some(deadline));
-    let welcome = match rx.recv() {
+    let exchange = async {
+        channel.send(&hello).await?;
+        channel.recv::<Message>().await
+    };
+    let answer = match tokio::time::timeout_at(deadline, exchange).await {
+        Ok(answer) => answer,
+        Err(_) if channel.get_ref().received() == 0 => {
+            return Err(Error::Timeout(format!(
+                "prefill at {addr} accepted the connection but sent no handshake within {limit:?}"
+            )))
+        }
+        Err(_) => {
+            return Err(Error::Timeout(format!(
+                "prefill at {addr} sent only {} of its handshake frame, then the {limit:?} deadline passed",
+                channel.get_ref().first_frame_progress()
+            )))
+        }
+    };
+    let welcome = match answer {
         Ok(Message::Welcome(welcome)) => welcome,
         Ok(Message::Error { message }) => return Err(Error::Rejected(message)),
         Ok(other) => {
@@ -227,113 +169,84 @@ fn handshake(
                 other.kind()
             )))
         }
-        Err(Error::Frame(FrameError::Closed)) => {
+        Err(nixl_connector::Error::Closed { .. }) => {
             return Err(Error::PeerGone(format!(
-                "prefill at {} closed the side channel during the handshake",
-                options.prefill
+                "prefill at {addr} closed the side channel during the handshake"
             )))
         }
-        Err(Error::Frame(FrameError::Stalled { got: 0, .. })) => {
-            return Err(Error::Timeout(format!(
-                "prefill at {} accepted the connection but sent no handshake within {:?}",
-                options.prefill,
-                deadline.limit()
-            )))
-        }
-        Err(Error::Frame(FrameError::Stalled { got, expected })) => {
-            return Err(Error::Timeout(format!(
-                "prefill at {} sent only {} of its handshake frame, then the {:?} deadline passed",
-                options.prefill,
-                progress(got, expected),
-                deadline.limit()
-            )))
-        }
-        Err(Error::Frame(err)) => {
-            return Err(Error::PeerGone(format!(
-                "prefill at {} broke off the handshake: {err}",
-                options.prefill
-            )))
-        }
-        Err(err) => return Err(err),
+        Err(err) => return Err(err.into()),
     };
     check_welcome(&welcome, layout)?;
-    match options.mode {
-        MetadataMode::SideChannel => {
-            let name = agent.load_remote_metadata(&welcome.metadata)?;
-            if name != welcome.agent {
-                return Err(Error::Protocol(format!(
-                    "the metadata is agent {name:?}'s, but the Welcome came from {:?}",
-                    welcome.agent
-                )));
+    tracing::info!(prefill = %welcome.engine, %addr, "connected to prefill");
+    Ok((channel, welcome))
+}
+
+/// A TCP connection to `addr`, retried every 100 ms until `deadline` (prefill may still be
+/// starting).
+async fn reach(addr: SocketAddr, deadline: Deadline, limit: Duration) -> Result<TcpStream> {
+    let mut last = None;
+    loop {
+        match tokio::time::timeout_at(deadline, TcpStream::connect(addr)).await {
+            Ok(Ok(stream)) => {
+                let _ = stream.set_nodelay(true);
+                return Ok(stream);
             }
+            Ok(Err(err)) => {
+                tracing::debug!(%addr, %err, "prefill side channel not reachable yet; retrying");
+                last = Some(err);
+            }
+            Err(_) => {}
         }
-        MetadataMode::Etcd => crate::etcd_metadata::fetch(agent, &welcome.agent, deadline)?,
+        if Deadline::now() + Duration::from_millis(100) >= deadline {
+            let why = last.map_or_else(String::new, |err| format!(": {err}"));
+            return Err(Error::Timeout(format!(
+                "could not connect to prefill's side channel at {addr} within {limit:?}{why}"
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    rx.set_deadline(None);
-    // Bounded: a reader that gets ahead of the pull loop waits for it.
-    let (incoming_tx, incoming) = mpsc::channel(64);
-    thread::Builder::new()
-        .name("side-channel".into())
-        .spawn(move || loop {
-            let (event, closed) = match rx.recv() {
-                Ok(message) => (Incoming::Message(message), false),
-                Err(err) => (Incoming::Closed(err), true),
-            };
-            if incoming_tx.blocking_send(event).is_err() || closed {
-                break;
-            }
-        })
-        .map_err(|err| Error::io("spawn the side-channel reader", err))?;
-    tracing::info!(prefill = %welcome.agent, addr = %options.prefill, "connected to prefill");
-    Ok(Connected {
-        welcome,
-        tx,
-        incoming,
-    })
 }
 
 fn check_welcome(welcome: &Welcome, layout: KvLayout) -> Result<()> {
-    let c = &welcome.cache;
-    if c.bases.len() != layout.layers || c.block_bytes != layout.block_bytes as u64 {
+    if welcome.layers as usize != layout.layers || welcome.block_bytes != layout.block_bytes as u64
+    {
         return Err(Error::Protocol(format!(
             "prefill's cache has {} layers of {}-byte blocks, decode's {} of {}",
-            c.bases.len(),
-            c.block_bytes,
-            layout.layers,
-            layout.block_bytes
+            welcome.layers, welcome.block_bytes, layout.layers, layout.block_bytes
         )));
     }
-    if c.blocks == 0 {
+    if welcome.blocks == 0 {
         return Err(Error::Protocol("prefill's cache has no blocks".into()));
     }
     Ok(())
 }
 
-/// The main loop, on the async API: take announcements, start READs when local blocks are
-/// free, and await them (each with its deadline), checking what landed. Nothing polls or
-/// naps here: the agent's completion driver wakes the loop when a READ is done. If the run
-/// fails, the READs still in flight are handed to the driver, which keeps their memory until
+/// The main loop: take announcements, start loads through the scheduler and worker when
+/// local blocks are free, and check what landed as loads end. Nothing polls or naps here:
+/// the connector wakes the loop when a load has ended. If the run fails, loads still in
+/// flight are left to the connector, whose NIXL completion driver keeps their memory until
 /// NIXL is done with it.
 async fn pull_all(
-    setup: &NixlSetup,
-    cache: &KvCache,
+    worker: &Worker,
     options: &DecodeOptions,
-    session: &mut Connected,
+    channel: &mut Channel<Metered>,
+    welcome: &Welcome,
     on_progress: &mut impl FnMut(&Progress),
 ) -> Result<DecodeSummary> {
-    let agent = setup.agent();
-    let layout = cache.layout();
-    let welcome = &session.welcome;
-    let local_list = agent.prepare_local(&cache.local_desc_list()?, &[])?;
-    let remote_list =
-        agent.prepare_remote(&welcome.agent, &remote_desc_list(&welcome.cache)?, &[])?;
     let mut state = RunState {
         options,
-        layout,
-        remote_blocks: welcome.cache.blocks,
-        pool: BlockPool::new(u32::try_from(layout.blocks).unwrap_or(u32::MAX)),
+        cache: worker.cache()?,
+        scheduler: KvConnectorScheduler::new(SchedulerConfig {
+            engine_id: worker.name.clone(),
+            host: String::new(),
+            port: 0,
+            tp_size: 1,
+            abort_timeout: nixl_connector::scheduler::DEFAULT_ABORT_TIMEOUT,
+        }),
+        remote_blocks: welcome.blocks,
+        pool: BlockPool::new(u32::try_from(worker.layout.blocks).unwrap_or(u32::MAX)),
         pending: VecDeque::new(),
-        in_flight: 0,
+        in_flight: HashMap::new(),
         seen: HashSet::new(),
         complete: false,
         latencies: Vec::new(),
@@ -346,58 +259,64 @@ async fn pull_all(
             elapsed: Duration::ZERO,
         },
     };
+    let connector = &worker.connector;
     let start = Instant::now();
-    let mut reads = FuturesUnordered::new();
     let mut report = tokio::time::interval_at(
-        tokio::time::Instant::now() + options.progress_interval,
+        Deadline::now() + options.progress_interval,
         options.progress_interval,
     );
     report.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut channel_open = true;
     loop {
-        for started in state.start_pulls(agent, &local_list, &remote_list)? {
-            reads.push(awaited(started, options.xfer_timeout));
-        }
+        state.start_loads(worker)?;
         state.progress.elapsed = start.elapsed();
         if state.finished() {
             break;
         }
-        // Finished READs first: the driver saw a READ done before NIXL sent its notification,
-        // so prefill's next announcement never overtakes the completion it follows.
+        // Ended loads first: a load ends before NIXL's notification reaches prefill, so
+        // prefill's next announcement never overtakes the load it follows.
         tokio::select! {
             biased;
-            Some(finished) = reads.next() => state.finish_pull(finished, cache)?,
-            incoming = session.incoming.recv(), if channel_open => match incoming {
-                Some(incoming) => state.handle(incoming)?,
-                // Prefill closes the channel after Complete; only READs are left then.
-                None if state.complete => channel_open = false,
-                None => return Err(Error::PeerGone("the side-channel reader stopped".into())),
+            () = connector.load_ended() => {
+                let ended = connector.finished().recving;
+                let metrics = connector.metrics();
+                connector.load_errors();
+                state.finish_loads(&ended, &metrics)?;
+            }
+            incoming = channel.recv::<Message>(), if channel_open => match incoming {
+                Ok(message) => state.handle(message)?,
+                // Prefill closes the channel after Complete; only loads are left then.
+                Err(_) if state.complete => channel_open = false,
+                Err(nixl_connector::Error::Closed { .. }) => return Err(Error::PeerGone(format!(
+                    "prefill closed the side channel after {}/{} requests (did it die?)",
+                    state.progress.requests_done, options.requests
+                ))),
+                Err(err) => return Err(Error::PeerGone(format!(
+                    "lost the side channel to prefill after {}/{} requests: {err}",
+                    state.progress.requests_done, options.requests
+                ))),
             },
             _ = report.tick() => on_progress(&state.progress),
         }
     }
     Ok(DecodeSummary {
-        prefill_agent: welcome.agent.clone(),
+        prefill_agent: welcome.engine.clone(),
         progress: state.progress,
         latencies: state.latencies,
         mismatches: state.mismatches,
     })
 }
 
-/// A posted READ awaited until `timeout`.
-async fn awaited((pull, xfer): Started, timeout: Duration) -> Finished {
-    (pull, tokio::time::timeout(timeout, xfer).await)
-}
-
 /// Where a decode run stands.
-struct RunState<'o> {
-    options: &'o DecodeOptions,
-    layout: KvLayout,
+struct RunState<'w> {
+    options: &'w DecodeOptions,
+    cache: KvCache<'w>,
+    scheduler: KvConnectorScheduler,
     remote_blocks: u32,
     pool: BlockPool,
     pending: VecDeque<Pending>,
-    /// READs posted and not yet finished.
-    in_flight: usize,
+    /// Loads started and not yet ended, by request id.
+    in_flight: HashMap<String, Pull>,
     seen: HashSet<u64>,
     complete: bool,
     latencies: Vec<Duration>,
@@ -410,52 +329,51 @@ impl RunState<'_> {
         self.complete && self.progress.requests_done == self.options.requests
     }
 
-    fn handle(&mut self, incoming: Incoming) -> Result<()> {
+    fn handle(&mut self, message: Message) -> Result<()> {
         let total = self.options.requests;
-        match incoming {
-            Incoming::Message(Message::Announce { request, blocks }) => {
-                self.check_announce(request, &blocks)?;
+        match message {
+            Message::Announce(params) => {
+                let request = self.check_announce(&params)?;
                 self.pending.push_back(Pending {
                     request,
-                    remote: blocks,
+                    params,
                     announced: Instant::now(),
                 });
                 Ok(())
             }
-            Incoming::Message(Message::Complete { requests }) if requests == total => {
+            Message::Complete { requests } if requests == total => {
                 self.complete = true;
                 Ok(())
             }
-            Incoming::Message(Message::Complete { requests }) => Err(Error::Protocol(format!(
+            Message::Complete { requests } => Err(Error::Protocol(format!(
                 "prefill reports {requests} requests complete; {total} were asked for"
             ))),
-            Incoming::Message(Message::Error { message }) => Err(Error::PeerGone(format!(
+            Message::Error { message } => Err(Error::PeerGone(format!(
                 "prefill aborted the session after {}/{total} requests: {message}",
                 self.progress.requests_done
             ))),
-            Incoming::Message(other) => Err(Error::Protocol(format!(
+            other => Err(Error::Protocol(format!(
                 "unexpected {} from prefill during the session",
                 other.kind()
-            ))),
-            // Prefill closes the channel right after Complete; only local polling is left.
-            Incoming::Closed(_) if self.complete => Ok(()),
-            Incoming::Closed(Error::Frame(FrameError::Closed)) => Err(Error::PeerGone(format!(
-                "prefill closed the side channel after {}/{total} requests (did it die?)",
-                self.progress.requests_done
-            ))),
-            Incoming::Closed(err) => Err(Error::PeerGone(format!(
-                "lost the side channel to prefill after {}/{total} requests: {err}",
-                self.progress.requests_done
             ))),
         }
     }
 
-    fn check_announce(&mut self, request: u64, blocks: &[u32]) -> Result<()> {
+    /// Checks an announcement and returns its request number.
+    fn check_announce(&mut self, params: &KvTransferParams) -> Result<u64> {
+        let id = params.remote_request_id.as_deref().unwrap_or("");
         let bad = |reason: String| {
             Err(Error::Protocol(format!(
-                "announcement of request {request}: {reason}"
+                "announcement of request {id:?}: {reason}"
             )))
         };
+        let Ok(request) = id.parse::<u64>() else {
+            return bad("the request id is not a number".into());
+        };
+        if params.remote_blocks().is_none() {
+            return bad("the transfer params lack where to read".into());
+        }
+        let blocks = &params.remote_block_ids;
         if blocks.len() != self.options.blocks_per_request as usize {
             return bad(format!(
                 "{} blocks, {} expected",
@@ -463,7 +381,7 @@ impl RunState<'_> {
                 self.options.blocks_per_request
             ));
         }
-        if let Some(b) = blocks.iter().find(|&&b| b >= self.remote_blocks) {
+        if let Some(b) = blocks.iter().find(|&&b| b >= self.remote_blocks as usize) {
             return bad(format!(
                 "block {b} is outside prefill's {} blocks",
                 self.remote_blocks
@@ -479,94 +397,77 @@ impl RunState<'_> {
             ));
         }
         // Prefill may announce the next request as soon as a notification reaches it, a
-        // little before this side sees the READ done; anything beyond that is a bug.
+        // little before this side sees the load end; anything beyond that is a bug.
         let limit = 2 * self.options.in_flight as usize + 1;
-        if self.pending.len() + self.in_flight >= limit {
+        if self.pending.len() + self.in_flight.len() >= limit {
             return bad(format!("more than {limit} requests outstanding"));
         }
-        Ok(())
+        Ok(request)
     }
 
-    /// Posts a READ for every pending request that free local blocks allow.
-    fn start_pulls(
-        &mut self,
-        agent: &nixl::Agent,
-        local_list: &PreparedLocal,
-        remote_list: &PreparedRemote,
-    ) -> Result<Vec<Started>> {
-        let mut started = Vec::new();
+    /// Starts a load for every pending request that free local blocks allow: the scheduler
+    /// pairs the blocks, the worker reads them.
+    fn start_loads(&mut self, worker: &Worker) -> Result<()> {
         while !self.pending.is_empty() {
             let Some(local) = self.pool.alloc(self.options.blocks_per_request as usize) else {
                 break;
             };
-            let Some(p) = self.pending.pop_front() else {
-                self.pool.free(&local);
+            let Some(pending) = self.pending.pop_front() else {
                 break;
             };
-            let remote_layout = KvLayout {
-                blocks: self.remote_blocks as usize,
-                ..self.layout
-            };
-            let mut local_idx = Vec::with_capacity(local.len() * self.layout.layers);
-            let mut remote_idx = Vec::with_capacity(local.len() * self.layout.layers);
-            for layer in 0..self.layout.layers {
-                for (&lb, &rb) in local.iter().zip(&p.remote) {
-                    local_idx.push(self.layout.desc_index(layer, lb as usize));
-                    remote_idx.push(remote_layout.desc_index(layer, rb as usize));
-                }
-            }
-            let notification = XferOptions::new().notification(p.request.to_string());
-            let mut xfer = agent.make_xfer_req(
-                XferOp::Read,
-                local_list,
-                &local_idx,
-                remote_list,
-                &remote_idx,
-                &notification,
-            )?;
-            xfer.post().map_err(|err| read_failed(p.request, err))?;
-            self.in_flight += 1;
-            let pull = Pull {
-                request: p.request,
-                local,
-                remote: p.remote,
-                announced: p.announced,
-            };
-            started.push((pull, xfer));
+            let id = pending.request.to_string();
+            let local_ids: Vec<usize> = local.iter().map(|&b| b as usize).collect();
+            self.scheduler
+                .update_state_after_alloc(&id, &local_ids, &pending.params)?;
+            worker
+                .connector
+                .start_load_kv(&self.scheduler.build_connector_meta());
+            let remote = pending
+                .params
+                .remote_block_ids
+                .iter()
+                .map(|&b| b as u32)
+                .collect();
+            self.in_flight.insert(
+                id,
+                Pull {
+                    request: pending.request,
+                    local,
+                    remote,
+                    announced: pending.announced,
+                },
+            );
         }
-        Ok(started)
-    }
-
-    /// Checks the blocks of a finished READ and frees them; a failed or late READ ends the run.
-    fn finish_pull(&mut self, (pull, outcome): Finished, cache: &KvCache) -> Result<()> {
-        self.in_flight -= 1;
-        match outcome {
-            Err(_) => {
-                return Err(Error::Timeout(format!(
-                    "the READ of request {} is not done after {:?}",
-                    pull.request, self.options.xfer_timeout
-                )))
-            }
-            Ok(Err(err)) => return Err(read_failed(pull.request, err)),
-            Ok(Ok(_done)) => {}
-        }
-        self.latencies.push(pull.announced.elapsed());
-        let bad = cache.verify_blocks(&pull.local, &pull.remote, pull.request)?;
-        if !bad.is_empty() {
-            tracing::error!(request = pull.request, blocks = bad.len(), "data mismatch");
-        }
-        self.mismatches.extend(bad);
-        self.pool.free(&pull.local);
-        let blocks = (pull.local.len() * self.layout.layers) as u64;
-        self.progress.requests_done += 1;
-        self.progress.blocks += blocks;
-        self.progress.bytes += blocks * self.layout.block_bytes as u64;
         Ok(())
     }
-}
 
-fn read_failed(request: u64, err: nixl::Error) -> Error {
-    Error::PeerGone(format!(
-        "the READ of request {request} from prefill failed: {err}"
-    ))
+    /// Checks the blocks of the loads that ended; a failed load ends the run.
+    fn finish_loads(&mut self, ended: &[String], metrics: &[TransferMetrics]) -> Result<()> {
+        if let Some(failed) = metrics.iter().find(|m| m.failure.is_some()) {
+            return Err(Error::LoadFailed(format!(
+                "loading request {} from prefill {} failed: {}",
+                failed.request_id,
+                failed.remote_engine,
+                failed.failure.as_deref().unwrap_or_default()
+            )));
+        }
+        for id in ended {
+            let Some(pull) = self.in_flight.remove(id) else {
+                tracing::warn!(request = %id, "a load ended that this run did not start");
+                continue;
+            };
+            let bad = self
+                .cache
+                .verify_blocks(&pull.local, &pull.remote, pull.request)?;
+            self.mismatches.extend(bad);
+            self.latencies.push(pull.announced.elapsed());
+            let layout = self.cache.layout();
+            let blocks = (pull.local.len() * layout.layers) as u64;
+            self.progress.requests_done += 1;
+            self.progress.blocks += blocks;
+            self.progress.bytes += blocks * layout.block_bytes as u64;
+            self.pool.free(&pull.local);
+        }
+        Ok(())
+    }
 }

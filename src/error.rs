@@ -1,7 +1,5 @@
 //! The one error type of the prefill/decode demo.
 
-use crate::framing::FrameError;
-
 /// Result alias used across the demo library.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -20,15 +18,18 @@ pub enum Error {
         /// The underlying error.
         source: std::io::Error,
     },
-    /// A side-channel frame could not be read or written.
-    #[error("side channel: {0}")]
-    Frame(#[from] FrameError),
+    /// The KV connector failed (setup, side channel, handshake or a load).
+    #[error(transparent)]
+    Connector(#[from] nixl_connector::Error),
     /// The peer sent a message that breaks the side-channel protocol.
     #[error("side-channel protocol error: {0}")]
     Protocol(String),
     /// The peer refused the session and said why.
     #[error("rejected by the peer: {0}")]
     Rejected(String),
+    /// A READ of a request's blocks failed or passed its timeout.
+    #[error("{0}")]
+    LoadFailed(String),
     /// The peer went away before the work was done.
     #[error("{0}")]
     PeerGone(String),

@@ -1,13 +1,15 @@
-//! The KV cache: `layers x blocks x block_bytes` of host memory, one registered region per
-//! layer (as vLLM registers one tensor per layer), registered with exactly the configured
-//! backends in a single call.
+//! The demo's KV cache: `layers x blocks x block_bytes` of host memory, one region per layer
+//! (as vLLM registers one tensor per layer), registered by the connector; and the pattern
+//! each request's blocks are filled with and checked against.
 
-use nixl::kv_config::NixlSetup;
-use nixl::{HostBuffer, LocalDescList, MemType, Registration, RemoteDescList, XferDesc};
+use nixl::Registration;
+use nixl_connector::{KvCacheSpec, KvConnectorWorker};
 
 use crate::error::{Error, Result};
 use crate::pattern;
-use crate::side_channel::CacheDescription;
+
+/// Most layers a cache may have.
+pub const MAX_LAYERS: usize = 4096;
 
 /// Geometry of a KV cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,10 +33,9 @@ impl KvLayout {
                 "layers, blocks and block size must be non-zero, got {self:?}"
             )));
         }
-        if self.layers > crate::side_channel::MAX_LAYERS {
+        if self.layers > MAX_LAYERS {
             return Err(Error::Config(format!(
-                "at most {} layers, got {}",
-                crate::side_channel::MAX_LAYERS,
+                "at most {MAX_LAYERS} layers, got {}",
                 self.layers
             )));
         }
@@ -56,86 +57,43 @@ impl KvLayout {
             .saturating_mul(self.layers)
     }
 
-    /// Index of (layer, block) in a descriptor list laid out layer by layer.
-    pub fn desc_index(&self, layer: usize, block: usize) -> usize {
-        layer * self.blocks + block
+    /// The connector's view of this geometry: a block is `block_bytes` one-byte elements
+    /// of one head and one token, so block lengths and offsets are the demo's own.
+    pub fn spec(&self) -> KvCacheSpec {
+        KvCacheSpec {
+            num_layers: self.layers,
+            num_blocks: self.blocks,
+            block_size: 1,
+            num_kv_heads: 1,
+            head_dim: self.block_bytes,
+            dtype_size: 1,
+            layout: nixl_connector::KvLayout::Hnd,
+        }
     }
 }
 
-/// A registered KV cache in host memory.
-#[derive(Debug)]
-pub struct KvCache {
+/// The connector's registered KV cache, seen through the demo's geometry.
+#[derive(Debug, Clone, Copy)]
+pub struct KvCache<'w> {
     layout: KvLayout,
-    registration: Registration,
+    registration: &'w Registration,
 }
 
-impl KvCache {
-    /// Allocates one zeroed [`HostBuffer`] per layer and registers them all in one call
-    /// through `setup`, i.e. with exactly the configured backends.
+impl<'w> KvCache<'w> {
+    /// The cache `worker` registered, with geometry `layout`.
     ///
     /// # Errors
-    /// [`Error::Config`] for a bad layout or a setup whose memory type is not DRAM (the
-    /// demo keeps its cache in host memory); allocation and registration errors.
-    pub fn allocate(setup: &NixlSetup, layout: KvLayout) -> Result<Self> {
-        layout.validate()?;
-        if setup.mem_type() != MemType::Dram {
-            return Err(Error::Config(format!(
-                "the kv_transfer_config resolves to {} memory on this platform, but this demo \
-                 keeps its KV cache in host memory: use \"kv_buffer_device\": \"cpu\"",
-                setup.mem_type()
-            )));
-        }
-        let layer_bytes = layout.layer_bytes().unwrap_or_default();
-        let buffers = (0..layout.layers)
-            .map(|_| HostBuffer::zeroed(layer_bytes))
-            .collect::<nixl::Result<Vec<_>>>()?;
-        let registration = setup.register_memory(buffers)?;
-        tracing::info!(
-            agent = setup.agent().name(),
-            layers = layout.layers,
-            blocks = layout.blocks,
-            block_bytes = layout.block_bytes,
-            "registered KV cache"
-        );
+    /// [`Error::Connector`] when the worker has no cache registered.
+    pub fn of(worker: &'w KvConnectorWorker, layout: KvLayout) -> Result<Self> {
         Ok(KvCache {
             layout,
-            registration,
+            registration: worker.kv_caches()?,
         })
     }
 
     /// The cache geometry.
     pub fn layout(&self) -> KvLayout {
         self.layout
-    }
-
-    /// The registration of all layers (region `i` is layer `i`).
-    pub fn registration(&self) -> &Registration {
-        &self.registration
-    }
-
-    /// What a peer needs to address this cache.
-    pub fn describe(&self) -> CacheDescription {
-        CacheDescription {
-            blocks: u32::try_from(self.layout.blocks).unwrap_or(u32::MAX),
-            block_bytes: self.layout.block_bytes as u64,
-            bases: self
-                .registration
-                .regions()
-                .iter()
-                .map(|r| r.addr as u64)
-                .collect(),
-        }
-    }
-
-    /// One descriptor per (layer, block), layer by layer: index
-    /// [`KvLayout::desc_index`]`(layer, block)`.
-    pub fn local_desc_list(&self) -> Result<LocalDescList> {
-        let l = self.layout;
-        let mut list = LocalDescList::with_capacity(MemType::Dram, l.layers * l.blocks)?;
-        for layer in 0..l.layers {
-            list.push_blocks(&self.registration, layer, l.block_bytes, 0..l.blocks)?;
-        }
-        Ok(list)
     }
 
     /// Writes the pattern of `request` into `blocks` of every layer.
@@ -215,27 +173,6 @@ impl std::fmt::Display for Mismatch {
     }
 }
 
-/// One remote descriptor per (layer, block) of a peer's cache, in the same order as
-/// [`KvCache::local_desc_list`].
-///
-/// # Errors
-/// [`Error::Protocol`] when the description's addresses overflow.
-pub fn remote_desc_list(cache: &CacheDescription) -> Result<RemoteDescList> {
-    let block_bytes = usize::try_from(cache.block_bytes)
-        .map_err(|_| Error::Protocol("block size does not fit this machine".into()))?;
-    let mut list = RemoteDescList::new(MemType::Dram)?;
-    for &base in &cache.bases {
-        for block in 0..cache.blocks as usize {
-            let addr = block
-                .checked_mul(block_bytes)
-                .and_then(|off| usize::try_from(base).ok()?.checked_add(off))
-                .ok_or_else(|| Error::Protocol("remote cache addresses overflow".into()))?;
-            list.push(XferDesc::new(addr, block_bytes, 0))?;
-        }
-    }
-    Ok(list)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -249,7 +186,8 @@ mod tests {
         };
         ok.validate().unwrap();
         assert_eq!(ok.total_bytes(), 24);
-        assert_eq!(ok.desc_index(1, 2), 5);
+        assert_eq!(ok.spec().block_len(), 4);
+        assert_eq!(ok.spec().layer_len(), 12);
         assert!(KvLayout { layers: 0, ..ok }.validate().is_err());
         assert!(KvLayout {
             block_bytes: usize::MAX,

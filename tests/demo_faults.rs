@@ -8,7 +8,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use demo_support::{decode, read_replies, refusal, run_decode, Prefill, WAIT};
-use nixl_rs::side_channel::{Hello, Message, PROTOCOL_VERSION};
+use nixl_rs::protocol::{Hello, Message, PROTOCOL_VERSION};
 
 /// Enough requests that a run is still going when the test interferes.
 const ENDLESS: [&str; 10] = [
@@ -118,52 +118,68 @@ fn bad_side_channel_input_is_rejected_without_harm() {
     let addr = prefill.addr;
 
     // Garbage: an HTTP request reads as a 1.2 GB length prefix.
+    let too_long = "declared a frame longer than the 65536-byte cap";
     let replies = poke(addr, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", true);
-    assert!(
-        refusal(&replies).contains("exceeds the limit"),
-        "{replies:?}"
-    );
+    assert!(refusal(&replies).contains(too_long), "{replies:?}");
 
     // Oversized: one byte over the limit, and the largest length there is.
     let replies = poke(addr, &(64u32 * 1024 + 1).to_be_bytes(), true);
-    assert!(refusal(&replies).contains("exceeds the limit of 65536"));
+    assert!(refusal(&replies).contains(too_long), "{replies:?}");
     let replies = poke(addr, &u32::MAX.to_be_bytes(), true);
-    assert!(refusal(&replies).contains("exceeds the limit"));
+    assert!(refusal(&replies).contains(too_long), "{replies:?}");
 
     // Truncated: a header cut short, and a body cut short.
     let replies = poke(addr, &[0, 0], true);
-    assert!(refusal(&replies).contains("truncated"));
+    assert!(
+        refusal(&replies)
+            .contains("truncated frame: decode closed the connection after 2 of 4 header bytes"),
+        "{replies:?}"
+    );
     let replies = poke(addr, &[0, 0, 0, 100, 1, 2, 3], true);
-    assert!(refusal(&replies).contains("truncated frame: expected 100 bytes, got 3"));
+    assert!(
+        refusal(&replies).contains("after 7 of 104 bytes of its Hello frame"),
+        "{replies:?}"
+    );
 
     // Well framed, but not a message, or not the expected one.
     let replies = poke(addr, &frame(&[99, 1, 2]), true);
-    assert!(refusal(&replies).contains("unknown message tag 99"));
+    assert!(
+        refusal(&replies).contains("undecodable message of 3 bytes"),
+        "{replies:?}"
+    );
     let replies = poke(
         addr,
         &frame(&Message::Complete { requests: 1 }.encode()),
         true,
     );
-    assert!(refusal(&replies).contains("expected Hello"));
-    let mut hello = Message::Hello(Hello {
-        version: PROTOCOL_VERSION,
-        agent: "intruder".into(),
-        metadata: vec![0xde, 0xad, 0xbe, 0xef],
-        layers: 4,
-        block_bytes: 4096,
-        requests: 1,
-        blocks_per_request: 1,
-        in_flight: 1,
-    })
-    .encode();
-    let replies = poke(addr, &frame(&hello), true);
+    assert!(refusal(&replies).contains("expected Hello, got Complete"));
+    let hello = |version| {
+        Message::Hello(Hello {
+            version,
+            agent: "intruder".into(),
+            layers: 4,
+            block_bytes: 4096,
+            requests: 1,
+            blocks_per_request: 1,
+            in_flight: 1,
+        })
+        .encode()
+    };
+    let replies = poke(addr, &frame(&hello(PROTOCOL_VERSION - 1)), true);
     assert!(
-        refusal(&replies).contains("invalid metadata at byte 0"),
-        "garbage metadata: {replies:?}"
+        refusal(&replies).contains(&format!(
+            "protocol version {} is not {PROTOCOL_VERSION}",
+            PROTOCOL_VERSION - 1
+        )),
+        "an older protocol: {replies:?}"
     );
-    hello.truncate(hello.len() - 3);
-    let replies = poke(addr, &frame(&hello), true);
-    assert!(refusal(&replies).contains("cut short"), "{replies:?}");
+    let mut cut = hello(PROTOCOL_VERSION);
+    cut.truncate(cut.len() - 3);
+    let replies = poke(addr, &frame(&cut), true);
+    assert!(
+        refusal(&replies).contains("undecodable message"),
+        "{replies:?}"
+    );
 
     // Silent: connects and says nothing until the handshake timeout.
     let replies = poke(addr, &[], false);

@@ -184,6 +184,8 @@ fn pending_handshakes_are_bounded_in_count_and_bytes() {
     const CLIENTS: usize = 20;
     const BUDGET_MIB: u64 = 32;
     let prefill = Prefill::start(&[
+        "--max-frame",
+        "16MiB",
         "--max-pending-handshakes",
         "8",
         "--max-pending-handshake-bytes",

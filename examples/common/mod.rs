@@ -1,5 +1,5 @@
-//! Command-line pieces both demo workers share: the KV-cache and NIXL options, logging, and
-//! how a run's outcome becomes an exit code.
+//! Command-line pieces both demo workers share: the KV-cache and NIXL options, logging, the
+//! async runtime, and how a run's outcome becomes an exit code.
 
 use std::io::IsTerminal;
 use std::process::ExitCode;
@@ -29,7 +29,7 @@ pub struct WorkerArgs {
     /// Bytes per block, the same on both workers (suffixes K/KiB, M/MiB).
     #[arg(long, default_value = "16KiB", value_parser = parse_size)]
     pub block_size: usize,
-    /// How agent metadata is exchanged: side-channel or etcd.
+    /// How agent metadata is exchanged: side-channel (the connector's handshake) or etcd.
     #[arg(long, default_value_t = MetadataMode::SideChannel)]
     pub metadata: MetadataMode,
     /// etcd endpoints for --metadata etcd (sets NIXL_ETCD_ENDPOINTS).
@@ -38,8 +38,8 @@ pub struct WorkerArgs {
     /// Agent name (default: <worker>-<pid>).
     #[arg(long)]
     pub name: Option<String>,
-    /// Largest side-channel message accepted.
-    #[arg(long, default_value = "16MiB", value_parser = parse_size)]
+    /// Largest control-channel message accepted (suffixes K/KiB, M/MiB).
+    #[arg(long, default_value = "1MiB", value_parser = parse_size)]
     pub max_frame: usize,
 }
 
@@ -84,6 +84,22 @@ impl WorkerArgs {
             layout: self.layout(),
         }
     }
+}
+
+/// A tokio runtime for a worker: current-thread, or multi-thread with `threads` workers.
+pub fn runtime(threads: Option<usize>) -> nixl_rs::Result<tokio::runtime::Runtime> {
+    let mut builder = match threads {
+        Some(n) => {
+            let mut b = tokio::runtime::Builder::new_multi_thread();
+            b.worker_threads(n);
+            b
+        }
+        None => tokio::runtime::Builder::new_current_thread(),
+    };
+    builder
+        .enable_all()
+        .build()
+        .map_err(|err| nixl_rs::Error::io("start the async runtime", err))
 }
 
 /// The exit code of worker `worker` whose run ended with `result`: the run's own code, or

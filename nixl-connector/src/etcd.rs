@@ -4,7 +4,7 @@
 //!
 //! NIXL stores the metadata from a background thread and only logs a failure, so
 //! [`publish`] first checks that etcd answers, and fails at once, naming the endpoint, when
-//! it does not. NIXL says nothing when fetched metadata has arrived, so [`fetch`] checks
+//! it does not. NIXL says nothing when fetched metadata has arrived, so a fetch checks
 //! every few milliseconds, within the handshake's total deadline.
 
 use std::io::{Read, Write};

@@ -12,8 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use nixl_rs::framing::read_frame;
-use nixl_rs::side_channel::Message;
+use nixl_rs::protocol::Message;
 
 /// Upper bound for any wait in these tests; only a guard against hangs.
 pub const WAIT: Duration = Duration::from_secs(120);
@@ -311,10 +310,16 @@ pub fn read_replies(stream: &mut std::net::TcpStream) -> Vec<Message> {
         .expect("set a read timeout");
     let mut buf = Vec::new();
     let _ = stream.read_to_end(&mut buf);
-    let mut r = buf.as_slice();
+    // Frames as the control channel writes them: a 4-byte big-endian length, the body.
+    let mut rest = buf.as_slice();
     let mut replies = Vec::new();
-    while let Ok(body) = read_frame(&mut r, 1 << 20) {
-        replies.push(Message::decode(&body).expect("the peer's reply parses"));
+    while let Some((header, tail)) = rest.split_first_chunk::<4>() {
+        let len = u32::from_be_bytes(*header) as usize;
+        let Some((body, tail)) = tail.split_at_checked(len) else {
+            break;
+        };
+        replies.push(Message::decode(body).expect("the peer's reply parses"));
+        rest = tail;
     }
     replies
 }
