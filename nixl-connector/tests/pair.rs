@@ -56,8 +56,11 @@ async fn decode_reads_every_byte_and_prefill_frees_on_the_notification() {
     );
     assert!(metrics[0].failure.is_none());
 
-    let freed = poll_until(&prefill, Duration::from_secs(10), |f| !f.sending.is_empty()).await;
-    assert_eq!(freed.sending, ["req-7"]);
+    // The prefill sleeps until the notification arrives, then finds the request released.
+    tokio::time::timeout(Duration::from_secs(10), prefill.notified())
+        .await
+        .expect("the decode's notification wakes the prefill");
+    assert_eq!(prefill.finished().sending, ["req-7"]);
     assert!(
         held_at.elapsed() < abort_timeout / 4,
         "freed after {:?}",
