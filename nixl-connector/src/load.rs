@@ -25,6 +25,62 @@ pub(crate) struct Load {
 pub(crate) async fn run(shared: Arc<Shared>, load: Load) {
     let mut posted = None;
     let outcome = transfer(&shared, &load, &mut posted).await;
+    record(&shared, &load, posted, outcome);
+}
+
+/// Posts the load at once when the handshake with its remote rank is done, and records it
+/// if NIXL finished it within the post; `None` when it is done, else the load, with its
+/// posted request if there is one, for a task to finish.
+pub(crate) fn try_now(shared: &Arc<Shared>, load: Load) -> Option<(Load, Option<Posted>)> {
+    let Some(remote) = shared
+        .remotes
+        .ready(&load.remote.engine_id, load.remote_rank)
+    else {
+        return Some((load, None));
+    };
+    match post(shared, &load, &remote) {
+        Ok((at, XferState::Done)) => {
+            record(shared, &load, Some(at), Ok(()));
+            None
+        }
+        Ok((at, XferState::InFlight(request))) => Some((
+            load,
+            Some(Posted {
+                remote,
+                request,
+                at,
+            }),
+        )),
+        Err(err) => {
+            shared
+                .remotes
+                .forget(&load.remote.engine_id, load.remote_rank, &remote);
+            record(shared, &load, None, Err(err));
+            None
+        }
+    }
+}
+
+/// A load's READ, posted and not done within the post.
+pub(crate) struct Posted {
+    remote: Arc<Remote>,
+    request: nixl::XferRequest,
+    at: Instant,
+}
+
+/// Awaits a READ [`try_now`] posted, and records the outcome.
+pub(crate) async fn finish(shared: Arc<Shared>, load: Load, posted: Posted) {
+    let outcome = complete(&shared, &load, posted.request).await;
+    if outcome.is_err() {
+        shared
+            .remotes
+            .forget(&load.remote.engine_id, load.remote_rank, &posted.remote);
+    }
+    record(&shared, &load, Some(posted.at), outcome);
+}
+
+/// Records a load's outcome and wakes whoever waits for ended loads.
+fn record(shared: &Shared, load: &Load, posted: Option<Instant>, outcome: Result<()>) {
     let layers = shared.caches.get().map_or(0, |c| c.spec.num_layers);
     let slice = shared.caches.get().map_or(0, |c| c.spec.block_len());
     let descriptors = layers * load.local_block_ids.len();
@@ -78,6 +134,24 @@ async fn read(
     remote: &Remote,
     posted: &mut Option<Instant>,
 ) -> Result<()> {
+    let (at, state) = post(shared, load, remote)?;
+    *posted = Some(at);
+    match state {
+        XferState::Done => Ok(()),
+        XferState::InFlight(request) => complete(shared, load, request).await,
+    }
+}
+
+/// A READ after its post.
+enum XferState {
+    /// NIXL finished it within the post.
+    Done,
+    /// Still in flight.
+    InFlight(nixl::XferRequest),
+}
+
+/// Makes the READ by block id over the prepared lists and posts it; when it was posted.
+fn post(shared: &Shared, load: &Load, remote: &Remote) -> Result<(Instant, XferState)> {
     const OP: &str = "load remote blocks";
     let caches = shared
         .caches
@@ -117,10 +191,15 @@ async fn read(
         &far,
         &options,
     )?;
-    *posted = Some(Instant::now());
-    if request.post()? == XferStatus::Done {
-        return Ok(());
-    }
+    let at = Instant::now();
+    Ok(match request.post()? {
+        XferStatus::Done => (at, XferState::Done),
+        _ => (at, XferState::InFlight(request)),
+    })
+}
+
+/// Awaits a posted READ within the transfer timeout.
+async fn complete(shared: &Shared, load: &Load, request: nixl::XferRequest) -> Result<()> {
     let deadline = shared.config.transfer_timeout;
     match tokio::time::timeout(deadline, request).await {
         Ok(done) => done.map(drop).map_err(Error::from),

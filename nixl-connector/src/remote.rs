@@ -81,6 +81,15 @@ impl Remotes {
         }
     }
 
+    /// The remote rank `rank` of `engine` if its handshake is done, without waiting.
+    pub(crate) fn ready(&self, engine: &str, rank: usize) -> Option<Arc<Remote>> {
+        let key = (engine.to_string(), rank);
+        self.lock()
+            .get(&key)
+            .and_then(|h| h.peek())
+            .and_then(|done| done.as_ref().ok().cloned())
+    }
+
     /// Forgets `remote` (after a transfer with it failed), so the next load handshakes
     /// again; a newer handshake under the same key is kept.
     pub(crate) fn forget(&self, engine: &str, rank: usize, remote: &Arc<Remote>) {

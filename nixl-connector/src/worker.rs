@@ -82,6 +82,8 @@ pub struct KvConnectorWorker {
     pub(crate) staging: OnceLock<crate::host_buffer::Staging>,
     runtime: Handle,
     tasks: Mutex<Vec<JoinHandle<()>>>,
+    /// Whether decode notifications are being taken (see `listen_for_notifications`).
+    listening: std::sync::Once,
 }
 
 impl std::fmt::Debug for KvConnectorWorker {
@@ -95,8 +97,8 @@ impl std::fmt::Debug for KvConnectorWorker {
 }
 
 impl KvConnectorWorker {
-    /// Creates the NIXL agent with the backends of `config.kv_transfer_config` and starts
-    /// listening for decode notifications.
+    /// Creates the NIXL agent with the backends of `config.kv_transfer_config` (decode
+    /// notifications are taken from the first [`hold_for_decode`](Self::hold_for_decode) on).
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] outside a tokio runtime, for a TP rank not below the TP
@@ -124,9 +126,6 @@ impl KvConnectorWorker {
             &config.kv_transfer_config,
             config.platform.as_ref(),
         )?;
-        let stream = setup
-            .agent()
-            .notification_stream(NotificationFilter::any())?;
         let shared = Arc::new(Shared {
             sends: Mutex::new(Sends::new(config.tp_size)),
             config,
@@ -137,23 +136,44 @@ impl KvConnectorWorker {
             load_ended: tokio::sync::Notify::new(),
             notified: tokio::sync::Notify::new(),
         });
-        let notes = {
-            let shared = shared.clone();
+        Ok(KvConnectorWorker {
+            shared,
+            staging: OnceLock::new(),
+            runtime,
+            tasks: Mutex::new(Vec::new()),
+            listening: std::sync::Once::new(),
+        })
+    }
+
+    /// Starts taking decode notifications, once: from the first request held for a decode
+    /// on. A worker that only loads never polls NIXL for notifications; NIXL keeps any that
+    /// arrive before this starts.
+    fn listen_for_notifications(&self) {
+        self.listening.call_once(|| {
+            let stream = match self
+                .agent()
+                .notification_stream(NotificationFilter::any())
+            {
+                Ok(stream) => stream,
+                Err(err) => {
+                    tracing::error!(%err, "cannot take decode notifications; held requests will be freed by their abort timeout");
+                    return;
+                }
+            };
+            let shared = self.shared.clone();
             let mut stream = stream;
-            runtime.spawn(async move {
+            let notes = self.runtime.spawn(async move {
                 loop {
                     let note = stream.recv().await;
                     shared.sends().notified(&note.sender, &note.message);
                     shared.notified.notify_one();
                 }
-            })
-        };
-        Ok(KvConnectorWorker {
-            shared,
-            staging: OnceLock::new(),
-            runtime,
-            tasks: Mutex::new(vec![notes]),
-        })
+            });
+            self.tasks
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(notes);
+        });
     }
 
     /// The NIXL agent.
@@ -319,8 +339,10 @@ impl KvConnectorWorker {
     }
 
     /// Starts reading `remote`'s blocks into `local_block_ids` (paired in order) and returns
-    /// at once: the handshake with the remote rank (once per remote engine and rank) and
-    /// the READ run as a task. The READ is one request over prepared lists, by block id,
+    /// without waiting: the handshake with the remote rank (once per remote engine and
+    /// rank) runs as a task, and so does the READ until the handshake is done; after it,
+    /// the READ is posted within this call (a post that finishes the transfer ends the load
+    /// at once) and only its completion is awaited in a task. The READ is one request over prepared lists, by block id,
     /// with the remote request id as its notification. When it ends the request appears in
     /// [`finished`](Self::finished)`.recving`; if it failed, its local blocks appear in
     /// [`load_errors`](Self::load_errors).
@@ -374,9 +396,48 @@ impl KvConnectorWorker {
             remote_rank,
             port,
         };
-        let shared = self.shared.clone();
-        self.runtime.spawn(crate::load::run(shared, load));
+        // After the handshake, the READ is posted here and now (most finish within the
+        // post); only what is left to wait for runs as a task.
+        match crate::load::try_now(&self.shared, load) {
+            None => {}
+            Some((load, Some(posted))) => {
+                self.runtime
+                    .spawn(crate::load::finish(self.shared.clone(), load, posted));
+            }
+            Some((load, None)) => {
+                self.runtime
+                    .spawn(crate::load::run(self.shared.clone(), load));
+            }
+        }
         Ok(())
+    }
+
+    /// Runs the handshake with the rank of a remote engine this rank reads from, now rather
+    /// than at the first load (e.g. when a decode learns of a prefill, so that the first
+    /// load does not wait for it, and a peer that cannot be read from is known early).
+    /// Loads reuse its outcome; a failed handshake is forgotten, so a later one tries again.
+    ///
+    /// # Errors
+    /// [`Error::NotRegistered`]; [`Error::InvalidArgument`] for a remote TP this rank cannot
+    /// read from; [`Error::Handshake`] with why the handshake failed.
+    pub async fn handshake_with(
+        &self,
+        engine_id: &str,
+        host: &str,
+        port: u16,
+        tp_size: usize,
+    ) -> Result<()> {
+        const OP: &str = "handshake with a remote engine";
+        self.caches(OP)?;
+        let config = &self.shared.config;
+        let rank = crate::handshake::remote_rank_for(config.tp_rank, config.tp_size, tp_size)?;
+        let port = u16::try_from(usize::from(port) + rank)
+            .map_err(|_| Error::invalid(OP, format!("port {port} + rank {rank} is past 65535")))?;
+        self.shared
+            .remotes
+            .get(&self.shared, engine_id, rank, host, port)
+            .await
+            .map(drop)
     }
 
     /// Starts every load and holds every send of `meta` (one scheduler step). A load that
@@ -402,6 +463,7 @@ impl KvConnectorWorker {
     /// (one per decode rank reading from this rank) or `deadline` passes; see
     /// [the scheduler's docs](crate::scheduler).
     pub fn hold_for_decode(&self, request_id: &str, deadline: Instant) {
+        self.listen_for_notifications();
         self.shared.sends().hold(request_id.to_string(), deadline);
     }
 
