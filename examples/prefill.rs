@@ -52,7 +52,7 @@ struct Args {
 fn main() -> ExitCode {
     let args = Args::parse();
     args.worker.start();
-    let result = common::runtime(Some(2)).and_then(|rt| rt.block_on(run(&args)));
+    let result = common::runtime(None).and_then(|rt| rt.block_on(run(&args)));
     common::exit_code("prefill", result)
 }
 

@@ -120,8 +120,8 @@ fn check_options(options: &DecodeOptions, layout: KvLayout) -> Result<()> {
     Ok(())
 }
 
-/// Connects to prefill (retrying while it starts), sends the Hello and takes the Welcome,
-/// all by one deadline.
+/// Connects to prefill (retrying while it starts), sends the Hello, takes the Welcome and
+/// runs the connector's handshake with prefill's side channel, all by one deadline.
 async fn connect(worker: &Worker, options: &DecodeOptions) -> Result<(Channel<Metered>, Welcome)> {
     let addr = options.prefill;
     let limit = options.connect_timeout;
@@ -177,6 +177,22 @@ async fn connect(worker: &Worker, options: &DecodeOptions) -> Result<(Channel<Me
         Err(err) => return Err(err.into()),
     };
     check_welcome(&welcome, layout)?;
+    // The connector's handshake with prefill (metadata, cache layout), within the same
+    // deadline, so that the run's timing starts with both workers connected.
+    let host = addr.ip().to_string();
+    let handshake =
+        worker
+            .connector
+            .handshake_with(&welcome.engine, &host, welcome.side_channel_port, 1);
+    match tokio::time::timeout_at(deadline, handshake).await {
+        Ok(done) => done?,
+        Err(_) => {
+            return Err(Error::Timeout(format!(
+                "the connector's handshake with prefill {} did not finish within {limit:?}",
+                welcome.engine
+            )))
+        }
+    }
     tracing::info!(prefill = %welcome.engine, %addr, "connected to prefill");
     Ok((channel, welcome))
 }
@@ -247,6 +263,7 @@ async fn pull_all(
         pool: BlockPool::new(u32::try_from(worker.layout.blocks).unwrap_or(u32::MAX)),
         pending: VecDeque::new(),
         in_flight: HashMap::new(),
+        ended: VecDeque::new(),
         seen: HashSet::new(),
         complete: false,
         latencies: Vec::new(),
@@ -273,15 +290,22 @@ async fn pull_all(
         if state.finished() {
             break;
         }
-        // Ended loads first: a load ends before NIXL's notification reaches prefill, so
-        // prefill's next announcement never overtakes the load it follows.
+        // Ended loads first, then their checks, then announcements: a load ends before
+        // NIXL's notification reaches prefill, so prefill's next announcement never
+        // overtakes the load it follows. Ended loads are checked one per turn, so loads
+        // already announced start between the checks.
         tokio::select! {
             biased;
             () = connector.load_ended() => {
                 let ended = connector.finished().recving;
                 let metrics = connector.metrics();
                 connector.load_errors();
-                state.finish_loads(&ended, &metrics)?;
+                state.loads_ended(ended, &metrics)?;
+            }
+            () = std::future::ready(()), if !state.ended.is_empty() => {
+                state.check_one()?;
+                // Let the loads just started post before the next check.
+                tokio::task::yield_now().await;
             }
             incoming = channel.recv::<Message>(), if channel_open => match incoming {
                 Ok(message) => state.handle(message)?,
@@ -315,8 +339,10 @@ struct RunState<'w> {
     remote_blocks: u32,
     pool: BlockPool,
     pending: VecDeque<Pending>,
-    /// Loads started and not yet ended, by request id.
+    /// Loads started and not yet checked, by request id.
     in_flight: HashMap<String, Pull>,
+    /// Loads that ended, oldest first, waiting to be checked.
+    ended: VecDeque<String>,
     seen: HashSet<u64>,
     complete: bool,
     latencies: Vec<Duration>,
@@ -399,7 +425,9 @@ impl RunState<'_> {
         // Prefill may announce the next request as soon as a notification reaches it, a
         // little before this side sees the load end; anything beyond that is a bug.
         let limit = 2 * self.options.in_flight as usize + 1;
-        if self.pending.len() + self.in_flight.len() >= limit {
+        // Loads that ended but are not yet checked were acknowledged already.
+        let outstanding = self.pending.len() + self.in_flight.len() - self.ended.len();
+        if outstanding >= limit {
             return bad(format!("more than {limit} requests outstanding"));
         }
         Ok(request)
@@ -441,8 +469,8 @@ impl RunState<'_> {
         Ok(())
     }
 
-    /// Checks the blocks of the loads that ended; a failed load ends the run.
-    fn finish_loads(&mut self, ended: &[String], metrics: &[TransferMetrics]) -> Result<()> {
+    /// Queues the loads that ended for checking; a failed load ends the run.
+    fn loads_ended(&mut self, ended: Vec<String>, metrics: &[TransferMetrics]) -> Result<()> {
         if let Some(failed) = metrics.iter().find(|m| m.failure.is_some()) {
             return Err(Error::LoadFailed(format!(
                 "loading request {} from prefill {} failed: {}",
@@ -451,23 +479,30 @@ impl RunState<'_> {
                 failed.failure.as_deref().unwrap_or_default()
             )));
         }
-        for id in ended {
-            let Some(pull) = self.in_flight.remove(id) else {
-                tracing::warn!(request = %id, "a load ended that this run did not start");
-                continue;
-            };
-            let bad = self
-                .cache
-                .verify_blocks(&pull.local, &pull.remote, pull.request)?;
-            self.mismatches.extend(bad);
-            self.latencies.push(pull.announced.elapsed());
-            let layout = self.cache.layout();
-            let blocks = (pull.local.len() * layout.layers) as u64;
-            self.progress.requests_done += 1;
-            self.progress.blocks += blocks;
-            self.progress.bytes += blocks * layout.block_bytes as u64;
-            self.pool.free(&pull.local);
-        }
+        self.ended.extend(ended);
+        Ok(())
+    }
+
+    /// Checks the blocks of the oldest ended load and frees them.
+    fn check_one(&mut self) -> Result<()> {
+        let Some(id) = self.ended.pop_front() else {
+            return Ok(());
+        };
+        let Some(pull) = self.in_flight.remove(&id) else {
+            tracing::warn!(request = %id, "a load ended that this run did not start");
+            return Ok(());
+        };
+        let bad = self
+            .cache
+            .verify_blocks(&pull.local, &pull.remote, pull.request)?;
+        self.mismatches.extend(bad);
+        self.latencies.push(pull.announced.elapsed());
+        let layout = self.cache.layout();
+        let blocks = (pull.local.len() * layout.layers) as u64;
+        self.progress.requests_done += 1;
+        self.progress.blocks += blocks;
+        self.progress.bytes += blocks * layout.block_bytes as u64;
+        self.pool.free(&pull.local);
         Ok(())
     }
 }

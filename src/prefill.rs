@@ -414,6 +414,7 @@ async fn accept(shared: &Shared, channel: &mut Channel<Metered>) -> Result<Hello
     let layout = shared.worker.layout;
     let welcome = Message::Welcome(Welcome {
         engine: shared.worker.name.clone(),
+        side_channel_port: shared.worker.connector.side_channel_addr()?.port(),
         layers: u32::try_from(layout.layers).unwrap_or(u32::MAX),
         block_bytes: layout.block_bytes as u64,
         blocks: u32::try_from(layout.blocks).unwrap_or(u32::MAX),

@@ -41,11 +41,14 @@ pub struct Hello {
     pub in_flight: u32,
 }
 
-/// prefill → decode: the prefill engine and its cache geometry.
+/// prefill → decode: the prefill engine, where its connector's side channel listens, and
+/// its cache geometry.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Welcome {
     /// The prefill engine's id (also its agent's name).
     pub engine: String,
+    /// The port of its connector's side channel (on the host decode reached it at).
+    pub side_channel_port: u16,
     /// Layers of the prefill cache.
     pub layers: u32,
     /// Bytes per block.
