@@ -3,9 +3,10 @@
 #
 # Installs what it needs (scripts/setup.sh, then a venv with numpy and the pinned NIXL wheel,
 # --no-deps), builds benches/transfer.rs, runs the Rust and the Python benchmark alternately
-# (A B A B ...) for BENCH_ROUNDS rounds (default 6), each round followed by one run of the
-# prefill/decode demo (scripts/demo.sh, release build: two processes over NIXL/UCX, 2 GiB
-# pulled and verified) and a single-thread memcpy probe of the same blocks, and writes into
+# (A B A B ...) for BENCH_ROUNDS rounds (default 6), each round followed by two runs of the
+# prefill/decode demo (scripts/demo.sh, release build: two processes over NIXL/UCX; 256
+# requests x 16 blocks, then 200 x 32, all pulled and verified), each with a single-thread
+# memcpy probe of the same blocks, and writes into
 # bench/results/:
 #   transfer.jsonl  every figure of every round, one JSON object a line
 #   results.md      medians over rounds, ratios Rust/Python and Rust/memcpy from the same run,
@@ -82,14 +83,17 @@ for ((round = 1; round <= rounds; round++)); do
     rust_round "$round"
     echo "bench: round $round/$rounds: Python" >&2
     "$venv/bin/python" bench/python/transfer.py --round "$round" --json "$jsonl" 2>>"$log"
-    echo "bench: round $round/$rounds: prefill/decode demo + memcpy probe" >&2
-    echo "demo round $round: NIXL_DEMO_BIN_DIR=$demo_bin scripts/demo.sh" >>"$log"
-    if ! NIXL_DEMO_BIN_DIR=$demo_bin scripts/demo.sh >"$demo_out" 2>&1; then
-        cat "$demo_out" >&2
-        exit 1
-    fi
-    grep -v 'decode: progress:' "$demo_out" >>"$log"
-    "$bin" cross-process "$demo_out" --round "$round" --json "$jsonl" 2>>"$log"
+    for shape in "" "--requests 200 --blocks-per-request 32"; do
+        echo "bench: round $round/$rounds: prefill/decode demo ${shape:-(default shape)} + memcpy probe" >&2
+        echo "demo round $round: NIXL_DEMO_BIN_DIR=$demo_bin scripts/demo.sh ${shape:+-- $shape}" >>"$log"
+        # shellcheck disable=SC2086 # the shape is words
+        if ! NIXL_DEMO_BIN_DIR=$demo_bin scripts/demo.sh ${shape:+-- $shape} >"$demo_out" 2>&1; then
+            cat "$demo_out" >&2
+            exit 1
+        fi
+        grep -v 'decode: progress:' "$demo_out" >>"$log"
+        "$bin" cross-process "$demo_out" --round "$round" --json "$jsonl" 2>>"$log"
+    done
 done
 echo "bench: $rounds rounds in $((SECONDS - start)) s" >&2
 
@@ -103,11 +107,12 @@ num_threads=2 split_batch_size=1), Python: UCX defaults; DRAM (huge-page-backed 
 Async completion (each Rust round, variants alternating): .await, blocking wait and a 5 ms
 sleep-poll loop on one tokio current-thread runtime, with the crate's default UCX backend
 (copies within post) and with UCX num_threads=2 split_batch_size=1 (copies after post).
-Cross-process: scripts/demo.sh (prefill and decode processes, 256 requests x 16 blocks x 32
-layers x 16 KiB READ over UCX, every byte verified) once per round, GB/s from decode's summary.
+Cross-process: scripts/demo.sh (prefill and decode processes, the connector's loads of 256
+requests x 16 blocks, then 200 requests x 32 blocks, x 32 layers x 16 KiB READ over UCX, 4 in
+flight, every byte verified) once per shape and round, GB/s from decode's summary.
 Results: $results/{transfer.jsonl,results.md,transfer.svg,latency.svg,transfer.log}
 Reproduce everything:  scripts/bench.sh            (BENCH_ROUNDS=$rounds)
 One Rust round:        CARGO_TARGET_DIR=$CARGO_TARGET_DIR cargo bench -p nixl-rs --bench transfer
 One Python round:      $venv/bin/python bench/python/transfer.py
-One demo run:          CARGO_TARGET_DIR=$CARGO_TARGET_DIR scripts/demo.sh   (decode prints GB/s)
+One demo run:          CARGO_TARGET_DIR=$CARGO_TARGET_DIR scripts/demo.sh [-- --requests 200 --blocks-per-request 32]   (decode prints GB/s)
 EOF

@@ -1,6 +1,7 @@
 //! The cross-process figure: the throughput of one run of the prefill/decode demo
-//! (`scripts/demo.sh`: two processes, decode READs KV-cache blocks from prefill over NIXL/UCX
-//! and verifies every byte), read from the demo's output, next to a single-thread memcpy of
+//! (`scripts/demo.sh`: two processes, decode loads KV-cache blocks from prefill through the
+//! connector over NIXL/UCX and verifies every byte) at one of its two shapes, read from the
+//! demo's output, next to a single-thread memcpy of
 //! the same bytes in the same shape (blocks of the same size, in layers of the same size)
 //! measured right after it.
 
@@ -9,7 +10,7 @@ use std::time::Instant;
 
 use nixl::HostBuffer;
 
-use super::report::XPROC_CONFIG;
+use super::report::{XPROC_CONFIG, XPROC_SHAPES};
 use super::{permutation, pin, Output, Res, MEASURE_CORE};
 
 /// What one demo run moved and how fast, as its output tells.
@@ -111,9 +112,19 @@ fn memcpy_blocks(run: &DemoRun) -> Res<f64> {
 /// Records the demo run whose output is in `demo_output` and the memcpy probe.
 pub fn record(out: &mut Output, demo_output: &Path) -> Res<()> {
     let run = parse(&std::fs::read_to_string(demo_output)?)?;
-    out.emit("rust", XPROC_CONFIG, "xproc", "gbps", run.gbps);
+    let workload = match (run.requests, run.blocks_per_request) {
+        (256, 16) => XPROC_SHAPES[0].0,
+        (200, 32) => XPROC_SHAPES[1].0,
+        (requests, per) => {
+            return Err(format!(
+                "demo shape {requests} requests × {per} blocks is not one the report knows"
+            )
+            .into())
+        }
+    };
+    out.emit("rust", XPROC_CONFIG, workload, "gbps", run.gbps);
     pin(MEASURE_CORE)?;
     let gbps = memcpy_blocks(&run)?;
-    out.emit("memcpy", "1 thread", "xproc", "gbps", gbps);
+    out.emit("memcpy", "1 thread", workload, "gbps", gbps);
     Ok(())
 }
