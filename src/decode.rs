@@ -260,6 +260,11 @@ async fn pull_all(
             abort_timeout: nixl_connector::scheduler::DEFAULT_ABORT_TIMEOUT,
         }),
         remote_blocks: welcome.blocks,
+        source: (
+            welcome.engine.clone(),
+            options.prefill.ip().to_string(),
+            welcome.side_channel_port,
+        ),
         pool: BlockPool::new(u32::try_from(worker.layout.blocks).unwrap_or(u32::MAX)),
         pending: VecDeque::new(),
         in_flight: HashMap::new(),
@@ -337,6 +342,8 @@ struct RunState<'w> {
     cache: KvCache<'w>,
     scheduler: KvConnectorScheduler,
     remote_blocks: u32,
+    /// The prefill this run reads from: engine id, host and side-channel port.
+    source: (String, String, u16),
     pool: BlockPool,
     pending: VecDeque<Pending>,
     /// Loads started and not yet checked, by request id.
@@ -358,8 +365,11 @@ impl RunState<'_> {
     fn handle(&mut self, message: Message) -> Result<()> {
         let total = self.options.requests;
         match message {
-            Message::Announce(params) => {
+            Message::Announce(mut params) => {
                 let request = self.check_announce(&params)?;
+                // Read from the prefill this run connected to, wherever the params point.
+                params.remote_host = Some(self.source.1.clone());
+                params.remote_port = Some(self.source.2);
                 self.pending.push_back(Pending {
                     request,
                     params,
@@ -396,8 +406,14 @@ impl RunState<'_> {
         let Ok(request) = id.parse::<u64>() else {
             return bad("the request id is not a number".into());
         };
-        if params.remote_blocks().is_none() {
+        let Some(from) = params.remote_blocks() else {
             return bad("the transfer params lack where to read".into());
+        };
+        if from.engine_id != self.source.0 || from.tp_size != 1 {
+            return bad(format!(
+                "the params name engine {:?} of TP {}; this run reads from {:?} of TP 1",
+                from.engine_id, from.tp_size, self.source.0
+            ));
         }
         let blocks = &params.remote_block_ids;
         if blocks.len() != self.options.blocks_per_request as usize {

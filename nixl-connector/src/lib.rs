@@ -22,14 +22,18 @@
 //!
 //! # Handshake and side channel
 //! A decode rank's first load from a prefill rank runs a handshake in the background (the
-//! step is never blocked): it sends its [`HandshakeMessage`] (engine id, agent metadata,
+//! step is never blocked), unless [`KvConnectorWorker::handshake_with`] ran it ahead; the
+//! loads after it post their READ within [`KvConnectorWorker::start_load`]. In the
+//! handshake the decode rank sends its [`HandshakeMessage`] (engine id, agent metadata,
 //! per-layer base addresses, block count and lengths, block size, heads, layout, device id,
 //! TP rank and size, dtype size, protocol version) and gets the prefill's. Both sides run
 //! [`check_compatible`], which refuses a mismatched peer with a message naming both values.
 //! The side channel is tokio with a length-delimited codec and MessagePack (as vLLM's
 //! msgspec), with a frame cap, a total deadline per exchange and a cap on concurrent
 //! handshakes ([`ChannelLimits`]); a peer's declared length is refused before anything is
-//! allocated for it.
+//! allocated for it. The agent metadata travels in the handshake, or through etcd
+//! ([`MetadataExchange::Etcd`]). An engine's own control traffic (e.g. what a proxy hands
+//! between engines) can use the same wire format: [`Channel`].
 //!
 //! # Heterogeneous TP
 //! A decode of TP `k × P` reads from a prefill of TP `P`: decode rank `d` reads head slice
