@@ -40,7 +40,8 @@ struct Args {
     /// the connector's handshake with prefill's side channel).
     #[arg(long, default_value_t = 30, value_parser = parse_positive::<u64>)]
     connect_timeout_s: u64,
-    /// Seconds one READ may take.
+    /// Seconds one READ may take, and the longest the run may go without news from prefill
+    /// (an announcement, or a READ that ended).
     #[arg(long, default_value_t = 20, value_parser = parse_positive::<u64>)]
     xfer_timeout_s: u64,
     /// Milliseconds between progress lines.
@@ -72,6 +73,7 @@ async fn run(args: &Args) -> nixl_rs::Result<ExitCode> {
         blocks_per_request: args.blocks_per_request,
         in_flight: args.in_flight,
         connect_timeout,
+        idle_timeout: Duration::from_secs(args.xfer_timeout_s),
         max_frame: args.worker.max_frame,
         progress_interval: Duration::from_millis(args.progress_interval_ms),
     };

@@ -35,6 +35,9 @@ pub struct DecodeOptions {
     pub in_flight: u32,
     /// How long, in all, reaching prefill and the handshake may take.
     pub connect_timeout: Duration,
+    /// How long the run may go without news (an announcement, a load that ended) before it
+    /// fails: a prefill that stops announcing cannot hold decode forever.
+    pub idle_timeout: Duration,
     /// Largest control-channel frame accepted.
     pub max_frame: usize,
     /// How often the progress callback runs.
@@ -50,6 +53,7 @@ impl DecodeOptions {
             blocks_per_request: 16,
             in_flight: 4,
             connect_timeout: Duration::from_secs(30),
+            idle_timeout: Duration::from_secs(20),
             max_frame: DEFAULT_MAX_FRAME,
             progress_interval: Duration::from_millis(500),
         }
@@ -81,7 +85,7 @@ struct Pull {
 /// [`Error::Config`] when the cache cannot hold `in_flight` requests; handshake errors
 /// ([`Error::Rejected`] when prefill refuses); [`Error::PeerGone`] as soon as prefill's
 /// control channel closes before the run is complete; [`Error::LoadFailed`] for a READ that
-/// failed or passed its timeout.
+/// failed or passed its timeout; [`Error::Timeout`] after `idle_timeout` without news.
 pub async fn run(
     worker: &Worker,
     options: &DecodeOptions,
@@ -289,6 +293,8 @@ async fn pull_all(
     );
     report.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut channel_open = true;
+    let idle = tokio::time::sleep(options.idle_timeout);
+    tokio::pin!(idle);
     loop {
         state.start_loads(worker)?;
         state.progress.elapsed = start.elapsed();
@@ -302,6 +308,7 @@ async fn pull_all(
         tokio::select! {
             biased;
             () = connector.load_ended() => {
+                idle.as_mut().reset(Deadline::now() + options.idle_timeout);
                 let ended = connector.finished().recving;
                 let metrics = connector.metrics();
                 connector.load_errors();
@@ -313,7 +320,10 @@ async fn pull_all(
                 tokio::task::yield_now().await;
             }
             incoming = channel.recv::<Message>(), if channel_open => match incoming {
-                Ok(message) => state.handle(message)?,
+                Ok(message) => {
+                    idle.as_mut().reset(Deadline::now() + options.idle_timeout);
+                    state.handle(message)?
+                }
                 // Prefill closes the channel after Complete; only loads are left then.
                 Err(_) if state.complete => channel_open = false,
                 Err(nixl_connector::Error::Closed { .. }) => return Err(Error::PeerGone(format!(
@@ -326,6 +336,10 @@ async fn pull_all(
                 ))),
             },
             _ = report.tick() => on_progress(&state.progress),
+            () = &mut idle => return Err(Error::Timeout(format!(
+                "no announcement from prefill and no load ended for {:?}, with {}/{} requests done",
+                options.idle_timeout, state.progress.requests_done, options.requests
+            ))),
         }
     }
     Ok(DecodeSummary {

@@ -64,6 +64,44 @@ fn killed_prefill_is_reported_within_5_seconds() {
     );
 }
 
+/// A prefill that stops (SIGSTOP: its connections stay open, it sends nothing) cannot hold
+/// decode: with nothing announced and no load ending for `--xfer-timeout-s`, decode fails.
+#[test]
+fn a_stopped_prefill_fails_decode_after_the_idle_timeout() {
+    let mut prefill = Prefill::start(&[]);
+    let mut args = ENDLESS.to_vec();
+    args.extend(["--xfer-timeout-s", "2"]);
+    let mut decode = decode(prefill.addr, &args);
+    decode.expect_line("progress", |l| requests_done(l) > 0);
+    // SAFETY: kill(2) with the pid of a child this test started and still owns.
+    assert_eq!(
+        unsafe { libc::kill(prefill.proc.id() as i32, libc::SIGSTOP) },
+        0
+    );
+    let stopped = Instant::now();
+    let status = decode.wait_exit(Duration::from_secs(10));
+    let took = stopped.elapsed();
+    // SAFETY: as above; the prefill goes on, then is killed on drop.
+    unsafe { libc::kill(prefill.proc.id() as i32, libc::SIGCONT) };
+    let out = decode.output();
+    let status =
+        status.unwrap_or_else(|| panic!("decode still running 10 s after prefill stopped:\n{out}"));
+    assert!(!status.success(), "{out}");
+    assert!(
+        took >= Duration::from_secs(2),
+        "failed after {took:?}:\n{out}"
+    );
+    let error = out
+        .lines()
+        .find(|l| l.starts_with("decode: error:"))
+        .unwrap_or_else(|| panic!("no error line:\n{out}"));
+    assert!(
+        error.contains("no announcement from prefill and no load ended for 2s"),
+        "{error}"
+    );
+    prefill.proc.kill();
+}
+
 #[test]
 fn killed_decode_leaves_prefill_serving() {
     let mut prefill = Prefill::start(&[]);
