@@ -123,7 +123,7 @@ async fn run(args: &Args) -> nixl_rs::Result<ExitCode> {
                 eprintln!("prefill: rejected connection from {peer}: {error}")
             }
         })
-        .await?;
+        .await;
     println!(
         "prefill summary: {} sessions ({} ended early), {} requests served, {} connections rejected",
         stats.sessions, stats.failed_sessions, stats.requests, stats.rejected

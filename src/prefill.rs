@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use futures_util::FutureExt;
 use nixl_connector::{Channel, KvConnectorScheduler, KvTransferParams, SchedulerConfig};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, Notify};
@@ -212,11 +213,9 @@ impl PrefillServer {
     }
 
     /// Serves decode workers until [`PrefillOptions::max_sessions`] sessions have ended
-    /// (forever without a limit), reporting every session and refused connection.
-    ///
-    /// # Errors
-    /// None today; the signature leaves room for listener failures that end the server.
-    pub async fn serve(self, mut on_event: impl FnMut(PrefillEvent)) -> Result<ServeStats> {
+    /// (forever without a limit), reporting every session and refused connection. A failed
+    /// accept is logged and serving goes on.
+    pub async fn serve(self, mut on_event: impl FnMut(PrefillEvent)) -> ServeStats {
         let router = tokio::spawn(route_releases(self.shared.clone()));
         let (events_tx, mut events) = mpsc::unbounded_channel();
         let mut stats = ServeStats::default();
@@ -264,7 +263,7 @@ impl PrefillServer {
             }
         }
         router.abort();
-        Ok(stats)
+        stats
     }
 }
 
@@ -293,7 +292,8 @@ async fn route_releases(shared: Arc<Shared>) {
 }
 
 /// Refuses a connection because [`PrefillOptions::max_pending_handshakes`] are pending:
-/// logs it, and tells the peer why in the background (never waiting on it).
+/// logs it, tells the peer why if the socket takes the frame at once (it is fresh, so it
+/// does), and closes it; nothing waits on the peer, so a flood of connections costs no tasks.
 fn refuse_over_count(shared: &Shared, stream: TcpStream, peer: SocketAddr) -> Error {
     let max = shared.admission.max_pending();
     let error = Error::Busy(format!(
@@ -304,12 +304,16 @@ fn refuse_over_count(shared: &Shared, stream: TcpStream, peer: SocketAddr) -> Er
         max_pending_handshakes = max,
         "refused a side-channel connection: {max} handshakes already pending"
     );
-    let channel = Channel::new(
+    let mut channel = Channel::new(
         Metered::new(stream, None),
         peer.to_string(),
         shared.options.max_frame,
     );
-    tokio::spawn(refuse(channel, error.to_string()));
+    let refusal = Message::Error {
+        message: error.to_string(),
+    };
+    // One poll: written now or never.
+    let _ = channel.send(&refusal).now_or_never();
     error
 }
 
