@@ -175,7 +175,7 @@ async fn connect(worker: &Worker, options: &DecodeOptions) -> Result<(Channel<Me
         }
         Err(nixl_connector::Error::Closed { .. }) => {
             return Err(Error::PeerGone(format!(
-                "prefill at {addr} closed the side channel during the handshake"
+                "prefill at {addr} closed the control channel during the handshake"
             )))
         }
         Err(err) => return Err(err.into()),
@@ -212,7 +212,7 @@ async fn reach(addr: SocketAddr, deadline: Deadline, limit: Duration) -> Result<
                 return Ok(stream);
             }
             Ok(Err(err)) => {
-                tracing::debug!(%addr, %err, "prefill side channel not reachable yet; retrying");
+                tracing::debug!(%addr, %err, "prefill's control channel not reachable yet; retrying");
                 last = Some(err);
             }
             Err(_) => {}
@@ -220,7 +220,7 @@ async fn reach(addr: SocketAddr, deadline: Deadline, limit: Duration) -> Result<
         if Deadline::now() + Duration::from_millis(100) >= deadline {
             let why = last.map_or_else(String::new, |err| format!(": {err}"));
             return Err(Error::Timeout(format!(
-                "could not connect to prefill's side channel at {addr} within {limit:?}{why}"
+                "could not connect to prefill's control channel at {addr} within {limit:?}{why}"
             )));
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -327,11 +327,11 @@ async fn pull_all(
                 // Prefill closes the channel after Complete; only loads are left then.
                 Err(_) if state.complete => channel_open = false,
                 Err(nixl_connector::Error::Closed { .. }) => return Err(Error::PeerGone(format!(
-                    "prefill closed the side channel after {}/{} requests (did it die?)",
+                    "prefill closed the control channel after {}/{} requests (did it die?)",
                     state.progress.requests_done, options.requests
                 ))),
                 Err(err) => return Err(Error::PeerGone(format!(
-                    "lost the side channel to prefill after {}/{} requests: {err}",
+                    "lost the control channel to prefill after {}/{} requests: {err}",
                     state.progress.requests_done, options.requests
                 ))),
             },

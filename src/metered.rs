@@ -1,4 +1,4 @@
-//! A side-channel stream that counts what it received, keeps the first frame's length
+//! A control-channel stream that counts what it received, keeps the first frame's length
 //! header, and during a handshake charges what arrives to an [`admission::Ticket`], so the
 //! demo can say how far a stalled peer got and bound what pending handshakes hold.
 //!

@@ -244,7 +244,7 @@ impl PrefillServer {
                     }
                     // Aborted handshakes, descriptor exhaustion: keep serving the others.
                     Err(err) => {
-                        tracing::warn!(%err, "accepting a side-channel connection failed");
+                        tracing::warn!(%err, "accepting a control-channel connection failed");
                         tokio::time::sleep(Duration::from_millis(10)).await;
                     }
                 },
@@ -302,7 +302,7 @@ fn refuse_over_count(shared: &Shared, stream: TcpStream, peer: SocketAddr) -> Er
     tracing::warn!(
         %peer,
         max_pending_handshakes = max,
-        "refused a side-channel connection: {max} handshakes already pending"
+        "refused a control-channel connection: {max} handshakes already pending"
     );
     let mut channel = Channel::new(
         Metered::new(stream, None),
@@ -351,7 +351,7 @@ async fn run_session(
         Ok(hello) => hello,
         Err(error) => {
             if let Error::Busy(reason) = &error {
-                tracing::warn!(%peer, "refused a side-channel connection: {reason}");
+                tracing::warn!(%peer, "refused a control-channel connection: {reason}");
             }
             refuse(channel, error.to_string()).await;
             let _ = events.send(PrefillEvent::Rejected { peer, error });

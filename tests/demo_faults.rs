@@ -1,5 +1,5 @@
 //! Faults around the prefill/decode demo: a prefill that dies mid-run, a decode that dies
-//! mid-run, and garbage, truncated, oversized or silent clients on prefill's side channel.
+//! mid-run, and garbage, truncated, oversized or silent clients on prefill's control channel.
 
 mod demo_support;
 
@@ -151,7 +151,7 @@ fn frame(body: &[u8]) -> Vec<u8> {
 }
 
 #[test]
-fn bad_side_channel_input_is_rejected_without_harm() {
+fn bad_control_channel_input_is_rejected_without_harm() {
     let mut prefill = Prefill::start(&["--max-frame", "64KiB", "--handshake-timeout-s", "2"]);
     let addr = prefill.addr;
 

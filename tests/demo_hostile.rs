@@ -1,4 +1,4 @@
-//! Hostile peers on the side channel: a client that sends a byte a second, many clients
+//! Hostile peers on the control channel: a client that sends a byte a second, many clients
 //! declaring huge frames, and fake prefill servers that stall or never answer. Each is cut
 //! off by a total deadline or a bound, says so, and a real decode still completes.
 
@@ -35,7 +35,7 @@ fn trickle(mut stream: TcpStream) {
     }
 }
 
-/// A client of prefill's side channel trickling a Hello one byte a second, and reading
+/// A client of prefill's control channel trickling a Hello one byte a second, and reading
 /// prefill's replies until it closes the connection.
 struct SlowClient {
     stream: TcpStream,
@@ -200,7 +200,7 @@ fn pending_handshakes_are_bounded_in_count_and_bytes() {
     let clients: Vec<_> = (0..CLIENTS)
         .map(|_| TcpStream::connect(prefill.addr).expect("connect to prefill"))
         .collect();
-    let count_refusals = "refused a side-channel connection: 8 handshakes already pending";
+    let count_refusals = "refused a control-channel connection: 8 handshakes already pending";
     wait_for_lines(&prefill.proc, count_refusals, CLIENTS - MAX_PENDING);
 
     // Each then sends a frame just under the 16 MiB frame limit, all but its last byte.
@@ -223,7 +223,7 @@ fn pending_handshakes_are_bounded_in_count_and_bytes() {
     }
     // Two whole frames fit the 32 MiB limit (each is charged 16 MiB less its free 64 KiB);
     // each of the other six admitted handshakes is refused when its frame would pass it.
-    let byte_refusals = "refused a side-channel connection: pending handshakes hold";
+    let byte_refusals = "refused a control-channel connection: pending handshakes hold";
     wait_for_lines(&prefill.proc, byte_refusals, MAX_PENDING - 2);
     let peak_growth_mib = status_kib(pid, "VmHWM").saturating_sub(rss_before) / 1024;
     eprintln!(

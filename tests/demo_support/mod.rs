@@ -233,7 +233,7 @@ fn collect(stream: impl Read + Send + 'static, lines: Arc<Lines>) {
 pub struct Prefill {
     /// The process.
     pub proc: Proc,
-    /// Its side-channel address.
+    /// Its control-channel address.
     pub addr: SocketAddr,
 }
 
