@@ -304,7 +304,7 @@ async fn pull_all(
         // Ended loads first, then their checks, then announcements: a load ends before
         // NIXL's notification reaches prefill, so prefill's next announcement never
         // overtakes the load it follows. Ended loads are checked one per turn, so loads
-        // already announced start between the checks.
+        // already announced are posted (at the top of the loop) between the checks.
         tokio::select! {
             biased;
             () = connector.load_ended() => {
@@ -316,7 +316,7 @@ async fn pull_all(
             }
             () = std::future::ready(()), if !state.ended.is_empty() => {
                 state.check_one()?;
-                // Let the loads just started post before the next check.
+                // Let the connector's tasks (READs awaited past their post) run between checks.
                 tokio::task::yield_now().await;
             }
             incoming = channel.recv::<Message>(), if channel_open => match incoming {
