@@ -380,15 +380,7 @@ impl KvConnectorWorker {
                 ),
             ));
         }
-        let config = &self.shared.config;
-        let remote_rank =
-            crate::handshake::remote_rank_for(config.tp_rank, config.tp_size, remote.tp_size)?;
-        let port = u16::try_from(usize::from(remote.port) + remote_rank).map_err(|_| {
-            Error::invalid(
-                OP,
-                format!("port {} + rank {remote_rank} is past 65535", remote.port),
-            )
-        })?;
+        let (remote_rank, port) = self.remote_rank(OP, remote.port, remote.tp_size)?;
         let load = crate::load::Load {
             request_id: request_id.to_string(),
             local_block_ids: local_block_ids.to_vec(),
@@ -429,15 +421,31 @@ impl KvConnectorWorker {
     ) -> Result<()> {
         const OP: &str = "handshake with a remote engine";
         self.caches(OP)?;
-        let config = &self.shared.config;
-        let rank = crate::handshake::remote_rank_for(config.tp_rank, config.tp_size, tp_size)?;
-        let port = u16::try_from(usize::from(port) + rank)
-            .map_err(|_| Error::invalid(OP, format!("port {port} + rank {rank} is past 65535")))?;
+        let (rank, port) = self.remote_rank(OP, port, tp_size)?;
         self.shared
             .remotes
             .get(&self.shared, engine_id, rank, host, port)
             .await
             .map(drop)
+    }
+
+    /// The rank of a remote engine of TP `tp_size` this rank reads from, and the port its
+    /// side channel listens on (rank 0's `port` + rank).
+    fn remote_rank(
+        &self,
+        operation: &'static str,
+        port: u16,
+        tp_size: usize,
+    ) -> Result<(usize, u16)> {
+        let config = &self.shared.config;
+        let rank = crate::handshake::remote_rank_for(config.tp_rank, config.tp_size, tp_size)?;
+        let port = u16::try_from(usize::from(port) + rank).map_err(|_| {
+            Error::invalid(
+                operation,
+                format!("port {port} + rank {rank} is past 65535"),
+            )
+        })?;
+        Ok((rank, port))
     }
 
     /// Starts every load and holds every send of `meta` (one scheduler step). A load that
