@@ -104,7 +104,8 @@ fn probe(url: &str, timeout: Duration) -> std::io::Result<()> {
 fn ask_health(mut stream: TcpStream, host: &str, timeout: Duration) -> std::io::Result<()> {
     stream.set_read_timeout(Some(timeout))?;
     stream.set_write_timeout(Some(timeout))?;
-    write!(stream, "GET /health HTTP/1.0\r\nHost: {host}\r\n\r\n")?;
+    // One write: `write!` would send each piece of the format on its own.
+    stream.write_all(format!("GET /health HTTP/1.0\r\nHost: {host}\r\n\r\n").as_bytes())?;
     let mut reply = Vec::new();
     stream.take(4096).read_to_end(&mut reply)?;
     let reply = String::from_utf8_lossy(&reply);
@@ -158,8 +159,12 @@ mod tests {
         let url = format!("http://{}", listener.local_addr().unwrap());
         let server = std::thread::spawn(move || {
             let (mut s, _) = listener.accept().unwrap();
-            let mut request = [0u8; 256];
-            let _ = s.read(&mut request);
+            // The whole request: bytes left unread when the socket closes make it a reset.
+            let mut request = Vec::new();
+            let mut byte = [0u8; 1];
+            while !request.ends_with(b"\r\n\r\n") && s.read(&mut byte).unwrap_or(0) == 1 {
+                request.push(byte[0]);
+            }
             s.write_all(b"HTTP/1.0 503 Service Unavailable\r\n\r\n{\"health\":\"false\"}")
                 .unwrap();
         });
