@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use nixl::kv_config::{KvRole, KvTransferConfig};
 use nixl::platform::{self, Platform};
-use nixl::{HostBuffer, MemType};
+use nixl::MemType;
 use nixl_connector::etcd::ETCD_ENDPOINTS_ENV;
 use nixl_connector::{KvConnectorWorker, MetadataExchange, WorkerConfig as ConnectorConfig};
 
@@ -177,11 +177,7 @@ impl WorkerConfig<'_> {
                 connector.mem_type()
             )));
         }
-        let layer_bytes = self.layout.layer_bytes().unwrap_or_default();
-        let buffers = (0..self.layout.layers)
-            .map(|_| HostBuffer::zeroed(layer_bytes))
-            .collect::<nixl::Result<Vec<_>>>()?;
-        connector.register_kv_caches(buffers, self.layout.spec())?;
+        connector.register_host_kv_caches(self.layout.spec())?;
         Ok(Worker {
             connector,
             layout: self.layout,

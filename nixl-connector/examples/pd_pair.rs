@@ -10,7 +10,6 @@ use std::time::Duration;
 
 use nixl::kv_config::KvTransferConfig;
 use nixl::platform::BuiltinPlatform;
-use nixl::HostBuffer;
 use nixl_connector::{
     KvCacheSpec, KvConnectorScheduler, KvConnectorWorker, KvLayout, KvTransferParams,
     SchedulerConfig, WorkerConfig,
@@ -23,10 +22,7 @@ fn worker(engine: &str, spec: KvCacheSpec) -> nixl_connector::Result<KvConnector
     let mut config = WorkerConfig::new(engine, 0, 1, kv);
     config.platform = Arc::new(BuiltinPlatform::CPU);
     let worker = KvConnectorWorker::new(config)?;
-    let layers = (0..spec.num_layers)
-        .map(|_| HostBuffer::zeroed(spec.layer_len()))
-        .collect::<nixl::Result<Vec<_>>>()?;
-    worker.register_kv_caches(layers, spec)?;
+    worker.register_host_kv_caches(spec)?;
     Ok(worker)
 }
 

@@ -17,8 +17,8 @@
 //! fails with [`Error::HostBufferNeedsGpu`] before allocating anything.
 
 use nixl::{
-    HostBuffer, LocalDescList, MemType, PreparedLocal, PreparedRemote, RegDesc, Registration,
-    RemoteDescList, XferDesc, XferOp, XferOptions, XferStatus,
+    LocalDescList, MemType, PreparedLocal, PreparedRemote, RegDesc, Registration, RemoteDescList,
+    XferDesc, XferOp, XferOptions, XferStatus,
 };
 
 use crate::error::{Error, Result};
@@ -89,10 +89,7 @@ impl KvConnectorWorker {
                 other => Error::Nixl(other),
             },
         )?;
-        let host = (0..spec.num_layers)
-            .map(|_| HostBuffer::zeroed(spec.layer_len()))
-            .collect::<nixl::Result<Vec<_>>>()?;
-        self.register_kv_caches(host, spec)?;
+        self.register_host_kv_caches(spec)?;
         let host_reg = self.kv_caches()?;
         agent.load_remote_metadata(&agent.local_metadata()?)?;
         let mut device_list =

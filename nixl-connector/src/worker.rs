@@ -216,6 +216,21 @@ impl KvConnectorWorker {
         self.finish_registration(registration, spec)
     }
 
+    /// Allocates one zeroed [`HostBuffer`](nixl::HostBuffer) of `spec.layer_len()` bytes per
+    /// layer and registers them as the KV cache ([`register_kv_caches`](Self::register_kv_caches)):
+    /// the cache of a `cpu` kv-buffer device, or the host side of host-buffer mode.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a bad spec (checked before anything is allocated);
+    /// allocation errors; those of [`register_kv_caches`](Self::register_kv_caches).
+    pub fn register_host_kv_caches(&self, spec: KvCacheSpec) -> Result<()> {
+        spec.validate()?;
+        let layers = (0..spec.num_layers)
+            .map(|_| nixl::HostBuffer::zeroed(spec.layer_len()))
+            .collect::<nixl::Result<Vec<_>>>()?;
+        self.register_kv_caches(layers, spec)
+    }
+
     /// Builds the prepared list, the handshake and the side channel for a registration.
     pub(crate) fn finish_registration(
         &self,

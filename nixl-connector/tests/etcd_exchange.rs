@@ -34,11 +34,7 @@ async fn etcd_metadata_needs_endpoints_and_an_etcd_that_answers() {
     std::env::set_var(nixl_connector::etcd::ETCD_ENDPOINTS_ENV, &url);
     let worker = KvConnectorWorker::new(config()).unwrap();
     let spec = common::spec(2);
-    let layers = (0..spec.num_layers)
-        .map(|_| nixl::HostBuffer::zeroed(spec.layer_len()))
-        .collect::<nixl::Result<Vec<_>>>()
-        .unwrap();
-    let err = worker.register_kv_caches(layers, spec).unwrap_err();
+    let err = worker.register_host_kv_caches(spec).unwrap_err();
     assert!(matches!(err, Error::EtcdUnreachable { .. }), "{err}");
     let text = err.to_string();
     assert!(text.contains("etcd does not answer"), "{text}");

@@ -5,7 +5,6 @@
 use std::time::{Duration, Instant};
 
 use nixl::kv_config::KvTransferConfig;
-use nixl::HostBuffer;
 use nixl_connector::{
     Finished, KvCacheSpec, KvConnectorWorker, KvLayout, RemoteBlocks, WorkerConfig,
 };
@@ -51,11 +50,7 @@ pub fn worker_with(
     config.limits.deadline = SERVER_DEADLINE;
     adjust(&mut config);
     let worker = KvConnectorWorker::new(config).expect("create worker");
-    let layers = (0..spec.num_layers)
-        .map(|_| HostBuffer::zeroed(spec.layer_len()))
-        .collect::<nixl::Result<Vec<_>>>()
-        .unwrap();
-    worker.register_kv_caches(layers, spec).expect("register");
+    worker.register_host_kv_caches(spec).expect("register");
     worker
 }
 
