@@ -152,9 +152,12 @@ impl AgentBuilder {
     ///
     /// # Errors
     /// [`Error::InvalidName`](crate::Error::InvalidName) for an empty name or one with a NUL
-    /// byte; [`Error::Nixl`](crate::Error::Nixl) if NIXL cannot create it.
+    /// byte; [`Error::Library`](crate::Error::Library) if NIXL cannot be found or loaded
+    /// (this is where a process loads it); [`Error::Nixl`](crate::Error::Nixl) if NIXL
+    /// cannot create it.
     pub fn build(self) -> Result<Agent> {
         let name = c_name("agent name", &self.name)?;
+        crate::library::load()?;
         let cfg = &self.config;
         let raw_cfg = sys::nixl_capi_agent_config_t {
             enable_prog_thread: cfg.progress_thread,

@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use nixl_sys::nixl_capi_status_t as raw;
 
+use crate::library::LibraryError;
 use crate::mem_type::MemType;
 use crate::status::Status;
 
@@ -15,6 +16,10 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[non_exhaustive]
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// NIXL's C API library could not be loaded (not found, another release, or unusable);
+    /// the message lists every place looked at and how to install NIXL.
+    #[error(transparent)]
+    Library(#[from] LibraryError),
     /// A NIXL call failed.
     #[error("{operation} failed: NIXL returned {status}{}", hint.map(|h| format!("; {h}")).unwrap_or_default())]
     Nixl {

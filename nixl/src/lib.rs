@@ -142,6 +142,7 @@ mod error;
 mod handles;
 pub mod kv_config;
 mod leaks;
+mod library;
 mod local_peers;
 mod mem_type;
 mod mem_view;
@@ -173,6 +174,7 @@ pub use desc_list::{LocalDescList, RemoteDescList};
 pub use descriptor::{RegDesc, XferDesc};
 pub use error::{Error, Result};
 pub use leaks::LeakStats;
+pub use library::{LibraryError, LoadedLibrary, SearchOutcome, SearchStep};
 pub use mem_type::{MemType, ParseMemTypeError};
 pub use mem_view::{MemView, PeerDesc};
 pub use memory::{FileRegion, HostBuffer, RegisterMemory};
@@ -186,3 +188,16 @@ pub use registration::Registration;
 pub use status::Status;
 pub use wire::validate_metadata;
 pub use xfer::{CostEstimate, CostMethod, XferRequest, XferStatus, XferTelemetry};
+
+/// Loads NIXL's C API library if this process has not yet, and says which one it is.
+///
+/// Creating an agent (or any NIXL object) loads it too; calling this first reports the
+/// library at start-up, or fails early. See "Finding NIXL" in the crate documentation for
+/// the search order.
+///
+/// # Errors
+/// [`Error::Library`], listing every place searched and how to install NIXL, when no
+/// library of NIXL 1.5.1 was found that loads.
+pub fn load_library() -> Result<&'static LoadedLibrary> {
+    Ok(library::load()?.info())
+}
