@@ -10,6 +10,7 @@ use crate::agent::{Agent, AgentInner};
 use crate::error::{check, Error, Result};
 use crate::handles::Params;
 use crate::handles::{BackendHandle, OptArgs};
+use crate::library::capi;
 use crate::mem_type::MemType;
 use crate::raw::{c_name, take_mem_list, take_string_list};
 
@@ -151,7 +152,7 @@ pub(crate) fn describe_backend(
     let (mut mems, mut params) = (ptr::null_mut(), ptr::null_mut());
     // SAFETY: live agent and backend; out-pointers to locals, owned by us on success.
     let status = agent.with(|agent| unsafe {
-        sys::nixl_capi_get_backend_params(agent, raw, &mut mems, &mut params)
+        capi().nixl_capi_get_backend_params(agent, raw, &mut mems, &mut params)
     });
     check(status, "get backend parameters")?;
     // SAFETY: handed to us above, destroyed by the owner only.
@@ -187,7 +188,7 @@ impl Agent {
         // SAFETY: live agent, out-pointer to a local.
         let status = self
             .inner
-            .with(|agent| unsafe { sys::nixl_capi_get_available_plugins(agent, &mut list) });
+            .with(|agent| unsafe { capi().nixl_capi_get_available_plugins(agent, &mut list) });
         check(status, "list available plugins")?;
         // SAFETY: returned to us above and not used again.
         unsafe { take_string_list(list) }
@@ -205,7 +206,7 @@ impl Agent {
         let status = self.inner.with(|agent| {
             // SAFETY: live agent, valid C string, out-pointers to locals.
             unsafe {
-                sys::nixl_capi_get_plugin_params(agent, name.as_ptr(), &mut mems, &mut params)
+                capi().nixl_capi_get_plugin_params(agent, name.as_ptr(), &mut mems, &mut params)
             }
         });
         if let Err(err) = check(status, "get plugin parameters") {
@@ -291,7 +292,7 @@ impl Agent {
                     // SAFETY: live agent and params, valid C string; NIXL stores the new
                     // handle through the out-pointer.
                     unsafe {
-                        sys::nixl_capi_create_backend(agent, name.as_ptr(), raw_params.raw(), out)
+                        capi().nixl_capi_create_backend(agent, name.as_ptr(), raw_params.raw(), out)
                     }
                 })
             })
