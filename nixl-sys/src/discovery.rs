@@ -119,7 +119,7 @@ pub fn search_order(env: &SearchEnv) -> Vec<Step> {
         unset("NIXL_PREFIX"),
         match &env.build_time {
             Some(dir) => Step {
-                name: format!("the NIXL found at build time, {}", dir.display()),
+                name: format!("the NIXL found at build time ({})", dir.display()),
                 looks_in: LooksIn::Dirs(vec![dir.clone()]),
             },
             None => Step {
@@ -130,14 +130,14 @@ pub fn search_order(env: &SearchEnv) -> Vec<Step> {
         match &env.virtual_env {
             Some(venv) => Step {
                 name: format!("VIRTUAL_ENV={}", venv.display()),
-                looks_in: LooksIn::Dirs(wheel_dirs_in_venv(venv)),
+                looks_in: wheels_of(venv),
             },
             None => unset("VIRTUAL_ENV"),
         },
         match &env.user_base {
             Some(base) => Step {
                 name: format!("the Python user site under {}", base.display()),
-                looks_in: LooksIn::Dirs(wheel_dirs_in_venv(base)),
+                looks_in: wheels_of(base),
             },
             None => Step {
                 name: "the Python user site".to_string(),
@@ -176,6 +176,16 @@ pub fn prefix_dirs(prefix: &Path) -> Vec<PathBuf> {
     dirs.extend(wheel_dirs_in_venv(prefix));
     dirs.extend(wheel_dirs(prefix));
     dirs
+}
+
+/// Where the wheels of the venv (or user base) `root` would be.
+fn wheels_of(root: &Path) -> LooksIn {
+    let dirs = wheel_dirs_in_venv(root);
+    if dirs.is_empty() {
+        LooksIn::Nowhere("it has no lib/python3.*/site-packages folder")
+    } else {
+        LooksIn::Dirs(dirs)
+    }
 }
 
 /// The wheels' library folders in every `site-packages` of the venv (or user base) `root`.

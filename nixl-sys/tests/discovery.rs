@@ -118,7 +118,7 @@ fn the_build_time_find_comes_before_the_venv_and_a_cu13_wheel_is_found() {
         build_time: Some(built.clone()),
         ..env
     };
-    let built_name = format!("the NIXL found at build time, {}", built.display());
+    let built_name = format!("the NIXL found at build time ({})", built.display());
     assert_eq!(first_find(&env), Some((built_name, built)));
 }
 
@@ -133,6 +133,11 @@ fn the_user_site_then_the_default_prefix() {
     };
     let opt_name = root.path().join("opt").display().to_string();
     assert_eq!(first_find(&env), Some((opt_name, opt_lib)));
+    let user_step = &search_order(&env)[4];
+    assert_eq!(
+        user_step.looks_in,
+        LooksIn::Nowhere("it has no lib/python3.*/site-packages folder")
+    );
 
     let user_lib = install(user.join("lib/python3.11/site-packages/.nixl_cu12.mesonpy.libs"));
     let user_name = format!("the Python user site under {}", user.display());

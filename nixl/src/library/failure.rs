@@ -72,18 +72,13 @@ impl fmt::Display for SearchOutcome {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             SearchOutcome::Skipped(why) => f.write_str(why),
-            SearchOutcome::Missing(dirs) => {
-                write!(f, "no {CAPI_LIB} in ")?;
-                match dirs.as_slice() {
-                    [] => f.write_str("any folder (it names none)"),
-                    [dir] => write!(f, "{}", dir.display()),
-                    dirs => {
-                        let shown: Vec<String> =
-                            dirs.iter().map(|d| d.display().to_string()).collect();
-                        write!(f, "any of {}", shown.join(", "))
-                    }
+            SearchOutcome::Missing(dirs) => match dirs.as_slice() {
+                [dir] => write!(f, "no {CAPI_LIB} in {}", dir.display()),
+                dirs => {
+                    let shown: Vec<String> = dirs.iter().map(|d| d.display().to_string()).collect();
+                    write!(f, "no {CAPI_LIB} in any of {}", shown.join(", "))
                 }
-            }
+            },
             SearchOutcome::WrongVersion { path, found } => write!(
                 f,
                 "{} is NIXL {found}, but this nixl-rs is for NIXL {NIXL_VERSION} (version mismatch)",
