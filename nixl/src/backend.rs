@@ -182,6 +182,22 @@ impl Agent {
             .collect()
     }
 
+    /// [`Error::BackendExists`] if the agent has a backend of `plugin`.
+    fn check_no_backend_of(&self, plugin: &str) -> Result<()> {
+        let handles = self
+            .inner
+            .backends
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if handles.iter().any(|(created, _)| created == plugin) {
+            return Err(Error::BackendExists {
+                plugin: plugin.to_string(),
+                agent: self.inner.name.clone(),
+            });
+        }
+        Ok(())
+    }
+
     /// Names of the plugins NIXL can load (from its plugin directory).
     pub fn available_plugins(&self) -> Result<Vec<String>> {
         let mut list = ptr::null_mut();
@@ -256,6 +272,7 @@ impl Agent {
     ///
     /// # Errors
     /// [`Error::UnknownPlugin`] for a plugin NIXL does not have,
+    /// [`Error::BackendExists`] when the agent already has a backend of `plugin`,
     /// [`Error::UnknownBackendParam`] for a key the plugin does not define, and
     /// [`Error::Nixl`] when NIXL rejects a value or cannot start the backend.
     pub fn create_backend_with<K, V>(
@@ -267,6 +284,7 @@ impl Agent {
         K: Into<String>,
         V: Into<String>,
     {
+        self.check_no_backend_of(plugin)?;
         let info = self.plugin_info(plugin)?;
         let extra = unadvertised_params(plugin);
         let mut params = info.params.clone();
@@ -297,6 +315,8 @@ impl Agent {
                 })
             })
             .map_err(|err| {
+                // Another thread may have created the same backend in the meantime.
+                let err = self.check_no_backend_of(plugin).err().unwrap_or(err);
                 tracing::warn!(agent = %self.inner.name, plugin, %err, "backend creation failed");
                 err
             })?;

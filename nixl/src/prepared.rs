@@ -88,6 +88,7 @@ fn to_c_indices(operation: &'static str, indices: &[usize], len: usize) -> Resul
                 operation,
                 index,
                 len,
+                items: "descriptors of the prepared list",
             }),
         })
         .collect()

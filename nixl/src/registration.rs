@@ -134,6 +134,7 @@ impl Registration {
                 operation,
                 index: region,
                 len: self.inner.regions.len(),
+                items: "regions of the registration",
             })?;
         match offset.checked_add(len) {
             Some(end) if end <= desc.len => Ok(desc.addr + offset),
