@@ -48,6 +48,30 @@
 //! # }
 //! ```
 //!
+//! # Finding NIXL
+//! NIXL is loaded at run time, once per process, when the first agent (or any NIXL object)
+//! is made: a program that depends on this crate needs no build script and no
+//! `LD_LIBRARY_PATH`. `libnixl_capi.so` is looked for, in order, in:
+//! 1. `NIXL_LIB_DIR`, the folder holding it;
+//! 2. `NIXL_PREFIX`: an install prefix (`lib/x86_64-linux-gnu`, `lib64`, `lib`), a venv root
+//!    or a site-packages folder holding the `nixl-cu12` / `nixl-cu13` wheel;
+//! 3. the NIXL found when `nixl-capi-sys` was built (its `NIXL_LIB_DIR` / `NIXL_PREFIX`, or
+//!    the nixl-rs workspace's vendored wheel);
+//! 4. the `nixl-cu12` / `nixl-cu13` wheel in the active venv (`VIRTUAL_ENV`);
+//! 5. the same in the Python user site (`PYTHONUSERBASE`, else `~/.local`);
+//! 6. `/opt/nvidia/nvda_nixl`, NIXL's default source-install prefix;
+//! 7. the system loader (`ld.so.cache`, `LD_LIBRARY_PATH`).
+//!
+//! When `NIXL_LIB_DIR` or `NIXL_PREFIX` is set, only it is searched. The library must be
+//! NIXL 1.5.1: its version is read from the installation before anything of it runs. It is
+//! opened by its full path, so the wheel's libraries still find each other (and UCX its
+//! modules) through their `$ORIGIN` paths, and NIXL loads its backend plugins from
+//! `plugins/` beside it (or from `NIXL_PLUGIN_DIR`, which NIXL reads itself; this crate
+//! sets no environment variable). When nothing fits, creating the agent returns
+//! [`Error::Library`], whose message lists every place looked at and what was there, and
+//! says how to install NIXL (`pip install nixl-cu12==1.5.1`). [`load_library`] loads NIXL
+//! up front and says which library it is.
+//!
 //! # Ownership and safety
 //! Everything made from an [`Agent`] holds it (`Arc`), so the agent outlives its backends,
 //! registrations, lists and requests. A [`Registration`] owns its memory (`'static` only:
