@@ -39,7 +39,7 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
     let params: KvTransferParams = serde_json::from_str(&line)?;
     let remote_blocks = params.remote_block_ids.clone();
 
-    let worker = kv_pair::worker("kv-decode")?;
+    let worker = kv_pair::worker("kv-decode", kv_pair::SPEC)?;
     let mut scheduler = KvConnectorScheduler::new(kv_pair::scheduler_config("kv-decode", &worker)?);
     // This engine allocated its first blocks for the request; they are loaded in order.
     let local: Vec<usize> = (0..remote_blocks.len()).collect();

@@ -32,7 +32,7 @@ async fn main() -> ExitCode {
 }
 
 async fn run() -> Result<(), Box<dyn std::error::Error>> {
-    let worker = kv_pair::worker("kv-prefill")?;
+    let worker = kv_pair::worker("kv-prefill", kv_pair::SPEC)?;
     let cache = worker.kv_caches()?;
     for layer in 0..kv_pair::SPEC.num_layers {
         for block in BLOCKS {

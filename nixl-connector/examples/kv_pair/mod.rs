@@ -1,5 +1,7 @@
-//! What the `kv_prefill` and `kv_decode` examples share: the cache's shape, the worker set-up
-//! and the bytes the prefill writes into each block (which the decode checks).
+//! What the connector's examples share: the cache's shape, the worker and scheduler set-up,
+//! and the bytes `kv_prefill` writes into each block (which `kv_decode` checks). Each example
+//! uses part of it.
+#![allow(dead_code)]
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,15 +24,15 @@ pub const SPEC: KvCacheSpec = KvCacheSpec {
 /// How long either side waits for the other before giving up.
 pub const WAIT: Duration = Duration::from_secs(60);
 
-/// A worker (TP 1, DRAM, UCX) with a zeroed host KV cache of [`SPEC`] registered.
-pub fn worker(engine_id: &str) -> nixl_connector::Result<KvConnectorWorker> {
+/// A worker (TP 1, DRAM, UCX) with a zeroed host KV cache of `spec` registered.
+pub fn worker(engine_id: &str, spec: KvCacheSpec) -> nixl_connector::Result<KvConnectorWorker> {
     let kv = KvTransferConfig::from_json(
         r#"{"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}"#,
     )?;
     let mut config = WorkerConfig::new(engine_id, 0, 1, kv);
     config.platform = Arc::new(BuiltinPlatform::CPU);
     let worker = KvConnectorWorker::new(config)?;
-    worker.register_host_kv_caches(SPEC)?;
+    worker.register_host_kv_caches(spec)?;
     Ok(worker)
 }
 
@@ -44,7 +46,7 @@ pub fn scheduler_config(
         host: "127.0.0.1".into(),
         port: worker.side_channel_addr()?.port(),
         tp_size: 1,
-        // Longer than WAIT: the prefill's blocks are freed by the decode's notification.
+        // Longer than WAIT: kv_prefill's blocks are freed by the decode's notification.
         abort_timeout: 2 * WAIT,
     })
 }
