@@ -4,6 +4,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
+# The crate includes the file, so it must exist for the test to build.
 touch nixl-sys/src/bindings.rs
 NIXL_CAPI_SYS_WRITE_BINDINGS=1 cargo test --locked -p nixl-capi-sys --test bindings_drift
 echo "gen-bindings: wrote nixl-sys/src/bindings.rs" >&2
