@@ -662,11 +662,12 @@ fn memcpy(src: &HostBuffer, dst: &mut HostBuffer, size: usize, iters: usize) -> 
 /// `clear`, which keeps the capacity). Milliseconds.
 fn raw_list_floor(base: usize, reserve: bool) -> Res<f64> {
     use nixl_sys::nixl_capi_status_t::NIXL_CAPI_SUCCESS as OK;
+    let capi = raw_capi()?;
     let t0 = Instant::now();
     let mut list = std::ptr::null_mut();
     // SAFETY: out-pointer to a local.
     let status = unsafe {
-        nixl_sys::nixl_capi_create_xfer_dlist(
+        capi.nixl_capi_create_xfer_dlist(
             nixl_sys::nixl_capi_mem_type_t::NIXL_CAPI_MEM_DRAM,
             &mut list,
         )
@@ -677,24 +678,37 @@ fn raw_list_floor(base: usize, reserve: bool) -> Res<f64> {
     let mut ok = true;
     if reserve {
         // SAFETY: live list created above.
-        ok &= unsafe { nixl_sys::nixl_capi_xfer_dlist_resize(list, BUILD_DESCS) } == OK;
+        ok &= unsafe { capi.nixl_capi_xfer_dlist_resize(list, BUILD_DESCS) } == OK;
         // SAFETY: as above.
-        ok &= unsafe { nixl_sys::nixl_capi_xfer_dlist_clear(list) } == OK;
+        ok &= unsafe { capi.nixl_capi_xfer_dlist_clear(list) } == OK;
     }
     for i in 0..BUILD_DESCS {
         // SAFETY: live list created above; NIXL only copies the numbers.
         ok &= unsafe {
-            nixl_sys::nixl_capi_xfer_dlist_add_desc(list, base + i * BUILD_STRIDE, BUILD_DESC, 0)
+            capi.nixl_capi_xfer_dlist_add_desc(list, base + i * BUILD_STRIDE, BUILD_DESC, 0)
         } == OK;
     }
     let ms = t0.elapsed().as_secs_f64() * 1e3;
     // SAFETY: created above, destroyed once, not used again.
-    unsafe { nixl_sys::nixl_capi_destroy_xfer_dlist(list) };
+    unsafe { capi.nixl_capi_destroy_xfer_dlist(list) };
     if ok {
         Ok(ms)
     } else {
         Err("raw descriptor list calls failed".into())
     }
+}
+
+/// NIXL's C API, opened from the library the `nixl` crate loaded (the same one, already
+/// in the process).
+fn raw_capi() -> Res<&'static nixl_sys::NixlCapi> {
+    static CAPI: std::sync::OnceLock<nixl_sys::NixlCapi> = std::sync::OnceLock::new();
+    if let Some(capi) = CAPI.get() {
+        return Ok(capi);
+    }
+    let path = nixl::load_library()?.path();
+    // SAFETY: the library nixl loaded and checked, opened again (the loader shares it).
+    let capi = unsafe { nixl_sys::NixlCapi::new(path) }?;
+    Ok(CAPI.get_or_init(|| capi))
 }
 
 /// Median of `reps` runs of `f`.

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what building nixl-rs needs on a fresh Debian/Ubuntu machine; safe to rerun.
-#  - libclang (Debian libclang-dev), which bindgen loads, when scripts/find-libclang.sh finds
-#    none (a machine with only libclang-cpp has none);
+#  - libclang (Debian libclang-dev), which bindgen loads in the bindings drift test (building
+#    needs none), when scripts/find-libclang.sh finds none (a machine with only libclang-cpp
+#    has none);
 #  - the pinned NIXL wheel, unpacked into vendor/nixl (skipped when NIXL_PREFIX or
 #    NIXL_LIB_DIR points at another NIXL);
 #  - etcd (Debian etcd-server), when no `etcd` binary is found: the prefill/decode demo's
@@ -24,7 +25,7 @@ apt_install() {
     DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq "$package" >/dev/null
 }
 
-have_libclang || apt_install libclang-dev "bindgen needs libclang"
+have_libclang || apt_install libclang-dev "the bindings drift test runs bindgen, which needs libclang"
 command -v etcd >/dev/null 2>&1 || apt_install etcd-server "etcd metadata exchange"
 
 if [[ -z ${NIXL_PREFIX:-}${NIXL_LIB_DIR:-} ]]; then

@@ -19,8 +19,8 @@
 //!   when the connector reports the notification;
 //! - [`stats`] turns the run into a summary (requests, bytes, GB/s, latency percentiles).
 //!
-//! The libraries themselves are `nixl-sys` (raw bindings), `nixl` (the safe API) and
-//! `nixl-connector` (the KV connector).
+//! The libraries themselves are `nixl-capi-sys` (raw bindings, folder `nixl-sys/`), `nixl`
+//! (the safe API) and `nixl-connector` (the KV connector).
 
 #![warn(missing_docs)]
 

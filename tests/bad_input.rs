@@ -42,6 +42,45 @@ fn unknown_plugin_lists_the_available_ones() {
 }
 
 #[test]
+fn a_plugin_name_in_another_case_is_suggested() {
+    let pair = Pair::new("plugincase");
+    match pair.a.create_backend("ucx") {
+        Err(err @ Error::UnknownPlugin { .. }) => assert!(
+            err.to_string().contains(
+                "\"ucx\" is not available (did you mean \"UCX\"? plugin names are case-sensitive)"
+            ),
+            "{err}"
+        ),
+        other => panic!("expected UnknownPlugin, got {other:?}"),
+    }
+    match pair.a.create_backend("NO_SUCH_PLUGIN") {
+        Err(err) => assert!(!err.to_string().contains("did you mean"), "{err}"),
+        Ok(_) => panic!("a backend of a plugin that does not exist"),
+    }
+    pair.exchange();
+    assert_pair_works(&pair, 2);
+}
+
+#[test]
+fn a_second_backend_of_the_same_plugin_is_a_typed_error() {
+    let pair = Pair::new("twice");
+    match pair.a.create_backend("UCX") {
+        Err(err @ Error::BackendExists { .. }) => {
+            let message = err.to_string();
+            assert!(
+                message.contains("UCX is already created on this agent"),
+                "{message}"
+            );
+            assert!(message.contains(pair.a.name()), "{message}");
+        }
+        other => panic!("expected BackendExists, got {other:?}"),
+    }
+    assert_eq!(pair.a.backends().len(), 1);
+    pair.exchange();
+    assert_pair_works(&pair, 3);
+}
+
+#[test]
 fn unknown_backend_param_lists_the_known_keys() {
     let agent = Agent::new(&unique_name("badkey")).unwrap();
     match agent.create_backend_with("UCX", [("no_such_key", "1")]) {
@@ -256,14 +295,21 @@ fn local_range_outside_a_registration() {
         local.push(&src, 0, usize::MAX, 2),
         Err(Error::OutOfBounds { .. })
     ));
-    assert!(matches!(
-        local.push(&src, 1, 0, 1),
-        Err(Error::IndexOutOfRange {
-            index: 1,
-            len: 1,
-            ..
-        })
-    ));
+    match local.push(&src, 1, 0, 1) {
+        Err(
+            err @ Error::IndexOutOfRange {
+                index: 1, len: 1, ..
+            },
+        ) => {
+            let message = err.to_string();
+            assert!(
+                message.contains("the 1 regions of the registration"),
+                "{message}"
+            );
+            assert!(!message.contains("prepared"), "{message}");
+        }
+        other => panic!("expected IndexOutOfRange, got {other:?}"),
+    }
     assert!(matches!(
         local.push_blocks(&src, 0, 1024, [3, 4]),
         Err(Error::OutOfBounds { offset: 4096, .. })
@@ -588,9 +634,15 @@ fn prepared_index_out_of_range() {
         &[0, 1],
         &XferOptions::new(),
     ) {
-        Err(Error::IndexOutOfRange {
-            index: 4, len: 4, ..
-        }) => {}
+        Err(
+            err @ Error::IndexOutOfRange {
+                index: 4, len: 4, ..
+            },
+        ) => assert!(
+            err.to_string()
+                .contains("index 4 is out of range for the 4 descriptors of the prepared list"),
+            "{err}"
+        ),
         other => panic!("expected IndexOutOfRange, got {other:?}"),
     }
     assert!(matches!(

@@ -5,26 +5,12 @@
 //! cargo run -p nixl-connector --example pd_pair
 //! ```
 
-use std::sync::Arc;
+mod kv_pair;
+
 use std::time::Duration;
 
-use nixl::kv_config::KvTransferConfig;
-use nixl::platform::BuiltinPlatform;
-use nixl_connector::{
-    KvCacheSpec, KvConnectorScheduler, KvConnectorWorker, KvLayout, KvTransferParams,
-    SchedulerConfig, WorkerConfig,
-};
-
-fn worker(engine: &str, spec: KvCacheSpec) -> nixl_connector::Result<KvConnectorWorker> {
-    let kv = KvTransferConfig::from_json(
-        r#"{"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}"#,
-    )?;
-    let mut config = WorkerConfig::new(engine, 0, 1, kv);
-    config.platform = Arc::new(BuiltinPlatform::CPU);
-    let worker = KvConnectorWorker::new(config)?;
-    worker.register_host_kv_caches(spec)?;
-    Ok(worker)
-}
+use kv_pair::{scheduler_config, worker};
+use nixl_connector::{KvCacheSpec, KvConnectorScheduler, KvLayout, KvTransferParams};
 
 #[tokio::main]
 async fn main() -> nixl_connector::Result<()> {
@@ -43,13 +29,8 @@ async fn main() -> nixl_connector::Result<()> {
 
     // Prefill engine: computes request "r1" into blocks 4..8, then finishes it for a remote decode.
     let prefill = worker("prefill-engine", spec)?;
-    let mut prefill_scheduler = KvConnectorScheduler::new(SchedulerConfig {
-        engine_id: "prefill-engine".into(),
-        host: "127.0.0.1".into(),
-        port: prefill.side_channel_addr()?.port(),
-        tp_size: 1,
-        abort_timeout: Duration::from_secs(30),
-    });
+    let mut prefill_scheduler =
+        KvConnectorScheduler::new(scheduler_config("prefill-engine", &prefill)?);
     let cache = prefill.kv_caches()?;
     for layer in 0..spec.num_layers {
         for block in 4..8 {
@@ -75,13 +56,8 @@ async fn main() -> nixl_connector::Result<()> {
 
     // Decode engine: allocates blocks 0..4 for "r1" and loads them from the prefill.
     let decode = worker("decode-engine", spec)?;
-    let mut decode_scheduler = KvConnectorScheduler::new(SchedulerConfig {
-        engine_id: "decode-engine".into(),
-        host: "127.0.0.1".into(),
-        port: decode.side_channel_addr()?.port(),
-        tp_size: 1,
-        abort_timeout: Duration::from_secs(30),
-    });
+    let mut decode_scheduler =
+        KvConnectorScheduler::new(scheduler_config("decode-engine", &decode)?);
     assert!(KvConnectorScheduler::needs_remote_prefill(Some(&params)));
     decode_scheduler.update_state_after_alloc("r1", &[0, 1, 2, 3], &params)?;
     decode.start_load_kv(&decode_scheduler.build_connector_meta());

@@ -1,5 +1,7 @@
-//! The header must declare exactly the `nixl_capi_*` functions that the linked
+//! The header must declare exactly the `nixl_capi_*` functions that the real
 //! `libnixl_capi.so` exports: none missing, none invented.
+
+mod common;
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -41,7 +43,7 @@ fn exported_functions(library: &Path) -> BTreeSet<String> {
 
 #[test]
 fn header_declares_exactly_the_exported_functions() {
-    let library = Path::new(nixl_sys::LIB_DIR).join("libnixl_capi.so");
+    let library = common::library_path();
     let exported = exported_functions(&library);
     let declared = declared_functions(HEADER);
 

@@ -11,6 +11,7 @@ use crate::driver::{Driver, Shared};
 use crate::error::{check, Result};
 use crate::handles::BackendHandle;
 use crate::leaks::{LeakCounters, LeakStats};
+use crate::library::capi;
 use crate::local_peers;
 use crate::raw::c_name;
 use crate::wire::LoadedMetadata;
@@ -152,9 +153,12 @@ impl AgentBuilder {
     ///
     /// # Errors
     /// [`Error::InvalidName`](crate::Error::InvalidName) for an empty name or one with a NUL
-    /// byte; [`Error::Nixl`](crate::Error::Nixl) if NIXL cannot create it.
+    /// byte; [`Error::Library`](crate::Error::Library) if NIXL cannot be found or loaded
+    /// (this is where a process loads it); [`Error::Nixl`](crate::Error::Nixl) if NIXL
+    /// cannot create it.
     pub fn build(self) -> Result<Agent> {
         let name = c_name("agent name", &self.name)?;
+        crate::library::load()?;
         let cfg = &self.config;
         let raw_cfg = sys::nixl_capi_agent_config_t {
             enable_prog_thread: cfg.progress_thread,
@@ -171,7 +175,7 @@ impl AgentBuilder {
         let mut raw = ptr::null_mut();
         // SAFETY: valid C string and config, out-pointer to a local.
         let status =
-            unsafe { sys::nixl_capi_create_configured_agent(name.as_ptr(), &raw_cfg, &mut raw) };
+            unsafe { capi().nixl_capi_create_configured_agent(name.as_ptr(), &raw_cfg, &mut raw) };
         check(status, "create agent")?;
         tracing::debug!(agent = %self.name, config = ?self.config, "created NIXL agent");
         let inner = Arc::new(AgentInner {
@@ -321,7 +325,7 @@ impl Drop for AgentInner {
             self.backends.get_mut().unwrap_or_else(|p| p.into_inner()),
         ));
         // SAFETY: the last reference is gone, so no child object can use the handle again.
-        let status = unsafe { sys::nixl_capi_destroy_agent(self.raw) };
+        let status = unsafe { capi().nixl_capi_destroy_agent(self.raw) };
         match check(status, "destroy agent") {
             Ok(()) => tracing::debug!(agent = %self.name, "destroyed NIXL agent"),
             Err(err) => {

@@ -10,6 +10,7 @@ use crate::agent::{Agent, AgentInner};
 use crate::error::{check, Error, Result};
 use crate::handles::Params;
 use crate::handles::{BackendHandle, OptArgs};
+use crate::library::capi;
 use crate::mem_type::MemType;
 use crate::raw::{c_name, take_mem_list, take_string_list};
 
@@ -151,7 +152,7 @@ pub(crate) fn describe_backend(
     let (mut mems, mut params) = (ptr::null_mut(), ptr::null_mut());
     // SAFETY: live agent and backend; out-pointers to locals, owned by us on success.
     let status = agent.with(|agent| unsafe {
-        sys::nixl_capi_get_backend_params(agent, raw, &mut mems, &mut params)
+        capi().nixl_capi_get_backend_params(agent, raw, &mut mems, &mut params)
     });
     check(status, "get backend parameters")?;
     // SAFETY: handed to us above, destroyed by the owner only.
@@ -181,13 +182,29 @@ impl Agent {
             .collect()
     }
 
+    /// [`Error::BackendExists`] if the agent has a backend of `plugin`.
+    fn check_no_backend_of(&self, plugin: &str) -> Result<()> {
+        let handles = self
+            .inner
+            .backends
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if handles.iter().any(|(created, _)| created == plugin) {
+            return Err(Error::BackendExists {
+                plugin: plugin.to_string(),
+                agent: self.inner.name.clone(),
+            });
+        }
+        Ok(())
+    }
+
     /// Names of the plugins NIXL can load (from its plugin directory).
     pub fn available_plugins(&self) -> Result<Vec<String>> {
         let mut list = ptr::null_mut();
         // SAFETY: live agent, out-pointer to a local.
         let status = self
             .inner
-            .with(|agent| unsafe { sys::nixl_capi_get_available_plugins(agent, &mut list) });
+            .with(|agent| unsafe { capi().nixl_capi_get_available_plugins(agent, &mut list) });
         check(status, "list available plugins")?;
         // SAFETY: returned to us above and not used again.
         unsafe { take_string_list(list) }
@@ -205,7 +222,7 @@ impl Agent {
         let status = self.inner.with(|agent| {
             // SAFETY: live agent, valid C string, out-pointers to locals.
             unsafe {
-                sys::nixl_capi_get_plugin_params(agent, name.as_ptr(), &mut mems, &mut params)
+                capi().nixl_capi_get_plugin_params(agent, name.as_ptr(), &mut mems, &mut params)
             }
         });
         if let Err(err) = check(status, "get plugin parameters") {
@@ -255,6 +272,7 @@ impl Agent {
     ///
     /// # Errors
     /// [`Error::UnknownPlugin`] for a plugin NIXL does not have,
+    /// [`Error::BackendExists`] when the agent already has a backend of `plugin`,
     /// [`Error::UnknownBackendParam`] for a key the plugin does not define, and
     /// [`Error::Nixl`] when NIXL rejects a value or cannot start the backend.
     pub fn create_backend_with<K, V>(
@@ -266,6 +284,7 @@ impl Agent {
         K: Into<String>,
         V: Into<String>,
     {
+        self.check_no_backend_of(plugin)?;
         let info = self.plugin_info(plugin)?;
         let extra = unadvertised_params(plugin);
         let mut params = info.params.clone();
@@ -291,11 +310,13 @@ impl Agent {
                     // SAFETY: live agent and params, valid C string; NIXL stores the new
                     // handle through the out-pointer.
                     unsafe {
-                        sys::nixl_capi_create_backend(agent, name.as_ptr(), raw_params.raw(), out)
+                        capi().nixl_capi_create_backend(agent, name.as_ptr(), raw_params.raw(), out)
                     }
                 })
             })
             .map_err(|err| {
+                // Another thread may have created the same backend in the meantime.
+                let err = self.check_no_backend_of(plugin).err().unwrap_or(err);
                 tracing::warn!(agent = %self.inner.name, plugin, %err, "backend creation failed");
                 err
             })?;

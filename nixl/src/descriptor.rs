@@ -1,9 +1,8 @@
 //! Descriptors: one contiguous range of memory each.
 
-use nixl_sys as sys;
-
 use crate::error::{check, Error, Result};
 use crate::handles::RegDlist;
+use crate::library::capi;
 use crate::mem_type::MemType;
 
 /// A range to register: address (or offset), length, device id and backend metadata.
@@ -75,13 +74,13 @@ impl RegDlist {
     ) -> Result<Self> {
         // SAFETY: NIXL stores a new handle through the out-pointer.
         let list = RegDlist::create("create registration list", |out| unsafe {
-            sys::nixl_capi_create_reg_dlist(mem_type.to_raw(), out)
+            capi().nixl_capi_create_reg_dlist(mem_type.to_raw(), out)
         })?;
         for (index, d) in descs.iter().enumerate() {
             validate(operation, mem_type, index, d.addr, d.len)?;
             // SAFETY: live list; NIXL copies the descriptor and its metadata bytes.
             let status = unsafe {
-                sys::nixl_capi_reg_dlist_add_desc(
+                capi().nixl_capi_reg_dlist_add_desc(
                     list.raw(),
                     d.addr,
                     d.len,

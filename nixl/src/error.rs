@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use nixl_sys::nixl_capi_status_t as raw;
 
+use crate::library::LibraryError;
 use crate::mem_type::MemType;
 use crate::status::Status;
 
@@ -15,6 +16,10 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[non_exhaustive]
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// NIXL's C API library could not be loaded (not found, another release, or unusable);
+    /// the message lists every place looked at and how to install NIXL.
+    #[error(transparent)]
+    Library(#[from] LibraryError),
     /// A NIXL call failed.
     #[error("{operation} failed: NIXL returned {status}{}", hint.map(|h| format!("; {h}")).unwrap_or_default())]
     Nixl {
@@ -43,13 +48,22 @@ pub enum Error {
         /// Why the argument is wrong.
         reason: String,
     },
-    /// No plugin (backend) of that name can be loaded.
-    #[error("NIXL plugin {name:?} is not available; available plugins: [{}]", available.join(", "))]
+    /// No plugin (backend) of that name can be loaded. The message suggests the available
+    /// plugin whose name differs only in case, if there is one.
+    #[error("NIXL plugin {name:?} is not available{}; available plugins: [{}]", same_but_case(name, available), available.join(", "))]
     UnknownPlugin {
         /// The requested plugin.
         name: String,
         /// The plugins NIXL found.
         available: Vec<String>,
+    },
+    /// The agent already has a backend of this plugin (NIXL makes one per plugin).
+    #[error("{plugin} is already created on this agent ({agent:?}); use that backend (Agent::backends lists them)")]
+    BackendExists {
+        /// The plugin.
+        plugin: String,
+        /// The agent's name.
+        agent: String,
     },
     /// A backend parameter the plugin does not define.
     #[error("plugin {plugin:?} has no parameter {key:?}; its parameters are: [{}]", known.join(", "))]
@@ -119,15 +133,17 @@ pub enum Error {
         /// The memory type given.
         found: MemType,
     },
-    /// An index into a prepared list is out of range.
-    #[error("{operation}: index {index} is out of range for a prepared list of {len} descriptors")]
+    /// An index into a list (a registration's regions, a prepared list) is out of range.
+    #[error("{operation}: index {index} is out of range for the {len} {items}")]
     IndexOutOfRange {
         /// What was being done.
         operation: &'static str,
         /// The offending index.
         index: usize,
-        /// Number of descriptors in the list.
+        /// Number of items in the list.
         len: usize,
+        /// What the list holds, e.g. `regions of the registration`.
+        items: &'static str,
     },
     /// A deadline passed before the operation finished.
     #[error("{operation}: not finished after {waited:?}; the request is still in flight and keeps its memory registered")]
@@ -217,6 +233,16 @@ impl Error {
             _ => None,
         }
     }
+}
+
+/// `" (did you mean \"UCX\"? plugin names are case-sensitive)"` when an available plugin's
+/// name differs from `name` only in case; otherwise nothing.
+fn same_but_case(name: &str, available: &[String]) -> String {
+    available
+        .iter()
+        .find(|plugin| plugin.eq_ignore_ascii_case(name))
+        .map(|plugin| format!(" (did you mean {plugin:?}? plugin names are case-sensitive)"))
+        .unwrap_or_default()
 }
 
 /// Outcome of a call that may still be running.

@@ -1,6 +1,7 @@
 //! One owner per C object type that NIXL frees with a plain destroy call, all made by
-//! [`foreign_handle!`]: the owner holds the handle, creates it through NIXL's create call,
-//! and destroys it exactly once in `Drop`, logging a failure rather than panicking. Adding a
+//! [`foreign_handle!`]: the owner holds the handle, creates it through NIXL's create call
+//! (loading NIXL first if this process has not yet), and destroys it exactly once in
+//! `Drop`, logging a failure rather than panicking. Adding a
 //! C object type is one declaration here; its methods live with the code that uses it.
 //!
 //! Objects whose release needs their agent (transfer requests, prepared lists, memory
@@ -9,10 +10,11 @@
 use nixl_sys as sys;
 
 use crate::error::{check, Result};
+use crate::library::{self, capi};
 
-/// Declares `$name`, the owner of one `$raw` handle destroyed by `$destroy`.
+/// Declares `$name`, the owner of one `$raw` handle destroyed by the C API's `$destroy`.
 macro_rules! foreign_handle {
-    ($(#[$doc:meta])* $name:ident($raw:ty), destroy: $destroy:path, what: $what:literal) => {
+    ($(#[$doc:meta])* $name:ident($raw:ty), destroy: $destroy:ident, what: $what:literal) => {
         $(#[$doc])*
         pub(crate) struct $name {
             raw: $raw,
@@ -20,11 +22,13 @@ macro_rules! foreign_handle {
 
         impl $name {
             /// Makes one with `create`, NIXL's create call, which stores the new handle
-            /// through its argument; a failure becomes an error naming `operation`.
+            /// through its argument; a failure becomes an error naming `operation`. NIXL is
+            /// loaded first, if it was not yet.
             pub(crate) fn create(
                 operation: &'static str,
                 create: impl FnOnce(*mut $raw) -> sys::nixl_capi_status_t::Type,
             ) -> Result<Self> {
+                library::load()?;
                 let mut raw: $raw = std::ptr::null_mut();
                 check(create(&mut raw), operation)?;
                 Ok($name { raw })
@@ -39,7 +43,7 @@ macro_rules! foreign_handle {
         impl Drop for $name {
             fn drop(&mut self) {
                 // SAFETY: an owned live handle, destroyed only here.
-                let status = unsafe { $destroy(self.raw) };
+                let status = unsafe { capi().$destroy(self.raw) };
                 if let Err(err) = check(status, concat!("destroy ", $what)) {
                     tracing::error!(%err, concat!("leaking NIXL ", $what));
                 }
@@ -66,49 +70,49 @@ macro_rules! adopts_handed_out {
 foreign_handle!(
     /// An owned `nixl_capi_opt_args_t`: optional arguments of a call.
     OptArgs(sys::nixl_capi_opt_args_t),
-    destroy: sys::nixl_capi_destroy_opt_args,
+    destroy: nixl_capi_destroy_opt_args,
     what: "optional arguments"
 );
 
 foreign_handle!(
     /// An owned `nixl_capi_params_t`: backend parameters.
     Params(sys::nixl_capi_params_t),
-    destroy: sys::nixl_capi_destroy_params,
+    destroy: nixl_capi_destroy_params,
     what: "backend parameters"
 );
 
 foreign_handle!(
     /// An owned `nixl_capi_reg_dlist_t`: descriptors to register.
     RegDlist(sys::nixl_capi_reg_dlist_t),
-    destroy: sys::nixl_capi_destroy_reg_dlist,
+    destroy: nixl_capi_destroy_reg_dlist,
     what: "registration list"
 );
 
 foreign_handle!(
     /// An owned `nixl_capi_xfer_dlist_t`: descriptors to transfer.
     XferDlistHandle(sys::nixl_capi_xfer_dlist_t),
-    destroy: sys::nixl_capi_destroy_xfer_dlist,
+    destroy: nixl_capi_destroy_xfer_dlist,
     what: "descriptor list"
 );
 
 foreign_handle!(
     /// An owned `nixl_capi_remote_dlist_t`: descriptors of peers' memory, each naming its agent.
     PeerDlist(sys::nixl_capi_remote_dlist_t),
-    destroy: sys::nixl_capi_destroy_remote_dlist,
+    destroy: nixl_capi_destroy_remote_dlist,
     what: "peer descriptor list"
 );
 
 foreign_handle!(
     /// An owned `nixl_capi_notif_map_t`: notifications by sender.
     NotifMap(sys::nixl_capi_notif_map_t),
-    destroy: sys::nixl_capi_destroy_notif_map,
+    destroy: nixl_capi_destroy_notif_map,
     what: "notification map"
 );
 
 foreign_handle!(
     /// An owned `nixl_capi_query_resp_list_t`: answers of a memory query.
     QueryResponses(sys::nixl_capi_query_resp_list_t),
-    destroy: sys::nixl_capi_destroy_query_resp_list,
+    destroy: nixl_capi_destroy_query_resp_list,
     what: "query responses"
 );
 
@@ -116,7 +120,7 @@ foreign_handle!(
     /// An owned `nixl_capi_backend_t`: the wrapper NIXL hands out for a backend (the backend
     /// itself belongs to its agent).
     BackendHandle(sys::nixl_capi_backend_t),
-    destroy: sys::nixl_capi_destroy_backend,
+    destroy: nixl_capi_destroy_backend,
     what: "backend handle"
 );
 

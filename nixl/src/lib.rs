@@ -48,6 +48,30 @@
 //! # }
 //! ```
 //!
+//! # Finding NIXL
+//! NIXL is loaded at run time, once per process, when the first agent (or any NIXL object)
+//! is made: a program that depends on this crate needs no build script and no
+//! `LD_LIBRARY_PATH`. `libnixl_capi.so` is looked for, in order, in:
+//! 1. `NIXL_LIB_DIR`, the folder holding it;
+//! 2. `NIXL_PREFIX`: an install prefix (`lib/x86_64-linux-gnu`, `lib64`, `lib`), a venv root
+//!    or a site-packages folder holding the `nixl-cu12` / `nixl-cu13` wheel;
+//! 3. the NIXL found when `nixl-capi-sys` was built (its `NIXL_LIB_DIR` / `NIXL_PREFIX`, or
+//!    the nixl-rs workspace's vendored wheel);
+//! 4. the `nixl-cu12` / `nixl-cu13` wheel in the active venv (`VIRTUAL_ENV`);
+//! 5. the same in the Python user site (`PYTHONUSERBASE`, else `~/.local`);
+//! 6. `/opt/nvidia/nvda_nixl`, NIXL's default source-install prefix;
+//! 7. the system loader (`ld.so.cache`, `LD_LIBRARY_PATH`).
+//!
+//! When `NIXL_LIB_DIR` or `NIXL_PREFIX` is set, only it is searched. The library must be
+//! NIXL 1.5.1: its version is read from the installation before anything of it runs. It is
+//! opened by its full path, so the wheel's libraries still find each other (and UCX its
+//! modules) through their `$ORIGIN` paths, and NIXL loads its backend plugins from
+//! `plugins/` beside it (or from `NIXL_PLUGIN_DIR`, which NIXL reads itself; this crate
+//! sets no environment variable). When nothing fits, creating the agent returns
+//! [`Error::Library`], whose message lists every place looked at and what was there, and
+//! says how to install NIXL (`pip install nixl-cu12==1.5.1`). [`load_library`] loads NIXL
+//! up front and says which library it is.
+//!
 //! # Ownership and safety
 //! Everything made from an [`Agent`] holds it (`Arc`), so the agent outlives its backends,
 //! registrations, lists and requests. A [`Registration`] owns its memory (`'static` only:
@@ -142,6 +166,7 @@ mod error;
 mod handles;
 pub mod kv_config;
 mod leaks;
+mod library;
 mod local_peers;
 mod mem_type;
 mod mem_view;
@@ -173,6 +198,7 @@ pub use desc_list::{LocalDescList, RemoteDescList};
 pub use descriptor::{RegDesc, XferDesc};
 pub use error::{Error, Result};
 pub use leaks::LeakStats;
+pub use library::{LibraryError, LoadedLibrary, SearchOutcome, SearchStep};
 pub use mem_type::{MemType, ParseMemTypeError};
 pub use mem_view::{MemView, PeerDesc};
 pub use memory::{FileRegion, HostBuffer, RegisterMemory};
@@ -186,3 +212,16 @@ pub use registration::Registration;
 pub use status::Status;
 pub use wire::validate_metadata;
 pub use xfer::{CostEstimate, CostMethod, XferRequest, XferStatus, XferTelemetry};
+
+/// Loads NIXL's C API library if this process has not yet, and says which one it is.
+///
+/// Creating an agent (or any NIXL object) loads it too; calling this first reports the
+/// library at start-up, or fails early. See "Finding NIXL" in the crate documentation for
+/// the search order.
+///
+/// # Errors
+/// [`Error::Library`], listing every place searched and how to install NIXL, when no
+/// library of NIXL 1.5.1 was found that loads.
+pub fn load_library() -> Result<&'static LoadedLibrary> {
+    Ok(library::load()?.info())
+}

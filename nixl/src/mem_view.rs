@@ -14,6 +14,7 @@ use crate::desc_list::LocalDescList;
 use crate::descriptor::{validate, XferDesc};
 use crate::error::{check, Error, Result};
 use crate::handles::PeerDlist;
+use crate::library::capi;
 use crate::local_peers::{self, Hold};
 use crate::mem_type::MemType;
 use crate::raw::c_name;
@@ -61,7 +62,7 @@ impl Drop for MemView {
         // SAFETY: prepared by this agent, released once.
         let status = self
             .agent
-            .with(|agent| unsafe { sys::nixl_capi_release_mem_view(agent, self.raw) });
+            .with(|agent| unsafe { capi().nixl_capi_release_mem_view(agent, self.raw) });
         if let Err(err) = check(status, "release memory view") {
             self.agent.leaks.failed_release();
             tracing::error!(agent = %self.agent.name, %err, "memory view not released cleanly");
@@ -73,14 +74,14 @@ impl PeerDlist {
     fn build(operation: &'static str, mem_type: MemType, descs: &[PeerDesc]) -> Result<Self> {
         // SAFETY: NIXL stores a new handle through the out-pointer.
         let list = PeerDlist::create(operation, |out| unsafe {
-            sys::nixl_capi_create_remote_dlist(mem_type.to_raw(), out)
+            capi().nixl_capi_create_remote_dlist(mem_type.to_raw(), out)
         })?;
         for (index, peer) in descs.iter().enumerate() {
             validate(operation, mem_type, index, peer.desc.addr, peer.desc.len)?;
             let name: CString = c_name("remote agent name", &peer.agent)?;
             // SAFETY: live list, valid C string; NIXL copies both.
             let status = unsafe {
-                sys::nixl_capi_remote_dlist_add_desc(
+                capi().nixl_capi_remote_dlist_add_desc(
                     list.raw(),
                     peer.desc.addr,
                     peer.desc.len,
@@ -114,7 +115,7 @@ impl Agent {
         let mut raw = ptr::null_mut();
         // SAFETY: live agent, list and args; out-pointer to a local.
         let status = self.inner.with(|agent| unsafe {
-            sys::nixl_capi_prep_mem_view_local(agent, list.list.raw(), &mut raw, args.raw())
+            capi().nixl_capi_prep_mem_view_local(agent, list.list.raw(), &mut raw, args.raw())
         });
         check(status, OP)?;
         Ok(MemView {
@@ -150,7 +151,7 @@ impl Agent {
         let mut raw = ptr::null_mut();
         // SAFETY: live agent, list and args; out-pointer to a local.
         let status = self.inner.with(|agent| unsafe {
-            sys::nixl_capi_prep_mem_view_remote(agent, list.raw(), &mut raw, args.raw())
+            capi().nixl_capi_prep_mem_view_remote(agent, list.raw(), &mut raw, args.raw())
         });
         check(status, OP)?;
         Ok(MemView {

@@ -2,8 +2,6 @@
 
 use std::ptr;
 
-use nixl_sys as sys;
-
 use crate::agent::{Agent, AgentInner};
 use crate::backend::backend_args;
 use crate::backend::Backend;
@@ -11,6 +9,7 @@ use crate::desc_list::RemoteDescList;
 use crate::error::{check, check_hint, Error, Result};
 use crate::handles::OptArgs;
 use crate::handles::RegDlist;
+use crate::library::capi;
 use crate::mem_type::MemType;
 use crate::peer_hints::remote_metadata_loaded;
 use crate::raw::{c_name, take_malloced};
@@ -83,7 +82,7 @@ impl Agent {
         // SAFETY: live agent; on success `data` is a malloc'd buffer we own.
         let status = self
             .inner
-            .with(|agent| unsafe { sys::nixl_capi_get_local_md(agent, &mut data, &mut len) });
+            .with(|agent| unsafe { capi().nixl_capi_get_local_md(agent, &mut data, &mut len) });
         check(status, "get local metadata")?;
         // SAFETY: malloc'd by NIXL, `len` bytes, freed once here.
         Ok(unsafe { take_malloced(data, len) })
@@ -102,7 +101,7 @@ impl Agent {
         let status = self.inner.with(|agent| {
             // SAFETY: live agent, list and args; on success `data` is a malloc'd buffer we own.
             unsafe {
-                sys::nixl_capi_get_local_partial_md(
+                capi().nixl_capi_get_local_partial_md(
                     agent,
                     list.raw(),
                     &mut data,
@@ -153,7 +152,7 @@ impl Agent {
         let status = self.inner.with(|agent| {
             // SAFETY: live agent, bytes valid for their length; on success `name` is malloc'd.
             unsafe {
-                sys::nixl_capi_load_remote_md(
+                capi().nixl_capi_load_remote_md(
                     agent,
                     metadata.as_ptr().cast(),
                     metadata.len(),
@@ -201,7 +200,7 @@ impl Agent {
         // SAFETY: live agent; valid C string.
         let status = self
             .inner
-            .with(|agent| unsafe { sys::nixl_capi_invalidate_remote_md(agent, name.as_ptr()) });
+            .with(|agent| unsafe { capi().nixl_capi_invalidate_remote_md(agent, name.as_ptr()) });
         check_hint(
             status,
             "invalidate remote metadata",
@@ -218,7 +217,7 @@ impl Agent {
         // SAFETY: live agent and args.
         let status = self
             .inner
-            .with(|agent| unsafe { sys::nixl_capi_send_local_md(agent, args.raw()) });
+            .with(|agent| unsafe { capi().nixl_capi_send_local_md(agent, args.raw()) });
         check(status, "send local metadata")
     }
 
@@ -234,7 +233,7 @@ impl Agent {
         let args = peer.to_args(&self.inner, OP, backends)?;
         // SAFETY: live agent, list and args.
         let status = self.inner.with(|agent| unsafe {
-            sys::nixl_capi_send_local_partial_md(agent, list.raw(), args.raw())
+            capi().nixl_capi_send_local_partial_md(agent, list.raw(), args.raw())
         });
         check(status, OP)
     }
@@ -259,7 +258,7 @@ impl Agent {
         let args = peer.to_args(&self.inner, "fetch remote metadata", &[])?;
         // SAFETY: live agent and args; valid C string.
         let status = self.inner.with(|agent| unsafe {
-            sys::nixl_capi_fetch_remote_md(agent, name.as_ptr(), args.raw())
+            capi().nixl_capi_fetch_remote_md(agent, name.as_ptr(), args.raw())
         });
         check(status, "fetch remote metadata")
     }
@@ -270,7 +269,7 @@ impl Agent {
         // SAFETY: live agent and args.
         let status = self
             .inner
-            .with(|agent| unsafe { sys::nixl_capi_invalidate_local_md(agent, args.raw()) });
+            .with(|agent| unsafe { capi().nixl_capi_invalidate_local_md(agent, args.raw()) });
         check(status, "invalidate local metadata")
     }
 
@@ -280,7 +279,7 @@ impl Agent {
         let args = backend_args(&self.inner, "make connection", backends)?;
         // SAFETY: live agent and args; valid C string.
         let status = self.inner.with(|agent| unsafe {
-            sys::nixl_capi_agent_make_connection(agent, name.as_ptr(), args.raw())
+            capi().nixl_capi_agent_make_connection(agent, name.as_ptr(), args.raw())
         });
         check(status, "make connection").map_err(|err| self.hint_for_peer(err, remote_agent, None))
     }
@@ -288,6 +287,6 @@ impl Agent {
     /// Whether the linked NIXL is a stub build that cannot move data.
     pub fn is_stub_library() -> bool {
         // SAFETY: no arguments, no state.
-        unsafe { sys::nixl_capi_is_stub() }
+        unsafe { capi().nixl_capi_is_stub() }
     }
 }

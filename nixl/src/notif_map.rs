@@ -4,19 +4,18 @@
 use std::ffi::CStr;
 use std::ptr;
 
-use nixl_sys as sys;
-
 use crate::agent::AgentInner;
 use crate::backend::{backend_args, Backend};
 use crate::error::{check, Result};
 use crate::handles::{NotifMap, OptArgs};
+use crate::library::capi;
 use crate::notify_hub::Notification;
 
 impl NotifMap {
     fn new() -> Result<Self> {
         // SAFETY: NIXL stores a new handle through the out-pointer.
         NotifMap::create("create notification map", |out| unsafe {
-            sys::nixl_capi_create_notif_map(out)
+            capi().nixl_capi_create_notif_map(out)
         })
     }
 
@@ -27,7 +26,7 @@ impl NotifMap {
         let mut agents = 0;
         // SAFETY: live map.
         check(
-            unsafe { sys::nixl_capi_notif_map_size(self.raw(), &mut agents) },
+            unsafe { capi().nixl_capi_notif_map_size(self.raw(), &mut agents) },
             OP,
         )?;
         let mut out = Vec::new();
@@ -35,7 +34,9 @@ impl NotifMap {
             let mut name_ptr = ptr::null();
             // SAFETY: index < size; the name is borrowed from the map and used below only.
             check(
-                unsafe { sys::nixl_capi_notif_map_get_agent_at(self.raw(), index, &mut name_ptr) },
+                unsafe {
+                    capi().nixl_capi_notif_map_get_agent_at(self.raw(), index, &mut name_ptr)
+                },
                 OP,
             )?;
             if name_ptr.is_null() {
@@ -47,7 +48,11 @@ impl NotifMap {
             // SAFETY: live map and a name it contains.
             check(
                 unsafe {
-                    sys::nixl_capi_notif_map_get_notifs_size(self.raw(), name.as_ptr(), &mut count)
+                    capi().nixl_capi_notif_map_get_notifs_size(
+                        self.raw(),
+                        name.as_ptr(),
+                        &mut count,
+                    )
                 },
                 OP,
             )?;
@@ -56,7 +61,7 @@ impl NotifMap {
                 // SAFETY: n < count; the bytes are borrowed from the map and copied at once.
                 check(
                     unsafe {
-                        sys::nixl_capi_notif_map_get_notif(
+                        capi().nixl_capi_notif_map_get_notif(
                             self.raw(),
                             name.as_ptr(),
                             n,
@@ -104,7 +109,7 @@ pub(crate) fn take_from_nixl(
     let args = optional_backend_args(agent, "get notifications", backends)?;
     // SAFETY: live agent and map; args null or live.
     let status = agent.with(|raw| unsafe {
-        sys::nixl_capi_get_notifs(raw, map.raw(), OptArgs::ptr(args.as_ref()))
+        capi().nixl_capi_get_notifs(raw, map.raw(), OptArgs::ptr(args.as_ref()))
     });
     check(status, "get notifications")?;
     map.take()

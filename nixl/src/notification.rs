@@ -2,13 +2,12 @@
 
 use std::collections::HashMap;
 
-use nixl_sys as sys;
-
 use crate::agent::Agent;
 use crate::backend::Backend;
 use crate::driver::lock;
 use crate::error::{check, Result};
 use crate::handles::OptArgs;
+use crate::library::capi;
 use crate::notif_map::{optional_backend_args, take_from_nixl};
 use crate::raw::c_name;
 
@@ -33,7 +32,7 @@ impl Agent {
         let status = self.inner.with(|agent| {
             // SAFETY: live agent, valid C string, `message` valid for its length.
             unsafe {
-                sys::nixl_capi_gen_notif(
+                capi().nixl_capi_gen_notif(
                     agent,
                     name.as_ptr(),
                     message.as_ptr().cast(),

@@ -6,6 +6,7 @@ use nixl_sys as sys;
 
 use crate::agent::{Agent, AgentInner};
 use crate::error::{check, Error, Result, HINT_LOAD_REMOTE_MD};
+use crate::library::capi;
 use crate::raw::c_name;
 use crate::status::Status;
 
@@ -19,7 +20,7 @@ pub(crate) fn remote_metadata_loaded(
     let name = c_name("remote agent name", remote_agent)?;
     // SAFETY: live agent; valid C string; list null or live (the caller's).
     let status =
-        agent.with(|agent| unsafe { sys::nixl_capi_check_remote_md(agent, name.as_ptr(), list) });
+        agent.with(|agent| unsafe { capi().nixl_capi_check_remote_md(agent, name.as_ptr(), list) });
     match check(status, "check remote metadata") {
         Ok(()) => Ok(true),
         Err(err) if err.status() == Some(Status::NotFound) => Ok(false),

@@ -4,14 +4,13 @@ use std::ffi::c_int;
 use std::ptr;
 use std::sync::Arc;
 
-use nixl_sys as sys;
-
 use crate::agent::Agent;
 use crate::backend::Backend;
 use crate::desc_list::{LocalDescList, RemoteDescList};
 use crate::descriptor::check_pairing;
 use crate::error::{check, Error, Result};
 use crate::handles::OptArgs;
+use crate::library::capi;
 use crate::local_peers::{self};
 use crate::options::{XferOp, XferOptions};
 use crate::prepared_handle::PreparedShared;
@@ -89,6 +88,7 @@ fn to_c_indices(operation: &'static str, indices: &[usize], len: usize) -> Resul
                 operation,
                 index,
                 len,
+                items: "descriptors of the prepared list",
             }),
         })
         .collect()
@@ -178,7 +178,7 @@ impl Agent {
         let status = self.inner.with(|agent| {
             // SAFETY: live agent, handles and args; index arrays valid for their lengths.
             unsafe {
-                sys::nixl_capi_make_xfer_req(
+                capi().nixl_capi_make_xfer_req(
                     agent,
                     op.to_raw(),
                     local.raw,

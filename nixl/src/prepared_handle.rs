@@ -10,6 +10,7 @@ use crate::agent::{Agent, AgentInner};
 use crate::backend::{backend_args, Backend};
 use crate::error::{check, Error, Result};
 use crate::handles::OptArgs;
+use crate::library::capi;
 use crate::local_peers::Hold;
 use crate::xfer_dlist::XferDlist;
 
@@ -39,7 +40,7 @@ impl Drop for PreparedShared {
         // SAFETY: live agent and handle, released once; no request uses it any more.
         let status = self
             .agent
-            .with(|agent| unsafe { sys::nixl_capi_release_xfer_dlist_handle(agent, self.raw) });
+            .with(|agent| unsafe { capi().nixl_capi_release_xfer_dlist_handle(agent, self.raw) });
         if let Err(err) = check(status, "release prepared list") {
             self.agent.leaks.failed_release();
             tracing::error!(agent = %self.agent.name, %err, "prepared list not released cleanly");
@@ -73,7 +74,7 @@ impl Agent {
         let status = self.inner.with(|agent| {
             // SAFETY: live agent, list and args; valid C string; out-pointer to a local.
             unsafe {
-                sys::nixl_capi_prep_xfer_dlist(
+                capi().nixl_capi_prep_xfer_dlist(
                     agent,
                     name.as_ptr(),
                     list.raw(),

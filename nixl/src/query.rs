@@ -3,8 +3,6 @@
 use std::collections::BTreeMap;
 use std::ptr;
 
-use nixl_sys as sys;
-
 use crate::agent::Agent;
 use crate::backend::backend_args;
 use crate::backend::Backend;
@@ -12,13 +10,14 @@ use crate::descriptor::RegDesc;
 use crate::error::{check, Result};
 use crate::handles::RegDlist;
 use crate::handles::{Params, QueryResponses};
+use crate::library::capi;
 use crate::mem_type::MemType;
 
 impl QueryResponses {
     fn new() -> Result<Self> {
         // SAFETY: NIXL stores a new handle through the out-pointer.
         QueryResponses::create("create query responses", |out| unsafe {
-            sys::nixl_capi_create_query_resp_list(out)
+            capi().nixl_capi_create_query_resp_list(out)
         })
     }
 
@@ -28,7 +27,7 @@ impl QueryResponses {
         let mut size = 0;
         // SAFETY: live list.
         check(
-            unsafe { sys::nixl_capi_query_resp_list_size(self.raw(), &mut size) },
+            unsafe { capi().nixl_capi_query_resp_list_size(self.raw(), &mut size) },
             OP,
         )?;
         (0..size)
@@ -37,7 +36,11 @@ impl QueryResponses {
                 // SAFETY: index < size.
                 check(
                     unsafe {
-                        sys::nixl_capi_query_resp_list_has_value(self.raw(), index, &mut has_value)
+                        capi().nixl_capi_query_resp_list_has_value(
+                            self.raw(),
+                            index,
+                            &mut has_value,
+                        )
                     },
                     OP,
                 )?;
@@ -48,7 +51,7 @@ impl QueryResponses {
                 // SAFETY: index < size and it has a value; the params are ours to destroy.
                 check(
                     unsafe {
-                        sys::nixl_capi_query_resp_list_get_params(self.raw(), index, &mut params)
+                        capi().nixl_capi_query_resp_list_get_params(self.raw(), index, &mut params)
                     },
                     OP,
                 )?;
@@ -75,7 +78,7 @@ impl Agent {
         let responses = QueryResponses::new()?;
         let status = self.inner.with(|agent| {
             // SAFETY: live agent, list, responses and args.
-            unsafe { sys::nixl_capi_query_mem(agent, list.raw(), responses.raw(), args.raw()) }
+            unsafe { capi().nixl_capi_query_mem(agent, list.raw(), responses.raw(), args.raw()) }
         });
         check(status, OP)?;
         responses.to_vec()

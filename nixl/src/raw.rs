@@ -10,6 +10,7 @@ use nixl_sys as sys;
 
 use crate::error::{check, Error, Result};
 use crate::handles::{OptArgs, Params};
+use crate::library::capi;
 use crate::mem_type::MemType;
 
 /// Validates a name that crosses into NIXL as a C string: not empty, no NUL byte.
@@ -63,7 +64,7 @@ impl OptArgs {
     pub(crate) fn new() -> Result<Self> {
         // SAFETY: NIXL stores a new handle through the out-pointer.
         OptArgs::create("create optional arguments", |out| unsafe {
-            sys::nixl_capi_create_opt_args(out)
+            capi().nixl_capi_create_opt_args(out)
         })
     }
 
@@ -74,7 +75,7 @@ impl OptArgs {
     pub(crate) unsafe fn add_backend(&self, backend: sys::nixl_capi_backend_t) -> Result<()> {
         // SAFETY: both handles are live (the caller vouches for the backend).
         check(
-            unsafe { sys::nixl_capi_opt_args_add_backend(self.raw(), backend) },
+            unsafe { capi().nixl_capi_opt_args_add_backend(self.raw(), backend) },
             "add backend to optional arguments",
         )
     }
@@ -88,7 +89,7 @@ impl OptArgs {
         // SAFETY: live handle; NIXL copies the bytes.
         check(
             unsafe {
-                sys::nixl_capi_opt_args_set_notif_msg(
+                capi().nixl_capi_opt_args_set_notif_msg(
                     self.raw(),
                     message.as_ptr().cast(),
                     message.len(),
@@ -98,7 +99,7 @@ impl OptArgs {
         )?;
         // SAFETY: live handle.
         check(
-            unsafe { sys::nixl_capi_opt_args_set_has_notif(self.raw(), true) },
+            unsafe { capi().nixl_capi_opt_args_set_has_notif(self.raw(), true) },
             "enable notification",
         )
     }
@@ -106,7 +107,7 @@ impl OptArgs {
     pub(crate) fn set_skip_desc_merge(&self, skip: bool) -> Result<()> {
         // SAFETY: live handle.
         check(
-            unsafe { sys::nixl_capi_opt_args_set_skip_desc_merge(self.raw(), skip) },
+            unsafe { capi().nixl_capi_opt_args_set_skip_desc_merge(self.raw(), skip) },
             "set skip_desc_merge",
         )
     }
@@ -115,7 +116,7 @@ impl OptArgs {
         // SAFETY: live handle; NIXL copies the bytes.
         check(
             unsafe {
-                sys::nixl_capi_opt_args_set_custom_param(
+                capi().nixl_capi_opt_args_set_custom_param(
                     self.raw(),
                     value.as_ptr().cast(),
                     value.len(),
@@ -129,12 +130,12 @@ impl OptArgs {
         let ip = c_name("IP address", ip)?;
         // SAFETY: live handle; NIXL copies the string.
         check(
-            unsafe { sys::nixl_capi_opt_args_set_ip_addr(self.raw(), ip.as_ptr()) },
+            unsafe { capi().nixl_capi_opt_args_set_ip_addr(self.raw(), ip.as_ptr()) },
             "set metadata peer address",
         )?;
         // SAFETY: live handle.
         check(
-            unsafe { sys::nixl_capi_opt_args_set_port(self.raw(), port) },
+            unsafe { capi().nixl_capi_opt_args_set_port(self.raw(), port) },
             "set metadata peer port",
         )
     }
@@ -145,7 +146,7 @@ impl Params {
     pub(crate) fn from_map(map: &BTreeMap<String, String>) -> Result<Self> {
         // SAFETY: NIXL stores a new handle through the out-pointer.
         let params = Params::create("create backend parameters", |out| unsafe {
-            sys::nixl_capi_create_params(out)
+            capi().nixl_capi_create_params(out)
         })?;
         for (key, value) in map {
             let key = c_name("backend parameter name", key)?;
@@ -155,7 +156,7 @@ impl Params {
             })?;
             // SAFETY: live handle; NIXL copies both strings.
             check(
-                unsafe { sys::nixl_capi_params_add(params.raw(), key.as_ptr(), value.as_ptr()) },
+                unsafe { capi().nixl_capi_params_add(params.raw(), key.as_ptr(), value.as_ptr()) },
                 "add backend parameter",
             )?;
         }
@@ -168,7 +169,7 @@ impl Params {
         let mut empty = true;
         // SAFETY: live handle.
         check(
-            unsafe { sys::nixl_capi_params_is_empty(self.raw(), &mut empty) },
+            unsafe { capi().nixl_capi_params_is_empty(self.raw(), &mut empty) },
             "read backend parameters",
         )?;
         if empty {
@@ -177,7 +178,7 @@ impl Params {
         let mut iter = ptr::null_mut();
         // SAFETY: live handle; the iterator is destroyed below, before the params.
         check(
-            unsafe { sys::nixl_capi_params_create_iterator(self.raw(), &mut iter) },
+            unsafe { capi().nixl_capi_params_create_iterator(self.raw(), &mut iter) },
             "iterate backend parameters",
         )?;
         let mut has_next = true;
@@ -186,7 +187,7 @@ impl Params {
             let (mut key, mut value) = (ptr::null(), ptr::null());
             // SAFETY: live iterator; the strings are borrowed from the params and copied at once.
             let status = unsafe {
-                sys::nixl_capi_params_iterator_next(iter, &mut key, &mut value, &mut has_next)
+                capi().nixl_capi_params_iterator_next(iter, &mut key, &mut value, &mut has_next)
             };
             if let Err(err) = check(status, "iterate backend parameters") {
                 result = Err(err);
@@ -199,7 +200,7 @@ impl Params {
         }
         // SAFETY: created above and destroyed once.
         let destroyed = check(
-            unsafe { sys::nixl_capi_params_destroy_iterator(iter) },
+            unsafe { capi().nixl_capi_params_destroy_iterator(iter) },
             "destroy parameter iterator",
         );
         result.and(destroyed).map(|()| map)
@@ -214,7 +215,7 @@ pub(crate) unsafe fn take_mem_list(list: sys::nixl_capi_mem_list_t) -> Result<Ve
     let mut size = 0;
     // SAFETY: live list per the caller's contract.
     let mut result = check(
-        unsafe { sys::nixl_capi_mem_list_size(list, &mut size) },
+        unsafe { capi().nixl_capi_mem_list_size(list, &mut size) },
         "read memory types",
     );
     let mut types = Vec::with_capacity(size);
@@ -225,7 +226,7 @@ pub(crate) unsafe fn take_mem_list(list: sys::nixl_capi_mem_list_t) -> Result<Ve
         let mut value = 0;
         // SAFETY: index < size.
         result = check(
-            unsafe { sys::nixl_capi_mem_list_get(list, index, &mut value) },
+            unsafe { capi().nixl_capi_mem_list_get(list, index, &mut value) },
             "read memory types",
         );
         if result.is_ok() {
@@ -239,7 +240,7 @@ pub(crate) unsafe fn take_mem_list(list: sys::nixl_capi_mem_list_t) -> Result<Ve
     }
     // SAFETY: owned and destroyed once.
     let destroyed = check(
-        unsafe { sys::nixl_capi_destroy_mem_list(list) },
+        unsafe { capi().nixl_capi_destroy_mem_list(list) },
         "destroy memory-type list",
     );
     result.and(destroyed).map(|()| types)
@@ -253,7 +254,7 @@ pub(crate) unsafe fn take_string_list(list: sys::nixl_capi_string_list_t) -> Res
     let mut size = 0;
     // SAFETY: live list per the caller's contract.
     let mut result = check(
-        unsafe { sys::nixl_capi_string_list_size(list, &mut size) },
+        unsafe { capi().nixl_capi_string_list_size(list, &mut size) },
         "read string list",
     );
     let mut strings = Vec::with_capacity(size);
@@ -264,7 +265,7 @@ pub(crate) unsafe fn take_string_list(list: sys::nixl_capi_string_list_t) -> Res
         let mut s = ptr::null();
         // SAFETY: index < size; the string is borrowed from the list and copied at once.
         result = check(
-            unsafe { sys::nixl_capi_string_list_get(list, index, &mut s) },
+            unsafe { capi().nixl_capi_string_list_get(list, index, &mut s) },
             "read string list",
         );
         // SAFETY: NUL-terminated string owned by the list.
@@ -272,7 +273,7 @@ pub(crate) unsafe fn take_string_list(list: sys::nixl_capi_string_list_t) -> Res
     }
     // SAFETY: owned and destroyed once.
     let destroyed = check(
-        unsafe { sys::nixl_capi_destroy_string_list(list) },
+        unsafe { capi().nixl_capi_destroy_string_list(list) },
         "destroy string list",
     );
     result.and(destroyed).map(|()| strings)

@@ -2,8 +2,6 @@
 
 use std::sync::Arc;
 
-use nixl_sys as sys;
-
 use crate::agent::{Agent, AgentInner};
 use crate::atomic_copy;
 use crate::backend::backend_args;
@@ -11,6 +9,7 @@ use crate::backend::Backend;
 use crate::descriptor::RegDesc;
 use crate::error::{check, Error, Result};
 use crate::handles::{OptArgs, RegDlist};
+use crate::library::capi;
 use crate::local_peers::{self, Target};
 use crate::mem_type::MemType;
 use crate::memory::RegisterMemory;
@@ -73,7 +72,7 @@ impl RegInner {
             .agent
             // SAFETY: live agent, list and options; the list was registered with these options.
             .with(|agent| unsafe {
-                sys::nixl_capi_deregister_mem(agent, self.dlist.raw(), self.opts.raw())
+                capi().nixl_capi_deregister_mem(agent, self.dlist.raw(), self.opts.raw())
             });
         check(status, "deregister memory")?;
         self.registered = false;
@@ -135,6 +134,7 @@ impl Registration {
                 operation,
                 index: region,
                 len: self.inner.regions.len(),
+                items: "regions of the registration",
             })?;
         match offset.checked_add(len) {
             Some(end) if end <= desc.len => Ok(desc.addr + offset),
@@ -326,7 +326,7 @@ impl Agent {
         // SAFETY: live agent, list and options; the caller keeps the memory valid.
         let status = self
             .inner
-            .with(|agent| unsafe { sys::nixl_capi_register_mem(agent, dlist.raw(), opts.raw()) });
+            .with(|agent| unsafe { capi().nixl_capi_register_mem(agent, dlist.raw(), opts.raw()) });
         check(status, OP).map_err(|err| {
             tracing::warn!(%err, "registration failed");
             err

@@ -3,14 +3,13 @@
 
 use std::ptr;
 
-use nixl_sys as sys;
-
 use crate::agent::Agent;
 use crate::backend::Backend;
 use crate::desc_list::{LocalDescList, RemoteDescList};
 use crate::descriptor::{check_pairing, XferDesc};
 use crate::error::{check, Error, Result};
 use crate::handles::OptArgs;
+use crate::library::capi;
 use crate::local_peers;
 use crate::mem_type::MemType;
 use crate::options::{XferOp, XferOptions};
@@ -127,7 +126,7 @@ impl Agent {
         let status = self.inner.with(|agent| {
             // SAFETY: live agent, lists and args; valid C string; out-pointer to a local.
             unsafe {
-                sys::nixl_capi_create_xfer_req(
+                capi().nixl_capi_create_xfer_req(
                     agent,
                     op.to_raw(),
                     local_raw,

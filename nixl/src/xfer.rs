@@ -13,6 +13,7 @@ use crate::backend::describe_backend;
 use crate::driver::{Entry, Pollable, Slot};
 use crate::error::{check, check_progress, with_hint, Error, Progress, Result, HINT_STALE_REQUEST};
 use crate::handles::OptArgs;
+use crate::library::capi;
 use crate::local_peers::Hold;
 use crate::prepared_handle::PreparedShared;
 use crate::status::Status;
@@ -187,7 +188,7 @@ impl XferRequest {
         // SAFETY: live agent and request; args is null or live.
         let status = self
             .agent
-            .with(|agent| unsafe { sys::nixl_capi_post_xfer_req(agent, self.raw, args) });
+            .with(|agent| unsafe { capi().nixl_capi_post_xfer_req(agent, self.raw, args) });
         self.posted = true;
         // Until NIXL says otherwise, part of the request may be on its way.
         self.in_flight = true;
@@ -218,7 +219,7 @@ impl XferRequest {
         // SAFETY: live agent and request.
         let status = self
             .agent
-            .with(|agent| unsafe { sys::nixl_capi_get_xfer_status(agent, self.raw) });
+            .with(|agent| unsafe { capi().nixl_capi_get_xfer_status(agent, self.raw) });
         match check_progress(status, "transfer") {
             Ok(progress) => {
                 self.in_flight = progress == Progress::InProgress;
@@ -280,7 +281,7 @@ impl XferRequest {
         let status = self.agent.with(|agent| {
             // SAFETY: live agent and request; out-pointers to locals.
             unsafe {
-                sys::nixl_capi_estimate_xfer_cost(
+                capi().nixl_capi_estimate_xfer_cost(
                     agent,
                     self.raw,
                     ptr::null_mut(),
@@ -317,14 +318,14 @@ impl XferRequest {
         const OP: &str = "query transfer backend";
         let mut raw = ptr::null_mut();
         // SAFETY: live agent and request; the returned handle is ours to destroy.
-        let status = self
-            .agent
-            .with(|agent| unsafe { sys::nixl_capi_query_xfer_backend(agent, self.raw, &mut raw) });
+        let status = self.agent.with(|agent| unsafe {
+            capi().nixl_capi_query_xfer_backend(agent, self.raw, &mut raw)
+        });
         check(status, OP)?;
         let described = describe_backend(&self.agent, raw);
         // SAFETY: returned to us above, destroyed once; frees only the wrapper.
         let destroyed = check(
-            unsafe { sys::nixl_capi_destroy_backend(raw) },
+            unsafe { capi().nixl_capi_destroy_backend(raw) },
             "destroy backend handle",
         );
         let chosen = described?;
@@ -352,9 +353,9 @@ impl XferRequest {
     pub fn telemetry(&self) -> Result<XferTelemetry> {
         let mut raw = sys::nixl_capi_xfer_telemetry_s::default();
         // SAFETY: live agent and request; NIXL fills the struct we own.
-        let status = self
-            .agent
-            .with(|agent| unsafe { sys::nixl_capi_get_xfer_telemetry(agent, self.raw, &mut raw) });
+        let status = self.agent.with(|agent| unsafe {
+            capi().nixl_capi_get_xfer_telemetry(agent, self.raw, &mut raw)
+        });
         check(status, "get transfer telemetry").map_err(|err| {
             with_hint(
                 err,
@@ -484,7 +485,7 @@ impl Drop for XferRequest {
         // SAFETY: live agent and request, seen done (or never posted).
         let released = self
             .agent
-            .with(|agent| unsafe { sys::nixl_capi_release_xfer_req(agent, self.raw) });
+            .with(|agent| unsafe { capi().nixl_capi_release_xfer_req(agent, self.raw) });
         if let Err(err) = check(released, "release transfer request") {
             self.agent.leaks.failed_release();
             self.leak(&format!("not released ({err})"));
@@ -492,7 +493,7 @@ impl Drop for XferRequest {
         }
         // SAFETY: released above; frees the wrapper once.
         if let Err(err) = check(
-            unsafe { sys::nixl_capi_destroy_xfer_req(self.raw) },
+            unsafe { capi().nixl_capi_destroy_xfer_req(self.raw) },
             "destroy transfer request",
         ) {
             tracing::error!(%err, "leaking NIXL transfer request wrapper");

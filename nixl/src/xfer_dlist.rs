@@ -5,6 +5,7 @@ use nixl_sys as sys;
 use crate::descriptor::{validate, XferDesc};
 use crate::error::{check, Result};
 use crate::handles::XferDlistHandle;
+use crate::library::capi;
 use crate::mem_type::MemType;
 
 /// A C descriptor list with a Rust copy of its descriptors.
@@ -23,7 +24,7 @@ impl XferDlist {
     fn with_descs(mem_type: MemType, capacity: usize, descs: Vec<XferDesc>) -> Result<Self> {
         // SAFETY: NIXL stores a new handle through the out-pointer.
         let handle = XferDlistHandle::create("create descriptor list", |out| unsafe {
-            sys::nixl_capi_create_xfer_dlist(mem_type.to_raw(), out)
+            capi().nixl_capi_create_xfer_dlist(mem_type.to_raw(), out)
         })?;
         let list = XferDlist {
             handle,
@@ -35,12 +36,12 @@ impl XferDlist {
             // descriptors, so the adds that follow never reallocate.
             // SAFETY: live list.
             check(
-                unsafe { sys::nixl_capi_xfer_dlist_resize(list.raw(), capacity) },
+                unsafe { capi().nixl_capi_xfer_dlist_resize(list.raw(), capacity) },
                 "reserve descriptor list",
             )?;
             // SAFETY: live list.
             check(
-                unsafe { sys::nixl_capi_xfer_dlist_clear(list.raw()) },
+                unsafe { capi().nixl_capi_xfer_dlist_clear(list.raw()) },
                 "reserve descriptor list",
             )?;
         }
@@ -72,7 +73,7 @@ impl XferDlist {
         validate(operation, self.mem_type, index, desc.addr, desc.len)?;
         // SAFETY: live list; NIXL copies the descriptor.
         let status = unsafe {
-            sys::nixl_capi_xfer_dlist_add_desc(self.raw(), desc.addr, desc.len, desc.dev_id)
+            capi().nixl_capi_xfer_dlist_add_desc(self.raw(), desc.addr, desc.len, desc.dev_id)
         };
         check(status, operation)
     }
@@ -80,7 +81,7 @@ impl XferDlist {
     pub(crate) fn clear(&mut self) -> Result<()> {
         // SAFETY: live list.
         check(
-            unsafe { sys::nixl_capi_xfer_dlist_clear(self.raw()) },
+            unsafe { capi().nixl_capi_xfer_dlist_clear(self.raw()) },
             "clear descriptor list",
         )?;
         self.descs.clear();

@@ -1,0 +1,60 @@
+//! What the connector's examples share: the cache's shape, the worker and scheduler set-up,
+//! and the bytes `kv_prefill` writes into each block (which `kv_decode` checks). Each example
+//! uses part of it.
+#![allow(dead_code)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use nixl::kv_config::KvTransferConfig;
+use nixl::platform::BuiltinPlatform;
+use nixl_connector::{KvCacheSpec, KvConnectorWorker, KvLayout, SchedulerConfig, WorkerConfig};
+
+/// The KV cache of both engines: 4 layers of 32 blocks of 16 KiB.
+pub const SPEC: KvCacheSpec = KvCacheSpec {
+    num_layers: 4,
+    num_blocks: 32,
+    block_size: 16,
+    num_kv_heads: 4,
+    head_dim: 64,
+    dtype_size: 2,
+    layout: KvLayout::Hnd,
+};
+
+/// How long either side waits for the other before giving up.
+pub const WAIT: Duration = Duration::from_secs(60);
+
+/// A worker (TP 1, DRAM, UCX) with a zeroed host KV cache of `spec` registered.
+pub fn worker(engine_id: &str, spec: KvCacheSpec) -> nixl_connector::Result<KvConnectorWorker> {
+    let kv = KvTransferConfig::from_json(
+        r#"{"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}"#,
+    )?;
+    let mut config = WorkerConfig::new(engine_id, 0, 1, kv);
+    config.platform = Arc::new(BuiltinPlatform::CPU);
+    let worker = KvConnectorWorker::new(config)?;
+    worker.register_host_kv_caches(spec)?;
+    Ok(worker)
+}
+
+/// The scheduler half of the engine whose worker is `worker`.
+pub fn scheduler_config(
+    engine_id: &str,
+    worker: &KvConnectorWorker,
+) -> nixl_connector::Result<SchedulerConfig> {
+    Ok(SchedulerConfig {
+        engine_id: engine_id.into(),
+        host: "127.0.0.1".into(),
+        port: worker.side_channel_addr()?.port(),
+        tp_size: 1,
+        // Longer than WAIT: kv_prefill's blocks are freed by the decode's notification.
+        abort_timeout: 2 * WAIT,
+    })
+}
+
+/// The bytes the prefill computes for `block` of `layer`: different in every block and
+/// every position.
+pub fn block_bytes(layer: usize, block: usize) -> Vec<u8> {
+    (0..SPEC.block_len())
+        .map(|i| (i as u8).wrapping_mul(31) ^ (layer * 64 + block) as u8 ^ (i >> 8) as u8)
+        .collect()
+}
