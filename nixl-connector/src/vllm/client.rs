@@ -44,7 +44,8 @@ impl MetaReply {
 }
 
 /// A connection to one prefill engine's side channel (vLLM's REQ socket). Requests go one
-/// at a time; after a failed one the connection is closed and later ones fail at once.
+/// at a time. A request that gets no whole reply closes the connection, and later ones
+/// fail at once.
 pub struct MetadataClient {
     conn: Option<Connection<TcpStream>>,
     peer: String,
@@ -117,7 +118,7 @@ impl MetadataClient {
             Error::invalid(
                 "ask a vLLM side channel for metadata",
                 format!(
-                    "an earlier request to {} failed, so this connection is closed; connect again",
+                    "an earlier request to {} got no whole reply, so this connection is closed; connect again",
                     self.peer
                 ),
             )
@@ -138,6 +139,8 @@ impl MetadataClient {
             exchange,
         )
         .await?;
+        // A whole reply came back: the REQ socket may send again, whatever the reply says.
+        self.conn = Some(conn);
         let protocol = |reason: String| Error::Protocol {
             peer: self.peer.clone(),
             reason,
@@ -158,7 +161,6 @@ impl MetadataClient {
             }
         };
         let remote_clock = decode_clock(&clock).map_err(protocol)?;
-        self.conn = Some(conn);
         Ok(MetaReply {
             payload,
             remote_clock,

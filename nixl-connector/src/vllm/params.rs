@@ -223,6 +223,8 @@ impl TryFrom<&VllmKvTransferParams> for KvTransferParams {
             .map(|&id| usize::try_from(id))
             .collect::<std::result::Result<Vec<usize>, _>>()
             .map_err(|_| Error::invalid(OPERATION, "a remote block id does not fit in usize"))?;
+        // Fields the connector's params gain later take their defaults here.
+        #[allow(clippy::needless_update)]
         Ok(KvTransferParams {
             do_remote_prefill: params.do_remote_prefill.unwrap_or(false),
             do_remote_decode: params.do_remote_decode.unwrap_or(false),

@@ -116,7 +116,12 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
         conn.write(&hello).await?;
 
         let mut theirs = [0u8; 64];
-        conn.read_exact(&mut theirs).await?;
+        conn.read_exact(&mut theirs)
+            .await
+            .map_err(|err| match err {
+                Error::Truncated { peer } => Error::Closed { peer },
+                other => other,
+            })?;
         if theirs[0] != 0xff || theirs[9] & 1 == 0 {
             return Err(conn.protocol(format!(
                 "not a ZMTP 3 peer (its first bytes are {:02x?})",
