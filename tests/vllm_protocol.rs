@@ -4,6 +4,8 @@
 //! hash, the notification formats, and hostile requests.
 
 mod py;
+#[path = "../nixl-connector/tests/vllm_support/mod.rs"]
+mod vllm_support;
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
@@ -20,6 +22,7 @@ use nixl_connector::vllm::{
 use nixl_connector::Error;
 use py::{hex, unhex};
 use serde_json::{json, Value};
+use vllm_support::factors;
 
 /// A running tests/py/vllm_peer.py.
 struct VllmPeer {
@@ -75,22 +78,6 @@ impl Drop for VllmPeer {
     }
 }
 
-fn factors() -> CompatibilityFactors {
-    CompatibilityFactors {
-        vllm_version: "0.33.0".into(),
-        model: "Qwen/Qwen3-0.6B".into(),
-        dtype: "torch.bfloat16".into(),
-        num_kv_heads: 8,
-        head_size: 128,
-        num_hidden_layers: 28,
-        attn_backend_name: "FLASH_ATTN".into(),
-        cache_dtype: "auto".into(),
-        is_hma_enabled: true,
-        speculative_config: None,
-        transfer_mode: "pull".into(),
-    }
-}
-
 /// What the Python prefill serves for `rank` (its `metadata()`).
 fn python_metadata(rank: u64) -> NixlAgentMetadata {
     NixlAgentMetadata {
@@ -103,21 +90,17 @@ fn python_metadata(rank: u64) -> NixlAgentMetadata {
         block_strides: vec![4096, 8192],
         kv_cache_layout: "HND".into(),
         block_size: 16,
-        ssm_sizes: (0, 0),
         attn_backend_name: "FLASH_ATTN".into(),
-        physical_blocks_per_logical_kv_block: 1,
         region_num_blocks: Some(vec![32, 32]),
         region_group_ids: Some(vec![0, 1]),
         region_names: Some(vec!["model.layers.0".into(), "model.layers.1".into()]),
         region_mem_types: Some(vec!["VRAM".into(), "VRAM".into()]),
-        dcp_size: 1,
-        pcp_size: 1,
-        ple_block_len: None,
         region_members: vec![
             vec!["model.layers.0.attn".into()],
             vec!["model.layers.1.attn".into(), "x".into()],
         ],
         packed_member_layouts: BTreeMap::from([("model.layers.0.attn".into(), (0, 2048))]),
+        ..NixlAgentMetadata::default()
     }
 }
 

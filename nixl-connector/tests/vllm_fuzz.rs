@@ -4,6 +4,8 @@
 //! panic), and the server must still answer a well-behaved decode afterwards. Seeded, so a
 //! failure reproduces; a crash found here becomes a regression test beside it.
 
+mod vllm_support;
+
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -17,6 +19,7 @@ use nixl_connector::vllm::{
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+use vllm_support::{hello, message};
 
 /// xorshift64*: small, seeded, good enough to pick mutations.
 struct Rng(u64);
@@ -67,29 +70,7 @@ impl Rng {
 }
 
 fn metadata() -> NixlAgentMetadata {
-    NixlAgentMetadata {
-        engine_id: "pf".into(),
-        agent_metadata: vec![1, 2, 3],
-        kv_caches_base_addr: vec![1 << 40, 7],
-        device_id: 0,
-        num_blocks: 300,
-        block_lens: vec![4096, 70_000],
-        block_strides: vec![4096, 70_000],
-        kv_cache_layout: "HND".into(),
-        block_size: 16,
-        ssm_sizes: (1, 2),
-        attn_backend_name: "FLASH_ATTN".into(),
-        physical_blocks_per_logical_kv_block: 1,
-        region_num_blocks: Some(vec![300, 300]),
-        region_group_ids: Some(vec![0, 1]),
-        region_names: Some(vec!["a".into(), "b".into()]),
-        region_mem_types: Some(vec!["VRAM".into(), "VRAM".into()]),
-        dcp_size: 1,
-        pcp_size: 1,
-        ple_block_len: Some(9),
-        region_members: vec![vec!["a".into()], vec!["b".into(), "c".into()]],
-        packed_member_layouts: [("a".to_string(), (0, 4096))].into_iter().collect(),
-    }
+    vllm_support::metadata("pf", 0)
 }
 
 #[test]
@@ -126,18 +107,7 @@ fn decoders_give_a_value_or_an_error_for_any_bytes() {
 
 /// Valid client bytes for one request: greeting, READY (REQ), then the request.
 fn client_stream() -> Vec<u8> {
-    let mut g = vec![0u8; 64];
-    g[0] = 0xff;
-    g[8] = 1;
-    g[9] = 0x7f;
-    g[10] = 3;
-    g[11] = 1;
-    g[12..16].copy_from_slice(b"NULL");
-    g.extend_from_slice(b"\x04\x19\x05READY\x0bSocket-Type\x00\x00\x00\x03REQ");
-    let request = encode_request(0, 0);
-    g.extend_from_slice(&[1, 0, 0, request.len() as u8]);
-    g.extend_from_slice(&request);
-    g
+    [hello("REQ"), message(&[&encode_request(0, 0)])].concat()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,59 +1,19 @@
 //! vLLM's side channel in Rust on both ends, and each end against hostile peers: a clear
 //! error in bounded time and memory, and a server that goes on serving prompt peers.
 
-use std::collections::BTreeMap;
+mod vllm_support;
+
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use nixl_connector::vllm::{
     fetch_meta, Compatibility, CompatibilityFactors, MetadataClient, MetadataServer,
-    NixlAgentMetadata, NixlHandshakePayload, VllmChannelLimits,
+    NixlHandshakePayload, VllmChannelLimits,
 };
 use nixl_connector::Error;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-
-fn factors() -> CompatibilityFactors {
-    CompatibilityFactors {
-        vllm_version: "0.33.0".into(),
-        model: "Qwen/Qwen3-0.6B".into(),
-        dtype: "torch.bfloat16".into(),
-        num_kv_heads: 8,
-        head_size: 128,
-        num_hidden_layers: 28,
-        attn_backend_name: "FLASH_ATTN".into(),
-        cache_dtype: "auto".into(),
-        is_hma_enabled: true,
-        speculative_config: None,
-        transfer_mode: "pull".into(),
-    }
-}
-
-fn metadata(engine: &str, rank: u64) -> NixlAgentMetadata {
-    NixlAgentMetadata {
-        engine_id: engine.into(),
-        agent_metadata: vec![rank as u8; 100],
-        kv_caches_base_addr: vec![0x7f00_0000_0000 + rank, 0x7f00_1000_0000],
-        device_id: rank,
-        num_blocks: 64,
-        block_lens: vec![8192, 8192],
-        block_strides: vec![8192, 8192],
-        kv_cache_layout: "HND".into(),
-        block_size: 16,
-        ssm_sizes: (0, 0),
-        attn_backend_name: "FLASH_ATTN".into(),
-        physical_blocks_per_logical_kv_block: 1,
-        region_num_blocks: Some(vec![64, 64]),
-        region_group_ids: Some(vec![0, 0]),
-        region_names: Some(vec!["layer.0".into(), "layer.1".into()]),
-        region_mem_types: Some(vec!["DRAM".into(), "DRAM".into()]),
-        dcp_size: 1,
-        pcp_size: 1,
-        ple_block_len: None,
-        region_members: vec![vec!["layer.0".into()], vec!["layer.1".into()]],
-        packed_member_layouts: BTreeMap::from([("layer.0".into(), (0, 8192))]),
-    }
-}
+use vllm_support::{factors, frame, hello, message, metadata, read_frame, read_reply};
 
 fn limits() -> VllmChannelLimits {
     VllmChannelLimits {
@@ -81,51 +41,6 @@ async fn prefill(limits: VllmChannelLimits) -> MetadataServer {
     server
 }
 
-// Raw ZMTP bytes, written from the spec, for peers that misbehave.
-fn greeting() -> Vec<u8> {
-    let mut g = vec![0u8; 64];
-    g[0] = 0xff;
-    g[8] = 1;
-    g[9] = 0x7f;
-    g[10] = 3;
-    g[11] = 1;
-    g[12..16].copy_from_slice(b"NULL");
-    g
-}
-
-fn frame(flags: u8, body: &[u8]) -> Vec<u8> {
-    let mut out = if body.len() > 255 {
-        let mut f = vec![flags | 2];
-        f.extend_from_slice(&(body.len() as u64).to_be_bytes());
-        f
-    } else {
-        vec![flags, body.len() as u8]
-    };
-    out.extend_from_slice(body);
-    out
-}
-
-fn ready(socket_type: &str) -> Vec<u8> {
-    let mut body = b"\x05READY\x0bSocket-Type".to_vec();
-    body.extend_from_slice(&(socket_type.len() as u32).to_be_bytes());
-    body.extend_from_slice(socket_type.as_bytes());
-    frame(4, &body)
-}
-
-/// Greeting and READY of a `socket_type` socket.
-fn hello(socket_type: &str) -> Vec<u8> {
-    [greeting(), ready(socket_type)].concat()
-}
-
-/// A REQ message: the empty delimiter, then `parts`.
-fn message(parts: &[&[u8]]) -> Vec<u8> {
-    let mut out = frame(1, b"");
-    for (i, part) in parts.iter().enumerate() {
-        out.extend(frame(u8::from(i + 1 < parts.len()), part));
-    }
-    out
-}
-
 /// Reads until the peer closes (or 10 s pass); returns how long that took.
 async fn until_closed(stream: &mut TcpStream) -> Duration {
     let start = Instant::now();
@@ -151,31 +66,6 @@ async fn req_handshake(stream: &mut TcpStream) {
     let mut theirs = [0u8; 64];
     stream.read_exact(&mut theirs).await.unwrap();
     read_frame(stream).await; // READY
-}
-
-async fn read_frame(stream: &mut TcpStream) -> (u8, Vec<u8>) {
-    let flags = stream.read_u8().await.unwrap();
-    let len = if flags & 2 != 0 {
-        stream.read_u64().await.unwrap() as usize
-    } else {
-        usize::from(stream.read_u8().await.unwrap())
-    };
-    let mut body = vec![0u8; len];
-    stream.read_exact(&mut body).await.unwrap();
-    (flags, body)
-}
-
-/// Reads one REQ reply: the parts after the delimiter.
-async fn read_reply(stream: &mut TcpStream) -> Vec<Vec<u8>> {
-    assert_eq!(read_frame(stream).await, (1, vec![]));
-    let mut parts = Vec::new();
-    loop {
-        let (flags, body) = read_frame(stream).await;
-        parts.push(body);
-        if flags & 1 == 0 {
-            return parts;
-        }
-    }
 }
 
 fn error_of(frame: &[u8]) -> String {
@@ -523,7 +413,11 @@ async fn a_decode_gets_a_clear_error_from_a_hostile_prefill_in_bounded_time() {
 
     // An error reply names the server's reason.
     let (err, _) = client_error(|mut stream| async move {
-        let reason = rmp_serde::to_vec_named(&BTreeMap::from([("error", "no such rank")])).unwrap();
+        let reason = rmp_serde::to_vec_named(&std::collections::BTreeMap::from([(
+            "error",
+            "no such rank",
+        )]))
+        .unwrap();
         let clock = rmp_serde::to_vec(&1.5f64).unwrap();
         let _ = stream.write_all(&message(&[&reason, &clock])).await;
     })

@@ -320,19 +320,18 @@ mod tests {
     use super::*;
 
     fn qwen() -> CompatibilityFactors {
-        CompatibilityFactors {
-            vllm_version: "0.33.0".into(),
-            model: "Qwen/Qwen3-0.6B".into(),
-            dtype: "torch.bfloat16".into(),
-            num_kv_heads: 8,
-            head_size: 128,
-            num_hidden_layers: 28,
-            attn_backend_name: "FLASH_ATTN".into(),
-            cache_dtype: "auto".into(),
-            is_hma_enabled: true,
-            speculative_config: None,
-            transfer_mode: "pull".into(),
-        }
+        serde_json::from_value(serde_json::json!({
+            "vllm_version": "0.33.0",
+            "model": "Qwen/Qwen3-0.6B",
+            "dtype": "torch.bfloat16",
+            "num_kv_heads": 8,
+            "head_size": 128,
+            "num_hidden_layers": 28,
+            "attn_backend_name": "FLASH_ATTN",
+            "cache_dtype": "auto",
+            "is_hma_enabled": true,
+        }))
+        .unwrap()
     }
 
     /// Python: `hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()`
@@ -418,26 +417,7 @@ mod tests {
         };
         let meta = NixlAgentMetadata {
             engine_id: "p".into(),
-            agent_metadata: vec![],
-            kv_caches_base_addr: vec![],
-            device_id: 0,
-            num_blocks: 0,
-            block_lens: vec![],
-            block_strides: vec![],
-            kv_cache_layout: "HND".into(),
-            block_size: 16,
-            ssm_sizes: (0, 0),
-            attn_backend_name: "FLASH_ATTN".into(),
-            physical_blocks_per_logical_kv_block: 1,
-            region_num_blocks: None,
-            region_group_ids: None,
-            region_names: None,
-            region_mem_types: None,
-            dcp_size: 1,
-            pcp_size: 1,
-            ple_block_len: None,
-            region_members: vec![],
-            packed_member_layouts: Default::default(),
+            ..NixlAgentMetadata::default()
         };
         let payload = NixlHandshakePayload::new(&theirs.hash(), &meta);
         let err = ours.check(&payload, "peer").unwrap_err().to_string();

@@ -123,6 +123,36 @@ fn one() -> u64 {
     1
 }
 
+impl Default for NixlAgentMetadata {
+    /// Empty and zero, except vLLM's defaults of 1 for `dcp_size`, `pcp_size` and
+    /// `physical_blocks_per_logical_kv_block`: fill in the rest.
+    fn default() -> Self {
+        NixlAgentMetadata {
+            engine_id: String::new(),
+            agent_metadata: Vec::new(),
+            kv_caches_base_addr: Vec::new(),
+            device_id: 0,
+            num_blocks: 0,
+            block_lens: Vec::new(),
+            block_strides: Vec::new(),
+            kv_cache_layout: String::new(),
+            block_size: 0,
+            ssm_sizes: (0, 0),
+            attn_backend_name: String::new(),
+            physical_blocks_per_logical_kv_block: 1,
+            region_num_blocks: None,
+            region_group_ids: None,
+            region_names: None,
+            region_mem_types: None,
+            dcp_size: 1,
+            pcp_size: 1,
+            ple_block_len: None,
+            region_members: Vec::new(),
+            packed_member_layouts: BTreeMap::new(),
+        }
+    }
+}
+
 impl NixlAgentMetadata {
     /// The MessagePack map vLLM's `NixlAgentMetadata` encodes to.
     pub fn encode(&self) -> Vec<u8> {
@@ -255,24 +285,13 @@ mod tests {
             engine_id: "e".into(),
             agent_metadata: vec![1, 2],
             kv_caches_base_addr: vec![1 << 40, 300],
-            device_id: 0,
             num_blocks: 10,
             block_lens: vec![4096],
             block_strides: vec![4096],
             kv_cache_layout: "HND".into(),
             block_size: 16,
-            ssm_sizes: (0, 0),
             attn_backend_name: "FLASH_ATTN".into(),
-            physical_blocks_per_logical_kv_block: 1,
-            region_num_blocks: None,
-            region_group_ids: None,
-            region_names: None,
-            region_mem_types: None,
-            dcp_size: 1,
-            pcp_size: 1,
-            ple_block_len: None,
-            region_members: vec![],
-            packed_member_layouts: BTreeMap::new(),
+            ..NixlAgentMetadata::default()
         }
     }
 
