@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Prints the path of a Python venv holding NIXL's official Python API (the vendored
-# nixl_cu12 1.5.1 wheel, --no-deps, plus numpy), creating it first if needed.
+# nixl_cu12 1.5.1 wheel, --no-deps, plus numpy) and the pinned msgspec and pyzmq that the
+# vLLM-protocol tests' Python peer uses, creating it (or adding what it lacks) first if needed.
 # Location: $NIXL_PY_VENV, else $CARGO_TARGET_DIR/bench-venv (the venv scripts/bench.sh
 # uses), else target/bench-venv. Everything but the final path goes to stderr.
 set -euo pipefail
@@ -25,5 +26,12 @@ if ! "$venv/bin/python" -c 'import numpy, nixl_cu12' 2>/dev/null; then
     "$py" -m venv "$venv" >&2
     "$venv/bin/pip" install --quiet numpy >&2
     "$venv/bin/pip" install --quiet --no-deps "$wheel" >&2
+fi
+# The vLLM-protocol peer (tests/py/vllm_peer.py): vLLM 0.33's own wire libraries, pinned.
+vllm_pins=(msgspec==0.23.0 pyzmq==27.3.0)
+if ! "$venv/bin/python" -c 'import msgspec, zmq, sys
+sys.exit((msgspec.__version__, zmq.__version__) != ("0.23.0", "27.3.0"))' 2>/dev/null; then
+    echo "python-venv: installing ${vllm_pins[*]} into $venv" >&2
+    "$venv/bin/python" -m pip install --quiet "${vllm_pins[@]}" >&2
 fi
 echo "$venv"

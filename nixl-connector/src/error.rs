@@ -115,6 +115,22 @@ pub enum Error {
         /// The deadline that passed.
         deadline: Duration,
     },
+    /// A vLLM peer's compatibility hash differs from ours (see [`crate::vllm::compat`]).
+    #[error("NIXL compatibility hash mismatch with {peer}: local {local}, remote {remote}; the prefill and decode differ in vLLM version, model, dtype, KV heads, head size, layers, attention backend, cache dtype, hybrid KV cache manager, speculative config or transfer mode (set kv_connector_extra_config.enforce_handshake_compat to false to skip this check)")]
+    CompatibilityMismatch {
+        /// The peer.
+        peer: String,
+        /// Our hash.
+        local: String,
+        /// The peer's hash.
+        remote: String,
+    },
+    /// A NIXL notification in vLLM's format could not be parsed or made.
+    #[error("vLLM notification: {reason}")]
+    Notification {
+        /// What is wrong.
+        reason: String,
+    },
 }
 
 impl Error {

@@ -86,6 +86,7 @@ pub mod scheduler;
 mod sending;
 pub mod side_channel;
 mod spec;
+pub mod vllm;
 mod wire;
 mod worker;
 

@@ -1,0 +1,43 @@
+//! vLLM's NixlConnector protocol (pull mode, connector version 15, vLLM 0.33), so that a
+//! Rust engine and a vLLM engine can serve as each other's prefill and decode.
+//!
+//! In progress: these are the protocol's pieces, tested against Python peers using vLLM's
+//! wire libraries (pyzmq, msgspec); the worker and scheduler do not use them yet.
+//!
+//! # The side channel
+//! One ZMQ ROUTER socket per prefill engine ([`MetadataServer`]) at vLLM's `remote_host`,
+//! `remote_port`. A decode connects a REQ socket ([`MetadataClient`]) and sends the
+//! MessagePack array `[b"get_meta_msg", pp_rank, tp_rank]`; the reply has two frames, the
+//! rank's [`NixlHandshakePayload`] and the prefill's clock ([`clock::perf_counter`]). ZMQ
+//! here is this module's own ZMTP 3.x over tokio (REQ, ROUTER, NULL security), so that
+//! every frame has a cap checked before anything is allocated for it; see the crate
+//! README for why no ZMQ crate is used.
+//!
+//! # The handshake payload
+//! [`NixlHandshakePayload`] carries the prefill's [compatibility hash](compat) and its
+//! MessagePack-encoded [`NixlAgentMetadata`]. A decode checks the hash before it decodes
+//! the metadata ([`Compatibility::check`]).
+//!
+//! # Between engines
+//! [`VllmKvTransferParams`] is vLLM's JSON `kv_transfer_params`, converting to and from the
+//! connector's [`KvTransferParams`](crate::KvTransferParams). After its READ, a decode
+//! notifies the prefill in vLLM's text format ([`notify`]).
+
+mod client;
+pub mod clock;
+pub mod compat;
+mod limits;
+mod msgpack;
+pub mod notify;
+mod params;
+pub mod payload;
+mod server;
+mod zmtp;
+
+pub use client::{fetch_meta, MetaReply, MetadataClient};
+pub use compat::{Compatibility, CompatibilityFactors, SpeculativeFactors};
+pub use limits::VllmChannelLimits;
+pub use notify::{NotificationLimits, VllmNotification};
+pub use params::{VllmBlockIds, VllmKvTransferParams};
+pub use payload::{NixlAgentMetadata, NixlHandshakePayload};
+pub use server::MetadataServer;

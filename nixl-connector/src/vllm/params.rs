@@ -1,0 +1,388 @@
+//! vLLM's JSON `kv_transfer_params`, as its `request_finished` returns them and proxies hand
+//! them between engines, and their conversion to and from the connector's own
+//! [`KvTransferParams`].
+//!
+//! The conversion to and from JSON is lossless: absent keys stay absent, a `null` stays
+//! `null`, and keys this type does not know are kept as they came.
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use serde_json::{Map, Value};
+
+use crate::error::{Error, Result};
+use crate::params::KvTransferParams;
+
+/// `remote_block_ids`: one list of block ids (older vLLM, and this connector's own), or one
+/// list per KV cache group (vLLM 0.33).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VllmBlockIds {
+    /// `[1, 2, 3]` (also what `[]` reads as).
+    Flat(Vec<u64>),
+    /// `[[1, 2], [7]]`: per KV cache group.
+    Groups(Vec<Vec<u64>>),
+}
+
+impl Serialize for VllmBlockIds {
+    fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
+        match self {
+            VllmBlockIds::Flat(ids) => ids.serialize(serializer),
+            VllmBlockIds::Groups(groups) => groups.serialize(serializer),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for VllmBlockIds {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
+        use serde::de::Error as _;
+        let items = Vec::<Value>::deserialize(deserializer)?;
+        if items.iter().all(Value::is_array) && !items.is_empty() {
+            let groups = Value::Array(items);
+            return Vec::<Vec<u64>>::deserialize(groups)
+                .map(VllmBlockIds::Groups)
+                .map_err(|err| D::Error::custom(format!("a KV cache group's block ids: {err}")));
+        }
+        Vec::<u64>::deserialize(Value::Array(items))
+            .map(VllmBlockIds::Flat)
+            .map_err(|err| {
+                D::Error::custom(format!(
+                    "expected block ids, or one list of them per KV cache group: {err}"
+                ))
+            })
+    }
+}
+
+/// vLLM's `kv_transfer_params`. Every field is optional, as in vLLM's dict; [`other`]
+/// holds unknown keys and `null` values, so nothing is lost on the way back to JSON.
+///
+/// [`other`]: VllmKvTransferParams::other
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct VllmKvTransferParams {
+    /// The KV is computed elsewhere and must be read (decode side).
+    pub do_remote_prefill: Option<bool>,
+    /// The KV will be read by a remote decode (prefill side).
+    pub do_remote_decode: Option<bool>,
+    /// The remote engine's blocks holding the request's KV.
+    pub remote_block_ids: Option<VllmBlockIds>,
+    /// The remote engine's id.
+    pub remote_engine_id: Option<String>,
+    /// The request's id on the remote engine (notifications name it).
+    pub remote_request_id: Option<String>,
+    /// The remote engine's side-channel host.
+    pub remote_host: Option<String>,
+    /// The remote engine's side-channel port (one per engine; ranks are asked by number).
+    pub remote_port: Option<u16>,
+    /// The remote engine's TP size.
+    pub tp_size: Option<u32>,
+    /// The remote engine's decode context parallel size.
+    pub dcp_size: Option<u32>,
+    /// The remote engine's pipeline parallel size.
+    pub pp_size: Option<u32>,
+    /// Tokens whose KV the remote engine holds.
+    pub remote_num_tokens: Option<u64>,
+    /// When the remote engine frees the blocks, on its clock (see
+    /// [`MetaReply::clock_offset`](super::MetaReply::clock_offset)).
+    pub remote_blocks_expiry_time: Option<f64>,
+    /// The remote registration's generation (a newer one needs a new handshake).
+    pub remote_registration_generation: Option<u64>,
+    /// `"pull"` or `"push"`.
+    pub transfer_mode: Option<String>,
+    /// Unknown keys, and known keys whose value is `null`, as they came.
+    pub other: Map<String, Value>,
+}
+
+/// Takes `key` out of `map` as a `T`, leaving a `null` in place.
+fn take<T: serde::de::DeserializeOwned, E: serde::de::Error>(
+    map: &mut Map<String, Value>,
+    key: &str,
+) -> std::result::Result<Option<T>, E> {
+    match map.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(_) => {
+            let value = map.remove(key).expect("present");
+            serde_json::from_value(value)
+                .map(Some)
+                .map_err(|err| E::custom(format!("{key}: {err}")))
+        }
+    }
+}
+
+fn put<T: Serialize>(map: &mut Map<String, Value>, key: &str, value: &Option<T>) {
+    if let Some(value) = value {
+        let value = serde_json::to_value(value).expect("plain data encodes as JSON");
+        map.insert(key.to_string(), value);
+    }
+}
+
+impl<'de> Deserialize<'de> for VllmKvTransferParams {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
+        let mut map = Map::deserialize(deserializer)?;
+        Ok(VllmKvTransferParams {
+            do_remote_prefill: take(&mut map, "do_remote_prefill")?,
+            do_remote_decode: take(&mut map, "do_remote_decode")?,
+            remote_block_ids: take(&mut map, "remote_block_ids")?,
+            remote_engine_id: take(&mut map, "remote_engine_id")?,
+            remote_request_id: take(&mut map, "remote_request_id")?,
+            remote_host: take(&mut map, "remote_host")?,
+            remote_port: take(&mut map, "remote_port")?,
+            tp_size: take(&mut map, "tp_size")?,
+            dcp_size: take(&mut map, "dcp_size")?,
+            pp_size: take(&mut map, "pp_size")?,
+            remote_num_tokens: take(&mut map, "remote_num_tokens")?,
+            remote_blocks_expiry_time: take(&mut map, "remote_blocks_expiry_time")?,
+            remote_registration_generation: take(&mut map, "remote_registration_generation")?,
+            transfer_mode: take(&mut map, "transfer_mode")?,
+            other: map,
+        })
+    }
+}
+
+impl Serialize for VllmKvTransferParams {
+    fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
+        let mut map = self.other.clone();
+        put(&mut map, "do_remote_prefill", &self.do_remote_prefill);
+        put(&mut map, "do_remote_decode", &self.do_remote_decode);
+        put(&mut map, "remote_block_ids", &self.remote_block_ids);
+        put(&mut map, "remote_engine_id", &self.remote_engine_id);
+        put(&mut map, "remote_request_id", &self.remote_request_id);
+        put(&mut map, "remote_host", &self.remote_host);
+        put(&mut map, "remote_port", &self.remote_port);
+        put(&mut map, "tp_size", &self.tp_size);
+        put(&mut map, "dcp_size", &self.dcp_size);
+        put(&mut map, "pp_size", &self.pp_size);
+        put(&mut map, "remote_num_tokens", &self.remote_num_tokens);
+        put(
+            &mut map,
+            "remote_blocks_expiry_time",
+            &self.remote_blocks_expiry_time,
+        );
+        put(
+            &mut map,
+            "remote_registration_generation",
+            &self.remote_registration_generation,
+        );
+        put(&mut map, "transfer_mode", &self.transfer_mode);
+        map.serialize(serializer)
+    }
+}
+
+impl VllmKvTransferParams {
+    /// Parses vLLM's JSON.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming the key whose value has the wrong type.
+    pub fn from_json(json: &str) -> Result<Self> {
+        serde_json::from_str(json)
+            .map_err(|err| Error::invalid("parse vLLM kv_transfer_params", err.to_string()))
+    }
+
+    /// The JSON vLLM reads.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).expect("plain data encodes as JSON")
+    }
+}
+
+impl TryFrom<&VllmKvTransferParams> for KvTransferParams {
+    type Error = Error;
+
+    /// The connector's params for vLLM's, refusing what they cannot say: more than one KV
+    /// cache group, pipeline or decode context parallelism, push mode.
+    fn try_from(params: &VllmKvTransferParams) -> Result<Self> {
+        const OPERATION: &str = "convert vLLM kv_transfer_params";
+        if let Some(mode) = params.transfer_mode.as_deref().filter(|&m| m != "pull") {
+            return Err(Error::invalid(
+                OPERATION,
+                format!("transfer_mode {mode:?} is not supported: this connector reads (pull mode) only"),
+            ));
+        }
+        for (key, size) in [("pp_size", params.pp_size), ("dcp_size", params.dcp_size)] {
+            if size.is_some_and(|s| s != 1) {
+                return Err(Error::invalid(
+                    OPERATION,
+                    format!("{key} {} is not supported (only 1)", size.unwrap_or(1)),
+                ));
+            }
+        }
+        let ids: &[u64] = match &params.remote_block_ids {
+            None => &[],
+            Some(VllmBlockIds::Flat(ids)) => ids,
+            Some(VllmBlockIds::Groups(groups)) => match groups.as_slice() {
+                [] => &[],
+                [one] => one,
+                more => {
+                    return Err(Error::invalid(
+                        OPERATION,
+                        format!(
+                            "remote_block_ids has {} KV cache groups; only models with one KV cache group are supported",
+                            more.len()
+                        ),
+                    ))
+                }
+            },
+        };
+        let remote_block_ids = ids
+            .iter()
+            .map(|&id| usize::try_from(id))
+            .collect::<std::result::Result<Vec<usize>, _>>()
+            .map_err(|_| Error::invalid(OPERATION, "a remote block id does not fit in usize"))?;
+        // Fields the connector's params gain later take their defaults here.
+        #[allow(clippy::needless_update)]
+        Ok(KvTransferParams {
+            do_remote_prefill: params.do_remote_prefill.unwrap_or(false),
+            do_remote_decode: params.do_remote_decode.unwrap_or(false),
+            remote_engine_id: params.remote_engine_id.clone(),
+            remote_host: params.remote_host.clone(),
+            remote_port: params.remote_port,
+            remote_block_ids,
+            remote_request_id: params.remote_request_id.clone(),
+            remote_tp_size: params.tp_size.map(|tp| tp as usize),
+            ..KvTransferParams::default()
+        })
+    }
+}
+
+impl From<&KvTransferParams> for VllmKvTransferParams {
+    /// vLLM's params for the connector's: the block ids as one KV cache group (as vLLM
+    /// 0.33 reads them) when the params name a remote engine.
+    fn from(params: &KvTransferParams) -> Self {
+        let ids = params
+            .remote_block_ids
+            .iter()
+            .map(|&id| id as u64)
+            .collect();
+        VllmKvTransferParams {
+            do_remote_prefill: Some(params.do_remote_prefill),
+            do_remote_decode: Some(params.do_remote_decode),
+            remote_block_ids: params
+                .remote_engine_id
+                .as_ref()
+                .map(|_| VllmBlockIds::Groups(vec![ids])),
+            remote_engine_id: params.remote_engine_id.clone(),
+            remote_request_id: params.remote_request_id.clone(),
+            remote_host: params.remote_host.clone(),
+            remote_port: params.remote_port,
+            tp_size: params.remote_tp_size.and_then(|tp| u32::try_from(tp).ok()),
+            ..VllmKvTransferParams::default()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What vLLM 0.33's `request_finished` returns on a prefill (one KV cache group).
+    const FROM_PREFILL: &str = r#"{"do_remote_prefill": true, "do_remote_decode": false, "remote_block_ids": [[3, 4, 5]], "remote_engine_id": "pf-0", "remote_request_id": "cmpl-1-0-1a2b3c4d", "remote_host": "10.0.0.1", "remote_port": 5600, "tp_size": 2, "dcp_size": 1, "pp_size": 1, "remote_num_tokens": 40, "remote_blocks_expiry_time": null, "remote_registration_generation": 1, "transfer_mode": "pull"}"#;
+
+    fn value(json: &str) -> Value {
+        serde_json::from_str(json).unwrap()
+    }
+
+    #[test]
+    fn json_round_trips_losslessly() {
+        for json in [
+            FROM_PREFILL,
+            r#"{"do_remote_decode": true}"#,
+            r#"{"do_remote_decode": true, "remote_engine_id": null, "remote_block_ids": null, "_remote_blocks_processed": true}"#,
+            r#"{"remote_block_ids": [1, 2], "remote_blocks_expiry_time": 1234.5, "x": {"y": [1, "z"]}}"#,
+            r#"{"remote_block_ids": []}"#,
+            r#"{"remote_block_ids": [[], [7, 8]]}"#,
+            r#"{}"#,
+        ] {
+            let params = VllmKvTransferParams::from_json(json).unwrap();
+            assert_eq!(value(&params.to_json()), value(json), "{json}");
+        }
+        let params = VllmKvTransferParams::from_json(FROM_PREFILL).unwrap();
+        assert_eq!(
+            params.remote_block_ids,
+            Some(VllmBlockIds::Groups(vec![vec![3, 4, 5]]))
+        );
+        assert_eq!(params.remote_blocks_expiry_time, None);
+        assert_eq!(
+            params.other.get("remote_blocks_expiry_time"),
+            Some(&Value::Null)
+        );
+        assert_eq!(params.remote_port, Some(5600));
+    }
+
+    #[test]
+    fn wrong_types_name_their_key() {
+        for (json, key) in [
+            (r#"{"remote_port": 70000}"#, "remote_port"),
+            (r#"{"remote_port": "5600"}"#, "remote_port"),
+            (r#"{"tp_size": -1}"#, "tp_size"),
+            (r#"{"remote_block_ids": [1, [2]]}"#, "block ids"),
+            (r#"{"remote_block_ids": [[1], [-2]]}"#, "group"),
+            (r#"{"do_remote_prefill": 1}"#, "do_remote_prefill"),
+        ] {
+            let err = VllmKvTransferParams::from_json(json)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(key), "{json}: {err}");
+        }
+        assert!(VllmKvTransferParams::from_json("[1]").is_err());
+    }
+
+    #[test]
+    fn converts_to_and_from_the_connectors_params() {
+        let params = VllmKvTransferParams::from_json(FROM_PREFILL).unwrap();
+        let native = KvTransferParams::try_from(&params).unwrap();
+        assert!(native.do_remote_prefill && !native.do_remote_decode);
+        assert_eq!(native.remote_block_ids, vec![3, 4, 5]);
+        assert_eq!(native.remote_tp_size, Some(2));
+        let remote = native.remote_blocks().unwrap();
+        assert_eq!(
+            (
+                remote.engine_id.as_str(),
+                remote.host.as_str(),
+                remote.port,
+                remote.request_id.as_str()
+            ),
+            ("pf-0", "10.0.0.1", 5600, "cmpl-1-0-1a2b3c4d")
+        );
+
+        let back = VllmKvTransferParams::from(&native);
+        for key in [
+            "do_remote_prefill",
+            "do_remote_decode",
+            "remote_block_ids",
+            "remote_engine_id",
+            "remote_request_id",
+            "remote_host",
+            "remote_port",
+            "tp_size",
+        ] {
+            assert_eq!(
+                value(&back.to_json())[key],
+                value(FROM_PREFILL)[key],
+                "{key}"
+            );
+        }
+        let to_prefill = VllmKvTransferParams::from(&KvTransferParams {
+            do_remote_decode: true,
+            ..KvTransferParams::default()
+        });
+        assert_eq!(
+            value(&to_prefill.to_json()),
+            value(r#"{"do_remote_prefill": false, "do_remote_decode": true}"#)
+        );
+
+        let flat = VllmKvTransferParams::from_json(r#"{"remote_block_ids": [9]}"#).unwrap();
+        assert_eq!(
+            KvTransferParams::try_from(&flat).unwrap().remote_block_ids,
+            vec![9]
+        );
+    }
+
+    #[test]
+    fn what_the_connector_cannot_do_is_refused() {
+        for (json, expect) in [
+            (r#"{"remote_block_ids": [[1], [2]]}"#, "2 KV cache groups"),
+            (r#"{"pp_size": 2}"#, "pp_size 2"),
+            (r#"{"dcp_size": 4}"#, "dcp_size 4"),
+            (r#"{"transfer_mode": "push"}"#, "\"push\" is not supported"),
+        ] {
+            let params = VllmKvTransferParams::from_json(json).unwrap();
+            let err = KvTransferParams::try_from(&params).unwrap_err().to_string();
+            assert!(err.contains(expect), "{json}: {err}");
+        }
+    }
+}

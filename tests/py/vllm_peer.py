@@ -1,0 +1,280 @@
+"""A peer speaking vLLM 0.33's NixlConnector side-channel protocol with vLLM's own wire
+libraries (pyzmq, msgspec), written from the wire format, driven line by line over stdin.
+
+Used by tests/vllm_protocol.rs. Each command line gets one answer line starting "@@ ".
+Arguments are hex where they could hold spaces.
+
+  serve HASH RANKS EXTRA BIG   a ROUTER answering get_meta_msg as vLLM's listener does,
+                               for RANKS ("0:0,0:1"), under HASH ("-" for empty); EXTRA 1
+                               adds unknown keys to the payload and the metadata; BIG > 0
+                               makes agent_metadata BIG bytes -> the port
+  fetch PORT PP TP HASH ENFORCE  a REQ handshake as vLLM's decode runs it -> JSON
+  raw PORT HEX                 a REQ sends HEX as the request -> JSON of the reply frames
+  idle PORT N                  N REQ sockets connect and never send -> ok
+  hash HEXJSON                 vLLM's compatibility hash of the factors -> JSON
+  notify_done HEXID N          vLLM's done notification -> HEX
+  notify_hb HEXIDS             vLLM's heartbeat of the comma-joined hex ids -> HEX
+  parse_notif HEX              vLLM's reading of a notification -> JSON
+  quit
+"""
+
+import dataclasses
+import hashlib
+import json
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+
+GET_META_MSG = b"get_meta_msg"
+NIXL_CONNECTOR_VERSION = 15
+
+
+# vLLM's field layout, from the wire format: names, order, types and defaults.
+@dataclass
+class NixlAgentMetadata:
+    engine_id: str
+    agent_metadata: bytes
+    kv_caches_base_addr: list[int]
+    device_id: int
+    num_blocks: int
+    block_lens: list[int]
+    block_strides: list[int]
+    kv_cache_layout: str
+    block_size: int
+    ssm_sizes: tuple[int, int]
+    attn_backend_name: str
+    physical_blocks_per_logical_kv_block: int
+    region_num_blocks: list[int] | None = None
+    region_group_ids: list[int] | None = None
+    region_names: list[str] | None = None
+    region_mem_types: list[str] | None = None
+    dcp_size: int = 1
+    pcp_size: int = 1
+    ple_block_len: int | None = None
+    region_members: list[list[str]] = field(default_factory=list)
+    packed_member_layouts: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+@dataclass
+class NixlHandshakePayload:
+    compatibility_hash: str
+    agent_metadata_bytes: bytes
+
+
+ctx = zmq.Context()
+idle_sockets = []
+
+
+def answer(value):
+    print("@@", value, flush=True)
+
+
+def metadata(rank, big):
+    return NixlAgentMetadata(
+        engine_id="py-prefill",
+        agent_metadata=(b"\x5a" * big) if big else f"py-agent-md-{rank}".encode(),
+        kv_caches_base_addr=[0x7F0000000000 + rank * 0x1000, 0xFFFFFFFFFFFFFFFF],
+        device_id=rank,
+        num_blocks=32,
+        block_lens=[4096, 4096],
+        block_strides=[4096, 8192],
+        kv_cache_layout="HND",
+        block_size=16,
+        ssm_sizes=(0, 0),
+        attn_backend_name="FLASH_ATTN",
+        physical_blocks_per_logical_kv_block=1,
+        region_num_blocks=[32, 32],
+        region_group_ids=[0, 1],
+        region_names=["model.layers.0", "model.layers.1"],
+        region_mem_types=["VRAM", "VRAM"],
+        dcp_size=1,
+        pcp_size=1,
+        ple_block_len=None,
+        region_members=[["model.layers.0.attn"], ["model.layers.1.attn", "x"]],
+        packed_member_layouts={"model.layers.0.attn": (0, 2048)},
+    )
+
+
+def encode_payload(hash_, meta, extra):
+    if not extra:
+        md = msgspec.msgpack.encode(meta)
+        return msgspec.msgpack.encode(NixlHandshakePayload(hash_, md))
+    # A newer peer: keys this layout does not know, after the known ones.
+    fields = {f.name: getattr(meta, f.name) for f in dataclasses.fields(meta)}
+    fields["kv_from_the_future"] = [[1, 2], {"a": b"b"}]
+    md = msgspec.msgpack.encode(fields)
+    return msgspec.msgpack.encode(
+        {"compatibility_hash": hash_, "agent_metadata_bytes": md, "also_new": 7}
+    )
+
+
+def serve(hash_, ranks, extra, big):
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    data = {}
+    for item in ranks.split(","):
+        pp, tp = (int(x) for x in item.split(":"))
+        data[(pp, tp)] = encode_payload(hash_, metadata(tp, big), extra)
+
+    def loop():
+        while True:
+            identity, _, msg = sock.recv_multipart()
+            tag, pp, tp = msgspec.msgpack.decode(msg)
+            assert tag == GET_META_MSG, tag
+            ts = msgspec.msgpack.encode(time.perf_counter())
+            sock.send_multipart((identity, b"", data[(pp, tp)], ts))
+
+    threading.Thread(target=loop, daemon=True).start()
+    return port
+
+
+def req(port, timeout_ms):
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    return sock
+
+
+def fetch(port, pp, tp, local_hash, enforce):
+    sock = req(port, 5000)
+    try:
+        start = time.perf_counter()
+        sock.send(msgspec.msgpack.encode((GET_META_MSG, pp, tp)))
+        parts = sock.recv_multipart()
+        rtt = time.perf_counter() - start
+    except zmq.Again:
+        return {"error": "timeout"}
+    finally:
+        sock.close()
+    if len(parts) != 2:
+        return {"error": f"{len(parts)} reply frames"}
+    remote_perf = msgspec.msgpack.decode(parts[1])
+    try:
+        payload = msgspec.msgpack.Decoder(NixlHandshakePayload).decode(parts[0])
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        return {"error": f"payload: {e}", "raw": msgspec.msgpack.decode(parts[0])}
+    if enforce and payload.compatibility_hash != local_hash:
+        return {"mismatch": [local_hash, payload.compatibility_hash]}
+    meta = msgspec.msgpack.Decoder(NixlAgentMetadata).decode(payload.agent_metadata_bytes)
+    out = {}
+    for f in dataclasses.fields(meta):
+        value = getattr(meta, f.name)
+        out[f.name] = value.hex() if isinstance(value, bytes) else value
+    return {
+        "meta": out,
+        "ssm_sizes_is_tuple": isinstance(meta.ssm_sizes, tuple),
+        # msgspec's own encoding of what it decoded, byte for byte against ours.
+        "same_bytes": msgspec.msgpack.encode(meta) == payload.agent_metadata_bytes,
+        "payload_same_bytes": msgspec.msgpack.encode(payload) == parts[0],
+        "remote_perf": remote_perf,
+        "rtt": rtt,
+    }
+
+
+def raw(port, request):
+    sock = req(port, 2000)
+    try:
+        sock.send(request)
+        parts = sock.recv_multipart()
+    except zmq.Again:
+        return {"error": "timeout"}
+    finally:
+        sock.close()
+    frames = []
+    for part in parts:
+        try:
+            frames.append(msgspec.msgpack.decode(part))
+        except msgspec.DecodeError:
+            frames.append(part.hex())
+    try:
+        msgspec.msgpack.Decoder(NixlHandshakePayload).decode(parts[0])
+        vllm = "decoded"
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        vllm = str(e)
+    return {"frames": [repr(f) if isinstance(f, bytes) else f for f in frames], "vllm": vllm}
+
+
+def compat_hash(f):
+    spec = f.get("speculative_config")
+    if spec is not None:
+        ids = spec.get("auxiliary_layer_ids")
+        spec = {
+            "method": spec["method"],
+            "model": spec["model"],
+            "revision": spec.get("revision"),
+            "code_revision": spec.get("code_revision"),
+            "parallel_drafting": spec["parallel_drafting"],
+            "kv_cache_dtype": spec["kv_cache_dtype"],
+            "auxiliary_layer_ids": tuple(ids) if ids is not None else None,
+        }
+    factors = {
+        "vllm_version": f["vllm_version"],
+        "nixl_connector_version": NIXL_CONNECTOR_VERSION,
+        "model": f["model"],
+        "dtype": f["dtype"],
+        "num_kv_heads": f["num_kv_heads"],
+        "head_size": f["head_size"],
+        "num_hidden_layers": f["num_hidden_layers"],
+        "attn_backend_name": f["attn_backend_name"],
+        "cache_dtype": f["cache_dtype"],
+        "is_hma_enabled": f["is_hma_enabled"],
+        "speculative_config": spec,
+        "transfer_mode": f.get("transfer_mode", "pull"),
+    }
+    text = json.dumps(factors, sort_keys=True)
+    return {"json": text, "hash": hashlib.sha256(text.encode()).hexdigest()}
+
+
+def parse_notif(notif):
+    msg = notif.decode("utf-8")
+    if msg.startswith("HB:"):
+        return {"hb": msg[3:].split(",")}
+    req_id, consumers = msg.rsplit(":", 1)
+    return {"id": req_id, "consumers": int(consumers)}
+
+
+def main():
+    for line in sys.stdin:
+        cmd, *args = line.split()
+        if cmd == "serve":
+            hash_ = "" if args[0] == "-" else args[0]
+            answer(serve(hash_, args[1], args[2] == "1", int(args[3])))
+        elif cmd == "fetch":
+            port, pp, tp = int(args[0]), int(args[1]), int(args[2])
+            answer(json.dumps(fetch(port, pp, tp, args[3], args[4] == "1")))
+        elif cmd == "raw":
+            answer(json.dumps(raw(int(args[0]), bytes.fromhex(args[1]))))
+        elif cmd == "idle":
+            for _ in range(int(args[1])):
+                sock = ctx.socket(zmq.REQ)
+                sock.setsockopt(zmq.LINGER, 0)
+                # Closed by the server, it stays closed (no reconnect churn).
+                sock.setsockopt(zmq.RECONNECT_IVL, -1)
+                sock.connect(f"tcp://127.0.0.1:{args[0]}")
+                idle_sockets.append(sock)
+            answer("ok")
+        elif cmd == "hash":
+            answer(json.dumps(compat_hash(json.loads(bytes.fromhex(args[0])))))
+        elif cmd == "notify_done":
+            req_id = bytes.fromhex(args[0]).decode()
+            answer(f"{req_id}:{int(args[1])}".encode().hex())
+        elif cmd == "notify_hb":
+            ids = [bytes.fromhex(x).decode() for x in args[0].split(",")]
+            answer(("HB:" + ",".join(ids)).encode().hex())
+        elif cmd == "parse_notif":
+            try:
+                answer(json.dumps(parse_notif(bytes.fromhex(args[0]))))
+            except (ValueError, UnicodeDecodeError) as e:
+                answer(json.dumps({"error": str(e)}))
+        elif cmd == "quit":
+            break
+
+
+if __name__ == "__main__":
+    main()
