@@ -71,6 +71,19 @@ pub enum Error {
         /// The peer's stated reason.
         reason: String,
     },
+    /// The peer was still too busy to answer a handshake when the deadline passed, after
+    /// every try it turned away.
+    #[error("peer {peer} was still busy after {tries} tries within {deadline:?}: {reason}")]
+    Busy {
+        /// The peer.
+        peer: String,
+        /// Its last stated reason.
+        reason: String,
+        /// Tries made.
+        tries: u32,
+        /// The deadline that passed.
+        deadline: Duration,
+    },
     /// The handshake with a remote rank failed; every load waiting for it fails with it.
     #[error("handshake with engine {engine:?} rank {rank} failed: {reason}")]
     Handshake {

@@ -81,6 +81,7 @@ pub mod host_buffer;
 mod load;
 mod metrics;
 mod params;
+pub mod pending;
 mod remote;
 pub mod scheduler;
 mod sending;
@@ -94,6 +95,7 @@ pub use error::{Error, Result};
 pub use handshake::{check_compatible, HandshakeMessage, ReadPlan, PROTOCOL_VERSION};
 pub use metrics::{SendStats, TransferMetrics};
 pub use params::{KvTransferParams, RemoteBlocks};
+pub use pending::{PendingHandshakes, PendingSlot, PendingStats};
 pub use scheduler::{
     ConnectorMetadata, KvConnectorScheduler, LoadSpec, RequestFinished, SchedulerConfig, SendSpec,
 };

@@ -17,6 +17,7 @@ use crate::error::{Error, Result};
 use crate::handshake::HandshakeMessage;
 use crate::metrics::{SendStats, TransferMetrics};
 use crate::params::RemoteBlocks;
+use crate::pending::{PendingHandshakes, PendingStats};
 use crate::remote::Remotes;
 use crate::scheduler::ConnectorMetadata;
 use crate::sending::Sends;
@@ -38,6 +39,8 @@ pub(crate) struct Caches {
     pub(crate) local: PreparedLocal,
     pub(crate) handshake: Arc<HandshakeMessage>,
     pub(crate) side_channel: SocketAddr,
+    /// The places of the side channel's handshakes under way.
+    pub(crate) side_channel_pending: Arc<PendingHandshakes>,
 }
 
 /// Outcomes the background tasks report.
@@ -300,9 +303,15 @@ impl KvConnectorWorker {
             tokio::net::TcpListener::from_std(listener)
                 .map_err(|err| Error::io("bind the side channel", side_channel, err))?
         };
+        let side_channel_pending = PendingHandshakes::new(config.limits.max_sessions);
         let server = {
             let _entered = self.runtime.enter();
-            crate::side_channel::serve(listener, handshake.clone(), config.limits)
+            crate::side_channel::serve(
+                listener,
+                handshake.clone(),
+                config.limits,
+                side_channel_pending.clone(),
+            )
         };
         self.tasks
             .lock()
@@ -314,6 +323,7 @@ impl KvConnectorWorker {
             local,
             handshake,
             side_channel,
+            side_channel_pending,
         };
         if self.shared.caches.set(caches).is_err() {
             return Err(Error::invalid(OP, "the KV caches are already registered"));
@@ -531,6 +541,17 @@ impl KvConnectorWorker {
     /// How held requests were released so far.
     pub fn send_stats(&self) -> SendStats {
         self.shared.sends().stats()
+    }
+
+    /// The side channel's handshakes so far: admitted, evicted for newer ones (see
+    /// [`ChannelLimits::max_sessions`](crate::ChannelLimits::max_sessions)), refused, and
+    /// the most under way at once (all zero before the KV caches are registered).
+    pub fn side_channel_stats(&self) -> PendingStats {
+        self.shared
+            .caches
+            .get()
+            .map(|c| c.side_channel_pending.stats())
+            .unwrap_or_default()
     }
 }
 
