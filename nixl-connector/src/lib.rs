@@ -93,7 +93,7 @@ mod worker;
 pub use config::{MetadataExchange, WorkerConfig};
 pub use error::{Error, Result};
 pub use handshake::{check_compatible, HandshakeMessage, ReadPlan, PROTOCOL_VERSION};
-pub use metrics::{SendStats, TransferMetrics};
+pub use metrics::{open_fds, RemoteStats, SendStats, TransferMetrics};
 pub use params::{KvTransferParams, RemoteBlocks};
 pub use pending::{PendingHandshakes, PendingSlot, PendingStats};
 pub use scheduler::{

@@ -15,7 +15,7 @@ use tokio::task::JoinHandle;
 use crate::config::{MetadataExchange, WorkerConfig};
 use crate::error::{Error, Result};
 use crate::handshake::HandshakeMessage;
-use crate::metrics::{SendStats, TransferMetrics};
+use crate::metrics::{RemoteStats, SendStats, TransferMetrics};
 use crate::params::RemoteBlocks;
 use crate::pending::{PendingHandshakes, PendingStats};
 use crate::remote::Remotes;
@@ -541,6 +541,12 @@ impl KvConnectorWorker {
     /// How held requests were released so far.
     pub fn send_stats(&self) -> SendStats {
         self.shared.sends().stats()
+    }
+
+    /// The metadata of the remote agents this rank handshook with so far (loaded, reused,
+    /// replaced) and the process's open file descriptors now.
+    pub fn remote_stats(&self) -> RemoteStats {
+        self.shared.remotes.stats()
     }
 
     /// The side channel's handshakes so far: admitted, evicted for newer ones (see
