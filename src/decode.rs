@@ -8,7 +8,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use nixl_connector::side_channel::BusyBackoff;
+use nixl_connector::side_channel::RetryBackoff;
 use nixl_connector::{
     Channel, KvConnectorScheduler, KvTransferParams, SchedulerConfig, TransferMetrics,
 };
@@ -132,7 +132,7 @@ async fn connect(worker: &Worker, options: &DecodeOptions) -> Result<(Channel<Me
     let addr = options.prefill;
     let limit = options.connect_timeout;
     let deadline = Deadline::now() + limit;
-    let mut backoff = BusyBackoff::default();
+    let mut backoff = RetryBackoff::default();
     let mut tries = 0;
     let (channel, welcome) = loop {
         tries += 1;

@@ -120,6 +120,14 @@ pub enum Error {
         /// Each endpoint and what went wrong there.
         failures: String,
     },
+    /// A peer's agent metadata could not be fetched from etcd.
+    #[error("fetch agent metadata from etcd (key {key:?}): {reason}")]
+    EtcdFetch {
+        /// The key asked for.
+        key: String,
+        /// What went wrong, per endpoint.
+        reason: String,
+    },
     /// A transfer did not complete within its deadline.
     #[error("transfer for request {request_id:?} did not complete within {deadline:?}")]
     TransferTimeout {

@@ -14,12 +14,10 @@ use std::sync::{Arc, Mutex};
 use futures::future::{BoxFuture, FutureExt, Shared};
 use nixl::{Agent, PreparedRemote, RemoteDescList, XferDesc};
 
-use crate::config::MetadataExchange;
 use crate::error::{Error, Result};
 use crate::handshake::{check_compatible, ReadPlan};
 use crate::metrics::RemoteStats;
 use crate::side_channel::fetch_handshake;
-use crate::wire::within;
 use crate::worker::Shared as WorkerShared;
 
 /// A remote rank after a successful handshake.
@@ -207,33 +205,23 @@ async fn connect(
     let plan = check_compatible(ours, &theirs, Some(engine), Some(rank))?;
     let agent = shared.setup.agent();
     let source = (engine.to_string(), rank);
-    let name = match shared.config.metadata_exchange {
-        MetadataExchange::SideChannel => shared.remotes.load_metadata(
+    let name = match &shared.etcd {
+        None => shared.remotes.load_metadata(
             agent,
             &source,
             &theirs.agent_name,
             &theirs.agent_metadata,
         )?,
-        // NIXL loads what it fetches itself, once per agent.
-        MetadataExchange::Etcd if agent.has_remote_metadata(&theirs.agent_name)? => {
-            theirs.agent_name.clone()
-        }
-        MetadataExchange::Etcd => {
-            let fetched = crate::etcd::fetch(agent, &theirs.agent_name);
+        Some(etcd) => {
             // What is left of the handshake's deadline: one total for the whole of it.
-            let left = shared
-                .config
-                .limits
-                .deadline
-                .saturating_sub(started.elapsed());
-            within(
-                "fetch agent metadata from etcd",
-                &theirs.agent_name,
-                left,
-                fetched,
-            )
-            .await?;
-            theirs.agent_name.clone()
+            let limits = shared.config.limits;
+            let left = limits.deadline.saturating_sub(started.elapsed());
+            let key = crate::etcd::metadata_key(&etcd.namespace, &theirs.agent_name);
+            let metadata =
+                crate::etcd::fetch_metadata(&etcd.endpoints, &key, limits.max_frame, left).await?;
+            shared
+                .remotes
+                .load_metadata(agent, &source, &theirs.agent_name, &metadata)?
         }
     };
     if name != theirs.agent_name {

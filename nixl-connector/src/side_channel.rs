@@ -29,11 +29,12 @@ use crate::wire::{within, Channel, ChannelLimits};
 /// the new connection is the one told the server is busy.
 pub const EVICTION_GRACE: Duration = Duration::from_secs(1);
 
-/// The client's first pause after a busy answer (see [`BusyBackoff`]).
-pub const FIRST_BUSY_BACKOFF: Duration = Duration::from_millis(10);
+/// The first pause before trying again after a busy answer or (etcd) metadata not yet
+/// there (see [`RetryBackoff`]).
+pub const FIRST_RETRY_PAUSE: Duration = Duration::from_millis(10);
 
-/// The client's longest pause between tries after busy answers.
-pub const MAX_BUSY_BACKOFF: Duration = Duration::from_millis(320);
+/// The longest pause between tries (see [`RetryBackoff`]).
+pub const MAX_RETRY_PAUSE: Duration = Duration::from_millis(320);
 
 /// What a reader sends.
 #[derive(Debug, Serialize, Deserialize)]
@@ -160,7 +161,7 @@ async fn answer(
 
 /// Connects to `addr`, sends `ours` and returns the server's handshake, all within
 /// `limits.deadline`. A server that answers it is busy is asked again after a pause
-/// ([`BusyBackoff`]) while the deadline allows.
+/// ([`RetryBackoff`]) while the deadline allows.
 ///
 /// # Errors
 /// [`Error::Busy`] when the server was still busy at the deadline; [`Error::Deadline`],
@@ -174,7 +175,7 @@ pub async fn fetch_handshake(
     let mut busy = None;
     let mut tries = 0;
     let retried = tokio::time::timeout(limits.deadline, async {
-        let mut backoff = BusyBackoff::default();
+        let mut backoff = RetryBackoff::default();
         loop {
             tries += 1;
             match ask(addr, &peer, ours, limits).await? {
@@ -229,27 +230,28 @@ async fn ask(
     channel.recv().await
 }
 
-/// The pauses of a client between tries that a server turned away as busy: from
-/// [`FIRST_BUSY_BACKOFF`], doubling up to [`MAX_BUSY_BACKOFF`], each with up to half of it
+/// The pauses of a client between tries, after a server turned it away as busy (or etcd
+/// did not have the metadata yet): from
+/// [`FIRST_RETRY_PAUSE`], doubling up to [`MAX_RETRY_PAUSE`], each with up to half of it
 /// added at random, so that clients turned away together spread out.
 #[derive(Debug, Clone, Copy)]
-pub struct BusyBackoff {
+pub struct RetryBackoff {
     pause: Duration,
 }
 
-impl Default for BusyBackoff {
+impl Default for RetryBackoff {
     fn default() -> Self {
-        BusyBackoff {
-            pause: FIRST_BUSY_BACKOFF,
+        RetryBackoff {
+            pause: FIRST_RETRY_PAUSE,
         }
     }
 }
 
-impl BusyBackoff {
+impl RetryBackoff {
     /// The pause before the next try.
     pub fn next_pause(&mut self) -> Duration {
         let pause = self.pause;
-        self.pause = (pause * 2).min(MAX_BUSY_BACKOFF);
+        self.pause = (pause * 2).min(MAX_RETRY_PAUSE);
         let random = RandomState::new().build_hasher().finish();
         let half = u64::try_from(pause.as_nanos() / 2).unwrap_or(u64::MAX);
         pause + Duration::from_nanos(random % half.max(1))

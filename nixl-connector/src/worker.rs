@@ -14,6 +14,7 @@ use tokio::task::JoinHandle;
 
 use crate::config::{MetadataExchange, WorkerConfig};
 use crate::error::{Error, Result};
+use crate::etcd::EtcdSource;
 use crate::handshake::HandshakeMessage;
 use crate::metrics::{RemoteStats, SendStats, TransferMetrics};
 use crate::params::RemoteBlocks;
@@ -59,6 +60,8 @@ pub(crate) struct Shared {
     pub(crate) outcomes: Mutex<Outcomes>,
     pub(crate) sends: Mutex<Sends>,
     pub(crate) remotes: Remotes,
+    /// Where peers' metadata is fetched from, in etcd mode.
+    pub(crate) etcd: Option<EtcdSource>,
     /// Signalled whenever a load ends.
     pub(crate) load_ended: tokio::sync::Notify,
     /// Signalled whenever a decode notification arrives for this rank.
@@ -117,9 +120,10 @@ impl KvConnectorWorker {
                 format!("TP rank {} of TP size {}", config.tp_rank, config.tp_size),
             ));
         }
-        if config.metadata_exchange == MetadataExchange::Etcd {
-            crate::etcd::endpoints()?;
-        }
+        let etcd = match config.metadata_exchange {
+            MetadataExchange::Etcd => Some(EtcdSource::from_env()?),
+            MetadataExchange::SideChannel => None,
+        };
         let name = config
             .agent_name
             .clone()
@@ -136,6 +140,7 @@ impl KvConnectorWorker {
             caches: OnceLock::new(),
             outcomes: Mutex::new(Outcomes::default()),
             remotes: Remotes::default(),
+            etcd,
             load_ended: tokio::sync::Notify::new(),
             notified: tokio::sync::Notify::new(),
         });
