@@ -16,7 +16,7 @@ use std::io::{Read, Write};
 use std::time::Duration;
 
 use base64::prelude::{Engine, BASE64_STANDARD};
-use connector::{block, fill, pattern, poll_until, remote, spec, worker_with};
+use connector::{fill, spec, worker_with};
 use demo_support::Etcd;
 use nixl_connector::etcd::{fetch_metadata, metadata_key};
 use nixl_connector::{KvConnectorWorker, MetadataExchange};
@@ -60,37 +60,16 @@ fn etcd_worker(engine: &str) -> KvConnectorWorker {
     })
 }
 
-/// Loads blocks 1 and 2 of `prefill` into the decode's 4 and 5, and returns why it failed,
-/// or checks every byte and returns `None`.
+/// Loads blocks 1 and 2 of `prefill` into the decode's 4 and 5: every byte checked, or why
+/// it failed.
 async fn load(
     decode: &KvConnectorWorker,
     prefill: &KvConnectorWorker,
     request: &str,
-) -> Option<String> {
-    let spec = spec(2);
+) -> Result<(), String> {
     let engine = prefill.handshake().unwrap().engine_id;
-    let from = remote(prefill, &engine, request, vec![1, 2], 1);
-    decode.start_load(request, &[4, 5], &from).unwrap();
-    let done = poll_until(decode, Duration::from_secs(20), |f| !f.recving.is_empty()).await;
-    assert_eq!(done.recving, [request]);
-    decode.load_errors();
-    let metrics = decode.metrics();
-    if let Some(failure) = &metrics[0].failure {
-        return Some(failure.clone());
-    }
-    for layer in 0..spec.num_layers {
-        for (local, far) in [(4, 1), (5, 2)] {
-            let want: Vec<u8> = (0..spec.block_len())
-                .map(|o| pattern(layer, far, o))
-                .collect();
-            assert_eq!(
-                block(decode, &spec, layer, local),
-                want,
-                "{request} layer {layer}"
-            );
-        }
-    }
-    None
+    let blocks: (&[usize], &[usize]) = (&[4, 5], &[1, 2]);
+    connector::loads::load(decode, prefill, &spec(2), &engine, request, blocks).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -114,7 +93,7 @@ async fn metadata_from_etcd_is_fetched_by_the_connector_and_validated() {
     let prefill = etcd_worker("pf-etcd");
     fill(&prefill, &spec(2));
     let decode = etcd_worker("dc-etcd");
-    assert_eq!(load(&decode, &prefill, "real").await, None);
+    load(&decode, &prefill, "real").await.unwrap();
     // NIXL stored the agent's metadata under the key the connector read.
     let key = metadata_key(&namespace, prefill.agent().name());
     let stored = fetch_metadata(&etcd.endpoint, &key, 1 << 20, Duration::from_secs(5))
@@ -135,11 +114,11 @@ async fn metadata_from_etcd_is_fetched_by_the_connector_and_validated() {
         &key,
         b"nixlSerDes|garbage that is not metadata",
     );
-    let failure = load(&decode, &victim, "garbage").await.expect("refused");
+    let failure = load(&decode, &victim, "garbage").await.unwrap_err();
     assert!(failure.contains("invalid metadata at byte"), "{failure}");
 
     put(&etcd.endpoint, &key, &vec![7u8; 4 * MAX_FRAME]);
-    let failure = load(&decode, &victim, "oversized").await.expect("refused");
+    let failure = load(&decode, &victim, "oversized").await.unwrap_err();
     assert!(
         failure.contains(&format!("{MAX_FRAME}-byte cap")),
         "{failure}"
@@ -147,13 +126,13 @@ async fn metadata_from_etcd_is_fetched_by_the_connector_and_validated() {
     assert!(failure.contains(&key), "{failure}");
 
     delete(&etcd.endpoint, &key);
-    let failure = load(&decode, &victim, "absent").await.expect("refused");
+    let failure = load(&decode, &victim, "absent").await.unwrap_err();
     assert!(failure.contains("no metadata under it after"), "{failure}");
     assert!(failure.contains(&format!("key {key:?}")), "{failure}");
 
     // The real metadata back: it loads, and nothing of the refused bytes stuck.
     put(&etcd.endpoint, &key, &real);
-    assert_eq!(load(&decode, &victim, "restored").await, None);
+    load(&decode, &victim, "restored").await.unwrap();
     let stats = decode.remote_stats();
     assert_eq!((stats.loaded, stats.replaced), (2, 0), "{stats:?}");
 }

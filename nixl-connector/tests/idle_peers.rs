@@ -8,11 +8,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{block, fill, pattern, poll_until, remote, spec, worker, worker_with};
+use common::loads::{fail_a_load, load};
+use common::{fill, spec, worker, worker_with};
 use nixl_connector::side_channel::fetch_handshake;
-use nixl_connector::{
-    Channel, ChannelLimits, Error, KvCacheSpec, KvConnectorWorker, PendingStats, RemoteBlocks,
-};
+use nixl_connector::{Channel, ChannelLimits, Error, KvCacheSpec, KvConnectorWorker, PendingStats};
 use serde::{Deserialize, Serialize};
 use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, TcpStream};
@@ -131,64 +130,6 @@ async fn hold_silently(addr: std::net::SocketAddr, until: Instant, pause: Durati
     connections
 }
 
-/// Loads `far` into `local` (cleared first) from `prefill` and checks every byte.
-async fn load_and_check(
-    decode: &KvConnectorWorker,
-    prefill: &KvConnectorWorker,
-    spec: &KvCacheSpec,
-    request: &str,
-    local: [usize; 2],
-    far: [usize; 2],
-) {
-    let zeros = vec![0u8; spec.block_len()];
-    for layer in 0..spec.num_layers {
-        for b in local {
-            decode
-                .kv_caches()
-                .unwrap()
-                .write(layer, b * spec.block_len(), &zeros)
-                .unwrap();
-        }
-    }
-    let from = remote(prefill, "pf-idle", request, far.to_vec(), 1);
-    decode.start_load(request, &local, &from).unwrap();
-    let done = poll_until(decode, Duration::from_secs(10), |f| !f.recving.is_empty()).await;
-    assert_eq!(done.recving, [request], "{:?}", decode.metrics());
-    assert!(
-        decode.load_errors().is_empty(),
-        "{request}: {:?}",
-        decode.metrics()
-    );
-    for layer in 0..spec.num_layers {
-        for (l, f) in local.into_iter().zip(far) {
-            let want: Vec<u8> = (0..spec.block_len())
-                .map(|o| pattern(layer, f, o))
-                .collect();
-            assert_eq!(
-                block(decode, spec, layer, l),
-                want,
-                "{request} layer {layer}"
-            );
-        }
-    }
-}
-
-/// A load the decode fails before its READ (a remote block out of range), after which it
-/// forgets the remote rank, so that the next load handshakes again.
-async fn fail_a_load(
-    decode: &KvConnectorWorker,
-    prefill: &KvConnectorWorker,
-    spec: &KvCacheSpec,
-    request: &str,
-) {
-    let bad: RemoteBlocks = remote(prefill, "pf-idle", request, vec![spec.num_blocks], 1);
-    decode.start_load(request, &[0], &bad).unwrap();
-    let done = poll_until(decode, Duration::from_secs(10), |f| !f.recving.is_empty()).await;
-    assert_eq!(done.recving, [request]);
-    assert_eq!(decode.load_errors(), [0]);
-    decode.metrics();
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifty_silent_connections_for_14_s_do_not_keep_a_decode_out() {
     common::init_tracing();
@@ -227,11 +168,21 @@ async fn fifty_silent_connections_for_14_s_do_not_keep_a_decode_out() {
     let decode = worker("dc-idle", 0, 1, spec);
     for i in 0..256 {
         if i % 16 == 15 {
-            fail_a_load(&decode, &prefill, &spec, &format!("bad-{i}")).await;
+            fail_a_load(&decode, &prefill, &spec, "pf-idle", &format!("bad-{i}")).await;
         }
         let local = [2 * (i % 8), 2 * (i % 8) + 1];
         let far = [i % spec.num_blocks, (i * 7 + 3) % spec.num_blocks];
-        load_and_check(&decode, &prefill, &spec, &format!("req-{i}"), local, far).await;
+        let request = format!("req-{i}");
+        load(
+            &decode,
+            &prefill,
+            &spec,
+            "pf-idle",
+            &request,
+            (&local, &far),
+        )
+        .await
+        .unwrap();
     }
     let decoded_at = Instant::now();
     asking.await.unwrap();
