@@ -15,7 +15,7 @@
 
 use std::io::{Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use base64::prelude::{Engine, BASE64_STANDARD};
 use nixl::{Agent, MetadataPeer};
@@ -37,8 +37,12 @@ pub const DEFAULT_NAMESPACE: &str = "/nixl/agents/";
 /// Room in an answer of etcd beyond the base64 of the value: headers and the JSON around it.
 const ANSWER_OVERHEAD: usize = 16 << 10;
 
-/// How long one etcd endpoint may take to answer [`check_reachable`]'s health request.
+/// How long one etcd endpoint may take to answer [`check_reachable`]'s health request, and
+/// how long an etcd that answers that it is not healthy is asked again.
 pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The pause before asking an etcd that answered it is not healthy again.
+pub const UNHEALTHY_PAUSE: Duration = Duration::from_millis(100);
 
 /// Checks that etcd answers at one of `NIXL_ETCD_ENDPOINTS`, then publishes the agent's
 /// metadata there.
@@ -55,25 +59,37 @@ pub fn publish(agent: &Agent) -> Result<()> {
 
 /// Checks that at least one of `endpoints` (etcd client URLs separated by commas or
 /// semicolons, as in `NIXL_ETCD_ENDPOINTS`) answers within `timeout`: for `http://` URLs, its
-/// `/health` must report healthy; for others, a TCP connection must succeed.
+/// `/health` must report healthy; for others, a TCP connection must succeed. An etcd that
+/// answers that it is not healthy is often only busy for a moment: it is asked again, every
+/// [`UNHEALTHY_PAUSE`], until `timeout` has passed in all.
 ///
 /// # Errors
 /// [`Error::EtcdUnreachable`] naming each endpoint and what went wrong there when none
 /// answers.
 pub fn check_reachable(endpoints: &str, timeout: Duration) -> Result<()> {
-    let mut failures = Vec::new();
-    for url in each_endpoint(endpoints) {
-        match probe(url, timeout) {
-            Ok(()) => return Ok(()),
-            Err(err) => failures.push(format!("{url}: {err}")),
+    let start = Instant::now();
+    loop {
+        let mut failures = Vec::new();
+        let mut answered = false;
+        for url in each_endpoint(endpoints) {
+            match probe(url, timeout) {
+                Ok(()) => return Ok(()),
+                Err(failure) => {
+                    answered |= matches!(failure, ProbeFailure::Unhealthy(_));
+                    failures.push(format!("{url}: {failure}"));
+                }
+            }
         }
+        if failures.is_empty() {
+            failures.push(format!("{ETCD_ENDPOINTS_ENV} names no endpoint"));
+        }
+        if !answered || start.elapsed() + UNHEALTHY_PAUSE >= timeout {
+            return Err(Error::EtcdUnreachable {
+                failures: failures.join("; "),
+            });
+        }
+        std::thread::sleep(UNHEALTHY_PAUSE);
     }
-    if failures.is_empty() {
-        failures.push(format!("{ETCD_ENDPOINTS_ENV} names no endpoint"));
-    }
-    Err(Error::EtcdUnreachable {
-        failures: failures.join("; "),
-    })
 }
 
 /// `NIXL_ETCD_ENDPOINTS`, which NIXL read when the agent was created.
@@ -117,8 +133,31 @@ fn with_port(host: &str) -> String {
     }
 }
 
+/// Why an endpoint did not do.
+enum ProbeFailure {
+    /// It could not be reached, or did not answer.
+    Unreachable(std::io::Error),
+    /// It answered that etcd is not healthy; its answer.
+    Unhealthy(String),
+}
+
+impl std::fmt::Display for ProbeFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ProbeFailure::Unreachable(err) => err.fmt(f),
+            ProbeFailure::Unhealthy(answer) => f.write_str(answer),
+        }
+    }
+}
+
+impl From<std::io::Error> for ProbeFailure {
+    fn from(err: std::io::Error) -> Self {
+        ProbeFailure::Unreachable(err)
+    }
+}
+
 /// Asks one endpoint for its health.
-fn probe(url: &str, timeout: Duration) -> std::io::Result<()> {
+fn probe(url: &str, timeout: Duration) -> std::result::Result<(), ProbeFailure> {
     let (http, host) = parse_endpoint(url);
     let addrs: Vec<_> = with_port(host).to_socket_addrs()?.collect();
     let mut last = std::io::Error::other("the host name resolves to no address");
@@ -129,11 +168,15 @@ fn probe(url: &str, timeout: Duration) -> std::io::Result<()> {
             Err(err) => last = err,
         }
     }
-    Err(last)
+    Err(last.into())
 }
 
 /// Sends `GET /health` and checks etcd's answer.
-fn ask_health(mut stream: TcpStream, host: &str, timeout: Duration) -> std::io::Result<()> {
+fn ask_health(
+    mut stream: TcpStream,
+    host: &str,
+    timeout: Duration,
+) -> std::result::Result<(), ProbeFailure> {
     stream.set_read_timeout(Some(timeout))?;
     stream.set_write_timeout(Some(timeout))?;
     // One write: `write!` would send each piece of the format on its own.
@@ -146,7 +189,7 @@ fn ask_health(mut stream: TcpStream, host: &str, timeout: Duration) -> std::io::
     }
     let status = reply.lines().next().unwrap_or("no reply");
     let body = reply.split("\r\n\r\n").nth(1).unwrap_or("").trim();
-    Err(std::io::Error::other(format!(
+    Err(ProbeFailure::Unhealthy(format!(
         "/health answered {status:?} {body}"
     )))
 }
@@ -183,8 +226,9 @@ pub fn metadata_key(namespace: &str, agent: &str) -> String {
 }
 
 /// Fetches the value of `key` (an agent's metadata, see [`metadata_key`]) from the first of
-/// `endpoints` that answers, within `deadline` in all; while etcd has no such key yet it
-/// asks again after a pause ([`RetryBackoff`]). A value of more than `max_bytes` is refused
+/// `endpoints` that answers, within `deadline` in all; while etcd has no such key yet, or
+/// answers that it cannot serve now (a 5xx status), it asks again after a pause
+/// ([`RetryBackoff`]). A value of more than `max_bytes` is refused
 /// without reading it all: at most `max_bytes` × 4/3 (its base64) and 16 KiB are read from
 /// each answer. Only `http://` endpoints can be asked. Load the bytes with
 /// [`Agent::load_remote_metadata`], which validates them.
@@ -201,8 +245,9 @@ pub async fn fetch_metadata(
 ) -> Result<Vec<u8>> {
     let mut backoff = RetryBackoff::default();
     let mut tries = 0;
-    // Whether an endpoint said the key is not there (yet); what failed on the others.
-    let mut absent = false;
+    // Whether an endpoint said the key is not there (yet), or that etcd cannot answer now;
+    // what failed on the others.
+    let (mut absent, mut unavailable) = (false, false);
     let mut failures = Vec::new();
     let fetched = tokio::time::timeout(deadline, async {
         loop {
@@ -212,10 +257,13 @@ pub async fn fetch_metadata(
                 match range(url, key, max_bytes).await {
                     Ok(Some(value)) => return Some(value),
                     Ok(None) => absent = true,
-                    Err(reason) => failures.push(format!("{url}: {reason}")),
+                    Err(failure) => {
+                        unavailable |= failure.unavailable;
+                        failures.push(format!("{url}: {}", failure.reason));
+                    }
                 }
             }
-            if !absent {
+            if !absent && !unavailable {
                 // Every endpoint failed: waiting would not help.
                 return None;
             }
@@ -256,19 +304,42 @@ struct KeyValue {
     value: String,
 }
 
+/// Why a range request failed.
+#[derive(Debug, PartialEq, Eq)]
+struct RangeFailure {
+    reason: String,
+    /// etcd answered that it cannot serve the request now (a 5xx status): worth asking again.
+    unavailable: bool,
+}
+
+impl From<String> for RangeFailure {
+    fn from(reason: String) -> Self {
+        RangeFailure {
+            reason,
+            unavailable: false,
+        }
+    }
+}
+
+impl From<&str> for RangeFailure {
+    fn from(reason: &str) -> Self {
+        reason.to_string().into()
+    }
+}
+
 /// Asks the endpoint `url` for `key`'s value: `None` when there is no such key.
 async fn range(
     url: &str,
     key: &str,
     max_bytes: usize,
-) -> std::result::Result<Option<Vec<u8>>, String> {
+) -> std::result::Result<Option<Vec<u8>>, RangeFailure> {
     let (http, host) = parse_endpoint(url);
     if !http {
         return Err("only http:// endpoints can be asked for metadata".into());
     }
     let mut stream = tokio::net::TcpStream::connect(with_port(host))
         .await
-        .map_err(|err| err.to_string())?;
+        .map_err(|err| RangeFailure::from(err.to_string()))?;
     let body = format!(r#"{{"key":"{}"}}"#, BASE64_STANDARD.encode(key));
     let request = format!(
         "POST /v3/kv/range HTTP/1.0\r\nHost: {host}\r\nContent-Type: application/json\r\n\
@@ -278,31 +349,33 @@ async fn range(
     stream
         .write_all(request.as_bytes())
         .await
-        .map_err(|err| err.to_string())?;
+        .map_err(|err| RangeFailure::from(err.to_string()))?;
     let cap = max_bytes.saturating_mul(4) / 3 + ANSWER_OVERHEAD;
     let mut answer = Vec::new();
     (&mut stream)
         .take(cap as u64 + 1)
         .read_to_end(&mut answer)
         .await
-        .map_err(|err| err.to_string())?;
+        .map_err(|err| RangeFailure::from(err.to_string()))?;
     if answer.len() > cap {
         return Err(format!(
             "the answer passes {cap} bytes: the value is larger than the {max_bytes}-byte cap"
-        ));
+        )
+        .into());
     }
     let value = value_of(&answer)?;
     match value {
         Some(value) if value.len() > max_bytes => Err(format!(
             "the value has {} bytes, more than the {max_bytes}-byte cap",
             value.len()
-        )),
+        )
+        .into()),
         value => Ok(value),
     }
 }
 
 /// The value in an HTTP answer to a range request, `None` when it has none.
-fn value_of(answer: &[u8]) -> std::result::Result<Option<Vec<u8>>, String> {
+fn value_of(answer: &[u8]) -> std::result::Result<Option<Vec<u8>>, RangeFailure> {
     let split = answer
         .windows(4)
         .position(|w| w == b"\r\n\r\n")
@@ -312,12 +385,13 @@ fn value_of(answer: &[u8]) -> std::result::Result<Option<Vec<u8>>, String> {
         &answer[split + 4..],
     );
     let status = head.lines().next().unwrap_or_default();
-    if status.split_whitespace().nth(1) != Some("200") {
+    let code = status.split_whitespace().nth(1).unwrap_or_default();
+    if code != "200" {
         let excerpt = String::from_utf8_lossy(&body[..body.len().min(200)]);
-        return Err(format!(
-            "/v3/kv/range answered {status:?} {}",
-            excerpt.trim()
-        ));
+        return Err(RangeFailure {
+            reason: format!("/v3/kv/range answered {status:?} {}", excerpt.trim()),
+            unavailable: code.starts_with('5'),
+        });
     }
     let declared = head.lines().find_map(|line| {
         let (name, value) = line.split_once(':')?;
@@ -330,17 +404,18 @@ fn value_of(answer: &[u8]) -> std::result::Result<Option<Vec<u8>>, String> {
             "the answer's body has {} bytes, its header declares {}",
             body.len(),
             declared.unwrap_or_default()
-        ));
+        )
+        .into());
     }
     let parsed: RangeAnswer = serde_json::from_slice(body)
-        .map_err(|err| format!("the answer is not etcd's JSON: {err}"))?;
+        .map_err(|err| RangeFailure::from(format!("the answer is not etcd's JSON: {err}")))?;
     let Some(first) = parsed.kvs.first() else {
         return Ok(None);
     };
     BASE64_STANDARD
         .decode(&first.value)
         .map(Some)
-        .map_err(|err| format!("the value is not base64: {err}"))
+        .map_err(|err| format!("the value is not base64: {err}").into())
 }
 
 #[cfg(test)]
@@ -366,21 +441,33 @@ mod tests {
     fn an_unhealthy_answer_is_quoted() {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
-        let server = std::thread::spawn(move || {
-            let (mut s, _) = listener.accept().unwrap();
-            // The whole request: bytes left unread when the socket closes make it a reset.
-            let mut request = Vec::new();
-            let mut byte = [0u8; 1];
-            while !request.ends_with(b"\r\n\r\n") && s.read(&mut byte).unwrap_or(0) == 1 {
-                request.push(byte[0]);
+        // Unhealthy for good: asked again until the timeout has passed (the thread ends with
+        // the test process).
+        let asked = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = asked.clone();
+        std::thread::spawn(move || {
+            for mut s in listener.incoming().flatten() {
+                counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                // The whole request: bytes left unread when the socket closes make it a reset.
+                let mut request = Vec::new();
+                let mut byte = [0u8; 1];
+                while !request.ends_with(b"\r\n\r\n") && s.read(&mut byte).unwrap_or(0) == 1 {
+                    request.push(byte[0]);
+                }
+                let answer = b"HTTP/1.0 503 Service Unavailable\r\n\r\n{\"health\":\"false\"}";
+                let _ = s.write_all(answer);
             }
-            s.write_all(b"HTTP/1.0 503 Service Unavailable\r\n\r\n{\"health\":\"false\"}")
-                .unwrap();
         });
-        let text = check_reachable(&url, Duration::from_secs(5))
+        let start = Instant::now();
+        let text = check_reachable(&url, Duration::from_secs(1))
             .unwrap_err()
             .to_string();
-        server.join().unwrap();
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            start.elapsed()
+        );
+        assert!(asked.load(std::sync::atomic::Ordering::SeqCst) >= 2);
         assert!(text.contains("503"), "{text}");
         assert!(text.contains("\"health\":\"false\""), "{text}");
     }
@@ -397,11 +484,15 @@ mod tests {
         let found = ok(r#"{"kvs":[{"key":"aw==","value":"aGk="}],"count":"1"}"#);
         assert_eq!(value_of(found.as_bytes()), Ok(Some(b"hi".to_vec())));
         let err = |answer: &str| value_of(answer.as_bytes()).unwrap_err();
-        assert!(err("HTTP/1.0 503 Service Unavailable\r\n\r\n{\"error\":\"x\"}").contains("503"));
-        assert!(err("HTTP/1.0 200 OK\r\nContent-Length: 9\r\n\r\n{}").contains("declares 9"));
-        assert!(err(&ok("not json")).contains("not etcd's JSON"));
-        assert!(err(&ok(r#"{"kvs":[{"value":"!!"}]}"#)).contains("not base64"));
-        assert!(err("HTTP/1.0 200 OK\r\nContent-Len").contains("inside its headers"));
+        let unavailable = err("HTTP/1.0 503 Service Unavailable\r\n\r\n{\"error\":\"x\"}");
+        assert!(unavailable.unavailable && unavailable.reason.contains("503"));
+        let refused = err("HTTP/1.0 400 Bad Request\r\n\r\n{}");
+        assert!(!refused.unavailable && refused.reason.contains("400"));
+        let reason = |answer: &str| err(answer).reason;
+        assert!(reason("HTTP/1.0 200 OK\r\nContent-Length: 9\r\n\r\n{}").contains("declares 9"));
+        assert!(reason(&ok("not json")).contains("not etcd's JSON"));
+        assert!(reason(&ok(r#"{"kvs":[{"value":"!!"}]}"#)).contains("not base64"));
+        assert!(reason("HTTP/1.0 200 OK\r\nContent-Len").contains("inside its headers"));
     }
 
     #[tokio::test]
