@@ -37,7 +37,8 @@ struct Args {
     /// Seconds a new connection may take, in all, to complete its handshake.
     #[arg(long, default_value_t = 10, value_parser = parse_positive::<u64>)]
     handshake_timeout_s: u64,
-    /// Most connections in their handshake at once; more are refused at once.
+    /// Most connections in their handshake at once; when all are taken, the oldest is closed
+    /// with a busy answer for each new one (decode retries a busy answer).
     #[arg(long, default_value_t = DEFAULT_MAX_PENDING_HANDSHAKES, value_parser = parse_positive::<usize>)]
     max_pending_handshakes: usize,
     /// Most bytes pending handshakes may have received together, beyond 64 KiB each

@@ -2,22 +2,32 @@
 //! yet answered): how many there may be at once, and how many bytes they may have received
 //! together (what their frame buffers hold).
 //!
+//! The count is the connector's [`PendingHandshakes`]: when every place is taken, the oldest
+//! pending handshake is evicted for the newest, so idle or slow connections cannot keep out
+//! a decode that sends its Hello at once.
+//!
 //! Each pending handshake may hold [`FREE_BYTES_PER_HANDSHAKE`] without charge, so that a
 //! normal Hello is never refused for bytes other connections hold; only what a frame takes
 //! beyond that counts against the byte limit.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
+
+use nixl_connector::pending::Evicted;
+use nixl_connector::{PendingHandshakes, PendingSlot, PendingStats};
 
 /// Bytes each pending handshake may receive outside the shared byte limit (64 KiB).
 pub const FREE_BYTES_PER_HANDSHAKE: usize = 64 << 10;
 
+/// How long a new connection waits for the place of the handshake evicted for it.
+pub const EVICTION_GRACE: Duration = nixl_connector::side_channel::EVICTION_GRACE;
+
 /// The limits and what is in use of them; shared by the accept loop and the handshakes.
 #[derive(Debug)]
 pub struct Admission {
-    max_pending: usize,
+    places: Arc<PendingHandshakes>,
     max_bytes: usize,
-    pending: AtomicUsize,
     bytes: AtomicUsize,
 }
 
@@ -26,23 +36,20 @@ impl Admission {
     /// their free allowance.
     pub fn new(max_pending: usize, max_bytes: usize) -> Arc<Self> {
         Arc::new(Admission {
-            max_pending,
+            places: PendingHandshakes::new(max_pending),
             max_bytes,
-            pending: AtomicUsize::new(0),
             bytes: AtomicUsize::new(0),
         })
     }
 
-    /// A place for one more pending handshake, held until the [`Ticket`] is dropped; `None`
-    /// when `max_pending` are already pending.
-    pub fn admit(self: &Arc<Self>) -> Option<Ticket> {
-        self.pending
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < self.max_pending).then_some(n + 1)
-            })
-            .ok()?;
+    /// A place for one more pending handshake, held until the [`Ticket`] is dropped. When
+    /// `max_pending` are already pending, the oldest is evicted and this waits for its place
+    /// (at most [`EVICTION_GRACE`]); `None` when it did not come free.
+    pub async fn admit(self: &Arc<Self>) -> Option<Ticket> {
+        let slot = self.places.admit(EVICTION_GRACE).await?;
         Some(Ticket {
             admission: self.clone(),
+            slot,
             held: 0,
             charged: 0,
         })
@@ -50,12 +57,17 @@ impl Admission {
 
     /// Handshakes pending now.
     pub fn pending(&self) -> usize {
-        self.pending.load(Ordering::Acquire)
+        self.places.held()
     }
 
     /// The most handshakes pending at once.
     pub fn max_pending(&self) -> usize {
-        self.max_pending
+        self.places.max()
+    }
+
+    /// Handshakes admitted, evicted and refused so far.
+    pub fn stats(&self) -> PendingStats {
+        self.places.stats()
     }
 
     /// Bytes charged against the limit now.
@@ -69,6 +81,7 @@ impl Admission {
 #[derive(Debug)]
 pub struct Ticket {
     admission: Arc<Admission>,
+    slot: PendingSlot,
     /// Frame memory this handshake took, allowance included.
     held: usize,
     /// The part of `held` charged against the shared limit.
@@ -76,6 +89,12 @@ pub struct Ticket {
 }
 
 impl Ticket {
+    /// Resolves once this handshake is evicted for a newer one (it does not borrow the
+    /// ticket).
+    pub fn evicted(&self) -> Evicted {
+        self.slot.evicted()
+    }
+
     /// Charges `bytes` more received by this handshake.
     ///
     /// # Errors
@@ -110,7 +129,6 @@ impl Drop for Ticket {
         self.admission
             .bytes
             .fetch_sub(self.charged, Ordering::AcqRel);
-        self.admission.pending.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -118,31 +136,38 @@ impl Drop for Ticket {
 mod tests {
     use super::*;
 
-    #[test]
-    fn counts_places() {
+    #[tokio::test]
+    async fn evicts_the_oldest_for_the_newest() {
         let admission = Admission::new(2, 0);
-        let a = admission.admit().unwrap();
-        let _b = admission.admit().unwrap();
-        assert!(admission.admit().is_none());
+        let a = admission.admit().await.unwrap();
+        let b = admission.admit().await.unwrap();
+        let evicted = a.evicted();
+        let owner = tokio::spawn(async move {
+            evicted.await;
+            drop(a);
+        });
+        let _c = admission.admit().await.unwrap();
+        owner.await.unwrap();
         assert_eq!(admission.pending(), 2);
-        drop(a);
-        assert!(admission.admit().is_some());
+        assert_eq!(admission.stats().evicted, 1);
+        drop(b);
+        assert_eq!(admission.pending(), 1);
     }
 
-    #[test]
-    fn charges_bytes_beyond_the_allowance() {
+    #[tokio::test]
+    async fn charges_bytes_beyond_the_allowance() {
         let admission = Admission::new(4, 100);
-        let mut a = admission.admit().unwrap();
+        let mut a = admission.admit().await.unwrap();
         a.charge(FREE_BYTES_PER_HANDSHAKE).unwrap();
         assert_eq!(admission.bytes(), 0);
         a.charge(60).unwrap();
         assert_eq!(admission.bytes(), 60);
-        let mut b = admission.admit().unwrap();
+        let mut b = admission.admit().await.unwrap();
         b.charge(FREE_BYTES_PER_HANDSHAKE + 40).unwrap();
         let err = b.charge(1).unwrap_err();
         assert!(err.to_string().contains("limit of 100 bytes"), "{err}");
         // A handshake within its allowance is never refused.
-        admission.admit().unwrap().charge(1000).unwrap();
+        admission.admit().await.unwrap().charge(1000).unwrap();
         drop(a);
         assert_eq!(admission.bytes(), 40);
         b.charge(1).unwrap();

@@ -8,6 +8,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use nixl_connector::side_channel::RetryBackoff;
 use nixl_connector::{
     Channel, KvConnectorScheduler, KvTransferParams, SchedulerConfig, TransferMetrics,
 };
@@ -124,12 +125,63 @@ fn check_options(options: &DecodeOptions, layout: KvLayout) -> Result<()> {
     Ok(())
 }
 
-/// Connects to prefill (retrying while it starts), sends the Hello, takes the Welcome and
-/// runs the connector's handshake with prefill's side channel, all by one deadline.
+/// Connects to prefill (retrying while it starts, and after a busy answer), sends the Hello,
+/// takes the Welcome and runs the connector's handshake with prefill's side channel, all by
+/// one deadline.
 async fn connect(worker: &Worker, options: &DecodeOptions) -> Result<(Channel<Metered>, Welcome)> {
     let addr = options.prefill;
     let limit = options.connect_timeout;
     let deadline = Deadline::now() + limit;
+    let mut backoff = RetryBackoff::default();
+    let mut tries = 0;
+    let (channel, welcome) = loop {
+        tries += 1;
+        let busy = match greet(worker, options, deadline).await? {
+            Greeting::Welcome(session) => break *session,
+            Greeting::Busy(busy) => busy,
+        };
+        let pause = backoff.next_pause();
+        if Deadline::now() + pause >= deadline {
+            return Err(Error::Rejected(format!(
+                "{busy} (still busy after {tries} tries within {limit:?})"
+            )));
+        }
+        tracing::info!(%addr, tries, "prefill is busy; trying again: {busy}");
+        tokio::time::sleep(pause).await;
+    };
+    // The connector's handshake with prefill (metadata, cache layout), within the same
+    // deadline, so that the run's timing starts with both workers connected.
+    let host = addr.ip().to_string();
+    let handshake =
+        worker
+            .connector
+            .handshake_with(&welcome.engine, &host, welcome.side_channel_port, 1);
+    match tokio::time::timeout_at(deadline, handshake).await {
+        Ok(done) => done?,
+        Err(_) => {
+            return Err(Error::Timeout(format!(
+                "the connector's handshake with prefill {} did not finish within {limit:?}",
+                welcome.engine
+            )))
+        }
+    }
+    tracing::info!(prefill = %welcome.engine, %addr, "connected to prefill");
+    Ok((channel, welcome))
+}
+
+/// What prefill answered a Hello with.
+enum Greeting {
+    /// The session is on.
+    Welcome(Box<(Channel<Metered>, Welcome)>),
+    /// No room now; prefill's reason.
+    Busy(String),
+}
+
+/// One try: reaches prefill, sends the Hello and takes the Welcome (or a busy answer), by
+/// `deadline`.
+async fn greet(worker: &Worker, options: &DecodeOptions, deadline: Deadline) -> Result<Greeting> {
+    let addr = options.prefill;
+    let limit = options.connect_timeout;
     let stream = reach(addr, deadline, limit).await?;
     let mut channel = Channel::new(
         Metered::new(stream, None),
@@ -166,6 +218,7 @@ async fn connect(worker: &Worker, options: &DecodeOptions) -> Result<(Channel<Me
     };
     let welcome = match answer {
         Ok(Message::Welcome(welcome)) => welcome,
+        Ok(Message::Busy { message }) => return Ok(Greeting::Busy(message)),
         Ok(Message::Error { message }) => return Err(Error::Rejected(message)),
         Ok(other) => {
             return Err(Error::Protocol(format!(
@@ -181,24 +234,7 @@ async fn connect(worker: &Worker, options: &DecodeOptions) -> Result<(Channel<Me
         Err(err) => return Err(err.into()),
     };
     check_welcome(&welcome, layout)?;
-    // The connector's handshake with prefill (metadata, cache layout), within the same
-    // deadline, so that the run's timing starts with both workers connected.
-    let host = addr.ip().to_string();
-    let handshake =
-        worker
-            .connector
-            .handshake_with(&welcome.engine, &host, welcome.side_channel_port, 1);
-    match tokio::time::timeout_at(deadline, handshake).await {
-        Ok(done) => done?,
-        Err(_) => {
-            return Err(Error::Timeout(format!(
-                "the connector's handshake with prefill {} did not finish within {limit:?}",
-                welcome.engine
-            )))
-        }
-    }
-    tracing::info!(prefill = %welcome.engine, %addr, "connected to prefill");
-    Ok((channel, welcome))
+    Ok(Greeting::Welcome(Box::new((channel, welcome))))
 }
 
 /// A TCP connection to `addr`, retried every 100 ms until `deadline` (prefill may still be

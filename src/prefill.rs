@@ -45,7 +45,8 @@ pub struct PrefillOptions {
     pub max_frame: usize,
     /// How long a new connection may take, in all, to complete its handshake.
     pub handshake_timeout: Duration,
-    /// Most connections in their handshake at once; more are refused at once.
+    /// Most connections in their handshake at once; when all are taken, the oldest is
+    /// closed with a busy answer to make room for a new one (decode retries a busy answer).
     pub max_pending_handshakes: usize,
     /// Most bytes pending handshakes may have received together, beyond
     /// [`FREE_BYTES_PER_HANDSHAKE`](crate::admission::FREE_BYTES_PER_HANDSHAKE) each; a
@@ -232,7 +233,7 @@ impl PrefillServer {
             tokio::select! {
                 accepted = self.listener.accept(), if !limit_reached => match accepted {
                     Ok((stream, peer)) => {
-                        let Some(ticket) = self.shared.admission.admit() else {
+                        let Some(ticket) = self.shared.admission.admit().await else {
                             let error = refuse_over_count(&self.shared, stream, peer);
                             let _ = events_tx.send(PrefillEvent::Rejected { peer, error });
                             continue;
@@ -291,36 +292,49 @@ async fn route_releases(shared: Arc<Shared>) {
     }
 }
 
-/// Refuses a connection because [`PrefillOptions::max_pending_handshakes`] are pending:
-/// logs it, tells the peer why if the socket takes the frame at once (it is fresh, so it
-/// does), and closes it; nothing waits on the peer, so a flood of connections costs no tasks.
+/// Refuses a connection because no place of the [`PrefillOptions::max_pending_handshakes`]
+/// came free (the handshake evicted for it did not end within the eviction grace): logs it,
+/// tells the peer it is busy if the socket takes the frame at once (it is fresh, so it does),
+/// and closes it; nothing waits on the peer, so a flood of connections costs no tasks.
 fn refuse_over_count(shared: &Shared, stream: TcpStream, peer: SocketAddr) -> Error {
     let max = shared.admission.max_pending();
     let error = Error::Busy(format!(
-        "prefill is busy: {max} handshakes are already pending, the most it allows; try again later"
+        "prefill is busy: {max} handshakes are pending, the most it allows, and none ended \
+         in time to make room; try again later"
     ));
     tracing::warn!(
         %peer,
         max_pending_handshakes = max,
-        "refused a control-channel connection: {max} handshakes already pending"
+        "refused a control-channel connection: {max} handshakes pending and none made room"
     );
     let mut channel = Channel::new(
         Metered::new(stream, None),
         peer.to_string(),
         shared.options.max_frame,
     );
-    let refusal = Message::Error {
-        message: error.to_string(),
-    };
-    // One poll: written now or never.
-    let _ = channel.send(&refusal).now_or_never();
+    refuse_now(&mut channel, &error);
     error
 }
 
+/// The message that tells a peer why it is turned away: [`Message::Busy`] for [`Error::Busy`]
+/// (decode tries again), else [`Message::Error`].
+fn refusal(error: &Error) -> Message {
+    let message = error.to_string();
+    match error {
+        Error::Busy(_) => Message::Busy { message },
+        _ => Message::Error { message },
+    }
+}
+
+/// Sends `error`'s refusal if the socket takes it in one poll: written now or never.
+fn refuse_now(channel: &mut Channel<Metered>, error: &Error) {
+    let _ = channel.send(&refusal(error)).now_or_never();
+}
+
 /// Sends `message` as the session's last word and closes, within [`SHUTDOWN_GRACE`].
-async fn refuse(mut channel: Channel<Metered>, message: String) {
+async fn refuse(mut channel: Channel<Metered>, message: Message) {
     let _ = tokio::time::timeout(SHUTDOWN_GRACE, async {
-        channel.send(&Message::Error { message }).await?;
+        channel.send(&message).await?;
         channel.close().await
     })
     .await;
@@ -338,22 +352,41 @@ async fn run_session(
         .local_addr()
         .map_or(IpAddr::from([127, 0, 0, 1]), |a| a.ip());
     let _ = stream.set_nodelay(true);
+    // The handshake gives its place to a newer one when evicted: it waits only for the
+    // Hello (the check and the Welcome finish in the poll the Hello arrives in), and its
+    // refusal does not wait for a peer that does not read.
+    let evicted = ticket.evicted();
+    tokio::pin!(evicted);
     let mut channel = Channel::new(
         Metered::new(stream, Some(ticket)),
         peer.to_string(),
         shared.options.max_frame,
     );
     let limit = shared.options.handshake_timeout;
-    let accepted = tokio::time::timeout(limit, accept(&shared, &mut channel))
-        .await
-        .unwrap_or_else(|_| Err(handshake_timeout(channel.get_ref(), limit)));
+    let accepted = tokio::select! {
+        biased;
+        accepted = tokio::time::timeout(limit, accept(&shared, &mut channel)) => {
+            accepted.unwrap_or_else(|_| Err(handshake_timeout(channel.get_ref(), limit)))
+        }
+        () = &mut evicted => {
+            let error = evicted_error(&shared);
+            tracing::warn!(%peer, "closed a pending control-channel handshake to make room: {error}");
+            refuse_now(&mut channel, &error);
+            let _ = events.send(PrefillEvent::Rejected { peer, error });
+            return;
+        }
+    };
     let hello = match accepted {
         Ok(hello) => hello,
         Err(error) => {
             if let Error::Busy(reason) = &error {
                 tracing::warn!(%peer, "refused a control-channel connection: {reason}");
             }
-            refuse(channel, error.to_string()).await;
+            tokio::select! {
+                biased;
+                () = refuse(channel, refusal(&error)) => {}
+                () = evicted => {}
+            }
             let _ = events.send(PrefillEvent::Rejected { peer, error });
             return;
         }
@@ -388,9 +421,18 @@ async fn run_session(
         Ok(()) => {
             let _ = tokio::time::timeout(SHUTDOWN_GRACE, session.channel.close()).await;
         }
-        Err(err) => refuse(session.channel, err.to_string()).await,
+        Err(err) => refuse(session.channel, refusal(err)).await,
     }
     let _ = events.send(PrefillEvent::SessionEnded(report));
+}
+
+/// Why a pending handshake was closed for a newer one.
+fn evicted_error(shared: &Shared) -> Error {
+    Error::Busy(format!(
+        "prefill is busy: this handshake was the oldest of the {} pending, the most it allows, \
+         and was closed for a newer connection; try again",
+        shared.admission.max_pending()
+    ))
 }
 
 /// Reads the Hello, checks it and answers with the Welcome.

@@ -7,7 +7,7 @@
 //! A session:
 //! 1. decode → prefill [`Message::Hello`]: who it is, its cache geometry, what it wants;
 //! 2. prefill → decode [`Message::Welcome`]: its engine and cache geometry (or
-//!    [`Message::Error`] saying why it refuses);
+//!    [`Message::Error`] saying why it refuses, or [`Message::Busy`]: try again shortly);
 //! 3. prefill → decode [`Message::Announce`] per request: the transfer params of a finished
 //!    prefill request; decode loads it with the connector, whose notification frees it;
 //! 4. prefill → decode [`Message::Complete`] once every request was acknowledged.
@@ -16,7 +16,7 @@ use nixl_connector::KvTransferParams;
 use serde::{Deserialize, Serialize};
 
 /// Version of the protocol; both sides must speak the same.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// Default largest control-channel frame (1 MiB; a Hello takes under 100 bytes, an
 /// announcement about 10 bytes per block).
@@ -77,6 +77,12 @@ pub enum Message {
         /// Human-readable reason.
         message: String,
     },
+    /// prefill → decode, instead of a Welcome: no room for this handshake now (too many
+    /// pending); decode tries again after a pause.
+    Busy {
+        /// Human-readable reason.
+        message: String,
+    },
 }
 
 impl Message {
@@ -88,6 +94,7 @@ impl Message {
             Message::Announce(_) => "Announce",
             Message::Complete { .. } => "Complete",
             Message::Error { .. } => "Error",
+            Message::Busy { .. } => "Busy",
         }
     }
 

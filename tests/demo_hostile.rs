@@ -1,6 +1,7 @@
 //! Hostile peers on the control channel: a client that sends a byte a second, many clients
-//! declaring huge frames, and fake prefill servers that stall or never answer. Each is cut
-//! off by a total deadline or a bound, says so, and a real decode still completes.
+//! declaring huge frames, fifty that connect and say nothing, and fake prefill servers that
+//! stall or never answer. Each is cut off by a total deadline or a bound, says so, and a
+//! real decode still completes.
 
 mod demo_support;
 
@@ -196,12 +197,12 @@ fn pending_handshakes_are_bounded_in_count_and_bytes() {
     let pid = prefill.proc.id();
     let rss_before = status_kib(pid, "VmRSS");
 
-    // 20 clients connect before any sends: 8 are admitted, 12 refused at once.
+    // 20 clients connect before any sends: at most 8 are pending, each newcomer past the
+    // eighth closes the oldest.
     let clients: Vec<_> = (0..CLIENTS)
         .map(|_| TcpStream::connect(prefill.addr).expect("connect to prefill"))
         .collect();
-    let count_refusals = "refused a control-channel connection: 8 handshakes already pending";
-    wait_for_lines(&prefill.proc, count_refusals, CLIENTS - MAX_PENDING);
+    wait_for_lines(&prefill.proc, EVICTED, CLIENTS - MAX_PENDING);
 
     // Each then sends a frame just under the 16 MiB frame limit, all but its last byte.
     let declared: u32 = (16 << 20) - 4;
@@ -248,6 +249,83 @@ fn pending_handshakes_are_bounded_in_count_and_bytes() {
     );
     assert!(decode_out.contains("every byte verified"), "{decode_out}");
     drop(clients);
+}
+
+/// What prefill logs when it closes the oldest pending handshake for a new connection.
+const EVICTED: &str = "closed a pending control-channel handshake to make room";
+
+/// Connects to `addr` and says nothing until the peer closes the connection, then
+/// reconnects after 100 ms, until `until`; returns how many times it connected.
+fn hold_silently(addr: SocketAddr, until: Instant) -> u64 {
+    let mut connections = 0;
+    while let Some(left) = until.checked_duration_since(Instant::now()) {
+        if let Ok(mut stream) = TcpStream::connect(addr) {
+            connections += 1;
+            let _ = stream.set_read_timeout(Some(left.max(Duration::from_millis(1))));
+            let mut buf = [0u8; 256];
+            while matches!(stream.read(&mut buf), Ok(n) if n > 0) {}
+        }
+        thread::sleep(Duration::from_millis(100));
+    }
+    connections
+}
+
+#[test]
+fn fifty_silent_connections_for_14_s_do_not_keep_a_decode_out() {
+    const HOLD: Duration = Duration::from_secs(14);
+    // A handshake deadline past the hold: only being closed for a newer connection frees a
+    // silent peer's place while they hold them.
+    let prefill = Prefill::start(&["--handshake-timeout-s", "30"]);
+    let side_channel: SocketAddr = {
+        let out = prefill.proc.output();
+        let line = out
+            .lines()
+            .find(|l| l.contains("connector side channel "))
+            .unwrap();
+        let rest = line.split("connector side channel ").nth(1).unwrap();
+        rest.trim_end_matches(')').parse().unwrap()
+    };
+    // 50 silent peers on the control channel and 50 on the connector's side channel (16
+    // places each, the default); each one closed reconnects 100 ms later.
+    let until = Instant::now() + HOLD;
+    let holders: Vec<_> = [prefill.addr, side_channel]
+        .into_iter()
+        .flat_map(|addr| (0..50).map(move |_| thread::spawn(move || hold_silently(addr, until))))
+        .collect();
+    wait_for_lines(&prefill.proc, EVICTED, 50 - 16);
+
+    let start = Instant::now();
+    let (status, out) = run_decode(
+        prefill.addr,
+        &["--requests", "256", "--blocks-per-request", "4"],
+    );
+    let decoded_at = Instant::now();
+    eprintln!(
+        "decode of 256 requests beside 100 silent peers took {:?}",
+        decoded_at - start
+    );
+    assert!(
+        status.success(),
+        "{out}\nprefill:\n{}",
+        prefill.proc.output()
+    );
+    assert!(out.contains("every byte verified"), "{out}");
+    assert!(
+        decoded_at < until,
+        "the decode ended after the silent peers left"
+    );
+    let connections: u64 = holders
+        .into_iter()
+        .map(|h| h.join().expect("a silent peer"))
+        .sum();
+    let evicted = prefill
+        .proc
+        .output()
+        .lines()
+        .filter(|l| l.contains(EVICTED))
+        .count();
+    eprintln!("{connections} silent connections; prefill closed {evicted} control-channel handshakes for newer ones");
+    assert!(evicted >= 50 - 16);
 }
 
 /// Waits until `proc` has printed `count` lines containing `text`.

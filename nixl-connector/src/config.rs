@@ -15,10 +15,11 @@ pub enum MetadataExchange {
     /// Inside the side channel's handshake message.
     #[default]
     SideChannel,
-    /// Through etcd with NIXL's own etcd support: published when the KV caches are
-    /// registered (after checking that etcd answers), fetched by agent name during a
-    /// handshake. `NIXL_ETCD_ENDPOINTS` must be set before the worker is created; see
-    /// [`etcd`](crate::etcd).
+    /// Through etcd: published with NIXL's own etcd support when the KV caches are
+    /// registered (after checking that etcd answers); a peer's fetched by the connector from
+    /// NIXL's key for its agent name during a handshake (bounded in size and time) and
+    /// validated as it is loaded. `NIXL_ETCD_ENDPOINTS` (and `NIXL_ETCD_NAMESPACE`, if used)
+    /// must be set before the worker is created; see [`etcd`](crate::etcd).
     Etcd,
 }
 

@@ -71,6 +71,19 @@ pub enum Error {
         /// The peer's stated reason.
         reason: String,
     },
+    /// The peer was still too busy to answer a handshake when the deadline passed, after
+    /// every try it turned away.
+    #[error("peer {peer} was still busy after {tries} tries within {deadline:?}: {reason}")]
+    Busy {
+        /// The peer.
+        peer: String,
+        /// Its last stated reason.
+        reason: String,
+        /// Tries made.
+        tries: u32,
+        /// The deadline that passed.
+        deadline: Duration,
+    },
     /// The handshake with a remote rank failed; every load waiting for it fails with it.
     #[error("handshake with engine {engine:?} rank {rank} failed: {reason}")]
     Handshake {
@@ -106,6 +119,14 @@ pub enum Error {
     EtcdUnreachable {
         /// Each endpoint and what went wrong there.
         failures: String,
+    },
+    /// A peer's agent metadata could not be fetched from etcd.
+    #[error("fetch agent metadata from etcd (key {key:?}): {reason}")]
+    EtcdFetch {
+        /// The key asked for.
+        key: String,
+        /// What went wrong, per endpoint.
+        reason: String,
     },
     /// A transfer did not complete within its deadline.
     #[error("transfer for request {request_id:?} did not complete within {deadline:?}")]

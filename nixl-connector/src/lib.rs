@@ -30,9 +30,11 @@
 //! [`check_compatible`], which refuses a mismatched peer with a message naming both values.
 //! The side channel is tokio with a length-delimited codec and MessagePack (as vLLM's
 //! msgspec), with a frame cap, a total deadline per exchange and a cap on concurrent
-//! handshakes ([`ChannelLimits`]); a peer's declared length is refused before anything is
-//! allocated for it. The agent metadata travels in the handshake, or through etcd
-//! ([`MetadataExchange::Etcd`]). An engine's own control traffic (e.g. what a proxy hands
+//! handshakes ([`ChannelLimits`]; past it the oldest is closed with a busy answer, which
+//! clients retry, so idle peers cannot lock readers out); a peer's declared length is refused
+//! before anything is allocated for it. The agent metadata travels in the handshake, or
+//! through etcd ([`MetadataExchange::Etcd`]); either way it is validated as it is loaded, and
+//! a remote agent is loaded again only when its metadata changed ([`RemoteStats`]). An engine's own control traffic (e.g. what a proxy hands
 //! between engines) can use the same wire format: [`Channel`].
 //!
 //! # Heterogeneous TP
@@ -81,6 +83,7 @@ pub mod host_buffer;
 mod load;
 mod metrics;
 mod params;
+pub mod pending;
 mod remote;
 pub mod scheduler;
 mod sending;
@@ -93,8 +96,9 @@ mod worker;
 pub use config::{MetadataExchange, WorkerConfig};
 pub use error::{Error, Result};
 pub use handshake::{check_compatible, HandshakeMessage, ReadPlan, PROTOCOL_VERSION};
-pub use metrics::{SendStats, TransferMetrics};
+pub use metrics::{open_fds, RemoteStats, SendStats, TransferMetrics};
 pub use params::{KvTransferParams, RemoteBlocks};
+pub use pending::{PendingHandshakes, PendingSlot, PendingStats};
 pub use scheduler::{
     ConnectorMetadata, KvConnectorScheduler, LoadSpec, RequestFinished, SchedulerConfig, SendSpec,
 };

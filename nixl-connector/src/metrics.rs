@@ -1,4 +1,4 @@
-//! Per-transfer metrics.
+//! Per-transfer metrics, and counts of what a worker did with its peers.
 
 use std::time::Duration;
 
@@ -27,4 +27,32 @@ pub struct SendStats {
     pub freed_on_notification: u64,
     /// Released because the abort timeout passed first.
     pub freed_on_timeout: u64,
+}
+
+/// What a worker did with the agent metadata of the remote ranks it handshook with, and the
+/// process's open file descriptors (NIXL 1.5.1 keeps two for every load and invalidation of a
+/// live peer, so a count that grows with the handshakes shows reloads).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RemoteStats {
+    /// Handshakes that reached the metadata (each needs a load or a reuse).
+    pub handshakes: u64,
+    /// Metadata loaded into NIXL (first loads and replacements).
+    pub loaded: u64,
+    /// Handshakes whose metadata was byte for byte the one already loaded: the loaded
+    /// agent was reused, NIXL was not asked.
+    pub reused: u64,
+    /// Loaded agents invalidated because a handshake brought different metadata for them
+    /// (a peer restarted under the same name).
+    pub replaced: u64,
+    /// File descriptors open in this process when the stats were taken (`None` where
+    /// `/proc/self/fd` cannot be read).
+    pub open_fds: Option<u64>,
+}
+
+/// File descriptors open in this process now, from `/proc/self/fd` (`None` where it cannot
+/// be read).
+pub fn open_fds() -> Option<u64> {
+    let entries = std::fs::read_dir("/proc/self/fd").ok()?;
+    // The listing's own descriptor is among the entries.
+    Some((entries.count() as u64).saturating_sub(1))
 }

@@ -1,18 +1,23 @@
 //! Remote ranks this worker reads from: one handshake each, run by the first load that
 //! needs it (in the background), then their prepared descriptor list is reused.
+//!
+//! A remote rank is handshaken with again after a transfer with it failed. Its agent's
+//! metadata is loaded into NIXL only when it differs, byte for byte, from what that agent
+//! was loaded from (then the old one is invalidated first): NIXL 1.5.1 keeps two file
+//! descriptors for every load and invalidation of a live peer, so reloading a flapping peer
+//! would grow the process's descriptors without bound.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
 use futures::future::{BoxFuture, FutureExt, Shared};
-use nixl::{PreparedRemote, RemoteDescList, XferDesc};
+use nixl::{Agent, PreparedRemote, RemoteDescList, XferDesc};
 
-use crate::config::MetadataExchange;
 use crate::error::{Error, Result};
 use crate::handshake::{check_compatible, ReadPlan};
+use crate::metrics::RemoteStats;
 use crate::side_channel::fetch_handshake;
-use crate::wire::within;
 use crate::worker::Shared as WorkerShared;
 
 /// A remote rank after a successful handshake.
@@ -29,10 +34,26 @@ pub(crate) struct Remote {
 /// failure's message.
 type Handshake = Shared<BoxFuture<'static, std::result::Result<Arc<Remote>, String>>>;
 
-/// Remote ranks by engine id and rank.
+/// Remote ranks by engine id and rank, and the metadata their agents were loaded from.
 #[derive(Default)]
 pub(crate) struct Remotes {
     map: Mutex<HashMap<(String, usize), Handshake>>,
+    loaded: Mutex<LoadedAgents>,
+}
+
+/// The metadata each remote agent was loaded from, by agent name, and the counts.
+#[derive(Default)]
+struct LoadedAgents {
+    by_name: HashMap<String, LoadedAgent>,
+    stats: RemoteStats,
+}
+
+/// A remote agent this worker loaded.
+struct LoadedAgent {
+    /// The bytes it was loaded from.
+    metadata: Vec<u8>,
+    /// The engine id and rank whose handshake loaded it: only theirs may replace it.
+    source: (String, usize),
 }
 
 impl Remotes {
@@ -107,6 +128,64 @@ impl Remotes {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, usize), Handshake>> {
         self.map.lock().unwrap_or_else(|p| p.into_inner())
     }
+
+    /// Makes `agent` know the remote agent `name`, named in the handshake of `source`
+    /// (engine id and rank), from `metadata` (validated by [`Agent::load_remote_metadata`])
+    /// and returns the name the metadata declares. Metadata identical to what `name` was
+    /// loaded from reuses the loaded agent. Different metadata replaces it (invalidating the
+    /// old) only when `source` loaded it: a peer cannot take over another's agent by naming it.
+    fn load_metadata(
+        &self,
+        agent: &Agent,
+        source: &(String, usize),
+        name: &str,
+        metadata: &[u8],
+    ) -> Result<String> {
+        let mut loaded = self.loaded.lock().unwrap_or_else(|p| p.into_inner());
+        loaded.stats.handshakes += 1;
+        let known = agent.has_remote_metadata(name)?;
+        match loaded.by_name.get(name).filter(|_| known) {
+            Some(last) if last.metadata == metadata => {
+                loaded.stats.reused += 1;
+                return Ok(name.to_string());
+            }
+            Some(last) if last.source != *source => {
+                return Err(Error::Incompatible {
+                    reader: format!("agent {:?}", agent.name()),
+                    source_rank: format!("engine {:?} rank {}", source.0, source.1),
+                    reason: format!(
+                        "its handshake names agent {name:?}, loaded from other metadata for \
+                         engine {:?} rank {}",
+                        last.source.0, last.source.1
+                    ),
+                })
+            }
+            Some(_) => {
+                tracing::info!(remote = %name, "the remote agent's metadata changed; invalidating the old one");
+                agent.invalidate_remote_metadata(name)?;
+                loaded.by_name.remove(name);
+                loaded.stats.replaced += 1;
+            }
+            None => {}
+        }
+        let declared = agent.load_remote_metadata(metadata)?;
+        loaded.stats.loaded += 1;
+        let entry = LoadedAgent {
+            metadata: metadata.to_vec(),
+            source: source.clone(),
+        };
+        loaded.by_name.insert(declared.clone(), entry);
+        Ok(declared)
+    }
+
+    /// The counts so far, with the process's open file descriptors now.
+    pub(crate) fn stats(&self) -> RemoteStats {
+        let loaded = self.loaded.lock().unwrap_or_else(|p| p.into_inner());
+        RemoteStats {
+            open_fds: crate::metrics::open_fds(),
+            ..loaded.stats
+        }
+    }
 }
 
 async fn connect(
@@ -125,30 +204,24 @@ async fn connect(
     let theirs = fetch_handshake(addr, ours, shared.config.limits).await?;
     let plan = check_compatible(ours, &theirs, Some(engine), Some(rank))?;
     let agent = shared.setup.agent();
-    // The same agent reached again (e.g. after a failed transfer, or under a second engine
-    // id) is not loaded twice: NIXL refuses to reload an agent it knows.
-    let name = if agent.has_remote_metadata(&theirs.agent_name)? {
-        theirs.agent_name.clone()
-    } else {
-        match shared.config.metadata_exchange {
-            MetadataExchange::SideChannel => agent.load_remote_metadata(&theirs.agent_metadata)?,
-            MetadataExchange::Etcd => {
-                let fetched = crate::etcd::fetch(agent, &theirs.agent_name);
-                // What is left of the handshake's deadline: one total for the whole of it.
-                let left = shared
-                    .config
-                    .limits
-                    .deadline
-                    .saturating_sub(started.elapsed());
-                within(
-                    "fetch agent metadata from etcd",
-                    &theirs.agent_name,
-                    left,
-                    fetched,
-                )
-                .await?;
-                theirs.agent_name.clone()
-            }
+    let source = (engine.to_string(), rank);
+    let name = match &shared.etcd {
+        None => shared.remotes.load_metadata(
+            agent,
+            &source,
+            &theirs.agent_name,
+            &theirs.agent_metadata,
+        )?,
+        Some(etcd) => {
+            // What is left of the handshake's deadline: one total for the whole of it.
+            let limits = shared.config.limits;
+            let left = limits.deadline.saturating_sub(started.elapsed());
+            let key = crate::etcd::metadata_key(&etcd.namespace, &theirs.agent_name);
+            let metadata =
+                crate::etcd::fetch_metadata(&etcd.endpoints, &key, limits.max_frame, left).await?;
+            shared
+                .remotes
+                .load_metadata(agent, &source, &theirs.agent_name, &metadata)?
         }
     };
     if name != theirs.agent_name {

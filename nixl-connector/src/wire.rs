@@ -20,7 +20,9 @@ pub struct ChannelLimits {
     pub max_frame: usize,
     /// Total time one exchange (connect, request, response) may take.
     pub deadline: Duration,
-    /// Most handshakes a server runs at once; further connections are closed at once.
+    /// Most handshakes a server runs at once; when all are under way, the oldest is closed
+    /// with a "busy" answer to make room for a new connection (clients retry within their
+    /// deadline), so idle or slow peers cannot lock prompt ones out.
     pub max_sessions: usize,
 }
 

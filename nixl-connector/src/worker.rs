@@ -14,9 +14,11 @@ use tokio::task::JoinHandle;
 
 use crate::config::{MetadataExchange, WorkerConfig};
 use crate::error::{Error, Result};
+use crate::etcd::EtcdSource;
 use crate::handshake::HandshakeMessage;
-use crate::metrics::{SendStats, TransferMetrics};
+use crate::metrics::{RemoteStats, SendStats, TransferMetrics};
 use crate::params::RemoteBlocks;
+use crate::pending::{PendingHandshakes, PendingStats};
 use crate::remote::Remotes;
 use crate::scheduler::ConnectorMetadata;
 use crate::sending::Sends;
@@ -38,6 +40,8 @@ pub(crate) struct Caches {
     pub(crate) local: PreparedLocal,
     pub(crate) handshake: Arc<HandshakeMessage>,
     pub(crate) side_channel: SocketAddr,
+    /// The places of the side channel's handshakes under way.
+    pub(crate) side_channel_pending: Arc<PendingHandshakes>,
 }
 
 /// Outcomes the background tasks report.
@@ -56,6 +60,8 @@ pub(crate) struct Shared {
     pub(crate) outcomes: Mutex<Outcomes>,
     pub(crate) sends: Mutex<Sends>,
     pub(crate) remotes: Remotes,
+    /// Where peers' metadata is fetched from, in etcd mode.
+    pub(crate) etcd: Option<EtcdSource>,
     /// Signalled whenever a load ends.
     pub(crate) load_ended: tokio::sync::Notify,
     /// Signalled whenever a decode notification arrives for this rank.
@@ -114,9 +120,10 @@ impl KvConnectorWorker {
                 format!("TP rank {} of TP size {}", config.tp_rank, config.tp_size),
             ));
         }
-        if config.metadata_exchange == MetadataExchange::Etcd {
-            crate::etcd::endpoints()?;
-        }
+        let etcd = match config.metadata_exchange {
+            MetadataExchange::Etcd => Some(EtcdSource::from_env()?),
+            MetadataExchange::SideChannel => None,
+        };
         let name = config
             .agent_name
             .clone()
@@ -133,6 +140,7 @@ impl KvConnectorWorker {
             caches: OnceLock::new(),
             outcomes: Mutex::new(Outcomes::default()),
             remotes: Remotes::default(),
+            etcd,
             load_ended: tokio::sync::Notify::new(),
             notified: tokio::sync::Notify::new(),
         });
@@ -300,9 +308,15 @@ impl KvConnectorWorker {
             tokio::net::TcpListener::from_std(listener)
                 .map_err(|err| Error::io("bind the side channel", side_channel, err))?
         };
+        let side_channel_pending = PendingHandshakes::new(config.limits.max_sessions);
         let server = {
             let _entered = self.runtime.enter();
-            crate::side_channel::serve(listener, handshake.clone(), config.limits)
+            crate::side_channel::serve(
+                listener,
+                handshake.clone(),
+                config.limits,
+                side_channel_pending.clone(),
+            )
         };
         self.tasks
             .lock()
@@ -314,6 +328,7 @@ impl KvConnectorWorker {
             local,
             handshake,
             side_channel,
+            side_channel_pending,
         };
         if self.shared.caches.set(caches).is_err() {
             return Err(Error::invalid(OP, "the KV caches are already registered"));
@@ -531,6 +546,23 @@ impl KvConnectorWorker {
     /// How held requests were released so far.
     pub fn send_stats(&self) -> SendStats {
         self.shared.sends().stats()
+    }
+
+    /// The metadata of the remote agents this rank handshook with so far (loaded, reused,
+    /// replaced) and the process's open file descriptors now.
+    pub fn remote_stats(&self) -> RemoteStats {
+        self.shared.remotes.stats()
+    }
+
+    /// The side channel's handshakes so far: admitted, evicted for newer ones (see
+    /// [`ChannelLimits::max_sessions`](crate::ChannelLimits::max_sessions)), refused, and
+    /// the most under way at once (all zero before the KV caches are registered).
+    pub fn side_channel_stats(&self) -> PendingStats {
+        self.shared
+            .caches
+            .get()
+            .map(|c| c.side_channel_pending.stats())
+            .unwrap_or_default()
     }
 }
 

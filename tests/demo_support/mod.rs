@@ -116,13 +116,17 @@ impl Proc {
         self.lines.lines.lock().unwrap().join("\n")
     }
 
-    /// Waits until a line satisfies `pred` and returns it; `None` after `timeout`.
+    /// Waits until a line satisfies `pred` and returns it; `None` after `timeout`, or once
+    /// the process closed its output without such a line.
     pub fn wait_line(&self, timeout: Duration, pred: impl Fn(&str) -> bool) -> Option<String> {
         let deadline = Instant::now() + timeout;
         let mut lines = self.lines.lines.lock().unwrap();
         loop {
             if let Some(line) = lines.iter().find(|l| pred(l)) {
                 return Some(line.clone());
+            }
+            if self.lines.open.load(Ordering::SeqCst) == 0 {
+                return None;
             }
             let left = deadline.checked_duration_since(Instant::now())?;
             lines = self
@@ -368,52 +372,56 @@ pub struct Etcd {
 }
 
 impl Etcd {
-    /// Starts etcd, which binds ports of its own choosing (port 0, so no other process can
-    /// take them between a choice and the bind), or says why it cannot.
+    /// Starts etcd on two ports that were free a moment ago (its HTTP gateway, which the
+    /// connector fetches metadata through, dials the client port as configured, so port 0
+    /// will not do), trying other ports if another process took one meanwhile; or says why
+    /// it cannot.
     pub fn start() -> Result<Etcd, String> {
         let binary = which("etcd")
             .ok_or("no etcd binary on PATH (Debian etcd-server; scripts/setup.sh installs it)")?;
+        let mut last = String::new();
+        for _ in 0..5 {
+            match Etcd::start_on(&binary, free_port(), free_port()) {
+                Ok(etcd) => return Ok(etcd),
+                Err(why) => last = why,
+            }
+        }
+        Err(last)
+    }
+
+    fn start_on(binary: &Path, client: u16, peer: u16) -> Result<Etcd, String> {
         let data = tempfile::tempdir().map_err(|e| e.to_string())?;
-        let any_port = "http://127.0.0.1:0";
-        let mut cmd = Command::new(&binary);
+        let client_url = format!("http://127.0.0.1:{client}");
+        let peer_url = format!("http://127.0.0.1:{peer}");
+        let mut cmd = Command::new(binary);
         cmd.arg("--name")
             .arg("demo")
             .arg("--data-dir")
             .arg(data.path())
-            .args(["--listen-client-urls", any_port])
-            .args(["--advertise-client-urls", any_port])
-            .args(["--listen-peer-urls", any_port])
-            .args(["--initial-advertise-peer-urls", any_port])
-            .args(["--initial-cluster", &format!("demo={any_port}")]);
+            .args(["--listen-client-urls", &client_url])
+            .args(["--advertise-client-urls", &client_url])
+            .args(["--listen-peer-urls", &peer_url])
+            .args(["--initial-advertise-peer-urls", &peer_url])
+            .args(["--initial-cluster", &format!("demo={peer_url}")]);
         let mut proc = Proc::spawn("etcd", cmd);
-        // etcd 3.4 says where it listens: "serving insecure client requests on 127.0.0.1:N".
+        // etcd 3.4 says when it listens: "serving insecure client requests on 127.0.0.1:N".
         const SERVING: &str = "serving insecure client requests on ";
-        let Some(line) = proc.wait_line(Duration::from_secs(30), |l| l.contains(SERVING)) else {
+        if proc
+            .wait_line(Duration::from_secs(30), |l| l.contains(SERVING))
+            .is_none()
+        {
             proc.kill();
             return Err(format!(
-                "etcd never said where it serves:\n{}",
+                "etcd never said it serves on port {client}:\n{}",
                 proc.output()
             ));
-        };
-        let address = line[line.find(SERVING).unwrap_or(0) + SERVING.len()..]
-            .split(|c: char| c == ',' || c.is_whitespace())
-            .next()
-            .unwrap_or_default()
-            .to_string();
-        let Some(port) = address
-            .rsplit(':')
-            .next()
-            .and_then(|p| p.parse::<u16>().ok())
-        else {
-            proc.kill();
-            return Err(format!("cannot read etcd's client port from {line:?}"));
-        };
+        }
         let mut etcd = Etcd {
             proc,
             _data: data,
-            endpoint: format!("http://{address}"),
+            endpoint: client_url,
         };
-        etcd.wait_healthy(port)?;
+        etcd.wait_healthy(client)?;
         Ok(etcd)
     }
 

@@ -2,6 +2,8 @@
 
 #![allow(dead_code)]
 
+pub mod loads;
+
 use std::time::{Duration, Instant};
 
 use nixl::kv_config::KvTransferConfig;
