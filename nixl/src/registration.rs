@@ -312,7 +312,11 @@ impl Agent {
     /// # Safety
     /// Every descriptor must describe memory (or a file range, for FILE) that stays valid for
     /// NIXL to read and write until the returned registration and everything made from it
-    /// (descriptor lists, prepared lists, requests) have been dropped.
+    /// (descriptor lists, prepared lists, requests) have been dropped. Where regions overlap
+    /// (within this registration or with another one), [`Registration::read`] and
+    /// [`Registration::write`] must not copy the shared bytes through two of them at once:
+    /// each copies a region's bytes with atomics of one size chosen from the region's
+    /// bounds, and regions with other bounds may choose another size for the same bytes.
     pub unsafe fn register_raw(
         &self,
         mem_type: MemType,
