@@ -61,6 +61,18 @@ pub enum Error {
         /// The keys the plugin defines.
         known: Vec<String>,
     },
+    /// A backend parameter value the safe API refuses because NIXL is known to crash with it.
+    #[error("plugin {plugin:?} parameter {key}={value:?} is refused: {reason}")]
+    RefusedBackendParam {
+        /// The plugin.
+        plugin: String,
+        /// The parameter.
+        key: String,
+        /// The refused value.
+        value: String,
+        /// Why, and what to do instead.
+        reason: &'static str,
+    },
     /// A descriptor list that must not be empty was empty.
     #[error("{operation}: the descriptor list is empty")]
     EmptyDescList {

@@ -76,7 +76,8 @@ impl Agent {
     /// `remote_agent` may be this agent's own name (e.g. DRAM to a FILE it registered).
     /// DRAM/VRAM descriptor pairs of 8 MiB or more are handed to NIXL cut into two
     /// page-aligned halves (unmerged), so that a UCX backend with worker threads
-    /// (`num_threads=2`, `split_batch_size` of 2 or less; see [`Agent::create_backend`]) moves
+    /// (`num_threads=2`, `split_batch_size` of 2 or less; only through the `unsafe`
+    /// [`Agent::create_backend_with_unchecked`]) moves
     /// them in parallel; the bytes moved are the same.
     ///
     /// Lists that serve more than one request are prepared once: from the second request
