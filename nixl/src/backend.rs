@@ -10,6 +10,7 @@ use crate::agent::{Agent, AgentInner};
 use crate::error::{check, Error, Result};
 use crate::handles::Params;
 use crate::handles::{BackendHandle, OptArgs};
+use crate::local_peers;
 use crate::mem_type::MemType;
 use crate::raw::{c_name, take_mem_list, take_string_list};
 
@@ -390,12 +391,35 @@ impl Agent {
             .lock()
             .unwrap_or_else(|p| p.into_inner());
         handles.push((plugin.to_string(), handle));
-        Ok(Backend {
+        drop(handles);
+        let backend = Backend {
             inner: Arc::new(BackendInner {
                 agent: self.inner.clone(),
                 raw,
                 plugin: plugin.to_string(),
             }),
-        })
+        };
+        if plugin == "UCX" {
+            self.record_ucx_worker(&backend);
+        }
+        Ok(backend)
+    }
+
+    /// Records the UCX worker of `backend`, from its connection info, as one of this
+    /// process's: metadata that leads to it is then recognised as this process's whatever
+    /// name it gives.
+    fn record_ucx_worker(&self, backend: &Backend) {
+        let learned = self
+            .local_partial_metadata(&[], &[backend])
+            .and_then(|md| Ok(crate::wire::inspect_metadata(&md)?.worker));
+        match learned {
+            Ok(Some(worker)) => local_peers::add_worker(self.inner.id, worker),
+            Ok(None) => {
+                tracing::error!(agent = %self.inner.name, "a UCX backend without UCX connection info: metadata leading to its worker cannot be recognised as this process's")
+            }
+            Err(err) => {
+                tracing::error!(agent = %self.inner.name, %err, "cannot read this UCX backend's own address: metadata leading to its worker cannot be recognised as this process's")
+            }
+        }
     }
 }

@@ -210,6 +210,16 @@ pub enum Error {
         /// What is wrong there.
         reason: String,
     },
+    /// Remote metadata whose UCX worker is in this process, under a name that is not the
+    /// name of that worker's agent: loaded, it would let NIXL reach this process's own
+    /// memory at addresses the peer chooses.
+    #[error("load remote metadata: the metadata of agent {agent:?} leads into this process: {reason}; metadata of a worker of this process loads only under its own agent's name, so that no peer can make NIXL reach this process's own memory")]
+    MetadataLeadsIntoThisProcess {
+        /// The agent name the metadata declares.
+        agent: String,
+        /// What in it leads into this process.
+        reason: String,
+    },
     /// An operating-system call failed.
     #[error("{operation}: {source}")]
     Io {

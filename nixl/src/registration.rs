@@ -365,7 +365,7 @@ impl Agent {
             registered: true,
             memory,
         });
-        local_peers::track(&self.inner.name, inner.clone());
+        local_peers::track(self.inner.id, inner.clone());
         Ok(Registration { inner })
     }
 }
