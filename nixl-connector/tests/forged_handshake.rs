@@ -5,11 +5,10 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
-use common::{block, fill, pattern, poll_until, remote, spec, worker};
+use common::{block, fill, pattern, poll_until, printed_port, remote, role_process, spec, worker};
 use nixl_connector::{Channel, HandshakeMessage};
 use serde::{Deserialize, Serialize};
 use tokio::net::TcpListener;
@@ -73,27 +72,8 @@ async fn forger_role() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefill_answering_with_the_decodes_own_worker_is_refused() {
     common::init_tracing();
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "forger_role",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(ROLE_ENV, "1")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start the forging prefill");
-    let port: u16 = BufReader::new(child.stdout.take().unwrap())
-        .lines()
-        .map_while(Result::ok)
-        .find_map(|line| {
-            line.find("PORT ")
-                .map(|at| line[at + 5..].trim().parse().unwrap())
-        })
-        .expect("the forger prints its port");
+    let mut child = role_process("forger_role", &[(ROLE_ENV, "1")], Stdio::null());
+    let port = printed_port(&mut child);
     let spec = spec(2);
     let decode = worker("dc-forged", 0, 1, spec);
     // The decode's own cache holds what a prefill would have: the forged load would read

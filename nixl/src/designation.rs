@@ -8,10 +8,14 @@
 //! bytes:
 //! - the loopback interface, shared-memory FIFO, TCP listener (or, for transports not
 //!   interpreted here, the same address bytes) of a live agent's worker;
-//! - a TCP listener or System V segment of this process (read from `/proc`), which covers
-//!   workers that no agent's metadata shows, on the IPs and hosts this process's workers use;
+//! - a System V segment this process created (read from `/proc`), on the host of this
+//!   process's workers, which covers workers that no agent's metadata shows;
 //! - cross-memory attach or POSIX `/proc` access to this process's pid, or XPMEM to its
-//!   segment, which reach the whole process.
+//!   segment, which reach the whole process and so every worker in it.
+//!
+//! Not recognised: the TCP listener of a worker that no agent's metadata shows (a UCX
+//! backend's further workers, `num_workers` > 1), which this process cannot tell from the
+//! listeners its parent leaked to it.
 //!
 //! Such metadata is an agent of this process only under that agent's exact name; it is
 //! then held to that agent's live registrations. Under any other name it is refused.
@@ -34,20 +38,10 @@ enum Lead {
 /// Endpoints of this process read from `/proc`, once per classification and only if needed.
 #[derive(Default)]
 struct Endpoints {
-    tcp: Option<Vec<SocketAddr>>,
     sysv: Option<Vec<u64>>,
 }
 
 impl Endpoints {
-    fn tcp(&mut self) -> &[SocketAddr] {
-        self.tcp.get_or_insert_with(|| {
-            process_endpoints::tcp_listeners().unwrap_or_else(|err| {
-                tracing::warn!(%err, "cannot list this process's TCP listeners; metadata is checked against its agents' workers only");
-                Vec::new()
-            })
-        })
-    }
-
     fn sysv(&mut self) -> &[u64] {
         self.sysv.get_or_insert_with(|| {
             process_endpoints::sysv_segments().unwrap_or_else(|err| {
@@ -149,12 +143,6 @@ fn lead(dest: &Destination, agents: &[AgentWorkers], endpoints: &mut Endpoints) 
                     matches!(d, Destination::PosixProc { host: h, pid: p, pid_ns: n, .. }
                         if h == host && p == pid && n == pid_ns)
                 }),
-                Destination::Tcp { ip, port, loopback } => {
-                    ours().any(|(_, d)| {
-                        matches!(d, Destination::Tcp { ip: i, loopback: l, .. }
-                            if i == ip && l == loopback)
-                    }) && endpoints.tcp().contains(&SocketAddr::new(*ip, *port))
-                }
                 Destination::Sysv { host, shmid } => {
                     ours().any(|(_, d)| matches!(d, Destination::Sysv { host: h, .. } if h == host))
                         && endpoints.sysv().contains(shmid)
@@ -320,25 +308,31 @@ mod tests {
     }
 
     #[test]
-    fn a_tcp_listener_of_this_process_that_no_worker_shows_is_this_process() {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let port = listener.local_addr().unwrap().port();
-        // A worker of this process listens on the loopback device of this host...
-        let _ours = Fake::new(
-            "designation-tcp",
+    fn a_segment_this_process_created_that_no_worker_shows_is_this_process() {
+        // SAFETY: plain System V calls on a private segment of this test.
+        let shmid = unsafe { libc::shmget(libc::IPC_PRIVATE, 4096, libc::IPC_CREAT | 0o600) };
+        assert!(shmid >= 0, "shmget: {}", std::io::Error::last_os_error());
+        let shmid = shmid as u64;
+        // A worker of this process has a segment on this host...
+        let ours = Fake::new(
+            "designation-sysv",
             Worker {
                 uuid: None,
-                destinations: vec![tcp([127, 0, 0, 1], port.wrapping_add(1), true)],
+                destinations: vec![Destination::Sysv {
+                    host: HOST,
+                    shmid: shmid + 1,
+                }],
             },
         );
-        // ...so another listener of this process there is this process too.
-        refused(
-            classify_as("other", None, vec![tcp([127, 0, 0, 1], port, true)]),
-            &format!("127.0.0.1:{port}"),
-        );
-        drop(listener);
+        // ...so another segment this process created there is this process too.
+        let theirs = vec![Destination::Sysv { host: HOST, shmid }];
+        let result = classify_as("other", None, theirs.clone());
+        // SAFETY: removes the segment made above.
+        unsafe { libc::shmctl(shmid as libc::c_int, libc::IPC_RMID, std::ptr::null_mut()) };
+        refused(result, &format!("shmid {shmid}"));
+        drop(ours);
         assert_eq!(
-            classify_as("other", None, vec![tcp([127, 0, 0, 1], port, true)]).unwrap(),
+            classify_as("other", None, theirs).unwrap(),
             Some(PeerKind::Remote)
         );
     }

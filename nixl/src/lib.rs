@@ -72,9 +72,10 @@
 //!   longer has registered is refused even if NIXL's copy of its metadata still lists it.
 //! - **Metadata never leads into this process under another name.** Agents of this process
 //!   are recognised by their UCX worker, never by name alone: metadata whose worker is one of
-//!   this process's (its UUID, or any transport address that reaches this process: cma to
-//!   this pid, a shared-memory FIFO or segment, a TCP listener of this process, XPMEM,
-//!   compared by what UCX would reach) loads only under that agent's exact name, and is then
+//!   this process's (its UUID, or any transport address that reaches this process: cma or
+//!   POSIX `/proc` access to this pid, XPMEM, a live agent's worker's shared-memory FIFO or
+//!   TCP listener, a System V segment this process created; compared by what UCX would
+//!   reach) loads only under that agent's exact name, and is then
 //!   held to that agent's live registrations as above; under any other name
 //!   [`Agent::load_remote_metadata`] refuses it with [`Error::MetadataLeadsIntoThisProcess`].
 //!   A peer can therefore not make NIXL read or write this process's own memory, not even by
@@ -97,8 +98,9 @@
 //!   neither validated nor checked for where it leads: NIXL offers no hook before it loads
 //!   it; requests to such an agent are held to the registrations of an agent of this
 //!   process of that name, if any. Under `UCX_UNIFIED_MODE=y` only the worker UUID can be
-//!   compared, and addresses of transports not interpreted here (InfiniBand, ...) are
-//!   compared byte for byte (their NICs check memory keys).
+//!   compared, addresses of transports not interpreted here (InfiniBand, ...) are compared
+//!   byte for byte (their NICs check memory keys), and the TCP listeners of a UCX backend's
+//!   further workers (`num_workers` > 1), which no metadata shows, are not recognised.
 //!
 //! # Async
 //! A posted [`XferRequest`] can be awaited (`request.await`, see [`Completion`]), and

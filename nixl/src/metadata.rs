@@ -129,9 +129,9 @@ impl Agent {
     ///
     /// They are also a claim about where the agent lives. Metadata whose UCX worker is one of
     /// this process's (its UUID, or any transport address that reaches this process: cma to
-    /// this pid, a shared-memory FIFO, a TCP listener of this process, ...) is an agent of this
-    /// process only under that agent's exact name, and requests to it are then held to that
-    /// agent's live registrations. Under any other name it is refused, so that no peer can make
+    /// this pid, a shared-memory FIFO, the TCP listener of a live agent's worker, ...) is an
+    /// agent of this process only under that agent's exact name, and requests to it are then
+    /// held to that agent's live registrations. Under any other name it is refused, so that no peer can make
     /// NIXL read or write this process's own memory. For an agent in another process, the
     /// memory its metadata advertises (all loads of it together, until it is invalidated)
     /// bounds the remote descriptors of requests to it.
