@@ -11,7 +11,9 @@
 #   transfer.jsonl  every figure of every round, one JSON object a line
 #   results.md      medians over rounds, ratios Rust/Python and Rust/memcpy from the same run,
 #                   and the async completion variants with ratios await/blocking and
-#                   await/sleep-poll (benches/transfer/awaiting.rs)
+#                   await/sleep-poll (benches/transfer/awaiting.rs), then the recorded figures of
+#                   benches/registered_copy.rs (registered_copy.md, which that bench does not
+#                   rewrite: run it on its own, `cargo bench -p nixl-rs --bench registered_copy`)
 #   transfer.svg    GB/s against transfer size for Rust, Python and memcpy
 #   latency.svg     p50/p99 of the 4 KiB round trip: .await, blocking wait, 5 ms sleep-poll, Python
 #   transfer.log    what each benchmark printed: its figures and the command reproducing them

@@ -98,6 +98,32 @@ fn unknown_backend_param_lists_the_known_keys() {
 }
 
 #[test]
+fn ucx_worker_threads_are_refused_by_the_safe_api() {
+    let agent = Agent::new(&unique_name("threads")).unwrap();
+    for value in ["2", "1", " 3", "2abc", "-1", "0x1"] {
+        match agent.create_backend_with("UCX", [("num_threads", value), ("split_batch_size", "1")])
+        {
+            Err(err @ Error::RefusedBackendParam { .. }) => {
+                let text = err.to_string();
+                for needle in [
+                    "num_threads",
+                    "nixlUcxDedicatedThread::run()",
+                    "create_backend_with_unchecked",
+                ] {
+                    assert!(text.contains(needle), "{value:?}: {text}");
+                }
+            }
+            other => panic!("num_threads={value:?}: expected a refusal, got {other:?}"),
+        }
+    }
+    assert!(agent.backends().is_empty(), "nothing reached NIXL");
+    // No worker threads is the default, and asking for none explicitly is fine.
+    agent
+        .create_backend_with("UCX", [("num_threads", "0")])
+        .unwrap();
+}
+
+#[test]
 fn bad_backend_param_values_are_rejected_by_nixl() {
     let agent = Agent::new(&unique_name("badvalue")).unwrap();
     // Values NIXL 1.5.1's plugins refuse (checked against the real library).

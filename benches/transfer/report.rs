@@ -400,6 +400,10 @@ pub fn write(input: &Path, out_dir: &Path) -> Res<()> {
             }
         }
     }
+    // Kept from benches/registered_copy.rs, which runs on its own (not part of this run).
+    if let Ok(kept) = std::fs::read_to_string(out_dir.join("registered_copy.md")) {
+        md.push_str(&kept);
+    }
     std::fs::create_dir_all(out_dir)?;
     std::fs::write(out_dir.join("results.md"), &md)?;
     plot(&out_dir.join("transfer.svg"), &lines)?;

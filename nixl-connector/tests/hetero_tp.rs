@@ -4,10 +4,10 @@
 
 mod common;
 
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use common::{block, fill, pattern, poll_until, remote, spec, worker};
+use common::{block, fill, pattern, poll_until, remote, role_process, spec, worker};
 
 const PORT_ENV: &str = "NIXL_CONNECTOR_TEST_PREFILL_PORT";
 const RANK_ENV: &str = "NIXL_CONNECTOR_TEST_DECODE_RANK";
@@ -59,20 +59,9 @@ async fn decode_tp2_reads_each_head_slice_from_prefill_tp1() {
     let port = prefill.side_channel_addr().unwrap().port();
     let children: Vec<_> = (0..2)
         .map(|rank| {
-            Command::new(std::env::current_exe().unwrap())
-                .args([
-                    "--exact",
-                    "decode_rank_role",
-                    "--ignored",
-                    "--nocapture",
-                    "--test-threads=1",
-                ])
-                .env(PORT_ENV, port.to_string())
-                .env(RANK_ENV, rank.to_string())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .expect("start a decode rank")
+            let (port, rank) = (port.to_string(), rank.to_string());
+            let env = [(PORT_ENV, port.as_str()), (RANK_ENV, rank.as_str())];
+            role_process("decode_rank_role", &env, Stdio::piped())
         })
         .collect();
     let outputs: Vec<_> = tokio::task::spawn_blocking(move || {

@@ -4,11 +4,12 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
-use common::{block, fill, pattern, poll_until, remote, spec, worker, worker_with};
+use common::{
+    block, fill, pattern, poll_until, printed_port, remote, role_process, spec, worker, worker_with,
+};
 
 const ROLE_ENV: &str = "NIXL_CONNECTOR_TEST_PREFILL_ROLE";
 
@@ -30,27 +31,8 @@ async fn prefill_role() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_load_from_a_killed_prefill_reports_exactly_its_blocks() {
     common::init_tracing();
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "prefill_role",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(ROLE_ENV, "1")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start the prefill process");
-    let port: u16 = BufReader::new(child.stdout.take().unwrap())
-        .lines()
-        .map_while(Result::ok)
-        .find_map(|line| {
-            line.find("PORT ")
-                .map(|at| line[at + 5..].trim().parse().unwrap())
-        })
-        .expect("the prefill prints its port");
+    let mut child = role_process("prefill_role", &[(ROLE_ENV, "1")], Stdio::null());
+    let port = printed_port(&mut child);
     let spec = spec(2);
     let decode = worker_with("dc-killed", 0, 1, spec, |c| {
         c.transfer_timeout = Duration::from_secs(8)

@@ -180,6 +180,7 @@ impl AgentBuilder {
         tracing::debug!(agent = %self.name, config = ?self.config, "created NIXL agent");
         let inner = Arc::new(AgentInner {
             raw,
+            id: local_peers::next_id(),
             serialize: (cfg.thread_sync == ThreadSync::None).then(|| Mutex::new(())),
             backends: Mutex::new(Vec::new()),
             leaks: LeakCounters::default(),
@@ -189,7 +190,7 @@ impl AgentBuilder {
             name: self.name,
             config: self.config,
         });
-        local_peers::add_agent(&inner.name);
+        local_peers::add_agent(inner.id, &inner.name);
         Ok(Agent { inner })
     }
 }
@@ -258,6 +259,9 @@ impl Agent {
 /// The owner of the C agent handle. Everything made from an agent holds an `Arc` of this.
 pub(crate) struct AgentInner {
     raw: sys::nixl_capi_agent_t,
+    /// Unique in this process, so that its registrations and workers are known by agent,
+    /// not by name.
+    pub(crate) id: u64,
     serialize: Option<Mutex<()>>,
     /// Plugin name and C handle of every backend created on this agent, freed with it.
     pub(crate) backends: Mutex<Vec<(String, BackendHandle)>>,
@@ -317,6 +321,7 @@ impl AgentInner {
 
 impl Drop for AgentInner {
     fn drop(&mut self) {
+        local_peers::remove_agent(self.id);
         if let Some(driver) = self.driver.get() {
             driver.stop();
         }

@@ -11,6 +11,7 @@ use crate::error::{check, Error, Result};
 use crate::handles::Params;
 use crate::handles::{BackendHandle, OptArgs};
 use crate::library::capi;
+use crate::local_peers;
 use crate::mem_type::MemType;
 use crate::raw::{c_name, take_mem_list, take_string_list};
 
@@ -141,6 +142,24 @@ fn unadvertised_params(plugin: &str) -> &'static [&'static str] {
     }
 }
 
+/// Why the safe API refuses NIXL 1.5.1's UCX worker threads, and what to do instead.
+const UCX_THREADS_RACE: &str = "NIXL 1.5.1's UCX worker threads race with reposted and \
+released requests and crash the process (segfault in nixlUcxDedicatedThread::run(), \
+libplugin_UCX.so: 6 of 11 runs of a repost loop); leave num_threads at 0 (the default), or \
+opt in for benchmarks with the unsafe Agent::create_backend_with_unchecked";
+
+/// The refusal of a parameter the safe API does not allow: UCX `num_threads` other than 0
+/// (anything but a decimal 0 counts, as NIXL may read a number from its start).
+fn refused_param(plugin: &str, params: &BTreeMap<String, String>) -> Option<Error> {
+    let threads = params.get("num_threads").filter(|_| plugin == "UCX")?;
+    (threads.trim().parse::<u64>() != Ok(0)).then(|| Error::RefusedBackendParam {
+        plugin: plugin.to_string(),
+        key: "num_threads".to_string(),
+        value: threads.clone(),
+        reason: UCX_THREADS_RACE,
+    })
+}
+
 /// A backend's memory types and parameters.
 pub(crate) type BackendDescription = (Vec<MemType>, BTreeMap<String, String>);
 
@@ -251,15 +270,8 @@ impl Agent {
     ///
     /// For UCX that means no worker threads: the thread that polls a request does the copy,
     /// which measured faster than two worker threads for bulk, KV-block and 4 KiB transfers
-    /// (figures: the README's Benchmarks section). For single large transfers on a machine
-    /// with idle cores, `create_backend_with("UCX", [("num_threads", "2"),
-    /// ("split_batch_size", "1")])` lets two threads copy the halves that
-    /// [`Agent::create_xfer_req`] cuts large descriptors into.
-    ///
-    /// NIXL 1.5.1's UCX worker-thread mode has a race: a worker thread can complete its part
-    /// of a request after the request was reposted or released, and then writes through a
-    /// null pointer (`nixlUcxChunkBackendReqH::complete`). The benchmark hit it once in about
-    /// thirty rounds of 64 MiB reposts; with worker threads on, this crate logs a warning.
+    /// (figures: the README's Benchmarks section). Worker threads (`num_threads`) are refused
+    /// by the safe API: see [`create_backend_with`](Self::create_backend_with).
     pub fn create_backend(&self, plugin: &str) -> Result<Backend> {
         self.create_backend_with(plugin, std::iter::empty::<(&str, &str)>())
     }
@@ -270,16 +282,79 @@ impl Agent {
     /// reads without advertising them (UCX: `num_threads`, `split_batch_size`,
     /// `ucx_ep_close_force`, `ucx_num_device_channels`, `engine_config`).
     ///
+    /// UCX worker threads (`num_threads` other than 0) are refused: NIXL 1.5.1's UCX
+    /// worker-thread mode has a race in which a worker thread completes its part of a request
+    /// after the request was reposted or released, and the process dies with a segfault in
+    /// `nixlUcxDedicatedThread::run()` (`libplugin_UCX.so`; a write through a null pointer in
+    /// `nixlUcxChunkBackendReqH::complete`). Reposting one request of 16 × 4 KiB descriptors in
+    /// a loop with `num_threads=2`, `split_batch_size=1` crashed 6 of 11 runs, after 0.5 to
+    /// 16 s. Safe code cannot rule that out, so the mode is only available through the
+    /// `unsafe` [`create_backend_with_unchecked`](Self::create_backend_with_unchecked).
+    ///
     /// # Errors
     /// [`Error::UnknownPlugin`] for a plugin NIXL does not have,
     /// [`Error::BackendExists`] when the agent already has a backend of `plugin`,
-    /// [`Error::UnknownBackendParam`] for a key the plugin does not define, and
+    /// [`Error::UnknownBackendParam`] for a key the plugin does not define,
+    /// [`Error::RefusedBackendParam`] for UCX `num_threads` other than 0, and
     /// [`Error::Nixl`] when NIXL rejects a value or cannot start the backend.
     pub fn create_backend_with<K, V>(
         &self,
         plugin: &str,
         overrides: impl IntoIterator<Item = (K, V)>,
     ) -> Result<Backend>
+    where
+        K: Into<String>,
+        V: Into<String>,
+    {
+        let params = self.backend_params(plugin, overrides)?;
+        if let Some(refused) = refused_param(plugin, &params) {
+            return Err(refused);
+        }
+        self.create_backend_from(plugin, params)
+    }
+
+    /// Creates a backend as [`create_backend_with`](Self::create_backend_with) does, but
+    /// without refusing UCX worker threads (`num_threads` other than 0), for benchmarks of
+    /// that mode.
+    ///
+    /// # Safety
+    /// NIXL 1.5.1's UCX worker-thread mode is not memory-safe: a worker thread can complete
+    /// its part of a request after the request was reposted or released, and then writes
+    /// through a null pointer (a segfault in `nixlUcxDedicatedThread::run()`). No rule of use
+    /// is known that avoids it; it was seen while one request was reposted in a loop, and
+    /// once while a 64 MiB request split over the threads was reposted. The caller accepts
+    /// that the process may crash, or worse, while requests made through the returned backend
+    /// exist, and so uses it only where that is acceptable (a benchmark), never in serving.
+    ///
+    /// # Errors
+    /// As [`create_backend_with`](Self::create_backend_with), but never
+    /// [`Error::RefusedBackendParam`].
+    pub unsafe fn create_backend_with_unchecked<K, V>(
+        &self,
+        plugin: &str,
+        overrides: impl IntoIterator<Item = (K, V)>,
+    ) -> Result<Backend>
+    where
+        K: Into<String>,
+        V: Into<String>,
+    {
+        let params = self.backend_params(plugin, overrides)?;
+        if refused_param(plugin, &params).is_some() {
+            tracing::warn!(
+                agent = %self.inner.name,
+                plugin,
+                "UCX worker threads (num_threads) are on: NIXL 1.5.1 can crash in their request completion (see Agent::create_backend_with_unchecked)"
+            );
+        }
+        self.create_backend_from(plugin, params)
+    }
+
+    /// The plugin's default parameters with `overrides` applied, each key checked.
+    fn backend_params<K, V>(
+        &self,
+        plugin: &str,
+        overrides: impl IntoIterator<Item = (K, V)>,
+    ) -> Result<BTreeMap<String, String>>
     where
         K: Into<String>,
         V: Into<String>,
@@ -301,6 +376,15 @@ impl Agent {
             }
             params.insert(key, value.into());
         }
+        Ok(params)
+    }
+
+    /// Creates a backend of `plugin` with exactly `params`.
+    fn create_backend_from(
+        &self,
+        plugin: &str,
+        params: BTreeMap<String, String>,
+    ) -> Result<Backend> {
         let name = c_name("plugin name", plugin)?;
         let raw_params = Params::from_map(&params)?;
         let handle = self
@@ -322,29 +406,41 @@ impl Agent {
             })?;
         let raw = handle.raw();
         tracing::debug!(agent = %self.inner.name, plugin, ?params, "created backend");
-        if plugin == "UCX"
-            && params
-                .get("num_threads")
-                .and_then(|n| n.trim().parse::<u64>().ok())
-                .is_some_and(|n| n > 0)
-        {
-            tracing::warn!(
-                agent = %self.inner.name,
-                "UCX worker threads (num_threads) are on: NIXL 1.5.1 can crash in their request completion (see Agent::create_backend)"
-            );
-        }
         let mut handles = self
             .inner
             .backends
             .lock()
             .unwrap_or_else(|p| p.into_inner());
         handles.push((plugin.to_string(), handle));
-        Ok(Backend {
+        drop(handles);
+        let backend = Backend {
             inner: Arc::new(BackendInner {
                 agent: self.inner.clone(),
                 raw,
                 plugin: plugin.to_string(),
             }),
-        })
+        };
+        if plugin == "UCX" {
+            self.record_ucx_worker(&backend);
+        }
+        Ok(backend)
+    }
+
+    /// Records the UCX worker of `backend`, from its connection info, as one of this
+    /// process's: metadata that leads to it is then recognised as this process's whatever
+    /// name it gives.
+    fn record_ucx_worker(&self, backend: &Backend) {
+        let learned = self
+            .local_partial_metadata(&[], &[backend])
+            .and_then(|md| Ok(crate::wire::inspect_metadata(&md)?.worker));
+        match learned {
+            Ok(Some(worker)) => local_peers::add_worker(self.inner.id, worker),
+            Ok(None) => {
+                tracing::error!(agent = %self.inner.name, "a UCX backend without UCX connection info: metadata leading to its worker cannot be recognised as this process's")
+            }
+            Err(err) => {
+                tracing::error!(agent = %self.inner.name, %err, "cannot read this UCX backend's own address: metadata leading to its worker cannot be recognised as this process's")
+            }
+        }
     }
 }

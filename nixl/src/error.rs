@@ -75,6 +75,18 @@ pub enum Error {
         /// The keys the plugin defines.
         known: Vec<String>,
     },
+    /// A backend parameter value the safe API refuses because NIXL is known to crash with it.
+    #[error("plugin {plugin:?} parameter {key}={value:?} is refused: {reason}")]
+    RefusedBackendParam {
+        /// The plugin.
+        plugin: String,
+        /// The parameter.
+        key: String,
+        /// The refused value.
+        value: String,
+        /// Why, and what to do instead.
+        reason: &'static str,
+    },
     /// A descriptor list that must not be empty was empty.
     #[error("{operation}: the descriptor list is empty")]
     EmptyDescList {
@@ -212,6 +224,16 @@ pub enum Error {
         /// Offset of the first offending byte.
         offset: usize,
         /// What is wrong there.
+        reason: String,
+    },
+    /// Remote metadata whose UCX worker is in this process, under a name that is not the
+    /// name of that worker's agent: loaded, it would let NIXL reach this process's own
+    /// memory at addresses the peer chooses.
+    #[error("load remote metadata: the metadata of agent {agent:?} leads into this process: {reason}; metadata of a worker of this process loads only under its own agent's name, so that no peer can make NIXL reach this process's own memory")]
+    MetadataLeadsIntoThisProcess {
+        /// The agent name the metadata declares.
+        agent: String,
+        /// What in it leads into this process.
         reason: String,
     },
     /// An operating-system call failed.

@@ -94,12 +94,37 @@
 //!   this agent, e.g. DRAM to its own FILE), each remote descriptor is resolved to a live
 //!   registration of it, which the request holds; a descriptor of memory that agent no
 //!   longer has registered is refused even if NIXL's copy of its metadata still lists it.
+//! - **Metadata never leads into this process under another name.** Agents of this process
+//!   are recognised by their UCX worker, never by name alone: metadata whose worker is one of
+//!   this process's (its UUID, or any transport address that reaches this process: cma or
+//!   POSIX `/proc` access to this pid, XPMEM, a live agent's worker's shared-memory FIFO or
+//!   TCP listener, a System V segment this process created; compared by what UCX would
+//!   reach) loads only under that agent's exact name, and is then
+//!   held to that agent's live registrations as above; under any other name
+//!   [`Agent::load_remote_metadata`] refuses it with [`Error::MetadataLeadsIntoThisProcess`].
+//!   A peer can therefore not make NIXL read or write this process's own memory, not even by
+//!   sending back this process's own worker address.
+//! - **Agents of other processes.** A request to an agent in another process may name only
+//!   memory its loaded metadata advertised; any other remote descriptor is refused before
+//!   NIXL sees it, with its index, address and length.
 //! - **Racing copies.** [`Registration::read`] and [`Registration::write`] copy with relaxed
-//!   atomics, so racing transfers or threads make them torn, never undefined.
+//!   atomics, each byte of a region always with one access size (its whole aligned words as
+//!   8-byte words, the bytes at its unaligned ends one by one), so racing transfers or
+//!   threads make them torn, never undefined (the copies' tests run under Miri).
+//! - **Unsafe opt-ins.** UCX worker threads (`num_threads`), which crash NIXL 1.5.1, only
+//!   through [`Agent::create_backend_with_unchecked`]; memory that is not `'static` only
+//!   through [`Agent::register_raw`].
 //! - **Not protected:** a peer in *another* process that holds stale metadata after this
 //!   agent deregistered memory. UCX may still reach that memory (e.g. over CMA); only a
 //!   protocol between the two sides (deregister after the peer confirms) prevents it. The
 //!   same holds for memory registered with `register_raw`, whose contract is the caller's.
+//!   Metadata NIXL loads itself ([`MetadataPeer`]: its socket listener and etcd modes) is
+//!   neither validated nor checked for where it leads: NIXL offers no hook before it loads
+//!   it; requests to such an agent are held to the registrations of an agent of this
+//!   process of that name, if any. Under `UCX_UNIFIED_MODE=y` only the worker UUID can be
+//!   compared, addresses of transports not interpreted here (InfiniBand, ...) are compared
+//!   byte for byte (their NICs check memory keys), and the TCP listeners of a UCX backend's
+//!   further workers (`num_workers` > 1), which no metadata shows, are not recognised.
 //!
 //! # Async
 //! A posted [`XferRequest`] can be awaited (`request.await`, see [`Completion`]), and
@@ -161,6 +186,7 @@ mod completion;
 mod cuda;
 mod desc_list;
 mod descriptor;
+mod designation;
 mod driver;
 mod error;
 mod handles;
@@ -181,8 +207,10 @@ mod peer_hints;
 pub mod platform;
 mod prepared;
 mod prepared_handle;
+mod process_endpoints;
 mod query;
 mod raw;
+mod region_index;
 mod registration;
 mod requests;
 mod reuse;

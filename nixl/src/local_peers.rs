@@ -1,23 +1,28 @@
-//! Memory of the agents of this process, found by agent name, so that a transfer whose
-//! remote side is one of them holds the registrations it targets.
+//! The agents of this process: their registrations and their UCX workers. Metadata whose
+//! worker is one of this process's is recognised by that worker (see `designation`), and a
+//! transfer whose remote side is one of these agents holds the registrations it targets.
 //!
 //! NIXL knows a remote agent only through the metadata it loaded, which can be stale: an
 //! agent of this process may have deregistered (and freed) memory that another agent still
 //! has in its copy of the metadata. When the remote agent of a request lives in this process,
 //! every remote descriptor is therefore resolved here to a live registration that covers it,
 //! and the request holds that registration until NIXL is done. A descriptor that no live
-//! registration covers is refused. Agents in other processes are out of reach: for them
-//! NIXL's own checks, against the metadata loaded, are all there is.
+//! registration covers is refused. For an agent in another process, every descriptor must
+//! lie in memory its loaded metadata advertised.
 //!
-//! Names stay known after their agent is gone, so that a request to a dropped agent of this
-//! process is refused too; the table grows by one entry per distinct agent name.
+//! Names of agents stay known after the agents are gone (one entry per distinct name), so
+//! that a request by name alone (metadata NIXL loaded itself) to a dropped agent of this
+//! process is refused too.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, PoisonError, Weak};
 
 use crate::descriptor::{RegDesc, XferDesc};
 use crate::error::{Error, Result};
 use crate::mem_type::MemType;
+use crate::region_index::RegionIndex;
+use crate::wire::{AdvertisedIndex, LoadedMetadata, PeerKind, Worker};
 
 /// Registered memory that a transfer can target and hold.
 pub(crate) trait Target: Send + Sync {
@@ -30,91 +35,222 @@ pub(crate) trait Target: Send + Sync {
 /// A hold on a target: while it lives, the memory stays registered and allocated.
 pub(crate) type Hold = Arc<dyn Target>;
 
-/// The registrations of each agent name of this process.
-type Table = HashMap<String, Vec<Weak<dyn Target>>>;
+/// One live agent of this process.
+struct LiveAgent {
+    name: String,
+    targets: Vec<Weak<dyn Target>>,
+    /// The UCX workers of its UCX backends, as their addresses describe them.
+    workers: Vec<Worker>,
+}
 
-/// Every agent name of this process with its registrations (dead ones pruned as new ones
-/// come); a name with no live registration stays, as a dropped agent's.
-static TARGETS: LazyLock<Mutex<Table>> = LazyLock::new(|| Mutex::new(HashMap::new()));
+#[derive(Default)]
+struct Table {
+    live: HashMap<u64, LiveAgent>,
+    /// Counts changes to the set of UCX workers.
+    generation: u64,
+    /// Every agent name this process has had.
+    names: HashSet<String>,
+}
+
+static TABLE: LazyLock<Mutex<Table>> = LazyLock::new(Mutex::default);
 
 fn table() -> std::sync::MutexGuard<'static, Table> {
-    TARGETS.lock().unwrap_or_else(PoisonError::into_inner)
+    TABLE.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// Records that an agent named `name` lives in this process.
-pub(crate) fn add_agent(name: &str) {
-    table().entry(name.to_string()).or_default();
+/// A new agent id, unique in this process.
+pub(crate) fn next_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
-/// Records a registration of the agent named `agent`.
-pub(crate) fn track(agent: &str, target: Hold) {
+/// Records that agent `id`, named `name`, lives in this process.
+pub(crate) fn add_agent(id: u64, name: &str) {
     let mut table = table();
-    let targets = table.entry(agent.to_string()).or_default();
-    targets.retain(|weak| weak.strong_count() > 0);
-    targets.push(Arc::downgrade(&target));
+    table.names.insert(name.to_string());
+    table.live.insert(
+        id,
+        LiveAgent {
+            name: name.to_string(),
+            targets: Vec::new(),
+            workers: Vec::new(),
+        },
+    );
 }
 
-/// The live registrations of `mem_type` of the agents of this process named `name`, or
-/// `None` when no agent of this process ever had that name.
-fn targets_of(name: &str, mem_type: MemType) -> Option<Vec<Hold>> {
+/// Records that agent `id` is gone (its workers with it).
+pub(crate) fn remove_agent(id: u64) {
+    let mut table = table();
+    if table
+        .live
+        .remove(&id)
+        .is_some_and(|agent| !agent.workers.is_empty())
+    {
+        table.generation += 1;
+    }
+}
+
+/// Records a registration of agent `id`.
+pub(crate) fn track(id: u64, target: Hold) {
+    if let Some(agent) = table().live.get_mut(&id) {
+        agent.targets.retain(|weak| weak.strong_count() > 0);
+        agent.targets.push(Arc::downgrade(&target));
+    }
+}
+
+/// Records the UCX worker of a UCX backend of agent `id`.
+pub(crate) fn add_worker(id: u64, worker: Worker) {
+    let mut table = table();
+    if let Some(agent) = table.live.get_mut(&id) {
+        agent.workers.push(worker);
+        table.generation += 1;
+    }
+}
+
+/// The generation of this process's set of UCX workers: it changes whenever a worker comes
+/// or goes, so that metadata checked against one set is checked again against another.
+pub(crate) fn workers_generation() -> u64 {
+    table().generation
+}
+
+/// A live agent as [`live_agents`] shows it.
+pub(crate) struct AgentWorkers {
+    /// The agent's id.
+    pub id: u64,
+    /// Its name.
+    pub name: String,
+    /// Its UCX workers.
+    pub workers: Vec<Worker>,
+}
+
+/// Every live agent of this process with its UCX workers.
+pub(crate) fn live_agents() -> Vec<AgentWorkers> {
+    table()
+        .live
+        .iter()
+        .map(|(&id, agent)| AgentWorkers {
+            id,
+            name: agent.name.clone(),
+            workers: agent.workers.clone(),
+        })
+        .collect()
+}
+
+/// What a request to a remote agent reaches.
+enum Reaches {
+    /// Agents of this process (by id; none left alive: an agent that is gone).
+    Agents(Vec<u64>),
+    /// An agent elsewhere, with the memory its loaded metadata advertised (`None` when
+    /// NIXL loaded its metadata itself).
+    Elsewhere(Option<Arc<AdvertisedIndex>>),
+}
+
+/// What a request to `remote_agent`, whose metadata `loaded` records (or not), reaches.
+fn reaches(loaded: &LoadedMetadata, remote_agent: &str) -> Reaches {
+    if let Some(peer) = loaded.peer(remote_agent) {
+        return match peer.kind {
+            PeerKind::InProcess(ids) => Reaches::Agents(ids),
+            PeerKind::Remote => Reaches::Elsewhere(Some(peer.advertised)),
+        };
+    }
+    // Not loaded through `load_remote_metadata` (NIXL loaded it itself, or it is this
+    // agent's own name): the agents of this process that have or had that name.
     let table = table();
-    Some(
+    if !table.names.contains(remote_agent) {
+        return Reaches::Elsewhere(None);
+    }
+    Reaches::Agents(
         table
-            .get(name)?
+            .live
             .iter()
-            .filter_map(Weak::upgrade)
-            .filter(|target| target.mem_type() == mem_type)
+            .filter(|(_, agent)| agent.name == remote_agent)
+            .map(|(&id, _)| id)
             .collect(),
     )
 }
 
 /// The registrations that `descs` of `remote_agent` target when that agent lives in this
-/// process (empty when it does not), one hold per registration.
+/// process (empty when it does not), one hold per registration, after checking that every
+/// descriptor lies in memory the agent has registered: live registrations for an agent of
+/// this process, the memory its loaded metadata advertised for an agent elsewhere.
 ///
 /// # Errors
-/// [`Error::InvalidArgument`] for a descriptor that no live registration of the agent
-/// covers (it was deregistered, or never registered).
+/// [`Error::InvalidArgument`] naming the first descriptor outside that memory.
 pub(crate) fn hold_targets(
     operation: &'static str,
+    loaded: &LoadedMetadata,
     remote_agent: &str,
     mem_type: MemType,
     descs: &[XferDesc],
 ) -> Result<Vec<Hold>> {
-    let Some(targets) = targets_of(remote_agent, mem_type) else {
-        return Ok(Vec::new());
+    match reaches(loaded, remote_agent) {
+        Reaches::Agents(ids) => hold_live(operation, &ids, remote_agent, mem_type, descs),
+        Reaches::Elsewhere(Some(advertised)) => {
+            let outside = descs.iter().enumerate().find(|(_, d)| {
+                covering(d, |dev, start, end| {
+                    advertised.covering((mem_type, dev), start, end)
+                })
+                .is_none()
+            });
+            match outside {
+                Some((index, desc)) => Err(Error::InvalidArgument {
+                    operation,
+                    reason: format!(
+                        "remote descriptor {index} ({:#x}, {} bytes, device {}) lies in no \
+                         {mem_type} registration that agent {remote_agent:?}'s loaded \
+                         metadata advertises; describe memory the peer registered and sent \
+                         metadata for",
+                        desc.addr, desc.len, desc.dev_id
+                    ),
+                }),
+                None => Ok(Vec::new()),
+            }
+        }
+        Reaches::Elsewhere(None) => Ok(Vec::new()),
+    }
+}
+
+/// What `find` answers for the device, start and end of `desc` (nothing for a descriptor
+/// that runs past the end of the address space).
+fn covering<T>(desc: &XferDesc, find: impl FnOnce(u64, usize, usize) -> Option<T>) -> Option<T> {
+    find(desc.dev_id, desc.addr, desc.addr.checked_add(desc.len)?)
+}
+
+/// Holds the live registrations of agents `ids` of this process that `descs` target.
+fn hold_live(
+    operation: &'static str,
+    ids: &[u64],
+    remote_agent: &str,
+    mem_type: MemType,
+    descs: &[XferDesc],
+) -> Result<Vec<Hold>> {
+    let targets: Vec<Hold> = {
+        let table = table();
+        ids.iter()
+            .filter_map(|id| table.live.get(id))
+            .flat_map(|agent| agent.targets.iter().filter_map(Weak::upgrade))
+            .filter(|target| target.mem_type() == mem_type)
+            .collect()
     };
-    // (start, end, dev_id, index into `targets`), sorted by start.
-    let mut regions: Vec<(usize, usize, u64, usize)> = targets
-        .iter()
-        .enumerate()
-        .flat_map(|(at, target)| {
-            target
-                .regions()
-                .iter()
-                .map(move |r| (r.addr, r.addr.saturating_add(r.len), r.dev_id, at))
-        })
-        .collect();
-    regions.sort_unstable();
-    let mut used = vec![false; targets.len()];
-    for (index, desc) in descs.iter().enumerate() {
-        let end = desc.addr.checked_add(desc.len);
-        // Regions may overlap (the same memory registered twice): look at every region that
-        // starts at or before the descriptor.
-        let before = regions.partition_point(|r| r.0 <= desc.addr);
-        let covering = regions[..before]
+    let index = RegionIndex::new(targets.iter().enumerate().flat_map(|(at, target)| {
+        target
+            .regions()
             .iter()
-            .rev()
-            .find(|r| r.2 == desc.dev_id && end.is_some_and(|end| end <= r.1));
-        match covering {
-            Some(region) => used[region.3] = true,
+            .map(move |r| (r.dev_id, r.addr, r.addr.saturating_add(r.len), at))
+    }));
+    let mut used = vec![false; targets.len()];
+    for (index_in_list, desc) in descs.iter().enumerate() {
+        match covering(desc, |dev, start, end| index.covering(dev, start, end)) {
+            Some(&at) => used[at] = true,
             None => {
                 return Err(Error::InvalidArgument {
                     operation,
                     reason: format!(
-                        "remote descriptor {index} ({:#x}, {} bytes, device {}) lies in no live \
-                         {mem_type} registration of agent {remote_agent:?}, which lives in this \
-                         process: it was deregistered or never registered, so NIXL's copy of \
-                         its metadata is stale; load fresh metadata and describe registered memory",
+                        "remote descriptor {index_in_list} ({:#x}, {} bytes, device {}) lies \
+                         in no live {mem_type} registration of agent {remote_agent:?}, which \
+                         lives in this process: it was deregistered or never registered, so \
+                         NIXL's copy of its metadata is stale; load fresh metadata and \
+                         describe registered memory",
                         desc.addr, desc.len, desc.dev_id
                     ),
                 })

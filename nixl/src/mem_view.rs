@@ -142,6 +142,7 @@ impl Agent {
         for peer in descs {
             keep.extend(local_peers::hold_targets(
                 OP,
+                &self.inner.loaded,
                 &peer.agent,
                 mem_type,
                 std::slice::from_ref(&peer.desc),

@@ -20,8 +20,9 @@ use crate::mem_type::MemType;
 /// # Safety
 /// Implementors promise that every region [`regions`](Self::regions) describes is valid for
 /// NIXL to read and write (for DRAM: allocated, writable, not freed or moved) for as long as
-/// the value lives, that moving the value does not move the regions, and that the addresses
-/// are derived from `&mut self` (e.g. `as_mut_ptr`), never from a shared reference.
+/// the value lives, that moving the value does not move the regions, that the regions do not
+/// overlap, and that the addresses are derived from `&mut self` (e.g. `as_mut_ptr`), never
+/// from a shared reference.
 pub unsafe trait RegisterMemory: Send + Sync {
     /// The memory type of every region.
     fn mem_type(&self) -> MemType;

@@ -6,10 +6,12 @@ use crate::agent::{Agent, AgentInner};
 use crate::backend::backend_args;
 use crate::backend::Backend;
 use crate::desc_list::RemoteDescList;
+use crate::designation;
 use crate::error::{check, check_hint, Error, Result};
 use crate::handles::OptArgs;
 use crate::handles::RegDlist;
 use crate::library::capi;
+use crate::local_peers;
 use crate::mem_type::MemType;
 use crate::peer_hints::remote_metadata_loaded;
 use crate::raw::{c_name, take_malloced};
@@ -22,8 +24,11 @@ use crate::status::Status;
 /// Metadata that arrives through a peer (the listener thread for [`MetadataPeer::Socket`],
 /// the etcd watch for [`MetadataPeer::Etcd`]) is loaded by NIXL itself, on its own thread,
 /// with no hook for this crate: it is **not** validated, and NIXL 1.5.1 / UCX crash on
-/// malformed metadata. Use these modes only with peers and an etcd you trust. Bytes the
-/// crate receives itself go through [`Agent::load_remote_metadata`], which validates them
+/// malformed metadata; nor is it checked for leading into this process (a peer could send
+/// this process's own worker address), nor are requests to such an agent held to the memory
+/// it advertised (only, by name, to an agent of this process of that name, if any). Use
+/// these modes only with peers and an etcd you trust. Bytes the crate receives itself go
+/// through [`Agent::load_remote_metadata`], which validates them and checks where they lead
 /// first (see [`validate_metadata`](crate::validate_metadata)); prefer that path for
 /// metadata from an untrusted side channel.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -121,11 +126,22 @@ impl Agent {
     /// before NIXL sees them, so malformed metadata (which crashes NIXL 1.5.1 and UCX) comes
     /// back as an error instead.
     ///
+    /// They are also a claim about where the agent lives. Metadata whose UCX worker is one of
+    /// this process's (its UUID, or any transport address that reaches this process: cma to
+    /// this pid, a shared-memory FIFO, the TCP listener of a live agent's worker, ...) is an
+    /// agent of this process only under that agent's exact name, and requests to it are then
+    /// held to that agent's live registrations. Under any other name it is refused, so that no peer can make
+    /// NIXL read or write this process's own memory. For an agent in another process, the
+    /// memory its metadata advertises (all loads of it together, until it is invalidated)
+    /// bounds the remote descriptors of requests to it.
+    ///
     /// # Errors
     /// [`Error::InvalidArgument`] for empty bytes; [`Error::InvalidMetadata`] for bytes NIXL's
-    /// serializer could not have produced (garbage, truncated, out-of-range fields), with the
-    /// offset and the reason; [`Error::Nixl`] for metadata NIXL refuses or an agent it cannot
-    /// connect to.
+    /// serializer could not have produced (garbage, truncated, out-of-range fields, a UCX
+    /// transport address shorter than what UCX reads), with the offset and the reason;
+    /// [`Error::MetadataLeadsIntoThisProcess`] for metadata whose UCX worker is in this
+    /// process under a name that is not its agent's; [`Error::Nixl`] for metadata NIXL
+    /// refuses or an agent it cannot connect to.
     ///
     /// NIXL 1.5.1 caveat: metadata that fails inside NIXL after its connection info was
     /// loaded leaves that connection info in the backend, without the agent counting as
@@ -141,13 +157,19 @@ impl Agent {
                 reason: "the metadata is empty".to_string(),
             });
         }
-        // Bytes identical to those an agent was last loaded from passed validation then.
-        if !self.inner.loaded.is_loaded(metadata) {
-            crate::wire::validate_metadata(metadata).map_err(|err| {
+        // Bytes identical to those an agent was last loaded from passed the checks then.
+        let workers = local_peers::workers_generation();
+        let learned = if self.inner.loaded.is_loaded(metadata, workers) {
+            None
+        } else {
+            let rejected = |err: Error| {
                 tracing::warn!(agent = %self.inner.name, %err, "remote metadata rejected");
                 err
-            })?;
-        }
+            };
+            let peer = crate::wire::inspect_metadata(metadata).map_err(rejected)?;
+            let kind = designation::classify(&peer).map_err(rejected)?;
+            Some((kind, peer.regions))
+        };
         let mut name = ptr::null_mut();
         let status = self.inner.with(|agent| {
             // SAFETY: live agent, bytes valid for their length; on success `name` is malloc'd.
@@ -171,7 +193,11 @@ impl Agent {
         // Validated above as UTF-8 without NUL bytes, so this is the name exactly.
         let remote = String::from_utf8_lossy(&bytes).into_owned();
         tracing::debug!(agent = %self.inner.name, remote = %remote, "loaded remote metadata");
-        self.inner.loaded.remember(&remote, metadata);
+        if let Some((kind, regions)) = learned {
+            self.inner
+                .loaded
+                .remember(&remote, metadata, workers, kind, &regions);
+        }
         Ok(remote)
     }
 

@@ -107,6 +107,10 @@ impl Agent {
     }
 
     /// Prepares a list of `remote_agent`'s memory (its metadata must be loaded).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming the first descriptor outside the remote agent's
+    /// memory, as [`Agent::create_xfer_req`] checks it; [`Error::Nixl`] if NIXL refuses.
     pub fn prepare_remote(
         &self,
         remote_agent: &str,
@@ -115,7 +119,13 @@ impl Agent {
     ) -> Result<PreparedRemote> {
         const OP: &str = "prepare descriptor list";
         c_name("remote agent name", remote_agent)?;
-        let targets = local_peers::hold_targets(OP, remote_agent, list.mem_type(), list.descs())?;
+        let targets = local_peers::hold_targets(
+            OP,
+            &self.inner.loaded,
+            remote_agent,
+            list.mem_type(),
+            list.descs(),
+        )?;
         let shared = self.prepare(remote_agent, &list.list, backends, targets)?;
         Ok(PreparedRemote {
             shared,

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use crate::agent::{Agent, AgentInner};
-use crate::atomic_copy;
+use crate::atomic_copy::{self, Region};
 use crate::backend::backend_args;
 use crate::backend::Backend;
 use crate::descriptor::RegDesc;
@@ -165,29 +165,48 @@ impl Registration {
         Ok(self.locate(operation, region, offset, len)? as *mut u8)
     }
 
+    /// DRAM region `region`, once `offset..offset + len` was checked to lie inside it.
+    fn host_region(
+        &self,
+        operation: &'static str,
+        region: usize,
+        offset: usize,
+        len: usize,
+    ) -> Result<Region> {
+        self.host_ptr(operation, region, offset, len)?;
+        let desc = &self.inner.regions[region];
+        // SAFETY: a live DRAM region the registration keeps alive (and writable: the
+        // registration owns the memory); no Rust reference to it exists (the registration
+        // never lends it, but through the `unsafe` `region_slice`), so every other access is
+        // a copy of this module over the same region, or NIXL's own.
+        Ok(unsafe { Region::new(desc.addr as *mut u8, desc.len) })
+    }
+
     /// Copies bytes out of DRAM region `region`, starting at `offset`, into `out`.
     ///
     /// Safe while transfers or peers write the same bytes: the copy is made of relaxed
     /// atomic loads, so a racing write can leave `out` torn (each byte old or new), never
-    /// undefined. Read after the transfer that fills the bytes has finished (or after its
-    /// notification) to see all of it.
+    /// undefined. Each byte of a region is always accessed with the same atomic size (the
+    /// region's aligned 8-byte words as words, the bytes at its unaligned ends one by one),
+    /// so copies at different offsets racing each other are torn too, never undefined. Read
+    /// after the transfer that fills the bytes has finished (or after its notification) to
+    /// see all of it.
     pub fn read(&self, region: usize, offset: usize, out: &mut [u8]) -> Result<()> {
-        let src = self.host_ptr("read registered memory", region, offset, out.len())?;
-        // SAFETY: the range is inside a live DRAM region the registration keeps alive; no
-        // Rust reference to it exists (the registration owns the memory and never lends it),
-        // and every other access is atomic or NIXL's own.
-        unsafe { atomic_copy::copy_out(src, out) };
+        let at = self.host_region("read registered memory", region, offset, out.len())?;
+        // SAFETY: `offset..offset + out.len()` was checked to lie inside the region.
+        unsafe { atomic_copy::copy_out(&at, offset, out) };
         Ok(())
     }
 
     /// Copies `data` into DRAM region `region`, starting at `offset`.
     ///
-    /// Safe while other threads read or write the same bytes (relaxed atomic stores, as in
-    /// [`read`](Self::read)); what a transfer racing with the write moves may be torn.
+    /// Safe while other threads read or write the same bytes (relaxed atomic stores, and
+    /// compare-exchange for part of a word, as in [`read`](Self::read)); what a transfer
+    /// racing with the write moves may be torn.
     pub fn write(&self, region: usize, offset: usize, data: &[u8]) -> Result<()> {
-        let dst = self.host_ptr("write registered memory", region, offset, data.len())?;
-        // SAFETY: as in `read`; the region is writable memory the registration keeps alive.
-        unsafe { atomic_copy::copy_in(dst, data) };
+        let at = self.host_region("write registered memory", region, offset, data.len())?;
+        // SAFETY: `offset..offset + data.len()` was checked to lie inside the region.
+        unsafe { atomic_copy::copy_in(&at, offset, data) };
         Ok(())
     }
 
@@ -293,7 +312,11 @@ impl Agent {
     /// # Safety
     /// Every descriptor must describe memory (or a file range, for FILE) that stays valid for
     /// NIXL to read and write until the returned registration and everything made from it
-    /// (descriptor lists, prepared lists, requests) have been dropped.
+    /// (descriptor lists, prepared lists, requests) have been dropped. Where regions overlap
+    /// (within this registration or with another one), [`Registration::read`] and
+    /// [`Registration::write`] must not copy the shared bytes through two of them at once:
+    /// each copies a region's bytes with atomics of one size chosen from the region's
+    /// bounds, and regions with other bounds may choose another size for the same bytes.
     pub unsafe fn register_raw(
         &self,
         mem_type: MemType,
@@ -342,7 +365,7 @@ impl Agent {
             registered: true,
             memory,
         });
-        local_peers::track(&self.inner.name, inner.clone());
+        local_peers::track(self.inner.id, inner.clone());
         Ok(Registration { inner })
     }
 }

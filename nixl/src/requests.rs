@@ -75,7 +75,8 @@ impl Agent {
     /// `remote_agent` may be this agent's own name (e.g. DRAM to a FILE it registered).
     /// DRAM/VRAM descriptor pairs of 8 MiB or more are handed to NIXL cut into two
     /// page-aligned halves (unmerged), so that a UCX backend with worker threads
-    /// (`num_threads=2`, `split_batch_size` of 2 or less; see [`Agent::create_backend`]) moves
+    /// (`num_threads=2`, `split_batch_size` of 2 or less; only through the `unsafe`
+    /// [`Agent::create_backend_with_unchecked`]) moves
     /// them in parallel; the bytes moved are the same.
     ///
     /// Lists that serve more than one request are prepared once: from the second request
@@ -86,8 +87,11 @@ impl Agent {
     ///
     /// # Errors
     /// [`Error::EmptyDescList`] / [`Error::LengthMismatch`] when the sides do not pair up;
-    /// [`Error::Nixl`] with a hint when the remote agent's metadata is not loaded, the
-    /// addresses lie outside registered memory, or no backend serves both sides.
+    /// [`Error::InvalidArgument`] naming the first remote descriptor (index, address,
+    /// length) outside the remote agent's memory: outside its live registrations when it
+    /// lives in this process, outside what its loaded metadata advertises when it lives in
+    /// another; [`Error::Nixl`] with a hint when the remote agent's metadata is not loaded,
+    /// the addresses lie outside registered memory, or no backend serves both sides.
     pub fn create_xfer_req(
         &self,
         op: XferOp,
@@ -106,8 +110,13 @@ impl Agent {
             }
         }
         let name = c_name("remote agent name", remote_agent)?;
-        let targets =
-            local_peers::hold_targets(OP, remote_agent, remote.mem_type(), remote.descs())?;
+        let targets = local_peers::hold_targets(
+            OP,
+            &self.inner.loaded,
+            remote_agent,
+            remote.mem_type(),
+            remote.descs(),
+        )?;
         let (local_raw, remote_raw, args) = match &cut {
             Some((l, r)) => {
                 let options = XferOptions {
@@ -172,6 +181,7 @@ impl Agent {
         let remote_handle = remote.reuse.handle(remote_key, || {
             let targets = local_peers::hold_targets(
                 "prepare descriptor list",
+                &self.inner.loaded,
                 remote_agent,
                 remote.mem_type(),
                 remote.descs(),

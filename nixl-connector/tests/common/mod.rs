@@ -4,6 +4,8 @@
 
 pub mod loads;
 
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use nixl::kv_config::KvTransferConfig;
@@ -131,4 +133,34 @@ pub fn init_tracing() {
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_test_writer()
         .try_init();
+}
+
+/// This test binary, started again in a child process to run only the ignored test `role`,
+/// with `env` set; its stdout is piped, its stderr goes to `stderr`.
+pub fn role_process(role: &str, env: &[(&str, &str)], stderr: Stdio) -> Child {
+    Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            role,
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(stderr)
+        .spawn()
+        .unwrap_or_else(|err| panic!("start {role}: {err}"))
+}
+
+/// Reads `child`'s stdout until a line holds `PORT <port>`, and returns the port.
+pub fn printed_port(child: &mut Child) -> u16 {
+    BufReader::new(child.stdout.take().unwrap())
+        .lines()
+        .map_while(Result::ok)
+        .find_map(|line| {
+            line.find("PORT ")
+                .map(|at| line[at + 5..].trim().parse().unwrap())
+        })
+        .expect("the child prints its port")
 }

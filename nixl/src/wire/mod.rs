@@ -5,20 +5,29 @@
 //! module parses the serialized format in safe Rust (no panics, no allocation sized by
 //! the input) and rejects anything NIXL's serializer could not have produced: the
 //! container ([`serdes`]), the agent name, connection info and memory sections
-//! ([`layout`]), the UCX worker address ([`ucx_address`]) and UCX remote keys
-//! ([`ucx_rkey`]). Connection info and descriptor blobs of backends other than UCX are
-//! only bounds-checked: NIXL hands them to that backend's plugin as they are.
+//! ([`layout`]), the UCX worker address ([`ucx_address`]), what each of its transport
+//! addresses leads to ([`ucx_transports`]) and UCX remote keys ([`ucx_rkey`]). Connection
+//! info and descriptor blobs of backends other than UCX are only bounds-checked: NIXL hands
+//! them to that backend's plugin as they are. [`peer`] takes valid metadata apart (name,
+//! UCX worker, advertised memory) for the checks of a load, and [`loaded`] keeps what an
+//! agent learned from each remote agent's metadata.
 
 mod layout;
 mod loaded;
+mod peer;
 mod reader;
 mod serdes;
 mod ucx_address;
 mod ucx_rkey;
+mod ucx_transports;
 
 use crate::error::{Error, Result};
 
-pub(crate) use loaded::LoadedMetadata;
+pub(crate) use loaded::{AdvertisedIndex, LoadedMetadata, PeerKind};
+pub(crate) use peer::PeerMetadata;
+pub(crate) use ucx_transports::{Destination, Worker};
+#[cfg(test)]
+pub(crate) use ucx_transports::{Host, ROOT_PID_NS};
 
 /// Checks that `metadata` is well-formed NIXL 1.5.1 agent metadata (full, partial or
 /// connection-only) with well-formed UCX connection info and remote keys.
@@ -29,8 +38,21 @@ pub(crate) use loaded::LoadedMetadata;
 /// # Errors
 /// [`Error::InvalidMetadata`] with the offset of the first offending byte and the reason.
 pub fn validate_metadata(metadata: &[u8]) -> Result<()> {
-    layout::check(metadata).map_err(|reject| Error::InvalidMetadata {
+    layout::check(metadata).map_err(invalid)
+}
+
+/// Checks `metadata` as [`validate_metadata`] does and takes it apart.
+///
+/// # Errors
+/// As [`validate_metadata`], and [`Error::InvalidMetadata`] for a UCX transport address
+/// shorter than what UCX reads of it.
+pub(crate) fn inspect_metadata(metadata: &[u8]) -> Result<PeerMetadata<'_>> {
+    peer::inspect(metadata).map_err(invalid)
+}
+
+fn invalid(reject: reader::Reject) -> Error {
+    Error::InvalidMetadata {
         offset: reject.offset,
         reason: reject.reason,
-    })
+    }
 }

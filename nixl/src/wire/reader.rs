@@ -88,6 +88,22 @@ impl<'a> Reader<'a> {
             .ok_or_else(|| self.reject(format!("{what}: needs 1 byte, none left")))
     }
 
+    /// The next 2 bytes as a little-endian u16, consumed.
+    #[inline]
+    pub fn u16(&mut self, what: &str) -> Parsed<u16> {
+        let mut raw = [0u8; 2];
+        raw.copy_from_slice(self.take(2, what)?);
+        Ok(u16::from_le_bytes(raw))
+    }
+
+    /// The next 4 bytes as a little-endian u32, consumed.
+    #[inline]
+    pub fn u32(&mut self, what: &str) -> Parsed<u32> {
+        let mut raw = [0u8; 4];
+        raw.copy_from_slice(self.take(4, what)?);
+        Ok(u32::from_le_bytes(raw))
+    }
+
     /// The next 8 bytes as a little-endian u64, consumed.
     #[inline]
     pub fn u64(&mut self, what: &str) -> Parsed<u64> {

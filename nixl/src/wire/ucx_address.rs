@@ -44,8 +44,34 @@ enum Version {
     V2,
 }
 
-/// Checks the worker address `bytes`, which start at `base` of the whole metadata.
-pub(crate) fn check(bytes: &[u8], base: usize) -> Parsed<()> {
+/// A checked worker address: what identifies the worker and how to reach it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct WorkerAddress<'a> {
+    /// The worker's UUID (always in v1, optional in v2).
+    pub uuid: Option<u64>,
+    /// Its transport addresses, in order; empty in unified mode, whose entries cannot be
+    /// delimited here.
+    pub transports: Vec<TransportAddress<'a>>,
+}
+
+/// One transport address in a worker address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct TransportAddress<'a> {
+    /// Checksum of the transport's name (UCX's CRC-16 of e.g. "tcp").
+    pub checksum: u16,
+    /// The device address it shares with the other transports of its device.
+    pub device: &'a [u8],
+    /// Offset of the device address within the whole metadata.
+    pub device_at: usize,
+    /// The interface address.
+    pub iface: &'a [u8],
+    /// Offset of the interface address within the whole metadata.
+    pub iface_at: usize,
+}
+
+/// Checks the worker address `bytes`, which start at `base` of the whole metadata, and
+/// returns what it holds.
+pub(crate) fn parse(bytes: &[u8], base: usize) -> Parsed<WorkerAddress<'_>> {
     let mut r = Reader::new(bytes, base);
     let header = r.u8("UCX address header")?;
     let (version, flags) = match header & 0x0f {
@@ -61,8 +87,9 @@ pub(crate) fn check(bytes: &[u8], base: usize) -> Parsed<()> {
     if flags & !KNOWN_FLAGS != 0 {
         return Err(r.reject_at(base, format!("unknown UCX address flags {flags:#x}")));
     }
+    let mut address = WorkerAddress::default();
     if version == Version::V1 || flags & FLAG_UUID != 0 {
-        r.take(8, "UCX worker uuid")?;
+        address.uuid = Some(r.u64("UCX worker uuid")?);
     }
     if flags & FLAG_CLIENT_ID != 0 {
         r.take(8, "UCX client id")?;
@@ -74,19 +101,16 @@ pub(crate) fn check(bytes: &[u8], base: usize) -> Parsed<()> {
     if unified_mode() {
         // Interface entries then carry no lengths (UCX takes them from its own interfaces),
         // so their bounds cannot be checked here.
-        return Ok(());
+        return Ok(address);
     }
     if r.peek("UCX device list")? == NO_DEVICES {
         r.u8("UCX empty device list")?;
-        return r.finish("the UCX worker address");
+        r.finish("the UCX worker address")?;
+        return Ok(address);
     }
-    let mut transports = 0usize;
-    loop {
-        if device(&mut r, version, &mut transports)? {
-            break;
-        }
-    }
-    r.finish("the UCX worker address")
+    while !device(&mut r, version, &mut address.transports)? {}
+    r.finish("the UCX worker address")?;
+    Ok(address)
 }
 
 /// Whether this process runs UCX in unified mode (`UCX_UNIFIED_MODE`, read once), where
@@ -113,8 +137,13 @@ fn extended(r: &mut Reader<'_>, byte: u8, mask: u8, version: Version, what: &str
     }
 }
 
-/// One device and its transports; returns whether it was the last device.
-fn device(r: &mut Reader<'_>, version: Version, transports: &mut usize) -> Parsed<bool> {
+/// One device and its transports, added to `transports`; returns whether it was the last
+/// device.
+fn device<'a>(
+    r: &mut Reader<'a>,
+    version: Version,
+    transports: &mut Vec<TransportAddress<'a>>,
+) -> Parsed<bool> {
     let md_at = r.offset();
     let md = r.u8("UCX md index")?;
     let empty = md & 0x80 != 0;
@@ -128,7 +157,8 @@ fn device(r: &mut Reader<'_>, version: Version, transports: &mut usize) -> Parse
     if dev & 0x20 != 0 {
         r.u8("UCX system device")?;
     }
-    r.take(usize::from(dev_len), "UCX device address")?;
+    let device_at = r.offset();
+    let device = r.take(usize::from(dev_len), "UCX device address")?;
     // An empty last device carries the release version in its md field.
     if !(empty && last) && md_index >= MAX_MDS {
         return Err(r.reject_at(
@@ -140,13 +170,12 @@ fn device(r: &mut Reader<'_>, version: Version, transports: &mut usize) -> Parse
         return Ok(last);
     }
     loop {
-        *transports += 1;
-        if *transports > MAX_TRANSPORTS {
+        if transports.len() == MAX_TRANSPORTS {
             return Err(r.reject(format!(
                 "more than {MAX_TRANSPORTS} UCX transport addresses"
             )));
         }
-        r.take(2, "UCX transport name checksum")?;
+        let checksum = r.u16("UCX transport name checksum")?;
         r.take(
             if version == Version::V1 { 16 } else { 8 },
             "UCX interface attributes",
@@ -163,7 +192,15 @@ fn device(r: &mut Reader<'_>, version: Version, transports: &mut usize) -> Parse
             version,
             "UCX extended interface address length",
         )?;
-        r.take(usize::from(iface_len), "UCX interface address")?;
+        let iface_at = r.offset();
+        let iface = r.take(usize::from(iface_len), "UCX interface address")?;
+        transports.push(TransportAddress {
+            checksum,
+            device,
+            device_at,
+            iface,
+            iface_at,
+        });
         if len & 0x80 != 0 {
             return Ok(last);
         }

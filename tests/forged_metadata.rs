@@ -1,0 +1,165 @@
+//! Metadata of an agent of this process, forged (renamed, a descriptor moved, its UCX
+//! worker UUID changed), never makes NIXL write into this process's memory: it is refused
+//! when it is loaded, and the bytes it aimed at stay as they were.
+
+mod common;
+
+use common::{local_whole, unique_name, WAIT};
+use nixl::{Agent, Error, MemType, RemoteDescList, XferDesc, XferOp, XferOptions};
+
+/// Offset of the payload of the first field whose tag and length start right after `marker`.
+fn payload(md: &[u8], marker: &[u8]) -> usize {
+    let at = md
+        .windows(marker.len())
+        .position(|w| w == marker)
+        .expect("marker in the metadata");
+    at + marker.len() + 8
+}
+
+/// `md` with the agent name's last byte changed (same length, so nothing else moves).
+fn renamed(md: &[u8], name: &str) -> (Vec<u8>, String) {
+    let at = payload(md, b"|Agent");
+    assert_eq!(&md[at..at + name.len()], name.as_bytes());
+    let mut forged = md.to_vec();
+    let last = at + name.len() - 1;
+    forged[last] = if forged[last] == b'a' { b'b' } else { b'a' };
+    let new_name = String::from_utf8(forged[at..at + name.len()].to_vec()).unwrap();
+    (forged, new_name)
+}
+
+/// Offset of the address of the first descriptor of the first memory section.
+fn first_descriptor(md: &[u8]) -> usize {
+    // "nixlSDList|", then t (4-byte payload) and n (8-byte payload), then the descriptor.
+    payload(md, b"nixlSDList|") - 8 + (1 + 8 + 4 + 1) + (1 + 8 + 8 + 1) + 8
+}
+
+/// An agent with a UCX backend.
+fn agent(prefix: &str) -> Agent {
+    let agent = Agent::new(&unique_name(prefix)).unwrap();
+    agent.create_backend("UCX").unwrap();
+    agent
+}
+
+fn assert_refused(result: nixl::Result<String>, victim: &str) {
+    match result {
+        Err(err @ Error::MetadataLeadsIntoThisProcess { .. }) => {
+            let text = err.to_string();
+            assert!(text.contains("leads into this process"), "{text}");
+            assert!(text.contains(victim), "names the agent it leads to: {text}");
+        }
+        other => panic!("expected the forged metadata to be refused, got {other:?}"),
+    }
+}
+
+/// Tries to WRITE 4096 bytes of 0xEE from `loader` to `addr` on `remote`; must fail.
+fn write_must_fail(loader: &Agent, remote: &str, addr: usize) {
+    let src = loader.register_memory(vec![0xEEu8; 4096], &[]).unwrap();
+    let target = RemoteDescList::from_descs(MemType::Dram, &[XferDesc::new(addr, 4096, 0)]);
+    let result = loader
+        .create_xfer_req(
+            XferOp::Write,
+            &local_whole(&src),
+            &target.unwrap(),
+            remote,
+            &XferOptions::new(),
+        )
+        .and_then(|mut request| request.post_and_wait(WAIT));
+    assert!(result.is_err(), "the WRITE through {remote:?} went through");
+}
+
+#[test]
+fn renamed_metadata_of_an_agent_of_this_process_is_refused() {
+    let loader = agent("forged-loader");
+    let victim = agent("forged-victim");
+    let reg = victim.register_memory(vec![0u8; 4096], &[]).unwrap();
+    let addr = reg.regions()[0].addr;
+    let (forged, new_name) = renamed(&victim.local_metadata().unwrap(), victim.name());
+    // The registration goes, and malloc hands its chunk to the next Vec of that size.
+    drop(reg);
+    let reused = vec![0x5Au8; 4096];
+    assert_refused(loader.load_remote_metadata(&forged), victim.name());
+    write_must_fail(&loader, &new_name, addr);
+    assert!(
+        reused.iter().all(|&b| b == 0x5A),
+        "the reused memory was written"
+    );
+    assert!(!loader.has_remote_metadata(&new_name).unwrap());
+}
+
+#[test]
+fn a_descriptor_moved_to_unregistered_memory_is_never_reached() {
+    let loader = agent("moved-loader");
+    let victim = agent("moved-victim");
+    let _reg = victim.register_memory(vec![0u8; 4096], &[]).unwrap();
+    let unregistered = vec![0x5Au8; 4096];
+    let target = unregistered.as_ptr() as usize;
+    let mut md = victim.local_metadata().unwrap();
+    let at = first_descriptor(&md);
+    assert_eq!(
+        u64::from_le_bytes(md[at..at + 8].try_into().unwrap()),
+        _reg.regions()[0].addr as u64
+    );
+    md[at..at + 8].copy_from_slice(&(target as u64).to_le_bytes());
+
+    // Under another name: refused at the load.
+    let (forged, new_name) = renamed(&md, victim.name());
+    assert_refused(loader.load_remote_metadata(&forged), victim.name());
+    write_must_fail(&loader, &new_name, target);
+
+    // Under the victim's own name it is that agent of this process, held to its live
+    // registrations: the load passes, the WRITE to memory it never registered does not.
+    assert_eq!(loader.load_remote_metadata(&md).unwrap(), victim.name());
+    let src = loader.register_memory(vec![0xEEu8; 4096], &[]).unwrap();
+    let remote = RemoteDescList::from_descs(MemType::Dram, &[XferDesc::new(target, 4096, 0)]);
+    match loader.create_xfer_req(
+        XferOp::Write,
+        &local_whole(&src),
+        &remote.unwrap(),
+        victim.name(),
+        &XferOptions::new(),
+    ) {
+        Err(Error::InvalidArgument { reason, .. }) => {
+            assert!(
+                reason.contains("lies in no live DRAM registration"),
+                "{reason}"
+            );
+            assert!(reason.contains(&format!("{target:#x}")), "{reason}");
+        }
+        other => panic!("expected the unregistered target to be refused, got {other:?}"),
+    }
+    assert!(unregistered.iter().all(|&b| b == 0x5A));
+}
+
+#[test]
+fn a_changed_worker_uuid_does_not_hide_the_worker() {
+    let loader = agent("uuid-loader");
+    let victim = agent("uuid-victim");
+    let _reg = victim.register_memory(vec![0u8; 4096], &[]).unwrap();
+    let (mut forged, _) = renamed(&victim.local_metadata().unwrap(), victim.name());
+    let address = payload(&forged, b"UCX|c");
+    // A v1 address (version nibble 0) always carries the UUID, right after its header.
+    assert_eq!(forged[address] & 0x0f, 0);
+    for byte in &mut forged[address + 1..address + 9] {
+        *byte ^= 0xA5;
+    }
+    // Its transport addresses (cma to this pid, shared memory, TCP) still lead here.
+    assert_refused(loader.load_remote_metadata(&forged), victim.name());
+}
+
+#[test]
+fn metadata_of_a_dropped_agent_of_this_process_is_refused() {
+    let loader = agent("dropped-loader");
+    let gone = agent("dropped-victim");
+    let md = gone.local_metadata().unwrap();
+    let name = gone.name().to_string();
+    drop(gone);
+    // Its worker is gone, but its cma address is still this process, under a name no
+    // agent of this process has any more.
+    match loader.load_remote_metadata(&md) {
+        Err(Error::MetadataLeadsIntoThisProcess { agent, reason }) => {
+            assert_eq!(agent, name);
+            assert!(reason.contains("this process"), "{reason}");
+        }
+        other => panic!("expected the refusal, got {other:?}"),
+    }
+}
