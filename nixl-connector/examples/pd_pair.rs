@@ -11,15 +11,18 @@ use std::time::Duration;
 use nixl::kv_config::KvTransferConfig;
 use nixl::platform::BuiltinPlatform;
 use nixl_connector::{
-    KvCacheSpec, KvConnectorScheduler, KvConnectorWorker, KvLayout, KvTransferParams,
+    FinishStatus, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker, KvLayout, KvTransferParams,
     SchedulerConfig, WorkerConfig,
 };
 
-fn worker(engine: &str, spec: KvCacheSpec) -> nixl_connector::Result<KvConnectorWorker> {
-    let kv = KvTransferConfig::from_json(
+fn kv_config() -> nixl_connector::Result<KvTransferConfig> {
+    Ok(KvTransferConfig::from_json(
         r#"{"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}"#,
-    )?;
-    let mut config = WorkerConfig::new(engine, 0, 1, kv);
+    )?)
+}
+
+fn worker(engine: &str, spec: KvCacheSpec) -> nixl_connector::Result<KvConnectorWorker> {
+    let mut config = WorkerConfig::new(engine, 0, 1, kv_config()?);
     config.platform = Arc::new(BuiltinPlatform::CPU);
     let worker = KvConnectorWorker::new(config)?;
     worker.register_host_kv_caches(spec)?;
@@ -43,13 +46,13 @@ async fn main() -> nixl_connector::Result<()> {
 
     // Prefill engine: computes request "r1" into blocks 4..8, then finishes it for a remote decode.
     let prefill = worker("prefill-engine", spec)?;
-    let mut prefill_scheduler = KvConnectorScheduler::new(SchedulerConfig {
-        engine_id: "prefill-engine".into(),
-        host: "127.0.0.1".into(),
-        port: prefill.side_channel_addr()?.port(),
-        tp_size: 1,
-        abort_timeout: Duration::from_secs(30),
-    });
+    let mut prefill_scheduler = KvConnectorScheduler::new(SchedulerConfig::new(
+        "prefill-engine",
+        "127.0.0.1",
+        prefill.side_channel_addr()?.port(),
+        1,
+        &kv_config()?,
+    )?);
     let cache = prefill.kv_caches()?;
     for layer in 0..spec.num_layers {
         for block in 4..8 {
@@ -64,7 +67,12 @@ async fn main() -> nixl_connector::Result<()> {
         do_remote_decode: true,
         ..Default::default()
     };
-    let finished = prefill_scheduler.request_finished("r1", &[4, 5, 6, 7], Some(&request));
+    let finished = prefill_scheduler.request_finished(
+        "r1",
+        &[4, 5, 6, 7],
+        Some(&request),
+        FinishStatus::LengthCapped,
+    );
     println!(
         "prefill: delay freeing the blocks: {}",
         finished.delay_free_blocks
@@ -75,13 +83,13 @@ async fn main() -> nixl_connector::Result<()> {
 
     // Decode engine: allocates blocks 0..4 for "r1" and loads them from the prefill.
     let decode = worker("decode-engine", spec)?;
-    let mut decode_scheduler = KvConnectorScheduler::new(SchedulerConfig {
-        engine_id: "decode-engine".into(),
-        host: "127.0.0.1".into(),
-        port: decode.side_channel_addr()?.port(),
-        tp_size: 1,
-        abort_timeout: Duration::from_secs(30),
-    });
+    let mut decode_scheduler = KvConnectorScheduler::new(SchedulerConfig::new(
+        "decode-engine",
+        "127.0.0.1",
+        decode.side_channel_addr()?.port(),
+        1,
+        &kv_config()?,
+    )?);
     assert!(KvConnectorScheduler::needs_remote_prefill(Some(&params)));
     decode_scheduler.update_state_after_alloc("r1", &[0, 1, 2, 3], &params)?;
     decode.start_load_kv(&decode_scheduler.build_connector_meta());
@@ -91,19 +99,17 @@ async fn main() -> nixl_connector::Result<()> {
     while !(received && freed) {
         tokio::time::sleep(Duration::from_millis(10)).await;
         let d = decode.finished();
+        for outcome in decode_scheduler.update_connector_output(&d, &decode.load_errors()) {
+            println!("decode: {outcome:?}");
+            received = true;
+        }
         if !d.recving.is_empty() {
-            println!(
-                "decode: done receiving {:?}, failed blocks {:?}",
-                d.recving,
-                decode.load_errors()
-            );
             for m in decode.metrics() {
                 println!(
                     "decode: {} bytes in {} descriptors in {:?}",
                     m.bytes, m.descriptors, m.duration
                 );
             }
-            received = true;
         }
         let p = prefill.finished();
         if !p.sending.is_empty() {
