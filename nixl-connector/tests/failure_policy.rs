@@ -3,12 +3,11 @@
 //! under `fail` it fails with the reason; `load_errors` gives each failed block its reason.
 
 mod common;
+mod prefill_process;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{block, fill, pattern, spec, worker, worker_with};
+use common::{block, pattern, spec, worker, worker_with};
 use nixl::kv_config::KvTransferConfig;
 use nixl_connector::{
     FailureKind, KvConnectorScheduler, KvConnectorWorker, KvTransferParams, LoadOutcome,
@@ -21,41 +20,7 @@ const ROLE_ENV: &str = "NIXL_CONNECTOR_TEST_POLICY_PREFILL";
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "the prefill of the policy tests, which start it"]
 async fn policy_prefill_role() {
-    assert!(
-        std::env::var_os(ROLE_ENV).is_some(),
-        "run by the parent test"
-    );
-    let spec = spec(2);
-    let prefill = worker("pf-policy", 0, 1, spec);
-    fill(&prefill, &spec);
-    println!("PORT {}", prefill.side_channel_addr().unwrap().port());
-    tokio::time::sleep(Duration::from_secs(60)).await;
-}
-
-/// Starts the prefill process; its side-channel port.
-fn start_prefill() -> (Child, u16) {
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "policy_prefill_role",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(ROLE_ENV, "1")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start the prefill process");
-    let port = BufReader::new(child.stdout.take().unwrap())
-        .lines()
-        .map_while(Result::ok)
-        .find_map(|line| {
-            line.find("PORT ")
-                .map(|at| line[at + 5..].trim().parse().unwrap())
-        })
-        .expect("the prefill prints its port");
-    (child, port)
+    prefill_process::serve("pf-policy", ROLE_ENV).await;
 }
 
 /// Params of prefill request `request` in `blocks` on the prefill at `port`.
@@ -76,7 +41,7 @@ fn params(port: u16, request: &str, blocks: &[usize]) -> KvTransferParams {
 /// `policy`; returns the outcomes of the last two by request id.
 async fn killed_mid_load(policy: &str) -> Vec<LoadOutcome> {
     common::init_tracing();
-    let (mut child, port) = start_prefill();
+    let (mut child, port) = prefill_process::start("policy_prefill_role", ROLE_ENV);
     let spec = spec(2);
     let kv = KvTransferConfig::from_json(&format!(
         r#"{{"kv_buffer_device":"cpu","kv_load_failure_policy":"{policy}"}}"#

@@ -48,6 +48,25 @@ fn prefill(
     (worker, scheduler)
 }
 
+/// A prefill (lease `lease_s`) and a decode engine (default config), each with its worker
+/// and scheduler, named after `tag`.
+fn engines(
+    tag: &str,
+    spec: KvCacheSpec,
+    lease_s: f64,
+) -> (
+    KvConnectorWorker,
+    KvConnectorScheduler,
+    KvConnectorWorker,
+    KvConnectorScheduler,
+) {
+    let (prefill, prefill_scheduler) = prefill(&format!("pf-{tag}"), spec, lease_s);
+    let decode_engine = format!("dc-{tag}");
+    let decode = worker(&decode_engine, 0, 1, spec);
+    let decode_scheduler = scheduler(&decode_engine, &decode, &common::cpu_config());
+    (prefill, prefill_scheduler, decode, decode_scheduler)
+}
+
 /// Finishes prefill request `request` in `blocks` for a remote decode, hands it to the
 /// worker, and returns the params for the decode.
 fn finish_for_decode(
@@ -114,9 +133,7 @@ async fn outcomes(
 async fn a_prefix_hit_loads_only_the_missing_tail_and_a_full_hit_only_notifies() {
     common::init_tracing();
     let spec = spec(2);
-    let (prefill, mut prefill_scheduler) = prefill("pf-hit", spec, 30.0);
-    let decode = worker("dc-hit", 0, 1, spec);
-    let mut decode_scheduler = scheduler("dc-hit", &decode, &common::cpu_config());
+    let (prefill, mut prefill_scheduler, decode, mut decode_scheduler) = engines("hit", spec, 30.0);
 
     // The decode's prefix cache holds the first two of four blocks: it loads the last two.
     let partial = finish_for_decode(&prefill, &mut prefill_scheduler, "p-part", &[5, 2, 9, 15]);
@@ -187,10 +204,9 @@ async fn an_aborted_prefill_request_frees_at_once_and_a_capped_one_waits() {
 async fn a_decode_aborted_before_or_during_its_load_tells_the_prefill_and_writes_nothing() {
     common::init_tracing();
     let spec = spec(2);
-    let (prefill, mut prefill_scheduler) = prefill("pf-dabort", spec, 30.0);
     // A fresh decode: no handshake yet, so a load handed to the worker waits for one.
-    let decode = worker("dc-dabort", 0, 1, spec);
-    let mut decode_scheduler = scheduler("dc-dabort", &decode, &common::cpu_config());
+    let (prefill, mut prefill_scheduler, decode, mut decode_scheduler) =
+        engines("dabort", spec, 30.0);
 
     // Aborted while it waited for blocks: notification only.
     let waiting = finish_for_decode(&prefill, &mut prefill_scheduler, "p-wait", &[1, 2]);
@@ -241,9 +257,8 @@ async fn a_decode_aborted_before_or_during_its_load_tells_the_prefill_and_writes
 async fn an_abort_racing_the_loads_completion_frees_each_request_once() {
     common::init_tracing();
     let spec = spec(2);
-    let (prefill, mut prefill_scheduler) = prefill("pf-race", spec, 30.0);
-    let decode = worker("dc-race", 0, 1, spec);
-    let mut decode_scheduler = scheduler("dc-race", &decode, &common::cpu_config());
+    let (prefill, mut prefill_scheduler, decode, mut decode_scheduler) =
+        engines("race", spec, 30.0);
     let port = prefill.side_channel_addr().unwrap().port();
     decode
         .handshake_with("pf-race", "127.0.0.1", port, 1)
@@ -410,9 +425,7 @@ async fn hostile_heartbeats_and_repeated_or_late_notifications_stay_bounded() {
 async fn a_lease_that_ends_before_the_read_counts_the_late_notification_and_frees_once() {
     common::init_tracing();
     let spec = spec(2);
-    let (prefill, mut prefill_scheduler) = prefill("pf-late", spec, 0.3);
-    let decode = worker("dc-late", 0, 1, spec);
-    let mut decode_scheduler = scheduler("dc-late", &decode, &common::cpu_config());
+    let (prefill, mut prefill_scheduler, decode, mut decode_scheduler) = engines("late", spec, 0.3);
     let params = finish_for_decode(&prefill, &mut prefill_scheduler, "p-late", &[7, 8]);
     // The decode is slow: the lease ends first, and the prefill frees the blocks.
     let freed = released(&prefill, 1, Duration::from_secs(5)).await;
