@@ -27,7 +27,8 @@ use crate::KvCacheSpec;
 /// Requests that finished transferring since the last [`KvConnectorWorker::finished`].
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Finished {
-    /// Held requests whose blocks may now be freed (read by every decode, or timed out).
+    /// Held requests whose blocks may now be freed (every decode rank notified, or their
+    /// lease ended).
     pub sending: Vec<String>,
     /// Loads that ended (failed ones too; their blocks are in `load_errors`).
     pub recving: Vec<String>,
