@@ -131,9 +131,15 @@ async fn the_connectors_series_move_in_a_scrape() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!((ended, expired), (4, true));
-    // The three good loads notify p0..p2, which the prefill never held: late once stale.
-    tokio::time::sleep(Duration::from_millis(400)).await;
-    prefill.finished();
+    // The three good loads notify p0..p2, which the prefill never held: late once stale
+    // (a lease after they arrived).
+    let start = Instant::now();
+    while prefill.notification_stats().late_notifications < 3
+        && start.elapsed() < Duration::from_secs(10)
+    {
+        prefill.finished();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 
     let after = scrape(endpoint);
     assert_eq!(
