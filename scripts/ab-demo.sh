@@ -20,17 +20,26 @@ cd "$root"
 a=$1 b=$2 rounds=${3:-6}
 export NIXL_LOG_LEVEL=${NIXL_LOG_LEVEL:-WARN}
 shapes=("" "--requests 200 --blocks-per-request 32")
-out=$(mktemp)
-trap 'rm -f "$out"' EXIT
+# Temporary files (demo.sh's too) in a folder of this run's own.
+TMPDIR=$(mktemp -d "${TMPDIR:-/tmp}/ab-demo.XXXXXX")
+export TMPDIR
+trap 'rm -rf "$TMPDIR"' EXIT
+out=$TMPDIR/demo.out
 
-# GB/s of one demo run of the binaries in $1 at shape $2.
+# GB/s of one demo run of the binaries in $1 at shape $2 (a failed run is shown and retried
+# once).
 run() {
-    # shellcheck disable=SC2086 # the shape is words
-    if ! NIXL_DEMO_BIN_DIR=$1 scripts/demo.sh ${2:+-- $2} >"$out" 2>&1; then
+    local attempt
+    for attempt in 1 2; do
+        # shellcheck disable=SC2086 # the shape is words
+        if NIXL_DEMO_BIN_DIR=$1 scripts/demo.sh ${2:+-- $2} >"$out" 2>&1; then
+            sed -n 's/^  time: .*, \([0-9.]*\) GB\/s$/\1/p' "$out"
+            return
+        fi
+        echo "ab-demo: a run of $1 failed (attempt $attempt):" >&2
         cat "$out" >&2
-        exit 1
-    fi
-    sed -n 's/^  time: .*, \([0-9.]*\) GB\/s$/\1/p' "$out"
+    done
+    exit 1
 }
 
 declare -A figures
