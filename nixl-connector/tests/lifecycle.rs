@@ -422,7 +422,7 @@ async fn hostile_heartbeats_and_repeated_or_late_notifications_stay_bounded() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_lease_that_ends_before_the_read_counts_the_late_notification_and_frees_once() {
+async fn a_lease_that_ends_before_the_reads_notification_counts_it_late_and_frees_once() {
     common::init_tracing();
     let spec = spec(2);
     let (prefill, mut prefill_scheduler, decode, mut decode_scheduler) = engines("late", spec, 0.3);

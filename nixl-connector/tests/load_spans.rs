@@ -55,7 +55,10 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for LoadSpans {
     }
 
     fn on_close(&self, id: Id, ctx: Context<'_, S>) {
-        if let Some(fields) = ctx.span(&id).and_then(|s| s.extensions().get::<Fields>().cloned()) {
+        if let Some(fields) = ctx
+            .span(&id)
+            .and_then(|s| s.extensions().get::<Fields>().cloned())
+        {
             self.0.lock().unwrap().push(fields);
         }
     }
@@ -71,10 +74,18 @@ async fn each_load_has_a_span_with_its_outcome() {
     fill(&prefill, &spec);
     let decode = worker("dc-spans", 0, 1, spec);
     decode
-        .start_load("good", &[0, 1], &remote(&prefill, "pf-spans", "p-good", vec![2, 3], 1))
+        .start_load(
+            "good",
+            &[0, 1],
+            &remote(&prefill, "pf-spans", "p-good", vec![2, 3], 1),
+        )
         .unwrap();
     decode
-        .start_load("hit", &[], &remote(&prefill, "pf-spans", "p-hit", vec![4], 1))
+        .start_load(
+            "hit",
+            &[],
+            &remote(&prefill, "pf-spans", "p-hit", vec![4], 1),
+        )
         .unwrap();
     let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let mut gone = remote(&prefill, "pf-gone", "p-gone", vec![5], 1);
