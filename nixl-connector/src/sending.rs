@@ -238,7 +238,8 @@ impl Sends {
         }
     }
 
-    /// Counts a reader's notification that it is done with `request`.
+    /// Counts a reader's notification that it is done with `request` (vLLM's
+    /// `_get_new_notifs`; here each reader agent counts once).
     fn done_reading(&mut self, sender: &[u8], request: &str, needed: usize, now: Instant) {
         if let Some(held) = self.held.get_mut(request) {
             if held.readers.iter().any(|r| r == sender) {
