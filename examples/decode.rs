@@ -47,6 +47,15 @@ struct Args {
     /// Milliseconds between progress lines.
     #[arg(long, default_value_t = 500, value_parser = parse_positive::<u64>)]
     progress_interval_ms: u64,
+    /// Blocks at the start of every request that decode's own prefix cache holds: it
+    /// computes them itself and loads only the rest from prefill (all of them: it only
+    /// tells prefill, which frees the blocks). Every byte is verified either way.
+    #[arg(long, default_value_t = 0)]
+    prefix_hit_blocks: u32,
+    /// Abort every Kth announced request, alternately before its load starts (prefill is
+    /// told at once) and while its load runs (its blocks are freed when the load ends).
+    #[arg(long, value_parser = parse_positive::<u64>)]
+    abort_every: Option<u64>,
 }
 
 fn main() -> ExitCode {
@@ -60,6 +69,7 @@ fn main() -> ExitCode {
 async fn run(args: &Args) -> nixl_rs::Result<ExitCode> {
     let layout = args.worker.layout();
     let connect_timeout = Duration::from_secs(args.connect_timeout_s);
+    args.worker.serve_metrics("decode").await?;
     let worker = args
         .worker
         .worker_config("decode", KvRole::Consumer)
@@ -76,6 +86,8 @@ async fn run(args: &Args) -> nixl_rs::Result<ExitCode> {
         idle_timeout: Duration::from_secs(args.xfer_timeout_s),
         max_frame: args.worker.max_frame,
         progress_interval: Duration::from_millis(args.progress_interval_ms),
+        prefix_hit_blocks: args.prefix_hit_blocks,
+        abort_every: args.abort_every,
     };
     println!(
         "decode: agent {} pulling {} requests of {} blocks x {} layers x {} bytes from {} \

@@ -59,6 +59,7 @@ fn main() -> ExitCode {
 
 async fn run(args: &Args) -> nixl_rs::Result<ExitCode> {
     let layout = args.worker.layout();
+    args.worker.serve_metrics("prefill").await?;
     let worker = args
         .worker
         .worker_config("prefill", KvRole::Producer)
@@ -85,7 +86,6 @@ async fn run(args: &Args) -> nixl_rs::Result<ExitCode> {
         max_pending_handshake_bytes: args.max_pending_handshake_bytes,
         max_sessions: args.sessions,
         corrupt_request: args.corrupt_request,
-        ..PrefillOptions::default()
     };
     let server = PrefillServer::bind(worker, args.listen, options).await?;
     println!(
@@ -126,8 +126,8 @@ async fn run(args: &Args) -> nixl_rs::Result<ExitCode> {
         })
         .await;
     println!(
-        "prefill summary: {} sessions ({} ended early), {} requests served, {} connections rejected",
-        stats.sessions, stats.failed_sessions, stats.requests, stats.rejected
+        "prefill summary: {} sessions ({} ended early), {} requests served ({} freed when their lease ended), {} connections rejected",
+        stats.sessions, stats.failed_sessions, stats.requests, stats.freed_on_lease_end, stats.rejected
     );
     Ok(if stats.failed_sessions == 0 {
         ExitCode::SUCCESS

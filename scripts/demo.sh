@@ -81,6 +81,9 @@ if [[ $use_etcd == 1 ]]; then
     metadata_args=(--metadata etcd --etcd-endpoints "http://127.0.0.1:$client_port")
 fi
 
+# Created here, not by the background job's redirection, which a busy machine may run only
+# after the first look below.
+: >"$work/prefill.log"
 "${prefill_wrap[@]}" "$bin/prefill" --listen "${NIXL_DEMO_LISTEN:-127.0.0.1:0}" --sessions 1 \
     "${cache_args[@]}" "${metadata_args[@]}" >"$work/prefill.log" 2>&1 &
 prefill_pid=$!

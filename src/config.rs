@@ -134,6 +134,8 @@ pub struct Worker {
     pub platform: Arc<dyn Platform>,
     /// The agent's name, also the engine id.
     pub name: String,
+    /// The parsed `--kv-transfer-config` (the scheduler's lease and failure policy).
+    pub kv_transfer_config: KvTransferConfig,
 }
 
 impl Worker {
@@ -164,7 +166,7 @@ impl WorkerConfig<'_> {
             Some(name) => name.to_string(),
             None => format!("{}-{}", self.worker, std::process::id()),
         };
-        let mut config = ConnectorConfig::new(&name, 0, 1, kv_config);
+        let mut config = ConnectorConfig::new(&name, 0, 1, kv_config.clone());
         config.platform = platform.clone();
         config.agent_name = Some(name.clone());
         config.metadata_exchange = self.metadata.exchange();
@@ -183,6 +185,7 @@ impl WorkerConfig<'_> {
             layout: self.layout,
             platform,
             name,
+            kv_transfer_config: kv_config,
         })
     }
 }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use nixl_connector::side_channel::RetryBackoff;
 use nixl_connector::{
-    Channel, KvConnectorScheduler, KvTransferParams, SchedulerConfig, TransferMetrics,
+    Channel, FinishStatus, KvConnectorScheduler, KvTransferParams, LoadOutcome, SchedulerConfig,
 };
 use tokio::net::TcpStream;
 use tokio::time::Instant as Deadline;
@@ -21,7 +21,7 @@ use crate::error::{Error, Result};
 use crate::kv_cache::{KvCache, KvLayout, Mismatch};
 use crate::metered::Metered;
 use crate::protocol::{Hello, Message, Welcome, DEFAULT_MAX_FRAME, PROTOCOL_VERSION};
-use crate::stats::{DecodeSummary, Progress};
+use crate::stats::{DecodeSummary, Lifecycle, Progress};
 
 /// How the decode worker runs.
 #[derive(Debug, Clone)]
@@ -43,6 +43,14 @@ pub struct DecodeOptions {
     pub max_frame: usize,
     /// How often the progress callback runs.
     pub progress_interval: Duration,
+    /// Blocks at the start of every request that decode's own prefix cache holds: it
+    /// computes them itself and loads only the rest (all of them: nothing is read, prefill
+    /// is only notified).
+    pub prefix_hit_blocks: u32,
+    /// Abort every `K`th announced request: alternately before its load starts (prefill is
+    /// only notified) and once its load is with the connector (its blocks are freed when
+    /// the load ends).
+    pub abort_every: Option<u64>,
 }
 
 impl DecodeOptions {
@@ -57,6 +65,8 @@ impl DecodeOptions {
             idle_timeout: Duration::from_secs(20),
             max_frame: DEFAULT_MAX_FRAME,
             progress_interval: Duration::from_millis(500),
+            prefix_hit_blocks: 0,
+            abort_every: None,
         }
     }
 }
@@ -66,6 +76,8 @@ struct Pending {
     request: u64,
     params: KvTransferParams,
     announced: Instant,
+    /// Aborted once its load is with the connector (`--abort-every`).
+    abort_during_load: bool,
 }
 
 /// A load in flight: what it moves.
@@ -74,6 +86,8 @@ struct Pull {
     local: Vec<u32>,
     remote: Vec<u32>,
     announced: Instant,
+    /// The request was aborted: its blocks are freed, unchecked, when the load ends.
+    aborted: bool,
 }
 
 /// Pulls `options.requests` requests from prefill into `worker`'s cache, verifying every
@@ -114,6 +128,15 @@ fn check_options(options: &DecodeOptions, layout: KvLayout) -> Result<()> {
         return Err(Error::Config(
             "blocks per request and requests in flight must be at least 1".into(),
         ));
+    }
+    if options.prefix_hit_blocks > options.blocks_per_request {
+        return Err(Error::Config(format!(
+            "{} prefix-hit blocks of requests of {} blocks; at most all of them can be hits",
+            options.prefix_hit_blocks, options.blocks_per_request
+        )));
+    }
+    if options.abort_every == Some(0) {
+        return Err(Error::Config("--abort-every must be at least 1".into()));
     }
     let needed = options.blocks_per_request as usize * options.in_flight as usize;
     if needed > layout.blocks {
@@ -289,16 +312,13 @@ async fn pull_all(
     welcome: &Welcome,
     on_progress: &mut impl FnMut(&Progress),
 ) -> Result<DecodeSummary> {
+    let scheduler_config =
+        SchedulerConfig::new(&worker.name, "", 0, 1, &worker.kv_transfer_config)?;
+    let heartbeat_interval = scheduler_config.lease.heartbeat_interval();
     let mut state = RunState {
         options,
         cache: worker.cache()?,
-        scheduler: KvConnectorScheduler::new(SchedulerConfig {
-            engine_id: worker.name.clone(),
-            host: String::new(),
-            port: 0,
-            tp_size: 1,
-            abort_timeout: nixl_connector::scheduler::DEFAULT_ABORT_TIMEOUT,
-        }),
+        scheduler: KvConnectorScheduler::new(scheduler_config),
         remote_blocks: welcome.blocks,
         source: (
             welcome.engine.clone(),
@@ -313,6 +333,7 @@ async fn pull_all(
         complete: false,
         latencies: Vec::new(),
         mismatches: Vec::new(),
+        lifecycle: Lifecycle::default(),
         progress: Progress {
             requests_done: 0,
             requests_total: options.requests,
@@ -328,6 +349,10 @@ async fn pull_all(
         options.progress_interval,
     );
     report.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Engine steps without news still carry the scheduler's heartbeats to prefill.
+    let mut step =
+        tokio::time::interval_at(Deadline::now() + heartbeat_interval, heartbeat_interval);
+    step.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut channel_open = true;
     let idle = tokio::time::sleep(options.idle_timeout);
     tokio::pin!(idle);
@@ -345,10 +370,11 @@ async fn pull_all(
             biased;
             () = connector.load_ended() => {
                 idle.as_mut().reset(Deadline::now() + options.idle_timeout);
-                let ended = connector.finished().recving;
-                let metrics = connector.metrics();
-                connector.load_errors();
-                state.loads_ended(ended, &metrics)?;
+                let finished = connector.finished();
+                let errors = connector.load_errors();
+                connector.metrics();
+                let outcomes = state.scheduler.update_connector_output(&finished, &errors);
+                state.loads_ended(outcomes)?;
             }
             () = std::future::ready(()), if !state.ended.is_empty() => {
                 state.check_one()?;
@@ -358,7 +384,7 @@ async fn pull_all(
             incoming = channel.recv::<Message>(), if channel_open => match incoming {
                 Ok(message) => {
                     idle.as_mut().reset(Deadline::now() + options.idle_timeout);
-                    state.handle(message)?
+                    state.handle(message, worker)?
                 }
                 // Prefill closes the channel after Complete; only loads are left then.
                 Err(_) if state.complete => channel_open = false,
@@ -372,6 +398,7 @@ async fn pull_all(
                 ))),
             },
             _ = report.tick() => on_progress(&state.progress),
+            _ = step.tick() => connector.start_load_kv(&state.scheduler.build_connector_meta()),
             () = &mut idle => return Err(Error::Timeout(format!(
                 "no announcement from prefill and no load ended for {:?}, with {}/{} requests done",
                 options.idle_timeout, state.progress.requests_done, options.requests
@@ -383,7 +410,17 @@ async fn pull_all(
         progress: state.progress,
         latencies: state.latencies,
         mismatches: state.mismatches,
+        lifecycle: state.lifecycle,
     })
+}
+
+/// Where `--abort-every` aborts a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum AbortPoint {
+    /// On its announcement: the scheduler only notifies prefill.
+    BeforeLoad,
+    /// Once its load is with the connector: its blocks wait for the load's end.
+    DuringLoad,
 }
 
 /// Where a decode run stands.
@@ -404,6 +441,7 @@ struct RunState<'w> {
     complete: bool,
     latencies: Vec<Duration>,
     mismatches: Vec<Mismatch>,
+    lifecycle: Lifecycle,
     progress: Progress,
 }
 
@@ -412,7 +450,7 @@ impl RunState<'_> {
         self.complete && self.progress.requests_done == self.options.requests
     }
 
-    fn handle(&mut self, message: Message) -> Result<()> {
+    fn handle(&mut self, message: Message, worker: &Worker) -> Result<()> {
         let total = self.options.requests;
         match message {
             Message::Announce(mut params) => {
@@ -420,10 +458,30 @@ impl RunState<'_> {
                 // Read from the prefill this run connected to, wherever the params point.
                 params.remote_host = Some(self.source.1.clone());
                 params.remote_port = Some(self.source.2);
+                let id = request.to_string();
+                // Heartbeats keep its lease while it waits for free blocks.
+                self.scheduler.on_new_request(&id, Some(&params));
+                let abort = self.abort_point();
+                if abort == Some(AbortPoint::BeforeLoad) {
+                    let done = self.scheduler.request_finished(
+                        &id,
+                        &[],
+                        Some(&params),
+                        FinishStatus::Aborted,
+                    );
+                    debug_assert!(!done.delay_free_blocks);
+                    worker
+                        .connector
+                        .start_load_kv(&self.scheduler.build_connector_meta());
+                    self.lifecycle.aborted_before_load += 1;
+                    self.progress.requests_done += 1;
+                    return Ok(());
+                }
                 self.pending.push_back(Pending {
                     request,
                     params,
                     announced: Instant::now(),
+                    abort_during_load: abort == Some(AbortPoint::DuringLoad),
                 });
                 Ok(())
             }
@@ -499,9 +557,26 @@ impl RunState<'_> {
         Ok(request)
     }
 
-    /// Starts a load for every pending request that free local blocks allow: the scheduler
-    /// pairs the blocks, the worker reads them.
+    /// Where the next announced request is aborted, if `--abort-every` picks it: every
+    /// `K`th announcement, alternately before and during its load.
+    fn abort_point(&self) -> Option<AbortPoint> {
+        let every = self.options.abort_every?;
+        let n = self.seen.len() as u64;
+        if n % every != 0 {
+            return None;
+        }
+        Some(if (n / every) % 2 == 1 {
+            AbortPoint::BeforeLoad
+        } else {
+            AbortPoint::DuringLoad
+        })
+    }
+
+    /// Starts a load for every pending request that free local blocks allow: decode computes
+    /// the blocks its prefix cache holds, the scheduler pairs the rest with the tail of
+    /// prefill's blocks, the worker reads them.
     fn start_loads(&mut self, worker: &Worker) -> Result<()> {
+        let hits = self.options.prefix_hit_blocks as usize;
         while !self.pending.is_empty() {
             let Some(local) = self.pool.alloc(self.options.blocks_per_request as usize) else {
                 break;
@@ -510,42 +585,96 @@ impl RunState<'_> {
                 break;
             };
             let id = pending.request.to_string();
-            let local_ids: Vec<usize> = local.iter().map(|&b| b as usize).collect();
-            self.scheduler
-                .update_state_after_alloc(&id, &local_ids, &pending.params)?;
-            worker
-                .connector
-                .start_load_kv(&self.scheduler.build_connector_meta());
-            let remote = pending
+            let remote: Vec<u32> = pending
                 .params
                 .remote_block_ids
                 .iter()
                 .map(|&b| b as u32)
                 .collect();
-            self.in_flight.insert(
-                id,
-                Pull {
-                    request: pending.request,
-                    local,
-                    remote,
-                    announced: pending.announced,
-                },
-            );
+            self.cache
+                .compute_blocks(&local[..hits], &remote[..hits], pending.request)?;
+            self.lifecycle.prefix_hit_blocks += hits as u64;
+            let missing: Vec<usize> = local[hits..].iter().map(|&b| b as usize).collect();
+            self.scheduler
+                .update_state_after_alloc(&id, &missing, &pending.params)?;
+            worker
+                .connector
+                .start_load_kv(&self.scheduler.build_connector_meta());
+            let mut pull = Pull {
+                request: pending.request,
+                local,
+                remote,
+                announced: pending.announced,
+                aborted: false,
+            };
+            if pending.abort_during_load {
+                let done = self.scheduler.request_finished(
+                    &id,
+                    &missing,
+                    Some(&pending.params),
+                    FinishStatus::Aborted,
+                );
+                worker
+                    .connector
+                    .start_load_kv(&self.scheduler.build_connector_meta());
+                self.lifecycle.aborted_during_load += 1;
+                if !done.delay_free_blocks {
+                    // Nothing is read (a full prefix hit): the blocks are free at once.
+                    self.pool.free(&pull.local);
+                    self.progress.requests_done += 1;
+                    continue;
+                }
+                pull.aborted = true;
+            } else if missing.is_empty() {
+                // A full prefix hit: nothing to wait for.
+                self.ended.push_back(id.clone());
+            }
+            self.in_flight.insert(id, pull);
         }
         Ok(())
     }
 
-    /// Queues the loads that ended for checking; a failed load ends the run.
-    fn loads_ended(&mut self, ended: Vec<String>, metrics: &[TransferMetrics]) -> Result<()> {
-        if let Some(failed) = metrics.iter().find(|m| m.failure.is_some()) {
-            return Err(Error::LoadFailed(format!(
-                "loading request {} from prefill {} failed: {}",
-                failed.request_id,
-                failed.remote_engine,
-                failed.failure.as_deref().unwrap_or_default()
-            )));
+    /// Queues the loads that ended for checking, computes locally the blocks of loads that
+    /// failed under the `recompute` policy, and frees the blocks of aborted requests; a load
+    /// that failed under the `fail` policy ends the run.
+    fn loads_ended(&mut self, outcomes: Vec<LoadOutcome>) -> Result<()> {
+        for outcome in outcomes {
+            match outcome {
+                LoadOutcome::Loaded { request_id } => self.ended.push_back(request_id),
+                LoadOutcome::Recompute {
+                    request_id,
+                    block_ids,
+                    reason,
+                } => {
+                    tracing::warn!(request = %request_id, blocks = block_ids.len(), %reason, "load failed; computing its blocks locally");
+                    if let Some(pull) = self.in_flight.get(&request_id) {
+                        let pairs: Vec<(u32, u32)> = pull
+                            .local
+                            .iter()
+                            .zip(&pull.remote)
+                            .filter(|(l, _)| block_ids.contains(&(**l as usize)))
+                            .map(|(&l, &r)| (l, r))
+                            .collect();
+                        let (local, remote): (Vec<u32>, Vec<u32>) = pairs.into_iter().unzip();
+                        self.cache.compute_blocks(&local, &remote, pull.request)?;
+                        self.lifecycle.recomputed_blocks += local.len() as u64;
+                    }
+                    self.ended.push_back(request_id);
+                }
+                LoadOutcome::Failed { request_id, reason } => {
+                    return Err(Error::LoadFailed(format!(
+                        "loading request {request_id} from prefill {} failed: {reason}",
+                        self.source.0
+                    )))
+                }
+                LoadOutcome::AbortedLoadEnded { request_id } => {
+                    if let Some(pull) = self.in_flight.remove(&request_id) {
+                        self.pool.free(&pull.local);
+                        self.progress.requests_done += 1;
+                    }
+                }
+            }
         }
-        self.ended.extend(ended);
         Ok(())
     }
 
@@ -564,7 +693,8 @@ impl RunState<'_> {
         self.mismatches.extend(bad);
         self.latencies.push(pull.announced.elapsed());
         let layout = self.cache.layout();
-        let blocks = (pull.local.len() * layout.layers) as u64;
+        let pulled = pull.local.len() - self.options.prefix_hit_blocks as usize;
+        let blocks = (pulled * layout.layers) as u64;
         self.progress.requests_done += 1;
         self.progress.blocks += blocks;
         self.progress.bytes += blocks * layout.block_bytes as u64;

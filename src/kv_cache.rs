@@ -98,12 +98,18 @@ impl<'w> KvCache<'w> {
 
     /// Writes the pattern of `request` into `blocks` of every layer.
     pub fn fill_blocks(&self, blocks: &[u32], request: u64) -> Result<()> {
+        self.compute_blocks(blocks, blocks, request)
+    }
+
+    /// Writes into local blocks `local[i]` of every layer the pattern prefill writes into
+    /// its block `remote[i]` for `request`: what a decode computes itself (the blocks its
+    /// prefix cache holds, or a local prefill after a failed load).
+    pub fn compute_blocks(&self, local: &[u32], remote: &[u32], request: u64) -> Result<()> {
         let mut scratch = vec![0u8; self.layout.block_bytes];
         for layer in 0..self.layout.layers {
-            for &block in blocks {
-                pattern::fill(&mut scratch, layer as u32, block, request);
-                self.registration
-                    .write(layer, self.offset(block), &scratch)?;
+            for (&lb, &rb) in local.iter().zip(remote) {
+                pattern::fill(&mut scratch, layer as u32, rb, request);
+                self.registration.write(layer, self.offset(lb), &scratch)?;
             }
         }
         Ok(())

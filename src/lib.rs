@@ -17,7 +17,8 @@
 //!   [`decode`] loads them through its scheduler and worker (a prepared READ, the
 //!   notification naming the request), verifies every byte, and prefill frees the blocks
 //!   when the connector reports the notification;
-//! - [`stats`] turns the run into a summary (requests, bytes, GB/s, latency percentiles).
+//! - [`stats`] turns the run into a summary (requests, bytes, GB/s, latency percentiles);
+//! - [`prometheus`] serves the connector's `vllm:nixl_*` metrics to Prometheus.
 //!
 //! The libraries themselves are `nixl-capi-sys` (raw bindings, folder `nixl-sys/`), `nixl`
 //! (the safe API) and `nixl-connector` (the KV connector).
@@ -34,6 +35,7 @@ pub mod kv_cache;
 pub mod metered;
 pub mod pattern;
 pub mod prefill;
+pub mod prometheus;
 pub mod protocol;
 pub mod stats;
 

@@ -15,7 +15,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use futures_util::FutureExt;
-use nixl_connector::{Channel, KvConnectorScheduler, KvTransferParams, SchedulerConfig};
+use nixl_connector::{
+    Channel, FinishStatus, KvConnectorScheduler, KvTransferParams, SchedulerConfig,
+};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, Notify};
 
@@ -35,7 +37,7 @@ pub const DEFAULT_MAX_PENDING_HANDSHAKE_BYTES: usize = 64 << 20;
 /// How long a refusal may take to leave once the session is over.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(1);
 
-/// How often held requests are checked for their abort timeout.
+/// How often held requests are checked for the end of their lease.
 const EXPIRY_CHECK: Duration = Duration::from_millis(500);
 
 /// How the prefill worker runs.
@@ -52,10 +54,6 @@ pub struct PrefillOptions {
     /// [`FREE_BYTES_PER_HANDSHAKE`](crate::admission::FREE_BYTES_PER_HANDSHAKE) each; a
     /// handshake that would pass it is refused.
     pub max_pending_handshake_bytes: usize,
-    /// How long a request announced to a connected decode keeps its blocks without the
-    /// decode's notification (the connector's abort timeout); a request released by it
-    /// counts as served.
-    pub abort_timeout: Duration,
     /// Sessions to serve before [`PrefillServer::serve`] returns (`None`: forever).
     pub max_sessions: Option<u64>,
     /// Fault injection: corrupt one byte of the request with this id after filling it.
@@ -69,7 +67,6 @@ impl Default for PrefillOptions {
             handshake_timeout: Duration::from_secs(10),
             max_pending_handshakes: DEFAULT_MAX_PENDING_HANDSHAKES,
             max_pending_handshake_bytes: DEFAULT_MAX_PENDING_HANDSHAKE_BYTES,
-            abort_timeout: nixl_connector::scheduler::DEFAULT_ABORT_TIMEOUT,
             max_sessions: None,
             corrupt_request: None,
         }
@@ -130,6 +127,9 @@ pub struct ServeStats {
     pub rejected: u64,
     /// Requests acknowledged over all sessions.
     pub requests: u64,
+    /// Of those, requests released by the end of their lease rather than by the decode's
+    /// notification.
+    pub freed_on_lease_end: u64,
 }
 
 /// State shared by the accept loop, the release router and the sessions.
@@ -181,13 +181,16 @@ impl PrefillServer {
             options.max_pending_handshakes,
             options.max_pending_handshake_bytes,
         );
-        let scheduler = KvConnectorScheduler::new(SchedulerConfig {
-            engine_id: worker.name.clone(),
-            host: addr.ip().to_string(),
-            port: worker.connector.side_channel_addr()?.port(),
-            tp_size: 1,
-            abort_timeout: options.abort_timeout,
-        });
+        // A request announced to a connected decode keeps its blocks under the lease of the
+        // kv_transfer_config (the decode's heartbeats extend it); one released by the end of
+        // its lease counts as served.
+        let scheduler = KvConnectorScheduler::new(SchedulerConfig::new(
+            &worker.name,
+            &addr.ip().to_string(),
+            worker.connector.side_channel_addr()?.port(),
+            1,
+            &worker.kv_transfer_config,
+        )?);
         Ok(PrefillServer {
             shared: Arc::new(Shared {
                 worker,
@@ -264,12 +267,13 @@ impl PrefillServer {
             }
         }
         router.abort();
+        stats.freed_on_lease_end = self.shared.worker.connector.send_stats().freed_on_timeout;
         stats
     }
 }
 
 /// Hands every request the connector released (the decode's notification arrived, or its
-/// abort timeout passed) to the session that announced it.
+/// lease ended) to the session that announced it.
 async fn route_releases(shared: Arc<Shared>) {
     let connector = &shared.worker.connector;
     let mut expiry = tokio::time::interval(EXPIRY_CHECK);
@@ -604,7 +608,12 @@ impl Session<'_> {
         };
         let mut params = {
             let mut scheduler = lock(&self.shared.scheduler);
-            let finished = scheduler.request_finished(&id, &block_ids, Some(&decode));
+            let finished = scheduler.request_finished(
+                &id,
+                &block_ids,
+                Some(&decode),
+                FinishStatus::LengthCapped,
+            );
             self.shared
                 .worker
                 .connector

@@ -65,6 +65,21 @@ pub struct DecodeSummary {
     pub latencies: Vec<Duration>,
     /// Every block that did not match the expected pattern.
     pub mismatches: Vec<Mismatch>,
+    /// What the connector's request lifecycle did besides plain loads.
+    pub lifecycle: Lifecycle,
+}
+
+/// Prefix hits, aborts and recomputed blocks of a decode run.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Lifecycle {
+    /// Request blocks the decode's own prefix cache held (not pulled; checked all the same).
+    pub prefix_hit_blocks: u64,
+    /// Requests aborted before their load started (prefill told, nothing read).
+    pub aborted_before_load: u64,
+    /// Requests aborted once their load was with the connector (blocks freed when it ended).
+    pub aborted_during_load: u64,
+    /// Blocks computed locally after a failed load (`kv_load_failure_policy: recompute`).
+    pub recomputed_blocks: u64,
 }
 
 impl DecodeSummary {
@@ -102,6 +117,28 @@ impl fmt::Display for DecodeSummary {
             ms(percentile(&self.latencies, 50.0)),
             ms(percentile(&self.latencies, 99.0))
         )?;
+        let l = &self.lifecycle;
+        if l.prefix_hit_blocks > 0 {
+            writeln!(
+                f,
+                "  prefix:    {} request blocks from decode's own prefix cache (not pulled, verified)",
+                l.prefix_hit_blocks
+            )?;
+        }
+        if l.aborted_before_load + l.aborted_during_load > 0 {
+            writeln!(
+                f,
+                "  aborted:   {} before their load, {} during it (prefill told; not verified)",
+                l.aborted_before_load, l.aborted_during_load
+            )?;
+        }
+        if l.recomputed_blocks > 0 {
+            writeln!(
+                f,
+                "  recomputed: {} request blocks locally after failed loads",
+                l.recomputed_blocks
+            )?;
+        }
         if self.mismatches.is_empty() {
             write!(f, "  errors:    none, every byte verified")
         } else {

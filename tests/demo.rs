@@ -41,6 +41,49 @@ fn loopback_run_checks_every_byte() {
 }
 
 #[test]
+fn prefix_hits_and_aborts_in_a_verified_run() {
+    let mut prefill = Prefill::start(&["--sessions", "2"]);
+    let mut args = WORK.to_vec();
+    args.extend(["--prefix-hit-blocks", "1", "--abort-every", "3"]);
+    let (status, out) = run_decode(prefill.addr, &args);
+    assert!(status.success(), "decode failed:\n{out}");
+    assert!(out.contains("requests:  20/20"), "{out}");
+    // Every 3rd request aborted, alternately before its load (the 3rd, 9th, 15th) and
+    // during it (6th, 12th, 18th); the 14 others verified, 3 of their 4 blocks pulled (x 4
+    // layers), the first computed from decode's own prefix cache.
+    assert!(
+        out.contains("aborted:   3 before their load, 3 during it"),
+        "{out}"
+    );
+    assert!(out.contains("prefix:    17 request blocks"), "{out}");
+    assert!(out.contains("blocks:    168 "), "{out}");
+    assert!(
+        out.contains("errors:    none, every byte verified"),
+        "{out}"
+    );
+
+    // A full prefix hit reads nothing; prefill frees on the notification all the same.
+    args.truncate(WORK.len());
+    args.extend(["--prefix-hit-blocks", "4"]);
+    let (status, out) = run_decode(prefill.addr, &args);
+    assert!(status.success(), "decode failed:\n{out}");
+    assert!(out.contains("blocks:    0 "), "{out}");
+    assert!(out.contains("prefix:    80 request blocks"), "{out}");
+    assert!(out.contains("every byte verified"), "{out}");
+
+    let status = prefill.proc.finish();
+    let pout = prefill.proc.output();
+    assert!(status.success(), "prefill failed:\n{pout}");
+    // Aborted requests were freed on decode's notification, not by their lease.
+    assert!(
+        pout.contains(
+            "2 sessions (0 ended early), 40 requests served (0 freed when their lease ended)"
+        ),
+        "{pout}"
+    );
+}
+
+#[test]
 fn concurrent_decodes_share_one_prefill() {
     let mut prefill = Prefill::start(&["--sessions", "2"]);
     let mut a = decode(prefill.addr, &WORK);

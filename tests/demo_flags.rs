@@ -23,6 +23,7 @@ fn zero_counts_and_timeouts_are_refused_naming_the_flag() {
         "--connect-timeout-s",
         "--xfer-timeout-s",
         "--progress-interval-ms",
+        "--abort-every",
     ];
     let prefill_flags = [
         "--sessions",

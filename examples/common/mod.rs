@@ -2,6 +2,7 @@
 //! async runtime, and how a run's outcome becomes an exit code.
 
 use std::io::IsTerminal;
+use std::net::SocketAddr;
 use std::process::ExitCode;
 
 use nixl::kv_config::KvRole;
@@ -41,6 +42,10 @@ pub struct WorkerArgs {
     /// Largest control-channel message accepted (suffixes K/KiB, M/MiB).
     #[arg(long, default_value = "1MiB", value_parser = parse_size)]
     pub max_frame: usize,
+    /// Serve the connector's vllm:nixl_* metrics to Prometheus on this address (GET
+    /// /metrics; port 0: any free port, printed at start). Default: no endpoint.
+    #[arg(long)]
+    pub metrics_addr: Option<SocketAddr>,
 }
 
 impl WorkerArgs {
@@ -61,6 +66,16 @@ impl WorkerArgs {
                 std::env::var_os("NO_COLOR").as_deref(),
             ))
             .init();
+    }
+
+    /// Starts the Prometheus endpoint if `--metrics-addr` asks for one, and prints where it
+    /// listens; call it before the worker is set up.
+    pub async fn serve_metrics(&self, worker: &str) -> nixl_rs::Result<()> {
+        if let Some(addr) = self.metrics_addr {
+            let bound = nixl_rs::prometheus::serve(addr).await?;
+            println!("{worker}: Prometheus metrics on http://{bound}/metrics");
+        }
+        Ok(())
     }
 
     /// The KV-cache layout.

@@ -14,7 +14,7 @@ mod kv_pair;
 use std::io::Write;
 use std::process::ExitCode;
 
-use nixl_connector::{KvConnectorScheduler, KvTransferParams};
+use nixl_connector::{FinishStatus, KvConnectorScheduler, KvTransferParams};
 
 /// The request, and the prefill blocks holding its KV.
 const REQUEST: &str = "prefill-req-7";
@@ -48,7 +48,8 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
         do_remote_decode: true,
         ..Default::default()
     };
-    let finished = scheduler.request_finished(REQUEST, &BLOCKS, Some(&asked));
+    let finished =
+        scheduler.request_finished(REQUEST, &BLOCKS, Some(&asked), FinishStatus::LengthCapped);
     worker.start_load_kv(&scheduler.build_connector_meta());
     let params = finished
         .kv_transfer_params

@@ -10,7 +10,7 @@ mod kv_pair;
 use std::time::Duration;
 
 use kv_pair::{scheduler_config, worker};
-use nixl_connector::{KvCacheSpec, KvConnectorScheduler, KvLayout, KvTransferParams};
+use nixl_connector::{FinishStatus, KvCacheSpec, KvConnectorScheduler, KvLayout, KvTransferParams};
 
 #[tokio::main]
 async fn main() -> nixl_connector::Result<()> {
@@ -45,7 +45,12 @@ async fn main() -> nixl_connector::Result<()> {
         do_remote_decode: true,
         ..Default::default()
     };
-    let finished = prefill_scheduler.request_finished("r1", &[4, 5, 6, 7], Some(&request));
+    let finished = prefill_scheduler.request_finished(
+        "r1",
+        &[4, 5, 6, 7],
+        Some(&request),
+        FinishStatus::LengthCapped,
+    );
     println!(
         "prefill: delay freeing the blocks: {}",
         finished.delay_free_blocks

@@ -14,11 +14,20 @@
 //!   answers handshakes on its side channel, starts loads
 //!   ([`KvConnectorWorker::start_load`]: one prepared READ by block id, with the remote
 //!   request id as the notification), and reports [`KvConnectorWorker::finished`],
-//!   [`KvConnectorWorker::load_errors`] and per-transfer [`TransferMetrics`].
+//!   [`KvConnectorWorker::load_errors`] (each failed block with its reason) and
+//!   per-transfer [`TransferMetrics`].
 //!
-//! # Delayed freeing
-//! The prefill keeps a request's blocks until the decode's notification arrives, or until
-//! the abort timeout passes; see [`scheduler`].
+//! # A request's lifecycle
+//! The prefill keeps a request's blocks under a KV lease until the decode's notification
+//! arrives; a decode that still waits sends heartbeats that extend the lease. Prefix-cache
+//! hits on the decode load only the blocks it lacks (a full hit only notifies), aborts on
+//! either side free blocks at once or as soon as nothing can write them, and failed loads
+//! follow the `kv_load_failure_policy`; see [`scheduler`] and the crate's README.
+//!
+//! # Metrics
+//! NIXL's telemetry of every READ, failures by kind, expired leases and handshake times go
+//! through the [`metrics`](https://docs.rs/metrics) facade under vLLM's `vllm:nixl_*`
+//! names ([`series`]); each load runs in a `nixl_load` tracing span.
 //!
 //! # Handshake and side channel
 //! A decode rank's first load from a prefill rank runs a handshake in the background (the
@@ -75,9 +84,11 @@
 
 #![warn(missing_docs)]
 
+mod block_map;
 mod config;
 mod error;
 pub mod etcd;
+mod failure;
 pub mod handshake;
 pub mod host_buffer;
 mod load;
@@ -87,21 +98,28 @@ pub mod pending;
 mod remote;
 pub mod scheduler;
 mod sending;
+pub mod series;
 pub mod side_channel;
 mod spec;
 pub mod vllm;
 mod wire;
 mod worker;
 
-pub use config::{MetadataExchange, WorkerConfig};
+pub use config::{
+    Lease, LoadFailurePolicy, MetadataExchange, WorkerConfig, DEFAULT_KV_LEASE_DURATION,
+    DEFAULT_MAX_HOLD,
+};
 pub use error::{Error, Result};
+pub use failure::{FailedBlock, FailureKind};
 pub use handshake::{check_compatible, HandshakeMessage, ReadPlan, PROTOCOL_VERSION};
 pub use metrics::{open_fds, RemoteStats, SendStats, TransferMetrics};
 pub use params::{KvTransferParams, RemoteBlocks};
 pub use pending::{PendingHandshakes, PendingSlot, PendingStats};
 pub use scheduler::{
-    ConnectorMetadata, KvConnectorScheduler, LoadSpec, RequestFinished, SchedulerConfig, SendSpec,
+    ConnectorMetadata, FinishStatus, HeartbeatSpec, KvConnectorScheduler, LoadOutcome, LoadSpec,
+    RequestFinished, SchedulerConfig, SendSpec,
 };
+pub use sending::NotificationStats;
 pub use spec::{KvCacheSpec, KvLayout};
 pub use wire::{Channel, ChannelLimits};
 pub use worker::{Finished, KvConnectorWorker};

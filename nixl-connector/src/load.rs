@@ -1,11 +1,15 @@
-//! One load: handshake if needed, one prepared READ by block id, outcome recorded.
+//! One load: handshake if needed, then one prepared READ by block id (or, for a full
+//! prefix hit or an aborted request, the notification alone), outcome recorded.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nixl::{XferOp, XferOptions, XferStatus};
+use tracing::Instrument;
 
+use crate::block_map::descriptor_ids;
 use crate::error::{Error, Result};
+use crate::failure::{FailedBlock, FailureKind};
 use crate::metrics::TransferMetrics;
 use crate::params::RemoteBlocks;
 use crate::remote::Remote;
@@ -16,16 +20,43 @@ use crate::worker::Shared;
 pub(crate) struct Load {
     pub(crate) request_id: String,
     pub(crate) local_block_ids: Vec<usize>,
+    /// The remote blocks read into `local_block_ids`, paired in order (the tail of
+    /// `remote.block_ids`, see [`crate::block_map::remote_tail`]).
+    pub(crate) remote_block_ids: Vec<usize>,
     pub(crate) remote: RemoteBlocks,
     pub(crate) remote_rank: usize,
     pub(crate) port: u16,
+    /// The load's tracing span: its post and its completion run inside it.
+    pub(crate) span: tracing::Span,
 }
 
-/// Runs the load and records its outcome.
+impl Load {
+    /// The span of a load of `local` blocks for `request_id` from `remote`.
+    pub(crate) fn span(
+        request_id: &str,
+        remote: &RemoteBlocks,
+        rank: usize,
+        blocks: usize,
+    ) -> tracing::Span {
+        tracing::info_span!("nixl_load", request = request_id, engine = %remote.engine_id, rank, blocks, outcome = tracing::field::Empty)
+    }
+
+    fn notification(&self, shared: &Shared) -> Vec<u8> {
+        notification_message(&self.remote.request_id, shared.config.tp_size)
+    }
+}
+
+/// Handshakes if needed, then reads, unless the load was aborted meanwhile (then only
+/// notifies); records the outcome.
 pub(crate) async fn run(shared: Arc<Shared>, load: Load) {
-    let mut posted = None;
-    let outcome = transfer(&shared, &load, &mut posted).await;
-    record(&shared, &load, posted, outcome);
+    let span = load.span.clone();
+    async move {
+        let mut posted = None;
+        let outcome = transfer(&shared, &load, &mut posted).await;
+        record(&shared, &load, posted, outcome);
+    }
+    .instrument(span)
+    .await;
 }
 
 /// Posts the load at once when the handshake with its remote rank is done, and records it
@@ -38,8 +69,13 @@ pub(crate) fn try_now(shared: &Arc<Shared>, load: Load) -> Option<(Load, Option<
     else {
         return Some((load, None));
     };
-    match post(shared, &load, &remote) {
-        Ok((at, XferState::Done)) => {
+    let posted = {
+        let _entered = load.span.enter();
+        post(shared, &load, &remote)
+    };
+    match posted {
+        Ok((at, XferState::Done(request))) => {
+            record_telemetry(shared, &request);
             record(shared, &load, Some(at), Ok(()));
             None
         }
@@ -70,13 +106,66 @@ pub(crate) struct Posted {
 
 /// Awaits a READ [`try_now`] posted, and records the outcome.
 pub(crate) async fn finish(shared: Arc<Shared>, load: Load, posted: Posted) {
-    let outcome = complete(&shared, &load, posted.request).await;
-    if outcome.is_err() {
-        shared
-            .remotes
-            .forget(&load.remote.engine_id, load.remote_rank, &posted.remote);
+    let span = load.span.clone();
+    async move {
+        let outcome = complete(&shared, &load, posted.request).await;
+        if outcome.is_err() {
+            shared
+                .remotes
+                .forget(&load.remote.engine_id, load.remote_rank, &posted.remote);
+        }
+        record(&shared, &load, Some(posted.at), outcome);
     }
-    record(&shared, &load, Some(posted.at), outcome);
+    .instrument(span)
+    .await;
+}
+
+/// Sends a load's notification without reading (a full prefix hit, vLLM's notification
+/// path of `_read_blocks`, or an aborted request), handshaking first if needed. Nothing is
+/// reported in `finished`: no block was to be written. A failure is logged and counted;
+/// the prefill then frees the blocks when its lease ends.
+pub(crate) async fn notify_only(shared: Arc<Shared>, load: Load) {
+    let span = load.span.clone();
+    async move {
+        let sent = match shared
+            .remotes
+            .get(
+                &shared,
+                &load.remote.engine_id,
+                load.remote_rank,
+                &load.remote.host,
+                load.port,
+            )
+            .await
+        {
+            Ok(remote) => send_notification(&shared, &remote, &load),
+            Err(err) => Err(err),
+        };
+        if let Err(err) = sent {
+            shared.series.failed_notification();
+            tracing::warn!(request = %load.request_id, %err, "could not tell the prefill that nothing will be read; it frees the blocks when their lease ends");
+        }
+        load.span.record("outcome", "notified");
+    }
+    .instrument(span)
+    .await;
+}
+
+/// Sends the load's notification to its remote rank.
+fn send_notification(shared: &Shared, remote: &Remote, load: &Load) -> Result<()> {
+    shared
+        .setup
+        .agent()
+        .send_notification(remote.prepared.remote_agent(), &load.notification(shared))
+        .map_err(Error::from)
+}
+
+/// Records NIXL's telemetry of a completed READ, if the agent recorded it.
+fn record_telemetry(shared: &Shared, request: &nixl::XferRequest) {
+    match request.telemetry() {
+        Ok(telemetry) => shared.series.transfer(&telemetry),
+        Err(err) => tracing::debug!(%err, "no NIXL telemetry for a load"),
+    }
 }
 
 /// Records a load's outcome and wakes whoever waits for ended loads.
@@ -85,13 +174,35 @@ fn record(shared: &Shared, load: &Load, posted: Option<Instant>, outcome: Result
     let slice = shared.caches.get().map_or(0, |c| c.spec.block_len());
     let descriptors = layers * load.local_block_ids.len();
     let duration = posted.map_or(Duration::ZERO, |at: Instant| at.elapsed());
-    let failure = outcome.err().map(|err| err.to_string());
+    let failure = outcome
+        .err()
+        .map(|err| (FailureKind::of(&err), err.to_string()));
     let mut outcomes = shared.outcomes();
-    if let Some(reason) = &failure {
-        tracing::warn!(request = %load.request_id, remote = %load.remote.engine_id, %reason, "load failed; its blocks are in load_errors");
-        outcomes
-            .load_errors
-            .extend(load.local_block_ids.iter().copied());
+    let aborted = outcomes.end(&load.request_id);
+    load.span.record(
+        "outcome",
+        match (&failure, aborted) {
+            (_, true) => "aborted",
+            (None, false) => "loaded",
+            (Some(_), false) => "failed",
+        },
+    );
+    if let Some((kind, reason)) = &failure {
+        shared.series.failed(*kind);
+        if aborted {
+            tracing::debug!(request = %load.request_id, %reason, "the load of an aborted request failed");
+        } else {
+            tracing::warn!(request = %load.request_id, remote = %load.remote.engine_id, %kind, %reason, "load failed; its blocks are in load_errors");
+            let reason: Arc<str> = reason.as_str().into();
+            outcomes
+                .load_errors
+                .extend(load.local_block_ids.iter().map(|&block_id| FailedBlock {
+                    block_id,
+                    request_id: load.request_id.clone(),
+                    kind: *kind,
+                    reason: reason.clone(),
+                }));
+        }
     }
     outcomes.recving.push(load.request_id.clone());
     outcomes.metrics.push(TransferMetrics {
@@ -100,13 +211,14 @@ fn record(shared: &Shared, load: &Load, posted: Option<Instant>, outcome: Result
         duration,
         bytes: (descriptors * slice) as u64,
         descriptors,
-        failure,
+        failure: failure.map(|(_, reason)| reason),
     });
     drop(outcomes);
     shared.load_ended.notify_one();
 }
 
-/// Handshakes if needed, then reads; a remote whose READ failed in NIXL is forgotten.
+/// Handshakes if needed, then reads (or only notifies, when the load was aborted meanwhile);
+/// a remote whose READ failed in NIXL is forgotten.
 async fn transfer(shared: &Arc<Shared>, load: &Load, posted: &mut Option<Instant>) -> Result<()> {
     let remote = shared
         .remotes
@@ -118,6 +230,13 @@ async fn transfer(shared: &Arc<Shared>, load: &Load, posted: &mut Option<Instant
             load.port,
         )
         .await?;
+    if shared.outcomes().is_aborted(&load.request_id) {
+        if let Err(err) = send_notification(shared, &remote, load) {
+            shared.series.failed_notification();
+            tracing::warn!(request = %load.request_id, %err, "could not tell the prefill that an aborted request will not be read; it frees the blocks when their lease ends");
+        }
+        return Ok(());
+    }
     let outcome = read(shared, load, &remote, posted).await;
     if outcome.is_err() {
         shared
@@ -137,7 +256,10 @@ async fn read(
     let (at, state) = post(shared, load, remote)?;
     *posted = Some(at);
     match state {
-        XferState::Done => Ok(()),
+        XferState::Done(request) => {
+            record_telemetry(shared, &request);
+            Ok(())
+        }
         XferState::InFlight(request) => complete(shared, load, request).await,
     }
 }
@@ -145,7 +267,7 @@ async fn read(
 /// A READ after its post.
 enum XferState {
     /// NIXL finished it within the post.
-    Done,
+    Done(nixl::XferRequest),
     /// Still in flight.
     InFlight(nixl::XferRequest),
 }
@@ -157,31 +279,21 @@ fn post(shared: &Shared, load: &Load, remote: &Remote) -> Result<(Instant, XferS
         .caches
         .get()
         .ok_or(Error::NotRegistered { operation: OP })?;
-    let local_blocks = caches.spec.num_blocks;
     let remote_blocks = remote.plan.remote_num_blocks;
-    if let Some(bad) = load.remote.block_ids.iter().find(|&&b| b >= remote_blocks) {
+    if let Some(bad) = load.remote_block_ids.iter().find(|&&b| b >= remote_blocks) {
         return Err(Error::invalid(
             OP,
             format!("remote block {bad} of {remote_blocks} blocks"),
         ));
     }
-    let mut local = Vec::with_capacity(caches.spec.num_layers * load.local_block_ids.len());
-    let mut far = Vec::with_capacity(local.capacity());
-    for layer in 0..caches.spec.num_layers {
-        local.extend(
-            load.local_block_ids
-                .iter()
-                .map(|b| layer * local_blocks + b),
-        );
-        far.extend(
-            load.remote
-                .block_ids
-                .iter()
-                .map(|b| layer * remote_blocks + b),
-        );
-    }
-    let message = notification_message(&load.remote.request_id, shared.config.tp_size);
-    let options = XferOptions::new().notification(message);
+    let (local, far) = descriptor_ids(
+        caches.spec.num_layers,
+        caches.spec.num_blocks,
+        remote_blocks,
+        &load.local_block_ids,
+        &load.remote_block_ids,
+    );
+    let options = XferOptions::new().notification(load.notification(shared));
     let agent = shared.setup.agent();
     let mut request = agent.make_xfer_req(
         XferOp::Read,
@@ -193,7 +305,7 @@ fn post(shared: &Shared, load: &Load, remote: &Remote) -> Result<(Instant, XferS
     )?;
     let at = Instant::now();
     Ok(match request.post()? {
-        XferStatus::Done => (at, XferState::Done),
+        XferStatus::Done => (at, XferState::Done(request)),
         _ => (at, XferState::InFlight(request)),
     })
 }
@@ -202,7 +314,11 @@ fn post(shared: &Shared, load: &Load, remote: &Remote) -> Result<(Instant, XferS
 async fn complete(shared: &Shared, load: &Load, request: nixl::XferRequest) -> Result<()> {
     let deadline = shared.config.transfer_timeout;
     match tokio::time::timeout(deadline, request).await {
-        Ok(done) => done.map(drop).map_err(Error::from),
+        Ok(Ok(request)) => {
+            record_telemetry(shared, &request);
+            Ok(())
+        }
+        Ok(Err(err)) => Err(Error::from(err)),
         Err(_) => Err(Error::TransferTimeout {
             request_id: load.request_id.clone(),
             deadline,

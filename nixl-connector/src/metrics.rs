@@ -25,7 +25,7 @@ pub struct TransferMetrics {
 pub struct SendStats {
     /// Released because every expected decode notification arrived.
     pub freed_on_notification: u64,
-    /// Released because the abort timeout passed first.
+    /// Released because the KV lease ended first.
     pub freed_on_timeout: u64,
 }
 

@@ -78,9 +78,12 @@ impl Remotes {
             .or_insert_with(|| {
                 let (shared, engine, host) = (shared.clone(), engine.to_string(), host.to_string());
                 async move {
-                    connect(&shared, &engine, rank, &host, port)
-                        .await
-                        .map_err(|err| err.to_string())
+                    let started = std::time::Instant::now();
+                    let remote = connect(&shared, &engine, rank, &host, port).await;
+                    if remote.is_ok() {
+                        shared.series.handshake(started.elapsed());
+                    }
+                    remote.map_err(|err| err.to_string())
                 }
                 .boxed()
                 .shared()

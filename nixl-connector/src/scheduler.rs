@@ -1,26 +1,65 @@
 //! The scheduler half: which requests load KV from a remote prefill, which keep their
-//! blocks for a remote decode, and the params handed between the engines.
+//! blocks for a remote decode, and the params handed between the engines; a request's
+//! lifecycle as vLLM's NixlConnector has it (the crate's README draws it whole).
 //!
-//! # Delayed freeing
-//! A prefill request whose KV a remote decode will read is finished with
-//! [`RequestFinished::delay_free_blocks`] set: the engine keeps its blocks until the worker
-//! reports the request in [`Finished::sending`](crate::Finished::sending). The worker
-//! reports it when the decode's NIXL notification arrives (one per decode rank reading from
-//! this rank), or, if none arrives, once the **abort timeout** has passed since the request
-//! finished ([`SchedulerConfig::abort_timeout`], default [`DEFAULT_ABORT_TIMEOUT`]) — so a
-//! decode that dies or never reads cannot pin blocks forever. A decode that reads after the
-//! timeout may read reused blocks; set the timeout above any decode queueing delay.
+//! # Prefill side: delayed freeing under a lease
+//! A prefill request whose KV a remote decode will read (`do_remote_decode`) and that
+//! stopped normally ([`FinishStatus::LengthCapped`], [`FinishStatus::Stopped`]) is finished
+//! with [`RequestFinished::delay_free_blocks`] set: the engine keeps its blocks until the
+//! worker reports the request in [`Finished::sending`](crate::Finished::sending). The worker
+//! reports it when the decode's notification arrives (one per decode rank reading from this
+//! rank), or when the request's **KV lease** ends ([`Lease`], vLLM's `kv_lease_duration`,
+//! default 30 s). A decode whose load still waits sends heartbeats that extend the lease,
+//! up to [`Lease::max_hold`]. An aborted prefill request frees its blocks at once.
+//!
+//! # Decode side: loads, prefix hits, aborts and failures
+//! [`on_new_request`](KvConnectorScheduler::on_new_request) (optional) and
+//! [`update_state_after_alloc`](KvConnectorScheduler::update_state_after_alloc) take a
+//! request whose KV the prefill holds. The engine passes only the local blocks it still
+//! needs: with its prefix cache holding the first blocks of the prompt, they pair with the
+//! tail of the remote blocks; with none (a full hit) nothing is read and the prefill is
+//! only notified. Until its load ends, the request's remote engine gets a heartbeat every
+//! [`Lease::heartbeat_interval`]. A request finished before its load starts (aborted)
+//! notifies the prefill without reading; one finished while its READ may run keeps its
+//! blocks until the load ends ([`LoadOutcome::AbortedLoadEnded`]). Each step,
+//! [`update_connector_output`](KvConnectorScheduler::update_connector_output) turns what
+//! the workers report into a [`LoadOutcome`] per request, applying the
+//! [`LoadFailurePolicy`] to failed loads.
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
+use nixl::kv_config::KvTransferConfig;
+
+use crate::config::{Lease, LoadFailurePolicy};
 use crate::error::{Error, Result};
+use crate::failure::FailedBlock;
 use crate::params::{KvTransferParams, RemoteBlocks};
+use crate::worker::Finished;
 
-/// Default abort timeout (vLLM's `VLLM_NIXL_ABORT_REQUEST_TIMEOUT` is also 480 s).
-pub const DEFAULT_ABORT_TIMEOUT: Duration = Duration::from_secs(480);
+/// How a request finished (vLLM's `RequestStatus.FINISHED_*`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishStatus {
+    /// It reached its length cap (a prefill for a remote decode stops after one token).
+    LengthCapped,
+    /// It stopped on a stop token or string.
+    Stopped,
+    /// The client or the engine aborted it.
+    Aborted,
+    /// It failed.
+    Error,
+}
 
-/// The scheduler's settings: this engine's identity as decodes will reach it.
+impl FinishStatus {
+    /// Whether a prefill request that finished so has KV for a remote decode to read
+    /// (vLLM 0.33's `request_finished`: length-capped or stopped).
+    fn is_complete(self) -> bool {
+        matches!(self, FinishStatus::LengthCapped | FinishStatus::Stopped)
+    }
+}
+
+/// The scheduler's settings: this engine's identity as decodes will reach it, its lease and
+/// its load failure policy.
 #[derive(Debug, Clone)]
 pub struct SchedulerConfig {
     /// This engine's id.
@@ -31,8 +70,35 @@ pub struct SchedulerConfig {
     pub port: u16,
     /// This engine's TP size.
     pub tp_size: usize,
-    /// How long a finished prefill request keeps its blocks without a decode notification.
-    pub abort_timeout: Duration,
+    /// The KV lease of held requests, and the heartbeat interval of waiting loads.
+    pub lease: Lease,
+    /// What happens to a request whose load failed.
+    pub load_failure_policy: LoadFailurePolicy,
+}
+
+impl SchedulerConfig {
+    /// The settings of engine `engine_id` (reached at `host`, TP rank 0's side channel on
+    /// `port`, TP `tp_size`), with the lease and failure policy of `kv_transfer_config`.
+    ///
+    /// # Errors
+    /// Those of [`Lease::from_kv_transfer_config`] and
+    /// [`LoadFailurePolicy::from_kv_transfer_config`].
+    pub fn new(
+        engine_id: &str,
+        host: &str,
+        port: u16,
+        tp_size: usize,
+        kv_transfer_config: &KvTransferConfig,
+    ) -> Result<Self> {
+        Ok(SchedulerConfig {
+            engine_id: engine_id.to_string(),
+            host: host.to_string(),
+            port,
+            tp_size,
+            lease: Lease::from_kv_transfer_config(kv_transfer_config)?,
+            load_failure_policy: LoadFailurePolicy::from_kv_transfer_config(kv_transfer_config)?,
+        })
+    }
 }
 
 /// One load for the workers: read `remote` into `local_block_ids`.
@@ -40,19 +106,36 @@ pub struct SchedulerConfig {
 pub struct LoadSpec {
     /// The local request id.
     pub request_id: String,
-    /// Local blocks, paired in order with `remote.block_ids`.
+    /// Local blocks, paired in order with the last of `remote.block_ids`; empty: nothing
+    /// is read, the prefill is only notified (a full prefix hit, or an aborted request).
     pub local_block_ids: Vec<usize>,
     /// Where to read.
     pub remote: RemoteBlocks,
 }
 
-/// One request whose blocks wait for a decode: freed on its notification or at `deadline`.
+/// One request whose blocks wait for a decode: freed on its notification or when its lease
+/// ends at `deadline`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SendSpec {
     /// The request id (the notification names it).
     pub request_id: String,
-    /// When the blocks are freed without a notification.
+    /// When the lease ends unless a heartbeat extends it.
     pub deadline: Instant,
+}
+
+/// A heartbeat for one remote engine: its requests that loads here still wait for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeartbeatSpec {
+    /// The remote engine.
+    pub engine_id: String,
+    /// Its side-channel host.
+    pub host: String,
+    /// The side-channel port of its TP rank 0.
+    pub port: u16,
+    /// Its TP size.
+    pub tp_size: usize,
+    /// Its request ids (the remote ones) whose leases to extend.
+    pub request_ids: Vec<String>,
 }
 
 /// What the scheduler hands its workers each step.
@@ -62,23 +145,91 @@ pub struct ConnectorMetadata {
     pub loads: Vec<LoadSpec>,
     /// Requests to hold for a decode.
     pub sends: Vec<SendSpec>,
+    /// Local requests whose loads were aborted while they may run.
+    pub aborted: Vec<String>,
+    /// Heartbeats to send (at most one step in [`Lease::heartbeat_interval`] has them).
+    pub heartbeats: Vec<HeartbeatSpec>,
 }
 
 /// The answer to [`KvConnectorScheduler::request_finished`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RequestFinished {
-    /// Keep the blocks until the workers report the request done sending.
+    /// Keep the blocks until the workers report the request: in
+    /// [`Finished::sending`](crate::Finished::sending) on a prefill, as
+    /// [`LoadOutcome::AbortedLoadEnded`] on a decode.
     pub delay_free_blocks: bool,
     /// Params for the decode engine, when a remote decode will read this request.
     pub kv_transfer_params: Option<KvTransferParams>,
+}
+
+/// How a decode request's load ended, from
+/// [`KvConnectorScheduler::update_connector_output`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LoadOutcome {
+    /// Every block landed: the request can run.
+    Loaded {
+        /// The local request id.
+        request_id: String,
+    },
+    /// The load failed under [`LoadFailurePolicy::Recompute`]: prefill exactly these local
+    /// blocks locally (the others landed).
+    Recompute {
+        /// The local request id.
+        request_id: String,
+        /// The local blocks to compute, sorted.
+        block_ids: Vec<usize>,
+        /// Why the load failed.
+        reason: String,
+    },
+    /// The load failed under [`LoadFailurePolicy::Fail`]: fail the request.
+    Failed {
+        /// The local request id.
+        request_id: String,
+        /// Why the load failed.
+        reason: String,
+    },
+    /// The load of a request finished (aborted) while it ran has ended: free its blocks
+    /// now (nothing writes them any more).
+    AbortedLoadEnded {
+        /// The local request id.
+        request_id: String,
+    },
+}
+
+/// Where a decode request stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum DecodeState {
+    /// Known, no blocks allocated yet.
+    Waiting,
+    /// Its load is scheduled, not yet handed to the workers.
+    Scheduled,
+    /// Its load is with the workers; `aborted` once the request finished meanwhile.
+    Loading { aborted: bool },
+    /// Nothing more to load (loaded, failed, or a full prefix hit).
+    Done,
+}
+
+#[derive(Debug)]
+struct DecodeRequest {
+    remote: RemoteBlocks,
+    state: DecodeState,
 }
 
 /// The scheduler half of the connector.
 #[derive(Debug)]
 pub struct KvConnectorScheduler {
     config: SchedulerConfig,
+    /// Decode requests from [`on_new_request`](Self::on_new_request) or
+    /// [`update_state_after_alloc`](Self::update_state_after_alloc) until
+    /// [`request_finished`](Self::request_finished) (or, for a load aborted while it ran,
+    /// until the load ends).
+    decodes: HashMap<String, DecodeRequest>,
     loads: HashMap<String, LoadSpec>,
     sends: HashMap<String, SendSpec>,
+    aborted: Vec<String>,
+    /// Failed blocks of loads whose end the workers have not reported yet.
+    failed: HashMap<String, Vec<FailedBlock>>,
+    last_heartbeat: Option<Instant>,
 }
 
 impl KvConnectorScheduler {
@@ -86,8 +237,12 @@ impl KvConnectorScheduler {
     pub fn new(config: SchedulerConfig) -> Self {
         KvConnectorScheduler {
             config,
+            decodes: HashMap::new(),
             loads: HashMap::new(),
             sends: HashMap::new(),
+            aborted: Vec::new(),
+            failed: HashMap::new(),
+            last_heartbeat: None,
         }
     }
 
@@ -96,13 +251,36 @@ impl KvConnectorScheduler {
         params.is_some_and(|p| p.do_remote_prefill)
     }
 
+    /// A new request arrived (vLLM's `on_new_request`): if a remote prefill holds its KV,
+    /// the remote engine gets heartbeats for it while it waits for blocks, so its lease does
+    /// not end meanwhile. Params without every remote field are left alone.
+    pub fn on_new_request(&mut self, request_id: &str, params: Option<&KvTransferParams>) {
+        let Some(remote) = params
+            .filter(|p| p.do_remote_prefill)
+            .and_then(KvTransferParams::remote_blocks)
+        else {
+            return;
+        };
+        self.decodes
+            .entry(request_id.to_string())
+            .or_insert(DecodeRequest {
+                remote,
+                state: DecodeState::Waiting,
+            });
+    }
+
     /// Records that `request_id` got `local_block_ids` and must load them from the remote
-    /// prefill `params` names; the load goes out with the next
-    /// [`build_connector_meta`](Self::build_connector_meta).
+    /// prefill `params` names (vLLM's `update_state_after_alloc`); the load goes out with
+    /// the next [`build_connector_meta`](Self::build_connector_meta).
+    ///
+    /// Pass only the blocks the engine still needs: when its prefix cache holds the first
+    /// blocks of the prompt, the rest pair with the tail of `remote_block_ids`. An empty
+    /// list (a full prefix hit) reads nothing: the prefill is only notified, and the request
+    /// can run at once (no [`LoadOutcome`] follows).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when `params` lack a remote field or pair a different
-    /// number of blocks.
+    /// [`Error::InvalidArgument`] when `params` lack a remote field, pair more local than
+    /// remote blocks, or the request's load was already scheduled (one load per request).
     pub fn update_state_after_alloc(
         &mut self,
         request_id: &str,
@@ -113,52 +291,109 @@ impl KvConnectorScheduler {
         let remote = params.remote_blocks().ok_or_else(|| {
             Error::invalid(OP, format!("request {request_id:?}: kv_transfer_params lack remote_engine_id, remote_host, remote_port, remote_request_id or remote_tp_size"))
         })?;
-        if remote.block_ids.len() != local_block_ids.len() {
+        if remote.block_ids.len() < local_block_ids.len() {
             return Err(Error::invalid(
                 OP,
                 format!(
-                    "request {request_id:?}: {} remote blocks for {} local blocks",
+                    "request {request_id:?}: {} remote blocks for {} local blocks (at most as many local as remote)",
                     remote.block_ids.len(),
                     local_block_ids.len()
                 ),
             ));
         }
-        self.loads.insert(
-            request_id.to_string(),
-            LoadSpec {
-                request_id: request_id.to_string(),
-                local_block_ids: local_block_ids.to_vec(),
-                remote,
-            },
-        );
+        let state = self.decodes.get(request_id).map(|d| d.state);
+        if state.is_some_and(|s| s != DecodeState::Waiting) {
+            return Err(Error::invalid(
+                OP,
+                format!("request {request_id:?}: its load was already scheduled"),
+            ));
+        }
+        // A prefill that holds no block is not waiting for a notification.
+        let state = if local_block_ids.is_empty() {
+            DecodeState::Done
+        } else {
+            DecodeState::Scheduled
+        };
+        if !remote.block_ids.is_empty() {
+            self.loads.insert(
+                request_id.to_string(),
+                LoadSpec {
+                    request_id: request_id.to_string(),
+                    local_block_ids: local_block_ids.to_vec(),
+                    remote: remote.clone(),
+                },
+            );
+        }
+        self.decodes
+            .insert(request_id.to_string(), DecodeRequest { remote, state });
         Ok(())
     }
 
-    /// A request finished on this engine. When a remote decode will read it
-    /// (`do_remote_decode`), its blocks are kept (see the module docs) and the params for
-    /// the decode are returned.
+    /// A request finished on this engine with `status` (vLLM's `request_finished`).
+    ///
+    /// - A prefill request for a remote decode (`do_remote_decode`) that is length-capped or
+    ///   stopped keeps its `block_ids` (if any) under a lease, and the params for the decode
+    ///   are returned. An aborted or failed one frees its blocks at once.
+    /// - A decode request whose load was not handed to the workers yet (or that was never
+    ///   scheduled: aborted while it waited) notifies the prefill without reading, so that
+    ///   the prefill frees at once. One whose load the workers have keeps its blocks
+    ///   (`delay_free_blocks`) until [`LoadOutcome::AbortedLoadEnded`]: a READ already
+    ///   posted cannot be recalled, and must not land in reused blocks.
     pub fn request_finished(
         &mut self,
         request_id: &str,
         block_ids: &[usize],
         params: Option<&KvTransferParams>,
+        status: FinishStatus,
     ) -> RequestFinished {
-        self.loads.remove(request_id);
-        if !params.is_some_and(|p| p.do_remote_decode) {
-            return RequestFinished {
-                delay_free_blocks: false,
-                kv_transfer_params: None,
+        let keep = |delay_free_blocks| RequestFinished {
+            delay_free_blocks,
+            kv_transfer_params: None,
+        };
+        if let Some(decode) = self.decodes.remove(request_id) {
+            return match decode.state {
+                DecodeState::Waiting | DecodeState::Scheduled => {
+                    self.loads.remove(request_id);
+                    self.notify_only(request_id, decode.remote);
+                    keep(false)
+                }
+                DecodeState::Loading { .. } => {
+                    self.aborted.push(request_id.to_string());
+                    self.decodes.insert(
+                        request_id.to_string(),
+                        DecodeRequest {
+                            remote: decode.remote,
+                            state: DecodeState::Loading { aborted: true },
+                        },
+                    );
+                    keep(true)
+                }
+                DecodeState::Done => keep(false),
             };
         }
-        self.sends.insert(
-            request_id.to_string(),
-            SendSpec {
-                request_id: request_id.to_string(),
-                deadline: Instant::now() + self.config.abort_timeout,
-            },
-        );
+        if let Some(remote) = params
+            .filter(|p| p.do_remote_prefill)
+            .and_then(KvTransferParams::remote_blocks)
+        {
+            // Finished before the engine told us of it (vLLM's abort-immediately path).
+            self.notify_only(request_id, remote);
+            return keep(false);
+        }
+        if !params.is_some_and(|p| p.do_remote_decode) || !status.is_complete() {
+            return keep(false);
+        }
+        let delay_free_blocks = !block_ids.is_empty();
+        if delay_free_blocks {
+            self.sends.insert(
+                request_id.to_string(),
+                SendSpec {
+                    request_id: request_id.to_string(),
+                    deadline: Instant::now() + self.config.lease.duration,
+                },
+            );
+        }
         RequestFinished {
-            delay_free_blocks: !block_ids.is_empty(),
+            delay_free_blocks,
             kv_transfer_params: Some(KvTransferParams {
                 do_remote_prefill: true,
                 do_remote_decode: false,
@@ -172,38 +407,220 @@ impl KvConnectorScheduler {
         }
     }
 
-    /// Takes everything scheduled since the last call, for the workers.
+    /// Schedules a load that reads nothing and only notifies the prefill, which then frees
+    /// the request's blocks (none are held for an empty list).
+    fn notify_only(&mut self, request_id: &str, remote: RemoteBlocks) {
+        if remote.block_ids.is_empty() {
+            return;
+        }
+        self.loads.insert(
+            request_id.to_string(),
+            LoadSpec {
+                request_id: request_id.to_string(),
+                local_block_ids: Vec::new(),
+                remote,
+            },
+        );
+    }
+
+    /// Takes everything scheduled since the last call, for the workers (vLLM's
+    /// `build_connector_meta`), with heartbeats if [`Lease::heartbeat_interval`] has passed
+    /// since the last.
     pub fn build_connector_meta(&mut self) -> ConnectorMetadata {
+        self.meta_at(Instant::now())
+    }
+
+    fn meta_at(&mut self, now: Instant) -> ConnectorMetadata {
+        let loads: Vec<LoadSpec> = self.loads.drain().map(|(_, load)| load).collect();
+        for load in loads.iter().filter(|l| !l.local_block_ids.is_empty()) {
+            if let Some(decode) = self.decodes.get_mut(&load.request_id) {
+                decode.state = DecodeState::Loading { aborted: false };
+            }
+        }
+        let due = self.last_heartbeat.map_or(true, |at| {
+            now.duration_since(at) >= self.config.lease.heartbeat_interval()
+        });
+        let heartbeats = if due { self.heartbeats() } else { Vec::new() };
+        if !heartbeats.is_empty() {
+            self.last_heartbeat = Some(now);
+        }
         ConnectorMetadata {
-            loads: self.loads.drain().map(|(_, load)| load).collect(),
+            loads,
             sends: self.sends.drain().map(|(_, send)| send).collect(),
+            aborted: std::mem::take(&mut self.aborted),
+            heartbeats,
+        }
+    }
+
+    /// One heartbeat per remote engine, naming its requests that loads here still wait for.
+    fn heartbeats(&self) -> Vec<HeartbeatSpec> {
+        let mut by_engine: HashMap<&str, HeartbeatSpec> = HashMap::new();
+        let waiting = self.decodes.values().filter(|d| {
+            matches!(
+                d.state,
+                DecodeState::Waiting
+                    | DecodeState::Scheduled
+                    | DecodeState::Loading { aborted: false }
+            )
+        });
+        for decode in waiting {
+            let remote = &decode.remote;
+            by_engine
+                .entry(&remote.engine_id)
+                .or_insert_with(|| HeartbeatSpec {
+                    engine_id: remote.engine_id.clone(),
+                    host: remote.host.clone(),
+                    port: remote.port,
+                    tp_size: remote.tp_size,
+                    request_ids: Vec::new(),
+                })
+                .request_ids
+                .push(remote.request_id.clone());
+        }
+        by_engine.into_values().collect()
+    }
+
+    /// Takes what the workers reported in one step (vLLM's `update_connector_output`):
+    /// `finished` and then `load_errors`, from every worker. Returns how each decode
+    /// request's load ended, applying the [`LoadFailurePolicy`] to those with failed
+    /// blocks; requests it does not track (notification only, or unknown) are skipped.
+    /// A load's failed blocks may come one step before its end; they wait for it.
+    pub fn update_connector_output(
+        &mut self,
+        finished: &Finished,
+        load_errors: &[FailedBlock],
+    ) -> Vec<LoadOutcome> {
+        for failed in load_errors {
+            let loading = self
+                .decodes
+                .get(&failed.request_id)
+                .is_some_and(|d| matches!(d.state, DecodeState::Loading { .. }));
+            if loading {
+                self.failed
+                    .entry(failed.request_id.clone())
+                    .or_default()
+                    .push(failed.clone());
+            }
+        }
+        let mut outcomes = Vec::new();
+        for request_id in &finished.recving {
+            let Some(decode) = self.decodes.get_mut(request_id) else {
+                continue;
+            };
+            let failed = self.failed.remove(request_id);
+            let request_id = request_id.clone();
+            match decode.state {
+                DecodeState::Loading { aborted: true } => {
+                    self.decodes.remove(&request_id);
+                    outcomes.push(LoadOutcome::AbortedLoadEnded { request_id });
+                }
+                DecodeState::Loading { aborted: false } => {
+                    decode.state = DecodeState::Done;
+                    outcomes.push(match failed {
+                        None => LoadOutcome::Loaded { request_id },
+                        Some(failed) => self.on_failure(request_id, failed),
+                    });
+                }
+                _ => {}
+            }
+        }
+        outcomes
+    }
+
+    /// The outcome of a load with `failed` blocks under the configured policy (vLLM's
+    /// `_handle_invalid_blocks`).
+    fn on_failure(&self, request_id: String, failed: Vec<FailedBlock>) -> LoadOutcome {
+        let reason = failed
+            .first()
+            .map_or_else(String::new, |f| format!("{} failure: {}", f.kind, f.reason));
+        match self.config.load_failure_policy {
+            LoadFailurePolicy::Recompute => {
+                let mut block_ids: Vec<usize> = failed.iter().map(|f| f.block_id).collect();
+                block_ids.sort_unstable();
+                block_ids.dedup();
+                LoadOutcome::Recompute {
+                    request_id,
+                    block_ids,
+                    reason,
+                }
+            }
+            LoadFailurePolicy::Fail => LoadOutcome::Failed { request_id, reason },
         }
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use std::sync::Arc;
+    use std::time::Duration;
 
-    fn scheduler() -> KvConnectorScheduler {
-        KvConnectorScheduler::new(SchedulerConfig {
+    use super::*;
+    use crate::failure::FailureKind;
+
+    fn config(policy: LoadFailurePolicy) -> SchedulerConfig {
+        SchedulerConfig {
             engine_id: "p".into(),
             host: "10.0.0.1".into(),
             port: 5600,
             tp_size: 2,
-            abort_timeout: Duration::from_secs(3),
-        })
+            lease: Lease {
+                duration: Duration::from_secs(3),
+                ..Lease::default()
+            },
+            load_failure_policy: policy,
+        }
+    }
+
+    fn scheduler() -> KvConnectorScheduler {
+        KvConnectorScheduler::new(config(LoadFailurePolicy::Fail))
+    }
+
+    fn for_decode() -> KvTransferParams {
+        KvTransferParams {
+            do_remote_decode: true,
+            ..Default::default()
+        }
+    }
+
+    /// The params a prefill hands its decode for `request` in `blocks`.
+    fn handed(request: &str, blocks: &[usize]) -> KvTransferParams {
+        scheduler()
+            .request_finished(
+                request,
+                blocks,
+                Some(&for_decode()),
+                FinishStatus::LengthCapped,
+            )
+            .kv_transfer_params
+            .unwrap()
+    }
+
+    fn failed(request: &str, block_id: usize) -> FailedBlock {
+        FailedBlock {
+            block_id,
+            request_id: request.into(),
+            kind: FailureKind::Transfer,
+            reason: Arc::from("peer gone"),
+        }
+    }
+
+    fn recving(ids: &[&str]) -> Finished {
+        Finished {
+            sending: Vec::new(),
+            recving: ids.iter().map(|s| s.to_string()).collect(),
+        }
     }
 
     #[test]
     fn a_prefill_request_for_a_remote_decode_keeps_its_blocks_and_hands_its_params() {
         let mut s = scheduler();
-        let params = KvTransferParams {
-            do_remote_decode: true,
-            ..Default::default()
-        };
         let before = Instant::now();
-        let done = s.request_finished("r", &[3, 4], Some(&params));
+        let done = s.request_finished(
+            "r",
+            &[3, 4],
+            Some(&for_decode()),
+            FinishStatus::LengthCapped,
+        );
         assert!(done.delay_free_blocks);
         let handed = done.kv_transfer_params.unwrap();
         assert!(handed.do_remote_prefill && !handed.do_remote_decode);
@@ -224,31 +641,40 @@ mod tests {
             "handed over once"
         );
 
-        let plain = s.request_finished("q", &[1], None);
+        let plain = s.request_finished("q", &[1], None, FinishStatus::LengthCapped);
         assert!(!plain.delay_free_blocks && plain.kv_transfer_params.is_none());
+        let stopped = s.request_finished("s", &[1], Some(&for_decode()), FinishStatus::Stopped);
+        assert!(stopped.delay_free_blocks, "a stopped request is read too");
+        for status in [FinishStatus::Aborted, FinishStatus::Error] {
+            let gone = s.request_finished("a", &[1], Some(&for_decode()), status);
+            assert!(!gone.delay_free_blocks && gone.kv_transfer_params.is_none());
+        }
+        assert_eq!(
+            s.build_connector_meta().sends.len(),
+            1,
+            "only the stopped one"
+        );
+        let empty = s.request_finished("e", &[], Some(&for_decode()), FinishStatus::LengthCapped);
+        assert!(!empty.delay_free_blocks && empty.kv_transfer_params.is_some());
+        assert!(s.build_connector_meta().sends.is_empty(), "nothing to hold");
     }
 
     #[test]
     fn a_decode_request_loads_from_the_params_or_is_refused_clearly() {
         let mut s = scheduler();
-        let mut params = scheduler()
-            .request_finished(
-                "r",
-                &[3, 4],
-                Some(&KvTransferParams {
-                    do_remote_decode: true,
-                    ..Default::default()
-                }),
-            )
-            .kv_transfer_params
-            .unwrap();
+        let mut params = handed("r", &[3, 4]);
         assert!(KvConnectorScheduler::needs_remote_prefill(Some(&params)));
         let err = s
-            .update_state_after_alloc("d", &[0], &params)
+            .update_state_after_alloc("d", &[0, 1, 2], &params)
             .unwrap_err()
             .to_string();
-        assert!(err.contains("2 remote blocks for 1 local blocks"), "{err}");
+        assert!(err.contains("2 remote blocks for 3 local blocks"), "{err}");
         s.update_state_after_alloc("d", &[0, 1], &params).unwrap();
+        let err = s
+            .update_state_after_alloc("d", &[0, 1], &params)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("already scheduled"), "{err}");
         let meta = s.build_connector_meta();
         assert_eq!(meta.loads.len(), 1);
         assert_eq!(meta.loads[0].local_block_ids, [0, 1]);
@@ -258,5 +684,183 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("lack remote_engine_id, remote_host"), "{err}");
+    }
+
+    #[test]
+    fn prefix_hits_load_the_rest_and_a_full_hit_only_notifies() {
+        let mut s = scheduler();
+        s.update_state_after_alloc("part", &[7], &handed("r1", &[3, 4, 5]))
+            .unwrap();
+        s.update_state_after_alloc("full", &[], &handed("r2", &[6, 8]))
+            .unwrap();
+        let mut loads = s.build_connector_meta().loads;
+        loads.sort_by(|a, b| a.request_id.cmp(&b.request_id));
+        assert_eq!(loads[0].request_id, "full");
+        assert!(loads[0].local_block_ids.is_empty());
+        assert_eq!(loads[1].local_block_ids, [7]);
+        assert_eq!(
+            loads[1].remote.block_ids,
+            [3, 4, 5],
+            "the worker reads the tail"
+        );
+        // The full hit is done at once: nothing waits for it, no heartbeat names it.
+        let outcomes = s.update_connector_output(&recving(&["full", "part"]), &[]);
+        assert_eq!(
+            outcomes,
+            [LoadOutcome::Loaded {
+                request_id: "part".into()
+            }]
+        );
+    }
+
+    #[test]
+    fn aborts_notify_before_the_load_and_hold_the_blocks_while_it_runs() {
+        let mut s = scheduler();
+        // Aborted while waiting for blocks: the prefill is notified, nothing read.
+        s.on_new_request("waiting", Some(&handed("rw", &[1, 2])));
+        let done = s.request_finished("waiting", &[], None, FinishStatus::Aborted);
+        assert!(!done.delay_free_blocks);
+        // Aborted before the engine ever told of it.
+        let done = s.request_finished(
+            "unseen",
+            &[],
+            Some(&handed("ru", &[3])),
+            FinishStatus::Aborted,
+        );
+        assert!(!done.delay_free_blocks);
+        // Aborted after allocation, before the workers got the load.
+        s.update_state_after_alloc("scheduled", &[4, 5], &handed("rs", &[4, 5]))
+            .unwrap();
+        let done = s.request_finished("scheduled", &[4, 5], None, FinishStatus::Aborted);
+        assert!(!done.delay_free_blocks, "no READ was posted");
+        let meta = s.build_connector_meta();
+        assert_eq!(meta.loads.len(), 3);
+        assert!(meta.loads.iter().all(|l| l.local_block_ids.is_empty()));
+        assert!(meta.aborted.is_empty());
+
+        // Aborted while its load runs: blocks kept until the load ends.
+        s.update_state_after_alloc("running", &[6], &handed("rr", &[6]))
+            .unwrap();
+        assert_eq!(s.build_connector_meta().loads.len(), 1);
+        let done = s.request_finished("running", &[6], None, FinishStatus::Aborted);
+        assert!(done.delay_free_blocks);
+        let meta = s.build_connector_meta();
+        assert_eq!(meta.aborted, ["running"]);
+        assert!(
+            meta.heartbeats.is_empty(),
+            "no heartbeat for an aborted load"
+        );
+        let outcomes = s.update_connector_output(&recving(&["running"]), &[failed("running", 6)]);
+        assert_eq!(
+            outcomes,
+            [LoadOutcome::AbortedLoadEnded {
+                request_id: "running".into()
+            }]
+        );
+        assert!(
+            s.decodes.is_empty() && s.failed.is_empty(),
+            "nothing left behind"
+        );
+        assert!(
+            s.update_connector_output(&recving(&["running"]), &[])
+                .is_empty(),
+            "once"
+        );
+    }
+
+    #[test]
+    fn waiting_loads_heartbeat_their_engine_every_sixth_of_the_lease() {
+        let mut s = scheduler();
+        let t0 = Instant::now();
+        s.on_new_request("a", Some(&handed("ra", &[1])));
+        s.update_state_after_alloc("b", &[2], &handed("rb", &[2]))
+            .unwrap();
+        let meta = s.meta_at(t0);
+        assert_eq!(meta.heartbeats.len(), 1);
+        let mut ids = meta.heartbeats[0].request_ids.clone();
+        ids.sort();
+        assert_eq!(ids, ["ra", "rb"]);
+        assert_eq!(meta.heartbeats[0].engine_id, "p");
+        assert!(s
+            .meta_at(t0 + Duration::from_millis(400))
+            .heartbeats
+            .is_empty());
+        let meta = s.meta_at(t0 + Duration::from_millis(500));
+        assert_eq!(meta.heartbeats.len(), 1, "3 s lease: every 500 ms");
+        s.update_connector_output(&recving(&["b"]), &[]);
+        s.request_finished("a", &[], None, FinishStatus::Aborted);
+        assert!(s.meta_at(t0 + Duration::from_secs(2)).heartbeats.is_empty());
+    }
+
+    #[test]
+    fn failed_loads_follow_the_policy_with_exactly_their_blocks() {
+        for policy in [LoadFailurePolicy::Recompute, LoadFailurePolicy::Fail] {
+            let mut s = KvConnectorScheduler::new(config(policy));
+            s.update_state_after_alloc("x", &[9, 3], &handed("rx", &[1, 2]))
+                .unwrap();
+            s.update_state_after_alloc("ok", &[5], &handed("ro", &[4]))
+                .unwrap();
+            s.build_connector_meta();
+            // The errors come one step before the load's end.
+            let early = [failed("x", 9), failed("x", 3), failed("stranger", 1)];
+            assert!(s.update_connector_output(&recving(&[]), &early).is_empty());
+            let outcomes = s.update_connector_output(&recving(&["ok", "x"]), &[]);
+            let reason = "transfer failure: peer gone".to_string();
+            let x = match policy {
+                LoadFailurePolicy::Recompute => LoadOutcome::Recompute {
+                    request_id: "x".into(),
+                    block_ids: vec![3, 9],
+                    reason,
+                },
+                LoadFailurePolicy::Fail => LoadOutcome::Failed {
+                    request_id: "x".into(),
+                    reason,
+                },
+            };
+            assert_eq!(
+                outcomes,
+                [
+                    LoadOutcome::Loaded {
+                        request_id: "ok".into()
+                    },
+                    x
+                ]
+            );
+            assert!(s.failed.is_empty());
+        }
+    }
+
+    #[test]
+    fn the_lease_and_policy_come_from_the_kv_transfer_config() {
+        let kv = KvTransferConfig::from_json(
+            r#"{"kv_load_failure_policy":"recompute","kv_connector_extra_config":{"kv_lease_duration":12}}"#,
+        )
+        .unwrap();
+        let c = SchedulerConfig::new("e", "h", 1, 1, &kv).unwrap();
+        assert_eq!(c.lease.duration, Duration::from_secs(12));
+        assert_eq!(c.lease.heartbeat_interval(), Duration::from_secs(2));
+        assert_eq!(c.lease.extension(), Duration::from_secs(8));
+        assert_eq!(c.load_failure_policy, LoadFailurePolicy::Recompute);
+        let c = SchedulerConfig::new("e", "h", 1, 1, &KvTransferConfig::default()).unwrap();
+        assert_eq!(c.lease, Lease::default());
+        assert_eq!(
+            c.load_failure_policy,
+            LoadFailurePolicy::Fail,
+            "vLLM's default"
+        );
+        for bad in [
+            r#"{"kv_load_failure_policy":"retry"}"#,
+            r#"{"kv_connector_extra_config":{"kv_lease_duration":0}}"#,
+            r#"{"kv_connector_extra_config":{"kv_lease_duration":"30"}}"#,
+        ] {
+            let kv = KvTransferConfig::from_json(bad).unwrap();
+            let err = SchedulerConfig::new("e", "h", 1, 1, &kv)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("kv_load_failure_policy") || err.contains("kv_lease_duration"),
+                "{err}"
+            );
+        }
     }
 }

@@ -1,100 +1,291 @@
-//! The prefill side's held requests: released when the decode notifications arrive or when
-//! their abort deadline passes.
+//! The prefill side's held requests: each is released once every decode rank reading it has
+//! notified, or when its KV lease ends; heartbeats extend leases.
+//!
+//! Every notification is peer input: parsed strictly, and whatever it says, memory stays
+//! bounded ([`MAX_EARLY`] early notifications, [`MAX_RELEASED`] remembered releases) and no
+//! request is released twice.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
 use std::time::Instant;
 
+use crate::config::Lease;
 use crate::metrics::SendStats;
+use crate::series::Series;
 
 /// Most notifications kept for requests not (yet) held, e.g. ones that arrive before the
-/// engine's step hands the request over; older ones are dropped past this.
+/// engine's step hands the request over; more are dropped, and each is dropped after a
+/// lease in any case.
 const MAX_EARLY: usize = 1 << 16;
 
-/// The notification message a reader of TP `tp_size` sends for `request_id`.
+/// Most released request ids remembered, to tell a late or repeated notification from an
+/// early one.
+const MAX_RELEASED: usize = 1 << 14;
+
+/// Largest reader TP a notification may claim.
+const MAX_READER_TP: usize = 1 << 12;
+
+/// Heartbeat messages start with this (vLLM's format: `HB:` and comma-separated remote
+/// request ids).
+const HEARTBEAT_PREFIX: &str = "HB:";
+
+/// Longest heartbeat message sent or accepted; a decode splits longer lists.
+pub(crate) const MAX_HEARTBEAT_BYTES: usize = 16 << 10;
+
+/// The notification message a reader of TP `tp_size` sends for `request_id` (vLLM's
+/// `request:consumers`).
 pub(crate) fn notification_message(request_id: &str, tp_size: usize) -> Vec<u8> {
     format!("{request_id}:{tp_size}").into_bytes()
 }
 
-/// Parses [`notification_message`]: the request id and the reader's TP size.
-fn parse_notification(message: &[u8]) -> Option<(&str, usize)> {
-    let text = std::str::from_utf8(message).ok()?;
-    let (request, tp) = text.rsplit_once(':')?;
-    Some((request, tp.parse().ok().filter(|&tp| tp > 0)?))
+/// The heartbeat messages for remote requests `ids` (vLLM's `_send_heartbeats`): `HB:` and
+/// the ids separated by commas, split so that none is longer than [`MAX_HEARTBEAT_BYTES`].
+/// An id that is empty, holds a comma or cannot fit is left out (it could not be parsed).
+pub(crate) fn heartbeat_messages<'a>(ids: impl IntoIterator<Item = &'a str>) -> Vec<Vec<u8>> {
+    let mut messages = Vec::new();
+    let mut current = String::from(HEARTBEAT_PREFIX);
+    for id in ids {
+        if id.is_empty()
+            || id.contains(',')
+            || HEARTBEAT_PREFIX.len() + id.len() > MAX_HEARTBEAT_BYTES
+        {
+            tracing::warn!(
+                request = id,
+                "a remote request id that a heartbeat cannot carry; its lease is not extended"
+            );
+            continue;
+        }
+        let separator = usize::from(current.len() > HEARTBEAT_PREFIX.len());
+        if current.len() + separator + id.len() > MAX_HEARTBEAT_BYTES {
+            messages
+                .push(std::mem::replace(&mut current, String::from(HEARTBEAT_PREFIX)).into_bytes());
+        }
+        if current.len() > HEARTBEAT_PREFIX.len() {
+            current.push(',');
+        }
+        current.push_str(id);
+    }
+    if current.len() > HEARTBEAT_PREFIX.len() {
+        messages.push(current.into_bytes());
+    }
+    messages
+}
+
+/// A notification as parsed.
+#[derive(Debug, PartialEq, Eq)]
+enum Note<'a> {
+    /// A reader of TP `reader_tp` is done with `request` (it read it, or never will).
+    Done { request: &'a str, reader_tp: usize },
+    /// A decode still waits for these requests.
+    Heartbeat(Vec<&'a str>),
+}
+
+/// Parses a notification strictly: `HB:` and non-empty comma-separated ids (vLLM's
+/// `_handle_heartbeat` format), or `request:tp` with a non-empty request and a TP of 1 to
+/// [`MAX_READER_TP`]; why not, otherwise.
+fn parse(message: &[u8]) -> Result<Note<'_>, &'static str> {
+    let text = std::str::from_utf8(message).map_err(|_| "not UTF-8")?;
+    if let Some(ids) = text.strip_prefix(HEARTBEAT_PREFIX) {
+        if message.len() > MAX_HEARTBEAT_BYTES {
+            return Err("heartbeat longer than its limit");
+        }
+        let ids: Vec<&str> = ids.split(',').collect();
+        if ids.iter().any(|id| id.is_empty()) {
+            return Err("heartbeat with an empty request id");
+        }
+        return Ok(Note::Heartbeat(ids));
+    }
+    let (request, tp) = text
+        .rsplit_once(':')
+        .ok_or("neither `request:tp` nor `HB:ids`")?;
+    let reader_tp = tp
+        .parse::<usize>()
+        .ok()
+        .filter(|tp| (1..=MAX_READER_TP).contains(tp))
+        .ok_or("the reader TP is not a number from 1 to 4096")?;
+    if request.is_empty() {
+        return Err("empty request id");
+    }
+    Ok(Note::Done { request, reader_tp })
+}
+
+/// What the prefill's notifications did, besides releasing requests.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct NotificationStats {
+    /// Heartbeat messages accepted.
+    pub heartbeats: u64,
+    /// Leases a heartbeat extended (one per held request named).
+    pub leases_extended: u64,
+    /// Request ids in heartbeats that name no held request (ignored).
+    pub unknown_heartbeat_ids: u64,
+    /// Notifications for requests already released (their lease ended first, or a repeat),
+    /// or never held within a lease (ignored).
+    pub late_notifications: u64,
+    /// Repeated notifications from the same reader for a held request (counted once).
+    pub duplicate_notifications: u64,
+    /// Notifications that are neither `request:tp` nor a well-formed heartbeat (ignored).
+    pub malformed: u64,
 }
 
 #[derive(Debug)]
 struct Held {
+    /// When the lease ends.
     deadline: Instant,
-    received: usize,
+    /// The latest the lease may end ([`Lease::max_hold`] after the hold).
+    limit: Instant,
+    /// The agents that notified (each counts once).
+    readers: Vec<Vec<u8>>,
     needed: usize,
 }
 
-/// Held requests and early notifications of one rank.
 #[derive(Debug)]
+struct Early {
+    readers: Vec<Vec<u8>>,
+    needed: usize,
+    arrived: Instant,
+}
+
+/// Held requests and early notifications of one rank.
 pub(crate) struct Sends {
     own_tp: usize,
+    lease: Lease,
+    series: Arc<Series>,
     held: HashMap<String, Held>,
-    early: HashMap<String, (usize, usize)>,
+    early: HashMap<String, Early>,
+    released: HashSet<String>,
+    released_order: VecDeque<String>,
     done: Vec<String>,
     stats: SendStats,
+    notes: NotificationStats,
 }
 
 impl Sends {
-    pub(crate) fn new(own_tp: usize) -> Self {
+    pub(crate) fn new(own_tp: usize, lease: Lease, series: Arc<Series>) -> Self {
         Sends {
             own_tp,
+            lease,
+            series,
             held: HashMap::new(),
             early: HashMap::new(),
+            released: HashSet::new(),
+            released_order: VecDeque::new(),
             done: Vec::new(),
             stats: SendStats::default(),
+            notes: NotificationStats::default(),
         }
     }
 
-    /// Holds `request_id` until its notifications arrive or `deadline`.
-    pub(crate) fn hold(&mut self, request_id: String, deadline: Instant) {
-        let (received, needed) = self.early.remove(&request_id).unwrap_or((0, 1));
-        if received >= needed {
-            self.release(request_id, true);
-        } else {
-            self.held.insert(
-                request_id,
-                Held {
-                    deadline,
-                    received,
-                    needed,
-                },
-            );
-        }
-    }
-
-    /// Counts one decode notification.
-    pub(crate) fn notified(&mut self, sender: &[u8], message: &[u8]) {
-        let Some((request, reader_tp)) = parse_notification(message) else {
-            tracing::warn!(sender = %String::from_utf8_lossy(sender), "notification is not `request:tp`; ignored");
+    /// Holds `request_id` until its notifications arrive or its lease ends at `deadline`
+    /// (at most [`Lease::max_hold`] from `now`). A request already held keeps its lease.
+    pub(crate) fn hold(&mut self, request_id: String, deadline: Instant, now: Instant) {
+        if self.held.contains_key(&request_id) {
+            tracing::warn!(request = %request_id, "request is already held; its lease is kept");
             return;
+        }
+        if self.released.remove(&request_id) {
+            self.released_order.retain(|id| *id != request_id);
+        }
+        let limit = now + self.lease.max_hold;
+        let (readers, needed) = self
+            .early
+            .remove(&request_id)
+            .map_or((Vec::new(), 1), |e| (e.readers, e.needed));
+        if readers.len() >= needed {
+            self.release(request_id, true);
+            return;
+        }
+        let held = Held {
+            deadline: deadline.min(limit),
+            limit,
+            readers,
+            needed,
         };
-        let needed = (reader_tp / self.own_tp).max(1);
+        self.held.insert(request_id, held);
+    }
+
+    /// Takes one notification from agent `sender`.
+    pub(crate) fn notified(&mut self, sender: &[u8], message: &[u8], now: Instant) {
+        match parse(message) {
+            Ok(Note::Heartbeat(ids)) => self.heartbeat(&ids, now),
+            Ok(Note::Done { request, reader_tp }) => {
+                let needed = (reader_tp / self.own_tp).max(1);
+                self.done_reading(sender, request, needed, now);
+            }
+            Err(why) => {
+                self.notes.malformed += 1;
+                // Logged at the 1st, 2nd, 4th, 8th... so that a flood cannot flood the log.
+                if self.notes.malformed.is_power_of_two() {
+                    tracing::warn!(sender = %String::from_utf8_lossy(sender), why, malformed = self.notes.malformed, "malformed notification ignored");
+                }
+            }
+        }
+    }
+
+    /// Extends the lease of every held request in `ids` to [`Lease::extension`] from now
+    /// (never shortening it, never past its limit); follows vLLM's `_handle_heartbeat`.
+    fn heartbeat(&mut self, ids: &[&str], now: Instant) {
+        self.notes.heartbeats += 1;
+        self.series.heartbeat();
+        let until = now + self.lease.extension();
+        for id in ids {
+            match self.held.get_mut(*id) {
+                Some(held) => {
+                    held.deadline = held.deadline.max(until).min(held.limit);
+                    self.notes.leases_extended += 1;
+                }
+                None => self.notes.unknown_heartbeat_ids += 1,
+            }
+        }
+    }
+
+    /// Counts a reader's notification that it is done with `request` (vLLM's
+    /// `_get_new_notifs`; here each reader agent counts once).
+    fn done_reading(&mut self, sender: &[u8], request: &str, needed: usize, now: Instant) {
         if let Some(held) = self.held.get_mut(request) {
-            held.received += 1;
-            held.needed = needed;
-            if held.received >= held.needed {
+            if held.readers.iter().any(|r| r == sender) {
+                self.notes.duplicate_notifications += 1;
+                return;
+            }
+            held.readers.push(sender.to_vec());
+            held.needed = held.needed.max(needed);
+            if held.readers.len() >= held.needed {
                 self.held.remove(request);
                 self.release(request.to_string(), true);
             }
             return;
         }
+        if self.released.contains(request) {
+            self.late(request, "notification for a request already released (its lease ended first, or a repeat); ignored");
+            return;
+        }
         if self.early.len() >= MAX_EARLY && !self.early.contains_key(request) {
-            tracing::warn!(
+            self.late(
                 request,
-                "too many notifications for requests not held; dropped"
+                "too many notifications for requests not held; dropped",
             );
             return;
         }
-        let entry = self.early.entry(request.to_string()).or_insert((0, needed));
-        entry.0 += 1;
+        let early = self.early.entry(request.to_string()).or_insert(Early {
+            readers: Vec::new(),
+            needed,
+            arrived: now,
+        });
+        if early.readers.iter().any(|r| r == sender) {
+            self.notes.duplicate_notifications += 1;
+        } else {
+            early.readers.push(sender.to_vec());
+            early.needed = early.needed.max(needed);
+        }
     }
 
-    /// Releases every held request whose deadline has passed.
+    fn late(&mut self, request: &str, why: &str) {
+        self.notes.late_notifications += 1;
+        self.series.after_expiry();
+        tracing::warn!(request, "{why}");
+    }
+
+    /// Releases every held request whose lease has ended (vLLM's
+    /// `_reap_expired_send_leases`), and drops early notifications older than a lease.
     pub(crate) fn expire(&mut self, now: Instant) {
         let expired: Vec<String> = self
             .held
@@ -102,10 +293,25 @@ impl Sends {
             .filter(|(_, held)| held.deadline <= now)
             .map(|(id, _)| id.clone())
             .collect();
+        self.series.expired(expired.len() as u64);
         for id in expired {
-            let held = self.held.remove(&id);
-            tracing::warn!(request = %id, received = held.as_ref().map_or(0, |h| h.received), "no decode read the request before its abort timeout; blocks freed");
+            let readers = self.held.remove(&id).map_or(0, |h| h.readers.len());
+            tracing::warn!(request = %id, readers, "the request's KV lease ended before every decode rank notified; blocks freed");
             self.release(id, false);
+        }
+        let lease = self.lease.duration;
+        let stale: Vec<String> = self
+            .early
+            .iter()
+            .filter(|(_, early)| now.saturating_duration_since(early.arrived) >= lease)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in stale {
+            self.early.remove(&id);
+            self.late(
+                &id,
+                "notification for a request that was not held within a lease; dropped",
+            );
         }
     }
 
@@ -115,6 +321,13 @@ impl Sends {
         } else {
             self.stats.freed_on_timeout += 1;
         }
+        if self.released_order.len() >= MAX_RELEASED {
+            if let Some(oldest) = self.released_order.pop_front() {
+                self.released.remove(&oldest);
+            }
+        }
+        self.released.insert(request_id.clone());
+        self.released_order.push_back(request_id.clone());
         self.done.push(request_id);
     }
 
@@ -124,5 +337,141 @@ impl Sends {
 
     pub(crate) fn stats(&self) -> SendStats {
         self.stats
+    }
+
+    pub(crate) fn notification_stats(&self) -> NotificationStats {
+        self.notes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    fn sends(own_tp: usize) -> Sends {
+        let lease = Lease {
+            duration: Duration::from_secs(30),
+            max_hold: Duration::from_secs(100),
+        };
+        Sends::new(own_tp, lease, Arc::new(Series::new("test", 0)))
+    }
+
+    #[test]
+    fn notifications_are_parsed_strictly() {
+        assert_eq!(
+            parse(b"req-1:2"),
+            Ok(Note::Done {
+                request: "req-1",
+                reader_tp: 2
+            })
+        );
+        assert_eq!(
+            parse(b"a:b:1"),
+            Ok(Note::Done {
+                request: "a:b",
+                reader_tp: 1
+            })
+        );
+        assert_eq!(parse(b"HB:a,b"), Ok(Note::Heartbeat(vec!["a", "b"])));
+        for bad in [
+            &b"HB:"[..],
+            b"HB:a,,b",
+            b"HB:a,",
+            b"req",
+            b":1",
+            b"r:0",
+            b"r:-1",
+            b"r:4097",
+            b"r:99999999999999999999999",
+            b"\xff:1",
+        ] {
+            assert!(parse(bad).is_err(), "{:?}", String::from_utf8_lossy(bad));
+        }
+        let long = format!("HB:{}", "x".repeat(MAX_HEARTBEAT_BYTES));
+        assert!(parse(long.as_bytes()).is_err());
+    }
+
+    #[test]
+    fn heartbeats_are_split_and_parse_back() {
+        let ids: Vec<String> = (0..5000).map(|i| format!("request-{i}")).collect();
+        let messages = heartbeat_messages(ids.iter().map(String::as_str).chain(["", "a,b"]));
+        assert!(messages.len() > 1);
+        let mut back = Vec::new();
+        for m in &messages {
+            assert!(m.len() <= MAX_HEARTBEAT_BYTES);
+            match parse(m).unwrap() {
+                Note::Heartbeat(got) => back.extend(got.into_iter().map(String::from)),
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(
+            back, ids,
+            "every id once, in order; the unsendable ones left out"
+        );
+        assert!(heartbeat_messages([]).is_empty());
+    }
+
+    #[test]
+    fn a_heartbeat_extends_the_lease_by_two_thirds_up_to_its_limit() {
+        let mut s = sends(1);
+        let t0 = Instant::now();
+        s.hold("r".into(), t0 + Duration::from_secs(30), t0);
+        s.notified(b"d", b"HB:r,unknown", t0 + Duration::from_secs(25));
+        s.expire(t0 + Duration::from_secs(44));
+        assert!(s.take_done().is_empty(), "extended to 25 + 20 s");
+        s.expire(t0 + Duration::from_secs(45));
+        assert_eq!(s.take_done(), ["r"]);
+        let notes = s.notification_stats();
+        assert_eq!(
+            (
+                notes.heartbeats,
+                notes.leases_extended,
+                notes.unknown_heartbeat_ids
+            ),
+            (1, 1, 1)
+        );
+        assert_eq!(s.stats().freed_on_timeout, 1);
+
+        // Heartbeats never keep a request past max_hold.
+        s.hold("q".into(), t0 + Duration::from_secs(30), t0);
+        for at in (20..200).step_by(10) {
+            s.notified(b"d", b"HB:q", t0 + Duration::from_secs(at));
+        }
+        s.expire(t0 + Duration::from_secs(100));
+        assert_eq!(s.take_done(), ["q"]);
+    }
+
+    #[test]
+    fn each_reader_counts_once_and_nothing_is_released_twice() {
+        let mut s = sends(1);
+        let t0 = Instant::now();
+        s.hold("r".into(), t0 + Duration::from_secs(30), t0);
+        s.notified(b"d0", b"r:2", t0);
+        s.notified(b"d0", b"r:2", t0);
+        assert!(
+            s.take_done().is_empty(),
+            "a repeat from the same reader counts once"
+        );
+        s.notified(b"d1", b"r:2", t0);
+        assert_eq!(s.take_done(), ["r"]);
+        s.notified(b"d1", b"r:2", t0);
+        s.expire(t0 + Duration::from_secs(60));
+        assert!(s.take_done().is_empty());
+        let notes = s.notification_stats();
+        assert_eq!(
+            (notes.duplicate_notifications, notes.late_notifications),
+            (1, 1)
+        );
+
+        // Early notifications release at the hold, and go stale after a lease.
+        s.notified(b"d0", b"e:1", t0);
+        s.hold("e".into(), t0 + Duration::from_secs(30), t0);
+        assert_eq!(s.take_done(), ["e"]);
+        s.notified(b"d0", b"never:1", t0);
+        s.expire(t0 + Duration::from_secs(31));
+        assert!(s.early.is_empty());
+        assert_eq!(s.notification_stats().late_notifications, 2);
     }
 }

@@ -1,7 +1,7 @@
 //! The worker half: registers the KV cache, answers handshakes, loads remote blocks and
 //! tracks what is done.
 
-use std::collections::BTreeSet;
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
@@ -12,22 +12,25 @@ use nixl::{Agent, MetadataPeer, NotificationFilter, PreparedLocal, RegisterMemor
 use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
 
-use crate::config::{MetadataExchange, WorkerConfig};
+use crate::config::{Lease, MetadataExchange, WorkerConfig};
 use crate::error::{Error, Result};
 use crate::etcd::EtcdSource;
+use crate::failure::{FailedBlock, FailureKind};
 use crate::handshake::HandshakeMessage;
 use crate::metrics::{RemoteStats, SendStats, TransferMetrics};
 use crate::params::RemoteBlocks;
 use crate::pending::{PendingHandshakes, PendingStats};
 use crate::remote::Remotes;
-use crate::scheduler::ConnectorMetadata;
-use crate::sending::Sends;
+use crate::scheduler::{ConnectorMetadata, HeartbeatSpec};
+use crate::sending::{heartbeat_messages, NotificationStats, Sends};
+use crate::series::Series;
 use crate::KvCacheSpec;
 
 /// Requests that finished transferring since the last [`KvConnectorWorker::finished`].
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Finished {
-    /// Held requests whose blocks may now be freed (read by every decode, or timed out).
+    /// Held requests whose blocks may now be freed (every decode rank notified, or their
+    /// lease ended).
     pub sending: Vec<String>,
     /// Loads that ended (failed ones too; their blocks are in `load_errors`).
     pub recving: Vec<String>,
@@ -44,12 +47,46 @@ pub(crate) struct Caches {
     pub(crate) side_channel_pending: Arc<PendingHandshakes>,
 }
 
-/// Outcomes the background tasks report.
+/// Outcomes the background tasks report, and the loads under way.
 #[derive(Debug, Default)]
 pub(crate) struct Outcomes {
     pub(crate) recving: Vec<String>,
-    pub(crate) load_errors: BTreeSet<usize>,
+    pub(crate) load_errors: Vec<FailedBlock>,
     pub(crate) metrics: Vec<TransferMetrics>,
+    /// Loads started and not yet ended, by request id: whether their request was aborted.
+    active: HashMap<String, bool>,
+}
+
+impl Outcomes {
+    /// Marks a load of `request_id` as under way; `false` if one already is.
+    fn start(&mut self, request_id: &str) -> bool {
+        if self.active.contains_key(request_id) {
+            return false;
+        }
+        self.active.insert(request_id.to_string(), false);
+        true
+    }
+
+    /// Marks the load of `request_id` as ended; whether its request was aborted.
+    pub(crate) fn end(&mut self, request_id: &str) -> bool {
+        self.active.remove(request_id).unwrap_or(false)
+    }
+
+    /// Whether the load of `request_id` is under way and its request was aborted.
+    pub(crate) fn is_aborted(&self, request_id: &str) -> bool {
+        self.active.get(request_id).copied().unwrap_or(false)
+    }
+
+    /// Marks the load of `request_id` aborted; `false` when none is under way.
+    fn abort(&mut self, request_id: &str) -> bool {
+        match self.active.get_mut(request_id) {
+            Some(aborted) => {
+                *aborted = true;
+                true
+            }
+            None => false,
+        }
+    }
 }
 
 /// State shared with the background tasks.
@@ -62,6 +99,8 @@ pub(crate) struct Shared {
     pub(crate) remotes: Remotes,
     /// Where peers' metadata is fetched from, in etcd mode.
     pub(crate) etcd: Option<EtcdSource>,
+    /// The exported metrics.
+    pub(crate) series: Arc<Series>,
     /// Signalled whenever a load ends.
     pub(crate) load_ended: tokio::sync::Notify,
     /// Signalled whenever a decode notification arrives for this rank.
@@ -108,8 +147,8 @@ impl KvConnectorWorker {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] outside a tokio runtime, for a TP rank not below the TP
-    /// size, or for etcd metadata without `NIXL_ETCD_ENDPOINTS`; the platform and backend
-    /// errors of [`NixlSetup::new`].
+    /// size, for etcd metadata without `NIXL_ETCD_ENDPOINTS`, or for a bad
+    /// `kv_lease_duration`; the platform and backend errors of [`NixlSetup::new`].
     pub fn new(config: WorkerConfig) -> Result<Self> {
         const OP: &str = "create the connector worker";
         let runtime = Handle::try_current()
@@ -128,13 +167,20 @@ impl KvConnectorWorker {
             .agent_name
             .clone()
             .unwrap_or_else(|| agent_name(&config));
+        let lease = match config.lease {
+            Some(lease) => lease,
+            None => Lease::from_kv_transfer_config(&config.kv_transfer_config)?,
+        };
+        // Telemetry on: each READ's post and transfer durations feed the exported series.
         let setup = NixlSetup::with_global_registry(
-            Agent::builder(&name),
+            Agent::builder(&name).telemetry(true),
             &config.kv_transfer_config,
             config.platform.as_ref(),
         )?;
+        let series = Arc::new(Series::new(&config.engine_id, config.tp_rank));
         let shared = Arc::new(Shared {
-            sends: Mutex::new(Sends::new(config.tp_size)),
+            sends: Mutex::new(Sends::new(config.tp_size, lease, series.clone())),
+            series,
             config,
             setup,
             caches: OnceLock::new(),
@@ -164,7 +210,7 @@ impl KvConnectorWorker {
             {
                 Ok(stream) => stream,
                 Err(err) => {
-                    tracing::error!(%err, "cannot take decode notifications; held requests will be freed by their abort timeout");
+                    tracing::error!(%err, "cannot take decode notifications; held requests will be freed when their lease ends");
                     return;
                 }
             };
@@ -173,7 +219,9 @@ impl KvConnectorWorker {
             let notes = self.runtime.spawn(async move {
                 loop {
                     let note = stream.recv().await;
-                    shared.sends().notified(&note.sender, &note.message);
+                    shared
+                        .sends()
+                        .notified(&note.sender, &note.message, Instant::now());
                     shared.notified.notify_one();
                 }
             });
@@ -368,21 +416,30 @@ impl KvConnectorWorker {
         Ok((*self.caches("describe the KV caches")?.handshake).clone())
     }
 
-    /// Starts reading `remote`'s blocks into `local_block_ids` (paired in order) and returns
-    /// without waiting: the handshake with the remote rank (once per remote engine and
-    /// rank) runs as a task, and so does the READ until the handshake is done; after it,
-    /// the READ is posted within this call (a post that finishes the transfer ends the load
-    /// at once) and only its completion is awaited in a task. The READ is one request over prepared lists, by block id,
-    /// with the remote request id as its notification. When it ends the request appears in
-    /// [`finished`](Self::finished)`.recving`; if it failed, its local blocks appear in
-    /// [`load_errors`](Self::load_errors).
+    /// Starts reading `remote`'s blocks into `local_block_ids` and returns without waiting.
+    ///
+    /// `local_block_ids` may be fewer than `remote.block_ids` (the decode's prefix cache
+    /// holds the first blocks of the prompt): they pair in order with the *last* remote
+    /// blocks (vLLM's `update_state_after_alloc` and `_read_blocks`; see
+    /// [`crate::scheduler`]). With none (a full prefix hit), nothing is read: the
+    /// notification alone tells the prefill to free its blocks, and the load is not
+    /// reported in [`finished`](Self::finished).
+    ///
+    /// The handshake with the remote rank (once per remote engine and rank) runs as a task,
+    /// and so does the READ until the handshake is done; after it, the READ is posted within
+    /// this call (a post that finishes the transfer ends the load at once) and only its
+    /// completion is awaited in a task. The READ is one request over prepared lists, by block
+    /// id, with the remote request id as its notification, inside a `nixl_load` tracing
+    /// span. When it ends the request appears in [`finished`](Self::finished)`.recving`; if
+    /// it failed, its local blocks appear in [`load_errors`](Self::load_errors).
     ///
     /// With a larger TP than the prefill's, this rank reads its head slice of each block
     /// from prefill rank `tp_rank / (tp_size / remote.tp_size)` (HND layout).
     ///
     /// # Errors
-    /// [`Error::NotRegistered`]; [`Error::InvalidArgument`] for no blocks, a local block id
-    /// out of range, unpaired block lists, or a remote TP this rank cannot read from.
+    /// [`Error::NotRegistered`]; [`Error::InvalidArgument`] for more local than remote
+    /// blocks, a local block id out of range, a request whose load is already under way, or
+    /// a remote TP this rank cannot read from.
     pub fn start_load(
         &self,
         request_id: &str,
@@ -391,13 +448,8 @@ impl KvConnectorWorker {
     ) -> Result<()> {
         const OP: &str = "start a load";
         let caches = self.caches(OP)?;
-        if local_block_ids.is_empty() || local_block_ids.len() != remote.block_ids.len() {
-            return Err(Error::invalid(OP, format!(
-                "request {request_id:?}: {} local blocks for {} remote blocks (at least one each, paired)",
-                local_block_ids.len(),
-                remote.block_ids.len()
-            )));
-        }
+        let remote_block_ids =
+            crate::block_map::remote_tail(request_id, local_block_ids, &remote.block_ids)?;
         if let Some(bad) = local_block_ids
             .iter()
             .find(|&&b| b >= caches.spec.num_blocks)
@@ -414,10 +466,23 @@ impl KvConnectorWorker {
         let load = crate::load::Load {
             request_id: request_id.to_string(),
             local_block_ids: local_block_ids.to_vec(),
+            remote_block_ids: remote_block_ids.to_vec(),
             remote: remote.clone(),
             remote_rank,
             port,
+            span: crate::load::Load::span(request_id, remote, remote_rank, local_block_ids.len()),
         };
+        if local_block_ids.is_empty() {
+            self.runtime
+                .spawn(crate::load::notify_only(self.shared.clone(), load));
+            return Ok(());
+        }
+        if !self.shared.outcomes().start(request_id) {
+            return Err(Error::invalid(
+                OP,
+                format!("request {request_id:?}: a load for it is already under way"),
+            ));
+        }
         // After the handshake, the READ is posted here and now (most finish within the
         // post); only what is left to wait for runs as a task.
         match crate::load::try_now(&self.shared, load) {
@@ -432,6 +497,18 @@ impl KvConnectorWorker {
             }
         }
         Ok(())
+    }
+
+    /// The request of a load under way was aborted (vLLM: a decode request finished before
+    /// its load ended). If the READ is not posted yet (its handshake still runs), it never
+    /// is: the prefill gets the notification alone, and frees its blocks at once. A READ
+    /// already posted cannot be recalled: it ends as usual, so the engine must keep the
+    /// request's blocks until the load appears in [`finished`](Self::finished)`.recving`.
+    /// The load of an aborted request reports no failed blocks.
+    ///
+    /// Returns whether a load of `request_id` was under way.
+    pub fn abort_load(&self, request_id: &str) -> bool {
+        self.shared.outcomes().abort(request_id)
     }
 
     /// Runs the handshake with the rank of a remote engine this rank reads from, now rather
@@ -478,34 +555,90 @@ impl KvConnectorWorker {
         Ok((rank, port))
     }
 
-    /// Starts every load and holds every send of `meta` (one scheduler step). A load that
-    /// cannot start is reported as finished with its blocks in `load_errors`.
+    /// Carries out one scheduler step's `meta` (vLLM's `start_load_kv`): starts every load,
+    /// aborts the loads of aborted requests, holds every send, and sends the heartbeats. A
+    /// load that cannot start is reported as finished with its blocks in `load_errors`.
     pub fn start_load_kv(&self, meta: &ConnectorMetadata) {
         for load in &meta.loads {
             if let Err(err) = self.start_load(&load.request_id, &load.local_block_ids, &load.remote)
             {
                 tracing::warn!(request = %load.request_id, %err, "load not started");
+                self.shared.series.failed(FailureKind::of(&err));
+                let reason: Arc<str> = err.to_string().into();
                 let mut outcomes = self.shared.outcomes();
                 outcomes
                     .load_errors
-                    .extend(load.local_block_ids.iter().copied());
+                    .extend(load.local_block_ids.iter().map(|&block_id| FailedBlock {
+                        block_id,
+                        request_id: load.request_id.clone(),
+                        kind: FailureKind::of(&err),
+                        reason: reason.clone(),
+                    }));
                 outcomes.recving.push(load.request_id.clone());
             }
+        }
+        for request_id in &meta.aborted {
+            self.abort_load(request_id);
         }
         for send in &meta.sends {
             self.hold_for_decode(&send.request_id, send.deadline);
         }
+        for heartbeat in &meta.heartbeats {
+            self.send_heartbeat(heartbeat);
+        }
+    }
+
+    /// Tells the rank of a remote engine this rank reads from that its requests are still
+    /// wanted (vLLM's `_send_heartbeats`): `HB:` and their ids. Before the handshake with
+    /// that rank is done it starts the handshake instead, so that the next heartbeat goes.
+    fn send_heartbeat(&self, heartbeat: &HeartbeatSpec) {
+        const OP: &str = "send a heartbeat";
+        let (rank, port) = match self.remote_rank(OP, heartbeat.port, heartbeat.tp_size) {
+            Ok(at) => at,
+            Err(err) => {
+                tracing::warn!(engine = %heartbeat.engine_id, %err, "no heartbeat sent");
+                return;
+            }
+        };
+        let Some(remote) = self.shared.remotes.ready(&heartbeat.engine_id, rank) else {
+            let (shared, engine, host) = (
+                self.shared.clone(),
+                heartbeat.engine_id.clone(),
+                heartbeat.host.clone(),
+            );
+            self.runtime.spawn(async move {
+                if let Err(err) = shared
+                    .remotes
+                    .get(&shared, &engine, rank, &host, port)
+                    .await
+                {
+                    tracing::debug!(%engine, rank, %err, "handshake for heartbeats failed");
+                }
+            });
+            return;
+        };
+        let agent = self.agent();
+        let ids = heartbeat.request_ids.iter().map(String::as_str);
+        for message in heartbeat_messages(ids) {
+            if let Err(err) = agent.send_notification(remote.prepared.remote_agent(), &message) {
+                self.shared.series.failed_notification();
+                tracing::debug!(engine = %heartbeat.engine_id, rank, %err, "heartbeat not sent");
+            }
+        }
     }
 
     /// Holds a finished prefill request's blocks until the decode notifications arrive
-    /// (one per decode rank reading from this rank) or `deadline` passes; see
-    /// [the scheduler's docs](crate::scheduler).
+    /// (one per decode rank reading from this rank) or its KV lease ends at `deadline`
+    /// (heartbeats extend it; see [the scheduler's docs](crate::scheduler)). A request id
+    /// must not start with `HB:` (a heartbeat's prefix) or hold a comma.
     pub fn hold_for_decode(&self, request_id: &str, deadline: Instant) {
         self.listen_for_notifications();
-        self.shared.sends().hold(request_id.to_string(), deadline);
+        self.shared
+            .sends()
+            .hold(request_id.to_string(), deadline, Instant::now());
     }
 
-    /// Requests done sending (decode read them, or their abort timeout passed) and done
+    /// Requests done sending (every decode rank notified, or their lease ended) and done
     /// receiving, since the last call.
     pub fn finished(&self) -> Finished {
         let sending = {
@@ -525,17 +658,20 @@ impl KvConnectorWorker {
 
     /// Resolves once a decode notification has arrived since the previous call (or
     /// immediately if one arrived before it), so a prefill loop can sleep until
-    /// [`finished`](Self::finished)`.sending` may have news. Requests released by their
-    /// abort timeout wake nobody: call [`finished`](Self::finished) now and then as well.
+    /// [`finished`](Self::finished)`.sending` may have news. Requests released by the end
+    /// of their lease wake nobody: call [`finished`](Self::finished) now and then as well.
     pub async fn notified(&self) {
         self.shared.notified.notified().await;
     }
 
-    /// Local block ids whose load failed since the last call, sorted, for recomputation.
-    pub fn load_errors(&self) -> Vec<usize> {
-        std::mem::take(&mut self.shared.outcomes().load_errors)
-            .into_iter()
-            .collect()
+    /// The local blocks whose load failed since the last call, each with its request and
+    /// the reason (vLLM's `get_block_ids_with_load_errors`), sorted by block id; see
+    /// [`KvConnectorScheduler::update_connector_output`](crate::KvConnectorScheduler::update_connector_output)
+    /// for the failure policy.
+    pub fn load_errors(&self) -> Vec<FailedBlock> {
+        let mut failed = std::mem::take(&mut self.shared.outcomes().load_errors);
+        failed.sort_by_key(|f| f.block_id);
+        failed
     }
 
     /// Metrics of the loads that ended since the last call.
@@ -563,6 +699,12 @@ impl KvConnectorWorker {
             .get()
             .map(|c| c.side_channel_pending.stats())
             .unwrap_or_default()
+    }
+
+    /// What this rank's decode notifications did so far besides releasing requests
+    /// (heartbeats, late, repeated and malformed notifications).
+    pub fn notification_stats(&self) -> NotificationStats {
+        self.shared.sends().notification_stats()
     }
 }
 

@@ -3,13 +3,11 @@
 //! after it handshakes again.
 
 mod common;
+mod prefill_process;
 
-use std::process::Stdio;
 use std::time::Duration;
 
-use common::{
-    block, fill, pattern, poll_until, printed_port, remote, role_process, spec, worker, worker_with,
-};
+use common::{block, pattern, poll_until, remote, spec, worker_with};
 
 const ROLE_ENV: &str = "NIXL_CONNECTOR_TEST_PREFILL_ROLE";
 
@@ -17,22 +15,13 @@ const ROLE_ENV: &str = "NIXL_CONNECTOR_TEST_PREFILL_ROLE";
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "the prefill of a_load_from_a_killed_prefill_reports_exactly_its_blocks, which starts it"]
 async fn prefill_role() {
-    assert!(
-        std::env::var_os(ROLE_ENV).is_some(),
-        "run by the parent test"
-    );
-    let spec = spec(2);
-    let prefill = worker("pf-killed", 0, 1, spec);
-    fill(&prefill, &spec);
-    println!("PORT {}", prefill.side_channel_addr().unwrap().port());
-    tokio::time::sleep(Duration::from_secs(60)).await;
+    prefill_process::serve("pf-killed", ROLE_ENV).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_load_from_a_killed_prefill_reports_exactly_its_blocks() {
     common::init_tracing();
-    let mut child = role_process("prefill_role", &[(ROLE_ENV, "1")], Stdio::null());
-    let port = printed_port(&mut child);
+    let (mut child, port) = prefill_process::start("prefill_role", ROLE_ENV);
     let spec = spec(2);
     let decode = worker_with("dc-killed", 0, 1, spec, |c| {
         c.transfer_timeout = Duration::from_secs(8)

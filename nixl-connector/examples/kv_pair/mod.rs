@@ -8,7 +8,10 @@ use std::time::Duration;
 
 use nixl::kv_config::KvTransferConfig;
 use nixl::platform::BuiltinPlatform;
-use nixl_connector::{KvCacheSpec, KvConnectorWorker, KvLayout, SchedulerConfig, WorkerConfig};
+use nixl_connector::{
+    KvCacheSpec, KvConnectorWorker, KvLayout, Lease, LoadFailurePolicy, SchedulerConfig,
+    WorkerConfig,
+};
 
 /// The KV cache of both engines: 4 layers of 32 blocks of 16 KiB.
 pub const SPEC: KvCacheSpec = KvCacheSpec {
@@ -47,7 +50,11 @@ pub fn scheduler_config(
         port: worker.side_channel_addr()?.port(),
         tp_size: 1,
         // Longer than WAIT: kv_prefill's blocks are freed by the decode's notification.
-        abort_timeout: 2 * WAIT,
+        lease: Lease {
+            duration: 2 * WAIT,
+            ..Lease::default()
+        },
+        load_failure_policy: LoadFailurePolicy::default(),
     })
 }
 

@@ -1,0 +1,50 @@
+//! A prefill worker in a child process of the test binary, for tests that kill it: the child
+//! runs an ignored role test of the same binary, which fills its cache, prints its
+//! side-channel port and waits to be killed.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use crate::common::{fill, spec, worker};
+
+/// The role: a prefill `engine` with the [`spec`]`(2)` cache filled with the pattern; prints
+/// `PORT <side channel port>`, then waits (60 s at most) to be killed.
+pub async fn serve(engine: &str, role_env: &str) {
+    assert!(
+        std::env::var_os(role_env).is_some(),
+        "run by the parent test"
+    );
+    let spec = spec(2);
+    let prefill = worker(engine, 0, 1, spec);
+    fill(&prefill, &spec);
+    println!("PORT {}", prefill.side_channel_addr().unwrap().port());
+    tokio::time::sleep(Duration::from_secs(60)).await;
+}
+
+/// Starts the ignored test `role_test` (which calls [`serve`]) in a child process with
+/// `role_env` set; the child and its side-channel port.
+pub fn start(role_test: &str, role_env: &str) -> (Child, u16) {
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            role_test,
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(role_env, "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start the prefill process");
+    let port = BufReader::new(child.stdout.take().unwrap())
+        .lines()
+        .map_while(Result::ok)
+        .find_map(|line| {
+            line.find("PORT ")
+                .map(|at| line[at + 5..].trim().parse().unwrap())
+        })
+        .expect("the prefill prints its port");
+    (child, port)
+}
