@@ -4,6 +4,8 @@
 //! Every test binary compiles this module and uses a different part of it.
 #![allow(dead_code)]
 
+pub mod executor;
+
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -312,6 +314,26 @@ pub fn stalled_pair(prefix: &str) -> Pair {
             .build()
             .unwrap(),
     )
+}
+
+/// Runs `f` while another thread lets the stalled `pair.b` progress, polling it every
+/// millisecond from the moment `ready` holds; returns what `f` returns.
+pub fn resume_b_when<R>(pair: &Pair, ready: impl Fn() -> bool + Sync, f: impl FnOnce() -> R) -> R {
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            while !stop.load(Ordering::SeqCst) && !ready() {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            while !stop.load(Ordering::SeqCst) {
+                pair.b.notifications().expect("b polls");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        });
+        let out = f();
+        stop.store(true, Ordering::SeqCst);
+        out
+    })
 }
 
 /// Polls b (which progresses its workers) until `req` is done.
