@@ -3,6 +3,7 @@
 mod common;
 
 use std::collections::BTreeSet;
+use std::future::IntoFuture;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -77,14 +78,20 @@ fn assert_done_through_the_driver(pair: &Pair, dst: &nixl::Registration, req: &n
 fn an_in_flight_request_completes_through_the_driver_under_tokio() {
     let (pair, dst, req) = stalled_write("resume-tokio");
     // b resumes only once the driver holds the request, so the task's wake-up can only
-    // come from the driver.
+    // come from the driver. The request is a task of its own: the timer below wakes only
+    // the task that waits for it, never the request's.
     let outcome = resume_b_when(
         &pair,
         || driver_holds_it(&pair),
-        || runtime().block_on(async { tokio::time::timeout(WAIT, req).await }),
+        || {
+            runtime().block_on(async {
+                tokio::time::timeout(WAIT, tokio::spawn(req.into_future())).await
+            })
+        },
     );
     let req = outcome
         .expect("done within WAIT")
+        .expect("the task ran")
         .expect("the transfer succeeds");
     assert_done_through_the_driver(&pair, &dst, &req);
 }

@@ -319,6 +319,13 @@ pub fn stalled_pair(prefix: &str) -> Pair {
 /// Runs `f` while another thread lets the stalled `pair.b` progress, polling it every
 /// millisecond from the moment `ready` holds; returns what `f` returns.
 pub fn resume_b_when<R>(pair: &Pair, ready: impl Fn() -> bool + Sync, f: impl FnOnce() -> R) -> R {
+    /// Stops the polling thread when `f` returns or panics.
+    struct Stop<'a>(&'a AtomicBool);
+    impl Drop for Stop<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
     let stop = AtomicBool::new(false);
     std::thread::scope(|scope| {
         scope.spawn(|| {
@@ -330,9 +337,8 @@ pub fn resume_b_when<R>(pair: &Pair, ready: impl Fn() -> bool + Sync, f: impl Fn
                 std::thread::sleep(Duration::from_millis(1));
             }
         });
-        let out = f();
-        stop.store(true, Ordering::SeqCst);
-        out
+        let _stop = Stop(&stop);
+        f()
     })
 }
 
