@@ -122,7 +122,7 @@ impl KvConnectorWorker {
             .clone()
             .unwrap_or_else(|| agent_name(&config));
         let setup = NixlSetup::with_global_registry(
-            Agent::builder(&name),
+            Agent::builder(&name).config(config.agent_config.clone()),
             &config.kv_transfer_config,
             config.platform.as_ref(),
         )?;
