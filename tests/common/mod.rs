@@ -5,14 +5,22 @@
 #![allow(dead_code)]
 
 pub mod executor;
+mod skip;
+mod tracked;
+
+// Not every test binary uses each.
+#[allow(unused_imports)]
+pub use skip::skip;
+#[allow(unused_imports)]
+pub use tracked::Tracked;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nixl::{
-    Agent, Backend, LocalDescList, MemType, RegDesc, RegisterMemory, Registration, RemoteDescList,
-    XferDesc, XferOp, XferOptions, XferRequest, XferStatus,
+    Agent, Backend, LocalDescList, RegisterMemory, Registration, RemoteDescList, XferDesc, XferOp,
+    XferOptions, XferRequest, XferStatus,
 };
 
 /// Upper bound for any single wait in the tests. Only a guard against hangs: nothing asserts
@@ -264,46 +272,6 @@ pub fn free_port() -> u16 {
     listener.local_addr().expect("local address").port()
 }
 
-/// DRAM that records when it is freed.
-pub struct Tracked {
-    bytes: Vec<u8>,
-    freed: Arc<AtomicBool>,
-}
-
-impl Tracked {
-    /// `bytes` as DRAM to register, and the flag its drop sets.
-    pub fn new(bytes: Vec<u8>) -> (Self, Arc<AtomicBool>) {
-        let freed = Arc::new(AtomicBool::new(false));
-        let tracked = Tracked {
-            bytes,
-            freed: freed.clone(),
-        };
-        (tracked, freed)
-    }
-}
-
-impl Drop for Tracked {
-    fn drop(&mut self) {
-        self.freed.store(true, Ordering::SeqCst);
-    }
-}
-
-// SAFETY: the Vec's heap buffer does not move with the value and is freed only on drop;
-// the address comes from `&mut self`.
-unsafe impl RegisterMemory for Tracked {
-    fn mem_type(&self) -> MemType {
-        MemType::Dram
-    }
-    fn regions(&mut self) -> Vec<RegDesc> {
-        vec![RegDesc {
-            addr: self.bytes.as_mut_ptr() as usize,
-            len: self.bytes.len(),
-            dev_id: 0,
-            metadata: Vec::new(),
-        }]
-    }
-}
-
 /// A pair whose `b` runs no progress thread: a's first transfer to b cannot finish (UCX
 /// needs b for the wire-up) until b polls, so it is deterministically in flight.
 pub fn stalled_pair(prefix: &str) -> Pair {
@@ -379,25 +347,4 @@ pub fn in_flight_write(pair: &Pair, src: &Registration, dst: &Registration) -> X
         "the first transfer to a stalled peer is in flight"
     );
     req
-}
-
-/// Records that `test` could not run because `reason` (a missing prerequisite), so that
-/// scripts/test.sh lists it in its summary. Under CI (`CI` set) a missing prerequisite is
-/// a failure, not a skip.
-pub fn skip(test: &str, reason: &str) {
-    assert!(
-        std::env::var_os("CI").is_none(),
-        "{test}: prerequisite missing under CI: {reason}"
-    );
-    eprintln!("skipping {test}: {reason}");
-    let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("skipped-tests.txt");
-    let line = format!("{test}: {reason}\n");
-    let written = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&path)
-        .and_then(|mut file| std::io::Write::write_all(&mut file, line.as_bytes()));
-    if let Err(err) = written {
-        eprintln!("cannot record the skip in {}: {err}", path.display());
-    }
 }
