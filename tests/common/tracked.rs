@@ -5,18 +5,23 @@ use std::sync::Arc;
 
 use nixl::{MemType, RegDesc, RegisterMemory};
 
-/// DRAM that records when it is freed.
+/// DRAM (one or more regions) that records when it is freed.
 pub struct Tracked {
-    bytes: Vec<u8>,
+    regions: Vec<Vec<u8>>,
     freed: Arc<AtomicBool>,
 }
 
 impl Tracked {
-    /// `bytes` as DRAM to register, and the flag its drop sets.
+    /// `bytes` as one DRAM region to register, and the flag its drop sets.
     pub fn new(bytes: Vec<u8>) -> (Self, Arc<AtomicBool>) {
+        Tracked::regions(vec![bytes])
+    }
+
+    /// Each of `regions` as a DRAM region, and the flag their drop sets.
+    pub fn regions(regions: Vec<Vec<u8>>) -> (Self, Arc<AtomicBool>) {
         let freed = Arc::new(AtomicBool::new(false));
         let tracked = Tracked {
-            bytes,
+            regions,
             freed: freed.clone(),
         };
         (tracked, freed)
@@ -29,18 +34,21 @@ impl Drop for Tracked {
     }
 }
 
-// SAFETY: the Vec's heap buffer does not move with the value and is freed only on drop;
-// the address comes from `&mut self`.
+// SAFETY: the Vecs' heap buffers do not move with the value and are freed only on drop;
+// the addresses come from `&mut self`.
 unsafe impl RegisterMemory for Tracked {
     fn mem_type(&self) -> MemType {
         MemType::Dram
     }
     fn regions(&mut self) -> Vec<RegDesc> {
-        vec![RegDesc {
-            addr: self.bytes.as_mut_ptr() as usize,
-            len: self.bytes.len(),
-            dev_id: 0,
-            metadata: Vec::new(),
-        }]
+        self.regions
+            .iter_mut()
+            .map(|bytes| RegDesc {
+                addr: bytes.as_mut_ptr() as usize,
+                len: bytes.len(),
+                dev_id: 0,
+                metadata: Vec::new(),
+            })
+            .collect()
     }
 }
