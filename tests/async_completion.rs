@@ -9,18 +9,10 @@ use std::time::{Duration, Instant};
 
 use common::executor::Executor;
 use common::{
-    contents, in_flight_write, pattern, resume_b_when, stalled_pair, tracked_pair, unique_name,
-    Pair, WAIT,
+    contents, in_flight_write, pattern, resume_b_when, runtime, stalled_pair, tracked_pair,
+    unique_name, Pair, WAIT,
 };
 use nixl::{Agent, Error, NotificationFilter, XferOp, XferOptions, XferStatus};
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("tokio runtime")
-}
 
 #[test]
 fn an_awaited_request_comes_back_done_and_can_be_reposted() {

@@ -27,11 +27,7 @@ fn sixty_four_tasks_times_two_hundred_requests() {
     let pair = stalled_pair("many");
     let (src, dst) = pair.register(vec![0u8; TASKS * BLOCK], vec![0u8; TASKS * BLOCK]);
     pair.exchange();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
+    let rt = common::runtime();
     let shared = Arc::new((pair, src, dst));
     // Task t owns block t of both buffers; round r writes pattern (t, r) and checks it.
     let task = |t: usize, rounds: std::ops::Range<usize>| {

@@ -86,11 +86,7 @@ fn a_killed_peer_fails_every_pending_future_within_five_seconds() {
     let local = agent
         .register_memory(vec![0u8; REQUESTS * LEN / 4], &[])
         .unwrap();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = common::runtime();
     // READs of the peer buffer in quarters, all in flight.
     let mut requests = Vec::new();
     for r in 0..REQUESTS {

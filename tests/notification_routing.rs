@@ -8,7 +8,7 @@ mod common;
 use futures::FutureExt;
 use nixl::{Agent, NotificationFilter};
 
-use common::{unique_name, wait_notifications, WAIT};
+use common::{runtime, unique_name, wait_notifications, WAIT};
 
 /// An agent named `name` with a UCX backend.
 fn agent(name: &str) -> Agent {
@@ -24,14 +24,6 @@ fn connect(receiver: &Agent, senders: &[&Agent]) {
             .load_remote_metadata(&receiver.local_metadata().unwrap())
             .unwrap();
     }
-}
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("tokio runtime")
 }
 
 #[test]

@@ -354,21 +354,8 @@ fn without_a_gpu_vram_is_refused_the_same_way_every_time() {
     }
     let agent = Agent::new(&unique_name("no-gpu")).unwrap();
     // The CUDA driver is looked up once; asking again gives the same answer, not a crash.
-    let vram = || {
-        // SAFETY: refused before anything uses the address: no GPU is present.
-        unsafe {
-            agent.register_raw(
-                MemType::Vram,
-                &[RegDesc {
-                    addr: 0x7f00_dead_0000,
-                    len: 4096,
-                    dev_id: 0,
-                    metadata: Vec::new(),
-                }],
-                &[],
-            )
-        }
-    };
+    // SAFETY: no GPU is present (checked above).
+    let vram = || unsafe { common::register_fake_vram(&agent, &[]) };
     let (first, second) = (vram(), vram());
     match (first, second) {
         (

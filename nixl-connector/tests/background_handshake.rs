@@ -9,7 +9,8 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{
-    block, fill, pattern, poll_until, remote, spec, worker, worker_with, CountingListener, WAIT,
+    block, filled_prefill_and_decode, handshake, pattern, poll_until, remote, spec, worker_with,
+    CountingListener, WAIT,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -54,10 +55,7 @@ async fn start_load_does_not_wait_for_a_silent_prefill() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn loads_share_one_handshake_and_reuse_it() {
     common::init_tracing();
-    let spec = spec(2);
-    let prefill = worker("pf-share", 0, 1, spec);
-    fill(&prefill, &spec);
-    let decode = worker("dc-share", 0, 1, spec);
+    let (spec, prefill, decode) = filled_prefill_and_decode("pf-share", "dc-share");
     let counted = CountingListener::forward(prefill.side_channel_addr().unwrap()).await;
     let from = |i: usize| {
         let mut from = remote(&prefill, "pf-share", "q", vec![15 - i], 1);
@@ -86,10 +84,7 @@ async fn loads_share_one_handshake_and_reuse_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_early_handshake_serves_the_loads_after_it() {
     common::init_tracing();
-    let spec = spec(2);
-    let prefill = worker("pf-early", 0, 1, spec);
-    fill(&prefill, &spec);
-    let decode = worker("dc-early", 0, 1, spec);
+    let (spec, prefill, decode) = filled_prefill_and_decode("pf-early", "dc-early");
     let port = prefill.side_channel_addr().unwrap().port();
 
     let err = decode
@@ -100,10 +95,7 @@ async fn an_early_handshake_serves_the_loads_after_it() {
     assert!(err.contains("the transfer params name engine"), "{err}");
 
     let counted = CountingListener::forward(prefill.side_channel_addr().unwrap()).await;
-    decode
-        .handshake_with("pf-early", "127.0.0.1", counted.port, 1)
-        .await
-        .unwrap();
+    handshake(&decode, "pf-early", counted.port).await;
     assert_eq!(counted.accepted(), 1);
     for i in 0..8 {
         let mut from = remote(&prefill, "pf-early", "q", vec![15 - i], 1);
@@ -132,15 +124,13 @@ async fn an_early_handshake_serves_the_loads_after_it() {
 #[tokio::test]
 async fn after_the_handshake_start_load_posts_the_read_itself() {
     common::init_tracing();
-    let spec = spec(2);
-    let prefill = worker("pf-now", 0, 1, spec);
-    fill(&prefill, &spec);
-    let decode = worker("dc-now", 0, 1, spec);
-    let port = prefill.side_channel_addr().unwrap().port();
-    decode
-        .handshake_with("pf-now", "127.0.0.1", port, 1)
-        .await
-        .unwrap();
+    let (spec, prefill, decode) = filled_prefill_and_decode("pf-now", "dc-now");
+    handshake(
+        &decode,
+        "pf-now",
+        prefill.side_channel_addr().unwrap().port(),
+    )
+    .await;
     decode
         .start_load("now", &[3], &remote(&prefill, "pf-now", "now", vec![9], 1))
         .unwrap();

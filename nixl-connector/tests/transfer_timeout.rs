@@ -6,7 +6,9 @@ mod common;
 
 use std::time::Duration;
 
-use common::{fill, poll_until, progress_until, remote, spec, stalled_worker, worker_with, WAIT};
+use common::{
+    fill, handshake, poll_until, progress_until, remote, spec, stalled_worker, worker_with, WAIT,
+};
 use nixl_connector::Error;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -18,11 +20,12 @@ async fn a_read_past_the_transfer_timeout_fails_its_load_with_the_timeout() {
     let prefill = stalled_worker("pf-stalled", 0, 1, spec);
     fill(&prefill, &spec);
     let decode = worker_with("dc-timeout", 0, 1, spec, |c| c.transfer_timeout = TIMEOUT);
-    let port = prefill.side_channel_addr().unwrap().port();
-    decode
-        .handshake_with("pf-stalled", "127.0.0.1", port, 1)
-        .await
-        .unwrap();
+    handshake(
+        &decode,
+        "pf-stalled",
+        prefill.side_channel_addr().unwrap().port(),
+    )
+    .await;
 
     decode
         .start_load(

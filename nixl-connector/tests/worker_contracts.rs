@@ -16,8 +16,8 @@ use nixl::platform::BuiltinPlatform;
 use nixl_connector::{Error, KvConnectorWorker, WorkerConfig};
 
 use common::{
-    cpu_config, fill, poll_until, progress_until, remote, spec, stalled_worker, worker, Tracked,
-    WAIT,
+    cpu_config, fill, filled_prefill_and_decode, handshake, poll_until, progress_until, remote,
+    spec, stalled_worker, worker, Tracked, WAIT,
 };
 
 fn config(engine: &str, rank: usize, tp: usize) -> WorkerConfig {
@@ -98,10 +98,7 @@ async fn start_load_refuses_bad_arguments_and_records_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn load_ended_wakes_once_per_batch_of_ended_loads() {
-    let spec = spec(2);
-    let prefill = worker("pf-ended", 0, 1, spec);
-    fill(&prefill, &spec);
-    let decode = worker("dc-ended", 0, 1, spec);
+    let (_, prefill, decode) = filled_prefill_and_decode("pf-ended", "dc-ended");
     let from = |request: &str, block: usize| remote(&prefill, "pf-ended", request, vec![block], 1);
     assert!(
         decode.load_ended().now_or_never().is_none(),
@@ -127,10 +124,7 @@ async fn load_ended_wakes_once_per_batch_of_ended_loads() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn notifications_before_hold_for_decode_release_the_request_when_held() {
-    let spec = spec(2);
-    let prefill = worker("pf-early-note", 0, 1, spec);
-    fill(&prefill, &spec);
-    let decode = worker("dc-early-note", 0, 1, spec);
+    let (_, prefill, decode) = filled_prefill_and_decode("pf-early-note", "dc-early-note");
     let far = Instant::now() + Duration::from_secs(600);
     let read = |request: &str, local: usize| {
         let from = remote(&prefill, "pf-early-note", request, vec![local + 8], 1);
@@ -176,11 +170,12 @@ async fn a_worker_dropped_with_loads_in_flight_frees_nothing_early_and_leaks_not
         .collect();
     let (cache, freed) = Tracked::regions(layers);
     decode.register_kv_caches(cache, spec).unwrap();
-    let port = prefill.side_channel_addr().unwrap().port();
-    decode
-        .handshake_with("pf-drop", "127.0.0.1", port, 1)
-        .await
-        .unwrap();
+    handshake(
+        &decode,
+        "pf-drop",
+        prefill.side_channel_addr().unwrap().port(),
+    )
+    .await;
     for (i, request) in ["a", "b"].into_iter().enumerate() {
         let from = remote(&prefill, "pf-drop", request, vec![i], 1);
         decode.start_load(request, &[i], &from).unwrap();

@@ -27,6 +27,15 @@ use nixl::{
 /// how fast anything is.
 pub const WAIT: Duration = Duration::from_secs(60);
 
+/// A tokio runtime with two worker threads, as a small service would run.
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+}
+
 /// A name no other agent in this process (or in a parallel test process) uses.
 pub fn unique_name(prefix: &str) -> String {
     static NEXT: AtomicUsize = AtomicUsize::new(0);
@@ -270,6 +279,26 @@ pub fn assert_blocks_reversed(moved: &[u8], data: &[u8], block: usize, blocks: u
 pub fn free_port() -> u16 {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
     listener.local_addr().expect("local address").port()
+}
+
+/// Asks `agent` to register 4 KiB of VRAM at a fake, non-null device address, with
+/// `backends`.
+///
+/// # Safety
+/// Only where no GPU is present: the registration is then refused before NIXL or UCX touch
+/// the address.
+pub unsafe fn register_fake_vram(
+    agent: &Agent,
+    backends: &[&Backend],
+) -> nixl::Result<Registration> {
+    let fake = nixl::RegDesc {
+        addr: 0x7f00_dead_0000,
+        len: 4096,
+        dev_id: 0,
+        metadata: Vec::new(),
+    };
+    // SAFETY: the caller's promise: no GPU, so refused before anything uses the address.
+    unsafe { agent.register_raw(nixl::MemType::Vram, &[fake], backends) }
 }
 
 /// A pair whose `b` runs no progress thread: a's first transfer to b cannot finish (UCX

@@ -69,6 +69,27 @@ pub fn worker_with(
     worker
 }
 
+/// A prefill worker of engine `prefill` with every block filled ([`fill`]) and a decode
+/// worker of engine `decode`, both TP 1 with the cache of [`spec`]`(2)`.
+pub fn filled_prefill_and_decode(
+    prefill: &str,
+    decode: &str,
+) -> (KvCacheSpec, KvConnectorWorker, KvConnectorWorker) {
+    let spec = spec(2);
+    let source = worker(prefill, 0, 1, spec);
+    fill(&source, &spec);
+    (spec, source, worker(decode, 0, 1, spec))
+}
+
+/// Runs `decode`'s handshake with engine `engine` (TP 1) at 127.0.0.1:`port`; panics if it
+/// fails.
+pub async fn handshake(decode: &KvConnectorWorker, engine: &str, port: u16) {
+    decode
+        .handshake_with(engine, "127.0.0.1", port, 1)
+        .await
+        .unwrap_or_else(|err| panic!("handshake with {engine}: {err}"));
+}
+
 /// The byte at `offset` of block `block`, layer `layer`, of a prefill cache.
 pub fn pattern(layer: usize, block: usize, offset: usize) -> u8 {
     (layer * 131 + block * 31 + offset * 7 + 1) as u8
