@@ -99,8 +99,9 @@ struct Pull {
 /// # Errors
 /// [`Error::Config`] when the cache cannot hold `in_flight` requests; handshake errors
 /// ([`Error::Rejected`] when prefill refuses); [`Error::PeerGone`] as soon as prefill's
-/// control channel closes before the run is complete; [`Error::LoadFailed`] for a READ that
-/// failed or passed its timeout; [`Error::Timeout`] after `idle_timeout` without news.
+/// control channel closes before the run is complete (also when a READ fails and the channel
+/// closes within a second: prefill died); [`Error::LoadFailed`] for a READ that failed or
+/// passed its timeout; [`Error::Timeout`] after `idle_timeout` without news.
 pub async fn run(
     worker: &Worker,
     options: &DecodeOptions,
@@ -374,7 +375,12 @@ async fn pull_all(
                 let errors = connector.load_errors();
                 connector.metrics();
                 let outcomes = state.scheduler.update_connector_output(&finished, &errors);
-                state.loads_ended(outcomes)?;
+                if let Err(failed) = state.loads_ended(outcomes) {
+                    if !channel_open {
+                        return Err(failed);
+                    }
+                    return Err(blame(failed, channel, &state.progress).await);
+                }
             }
             () = std::future::ready(()), if !state.ended.is_empty() => {
                 state.check_one()?;
@@ -388,14 +394,7 @@ async fn pull_all(
                 }
                 // Prefill closes the channel after Complete; only loads are left then.
                 Err(_) if state.complete => channel_open = false,
-                Err(nixl_connector::Error::Closed { .. }) => return Err(Error::PeerGone(format!(
-                    "prefill closed the control channel after {}/{} requests (did it die?)",
-                    state.progress.requests_done, options.requests
-                ))),
-                Err(err) => return Err(Error::PeerGone(format!(
-                    "lost the control channel to prefill after {}/{} requests: {err}",
-                    state.progress.requests_done, options.requests
-                ))),
+                Err(err) => return Err(Error::PeerGone(channel_lost(err, &state.progress))),
             },
             _ = report.tick() => on_progress(&state.progress),
             _ = step.tick() => connector.start_load_kv(&state.scheduler.build_connector_meta()),
@@ -412,6 +411,43 @@ async fn pull_all(
         mismatches: state.mismatches,
         lifecycle: state.lifecycle,
     })
+}
+
+/// How long a decode whose load failed watches prefill's control channel before it blames
+/// the load: a prefill that dies takes its memory and its connections down together (the
+/// memory a moment first), so a load from it fails just before its channel closes.
+const DEATH_GRACE: Duration = Duration::from_secs(1);
+
+/// Why prefill's control channel failed with `err` before the run was complete.
+fn channel_lost(err: nixl_connector::Error, done: &Progress) -> String {
+    let (done, total) = (done.requests_done, done.requests_total);
+    match err {
+        nixl_connector::Error::Closed { .. } => {
+            format!(
+                "prefill closed the control channel after {done}/{total} requests (did it die?)"
+            )
+        }
+        err => format!("lost the control channel to prefill after {done}/{total} requests: {err}"),
+    }
+}
+
+/// The error of a run whose load failed with `failed`: prefill is gone
+/// ([`Error::PeerGone`]) if its control channel fails within [`DEATH_GRACE`] (after the
+/// messages it sent before), else the load failed on its own.
+async fn blame(failed: Error, channel: &mut Channel<Metered>, done: &Progress) -> Error {
+    let until = Deadline::now() + DEATH_GRACE;
+    loop {
+        match tokio::time::timeout_at(until, channel.recv::<Message>()).await {
+            Ok(Ok(_)) => continue,
+            Ok(Err(err)) => {
+                return Error::PeerGone(format!(
+                    "{}; a load failed with it: {failed}",
+                    channel_lost(err, done)
+                ))
+            }
+            Err(_) => return failed,
+        }
+    }
 }
 
 /// Where `--abort-every` aborts a request.

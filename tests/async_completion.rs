@@ -3,19 +3,16 @@
 mod common;
 
 use std::collections::BTreeSet;
+use std::future::IntoFuture;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use common::{pattern, stalled_pair, tracked_pair, unique_name, Pair, WAIT};
+use common::executor::Executor;
+use common::{
+    contents, in_flight_write, pattern, resume_b_when, runtime, stalled_pair, tracked_pair,
+    unique_name, Pair, WAIT,
+};
 use nixl::{Agent, Error, NotificationFilter, XferOp, XferOptions, XferStatus};
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("tokio runtime")
-}
 
 #[test]
 fn an_awaited_request_comes_back_done_and_can_be_reposted() {
@@ -44,6 +41,67 @@ fn an_awaited_request_comes_back_done_and_can_be_reposted() {
             other => panic!("expected an unposted request to be refused, got {other:?}"),
         }
     });
+}
+
+/// A stalled pair with `LEN` bytes to write from a to b, and that WRITE posted and in flight.
+fn stalled_write(prefix: &str) -> (Pair, nixl::Registration, nixl::XferRequest) {
+    const LEN: usize = 1 << 20;
+    let pair = stalled_pair(prefix);
+    let (src, dst) = pair.source_and_destination(pattern(LEN, 4));
+    pair.exchange();
+    let req = in_flight_write(&pair, &src, &dst);
+    (pair, dst, req)
+}
+
+/// Whether a's driver holds exactly one request: the one the test handed it.
+fn driver_holds_it(pair: &Pair) -> bool {
+    pair.a.driver_stats().held == 1
+}
+
+/// After the transfer: the bytes landed, and the driver carried exactly one request.
+fn assert_done_through_the_driver(pair: &Pair, dst: &nixl::Registration, req: &nixl::XferRequest) {
+    assert!(!req.is_in_flight());
+    assert_eq!(contents(dst), pattern(1 << 20, 4));
+    // The driver counts a request finished just after handing it back.
+    common::wait_until("the driver to count the request finished", || {
+        pair.a.driver_stats().held == 0
+    });
+    assert_eq!(pair.a.driver_stats().awaited, 1);
+}
+
+#[test]
+fn an_in_flight_request_completes_through_the_driver_under_tokio() {
+    let (pair, dst, req) = stalled_write("resume-tokio");
+    // b resumes only once the driver holds the request, so the task's wake-up can only
+    // come from the driver. The request is a task of its own: the timer below wakes only
+    // the task that waits for it, never the request's.
+    let outcome = resume_b_when(
+        &pair,
+        || driver_holds_it(&pair),
+        || {
+            runtime().block_on(async {
+                tokio::time::timeout(WAIT, tokio::spawn(req.into_future())).await
+            })
+        },
+    );
+    let req = outcome
+        .expect("done within WAIT")
+        .expect("the task ran")
+        .expect("the transfer succeeds");
+    assert_done_through_the_driver(&pair, &dst, &req);
+}
+
+#[test]
+fn an_in_flight_request_completes_through_the_driver_under_a_hand_made_executor() {
+    let (pair, dst, req) = stalled_write("resume-hand");
+    let mut executor = Executor::new([req.completion()]);
+    assert_eq!(executor.poll_all(), 1, "in flight: pending");
+    assert!(driver_holds_it(&pair), "{:?}", pair.a.driver_stats());
+    assert_eq!(executor.wakes(), 0);
+    let mut outcomes = resume_b_when(&pair, || true, || executor.run());
+    let req = outcomes.pop().unwrap().expect("the transfer succeeds");
+    assert_eq!(executor.wakes(), 1, "the driver woke the future once");
+    assert_done_through_the_driver(&pair, &dst, &req);
 }
 
 #[test]

@@ -1,12 +1,13 @@
-//! 64 tasks x 200 awaited transfers on a 2-thread tokio runtime: every byte checked, and
-//! no thread per request (the process's thread count stays the same).
+//! 64 tasks x 200 awaited transfers on a 2-thread tokio runtime: every byte checked, no
+//! thread per request (the process's thread count stays the same), and the completion
+//! driver carried requests (each task's first is in flight until the driver holds them all).
 //! Alone in its binary, so that no other test's threads change the count.
 
 mod common;
 
 use std::sync::Arc;
 
-use common::{pattern, Pair, WAIT};
+use common::{pattern, resume_b_when, stalled_pair, WAIT};
 use nixl::{LocalDescList, MemType, RemoteDescList, XferDesc, XferOp, XferOptions};
 
 const TASKS: usize = 64;
@@ -22,14 +23,11 @@ fn threads() -> usize {
 
 #[test]
 fn sixty_four_tasks_times_two_hundred_requests() {
-    let pair = Pair::new("many");
+    // b progresses only from the moment the driver holds every task's first request.
+    let pair = stalled_pair("many");
     let (src, dst) = pair.register(vec![0u8; TASKS * BLOCK], vec![0u8; TASKS * BLOCK]);
     pair.exchange();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
+    let rt = common::runtime();
     let shared = Arc::new((pair, src, dst));
     // Task t owns block t of both buffers; round r writes pattern (t, r) and checks it.
     let task = |t: usize, rounds: std::ops::Range<usize>| {
@@ -67,9 +65,21 @@ fn sixty_four_tasks_times_two_hundred_requests() {
             }
         })
     };
-    // The first round starts the runtime's and the driver's threads.
-    run(0..1);
-    let before = threads();
-    run(1..ROUNDS);
-    assert_eq!(threads(), before, "no thread per request or per task");
+    let a = &shared.0.a;
+    resume_b_when(
+        &shared.0,
+        || a.driver_stats().held == TASKS as u64,
+        || {
+            // The first round starts the runtime's and the driver's threads.
+            run(0..1);
+            let before = threads();
+            run(1..ROUNDS);
+            assert_eq!(threads(), before, "no thread per request or per task");
+        },
+    );
+    let stats = a.driver_stats();
+    assert!(
+        stats.awaited >= TASKS as u64,
+        "every task's first request went through the driver: {stats:?}"
+    );
 }

@@ -845,8 +845,6 @@ fn backend_of_another_agent() {
 fn vram_without_a_gpu() {
     let (pair, _src, _dst) = pair_with_buffers("vram");
     // A fake, non-null device address: it must be refused before NIXL or UCX touch it.
-    // SAFETY: the call fails before anything uses the address (asserted below); if a GPU
-    // were present the test returns before registering.
     if std::path::Path::new("/dev/nvidia0").exists() {
         common::skip(
             "vram_without_a_gpu",
@@ -854,18 +852,8 @@ fn vram_without_a_gpu() {
         );
         return;
     }
-    let refused = unsafe {
-        pair.a.register_raw(
-            MemType::Vram,
-            &[RegDesc {
-                addr: 0x7f00_dead_0000,
-                len: 4096,
-                dev_id: 0,
-                metadata: Vec::new(),
-            }],
-            &[&pair.ucx_a],
-        )
-    };
+    // SAFETY: no GPU is present (checked above).
+    let refused = unsafe { common::register_fake_vram(&pair.a, &[&pair.ucx_a]) };
     match refused {
         Err(Error::NoCudaDevice { detail, .. }) => assert!(!detail.is_empty()),
         other => panic!("expected NoCudaDevice, got {other:?}"),

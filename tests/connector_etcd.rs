@@ -7,7 +7,6 @@
 //! Needs the `etcd` binary (Debian package etcd-server, installed by scripts/setup.sh);
 //! without it the test fails under CI, and elsewhere is skipped and listed in the summary.
 
-mod common;
 #[path = "../nixl-connector/tests/common/mod.rs"]
 mod connector;
 mod demo_support;
@@ -77,7 +76,7 @@ async fn metadata_from_etcd_is_fetched_by_the_connector_and_validated() {
     let etcd = match Etcd::start() {
         Ok(etcd) => etcd,
         Err(reason) => {
-            common::skip(
+            connector::skip(
                 "metadata_from_etcd_is_fetched_by_the_connector_and_validated",
                 &reason,
             );

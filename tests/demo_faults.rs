@@ -57,9 +57,11 @@ fn killed_prefill_is_reported_within_5_seconds() {
         .lines()
         .find(|l| l.starts_with("decode: error:"))
         .unwrap_or_else(|| panic!("no error line:\n{out}"));
-    assert!(error.contains("prefill"), "{error}");
+    // Whether decode first sees its loads fail or the channel close, the report is
+    // prefill's death (it closes with the process, a moment after the memory goes).
     assert!(
-        error.contains("die") || error.contains("failed") || error.contains("lost"),
+        error.starts_with("decode: error: prefill closed the control channel after ")
+            && error.contains(" requests (did it die?)"),
         "{error}"
     );
 }

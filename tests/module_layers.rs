@@ -1,14 +1,20 @@
-//! The `nixl` crate's files form layers: no file's code reaches, through `crate::` paths, a
-//! file that reaches back to it, and the FFI boundary (`raw.rs`, `handles.rs`) knows only
-//! `nixl-sys`, the loaded library, the error type and plain data.
+//! The `nixl` crate's files form layers: no file's code reaches, through `crate::`,
+//! `super::` or `self::` paths (grouped `use` imports included), a file that reaches back
+//! to it, and the FFI boundary (`raw.rs`, `handles.rs`) knows only `nixl-sys`, the
+//! loaded library, the error type and plain data.
+//!
+//! A file's own ancestors (`wire/mod.rs` for `wire/reader.rs`) do not count as reached:
+//! a parent module holds its children. `super::` is read relative to the file, so one
+//! inside an inline module (`mod tests { use super::*; }`) counts as the file's parent.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
-/// Every module of nixl/src and the modules its code names through `crate::`.
-fn imports() -> BTreeMap<String, BTreeSet<String>> {
+/// Every module of nixl/src (`wire::reader` for wire/reader.rs) and its code, comment
+/// lines left out (a doc link to another module is a reference, not a dependency).
+fn sources() -> BTreeMap<String, String> {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("nixl/src");
-    let mut graph = BTreeMap::new();
+    let mut out = BTreeMap::new();
     let mut dirs = vec![src.clone()];
     while let Some(dir) = dirs.pop() {
         for entry in std::fs::read_dir(&dir).expect("read nixl/src") {
@@ -28,42 +34,136 @@ fn imports() -> BTreeMap<String, BTreeSet<String>> {
             if module == "lib" {
                 continue;
             }
-            // Code only: a doc link to another module is a reference, not a dependency.
-            let text: String = std::fs::read_to_string(&path)
+            let code = std::fs::read_to_string(&path)
                 .expect("read source")
                 .lines()
                 .filter(|line| !line.trim_start().starts_with("//"))
                 .collect::<Vec<_>>()
                 .join("\n");
-            let mut used = BTreeSet::new();
-            for (at, _) in text.match_indices("crate::") {
-                let rest = &text[at + "crate::".len()..];
-                let name: String = rest
-                    .chars()
-                    .take_while(|c| c.is_ascii_lowercase() || *c == '_')
-                    .collect();
-                // `crate::platform::registry` names the submodule when it exists.
-                let top = if name == "platform" {
-                    let sub: String = rest["platform::".len().min(rest.len())..]
-                        .chars()
-                        .take_while(|c| c.is_ascii_lowercase() || *c == '_')
-                        .collect();
-                    if sub.is_empty() || !src.join("platform").join(format!("{sub}.rs")).exists() {
-                        name.clone()
-                    } else {
-                        format!("platform::{sub}")
-                    }
-                } else {
-                    name
-                };
-                if !top.is_empty() && top != module && !module.starts_with(&format!("{top}::")) {
-                    used.insert(top);
-                }
-            }
-            graph.insert(module, used);
+            out.insert(module, code);
         }
     }
-    graph
+    out
+}
+
+fn is_ident(c: char) -> bool {
+    c.is_ascii_alphanumeric() || c == '_'
+}
+
+/// Reads a use tree at the start of `text` (`a::b`, `a::{b, c::d}`, `a::*`, `a as b`),
+/// appending each path it names to `out` after `prefix`.
+fn use_tree(text: &str, prefix: &[String], out: &mut Vec<Vec<String>>) -> usize {
+    let mut path = prefix.to_vec();
+    let mut at = 0;
+    loop {
+        let rest = &text[at..];
+        let skipped = rest.len() - rest.trim_start().len();
+        at += skipped;
+        let rest = &text[at..];
+        if let Some(inner) = rest.strip_prefix('{') {
+            at += 1;
+            let mut used = 0;
+            loop {
+                let inside = &inner[used..];
+                let blank = inside.len() - inside.trim_start().len();
+                used += blank;
+                if inner[used..].starts_with('}') {
+                    return at + used + 1;
+                }
+                used += use_tree(&inner[used..], &path, out);
+                let inside = &inner[used..];
+                used += inside.len() - inside.trim_start().len();
+                match inner[used..].chars().next() {
+                    Some(',') => used += 1,
+                    Some('}') => return at + used + 1,
+                    _ => return at + used,
+                }
+            }
+        }
+        let name: String = rest.chars().take_while(|&c| is_ident(c)).collect();
+        if name.is_empty() {
+            break;
+        }
+        at += name.len();
+        if name != "self" {
+            path.push(name);
+        }
+        if text[at..].starts_with("::") {
+            at += 2;
+            continue;
+        }
+        break;
+    }
+    if text[at..].trim_start().starts_with("as ") {
+        let rest = text[at..].trim_start();
+        at = text.len() - rest.len() + 3;
+        let rest = text[at..].trim_start();
+        at = text.len() - rest.len() + rest.chars().take_while(|&c| is_ident(c)).count();
+    }
+    if path.len() > prefix.len() {
+        out.push(path);
+    }
+    at
+}
+
+/// The module paths `code` of module `module` names through `crate::`, `super::` and
+/// `self::`, made absolute (`["wire", "reader", "Parsed"]`).
+fn paths(module: &str, code: &str) -> Vec<Vec<String>> {
+    let own: Vec<String> = module.split("::").map(String::from).collect();
+    let mut out = Vec::new();
+    for (at, _) in code.match_indices("::") {
+        let before = &code[..at];
+        let word: String = {
+            let rev: String = before.chars().rev().take_while(|&c| is_ident(c)).collect();
+            rev.chars().rev().collect()
+        };
+        let start = at - word.len();
+        // Only the first segment of a path: `a::crate::` is no path of ours.
+        let preceded = code[..start].ends_with("::");
+        if preceded || start > 0 && code[..start].ends_with(is_ident) {
+            continue;
+        }
+        let mut base = match word.as_str() {
+            "crate" => Vec::new(),
+            "self" => own.clone(),
+            "super" => own[..own.len() - 1].to_vec(),
+            _ => continue,
+        };
+        let mut rest = at + 2;
+        // `super::super::` climbs further.
+        while word == "super" && code[rest..].starts_with("super::") {
+            base.pop();
+            rest += "super::".len();
+        }
+        use_tree(&code[rest..], &base, &mut out);
+    }
+    out
+}
+
+/// The longest prefix of `path` that is one of `modules`.
+fn resolve(path: &[String], modules: &BTreeSet<String>) -> Option<String> {
+    (1..=path.len())
+        .rev()
+        .map(|n| path[..n].join("::"))
+        .find(|m| modules.contains(m))
+}
+
+/// Every module of nixl/src and the modules its code reaches (its ancestors and itself left
+/// out).
+fn imports() -> BTreeMap<String, BTreeSet<String>> {
+    let sources = sources();
+    let modules: BTreeSet<String> = sources.keys().cloned().collect();
+    sources
+        .iter()
+        .map(|(module, code)| {
+            let used = paths(module, code)
+                .iter()
+                .filter_map(|path| resolve(path, &modules))
+                .filter(|target| target != module && !module.starts_with(&format!("{target}::")))
+                .collect();
+            (module.clone(), used)
+        })
+        .collect()
 }
 
 /// A cycle through `start`, if there is one.
@@ -117,4 +217,37 @@ fn the_ffi_boundary_knows_only_the_library_the_error_type_and_plain_data() {
             used.difference(&allowed).collect::<Vec<_>>()
         );
     }
+}
+
+#[test]
+fn grouped_imports_and_super_paths_are_read() {
+    let strings = |paths: Vec<Vec<String>>| -> Vec<String> {
+        paths.into_iter().map(|p| p.join("::")).collect()
+    };
+    let code = "use crate::{driver::{lock, Shared}, error::Result as R, self as _};\n\
+                use super::{reader::Parsed, *};\n\
+                fn f() { super::super::top::g(); crate::xfer::XferRequest::new(); }\n\
+                use self::child::Thing;\n\
+                pub(crate) fn h() {} pub(super) fn i() {} let x = a::crate_like::y;";
+    assert_eq!(
+        strings(paths("wire::reader", code)),
+        [
+            "driver::lock",
+            "driver::Shared",
+            "error::Result",
+            "wire::reader::Parsed",
+            "top::g",
+            "xfer::XferRequest::new",
+            "wire::reader::child::Thing",
+        ]
+    );
+    // On the real sources: wire/'s files name each other only through `super::`
+    // (layout.rs through the group `super::{ucx_address, ucx_rkey}`).
+    let graph = imports();
+    assert!(
+        graph["wire::layout"].contains("wire::ucx_rkey"),
+        "{:?}",
+        graph["wire::layout"]
+    );
+    assert!(graph["wire::ucx_rkey"].contains("wire::reader"));
 }

@@ -30,7 +30,9 @@ pub struct Spot {
 }
 
 /// The fields of `bytes` that parse as NIXL's container, in order (stops at the first
-/// thing that does not parse). Every spot lies inside `bytes`.
+/// thing that does not parse). Every spot lies inside `bytes`: the walk stops at the first
+/// field whose payload would reach its end, and a count is marked only where its payload
+/// is 8 bytes.
 pub fn spots(bytes: &[u8]) -> Vec<Spot> {
     let mut out = Vec::new();
     let mut pos = b"nixlSerDes|".len();
@@ -99,7 +101,7 @@ pub fn spots(bytes: &[u8]) -> Vec<Spot> {
         last_tag = tag;
         pos = data + len + 1;
     }
-    out.retain(|spot| spot.len > 0 && spot.offset + spot.len <= bytes.len());
+    out.retain(|spot| spot.len > 0);
     out
 }
 
@@ -107,18 +109,71 @@ pub fn spots(bytes: &[u8]) -> Vec<Spot> {
 mod tests {
     use super::*;
 
+    /// A container field: tag, 8-byte length, payload, separator.
+    fn field(out: &mut Vec<u8>, tag: &[u8], payload: &[u8]) {
+        out.extend(tag);
+        out.extend((payload.len() as u64).to_le_bytes());
+        out.extend(payload);
+        out.push(b'|');
+    }
+
+    /// Offsets of the count spots of `bytes`.
+    fn counts(bytes: &[u8]) -> Vec<usize> {
+        spots(bytes)
+            .iter()
+            .filter(|s| s.kind == Kind::Count)
+            .map(|s| s.offset)
+            .collect()
+    }
+
     #[test]
-    fn a_count_cut_short_is_no_spot() {
+    fn a_count_cut_short_at_the_end_is_no_spot() {
         // "Conns" whose payload a mutation cut to 1 byte: no 8-byte count spot may run past it
         // (the harness once panicked slicing one).
-        let mut md = b"nixlSerDes|Agent".to_vec();
-        md.extend(1u64.to_le_bytes());
-        md.extend(b"a|Conns");
-        md.extend(1u64.to_le_bytes());
-        md.extend(b"x|");
+        let mut md = b"nixlSerDes|".to_vec();
+        field(&mut md, b"Agent", b"a");
+        field(&mut md, b"Conns", b"x");
         let found = spots(&md);
         assert!(!found.is_empty());
         assert!(found.iter().all(|s| s.offset + s.len <= md.len()));
-        assert!(found.iter().all(|s| s.kind != Kind::Count));
+        assert!(counts(&md).is_empty());
+    }
+
+    #[test]
+    fn a_count_cut_short_in_the_middle_of_a_blob_is_no_count() {
+        // The cut count is followed by more fields: 8 bytes from its payload lie inside the
+        // blob, but they are the next field's bytes, not a count.
+        let mut md = b"nixlSerDes|".to_vec();
+        field(&mut md, b"Agent", b"a");
+        field(&mut md, b"Conns", b"x");
+        let real = md.len() + b"nixlSecElms".len() + 8;
+        field(&mut md, b"nixlSecElms", &3u64.to_le_bytes());
+        field(&mut md, b"bknd", b"UCX");
+        assert_eq!(counts(&md), [real], "only the whole count is one");
+    }
+
+    #[test]
+    fn every_spot_of_every_cut_of_real_metadata_lies_inside_it() {
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/metadata_corpus");
+        let mut files = 0;
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_none_or(|e| e != "bin") {
+                continue;
+            }
+            let md = std::fs::read(&path).unwrap();
+            for cut in 0..=md.len() {
+                for spot in spots(&md[..cut]) {
+                    assert!(
+                        spot.len > 0 && spot.offset + spot.len <= cut,
+                        "{}: cut to {cut}: {spot:?}",
+                        path.display()
+                    );
+                }
+            }
+            files += 1;
+        }
+        assert!(files >= 20, "{files} corpus files");
     }
 }

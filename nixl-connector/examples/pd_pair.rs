@@ -1,5 +1,6 @@
 //! One prefill engine and one decode engine in one process, each with the connector's
-//! scheduler and worker halves, moving one request's KV cache over NIXL (DRAM, UCX).
+//! scheduler and worker halves, moving one request's KV cache over NIXL (DRAM, UCX), then
+//! checking a block of it. The suite runs it (tests/pd_pair_example.rs).
 //!
 //! ```sh
 //! cargo run -p nixl-connector --example pd_pair
@@ -7,13 +8,14 @@
 
 mod kv_pair;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kv_pair::{scheduler_config, worker};
 use nixl_connector::{FinishStatus, KvCacheSpec, KvConnectorScheduler, KvLayout, KvTransferParams};
 
+/// Visible to the crate: the suite calls it (tests/pd_pair_example.rs).
 #[tokio::main]
-async fn main() -> nixl_connector::Result<()> {
+pub(crate) async fn main() -> Result<(), Box<dyn std::error::Error>> {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .init();
@@ -67,22 +69,29 @@ async fn main() -> nixl_connector::Result<()> {
     decode_scheduler.update_state_after_alloc("r1", &[0, 1, 2, 3], &params)?;
     decode.start_load_kv(&decode_scheduler.build_connector_meta());
 
-    // Engine steps: poll both workers.
+    // Engine steps: poll both workers, for at most 30 s.
+    let give_up = Instant::now() + Duration::from_secs(30);
     let (mut received, mut freed) = (false, false);
     while !(received && freed) {
+        if Instant::now() > give_up {
+            return Err(format!("not done after 30 s: received {received}, freed {freed}").into());
+        }
         tokio::time::sleep(Duration::from_millis(10)).await;
         let d = decode.finished();
         if !d.recving.is_empty() {
+            let failed = decode.load_errors();
             println!(
-                "decode: done receiving {:?}, failed blocks {:?}",
-                d.recving,
-                decode.load_errors()
+                "decode: done receiving {:?}, failed blocks {failed:?}",
+                d.recving
             );
             for m in decode.metrics() {
                 println!(
                     "decode: {} bytes in {} descriptors in {:?}",
                     m.bytes, m.descriptors, m.duration
                 );
+            }
+            if !failed.is_empty() {
+                return Err(format!("blocks {failed:?} failed to load").into());
             }
             received = true;
         }
@@ -103,5 +112,8 @@ async fn main() -> nixl_connector::Result<()> {
         "decode: layer 3 block 2 holds {} (prefill block 6)",
         block[0]
     );
+    if block.iter().any(|&b| b != 36) {
+        return Err("decode's layer 3 block 2 is not prefill's block 6".into());
+    }
     Ok(())
 }

@@ -148,6 +148,9 @@ pub struct WorkerConfig {
     pub device_id: u64,
     /// The NIXL agent's name (`None`: `<engine>-rank<r>-<pid>-<n>`, unique in the process).
     pub agent_name: Option<String>,
+    /// The NIXL agent's settings: its progress thread and that thread's delay, locking,
+    /// telemetry.
+    pub agent_config: nixl::AgentConfig,
     /// How the agent metadata reaches peers.
     pub metadata_exchange: MetadataExchange,
     /// The KV lease of requests held for a decode (`None`: from the `kv_transfer_config`,
@@ -158,7 +161,8 @@ pub struct WorkerConfig {
 impl WorkerConfig {
     /// Defaults: the current platform (or `cpu` when none is detected), side channel on
     /// 127.0.0.1 port 0, [`ChannelLimits::default`], 30 s transfers, device 0, a generated
-    /// agent name, metadata in the handshake, the lease of the `kv_transfer_config`.
+    /// agent name with [`nixl::AgentConfig::default`], metadata in the handshake, the lease of
+    /// the `kv_transfer_config`.
     pub fn new(engine_id: &str, tp_rank: usize, tp_size: usize, kv: KvTransferConfig) -> Self {
         let platform = nixl::platform::current_platform()
             .unwrap_or_else(|_| Arc::new(nixl::platform::BuiltinPlatform::CPU));
@@ -173,6 +177,7 @@ impl WorkerConfig {
             transfer_timeout: Duration::from_secs(30),
             device_id: 0,
             agent_name: None,
+            agent_config: nixl::AgentConfig::default(),
             metadata_exchange: MetadataExchange::default(),
             lease: None,
         }

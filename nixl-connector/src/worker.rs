@@ -173,7 +173,9 @@ impl KvConnectorWorker {
         };
         // Telemetry on: each READ's post and transfer durations feed the exported series.
         let setup = NixlSetup::with_global_registry(
-            Agent::builder(&name).telemetry(true),
+            Agent::builder(&name)
+                .config(config.agent_config.clone())
+                .telemetry(true),
             &config.kv_transfer_config,
             config.platform.as_ref(),
         )?;

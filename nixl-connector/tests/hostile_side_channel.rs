@@ -1,19 +1,30 @@
 //! A hostile peer on the side channel gets a clear error in bounded time and memory, on
 //! both ends, and the server keeps serving others.
+//!
+//! Time bounds are causal or wide: a peer cut "at once" is cut well before the deadline
+//! that would otherwise end it, and one cut at the total deadline is cut before the 10 s a
+//! dribble takes to finish (what a deadline per read would allow).
 
 mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{spec, worker, SERVER_DEADLINE};
+use common::{spec, worker, worker_with};
 use nixl_connector::side_channel::fetch_handshake;
 use nixl_connector::{ChannelLimits, Error};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
+/// The client's total deadline.
+const CLIENT_DEADLINE: Duration = Duration::from_millis(600);
+/// The server's total deadline.
+const SERVER_DEADLINE: Duration = Duration::from_secs(4);
+/// How long a dribble of 100 bytes, one every 100 ms, takes to finish.
+const DRIBBLE: Duration = Duration::from_secs(10);
+
 fn limits() -> ChannelLimits {
     ChannelLimits {
-        deadline: Duration::from_millis(600),
+        deadline: CLIENT_DEADLINE,
         ..ChannelLimits::default()
     }
 }
@@ -35,13 +46,17 @@ async fn until_closed(stream: &mut (impl AsyncReadExt + Unpin)) -> Duration {
 async fn the_server_drops_huge_and_slow_peers_and_still_serves() {
     common::init_tracing();
     let spec = spec(2);
-    let prefill = worker("pf-hostile", 0, 1, spec);
+    let prefill = worker_with("pf-hostile", 0, 1, spec, |c| {
+        c.limits.deadline = SERVER_DEADLINE
+    });
     let addr = prefill.side_channel_addr().unwrap();
 
-    // A 4 GiB frame declared: closed at once, nothing allocated for it.
+    // A 4 GiB frame declared: closed at once (a server waiting for it would hold it to the
+    // deadline), nothing allocated for it.
     let mut huge = TcpStream::connect(addr).await.unwrap();
     huge.write_all(&0xFFFF_FFF0u32.to_be_bytes()).await.unwrap();
-    assert!(until_closed(&mut huge).await < Duration::from_secs(2));
+    let closed_after = until_closed(&mut huge).await;
+    assert!(closed_after < SERVER_DEADLINE, "{closed_after:?}");
 
     // A peer that declares 100 bytes and dribbles them one every 100 ms is cut at the
     // total deadline, not kept alive by each byte.
@@ -57,25 +72,31 @@ async fn the_server_drops_huge_and_slow_peers_and_still_serves() {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     });
-    until_closed(&mut slow_read).await;
-    dribble.abort();
-    let open_for = opened.elapsed();
-    assert!(
-        open_for >= SERVER_DEADLINE && open_for < SERVER_DEADLINE + Duration::from_secs(2),
-        "closed after {open_for:?}"
-    );
+    let slow_closed = tokio::spawn(async move {
+        until_closed(&mut slow_read).await;
+        opened.elapsed()
+    });
 
-    // Garbage in a well-formed frame: closed, and an honest peer is still answered.
+    // Meanwhile: garbage in a well-formed frame is closed at once, and an honest peer is
+    // still answered.
     let mut junk = TcpStream::connect(addr).await.unwrap();
     junk.write_all(&[0, 0, 0, 3, 0xc1, 0xc1, 0xc1])
         .await
         .unwrap();
-    assert!(until_closed(&mut junk).await < Duration::from_secs(2));
+    let closed_after = until_closed(&mut junk).await;
+    assert!(closed_after < SERVER_DEADLINE, "{closed_after:?}");
     let decode = worker("dc-hostile", 0, 1, spec);
     let theirs = fetch_handshake(addr, &decode.handshake().unwrap(), limits())
         .await
         .unwrap();
     assert_eq!(theirs.engine_id, "pf-hostile");
+
+    let open_for = slow_closed.await.unwrap();
+    dribble.abort();
+    assert!(
+        open_for >= SERVER_DEADLINE && open_for < DRIBBLE,
+        "closed after {open_for:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -102,7 +123,12 @@ async fn the_client_refuses_huge_and_slow_servers_in_bounded_time() {
             .contains("frame longer than the 1048576-byte cap"),
         "{err}"
     );
-    assert!(start.elapsed() < Duration::from_secs(1));
+    // Not waiting for the server, which holds the connection 5 s.
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        start.elapsed()
+    );
 
     // A server that dribbles a byte every 100 ms: cut at the total deadline.
     let slow = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -124,8 +150,5 @@ async fn the_client_refuses_huge_and_slow_servers_in_bounded_time() {
     assert!(matches!(err, Error::Deadline { .. }), "{err}");
     assert!(err.to_string().contains("total deadline"), "{err}");
     let took = start.elapsed();
-    assert!(
-        took >= Duration::from_millis(600) && took < Duration::from_millis(1500),
-        "{took:?}"
-    );
+    assert!(took >= CLIENT_DEADLINE && took < DRIBBLE, "{took:?}");
 }

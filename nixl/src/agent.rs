@@ -8,6 +8,7 @@ use std::time::Duration;
 use nixl_sys as sys;
 
 use crate::driver::{Driver, Shared};
+use crate::driver_stats::DriverStats;
 use crate::error::{check, Result};
 use crate::handles::BackendHandle;
 use crate::leaks::{LeakCounters, LeakStats};
@@ -253,6 +254,16 @@ impl Agent {
     /// given up in flight, failed deregistrations, refused releases. Each is also logged.
     pub fn leak_stats(&self) -> LeakStats {
         self.inner.leaks.snapshot()
+    }
+
+    /// What this agent's completion driver has done so far (all zero before the agent's
+    /// first asynchronous use): requests awaited through it or dropped in flight into it,
+    /// waits for room, and the requests it holds now.
+    pub fn driver_stats(&self) -> DriverStats {
+        self.inner
+            .driver
+            .get()
+            .map_or_else(DriverStats::default, |driver| driver.shared.stats())
     }
 }
 

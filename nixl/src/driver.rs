@@ -18,6 +18,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::task::Waker;
 use std::time::{Duration, Instant};
 
+use crate::driver_stats::{DriverCounters, DriverStats};
 use crate::error::{Error, Result};
 use crate::notify_hub::{Hub, Notification};
 
@@ -127,6 +128,8 @@ pub(crate) struct Shared {
     pub(crate) notif_poll: Mutex<()>,
     /// How to take notifications from NIXL, installed by the first notification waiter.
     fetch: OnceLock<Fetch>,
+    /// What the driver did so far.
+    counters: DriverCounters,
 }
 
 /// The handle an agent keeps on its driver.
@@ -143,6 +146,7 @@ impl Driver {
             hub: Mutex::new(Hub::default()),
             notif_poll: Mutex::new(()),
             fetch: OnceLock::new(),
+            counters: DriverCounters::default(),
         });
         let name: String = format!("nixl-drv-{agent}").chars().take(15).collect();
         let thread_shared = shared.clone();
@@ -178,7 +182,13 @@ impl Shared {
             if let Some(waker) = waker {
                 queue.room.push_back(waker.clone());
             }
+            self.counters.waited_for_room();
             return Err(entry);
+        }
+        if force {
+            self.counters.dropped_in_flight();
+        } else {
+            self.counters.awaited();
         }
         queue.admitted += 1;
         queue.incoming.push(entry);
@@ -188,6 +198,12 @@ impl Shared {
             self.wake.notify_one();
         }
         Ok(())
+    }
+
+    /// What the driver did so far, and the requests it holds now.
+    pub(crate) fn stats(&self) -> DriverStats {
+        let held = lock(&self.queue).admitted;
+        self.counters.snapshot(held)
     }
 
     /// Wakes the driver if it is parked (e.g. a notification waiter arrived).

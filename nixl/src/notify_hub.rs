@@ -213,3 +213,161 @@ impl Hub {
         notes
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::task::{Wake, Waker};
+
+    use super::*;
+
+    fn note(sender: &str, message: &str) -> Notification {
+        Notification {
+            sender: sender.as_bytes().to_vec(),
+            message: message.as_bytes().to_vec(),
+        }
+    }
+
+    /// A waker that counts its wakes.
+    struct Count(AtomicUsize);
+
+    impl Wake for Count {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    fn waker() -> (Waker, Arc<Count>) {
+        let count = Arc::new(Count(AtomicUsize::new(0)));
+        (Waker::from(count.clone()), count)
+    }
+
+    /// Every message subscriber `id` holds now, in order.
+    fn drain(hub: &mut Hub, id: u64) -> Vec<Notification> {
+        let (waker, _) = waker();
+        std::iter::from_fn(|| hub.next_for(id, &waker)).collect()
+    }
+
+    #[test]
+    fn overlapping_waiters_take_one_message_each_oldest_first() {
+        let mut hub = Hub::default();
+        let any = hub.subscribe(NotificationFilter::any(), true);
+        let prefixed = hub.subscribe(NotificationFilter::any().prefix("req"), true);
+        for message in ["req-1", "req-2", "req-3"] {
+            hub.dispatch(note("a", message));
+        }
+        assert_eq!(drain(&mut hub, any), [note("a", "req-1")]);
+        assert_eq!(drain(&mut hub, prefixed), [note("a", "req-2")]);
+        // Both waiters are served: the third message waits for someone else.
+        assert_eq!(hub.take_unclaimed(), [note("a", "req-3")]);
+        assert_eq!(drain(&mut hub, any), []);
+    }
+
+    #[test]
+    fn a_stream_takes_every_match_before_younger_waiters() {
+        let mut hub = Hub::default();
+        let stream = hub.subscribe(NotificationFilter::any().prefix("s"), false);
+        let waiter = hub.subscribe(NotificationFilter::any(), true);
+        for message in ["s1", "t1", "s2"] {
+            hub.dispatch(note("a", message));
+        }
+        assert_eq!(drain(&mut hub, stream), [note("a", "s1"), note("a", "s2")]);
+        assert_eq!(drain(&mut hub, waiter), [note("a", "t1")]);
+    }
+
+    #[test]
+    fn senders_match_by_their_exact_bytes() {
+        let mut hub = Hub::default();
+        let short = hub.subscribe(NotificationFilter::any().from_sender("agent-1"), false);
+        let long = hub.subscribe(NotificationFilter::any().from_sender("agent-10"), false);
+        for sender in ["agent-10", "agent-1", "agent-", "agent-1\0"] {
+            hub.dispatch(note(sender, sender));
+        }
+        assert_eq!(drain(&mut hub, short), [note("agent-1", "agent-1")]);
+        assert_eq!(drain(&mut hub, long), [note("agent-10", "agent-10")]);
+        assert_eq!(
+            hub.take_unclaimed(),
+            [note("agent-", "agent-"), note("agent-1\0", "agent-1\0")]
+        );
+    }
+
+    #[test]
+    fn messages_match_whole_or_by_prefix() {
+        let exact = NotificationFilter::any().exact("req");
+        assert!(exact.matches(&note("a", "req")));
+        assert!(!exact.matches(&note("a", "req-1")));
+        assert!(!exact.matches(&note("a", "re")));
+        let prefix = NotificationFilter::any().prefix("req");
+        assert!(prefix.matches(&note("a", "req")) && prefix.matches(&note("a", "req-1")));
+        assert!(!prefix.matches(&note("a", "re")));
+    }
+
+    #[test]
+    fn unclaimed_messages_wait_in_order_for_a_later_subscriber() {
+        let mut hub = Hub::default();
+        for message in ["1", "x", "2"] {
+            hub.dispatch(note("a", message));
+        }
+        let digits = hub.subscribe(NotificationFilter::any().prefix("1"), false);
+        let rest = hub.subscribe(NotificationFilter::any(), false);
+        hub.dispatch(note("a", "3"));
+        assert_eq!(drain(&mut hub, digits), [note("a", "1")]);
+        assert_eq!(
+            drain(&mut hub, rest),
+            [note("a", "x"), note("a", "2"), note("a", "3")]
+        );
+    }
+
+    #[test]
+    fn a_dispatch_wakes_the_subscriber_that_took_it() {
+        let mut hub = Hub::default();
+        let id = hub.subscribe(NotificationFilter::any(), true);
+        let (waker, count) = waker();
+        assert_eq!(hub.next_for(id, &waker), None);
+        hub.dispatch(note("a", "m")).expect("a waker").wake();
+        assert_eq!(count.0.load(Ordering::SeqCst), 1);
+        // A message nobody wants wakes nobody.
+        assert!(hub.dispatch(note("a", "n")).is_none());
+    }
+
+    #[test]
+    fn an_unsubscribed_waiters_messages_go_back_first_in_line() {
+        let mut hub = Hub::default();
+        let gone = hub.subscribe(NotificationFilter::any(), false);
+        hub.dispatch(note("a", "1"));
+        hub.dispatch(note("a", "2"));
+        let (waker, count) = waker();
+        let later = hub.subscribe(NotificationFilter::any().exact("2"), true);
+        assert_eq!(hub.next_for(later, &waker), None);
+        hub.dispatch(note("a", "0"));
+        let wakers = hub.unsubscribe(gone);
+        wakers.into_iter().for_each(Waker::wake);
+        assert_eq!(
+            count.0.load(Ordering::SeqCst),
+            1,
+            "the waiter got its message"
+        );
+        assert_eq!(drain(&mut hub, later), [note("a", "2")]);
+        // The others go back to the unclaimed messages, ahead of what was there.
+        assert_eq!(hub.take_unclaimed(), [note("a", "1"), note("a", "0")]);
+        assert_eq!((hub.held_bytes, hub.held_messages), (0, 0));
+    }
+
+    #[test]
+    fn the_hub_stops_taking_messages_while_it_holds_too_many_bytes() {
+        let mut hub = Hub::default();
+        assert!(!hub.wants_messages(), "nobody waits");
+        let id = hub.subscribe(NotificationFilter::any().exact("never"), true);
+        assert!(hub.wants_messages());
+        hub.dispatch(Notification {
+            sender: b"a".to_vec(),
+            message: vec![0; MAX_HELD_BYTES],
+        });
+        assert!(!hub.wants_messages(), "full");
+        assert_eq!(hub.take_unclaimed().len(), 1);
+        assert!(hub.wants_messages(), "room again");
+        hub.unsubscribe(id);
+        assert!(!hub.wants_messages());
+    }
+}

@@ -4,18 +4,37 @@
 //! Every test binary compiles this module and uses a different part of it.
 #![allow(dead_code)]
 
+pub mod executor;
+mod skip;
+mod tracked;
+
+// Not every test binary uses each.
+#[allow(unused_imports)]
+pub use skip::skip;
+#[allow(unused_imports)]
+pub use tracked::Tracked;
+
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nixl::{
-    Agent, Backend, LocalDescList, MemType, RegDesc, RegisterMemory, Registration, RemoteDescList,
-    XferDesc, XferOp, XferOptions, XferRequest, XferStatus,
+    Agent, Backend, LocalDescList, RegisterMemory, Registration, RemoteDescList, XferDesc, XferOp,
+    XferOptions, XferRequest, XferStatus,
 };
 
 /// Upper bound for any single wait in the tests. Only a guard against hangs: nothing asserts
 /// how fast anything is.
 pub const WAIT: Duration = Duration::from_secs(60);
+
+/// A tokio runtime with two worker threads, as a small service would run.
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+}
 
 /// A name no other agent in this process (or in a parallel test process) uses.
 pub fn unique_name(prefix: &str) -> String {
@@ -262,44 +281,24 @@ pub fn free_port() -> u16 {
     listener.local_addr().expect("local address").port()
 }
 
-/// DRAM that records when it is freed.
-pub struct Tracked {
-    bytes: Vec<u8>,
-    freed: Arc<AtomicBool>,
-}
-
-impl Tracked {
-    /// `bytes` as DRAM to register, and the flag its drop sets.
-    pub fn new(bytes: Vec<u8>) -> (Self, Arc<AtomicBool>) {
-        let freed = Arc::new(AtomicBool::new(false));
-        let tracked = Tracked {
-            bytes,
-            freed: freed.clone(),
-        };
-        (tracked, freed)
-    }
-}
-
-impl Drop for Tracked {
-    fn drop(&mut self) {
-        self.freed.store(true, Ordering::SeqCst);
-    }
-}
-
-// SAFETY: the Vec's heap buffer does not move with the value and is freed only on drop;
-// the address comes from `&mut self`.
-unsafe impl RegisterMemory for Tracked {
-    fn mem_type(&self) -> MemType {
-        MemType::Dram
-    }
-    fn regions(&mut self) -> Vec<RegDesc> {
-        vec![RegDesc {
-            addr: self.bytes.as_mut_ptr() as usize,
-            len: self.bytes.len(),
-            dev_id: 0,
-            metadata: Vec::new(),
-        }]
-    }
+/// Asks `agent` to register 4 KiB of VRAM at a fake, non-null device address, with
+/// `backends`.
+///
+/// # Safety
+/// Only where no GPU is present: the registration is then refused before NIXL or UCX touch
+/// the address.
+pub unsafe fn register_fake_vram(
+    agent: &Agent,
+    backends: &[&Backend],
+) -> nixl::Result<Registration> {
+    let fake = nixl::RegDesc {
+        addr: 0x7f00_dead_0000,
+        len: 4096,
+        dev_id: 0,
+        metadata: Vec::new(),
+    };
+    // SAFETY: the caller's promise: no GPU, so refused before anything uses the address.
+    unsafe { agent.register_raw(nixl::MemType::Vram, &[fake], backends) }
 }
 
 /// A pair whose `b` runs no progress thread: a's first transfer to b cannot finish (UCX
@@ -312,6 +311,32 @@ pub fn stalled_pair(prefix: &str) -> Pair {
             .build()
             .unwrap(),
     )
+}
+
+/// Runs `f` while another thread lets the stalled `pair.b` progress, polling it every
+/// millisecond from the moment `ready` holds; returns what `f` returns.
+pub fn resume_b_when<R>(pair: &Pair, ready: impl Fn() -> bool + Sync, f: impl FnOnce() -> R) -> R {
+    /// Stops the polling thread when `f` returns or panics.
+    struct Stop<'a>(&'a AtomicBool);
+    impl Drop for Stop<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            while !stop.load(Ordering::SeqCst) && !ready() {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            while !stop.load(Ordering::SeqCst) {
+                pair.b.notifications().expect("b polls");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        });
+        let _stop = Stop(&stop);
+        f()
+    })
 }
 
 /// Polls b (which progresses its workers) until `req` is done.
@@ -351,25 +376,4 @@ pub fn in_flight_write(pair: &Pair, src: &Registration, dst: &Registration) -> X
         "the first transfer to a stalled peer is in flight"
     );
     req
-}
-
-/// Records that `test` could not run because `reason` (a missing prerequisite), so that
-/// scripts/test.sh lists it in its summary. Under CI (`CI` set) a missing prerequisite is
-/// a failure, not a skip.
-pub fn skip(test: &str, reason: &str) {
-    assert!(
-        std::env::var_os("CI").is_none(),
-        "{test}: prerequisite missing under CI: {reason}"
-    );
-    eprintln!("skipping {test}: {reason}");
-    let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("skipped-tests.txt");
-    let line = format!("{test}: {reason}\n");
-    let written = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&path)
-        .and_then(|mut file| std::io::Write::write_all(&mut file, line.as_bytes()));
-    if let Err(err) = written {
-        eprintln!("cannot record the skip in {}: {err}", path.display());
-    }
 }

@@ -1,4 +1,5 @@
-//! Shared helpers of the connector tests: DRAM caches, patterns, polling.
+//! Shared helpers of the connector tests: DRAM caches, patterns, polling, stalled workers,
+//! side channels that count their connections.
 
 #![allow(dead_code)]
 
@@ -6,6 +7,20 @@ pub mod loads;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
+#[path = "../../../tests/common/skip.rs"]
+mod skip;
+#[path = "../../../tests/common/tracked.rs"]
+mod tracked;
+
+// Not every test binary uses each.
+#[allow(unused_imports)]
+pub use skip::skip;
+#[allow(unused_imports)]
+pub use tracked::Tracked;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nixl::kv_config::KvTransferConfig;
@@ -56,6 +71,27 @@ pub fn worker_with(
     let worker = KvConnectorWorker::new(config).expect("create worker");
     worker.register_host_kv_caches(spec).expect("register");
     worker
+}
+
+/// A prefill worker of engine `prefill` with every block filled ([`fill`]) and a decode
+/// worker of engine `decode`, both TP 1 with the cache of [`spec`]`(2)`.
+pub fn filled_prefill_and_decode(
+    prefill: &str,
+    decode: &str,
+) -> (KvCacheSpec, KvConnectorWorker, KvConnectorWorker) {
+    let spec = spec(2);
+    let source = worker(prefill, 0, 1, spec);
+    fill(&source, &spec);
+    (spec, source, worker(decode, 0, 1, spec))
+}
+
+/// Runs `decode`'s handshake with engine `engine` (TP 1) at 127.0.0.1:`port`; panics if it
+/// fails.
+pub async fn handshake(decode: &KvConnectorWorker, engine: &str, port: u16) {
+    decode
+        .handshake_with(engine, "127.0.0.1", port, 1)
+        .await
+        .unwrap_or_else(|err| panic!("handshake with {engine}: {err}"));
 }
 
 /// The byte at `offset` of block `block`, layer `layer`, of a prefill cache.
@@ -163,4 +199,98 @@ pub fn printed_port(child: &mut Child) -> u16 {
                 .map(|at| line[at + 5..].trim().parse().unwrap())
         })
         .expect("the child prints its port")
+}
+
+/// Upper bound for any single wait in the tests. Only a guard against hangs: nothing asserts
+/// how fast anything is.
+pub const WAIT: Duration = Duration::from_secs(60);
+
+/// A worker as [`worker`] whose NIXL agent runs no progress thread: a READ from it stays in
+/// flight (UCX needs the source for the connection's wire-up) until something polls its
+/// agent, e.g. [`progress_until`].
+pub fn stalled_worker(
+    engine: &str,
+    rank: usize,
+    tp: usize,
+    spec: KvCacheSpec,
+) -> KvConnectorWorker {
+    worker_with(engine, rank, tp, spec, |config| {
+        config.agent_config.progress_thread = false
+    })
+}
+
+/// Lets `worker`'s agent progress (polling it every millisecond) until `done` holds; panics,
+/// naming `what`, after [`WAIT`].
+pub async fn progress_until(
+    worker: &KvConnectorWorker,
+    what: &str,
+    mut done: impl FnMut() -> bool,
+) {
+    let deadline = Instant::now() + WAIT;
+    while !done() {
+        assert!(Instant::now() < deadline, "waited in vain for {what}");
+        worker.agent().notifications().expect("poll the agent");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+/// A TCP listener on 127.0.0.1 that counts the connections it accepts and forwards each to
+/// a side channel, or holds it open in silence.
+pub struct CountingListener {
+    /// The port it listens on.
+    pub port: u16,
+    accepted: Arc<AtomicUsize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl CountingListener {
+    /// Forwards every connection to `target`.
+    pub async fn forward(target: SocketAddr) -> Self {
+        Self::start(Some(target)).await
+    }
+
+    /// Accepts connections and never answers.
+    pub async fn silent() -> Self {
+        Self::start(None).await
+    }
+
+    async fn start(target: Option<SocketAddr>) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let count = accepted.clone();
+        let task = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((mut stream, _)) = listener.accept().await {
+                count.fetch_add(1, Ordering::SeqCst);
+                match target {
+                    Some(target) => {
+                        tokio::spawn(async move {
+                            if let Ok(mut upstream) = tokio::net::TcpStream::connect(target).await {
+                                let _ =
+                                    tokio::io::copy_bidirectional(&mut stream, &mut upstream).await;
+                            }
+                        });
+                    }
+                    None => held.push(stream),
+                }
+            }
+        });
+        CountingListener {
+            port,
+            accepted,
+            task,
+        }
+    }
+
+    /// Connections accepted so far.
+    pub fn accepted(&self) -> usize {
+        self.accepted.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for CountingListener {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
 }
