@@ -1,17 +1,19 @@
 //! The `nixl` crate's files form layers: no file's code reaches, through `crate::`,
 //! `super::` or `self::` paths (grouped `use` imports included), a file that reaches back
-//! to it, and the FFI boundary (`raw.rs`, `handles.rs`) knows only `nixl-sys`, the
-//! loaded library, the error type and plain data.
+//! to it, and the FFI boundary (`ffi/raw.rs`, `ffi/handles.rs`) knows only `nixl-sys`,
+//! the loaded library, the error type and plain data.
 //!
-//! A file's own ancestors (`wire/mod.rs` for `wire/reader.rs`) do not count as reached:
+//! A file's own ancestors (`metadata/wire/mod.rs` and `metadata/mod.rs` for
+//! `metadata/wire/reader.rs`) do not count as reached:
 //! a parent module holds its children. `super::` is read relative to the file, so one
 //! inside an inline module (`mod tests { use super::*; }`) counts as the file's parent.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
-/// Every module of nixl/src (`wire::reader` for wire/reader.rs) and its code, comment
-/// lines left out (a doc link to another module is a reference, not a dependency).
+/// Every module of nixl/src (`metadata::wire::reader` for metadata/wire/reader.rs) and its
+/// code, comment lines left out (a doc link to another module is a reference, not a
+/// dependency).
 fn sources() -> BTreeMap<String, String> {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("nixl/src");
     let mut out = BTreeMap::new();
@@ -205,12 +207,18 @@ fn no_file_reaches_back_to_itself() {
 #[test]
 fn the_ffi_boundary_knows_only_the_library_the_error_type_and_plain_data() {
     let graph = imports();
-    for module in ["raw", "handles"] {
+    for module in ["ffi::raw", "ffi::handles"] {
         let used = &graph[module];
-        let allowed: BTreeSet<String> = ["error", "handles", "library", "mem_type", "status"]
-            .into_iter()
-            .map(String::from)
-            .collect();
+        let allowed: BTreeSet<String> = [
+            "error",
+            "ffi::handles",
+            "ffi::library",
+            "ffi::status",
+            "memory::mem_type",
+        ]
+        .into_iter()
+        .map(String::from)
+        .collect();
         assert!(
             used.is_subset(&allowed),
             "{module}.rs uses {:?}",
@@ -245,9 +253,9 @@ fn grouped_imports_and_super_paths_are_read() {
     // (layout.rs through the group `super::{ucx_address, ucx_rkey}`).
     let graph = imports();
     assert!(
-        graph["wire::layout"].contains("wire::ucx_rkey"),
+        graph["metadata::wire::layout"].contains("metadata::wire::ucx_rkey"),
         "{:?}",
-        graph["wire::layout"]
+        graph["metadata::wire::layout"]
     );
-    assert!(graph["wire::ucx_rkey"].contains("wire::reader"));
+    assert!(graph["metadata::wire::ucx_rkey"].contains("metadata::wire::reader"));
 }

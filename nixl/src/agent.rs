@@ -7,15 +7,15 @@ use std::time::Duration;
 
 use nixl_sys as sys;
 
-use crate::driver::{Driver, Shared};
-use crate::driver_stats::DriverStats;
 use crate::error::{check, Result};
-use crate::handles::BackendHandle;
-use crate::leaks::{LeakCounters, LeakStats};
-use crate::library::capi;
-use crate::local_peers;
-use crate::raw::c_name;
-use crate::wire::LoadedMetadata;
+use crate::ffi::handles::BackendHandle;
+use crate::ffi::library::capi;
+use crate::ffi::raw::c_name;
+use crate::metadata::wire::LoadedMetadata;
+use crate::transfer::driver::{Driver, Shared};
+use crate::transfer::driver_stats::DriverStats;
+use crate::transfer::leaks::{LeakCounters, LeakStats};
+use crate::transfer::local_peers;
 
 /// How NIXL locks an agent's internal state across threads.
 ///
@@ -159,7 +159,7 @@ impl AgentBuilder {
     /// cannot create it.
     pub fn build(self) -> Result<Agent> {
         let name = c_name("agent name", &self.name)?;
-        crate::library::load()?;
+        crate::ffi::library::load()?;
         let cfg = &self.config;
         let raw_cfg = sys::nixl_capi_agent_config_t {
             enable_prog_thread: cfg.progress_thread,
@@ -324,7 +324,7 @@ impl AgentInner {
     /// The driver's shared state, when tasks await notifications through it.
     pub(crate) fn active_hub(&self) -> Option<Arc<Shared>> {
         let shared = &self.driver.get()?.shared;
-        crate::driver::lock(&shared.hub)
+        crate::transfer::driver::lock(&shared.hub)
             .active
             .then(|| shared.clone())
     }

@@ -8,12 +8,12 @@ use nixl_sys as sys;
 
 use crate::agent::{Agent, AgentInner};
 use crate::error::{check, Error, Result};
-use crate::handles::Params;
-use crate::handles::{BackendHandle, OptArgs};
-use crate::library::capi;
-use crate::local_peers;
-use crate::mem_type::MemType;
-use crate::raw::{c_name, take_mem_list, take_string_list};
+use crate::ffi::handles::Params;
+use crate::ffi::handles::{BackendHandle, OptArgs};
+use crate::ffi::library::capi;
+use crate::ffi::raw::{c_name, take_mem_list, take_string_list};
+use crate::memory::mem_type::MemType;
+use crate::transfer::local_peers;
 
 /// What a plugin supports before any backend is created from it.
 #[non_exhaustive]
@@ -432,7 +432,7 @@ impl Agent {
     fn record_ucx_worker(&self, backend: &Backend) {
         let learned = self
             .local_partial_metadata(&[], &[backend])
-            .and_then(|md| Ok(crate::wire::inspect_metadata(&md)?.worker));
+            .and_then(|md| Ok(crate::metadata::wire::inspect_metadata(&md)?.worker));
         match learned {
             Ok(Some(worker)) => local_peers::add_worker(self.inner.id, worker),
             Ok(None) => {

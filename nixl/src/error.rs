@@ -4,9 +4,9 @@ use std::time::Duration;
 
 use nixl_sys::nixl_capi_status_t as raw;
 
-use crate::library::LibraryError;
-use crate::mem_type::MemType;
-use crate::status::Status;
+use crate::ffi::library::LibraryError;
+use crate::ffi::status::Status;
+use crate::memory::mem_type::MemType;
 
 /// Result alias used across the crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;

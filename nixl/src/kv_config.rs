@@ -19,12 +19,12 @@ use serde_json::{Map, Value};
 
 use crate::agent::{Agent, AgentBuilder};
 use crate::backend::Backend;
-use crate::descriptor::RegDesc;
+use crate::descriptors::descriptor::RegDesc;
 use crate::error::{Error, Result};
-use crate::mem_type::MemType;
-use crate::memory::RegisterMemory;
+use crate::memory::mem_type::MemType;
+use crate::memory::registrable::RegisterMemory;
+use crate::memory::registration::Registration;
 use crate::platform::{Platform, PlatformRegistry};
-use crate::registration::Registration;
 
 /// The NIXL backends used when the config names none.
 pub const DEFAULT_BACKENDS: [&str; 1] = ["UCX"];

@@ -179,69 +179,50 @@
 
 #![warn(missing_docs)]
 
+// The crate's folders, one per concept, in the order data flows: the boundary with the C
+// API, then (beside the agent, its backends and the one error type) memory, descriptor
+// lists, transfers, notifications and metadata; last the platforms and vLLM's config.
+mod ffi;
+
 mod agent;
-mod atomic_copy;
 mod backend;
-mod completion;
-mod cuda;
-mod desc_list;
-mod descriptor;
-mod designation;
-mod driver;
-mod driver_stats;
 mod error;
-mod handles;
-pub mod kv_config;
-mod leaks;
-mod library;
-mod local_peers;
-mod mem_type;
-mod mem_view;
+
 mod memory;
+
+mod descriptors;
+
+mod transfer;
+
+mod notifications;
+
 mod metadata;
-mod notif_map;
-mod notification;
-mod notification_wait;
-mod notify_hub;
-mod options;
-mod peer_hints;
+
+pub mod kv_config;
 pub mod platform;
-mod prepared;
-mod prepared_handle;
-mod process_endpoints;
-mod query;
-mod raw;
-mod region_index;
-mod registration;
-mod requests;
-mod reuse;
-mod status;
-mod wire;
-mod xfer;
-mod xfer_dlist;
 
 pub use agent::{Agent, AgentBuilder, AgentConfig, ThreadSync};
 pub use backend::{Backend, PluginInfo};
-pub use completion::Completion;
-pub use desc_list::{LocalDescList, RemoteDescList};
-pub use descriptor::{RegDesc, XferDesc};
-pub use driver_stats::DriverStats;
+pub use descriptors::desc_list::{LocalDescList, RemoteDescList};
+pub use descriptors::descriptor::{RegDesc, XferDesc};
+pub use descriptors::prepared::{PreparedLocal, PreparedRemote};
 pub use error::{Error, Result};
-pub use leaks::LeakStats;
-pub use library::{LibraryError, LoadedLibrary, SearchOutcome, SearchStep};
-pub use mem_type::{MemType, ParseMemTypeError};
-pub use mem_view::{MemView, PeerDesc};
-pub use memory::{FileRegion, HostBuffer, RegisterMemory};
-pub use metadata::MetadataPeer;
-pub use notification::Notifications;
-pub use notification_wait::{NextNotification, NotificationStream};
-pub use notify_hub::{Notification, NotificationFilter};
-pub use options::{XferOp, XferOptions};
-pub use prepared::{PreparedLocal, PreparedRemote};
-pub use registration::Registration;
-pub use status::Status;
-pub use wire::validate_metadata;
-pub use xfer::{CostEstimate, CostMethod, XferRequest, XferStatus, XferTelemetry};
+pub use ffi::library::{LibraryError, LoadedLibrary, SearchOutcome, SearchStep};
+pub use ffi::status::Status;
+pub use memory::mem_type::{MemType, ParseMemTypeError};
+pub use memory::mem_view::{MemView, PeerDesc};
+pub use memory::registrable::{FileRegion, HostBuffer, RegisterMemory};
+pub use memory::registration::Registration;
+pub use metadata::exchange::MetadataPeer;
+pub use metadata::wire::validate_metadata;
+pub use notifications::notification::Notifications;
+pub use notifications::notification_wait::{NextNotification, NotificationStream};
+pub use notifications::notify_hub::{Notification, NotificationFilter};
+pub use transfer::completion::Completion;
+pub use transfer::driver_stats::DriverStats;
+pub use transfer::leaks::LeakStats;
+pub use transfer::options::{XferOp, XferOptions};
+pub use transfer::xfer::{CostEstimate, CostMethod, XferRequest, XferStatus, XferTelemetry};
 
 /// Loads NIXL's C API library if this process has not yet, and says which one it is.
 ///
@@ -253,5 +234,5 @@ pub use xfer::{CostEstimate, CostMethod, XferRequest, XferStatus, XferTelemetry}
 /// [`Error::Library`], listing every place searched and how to install NIXL, when no
 /// library of NIXL 1.5.1 was found that loads.
 pub fn load_library() -> Result<&'static LoadedLibrary> {
-    Ok(library::load()?.info())
+    Ok(ffi::library::load()?.info())
 }

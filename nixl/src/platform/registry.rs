@@ -5,7 +5,7 @@ use std::sync::{Arc, OnceLock, RwLock};
 
 use super::{default_memory_type, BuiltinPlatform, Platform};
 use crate::error::{Error, Result};
-use crate::mem_type::MemType;
+use crate::memory::mem_type::MemType;
 
 /// Environment variable naming the current platform's device type.
 pub const PLATFORM_ENV: &str = "NIXL_RS_PLATFORM";
@@ -118,7 +118,9 @@ impl PlatformRegistry {
     pub fn current(&self) -> Result<Arc<dyn Platform>> {
         match std::env::var(PLATFORM_ENV) {
             Ok(device_type) if !device_type.is_empty() => self.platform(&device_type),
-            _ if crate::cuda::require_device("detect platform").is_ok() => self.platform("cuda"),
+            _ if crate::memory::cuda::require_device("detect platform").is_ok() => {
+                self.platform("cuda")
+            }
             _ => self.platform("cpu"),
         }
     }

@@ -1,0 +1,10 @@
+//! Descriptors and their lists: plain lists built from registrations or remote addresses,
+//! the C lists beneath them, lists prepared once for many requests, and the state a list
+//! keeps to be prepared when it is reused.
+
+pub(crate) mod desc_list;
+pub(crate) mod descriptor;
+pub(crate) mod prepared;
+pub(crate) mod prepared_handle;
+pub(crate) mod reuse;
+pub(crate) mod xfer_dlist;

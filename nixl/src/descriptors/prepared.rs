@@ -1,0 +1,215 @@
+//! Prepared descriptor lists: prepare once, then make requests from index slices.
+
+use std::ffi::c_int;
+use std::ptr;
+use std::sync::Arc;
+
+use crate::agent::Agent;
+use crate::backend::Backend;
+use crate::descriptors::desc_list::{LocalDescList, RemoteDescList};
+use crate::descriptors::descriptor::check_pairing;
+use crate::descriptors::prepared_handle::PreparedShared;
+use crate::error::{check, Error, Result};
+use crate::ffi::handles::OptArgs;
+use crate::ffi::library::capi;
+use crate::ffi::raw::c_name;
+use crate::transfer::local_peers::{self};
+use crate::transfer::options::{XferOp, XferOptions};
+use crate::transfer::xfer::XferRequest;
+
+/// A local descriptor list prepared for repeated requests (vLLM's pattern).
+///
+/// It holds the registrations of its memory, like [`LocalDescList`].
+#[derive(Clone)]
+pub struct PreparedLocal {
+    shared: Arc<PreparedShared>,
+}
+
+/// A remote agent's descriptor list prepared for repeated requests.
+#[derive(Clone)]
+pub struct PreparedRemote {
+    shared: Arc<PreparedShared>,
+    remote_agent: String,
+}
+
+impl std::fmt::Debug for PreparedLocal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PreparedLocal")
+            .field("descs", &self.shared.lens.len())
+            .finish()
+    }
+}
+
+impl std::fmt::Debug for PreparedRemote {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PreparedRemote")
+            .field("remote_agent", &self.remote_agent)
+            .field("descs", &self.shared.lens.len())
+            .finish()
+    }
+}
+
+impl PreparedLocal {
+    /// Number of descriptors (valid indices are `0..len()`).
+    pub fn len(&self) -> usize {
+        self.shared.lens.len()
+    }
+
+    /// Whether the list has no descriptors.
+    pub fn is_empty(&self) -> bool {
+        self.shared.lens.is_empty()
+    }
+}
+
+impl PreparedRemote {
+    /// Number of descriptors (valid indices are `0..len()`).
+    pub fn len(&self) -> usize {
+        self.shared.lens.len()
+    }
+
+    /// Whether the list has no descriptors.
+    pub fn is_empty(&self) -> bool {
+        self.shared.lens.is_empty()
+    }
+
+    /// The agent whose memory the list describes.
+    pub fn remote_agent(&self) -> &str {
+        &self.remote_agent
+    }
+}
+
+/// Converts indices to NIXL's `int`s, checking each against the list length.
+fn to_c_indices(operation: &'static str, indices: &[usize], len: usize) -> Result<Vec<c_int>> {
+    indices
+        .iter()
+        .map(|&index| match c_int::try_from(index) {
+            Ok(i) if index < len => Ok(i),
+            _ => Err(Error::IndexOutOfRange {
+                operation,
+                index,
+                len,
+                items: "descriptors of the prepared list",
+            }),
+        })
+        .collect()
+}
+
+impl Agent {
+    /// Prepares a local list once, for many requests made with [`Agent::make_xfer_req`].
+    pub fn prepare_local(
+        &self,
+        list: &LocalDescList,
+        backends: &[&Backend],
+    ) -> Result<PreparedLocal> {
+        list.check_owner("prepare descriptor list", &self.inner)?;
+        let shared = self.prepare("", &list.list, backends, list.holds())?;
+        Ok(PreparedLocal { shared })
+    }
+
+    /// Prepares a list of `remote_agent`'s memory (its metadata must be loaded).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming the first descriptor outside the remote agent's
+    /// memory, as [`Agent::create_xfer_req`] checks it; [`Error::Nixl`] if NIXL refuses.
+    pub fn prepare_remote(
+        &self,
+        remote_agent: &str,
+        list: &RemoteDescList,
+        backends: &[&Backend],
+    ) -> Result<PreparedRemote> {
+        const OP: &str = "prepare descriptor list";
+        c_name("remote agent name", remote_agent)?;
+        let targets = local_peers::hold_targets(
+            OP,
+            &self.inner.loaded,
+            remote_agent,
+            list.mem_type(),
+            list.descs(),
+        )?;
+        let shared = self.prepare(remote_agent, &list.list, backends, targets)?;
+        Ok(PreparedRemote {
+            shared,
+            remote_agent: remote_agent.to_string(),
+        })
+    }
+
+    /// Makes a request from prepared lists: local descriptor `local_indices[i]` pairs with
+    /// remote descriptor `remote_indices[i]`.
+    ///
+    /// # Errors
+    /// [`Error::IndexOutOfRange`] for an index past a list's end, [`Error::LengthMismatch`]
+    /// when the index slices or the paired lengths differ, [`Error::Nixl`] if NIXL refuses.
+    pub fn make_xfer_req(
+        &self,
+        op: XferOp,
+        local: &PreparedLocal,
+        local_indices: &[usize],
+        remote: &PreparedRemote,
+        remote_indices: &[usize],
+        options: &XferOptions,
+    ) -> Result<XferRequest> {
+        const OP: &str = "make transfer request";
+        for shared in [&local.shared.agent, &remote.shared.agent] {
+            if !Arc::ptr_eq(shared, &self.inner) {
+                return Err(Error::InvalidArgument {
+                    operation: OP,
+                    reason: format!("the prepared list belongs to agent {:?}", shared.name),
+                });
+            }
+        }
+        let l = to_c_indices(OP, local_indices, local.shared.lens.len())?;
+        let r = to_c_indices(OP, remote_indices, remote.shared.lens.len())?;
+        check_pairing(
+            OP,
+            local_indices.iter().map(|&i| local.shared.lens[i]),
+            remote_indices.iter().map(|&i| remote.shared.lens[i]),
+        )?;
+        self.make_request(
+            op,
+            (&local.shared, &l),
+            (&remote.shared, &r),
+            &remote.remote_agent,
+            options,
+        )
+    }
+
+    /// Makes a request from prepared handles, each with its checked indices.
+    pub(crate) fn make_request(
+        &self,
+        op: XferOp,
+        (local, local_indices): (&Arc<PreparedShared>, &[c_int]),
+        (remote, remote_indices): (&Arc<PreparedShared>, &[c_int]),
+        remote_agent: &str,
+        options: &XferOptions,
+    ) -> Result<XferRequest> {
+        const OP: &str = "make transfer request";
+        let args = options.to_raw(&self.inner, OP)?;
+        let mut raw = ptr::null_mut();
+        let status = self.inner.with(|agent| {
+            // SAFETY: live agent, handles and args; index arrays valid for their lengths.
+            unsafe {
+                capi().nixl_capi_make_xfer_req(
+                    agent,
+                    op.to_raw(),
+                    local.raw,
+                    local_indices.as_ptr(),
+                    local_indices.len(),
+                    remote.raw,
+                    remote_indices.as_ptr(),
+                    remote_indices.len(),
+                    &mut raw,
+                    OptArgs::ptr(args.as_ref()),
+                )
+            }
+        });
+        check(status, OP).map_err(|err| self.explain_request_failure(err, remote_agent))?;
+        // The prepared local list holds the registrations; the request holds both lists.
+        Ok(XferRequest::new(
+            self.inner.clone(),
+            raw,
+            Vec::new(),
+            vec![local.clone(), remote.clone()],
+            remote_agent.to_string(),
+        ))
+    }
+}

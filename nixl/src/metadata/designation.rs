@@ -1,0 +1,363 @@
+//! Whether remote metadata leads into this process, and to which of its agents.
+//!
+//! A peer's metadata is a claim, and its UCX worker address can name a worker of this very
+//! process under any agent name: loaded as an agent elsewhere, it would let NIXL read and
+//! write this process's own memory at addresses the peer chooses, unchecked. Metadata leads
+//! into this process when its worker's UUID is a live agent's worker's, or when any of its
+//! transport addresses reaches this process, compared by what UCX would reach, not by
+//! bytes:
+//! - the loopback interface, shared-memory FIFO, TCP listener (or, for transports not
+//!   interpreted here, the same address bytes) of a live agent's worker;
+//! - a System V segment this process created (read from `/proc`), on the host of this
+//!   process's workers, which covers workers that no agent's metadata shows;
+//! - cross-memory attach or POSIX `/proc` access to this process's pid, or XPMEM to its
+//!   segment, which reach the whole process and so every worker in it.
+//!
+//! Not recognised: the TCP listener of a worker that no agent's metadata shows (a UCX
+//! backend's further workers, `num_workers` > 1), which this process cannot tell from the
+//! listeners its parent leaked to it.
+//!
+//! Such metadata is an agent of this process only under that agent's exact name; it is
+//! then held to that agent's live registrations. Under any other name it is refused.
+
+use std::net::SocketAddr;
+
+use crate::error::{Error, Result};
+use crate::metadata::process_endpoints;
+use crate::metadata::wire::{Destination, PeerKind, PeerMetadata};
+use crate::transfer::local_peers::{self, AgentWorkers};
+
+/// What one part of a worker address leads to in this process.
+enum Lead {
+    /// The worker of this agent.
+    Agent(u64),
+    /// This process, no worker in particular.
+    Process,
+}
+
+/// Endpoints of this process read from `/proc`, once per classification and only if needed.
+#[derive(Default)]
+struct Endpoints {
+    sysv: Option<Vec<u64>>,
+}
+
+impl Endpoints {
+    fn sysv(&mut self) -> &[u64] {
+        self.sysv.get_or_insert_with(|| {
+            process_endpoints::sysv_segments().unwrap_or_else(|err| {
+                tracing::warn!(%err, "cannot list this process's System V segments; metadata is checked against its agents' workers only");
+                Vec::new()
+            })
+        })
+    }
+}
+
+/// Where the agent of `peer` lives: `Some(InProcess)` with the agents of this process its
+/// worker belongs to, `Some(Remote)` for another process, `None` when the metadata has no
+/// UCX connection info to tell.
+///
+/// # Errors
+/// [`Error::MetadataLeadsIntoThisProcess`] for metadata that leads into this process under
+/// a name that is not the name of the agent it leads to.
+pub(crate) fn classify(peer: &PeerMetadata<'_>) -> Result<Option<PeerKind>> {
+    let Some(worker) = &peer.worker else {
+        return Ok(None);
+    };
+    let agents = local_peers::live_agents();
+    let mut endpoints = Endpoints::default();
+    // (agent id, why) for each worker it leads to; why it leads to this process at all.
+    let mut workers: Vec<(u64, String)> = Vec::new();
+    let mut process: Option<String> = None;
+    if let Some(uuid) = worker.uuid {
+        for agent in &agents {
+            if agent.workers.iter().any(|w| w.uuid == Some(uuid)) {
+                workers.push((agent.id, format!("its UCX worker UUID {uuid:#018x}")));
+            }
+        }
+    }
+    for dest in &worker.destinations {
+        match lead(dest, &agents, &mut endpoints) {
+            Some(Lead::Agent(id)) => workers.push((id, describe(dest))),
+            Some(Lead::Process) => {
+                process.get_or_insert_with(|| describe(dest));
+            }
+            None => {}
+        }
+    }
+    if workers.is_empty() && process.is_none() {
+        return Ok(Some(PeerKind::Remote));
+    }
+    let named: Vec<u64> = agents
+        .iter()
+        .filter(|a| a.name == peer.name)
+        .map(|a| a.id)
+        .collect();
+    let refuse = |reason: String| Error::MetadataLeadsIntoThisProcess {
+        agent: peer.name.to_string(),
+        reason,
+    };
+    if let Some((id, why)) = workers.iter().find(|(id, _)| !named.contains(id)) {
+        let owner = agents.iter().find(|a| a.id == *id).map_or("", |a| &a.name);
+        return Err(refuse(format!(
+            "{why} is that of agent {owner:?} of this process"
+        )));
+    }
+    let mut ids: Vec<u64> = workers.iter().map(|(id, _)| *id).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    if ids.is_empty() {
+        if named.is_empty() {
+            let why = process.unwrap_or_default();
+            return Err(refuse(format!(
+                "{why} is this process, and no agent of this process has that name"
+            )));
+        }
+        ids = named;
+    }
+    Ok(Some(PeerKind::InProcess(ids)))
+}
+
+/// What `dest` leads to in this process, if anything.
+fn lead(dest: &Destination, agents: &[AgentWorkers], endpoints: &mut Endpoints) -> Option<Lead> {
+    let ours = || {
+        agents.iter().flat_map(|agent| {
+            agent
+                .workers
+                .iter()
+                .flat_map(move |w| w.destinations.iter().map(move |d| (agent.id, d)))
+        })
+    };
+    match dest {
+        // These reach the whole process, not one worker: every worker has the same.
+        Destination::Cma { .. } | Destination::Xpmem { .. } => {
+            ours().any(|(_, d)| d == dest).then_some(Lead::Process)
+        }
+        _ => {
+            if let Some((id, _)) = ours().find(|(_, d)| *d == dest) {
+                return Some(Lead::Agent(id));
+            }
+            let process = match dest {
+                Destination::PosixProc {
+                    host, pid, pid_ns, ..
+                } => ours().any(|(_, d)| {
+                    matches!(d, Destination::PosixProc { host: h, pid: p, pid_ns: n, .. }
+                        if h == host && p == pid && n == pid_ns)
+                }),
+                Destination::Sysv { host, shmid } => {
+                    ours().any(|(_, d)| matches!(d, Destination::Sysv { host: h, .. } if h == host))
+                        && endpoints.sysv().contains(shmid)
+                }
+                _ => false,
+            };
+            process.then_some(Lead::Process)
+        }
+    }
+}
+
+/// `dest`, as an error message names it.
+fn describe(dest: &Destination) -> String {
+    match dest {
+        Destination::Loopback(id) => format!("its UCX self interface {id:#x}"),
+        Destination::Cma { pid, .. } => format!("its UCX cma address (pid {pid})"),
+        Destination::PosixProc { pid, fd, .. } => {
+            format!("its UCX posix FIFO (/proc/{pid}/fd/{fd})")
+        }
+        Destination::PosixNamed { id, .. } => format!("its UCX posix FIFO {id:#x}"),
+        Destination::Sysv { shmid, .. } => format!("its UCX sysv FIFO (shmid {shmid})"),
+        Destination::Xpmem { segid, .. } => format!("its UCX xpmem segment {segid:#x}"),
+        Destination::Tcp { ip, port, .. } => {
+            format!("its UCX tcp listener {}", SocketAddr::new(*ip, *port))
+        }
+        Destination::Other { checksum, .. } => {
+            format!("its address on the UCX transport of name checksum {checksum:#06x}")
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::IpAddr;
+
+    use super::*;
+    use crate::metadata::wire::{Host, Worker};
+
+    const HOST: Host = Host {
+        id: 0x1234_5678,
+        ns: None,
+    };
+
+    /// A fake agent of this process with one worker; removed when dropped.
+    struct Fake(u64);
+
+    impl Fake {
+        fn new(name: &str, worker: Worker) -> Fake {
+            let id = local_peers::next_id();
+            local_peers::add_agent(id, name);
+            local_peers::add_worker(id, worker);
+            Fake(id)
+        }
+    }
+
+    impl Drop for Fake {
+        fn drop(&mut self) {
+            local_peers::remove_agent(self.0);
+        }
+    }
+
+    fn cma(pid: u32) -> Destination {
+        Destination::Cma {
+            host: HOST,
+            pid,
+            pid_ns: crate::metadata::wire::ROOT_PID_NS,
+        }
+    }
+
+    fn tcp(ip: [u8; 4], port: u16, loopback: bool) -> Destination {
+        Destination::Tcp {
+            ip: IpAddr::from(ip),
+            port,
+            loopback: loopback.then_some(HOST),
+        }
+    }
+
+    fn classify_as(
+        name: &str,
+        uuid: Option<u64>,
+        dest: Vec<Destination>,
+    ) -> Result<Option<PeerKind>> {
+        classify(&PeerMetadata {
+            name,
+            worker: Some(Worker {
+                uuid,
+                destinations: dest,
+            }),
+            regions: Vec::new(),
+        })
+    }
+
+    fn refused(result: Result<Option<PeerKind>>, what: &str) {
+        match result {
+            Err(Error::MetadataLeadsIntoThisProcess { reason, .. }) => {
+                assert!(reason.contains(what), "{reason}")
+            }
+            other => panic!("expected a refusal naming {what:?}, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn each_part_of_a_worker_address_leads_to_its_worker() {
+        let pid = 0x7000_0001;
+        let worker = Worker {
+            uuid: Some(0xAB),
+            destinations: vec![
+                Destination::Loopback(0x51),
+                tcp([192, 0, 2, 7], 4000, false),
+                Destination::Sysv {
+                    host: HOST,
+                    shmid: 77,
+                },
+                cma(pid),
+            ],
+        };
+        let victim = Fake::new("designation-victim", worker.clone());
+        // Its own name: an agent of this process.
+        assert_eq!(
+            classify_as(
+                "designation-victim",
+                worker.uuid,
+                worker.destinations.clone()
+            )
+            .unwrap(),
+            Some(PeerKind::InProcess(vec![victim.0]))
+        );
+        // Any one part, under another name, without the UUID: refused.
+        refused(classify_as("other", Some(0xAB), vec![]), "UUID");
+        for (dest, what) in [
+            (Destination::Loopback(0x51), "self interface"),
+            (tcp([192, 0, 2, 7], 4000, false), "192.0.2.7:4000"),
+            (
+                Destination::Sysv {
+                    host: HOST,
+                    shmid: 77,
+                },
+                "shmid 77",
+            ),
+            (cma(pid), "pid"),
+        ] {
+            refused(classify_as("other", None, vec![dest]), what);
+        }
+        // Elsewhere: another pid, port, segment or host.
+        let elsewhere = vec![
+            cma(pid + 1),
+            tcp([192, 0, 2, 7], 4001, false),
+            Destination::Sysv {
+                host: Host { id: 9, ns: None },
+                shmid: 77,
+            },
+        ];
+        assert_eq!(
+            classify_as("other", Some(0xAC), elsewhere).unwrap(),
+            Some(PeerKind::Remote)
+        );
+        // No UCX connection info: nothing to tell.
+        let bare = PeerMetadata {
+            name: "other",
+            ..PeerMetadata::default()
+        };
+        assert_eq!(classify(&bare).unwrap(), None);
+    }
+
+    #[test]
+    fn a_segment_this_process_created_that_no_worker_shows_is_this_process() {
+        // SAFETY: plain System V calls on a private segment of this test.
+        let shmid = unsafe { libc::shmget(libc::IPC_PRIVATE, 4096, libc::IPC_CREAT | 0o600) };
+        assert!(shmid >= 0, "shmget: {}", std::io::Error::last_os_error());
+        let shmid = shmid as u64;
+        // A worker of this process has a segment on this host...
+        let ours = Fake::new(
+            "designation-sysv",
+            Worker {
+                uuid: None,
+                destinations: vec![Destination::Sysv {
+                    host: HOST,
+                    shmid: shmid + 1,
+                }],
+            },
+        );
+        // ...so another segment this process created there is this process too.
+        let theirs = vec![Destination::Sysv { host: HOST, shmid }];
+        let result = classify_as("other", None, theirs.clone());
+        // SAFETY: removes the segment made above.
+        unsafe { libc::shmctl(shmid as libc::c_int, libc::IPC_RMID, std::ptr::null_mut()) };
+        refused(result, &format!("shmid {shmid}"));
+        drop(ours);
+        assert_eq!(
+            classify_as("other", None, theirs).unwrap(),
+            Some(PeerKind::Remote)
+        );
+    }
+
+    #[test]
+    fn a_process_wide_address_names_the_agents_of_its_name() {
+        let pid = 0x7000_0002;
+        let worker = Worker {
+            uuid: None,
+            destinations: vec![cma(pid)],
+        };
+        let (a, b) = (
+            Fake::new("designation-twice", worker.clone()),
+            Fake::new("designation-twice", worker),
+        );
+        match classify_as("designation-twice", None, vec![cma(pid)]).unwrap() {
+            Some(PeerKind::InProcess(mut ids)) => {
+                ids.sort_unstable();
+                assert_eq!(ids, vec![a.0, b.0]);
+            }
+            other => panic!("expected both agents of that name, got {other:?}"),
+        }
+        refused(
+            classify_as("designation-nobody", None, vec![cma(pid)]),
+            "no agent of this process has that name",
+        );
+    }
+}
