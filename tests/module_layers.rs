@@ -249,8 +249,8 @@ fn grouped_imports_and_super_paths_are_read() {
             "wire::reader::child::Thing",
         ]
     );
-    // On the real sources: wire/'s files name each other only through `super::`
-    // (layout.rs through the group `super::{ucx_address, ucx_rkey}`).
+    // On the real sources: wire/'s files name each other only through `super::` paths
+    // (layout.rs through `use super::ucx_rkey;`).
     let graph = imports();
     assert!(
         graph["metadata::wire::layout"].contains("metadata::wire::ucx_rkey"),
