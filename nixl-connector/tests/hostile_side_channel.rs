@@ -60,8 +60,10 @@ async fn the_server_drops_huge_and_slow_peers_and_still_serves() {
 
     // A peer that declares 100 bytes and dribbles them one every 100 ms is cut at the
     // total deadline, not kept alive by each byte.
-    let slow = TcpStream::connect(addr).await.unwrap();
+    // Timed from before the connect: the server's deadline starts at its accept, which can
+    // come before this task runs again after `connect` returns.
     let opened = Instant::now();
+    let slow = TcpStream::connect(addr).await.unwrap();
     let (mut slow_read, mut slow_write) = slow.into_split();
     slow_write.write_all(&100u32.to_be_bytes()).await.unwrap();
     let dribble = tokio::spawn(async move {
