@@ -1,7 +1,8 @@
 //! The `nixl` crate's files form layers: no file's code reaches, through `crate::`,
 //! `super::` or `self::` paths (grouped `use` imports included), a file that reaches back
 //! to it, and the FFI boundary (`raw.rs`, `handles.rs`) knows only `nixl-sys`, the
-//! loaded library, the error type and plain data.
+//! loaded library, the error type and plain data. The same holds for `nixl-connector`'s
+//! files, where only `lib.rs` reaches the worker.
 //!
 //! A file's own ancestors (`wire/mod.rs` for `wire/reader.rs`) do not count as reached:
 //! a parent module holds its children. `super::` is read relative to the file, so one
@@ -10,14 +11,20 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
-/// Every module of nixl/src (`wire::reader` for wire/reader.rs) and its code, comment
+/// The `nixl` crate's sources.
+const NIXL: &str = "nixl/src";
+
+/// The `nixl-connector` crate's sources.
+const CONNECTOR: &str = "nixl-connector/src";
+
+/// Every module of `crate_src` (`wire::reader` for wire/reader.rs) and its code, comment
 /// lines left out (a doc link to another module is a reference, not a dependency).
-fn sources() -> BTreeMap<String, String> {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("nixl/src");
+fn sources(crate_src: &str) -> BTreeMap<String, String> {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join(crate_src);
     let mut out = BTreeMap::new();
     let mut dirs = vec![src.clone()];
     while let Some(dir) = dirs.pop() {
-        for entry in std::fs::read_dir(&dir).expect("read nixl/src") {
+        for entry in std::fs::read_dir(&dir).expect("read the crate's sources") {
             let path = entry.expect("directory entry").path();
             if path.is_dir() {
                 dirs.push(path);
@@ -148,10 +155,10 @@ fn resolve(path: &[String], modules: &BTreeSet<String>) -> Option<String> {
         .find(|m| modules.contains(m))
 }
 
-/// Every module of nixl/src and the modules its code reaches (its ancestors and itself left
-/// out).
-fn imports() -> BTreeMap<String, BTreeSet<String>> {
-    let sources = sources();
+/// Every module of `crate_src` and the modules its code reaches (its ancestors and itself
+/// left out).
+fn imports(crate_src: &str) -> BTreeMap<String, BTreeSet<String>> {
+    let sources = sources(crate_src);
     let modules: BTreeSet<String> = sources.keys().cloned().collect();
     sources
         .iter()
@@ -187,14 +194,19 @@ fn cycle_from(graph: &BTreeMap<String, BTreeSet<String>>, start: &str) -> Option
     None
 }
 
-#[test]
-fn no_file_reaches_back_to_itself() {
-    let graph = imports();
-    let cycles: Vec<String> = graph
+/// The cycles among `crate_src`'s files, one line each.
+fn cycles(crate_src: &str) -> Vec<String> {
+    let graph = imports(crate_src);
+    graph
         .keys()
         .filter_map(|module| cycle_from(&graph, module))
         .map(|cycle| cycle.join(" -> "))
-        .collect();
+        .collect()
+}
+
+#[test]
+fn no_file_reaches_back_to_itself() {
+    let cycles = cycles(NIXL);
     assert!(
         cycles.is_empty(),
         "cycles among nixl's files:\n{}",
@@ -203,8 +215,33 @@ fn no_file_reaches_back_to_itself() {
 }
 
 #[test]
+fn no_connector_file_reaches_back_to_itself_and_only_lib_reaches_the_worker() {
+    let cycles = cycles(CONNECTOR);
+    assert!(
+        cycles.is_empty(),
+        "cycles among nixl-connector's files:\n{}",
+        cycles.join("\n")
+    );
+    let graph = imports(CONNECTOR);
+    let reaching: Vec<&String> = graph
+        .iter()
+        .filter(|(_, used)| used.contains("worker"))
+        .map(|(module, _)| module)
+        .collect();
+    assert!(reaching.is_empty(), "{reaching:?} reach worker.rs");
+    // The state the loads, the handshakes and the staging share sits below all three.
+    for module in ["load", "connect", "host_buffer"] {
+        assert!(
+            graph[module].contains("shared"),
+            "{module}: {:?}",
+            graph[module]
+        );
+    }
+}
+
+#[test]
 fn the_ffi_boundary_knows_only_the_library_the_error_type_and_plain_data() {
-    let graph = imports();
+    let graph = imports(NIXL);
     for module in ["raw", "handles"] {
         let used = &graph[module];
         let allowed: BTreeSet<String> = ["error", "handles", "library", "mem_type", "status"]
@@ -243,7 +280,7 @@ fn grouped_imports_and_super_paths_are_read() {
     );
     // On the real sources: wire/'s files name each other only through `super::`
     // (layout.rs through the group `super::{ucx_address, ucx_rkey}`).
-    let graph = imports();
+    let graph = imports(NIXL);
     assert!(
         graph["wire::layout"].contains("wire::ucx_rkey"),
         "{:?}",

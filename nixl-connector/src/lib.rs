@@ -86,6 +86,7 @@
 
 mod block_map;
 mod config;
+mod connect;
 mod error;
 pub mod etcd;
 mod failure;
@@ -93,12 +94,14 @@ pub mod handshake;
 pub mod host_buffer;
 mod load;
 mod metrics;
+mod outcomes;
 mod params;
 pub mod pending;
-mod remote;
+mod remotes;
 pub mod scheduler;
 mod sending;
 pub mod series;
+mod shared;
 pub mod side_channel;
 mod spec;
 pub mod vllm;
@@ -113,6 +116,7 @@ pub use error::{Error, Result};
 pub use failure::{FailedBlock, FailureKind};
 pub use handshake::{check_compatible, HandshakeMessage, ReadPlan, PROTOCOL_VERSION};
 pub use metrics::{open_fds, RemoteStats, SendStats, TransferMetrics};
+pub use outcomes::Finished;
 pub use params::{KvTransferParams, RemoteBlocks};
 pub use pending::{PendingHandshakes, PendingSlot, PendingStats};
 pub use scheduler::{
@@ -122,4 +126,4 @@ pub use scheduler::{
 pub use sending::NotificationStats;
 pub use spec::{KvCacheSpec, KvLayout};
 pub use wire::{Channel, ChannelLimits};
-pub use worker::{Finished, KvConnectorWorker};
+pub use worker::KvConnectorWorker;

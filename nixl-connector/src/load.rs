@@ -8,13 +8,14 @@ use nixl::{XferOp, XferOptions, XferStatus};
 use tracing::Instrument;
 
 use crate::block_map::descriptor_ids;
+use crate::connect;
 use crate::error::{Error, Result};
 use crate::failure::{FailedBlock, FailureKind};
 use crate::metrics::TransferMetrics;
 use crate::params::RemoteBlocks;
-use crate::remote::Remote;
+use crate::remotes::Remote;
 use crate::sending::notification_message;
-use crate::worker::Shared;
+use crate::shared::Shared;
 
 /// What [`crate::KvConnectorWorker::start_load`] checked and hands the task.
 pub(crate) struct Load {
@@ -127,16 +128,14 @@ pub(crate) async fn finish(shared: Arc<Shared>, load: Load, posted: Posted) {
 pub(crate) async fn notify_only(shared: Arc<Shared>, load: Load) {
     let span = load.span.clone();
     async move {
-        let sent = match shared
-            .remotes
-            .get(
-                &shared,
-                &load.remote.engine_id,
-                load.remote_rank,
-                &load.remote.host,
-                load.port,
-            )
-            .await
+        let sent = match connect::remote(
+            &shared,
+            &load.remote.engine_id,
+            load.remote_rank,
+            &load.remote.host,
+            load.port,
+        )
+        .await
         {
             Ok(remote) => send_notification(&shared, &remote, &load),
             Err(err) => Err(err),
@@ -220,16 +219,14 @@ fn record(shared: &Shared, load: &Load, posted: Option<Instant>, outcome: Result
 /// Handshakes if needed, then reads (or only notifies, when the load was aborted meanwhile);
 /// a remote whose READ failed in NIXL is forgotten.
 async fn transfer(shared: &Arc<Shared>, load: &Load, posted: &mut Option<Instant>) -> Result<()> {
-    let remote = shared
-        .remotes
-        .get(
-            shared,
-            &load.remote.engine_id,
-            load.remote_rank,
-            &load.remote.host,
-            load.port,
-        )
-        .await?;
+    let remote = connect::remote(
+        shared,
+        &load.remote.engine_id,
+        load.remote_rank,
+        &load.remote.host,
+        load.port,
+    )
+    .await?;
     if shared.outcomes().is_aborted(&load.request_id) {
         if let Err(err) = send_notification(shared, &remote, load) {
             shared.series.failed_notification();

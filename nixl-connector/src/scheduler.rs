@@ -34,8 +34,8 @@ use nixl::kv_config::KvTransferConfig;
 use crate::config::{Lease, LoadFailurePolicy};
 use crate::error::{Error, Result};
 use crate::failure::FailedBlock;
+use crate::outcomes::Finished;
 use crate::params::{KvTransferParams, RemoteBlocks};
-use crate::worker::Finished;
 
 /// How a request finished (vLLM's `RequestStatus.FINISHED_*`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,121 +1,35 @@
 //! The worker half: registers the KV cache, answers handshakes, loads remote blocks and
 //! tracks what is done.
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use nixl::kv_config::NixlSetup;
-use nixl::{Agent, MetadataPeer, NotificationFilter, PreparedLocal, RegisterMemory, Registration};
+use nixl::{
+    Agent, MetadataPeer, NotificationFilter, RegDesc, RegisterMemory, Registration, XferOp,
+};
 use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
 
 use crate::config::{Lease, MetadataExchange, WorkerConfig};
+use crate::connect;
 use crate::error::{Error, Result};
 use crate::etcd::EtcdSource;
 use crate::failure::{FailedBlock, FailureKind};
 use crate::handshake::HandshakeMessage;
+use crate::host_buffer::Staging;
 use crate::metrics::{RemoteStats, SendStats, TransferMetrics};
+use crate::outcomes::{Finished, Outcomes};
 use crate::params::RemoteBlocks;
 use crate::pending::{PendingHandshakes, PendingStats};
-use crate::remote::Remotes;
+use crate::remotes::Remotes;
 use crate::scheduler::{ConnectorMetadata, HeartbeatSpec};
 use crate::sending::{heartbeat_messages, NotificationStats, Sends};
 use crate::series::Series;
-use crate::KvCacheSpec;
-
-/// Requests that finished transferring since the last [`KvConnectorWorker::finished`].
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Finished {
-    /// Held requests whose blocks may now be freed (every decode rank notified, or their
-    /// lease ended).
-    pub sending: Vec<String>,
-    /// Loads that ended (failed ones too; their blocks are in `load_errors`).
-    pub recving: Vec<String>,
-}
-
-/// The registered cache and what is derived from it.
-pub(crate) struct Caches {
-    pub(crate) registration: Registration,
-    pub(crate) spec: KvCacheSpec,
-    pub(crate) local: PreparedLocal,
-    pub(crate) handshake: Arc<HandshakeMessage>,
-    pub(crate) side_channel: SocketAddr,
-    /// The places of the side channel's handshakes under way.
-    pub(crate) side_channel_pending: Arc<PendingHandshakes>,
-}
-
-/// Outcomes the background tasks report, and the loads under way.
-#[derive(Debug, Default)]
-pub(crate) struct Outcomes {
-    pub(crate) recving: Vec<String>,
-    pub(crate) load_errors: Vec<FailedBlock>,
-    pub(crate) metrics: Vec<TransferMetrics>,
-    /// Loads started and not yet ended, by request id: whether their request was aborted.
-    active: HashMap<String, bool>,
-}
-
-impl Outcomes {
-    /// Marks a load of `request_id` as under way; `false` if one already is.
-    fn start(&mut self, request_id: &str) -> bool {
-        if self.active.contains_key(request_id) {
-            return false;
-        }
-        self.active.insert(request_id.to_string(), false);
-        true
-    }
-
-    /// Marks the load of `request_id` as ended; whether its request was aborted.
-    pub(crate) fn end(&mut self, request_id: &str) -> bool {
-        self.active.remove(request_id).unwrap_or(false)
-    }
-
-    /// Whether the load of `request_id` is under way and its request was aborted.
-    pub(crate) fn is_aborted(&self, request_id: &str) -> bool {
-        self.active.get(request_id).copied().unwrap_or(false)
-    }
-
-    /// Marks the load of `request_id` aborted; `false` when none is under way.
-    fn abort(&mut self, request_id: &str) -> bool {
-        match self.active.get_mut(request_id) {
-            Some(aborted) => {
-                *aborted = true;
-                true
-            }
-            None => false,
-        }
-    }
-}
-
-/// State shared with the background tasks.
-pub(crate) struct Shared {
-    pub(crate) config: WorkerConfig,
-    pub(crate) setup: NixlSetup,
-    pub(crate) caches: OnceLock<Caches>,
-    pub(crate) outcomes: Mutex<Outcomes>,
-    pub(crate) sends: Mutex<Sends>,
-    pub(crate) remotes: Remotes,
-    /// Where peers' metadata is fetched from, in etcd mode.
-    pub(crate) etcd: Option<EtcdSource>,
-    /// The exported metrics.
-    pub(crate) series: Arc<Series>,
-    /// Signalled whenever a load ends.
-    pub(crate) load_ended: tokio::sync::Notify,
-    /// Signalled whenever a decode notification arrives for this rank.
-    pub(crate) notified: tokio::sync::Notify,
-}
-
-impl Shared {
-    pub(crate) fn outcomes(&self) -> MutexGuard<'_, Outcomes> {
-        self.outcomes.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn sends(&self) -> MutexGuard<'_, Sends> {
-        self.sends.lock().unwrap_or_else(|p| p.into_inner())
-    }
-}
+use crate::shared::{Caches, Shared};
+use crate::spec::KvCacheSpec;
 
 /// The worker half of the connector: one per TP rank.
 ///
@@ -123,8 +37,8 @@ impl Shared {
 /// it, so no method blocks an engine step. Dropping the worker stops its tasks; loads in
 /// flight are left to NIXL's completion driver, which keeps their memory until done.
 pub struct KvConnectorWorker {
-    pub(crate) shared: Arc<Shared>,
-    pub(crate) staging: OnceLock<crate::host_buffer::Staging>,
+    shared: Arc<Shared>,
+    staging: OnceLock<Staging>,
     runtime: Handle,
     tasks: Mutex<Vec<JoinHandle<()>>>,
     /// Whether decode notifications are being taken (see `listen_for_notifications`).
@@ -290,11 +204,7 @@ impl KvConnectorWorker {
     }
 
     /// Builds the prepared list, the handshake and the side channel for a registration.
-    pub(crate) fn finish_registration(
-        &self,
-        registration: Registration,
-        spec: KvCacheSpec,
-    ) -> Result<()> {
+    fn finish_registration(&self, registration: Registration, spec: KvCacheSpec) -> Result<()> {
         const OP: &str = "register the KV caches";
         let regions = registration.regions();
         if regions.len() != spec.num_layers {
@@ -385,6 +295,69 @@ impl KvConnectorWorker {
         }
         tracing::info!(engine = %config.engine_id, rank = config.tp_rank, %side_channel, layers = spec.num_layers, blocks = spec.num_blocks, block_len = spec.block_len(), "KV caches registered");
         Ok(())
+    }
+
+    /// Registers a VRAM KV cache in host-buffer mode (see [`host_buffer`](crate::host_buffer)):
+    /// `device_layers` are the engine's per-layer VRAM regions (device addresses, `dev_id`
+    /// the GPU index), each at least `spec.layer_len()` bytes; the connector allocates and
+    /// registers a host buffer of the same shape for transfers and starts the side channel.
+    ///
+    /// # Safety
+    /// Every descriptor must describe device memory that stays allocated until this worker
+    /// and every request made from it have been dropped (as for
+    /// [`nixl::Agent::register_raw`]).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] unless the config's kv-buffer device is `cpu` on a `cuda`
+    /// platform, or for regions that do not fit `spec`; [`Error::HostBufferNeedsGpu`] when
+    /// no CUDA device is usable; then the errors of
+    /// [`register_kv_caches`](Self::register_kv_caches).
+    pub unsafe fn register_kv_caches_host_buffer(
+        &self,
+        device_layers: &[RegDesc],
+        spec: KvCacheSpec,
+    ) -> Result<()> {
+        const OP: &str = "register the KV caches in host-buffer mode";
+        spec.validate()?;
+        if self.staging.get().is_some() {
+            return Err(Error::invalid(OP, "the KV caches are already registered"));
+        }
+        // SAFETY: forwarded from the caller's contract.
+        let vram = unsafe { Staging::register_device(&self.shared, device_layers, &spec) }?;
+        self.register_host_kv_caches(spec)?;
+        let staging = Staging::new(&self.shared, vram, self.kv_caches()?, spec)?;
+        if self.staging.set(staging).is_err() {
+            return Err(Error::invalid(OP, "the KV caches are already registered"));
+        }
+        Ok(())
+    }
+
+    /// Copies `block_ids` of every layer from VRAM to the host buffer (prefill, before the
+    /// decode reads them).
+    ///
+    /// # Errors
+    /// As [`stage_from_host`](Self::stage_from_host).
+    pub async fn stage_to_host(&self, block_ids: &[usize]) -> Result<()> {
+        self.staging("stage blocks to the host buffer")?
+            .copy(&self.shared, XferOp::Write, block_ids)
+            .await
+    }
+
+    /// Copies `block_ids` of every layer from the host buffer to VRAM (decode, after a
+    /// load finished without errors).
+    ///
+    /// # Errors
+    /// [`Error::NotRegistered`] unless registered in host-buffer mode;
+    /// [`Error::InvalidArgument`] for a block id out of range; [`Error::TransferTimeout`];
+    /// NIXL's errors.
+    pub async fn stage_from_host(&self, block_ids: &[usize]) -> Result<()> {
+        self.staging("stage blocks from the host buffer")?
+            .copy(&self.shared, XferOp::Read, block_ids)
+            .await
+    }
+
+    fn staging(&self, operation: &'static str) -> Result<&Staging> {
+        self.staging.get().ok_or(Error::NotRegistered { operation })
     }
 
     fn caches(&self, operation: &'static str) -> Result<&Caches> {
@@ -531,9 +504,7 @@ impl KvConnectorWorker {
         const OP: &str = "handshake with a remote engine";
         self.caches(OP)?;
         let (rank, port) = self.remote_rank(OP, port, tp_size)?;
-        self.shared
-            .remotes
-            .get(&self.shared, engine_id, rank, host, port)
+        connect::remote(&self.shared, engine_id, rank, host, port)
             .await
             .map(drop)
     }
@@ -609,11 +580,7 @@ impl KvConnectorWorker {
                 heartbeat.host.clone(),
             );
             self.runtime.spawn(async move {
-                if let Err(err) = shared
-                    .remotes
-                    .get(&shared, &engine, rank, &host, port)
-                    .await
-                {
+                if let Err(err) = connect::remote(&shared, &engine, rank, &host, port).await {
                     tracing::debug!(%engine, rank, %err, "handshake for heartbeats failed");
                 }
             });

@@ -1,0 +1,117 @@
+//! A decode rank's handshake with one remote rank: its handshake message fetched over the
+//! side channel and checked, its agent's metadata loaded, its blocks described in a prepared
+//! list. Run once per remote rank, in the background, through [`Remotes`](crate::remotes).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use futures::FutureExt;
+use nixl::{RemoteDescList, XferDesc};
+
+use crate::error::{Error, Result};
+use crate::handshake::check_compatible;
+use crate::remotes::Remote;
+use crate::shared::Shared;
+use crate::side_channel::fetch_handshake;
+
+/// The remote rank `rank` of `engine` at `host:port`, handshaking first if no load has yet
+/// (see [`Remotes::get`](crate::remotes::Remotes::get)).
+///
+/// # Errors
+/// [`Error::Handshake`] with the reason.
+pub(crate) async fn remote(
+    shared: &Arc<Shared>,
+    engine: &str,
+    rank: usize,
+    host: &str,
+    port: u16,
+) -> Result<Arc<Remote>> {
+    let start = || {
+        let (shared, engine, host) = (shared.clone(), engine.to_string(), host.to_string());
+        async move {
+            let started = std::time::Instant::now();
+            let remote = connect(&shared, &engine, rank, &host, port).await;
+            if remote.is_ok() {
+                shared.series.handshake(started.elapsed());
+            }
+            remote
+        }
+        .boxed()
+    };
+    shared.remotes.get(engine, rank, start).await
+}
+
+async fn connect(
+    shared: &Shared,
+    engine: &str,
+    rank: usize,
+    host: &str,
+    port: u16,
+) -> Result<Arc<Remote>> {
+    let caches = shared.caches.get().ok_or(Error::NotRegistered {
+        operation: "handshake",
+    })?;
+    let started = std::time::Instant::now();
+    let addr = resolve(host, port).await?;
+    let ours = &caches.handshake;
+    let theirs = fetch_handshake(addr, ours, shared.config.limits).await?;
+    let plan = check_compatible(ours, &theirs, Some(engine), Some(rank))?;
+    let agent = shared.setup.agent();
+    let source = (engine.to_string(), rank);
+    let name = match &shared.etcd {
+        None => shared.remotes.load_metadata(
+            agent,
+            &source,
+            &theirs.agent_name,
+            &theirs.agent_metadata,
+        )?,
+        Some(etcd) => {
+            // What is left of the handshake's deadline: one total for the whole of it.
+            let limits = shared.config.limits;
+            let left = limits.deadline.saturating_sub(started.elapsed());
+            let key = crate::etcd::metadata_key(&etcd.namespace, &theirs.agent_name);
+            let metadata =
+                crate::etcd::fetch_metadata(&etcd.endpoints, &key, limits.max_frame, left).await?;
+            shared
+                .remotes
+                .load_metadata(agent, &source, &theirs.agent_name, &metadata)?
+        }
+    };
+    if name != theirs.agent_name {
+        return Err(Error::Incompatible {
+            reader: format!("engine {:?} rank {}", ours.engine_id, ours.tp_rank),
+            source_rank: format!("engine {engine:?} rank {rank}"),
+            reason: format!(
+                "its metadata names agent {name:?}, its handshake {:?}",
+                theirs.agent_name
+            ),
+        });
+    }
+    let mut descs = Vec::with_capacity(theirs.layer_base_addrs.len() * plan.remote_num_blocks);
+    for &base in &theirs.layer_base_addrs {
+        for block in 0..plan.remote_num_blocks {
+            let addr = base as usize + block * plan.remote_block_len + plan.slice_offset;
+            descs.push(XferDesc::new(addr, plan.slice_len, theirs.device_id));
+        }
+    }
+    let list = RemoteDescList::from_vec(caches.registration.mem_type(), descs)?;
+    let backends: Vec<&nixl::Backend> = shared.setup.backends().iter().collect();
+    let prepared = agent.prepare_remote(&name, &list, &backends)?;
+    tracing::info!(engine, rank, agent = %name, blocks = plan.remote_num_blocks, slice_offset = plan.slice_offset, "handshake done");
+    Ok(Arc::new(Remote { prepared, plan }))
+}
+
+async fn resolve(host: &str, port: u16) -> Result<SocketAddr> {
+    let peer = format!("{host}:{port}");
+    tokio::net::lookup_host((host, port))
+        .await
+        .map_err(|err| Error::io("resolve the side channel", &peer, err))?
+        .next()
+        .ok_or_else(|| {
+            Error::io(
+                "resolve the side channel",
+                &peer,
+                std::io::Error::other("no address"),
+            )
+        })
+}
