@@ -1,25 +1,26 @@
 //! The `nixl` crate's files form layers: no file's code reaches, through `crate::`,
 //! `super::` or `self::` paths (grouped `use` imports included), a file that reaches back
 //! to it, and the FFI boundary (`raw.rs`, `handles.rs`) knows only `nixl-sys`, the
-//! loaded library, the error type and plain data. The same holds for `nixl-connector`'s
-//! files, where only `lib.rs` reaches the worker.
+//! loaded library, the error type and plain data.
 //!
 //! A file's own ancestors (`wire/mod.rs` for `wire/reader.rs`) do not count as reached:
 //! a parent module holds its children. `super::` is read relative to the file, so one
 //! inside an inline module (`mod tests { use super::*; }`) counts as the file's parent.
+//!
+//! The same holds for `nixl-connector`'s files, where only `lib.rs` reaches the worker.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
-/// The `nixl` crate's sources.
-const NIXL: &str = "nixl/src";
-
-/// The `nixl-connector` crate's sources.
-const CONNECTOR: &str = "nixl-connector/src";
-
-/// Every module of `crate_src` (`wire::reader` for wire/reader.rs) and its code, comment
+/// Every module of nixl/src (`wire::reader` for wire/reader.rs) and its code, comment
 /// lines left out (a doc link to another module is a reference, not a dependency).
-fn sources(crate_src: &str) -> BTreeMap<String, String> {
+fn sources() -> BTreeMap<String, String> {
+    sources_in("nixl/src")
+}
+
+/// Every module of the crate whose sources are in `crate_src` (relative to the workspace)
+/// and its code, as [`sources`] reads them.
+fn sources_in(crate_src: &str) -> BTreeMap<String, String> {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join(crate_src);
     let mut out = BTreeMap::new();
     let mut dirs = vec![src.clone()];
@@ -155,10 +156,16 @@ fn resolve(path: &[String], modules: &BTreeSet<String>) -> Option<String> {
         .find(|m| modules.contains(m))
 }
 
-/// Every module of `crate_src` and the modules its code reaches (its ancestors and itself
-/// left out).
-fn imports(crate_src: &str) -> BTreeMap<String, BTreeSet<String>> {
-    let sources = sources(crate_src);
+/// Every module of nixl/src and the modules its code reaches (its ancestors and itself left
+/// out).
+fn imports() -> BTreeMap<String, BTreeSet<String>> {
+    imports_in("nixl/src")
+}
+
+/// Every module of the crate whose sources are in `crate_src` and the modules its code
+/// reaches, as [`imports`] finds them.
+fn imports_in(crate_src: &str) -> BTreeMap<String, BTreeSet<String>> {
+    let sources = sources_in(crate_src);
     let modules: BTreeSet<String> = sources.keys().cloned().collect();
     sources
         .iter()
@@ -194,9 +201,9 @@ fn cycle_from(graph: &BTreeMap<String, BTreeSet<String>>, start: &str) -> Option
     None
 }
 
-/// The cycles among `crate_src`'s files, one line each.
-fn cycles(crate_src: &str) -> Vec<String> {
-    let graph = imports(crate_src);
+/// The cycles among the files of the crate whose sources are in `crate_src`, one line each.
+fn cycles_in(crate_src: &str) -> Vec<String> {
+    let graph = imports_in(crate_src);
     graph
         .keys()
         .filter_map(|module| cycle_from(&graph, module))
@@ -206,7 +213,7 @@ fn cycles(crate_src: &str) -> Vec<String> {
 
 #[test]
 fn no_file_reaches_back_to_itself() {
-    let cycles = cycles(NIXL);
+    let cycles = cycles_in("nixl/src");
     assert!(
         cycles.is_empty(),
         "cycles among nixl's files:\n{}",
@@ -215,33 +222,8 @@ fn no_file_reaches_back_to_itself() {
 }
 
 #[test]
-fn no_connector_file_reaches_back_to_itself_and_only_lib_reaches_the_worker() {
-    let cycles = cycles(CONNECTOR);
-    assert!(
-        cycles.is_empty(),
-        "cycles among nixl-connector's files:\n{}",
-        cycles.join("\n")
-    );
-    let graph = imports(CONNECTOR);
-    let reaching: Vec<&String> = graph
-        .iter()
-        .filter(|(_, used)| used.contains("worker"))
-        .map(|(module, _)| module)
-        .collect();
-    assert!(reaching.is_empty(), "{reaching:?} reach worker.rs");
-    // The state the loads, the handshakes and the staging share sits below all three.
-    for module in ["load", "connect", "host_buffer"] {
-        assert!(
-            graph[module].contains("shared"),
-            "{module}: {:?}",
-            graph[module]
-        );
-    }
-}
-
-#[test]
 fn the_ffi_boundary_knows_only_the_library_the_error_type_and_plain_data() {
-    let graph = imports(NIXL);
+    let graph = imports();
     for module in ["raw", "handles"] {
         let used = &graph[module];
         let allowed: BTreeSet<String> = ["error", "handles", "library", "mem_type", "status"]
@@ -280,11 +262,36 @@ fn grouped_imports_and_super_paths_are_read() {
     );
     // On the real sources: wire/'s files name each other only through `super::`
     // (layout.rs through the group `super::{ucx_address, ucx_rkey}`).
-    let graph = imports(NIXL);
+    let graph = imports();
     assert!(
         graph["wire::layout"].contains("wire::ucx_rkey"),
         "{:?}",
         graph["wire::layout"]
     );
     assert!(graph["wire::ucx_rkey"].contains("wire::reader"));
+}
+
+#[test]
+fn no_connector_file_reaches_back_to_itself_and_only_lib_reaches_the_worker() {
+    let cycles = cycles_in("nixl-connector/src");
+    assert!(
+        cycles.is_empty(),
+        "cycles among nixl-connector's files:\n{}",
+        cycles.join("\n")
+    );
+    let graph = imports_in("nixl-connector/src");
+    let reaching: Vec<&String> = graph
+        .iter()
+        .filter(|(_, used)| used.contains("worker"))
+        .map(|(module, _)| module)
+        .collect();
+    assert!(reaching.is_empty(), "{reaching:?} reach worker.rs");
+    // The state the loads, the handshakes and the staging share sits below all three.
+    for module in ["load", "connect", "host_buffer"] {
+        assert!(
+            graph[module].contains("shared"),
+            "{module}: {:?}",
+            graph[module]
+        );
+    }
 }
