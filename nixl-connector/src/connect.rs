@@ -6,11 +6,11 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use futures::FutureExt;
-use nixl::{RemoteDescList, XferDesc};
+use nixl::{LocalDescList, RemoteDescList};
 
 use crate::error::{Error, Result};
 use crate::handshake::check_compatible;
-use crate::remotes::Remote;
+use crate::remotes::{ReadLists, Remote};
 use crate::shared::Shared;
 use crate::side_channel::fetch_handshake;
 
@@ -87,18 +87,36 @@ async fn connect(
             ),
         });
     }
-    let mut descs = Vec::with_capacity(theirs.layer_base_addrs.len() * plan.remote_num_blocks);
-    for &base in &theirs.layer_base_addrs {
-        for block in 0..plan.remote_num_blocks {
-            let addr = base as usize + block * plan.remote_block_len + plan.slice_offset;
-            descs.push(XferDesc::new(addr, plan.slice_len, theirs.device_id));
-        }
-    }
-    let list = RemoteDescList::from_vec(caches.registration.mem_type(), descs)?;
-    let backends: Vec<&nixl::Backend> = shared.setup.backends().iter().collect();
-    let prepared = agent.prepare_remote(&name, &list, &backends)?;
-    tracing::info!(engine, rank, agent = %name, blocks = plan.remote_num_blocks, slice_offset = plan.slice_offset, "handshake done");
-    Ok(Arc::new(Remote { prepared, plan }))
+    let lists = if plan.share.reads() {
+        let backends: Vec<&nixl::Backend> = shared.setup.backends().iter().collect();
+        let mem_type = caches.registration.mem_type();
+        let descs = plan.remote_descs(&theirs.region_base_addrs, theirs.device_id);
+        let remote = agent.prepare_remote(
+            &name,
+            &RemoteDescList::from_vec(mem_type, descs)?,
+            &backends,
+        )?;
+        let local = if plan.reads_whole_local_blocks() {
+            None
+        } else {
+            let num_blocks = caches.spec.num_blocks;
+            let mut list =
+                LocalDescList::with_capacity(mem_type, plan.local_descriptors(num_blocks))?;
+            for (region, offset, len) in plan.local_descs(num_blocks) {
+                list.push(&caches.registration, region, offset, len)?;
+            }
+            Some(agent.prepare_local(&list, &backends)?)
+        };
+        Some(ReadLists { remote, local })
+    } else {
+        None
+    };
+    tracing::info!(engine, rank, agent = %name, share = ?plan.share, blocks = plan.remote_num_blocks, "handshake done");
+    Ok(Arc::new(Remote {
+        agent: name,
+        plan,
+        lists,
+    }))
 }
 
 async fn resolve(host: &str, port: u16) -> Result<SocketAddr> {

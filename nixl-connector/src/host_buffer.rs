@@ -60,15 +60,19 @@ impl Staging {
                 "host-buffer mode needs kv_buffer_device \"cpu\" on the cuda platform; this worker has {device:?} on {platform:?}"
             )));
         }
-        if device_layers.len() != spec.num_layers
-            || device_layers.iter().any(|d| d.len < spec.layer_len())
-        {
+        let short = device_layers
+            .iter()
+            .enumerate()
+            .any(|(r, d)| d.len < spec.region_len(r));
+        if device_layers.len() != spec.num_regions() || short {
+            let lens: Vec<usize> = (0..spec.num_regions())
+                .map(|r| spec.region_len(r))
+                .collect();
             return Err(Error::invalid(
                 OP,
                 format!(
-                    "pass {} VRAM regions of at least {} bytes each",
-                    spec.num_layers,
-                    spec.layer_len()
+                    "pass {} VRAM regions of at least {lens:?} bytes",
+                    spec.num_regions(),
                 ),
             ));
         }
@@ -97,16 +101,14 @@ impl Staging {
         let agent = shared.setup.agent();
         let backends: Vec<&nixl::Backend> = shared.setup.backends().iter().collect();
         agent.load_remote_metadata(&agent.local_metadata()?)?;
-        let mut device_list =
-            LocalDescList::with_capacity(MemType::Vram, spec.num_layers * spec.num_blocks)?;
-        let mut host_descs = Vec::with_capacity(spec.num_layers * spec.num_blocks);
-        for layer in 0..spec.num_layers {
-            device_list.push_blocks(&vram, layer, spec.block_len(), 0..spec.num_blocks)?;
-            let base = host.regions()[layer].addr;
-            host_descs.extend(
-                (0..spec.num_blocks)
-                    .map(|b| XferDesc::new(base + b * spec.block_len(), spec.block_len(), 0)),
-            );
+        let descriptors = spec.num_regions() * spec.num_blocks;
+        let mut device_list = LocalDescList::with_capacity(MemType::Vram, descriptors)?;
+        let mut host_descs = Vec::with_capacity(descriptors);
+        for region in 0..spec.num_regions() {
+            let len = spec.block_len(region);
+            device_list.push_blocks(&vram, region, len, 0..spec.num_blocks)?;
+            let base = host.regions()[region].addr;
+            host_descs.extend((0..spec.num_blocks).map(|b| XferDesc::new(base + b * len, len, 0)));
         }
         let device_list = agent.prepare_local(&device_list, &backends)?;
         let host_list = agent.prepare_remote(
@@ -122,7 +124,7 @@ impl Staging {
         })
     }
 
-    /// Copies `block_ids` of every layer between VRAM and the host buffer: a WRITE from VRAM
+    /// Copies `block_ids` of every region between VRAM and the host buffer: a WRITE from VRAM
     /// into the host buffer, or a READ from it into VRAM.
     ///
     /// # Errors
@@ -142,8 +144,8 @@ impl Staging {
                 format!("block {bad} of {blocks} blocks"),
             ));
         }
-        let indices: Vec<usize> = (0..self.spec.num_layers)
-            .flat_map(|layer| block_ids.iter().map(move |b| layer * blocks + b))
+        let indices: Vec<usize> = (0..self.spec.num_regions())
+            .flat_map(|region| block_ids.iter().map(move |b| region * blocks + b))
             .collect();
         let mut request = shared.setup.agent().make_xfer_req(
             op,

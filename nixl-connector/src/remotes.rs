@@ -12,20 +12,32 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use futures::future::{BoxFuture, FutureExt, Shared};
-use nixl::{Agent, PreparedRemote};
+use nixl::{Agent, PreparedLocal, PreparedRemote};
 
 use crate::error::{Error, Result};
-use crate::handshake::ReadPlan;
 use crate::metrics::RemoteStats;
+use crate::read_plan::ReadPlan;
 
 /// A remote rank after a successful handshake.
 #[derive(Debug)]
 pub(crate) struct Remote {
-    /// Its layer-major block list (descriptor `layer * remote_num_blocks + block`), each
-    /// descriptor this rank's head slice of the block.
-    pub(crate) prepared: PreparedRemote,
+    /// Its agent's name (notifications go to it).
+    pub(crate) agent: String,
     /// How its blocks are read.
     pub(crate) plan: ReadPlan,
+    /// The lists its READs use; `None` when it is only notified.
+    pub(crate) lists: Option<ReadLists>,
+}
+
+/// The prepared lists of the READs from one remote rank (see
+/// [`ReadPlan`](crate::ReadPlan) for their order).
+#[derive(Debug)]
+pub(crate) struct ReadLists {
+    /// Its blocks' pieces.
+    pub(crate) remote: PreparedRemote,
+    /// The local blocks' pieces; `None` when they are whole blocks, as the registration's
+    /// own list describes them.
+    pub(crate) local: Option<PreparedLocal>,
 }
 
 /// A handshake under way or done, shared by every load that needs it; the error is the
