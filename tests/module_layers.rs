@@ -159,13 +159,12 @@ fn resolve(path: &[String], modules: &BTreeSet<String>) -> Option<String> {
 /// Every module of nixl/src and the modules its code reaches (its ancestors and itself left
 /// out).
 fn imports() -> BTreeMap<String, BTreeSet<String>> {
-    imports_in("nixl/src")
+    imports_of(sources())
 }
 
-/// Every module of the crate whose sources are in `crate_src` and the modules its code
+/// Every module of `sources` (as [`sources_in`] reads them) and the modules its code
 /// reaches, as [`imports`] finds them.
-fn imports_in(crate_src: &str) -> BTreeMap<String, BTreeSet<String>> {
-    let sources = sources_in(crate_src);
+fn imports_of(sources: BTreeMap<String, String>) -> BTreeMap<String, BTreeSet<String>> {
     let modules: BTreeSet<String> = sources.keys().cloned().collect();
     sources
         .iter()
@@ -201,19 +200,18 @@ fn cycle_from(graph: &BTreeMap<String, BTreeSet<String>>, start: &str) -> Option
     None
 }
 
-/// The cycles among the files of the crate whose sources are in `crate_src`, one line each.
-fn cycles_in(crate_src: &str) -> Vec<String> {
-    let graph = imports_in(crate_src);
+/// The cycles among the modules of `graph`, one line each.
+fn cycles_in(graph: &BTreeMap<String, BTreeSet<String>>) -> Vec<String> {
     graph
         .keys()
-        .filter_map(|module| cycle_from(&graph, module))
+        .filter_map(|module| cycle_from(graph, module))
         .map(|cycle| cycle.join(" -> "))
         .collect()
 }
 
 #[test]
 fn no_file_reaches_back_to_itself() {
-    let cycles = cycles_in("nixl/src");
+    let cycles = cycles_in(&imports());
     assert!(
         cycles.is_empty(),
         "cycles among nixl's files:\n{}",
@@ -273,13 +271,13 @@ fn grouped_imports_and_super_paths_are_read() {
 
 #[test]
 fn no_connector_file_reaches_back_to_itself_and_only_lib_reaches_the_worker() {
-    let cycles = cycles_in("nixl-connector/src");
+    let graph = imports_of(sources_in("nixl-connector/src"));
+    let cycles = cycles_in(&graph);
     assert!(
         cycles.is_empty(),
         "cycles among nixl-connector's files:\n{}",
         cycles.join("\n")
     );
-    let graph = imports_in("nixl-connector/src");
     let reaching: Vec<&String> = graph
         .iter()
         .filter(|(_, used)| used.contains("worker"))

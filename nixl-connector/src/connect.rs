@@ -1,6 +1,8 @@
-//! A decode rank's handshake with one remote rank: its handshake message fetched over the
-//! side channel and checked, its agent's metadata loaded, its blocks described in a prepared
-//! list. Run once per remote rank, in the background, through [`Remotes`](crate::remotes).
+//! A decode rank's handshake with one remote rank (vLLM's `_nixl_handshake` and
+//! `add_remote_agent`): its handshake message fetched over the side channel and checked, its
+//! agent's metadata loaded, and, when it is read from, the pieces of its blocks and of the
+//! local blocks they land in described in prepared lists ([`ReadPlan`](crate::ReadPlan)). Run
+//! once per remote rank, in the background, through [`Remotes`](crate::remotes).
 
 use std::net::SocketAddr;
 use std::sync::Arc;

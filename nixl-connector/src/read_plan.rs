@@ -413,6 +413,14 @@ mod tests {
         }
     }
 
+    /// `spec` in the NHD layout.
+    fn nhd(spec: KvCacheSpec) -> KvCacheSpec {
+        KvCacheSpec {
+            layout: KvLayout::Nhd,
+            ..spec
+        }
+    }
+
     fn piece(local_offset: usize, remote_offset: usize, len: usize) -> Piece {
         Piece {
             local_offset,
@@ -493,12 +501,10 @@ mod tests {
 
     #[test]
     fn nhd_with_the_same_heads_reads_token_runs() {
-        let (mut prefill, mut decode) = (
-            hnd(2, 2, 8, KvRegionKind::KvHalves),
-            hnd(2, 2, 4, KvRegionKind::KvHalves),
+        let (prefill, decode) = (
+            nhd(hnd(2, 2, 8, KvRegionKind::KvHalves)),
+            nhd(hnd(2, 2, 4, KvRegionKind::KvHalves)),
         );
-        prefill.layout = KvLayout::Nhd;
-        decode.layout = KvLayout::Nhd;
         let plan = ReadPlan::new(&decode, (0, 1), &prefill, (0, 1)).unwrap();
         // A unit is 4 tokens × 2 heads × 4 bytes, once per half.
         let region = &plan.regions[0];
@@ -511,12 +517,10 @@ mod tests {
 
     #[test]
     fn nhd_with_a_head_slice_is_refused() {
-        let (mut prefill, mut decode) = (
-            hnd(4, 4, 16, KvRegionKind::Tensor),
-            hnd(4, 2, 16, KvRegionKind::Tensor),
+        let (prefill, decode) = (
+            nhd(hnd(4, 4, 16, KvRegionKind::Tensor)),
+            nhd(hnd(4, 2, 16, KvRegionKind::Tensor)),
         );
-        prefill.layout = KvLayout::Nhd;
-        decode.layout = KvLayout::Nhd;
         let err = ReadPlan::new(&decode, (0, 2), &prefill, (0, 1)).unwrap_err();
         assert!(
             err.contains("NHD blocks keep a head's tokens apart"),

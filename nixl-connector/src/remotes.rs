@@ -1,6 +1,6 @@
-//! The remote ranks this worker reads from: one handshake each, run by the first load that
-//! needs it (in the background, see [`connect`](crate::connect)), then their prepared
-//! descriptor list is reused.
+//! The remote ranks this worker reads from (or only notifies): one handshake each, run by
+//! the first load that needs it (in the background, see [`connect`](crate::connect)), then
+//! their prepared descriptor lists are reused.
 //!
 //! A remote rank is handshaken with again after a transfer with it failed. Its agent's
 //! metadata is loaded into NIXL only when it differs, byte for byte, from what that agent
