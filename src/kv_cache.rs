@@ -3,7 +3,7 @@
 //! each request's blocks are filled with and checked against.
 
 use nixl::Registration;
-use nixl_connector::{KvCacheSpec, KvConnectorWorker};
+use nixl_connector::{KvAttention, KvCacheSpec, KvConnectorWorker};
 
 use crate::error::{Error, Result};
 use crate::pattern;
@@ -57,18 +57,17 @@ impl KvLayout {
             .saturating_mul(self.layers)
     }
 
-    /// The connector's view of this geometry: a block is `block_bytes` one-byte elements
-    /// of one head and one token, so block lengths and offsets are the demo's own.
+    /// The connector's view of this geometry: one region per layer, a block one token of
+    /// one head of `block_bytes` bytes, so block lengths and offsets are the demo's own.
     pub fn spec(&self) -> KvCacheSpec {
-        KvCacheSpec {
-            num_layers: self.layers,
-            num_blocks: self.blocks,
-            block_size: 1,
-            num_kv_heads: 1,
-            head_dim: self.block_bytes,
-            dtype_size: 1,
-            layout: nixl_connector::KvLayout::Hnd,
-        }
+        KvCacheSpec::uniform(
+            self.layers,
+            self.blocks,
+            1,
+            KvAttention::Mha { total_kv_heads: 1 },
+            nixl_connector::KvLayout::Hnd,
+            self.block_bytes,
+        )
     }
 }
 
@@ -192,8 +191,8 @@ mod tests {
         };
         ok.validate().unwrap();
         assert_eq!(ok.total_bytes(), 24);
-        assert_eq!(ok.spec().block_len(), 4);
-        assert_eq!(ok.spec().layer_len(), 12);
+        assert_eq!(ok.spec().block_len(0), 4);
+        assert_eq!(ok.spec().region_len(0), 12);
         assert!(KvLayout { layers: 0, ..ok }.validate().is_err());
         assert!(KvLayout {
             block_bytes: usize::MAX,

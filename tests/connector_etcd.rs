@@ -53,7 +53,7 @@ fn delete(endpoint: &str, key: &str) {
 const MAX_FRAME: usize = 64 << 10;
 
 fn etcd_worker(engine: &str) -> KvConnectorWorker {
-    worker_with(engine, 0, 1, spec(2), |config| {
+    worker_with(engine, 0, 1, &spec(2), |config| {
         config.metadata_exchange = MetadataExchange::Etcd;
         config.limits.max_frame = MAX_FRAME;
     })

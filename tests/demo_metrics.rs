@@ -12,7 +12,9 @@ use std::time::{Duration, Instant};
 
 use demo_support::{run_decode, Prefill};
 use nixl::kv_config::KvTransferConfig;
-use nixl_connector::{KvCacheSpec, KvConnectorWorker, KvLayout, RemoteBlocks, WorkerConfig};
+use nixl_connector::{
+    KvAttention, KvCacheSpec, KvConnectorWorker, KvLayout, RemoteBlocks, WorkerConfig,
+};
 
 /// `GET /metrics` on `addr`: the response's body (panics on anything but 200).
 fn scrape(addr: SocketAddr) -> String {
@@ -62,17 +64,10 @@ async fn the_connectors_series_move_in_a_scrape() {
     let endpoint = nixl_rs::prometheus::serve("127.0.0.1:0".parse().unwrap())
         .await
         .unwrap();
-    let spec = KvCacheSpec {
-        num_layers: 2,
-        num_blocks: 8,
-        block_size: 4,
-        num_kv_heads: 2,
-        head_dim: 8,
-        dtype_size: 2,
-        layout: KvLayout::Hnd,
-    };
-    let prefill = worker("pf-metrics", spec, 0.3);
-    let decode = worker("dc-metrics", spec, 30.0);
+    let heads = KvAttention::Mha { total_kv_heads: 2 };
+    let spec = KvCacheSpec::uniform(2, 8, 4, heads, KvLayout::Hnd, 4 * 2 * 8 * 2);
+    let prefill = worker("pf-metrics", spec.clone(), 0.3);
+    let decode = worker("dc-metrics", spec.clone(), 30.0);
     let dc = r#"engine="dc-metrics""#;
     let pf = r#"engine="pf-metrics""#;
     let before = scrape(endpoint);
@@ -103,6 +98,7 @@ async fn the_connectors_series_move_in_a_scrape() {
         block_ids: blocks,
         request_id: request.into(),
         tp_size: 1,
+        num_tokens: None,
     };
     prefill.hold_for_decode("expires", Instant::now() + Duration::from_millis(300));
     for (i, blocks) in [vec![1, 2], vec![3], vec![4, 5, 6]].into_iter().enumerate() {
@@ -154,7 +150,7 @@ async fn the_connectors_series_move_in_a_scrape() {
     // per layer and load (6) and one per block and layer (12).
     let descriptors = value(&after, "vllm:nixl_num_descriptors_sum", &[dc]);
     assert!((6.0..=12.0).contains(&descriptors), "{descriptors}");
-    let bytes = (6 * spec.num_layers * spec.block_len()) as f64;
+    let bytes = (6 * spec.num_regions() * spec.block_len(0)) as f64;
     assert_eq!(
         value(&after, "vllm:nixl_bytes_transferred_sum", &[dc]),
         bytes

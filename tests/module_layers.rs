@@ -7,6 +7,8 @@
 //! `metadata/wire/reader.rs`) do not count as reached:
 //! a parent module holds its children. `super::` is read relative to the file, so one
 //! inside an inline module (`mod tests { use super::*; }`) counts as the file's parent.
+//!
+//! The same holds for `nixl-connector`'s files, where only `lib.rs` reaches the worker.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -15,11 +17,17 @@ use std::path::Path;
 /// code, comment lines left out (a doc link to another module is a reference, not a
 /// dependency).
 fn sources() -> BTreeMap<String, String> {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("nixl/src");
+    sources_in("nixl/src")
+}
+
+/// Every module of the crate whose sources are in `crate_src` (relative to the workspace)
+/// and its code, as [`sources`] reads them.
+fn sources_in(crate_src: &str) -> BTreeMap<String, String> {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join(crate_src);
     let mut out = BTreeMap::new();
     let mut dirs = vec![src.clone()];
     while let Some(dir) = dirs.pop() {
-        for entry in std::fs::read_dir(&dir).expect("read nixl/src") {
+        for entry in std::fs::read_dir(&dir).expect("read the crate's sources") {
             let path = entry.expect("directory entry").path();
             if path.is_dir() {
                 dirs.push(path);
@@ -153,7 +161,12 @@ fn resolve(path: &[String], modules: &BTreeSet<String>) -> Option<String> {
 /// Every module of nixl/src and the modules its code reaches (its ancestors and itself left
 /// out).
 fn imports() -> BTreeMap<String, BTreeSet<String>> {
-    let sources = sources();
+    imports_of(sources())
+}
+
+/// Every module of `sources` (as [`sources_in`] reads them) and the modules its code
+/// reaches, as [`imports`] finds them.
+fn imports_of(sources: BTreeMap<String, String>) -> BTreeMap<String, BTreeSet<String>> {
     let modules: BTreeSet<String> = sources.keys().cloned().collect();
     sources
         .iter()
@@ -189,14 +202,18 @@ fn cycle_from(graph: &BTreeMap<String, BTreeSet<String>>, start: &str) -> Option
     None
 }
 
+/// The cycles among the modules of `graph`, one line each.
+fn cycles_in(graph: &BTreeMap<String, BTreeSet<String>>) -> Vec<String> {
+    graph
+        .keys()
+        .filter_map(|module| cycle_from(graph, module))
+        .map(|cycle| cycle.join(" -> "))
+        .collect()
+}
+
 #[test]
 fn no_file_reaches_back_to_itself() {
-    let graph = imports();
-    let cycles: Vec<String> = graph
-        .keys()
-        .filter_map(|module| cycle_from(&graph, module))
-        .map(|cycle| cycle.join(" -> "))
-        .collect();
+    let cycles = cycles_in(&imports());
     assert!(
         cycles.is_empty(),
         "cycles among nixl's files:\n{}",
@@ -258,4 +275,29 @@ fn grouped_imports_and_super_paths_are_read() {
         graph["metadata::wire::layout"]
     );
     assert!(graph["metadata::wire::ucx_rkey"].contains("metadata::wire::reader"));
+}
+
+#[test]
+fn no_connector_file_reaches_back_to_itself_and_only_lib_reaches_the_worker() {
+    let graph = imports_of(sources_in("nixl-connector/src"));
+    let cycles = cycles_in(&graph);
+    assert!(
+        cycles.is_empty(),
+        "cycles among nixl-connector's files:\n{}",
+        cycles.join("\n")
+    );
+    let reaching: Vec<&String> = graph
+        .iter()
+        .filter(|(_, used)| used.contains("worker"))
+        .map(|(module, _)| module)
+        .collect();
+    assert!(reaching.is_empty(), "{reaching:?} reach worker.rs");
+    // The state the loads, the handshakes and the staging share sits below all three.
+    for module in ["load", "connect", "host_buffer"] {
+        assert!(
+            graph[module].contains("shared"),
+            "{module}: {:?}",
+            graph[module]
+        );
+    }
 }

@@ -16,7 +16,9 @@ use std::time::{Duration, Instant};
 
 use nixl::kv_config::KvTransferConfig;
 use nixl::platform::BuiltinPlatform;
-use nixl_connector::{KvCacheSpec, KvConnectorWorker, KvLayout, RemoteBlocks, WorkerConfig};
+use nixl_connector::{
+    KvAttention, KvCacheSpec, KvConnectorWorker, KvLayout, RemoteBlocks, WorkerConfig,
+};
 
 const PREFILL_ENV: &str = "NIXL_CONNECTOR_BENCH_PREFILL";
 
@@ -59,16 +61,17 @@ fn args() -> Args {
     a
 }
 
+/// `a.layers` regions of blocks of 16 tokens of 8 KV heads of 64 two-byte elements.
 fn spec(a: &Args) -> KvCacheSpec {
-    KvCacheSpec {
-        num_layers: a.layers,
-        num_blocks: a.blocks,
-        block_size: 16,
-        num_kv_heads: 8,
-        head_dim: 64,
-        dtype_size: 2,
-        layout: KvLayout::Hnd,
-    }
+    let heads = KvAttention::Mha { total_kv_heads: 8 };
+    KvCacheSpec::uniform(
+        a.layers,
+        a.blocks,
+        16,
+        heads,
+        KvLayout::Hnd,
+        16 * 8 * 64 * 2,
+    )
 }
 
 fn worker(engine: &str, spec: KvCacheSpec) -> nixl_connector::Result<KvConnectorWorker> {
@@ -101,14 +104,14 @@ fn blocks_of(i: usize, a: &Args) -> (Vec<usize>, Vec<usize>) {
 
 async fn prefill(a: &Args) -> nixl_connector::Result<()> {
     let spec = spec(a);
-    let w = worker("bench-prefill", spec)?;
+    let w = worker("bench-prefill", spec.clone())?;
     let cache = w.kv_caches()?;
-    for layer in 0..spec.num_layers {
+    for layer in 0..a.layers {
         for block in 0..spec.num_blocks {
             cache.write(
                 layer,
-                block * spec.block_len(),
-                &block_pattern(layer, block, spec.block_len()),
+                block * spec.block_len(0),
+                &block_pattern(layer, block, spec.block_len(0)),
             )?;
         }
     }
@@ -143,7 +146,7 @@ async fn decode(a: &Args) -> nixl_connector::Result<()> {
 /// Loads every request from the prefill on `port`, checks the bytes, prints the figures.
 async fn measure(a: &Args, port: u16) -> nixl_connector::Result<()> {
     let spec = spec(a);
-    let w = worker("bench-decode", spec)?;
+    let w = worker("bench-decode", spec.clone())?;
     let remote = |i: usize, blocks: Vec<usize>| RemoteBlocks {
         engine_id: "bench-prefill".into(),
         host: "127.0.0.1".into(),
@@ -151,6 +154,7 @@ async fn measure(a: &Args, port: u16) -> nixl_connector::Result<()> {
         block_ids: blocks,
         request_id: format!("r{i}"),
         tp_size: 1,
+        num_tokens: None,
     };
 
     // Warm-up: the handshake and the first connection are not timed.
@@ -191,12 +195,12 @@ async fn measure(a: &Args, port: u16) -> nixl_connector::Result<()> {
 
     let cache = w.kv_caches()?;
     let mut bad = 0;
-    let mut got = vec![0u8; spec.block_len()];
-    for layer in 0..spec.num_layers {
+    let mut got = vec![0u8; spec.block_len(0)];
+    for layer in 0..a.layers {
         for (local, far) in last.iter().enumerate() {
             if let Some(far) = far {
-                cache.read(layer, local * spec.block_len(), &mut got)?;
-                bad += usize::from(got != block_pattern(layer, *far, spec.block_len()));
+                cache.read(layer, local * spec.block_len(0), &mut got)?;
+                bad += usize::from(got != block_pattern(layer, *far, spec.block_len(0)));
             }
         }
     }
@@ -204,7 +208,7 @@ async fn measure(a: &Args, port: u16) -> nixl_connector::Result<()> {
     let gbps = bytes as f64 / elapsed.as_secs_f64() / 1e9;
     println!(
         "connector: {} requests x {} blocks x {} layers x {} B, {} in flight: {:.3} GB/s ({} bytes in {:.3} s); load errors {}, mismatched blocks {}; memcpy 1 thread same blocks {:.3} GB/s; ratio {:.2}x",
-        a.requests, a.per_request, a.layers, spec.block_len(), a.in_flight, gbps, bytes, elapsed.as_secs_f64(), errors.len(), bad, memcpy, gbps / memcpy
+        a.requests, a.per_request, a.layers, spec.block_len(0), a.in_flight, gbps, bytes, elapsed.as_secs_f64(), errors.len(), bad, memcpy, gbps / memcpy
     );
     if bad > 0 || !errors.is_empty() {
         std::process::exit(1);
@@ -214,17 +218,17 @@ async fn measure(a: &Args, port: u16) -> nixl_connector::Result<()> {
 
 /// One thread copying the same blocks between two caches of the same shape.
 fn memcpy_gbps(a: &Args, spec: &KvCacheSpec) -> f64 {
-    let len = spec.block_len();
-    let src: Vec<Vec<u8>> = (0..spec.num_layers)
-        .map(|_| vec![1u8; spec.layer_len()])
+    let len = spec.block_len(0);
+    let src: Vec<Vec<u8>> = (0..a.layers)
+        .map(|_| vec![1u8; spec.region_len(0)])
         .collect();
-    let mut dst: Vec<Vec<u8>> = (0..spec.num_layers)
-        .map(|_| vec![0u8; spec.layer_len()])
+    let mut dst: Vec<Vec<u8>> = (0..a.layers)
+        .map(|_| vec![0u8; spec.region_len(0)])
         .collect();
     let start = Instant::now();
     for i in 0..a.requests {
         let (local, far) = blocks_of(i, a);
-        for layer in 0..spec.num_layers {
+        for layer in 0..a.layers {
             for (&l, &r) in local.iter().zip(&far) {
                 dst[layer][l * len..(l + 1) * len]
                     .copy_from_slice(&src[layer][r * len..(r + 1) * len]);
@@ -233,7 +237,7 @@ fn memcpy_gbps(a: &Args, spec: &KvCacheSpec) -> f64 {
     }
     let elapsed = start.elapsed().max(Duration::from_nanos(1));
     std::hint::black_box(&dst);
-    (a.requests * a.per_request * spec.num_layers * len) as f64 / elapsed.as_secs_f64() / 1e9
+    (a.requests * a.per_request * a.layers * len) as f64 / elapsed.as_secs_f64() / 1e9
 }
 
 #[tokio::main]

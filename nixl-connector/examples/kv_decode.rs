@@ -39,7 +39,8 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
     let params: KvTransferParams = serde_json::from_str(&line)?;
     let remote_blocks = params.remote_block_ids.clone();
 
-    let worker = kv_pair::worker("kv-decode", kv_pair::SPEC)?;
+    let spec = kv_pair::spec();
+    let worker = kv_pair::worker("kv-decode", spec.clone())?;
     let mut scheduler = KvConnectorScheduler::new(kv_pair::scheduler_config("kv-decode", &worker)?);
     // This engine allocated its first blocks for the request; they are loaded in order.
     let local: Vec<usize> = (0..remote_blocks.len()).collect();
@@ -65,9 +66,9 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
     }
 
     let cache = worker.kv_caches()?;
-    let len = kv_pair::SPEC.block_len();
+    let len = spec.block_len(0);
     let mut got = vec![0u8; len];
-    for layer in 0..kv_pair::SPEC.num_layers {
+    for layer in 0..spec.num_regions() {
         for (&block, &remote) in local.iter().zip(&remote_blocks) {
             cache.read(layer, block * len, &mut got)?;
             if got != kv_pair::block_bytes(layer, remote) {
@@ -78,11 +79,11 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
             }
         }
     }
-    let bytes = kv_pair::SPEC.num_layers * remote_blocks.len() * len;
+    let bytes = spec.num_regions() * remote_blocks.len() * len;
     println!(
         "kv_decode: {bytes} bytes ({} blocks x {} layers) read from {}, every byte checked",
         remote_blocks.len(),
-        kv_pair::SPEC.num_layers,
+        spec.num_regions(),
         params.remote_engine_id.as_deref().unwrap_or("?")
     );
     Ok(())

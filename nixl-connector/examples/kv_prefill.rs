@@ -32,11 +32,12 @@ async fn main() -> ExitCode {
 }
 
 async fn run() -> Result<(), Box<dyn std::error::Error>> {
-    let worker = kv_pair::worker("kv-prefill", kv_pair::SPEC)?;
+    let spec = kv_pair::spec();
+    let worker = kv_pair::worker("kv-prefill", spec.clone())?;
     let cache = worker.kv_caches()?;
-    for layer in 0..kv_pair::SPEC.num_layers {
+    for layer in 0..spec.num_regions() {
         for block in BLOCKS {
-            let at = block * kv_pair::SPEC.block_len();
+            let at = block * spec.block_len(layer);
             cache.write(layer, at, &kv_pair::block_bytes(layer, block))?;
         }
     }

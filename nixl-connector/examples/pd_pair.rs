@@ -11,7 +11,9 @@ mod kv_pair;
 use std::time::{Duration, Instant};
 
 use kv_pair::{scheduler_config, worker};
-use nixl_connector::{FinishStatus, KvCacheSpec, KvConnectorScheduler, KvLayout, KvTransferParams};
+use nixl_connector::{
+    FinishStatus, KvAttention, KvCacheSpec, KvConnectorScheduler, KvLayout, KvTransferParams,
+};
 
 /// Visible to the crate: the suite calls it (tests/pd_pair_example.rs).
 #[tokio::main]
@@ -19,27 +21,22 @@ pub(crate) async fn main() -> Result<(), Box<dyn std::error::Error>> {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .init();
-    let spec = KvCacheSpec {
-        num_layers: 4,
-        num_blocks: 32,
-        block_size: 16,
-        num_kv_heads: 8,
-        head_dim: 128,
-        dtype_size: 2,
-        layout: KvLayout::Hnd,
-    };
+    // 4 layers of 32 blocks of 16 tokens of 8 KV heads of 128 two-byte elements.
+    let heads = KvAttention::Mha { total_kv_heads: 8 };
+    let block_len = 16 * 8 * 128 * 2;
+    let spec = KvCacheSpec::uniform(4, 32, 16, heads, KvLayout::Hnd, block_len);
 
     // Prefill engine: computes request "r1" into blocks 4..8, then finishes it for a remote decode.
-    let prefill = worker("prefill-engine", spec)?;
+    let prefill = worker("prefill-engine", spec.clone())?;
     let mut prefill_scheduler =
         KvConnectorScheduler::new(scheduler_config("prefill-engine", &prefill)?);
     let cache = prefill.kv_caches()?;
-    for layer in 0..spec.num_layers {
+    for layer in 0..spec.num_regions() {
         for block in 4..8 {
             cache.write(
                 layer,
-                block * spec.block_len(),
-                &vec![(layer * 10 + block) as u8; spec.block_len()],
+                block * block_len,
+                &vec![(layer * 10 + block) as u8; block_len],
             )?;
         }
     }
@@ -104,10 +101,8 @@ pub(crate) async fn main() -> Result<(), Box<dyn std::error::Error>> {
             freed = true;
         }
     }
-    let mut block = vec![0u8; spec.block_len()];
-    decode
-        .kv_caches()?
-        .read(3, 2 * spec.block_len(), &mut block)?;
+    let mut block = vec![0u8; block_len];
+    decode.kv_caches()?.read(3, 2 * block_len, &mut block)?;
     println!(
         "decode: layer 3 block 2 holds {} (prefill block 6)",
         block[0]

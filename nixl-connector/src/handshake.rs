@@ -4,13 +4,15 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::spec::{KvCacheSpec, KvLayout};
+use crate::read_plan::ReadPlan;
+use crate::spec::KvCacheSpec;
 
 /// Version of the side-channel protocol and handshake; peers of another version are refused.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
-/// Most descriptors a peer's cache may need (layers × blocks); a larger declared cache is
-/// refused before anything is allocated for it.
+/// Most descriptors either list of a READ plan may have (regions × blocks × pieces of a
+/// block, on the peer's side or, split to the peer's block size, on ours); a peer whose
+/// geometry needs more is refused before anything is allocated for it.
 pub const MAX_REMOTE_DESCRIPTORS: usize = 1 << 22;
 
 /// What an engine's TP rank tells a peer about itself and its KV cache.
@@ -25,22 +27,11 @@ pub struct HandshakeMessage {
     /// The sender's NIXL agent metadata.
     #[serde(with = "serde_bytes")]
     pub agent_metadata: Vec<u8>,
-    /// Base address of each layer's region.
-    pub layer_base_addrs: Vec<u64>,
-    /// Length in bytes of one block, per layer.
-    pub block_lens: Vec<u64>,
-    /// Blocks per layer.
-    pub num_blocks: u64,
-    /// Tokens per block.
-    pub block_size: u64,
-    /// KV heads held by the sender's rank.
-    pub num_kv_heads: u64,
-    /// Elements per head.
-    pub head_dim: u64,
-    /// Bytes per element.
-    pub dtype_size: u64,
-    /// Byte order of a block.
-    pub layout: KvLayout,
+    /// Base address of each region.
+    pub region_base_addrs: Vec<u64>,
+    /// The sender's KV cache: blocks, tokens per block, attention, layout, and each region's
+    /// block length.
+    pub spec: KvCacheSpec,
     /// Device id NIXL uses for the memory.
     pub device_id: u64,
     /// The sender's TP rank.
@@ -49,44 +40,14 @@ pub struct HandshakeMessage {
     pub tp_size: u64,
 }
 
-/// How this (decode) rank reads from a compatible peer rank, from [`check_compatible`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ReadPlan {
-    /// Byte offset of this rank's head slice inside a peer block.
-    pub slice_offset: usize,
-    /// Bytes read per block and layer (this rank's block length).
-    pub slice_len: usize,
-    /// The peer's block length.
-    pub remote_block_len: usize,
-    /// The peer's blocks per layer.
-    pub remote_num_blocks: usize,
-}
-
-/// Which peer rank a rank of TP `tp_size` reads from, given the peer's TP.
-///
-/// # Errors
-/// [`Error::InvalidArgument`] unless `tp_size` is a multiple of `remote_tp_size` (a decode
-/// with a smaller TP than its prefill is not supported).
-pub fn remote_rank_for(tp_rank: usize, tp_size: usize, remote_tp_size: usize) -> Result<usize> {
-    if remote_tp_size == 0 || tp_size == 0 || tp_size % remote_tp_size != 0 || tp_rank >= tp_size {
-        return Err(Error::invalid(
-            "choose the remote rank",
-            format!(
-                "this rank {tp_rank} of TP {tp_size} cannot read from a peer of TP {remote_tp_size}: \
-                 the reader's TP must be a multiple of the peer's (reading from a larger TP is not supported)"
-            ),
-        ));
-    }
-    Ok(tp_rank / (tp_size / remote_tp_size))
-}
-
 /// Checks that `local` (the reader) can read `remote`'s blocks, and says how.
 ///
 /// Refused, with both values in the message: another protocol version; a different engine
-/// or rank than expected; different layer count, block size, head dim, dtype size or
-/// layout; a TP ratio that is not a whole number; a different total head count; NHD with
-/// different TPs; block lengths that disagree with the geometry; a cache larger than
-/// [`MAX_REMOTE_DESCRIPTORS`] or whose addresses overflow.
+/// or rank than expected; a spec that is not valid; another attention, region count or
+/// layout; block sizes or TP sizes of which neither divides the other; a source rank the
+/// reader's [`TpMapping`](crate::TpMapping) does not name; the first region whose content
+/// or bytes per token and head differ (see [`ReadPlan`]); NHD when heads must be split; a
+/// cache needing more than [`MAX_REMOTE_DESCRIPTORS`] or whose addresses overflow.
 ///
 /// # Errors
 /// [`Error::Incompatible`].
@@ -115,112 +76,66 @@ pub fn check_compatible(
         }
     }
     if let Some(rank) = expected_rank {
-        if remote.tp_rank as usize != rank {
+        if remote.tp_rank != rank as u64 {
             return Err(refuse(format!("the reader expected TP rank {rank}")));
         }
     }
-    let same = |what: &str, reader: String, source: String| {
-        if reader == source {
-            Ok(())
-        } else {
-            Err(refuse(format!("{what} {reader} (reader) vs {source} (source); both engines must serve the same model geometry")))
-        }
+    // Either side may be the peer: the server checks a reader's message, a reader a server's.
+    for (whose, message) in [("reader", local), ("source", remote)] {
+        message
+            .spec
+            .validate()
+            .map_err(|err| refuse(format!("the {whose}'s {err}")))?;
+    }
+    if remote.region_base_addrs.len() != remote.spec.regions.len() {
+        return Err(refuse(format!(
+            "the source sends {} base addresses for {} regions",
+            remote.region_base_addrs.len(),
+            remote.spec.regions.len()
+        )));
+    }
+    let tp = |m: &HandshakeMessage| {
+        (
+            usize::try_from(m.tp_rank).unwrap_or(usize::MAX),
+            usize::try_from(m.tp_size).unwrap_or(usize::MAX),
+        )
     };
-    same(
-        "layers",
-        local.layer_base_addrs.len().to_string(),
-        remote.layer_base_addrs.len().to_string(),
-    )?;
-    same(
-        "block size",
-        local.block_size.to_string(),
-        remote.block_size.to_string(),
-    )?;
-    same(
-        "head dim",
-        local.head_dim.to_string(),
-        remote.head_dim.to_string(),
-    )?;
-    same(
-        "dtype size",
-        local.dtype_size.to_string(),
-        remote.dtype_size.to_string(),
-    )?;
-    same(
-        "layout",
-        local.layout.to_string(),
-        remote.layout.to_string(),
-    )?;
-    if remote.block_lens.len() != remote.layer_base_addrs.len() {
+    let plan = ReadPlan::new(&local.spec, tp(local), &remote.spec, tp(remote)).map_err(refuse)?;
+    let spec = &remote.spec;
+    let blocks = (spec.regions.len() as u64).checked_mul(spec.num_blocks as u64);
+    if blocks.map_or(true, |d| d > MAX_REMOTE_DESCRIPTORS as u64)
+        || plan.remote_descriptors() > MAX_REMOTE_DESCRIPTORS
+    {
         return Err(refuse(format!(
-            "the source sends {} block lengths for {} layers",
-            remote.block_lens.len(),
-            remote.layer_base_addrs.len()
+            "the source declares {} blocks × {} regions; at most {MAX_REMOTE_DESCRIPTORS} descriptors are accepted",
+            spec.num_blocks,
+            spec.regions.len()
         )));
     }
-    if remote.tp_size == 0 || local.tp_size % remote.tp_size != 0 {
+    let local_descriptors = plan.local_descriptors(local.spec.num_blocks);
+    if local_descriptors > MAX_REMOTE_DESCRIPTORS {
         return Err(refuse(format!(
-            "reader TP {} is not a multiple of source TP {} (reading from a larger TP is not supported)",
-            local.tp_size, remote.tp_size
+            "reading blocks of {} tokens into blocks of {} takes {local_descriptors} local descriptors; at most {MAX_REMOTE_DESCRIPTORS} are accepted",
+            spec.block_size, local.spec.block_size
         )));
     }
-    let ratio = local.tp_size / remote.tp_size;
-    if ratio > 1 && local.layout != KvLayout::Hnd {
-        return Err(refuse(format!(
-            "source TP {} to reader TP {} needs the HND layout (a head slice of a block contiguous), both use {}",
-            remote.tp_size, local.tp_size, local.layout
-        )));
-    }
-    let local_heads = local.num_kv_heads.checked_mul(local.tp_size);
-    let remote_heads = remote.num_kv_heads.checked_mul(remote.tp_size);
-    if local_heads != remote_heads || local_heads.is_none() {
-        return Err(refuse(format!(
-            "KV heads per rank × TP: {} × {} (reader) vs {} × {} (source); the total must match",
-            local.num_kv_heads, local.tp_size, remote.num_kv_heads, remote.tp_size
-        )));
-    }
-    let geometry = |m: &HandshakeMessage| {
-        m.block_size
-            .checked_mul(m.num_kv_heads)
-            .and_then(|v| v.checked_mul(m.head_dim))
-            .and_then(|v| v.checked_mul(m.dtype_size))
-    };
-    let remote_len = geometry(remote).filter(|&len| len > 0);
-    let Some(remote_len) = remote_len.filter(|len| remote.block_lens.iter().all(|l| l == len))
-    else {
-        return Err(refuse(format!(
-            "the source's block lengths {:?} disagree with its geometry (block size × heads × head dim × dtype size)",
-            remote.block_lens
-        )));
-    };
-    let local_len = geometry(local).unwrap_or(0);
-    let descriptors = remote
-        .num_blocks
-        .checked_mul(remote.layer_base_addrs.len() as u64);
-    if remote.num_blocks == 0 || descriptors.map_or(true, |d| d > MAX_REMOTE_DESCRIPTORS as u64) {
-        return Err(refuse(format!(
-            "the source declares {} blocks × {} layers; between 1 and {MAX_REMOTE_DESCRIPTORS} descriptors are accepted",
-            remote.num_blocks,
-            remote.layer_base_addrs.len()
-        )));
-    }
-    let layer_bytes = remote.num_blocks.checked_mul(remote_len);
     let overflows = remote
-        .layer_base_addrs
+        .region_base_addrs
         .iter()
-        .any(|&base| base == 0 || layer_bytes.and_then(|len| base.checked_add(len)).is_none());
-    if overflows || usize::try_from(layer_bytes.unwrap_or(u64::MAX)).is_err() {
+        .zip(&spec.regions)
+        .any(|(&base, region)| {
+            let len = (region.block_len as u64).checked_mul(spec.num_blocks as u64);
+            base == 0
+                || len
+                    .and_then(|len| base.checked_add(len))
+                    .map_or(true, |end| usize::try_from(end).is_err())
+        });
+    if overflows {
         return Err(refuse(
-            "a layer region is null or overflows the address space".to_string(),
+            "a region is null or overflows the address space".to_string(),
         ));
     }
-    let slice = local.tp_rank % ratio;
-    Ok(ReadPlan {
-        slice_offset: (slice * local_len) as usize,
-        slice_len: local_len as usize,
-        remote_block_len: remote_len as usize,
-        remote_num_blocks: remote.num_blocks as usize,
-    })
+    Ok(plan)
 }
 
 /// `engine "e" rank r`, for messages.
@@ -234,7 +149,7 @@ impl HandshakeMessage {
         engine_id: &str,
         agent_name: &str,
         agent_metadata: Vec<u8>,
-        layer_base_addrs: Vec<u64>,
+        region_base_addrs: Vec<u64>,
         spec: &KvCacheSpec,
         tp: (usize, usize),
         device_id: u64,
@@ -244,17 +159,101 @@ impl HandshakeMessage {
             engine_id: engine_id.to_string(),
             agent_name: agent_name.to_string(),
             agent_metadata,
-            block_lens: vec![spec.block_len() as u64; layer_base_addrs.len()],
-            layer_base_addrs,
-            num_blocks: spec.num_blocks as u64,
-            block_size: spec.block_size as u64,
-            num_kv_heads: spec.num_kv_heads as u64,
-            head_dim: spec.head_dim as u64,
-            dtype_size: spec.dtype_size as u64,
-            layout: spec.layout,
+            region_base_addrs,
+            spec: spec.clone(),
             device_id,
             tp_rank: tp.0 as u64,
             tp_size: tp.1 as u64,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::{KvAttention, KvLayout, KvRegion, KvRegionKind};
+
+    fn message(tp: (u64, u64)) -> HandshakeMessage {
+        let heads = KvAttention::Mha { total_kv_heads: 4 };
+        let spec =
+            KvCacheSpec::uniform(2, 8, 16, heads, KvLayout::Hnd, 16 * 4 * 32 / tp.1 as usize);
+        HandshakeMessage {
+            protocol_version: PROTOCOL_VERSION,
+            engine_id: "e".to_string(),
+            agent_name: "a".to_string(),
+            agent_metadata: Vec::new(),
+            region_base_addrs: vec![1 << 20, 1 << 30],
+            spec,
+            device_id: 0,
+            tp_rank: tp.0,
+            tp_size: tp.1,
+        }
+    }
+
+    /// Every extreme a peer may claim, on either side of the check, gives an answer and never
+    /// a panic, an overflow or an allocation sized by the claim.
+    #[test]
+    fn hostile_geometry_claims_are_refused_or_planned_without_a_panic() {
+        const EXTREMES: [usize; 6] = [0, 1, 3, 1 << 20, 1 << 40, usize::MAX];
+        type Mutation = fn(&mut HandshakeMessage, usize);
+        let mutations: [Mutation; 9] = [
+            |m, v| m.spec.num_blocks = v,
+            |m, v| m.spec.block_size = v,
+            |m, v| m.spec.regions[0].block_len = v,
+            |m, v| m.spec.attention = KvAttention::Mha { total_kv_heads: v },
+            |m, v| m.tp_size = v as u64,
+            |m, v| m.tp_rank = v as u64,
+            |m, v| m.region_base_addrs[1] = v as u64,
+            |m, v| {
+                m.spec.regions = vec![
+                    KvRegion {
+                        block_len: 64,
+                        kind: KvRegionKind::KvHalves,
+                    };
+                    v.min(1 << 12)
+                ]
+            },
+            |m, v| {
+                m.spec.attention = if v % 2 == 0 {
+                    KvAttention::Mla
+                } else {
+                    m.spec.attention
+                }
+            },
+        ];
+        let good = (message((0, 1)), message((1, 2)));
+        assert!(check_compatible(&good.1, &good.0, None, None).is_ok());
+        for mutate in mutations {
+            for value in EXTREMES {
+                for peer_is_source in [true, false] {
+                    let (mut reader, mut source) = good.clone();
+                    mutate(
+                        if peer_is_source {
+                            &mut source
+                        } else {
+                            &mut reader
+                        },
+                        value,
+                    );
+                    let _ = check_compatible(&reader, &source, None, None);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_peer_whose_blocks_would_split_ours_into_too_many_pieces_is_refused() {
+        let (mut reader, mut source) = (message((0, 1)), message((0, 1)));
+        reader.spec.num_blocks = 1 << 16;
+        reader.spec.block_size = 1 << 10;
+        reader.spec.regions[0].block_len = (1 << 10) * 4 * 32;
+        reader.spec.regions[1].block_len = (1 << 10) * 4 * 32;
+        source.spec.block_size = 1;
+        source.spec.regions[0].block_len = 4 * 32;
+        source.spec.regions[1].block_len = 4 * 32;
+        let err = check_compatible(&reader, &source, None, None)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("local descriptors"), "{err}");
     }
 }

@@ -1,48 +1,84 @@
-//! One load: handshake if needed, then one prepared READ by block id (or, for a full
-//! prefix hit or an aborted request, the notification alone), outcome recorded.
+//! One load: the handshakes with the remote ranks holding the request if needed, then one
+//! prepared READ per rank read from, by unit (or, for a full prefix hit or an aborted
+//! request, the notifications alone), outcome recorded.
+//!
+//! Every remote rank holding the request is notified: the ranks read from by their READ's
+//! notification, the others (MLA or replicated heads read elsewhere) by a notification
+//! alone once every READ is posted (vLLM's `_read_blocks_for_req`). If a READ cannot be
+//! posted, none after it is, and the load ends only once those already posted have.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures::future::join_all;
 use nixl::{XferOp, XferOptions, XferStatus};
 use tracing::Instrument;
 
-use crate::block_map::descriptor_ids;
+use crate::block_map::pair_units;
+use crate::connect;
 use crate::error::{Error, Result};
 use crate::failure::{FailedBlock, FailureKind};
 use crate::metrics::TransferMetrics;
 use crate::params::RemoteBlocks;
-use crate::remote::Remote;
+use crate::remotes::Remote;
 use crate::sending::notification_message;
-use crate::worker::Shared;
+use crate::shared::Shared;
 
 /// What [`crate::KvConnectorWorker::start_load`] checked and hands the task.
 pub(crate) struct Load {
     pub(crate) request_id: String,
     pub(crate) local_block_ids: Vec<usize>,
-    /// The remote blocks read into `local_block_ids`, paired in order (the tail of
-    /// `remote.block_ids`, see [`crate::block_map::remote_tail`]).
-    pub(crate) remote_block_ids: Vec<usize>,
     pub(crate) remote: RemoteBlocks,
-    pub(crate) remote_rank: usize,
-    pub(crate) port: u16,
-    /// The load's tracing span: its post and its completion run inside it.
+    /// The remote ranks holding the request, each with its side-channel port.
+    pub(crate) ranks: Vec<(usize, u16)>,
+    /// The load's tracing span: its posts and its completion run inside it.
     pub(crate) span: tracing::Span,
 }
 
 impl Load {
-    /// The span of a load of `local` blocks for `request_id` from `remote`.
+    /// The span of a load of `blocks` local blocks for `request_id` from `remote`'s `ranks`.
     pub(crate) fn span(
         request_id: &str,
         remote: &RemoteBlocks,
-        rank: usize,
+        ranks: &[(usize, u16)],
         blocks: usize,
     ) -> tracing::Span {
-        tracing::info_span!("nixl_load", request = request_id, engine = %remote.engine_id, rank, blocks, outcome = tracing::field::Empty)
+        let ranks: Vec<usize> = ranks.iter().map(|&(rank, _)| rank).collect();
+        tracing::info_span!("nixl_load", request = request_id, engine = %remote.engine_id, ranks = ?ranks, blocks, outcome = tracing::field::Empty)
     }
 
     fn notification(&self, shared: &Shared) -> Vec<u8> {
         notification_message(&self.remote.request_id, shared.config.tp_size)
+    }
+}
+
+/// The READs of a load once posted, and what they add up to.
+pub(crate) struct Posted {
+    /// When the first was posted.
+    at: Instant,
+    /// Each READ with the remote rank it reads, and whether NIXL finished it in the post.
+    reads: Vec<PostedRead>,
+    /// Bytes and descriptors of the READs made.
+    bytes: usize,
+    descriptors: usize,
+    /// Why the next READ could not be posted, if one could not.
+    failed: Option<Error>,
+}
+
+/// One READ of a load, posted.
+struct PostedRead {
+    /// The remote rank it reads.
+    rank: usize,
+    remote: Arc<Remote>,
+    request: nixl::XferRequest,
+    /// Whether NIXL finished it within the post.
+    done: bool,
+}
+
+impl Posted {
+    /// Whether every READ is done and none failed.
+    fn done(&self) -> bool {
+        self.failed.is_none() && self.reads.iter().all(|read| read.done)
     }
 }
 
@@ -51,113 +87,127 @@ impl Load {
 pub(crate) async fn run(shared: Arc<Shared>, load: Load) {
     let span = load.span.clone();
     async move {
-        let mut posted = None;
-        let outcome = transfer(&shared, &load, &mut posted).await;
-        record(&shared, &load, posted, outcome);
+        match handshakes(&shared, &load).await {
+            Err(err) => record(&shared, &load, None, Err(err)),
+            Ok(remotes) if shared.outcomes().is_aborted(&load.request_id) => {
+                notify(
+                    &shared,
+                    &load,
+                    remotes.iter(),
+                    "an aborted request will not be read",
+                );
+                record(&shared, &load, None, Ok(()));
+            }
+            Ok(remotes) => {
+                let posted = {
+                    let _entered = load.span.enter();
+                    post(&shared, &load, &remotes)
+                };
+                finish_posted(&shared, &load, posted).await;
+            }
+        }
     }
     .instrument(span)
     .await;
 }
 
-/// Posts the load at once when the handshake with its remote rank is done, and records it
-/// if NIXL finished it within the post; `None` when it is done, else the load, with its
-/// posted request if there is one, for a task to finish.
+/// Posts the load at once when the handshakes with its remote ranks are done, and records
+/// it if NIXL finished it within the posts; `None` when it is done, else the load, with its
+/// posted READs if there are some, for a task to finish.
 pub(crate) fn try_now(shared: &Arc<Shared>, load: Load) -> Option<(Load, Option<Posted>)> {
-    let Some(remote) = shared
-        .remotes
-        .ready(&load.remote.engine_id, load.remote_rank)
-    else {
+    let remotes: Option<Vec<Arc<Remote>>> = load
+        .ranks
+        .iter()
+        .map(|&(rank, _)| shared.remotes.ready(&load.remote.engine_id, rank))
+        .collect();
+    let Some(remotes) = remotes else {
         return Some((load, None));
     };
     let posted = {
         let _entered = load.span.enter();
-        post(shared, &load, &remote)
+        post(shared, &load, &remotes)
     };
-    match posted {
-        Ok((at, XferState::Done(request))) => {
-            record_telemetry(shared, &request);
-            record(shared, &load, Some(at), Ok(()));
-            None
+    if posted.done() {
+        for read in &posted.reads {
+            record_telemetry(shared, &read.request);
         }
-        Ok((at, XferState::InFlight(request))) => Some((
-            load,
-            Some(Posted {
-                remote,
-                request,
-                at,
-            }),
-        )),
-        Err(err) => {
-            shared
-                .remotes
-                .forget(&load.remote.engine_id, load.remote_rank, &remote);
-            record(shared, &load, None, Err(err));
-            None
-        }
+        let at = Some((posted.at, posted.bytes, posted.descriptors));
+        record(shared, &load, at, Ok(()));
+        return None;
     }
+    Some((load, Some(posted)))
 }
 
-/// A load's READ, posted and not done within the post.
-pub(crate) struct Posted {
-    remote: Arc<Remote>,
-    request: nixl::XferRequest,
-    at: Instant,
-}
-
-/// Awaits a READ [`try_now`] posted, and records the outcome.
+/// Awaits the READs [`try_now`] posted, and records the outcome.
 pub(crate) async fn finish(shared: Arc<Shared>, load: Load, posted: Posted) {
     let span = load.span.clone();
-    async move {
-        let outcome = complete(&shared, &load, posted.request).await;
-        if outcome.is_err() {
-            shared
-                .remotes
-                .forget(&load.remote.engine_id, load.remote_rank, &posted.remote);
-        }
-        record(&shared, &load, Some(posted.at), outcome);
-    }
-    .instrument(span)
-    .await;
+    finish_posted(&shared, &load, posted).instrument(span).await;
 }
 
-/// Sends a load's notification without reading (a full prefix hit, vLLM's notification
-/// path of `_read_blocks`, or an aborted request), handshaking first if needed. Nothing is
-/// reported in `finished`: no block was to be written. A failure is logged and counted;
-/// the prefill then frees the blocks when its lease ends.
+/// Sends a load's notifications without reading (a full prefix hit, vLLM's notification
+/// path of `_read_blocks`, or an aborted request) to every remote rank holding the request,
+/// handshaking first if needed. Nothing is reported in `finished`: no block was to be
+/// written. A failure is logged and counted; the prefill then frees the blocks when their
+/// lease ends.
 pub(crate) async fn notify_only(shared: Arc<Shared>, load: Load) {
     let span = load.span.clone();
     async move {
-        let sent = match shared
-            .remotes
-            .get(
-                &shared,
-                &load.remote.engine_id,
-                load.remote_rank,
-                &load.remote.host,
-                load.port,
-            )
-            .await
-        {
-            Ok(remote) => send_notification(&shared, &remote, &load),
-            Err(err) => Err(err),
-        };
-        if let Err(err) = sent {
-            shared.series.failed_notification();
-            tracing::warn!(request = %load.request_id, %err, "could not tell the prefill that nothing will be read; it frees the blocks when their lease ends");
+        let remotes = join_all(load.ranks.iter().map(|&(rank, port)| {
+            connect::remote(&shared, &load.remote.engine_id, rank, &load.remote.host, port)
+        }))
+        .await;
+        let mut reached = Vec::with_capacity(remotes.len());
+        for remote in remotes {
+            match remote {
+                Ok(remote) => reached.push(remote),
+                Err(err) => {
+                    shared.series.failed_notification();
+                    tracing::warn!(request = %load.request_id, %err, "could not tell a prefill rank that nothing will be read; it frees the blocks when their lease ends");
+                }
+            }
         }
+        notify(&shared, &load, reached.iter(), "nothing will be read");
         load.span.record("outcome", "notified");
     }
     .instrument(span)
     .await;
 }
 
-/// Sends the load's notification to its remote rank.
-fn send_notification(shared: &Shared, remote: &Remote, load: &Load) -> Result<()> {
-    shared
-        .setup
-        .agent()
-        .send_notification(remote.prepared.remote_agent(), &load.notification(shared))
-        .map_err(Error::from)
+/// The handshakes with every remote rank of the load, run together.
+async fn handshakes(shared: &Arc<Shared>, load: &Load) -> Result<Vec<Arc<Remote>>> {
+    join_all(load.ranks.iter().map(|&(rank, port)| {
+        connect::remote(
+            shared,
+            &load.remote.engine_id,
+            rank,
+            &load.remote.host,
+            port,
+        )
+    }))
+    .await
+    .into_iter()
+    .collect()
+}
+
+/// Sends the load's notification to each of `remotes`; `why` says what it tells them, for
+/// the log of a failure.
+fn notify<'a>(
+    shared: &Shared,
+    load: &Load,
+    remotes: impl Iterator<Item = &'a Arc<Remote>>,
+    why: &str,
+) {
+    let message = load.notification(shared);
+    for remote in remotes {
+        if let Err(err) = shared
+            .setup
+            .agent()
+            .send_notification(&remote.agent, &message)
+        {
+            shared.series.failed_notification();
+            tracing::warn!(request = %load.request_id, agent = %remote.agent, %err, "could not tell a prefill rank that {why}; it frees the blocks when their lease ends");
+        }
+    }
 }
 
 /// Records NIXL's telemetry of a completed READ, if the agent recorded it.
@@ -168,12 +218,16 @@ fn record_telemetry(shared: &Shared, request: &nixl::XferRequest) {
     }
 }
 
-/// Records a load's outcome and wakes whoever waits for ended loads.
-fn record(shared: &Shared, load: &Load, posted: Option<Instant>, outcome: Result<()>) {
-    let layers = shared.caches.get().map_or(0, |c| c.spec.num_layers);
-    let slice = shared.caches.get().map_or(0, |c| c.spec.block_len());
-    let descriptors = layers * load.local_block_ids.len();
-    let duration = posted.map_or(Duration::ZERO, |at: Instant| at.elapsed());
+/// Records a load's outcome (with when its READs were posted, their bytes and descriptors)
+/// and wakes whoever waits for ended loads.
+fn record(
+    shared: &Shared,
+    load: &Load,
+    posted: Option<(Instant, usize, usize)>,
+    outcome: Result<()>,
+) {
+    let (duration, bytes, descriptors) =
+        posted.map_or((Duration::ZERO, 0, 0), |(at, b, d)| (at.elapsed(), b, d));
     let failure = outcome
         .err()
         .map(|err| (FailureKind::of(&err), err.to_string()));
@@ -209,7 +263,7 @@ fn record(shared: &Shared, load: &Load, posted: Option<Instant>, outcome: Result
         request_id: load.request_id.clone(),
         remote_engine: load.remote.engine_id.clone(),
         duration,
-        bytes: (descriptors * slice) as u64,
+        bytes: bytes as u64,
         descriptors,
         failure: failure.map(|(_, reason)| reason),
     });
@@ -217,111 +271,143 @@ fn record(shared: &Shared, load: &Load, posted: Option<Instant>, outcome: Result
     shared.load_ended.notify_one();
 }
 
-/// Handshakes if needed, then reads (or only notifies, when the load was aborted meanwhile);
-/// a remote whose READ failed in NIXL is forgotten.
-async fn transfer(shared: &Arc<Shared>, load: &Load, posted: &mut Option<Instant>) -> Result<()> {
-    let remote = shared
-        .remotes
-        .get(
-            shared,
-            &load.remote.engine_id,
-            load.remote_rank,
-            &load.remote.host,
-            load.port,
-        )
-        .await?;
-    if shared.outcomes().is_aborted(&load.request_id) {
-        if let Err(err) = send_notification(shared, &remote, load) {
-            shared.series.failed_notification();
-            tracing::warn!(request = %load.request_id, %err, "could not tell the prefill that an aborted request will not be read; it frees the blocks when their lease ends");
+/// Makes and posts one READ per remote rank read from, in rank order, stopping at the first
+/// that fails (its remote is forgotten, so the next load handshakes again); after all are
+/// posted, notifies the ranks not read from.
+fn post(shared: &Shared, load: &Load, remotes: &[Arc<Remote>]) -> Posted {
+    let mut posted = Posted {
+        at: Instant::now(),
+        reads: Vec::with_capacity(remotes.len()),
+        bytes: 0,
+        descriptors: 0,
+        failed: None,
+    };
+    for (&(rank, _), remote) in load.ranks.iter().zip(remotes) {
+        if !remote.plan.share.reads() {
+            continue;
         }
-        return Ok(());
+        match post_one(shared, load, remote, &mut posted) {
+            Ok((request, done)) => posted.reads.push(PostedRead {
+                rank,
+                remote: remote.clone(),
+                request,
+                done,
+            }),
+            Err(err) => {
+                shared.remotes.forget(&load.remote.engine_id, rank, remote);
+                posted.failed = Some(err);
+                return posted;
+            }
+        }
     }
-    let outcome = read(shared, load, &remote, posted).await;
-    if outcome.is_err() {
-        shared
-            .remotes
-            .forget(&load.remote.engine_id, load.remote_rank, &remote);
-    }
-    outcome
+    let unread = remotes.iter().filter(|r| !r.plan.share.reads());
+    notify(
+        shared,
+        load,
+        unread,
+        "its blocks were read from another rank",
+    );
+    posted
 }
 
-/// The READ itself, from a remote rank after its handshake.
-async fn read(
+/// Makes the READ from one remote rank over the prepared lists and posts it, adding its
+/// bytes and descriptors to `posted`; the request and whether NIXL finished it.
+fn post_one(
     shared: &Shared,
     load: &Load,
     remote: &Remote,
-    posted: &mut Option<Instant>,
-) -> Result<()> {
-    let (at, state) = post(shared, load, remote)?;
-    *posted = Some(at);
-    match state {
-        XferState::Done(request) => {
-            record_telemetry(shared, &request);
-            Ok(())
-        }
-        XferState::InFlight(request) => complete(shared, load, request).await,
-    }
-}
-
-/// A READ after its post.
-enum XferState {
-    /// NIXL finished it within the post.
-    Done(nixl::XferRequest),
-    /// Still in flight.
-    InFlight(nixl::XferRequest),
-}
-
-/// Makes the READ by block id over the prepared lists and posts it; when it was posted.
-fn post(shared: &Shared, load: &Load, remote: &Remote) -> Result<(Instant, XferState)> {
+    posted: &mut Posted,
+) -> Result<(nixl::XferRequest, bool)> {
     const OP: &str = "load remote blocks";
     let caches = shared
         .caches
         .get()
         .ok_or(Error::NotRegistered { operation: OP })?;
-    let remote_blocks = remote.plan.remote_num_blocks;
-    if let Some(bad) = load.remote_block_ids.iter().find(|&&b| b >= remote_blocks) {
+    let lists = remote
+        .lists
+        .as_ref()
+        .ok_or(Error::NotRegistered { operation: OP })?;
+    let plan = &remote.plan;
+    if let Some(bad) = load
+        .remote
+        .block_ids
+        .iter()
+        .find(|&&b| b >= plan.remote_num_blocks)
+    {
         return Err(Error::invalid(
             OP,
-            format!("remote block {bad} of {remote_blocks} blocks"),
+            format!("remote block {bad} of {} blocks", plan.remote_num_blocks),
         ));
     }
-    let (local, far) = descriptor_ids(
-        caches.spec.num_layers,
-        caches.spec.num_blocks,
-        remote_blocks,
+    let pairs = pair_units(
+        &load.request_id,
         &load.local_block_ids,
-        &load.remote_block_ids,
-    );
+        &load.remote.block_ids,
+        plan.block_sizes(),
+        load.remote.num_tokens,
+    )?;
+    let (local, far, bytes) = plan.descriptor_ids(caches.spec.num_blocks, &pairs);
     let options = XferOptions::new().notification(load.notification(shared));
-    let agent = shared.setup.agent();
-    let mut request = agent.make_xfer_req(
+    let mut request = shared.setup.agent().make_xfer_req(
         XferOp::Read,
-        &caches.local,
+        lists.local.as_ref().unwrap_or(&caches.local),
         &local,
-        &remote.prepared,
+        &lists.remote,
         &far,
         &options,
     )?;
-    let at = Instant::now();
-    Ok(match request.post()? {
-        XferStatus::Done => (at, XferState::Done(request)),
-        _ => (at, XferState::InFlight(request)),
-    })
+    posted.bytes += bytes;
+    posted.descriptors += local.len();
+    let done = request.post()? == XferStatus::Done;
+    Ok((request, done))
 }
 
-/// Awaits a posted READ within the transfer timeout.
-async fn complete(shared: &Shared, load: &Load, request: nixl::XferRequest) -> Result<()> {
+/// Awaits posted READs within the transfer timeout (one deadline for all of them), forgets
+/// the remotes whose READ failed, and records the outcome: the first failure, if any.
+async fn finish_posted(shared: &Shared, load: &Load, posted: Posted) {
     let deadline = shared.config.transfer_timeout;
-    match tokio::time::timeout(deadline, request).await {
-        Ok(Ok(request)) => {
-            record_telemetry(shared, &request);
-            Ok(())
+    let Posted {
+        at,
+        reads,
+        bytes,
+        descriptors,
+        failed,
+    } = posted;
+    let read: Vec<(usize, Arc<Remote>)> = reads
+        .iter()
+        .map(|read| (read.rank, read.remote.clone()))
+        .collect();
+    let waits = reads.into_iter().map(|read| async move {
+        let outcome = if read.done {
+            Ok(read.request)
+        } else {
+            read.request.await.map_err(Error::from)
+        };
+        (read.rank, read.remote, outcome)
+    });
+    let outcome = match tokio::time::timeout(deadline, join_all(waits)).await {
+        Err(_) => {
+            for (rank, remote) in &read {
+                shared.remotes.forget(&load.remote.engine_id, *rank, remote);
+            }
+            Err(Error::TransferTimeout {
+                request_id: load.request_id.clone(),
+                deadline,
+            })
         }
-        Ok(Err(err)) => Err(Error::from(err)),
-        Err(_) => Err(Error::TransferTimeout {
-            request_id: load.request_id.clone(),
-            deadline,
-        }),
-    }
+        Ok(ended) => {
+            let mut first_failure = failed.map(Err);
+            for (rank, remote, outcome) in ended {
+                match outcome {
+                    Ok(request) => record_telemetry(shared, &request),
+                    Err(err) => {
+                        shared.remotes.forget(&load.remote.engine_id, rank, &remote);
+                        first_failure.get_or_insert(Err(err));
+                    }
+                }
+            }
+            first_failure.unwrap_or(Ok(()))
+        }
+    };
+    record(shared, load, Some((at, bytes, descriptors)), outcome);
 }

@@ -2,19 +2,19 @@
 
 use std::time::Duration;
 
-/// One load (one NIXL READ request) as the worker saw it.
+/// One load (its NIXL READ requests, one per remote rank read from) as the worker saw it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TransferMetrics {
     /// The local request id.
     pub request_id: String,
     /// The engine read from.
     pub remote_engine: String,
-    /// From the post to completion or failure, handshake excluded (zero when it failed
-    /// before posting).
+    /// From the first post to the completion or failure of the last READ, handshakes
+    /// excluded (zero when it failed before any READ was made).
     pub duration: Duration,
-    /// Bytes moved (requested, when it failed).
+    /// Bytes moved (requested, when a READ failed; zero when none was made).
     pub bytes: u64,
-    /// Descriptors in the request.
+    /// Descriptors in the requests.
     pub descriptors: usize,
     /// Why it failed, or `None` when every byte landed.
     pub failure: Option<String>,

@@ -30,6 +30,11 @@ pub struct KvTransferParams {
     /// The prefill engine's TP size.
     #[serde(default)]
     pub remote_tp_size: Option<usize>,
+    /// Tokens the prefill computed (vLLM's `remote_num_tokens`): needed to pair a decode's
+    /// blocks with a prefill's larger ones when the decode's prefix cache holds part of the
+    /// prompt or the prompt ends inside a block (see [`RemoteBlocks::num_tokens`]).
+    #[serde(default)]
+    pub remote_num_tokens: Option<usize>,
 }
 
 /// Where a load reads from: the complete remote half of [`KvTransferParams`].
@@ -47,6 +52,10 @@ pub struct RemoteBlocks {
     pub request_id: String,
     /// Its TP size.
     pub tp_size: usize,
+    /// Tokens it computed, if known. Only a decode whose blocks are smaller than the
+    /// prefill's needs it, to know which of the prefill's tokens its blocks start at; without
+    /// it, such a load must cover every token of the prefill's blocks.
+    pub num_tokens: Option<usize>,
 }
 
 impl KvTransferParams {
@@ -59,6 +68,7 @@ impl KvTransferParams {
             block_ids: self.remote_block_ids.clone(),
             request_id: self.remote_request_id.clone()?,
             tp_size: self.remote_tp_size?,
+            num_tokens: self.remote_num_tokens,
         })
     }
 }

@@ -34,8 +34,8 @@ use nixl::kv_config::KvTransferConfig;
 use crate::config::{Lease, LoadFailurePolicy};
 use crate::error::{Error, Result};
 use crate::failure::FailedBlock;
+use crate::outcomes::Finished;
 use crate::params::{KvTransferParams, RemoteBlocks};
-use crate::worker::Finished;
 
 /// How a request finished (vLLM's `RequestStatus.FINISHED_*`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -106,7 +106,7 @@ impl SchedulerConfig {
 pub struct LoadSpec {
     /// The local request id.
     pub request_id: String,
-    /// Local blocks, paired in order with the last of `remote.block_ids`; empty: nothing
+    /// Local blocks, paired in token order with the last of `remote.block_ids`; empty: nothing
     /// is read, the prefill is only notified (a full prefix hit, or an aborted request).
     pub local_block_ids: Vec<usize>,
     /// Where to read.
@@ -274,13 +274,15 @@ impl KvConnectorScheduler {
     /// the next [`build_connector_meta`](Self::build_connector_meta).
     ///
     /// Pass only the blocks the engine still needs: when its prefix cache holds the first
-    /// blocks of the prompt, the rest pair with the tail of `remote_block_ids`. An empty
-    /// list (a full prefix hit) reads nothing: the prefill is only notified, and the request
-    /// can run at once (no [`LoadOutcome`] follows).
+    /// blocks of the prompt, the rest pair with the tail of `remote_block_ids` (in tokens,
+    /// when the two engines' blocks differ in size; the workers check the pairing once they
+    /// know the prefill's geometry). An empty list (a full prefix hit) reads nothing: the
+    /// prefill is only notified, and the request can run at once (no [`LoadOutcome`]
+    /// follows).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when `params` lack a remote field, pair more local than
-    /// remote blocks, or the request's load was already scheduled (one load per request).
+    /// [`Error::InvalidArgument`] when `params` lack a remote field, or the request's load
+    /// was already scheduled (one load per request).
     pub fn update_state_after_alloc(
         &mut self,
         request_id: &str,
@@ -291,16 +293,6 @@ impl KvConnectorScheduler {
         let remote = params.remote_blocks().ok_or_else(|| {
             Error::invalid(OP, format!("request {request_id:?}: kv_transfer_params lack remote_engine_id, remote_host, remote_port, remote_request_id or remote_tp_size"))
         })?;
-        if remote.block_ids.len() < local_block_ids.len() {
-            return Err(Error::invalid(
-                OP,
-                format!(
-                    "request {request_id:?}: {} remote blocks for {} local blocks (at most as many local as remote)",
-                    remote.block_ids.len(),
-                    local_block_ids.len()
-                ),
-            ));
-        }
         let state = self.decodes.get(request_id).map(|d| d.state);
         if state.is_some_and(|s| s != DecodeState::Waiting) {
             return Err(Error::invalid(
@@ -403,6 +395,7 @@ impl KvConnectorScheduler {
                 remote_block_ids: block_ids.to_vec(),
                 remote_request_id: Some(request_id.to_string()),
                 remote_tp_size: Some(self.config.tp_size),
+                remote_num_tokens: None,
             }),
         }
     }
@@ -664,11 +657,6 @@ mod tests {
         let mut s = scheduler();
         let mut params = handed("r", &[3, 4]);
         assert!(KvConnectorScheduler::needs_remote_prefill(Some(&params)));
-        let err = s
-            .update_state_after_alloc("d", &[0, 1, 2], &params)
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("2 remote blocks for 3 local blocks"), "{err}");
         s.update_state_after_alloc("d", &[0, 1], &params).unwrap();
         let err = s
             .update_state_after_alloc("d", &[0, 1], &params)

@@ -12,6 +12,7 @@ use std::time::Instant;
 use crate::config::Lease;
 use crate::metrics::SendStats;
 use crate::series::Series;
+use crate::tp_mapping::TpMapping;
 
 /// Most notifications kept for requests not (yet) held, e.g. ones that arrive before the
 /// engine's step hands the request over; more are dropped, and each is dropped after a
@@ -208,7 +209,7 @@ impl Sends {
         match parse(message) {
             Ok(Note::Heartbeat(ids)) => self.heartbeat(&ids, now),
             Ok(Note::Done { request, reader_tp }) => {
-                let needed = (reader_tp / self.own_tp).max(1);
+                let needed = TpMapping::consumers(reader_tp, self.own_tp);
                 self.done_reading(sender, request, needed, now);
             }
             Err(why) => {

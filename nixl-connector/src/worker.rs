@@ -1,121 +1,36 @@
 //! The worker half: registers the KV cache, answers handshakes, loads remote blocks and
 //! tracks what is done.
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use nixl::kv_config::NixlSetup;
-use nixl::{Agent, MetadataPeer, NotificationFilter, PreparedLocal, RegisterMemory, Registration};
+use nixl::{
+    Agent, MetadataPeer, NotificationFilter, RegDesc, RegisterMemory, Registration, XferOp,
+};
 use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
 
 use crate::config::{Lease, MetadataExchange, WorkerConfig};
+use crate::connect;
 use crate::error::{Error, Result};
 use crate::etcd::EtcdSource;
 use crate::failure::{FailedBlock, FailureKind};
 use crate::handshake::HandshakeMessage;
+use crate::host_buffer::Staging;
 use crate::metrics::{RemoteStats, SendStats, TransferMetrics};
+use crate::outcomes::{Finished, Outcomes};
 use crate::params::RemoteBlocks;
 use crate::pending::{PendingHandshakes, PendingStats};
-use crate::remote::Remotes;
+use crate::remotes::Remotes;
 use crate::scheduler::{ConnectorMetadata, HeartbeatSpec};
 use crate::sending::{heartbeat_messages, NotificationStats, Sends};
 use crate::series::Series;
-use crate::KvCacheSpec;
-
-/// Requests that finished transferring since the last [`KvConnectorWorker::finished`].
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Finished {
-    /// Held requests whose blocks may now be freed (every decode rank notified, or their
-    /// lease ended).
-    pub sending: Vec<String>,
-    /// Loads that ended (failed ones too; their blocks are in `load_errors`).
-    pub recving: Vec<String>,
-}
-
-/// The registered cache and what is derived from it.
-pub(crate) struct Caches {
-    pub(crate) registration: Registration,
-    pub(crate) spec: KvCacheSpec,
-    pub(crate) local: PreparedLocal,
-    pub(crate) handshake: Arc<HandshakeMessage>,
-    pub(crate) side_channel: SocketAddr,
-    /// The places of the side channel's handshakes under way.
-    pub(crate) side_channel_pending: Arc<PendingHandshakes>,
-}
-
-/// Outcomes the background tasks report, and the loads under way.
-#[derive(Debug, Default)]
-pub(crate) struct Outcomes {
-    pub(crate) recving: Vec<String>,
-    pub(crate) load_errors: Vec<FailedBlock>,
-    pub(crate) metrics: Vec<TransferMetrics>,
-    /// Loads started and not yet ended, by request id: whether their request was aborted.
-    active: HashMap<String, bool>,
-}
-
-impl Outcomes {
-    /// Marks a load of `request_id` as under way; `false` if one already is.
-    fn start(&mut self, request_id: &str) -> bool {
-        if self.active.contains_key(request_id) {
-            return false;
-        }
-        self.active.insert(request_id.to_string(), false);
-        true
-    }
-
-    /// Marks the load of `request_id` as ended; whether its request was aborted.
-    pub(crate) fn end(&mut self, request_id: &str) -> bool {
-        self.active.remove(request_id).unwrap_or(false)
-    }
-
-    /// Whether the load of `request_id` is under way and its request was aborted.
-    pub(crate) fn is_aborted(&self, request_id: &str) -> bool {
-        self.active.get(request_id).copied().unwrap_or(false)
-    }
-
-    /// Marks the load of `request_id` aborted; `false` when none is under way.
-    fn abort(&mut self, request_id: &str) -> bool {
-        match self.active.get_mut(request_id) {
-            Some(aborted) => {
-                *aborted = true;
-                true
-            }
-            None => false,
-        }
-    }
-}
-
-/// State shared with the background tasks.
-pub(crate) struct Shared {
-    pub(crate) config: WorkerConfig,
-    pub(crate) setup: NixlSetup,
-    pub(crate) caches: OnceLock<Caches>,
-    pub(crate) outcomes: Mutex<Outcomes>,
-    pub(crate) sends: Mutex<Sends>,
-    pub(crate) remotes: Remotes,
-    /// Where peers' metadata is fetched from, in etcd mode.
-    pub(crate) etcd: Option<EtcdSource>,
-    /// The exported metrics.
-    pub(crate) series: Arc<Series>,
-    /// Signalled whenever a load ends.
-    pub(crate) load_ended: tokio::sync::Notify,
-    /// Signalled whenever a decode notification arrives for this rank.
-    pub(crate) notified: tokio::sync::Notify,
-}
-
-impl Shared {
-    pub(crate) fn outcomes(&self) -> MutexGuard<'_, Outcomes> {
-        self.outcomes.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn sends(&self) -> MutexGuard<'_, Sends> {
-        self.sends.lock().unwrap_or_else(|p| p.into_inner())
-    }
-}
+use crate::shared::{Caches, Shared};
+use crate::spec::KvCacheSpec;
+use crate::tp_mapping::TpMapping;
 
 /// The worker half of the connector: one per TP rank.
 ///
@@ -123,8 +38,8 @@ impl Shared {
 /// it, so no method blocks an engine step. Dropping the worker stops its tasks; loads in
 /// flight are left to NIXL's completion driver, which keeps their memory until done.
 pub struct KvConnectorWorker {
-    pub(crate) shared: Arc<Shared>,
-    pub(crate) staging: OnceLock<crate::host_buffer::Staging>,
+    shared: Arc<Shared>,
+    staging: OnceLock<Staging>,
     runtime: Handle,
     tasks: Mutex<Vec<JoinHandle<()>>>,
     /// Whether decode notifications are being taken (see `listen_for_notifications`).
@@ -250,14 +165,16 @@ impl KvConnectorWorker {
         self.shared.setup.mem_type()
     }
 
-    /// Registers the KV cache: `caches` holds one region per layer, each at least
-    /// `spec.layer_len()` bytes, of the memory type the platform and kv-buffer device give
-    /// (DRAM for `cpu`), with the configured backends; then publishes the agent metadata
-    /// (etcd mode) and starts the side channel.
+    /// Registers the KV cache: `caches` holds the regions of `spec` in order (one per layer,
+    /// or K and V of each layer apart, ...), region `r` at least `spec.region_len(r)` bytes,
+    /// of the memory type the platform and kv-buffer device give (DRAM for `cpu`), with the
+    /// configured backends; then publishes the agent metadata (etcd mode) and starts the
+    /// side channel. The handshake tells peers each region's block length.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for a bad spec, a wrong region count or short regions, or a
-    /// second call; the registration errors of [`NixlSetup::register_memory`];
+    /// [`Error::InvalidArgument`] for a bad spec or one that does not fit this rank's TP
+    /// (see [`KvCacheSpec::check_rank`]), a wrong region count or short regions, or a second
+    /// call; the registration errors of [`NixlSetup::register_memory`];
     /// [`Error::EtcdUnreachable`] (etcd mode); [`Error::Io`] when the side channel cannot
     /// bind.
     pub fn register_kv_caches<M: RegisterMemory + 'static>(
@@ -266,7 +183,7 @@ impl KvConnectorWorker {
         spec: KvCacheSpec,
     ) -> Result<()> {
         const OP: &str = "register the KV caches";
-        spec.validate()?;
+        self.check_spec(&spec)?;
         if self.shared.caches.get().is_some() {
             return Err(Error::invalid(OP, "the KV caches are already registered"));
         }
@@ -274,59 +191,67 @@ impl KvConnectorWorker {
         self.finish_registration(registration, spec)
     }
 
-    /// Allocates one zeroed [`HostBuffer`](nixl::HostBuffer) of `spec.layer_len()` bytes per
-    /// layer and registers them as the KV cache ([`register_kv_caches`](Self::register_kv_caches)):
-    /// the cache of a `cpu` kv-buffer device, or the host side of host-buffer mode.
+    /// Allocates one zeroed [`HostBuffer`](nixl::HostBuffer) of `spec.region_len(r)` bytes
+    /// per region `r` and registers them as the KV cache
+    /// ([`register_kv_caches`](Self::register_kv_caches)): the cache of a `cpu` kv-buffer
+    /// device, or the host side of host-buffer mode.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for a bad spec (checked before anything is allocated);
     /// allocation errors; those of [`register_kv_caches`](Self::register_kv_caches).
     pub fn register_host_kv_caches(&self, spec: KvCacheSpec) -> Result<()> {
-        spec.validate()?;
-        let layers = (0..spec.num_layers)
-            .map(|_| nixl::HostBuffer::zeroed(spec.layer_len()))
+        self.check_spec(&spec)?;
+        let regions = (0..spec.num_regions())
+            .map(|r| nixl::HostBuffer::zeroed(spec.region_len(r)))
             .collect::<nixl::Result<Vec<_>>>()?;
-        self.register_kv_caches(layers, spec)
+        self.register_kv_caches(regions, spec)
+    }
+
+    /// Checks `spec` on its own and against this rank's TP.
+    fn check_spec(&self, spec: &KvCacheSpec) -> Result<()> {
+        spec.validate()?;
+        spec.check_rank(self.shared.config.tp_rank, self.shared.config.tp_size)
     }
 
     /// Builds the prepared list, the handshake and the side channel for a registration.
-    pub(crate) fn finish_registration(
-        &self,
-        registration: Registration,
-        spec: KvCacheSpec,
-    ) -> Result<()> {
+    fn finish_registration(&self, registration: Registration, spec: KvCacheSpec) -> Result<()> {
         const OP: &str = "register the KV caches";
         let regions = registration.regions();
-        if regions.len() != spec.num_layers {
+        if regions.len() != spec.num_regions() {
             return Err(Error::invalid(
                 OP,
                 format!(
-                    "{} regions for {} layers; pass one region per layer",
+                    "{} regions for a spec of {}; pass one region per entry of spec.regions",
                     regions.len(),
-                    spec.num_layers
+                    spec.num_regions()
                 ),
             ));
         }
-        if let Some((layer, region)) = regions
+        if let Some((index, region)) = regions
             .iter()
             .enumerate()
-            .find(|(_, r)| r.len < spec.layer_len())
+            .find(|(r, region)| region.len < spec.region_len(*r))
         {
             return Err(Error::invalid(
                 OP,
                 format!(
-                    "layer {layer} has {} bytes, the spec needs {}",
+                    "region {index} has {} bytes, the spec needs {}",
                     region.len,
-                    spec.layer_len()
+                    spec.region_len(index)
                 ),
             ));
         }
         let mut list = nixl::LocalDescList::with_capacity(
             registration.mem_type(),
-            spec.num_layers * spec.num_blocks,
+            spec.num_regions() * spec.num_blocks,
         )?;
-        for layer in 0..spec.num_layers {
-            list.push_blocks(&registration, layer, spec.block_len(), 0..spec.num_blocks)?;
+        for index in 0..spec.num_regions() {
+            list.push_blocks(
+                &registration,
+                index,
+                spec.block_len(index),
+                0..spec.num_blocks,
+            )?;
         }
         let backends: Vec<&nixl::Backend> = self.shared.setup.backends().iter().collect();
         let local = self.agent().prepare_local(&list, &backends)?;
@@ -383,8 +308,72 @@ impl KvConnectorWorker {
         if self.shared.caches.set(caches).is_err() {
             return Err(Error::invalid(OP, "the KV caches are already registered"));
         }
-        tracing::info!(engine = %config.engine_id, rank = config.tp_rank, %side_channel, layers = spec.num_layers, blocks = spec.num_blocks, block_len = spec.block_len(), "KV caches registered");
+        let spec = &self.caches(OP)?.spec;
+        tracing::info!(engine = %config.engine_id, rank = config.tp_rank, %side_channel, regions = spec.num_regions(), blocks = spec.num_blocks, block_size = spec.block_size, block_len = spec.block_len(0), attention = %spec.attention, "KV caches registered");
         Ok(())
+    }
+
+    /// Registers a VRAM KV cache in host-buffer mode (see [`host_buffer`](crate::host_buffer)):
+    /// `device_layers` are the engine's VRAM regions (device addresses, `dev_id` the GPU
+    /// index), region `r` at least `spec.region_len(r)` bytes; the connector allocates and
+    /// registers a host buffer of the same shape for transfers and starts the side channel.
+    ///
+    /// # Safety
+    /// Every descriptor must describe device memory that stays allocated until this worker
+    /// and every request made from it have been dropped (as for
+    /// [`nixl::Agent::register_raw`]).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] unless the config's kv-buffer device is `cpu` on a `cuda`
+    /// platform, or for regions that do not fit `spec`; [`Error::HostBufferNeedsGpu`] when
+    /// no CUDA device is usable; then the errors of
+    /// [`register_kv_caches`](Self::register_kv_caches).
+    pub unsafe fn register_kv_caches_host_buffer(
+        &self,
+        device_layers: &[RegDesc],
+        spec: KvCacheSpec,
+    ) -> Result<()> {
+        const OP: &str = "register the KV caches in host-buffer mode";
+        self.check_spec(&spec)?;
+        if self.staging.get().is_some() {
+            return Err(Error::invalid(OP, "the KV caches are already registered"));
+        }
+        // SAFETY: forwarded from the caller's contract.
+        let vram = unsafe { Staging::register_device(&self.shared, device_layers, &spec) }?;
+        self.register_host_kv_caches(spec.clone())?;
+        let staging = Staging::new(&self.shared, vram, self.kv_caches()?, spec)?;
+        if self.staging.set(staging).is_err() {
+            return Err(Error::invalid(OP, "the KV caches are already registered"));
+        }
+        Ok(())
+    }
+
+    /// Copies `block_ids` of every layer from VRAM to the host buffer (prefill, before the
+    /// decode reads them).
+    ///
+    /// # Errors
+    /// As [`stage_from_host`](Self::stage_from_host).
+    pub async fn stage_to_host(&self, block_ids: &[usize]) -> Result<()> {
+        self.staging("stage blocks to the host buffer")?
+            .copy(&self.shared, XferOp::Write, block_ids)
+            .await
+    }
+
+    /// Copies `block_ids` of every layer from the host buffer to VRAM (decode, after a
+    /// load finished without errors).
+    ///
+    /// # Errors
+    /// [`Error::NotRegistered`] unless registered in host-buffer mode;
+    /// [`Error::InvalidArgument`] for a block id out of range; [`Error::TransferTimeout`];
+    /// NIXL's errors.
+    pub async fn stage_from_host(&self, block_ids: &[usize]) -> Result<()> {
+        self.staging("stage blocks from the host buffer")?
+            .copy(&self.shared, XferOp::Read, block_ids)
+            .await
+    }
+
+    fn staging(&self, operation: &'static str) -> Result<&Staging> {
+        self.staging.get().ok_or(Error::NotRegistered { operation })
     }
 
     fn caches(&self, operation: &'static str) -> Result<&Caches> {
@@ -394,7 +383,8 @@ impl KvConnectorWorker {
             .ok_or(Error::NotRegistered { operation })
     }
 
-    /// The registered KV cache (region `l` is layer `l`), e.g. to fill or check blocks.
+    /// The registered KV cache (region `r` is the spec's region `r`), e.g. to fill or check
+    /// blocks.
     ///
     /// # Errors
     /// [`Error::NotRegistered`] before [`register_kv_caches`](Self::register_kv_caches).
@@ -420,28 +410,33 @@ impl KvConnectorWorker {
 
     /// Starts reading `remote`'s blocks into `local_block_ids` and returns without waiting.
     ///
-    /// `local_block_ids` may be fewer than `remote.block_ids` (the decode's prefix cache
-    /// holds the first blocks of the prompt): they pair in order with the *last* remote
-    /// blocks (vLLM's `update_state_after_alloc` and `_read_blocks`; see
-    /// [`crate::scheduler`]). With none (a full prefix hit), nothing is read: the
-    /// notification alone tells the prefill to free its blocks, and the load is not
-    /// reported in [`finished`](Self::finished).
+    /// `local_block_ids` may cover fewer tokens than `remote.block_ids` (the decode's prefix
+    /// cache holds the first blocks of the prompt): they pair in token order with the *last*
+    /// remote tokens (vLLM's `update_state_after_alloc` and `_read_blocks`; see
+    /// [`crate::scheduler`]). When the two engines' blocks hold different numbers of tokens,
+    /// one divides the other and blocks pair unit by unit (see
+    /// [`RemoteBlocks::num_tokens`]). With no local block (a full prefix hit), nothing is
+    /// read: the notifications alone tell the prefill to free its blocks, and the load is
+    /// not reported in [`finished`](Self::finished).
     ///
-    /// The handshake with the remote rank (once per remote engine and rank) runs as a task,
-    /// and so does the READ until the handshake is done; after it, the READ is posted within
-    /// this call (a post that finishes the transfer ends the load at once) and only its
-    /// completion is awaited in a task. The READ is one request over prepared lists, by block
-    /// id, with the remote request id as its notification, inside a `nixl_load` tracing
-    /// span. When it ends the request appears in [`finished`](Self::finished)`.recving`; if
-    /// it failed, its local blocks appear in [`load_errors`](Self::load_errors).
-    ///
-    /// With a larger TP than the prefill's, this rank reads its head slice of each block
-    /// from prefill rank `tp_rank / (tp_size / remote.tp_size)` (HND layout).
+    /// The remote ranks are those of the [`TpMapping`](crate::TpMapping) of the two TP
+    /// sizes: the one rank holding this rank's heads (a decode TP that is a multiple of the
+    /// prefill's), or the `remote.tp_size / tp_size` ranks holding its share of the request
+    /// (a smaller decode TP), rank `r` at the side-channel port + `r`. The handshake with each
+    /// (once per remote engine and rank) runs as a task, and so do the READs until every
+    /// handshake is done; after that, they are posted within this call (posts that finish
+    /// the transfers end the load at once) and only their completion is awaited in a task.
+    /// Each READ is one request over prepared lists, by unit and piece, with the remote
+    /// request id as its notification, inside a `nixl_load` tracing span; the ranks not read
+    /// from (MLA, replicated heads) get the notification alone. When the load ends the
+    /// request appears in [`finished`](Self::finished)`.recving`; if it failed, its local
+    /// blocks appear in [`load_errors`](Self::load_errors).
     ///
     /// # Errors
-    /// [`Error::NotRegistered`]; [`Error::InvalidArgument`] for more local than remote
-    /// blocks, a local block id out of range, a request whose load is already under way, or
-    /// a remote TP this rank cannot read from.
+    /// [`Error::NotRegistered`]; [`Error::InvalidArgument`] for a local block id out of
+    /// range, a request whose load is already under way, or a remote TP this rank cannot
+    /// read from. What depends on the prefill's geometry (its block size and count) is
+    /// checked when the READs are made: a failure then is a failed load.
     pub fn start_load(
         &self,
         request_id: &str,
@@ -450,8 +445,6 @@ impl KvConnectorWorker {
     ) -> Result<()> {
         const OP: &str = "start a load";
         let caches = self.caches(OP)?;
-        let remote_block_ids =
-            crate::block_map::remote_tail(request_id, local_block_ids, &remote.block_ids)?;
         if let Some(bad) = local_block_ids
             .iter()
             .find(|&&b| b >= caches.spec.num_blocks)
@@ -464,15 +457,13 @@ impl KvConnectorWorker {
                 ),
             ));
         }
-        let (remote_rank, port) = self.remote_rank(OP, remote.port, remote.tp_size)?;
+        let ranks = self.remote_ranks(OP, remote.port, remote.tp_size)?;
         let load = crate::load::Load {
             request_id: request_id.to_string(),
             local_block_ids: local_block_ids.to_vec(),
-            remote_block_ids: remote_block_ids.to_vec(),
+            span: crate::load::Load::span(request_id, remote, &ranks, local_block_ids.len()),
             remote: remote.clone(),
-            remote_rank,
-            port,
-            span: crate::load::Load::span(request_id, remote, remote_rank, local_block_ids.len()),
+            ranks,
         };
         if local_block_ids.is_empty() {
             self.runtime
@@ -485,7 +476,7 @@ impl KvConnectorWorker {
                 format!("request {request_id:?}: a load for it is already under way"),
             ));
         }
-        // After the handshake, the READ is posted here and now (most finish within the
+        // After the handshakes, the READs are posted here and now (most finish within the
         // post); only what is left to wait for runs as a task.
         match crate::load::try_now(&self.shared, load) {
             None => {}
@@ -513,14 +504,16 @@ impl KvConnectorWorker {
         self.shared.outcomes().abort(request_id)
     }
 
-    /// Runs the handshake with the rank of a remote engine this rank reads from, now rather
-    /// than at the first load (e.g. when a decode learns of a prefill, so that the first
-    /// load does not wait for it, and a peer that cannot be read from is known early).
-    /// Loads reuse its outcome; a failed handshake is forgotten, so a later one tries again.
+    /// Runs the handshakes with the ranks of a remote engine this rank reads from (or
+    /// notifies; see [`start_load`](Self::start_load)), now rather than at the first load
+    /// (e.g. when a decode learns of a prefill, so that the first load does not wait for
+    /// them, and a peer that cannot be read from is known early). Loads reuse their
+    /// outcome; a failed handshake is forgotten, so a later one tries again.
     ///
     /// # Errors
     /// [`Error::NotRegistered`]; [`Error::InvalidArgument`] for a remote TP this rank cannot
-    /// read from; [`Error::Handshake`] with why the handshake failed.
+    /// read from; [`Error::Handshake`] with why a handshake failed (the first, in rank
+    /// order).
     pub async fn handshake_with(
         &self,
         engine_id: &str,
@@ -530,31 +523,41 @@ impl KvConnectorWorker {
     ) -> Result<()> {
         const OP: &str = "handshake with a remote engine";
         self.caches(OP)?;
-        let (rank, port) = self.remote_rank(OP, port, tp_size)?;
-        self.shared
-            .remotes
-            .get(&self.shared, engine_id, rank, host, port)
+        let ranks = self.remote_ranks(OP, port, tp_size)?;
+        let handshakes = ranks
+            .iter()
+            .map(|&(rank, port)| connect::remote(&self.shared, engine_id, rank, host, port));
+        futures::future::join_all(handshakes)
             .await
-            .map(drop)
+            .into_iter()
+            .try_for_each(|done| done.map(drop))
     }
 
-    /// The rank of a remote engine of TP `tp_size` this rank reads from, and the port its
-    /// side channel listens on (rank 0's `port` + rank).
-    fn remote_rank(
+    /// The ranks of a remote engine of TP `tp_size` that hold this rank's share of a
+    /// request ([`TpMapping`](crate::TpMapping)), each with the port its side channel
+    /// listens on (rank 0's `port` + rank).
+    fn remote_ranks(
         &self,
         operation: &'static str,
         port: u16,
         tp_size: usize,
-    ) -> Result<(usize, u16)> {
+    ) -> Result<Vec<(usize, u16)>> {
         let config = &self.shared.config;
-        let rank = crate::handshake::remote_rank_for(config.tp_rank, config.tp_size, tp_size)?;
-        let port = u16::try_from(usize::from(port) + rank).map_err(|_| {
-            Error::invalid(
-                operation,
-                format!("port {port} + rank {rank} is past 65535"),
-            )
-        })?;
-        Ok((rank, port))
+        let attention = self.caches(operation)?.spec.attention;
+        let mapping = TpMapping::new(config.tp_rank, config.tp_size, tp_size, attention)?;
+        mapping
+            .ranks
+            .iter()
+            .map(|r| {
+                let at = u16::try_from(usize::from(port) + r.rank).map_err(|_| {
+                    Error::invalid(
+                        operation,
+                        format!("port {port} + rank {} is past 65535", r.rank),
+                    )
+                })?;
+                Ok((r.rank, at))
+            })
+            .collect()
     }
 
     /// Carries out one scheduler step's `meta` (vLLM's `start_load_kv`): starts every load,
@@ -590,47 +593,46 @@ impl KvConnectorWorker {
         }
     }
 
-    /// Tells the rank of a remote engine this rank reads from that its requests are still
-    /// wanted (vLLM's `_send_heartbeats`): `HB:` and their ids. Before the handshake with
-    /// that rank is done it starts the handshake instead, so that the next heartbeat goes.
+    /// Tells the ranks of a remote engine this rank reads from (or notifies) that its
+    /// requests are still wanted (vLLM's `_send_heartbeats`): `HB:` and their ids. Before the
+    /// handshake with a rank is done it starts the handshake instead, so that the next
+    /// heartbeat goes.
     fn send_heartbeat(&self, heartbeat: &HeartbeatSpec) {
         const OP: &str = "send a heartbeat";
-        let (rank, port) = match self.remote_rank(OP, heartbeat.port, heartbeat.tp_size) {
-            Ok(at) => at,
+        let ranks = match self.remote_ranks(OP, heartbeat.port, heartbeat.tp_size) {
+            Ok(ranks) => ranks,
             Err(err) => {
                 tracing::warn!(engine = %heartbeat.engine_id, %err, "no heartbeat sent");
                 return;
             }
         };
-        let Some(remote) = self.shared.remotes.ready(&heartbeat.engine_id, rank) else {
-            let (shared, engine, host) = (
-                self.shared.clone(),
-                heartbeat.engine_id.clone(),
-                heartbeat.host.clone(),
-            );
-            self.runtime.spawn(async move {
-                if let Err(err) = shared
-                    .remotes
-                    .get(&shared, &engine, rank, &host, port)
-                    .await
-                {
-                    tracing::debug!(%engine, rank, %err, "handshake for heartbeats failed");
+        let messages = heartbeat_messages(heartbeat.request_ids.iter().map(String::as_str));
+        for (rank, port) in ranks {
+            let Some(remote) = self.shared.remotes.ready(&heartbeat.engine_id, rank) else {
+                let (shared, engine, host) = (
+                    self.shared.clone(),
+                    heartbeat.engine_id.clone(),
+                    heartbeat.host.clone(),
+                );
+                self.runtime.spawn(async move {
+                    if let Err(err) = connect::remote(&shared, &engine, rank, &host, port).await {
+                        tracing::debug!(%engine, rank, %err, "handshake for heartbeats failed");
+                    }
+                });
+                continue;
+            };
+            for message in &messages {
+                if let Err(err) = self.agent().send_notification(&remote.agent, message) {
+                    self.shared.series.failed_notification();
+                    tracing::debug!(engine = %heartbeat.engine_id, rank, %err, "heartbeat not sent");
                 }
-            });
-            return;
-        };
-        let agent = self.agent();
-        let ids = heartbeat.request_ids.iter().map(String::as_str);
-        for message in heartbeat_messages(ids) {
-            if let Err(err) = agent.send_notification(remote.prepared.remote_agent(), &message) {
-                self.shared.series.failed_notification();
-                tracing::debug!(engine = %heartbeat.engine_id, rank, %err, "heartbeat not sent");
             }
         }
     }
 
     /// Holds a finished prefill request's blocks until the decode notifications arrive
-    /// (one per decode rank reading from this rank) or its KV lease ends at `deadline`
+    /// (one from each decode rank reading this rank or told it is not read:
+    /// [`TpMapping::consumers`]) or its KV lease ends at `deadline`
     /// (heartbeats extend it; see [the scheduler's docs](crate::scheduler)). A request id
     /// must not start with `HB:` (a heartbeat's prefix) or hold a comma.
     pub fn hold_for_decode(&self, request_id: &str, deadline: Instant) {

@@ -19,7 +19,7 @@ async fn start_load_does_not_wait_for_a_silent_prefill() {
     /// The handshake's total deadline here.
     const DEADLINE: Duration = Duration::from_secs(4);
     let spec = spec(2);
-    let decode = worker_with("dc-silent", 0, 1, spec, |c| c.limits.deadline = DEADLINE);
+    let decode = worker_with("dc-silent", 0, 1, &spec, |c| c.limits.deadline = DEADLINE);
     let silent = CountingListener::silent().await;
     let mut from = remote(&decode, "pf-silent", "r", vec![0, 1], 1);
     from.port = silent.port;
@@ -72,7 +72,7 @@ async fn loads_share_one_handshake_and_reuse_it() {
         assert_eq!(counted.accepted(), 1, "one handshake for loads {round:?}");
     }
     for i in 0..8 {
-        let want: Vec<u8> = (0..spec.block_len())
+        let want: Vec<u8> = (0..spec.block_len(0))
             .map(|o| pattern(1, 15 - i, o))
             .collect();
         assert_eq!(block(&decode, &spec, 1, i), want, "block {i}");
@@ -111,7 +111,7 @@ async fn an_early_handshake_serves_the_loads_after_it() {
         "the loads reused the early handshake"
     );
     for i in 0..8 {
-        let want: Vec<u8> = (0..spec.block_len())
+        let want: Vec<u8> = (0..spec.block_len(0))
             .map(|o| pattern(1, 15 - i, o))
             .collect();
         assert_eq!(block(&decode, &spec, 1, i), want, "block {i}");
@@ -134,7 +134,7 @@ async fn after_the_handshake_start_load_posts_the_read_itself() {
     decode
         .start_load("now", &[3], &remote(&prefill, "pf-now", "now", vec![9], 1))
         .unwrap();
-    let want: Vec<u8> = (0..spec.block_len()).map(|o| pattern(2, 9, o)).collect();
+    let want: Vec<u8> = (0..spec.block_len(0)).map(|o| pattern(2, 9, o)).collect();
     let deadline = Instant::now() + WAIT;
     // Blocking on purpose: this thread is the runtime's only one.
     while block(&decode, &spec, 2, 3) != want {

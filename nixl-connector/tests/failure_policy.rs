@@ -47,7 +47,7 @@ async fn killed_mid_load(policy: &str) -> Vec<LoadOutcome> {
         r#"{{"kv_buffer_device":"cpu","kv_load_failure_policy":"{policy}"}}"#
     ))
     .unwrap();
-    let decode = worker_with("dc-policy", 0, 1, spec, |c| {
+    let decode = worker_with("dc-policy", 0, 1, &spec, |c| {
         c.kv_transfer_config = kv.clone();
         c.transfer_timeout = Duration::from_secs(8);
     });
@@ -66,7 +66,7 @@ async fn killed_mid_load(policy: &str) -> Vec<LoadOutcome> {
             request_id: "first".into()
         }]
     );
-    let want: Vec<u8> = (0..spec.block_len()).map(|o| pattern(1, 5, o)).collect();
+    let want: Vec<u8> = (0..spec.block_len(0)).map(|o| pattern(1, 5, o)).collect();
     assert_eq!(block(&decode, &spec, 1, 1), want);
 
     scheduler
@@ -82,7 +82,7 @@ async fn killed_mid_load(policy: &str) -> Vec<LoadOutcome> {
     let got = outcomes(&decode, &mut scheduler, 2).await;
     // The load posted as the prefill died may have finished first: then its bytes are right.
     if let LoadOutcome::Loaded { .. } = outcome_of(&got, "during") {
-        let want: Vec<u8> = (0..spec.block_len()).map(|o| pattern(2, 8, o)).collect();
+        let want: Vec<u8> = (0..spec.block_len(0)).map(|o| pattern(2, 8, o)).collect();
         assert_eq!(block(&decode, &spec, 2, 4), want);
     }
     got
@@ -154,7 +154,7 @@ async fn fail_fails_the_request_of_a_killed_prefill_with_the_reason() {
 async fn each_failed_block_carries_its_request_kind_and_reason() {
     common::init_tracing();
     let spec = spec(2);
-    let decode = worker("dc-reasons", 0, 1, spec);
+    let decode = worker("dc-reasons", 0, 1, &spec);
     let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = closed.local_addr().unwrap().port();
     drop(closed);

@@ -75,7 +75,7 @@ async fn a_prefill_answering_with_the_decodes_own_worker_is_refused() {
     let mut child = role_process("forger_role", &[(ROLE_ENV, "1")], Stdio::null());
     let port = printed_port(&mut child);
     let spec = spec(2);
-    let decode = worker("dc-forged", 0, 1, spec);
+    let decode = worker("dc-forged", 0, 1, &spec);
     // The decode's own cache holds what a prefill would have: the forged load would read
     // its blocks 4 and 5 into its blocks 0 and 1.
     fill(&decode, &spec);
@@ -92,9 +92,9 @@ async fn a_prefill_answering_with_the_decodes_own_worker_is_refused() {
         .clone()
         .expect("the load failed");
     assert!(failure.contains("leads into this process"), "{failure}");
-    for layer in 0..spec.num_layers {
+    for layer in 0..spec.num_regions() {
         for id in 0..spec.num_blocks {
-            let want: Vec<u8> = (0..spec.block_len())
+            let want: Vec<u8> = (0..spec.block_len(0))
                 .map(|o| pattern(layer, id, o))
                 .collect();
             assert!(

@@ -1,55 +1,128 @@
-//! Heterogeneous TP. Decode TP 2 against prefill TP 1, each decode rank in its own process:
-//! rank `r` reads head slice `r` of every block (HND: contiguous), checked byte for byte;
-//! the prefill holds the request after the first rank's notification and frees it after
-//! the second. Prefill rank `r` is found at the side-channel port + `r`. A decode with a
-//! smaller TP than its prefill is refused.
+//! Heterogeneous TP across processes, every byte checked against the model of
+//! `common::geometry` (MHA, 4 KV heads, HND; K and V regions of different head sizes and a
+//! region with K and V halves in each block):
+//! - decode TP 2 against prefill TP 1, each decode rank in its own process: rank `r` reads
+//!   head slice `r` of every block; the prefill holds the request after the first rank's
+//!   notification and frees it after the second;
+//! - prefill TP 2 (two child processes) with decode TP 1: the decode reads its first two
+//!   heads from prefill rank 0 and the last two from rank 1, one READ each, and both free;
+//! - prefill TP 4 (four child processes, blocks of 8 tokens) with decode TP 2 (blocks of 4):
+//!   each decode rank reads two prefill ranks, a head and a half-block at a time, and all
+//!   four prefill ranks free.
+//!
+//! Prefill rank `r` is found at the side-channel port + `r`.
 
 mod common;
 
-use std::process::Stdio;
-use std::sync::Arc;
+use std::io::{BufRead, BufReader, Lines};
+use std::process::{Child, ChildStdout, Stdio};
 use std::time::{Duration, Instant};
 
-use nixl_connector::{Error, KvConnectorWorker, WorkerConfig};
+use nixl_connector::{KvAttention, KvConnectorWorker, KvLayout, KvRegionKind};
 
-use common::{block, fill, pattern, poll_until, remote, role_process, spec, worker, WAIT};
+use common::geometry::{engine, rank_config, Model, Request, Side};
+use common::{poll_until, role_process, WAIT};
 
-const PORT_ENV: &str = "NIXL_CONNECTOR_TEST_PREFILL_PORT";
-const RANK_ENV: &str = "NIXL_CONNECTOR_TEST_DECODE_RANK";
-const PREFILL_HEADS: usize = 4;
-const REMOTE: [usize; 3] = [11, 4, 0];
-const LOCAL: [usize; 3] = [1, 2, 3];
+const PORT_ENV: &str = "NIXL_CONNECTOR_TEST_PORT";
+const RANK_ENV: &str = "NIXL_CONNECTOR_TEST_RANK";
+const TP_ENV: &str = "NIXL_CONNECTOR_TEST_TP";
+const BLOCK_SIZE_ENV: &str = "NIXL_CONNECTOR_TEST_BLOCK_SIZE";
+const BLOCKS: usize = 12;
 
-/// One decode rank (TP 2), run in a child process by the test below.
+/// The model of every test here.
+fn model() -> Model {
+    Model {
+        attention: KvAttention::Mha { total_kv_heads: 4 },
+        layout: KvLayout::Hnd,
+        regions: vec![
+            (KvRegionKind::Tensor, 16),
+            (KvRegionKind::Tensor, 8),
+            (KvRegionKind::KvHalves, 8),
+        ],
+    }
+}
+
+fn side(tp: usize, block_size: usize) -> Side {
+    Side {
+        tp,
+        block_size,
+        num_blocks: BLOCKS,
+    }
+}
+
+/// A role's numeric setting.
+fn setting(name: &str) -> usize {
+    std::env::var(name)
+        .expect("run by the parent test")
+        .parse()
+        .unwrap()
+}
+
+/// The request every test loads: 19 tokens (ending inside a block) of 4-token blocks.
+fn request(id: &str, prefill: &Side, decode: &Side) -> Request {
+    let tokens: usize = 19;
+    let unit = prefill.block_size.min(decode.block_size);
+    Request {
+        id: id.to_string(),
+        remote: (0..tokens.div_ceil(prefill.block_size))
+            .map(|i| (i * 5 + 3) % BLOCKS)
+            .collect(),
+        local: (0..(tokens.div_ceil(unit) * unit).div_ceil(decode.block_size))
+            .map(|i| (i * 7 + 1) % BLOCKS)
+            .collect(),
+        num_tokens: Some(tokens),
+    }
+}
+
+/// Loads `request` into every rank of `decodes` from the prefill engine `engine_id` (TP
+/// `prefill.tp`, rank 0 at `port`) and checks every byte and the bytes moved.
+async fn load_and_check(
+    decodes: &[KvConnectorWorker],
+    decode: &Side,
+    prefill: &Side,
+    (engine_id, port): (&str, u16),
+    request: &Request,
+) {
+    let model = model();
+    for worker in decodes {
+        model.fill_sentinel(worker, decode);
+        let from = Model::remote(request, engine_id, port, prefill.tp);
+        worker
+            .start_load(&request.id, &request.local, &from)
+            .unwrap();
+    }
+    for (rank, worker) in decodes.iter().enumerate() {
+        let done = poll_until(worker, WAIT, |f| !f.recving.is_empty()).await;
+        assert_eq!(done.recving, [request.id.as_str()]);
+        let metrics = worker.metrics();
+        assert!(worker.load_errors().is_empty(), "{metrics:?}");
+        model
+            .check_decode(worker, prefill, decode, rank, &[request])
+            .unwrap();
+        let moved = model.moved_bytes(prefill, decode, rank, request);
+        assert_eq!(metrics[0].bytes, moved as u64, "each byte read once");
+    }
+}
+
+/// One decode rank (TP 2) of decode_tp2_reads_each_head_slice_from_prefill_tp1.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "a decode rank of decode_tp2_reads_each_head_slice_from_prefill_tp1, which starts it"]
 async fn decode_rank_role() {
-    let port: u16 = std::env::var(PORT_ENV)
-        .expect("run by the parent test")
-        .parse()
+    let (port, rank) = (setting(PORT_ENV) as u16, setting(RANK_ENV));
+    let (prefill, decode) = (side(1, 4), side(2, 4));
+    let me = KvConnectorWorker::new(rank_config("dc-tp2", rank, 2, 0)).unwrap();
+    me.register_host_kv_caches(model().spec(&decode)).unwrap();
+    let request = request("req-tp", &prefill, &decode);
+    let model = model();
+    model.fill_sentinel(&me, &decode);
+    let from = Model::remote(&request, "pf-tp1", port, 1);
+    me.start_load(&request.id, &request.local, &from).unwrap();
+    let done = poll_until(&me, Duration::from_secs(20), |f| !f.recving.is_empty()).await;
+    assert_eq!(done.recving, ["req-tp"]);
+    assert!(me.load_errors().is_empty(), "{:?}", me.metrics());
+    model
+        .check_decode(&me, &prefill, &decode, rank, &[&request])
         .unwrap();
-    let rank: usize = std::env::var(RANK_ENV).unwrap().parse().unwrap();
-    let spec = spec(PREFILL_HEADS / 2);
-    let decode = worker("dc-tp2", rank, 2, spec);
-    let mut from = remote(&decode, "pf-tp1", "req-tp", REMOTE.to_vec(), 1);
-    from.port = port;
-    decode.start_load("dec-tp", &LOCAL, &from).unwrap();
-    let done = poll_until(&decode, Duration::from_secs(20), |f| !f.recving.is_empty()).await;
-    assert_eq!(done.recving, ["dec-tp"]);
-    assert!(decode.load_errors().is_empty(), "{:?}", decode.metrics());
-    let slice = spec.block_len();
-    for layer in 0..spec.num_layers {
-        for (&local, &far) in LOCAL.iter().zip(&REMOTE) {
-            let want: Vec<u8> = (rank * slice..(rank + 1) * slice)
-                .map(|o| pattern(layer, far, o))
-                .collect();
-            assert_eq!(
-                block(&decode, &spec, layer, local),
-                want,
-                "rank {rank} layer {layer} block {local}"
-            );
-        }
-    }
     println!("RANK {rank} CHECKED");
 }
 
@@ -73,9 +146,9 @@ async fn run_decode_rank(port: u16, rank: usize) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn decode_tp2_reads_each_head_slice_from_prefill_tp1() {
     common::init_tracing();
-    let spec = spec(PREFILL_HEADS);
-    let prefill = worker("pf-tp1", 0, 1, spec);
-    fill(&prefill, &spec);
+    let prefill_side = side(1, 4);
+    let prefill = engine("pf-tp1", &model(), &prefill_side).remove(0);
+    model().fill_prefill(&prefill, &prefill_side, 0);
     prefill.hold_for_decode("req-tp", Instant::now() + Duration::from_secs(600));
     let port = prefill.side_channel_addr().unwrap().port();
 
@@ -100,72 +173,111 @@ async fn decode_tp2_reads_each_head_slice_from_prefill_tp1() {
     );
 }
 
-/// Prefill ranks 0 and 1 of a TP-2 engine, rank `r` listening on rank 0's port + `r`.
-fn prefill_tp2(spec: nixl_connector::KvCacheSpec) -> [KvConnectorWorker; 2] {
-    for _ in 0..20 {
-        let rank0 = worker("pf-ports", 0, 2, spec);
-        let port = rank0.side_channel_addr().unwrap().port();
-        let Some(next) = port.checked_add(1) else {
-            continue;
-        };
-        let mut config = WorkerConfig::new("pf-ports", 1, 2, common::cpu_config());
-        config.platform = Arc::new(nixl::platform::BuiltinPlatform::CPU);
-        config.side_channel.set_port(next);
-        let rank1 = KvConnectorWorker::new(config).unwrap();
-        // The port above rank 0's may be taken: then try another pair.
-        if rank1.register_host_kv_caches(spec).is_ok() {
-            return [rank0, rank1];
-        }
+/// One prefill rank in a child process: rank `RANK_ENV` of TP `TP_ENV` with blocks of
+/// `BLOCK_SIZE_ENV` tokens, its side channel on `PORT_ENV` (0: any); fills its cache as the
+/// model says, holds `req-many`, prints `PORT <port>`, and `FREED` once the decode ranks'
+/// notifications free the request (60 s at most).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a prefill rank of the prefill_tp*_decode_tp* tests, which start it"]
+async fn prefill_rank_role() {
+    let (rank, tp, port) = (setting(RANK_ENV), setting(TP_ENV), setting(PORT_ENV));
+    let side = side(tp, setting(BLOCK_SIZE_ENV));
+    let worker = KvConnectorWorker::new(rank_config("pf-many", rank, tp, port as u16)).unwrap();
+    if let Err(err) = worker.register_host_kv_caches(model().spec(&side)) {
+        println!("NO PORT: {err}");
+        return;
     }
-    panic!("no two free ports in a row in 20 tries");
+    model().fill_prefill(&worker, &side, rank);
+    worker.hold_for_decode("req-many", Instant::now() + Duration::from_secs(600));
+    println!("PORT {}", worker.side_channel_addr().unwrap().port());
+    let freed = poll_until(&worker, Duration::from_secs(60), |f| !f.sending.is_empty()).await;
+    assert_eq!(freed.sending, ["req-many"]);
+    assert_eq!(worker.send_stats().freed_on_notification, 1);
+    println!("FREED");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn prefill_rank_r_is_found_at_the_side_channel_port_plus_r() {
-    common::init_tracing();
-    let spec = spec(2);
-    let [rank0, rank1] = prefill_tp2(spec);
-    // Rank 1's blocks differ from rank 0's in every byte.
-    fill(&rank0, &spec);
-    let cache = rank1.kv_caches().unwrap();
-    for layer in 0..spec.num_layers {
-        let len = spec.block_len();
-        for b in 0..spec.num_blocks {
-            let data: Vec<u8> = (0..len).map(|o| !pattern(layer, b, o)).collect();
-            cache.write(layer, b * len, &data).unwrap();
-        }
-    }
-    // Decode rank 1 (TP 2) is given rank 0's port, and reads from rank 1.
-    let decode = worker("dc-ports", 1, 2, spec);
-    let from = remote(&rank0, "pf-ports", "r", vec![7], 2);
-    decode.start_load("r", &[0], &from).unwrap();
-    poll_until(&decode, WAIT, |f| !f.recving.is_empty()).await;
-    assert!(decode.load_errors().is_empty(), "{:?}", decode.metrics());
-    let want: Vec<u8> = (0..spec.block_len()).map(|o| !pattern(1, 7, o)).collect();
-    assert_eq!(block(&decode, &spec, 1, 0), want);
+/// A prefill rank's child process and its stdout.
+struct PrefillRank {
+    child: Child,
+    lines: Lines<BufReader<ChildStdout>>,
 }
 
-/// Refused for now: the geometry work will let a decode with a smaller TP read from several
-/// prefill ranks, and this test will then check that it is served.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_decode_with_a_smaller_tp_than_its_prefill_is_refused() {
-    let spec = spec(2);
-    let prefill = worker("pf-larger", 0, 2, spec);
-    let decode = worker("dc-smaller", 0, 1, spec);
-    let port = prefill.side_channel_addr().unwrap().port();
-    let refused = |result: nixl_connector::Result<()>| match result {
-        Err(Error::InvalidArgument { reason, .. }) => assert_eq!(
-            reason,
-            "this rank 0 of TP 1 cannot read from a peer of TP 2: the reader's TP must be a \
-             multiple of the peer's (reading from a larger TP is not supported)"
-        ),
-        other => panic!("expected the smaller TP to be refused, got {other:?}"),
+impl PrefillRank {
+    /// The rest of the next line of its stdout that holds one of `words`, from the word on
+    /// (the test harness may print before it on the same line).
+    fn line(&mut self, words: &[&str]) -> Option<String> {
+        self.lines.by_ref().map_while(Result::ok).find_map(|l| {
+            let at = words.iter().filter_map(|w| l.find(w)).min()?;
+            Some(l[at..].to_string())
+        })
+    }
+}
+
+/// Starts the TP-`prefill.tp` prefill engine as one child process per rank, rank `r` on
+/// rank 0's port + `r` (another run of ports when one is taken); the ranks and rank 0's port.
+fn start_prefill(prefill: &Side) -> (Vec<PrefillRank>, u16) {
+    let start = |rank: usize, port: u16| {
+        let env = [
+            (RANK_ENV, rank.to_string()),
+            (TP_ENV, prefill.tp.to_string()),
+            (PORT_ENV, port.to_string()),
+            (BLOCK_SIZE_ENV, prefill.block_size.to_string()),
+        ];
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let mut child = role_process("prefill_rank_role", &env, Stdio::null());
+        let lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        PrefillRank { child, lines }
     };
-    refused(decode.start_load("r", &[0], &remote(&prefill, "pf-larger", "r", vec![0], 2)));
-    refused(
-        decode
-            .handshake_with("pf-larger", "127.0.0.1", port, 2)
-            .await,
-    );
-    assert_eq!(decode.finished(), Default::default());
+    for _ in 0..10 {
+        let mut ranks = vec![start(0, 0)];
+        let line = ranks[0].line(&["PORT "]).expect("rank 0 prints its port");
+        let port: u16 = line[5..].trim().parse().unwrap();
+        let mut listening = true;
+        for rank in 1..prefill.tp {
+            let mut next = start(rank, port + rank as u16);
+            listening = next
+                .line(&["PORT ", "NO PORT"])
+                .is_some_and(|line| line.starts_with("PORT "));
+            ranks.push(next);
+            if !listening {
+                break;
+            }
+        }
+        if listening {
+            return (ranks, port);
+        }
+        for mut rank in ranks {
+            let _ = rank.child.kill();
+            let _ = rank.child.wait();
+        }
+    }
+    panic!("no {} free ports in a row in 10 tries", prefill.tp);
+}
+
+/// Prefill TP `prefill.tp` in child processes, decode TP `decode.tp` in this one: every
+/// decode rank loads `req-many`, every byte is checked, and every prefill rank frees it.
+async fn prefill_in_processes(prefill: Side, decode: Side) {
+    common::init_tracing();
+    let (ranks, port) = start_prefill(&prefill);
+    let decodes = engine("dc-many", &model(), &decode);
+    let request = request("req-many", &prefill, &decode);
+    load_and_check(&decodes, &decode, &prefill, ("pf-many", port), &request).await;
+    for (rank, mut prefill_rank) in ranks.into_iter().enumerate() {
+        let freed = tokio::task::spawn_blocking(move || {
+            let freed = prefill_rank.line(&["FREED"]).is_some();
+            (freed, prefill_rank.child.wait().unwrap())
+        });
+        let (freed, status) = tokio::time::timeout(WAIT, freed).await.unwrap().unwrap();
+        assert!(freed && status.success(), "prefill rank {rank}: {status}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_tp2_in_two_processes_serves_decode_tp1() {
+    prefill_in_processes(side(2, 4), side(1, 4)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_tp4_in_four_processes_serves_decode_tp2_with_smaller_blocks() {
+    prefill_in_processes(side(4, 8), side(2, 4)).await;
 }

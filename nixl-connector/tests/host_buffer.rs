@@ -40,8 +40,9 @@ async fn without_a_gpu_host_buffer_mode_says_so() {
     let spec = common::spec(2);
     let worker = worker("cpu");
     // SAFETY: the registration fails before NIXL sees the (fake) device addresses.
-    let err = unsafe { worker.register_kv_caches_host_buffer(&fake_vram(spec.layer_len()), spec) }
-        .unwrap_err();
+    let err =
+        unsafe { worker.register_kv_caches_host_buffer(&fake_vram(spec.region_len(0)), spec) }
+            .unwrap_err();
     assert!(matches!(err, Error::HostBufferNeedsGpu { .. }), "{err}");
     assert!(err.to_string().contains("needs a CUDA device"), "{err}");
     assert!(
@@ -68,9 +69,10 @@ async fn host_buffer_mode_needs_the_cpu_kv_buffer_device() {
         KvConnectorWorker::new(config).unwrap()
     };
     // SAFETY: refused before any registration.
-    let err =
-        unsafe { cpu_platform.register_kv_caches_host_buffer(&fake_vram(spec.layer_len()), spec) }
-            .unwrap_err();
+    let err = unsafe {
+        cpu_platform.register_kv_caches_host_buffer(&fake_vram(spec.region_len(0)), spec)
+    }
+    .unwrap_err();
     assert!(
         err.to_string()
             .contains("needs kv_buffer_device \"cpu\" on the cuda platform"),

@@ -46,7 +46,7 @@ async fn until_closed(stream: &mut (impl AsyncReadExt + Unpin)) -> Duration {
 async fn the_server_drops_huge_and_slow_peers_and_still_serves() {
     common::init_tracing();
     let spec = spec(2);
-    let prefill = worker_with("pf-hostile", 0, 1, spec, |c| {
+    let prefill = worker_with("pf-hostile", 0, 1, &spec, |c| {
         c.limits.deadline = SERVER_DEADLINE
     });
     let addr = prefill.side_channel_addr().unwrap();
@@ -87,7 +87,7 @@ async fn the_server_drops_huge_and_slow_peers_and_still_serves() {
         .unwrap();
     let closed_after = until_closed(&mut junk).await;
     assert!(closed_after < SERVER_DEADLINE, "{closed_after:?}");
-    let decode = worker("dc-hostile", 0, 1, spec);
+    let decode = worker("dc-hostile", 0, 1, &spec);
     let theirs = fetch_handshake(addr, &decode.handshake().unwrap(), limits())
         .await
         .unwrap();
@@ -104,7 +104,7 @@ async fn the_server_drops_huge_and_slow_peers_and_still_serves() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_client_refuses_huge_and_slow_servers_in_bounded_time() {
     common::init_tracing();
-    let decode = worker("dc-victim", 0, 1, spec(2));
+    let decode = worker("dc-victim", 0, 1, &spec(2));
     let ours = decode.handshake().unwrap();
 
     // A server that declares a 4 GiB answer.

@@ -25,7 +25,7 @@ enum Answer {
 
 /// A prefill whose side channel runs at most `max_sessions` handshakes and gives a silent
 /// peer 30 s (so only eviction closes one within these tests).
-fn prefill_with_cap(engine: &str, spec: KvCacheSpec, max_sessions: usize) -> KvConnectorWorker {
+fn prefill_with_cap(engine: &str, spec: &KvCacheSpec, max_sessions: usize) -> KvConnectorWorker {
     worker_with(engine, 0, 1, spec, |config| {
         config.limits.max_sessions = max_sessions;
         config.limits.deadline = Duration::from_secs(30);
@@ -70,7 +70,7 @@ async fn max_sessions_caps_handshakes_and_evicts_the_oldest() {
     common::init_tracing();
     const CAP: usize = 4;
     let spec = spec(2);
-    let prefill = prefill_with_cap("pf-cap", spec, CAP);
+    let prefill = prefill_with_cap("pf-cap", &spec, CAP);
     let addr = prefill.side_channel_addr().unwrap();
 
     // Ten silent connections, one after another: the fifth evicts the first, and so on.
@@ -86,7 +86,7 @@ async fn max_sessions_caps_handshakes_and_evicts_the_oldest() {
         );
     }
     // A prompt reader still gets its answer (evicting one more silent peer).
-    let decode = worker("dc-cap", 0, 1, spec);
+    let decode = worker("dc-cap", 0, 1, &spec);
     let theirs = fetch_handshake(addr, &decode.handshake().unwrap(), ChannelLimits::default())
         .await
         .unwrap();
@@ -136,7 +136,7 @@ async fn fifty_silent_connections_for_14_s_do_not_keep_a_decode_out() {
     const CAP: usize = 16;
     const HOLD: Duration = Duration::from_secs(14);
     let spec = spec(2);
-    let prefill = prefill_with_cap("pf-idle", spec, CAP);
+    let prefill = prefill_with_cap("pf-idle", &spec, CAP);
     fill(&prefill, &spec);
     let addr = prefill.side_channel_addr().unwrap();
 
@@ -148,7 +148,7 @@ async fn fifty_silent_connections_for_14_s_do_not_keep_a_decode_out() {
     wait_stats(&prefill, |s| s.admitted >= 50).await;
 
     // Meanwhile a prompt reader handshakes every 100 ms...
-    let asker = worker("dc-idle-asker", 0, 1, spec);
+    let asker = worker("dc-idle-asker", 0, 1, &spec);
     let ours = asker.handshake().unwrap();
     let answered = Arc::new(AtomicU64::new(0));
     let asking = {
@@ -165,7 +165,7 @@ async fn fifty_silent_connections_for_14_s_do_not_keep_a_decode_out() {
     };
     // ...and a decode loads 256 requests, every byte checked, handshaking again after every
     // 16th (a failed load makes it forget the prefill).
-    let decode = worker("dc-idle", 0, 1, spec);
+    let decode = worker("dc-idle", 0, 1, &spec);
     for i in 0..256 {
         if i % 16 == 15 {
             fail_a_load(&decode, &prefill, &spec, "pf-idle", &format!("bad-{i}")).await;
@@ -236,8 +236,8 @@ async fn busy_then(real: std::net::SocketAddr, busy: usize) -> std::net::SocketA
 async fn a_busy_answer_is_retried_within_the_deadline() {
     common::init_tracing();
     let spec = spec(2);
-    let prefill = worker("pf-busy", 0, 1, spec);
-    let decode = worker("dc-busy", 0, 1, spec);
+    let prefill = worker("pf-busy", 0, 1, &spec);
+    let decode = worker("dc-busy", 0, 1, &spec);
     let ours = decode.handshake().unwrap();
     let limits = ChannelLimits {
         deadline: Duration::from_millis(1500),

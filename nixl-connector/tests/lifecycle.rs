@@ -38,12 +38,12 @@ fn scheduler(
 /// A prefill engine: its worker (filled with the pattern) and scheduler, lease `lease_s`.
 fn prefill(
     engine: &str,
-    spec: KvCacheSpec,
+    spec: &KvCacheSpec,
     lease_s: f64,
 ) -> (KvConnectorWorker, KvConnectorScheduler) {
     let kv = kv_with_lease(lease_s);
     let worker = worker_with(engine, 0, 1, spec, |c| c.kv_transfer_config = kv.clone());
-    fill(&worker, &spec);
+    fill(&worker, spec);
     let scheduler = scheduler(engine, &worker, &kv);
     (worker, scheduler)
 }
@@ -52,7 +52,7 @@ fn prefill(
 /// and scheduler, named after `tag`.
 fn engines(
     tag: &str,
-    spec: KvCacheSpec,
+    spec: &KvCacheSpec,
     lease_s: f64,
 ) -> (
     KvConnectorWorker,
@@ -92,8 +92,8 @@ fn finish_for_decode(
 
 /// Whether every layer of local block `local` holds remote block `far`'s pattern.
 fn holds(decode: &KvConnectorWorker, spec: &KvCacheSpec, local: usize, far: usize) -> bool {
-    (0..spec.num_layers).all(|layer| {
-        let want: Vec<u8> = (0..spec.block_len())
+    (0..spec.num_regions()).all(|layer| {
+        let want: Vec<u8> = (0..spec.block_len(0))
             .map(|o| pattern(layer, far, o))
             .collect();
         block(decode, spec, layer, local) == want
@@ -102,7 +102,7 @@ fn holds(decode: &KvConnectorWorker, spec: &KvCacheSpec, local: usize, far: usiz
 
 /// Whether local block `local` is still zero in every layer.
 fn untouched(decode: &KvConnectorWorker, spec: &KvCacheSpec, local: usize) -> bool {
-    (0..spec.num_layers).all(|layer| block(decode, spec, layer, local).iter().all(|&b| b == 0))
+    (0..spec.num_regions()).all(|layer| block(decode, spec, layer, local).iter().all(|&b| b == 0))
 }
 
 /// Polls the prefill until `n` requests are released; returns them.
@@ -133,7 +133,8 @@ async fn outcomes(
 async fn a_prefix_hit_loads_only_the_missing_tail_and_a_full_hit_only_notifies() {
     common::init_tracing();
     let spec = spec(2);
-    let (prefill, mut prefill_scheduler, decode, mut decode_scheduler) = engines("hit", spec, 30.0);
+    let (prefill, mut prefill_scheduler, decode, mut decode_scheduler) =
+        engines("hit", &spec, 30.0);
 
     // The decode's prefix cache holds the first two of four blocks: it loads the last two.
     let partial = finish_for_decode(&prefill, &mut prefill_scheduler, "p-part", &[5, 2, 9, 15]);
@@ -163,7 +164,7 @@ async fn a_prefix_hit_loads_only_the_missing_tail_and_a_full_hit_only_notifies()
     );
     let metrics = decode.metrics();
     assert_eq!(metrics.len(), 1, "only the partial hit read");
-    assert_eq!(metrics[0].descriptors, 2 * spec.num_layers);
+    assert_eq!(metrics[0].descriptors, 2 * spec.num_regions());
 
     // Both are freed on their notification, long before the lease ends.
     let mut freed = released(&prefill, 2, Duration::from_secs(10)).await;
@@ -180,7 +181,7 @@ async fn a_prefix_hit_loads_only_the_missing_tail_and_a_full_hit_only_notifies()
 async fn an_aborted_prefill_request_frees_at_once_and_a_capped_one_waits() {
     common::init_tracing();
     let spec = spec(2);
-    let (prefill, mut s) = prefill("pf-abort", spec, 30.0);
+    let (prefill, mut s) = prefill("pf-abort", &spec, 30.0);
     let for_decode = KvTransferParams {
         do_remote_decode: true,
         ..Default::default()
@@ -206,7 +207,7 @@ async fn a_decode_aborted_before_or_during_its_load_tells_the_prefill_and_writes
     let spec = spec(2);
     // A fresh decode: no handshake yet, so a load handed to the worker waits for one.
     let (prefill, mut prefill_scheduler, decode, mut decode_scheduler) =
-        engines("dabort", spec, 30.0);
+        engines("dabort", &spec, 30.0);
 
     // Aborted while it waited for blocks: notification only.
     let waiting = finish_for_decode(&prefill, &mut prefill_scheduler, "p-wait", &[1, 2]);
@@ -258,7 +259,7 @@ async fn an_abort_racing_the_loads_completion_frees_each_request_once() {
     common::init_tracing();
     let spec = spec(2);
     let (prefill, mut prefill_scheduler, decode, mut decode_scheduler) =
-        engines("race", spec, 30.0);
+        engines("race", &spec, 30.0);
     let port = prefill.side_channel_addr().unwrap().port();
     decode
         .handshake_with("pf-race", "127.0.0.1", port, 1)
@@ -315,9 +316,9 @@ async fn a_decode_that_heartbeats_keeps_blocks_past_the_lease_and_one_that_stops
     let spec = spec(2);
     // A 3 s lease: heartbeats every 500 ms, each extending it to 2 s from its arrival.
     let lease_s = 3.0;
-    let (prefill, mut prefill_scheduler) = prefill("pf-lease", spec, lease_s);
+    let (prefill, mut prefill_scheduler) = prefill("pf-lease", &spec, lease_s);
     let kv = kv_with_lease(lease_s);
-    let decode = worker_with("dc-lease", 0, 1, spec, |c| {
+    let decode = worker_with("dc-lease", 0, 1, &spec, |c| {
         c.kv_transfer_config = kv.clone()
     });
     let mut decode_scheduler = scheduler("dc-lease", &decode, &kv);
@@ -363,8 +364,8 @@ async fn a_decode_that_heartbeats_keeps_blocks_past_the_lease_and_one_that_stops
 async fn hostile_heartbeats_and_repeated_or_late_notifications_stay_bounded() {
     common::init_tracing();
     let spec = spec(2);
-    let (prefill, mut prefill_scheduler) = prefill("pf-hostile", spec, 2.0);
-    let decode = worker("dc-hostile", 0, 1, spec);
+    let (prefill, mut prefill_scheduler) = prefill("pf-hostile", &spec, 2.0);
+    let decode = worker("dc-hostile", 0, 1, &spec);
     let port = prefill.side_channel_addr().unwrap().port();
     decode
         .handshake_with("pf-hostile", "127.0.0.1", port, 1)
@@ -425,7 +426,8 @@ async fn hostile_heartbeats_and_repeated_or_late_notifications_stay_bounded() {
 async fn a_lease_that_ends_before_the_reads_notification_counts_it_late_and_frees_once() {
     common::init_tracing();
     let spec = spec(2);
-    let (prefill, mut prefill_scheduler, decode, mut decode_scheduler) = engines("late", spec, 0.3);
+    let (prefill, mut prefill_scheduler, decode, mut decode_scheduler) =
+        engines("late", &spec, 0.3);
     let params = finish_for_decode(&prefill, &mut prefill_scheduler, "p-late", &[7, 8]);
     // The decode is slow: the lease ends first, and the prefill frees the blocks.
     let freed = released(&prefill, 1, Duration::from_secs(5)).await;

@@ -13,9 +13,9 @@ use nixl_connector::{ChannelLimits, Error, KvLayout};
 async fn a_failed_load_reports_exactly_its_blocks() {
     common::init_tracing();
     let spec = spec(2);
-    let prefill = worker("pf-err", 0, 1, spec);
+    let prefill = worker("pf-err", 0, 1, &spec);
     fill(&prefill, &spec);
-    let decode = worker("dc-err", 0, 1, spec);
+    let decode = worker("dc-err", 0, 1, &spec);
 
     // A side channel nobody listens on any more.
     let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -75,10 +75,10 @@ async fn a_failed_load_reports_exactly_its_blocks() {
 async fn a_mismatched_peer_is_refused_with_a_clear_message() {
     common::init_tracing();
     let prefill_spec = spec(2);
-    let prefill = worker("pf-mismatch", 0, 1, prefill_spec);
-    let mut other = prefill_spec;
-    other.head_dim = 16;
-    let decode = worker("dc-mismatch", 0, 1, other);
+    let prefill = worker("pf-mismatch", 0, 1, &prefill_spec);
+    let mut other = prefill_spec.clone();
+    other.regions[1].block_len *= 2;
+    let decode = worker("dc-mismatch", 0, 1, &other);
 
     // The prefill refuses it, and says why.
     let addr = prefill.side_channel_addr().unwrap();
@@ -88,7 +88,9 @@ async fn a_mismatched_peer_is_refused_with_a_clear_message() {
     assert!(matches!(err, Error::Refused { .. }), "{err}");
     let text = err.to_string();
     assert!(
-        text.contains("head dim 16 (reader) vs 8 (source)"),
+        text.contains(
+            "region 1: block length 256 (reader, TP 1, 4 tokens) vs 128 (source, TP 1, 4 tokens)"
+        ),
         "{text}"
     );
 
@@ -104,17 +106,17 @@ async fn a_mismatched_peer_is_refused_with_a_clear_message() {
     assert_eq!(decode.load_errors(), [1, 2]);
     let failure = decode.metrics()[0].failure.clone().unwrap();
     assert!(
-        failure.contains("refused the handshake") && failure.contains("head dim"),
+        failure.contains("refused the handshake") && failure.contains("region 1: block length"),
         "{failure}"
     );
 
     // NHD cannot serve a larger TP: both sides say so.
     let mut nhd = prefill_spec;
     nhd.layout = KvLayout::Nhd;
-    let nhd_prefill = worker("pf-nhd", 0, 1, nhd);
-    let mut half = nhd;
-    half.num_kv_heads = 1;
-    let nhd_decode = worker("dc-nhd", 1, 2, half);
+    let nhd_prefill = worker("pf-nhd", 0, 1, &nhd);
+    let mut half = common::spec_tp(2, 2);
+    half.layout = KvLayout::Nhd;
+    let nhd_decode = worker("dc-nhd", 1, 2, &half);
     let err = fetch_handshake(
         nhd_prefill.side_channel_addr().unwrap(),
         &nhd_decode.handshake().unwrap(),
@@ -123,7 +125,10 @@ async fn a_mismatched_peer_is_refused_with_a_clear_message() {
     .await
     .unwrap_err()
     .to_string();
-    assert!(err.contains("needs the HND layout"), "{err}");
+    assert!(
+        err.contains("NHD blocks keep a head's tokens apart") && err.contains("use HND"),
+        "{err}"
+    );
 
     // Another engine than the params name is refused by the reader.
     decode

@@ -70,9 +70,9 @@ async fn each_load_has_a_span_with_its_outcome() {
     tracing::subscriber::set_global_default(tracing_subscriber::registry().with(spans.clone()))
         .expect("the only subscriber of this test binary");
     let spec = spec(2);
-    let prefill = worker("pf-spans", 0, 1, spec);
+    let prefill = worker("pf-spans", 0, 1, &spec);
     fill(&prefill, &spec);
-    let decode = worker("dc-spans", 0, 1, spec);
+    let decode = worker("dc-spans", 0, 1, &spec);
     decode
         .start_load(
             "good",

@@ -11,11 +11,11 @@ use common::{block, fill, pattern, poll_until, remote, spec, worker};
 async fn eight_decodes_against_one_prefill() {
     common::init_tracing();
     let spec = spec(2);
-    let prefill = worker("pf-eight", 0, 1, spec);
+    let prefill = worker("pf-eight", 0, 1, &spec);
     fill(&prefill, &spec);
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     let decodes: Vec<_> = (0..8)
-        .map(|i| worker(&format!("dc-eight-{i}"), 0, 1, spec))
+        .map(|i| worker(&format!("dc-eight-{i}"), 0, 1, &spec))
         .collect();
     for (i, decode) in decodes.iter().enumerate() {
         let request = format!("req-{i}");
@@ -33,9 +33,9 @@ async fn eight_decodes_against_one_prefill() {
         let done = poll_until(decode, Duration::from_secs(20), |f| !f.recving.is_empty()).await;
         assert_eq!(done.recving, [format!("req-{i}")]);
         assert!(decode.load_errors().is_empty());
-        for layer in 0..spec.num_layers {
+        for layer in 0..spec.num_regions() {
             for (local, far) in [(7, 2 * i), (3, 2 * i + 1)] {
-                let want: Vec<u8> = (0..spec.block_len())
+                let want: Vec<u8> = (0..spec.block_len(0))
                     .map(|o| pattern(layer, far, o))
                     .collect();
                 assert_eq!(

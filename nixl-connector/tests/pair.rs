@@ -12,9 +12,9 @@ use common::{block, fill, pattern, poll_until, remote, spec, worker};
 async fn decode_reads_every_byte_and_prefill_frees_on_the_notification() {
     common::init_tracing();
     let spec = spec(2);
-    let prefill = worker("pf-one", 0, 1, spec);
+    let prefill = worker("pf-one", 0, 1, &spec);
     fill(&prefill, &spec);
-    let decode = worker("dc-one", 0, 1, spec);
+    let decode = worker("dc-one", 0, 1, &spec);
 
     let abort_timeout = Duration::from_secs(30);
     let held_at = Instant::now();
@@ -32,10 +32,10 @@ async fn decode_reads_every_byte_and_prefill_frees_on_the_notification() {
     let done = poll_until(&decode, Duration::from_secs(10), |f| !f.recving.is_empty()).await;
     assert_eq!(done.recving, ["dec-7"]);
     assert!(decode.load_errors().is_empty());
-    for layer in 0..spec.num_layers {
+    for layer in 0..spec.num_regions() {
         for (&local, &far) in local_blocks.iter().zip(&remote_blocks) {
             let got = block(&decode, &spec, layer, local);
-            let want: Vec<u8> = (0..spec.block_len())
+            let want: Vec<u8> = (0..spec.block_len(0))
                 .map(|o| pattern(layer, far, o))
                 .collect();
             assert_eq!(
@@ -49,10 +49,10 @@ async fn decode_reads_every_byte_and_prefill_frees_on_the_notification() {
 
     let metrics = decode.metrics();
     assert_eq!(metrics.len(), 1);
-    assert_eq!(metrics[0].descriptors, spec.num_layers * 4);
+    assert_eq!(metrics[0].descriptors, spec.num_regions() * 4);
     assert_eq!(
         metrics[0].bytes as usize,
-        spec.num_layers * 4 * spec.block_len()
+        spec.num_regions() * 4 * spec.block_len(0)
     );
     assert!(metrics[0].failure.is_none());
 
@@ -74,9 +74,9 @@ async fn decode_reads_every_byte_and_prefill_frees_on_the_notification() {
 async fn a_decode_dropped_before_reading_lets_prefill_free_after_the_timeout() {
     common::init_tracing();
     let spec = spec(2);
-    let prefill = worker("pf-drop", 0, 1, spec);
+    let prefill = worker("pf-drop", 0, 1, &spec);
     fill(&prefill, &spec);
-    let decode = worker("dc-drop", 0, 1, spec);
+    let decode = worker("dc-drop", 0, 1, &spec);
     drop(decode);
 
     let timeout = Duration::from_millis(800);

@@ -23,7 +23,7 @@ async fn a_load_from_a_killed_prefill_reports_exactly_its_blocks() {
     common::init_tracing();
     let (mut child, port) = prefill_process::start("prefill_role", ROLE_ENV);
     let spec = spec(2);
-    let decode = worker_with("dc-killed", 0, 1, spec, |c| {
+    let decode = worker_with("dc-killed", 0, 1, &spec, |c| {
         c.transfer_timeout = Duration::from_secs(8)
     });
     let mut from = remote(&decode, "pf-killed", "first", vec![4, 5], 1);
@@ -33,7 +33,7 @@ async fn a_load_from_a_killed_prefill_reports_exactly_its_blocks() {
     let done = poll_until(&decode, Duration::from_secs(20), |f| !f.recving.is_empty()).await;
     assert_eq!(done.recving, ["first"]);
     assert!(decode.load_errors().is_empty());
-    let want: Vec<u8> = (0..spec.block_len()).map(|o| pattern(2, 5, o)).collect();
+    let want: Vec<u8> = (0..spec.block_len(0)).map(|o| pattern(2, 5, o)).collect();
     assert_eq!(block(&decode, &spec, 2, 1), want);
     decode.metrics();
 
@@ -53,7 +53,7 @@ async fn a_load_from_a_killed_prefill_reports_exactly_its_blocks() {
         failure.starts_with("NIXL: ") && failure.ends_with("NIXL returned backend error (-2)"),
         "failed in NIXL: {failure}"
     );
-    assert_eq!(metrics[0].descriptors, 3 * spec.num_layers);
+    assert_eq!(metrics[0].descriptors, 3 * spec.num_regions());
 
     // The failed remote is forgotten: the next load handshakes again, and is refused.
     from.request_id = "third".to_string();

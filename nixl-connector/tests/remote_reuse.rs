@@ -27,9 +27,9 @@ async fn load_and_check(
 async fn two_hundred_failed_then_retried_loads_keep_the_fds_flat() {
     common::init_tracing();
     let spec = spec(2);
-    let prefill = worker("pf-reuse", 0, 1, spec);
+    let prefill = worker("pf-reuse", 0, 1, &spec);
     fill(&prefill, &spec);
-    let decode = worker("dc-reuse", 0, 1, spec);
+    let decode = worker("dc-reuse", 0, 1, &spec);
     load_and_check(&decode, &prefill, "pf-reuse", "first", [1, 2]).await;
     let before = decode.remote_stats();
     let fds_before = before.open_fds.expect("/proc/self/fd");
@@ -62,18 +62,18 @@ async fn a_peer_restarted_under_the_same_name_is_loaded_anew() {
     let named = |config: &mut nixl_connector::WorkerConfig| {
         config.agent_name = Some(format!("pf-restart-agent-{}", std::process::id()));
     };
-    let decode = worker("dc-restart", 0, 1, spec);
-    let old = worker_with("pf-restart", 0, 1, spec, named);
+    let decode = worker("dc-restart", 0, 1, &spec);
+    let old = worker_with("pf-restart", 0, 1, &spec, named);
     fill(&old, &spec);
     load_and_check(&decode, &old, "pf-restart", "old", [1, 2]).await;
     drop(old);
 
     // The same engine and agent name, new memory, a new port, one changed byte.
-    let new = worker_with("pf-restart", 0, 1, spec, named);
+    let new = worker_with("pf-restart", 0, 1, &spec, named);
     fill(&new, &spec);
     new.kv_caches()
         .unwrap()
-        .write(0, spec.block_len(), &[0xAB])
+        .write(0, spec.block_len(0), &[0xAB])
         .unwrap();
     // After a failed load the decode handshakes again, with the new prefill, whose metadata
     // replaces the old one's.
@@ -92,14 +92,14 @@ async fn a_peer_restarted_under_the_same_name_is_loaded_anew() {
 async fn a_peer_naming_another_peers_agent_cannot_replace_it() {
     common::init_tracing();
     let spec = spec(2);
-    let decode = worker("dc-claim", 0, 1, spec);
-    let honest = worker("pf-honest", 0, 1, spec);
+    let decode = worker("dc-claim", 0, 1, &spec);
+    let honest = worker("pf-honest", 0, 1, &spec);
     fill(&honest, &spec);
     load_and_check(&decode, &honest, "pf-honest", "honest-1", [1, 2]).await;
 
     // Another engine whose agent bears the honest one's name (its own metadata).
     let honest_agent = honest.agent().name().to_string();
-    let claimant = worker_with("pf-claimant", 0, 1, spec, |config| {
+    let claimant = worker_with("pf-claimant", 0, 1, &spec, |config| {
         config.agent_name = Some(honest_agent.clone());
     });
     let failure = load(

@@ -17,9 +17,9 @@ async fn a_read_past_the_transfer_timeout_fails_its_load_with_the_timeout() {
     const TIMEOUT: Duration = Duration::from_millis(500);
     let spec = spec(2);
     // The prefill's agent makes no progress until polled: the READ cannot finish.
-    let prefill = stalled_worker("pf-stalled", 0, 1, spec);
+    let prefill = stalled_worker("pf-stalled", 0, 1, &spec);
     fill(&prefill, &spec);
-    let decode = worker_with("dc-timeout", 0, 1, spec, |c| c.transfer_timeout = TIMEOUT);
+    let decode = worker_with("dc-timeout", 0, 1, &spec, |c| c.transfer_timeout = TIMEOUT);
     handshake(
         &decode,
         "pf-stalled",

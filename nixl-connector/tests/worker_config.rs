@@ -5,7 +5,7 @@ mod common;
 
 #[tokio::test]
 async fn a_chosen_agent_name_is_the_agents() {
-    let worker = common::worker_with("named", 0, 1, common::spec(2), |config| {
+    let worker = common::worker_with("named", 0, 1, &common::spec(2), |config| {
         config.agent_name = Some("prefill-chosen-7".into());
     });
     assert_eq!(worker.agent().name(), "prefill-chosen-7");

@@ -1,5 +1,6 @@
 //! What `KvConnectorWorker` promises its caller: `new` needs a tokio runtime and a rank
-//! below the TP size; `start_load` refuses bad arguments without recording anything;
+//! below the TP size; `start_load` refuses bad arguments without recording anything, and a
+//! load pairing more local blocks than the remote tokens fill fails once they are known;
 //! `load_ended` wakes once per batch of ended loads, with the news already in `finished`;
 //! decode notifications that arrive before `hold_for_decode` release the request the
 //! moment it is held; and a worker dropped with loads in flight frees nothing NIXL may
@@ -53,7 +54,7 @@ fn a_worker_needs_a_runtime_and_a_rank_below_its_tp_size() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn start_load_refuses_bad_arguments_and_records_nothing() {
     let spec = spec(2);
-    let prefill = worker("pf-args", 0, 1, spec);
+    let prefill = worker("pf-args", 0, 1, &spec);
     let from = |blocks: Vec<usize>| remote(&prefill, "pf-args", "r", blocks, 1);
 
     let unregistered = KvConnectorWorker::new(config("dc-unregistered", 0, 1)).unwrap();
@@ -62,26 +63,22 @@ async fn start_load_refuses_bad_arguments_and_records_nothing() {
         Err(Error::NotRegistered { .. })
     ));
 
-    let decode = worker("dc-args", 0, 1, spec);
+    let decode = worker("dc-args", 0, 1, &spec);
     let reason = invalid(decode.start_load("r", &[3, spec.num_blocks], &from(vec![1, 2])));
     assert!(reason.contains("local block 16 of 16 blocks"), "{reason}");
-    let reason = invalid(decode.start_load("r", &[1, 2, 3], &from(vec![1, 2])));
-    assert!(
-        reason.contains("3 local blocks for 2 remote blocks"),
-        "{reason}"
-    );
 
     // A decode of TP 3 cannot read from a prefill of TP 2.
-    let tp3 = worker("dc-tp3", 0, 3, spec);
+    let six_heads = common::spec_tp(6, 3);
+    let tp3 = worker("dc-tp3", 0, 3, &six_heads);
     let mut tp2 = from(vec![1]);
     tp2.tp_size = 2;
     let reason = invalid(tp3.start_load("r", &[1], &tp2));
     assert!(
-        reason.contains("must be a multiple of the peer's"),
+        reason.contains("cannot read from a peer of TP 2: one TP size must divide the other"),
         "{reason}"
     );
     // Rank 1 reads from the remote's rank 1, one port above rank 0's.
-    let rank1 = worker("dc-rank1", 1, 2, spec);
+    let rank1 = worker("dc-rank1", 1, 2, &spec);
     let mut top = tp2.clone();
     top.port = u16::MAX;
     let reason = invalid(rank1.start_load("r", &[1], &top));
@@ -94,6 +91,25 @@ async fn start_load_refuses_bad_arguments_and_records_nothing() {
         assert_eq!(worker.finished(), Default::default());
         assert!(worker.load_errors().is_empty() && worker.metrics().is_empty());
     }
+}
+
+/// How many local blocks a load may fill depends on the prefill's block size, known after
+/// the handshake: more local blocks than the remote tokens fill is a failed load, with its
+/// blocks in `load_errors` and nothing read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn more_local_blocks_than_the_remote_tokens_fill_fail_the_load() {
+    let (_, prefill, decode) = filled_prefill_and_decode("pf-more", "dc-more");
+    let from = remote(&prefill, "pf-more", "r", vec![1, 2], 1);
+    decode.start_load("r", &[1, 2, 3], &from).unwrap();
+    poll_until(&decode, WAIT, |f| !f.recving.is_empty()).await;
+    assert_eq!(decode.load_errors(), [1, 2, 3]);
+    let metrics = decode.metrics();
+    let failure = metrics[0].failure.clone().unwrap();
+    assert!(
+        failure.contains("3 local blocks for 2 remote blocks"),
+        "{failure}"
+    );
+    assert_eq!((metrics[0].bytes, metrics[0].descriptors), (0, 0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -162,11 +178,11 @@ async fn notifications_before_hold_for_decode_release_the_request_when_held() {
 async fn a_worker_dropped_with_loads_in_flight_frees_nothing_early_and_leaks_nothing() {
     let spec = spec(2);
     // The prefill's agent makes no progress until polled: the READs stay in flight.
-    let prefill = stalled_worker("pf-drop", 0, 1, spec);
+    let prefill = stalled_worker("pf-drop", 0, 1, &spec);
     fill(&prefill, &spec);
     let decode = KvConnectorWorker::new(config("dc-drop", 0, 1)).unwrap();
-    let layers = (0..spec.num_layers)
-        .map(|_| vec![0u8; spec.layer_len()])
+    let layers = (0..spec.num_regions())
+        .map(|_| vec![0u8; spec.region_len(0)])
         .collect();
     let (cache, freed) = Tracked::regions(layers);
     decode.register_kv_caches(cache, spec).unwrap();

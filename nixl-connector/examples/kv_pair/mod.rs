@@ -9,20 +9,16 @@ use std::time::Duration;
 use nixl::kv_config::KvTransferConfig;
 use nixl::platform::BuiltinPlatform;
 use nixl_connector::{
-    KvCacheSpec, KvConnectorWorker, KvLayout, Lease, LoadFailurePolicy, SchedulerConfig,
-    WorkerConfig,
+    KvAttention, KvCacheSpec, KvConnectorWorker, KvLayout, Lease, LoadFailurePolicy,
+    SchedulerConfig, WorkerConfig,
 };
 
-/// The KV cache of both engines: 4 layers of 32 blocks of 16 KiB.
-pub const SPEC: KvCacheSpec = KvCacheSpec {
-    num_layers: 4,
-    num_blocks: 32,
-    block_size: 16,
-    num_kv_heads: 4,
-    head_dim: 64,
-    dtype_size: 2,
-    layout: KvLayout::Hnd,
-};
+/// The KV cache of both engines: 4 layers of 32 blocks of 16 tokens of 4 KV heads of 64
+/// two-byte elements (8 KiB).
+pub fn spec() -> KvCacheSpec {
+    let heads = KvAttention::Mha { total_kv_heads: 4 };
+    KvCacheSpec::uniform(4, 32, 16, heads, KvLayout::Hnd, 16 * 4 * 64 * 2)
+}
 
 /// How long either side waits for the other before giving up.
 pub const WAIT: Duration = Duration::from_secs(60);
@@ -61,7 +57,7 @@ pub fn scheduler_config(
 /// The bytes the prefill computes for `block` of `layer`: different in every block and
 /// every position.
 pub fn block_bytes(layer: usize, block: usize) -> Vec<u8> {
-    (0..SPEC.block_len())
+    (0..spec().block_len(0))
         .map(|i| (i as u8).wrapping_mul(31) ^ (layer * 64 + block) as u8 ^ (i >> 8) as u8)
         .collect()
 }

@@ -16,7 +16,9 @@
 //! # The handshake payload
 //! [`NixlHandshakePayload`] carries the prefill's [compatibility hash](compat) and its
 //! MessagePack-encoded [`NixlAgentMetadata`]. A decode checks the hash before it decodes
-//! the metadata ([`Compatibility::check`]).
+//! the metadata ([`Compatibility::check`]). The metadata's geometry converts into the
+//! connector's [`KvCacheSpec`](crate::KvCacheSpec) ([`NixlAgentMetadata::kv_cache_spec`]),
+//! which [`check_compatible`](crate::check_compatible) compares and plans reads from.
 //!
 //! # Between engines
 //! [`VllmKvTransferParams`] is vLLM's JSON `kv_transfer_params`, converting to and from the
@@ -26,6 +28,7 @@
 mod client;
 pub mod clock;
 pub mod compat;
+mod geometry;
 mod limits;
 mod msgpack;
 pub mod notify;

@@ -234,6 +234,9 @@ impl TryFrom<&VllmKvTransferParams> for KvTransferParams {
             remote_block_ids,
             remote_request_id: params.remote_request_id.clone(),
             remote_tp_size: params.tp_size.map(|tp| tp as usize),
+            remote_num_tokens: params
+                .remote_num_tokens
+                .and_then(|n| usize::try_from(n).ok()),
             ..KvTransferParams::default()
         })
     }

@@ -17,11 +17,11 @@ pub async fn load(
     request: &str,
     (local, far): (&[usize], &[usize]),
 ) -> Result<(), String> {
-    let zeros = vec![0u8; spec.block_len()];
     let cache = decode.kv_caches().unwrap();
-    for layer in 0..spec.num_layers {
+    for layer in 0..spec.num_regions() {
+        let zeros = vec![0u8; spec.block_len(layer)];
         for &b in local {
-            cache.write(layer, b * spec.block_len(), &zeros).unwrap();
+            cache.write(layer, b * zeros.len(), &zeros).unwrap();
         }
     }
     let from = remote(prefill, engine, request, far.to_vec(), 1);
@@ -34,7 +34,7 @@ pub async fn load(
         return Err(failure);
     }
     assert!(errors.is_empty(), "{request}: {errors:?} {metrics:?}");
-    for layer in 0..spec.num_layers {
+    for layer in 0..spec.num_regions() {
         for (&l, &f) in local.iter().zip(far) {
             let want = block(prefill, spec, layer, f);
             assert_eq!(

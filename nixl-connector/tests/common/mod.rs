@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub mod geometry;
 pub mod loads;
 
 use std::io::{BufRead, BufReader};
@@ -25,23 +26,34 @@ use std::time::{Duration, Instant};
 
 use nixl::kv_config::KvTransferConfig;
 use nixl_connector::{
-    Finished, KvCacheSpec, KvConnectorWorker, KvLayout, RemoteBlocks, WorkerConfig,
+    Finished, KvAttention, KvCacheSpec, KvConnectorWorker, KvLayout, RemoteBlocks, WorkerConfig,
 };
 
 /// The total deadline of the test workers' side channels.
 pub const SERVER_DEADLINE: Duration = Duration::from_secs(2);
 
-/// A small HND cache: `heads` KV heads per rank.
+/// Bytes of one head's token in the test caches (8 elements of 2 bytes).
+pub const TOKEN_BYTES: usize = 16;
+
+/// A small HND cache of a rank of TP `tp` of a model with `total` KV heads: 3 regions of 16
+/// blocks of 4 tokens.
+pub fn spec_tp(total: usize, tp: usize) -> KvCacheSpec {
+    let heads = (total / tp).max(1);
+    KvCacheSpec::uniform(
+        3,
+        16,
+        4,
+        KvAttention::Mha {
+            total_kv_heads: total,
+        },
+        KvLayout::Hnd,
+        4 * heads * TOKEN_BYTES,
+    )
+}
+
+/// [`spec_tp`] for TP 1: `heads` KV heads.
 pub fn spec(heads: usize) -> KvCacheSpec {
-    KvCacheSpec {
-        num_layers: 3,
-        num_blocks: 16,
-        block_size: 4,
-        num_kv_heads: heads,
-        head_dim: 8,
-        dtype_size: 2,
-        layout: KvLayout::Hnd,
-    }
+    spec_tp(heads, 1)
 }
 
 pub fn cpu_config() -> KvTransferConfig {
@@ -52,7 +64,7 @@ pub fn cpu_config() -> KvTransferConfig {
 }
 
 /// A worker with a registered zeroed DRAM cache of `spec`.
-pub fn worker(engine: &str, rank: usize, tp: usize, spec: KvCacheSpec) -> KvConnectorWorker {
+pub fn worker(engine: &str, rank: usize, tp: usize, spec: &KvCacheSpec) -> KvConnectorWorker {
     worker_with(engine, rank, tp, spec, |_| {})
 }
 
@@ -61,7 +73,7 @@ pub fn worker_with(
     engine: &str,
     rank: usize,
     tp: usize,
-    spec: KvCacheSpec,
+    spec: &KvCacheSpec,
     adjust: impl FnOnce(&mut WorkerConfig),
 ) -> KvConnectorWorker {
     let mut config = WorkerConfig::new(engine, rank, tp, cpu_config());
@@ -69,7 +81,9 @@ pub fn worker_with(
     config.limits.deadline = SERVER_DEADLINE;
     adjust(&mut config);
     let worker = KvConnectorWorker::new(config).expect("create worker");
-    worker.register_host_kv_caches(spec).expect("register");
+    worker
+        .register_host_kv_caches(spec.clone())
+        .expect("register");
     worker
 }
 
@@ -80,9 +94,10 @@ pub fn filled_prefill_and_decode(
     decode: &str,
 ) -> (KvCacheSpec, KvConnectorWorker, KvConnectorWorker) {
     let spec = spec(2);
-    let source = worker(prefill, 0, 1, spec);
+    let source = worker(prefill, 0, 1, &spec);
     fill(&source, &spec);
-    (spec, source, worker(decode, 0, 1, spec))
+    let decode = worker(decode, 0, 1, &spec);
+    (spec, source, decode)
 }
 
 /// Runs `decode`'s handshake with engine `engine` (TP 1) at 127.0.0.1:`port`; panics if it
@@ -94,7 +109,7 @@ pub async fn handshake(decode: &KvConnectorWorker, engine: &str, port: u16) {
         .unwrap_or_else(|err| panic!("handshake with {engine}: {err}"));
 }
 
-/// The byte at `offset` of block `block`, layer `layer`, of a prefill cache.
+/// The byte at `offset` of block `block`, region `layer`, of a prefill cache.
 pub fn pattern(layer: usize, block: usize, offset: usize) -> u8 {
     (layer * 131 + block * 31 + offset * 7 + 1) as u8
 }
@@ -102,8 +117,8 @@ pub fn pattern(layer: usize, block: usize, offset: usize) -> u8 {
 /// Fills every block of a prefill worker with [`pattern`].
 pub fn fill(worker: &KvConnectorWorker, spec: &KvCacheSpec) {
     let reg = worker.kv_caches().unwrap();
-    let len = spec.block_len();
-    for layer in 0..spec.num_layers {
+    for layer in 0..spec.num_regions() {
+        let len = spec.block_len(layer);
         for block in 0..spec.num_blocks {
             let data: Vec<u8> = (0..len).map(|o| pattern(layer, block, o)).collect();
             reg.write(layer, block * len, &data).unwrap();
@@ -111,18 +126,19 @@ pub fn fill(worker: &KvConnectorWorker, spec: &KvCacheSpec) {
     }
 }
 
-/// Reads one block of one layer.
+/// Reads one block of one region.
 pub fn block(
     worker: &KvConnectorWorker,
     spec: &KvCacheSpec,
     layer: usize,
     block: usize,
 ) -> Vec<u8> {
-    let mut out = vec![0u8; spec.block_len()];
+    let len = spec.block_len(layer);
+    let mut out = vec![0u8; len];
     worker
         .kv_caches()
         .unwrap()
-        .read(layer, block * spec.block_len(), &mut out)
+        .read(layer, block * len, &mut out)
         .unwrap();
     out
 }
@@ -142,6 +158,7 @@ pub fn remote(
         block_ids: blocks,
         request_id: request.to_string(),
         tp_size: tp,
+        num_tokens: None,
     }
 }
 
@@ -212,7 +229,7 @@ pub fn stalled_worker(
     engine: &str,
     rank: usize,
     tp: usize,
-    spec: KvCacheSpec,
+    spec: &KvCacheSpec,
 ) -> KvConnectorWorker {
     worker_with(engine, rank, tp, spec, |config| {
         config.agent_config.progress_thread = false

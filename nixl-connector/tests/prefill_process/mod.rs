@@ -16,7 +16,7 @@ pub async fn serve(engine: &str, role_env: &str) {
         "run by the parent test"
     );
     let spec = spec(2);
-    let prefill = worker(engine, 0, 1, spec);
+    let prefill = worker(engine, 0, 1, &spec);
     fill(&prefill, &spec);
     println!("PORT {}", prefill.side_channel_addr().unwrap().port());
     tokio::time::sleep(Duration::from_secs(60)).await;

@@ -1,5 +1,6 @@
-//! Remote ranks this worker reads from: one handshake each, run by the first load that
-//! needs it (in the background), then their prepared descriptor list is reused.
+//! The remote ranks this worker reads from (or only notifies): one handshake each, run by
+//! the first load that needs it (in the background, see [`connect`](crate::connect)), then
+//! their prepared descriptor lists are reused.
 //!
 //! A remote rank is handshaken with again after a transfer with it failed. Its agent's
 //! metadata is loaded into NIXL only when it differs, byte for byte, from what that agent
@@ -8,26 +9,35 @@
 //! would grow the process's descriptors without bound.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
 use futures::future::{BoxFuture, FutureExt, Shared};
-use nixl::{Agent, PreparedRemote, RemoteDescList, XferDesc};
+use nixl::{Agent, PreparedLocal, PreparedRemote};
 
 use crate::error::{Error, Result};
-use crate::handshake::{check_compatible, ReadPlan};
 use crate::metrics::RemoteStats;
-use crate::side_channel::fetch_handshake;
-use crate::worker::Shared as WorkerShared;
+use crate::read_plan::ReadPlan;
 
 /// A remote rank after a successful handshake.
 #[derive(Debug)]
 pub(crate) struct Remote {
-    /// Its layer-major block list (descriptor `layer * remote_num_blocks + block`), each
-    /// descriptor this rank's head slice of the block.
-    pub(crate) prepared: PreparedRemote,
+    /// Its agent's name (notifications go to it).
+    pub(crate) agent: String,
     /// How its blocks are read.
     pub(crate) plan: ReadPlan,
+    /// The lists its READs use; `None` when it is only notified.
+    pub(crate) lists: Option<ReadLists>,
+}
+
+/// The prepared lists of the READs from one remote rank (see
+/// [`ReadPlan`](crate::ReadPlan) for their order).
+#[derive(Debug)]
+pub(crate) struct ReadLists {
+    /// Its blocks' pieces.
+    pub(crate) remote: PreparedRemote,
+    /// The local blocks' pieces; `None` when they are whole blocks, as the registration's
+    /// own list describes them.
+    pub(crate) local: Option<PreparedLocal>,
 }
 
 /// A handshake under way or done, shared by every load that needs it; the error is the
@@ -57,36 +67,27 @@ struct LoadedAgent {
 }
 
 impl Remotes {
-    /// The remote rank `rank` of `engine` at `host:port`, handshaking first if no load has
-    /// yet. Loads that wait for the same handshake share its outcome; a failed one is
-    /// forgotten, so a later load tries again.
+    /// The remote rank `rank` of `engine`, handshaking first (the future `start` makes) if
+    /// no load has yet. Loads that wait for the same handshake share its outcome; a failed
+    /// one is forgotten, so a later load tries again.
     ///
     /// # Errors
     /// [`Error::Handshake`] with the reason.
     pub(crate) async fn get(
         &self,
-        shared: &Arc<WorkerShared>,
         engine: &str,
         rank: usize,
-        host: &str,
-        port: u16,
+        start: impl FnOnce() -> BoxFuture<'static, Result<Arc<Remote>>>,
     ) -> Result<Arc<Remote>> {
         let key = (engine.to_string(), rank);
         let handshake = self
             .lock()
             .entry(key.clone())
             .or_insert_with(|| {
-                let (shared, engine, host) = (shared.clone(), engine.to_string(), host.to_string());
-                async move {
-                    let started = std::time::Instant::now();
-                    let remote = connect(&shared, &engine, rank, &host, port).await;
-                    if remote.is_ok() {
-                        shared.series.handshake(started.elapsed());
-                    }
-                    remote.map_err(|err| err.to_string())
-                }
-                .boxed()
-                .shared()
+                start()
+                    .map(|remote| remote.map_err(|err| err.to_string()))
+                    .boxed()
+                    .shared()
             })
             .clone();
         match handshake.clone().await {
@@ -137,7 +138,7 @@ impl Remotes {
     /// and returns the name the metadata declares. Metadata identical to what `name` was
     /// loaded from reuses the loaded agent. Different metadata replaces it (invalidating the
     /// old) only when `source` loaded it: a peer cannot take over another's agent by naming it.
-    fn load_metadata(
+    pub(crate) fn load_metadata(
         &self,
         agent: &Agent,
         source: &(String, usize),
@@ -189,79 +190,4 @@ impl Remotes {
             ..loaded.stats
         }
     }
-}
-
-async fn connect(
-    shared: &WorkerShared,
-    engine: &str,
-    rank: usize,
-    host: &str,
-    port: u16,
-) -> Result<Arc<Remote>> {
-    let caches = shared.caches.get().ok_or(Error::NotRegistered {
-        operation: "handshake",
-    })?;
-    let started = std::time::Instant::now();
-    let addr = resolve(host, port).await?;
-    let ours = &caches.handshake;
-    let theirs = fetch_handshake(addr, ours, shared.config.limits).await?;
-    let plan = check_compatible(ours, &theirs, Some(engine), Some(rank))?;
-    let agent = shared.setup.agent();
-    let source = (engine.to_string(), rank);
-    let name = match &shared.etcd {
-        None => shared.remotes.load_metadata(
-            agent,
-            &source,
-            &theirs.agent_name,
-            &theirs.agent_metadata,
-        )?,
-        Some(etcd) => {
-            // What is left of the handshake's deadline: one total for the whole of it.
-            let limits = shared.config.limits;
-            let left = limits.deadline.saturating_sub(started.elapsed());
-            let key = crate::etcd::metadata_key(&etcd.namespace, &theirs.agent_name);
-            let metadata =
-                crate::etcd::fetch_metadata(&etcd.endpoints, &key, limits.max_frame, left).await?;
-            shared
-                .remotes
-                .load_metadata(agent, &source, &theirs.agent_name, &metadata)?
-        }
-    };
-    if name != theirs.agent_name {
-        return Err(Error::Incompatible {
-            reader: format!("engine {:?} rank {}", ours.engine_id, ours.tp_rank),
-            source_rank: format!("engine {engine:?} rank {rank}"),
-            reason: format!(
-                "its metadata names agent {name:?}, its handshake {:?}",
-                theirs.agent_name
-            ),
-        });
-    }
-    let mut descs = Vec::with_capacity(theirs.layer_base_addrs.len() * plan.remote_num_blocks);
-    for &base in &theirs.layer_base_addrs {
-        for block in 0..plan.remote_num_blocks {
-            let addr = base as usize + block * plan.remote_block_len + plan.slice_offset;
-            descs.push(XferDesc::new(addr, plan.slice_len, theirs.device_id));
-        }
-    }
-    let list = RemoteDescList::from_vec(caches.registration.mem_type(), descs)?;
-    let backends: Vec<&nixl::Backend> = shared.setup.backends().iter().collect();
-    let prepared = agent.prepare_remote(&name, &list, &backends)?;
-    tracing::info!(engine, rank, agent = %name, blocks = plan.remote_num_blocks, slice_offset = plan.slice_offset, "handshake done");
-    Ok(Arc::new(Remote { prepared, plan }))
-}
-
-async fn resolve(host: &str, port: u16) -> Result<SocketAddr> {
-    let peer = format!("{host}:{port}");
-    tokio::net::lookup_host((host, port))
-        .await
-        .map_err(|err| Error::io("resolve the side channel", &peer, err))?
-        .next()
-        .ok_or_else(|| {
-            Error::io(
-                "resolve the side channel",
-                &peer,
-                std::io::Error::other("no address"),
-            )
-        })
 }

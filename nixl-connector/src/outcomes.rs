@@ -1,0 +1,60 @@
+//! What a worker's loads came to: the requests done sending and receiving, the failed
+//! blocks, the metrics, and the loads still under way.
+
+use std::collections::HashMap;
+
+use crate::failure::FailedBlock;
+use crate::metrics::TransferMetrics;
+
+/// Requests that finished transferring since the last
+/// [`KvConnectorWorker::finished`](crate::KvConnectorWorker::finished).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Finished {
+    /// Held requests whose blocks may now be freed (every decode rank notified, or their
+    /// lease ended).
+    pub sending: Vec<String>,
+    /// Loads that ended (failed ones too; their blocks are in `load_errors`).
+    pub recving: Vec<String>,
+}
+
+/// Outcomes the background tasks report, and the loads under way.
+#[derive(Debug, Default)]
+pub(crate) struct Outcomes {
+    pub(crate) recving: Vec<String>,
+    pub(crate) load_errors: Vec<FailedBlock>,
+    pub(crate) metrics: Vec<TransferMetrics>,
+    /// Loads started and not yet ended, by request id: whether their request was aborted.
+    active: HashMap<String, bool>,
+}
+
+impl Outcomes {
+    /// Marks a load of `request_id` as under way; `false` if one already is.
+    pub(crate) fn start(&mut self, request_id: &str) -> bool {
+        if self.active.contains_key(request_id) {
+            return false;
+        }
+        self.active.insert(request_id.to_string(), false);
+        true
+    }
+
+    /// Marks the load of `request_id` as ended; whether its request was aborted.
+    pub(crate) fn end(&mut self, request_id: &str) -> bool {
+        self.active.remove(request_id).unwrap_or(false)
+    }
+
+    /// Whether the load of `request_id` is under way and its request was aborted.
+    pub(crate) fn is_aborted(&self, request_id: &str) -> bool {
+        self.active.get(request_id).copied().unwrap_or(false)
+    }
+
+    /// Marks the load of `request_id` aborted; `false` when none is under way.
+    pub(crate) fn abort(&mut self, request_id: &str) -> bool {
+        match self.active.get_mut(request_id) {
+            Some(aborted) => {
+                *aborted = true;
+                true
+            }
+            None => false,
+        }
+    }
+}

@@ -1,0 +1,57 @@
+//! The state a worker shares with its background tasks: the loads, the handshakes with
+//! remote ranks and the host-buffer staging all work on it, and none of them on the worker.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+use nixl::kv_config::NixlSetup;
+use nixl::{PreparedLocal, Registration};
+
+use crate::config::WorkerConfig;
+use crate::etcd::EtcdSource;
+use crate::handshake::HandshakeMessage;
+use crate::outcomes::Outcomes;
+use crate::pending::PendingHandshakes;
+use crate::remotes::Remotes;
+use crate::sending::Sends;
+use crate::series::Series;
+use crate::spec::KvCacheSpec;
+
+/// The registered cache and what is derived from it.
+pub(crate) struct Caches {
+    pub(crate) registration: Registration,
+    pub(crate) spec: KvCacheSpec,
+    pub(crate) local: PreparedLocal,
+    pub(crate) handshake: Arc<HandshakeMessage>,
+    pub(crate) side_channel: SocketAddr,
+    /// The places of the side channel's handshakes under way.
+    pub(crate) side_channel_pending: Arc<PendingHandshakes>,
+}
+
+/// State shared with the background tasks.
+pub(crate) struct Shared {
+    pub(crate) config: WorkerConfig,
+    pub(crate) setup: NixlSetup,
+    pub(crate) caches: OnceLock<Caches>,
+    pub(crate) outcomes: Mutex<Outcomes>,
+    pub(crate) sends: Mutex<Sends>,
+    pub(crate) remotes: Remotes,
+    /// Where peers' metadata is fetched from, in etcd mode.
+    pub(crate) etcd: Option<EtcdSource>,
+    /// The exported metrics.
+    pub(crate) series: Arc<Series>,
+    /// Signalled whenever a load ends.
+    pub(crate) load_ended: tokio::sync::Notify,
+    /// Signalled whenever a decode notification arrives for this rank.
+    pub(crate) notified: tokio::sync::Notify,
+}
+
+impl Shared {
+    pub(crate) fn outcomes(&self) -> MutexGuard<'_, Outcomes> {
+        self.outcomes.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn sends(&self) -> MutexGuard<'_, Sends> {
+        self.sends.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}

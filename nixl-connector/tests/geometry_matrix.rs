@@ -1,0 +1,394 @@
+//! The connector's KV geometries, as real models have them: {prefill TP → decode TP: 1 → 2,
+//! 2 → 1, 4 → 2, 2 → 4} × {MHA in HND, MLA} × {the same block size, the prefill's twice the
+//! decode's, the decode's twice the prefill's}, with regions of different lengths (K and V
+//! of different head sizes, FlashInfer-style K and V halves in one block; MLA latents of two
+//! sizes), plus replicated KV heads (TP larger than the KV heads) on either side.
+//!
+//! Every case moves data: each decode rank loads two requests (the whole prompt, ending
+//! inside a block; then the same prompt with its first decode block in the prefix cache),
+//! and every byte of every decode rank's cache is checked against the independent model of
+//! `common::geometry` (each byte read once: the bytes moved are exactly the model's);
+//! every prefill rank holding a request is notified and frees it. Every geometry the
+//! mapping does not support is refused by name before any READ: nothing is read, the
+//! decode's cache keeps every byte, and the message names what differs.
+//!
+//! The ranks of both engines run in this process, on one runtime (the two-process cases
+//! are in hetero_tp.rs); the caches are small, so the whole matrix runs in seconds.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use nixl_connector::{
+    Error, KvAttention, KvConnectorWorker, KvLayout, KvRegionKind, TransferMetrics,
+};
+
+use common::geometry::{engine, Model, Request, Side};
+use common::poll_until;
+
+/// Blocks per region on both sides.
+const BLOCKS: usize = 12;
+
+/// A bound on each wait, against hangs only.
+const WAIT: Duration = Duration::from_secs(30);
+
+/// MHA, 4 KV heads, HND: K with 16-byte head tokens, V with 8-byte ones (separate regions
+/// of different lengths), and a layer with K and V halves in each block.
+fn mha(total_kv_heads: usize) -> Model {
+    Model {
+        attention: KvAttention::Mha { total_kv_heads },
+        layout: KvLayout::Hnd,
+        regions: vec![
+            (KvRegionKind::Tensor, 16),
+            (KvRegionKind::Tensor, 8),
+            (KvRegionKind::KvHalves, 8),
+        ],
+    }
+}
+
+/// MLA: two layers' latents of different sizes.
+fn mla() -> Model {
+    Model {
+        attention: KvAttention::Mla,
+        layout: KvLayout::Hnd,
+        regions: vec![(KvRegionKind::Tensor, 24), (KvRegionKind::Tensor, 8)],
+    }
+}
+
+/// The two requests of a case: the whole prompt (ending inside a unit), then the same prompt
+/// with the decode's first block in its prefix cache.
+fn requests(tag: &str, prefill: &Side, decode: &Side) -> [Request; 2] {
+    let unit = prefill.block_size.min(decode.block_size);
+    let tokens = 2 * prefill.block_size.max(decode.block_size) + 3;
+    let remote: Vec<usize> = (0..tokens.div_ceil(prefill.block_size))
+        .map(|i| (i * 5 + 3) % BLOCKS)
+        .collect();
+    let local_blocks = (tokens.div_ceil(unit) * unit).div_ceil(decode.block_size);
+    // Without the token count the prefill's last block counts whole, which only a prefill
+    // whose blocks are no larger than the decode's allows for a prefix hit.
+    let hit_tokens = (prefill.block_size > decode.block_size).then_some(tokens);
+    [
+        Request {
+            id: format!("{tag}-whole"),
+            remote: remote.clone(),
+            local: (0..local_blocks).map(|i| (i * 7 + 1) % BLOCKS).collect(),
+            num_tokens: Some(tokens),
+        },
+        Request {
+            id: format!("{tag}-hit"),
+            remote,
+            local: (0..local_blocks - 1)
+                .map(|i| (i * 5 + 6) % BLOCKS)
+                .collect(),
+            num_tokens: hit_tokens,
+        },
+    ]
+}
+
+/// The requests each rank of `workers` reports as sent, waiting until each has all of `ids`.
+async fn await_freed(
+    workers: &[KvConnectorWorker],
+    ids: &[&str],
+    what: &str,
+) -> Result<(), String> {
+    for (rank, worker) in workers.iter().enumerate() {
+        let freed = poll_until(worker, WAIT, |f| {
+            ids.iter().all(|id| f.sending.iter().any(|s| s == id))
+        })
+        .await;
+        if !ids.iter().all(|id| freed.sending.iter().any(|s| s == id)) {
+            return Err(format!(
+                "{what}: prefill rank {rank} freed only {:?} of {ids:?}",
+                freed.sending
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// One supported case: both requests loaded by every decode rank, every byte checked, every
+/// prefill rank freeing both.
+async fn supported(model: &Model, prefill: Side, decode: Side) -> Result<(), String> {
+    let tag = format!(
+        "{}-p{}x{}-d{}x{}",
+        match model.attention {
+            KvAttention::Mla => "mla".to_string(),
+            KvAttention::Mha { total_kv_heads } => format!("mha{total_kv_heads}"),
+        },
+        prefill.tp,
+        prefill.block_size,
+        decode.tp,
+        decode.block_size
+    );
+    let engine_id = format!("pf-{tag}");
+    let prefills = engine(&engine_id, model, &prefill);
+    let decodes = engine(&format!("dc-{tag}"), model, &decode);
+    for (rank, worker) in prefills.iter().enumerate() {
+        model.fill_prefill(worker, &prefill, rank);
+    }
+    for worker in &decodes {
+        model.fill_sentinel(worker, &decode);
+    }
+    let requests = requests(&tag, &prefill, &decode);
+    for worker in &prefills {
+        for request in &requests {
+            worker.hold_for_decode(&request.id, Instant::now() + Duration::from_secs(600));
+        }
+    }
+    let port = prefills[0].side_channel_addr().unwrap().port();
+    for worker in &decodes {
+        for request in &requests {
+            let from = Model::remote(request, &engine_id, port, prefill.tp);
+            worker
+                .start_load(&request.id, &request.local, &from)
+                .map_err(|err| format!("{tag}: {err}"))?;
+        }
+    }
+    for (rank, worker) in decodes.iter().enumerate() {
+        let done = poll_until(worker, WAIT, |f| f.recving.len() == requests.len()).await;
+        let metrics: Vec<TransferMetrics> = worker.metrics();
+        let errors = worker.load_errors();
+        if done.recving.len() != requests.len() || !errors.is_empty() {
+            return Err(format!(
+                "{tag}: decode rank {rank} ended {:?}; errors {errors:?}; {metrics:?}",
+                done.recving
+            ));
+        }
+        let refs: Vec<&Request> = requests.iter().collect();
+        model
+            .check_decode(worker, &prefill, &decode, rank, &refs)
+            .map_err(|err| format!("{tag}: {err}"))?;
+        let moved: usize = requests
+            .iter()
+            .map(|r| model.moved_bytes(&prefill, &decode, rank, r))
+            .sum();
+        let read: u64 = metrics.iter().map(|m| m.bytes).sum();
+        if read != moved as u64 {
+            return Err(format!("{tag}: decode rank {rank} read {read} bytes, the model moves {moved} (each byte once)"));
+        }
+    }
+    let ids: Vec<&str> = requests.iter().map(|r| r.id.as_str()).collect();
+    await_freed(&prefills, &ids, &tag).await
+}
+
+/// Runs every case of `cases` (prefill and decode sides) for `model`; fails naming each
+/// case that failed.
+async fn run_cases(model: &Model, cases: &[(Side, Side)]) {
+    let mut failed = Vec::new();
+    for &(prefill, decode) in cases {
+        let started = Instant::now();
+        match supported(model, prefill, decode).await {
+            Ok(()) => eprintln!(
+                "{prefill:?} -> {decode:?}: every byte as the model says, in {:?}",
+                started.elapsed()
+            ),
+            Err(err) => failed.push(err),
+        }
+    }
+    assert!(
+        failed.is_empty(),
+        "{} cases failed:\n{}",
+        failed.len(),
+        failed.join("\n")
+    );
+}
+
+/// The matrix's cases: TP pairs × block sizes.
+fn matrix() -> Vec<(Side, Side)> {
+    let side = |tp, block_size| Side {
+        tp,
+        block_size,
+        num_blocks: BLOCKS,
+    };
+    let mut cases = Vec::new();
+    for (p, d) in [(1, 2), (2, 1), (4, 2), (2, 4)] {
+        for (pb, db) in [(4, 4), (8, 4), (4, 8)] {
+            cases.push((side(p, pb), side(d, db)));
+        }
+    }
+    cases
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mha_in_hnd_moves_every_byte_where_the_model_says() {
+    common::init_tracing();
+    run_cases(&mha(4), &matrix()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mla_moves_every_byte_where_the_model_says() {
+    common::init_tracing();
+    run_cases(&mla(), &matrix()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicated_kv_heads_are_read_once_each() {
+    common::init_tracing();
+    let side = |tp, block_size| Side {
+        tp,
+        block_size,
+        num_blocks: BLOCKS,
+    };
+    // 2 KV heads: TP 4 holds each head on two ranks (prefill, decode, or both); one KV head
+    // (MQA) on every rank of a TP-2 prefill.
+    run_cases(
+        &mha(2),
+        &[
+            (side(1, 4), side(4, 4)),
+            (side(4, 4), side(2, 8)),
+            (side(2, 4), side(4, 4)),
+            (side(4, 8), side(1, 4)),
+        ],
+    )
+    .await;
+    run_cases(
+        &mha(1),
+        &[(side(2, 4), side(1, 4)), (side(1, 4), side(2, 8))],
+    )
+    .await;
+}
+
+/// A geometry the decode cannot read: the load is refused naming `reason`, before any READ
+/// (nothing read, every byte of the decode's cache as it was).
+async fn refused(
+    case: usize,
+    (prefill_model, prefill): (&Model, Side),
+    (decode_model, decode): (&Model, Side),
+    (num_tokens, local): (Option<usize>, usize),
+    reason: &str,
+) {
+    let tag = format!("refused-{case}");
+    let engine_id = format!("pf-{tag}");
+    let prefills = engine(&engine_id, prefill_model, &prefill);
+    let decodes = engine(&format!("dc-{tag}"), decode_model, &decode);
+    for (rank, worker) in prefills.iter().enumerate() {
+        prefill_model.fill_prefill(worker, &prefill, rank);
+    }
+    let request = Request {
+        id: tag.clone(),
+        remote: vec![1, 2],
+        local: (0..local).collect(),
+        num_tokens,
+    };
+    let port = prefills[0].side_channel_addr().unwrap().port();
+    for (rank, worker) in decodes.iter().enumerate() {
+        decode_model.fill_sentinel(worker, &decode);
+        let from = Model::remote(&request, &engine_id, port, prefill.tp);
+        match worker.start_load(&request.id, &request.local, &from) {
+            Err(Error::InvalidArgument { reason: why, .. }) => {
+                assert!(why.contains(reason), "{why}");
+                continue;
+            }
+            Err(other) => panic!("{other}"),
+            Ok(()) => {}
+        }
+        poll_until(worker, WAIT, |f| !f.recving.is_empty()).await;
+        let metrics = worker.metrics();
+        let failure = metrics[0].failure.clone().expect("the load is refused");
+        assert!(failure.contains(reason), "decode rank {rank}: {failure}");
+        assert_eq!(
+            (metrics[0].bytes, metrics[0].descriptors),
+            (0, 0),
+            "nothing read"
+        );
+        assert_eq!(worker.load_errors().len(), local);
+        decode_model
+            .check_decode(worker, &prefill, &decode, rank, &[])
+            .unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unsupported_geometries_are_refused_by_name_before_any_read() {
+    common::init_tracing();
+    let side = |tp, block_size| Side {
+        tp,
+        block_size,
+        num_blocks: BLOCKS,
+    };
+    let mut nhd = mha(4);
+    nhd.layout = KvLayout::Nhd;
+    let mut other_v = mha(4);
+    other_v.regions[1].1 = 16;
+    let mut unsplit = mha(4);
+    unsplit.regions[2].0 = KvRegionKind::Tensor;
+    unsplit.regions[2].1 = 16;
+    let mut fewer = mha(4);
+    fewer.regions.pop();
+    let one = |p: &Model,
+               d: &Model,
+               (pt, pb): (usize, usize),
+               (dt, db): (usize, usize),
+               reason: &'static str| {
+        (p.clone(), side(pt, pb), d.clone(), side(dt, db), reason)
+    };
+    let cases = [
+        one(
+            &mha(6),
+            &mha(6),
+            (2, 4),
+            (3, 4),
+            "one TP size must divide the other",
+        ),
+        one(
+            &mha(4),
+            &mha(4),
+            (1, 4),
+            (1, 6),
+            "block size 6 (reader) vs 4 (source): one must divide the other",
+        ),
+        one(
+            &mha(4),
+            &mla(),
+            (1, 4),
+            (1, 4),
+            "attention: MLA (reader) vs MHA with 4 KV heads (source)",
+        ),
+        one(
+            &nhd,
+            &nhd,
+            (1, 4),
+            (2, 4),
+            "NHD blocks keep a head's tokens apart",
+        ),
+        one(
+            &mha(4),
+            &other_v,
+            (1, 4),
+            (1, 4),
+            "region 1: block length 256 (reader, TP 1, 4 tokens) vs 128 (source, TP 1, 4 tokens)",
+        ),
+        one(
+            &mha(4),
+            &unsplit,
+            (1, 4),
+            (1, 4),
+            "region 2: one tensor (reader) vs K and V halves (source)",
+        ),
+        one(
+            &mha(4),
+            &fewer,
+            (1, 4),
+            (1, 4),
+            "regions: 2 (reader) vs 3 (source)",
+        ),
+    ];
+    for (case, (p, ps, d, ds, reason)) in cases.iter().enumerate() {
+        refused(case, (p, *ps), (d, *ds), (None, 2), reason).await;
+    }
+    // Larger prefill blocks, a prefix hit and no token count: where the decode's blocks
+    // start in the prompt is not known.
+    let model = mha(4);
+    let (p, d) = ((&model, side(1, 8)), (&model, side(1, 4)));
+    refused(cases.len(), p, d, (None, 3), "pass num_tokens").await;
+    // Heads that do not split over the TP are refused at registration.
+    let err = KvConnectorWorker::new(common::geometry::rank_config("dc-six", 0, 4, 0))
+        .unwrap()
+        .register_host_kv_caches(mha(6).spec(&side(4, 4)))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("TP 4 and 6 KV heads: one must divide the other"),
+        "{err}"
+    );
+}
