@@ -4,11 +4,10 @@
 mod common;
 
 use std::future::IntoFuture;
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use common::unique_name;
+use common::{after_tag, hex, role_process, stdout_lines, unhex, unique_name};
 use nixl::{
     Agent, Error, LocalDescList, MemType, RemoteDescList, Status, XferDesc, XferOp, XferOptions,
 };
@@ -16,17 +15,6 @@ use nixl::{
 const PEER_ENV: &str = "NIXL_RS_TEST_PEER";
 const LEN: usize = 4 << 20;
 const REQUESTS: usize = 16;
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(text: &str) -> Vec<u8> {
-    (0..text.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&text[i..i + 2], 16).expect("hex"))
-        .collect()
-}
 
 /// The peer's side, run in a child process: registers a buffer, prints its metadata and
 /// address, then waits to be killed.
@@ -55,28 +43,11 @@ fn peer_role() {
 
 #[test]
 fn a_killed_peer_fails_every_pending_future_within_five_seconds() {
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "peer_role",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(PEER_ENV, "1")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start the peer process");
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let line = lines
-        .find_map(|line| {
-            // libtest may print "test peer_role ... " on the same line first.
-            let line = line.ok()?;
-            line.find("PEER ").map(|at| line[at..].to_string())
-        })
-        .expect("the peer prints its metadata");
-    let mut fields = line.split(' ').skip(1);
+    let mut child = role_process("peer_role", &[(PEER_ENV, "1")], Stdio::null());
+    // The pipe stays open until the peer is reaped.
+    let mut lines = stdout_lines(&mut child);
+    let line = after_tag(&mut lines, "PEER ").expect("the peer prints its metadata");
+    let mut fields = line.split(' ');
     let addr: usize = fields.next().unwrap().parse().unwrap();
     let metadata = unhex(fields.next().unwrap());
 

@@ -4,10 +4,11 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 
-use common::{local_whole, pattern, unique_name, WAIT};
+use common::{
+    after_tag, hex, local_whole, pattern, role_process, stdout_lines, unhex, unique_name, WAIT,
+};
 use nixl::{Agent, Error, MemType, RemoteDescList, XferDesc, XferOp, XferOptions};
 
 const ROLE_ENV: &str = "NIXL_RS_TEST_REMOTE_DESCRIPTORS_PEER";
@@ -27,13 +28,7 @@ fn peer_role() {
     let regs: Vec<_> = (0..2)
         .map(|i| agent.register_memory(pattern(LEN, i), &[]).unwrap())
         .collect();
-    let hex: String = agent
-        .local_metadata()
-        .unwrap()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
-    println!("MD {hex}");
+    println!("MD {}", hex(&agent.local_metadata().unwrap()));
     println!(
         "ADDR {} {}",
         regs[0].regions()[0].addr,
@@ -54,38 +49,13 @@ struct Peer {
 impl Peer {
     fn start() -> Peer {
         let name = unique_name("remote-desc-peer");
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "peer_role",
-                "--ignored",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(ROLE_ENV, &name)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start the peer process");
-        let (mut metadata, mut addrs) = (None, None);
-        for line in BufReader::new(child.stdout.take().unwrap()).lines() {
-            let line = line.unwrap();
-            // The test harness may have printed the test's name first on the same line.
-            let line = &line[line.find("MD ").or(line.find("ADDR ")).unwrap_or(0)..];
-            if let Some(hex) = line.strip_prefix("MD ") {
-                metadata = Some(
-                    (0..hex.len())
-                        .step_by(2)
-                        .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
-                        .collect(),
-                );
-            } else if let Some(rest) = line.strip_prefix("ADDR ") {
-                let mut it = rest.split(' ').map(|a| a.parse().unwrap());
-                addrs = Some([it.next().unwrap(), it.next().unwrap()]);
-                break;
-            }
-        }
+        let mut child = role_process("peer_role", &[(ROLE_ENV, &name)], Stdio::null());
+        let mut lines = stdout_lines(&mut child);
+        let metadata = after_tag(&mut lines, "MD ").map(|hex| unhex(&hex));
+        let addrs = after_tag(&mut lines, "ADDR ").map(|rest| {
+            let mut it = rest.split(' ').map(|a| a.parse().unwrap());
+            [it.next().unwrap(), it.next().unwrap()]
+        });
         Peer {
             child,
             name,

@@ -1,17 +1,22 @@
-//! A request's lifecycle through both schedulers and workers, over real NIXL/UCX in one
-//! process: prefix-cache hits on the decode, aborts on both sides, KV leases with
-//! heartbeats, and hostile or racing notifications. Every test checks that no request is
-//! freed twice and none is left held.
+//! A request's lifecycle through both schedulers and workers, over real NIXL/UCX: prefix-cache
+//! hits on the decode, aborts on both sides, KV leases with heartbeats, and hostile or racing
+//! notifications, in one process; and a lease that ends while a decode's READ is in flight,
+//! with that decode in a child process that the test stops and resumes. Every test checks
+//! that no request is freed twice and none is left held.
 
 mod common;
 
+use std::process::{Child, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{block, fill, pattern, poll_until, spec, worker, worker_with};
+use common::{
+    after_tag, block, fill, handshake, pattern, poll_until, role_process, spec, stdout_lines,
+    worker, worker_with, ChildLines,
+};
 use nixl::kv_config::KvTransferConfig;
 use nixl_connector::{
     FinishStatus, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker, KvTransferParams,
-    LoadOutcome, SchedulerConfig,
+    LoadOutcome, NotificationStats, SchedulerConfig, SendStats,
 };
 
 /// The longest any wait here may take (a guard against hangs).
@@ -35,59 +40,86 @@ fn scheduler(
     KvConnectorScheduler::new(SchedulerConfig::new(engine, "127.0.0.1", port, 1, kv).unwrap())
 }
 
-/// A prefill engine: its worker (filled with the pattern) and scheduler, lease `lease_s`.
-fn prefill(
+/// A prefill engine of a test (tracing started): the cache of every test here, its worker
+/// (filled with the pattern, its agent running a progress thread unless `stalled`) and its
+/// scheduler, lease `lease_s`.
+fn prefill_engine(
     engine: &str,
-    spec: &KvCacheSpec,
     lease_s: f64,
-) -> (KvConnectorWorker, KvConnectorScheduler) {
+    stalled: bool,
+) -> (KvCacheSpec, KvConnectorWorker, KvConnectorScheduler) {
+    common::init_tracing();
+    let spec = spec(2);
     let kv = kv_with_lease(lease_s);
-    let worker = worker_with(engine, 0, 1, spec, |c| c.kv_transfer_config = kv.clone());
-    fill(&worker, spec);
+    let worker = worker_with(engine, 0, 1, &spec, |c| {
+        c.kv_transfer_config = kv.clone();
+        c.agent_config.progress_thread = !stalled;
+    });
+    fill(&worker, &spec);
     let scheduler = scheduler(engine, &worker, &kv);
-    (worker, scheduler)
+    (spec, worker, scheduler)
 }
 
-/// A prefill (lease `lease_s`) and a decode engine (default config), each with its worker
-/// and scheduler, named after `tag`.
+/// [`prefill_engine`] with a progress thread: the cache, the worker and the scheduler.
+fn prefill(engine: &str, lease_s: f64) -> (KvCacheSpec, KvConnectorWorker, KvConnectorScheduler) {
+    prefill_engine(engine, lease_s, false)
+}
+
+/// The cache, a prefill (lease `lease_s`) and a decode engine (default config), each with
+/// its worker and scheduler, named after `tag`.
 fn engines(
     tag: &str,
-    spec: &KvCacheSpec,
     lease_s: f64,
 ) -> (
+    KvCacheSpec,
     KvConnectorWorker,
     KvConnectorScheduler,
     KvConnectorWorker,
     KvConnectorScheduler,
 ) {
-    let (prefill, prefill_scheduler) = prefill(&format!("pf-{tag}"), spec, lease_s);
+    let (spec, prefill, prefill_scheduler) = prefill(&format!("pf-{tag}"), lease_s);
     let decode_engine = format!("dc-{tag}");
-    let decode = worker(&decode_engine, 0, 1, spec);
+    let decode = worker(&decode_engine, 0, 1, &spec);
     let decode_scheduler = scheduler(&decode_engine, &decode, &common::cpu_config());
-    (prefill, prefill_scheduler, decode, decode_scheduler)
+    (spec, prefill, prefill_scheduler, decode, decode_scheduler)
 }
 
-/// Finishes prefill request `request` in `blocks` for a remote decode, hands it to the
-/// worker, and returns the params for the decode.
+/// The params of a prefill request that a remote decode will read.
+fn for_decode() -> KvTransferParams {
+    KvTransferParams {
+        do_remote_decode: true,
+        ..Default::default()
+    }
+}
+
+/// Finishes prefill request `request` in `blocks` for a remote decode (its lease starts
+/// now), and returns the params for the decode; the worker holds it from its next
+/// `start_load_kv`.
+fn finished_for_decode(
+    scheduler: &mut KvConnectorScheduler,
+    request: &str,
+    blocks: &[usize],
+) -> KvTransferParams {
+    let done = scheduler.request_finished(
+        request,
+        blocks,
+        Some(&for_decode()),
+        FinishStatus::LengthCapped,
+    );
+    assert!(done.delay_free_blocks);
+    done.kv_transfer_params.unwrap()
+}
+
+/// [`finished_for_decode`], and hands the request to the worker at once.
 fn finish_for_decode(
     worker: &KvConnectorWorker,
     scheduler: &mut KvConnectorScheduler,
     request: &str,
     blocks: &[usize],
 ) -> KvTransferParams {
-    let for_decode = KvTransferParams {
-        do_remote_decode: true,
-        ..Default::default()
-    };
-    let done = scheduler.request_finished(
-        request,
-        blocks,
-        Some(&for_decode),
-        FinishStatus::LengthCapped,
-    );
-    assert!(done.delay_free_blocks);
+    let params = finished_for_decode(scheduler, request, blocks);
     worker.start_load_kv(&scheduler.build_connector_meta());
-    done.kv_transfer_params.unwrap()
+    params
 }
 
 /// Whether every layer of local block `local` holds remote block `far`'s pattern.
@@ -105,11 +137,38 @@ fn untouched(decode: &KvConnectorWorker, spec: &KvCacheSpec, local: usize) -> bo
     (0..spec.num_regions()).all(|layer| block(decode, spec, layer, local).iter().all(|&b| b == 0))
 }
 
-/// Polls the prefill until `n` requests are released; returns them.
+/// Polls the prefill until `n` requests are released; returns them, sorted.
 async fn released(prefill: &KvConnectorWorker, n: usize, limit: Duration) -> Vec<String> {
-    poll_until(prefill, limit, |f| f.sending.len() >= n)
+    let mut freed = poll_until(prefill, limit, |f| f.sending.len() >= n)
         .await
-        .sending
+        .sending;
+    freed.sort();
+    freed
+}
+
+/// Checks, after a while for anything in flight to arrive, that the prefill releases
+/// nothing more; `why` says what that shows.
+async fn assert_nothing_more_freed(prefill: &KvConnectorWorker, why: &str) {
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(prefill.finished().sending.is_empty(), "{why}");
+}
+
+/// Waits until `done` holds; panics, naming `what`, after [`WAIT`].
+async fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !done() {
+        assert!(start.elapsed() < WAIT, "waited in vain for {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Release counts: `on_notification` freed by their decodes' notifications, `on_timeout`
+/// by the end of their lease.
+fn freed(on_notification: u64, on_timeout: u64) -> SendStats {
+    SendStats {
+        freed_on_notification: on_notification,
+        freed_on_timeout: on_timeout,
+    }
 }
 
 /// Steps the decode engine until its scheduler reports `n` outcomes, or `limit` passes.
@@ -131,10 +190,7 @@ async fn outcomes(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefix_hit_loads_only_the_missing_tail_and_a_full_hit_only_notifies() {
-    common::init_tracing();
-    let spec = spec(2);
-    let (prefill, mut prefill_scheduler, decode, mut decode_scheduler) =
-        engines("hit", &spec, 30.0);
+    let (spec, prefill, mut prefill_scheduler, decode, mut decode_scheduler) = engines("hit", 30.0);
 
     // The decode's prefix cache holds the first two of four blocks: it loads the last two.
     let partial = finish_for_decode(&prefill, &mut prefill_scheduler, "p-part", &[5, 2, 9, 15]);
@@ -167,10 +223,8 @@ async fn a_prefix_hit_loads_only_the_missing_tail_and_a_full_hit_only_notifies()
     assert_eq!(metrics[0].descriptors, 2 * spec.num_regions());
 
     // Both are freed on their notification, long before the lease ends.
-    let mut freed = released(&prefill, 2, Duration::from_secs(10)).await;
-    freed.sort();
-    assert_eq!(freed, ["p-full", "p-part"]);
-    assert_eq!(prefill.send_stats().freed_on_notification, 2);
+    assert_eq!(released(&prefill, 2, WAIT).await, ["p-full", "p-part"]);
+    assert_eq!(prefill.send_stats(), freed(2, 0));
     assert!(
         decode.finished().recving.is_empty(),
         "a full hit is not a load that ends"
@@ -179,16 +233,15 @@ async fn a_prefix_hit_loads_only_the_missing_tail_and_a_full_hit_only_notifies()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_aborted_prefill_request_frees_at_once_and_a_capped_one_waits() {
-    common::init_tracing();
-    let spec = spec(2);
-    let (prefill, mut s) = prefill("pf-abort", &spec, 30.0);
-    let for_decode = KvTransferParams {
-        do_remote_decode: true,
-        ..Default::default()
-    };
-    let aborted = s.request_finished("gone", &[1, 2], Some(&for_decode), FinishStatus::Aborted);
+    let (_, prefill, mut s) = prefill("pf-abort", 30.0);
+    let aborted = s.request_finished("gone", &[1, 2], Some(&for_decode()), FinishStatus::Aborted);
     assert!(!aborted.delay_free_blocks && aborted.kv_transfer_params.is_none());
-    let capped = s.request_finished("kept", &[3], Some(&for_decode), FinishStatus::LengthCapped);
+    let capped = s.request_finished(
+        "kept",
+        &[3],
+        Some(&for_decode()),
+        FinishStatus::LengthCapped,
+    );
     assert!(capped.delay_free_blocks && capped.kv_transfer_params.is_some());
     let meta = s.build_connector_meta();
     assert_eq!(meta.sends.len(), 1);
@@ -203,11 +256,9 @@ async fn an_aborted_prefill_request_frees_at_once_and_a_capped_one_waits() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decode_aborted_before_or_during_its_load_tells_the_prefill_and_writes_nothing() {
-    common::init_tracing();
-    let spec = spec(2);
     // A fresh decode: no handshake yet, so a load handed to the worker waits for one.
-    let (prefill, mut prefill_scheduler, decode, mut decode_scheduler) =
-        engines("dabort", &spec, 30.0);
+    let (spec, prefill, mut prefill_scheduler, decode, mut decode_scheduler) =
+        engines("dabort", 30.0);
 
     // Aborted while it waited for blocks: notification only.
     let waiting = finish_for_decode(&prefill, &mut prefill_scheduler, "p-wait", &[1, 2]);
@@ -244,27 +295,23 @@ async fn a_decode_aborted_before_or_during_its_load_tells_the_prefill_and_writes
         "no READ landed"
     );
     assert!(decode.load_errors().is_empty());
-    let mut freed = released(&prefill, 2, Duration::from_secs(10)).await;
-    freed.sort();
-    assert_eq!(freed, ["p-run", "p-wait"]);
+    assert_eq!(released(&prefill, 2, WAIT).await, ["p-run", "p-wait"]);
     assert_eq!(
-        prefill.send_stats().freed_on_notification,
-        2,
+        prefill.send_stats(),
+        freed(2, 0),
         "freed at once, not by the lease"
     );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_abort_racing_the_loads_completion_frees_each_request_once() {
-    common::init_tracing();
-    let spec = spec(2);
-    let (prefill, mut prefill_scheduler, decode, mut decode_scheduler) =
-        engines("race", &spec, 30.0);
-    let port = prefill.side_channel_addr().unwrap().port();
-    decode
-        .handshake_with("pf-race", "127.0.0.1", port, 1)
-        .await
-        .unwrap();
+    let (_, prefill, mut prefill_scheduler, decode, mut decode_scheduler) = engines("race", 30.0);
+    handshake(
+        &decode,
+        "pf-race",
+        prefill.side_channel_addr().unwrap().port(),
+    )
+    .await;
 
     const N: usize = 12;
     for i in 0..N {
@@ -303,20 +350,16 @@ async fn an_abort_racing_the_loads_completion_frees_each_request_once() {
     )
     .await
     .is_empty());
-    let freed = released(&prefill, N, Duration::from_secs(10)).await;
-    assert_eq!(freed.len(), N);
-    assert_eq!(prefill.send_stats().freed_on_notification, N as u64);
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    assert!(prefill.finished().sending.is_empty(), "none twice");
+    assert_eq!(released(&prefill, N, WAIT).await.len(), N);
+    assert_eq!(prefill.send_stats(), freed(N as u64, 0));
+    assert_nothing_more_freed(&prefill, "none twice").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decode_that_heartbeats_keeps_blocks_past_the_lease_and_one_that_stops_does_not() {
-    common::init_tracing();
-    let spec = spec(2);
     // A 3 s lease: heartbeats every 500 ms, each extending it to 2 s from its arrival.
     let lease_s = 3.0;
-    let (prefill, mut prefill_scheduler) = prefill("pf-lease", &spec, lease_s);
+    let (spec, prefill, mut prefill_scheduler) = prefill("pf-lease", lease_s);
     let kv = kv_with_lease(lease_s);
     let decode = worker_with("dc-lease", 0, 1, &spec, |c| {
         c.kv_transfer_config = kv.clone()
@@ -348,29 +391,29 @@ async fn a_decode_that_heartbeats_keeps_blocks_past_the_lease_and_one_that_stops
 
     // The decode stops heartbeating (it still waits, but its steps stop): the lease ends.
     let stopped_at = Instant::now();
-    let freed = released(&prefill, 1, Duration::from_secs(5)).await;
-    assert_eq!(freed, ["p-wanted"]);
+    assert_eq!(
+        released(&prefill, 1, Duration::from_secs(5)).await,
+        ["p-wanted"]
+    );
     assert!(
         stopped_at.elapsed() <= Duration::from_millis(3500),
         "freed within an extension (2 s) of the last heartbeat: {:?}",
         stopped_at.elapsed()
     );
-    assert_eq!(prefill.send_stats().freed_on_timeout, 2);
-    assert_eq!(prefill.send_stats().freed_on_notification, 0);
+    assert_eq!(prefill.send_stats(), freed(0, 2));
     assert!(prefill.finished().sending.is_empty());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_heartbeats_and_repeated_or_late_notifications_stay_bounded() {
-    common::init_tracing();
-    let spec = spec(2);
-    let (prefill, mut prefill_scheduler) = prefill("pf-hostile", &spec, 2.0);
+    let (spec, prefill, mut prefill_scheduler) = prefill("pf-hostile", 2.0);
     let decode = worker("dc-hostile", 0, 1, &spec);
-    let port = prefill.side_channel_addr().unwrap().port();
-    decode
-        .handshake_with("pf-hostile", "127.0.0.1", port, 1)
-        .await
-        .unwrap();
+    handshake(
+        &decode,
+        "pf-hostile",
+        prefill.side_channel_addr().unwrap().port(),
+    )
+    .await;
     let to = prefill.agent().name().to_string();
     let send = |message: &[u8]| decode.agent().send_notification(&to, message).unwrap();
 
@@ -391,10 +434,10 @@ async fn hostile_heartbeats_and_repeated_or_late_notifications_stay_bounded() {
     // One reader of a TP-2 decode, twice: counted once, so the request stays held.
     send(b"held:2");
     send(b"held:2");
-    let start = Instant::now();
-    while prefill.notification_stats().malformed < 7 && start.elapsed() < Duration::from_secs(5) {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_for("the malformed notifications", || {
+        prefill.notification_stats().malformed >= 7
+    })
+    .await;
     let notes = prefill.notification_stats();
     assert_eq!(notes.unknown_heartbeat_ids, 2, "{notes:?}");
     assert_eq!(notes.malformed, 7, "{notes:?}");
@@ -405,54 +448,206 @@ async fn hostile_heartbeats_and_repeated_or_late_notifications_stay_bounded() {
     );
 
     // The lease ends (2 s) before the second reader; its notification comes late.
-    let freed = released(&prefill, 1, Duration::from_secs(5)).await;
-    assert_eq!(freed, ["held"]);
+    assert_eq!(released(&prefill, 1, WAIT).await, ["held"]);
     send(b"held:2");
     send(b"held:2");
-    let start = Instant::now();
-    while prefill.notification_stats().late_notifications < 2
-        && start.elapsed() < Duration::from_secs(5)
-    {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_for("the late notifications", || {
+        prefill.notification_stats().late_notifications >= 2
+    })
+    .await;
     assert_eq!(prefill.notification_stats().late_notifications, 2);
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    assert!(prefill.finished().sending.is_empty(), "never freed twice");
-    assert_eq!(prefill.send_stats().freed_on_timeout, 1);
-    assert_eq!(prefill.send_stats().freed_on_notification, 0);
+    assert_nothing_more_freed(&prefill, "never freed twice").await;
+    assert_eq!(prefill.send_stats(), freed(0, 1));
 }
 
+/// The decode role's environment: its load's params, as JSON.
+const PARAMS_ENV: &str = "NIXL_CONNECTOR_TEST_PARAMS";
+/// The blocks the prefill holds for the READ that its lease outlives, and the decode's
+/// blocks they are read into.
+const HELD: [usize; 2] = [7, 8];
+const INTO: [usize; 2] = [0, 1];
+
+/// The decode of a_lease_that_ends_during_a_read_..., in a child process so that the test
+/// can stop it mid-READ: loads the params of `PARAMS_ENV` into [`INTO`], prints `IN FLIGHT`
+/// once its READ is posted and NIXL has not reported it done, then `LOADED` once the load
+/// ended with every block holding the prefill's pattern; exits when its stdin closes (its
+/// notification sent by then).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_lease_that_ends_before_the_reads_notification_counts_it_late_and_frees_once() {
-    common::init_tracing();
+#[ignore = "the decode of a_lease_that_ends_during_a_read_frees_once_and_counts_its_notification_late, which starts it"]
+async fn stopped_decode_role() {
+    let params: KvTransferParams =
+        serde_json::from_str(&std::env::var(PARAMS_ENV).expect("run by the parent test")).unwrap();
     let spec = spec(2);
-    let (prefill, mut prefill_scheduler, decode, mut decode_scheduler) =
-        engines("late", &spec, 0.3);
-    let params = finish_for_decode(&prefill, &mut prefill_scheduler, "p-late", &[7, 8]);
-    // The decode is slow: the lease ends first, and the prefill frees the blocks.
-    let freed = released(&prefill, 1, Duration::from_secs(5)).await;
-    assert_eq!(freed, ["p-late"]);
-    decode_scheduler
-        .update_state_after_alloc("d-late", &[0, 1], &params)
+    let decode = worker("dc-inflight", 0, 1, &spec);
+    let mut scheduler = scheduler("dc-inflight", &decode, &common::cpu_config());
+    scheduler
+        .update_state_after_alloc("d-inflight", &INTO, &params)
         .unwrap();
-    decode.start_load_kv(&decode_scheduler.build_connector_meta());
-    let got = outcomes(&decode, &mut decode_scheduler, 1, WAIT).await;
+    decode.start_load_kv(&scheduler.build_connector_meta());
+    // The READ cannot end until the prefill's agent progresses, which it does not yet.
+    let agent = decode.agent();
+    wait_for("the READ to be posted", || agent.driver_stats().held == 1).await;
+    // Its bytes may land before that (they need no help from the prefill here), but NIXL
+    // reports it in progress: it is in flight.
+    assert!(decode.finished().recving.is_empty());
+    println!("IN FLIGHT");
+
+    // Stopped here until the prefill's lease has ended (the bound covers the stop).
+    let got = outcomes(&decode, &mut scheduler, 1, 3 * WAIT).await;
     assert_eq!(
         got,
         [LoadOutcome::Loaded {
-            request_id: "d-late".into()
+            request_id: "d-inflight".into()
         }]
     );
-    let start = Instant::now();
-    while prefill.notification_stats().late_notifications == 0
-        && start.elapsed() < Duration::from_secs(5)
-    {
-        tokio::time::sleep(Duration::from_millis(10)).await;
+    assert!(decode.load_errors().is_empty());
+    assert!(INTO
+        .iter()
+        .zip(HELD)
+        .all(|(&b, far)| holds(&decode, &spec, b, far)));
+    println!("LOADED");
+    tokio::task::spawn_blocking(|| std::io::stdin().read_line(&mut String::new()))
+        .await
+        .unwrap()
+        .unwrap();
+}
+
+/// The decode of [`stopped_decode_role`] in its child process, which the test stops and
+/// resumes; dropped, it is resumed and killed.
+struct DecodeProcess {
+    child: Child,
+    lines: Option<ChildLines>,
+}
+
+impl DecodeProcess {
+    fn start(params: &KvTransferParams) -> Self {
+        let params = serde_json::to_string(params).unwrap();
+        let mut child = role_process(
+            "stopped_decode_role",
+            &[(PARAMS_ENV, params.as_str())],
+            Stdio::inherit(),
+        );
+        let lines = Some(stdout_lines(&mut child));
+        DecodeProcess { child, lines }
     }
-    assert_eq!(prefill.notification_stats().late_notifications, 1);
+
+    /// Waits (off the runtime's threads) until the decode prints `tag`.
+    async fn printed(&mut self, tag: &'static str) {
+        let mut lines = self.lines.take().unwrap();
+        let (found, lines) =
+            tokio::task::spawn_blocking(move || (after_tag(&mut lines, tag).is_some(), lines))
+                .await
+                .unwrap();
+        self.lines = Some(lines);
+        assert!(found, "the decode process ended without printing {tag:?}");
+    }
+
+    fn signal(&self, signal: libc::c_int) {
+        // SAFETY: kill(2) touches no memory of ours; the pid is our child's, which is not
+        // reaped before `exit` (after which nothing signals it), so no other process has it.
+        let sent = unsafe { libc::kill(self.child.id() as libc::pid_t, signal) };
+        assert_eq!(
+            sent,
+            0,
+            "signal {signal}: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+
+    /// Whether every thread of the decode is stopped (state `T` in /proc).
+    fn stopped(&self) -> bool {
+        let tasks = format!("/proc/{}/task", self.child.id());
+        std::fs::read_dir(tasks).unwrap().all(|task| {
+            let stat =
+                std::fs::read_to_string(task.unwrap().path().join("stat")).unwrap_or_default();
+            // The state follows the command name, which is in parentheses.
+            stat.rfind(')')
+                .and_then(|end| stat[end + 1..].split_whitespace().next())
+                == Some("T")
+        })
+    }
+
+    /// Stops the decode (SIGSTOP) and waits until every thread of it has stopped.
+    async fn stop(&self) {
+        self.signal(libc::SIGSTOP);
+        wait_for("the decode process to stop", || self.stopped()).await;
+    }
+
+    /// Resumes the stopped decode (SIGCONT).
+    fn resume(&self) {
+        self.signal(libc::SIGCONT);
+    }
+
+    /// Closes the decode's stdin and waits for it to exit.
+    async fn exit(&mut self) -> ExitStatus {
+        drop(self.child.stdin.take());
+        let mut status = None;
+        wait_for("the decode process to exit", || {
+            status = self.child.try_wait().unwrap();
+            status.is_some()
+        })
+        .await;
+        status.unwrap()
+    }
+}
+
+impl Drop for DecodeProcess {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            self.resume();
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_that_ends_during_a_read_frees_once_and_counts_its_notification_late() {
+    // The prefill's agent runs no progress thread: the decode's READ cannot finish until the
+    // prefill's worker polls NIXL, which it starts to do when it first holds a request.
+    let (_, prefill, mut prefill_scheduler) = prefill_engine("pf-inflight", 2.0, true);
+    let params = finished_for_decode(&mut prefill_scheduler, "p-inflight", &HELD);
+    let meta = prefill_scheduler.build_connector_meta();
+    let deadline = meta.sends[0].deadline;
+
+    // The decode posts its READ, which stays in flight, and then stalls (stopped): it sends
+    // no heartbeat, and its side of the READ cannot go on.
+    let mut decode = DecodeProcess::start(&params);
+    decode.printed("IN FLIGHT").await;
+    decode.stop().await;
+    // The prefill's worker takes the request at its step: it polls NIXL from now on, so its
+    // side of the READ can go on, but the READ stays in flight with the decode stopped.
+    prefill.start_load_kv(&meta);
+
+    assert_eq!(released(&prefill, 1, WAIT).await, ["p-inflight"]);
+    assert!(Instant::now() >= deadline, "freed by the lease's end");
     assert!(
-        prefill.finished().sending.is_empty(),
-        "freed once, by the lease"
+        decode.stopped(),
+        "the READ was still in flight when the lease ended"
     );
-    assert_eq!(prefill.send_stats().freed_on_timeout, 1);
+    assert_eq!(prefill.send_stats(), freed(0, 1), "counted as expired");
+    assert_eq!(
+        prefill.notification_stats(),
+        NotificationStats::default(),
+        "no notification yet"
+    );
+
+    // The decode resumes: NIXL reports its READ done (the bytes of freed blocks), and it
+    // notifies, late.
+    decode.resume();
+    decode.printed("LOADED").await;
+    wait_for("the decode's late notification", || {
+        prefill.notification_stats().late_notifications >= 1
+    })
+    .await;
+    assert_nothing_more_freed(&prefill, "freed once, by the lease").await;
+    assert_eq!(
+        prefill.notification_stats(),
+        NotificationStats {
+            late_notifications: 1,
+            ..Default::default()
+        }
+    );
+    assert_eq!(prefill.send_stats(), freed(0, 1));
+    assert!(decode.exit().await.success(), "the decode's checks passed");
 }

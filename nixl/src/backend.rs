@@ -148,6 +148,15 @@ released requests and crash the process (segfault in nixlUcxDedicatedThread::run
 libplugin_UCX.so: 6 of 11 runs of a repost loop); leave num_threads at 0 (the default), or \
 opt in for benchmarks with the unsafe Agent::create_backend_with_unchecked";
 
+/// What backend creation does with UCX worker threads (`num_threads` other than 0).
+#[derive(Debug, Clone, Copy)]
+enum UcxThreads {
+    /// Refuses them ([`Error::RefusedBackendParam`]): the safe API.
+    Refuse,
+    /// Allows them and logs a warning: `Agent::create_backend_with_unchecked`.
+    AllowWithWarning,
+}
+
 /// The refusal of a parameter the safe API does not allow: UCX `num_threads` other than 0
 /// (anything but a decimal 0 counts, as NIXL may read a number from its start).
 fn refused_param(plugin: &str, params: &BTreeMap<String, String>) -> Option<Error> {
@@ -307,10 +316,7 @@ impl Agent {
         V: Into<String>,
     {
         let params = self.backend_params(plugin, overrides)?;
-        if let Some(refused) = refused_param(plugin, &params) {
-            return Err(refused);
-        }
-        self.create_backend_from(plugin, params)
+        self.create_backend_from(plugin, params, UcxThreads::Refuse)
     }
 
     /// Creates a backend as [`create_backend_with`](Self::create_backend_with) does, but
@@ -339,14 +345,7 @@ impl Agent {
         V: Into<String>,
     {
         let params = self.backend_params(plugin, overrides)?;
-        if refused_param(plugin, &params).is_some() {
-            tracing::warn!(
-                agent = %self.inner.name,
-                plugin,
-                "UCX worker threads (num_threads) are on: NIXL 1.5.1 can crash in their request completion (see Agent::create_backend_with_unchecked)"
-            );
-        }
-        self.create_backend_from(plugin, params)
+        self.create_backend_from(plugin, params, UcxThreads::AllowWithWarning)
     }
 
     /// The plugin's default parameters with `overrides` applied, each key checked.
@@ -379,12 +378,24 @@ impl Agent {
         Ok(params)
     }
 
-    /// Creates a backend of `plugin` with exactly `params`.
+    /// Creates a backend of `plugin` with exactly `params`, UCX worker threads in them
+    /// refused or allowed as `threads` says.
     fn create_backend_from(
         &self,
         plugin: &str,
         params: BTreeMap<String, String>,
+        threads: UcxThreads,
     ) -> Result<Backend> {
+        if let Some(refused) = refused_param(plugin, &params) {
+            match threads {
+                UcxThreads::Refuse => return Err(refused),
+                UcxThreads::AllowWithWarning => tracing::warn!(
+                    agent = %self.inner.name,
+                    plugin,
+                    "UCX worker threads (num_threads) are on: NIXL 1.5.1 can crash in their request completion (see Agent::create_backend_with_unchecked)"
+                ),
+            }
+        }
         let name = c_name("plugin name", plugin)?;
         let raw_params = Params::from_map(&params)?;
         let handle = self

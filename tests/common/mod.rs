@@ -1,14 +1,18 @@
 //! Helpers shared by the integration tests: unique agent names, connected agent pairs,
-//! byte patterns, bounded waits for notifications and metadata, free TCP ports.
+//! byte patterns, bounded waits for notifications and metadata, free TCP ports, child
+//! processes that run a role test.
 //!
 //! Every test binary compiles this module and uses a different part of it.
 #![allow(dead_code)]
 
 pub mod executor;
+mod role;
 mod skip;
 mod tracked;
 
 // Not every test binary uses each.
+#[allow(unused_imports)]
+pub use role::{after_tag, hex, role_process, stdout_lines, unhex, ChildLines};
 #[allow(unused_imports)]
 pub use skip::skip;
 #[allow(unused_imports)]

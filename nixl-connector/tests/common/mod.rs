@@ -6,14 +6,17 @@
 pub mod geometry;
 pub mod loads;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
+#[path = "../../../tests/common/role.rs"]
+mod role;
 #[path = "../../../tests/common/skip.rs"]
 mod skip;
 #[path = "../../../tests/common/tracked.rs"]
 mod tracked;
 
 // Not every test binary uses each.
+#[allow(unused_imports)]
+pub use role::{after_tag, role_process, stdout_lines, ChildLines};
 #[allow(unused_imports)]
 pub use skip::skip;
 #[allow(unused_imports)]
@@ -188,34 +191,13 @@ pub fn init_tracing() {
         .try_init();
 }
 
-/// This test binary, started again in a child process to run only the ignored test `role`,
-/// with `env` set; its stdout is piped, its stderr goes to `stderr`.
-pub fn role_process(role: &str, env: &[(&str, &str)], stderr: Stdio) -> Child {
-    Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            role,
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .envs(env.iter().copied())
-        .stdout(Stdio::piped())
-        .stderr(stderr)
-        .spawn()
-        .unwrap_or_else(|err| panic!("start {role}: {err}"))
-}
-
 /// Reads `child`'s stdout until a line holds `PORT <port>`, and returns the port.
 pub fn printed_port(child: &mut Child) -> u16 {
-    BufReader::new(child.stdout.take().unwrap())
-        .lines()
-        .map_while(Result::ok)
-        .find_map(|line| {
-            line.find("PORT ")
-                .map(|at| line[at + 5..].trim().parse().unwrap())
-        })
+    after_tag(&mut stdout_lines(child), "PORT ")
         .expect("the child prints its port")
+        .trim()
+        .parse()
+        .unwrap()
 }
 
 /// Upper bound for any single wait in the tests. Only a guard against hangs: nothing asserts

@@ -2,11 +2,10 @@
 //! runs an ignored role test of the same binary, which fills its cache, prints its
 //! side-channel port and waits to be killed.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::Duration;
 
-use crate::common::{fill, spec, worker};
+use crate::common::{fill, printed_port, role_process, spec, worker};
 
 /// The role: a prefill `engine` with the [`spec`]`(2)` cache filled with the pattern; prints
 /// `PORT <side channel port>`, then waits (60 s at most) to be killed.
@@ -25,26 +24,7 @@ pub async fn serve(engine: &str, role_env: &str) {
 /// Starts the ignored test `role_test` (which calls [`serve`]) in a child process with
 /// `role_env` set; the child and its side-channel port.
 pub fn start(role_test: &str, role_env: &str) -> (Child, u16) {
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            role_test,
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(role_env, "1")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start the prefill process");
-    let port = BufReader::new(child.stdout.take().unwrap())
-        .lines()
-        .map_while(Result::ok)
-        .find_map(|line| {
-            line.find("PORT ")
-                .map(|at| line[at + 5..].trim().parse().unwrap())
-        })
-        .expect("the prefill prints its port");
+    let mut child = role_process(role_test, &[(role_env, "1")], Stdio::null());
+    let port = printed_port(&mut child);
     (child, port)
 }

@@ -9,7 +9,8 @@ use crate::descriptors::xfer_dlist::XferDlist;
 use crate::error::{Error, Result};
 use crate::memory::mem_type::MemType;
 use crate::memory::registration::{RegInner, Registration};
-use crate::transfer::local_peers::Hold;
+use crate::metadata::wire::LoadedMetadata;
+use crate::transfer::local_peers::{self, Hold};
 
 /// The accessors both list types share, reading the `list: XferDlist` field.
 macro_rules! list_accessors {
@@ -218,6 +219,25 @@ impl RemoteDescList {
     pub fn push(&mut self, desc: XferDesc) -> Result<()> {
         self.reuse.reset();
         self.list.push("add remote descriptor", desc)
+    }
+
+    /// What a transfer to or from these descriptors of `remote_agent`'s memory must hold
+    /// ([`local_peers::hold_targets`]): the live registrations that cover them when the agent
+    /// lives in this process; none, once each lies in what its `loaded` metadata advertises,
+    /// when it lives in another.
+    pub(crate) fn hold_targets(
+        &self,
+        operation: &'static str,
+        loaded: &LoadedMetadata,
+        remote_agent: &str,
+    ) -> Result<Vec<Hold>> {
+        local_peers::hold_targets(
+            operation,
+            loaded,
+            remote_agent,
+            self.mem_type(),
+            self.descs(),
+        )
     }
 
     list_accessors!();

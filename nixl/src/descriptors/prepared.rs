@@ -13,7 +13,6 @@ use crate::error::{check, Error, Result};
 use crate::ffi::handles::OptArgs;
 use crate::ffi::library::capi;
 use crate::ffi::raw::c_name;
-use crate::transfer::local_peers::{self};
 use crate::transfer::options::{XferOp, XferOptions};
 use crate::transfer::xfer::XferRequest;
 
@@ -119,13 +118,7 @@ impl Agent {
     ) -> Result<PreparedRemote> {
         const OP: &str = "prepare descriptor list";
         c_name("remote agent name", remote_agent)?;
-        let targets = local_peers::hold_targets(
-            OP,
-            &self.inner.loaded,
-            remote_agent,
-            list.mem_type(),
-            list.descs(),
-        )?;
+        let targets = list.hold_targets(OP, &self.inner.loaded, remote_agent)?;
         let shared = self.prepare(remote_agent, &list.list, backends, targets)?;
         Ok(PreparedRemote {
             shared,

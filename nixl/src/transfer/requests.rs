@@ -15,7 +15,6 @@ use crate::ffi::library::capi;
 use crate::ffi::raw::c_name;
 use crate::ffi::status::Status;
 use crate::memory::mem_type::MemType;
-use crate::transfer::local_peers;
 use crate::transfer::options::{XferOp, XferOptions};
 use crate::transfer::xfer::XferRequest;
 
@@ -110,13 +109,7 @@ impl Agent {
             }
         }
         let name = c_name("remote agent name", remote_agent)?;
-        let targets = local_peers::hold_targets(
-            OP,
-            &self.inner.loaded,
-            remote_agent,
-            remote.mem_type(),
-            remote.descs(),
-        )?;
+        let targets = remote.hold_targets(OP, &self.inner.loaded, remote_agent)?;
         let (local_raw, remote_raw, args) = match &cut {
             Some((l, r)) => {
                 let options = XferOptions {
@@ -179,13 +172,8 @@ impl Agent {
             self.prepare("", &local.list, &chosen(), local.holds())
         });
         let remote_handle = remote.reuse.handle(remote_key, || {
-            let targets = local_peers::hold_targets(
-                "prepare descriptor list",
-                &self.inner.loaded,
-                remote_agent,
-                remote.mem_type(),
-                remote.descs(),
-            )?;
+            let targets =
+                remote.hold_targets("prepare descriptor list", &self.inner.loaded, remote_agent)?;
             self.prepare(remote_agent, &remote.list, &chosen(), targets)
         });
         let (Some((local_handle, indices)), Some((remote_handle, _))) =
