@@ -58,7 +58,7 @@ pub struct Welcome {
 }
 
 /// One control-channel message.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Message {
     /// See [`Hello`].
     Hello(Hello),

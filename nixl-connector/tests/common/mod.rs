@@ -5,6 +5,7 @@
 
 pub mod geometry;
 pub mod loads;
+pub mod matrix;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -61,6 +62,24 @@ pub fn cpu_config() -> KvTransferConfig {
         kv_buffer_device: "cpu".to_string(),
         ..Default::default()
     }
+}
+
+/// The factors of vLLM's compatibility hash the tests' vLLM-mode engines share.
+pub fn vllm_factors() -> serde_json::Value {
+    serde_json::json!({
+        "vllm_version": "0.33.0", "model": "nixl-rs/test-model", "dtype": "torch.bfloat16",
+        "num_kv_heads": 4, "head_size": 8, "num_hidden_layers": 3,
+        "attn_backend_name": "FLASH_ATTN", "cache_dtype": "auto", "is_hma_enabled": false,
+    })
+}
+
+/// A host-memory `kv_transfer_config` speaking vLLM's protocol with `factors`.
+pub fn vllm_config(factors: serde_json::Value) -> KvTransferConfig {
+    let mut config = cpu_config();
+    let extra = &mut config.kv_connector_extra_config;
+    extra.insert("protocol".into(), "vllm".into());
+    extra.insert("vllm_compat_factors".into(), factors);
+    config
 }
 
 /// A worker with a registered zeroed DRAM cache of `spec`.
@@ -159,6 +178,8 @@ pub fn remote(
         request_id: request.to_string(),
         tp_size: tp,
         num_tokens: None,
+        blocks_expiry_time: None,
+        registration_generation: None,
     }
 }
 
