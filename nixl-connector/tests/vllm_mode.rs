@@ -15,13 +15,14 @@ use std::time::{Duration, Instant};
 use common::geometry::{Model, Side};
 use common::matrix::{run_cases_speaking, BLOCKS};
 use common::{
-    block, fill, pattern, poll_until, spec, spec_tp, vllm_config, vllm_factors, worker_with,
+    block, fill, finish_for_decode, pattern, poll_until, spec, spec_tp, vllm_config, vllm_factors,
+    worker_with,
 };
 use nixl_connector::vllm::clock::perf_counter;
 use nixl_connector::vllm::{MetadataServer, VllmChannelLimits};
 use nixl_connector::{
-    FailureKind, FinishStatus, KvAttention, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker,
-    KvLayout, KvRegionKind, KvTransferParams, LoadOutcome, Protocol, SchedulerConfig,
+    FailureKind, KvAttention, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker, KvLayout,
+    KvRegionKind, KvTransferParams, LoadOutcome, Protocol, SchedulerConfig,
 };
 
 /// A guard against hangs only.
@@ -81,19 +82,7 @@ fn finish(
     request: &str,
     blocks: &[usize],
 ) -> String {
-    let for_decode = KvTransferParams {
-        do_remote_decode: true,
-        ..Default::default()
-    };
-    let done = scheduler.request_finished(
-        request,
-        blocks,
-        Some(&for_decode),
-        FinishStatus::LengthCapped,
-    );
-    assert!(done.delay_free_blocks);
-    prefill.start_load_kv(&scheduler.build_connector_meta());
-    done.kv_transfer_params.unwrap().to_vllm_json()
+    finish_for_decode(prefill, scheduler, request, blocks).to_vllm_json()
 }
 
 /// Loads vLLM's JSON `params` into `local` through the decode's scheduler and worker, and

@@ -27,7 +27,8 @@ use std::time::{Duration, Instant};
 
 use nixl::kv_config::KvTransferConfig;
 use nixl_connector::{
-    Finished, KvAttention, KvCacheSpec, KvConnectorWorker, KvLayout, RemoteBlocks, WorkerConfig,
+    FinishStatus, Finished, KvAttention, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker,
+    KvLayout, KvTransferParams, RemoteBlocks, WorkerConfig,
 };
 
 /// The total deadline of the test workers' side channels.
@@ -181,6 +182,29 @@ pub fn remote(
         blocks_expiry_time: None,
         registration_generation: None,
     }
+}
+
+/// Finishes prefill request `request` in `blocks` for a remote decode (its blocks held),
+/// hands it to `worker`, and returns the params for the decode.
+pub fn finish_for_decode(
+    worker: &KvConnectorWorker,
+    scheduler: &mut KvConnectorScheduler,
+    request: &str,
+    blocks: &[usize],
+) -> KvTransferParams {
+    let for_decode = KvTransferParams {
+        do_remote_decode: true,
+        ..Default::default()
+    };
+    let done = scheduler.request_finished(
+        request,
+        blocks,
+        Some(&for_decode),
+        FinishStatus::LengthCapped,
+    );
+    assert!(done.delay_free_blocks);
+    worker.start_load_kv(&scheduler.build_connector_meta());
+    done.kv_transfer_params.unwrap()
 }
 
 /// Polls `worker.finished()` until `done` says so or `limit` passes; returns all finished.
