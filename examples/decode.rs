@@ -91,7 +91,7 @@ async fn run(args: &Args) -> nixl_rs::Result<ExitCode> {
     };
     println!(
         "decode: agent {} pulling {} requests of {} blocks x {} layers x {} bytes from {} \
-         ({} in flight, metadata via {})",
+         ({} in flight, metadata via {}, connector protocol {})",
         worker.name,
         args.requests,
         args.blocks_per_request,
@@ -99,7 +99,8 @@ async fn run(args: &Args) -> nixl_rs::Result<ExitCode> {
         layout.block_bytes,
         args.prefill,
         args.in_flight,
-        args.worker.metadata
+        args.worker.metadata,
+        worker.connector.protocol()
     );
     let summary = decode::run(&worker, &options, |progress| {
         println!("decode: {progress}");

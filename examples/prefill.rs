@@ -79,6 +79,7 @@ async fn run(args: &Args) -> nixl_rs::Result<ExitCode> {
         worker.platform.device_type().to_string(),
     );
     let side_channel = worker.connector.side_channel_addr()?;
+    let protocol = worker.connector.protocol();
     let options = PrefillOptions {
         max_frame: args.worker.max_frame,
         handshake_timeout: Duration::from_secs(args.handshake_timeout_s),
@@ -90,7 +91,7 @@ async fn run(args: &Args) -> nixl_rs::Result<ExitCode> {
     let server = PrefillServer::bind(worker, args.listen, options).await?;
     println!(
         "prefill: agent {name} listening on {} ({} layers x {} blocks x {} bytes = {:.1} MiB, \
-         backends {backends:?}, platform {platform}, metadata via {}, connector side channel {side_channel})",
+         backends {backends:?}, platform {platform}, metadata via {}, connector protocol {protocol}, side channel {side_channel})",
         server.local_addr()?,
         layout.layers,
         layout.blocks,

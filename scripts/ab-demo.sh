@@ -9,6 +9,10 @@
 #
 #   scripts/ab-demo.sh A_BIN_DIR B_BIN_DIR [ROUNDS]     # ROUNDS defaults to 6
 #
+# AB_A_FLAGS and AB_B_FLAGS are scripts/demo.sh flags of each side, e.g. the same build with
+# and without the vLLM protocol:
+#   AB_B_FLAGS="--protocol vllm" scripts/ab-demo.sh target/release/examples target/release/examples
+#
 # Build A from another checkout into its own target dir, e.g. for main:
 #   git archive main | tar -x -C /tmp/ab-main && ln -s "$PWD/vendor/nixl" /tmp/ab-main/vendor/nixl
 #   (cd /tmp/ab-main && CARGO_TARGET_DIR=/tmp/ab-main/target \
@@ -29,15 +33,15 @@ trap 'rm -rf "$TMPDIR"' EXIT
 out=$TMPDIR/demo.out
 cpu() { echo "$TMPDIR/$1.cpu"; }
 
-# "GB/s CPU-s/GB" of one demo run of the binaries in $1 at shape $2 (a failed run is shown
-# and retried once).
+# "GB/s CPU-s/GB" of one demo run of the binaries in $1 at shape $2 with demo.sh flags $3 (a
+# failed run is shown and retried once).
 run() {
     local attempt gbps bytes seconds
     for attempt in 1 2; do
-        # shellcheck disable=SC2086 # the shape is words
+        # shellcheck disable=SC2086 # the shape and the flags are words
         if NIXL_DEMO_PREFILL_WRAP="/usr/bin/time -o $(cpu prefill) -f %U+%S" \
             NIXL_DEMO_DECODE_WRAP="/usr/bin/time -o $(cpu decode) -f %U+%S" \
-            NIXL_DEMO_BIN_DIR=$1 scripts/demo.sh ${2:+-- $2} >"$out" 2>&1; then
+            NIXL_DEMO_BIN_DIR=$1 scripts/demo.sh $3 ${2:+-- $2} >"$out" 2>&1; then
             gbps=$(sed -n 's/^  time: .*, \([0-9.]*\) GB\/s$/\1/p' "$out")
             bytes=$(sed -n 's/^  bytes: *\([0-9]*\) .*/\1/p' "$out")
             seconds=$(echo "$(tail -n 1 "$(cpu prefill)") + $(tail -n 1 "$(cpu decode)")" | bc)
@@ -56,9 +60,9 @@ for ((round = 1; round <= rounds; round++)); do
         order=(a b)
         ((round % 2 == 0)) && order=(b a)
         for side in "${order[@]}"; do
-            dir=$a
-            [[ $side == b ]] && dir=$b
-            read -r gbps cpu_per_gb < <(run "$dir" "${shapes[$s]}")
+            dir=$a flags=${AB_A_FLAGS:-}
+            [[ $side == b ]] && dir=$b flags=${AB_B_FLAGS:-}
+            read -r gbps cpu_per_gb < <(run "$dir" "${shapes[$s]}" "$flags")
             figures[$side,$s,$round]=$gbps
             cpus[$side,$s,$round]=$cpu_per_gb
             echo "round $round shape ${shapes[$s]:-default} $side: $gbps GB/s, $cpu_per_gb CPU s/GB"

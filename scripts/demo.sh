@@ -8,6 +8,7 @@
 #
 #   scripts/demo.sh                            # metadata inside the connector's handshake
 #   scripts/demo.sh --etcd                     # metadata through a private etcd on loopback
+#   scripts/demo.sh --protocol vllm            # the connectors speak vLLM's NixlConnector protocol
 #   scripts/demo.sh -- --requests 32 --in-flight 8   # flags after -- go to decode
 #
 # Environment:
@@ -24,11 +25,18 @@ scripts/setup.sh
 
 use_etcd=0
 decode_args=(--requests 256)
+protocol_args=()
+usage="usage: $0 [--etcd] [--protocol native|vllm] [-- decode flags...]"
 while [[ $# -gt 0 ]]; do
     case $1 in
         --etcd) use_etcd=1 ;;
+        --protocol)
+            [[ $# -ge 2 ]] || { echo "$usage" >&2; exit 2; }
+            protocol_args=(--protocol "$2")
+            shift
+            ;;
         --) shift; decode_args+=("$@"); break ;;
-        *) echo "usage: $0 [--etcd] [-- decode flags...]" >&2; exit 2 ;;
+        *) echo "$usage" >&2; exit 2 ;;
     esac
     shift
 done
@@ -85,7 +93,7 @@ fi
 # after the first look below.
 : >"$work/prefill.log"
 "${prefill_wrap[@]}" "$bin/prefill" --listen "${NIXL_DEMO_LISTEN:-127.0.0.1:0}" --sessions 1 \
-    "${cache_args[@]}" "${metadata_args[@]}" >"$work/prefill.log" 2>&1 &
+    "${cache_args[@]}" "${metadata_args[@]}" "${protocol_args[@]}" >"$work/prefill.log" 2>&1 &
 prefill_pid=$!
 addr=''
 for _ in $(seq 300); do
@@ -103,7 +111,7 @@ fi
 start=$(date +%s.%N)
 decode_rc=0
 "${decode_wrap[@]}" "$bin/decode" --prefill "$addr" "${cache_args[@]}" "${metadata_args[@]}" \
-    "${decode_args[@]}" || decode_rc=$?
+    "${protocol_args[@]}" "${decode_args[@]}" || decode_rc=$?
 
 prefill_rc=0
 for _ in $(seq 100); do

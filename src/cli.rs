@@ -45,6 +45,16 @@ pub fn parse_positive<T: TryFrom<u64>>(s: &str) -> Result<T, String> {
     T::try_from(n).map_err(|_| format!("{n} is too large"))
 }
 
+/// Parses a connector protocol: `native` or `vllm`.
+///
+/// # Errors
+/// The connector's message for any other name.
+pub fn parse_protocol(s: &str) -> Result<nixl_connector::Protocol, String> {
+    s.trim()
+        .parse()
+        .map_err(|err: nixl_connector::Error| err.to_string())
+}
+
 /// Whether logs written to a stream use ANSI colour: only when it is a terminal and
 /// `NO_COLOR` (the value of the environment variable, if set) is absent or empty.
 pub fn use_colour(is_terminal: bool, no_color: Option<&OsStr>) -> bool {
@@ -76,6 +86,16 @@ mod tests {
         assert!(parse_positive::<u64>("-1").is_err());
         assert!(parse_positive::<u64>("x").is_err());
         assert!(parse_positive::<u32>("4294967296").is_err());
+    }
+
+    #[test]
+    fn protocols() {
+        assert_eq!(parse_protocol("vllm"), Ok(nixl_connector::Protocol::Vllm));
+        assert_eq!(
+            parse_protocol("native"),
+            Ok(nixl_connector::Protocol::Native)
+        );
+        assert!(parse_protocol("zmq").unwrap_err().contains("\"vllm\""));
     }
 
     #[test]

@@ -9,7 +9,10 @@ use nixl::kv_config::{KvRole, KvTransferConfig};
 use nixl::platform::{self, Platform};
 use nixl::MemType;
 use nixl_connector::etcd::ETCD_ENDPOINTS_ENV;
-use nixl_connector::{KvConnectorWorker, MetadataExchange, WorkerConfig as ConnectorConfig};
+use nixl_connector::vllm::compat::{ENFORCE_KEY, FACTORS_KEY};
+use nixl_connector::{
+    KvConnectorWorker, MetadataExchange, Protocol, WorkerConfig as ConnectorConfig, PROTOCOL_KEY,
+};
 
 use crate::error::{Error, Result};
 use crate::kv_cache::{KvCache, KvLayout};
@@ -120,6 +123,9 @@ pub struct WorkerConfig<'a> {
     pub metadata: MetadataMode,
     /// `--layers`, `--blocks` and `--block-size`.
     pub layout: KvLayout,
+    /// `--protocol`, the connector's protocol (`None`: the `kv_transfer_config`'s, by
+    /// default native).
+    pub protocol: Option<Protocol>,
 }
 
 /// A worker's connector, with its agent and registered KV cache, as set up by
@@ -134,7 +140,9 @@ pub struct Worker {
     pub platform: Arc<dyn Platform>,
     /// The agent's name, also the engine id.
     pub name: String,
-    /// The parsed `--kv-transfer-config` (the scheduler's lease and failure policy).
+    /// The parsed `--kv-transfer-config` (the scheduler's lease, failure policy and
+    /// protocol), with `--protocol` and, in vLLM's protocol, [`demo_factors`] unless it
+    /// gives factors itself.
     pub kv_transfer_config: KvTransferConfig,
 }
 
@@ -160,7 +168,17 @@ impl WorkerConfig<'_> {
     /// connector's errors.
     pub fn set_up(&self, tune: impl FnOnce(&mut ConnectorConfig)) -> Result<Worker> {
         self.layout.validate()?;
-        let kv_config = kv_transfer_config(self.kv_transfer_config, self.role)?;
+        let mut kv_config = kv_transfer_config(self.kv_transfer_config, self.role)?;
+        let extra = &mut kv_config.kv_connector_extra_config;
+        if let Some(protocol) = self.protocol {
+            extra.insert(PROTOCOL_KEY.into(), protocol.as_str().into());
+        }
+        let protocol = Protocol::from_kv_transfer_config(&kv_config)?;
+        let extra = &mut kv_config.kv_connector_extra_config;
+        let given = extra.contains_key(FACTORS_KEY) || extra.contains_key(ENFORCE_KEY);
+        if protocol == Protocol::Vllm && !given {
+            extra.insert(FACTORS_KEY.into(), demo_factors(self.layout));
+        }
         let platform = resolve_platform(self.platform)?;
         let name = match self.name {
             Some(name) => name.to_string(),
@@ -188,6 +206,24 @@ impl WorkerConfig<'_> {
             kv_transfer_config: kv_config,
         })
     }
+}
+
+/// The factors of vLLM's compatibility hash the demo's workers use in vLLM's protocol: a
+/// model named `nixl-rs-demo` of `layout.layers` layers of one KV head of
+/// `layout.block_bytes` bytes per block, so that workers of different caches have different
+/// hashes.
+pub fn demo_factors(layout: KvLayout) -> serde_json::Value {
+    serde_json::json!({
+        "vllm_version": "0.33.0",
+        "model": "nixl-rs-demo",
+        "dtype": "torch.uint8",
+        "num_kv_heads": 1,
+        "head_size": layout.block_bytes,
+        "num_hidden_layers": layout.layers,
+        "attn_backend_name": "FLASH_ATTN",
+        "cache_dtype": "auto",
+        "is_hma_enabled": false,
+    })
 }
 
 /// Sets `NIXL_ETCD_ENDPOINTS` for agents created afterwards.

@@ -221,6 +221,7 @@ async fn greet(worker: &Worker, options: &DecodeOptions, deadline: Deadline) -> 
         requests: options.requests,
         blocks_per_request: options.blocks_per_request,
         in_flight: options.in_flight,
+        connector_protocol: worker.connector.protocol().to_string(),
     });
     let exchange = async {
         channel.send(&hello).await?;
@@ -489,37 +490,12 @@ impl RunState<'_> {
     fn handle(&mut self, message: Message, worker: &Worker) -> Result<()> {
         let total = self.options.requests;
         match message {
-            Message::Announce(mut params) => {
-                let request = self.check_announce(&params)?;
-                // Read from the prefill this run connected to, wherever the params point.
-                params.remote_host = Some(self.source.1.clone());
-                params.remote_port = Some(self.source.2);
-                let id = request.to_string();
-                // Heartbeats keep its lease while it waits for free blocks.
-                self.scheduler.on_new_request(&id, Some(&params));
-                let abort = self.abort_point();
-                if abort == Some(AbortPoint::BeforeLoad) {
-                    let done = self.scheduler.request_finished(
-                        &id,
-                        &[],
-                        Some(&params),
-                        FinishStatus::Aborted,
-                    );
-                    debug_assert!(!done.delay_free_blocks);
-                    worker
-                        .connector
-                        .start_load_kv(&self.scheduler.build_connector_meta());
-                    self.lifecycle.aborted_before_load += 1;
-                    self.progress.requests_done += 1;
-                    return Ok(());
-                }
-                self.pending.push_back(Pending {
-                    request,
-                    params,
-                    announced: Instant::now(),
-                    abort_during_load: abort == Some(AbortPoint::DuringLoad),
-                });
-                Ok(())
+            Message::Announce(params) => self.announce(params, worker),
+            Message::AnnounceVllm(json) => {
+                let params = KvTransferParams::from_vllm_json(&json).map_err(|err| {
+                    Error::Protocol(format!("prefill's vLLM kv_transfer_params: {err}"))
+                })?;
+                self.announce(params, worker)
             }
             Message::Complete { requests } if requests == total => {
                 self.complete = true;
@@ -537,6 +513,38 @@ impl RunState<'_> {
                 other.kind()
             ))),
         }
+    }
+
+    /// Takes an announced request: aborts it at once (`--abort-every`), or queues it for
+    /// free blocks.
+    fn announce(&mut self, mut params: KvTransferParams, worker: &Worker) -> Result<()> {
+        let request = self.check_announce(&params)?;
+        // Read from the prefill this run connected to, wherever the params point.
+        params.remote_host = Some(self.source.1.clone());
+        params.remote_port = Some(self.source.2);
+        let id = request.to_string();
+        // Heartbeats keep its lease while it waits for free blocks.
+        self.scheduler.on_new_request(&id, Some(&params));
+        let abort = self.abort_point();
+        if abort == Some(AbortPoint::BeforeLoad) {
+            let done =
+                self.scheduler
+                    .request_finished(&id, &[], Some(&params), FinishStatus::Aborted);
+            debug_assert!(!done.delay_free_blocks);
+            worker
+                .connector
+                .start_load_kv(&self.scheduler.build_connector_meta());
+            self.lifecycle.aborted_before_load += 1;
+            self.progress.requests_done += 1;
+            return Ok(());
+        }
+        self.pending.push_back(Pending {
+            request,
+            params,
+            announced: Instant::now(),
+            abort_during_load: abort == Some(AbortPoint::DuringLoad),
+        });
+        Ok(())
     }
 
     /// Checks an announcement and returns its request number.

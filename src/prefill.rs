@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use futures_util::FutureExt;
 use nixl_connector::{
-    Channel, FinishStatus, KvConnectorScheduler, KvTransferParams, SchedulerConfig,
+    Channel, FinishStatus, KvConnectorScheduler, KvTransferParams, Protocol, SchedulerConfig,
 };
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, Notify};
@@ -183,14 +183,19 @@ impl PrefillServer {
         );
         // A request announced to a connected decode keeps its blocks under the lease of the
         // kv_transfer_config (the decode's heartbeats extend it); one released by the end of
-        // its lease counts as served.
-        let scheduler = KvConnectorScheduler::new(SchedulerConfig::new(
+        // its lease counts as served. In vLLM's protocol the port is the engine's ROUTER, and
+        // the params carry its registration generation.
+        let mut config = SchedulerConfig::new(
             &worker.name,
             &addr.ip().to_string(),
             worker.connector.side_channel_addr()?.port(),
             1,
             &worker.kv_transfer_config,
-        )?);
+        )?;
+        if worker.connector.protocol() == Protocol::Vllm {
+            config.vllm_side_channel = Some(worker.connector.vllm_side_channel()?);
+        }
+        let scheduler = KvConnectorScheduler::new(config);
         Ok(PrefillServer {
             shared: Arc::new(Shared {
                 worker,
@@ -497,6 +502,13 @@ fn check_hello(shared: &Shared, hello: &Hello) -> Result<()> {
     if hello.agent.is_empty() || hello.agent == shared.worker.name {
         return refuse(format!("bad decode agent name {:?}", hello.agent));
     }
+    let ours = shared.worker.connector.protocol();
+    if hello.connector_protocol != ours.as_str() {
+        return refuse(format!(
+            "decode's connector speaks the {:?} protocol, prefill's {ours}: give both the same --protocol",
+            hello.connector_protocol
+        ));
+    }
     if hello.layers as usize != layout.layers || hello.block_bytes != layout.block_bytes as u64 {
         return refuse(format!(
             "cache geometry differs: decode has {} layers of {}-byte blocks, prefill {} of {}",
@@ -622,7 +634,11 @@ impl Session<'_> {
         }
         .ok_or_else(|| Error::Protocol("the scheduler gave no transfer params".into()))?;
         params.remote_host = Some(self.local_ip.to_string());
-        self.channel.send(&Message::Announce(params)).await?;
+        let announce = match self.shared.worker.connector.protocol() {
+            Protocol::Vllm => Message::AnnounceVllm(params.to_vllm_json()),
+            _ => Message::Announce(params),
+        };
+        self.channel.send(&announce).await?;
         Ok(true)
     }
 

@@ -9,14 +9,16 @@
 //! 2. prefill → decode [`Message::Welcome`]: its engine and cache geometry (or
 //!    [`Message::Error`] saying why it refuses, or [`Message::Busy`]: try again shortly);
 //! 3. prefill → decode [`Message::Announce`] per request: the transfer params of a finished
-//!    prefill request; decode loads it with the connector, whose notification frees it;
+//!    prefill request ([`Message::AnnounceVllm`], vLLM's JSON of them, when the connectors
+//!    speak vLLM's protocol); decode loads it with the connector, whose notification frees
+//!    it;
 //! 4. prefill → decode [`Message::Complete`] once every request was acknowledged.
 
 use nixl_connector::KvTransferParams;
 use serde::{Deserialize, Serialize};
 
 /// Version of the protocol; both sides must speak the same.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// Default largest control-channel frame (1 MiB; a Hello takes under 100 bytes, an
 /// announcement about 10 bytes per block).
@@ -39,6 +41,9 @@ pub struct Hello {
     pub blocks_per_request: u32,
     /// Most requests announced and not yet acknowledged at any time.
     pub in_flight: u32,
+    /// The protocol the decode's connector speaks ([`nixl_connector::Protocol`]'s name:
+    /// `native` or `vllm`); prefill's must be the same.
+    pub connector_protocol: String,
 }
 
 /// prefill → decode: the prefill engine, where its connector's side channel listens, and
@@ -58,7 +63,7 @@ pub struct Welcome {
 }
 
 /// One control-channel message.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Message {
     /// See [`Hello`].
     Hello(Hello),
@@ -67,6 +72,10 @@ pub enum Message {
     /// A request is ready: where to read it (its request id is a number, which the demo's
     /// block pattern depends on).
     Announce(KvTransferParams),
+    /// [`Message::Announce`] when the connectors speak vLLM's protocol: the params as vLLM's
+    /// JSON `kv_transfer_params` (what vLLM's `request_finished` returns and a proxy hands
+    /// to the decode).
+    AnnounceVllm(String),
     /// Every request of the session was pulled and acknowledged.
     Complete {
         /// Requests served.
@@ -92,6 +101,7 @@ impl Message {
             Message::Hello(_) => "Hello",
             Message::Welcome(_) => "Welcome",
             Message::Announce(_) => "Announce",
+            Message::AnnounceVllm(_) => "AnnounceVllm",
             Message::Complete { .. } => "Complete",
             Message::Error { .. } => "Error",
             Message::Busy { .. } => "Busy",
@@ -128,6 +138,7 @@ mod tests {
                 requests: 100,
                 blocks_per_request: 16,
                 in_flight: 4,
+                connector_protocol: "vllm".into(),
             }),
             Message::Announce(KvTransferParams {
                 do_remote_prefill: true,
@@ -135,6 +146,7 @@ mod tests {
                 remote_request_id: Some("9".into()),
                 ..Default::default()
             }),
+            Message::AnnounceVllm(r#"{"remote_block_ids": [[1, 5]]}"#.into()),
             Message::Complete { requests: 100 },
         ];
         for m in samples {

@@ -40,6 +40,56 @@ fn loopback_run_checks_every_byte() {
     );
 }
 
+/// The connectors speak vLLM's protocol (a ZMQ ROUTER per engine, the compatibility hash,
+/// vLLM's JSON params, `request:consumers` notifications) at the demo's default shape: 32
+/// layers of 512 blocks of 16 KiB, requests of 16 blocks, 4 in flight.
+#[test]
+fn vllm_protocol_run_at_the_default_shape_checks_every_byte() {
+    let vllm = ["--protocol", "vllm"];
+    let mut args = vec!["--listen", "127.0.0.1:0", "--sessions", "1"];
+    args.extend(vllm);
+    let mut prefill = Proc::example("prefill", &args);
+    let line = prefill.expect_line("listening", |l| l.contains(" listening on "));
+    assert!(line.contains("connector protocol vllm"), "{line}");
+    let addr = line
+        .split(" listening on ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .expect("prefill's address")
+        .to_string();
+    let mut args = vec!["--prefill", &addr, "--requests", "12"];
+    args.extend(vllm);
+    let mut decode = Proc::example("decode", &args);
+    let status = decode.finish();
+    let out = decode.output();
+    assert!(status.success(), "decode failed:\n{out}");
+    assert!(out.contains("connector protocol vllm"), "{out}");
+    assert!(out.contains("requests:  12/12"), "{out}");
+    // 12 requests x 16 blocks x 32 layers of 16 KiB.
+    assert!(out.contains("blocks:    6144 "), "{out}");
+    assert!(out.contains("bytes:     100663296 "), "{out}");
+    assert!(
+        out.contains("errors:    none, every byte verified"),
+        "{out}"
+    );
+    let status = prefill.finish();
+    let pout = prefill.output();
+    assert!(status.success(), "prefill failed:\n{pout}");
+    assert!(
+        pout.contains(
+            "1 sessions (0 ended early), 12 requests served (0 freed when their lease ended)"
+        ),
+        "{pout}"
+    );
+
+    // A decode speaking the native protocol is refused by name.
+    let mut prefill = Prefill::start(&["--sessions", "1", "--protocol", "vllm"]);
+    let (status, out) = run_decode(prefill.addr, &WORK);
+    assert!(!status.success(), "{out}");
+    assert!(out.contains("give both the same --protocol"), "{out}");
+    prefill.proc.kill();
+}
+
 #[test]
 fn prefix_hits_and_aborts_in_a_verified_run() {
     let mut prefill = Prefill::start(&["--sessions", "2"]);
@@ -193,5 +243,10 @@ fn demo_script_passes() {
     );
     assert!(status.success(), "{text}");
     assert!(text.contains("requests:  12/12"), "{text}");
+    assert!(text.contains("demo: PASSED"), "{text}");
+
+    let (status, text) = run_script("demo.sh", &["--protocol", "vllm", "--", "--requests", "12"]);
+    assert!(status.success(), "{text}");
+    assert!(text.contains("connector protocol vllm"), "{text}");
     assert!(text.contains("demo: PASSED"), "{text}");
 }

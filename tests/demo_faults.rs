@@ -193,7 +193,7 @@ fn bad_control_channel_input_is_rejected_without_harm() {
         true,
     );
     assert!(refusal(&replies).contains("expected Hello, got Complete"));
-    let hello = |version| {
+    let hello_speaking = |version, protocol: &str| {
         Message::Hello(Hello {
             version,
             agent: "intruder".into(),
@@ -202,9 +202,11 @@ fn bad_control_channel_input_is_rejected_without_harm() {
             requests: 1,
             blocks_per_request: 1,
             in_flight: 1,
+            connector_protocol: protocol.into(),
         })
         .encode()
     };
+    let hello = |version| hello_speaking(version, "native");
     let replies = poke(addr, &frame(&hello(PROTOCOL_VERSION - 1)), true);
     assert!(
         refusal(&replies).contains(&format!(
@@ -212,6 +214,15 @@ fn bad_control_channel_input_is_rejected_without_harm() {
             PROTOCOL_VERSION - 1
         )),
         "an older protocol: {replies:?}"
+    );
+    let replies = poke(
+        addr,
+        &frame(&hello_speaking(PROTOCOL_VERSION, "vllm")),
+        true,
+    );
+    assert!(
+        refusal(&replies).contains("speaks the \"vllm\" protocol, prefill's native"),
+        "another connector protocol: {replies:?}"
     );
     let mut cut = hello(PROTOCOL_VERSION);
     cut.truncate(cut.len() - 3);
@@ -243,5 +254,5 @@ fn bad_control_channel_input_is_rejected_without_harm() {
         .lines()
         .filter(|l| l.starts_with("prefill: rejected connection"))
         .count();
-    assert_eq!(rejected, 11, "{}", prefill.proc.output());
+    assert_eq!(rejected, 12, "{}", prefill.proc.output());
 }

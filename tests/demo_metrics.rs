@@ -99,6 +99,8 @@ async fn the_connectors_series_move_in_a_scrape() {
         request_id: request.into(),
         tp_size: 1,
         num_tokens: None,
+        blocks_expiry_time: None,
+        registration_generation: None,
     };
     prefill.hold_for_decode("expires", Instant::now() + Duration::from_millis(300));
     for (i, blocks) in [vec![1, 2], vec![3], vec![4, 5, 6]].into_iter().enumerate() {

@@ -7,7 +7,7 @@ mod common;
 use std::path::Path;
 
 use common::unique_name;
-use nixl::{validate_metadata, Agent, Backend, Error, Registration};
+use nixl::{metadata_agent_name, validate_metadata, Agent, Backend, Error, Registration};
 
 /// An agent with the given backends (by plugin name).
 fn agent_with(prefix: &str, plugins: &[&str]) -> (Agent, Vec<Backend>) {
@@ -27,6 +27,7 @@ fn loader() -> (Agent, Vec<Backend>) {
 /// Validates `md` and loads it into a fresh agent; the loaded name must be `name`.
 fn assert_loads(kind: &str, md: &[u8], name: &str) {
     validate_metadata(md).unwrap_or_else(|e| panic!("{kind}: {e}"));
+    assert_eq!(metadata_agent_name(md).unwrap(), name, "{kind}");
     let (agent, _backends) = loader();
     assert_eq!(agent.load_remote_metadata(md).unwrap(), name, "{kind}");
 }
@@ -119,6 +120,13 @@ fn the_crash_corpus_comes_back_as_errors() {
     assert!(cases.len() >= 20, "corpus has {} files", cases.len());
     let (agent, _backends) = loader();
     for (name, bytes) in &cases {
+        assert!(
+            matches!(
+                metadata_agent_name(bytes),
+                Err(Error::InvalidMetadata { .. })
+            ),
+            "{name}"
+        );
         match agent.load_remote_metadata(bytes) {
             Err(Error::InvalidMetadata { offset, reason }) => {
                 assert!(offset <= bytes.len(), "{name}: offset {offset}: {reason}")

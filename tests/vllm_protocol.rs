@@ -1,7 +1,9 @@
-//! nixl-connector's vLLM protocol pieces against a Python peer that speaks vLLM 0.33's
-//! side channel with vLLM's own wire libraries (pyzmq REQ/ROUTER, msgspec), written from
-//! the wire format (tests/py/vllm_peer.py): the handshake both ways, the compatibility
-//! hash, the notification formats, and hostile requests.
+//! nixl-connector's vLLM protocol against a Python peer that speaks vLLM 0.33's side
+//! channel with vLLM's own wire libraries (pyzmq REQ/ROUTER, msgspec) and moves KV blocks
+//! with NIXL's Python agent, written from the wire format (tests/py/vllm_peer.py): the
+//! handshake both ways, the compatibility hash, the notification formats, hostile requests;
+//! and whole loads both ways between a connector worker in vLLM mode and the Python engine,
+//! every byte checked, the notifications and heartbeats compared byte for byte.
 
 mod py;
 #[path = "../nixl-connector/tests/vllm_support/mod.rs"]
@@ -12,14 +14,20 @@ use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
 use std::path::Path;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use nixl::kv_config::KvTransferConfig;
+use nixl::platform::BuiltinPlatform;
 use nixl_connector::vllm::notify::{encode_done, encode_heartbeat, parse, NotificationLimits};
 use nixl_connector::vllm::{
     Compatibility, CompatibilityFactors, MetadataClient, MetadataServer, NixlAgentMetadata,
     NixlHandshakePayload, SpeculativeFactors, VllmChannelLimits, VllmNotification,
 };
-use nixl_connector::Error;
+use nixl_connector::{
+    Error, FinishStatus, KvAttention, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker,
+    KvLayout, KvTransferParams, LoadOutcome, SchedulerConfig, WorkerConfig,
+};
 use py::{hex, unhex};
 use serde_json::{json, Value};
 use vllm_support::factors;
@@ -36,6 +44,7 @@ impl VllmPeer {
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/py/vllm_peer.py");
         let mut child = Command::new(py::python())
             .arg(script)
+            .env("NIXL_LOG_LEVEL", "WARN")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -395,4 +404,300 @@ async fn notifications_match_vllms_both_ways() {
         peer.json(&format!("parse_notif {}", hex(&python))),
         json!({"hb": ids})
     );
+}
+
+/// The bytes of region `region` of a Python prefill, as tests/py/vllm_peer.py's `kv_byte`
+/// fills them (byte `i` from the region's start).
+fn python_byte(region: usize, i: usize) -> u8 {
+    ((i * 7 + (i >> 8) * 13 + region * 131 + 3) % 256) as u8
+}
+
+/// The bytes of region `region` of a Rust prefill (byte `i` from the region's start).
+fn rust_byte(region: usize, i: usize) -> u8 {
+    ((i * 11 + (i >> 8) * 5 + region * 71 + 1) % 256) as u8
+}
+
+/// The geometry both engines of the Python tests share: 2 regions of 16 blocks of 16
+/// tokens of 8 KV heads of 8 bytes (1 KiB blocks), HND.
+const REGIONS: usize = 2;
+const BLOCKS: usize = 16;
+const BLOCK_LEN: usize = 1024;
+
+fn kv_spec() -> KvCacheSpec {
+    KvCacheSpec::uniform(
+        REGIONS,
+        BLOCKS,
+        16,
+        KvAttention::Mha { total_kv_heads: 8 },
+        KvLayout::Hnd,
+        BLOCK_LEN,
+    )
+}
+
+/// A host-memory `kv_transfer_config` speaking vLLM's protocol with `factors`, a lease of
+/// 0.6 s (heartbeats every 0.1 s).
+fn vllm_kv(factors: &CompatibilityFactors) -> KvTransferConfig {
+    let mut kv = KvTransferConfig {
+        kv_buffer_device: "cpu".into(),
+        ..Default::default()
+    };
+    let extra = &mut kv.kv_connector_extra_config;
+    extra.insert("protocol".into(), "vllm".into());
+    extra.insert(
+        "vllm_compat_factors".into(),
+        serde_json::to_value(factors).unwrap(),
+    );
+    extra.insert("kv_lease_duration".into(), 0.6.into());
+    kv
+}
+
+/// A vLLM-mode engine of TP 1: its worker (cache of [`kv_spec`], its own ROUTER) and its
+/// scheduler.
+fn vllm_engine(
+    engine: &str,
+    factors: &CompatibilityFactors,
+) -> (KvConnectorWorker, KvConnectorScheduler) {
+    let kv = vllm_kv(factors);
+    let mut config = WorkerConfig::new(engine, 0, 1, kv.clone());
+    config.platform = Arc::new(BuiltinPlatform::CPU);
+    let worker = KvConnectorWorker::new(config).unwrap();
+    worker.register_host_kv_caches(kv_spec()).unwrap();
+    let port = worker.side_channel_addr().unwrap().port();
+    let mut config = SchedulerConfig::new(engine, "127.0.0.1", port, 1, &kv).unwrap();
+    config.vllm_side_channel = Some(worker.vllm_side_channel().unwrap());
+    (worker, KvConnectorScheduler::new(config))
+}
+
+/// A Python prefill engine serving [`kv_spec`]'s geometry under `hash`; `extra` adds keys
+/// vLLM 0.33 does not know, `lie` claims base addresses past its buffers. Its port.
+fn python_prefill(peer: &mut VllmPeer, hash: &str, extra: bool, lie: bool) -> u16 {
+    let got = peer.json(&format!(
+        "kv_prefill {hash} {} {} py-engine {REGIONS} {BLOCKS} {BLOCK_LEN} 16",
+        u8::from(extra),
+        u8::from(lie)
+    ));
+    got["port"].as_u64().unwrap() as u16
+}
+
+/// Loads the Python prefill's `request` in `remote` blocks into `local` through the decode's
+/// scheduler and worker, from vLLM's JSON params; the outcome.
+async fn load_from_python(
+    peer: &mut VllmPeer,
+    (decode, scheduler): (&KvConnectorWorker, &mut KvConnectorScheduler),
+    request: &str,
+    remote: &[usize],
+    local: &[usize],
+) -> LoadOutcome {
+    let blocks: Vec<String> = remote.iter().map(usize::to_string).collect();
+    let json = peer.call(&format!(
+        "kv_finish {} {}",
+        hex(request.as_bytes()),
+        blocks.join(",")
+    ));
+    let params = KvTransferParams::from_vllm_json(&json).unwrap();
+    scheduler
+        .update_state_after_alloc(request, local, &params)
+        .unwrap();
+    decode.start_load_kv(&scheduler.build_connector_meta());
+    let start = Instant::now();
+    loop {
+        let finished = decode.finished();
+        if finished.recving.iter().any(|r| r == request) {
+            let errors = decode.load_errors();
+            let mut outcomes = scheduler.update_connector_output(&finished, &errors);
+            assert_eq!(outcomes.len(), 1, "{outcomes:?}");
+            return outcomes.remove(0);
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the load never ended"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Checks that `local` blocks of `decode` hold the Python prefill's `remote` blocks.
+fn holds_python_blocks(decode: &KvConnectorWorker, local: &[usize], remote: &[usize]) {
+    let cache = decode.kv_caches().unwrap();
+    for region in 0..REGIONS {
+        for (&l, &r) in local.iter().zip(remote) {
+            let mut got = vec![0u8; BLOCK_LEN];
+            cache.read(region, l * BLOCK_LEN, &mut got).unwrap();
+            let want: Vec<u8> = (0..BLOCK_LEN)
+                .map(|o| python_byte(region, r * BLOCK_LEN + o))
+                .collect();
+            assert!(got == want, "region {region} local block {l} (remote {r})");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rust_decode_pulls_every_byte_from_a_python_prefill_then_notifies_and_heartbeats() {
+    let mut peer = VllmPeer::start();
+    let hash = factors().hash();
+    let port = python_prefill(&mut peer, &hash, false, false);
+    let (decode, mut scheduler) = vllm_engine("rs-decode", &factors());
+
+    let (remote, local) = ([3, 9, 14], [0, 1, 2]);
+    let outcome = load_from_python(
+        &mut peer,
+        (&decode, &mut scheduler),
+        "py-req-1",
+        &remote,
+        &local,
+    )
+    .await;
+    assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
+    holds_python_blocks(&decode, &local, &remote);
+    assert!(decode.load_errors().is_empty());
+
+    // Two requests wait for blocks: the next step heartbeats the Python engine for both.
+    for request in ["py-wait-1", "py-wait-2"] {
+        let json = peer.call(&format!("kv_finish {} 1", hex(request.as_bytes())));
+        let params = KvTransferParams::from_vllm_json(&json).unwrap();
+        assert_eq!(params.remote_port, Some(port));
+        scheduler.on_new_request(request, Some(&params));
+    }
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let meta = scheduler.build_connector_meta();
+    assert_eq!(meta.heartbeats.len(), 1, "{meta:?}");
+    decode.start_load_kv(&meta);
+
+    let notes = peer.json("kv_notifs 2 10");
+    let agent = decode.agent().name();
+    assert_eq!(notes[0]["from"], agent, "{notes}");
+    assert_eq!(unhex(notes[0]["hex"].as_str().unwrap()), b"py-req-1:1");
+    assert_eq!(notes[0]["vllm"], json!({"id": "py-req-1", "consumers": 1}));
+    assert_eq!(notes[1]["from"], agent, "{notes}");
+    let heartbeat = unhex(notes[1]["hex"].as_str().unwrap());
+    assert!(
+        heartbeat == b"HB:py-wait-1,py-wait-2" || heartbeat == b"HB:py-wait-2,py-wait-1",
+        "{notes}"
+    );
+    let mut ids: Vec<String> =
+        serde_json::from_value(notes[1]["vllm"]["hb"].clone()).expect("a heartbeat");
+    ids.sort();
+    assert_eq!(ids, ["py-wait-1", "py-wait-2"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_python_decode_reads_every_byte_from_a_rust_prefill_whose_notification_frees_it() {
+    let mut peer = VllmPeer::start();
+    let (prefill, mut scheduler) = vllm_engine("rs-prefill", &factors());
+    let cache = prefill.kv_caches().unwrap();
+    for region in 0..REGIONS {
+        let bytes: Vec<u8> = (0..BLOCKS * BLOCK_LEN)
+            .map(|i| rust_byte(region, i))
+            .collect();
+        cache.write(region, 0, &bytes).unwrap();
+    }
+    let for_decode = KvTransferParams {
+        do_remote_decode: true,
+        ..Default::default()
+    };
+    let remote = [5, 2, 11];
+    let finished = scheduler.request_finished(
+        "rs-req-1",
+        &remote,
+        Some(&for_decode),
+        FinishStatus::LengthCapped,
+    );
+    prefill.start_load_kv(&scheduler.build_connector_meta());
+    let params: Value =
+        serde_json::from_str(&finished.kv_transfer_params.unwrap().to_vllm_json()).unwrap();
+    let port = params["remote_port"].as_u64().unwrap();
+    assert_eq!(params["remote_block_ids"], json!([remote]));
+    let hash = factors().hash();
+
+    // Another hash: the Python decode refuses before it decodes the metadata.
+    let other = "0".repeat(64);
+    let got = peer.json(&format!(
+        "kv_decode {port} {other} 1 rs-prefill 5,2,11 {} 1",
+        hex(b"rs-req-1")
+    ));
+    assert_eq!(got["mismatch"], json!([other, hash]), "{got}");
+
+    let got = peer.json(&format!(
+        "kv_decode {port} {hash} 1 rs-prefill 5,2,11 {} 1",
+        hex(b"rs-req-1")
+    ));
+    assert_eq!(got["agent"], prefill.agent().name(), "{got}");
+    assert_eq!(got["meta"]["kv_cache_layout"], "LBHNC");
+    assert_eq!(got["meta"]["block_lens"], json!([BLOCK_LEN, BLOCK_LEN]));
+    assert_eq!(got["meta"]["region_group_ids"], json!([0, 0]));
+    assert_eq!(got["meta"]["region_mem_types"], json!(["DRAM", "DRAM"]));
+    assert_eq!(got["remote_perf_is_float"], true);
+    let data = unhex(got["data"].as_str().expect("the blocks read"));
+    let mut want = Vec::new();
+    for region in 0..REGIONS {
+        for &block in &remote {
+            want.extend((0..BLOCK_LEN).map(|o| rust_byte(region, block * BLOCK_LEN + o)));
+        }
+    }
+    assert!(data == want, "the Python decode read other bytes");
+
+    // The READ's notification "rs-req-1:1" frees the request.
+    tokio::time::timeout(Duration::from_secs(10), prefill.notified())
+        .await
+        .expect("the Python decode's notification");
+    assert_eq!(prefill.finished().sending, ["rs-req-1"]);
+    assert_eq!(prefill.send_stats().freed_on_notification, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rust_decode_ignores_new_keys_refuses_another_hash_and_false_addresses() {
+    let hash = factors().hash();
+    let mut peer = VllmPeer::start();
+    python_prefill(&mut peer, &hash, true, false);
+    let (decode, mut scheduler) = vllm_engine("rs-decode-x", &factors());
+    let outcome =
+        load_from_python(&mut peer, (&decode, &mut scheduler), "py-new", &[7], &[4]).await;
+    assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
+    holds_python_blocks(&decode, &[4], &[7]);
+
+    let other = CompatibilityFactors {
+        dtype: "torch.float16".into(),
+        ..factors()
+    };
+    let (strict, mut strict_scheduler) = vllm_engine("rs-decode-other", &other);
+    let outcome = load_from_python(
+        &mut peer,
+        (&strict, &mut strict_scheduler),
+        "py-other",
+        &[7],
+        &[4],
+    )
+    .await;
+    let LoadOutcome::Failed { reason, .. } = outcome else {
+        panic!("{outcome:?}")
+    };
+    assert!(
+        reason.contains(&hash) && reason.contains(&other.hash()),
+        "{reason}"
+    );
+
+    // Base addresses past what the Python agent registered: NIXL's loaded metadata does
+    // not advertise them, so nothing is read.
+    let mut liar = VllmPeer::start();
+    python_prefill(&mut liar, &hash, false, true);
+    let (victim, mut victim_scheduler) = vllm_engine("rs-decode-lied-to", &factors());
+    let outcome = load_from_python(
+        &mut liar,
+        (&victim, &mut victim_scheduler),
+        "py-lie",
+        &[1],
+        &[2],
+    )
+    .await;
+    let LoadOutcome::Failed { reason, .. } = outcome else {
+        panic!("{outcome:?}")
+    };
+    assert!(reason.contains("metadata advertises"), "{reason}");
+    let mut block = vec![1u8; BLOCK_LEN];
+    victim
+        .kv_caches()
+        .unwrap()
+        .read(0, 2 * BLOCK_LEN, &mut block)
+        .unwrap();
+    assert!(block.iter().all(|&b| b == 0));
 }

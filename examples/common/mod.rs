@@ -6,7 +6,8 @@ use std::net::SocketAddr;
 use std::process::ExitCode;
 
 use nixl::kv_config::KvRole;
-use nixl_rs::cli::{parse_positive, parse_size, use_colour};
+use nixl_connector::Protocol;
+use nixl_rs::cli::{parse_positive, parse_protocol, parse_size, use_colour};
 use nixl_rs::config::{self, MetadataMode, WorkerConfig};
 use nixl_rs::kv_cache::KvLayout;
 
@@ -30,6 +31,11 @@ pub struct WorkerArgs {
     /// Bytes per block, the same on both workers (suffixes K/KiB, M/MiB).
     #[arg(long, default_value = "16KiB", value_parser = parse_size)]
     pub block_size: usize,
+    /// The connector's protocol: native (its own handshake, one side channel per rank) or
+    /// vllm (vLLM 0.33's NixlConnector protocol: a ZMQ ROUTER, the compatibility hash,
+    /// vLLM's JSON kv_transfer_params). Default: the kv_transfer_config's, else native.
+    #[arg(long, value_parser = parse_protocol)]
+    pub protocol: Option<Protocol>,
     /// How agent metadata is exchanged: side-channel (the connector's handshake) or etcd.
     #[arg(long, default_value_t = MetadataMode::SideChannel)]
     pub metadata: MetadataMode,
@@ -97,6 +103,7 @@ impl WorkerArgs {
             name: self.name.as_deref(),
             metadata: self.metadata,
             layout: self.layout(),
+            protocol: self.protocol,
         }
     }
 }

@@ -155,6 +155,8 @@ async fn measure(a: &Args, port: u16) -> nixl_connector::Result<()> {
         request_id: format!("r{i}"),
         tp_size: 1,
         num_tokens: None,
+        blocks_expiry_time: None,
+        registration_generation: None,
     };
 
     // Warm-up: the handshake and the first connection are not timed.

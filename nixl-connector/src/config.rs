@@ -9,6 +9,7 @@ use nixl::platform::Platform;
 use serde_json::Value;
 
 use crate::error::{Error, Result};
+use crate::vllm::{MetadataServer, VllmChannelLimits};
 use crate::wire::ChannelLimits;
 
 /// vLLM's default `kv_lease_duration`: 30 s.
@@ -111,6 +112,74 @@ impl LoadFailurePolicy {
     }
 }
 
+/// The `kv_connector_extra_config` key naming the [`Protocol`].
+pub const PROTOCOL_KEY: &str = "protocol";
+
+/// The protocol a worker and a scheduler speak with other engines: the side channel, the
+/// handshake, the notifications and what the transfer params mean. Both engines of a pair
+/// must speak the same.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Protocol {
+    /// The connector's own (`"native"`): one side channel per TP rank (rank `r` at the
+    /// engine's port + `r`), length-prefixed MessagePack frames carrying a
+    /// [`HandshakeMessage`](crate::HandshakeMessage) both ways, each side checking the
+    /// other; notifications `request:reader_tp`.
+    #[default]
+    Native,
+    /// vLLM 0.33's NixlConnector protocol in pull mode (`"vllm"`), so that a Rust engine and
+    /// a vLLM engine serve as each other's prefill or decode: one ZMQ ROUTER per engine at
+    /// its port answering `get_meta_msg` for each rank by number, the compatibility hash,
+    /// `NixlAgentMetadata`, notifications `request:consumers`; see [`vllm`](crate::vllm).
+    Vllm,
+}
+
+impl Protocol {
+    /// The protocol `kv_connector_extra_config.protocol` names (`"native"` or `"vllm"`;
+    /// default native).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for any other value.
+    pub fn from_kv_transfer_config(config: &KvTransferConfig) -> Result<Self> {
+        match config.kv_connector_extra_config.get(PROTOCOL_KEY) {
+            None => Ok(Protocol::default()),
+            Some(Value::String(name)) => name.parse(),
+            Some(other) => Err(Error::invalid(
+                "read the connector protocol",
+                format!("kv_connector_extra_config.{PROTOCOL_KEY} is {other}; use \"native\" or \"vllm\""),
+            )),
+        }
+    }
+
+    /// Its name in `kv_connector_extra_config`: `native` or `vllm`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Protocol::Native => "native",
+            Protocol::Vllm => "vllm",
+        }
+    }
+}
+
+impl std::str::FromStr for Protocol {
+    type Err = Error;
+
+    fn from_str(name: &str) -> Result<Self> {
+        match name {
+            "native" => Ok(Protocol::Native),
+            "vllm" => Ok(Protocol::Vllm),
+            other => Err(Error::invalid(
+                "read the connector protocol",
+                format!("unknown protocol {other:?}; use \"native\" or \"vllm\""),
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for Protocol {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// How a worker's NIXL agent metadata reaches the engines that read from it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum MetadataExchange {
@@ -138,7 +207,8 @@ pub struct WorkerConfig {
     pub kv_transfer_config: KvTransferConfig,
     /// The platform the memory type is resolved for (see [`nixl::platform`]).
     pub platform: Arc<dyn Platform>,
-    /// Where this rank's side channel listens (port 0: any free port).
+    /// Where this rank's side channel listens (port 0: any free port). In vLLM mode without
+    /// [`vllm_side_channel`](Self::vllm_side_channel), where the engine's ROUTER is bound.
     pub side_channel: SocketAddr,
     /// Side-channel limits.
     pub limits: ChannelLimits,
@@ -156,13 +226,28 @@ pub struct WorkerConfig {
     /// The KV lease of requests held for a decode (`None`: from the `kv_transfer_config`,
     /// see [`Lease::from_kv_transfer_config`]).
     pub lease: Option<Lease>,
+    /// The protocol spoken with other engines (`None`: from the `kv_transfer_config`, see
+    /// [`Protocol::from_kv_transfer_config`]).
+    pub protocol: Option<Protocol>,
+    /// vLLM mode: caps and deadlines of the vLLM side channel, as a decode asking a
+    /// prefill and as the ROUTER this worker binds.
+    pub vllm_limits: VllmChannelLimits,
+    /// vLLM mode: the engine's side channel (one ROUTER per engine, as vLLM has it), shared
+    /// by the engine's ranks in this process; this rank's handshake payload is published to
+    /// it as `(pp_rank 0, tp_rank)` when the KV caches are registered, and withdrawn when
+    /// the worker is dropped. `None`: the worker binds one at [`side_channel`](Self::side_channel),
+    /// which [`KvConnectorWorker::vllm_side_channel`](crate::KvConnectorWorker::vllm_side_channel)
+    /// gives, so that the engine's other ranks can publish to it (the payloads of ranks in
+    /// other processes: [`KvConnectorWorker::vllm_handshake_payload`](crate::KvConnectorWorker::vllm_handshake_payload)).
+    pub vllm_side_channel: Option<Arc<MetadataServer>>,
 }
 
 impl WorkerConfig {
     /// Defaults: the current platform (or `cpu` when none is detected), side channel on
     /// 127.0.0.1 port 0, [`ChannelLimits::default`], 30 s transfers, device 0, a generated
-    /// agent name with [`nixl::AgentConfig::default`], metadata in the handshake, the lease of
-    /// the `kv_transfer_config`.
+    /// agent name with [`nixl::AgentConfig::default`], metadata in the handshake, the lease
+    /// and protocol of the `kv_transfer_config`, [`VllmChannelLimits::default`] and no shared
+    /// vLLM side channel.
     pub fn new(engine_id: &str, tp_rank: usize, tp_size: usize, kv: KvTransferConfig) -> Self {
         let platform = nixl::platform::current_platform()
             .unwrap_or_else(|_| Arc::new(nixl::platform::BuiltinPlatform::CPU));
@@ -180,6 +265,9 @@ impl WorkerConfig {
             agent_config: nixl::AgentConfig::default(),
             metadata_exchange: MetadataExchange::default(),
             lease: None,
+            protocol: None,
+            vllm_limits: VllmChannelLimits::default(),
+            vllm_side_channel: None,
         }
     }
 }

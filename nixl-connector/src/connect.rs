@@ -1,8 +1,11 @@
 //! A decode rank's handshake with one remote rank (vLLM's `_nixl_handshake` and
-//! `add_remote_agent`): its handshake message fetched over the side channel and checked, its
-//! agent's metadata loaded, and, when it is read from, the pieces of its blocks and of the
-//! local blocks they land in described in prepared lists ([`ReadPlan`](crate::ReadPlan)). Run
-//! once per remote rank, in the background, through [`Remotes`](crate::remotes).
+//! `add_remote_agent`): its handshake message fetched over the side channel (the native
+//! exchange, or vLLM's `get_meta_msg` converted, see [`VllmWorker::fetch`](crate::vllm::VllmWorker))
+//! and checked, its agent's metadata loaded (validated by NIXL's loader, whichever protocol
+//! brought it), and, when it is read from, the pieces of its blocks and of the local blocks
+//! they land in described in prepared lists ([`ReadPlan`](crate::ReadPlan)), which NIXL holds
+//! to the memory the loaded metadata advertises. Run once per remote rank, in the
+//! background, through [`Remotes`](crate::remotes).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -16,23 +19,43 @@ use crate::remotes::{ReadLists, Remote};
 use crate::shared::Shared;
 use crate::side_channel::fetch_handshake;
 
-/// The remote rank `rank` of `engine` at `host:port`, handshaking first if no load has yet
-/// (see [`Remotes::get`](crate::remotes::Remotes::get)).
+/// Where a remote engine's side channel is, and its TP size.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Engine<'a> {
+    /// Its id.
+    pub(crate) id: &'a str,
+    /// Its side-channel host.
+    pub(crate) host: &'a str,
+    /// Its TP size.
+    pub(crate) tp_size: usize,
+}
+
+/// The remote rank `rank` of `engine`, whose side channel is at `port`, handshaking first
+/// if no load has yet (see [`Remotes::get`](crate::remotes::Remotes::get)).
 ///
 /// # Errors
 /// [`Error::Handshake`] with the reason.
 pub(crate) async fn remote(
     shared: &Arc<Shared>,
-    engine: &str,
+    engine: Engine<'_>,
     rank: usize,
-    host: &str,
     port: u16,
 ) -> Result<Arc<Remote>> {
     let start = || {
-        let (shared, engine, host) = (shared.clone(), engine.to_string(), host.to_string());
+        let shared = shared.clone();
+        let (id, host, tp_size) = (
+            engine.id.to_string(),
+            engine.host.to_string(),
+            engine.tp_size,
+        );
         async move {
+            let engine = Engine {
+                id: &id,
+                host: &host,
+                tp_size,
+            };
             let started = std::time::Instant::now();
-            let remote = connect(&shared, &engine, rank, &host, port).await;
+            let remote = connect(&shared, engine, rank, port).await;
             if remote.is_ok() {
                 shared.series.handshake(started.elapsed());
             }
@@ -40,23 +63,33 @@ pub(crate) async fn remote(
         }
         .boxed()
     };
-    shared.remotes.get(engine, rank, start).await
+    shared.remotes.get(engine.id, rank, start).await
 }
 
 async fn connect(
     shared: &Shared,
-    engine: &str,
+    engine: Engine<'_>,
     rank: usize,
-    host: &str,
     port: u16,
 ) -> Result<Arc<Remote>> {
     let caches = shared.caches.get().ok_or(Error::NotRegistered {
         operation: "handshake",
     })?;
     let started = std::time::Instant::now();
-    let addr = resolve(host, port).await?;
     let ours = &caches.handshake;
-    let theirs = fetch_handshake(addr, ours, shared.config.limits).await?;
+    let (theirs, blocks_per_id) = match &shared.vllm {
+        None => {
+            let addr = resolve(engine.host, port).await?;
+            (fetch_handshake(addr, ours, shared.config.limits).await?, 1)
+        }
+        Some(vllm) => {
+            let fetched = vllm
+                .fetch(ours, rank, engine.tp_size, engine.host, port)
+                .await?;
+            (fetched.message, fetched.blocks_per_logical)
+        }
+    };
+    let engine = engine.id;
     let plan = check_compatible(ours, &theirs, Some(engine), Some(rank))?;
     let agent = shared.setup.agent();
     let source = (engine.to_string(), rank);
@@ -118,6 +151,7 @@ async fn connect(
         agent: name,
         plan,
         lists,
+        blocks_per_id,
     }))
 }
 

@@ -146,6 +146,20 @@ pub enum Error {
         /// The peer's hash.
         remote: String,
     },
+    /// A prefill's blocks are freed, or will be before they could be read: their expiry
+    /// time (vLLM's `remote_blocks_expiry_time`, read on our clock through the handshake's
+    /// clock offset) is past or within the safety margin ([`EXPIRY_SAFETY_MARGIN`](crate::vllm::EXPIRY_SAFETY_MARGIN)), so they are not read.
+    #[error("request {request_id:?}: the blocks of engine {engine:?} expire {left:.3} s from now on this clock (clock offset {clock_offset:.3} s), within the safety margin; not read")]
+    BlocksExpired {
+        /// The remote request.
+        request_id: String,
+        /// The remote engine.
+        engine: String,
+        /// Seconds until they expire, on our clock (negative: past).
+        left: f64,
+        /// The engine's clock minus ours.
+        clock_offset: f64,
+    },
     /// A NIXL notification in vLLM's format could not be parsed or made.
     #[error("vLLM notification: {reason}")]
     Notification {

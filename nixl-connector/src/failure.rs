@@ -18,6 +18,9 @@ pub enum FailureKind {
     /// The load was refused before anything was posted (a block out of range, a remote TP
     /// this rank cannot read from, no registered cache).
     Invalid,
+    /// The prefill's blocks expire before they could be read (vLLM mode: its
+    /// `remote_blocks_expiry_time`); nothing was read.
+    Expired,
 }
 
 impl FailureKind {
@@ -27,17 +30,20 @@ impl FailureKind {
             Error::Handshake { .. } => FailureKind::Handshake,
             Error::TransferTimeout { .. } => FailureKind::Timeout,
             Error::InvalidArgument { .. } | Error::NotRegistered { .. } => FailureKind::Invalid,
+            Error::BlocksExpired { .. } => FailureKind::Expired,
             _ => FailureKind::Transfer,
         }
     }
 
-    /// Its name in metric labels and logs: `handshake`, `transfer`, `timeout`, `invalid`.
+    /// Its name in metric labels and logs: `handshake`, `transfer`, `timeout`, `invalid`,
+    /// `expired`.
     pub fn as_str(self) -> &'static str {
         match self {
             FailureKind::Handshake => "handshake",
             FailureKind::Transfer => "transfer",
             FailureKind::Timeout => "timeout",
             FailureKind::Invalid => "invalid",
+            FailureKind::Expired => "expired",
         }
     }
 }

@@ -102,6 +102,7 @@
 //!     engine_id: "prefill".into(), host: "127.0.0.1".into(),
 //!     port: prefill.side_channel_addr()?.port(), block_ids: vec![3, 4],
 //!     request_id: "req-1".into(), tp_size: 1, num_tokens: None,
+//!     blocks_expiry_time: None, registration_generation: None,
 //! };
 //! decode.start_load("req-1", &[0, 1], &remote)?;
 //! // ...later steps: decode.finished().recving lists "req-1"; decode.load_errors() is empty.
@@ -137,8 +138,8 @@ mod wire;
 mod worker;
 
 pub use config::{
-    Lease, LoadFailurePolicy, MetadataExchange, WorkerConfig, DEFAULT_KV_LEASE_DURATION,
-    DEFAULT_MAX_HOLD,
+    Lease, LoadFailurePolicy, MetadataExchange, Protocol, WorkerConfig, DEFAULT_KV_LEASE_DURATION,
+    DEFAULT_MAX_HOLD, PROTOCOL_KEY,
 };
 pub use error::{Error, Result};
 pub use failure::{FailedBlock, FailureKind};

@@ -7,6 +7,7 @@
 //! alone once every READ is posted (vLLM's `_read_blocks_for_req`). If a READ cannot be
 //! posted, none after it is, and the load ends only once those already posted have.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -15,7 +16,8 @@ use nixl::{XferOp, XferOptions, XferStatus};
 use tracing::Instrument;
 
 use crate::block_map::pair_units;
-use crate::connect;
+use crate::config::Protocol;
+use crate::connect::{self, Engine};
 use crate::error::{Error, Result};
 use crate::failure::{FailedBlock, FailureKind};
 use crate::metrics::TransferMetrics;
@@ -23,6 +25,8 @@ use crate::params::RemoteBlocks;
 use crate::remotes::Remote;
 use crate::sending::notification_message;
 use crate::shared::Shared;
+use crate::tp_mapping::TpMapping;
+use crate::vllm::clock::perf_counter;
 
 /// What [`crate::KvConnectorWorker::start_load`] checked and hands the task.
 pub(crate) struct Load {
@@ -47,8 +51,26 @@ impl Load {
         tracing::info_span!("nixl_load", request = request_id, engine = %remote.engine_id, ranks = ?ranks, blocks, outcome = tracing::field::Empty)
     }
 
+    /// The notification each remote rank gets: the remote request id and, in the native
+    /// protocol, this engine's TP size (the prefill works out how many ranks read it), in
+    /// vLLM's, how many ranks of this engine notify each remote rank (vLLM's
+    /// `local_consumers`).
     fn notification(&self, shared: &Shared) -> Vec<u8> {
-        notification_message(&self.remote.request_id, shared.config.tp_size)
+        let own_tp = shared.config.tp_size;
+        let count = match shared.protocol {
+            Protocol::Native => own_tp,
+            Protocol::Vllm => TpMapping::consumers(own_tp, self.remote.tp_size),
+        };
+        notification_message(&self.remote.request_id, count)
+    }
+
+    /// The remote engine as a handshake needs it.
+    fn engine(&self) -> Engine<'_> {
+        Engine {
+            id: &self.remote.engine_id,
+            host: &self.remote.host,
+            tp_size: self.remote.tp_size,
+        }
     }
 }
 
@@ -152,9 +174,11 @@ pub(crate) async fn finish(shared: Arc<Shared>, load: Load, posted: Posted) {
 pub(crate) async fn notify_only(shared: Arc<Shared>, load: Load) {
     let span = load.span.clone();
     async move {
-        let remotes = join_all(load.ranks.iter().map(|&(rank, port)| {
-            connect::remote(&shared, &load.remote.engine_id, rank, &load.remote.host, port)
-        }))
+        let remotes = join_all(
+            load.ranks
+                .iter()
+                .map(|&(rank, port)| connect::remote(&shared, load.engine(), rank, port)),
+        )
         .await;
         let mut reached = Vec::with_capacity(remotes.len());
         for remote in remotes {
@@ -175,15 +199,11 @@ pub(crate) async fn notify_only(shared: Arc<Shared>, load: Load) {
 
 /// The handshakes with every remote rank of the load, run together.
 async fn handshakes(shared: &Arc<Shared>, load: &Load) -> Result<Vec<Arc<Remote>>> {
-    join_all(load.ranks.iter().map(|&(rank, port)| {
-        connect::remote(
-            shared,
-            &load.remote.engine_id,
-            rank,
-            &load.remote.host,
-            port,
-        )
-    }))
+    join_all(
+        load.ranks
+            .iter()
+            .map(|&(rank, port)| connect::remote(shared, load.engine(), rank, port)),
+    )
     .await
     .into_iter()
     .collect()
@@ -273,7 +293,8 @@ fn record(
 
 /// Makes and posts one READ per remote rank read from, in rank order, stopping at the first
 /// that fails (its remote is forgotten, so the next load handshakes again); after all are
-/// posted, notifies the ranks not read from.
+/// posted, notifies the ranks not read from. In vLLM mode, blocks whose expiry time is near
+/// are not read (vLLM's `_is_turn2_read_expired`), nor any rank notified.
 fn post(shared: &Shared, load: &Load, remotes: &[Arc<Remote>]) -> Posted {
     let mut posted = Posted {
         at: Instant::now(),
@@ -282,6 +303,14 @@ fn post(shared: &Shared, load: &Load, remotes: &[Arc<Remote>]) -> Posted {
         descriptors: 0,
         failed: None,
     };
+    let expired = shared
+        .vllm
+        .as_ref()
+        .and_then(|vllm| vllm.expired(&load.remote, perf_counter()));
+    if let Some(err) = expired {
+        posted.failed = Some(err);
+        return posted;
+    }
     for (&(rank, _), remote) in load.ranks.iter().zip(remotes) {
         if !remote.plan.share.reads() {
             continue;
@@ -328,12 +357,8 @@ fn post_one(
         .as_ref()
         .ok_or(Error::NotRegistered { operation: OP })?;
     let plan = &remote.plan;
-    if let Some(bad) = load
-        .remote
-        .block_ids
-        .iter()
-        .find(|&&b| b >= plan.remote_num_blocks)
-    {
+    let remote_ids = blocks_of_ids(&load.remote.block_ids, remote.blocks_per_id)?;
+    if let Some(bad) = remote_ids.iter().find(|&&b| b >= plan.remote_num_blocks) {
         return Err(Error::invalid(
             OP,
             format!("remote block {bad} of {} blocks", plan.remote_num_blocks),
@@ -342,7 +367,7 @@ fn post_one(
     let pairs = pair_units(
         &load.request_id,
         &load.local_block_ids,
-        &load.remote.block_ids,
+        &remote_ids,
         plan.block_sizes(),
         load.remote.num_tokens,
     )?;
@@ -360,6 +385,32 @@ fn post_one(
     posted.descriptors += local.len();
     let done = request.post()? == XferStatus::Done;
     Ok((request, done))
+}
+
+/// The remote rank's blocks of the transfer params' block `ids`, `per_id` blocks each
+/// (vLLM's `_logical_to_kernel_block_ids`: logical block `b` is kernel blocks
+/// `b * per_id .. (b + 1) * per_id`).
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for an id whose blocks overflow.
+fn blocks_of_ids(ids: &[usize], per_id: usize) -> Result<Cow<'_, [usize]>> {
+    if per_id == 1 {
+        return Ok(Cow::Borrowed(ids));
+    }
+    let mut blocks = Vec::with_capacity(ids.len().saturating_mul(per_id));
+    for &id in ids {
+        let end = id
+            .checked_add(1)
+            .and_then(|n| n.checked_mul(per_id))
+            .ok_or_else(|| {
+                Error::invalid(
+                    "load remote blocks",
+                    format!("remote block id {id} of {per_id} kernel blocks each overflows"),
+                )
+            })?;
+        blocks.extend(end - per_id..end);
+    }
+    Ok(Cow::Owned(blocks))
 }
 
 /// Awaits posted READs within the transfer timeout (one deadline for all of them), forgets

@@ -1,10 +1,17 @@
 //! The transfer params handed from a prefill engine to a decode engine with each request.
 
 use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use crate::error::{Error, Result};
 
 /// vLLM's `kv_transfer_params`: on a request sent to prefill, `do_remote_decode`; on the
 /// prefill's answer (handed to decode), where and which blocks to read.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+///
+/// It holds every key of vLLM 0.33's params, and keeps the keys it does not know in
+/// [`vllm_extra`](Self::vllm_extra), so that vLLM's JSON converts to it and back unchanged
+/// ([`VllmKvTransferParams`](crate::vllm::VllmKvTransferParams)).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct KvTransferParams {
     /// The request's KV is computed elsewhere and must be read (decode side).
     #[serde(default)]
@@ -18,7 +25,8 @@ pub struct KvTransferParams {
     /// The prefill engine's side-channel host.
     #[serde(default)]
     pub remote_host: Option<String>,
-    /// The side-channel port of the prefill's TP rank 0 (rank `r` listens on port + `r`).
+    /// The prefill engine's side-channel port: TP rank 0's in the native protocol (rank `r`
+    /// listens on port + `r`), the engine's one ROUTER in vLLM's (ranks asked by number).
     #[serde(default)]
     pub remote_port: Option<u16>,
     /// The prefill's block ids holding the request's KV, in token order.
@@ -27,7 +35,7 @@ pub struct KvTransferParams {
     /// The request's id on the prefill engine (the notification names it).
     #[serde(default)]
     pub remote_request_id: Option<String>,
-    /// The prefill engine's TP size.
+    /// The prefill engine's TP size (vLLM's `tp_size`).
     #[serde(default)]
     pub remote_tp_size: Option<usize>,
     /// Tokens the prefill computed (vLLM's `remote_num_tokens`): needed to pair a decode's
@@ -35,16 +43,40 @@ pub struct KvTransferParams {
     /// prompt or the prompt ends inside a block (see [`RemoteBlocks::num_tokens`]).
     #[serde(default)]
     pub remote_num_tokens: Option<usize>,
+    /// The prefill engine's decode context parallel size (vLLM's `dcp_size`; only 1 is
+    /// supported).
+    #[serde(default)]
+    pub remote_dcp_size: Option<usize>,
+    /// The prefill engine's pipeline parallel size (vLLM's `pp_size`; only 1 is supported).
+    #[serde(default)]
+    pub remote_pp_size: Option<usize>,
+    /// When the prefill frees the blocks, on its own clock (vLLM's
+    /// `remote_blocks_expiry_time`, seconds of its `time.perf_counter()`); a decode in vLLM
+    /// mode reads it on its clock through the handshake's clock offset and declines a read
+    /// past it.
+    #[serde(default)]
+    pub remote_blocks_expiry_time: Option<f64>,
+    /// The prefill's registration generation (vLLM's `remote_registration_generation`): a
+    /// decode in vLLM mode that handshook with an older one handshakes again.
+    #[serde(default)]
+    pub remote_registration_generation: Option<u64>,
+    /// `"pull"` (the decode READs) or `"push"` (not supported).
+    #[serde(default)]
+    pub transfer_mode: Option<String>,
+    /// Keys of vLLM's JSON this type has no field for, and known keys whose value was
+    /// `null`, as they came.
+    #[serde(default, skip_serializing_if = "Map::is_empty")]
+    pub vllm_extra: Map<String, Value>,
 }
 
 /// Where a load reads from: the complete remote half of [`KvTransferParams`].
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct RemoteBlocks {
     /// The prefill engine's id.
     pub engine_id: String,
     /// Its side-channel host.
     pub host: String,
-    /// The side-channel port of its TP rank 0.
+    /// Its side-channel port (see [`KvTransferParams::remote_port`]).
     pub port: u16,
     /// Its block ids, paired in order with the local ones.
     pub block_ids: Vec<usize>,
@@ -56,6 +88,12 @@ pub struct RemoteBlocks {
     /// prefill's needs it, to know which of the prefill's tokens its blocks start at; without
     /// it, such a load must cover every token of the prefill's blocks.
     pub num_tokens: Option<usize>,
+    /// When it frees the blocks, on its clock (see
+    /// [`KvTransferParams::remote_blocks_expiry_time`]; vLLM mode).
+    pub blocks_expiry_time: Option<f64>,
+    /// Its registration generation (see
+    /// [`KvTransferParams::remote_registration_generation`]; vLLM mode).
+    pub registration_generation: Option<u64>,
 }
 
 impl KvTransferParams {
@@ -69,6 +107,35 @@ impl KvTransferParams {
             request_id: self.remote_request_id.clone()?,
             tp_size: self.remote_tp_size?,
             num_tokens: self.remote_num_tokens,
+            blocks_expiry_time: self.remote_blocks_expiry_time,
+            registration_generation: self.remote_registration_generation,
         })
+    }
+
+    /// Refuses what the connector cannot read: push mode, pipeline or decode context
+    /// parallelism on the prefill.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming the key and its value.
+    pub fn check_supported(&self) -> Result<()> {
+        const OP: &str = "read kv_transfer_params";
+        if let Some(mode) = self.transfer_mode.as_deref().filter(|&m| m != "pull") {
+            return Err(Error::invalid(
+                OP,
+                format!("transfer_mode {mode:?} is not supported: this connector reads (pull mode) only"),
+            ));
+        }
+        for (key, size) in [
+            ("pp_size", self.remote_pp_size),
+            ("dcp_size", self.remote_dcp_size),
+        ] {
+            if let Some(size) = size.filter(|&s| s != 1) {
+                return Err(Error::invalid(
+                    OP,
+                    format!("{key} {size} is not supported (only 1)"),
+                ));
+            }
+        }
+        Ok(())
     }
 }

@@ -27,6 +27,9 @@ pub(crate) struct Remote {
     pub(crate) plan: ReadPlan,
     /// The lists its READs use; `None` when it is only notified.
     pub(crate) lists: Option<ReadLists>,
+    /// Its blocks per block id of the transfer params (vLLM's
+    /// `physical_blocks_per_logical_kv_block`; 1 in the native protocol).
+    pub(crate) blocks_per_id: usize,
 }
 
 /// The prepared lists of the READs from one remote rank (see
@@ -127,6 +130,12 @@ impl Remotes {
         if same {
             map.remove(&key);
         }
+    }
+
+    /// Forgets every rank of `engine` (it registered its KV cache again), so the next loads
+    /// handshake again; loads holding one keep it until they end.
+    pub(crate) fn forget_engine(&self, engine: &str) {
+        self.lock().retain(|(name, _), _| name != engine);
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, usize), Handshake>> {

@@ -27,15 +27,17 @@
 //! [`LoadFailurePolicy`] to failed loads.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Instant;
 
 use nixl::kv_config::KvTransferConfig;
 
-use crate::config::{Lease, LoadFailurePolicy};
+use crate::config::{Lease, LoadFailurePolicy, Protocol};
 use crate::error::{Error, Result};
 use crate::failure::FailedBlock;
 use crate::outcomes::Finished;
 use crate::params::{KvTransferParams, RemoteBlocks};
+use crate::vllm::MetadataServer;
 
 /// How a request finished (vLLM's `RequestStatus.FINISHED_*`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,15 +60,17 @@ impl FinishStatus {
     }
 }
 
-/// The scheduler's settings: this engine's identity as decodes will reach it, its lease and
-/// its load failure policy.
+/// The scheduler's settings: this engine's identity as decodes will reach it, its lease,
+/// its load failure policy and the protocol it speaks.
 #[derive(Debug, Clone)]
 pub struct SchedulerConfig {
     /// This engine's id.
     pub engine_id: String,
     /// Host decodes reach this engine's side channel at.
     pub host: String,
-    /// Side-channel port of TP rank 0.
+    /// Side-channel port: TP rank 0's in the native protocol (rank `r` listens on port +
+    /// `r`), the engine's one ROUTER in vLLM's
+    /// ([`KvConnectorWorker::side_channel_addr`](crate::KvConnectorWorker::side_channel_addr)).
     pub port: u16,
     /// This engine's TP size.
     pub tp_size: usize,
@@ -74,15 +78,24 @@ pub struct SchedulerConfig {
     pub lease: Lease,
     /// What happens to a request whose load failed.
     pub load_failure_policy: LoadFailurePolicy,
+    /// The protocol its workers speak: in vLLM's, the params of
+    /// [`request_finished`](KvConnectorScheduler::request_finished) carry every key vLLM's
+    /// do.
+    pub protocol: Protocol,
+    /// vLLM mode: the engine's side channel, whose registration generation the params of
+    /// [`request_finished`](KvConnectorScheduler::request_finished) carry (0 without it).
+    pub vllm_side_channel: Option<Arc<MetadataServer>>,
 }
 
 impl SchedulerConfig {
-    /// The settings of engine `engine_id` (reached at `host`, TP rank 0's side channel on
-    /// `port`, TP `tp_size`), with the lease and failure policy of `kv_transfer_config`.
+    /// The settings of engine `engine_id` (reached at `host`, its side channel on `port`,
+    /// TP `tp_size`), with the lease, failure policy and protocol of `kv_transfer_config`,
+    /// and no vLLM side channel.
     ///
     /// # Errors
-    /// Those of [`Lease::from_kv_transfer_config`] and
-    /// [`LoadFailurePolicy::from_kv_transfer_config`].
+    /// Those of [`Lease::from_kv_transfer_config`],
+    /// [`LoadFailurePolicy::from_kv_transfer_config`] and
+    /// [`Protocol::from_kv_transfer_config`].
     pub fn new(
         engine_id: &str,
         host: &str,
@@ -97,12 +110,14 @@ impl SchedulerConfig {
             tp_size,
             lease: Lease::from_kv_transfer_config(kv_transfer_config)?,
             load_failure_policy: LoadFailurePolicy::from_kv_transfer_config(kv_transfer_config)?,
+            protocol: Protocol::from_kv_transfer_config(kv_transfer_config)?,
+            vllm_side_channel: None,
         })
     }
 }
 
 /// One load for the workers: read `remote` into `local_block_ids`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct LoadSpec {
     /// The local request id.
     pub request_id: String,
@@ -139,7 +154,7 @@ pub struct HeartbeatSpec {
 }
 
 /// What the scheduler hands its workers each step.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct ConnectorMetadata {
     /// Loads to start.
     pub loads: Vec<LoadSpec>,
@@ -152,7 +167,7 @@ pub struct ConnectorMetadata {
 }
 
 /// The answer to [`KvConnectorScheduler::request_finished`].
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct RequestFinished {
     /// Keep the blocks until the workers report the request: in
     /// [`Finished::sending`](crate::Finished::sending) on a prefill, as
@@ -281,7 +296,8 @@ impl KvConnectorScheduler {
     /// follows).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when `params` lack a remote field, or the request's load
+    /// [`Error::InvalidArgument`] when `params` lack a remote field or name what the
+    /// connector cannot read ([`KvTransferParams::check_supported`]), or the request's load
     /// was already scheduled (one load per request).
     pub fn update_state_after_alloc(
         &mut self,
@@ -290,6 +306,7 @@ impl KvConnectorScheduler {
         params: &KvTransferParams,
     ) -> Result<()> {
         const OP: &str = "schedule a remote prefill";
+        params.check_supported()?;
         let remote = params.remote_blocks().ok_or_else(|| {
             Error::invalid(OP, format!("request {request_id:?}: kv_transfer_params lack remote_engine_id, remote_host, remote_port, remote_request_id or remote_tp_size"))
         })?;
@@ -386,17 +403,47 @@ impl KvConnectorScheduler {
         }
         RequestFinished {
             delay_free_blocks,
-            kv_transfer_params: Some(KvTransferParams {
-                do_remote_prefill: true,
-                do_remote_decode: false,
-                remote_engine_id: Some(self.config.engine_id.clone()),
-                remote_host: Some(self.config.host.clone()),
-                remote_port: Some(self.config.port),
-                remote_block_ids: block_ids.to_vec(),
-                remote_request_id: Some(request_id.to_string()),
-                remote_tp_size: Some(self.config.tp_size),
-                remote_num_tokens: None,
-            }),
+            kv_transfer_params: Some(self.params_for_decode(request_id, block_ids)),
+        }
+    }
+
+    /// The params a remote decode reads `block_ids` of `request_id` with. In vLLM mode they
+    /// have every key vLLM 0.33's prefill gives (see [`KvTransferParams::to_vllm_json`]),
+    /// but `remote_num_tokens`, which this call does not know: a pull, no pipeline or
+    /// decode context parallelism, no expiry time (a prefill's blocks live as long as its
+    /// lease, which the decode's heartbeats extend), and the side channel's registration
+    /// generation.
+    fn params_for_decode(&self, request_id: &str, block_ids: &[usize]) -> KvTransferParams {
+        let config = &self.config;
+        let params = KvTransferParams {
+            do_remote_prefill: true,
+            do_remote_decode: false,
+            remote_engine_id: Some(config.engine_id.clone()),
+            remote_host: Some(config.host.clone()),
+            remote_port: Some(config.port),
+            remote_block_ids: block_ids.to_vec(),
+            remote_request_id: Some(request_id.to_string()),
+            remote_tp_size: Some(config.tp_size),
+            ..KvTransferParams::default()
+        };
+        match config.protocol {
+            Protocol::Native => params,
+            Protocol::Vllm => KvTransferParams {
+                remote_dcp_size: Some(1),
+                remote_pp_size: Some(1),
+                remote_registration_generation: Some(
+                    config
+                        .vllm_side_channel
+                        .as_ref()
+                        .map_or(0, |server| server.registration_generation()),
+                ),
+                transfer_mode: Some("pull".to_string()),
+                vllm_extra: serde_json::Map::from_iter([(
+                    "remote_blocks_expiry_time".to_string(),
+                    serde_json::Value::Null,
+                )]),
+                ..params
+            },
         }
     }
 
@@ -561,6 +608,8 @@ mod tests {
                 ..Lease::default()
             },
             load_failure_policy: policy,
+            protocol: Protocol::Native,
+            vllm_side_channel: None,
         }
     }
 
@@ -586,6 +635,36 @@ mod tests {
             )
             .kv_transfer_params
             .unwrap()
+    }
+
+    #[test]
+    fn in_vllm_mode_the_params_are_vllms_json() {
+        let mut s = KvConnectorScheduler::new(SchedulerConfig {
+            protocol: Protocol::Vllm,
+            ..config(LoadFailurePolicy::Fail)
+        });
+        let done = s.request_finished(
+            "cmpl-1",
+            &[3, 4],
+            Some(&for_decode()),
+            FinishStatus::LengthCapped,
+        );
+        let json = done.kv_transfer_params.unwrap().to_vllm_json();
+        // vLLM 0.33's request_finished on a prefill, but remote_num_tokens.
+        let expect = serde_json::json!({
+            "do_remote_prefill": true, "do_remote_decode": false,
+            "remote_block_ids": [[3, 4]], "remote_engine_id": "p",
+            "remote_request_id": "cmpl-1", "remote_host": "10.0.0.1", "remote_port": 5600,
+            "tp_size": 2, "dcp_size": 1, "pp_size": 1, "remote_blocks_expiry_time": null,
+            "remote_registration_generation": 0, "transfer_mode": "pull",
+        });
+        assert_eq!(
+            serde_json::from_str::<serde_json::Value>(&json).unwrap(),
+            expect
+        );
+        let back = KvTransferParams::from_vllm_json(&json).unwrap();
+        assert_eq!(back.to_vllm_json(), json);
+        assert_eq!(back.remote_blocks().unwrap().port, 5600);
     }
 
     fn failed(request: &str, block_id: usize) -> FailedBlock {

@@ -9,7 +9,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::config::Lease;
+use crate::config::{Lease, Protocol};
 use crate::metrics::SendStats;
 use crate::series::Series;
 use crate::tp_mapping::TpMapping;
@@ -33,10 +33,11 @@ const HEARTBEAT_PREFIX: &str = "HB:";
 /// Longest heartbeat message sent or accepted; a decode splits longer lists.
 pub(crate) const MAX_HEARTBEAT_BYTES: usize = 16 << 10;
 
-/// The notification message a reader of TP `tp_size` sends for `request_id` (vLLM's
-/// `request:consumers`).
-pub(crate) fn notification_message(request_id: &str, tp_size: usize) -> Vec<u8> {
-    format!("{request_id}:{tp_size}").into_bytes()
+/// The notification message a reader sends for `request_id`: `request:count`, `count` its
+/// TP size (native protocol) or how many of its ranks notify each prefill rank (vLLM's
+/// `local_consumers`).
+pub(crate) fn notification_message(request_id: &str, count: usize) -> Vec<u8> {
+    format!("{request_id}:{count}").into_bytes()
 }
 
 /// The heartbeat messages for remote requests `ids` (vLLM's `_send_heartbeats`): `HB:` and
@@ -75,15 +76,16 @@ pub(crate) fn heartbeat_messages<'a>(ids: impl IntoIterator<Item = &'a str>) -> 
 /// A notification as parsed.
 #[derive(Debug, PartialEq, Eq)]
 enum Note<'a> {
-    /// A reader of TP `reader_tp` is done with `request` (it read it, or never will).
-    Done { request: &'a str, reader_tp: usize },
+    /// A reader is done with `request` (it read it, or never will); `count` is its TP
+    /// size (native protocol) or how many readers notify (vLLM's).
+    Done { request: &'a str, count: usize },
     /// A decode still waits for these requests.
     Heartbeat(Vec<&'a str>),
 }
 
 /// Parses a notification strictly: `HB:` and non-empty comma-separated ids (vLLM's
-/// `_handle_heartbeat` format), or `request:tp` with a non-empty request and a TP of 1 to
-/// [`MAX_READER_TP`]; why not, otherwise.
+/// `_handle_heartbeat` format), or `request:count` with a non-empty request and a count of 1
+/// to [`MAX_READER_TP`]; why not, otherwise.
 fn parse(message: &[u8]) -> Result<Note<'_>, &'static str> {
     let text = std::str::from_utf8(message).map_err(|_| "not UTF-8")?;
     if let Some(ids) = text.strip_prefix(HEARTBEAT_PREFIX) {
@@ -99,15 +101,15 @@ fn parse(message: &[u8]) -> Result<Note<'_>, &'static str> {
     let (request, tp) = text
         .rsplit_once(':')
         .ok_or("neither `request:tp` nor `HB:ids`")?;
-    let reader_tp = tp
+    let count = tp
         .parse::<usize>()
         .ok()
         .filter(|tp| (1..=MAX_READER_TP).contains(tp))
-        .ok_or("the reader TP is not a number from 1 to 4096")?;
+        .ok_or("the reader count is not a number from 1 to 4096")?;
     if request.is_empty() {
         return Err("empty request id");
     }
-    Ok(Note::Done { request, reader_tp })
+    Ok(Note::Done { request, count })
 }
 
 /// What the prefill's notifications did, besides releasing requests.
@@ -149,6 +151,7 @@ struct Early {
 /// Held requests and early notifications of one rank.
 pub(crate) struct Sends {
     own_tp: usize,
+    protocol: Protocol,
     lease: Lease,
     series: Arc<Series>,
     held: HashMap<String, Held>,
@@ -161,9 +164,15 @@ pub(crate) struct Sends {
 }
 
 impl Sends {
-    pub(crate) fn new(own_tp: usize, lease: Lease, series: Arc<Series>) -> Self {
+    pub(crate) fn new(
+        own_tp: usize,
+        protocol: Protocol,
+        lease: Lease,
+        series: Arc<Series>,
+    ) -> Self {
         Sends {
             own_tp,
+            protocol,
             lease,
             series,
             held: HashMap::new(),
@@ -208,8 +217,11 @@ impl Sends {
     pub(crate) fn notified(&mut self, sender: &[u8], message: &[u8], now: Instant) {
         match parse(message) {
             Ok(Note::Heartbeat(ids)) => self.heartbeat(&ids, now),
-            Ok(Note::Done { request, reader_tp }) => {
-                let needed = TpMapping::consumers(reader_tp, self.own_tp);
+            Ok(Note::Done { request, count }) => {
+                let needed = match self.protocol {
+                    Protocol::Native => TpMapping::consumers(count, self.own_tp),
+                    Protocol::Vllm => count,
+                };
                 self.done_reading(sender, request, needed, now);
             }
             Err(why) => {
@@ -356,7 +368,12 @@ mod tests {
             duration: Duration::from_secs(30),
             max_hold: Duration::from_secs(100),
         };
-        Sends::new(own_tp, lease, Arc::new(Series::new("test", 0)))
+        Sends::new(
+            own_tp,
+            Protocol::Native,
+            lease,
+            Arc::new(Series::new("test", 0)),
+        )
     }
 
     #[test]
@@ -365,14 +382,14 @@ mod tests {
             parse(b"req-1:2"),
             Ok(Note::Done {
                 request: "req-1",
-                reader_tp: 2
+                count: 2
             })
         );
         assert_eq!(
             parse(b"a:b:1"),
             Ok(Note::Done {
                 request: "a:b",
-                reader_tp: 1
+                count: 1
             })
         );
         assert_eq!(parse(b"HB:a,b"), Ok(Note::Heartbeat(vec!["a", "b"])));
@@ -442,6 +459,22 @@ mod tests {
         }
         s.expire(t0 + Duration::from_secs(100));
         assert_eq!(s.take_done(), ["q"]);
+    }
+
+    #[test]
+    fn a_vllm_notification_says_how_many_readers_notify() {
+        let t0 = Instant::now();
+        let lease = Lease::default();
+        // Prefill TP 2 read by decode TP 4: vLLM's decode says 2 consumers, ours 4 (its TP).
+        let mut vllm = Sends::new(2, Protocol::Vllm, lease, Arc::new(Series::new("t", 0)));
+        let mut native = Sends::new(2, Protocol::Native, lease, Arc::new(Series::new("t", 0)));
+        for (s, message) in [(&mut vllm, &b"r:2"[..]), (&mut native, b"r:4")] {
+            s.hold("r".into(), t0 + Duration::from_secs(30), t0);
+            s.notified(b"d0", message, t0);
+            assert!(s.take_done().is_empty());
+            s.notified(b"d1", message, t0);
+            assert_eq!(s.take_done(), ["r"]);
+        }
     }
 
     #[test]

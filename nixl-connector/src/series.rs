@@ -31,7 +31,8 @@ pub const NUM_DESCRIPTORS: &str = "vllm:nixl_num_descriptors";
 pub const NUM_FAILED_TRANSFERS: &str = "vllm:nixl_num_failed_transfers";
 /// Counter: notifications (load done, notification only, heartbeat) NIXL refused to send.
 pub const NUM_FAILED_NOTIFICATIONS: &str = "vllm:nixl_num_failed_notifications";
-/// Counter: held requests freed because their lease ended (prefill side).
+/// Counter: held requests freed because their lease ended (prefill side), and loads
+/// declined because the prefill's blocks expire first (decode side, vLLM mode).
 pub const NUM_KV_EXPIRED_REQS: &str = "vllm:nixl_num_kv_expired_reqs";
 /// Counter: notifications for requests no longer held, e.g. after their lease ended: the
 /// decode may have read blocks already reused (prefill side, one per notification).
@@ -203,9 +204,12 @@ impl Series {
         self.descriptors.record(telemetry.desc_count as f64);
     }
 
-    /// A load that failed.
+    /// A load that failed; one declined because the prefill's blocks expire counts as an
+    /// expired request, not a failed transfer (as vLLM counts it).
     pub(crate) fn failed(&self, kind: FailureKind) {
-        if let Some(at) = KINDS.iter().position(|&k| k == kind) {
+        if kind == FailureKind::Expired {
+            self.expired.increment(1);
+        } else if let Some(at) = KINDS.iter().position(|&k| k == kind) {
             self.failed[at].increment(1);
         }
     }

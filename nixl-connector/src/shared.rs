@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use nixl::kv_config::NixlSetup;
 use nixl::{PreparedLocal, Registration};
 
-use crate::config::WorkerConfig;
+use crate::config::{Protocol, WorkerConfig};
 use crate::etcd::EtcdSource;
 use crate::handshake::HandshakeMessage;
 use crate::outcomes::Outcomes;
@@ -16,6 +16,7 @@ use crate::remotes::Remotes;
 use crate::sending::Sends;
 use crate::series::Series;
 use crate::spec::KvCacheSpec;
+use crate::vllm::{MetadataServer, NixlHandshakePayload, VllmWorker};
 
 /// The registered cache and what is derived from it.
 pub(crate) struct Caches {
@@ -24,13 +25,21 @@ pub(crate) struct Caches {
     pub(crate) local: PreparedLocal,
     pub(crate) handshake: Arc<HandshakeMessage>,
     pub(crate) side_channel: SocketAddr,
-    /// The places of the side channel's handshakes under way.
+    /// The places of the side channel's handshakes under way (native protocol).
     pub(crate) side_channel_pending: Arc<PendingHandshakes>,
+    /// vLLM mode: the engine's side channel this rank's payload is published to, and the
+    /// payload.
+    pub(crate) vllm: Option<(Arc<MetadataServer>, NixlHandshakePayload)>,
 }
 
 /// State shared with the background tasks.
 pub(crate) struct Shared {
     pub(crate) config: WorkerConfig,
+    /// The protocol spoken (the config's, resolved).
+    pub(crate) protocol: Protocol,
+    /// vLLM mode: the compatibility hash, the side channel's limits, what handshakes
+    /// learned of remote engines.
+    pub(crate) vllm: Option<VllmWorker>,
     pub(crate) setup: NixlSetup,
     pub(crate) caches: OnceLock<Caches>,
     pub(crate) outcomes: Mutex<Outcomes>,

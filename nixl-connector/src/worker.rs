@@ -13,8 +13,8 @@ use nixl::{
 use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
 
-use crate::config::{Lease, MetadataExchange, WorkerConfig};
-use crate::connect;
+use crate::config::{Lease, MetadataExchange, Protocol, WorkerConfig};
+use crate::connect::{self, Engine};
 use crate::error::{Error, Result};
 use crate::etcd::EtcdSource;
 use crate::failure::{FailedBlock, FailureKind};
@@ -31,6 +31,10 @@ use crate::series::Series;
 use crate::shared::{Caches, Shared};
 use crate::spec::KvCacheSpec;
 use crate::tp_mapping::TpMapping;
+use crate::vllm::{
+    Compatibility, MetadataServer, NixlAgentMetadata, NixlHandshakePayload, RankRegistration,
+    VllmWorker,
+};
 
 /// The worker half of the connector: one per TP rank.
 ///
@@ -62,8 +66,11 @@ impl KvConnectorWorker {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] outside a tokio runtime, for a TP rank not below the TP
-    /// size, for etcd metadata without `NIXL_ETCD_ENDPOINTS`, or for a bad
-    /// `kv_lease_duration`; the platform and backend errors of [`NixlSetup::new`].
+    /// size, for etcd metadata without `NIXL_ETCD_ENDPOINTS`, for a bad `kv_lease_duration`
+    /// or protocol, in vLLM mode for etcd metadata (vLLM's metadata travels in its
+    /// handshake) or compatibility settings that do not read (see
+    /// [`Compatibility::from_kv_transfer_config`]); the platform and backend errors of
+    /// [`NixlSetup::new`].
     pub fn new(config: WorkerConfig) -> Result<Self> {
         const OP: &str = "create the connector worker";
         let runtime = Handle::try_current()
@@ -86,6 +93,23 @@ impl KvConnectorWorker {
             Some(lease) => lease,
             None => Lease::from_kv_transfer_config(&config.kv_transfer_config)?,
         };
+        let protocol = match config.protocol {
+            Some(protocol) => protocol,
+            None => Protocol::from_kv_transfer_config(&config.kv_transfer_config)?,
+        };
+        let vllm = match protocol {
+            Protocol::Native => None,
+            Protocol::Vllm if etcd.is_some() => {
+                return Err(Error::invalid(
+                    OP,
+                    "vLLM's protocol carries the agent metadata in its handshake: use MetadataExchange::SideChannel",
+                ))
+            }
+            Protocol::Vllm => Some(VllmWorker::new(
+                Compatibility::from_kv_transfer_config(&config.kv_transfer_config)?,
+                config.vllm_limits,
+            )),
+        };
         // Telemetry on: each READ's post and transfer durations feed the exported series.
         let setup = NixlSetup::with_global_registry(
             Agent::builder(&name)
@@ -96,9 +120,11 @@ impl KvConnectorWorker {
         )?;
         let series = Arc::new(Series::new(&config.engine_id, config.tp_rank));
         let shared = Arc::new(Shared {
-            sends: Mutex::new(Sends::new(config.tp_size, lease, series.clone())),
+            sends: Mutex::new(Sends::new(config.tp_size, protocol, lease, series.clone())),
             series,
             config,
+            protocol,
+            vllm,
             setup,
             caches: OnceLock::new(),
             outcomes: Mutex::new(Outcomes::default()),
@@ -272,31 +298,17 @@ impl KvConnectorWorker {
             (config.tp_rank, config.tp_size),
             config.device_id,
         ));
-        let listener = std::net::TcpListener::bind(config.side_channel)
-            .and_then(|l| l.set_nonblocking(true).map(|()| l))
-            .map_err(|err| Error::io("bind the side channel", config.side_channel, err))?;
-        let side_channel = listener
-            .local_addr()
-            .map_err(|err| Error::io("bind the side channel", config.side_channel, err))?;
-        let listener = {
-            let _entered = self.runtime.enter();
-            tokio::net::TcpListener::from_std(listener)
-                .map_err(|err| Error::io("bind the side channel", side_channel, err))?
-        };
         let side_channel_pending = PendingHandshakes::new(config.limits.max_sessions);
-        let server = {
-            let _entered = self.runtime.enter();
-            crate::side_channel::serve(
-                listener,
-                handshake.clone(),
-                config.limits,
-                side_channel_pending.clone(),
-            )
+        let (side_channel, vllm) = match self.shared.protocol {
+            Protocol::Native => {
+                let at = self.serve_native(handshake.clone(), side_channel_pending.clone())?;
+                (at, None)
+            }
+            Protocol::Vllm => {
+                let vllm = self.vllm_side_channel_for(&handshake)?;
+                (vllm.0.local_addr(), Some(vllm))
+            }
         };
-        self.tasks
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(server);
         let caches = Caches {
             registration,
             spec,
@@ -304,13 +316,95 @@ impl KvConnectorWorker {
             handshake,
             side_channel,
             side_channel_pending,
+            vllm,
         };
         if self.shared.caches.set(caches).is_err() {
             return Err(Error::invalid(OP, "the KV caches are already registered"));
         }
-        let spec = &self.caches(OP)?.spec;
+        let caches = self.caches(OP)?;
+        if let Some((server, payload)) = &caches.vllm {
+            server.publish(0, vllm_rank(config.tp_rank), payload);
+        }
+        let spec = &caches.spec;
         tracing::info!(engine = %config.engine_id, rank = config.tp_rank, %side_channel, regions = spec.num_regions(), blocks = spec.num_blocks, block_size = spec.block_size, block_len = spec.block_len(0), attention = %spec.attention, "KV caches registered");
         Ok(())
+    }
+
+    /// Starts the native side channel at the config's address, answering with `ours`; where
+    /// it listens.
+    fn serve_native(
+        &self,
+        ours: Arc<HandshakeMessage>,
+        pending: Arc<PendingHandshakes>,
+    ) -> Result<SocketAddr> {
+        let config = &self.shared.config;
+        let listener = std::net::TcpListener::bind(config.side_channel)
+            .and_then(|l| l.set_nonblocking(true).map(|()| l))
+            .map_err(|err| Error::io("bind the side channel", config.side_channel, err))?;
+        let side_channel = listener
+            .local_addr()
+            .map_err(|err| Error::io("bind the side channel", config.side_channel, err))?;
+        let _entered = self.runtime.enter();
+        let listener = tokio::net::TcpListener::from_std(listener)
+            .map_err(|err| Error::io("bind the side channel", side_channel, err))?;
+        let server = crate::side_channel::serve(listener, ours, config.limits, pending);
+        self.tasks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(server);
+        Ok(side_channel)
+    }
+
+    /// vLLM mode: the engine's side channel (the config's, or one bound at the config's
+    /// address) and this rank's payload for it, described from `ours`.
+    fn vllm_side_channel_for(
+        &self,
+        ours: &HandshakeMessage,
+    ) -> Result<(Arc<MetadataServer>, NixlHandshakePayload)> {
+        let config = &self.shared.config;
+        let compat = &self.vllm()?.compat;
+        let metadata = NixlAgentMetadata::of_rank(RankRegistration {
+            engine_id: &config.engine_id,
+            agent_metadata: ours.agent_metadata.clone(),
+            base_addrs: ours.region_base_addrs.clone(),
+            spec: &ours.spec,
+            device_id: config.device_id,
+            mem_type: self.mem_type().to_string(),
+            attn_backend_name: compat
+                .factors
+                .as_ref()
+                .map(|f| f.attn_backend_name.clone())
+                .unwrap_or_default(),
+        })?;
+        let payload = NixlHandshakePayload::new(&compat.hash, &metadata);
+        let server = match &config.vllm_side_channel {
+            Some(server) => server.clone(),
+            None => {
+                let _entered = self.runtime.enter();
+                Arc::new(MetadataServer::bind_now(
+                    config.side_channel,
+                    config.vllm_limits,
+                )?)
+            }
+        };
+        Ok((server, payload))
+    }
+
+    /// The vLLM-mode state.
+    fn vllm(&self) -> Result<&VllmWorker> {
+        self.shared.vllm.as_ref().ok_or_else(native_protocol)
+    }
+
+    /// vLLM mode: the engine's side channel and this rank's payload.
+    fn vllm_published(
+        &self,
+        operation: &'static str,
+    ) -> Result<&(Arc<MetadataServer>, NixlHandshakePayload)> {
+        self.vllm()?;
+        self.caches(operation)?
+            .vllm
+            .as_ref()
+            .ok_or_else(native_protocol)
     }
 
     /// Registers a VRAM KV cache in host-buffer mode (see [`host_buffer`](crate::host_buffer)):
@@ -392,12 +486,44 @@ impl KvConnectorWorker {
         Ok(&self.caches("read the KV caches")?.registration)
     }
 
-    /// The address this rank's side channel listens on.
+    /// The address this rank's side channel listens on: in vLLM mode, the engine's ROUTER
+    /// (its port is the `remote_port` of the engine's transfer params).
     ///
     /// # Errors
     /// [`Error::NotRegistered`] before [`register_kv_caches`](Self::register_kv_caches).
     pub fn side_channel_addr(&self) -> Result<SocketAddr> {
         Ok(self.caches("read the side channel address")?.side_channel)
+    }
+
+    /// The protocol this worker speaks.
+    pub fn protocol(&self) -> Protocol {
+        self.shared.protocol
+    }
+
+    /// vLLM mode: the engine's side channel this rank's payload is published to (the
+    /// config's [`vllm_side_channel`](WorkerConfig::vllm_side_channel), or the one this
+    /// worker bound): publish the payloads of the engine's ranks in other processes to it,
+    /// and give it to the engine's [`SchedulerConfig`](crate::SchedulerConfig).
+    ///
+    /// # Errors
+    /// [`Error::NotRegistered`] before [`register_kv_caches`](Self::register_kv_caches);
+    /// [`Error::InvalidArgument`] in the native protocol.
+    pub fn vllm_side_channel(&self) -> Result<Arc<MetadataServer>> {
+        Ok(self.vllm_published("read the vLLM side channel")?.0.clone())
+    }
+
+    /// vLLM mode: this rank's handshake payload (vLLM's `NixlHandshakePayload`, its
+    /// `NixlAgentMetadata` under the compatibility hash), for an engine whose side channel
+    /// runs in another process: publish it there as `(0, tp_rank)`
+    /// ([`MetadataServer::publish`]).
+    ///
+    /// # Errors
+    /// As [`vllm_side_channel`](Self::vllm_side_channel).
+    pub fn vllm_handshake_payload(&self) -> Result<NixlHandshakePayload> {
+        Ok(self
+            .vllm_published("read the vLLM handshake payload")?
+            .1
+            .clone())
     }
 
     /// This rank's handshake message.
@@ -458,6 +584,15 @@ impl KvConnectorWorker {
             ));
         }
         let ranks = self.remote_ranks(OP, remote.port, remote.tp_size)?;
+        if self
+            .shared
+            .vllm
+            .as_ref()
+            .is_some_and(|v| v.newer_generation(remote))
+        {
+            tracing::info!(engine = %remote.engine_id, generation = remote.registration_generation, "the remote engine registered its KV cache again; handshaking with it again");
+            self.shared.remotes.forget_engine(&remote.engine_id);
+        }
         let load = crate::load::Load {
             request_id: request_id.to_string(),
             local_block_ids: local_block_ids.to_vec(),
@@ -524,9 +659,14 @@ impl KvConnectorWorker {
         const OP: &str = "handshake with a remote engine";
         self.caches(OP)?;
         let ranks = self.remote_ranks(OP, port, tp_size)?;
+        let engine = Engine {
+            id: engine_id,
+            host,
+            tp_size,
+        };
         let handshakes = ranks
             .iter()
-            .map(|&(rank, port)| connect::remote(&self.shared, engine_id, rank, host, port));
+            .map(|&(rank, port)| connect::remote(&self.shared, engine, rank, port));
         futures::future::join_all(handshakes)
             .await
             .into_iter()
@@ -535,7 +675,8 @@ impl KvConnectorWorker {
 
     /// The ranks of a remote engine of TP `tp_size` that hold this rank's share of a
     /// request ([`TpMapping`](crate::TpMapping)), each with the port its side channel
-    /// listens on (rank 0's `port` + rank).
+    /// listens on: rank 0's `port` + rank in the native protocol, the engine's `port` in
+    /// vLLM's.
     fn remote_ranks(
         &self,
         operation: &'static str,
@@ -549,6 +690,9 @@ impl KvConnectorWorker {
             .ranks
             .iter()
             .map(|r| {
+                if self.shared.protocol == Protocol::Vllm {
+                    return Ok((r.rank, port));
+                }
                 let at = u16::try_from(usize::from(port) + r.rank).map_err(|_| {
                     Error::invalid(
                         operation,
@@ -609,14 +753,20 @@ impl KvConnectorWorker {
         let messages = heartbeat_messages(heartbeat.request_ids.iter().map(String::as_str));
         for (rank, port) in ranks {
             let Some(remote) = self.shared.remotes.ready(&heartbeat.engine_id, rank) else {
-                let (shared, engine, host) = (
+                let (shared, id, host, tp_size) = (
                     self.shared.clone(),
                     heartbeat.engine_id.clone(),
                     heartbeat.host.clone(),
+                    heartbeat.tp_size,
                 );
                 self.runtime.spawn(async move {
-                    if let Err(err) = connect::remote(&shared, &engine, rank, &host, port).await {
-                        tracing::debug!(%engine, rank, %err, "handshake for heartbeats failed");
+                    let engine = Engine {
+                        id: &id,
+                        host: &host,
+                        tp_size,
+                    };
+                    if let Err(err) = connect::remote(&shared, engine, rank, port).await {
+                        tracing::debug!(engine = %id, rank, %err, "handshake for heartbeats failed");
                     }
                 });
                 continue;
@@ -722,6 +872,9 @@ impl Drop for KvConnectorWorker {
         {
             task.abort();
         }
+        if let Some((server, _)) = self.shared.caches.get().and_then(|c| c.vllm.as_ref()) {
+            server.withdraw(0, vllm_rank(self.shared.config.tp_rank));
+        }
         let published = self.shared.config.metadata_exchange == MetadataExchange::Etcd
             && self.shared.caches.get().is_some();
         if published {
@@ -730,6 +883,19 @@ impl Drop for KvConnectorWorker {
             }
         }
     }
+}
+
+/// The error of a vLLM-mode operation on a worker speaking the native protocol.
+fn native_protocol() -> Error {
+    Error::invalid(
+        "use vLLM's protocol",
+        "this worker speaks the native protocol (set kv_connector_extra_config.protocol to \"vllm\", or WorkerConfig::protocol)",
+    )
+}
+
+/// A TP rank as vLLM's side channel numbers it.
+fn vllm_rank(tp_rank: usize) -> u32 {
+    u32::try_from(tp_rank).unwrap_or(u32::MAX)
 }
 
 /// A unique agent name: engine, rank, process and a counter.

@@ -17,20 +17,11 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
-
-use nixl_connector::{
-    Error, KvAttention, KvConnectorWorker, KvLayout, KvRegionKind, TransferMetrics,
-};
+use nixl_connector::{Error, KvAttention, KvConnectorWorker, KvLayout, KvRegionKind, Protocol};
 
 use common::geometry::{engine, Model, Request, Side};
+use common::matrix::{run_cases_speaking, BLOCKS, WAIT};
 use common::poll_until;
-
-/// Blocks per region on both sides.
-const BLOCKS: usize = 12;
-
-/// A bound on each wait, against hangs only.
-const WAIT: Duration = Duration::from_secs(30);
 
 /// MHA, 4 KV heads, HND: K with 16-byte head tokens, V with 8-byte ones (separate regions
 /// of different lengths), and a layer with K and V halves in each block.
@@ -55,142 +46,9 @@ fn mla() -> Model {
     }
 }
 
-/// The two requests of a case: the whole prompt (ending inside a unit), then the same prompt
-/// with the decode's first block in its prefix cache.
-fn requests(tag: &str, prefill: &Side, decode: &Side) -> [Request; 2] {
-    let unit = prefill.block_size.min(decode.block_size);
-    let tokens = 2 * prefill.block_size.max(decode.block_size) + 3;
-    let remote: Vec<usize> = (0..tokens.div_ceil(prefill.block_size))
-        .map(|i| (i * 5 + 3) % BLOCKS)
-        .collect();
-    let local_blocks = (tokens.div_ceil(unit) * unit).div_ceil(decode.block_size);
-    // Without the token count the prefill's last block counts whole, which only a prefill
-    // whose blocks are no larger than the decode's allows for a prefix hit.
-    let hit_tokens = (prefill.block_size > decode.block_size).then_some(tokens);
-    [
-        Request {
-            id: format!("{tag}-whole"),
-            remote: remote.clone(),
-            local: (0..local_blocks).map(|i| (i * 7 + 1) % BLOCKS).collect(),
-            num_tokens: Some(tokens),
-        },
-        Request {
-            id: format!("{tag}-hit"),
-            remote,
-            local: (0..local_blocks - 1)
-                .map(|i| (i * 5 + 6) % BLOCKS)
-                .collect(),
-            num_tokens: hit_tokens,
-        },
-    ]
-}
-
-/// The requests each rank of `workers` reports as sent, waiting until each has all of `ids`.
-async fn await_freed(
-    workers: &[KvConnectorWorker],
-    ids: &[&str],
-    what: &str,
-) -> Result<(), String> {
-    for (rank, worker) in workers.iter().enumerate() {
-        let freed = poll_until(worker, WAIT, |f| {
-            ids.iter().all(|id| f.sending.iter().any(|s| s == id))
-        })
-        .await;
-        if !ids.iter().all(|id| freed.sending.iter().any(|s| s == id)) {
-            return Err(format!(
-                "{what}: prefill rank {rank} freed only {:?} of {ids:?}",
-                freed.sending
-            ));
-        }
-    }
-    Ok(())
-}
-
-/// One supported case: both requests loaded by every decode rank, every byte checked, every
-/// prefill rank freeing both.
-async fn supported(model: &Model, prefill: Side, decode: Side) -> Result<(), String> {
-    let tag = format!(
-        "{}-p{}x{}-d{}x{}",
-        match model.attention {
-            KvAttention::Mla => "mla".to_string(),
-            KvAttention::Mha { total_kv_heads } => format!("mha{total_kv_heads}"),
-        },
-        prefill.tp,
-        prefill.block_size,
-        decode.tp,
-        decode.block_size
-    );
-    let engine_id = format!("pf-{tag}");
-    let prefills = engine(&engine_id, model, &prefill);
-    let decodes = engine(&format!("dc-{tag}"), model, &decode);
-    for (rank, worker) in prefills.iter().enumerate() {
-        model.fill_prefill(worker, &prefill, rank);
-    }
-    for worker in &decodes {
-        model.fill_sentinel(worker, &decode);
-    }
-    let requests = requests(&tag, &prefill, &decode);
-    for worker in &prefills {
-        for request in &requests {
-            worker.hold_for_decode(&request.id, Instant::now() + Duration::from_secs(600));
-        }
-    }
-    let port = prefills[0].side_channel_addr().unwrap().port();
-    for worker in &decodes {
-        for request in &requests {
-            let from = Model::remote(request, &engine_id, port, prefill.tp);
-            worker
-                .start_load(&request.id, &request.local, &from)
-                .map_err(|err| format!("{tag}: {err}"))?;
-        }
-    }
-    for (rank, worker) in decodes.iter().enumerate() {
-        let done = poll_until(worker, WAIT, |f| f.recving.len() == requests.len()).await;
-        let metrics: Vec<TransferMetrics> = worker.metrics();
-        let errors = worker.load_errors();
-        if done.recving.len() != requests.len() || !errors.is_empty() {
-            return Err(format!(
-                "{tag}: decode rank {rank} ended {:?}; errors {errors:?}; {metrics:?}",
-                done.recving
-            ));
-        }
-        let refs: Vec<&Request> = requests.iter().collect();
-        model
-            .check_decode(worker, &prefill, &decode, rank, &refs)
-            .map_err(|err| format!("{tag}: {err}"))?;
-        let moved: usize = requests
-            .iter()
-            .map(|r| model.moved_bytes(&prefill, &decode, rank, r))
-            .sum();
-        let read: u64 = metrics.iter().map(|m| m.bytes).sum();
-        if read != moved as u64 {
-            return Err(format!("{tag}: decode rank {rank} read {read} bytes, the model moves {moved} (each byte once)"));
-        }
-    }
-    let ids: Vec<&str> = requests.iter().map(|r| r.id.as_str()).collect();
-    await_freed(&prefills, &ids, &tag).await
-}
-
-/// Runs every case of `cases` (prefill and decode sides) for `model`; fails naming each
-/// case that failed.
+/// Runs every case of `cases` for `model`, both engines speaking the native protocol.
 async fn run_cases(model: &Model, cases: &[(Side, Side)]) {
-    let mut failed = Vec::new();
-    for &(prefill, decode) in cases {
-        let started = Instant::now();
-        match supported(model, prefill, decode).await {
-            Ok(()) => eprintln!(
-                "{prefill:?} -> {decode:?}: every byte as the model says, in {:?}",
-                started.elapsed()
-            ),
-            Err(err) => failed.push(err),
-        }
-    }
-    assert!(
-        failed.is_empty(),
-        "{} cases failed:\n{}",
-        failed.len(),
-        failed.join("\n")
-    );
+    run_cases_speaking(model, cases, Protocol::Native).await
 }
 
 /// The matrix's cases: TP pairs × block sizes.

@@ -214,7 +214,7 @@ pub use memory::mem_view::{MemView, PeerDesc};
 pub use memory::registrable::{FileRegion, HostBuffer, RegisterMemory};
 pub use memory::registration::Registration;
 pub use metadata::exchange::MetadataPeer;
-pub use metadata::wire::validate_metadata;
+pub use metadata::wire::{metadata_agent_name, validate_metadata};
 pub use notifications::notification::Notifications;
 pub use notifications::notification_wait::{NextNotification, NotificationStream};
 pub use notifications::notify_hub::{Notification, NotificationFilter};

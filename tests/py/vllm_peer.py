@@ -15,18 +15,38 @@ Arguments are hex where they could hold spaces.
   notify_done HEXID N          vLLM's done notification -> HEX
   notify_hb HEXIDS             vLLM's heartbeat of the comma-joined hex ids -> HEX
   parse_notif HEX              vLLM's reading of a notification -> JSON
+
+A prefill and a decode with NIXL's Python agent (DRAM, UCX), as vLLM's run them:
+  kv_prefill HASH EXTRA LIE ENGINE REGIONS BLOCKS BLOCK_LEN BLOCK_SIZE
+                               an agent registering REGIONS buffers of BLOCKS blocks of
+                               BLOCK_LEN bytes (byte i of region r: kv_byte(r, i)) and a
+                               ROUTER serving rank (0, 0)'s NixlAgentMetadata under HASH;
+                               EXTRA 1 adds unknown keys; LIE 1 claims base addresses 1 MiB
+                               past the buffers -> JSON {port, agent}
+  kv_finish HEXREQ BLOCKS      vLLM's request_finished params for the prefill's blocks
+                               BLOCKS ("3,4") of request HEXREQ -> JSON
+  kv_notifs N SECONDS          the prefill agent's next N notifications, waiting at most
+                               SECONDS -> JSON [{from, hex, vllm}] in arrival order
+  kv_decode PORT HASH ENFORCE ENGINE BLOCKS HEXREQ CONSUMERS
+                               a decode: get_meta_msg for rank (0, 0), the hash checked
+                               before the metadata is decoded into vLLM's layout, the
+                               remote agent added, BLOCKS READ from every region into a
+                               registered buffer with the notification "REQ:CONSUMERS"
+                               -> JSON {data: HEX of the buffer, agent, meta} or the refusal
   quit
 """
 
 import dataclasses
 import hashlib
 import json
+import os
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 
 import msgspec
+import numpy as np
 import zmq
 
 GET_META_MSG = b"get_meta_msg"
@@ -67,6 +87,9 @@ class NixlHandshakePayload:
 
 ctx = zmq.Context()
 idle_sockets = []
+# The kv_prefill agent, its buffers, its port and what it was asked to serve.
+kv = {}
+decodes = [0]
 
 
 def answer(value):
@@ -239,6 +262,161 @@ def parse_notif(notif):
     return {"id": req_id, "consumers": int(consumers)}
 
 
+def kv_byte(region, size):
+    """The bytes a kv_prefill region holds: different in every block, region and byte."""
+    i = np.arange(size, dtype=np.uint64)
+    return ((i * 7 + (i >> 8) * 13 + region * 131 + 3) % 256).astype(np.uint8)
+
+
+def kv_prefill(hash_, extra, lie, engine, regions, blocks, block_len, block_size):
+    from nixl_cu12 import nixl_agent
+
+    name = f"py-prefill-{os.getpid()}"
+    agent = nixl_agent(name)
+    bufs = [kv_byte(r, blocks * block_len) for r in range(regions)]
+    addrs = [b.ctypes.data for b in bufs]
+    reg = agent.get_reg_descs([(a, blocks * block_len, 0, "") for a in addrs], "DRAM")
+    agent.register_memory(reg)
+    shift = (1 << 20) if lie else 0
+    meta = NixlAgentMetadata(
+        engine_id=engine,
+        agent_metadata=agent.get_agent_metadata(),
+        kv_caches_base_addr=[a + shift for a in addrs],
+        device_id=0,
+        num_blocks=blocks,
+        block_lens=[block_len] * regions,
+        block_strides=[block_len] * regions,
+        kv_cache_layout="LBHNC",
+        block_size=block_size,
+        ssm_sizes=(0, 0),
+        attn_backend_name="FLASH_ATTN",
+        physical_blocks_per_logical_kv_block=1,
+        region_num_blocks=[blocks] * regions,
+        region_group_ids=[0] * regions,
+        region_names=[f"model.layers.{r}.self_attn.attn" for r in range(regions)],
+        region_mem_types=["DRAM"] * regions,
+    )
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    payload = encode_payload(hash_, meta, extra)
+
+    def loop():
+        while True:
+            identity, _, msg = sock.recv_multipart()
+            tag, pp, tp = msgspec.msgpack.decode(msg)
+            assert tag == GET_META_MSG and (pp, tp) == (0, 0), (tag, pp, tp)
+            ts = msgspec.msgpack.encode(time.perf_counter())
+            sock.send_multipart((identity, b"", payload, ts))
+
+    threading.Thread(target=loop, daemon=True).start()
+    kv.update(agent=agent, bufs=bufs, reg=reg, port=port, engine=engine,
+              block_size=block_size, notifs=[])
+    return {"port": port, "agent": name}
+
+
+def kv_finish(req_id, blocks):
+    # vLLM 0.33's request_finished on a prefill (pull mode, one KV cache group).
+    return dict(
+        do_remote_prefill=True,
+        do_remote_decode=False,
+        remote_block_ids=[blocks],
+        remote_engine_id=kv["engine"],
+        remote_request_id=req_id,
+        remote_host="127.0.0.1",
+        remote_port=kv["port"],
+        tp_size=1,
+        dcp_size=1,
+        pp_size=1,
+        remote_num_tokens=len(blocks) * kv["block_size"],
+        remote_blocks_expiry_time=None,
+        remote_registration_generation=1,
+        transfer_mode="pull",
+    )
+
+
+def kv_notifs(count, seconds):
+    agent, notifs = kv["agent"], kv["notifs"]
+    deadline = time.monotonic() + seconds
+    while len(notifs) < count and time.monotonic() < deadline:
+        for sender, notes in agent.get_new_notifs().items():
+            notifs.extend((sender, n) for n in notes)
+        time.sleep(0.001)
+    taken, kv["notifs"] = notifs[:count], notifs[count:]
+    out = []
+    for sender, note in taken:
+        try:
+            vllm = parse_notif(note)
+        except (ValueError, UnicodeDecodeError) as e:
+            vllm = {"error": str(e)}
+        out.append({"from": sender, "hex": note.hex(), "vllm": vllm})
+    return out
+
+
+def kv_decode(port, local_hash, enforce, engine, blocks, req_id, consumers):
+    from nixl_cu12 import nixl_agent
+
+    sock = req(port, 5000)
+    try:
+        sock.send(msgspec.msgpack.encode((GET_META_MSG, 0, 0)))
+        parts = sock.recv_multipart()
+    except zmq.Again:
+        return {"error": "timeout"}
+    finally:
+        sock.close()
+    payload = msgspec.msgpack.Decoder(NixlHandshakePayload).decode(parts[0])
+    # vLLM's order: the hash before the metadata is decoded.
+    if enforce and payload.compatibility_hash != local_hash:
+        return {"mismatch": [local_hash, payload.compatibility_hash]}
+    meta = msgspec.msgpack.Decoder(NixlAgentMetadata).decode(payload.agent_metadata_bytes)
+    if meta.engine_id != engine:
+        return {"error": f"engine id {meta.engine_id}, expected {engine}"}
+    decodes[0] += 1
+    agent = nixl_agent(f"py-decode-{os.getpid()}-{decodes[0]}")
+    lens = meta.block_lens
+    size = sum(lens) * len(blocks)
+    buf = np.zeros(size, dtype=np.uint8)
+    agent.register_memory(agent.get_reg_descs([(buf.ctypes.data, size, 0, "")], "DRAM"))
+    remote = agent.add_remote_agent(meta.agent_metadata)
+    remote = remote.decode() if isinstance(remote, bytes) else remote
+    local_descs, remote_descs, at = [], [], buf.ctypes.data
+    for region, base in enumerate(meta.kv_caches_base_addr):
+        for b in blocks:
+            remote_descs.append((base + b * meta.block_strides[region], lens[region], meta.device_id))
+            local_descs.append((at, lens[region], 0))
+            at += lens[region]
+    notif = f"{req_id}:{consumers}".encode()
+    handle = agent.initialize_xfer(
+        "READ",
+        agent.get_xfer_descs(local_descs, "DRAM"),
+        agent.get_xfer_descs(remote_descs, "DRAM"),
+        remote,
+        notif,
+    )
+    state = agent.transfer(handle)
+    deadline = time.monotonic() + 10
+    while state == "PROC" and time.monotonic() < deadline:
+        time.sleep(0.001)
+        state = agent.check_xfer_state(handle)
+    agent.release_xfer_handle(handle)
+    if state != "DONE":
+        return {"error": f"READ ended {state}"}
+    return {
+        "data": buf.tobytes().hex(),
+        "agent": remote,
+        "meta": {
+            "num_blocks": meta.num_blocks,
+            "block_lens": meta.block_lens,
+            "block_size": meta.block_size,
+            "kv_cache_layout": meta.kv_cache_layout,
+            "region_names": meta.region_names,
+            "region_group_ids": meta.region_group_ids,
+            "region_mem_types": meta.region_mem_types,
+        },
+        "remote_perf_is_float": isinstance(msgspec.msgpack.decode(parts[1]), float),
+    }
+
+
 def main():
     for line in sys.stdin:
         cmd, *args = line.split()
@@ -272,6 +450,20 @@ def main():
                 answer(json.dumps(parse_notif(bytes.fromhex(args[0]))))
             except (ValueError, UnicodeDecodeError) as e:
                 answer(json.dumps({"error": str(e)}))
+        elif cmd == "kv_prefill":
+            hash_ = "" if args[0] == "-" else args[0]
+            nums = [int(x) for x in args[4:8]]
+            answer(json.dumps(kv_prefill(hash_, args[1] == "1", args[2] == "1", args[3], *nums)))
+        elif cmd == "kv_finish":
+            blocks = [int(x) for x in args[1].split(",")]
+            answer(json.dumps(kv_finish(bytes.fromhex(args[0]).decode(), blocks)))
+        elif cmd == "kv_notifs":
+            answer(json.dumps(kv_notifs(int(args[0]), float(args[1]))))
+        elif cmd == "kv_decode":
+            blocks = [int(x) for x in args[4].split(",")]
+            req_id = bytes.fromhex(args[5]).decode()
+            got = kv_decode(int(args[0]), args[1], args[2] == "1", args[3], blocks, req_id, int(args[6]))
+            answer(json.dumps(got))
         elif cmd == "quit":
             break
 

@@ -9,7 +9,7 @@ use std::time::Duration;
 use nixl::kv_config::KvTransferConfig;
 use nixl::platform::BuiltinPlatform;
 use nixl_connector::{
-    KvAttention, KvCacheSpec, KvConnectorWorker, KvLayout, Lease, LoadFailurePolicy,
+    KvAttention, KvCacheSpec, KvConnectorWorker, KvLayout, Lease, LoadFailurePolicy, Protocol,
     SchedulerConfig, WorkerConfig,
 };
 
@@ -51,6 +51,8 @@ pub fn scheduler_config(
             ..Lease::default()
         },
         load_failure_policy: LoadFailurePolicy::default(),
+        protocol: Protocol::Native,
+        vllm_side_channel: None,
     })
 }
 

@@ -223,6 +223,9 @@ pub struct Compatibility {
     pub hash: String,
     /// Whether a peer with another hash is refused.
     pub enforce: bool,
+    /// The factors the hash is of, when given (their `attn_backend_name` is also what this
+    /// engine's `NixlAgentMetadata` names).
+    pub factors: Option<CompatibilityFactors>,
 }
 
 impl Compatibility {
@@ -231,6 +234,7 @@ impl Compatibility {
         Compatibility {
             hash: factors.hash(),
             enforce,
+            factors: Some(factors.clone()),
         }
     }
 
@@ -272,6 +276,7 @@ impl Compatibility {
             return Ok(Compatibility {
                 hash: String::new(),
                 enforce,
+                factors: None,
             });
         };
         let factors: CompatibilityFactors =
@@ -385,7 +390,8 @@ mod tests {
             off,
             Compatibility {
                 hash: String::new(),
-                enforce: false
+                enforce: false,
+                factors: None,
             }
         );
 

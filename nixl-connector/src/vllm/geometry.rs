@@ -23,15 +23,28 @@ impl NixlAgentMetadata {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for what the connector does not read: Mamba state
-    /// (`ssm_sizes`), decode or prefill context parallelism, regions of different block
+    /// (`ssm_sizes`), PLE state (`ple_block_len`), regions packing several layers
+    /// (`packed_member_layouts`), decode or prefill context parallelism, regions of different block
     /// counts, padded blocks (a stride other than the length), a layout other than HND or
-    /// NHD (`"HND"`, `"LBHNC"`; `"NHD"`, `"LBNHC"`), or counts that do not fit.
+    /// NHD (`"HND"`, `"LBHNC"`; `"NHD"`, `"LBNHC"`), several KV cache groups
+    /// (`region_group_ids` that differ), or counts that do not fit.
     pub fn kv_cache_spec(&self, attention: KvAttention) -> Result<KvCacheSpec> {
         let refuse = |why: String| Error::invalid(OP, why);
         if self.ssm_sizes != (0, 0) {
             return Err(refuse(format!(
                 "Mamba state (ssm_sizes {:?}) is not supported",
                 self.ssm_sizes
+            )));
+        }
+        if let Some(len) = self.ple_block_len {
+            return Err(refuse(format!(
+                "PLE short-conv state (ple_block_len {len}) is not supported"
+            )));
+        }
+        if !self.packed_member_layouts.is_empty() {
+            return Err(refuse(format!(
+                "regions packing several layers ({} packed members) are not supported",
+                self.packed_member_layouts.len()
             )));
         }
         if self.dcp_size != 1 || self.pcp_size != 1 {
@@ -47,6 +60,13 @@ impl NixlAgentMetadata {
                 self.block_lens.len(),
                 self.block_strides.len()
             )));
+        }
+        if let Some(groups) = &self.region_group_ids {
+            if groups.len() != regions || groups.windows(2).any(|w| w[0] != w[1]) {
+                return Err(refuse(format!(
+                    "regions of several KV cache groups ({groups:?}) are not supported (one KV cache group only)"
+                )));
+            }
         }
         if let Some(counts) = &self.region_num_blocks {
             if counts.iter().any(|&n| n != self.num_blocks) || counts.len() != regions {
@@ -94,6 +114,75 @@ impl NixlAgentMetadata {
     }
 }
 
+/// What a rank of this connector tells vLLM decodes about its KV cache.
+pub(crate) struct RankRegistration<'a> {
+    /// The engine's id.
+    pub engine_id: &'a str,
+    /// The agent's full metadata.
+    pub agent_metadata: Vec<u8>,
+    /// Each region's base address.
+    pub base_addrs: Vec<u64>,
+    /// The registered geometry.
+    pub spec: &'a KvCacheSpec,
+    /// The device id NIXL describes the memory with.
+    pub device_id: u64,
+    /// The memory type's name, e.g. `"DRAM"`.
+    pub mem_type: String,
+    /// The attention backend's name vLLM would give (from the compatibility factors).
+    pub attn_backend_name: String,
+}
+
+impl NixlAgentMetadata {
+    /// The metadata of a rank registered with `rank.spec`, as vLLM 0.33's prefill writes it
+    /// for a model of one KV cache group: every region of all the blocks, unpadded
+    /// (`block_strides` = `block_lens`), the layout by vLLM's name (`"LBHNC"` for HND,
+    /// `"LBNHC"` for NHD), one kernel block per logical block, no Mamba state, no context
+    /// parallelism, and no region names (a vLLM decode compares them with its layer names
+    /// only when they are given).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for regions holding K and V halves
+    /// ([`KvRegionKind::KvHalves`]), which vLLM's metadata cannot say.
+    pub(crate) fn of_rank(rank: RankRegistration<'_>) -> Result<Self> {
+        let spec = rank.spec;
+        if let Some(r) = spec
+            .regions
+            .iter()
+            .position(|region| region.kind == KvRegionKind::KvHalves)
+        {
+            return Err(Error::invalid(
+                "describe the KV caches to vLLM",
+                format!("region {r} holds K and V halves in one block, which vLLM's NixlAgentMetadata cannot say; register K and V as regions of their own"),
+            ));
+        }
+        let regions = spec.num_regions();
+        let lens: Vec<u64> = spec.regions.iter().map(|r| r.block_len as u64).collect();
+        Ok(NixlAgentMetadata {
+            engine_id: rank.engine_id.to_string(),
+            agent_metadata: rank.agent_metadata,
+            kv_caches_base_addr: rank.base_addrs,
+            device_id: rank.device_id,
+            num_blocks: spec.num_blocks as u64,
+            block_strides: lens.clone(),
+            block_lens: lens,
+            kv_cache_layout: match spec.layout {
+                KvLayout::Hnd => "LBHNC",
+                KvLayout::Nhd => "LBNHC",
+            }
+            .to_string(),
+            block_size: spec.block_size as u64,
+            ssm_sizes: (0, 0),
+            attn_backend_name: rank.attn_backend_name,
+            physical_blocks_per_logical_kv_block: 1,
+            region_num_blocks: Some(vec![spec.num_blocks as u64; regions]),
+            region_group_ids: Some(vec![0; regions]),
+            region_names: None,
+            region_mem_types: Some(vec![rank.mem_type; regions]),
+            ..NixlAgentMetadata::default()
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -122,6 +211,45 @@ mod tests {
         };
         let mha = KvAttention::Mha { total_kv_heads: 8 };
         assert_eq!(nhd.kv_cache_spec(mha).unwrap().layout, KvLayout::Nhd);
+    }
+
+    #[test]
+    fn a_ranks_own_metadata_is_the_spec_it_registered() {
+        let heads = KvAttention::Mha { total_kv_heads: 8 };
+        for layout in [KvLayout::Hnd, KvLayout::Nhd] {
+            let spec = KvCacheSpec::uniform(3, 64, 16, heads, layout, 4096);
+            let meta = NixlAgentMetadata::of_rank(RankRegistration {
+                engine_id: "e",
+                agent_metadata: vec![1],
+                base_addrs: vec![1 << 20, 2 << 20, 3 << 20],
+                spec: &spec,
+                device_id: 0,
+                mem_type: "DRAM".into(),
+                attn_backend_name: "FLASH_ATTN".into(),
+            })
+            .unwrap();
+            assert_eq!(meta.kv_cache_spec(heads).unwrap(), spec);
+            assert_eq!(meta.region_group_ids, Some(vec![0; 3]));
+            assert_eq!(meta.region_names, None);
+        }
+        let halves = KvCacheSpec {
+            regions: vec![KvRegion {
+                block_len: 4096,
+                kind: KvRegionKind::KvHalves,
+            }],
+            ..KvCacheSpec::uniform(1, 8, 16, heads, KvLayout::Hnd, 4096)
+        };
+        let err = NixlAgentMetadata::of_rank(RankRegistration {
+            engine_id: "e",
+            agent_metadata: vec![],
+            base_addrs: vec![1 << 20],
+            spec: &halves,
+            device_id: 0,
+            mem_type: "DRAM".into(),
+            attn_backend_name: String::new(),
+        })
+        .unwrap_err();
+        assert!(err.to_string().contains("K and V halves"), "{err}");
     }
 
     #[test]
@@ -154,6 +282,27 @@ mod tests {
                     ..metadata()
                 },
                 "different block counts",
+            ),
+            (
+                NixlAgentMetadata {
+                    ple_block_len: Some(64),
+                    ..metadata()
+                },
+                "PLE short-conv state",
+            ),
+            (
+                NixlAgentMetadata {
+                    packed_member_layouts: [("l".to_string(), (0, 1))].into(),
+                    ..metadata()
+                },
+                "packing several layers",
+            ),
+            (
+                NixlAgentMetadata {
+                    region_group_ids: Some(vec![0, -1]),
+                    ..metadata()
+                },
+                "several KV cache groups",
             ),
             (
                 NixlAgentMetadata {

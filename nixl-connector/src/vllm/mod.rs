@@ -1,8 +1,10 @@
 //! vLLM's NixlConnector protocol (pull mode, connector version 15, vLLM 0.33), so that a
 //! Rust engine and a vLLM engine can serve as each other's prefill and decode.
 //!
-//! In progress: these are the protocol's pieces, tested against Python peers using vLLM's
-//! wire libraries (pyzmq, msgspec); the worker and scheduler do not use them yet.
+//! A worker and a scheduler speak it when their [`Protocol`](crate::Protocol) is
+//! [`Vllm`](crate::Protocol::Vllm) (`kv_connector_extra_config.protocol: "vllm"`); the
+//! pieces here are public for engines and tests that speak it themselves. The crate README's
+//! "Working with vLLM" section gives the config on each side and what is not supported.
 //!
 //! # The side channel
 //! One ZMQ ROUTER socket per prefill engine ([`MetadataServer`]) at vLLM's `remote_host`,
@@ -29,6 +31,7 @@ mod client;
 pub mod clock;
 pub mod compat;
 mod geometry;
+mod handshake;
 mod limits;
 mod msgpack;
 pub mod notify;
@@ -39,6 +42,9 @@ mod zmtp;
 
 pub use client::{fetch_meta, MetaReply, MetadataClient};
 pub use compat::{Compatibility, CompatibilityFactors, SpeculativeFactors};
+pub(crate) use geometry::RankRegistration;
+pub(crate) use handshake::VllmWorker;
+pub use handshake::EXPIRY_SAFETY_MARGIN;
 pub use limits::VllmChannelLimits;
 pub use notify::{NotificationLimits, VllmNotification};
 pub use params::{VllmBlockIds, VllmKvTransferParams};

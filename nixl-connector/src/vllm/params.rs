@@ -183,24 +183,12 @@ impl VllmKvTransferParams {
 impl TryFrom<&VllmKvTransferParams> for KvTransferParams {
     type Error = Error;
 
-    /// The connector's params for vLLM's, refusing what they cannot say: more than one KV
-    /// cache group, pipeline or decode context parallelism, push mode.
+    /// The connector's params for vLLM's, refusing what they cannot say (more than one KV
+    /// cache group, a block id past `usize`) and what the connector cannot read (see
+    /// [`KvTransferParams::check_supported`]). Every other key is kept: unknown keys and
+    /// `null` values in [`KvTransferParams::vllm_extra`].
     fn try_from(params: &VllmKvTransferParams) -> Result<Self> {
         const OPERATION: &str = "convert vLLM kv_transfer_params";
-        if let Some(mode) = params.transfer_mode.as_deref().filter(|&m| m != "pull") {
-            return Err(Error::invalid(
-                OPERATION,
-                format!("transfer_mode {mode:?} is not supported: this connector reads (pull mode) only"),
-            ));
-        }
-        for (key, size) in [("pp_size", params.pp_size), ("dcp_size", params.dcp_size)] {
-            if size.is_some_and(|s| s != 1) {
-                return Err(Error::invalid(
-                    OPERATION,
-                    format!("{key} {} is not supported (only 1)", size.unwrap_or(1)),
-                ));
-            }
-        }
         let ids: &[u64] = match &params.remote_block_ids {
             None => &[],
             Some(VllmBlockIds::Flat(ids)) => ids,
@@ -218,14 +206,21 @@ impl TryFrom<&VllmKvTransferParams> for KvTransferParams {
                 }
             },
         };
+        let size = |key: &str, value: Option<u64>| {
+            value
+                .map(|v| {
+                    usize::try_from(v).map_err(|_| {
+                        Error::invalid(OPERATION, format!("{key} {v} does not fit in usize"))
+                    })
+                })
+                .transpose()
+        };
         let remote_block_ids = ids
             .iter()
             .map(|&id| usize::try_from(id))
             .collect::<std::result::Result<Vec<usize>, _>>()
             .map_err(|_| Error::invalid(OPERATION, "a remote block id does not fit in usize"))?;
-        // Fields the connector's params gain later take their defaults here.
-        #[allow(clippy::needless_update)]
-        Ok(KvTransferParams {
+        let native = KvTransferParams {
             do_remote_prefill: params.do_remote_prefill.unwrap_or(false),
             do_remote_decode: params.do_remote_decode.unwrap_or(false),
             remote_engine_id: params.remote_engine_id.clone(),
@@ -233,38 +228,69 @@ impl TryFrom<&VllmKvTransferParams> for KvTransferParams {
             remote_port: params.remote_port,
             remote_block_ids,
             remote_request_id: params.remote_request_id.clone(),
-            remote_tp_size: params.tp_size.map(|tp| tp as usize),
-            remote_num_tokens: params
-                .remote_num_tokens
-                .and_then(|n| usize::try_from(n).ok()),
-            ..KvTransferParams::default()
-        })
+            remote_tp_size: size("tp_size", params.tp_size.map(u64::from))?,
+            remote_num_tokens: size("remote_num_tokens", params.remote_num_tokens)?,
+            remote_dcp_size: size("dcp_size", params.dcp_size.map(u64::from))?,
+            remote_pp_size: size("pp_size", params.pp_size.map(u64::from))?,
+            remote_blocks_expiry_time: params.remote_blocks_expiry_time,
+            remote_registration_generation: params.remote_registration_generation,
+            transfer_mode: params.transfer_mode.clone(),
+            vllm_extra: params.other.clone(),
+        };
+        native.check_supported()?;
+        Ok(native)
     }
 }
 
 impl From<&KvTransferParams> for VllmKvTransferParams {
-    /// vLLM's params for the connector's: the block ids as one KV cache group (as vLLM
-    /// 0.33 reads them) when the params name a remote engine.
+    /// vLLM's params for the connector's: every field, with the block ids as one KV cache
+    /// group (as vLLM 0.33 reads them) when the params name a remote engine or hold blocks,
+    /// and the keys of [`KvTransferParams::vllm_extra`] as they came. JSON that became
+    /// `params` converts back to the same JSON, except that an absent `do_remote_prefill`
+    /// or `do_remote_decode` comes back `false` and a flat list of block ids (older vLLM)
+    /// as one group.
     fn from(params: &KvTransferParams) -> Self {
-        let ids = params
+        let ids: Vec<u64> = params
             .remote_block_ids
             .iter()
             .map(|&id| id as u64)
             .collect();
+        let count = |n: Option<usize>| n.and_then(|n| u32::try_from(n).ok());
         VllmKvTransferParams {
             do_remote_prefill: Some(params.do_remote_prefill),
             do_remote_decode: Some(params.do_remote_decode),
-            remote_block_ids: params
-                .remote_engine_id
-                .as_ref()
-                .map(|_| VllmBlockIds::Groups(vec![ids])),
+            remote_block_ids: (params.remote_engine_id.is_some() || !ids.is_empty())
+                .then(|| VllmBlockIds::Groups(vec![ids])),
             remote_engine_id: params.remote_engine_id.clone(),
             remote_request_id: params.remote_request_id.clone(),
             remote_host: params.remote_host.clone(),
             remote_port: params.remote_port,
-            tp_size: params.remote_tp_size.and_then(|tp| u32::try_from(tp).ok()),
-            ..VllmKvTransferParams::default()
+            tp_size: count(params.remote_tp_size),
+            dcp_size: count(params.remote_dcp_size),
+            pp_size: count(params.remote_pp_size),
+            remote_num_tokens: params.remote_num_tokens.map(|n| n as u64),
+            remote_blocks_expiry_time: params.remote_blocks_expiry_time,
+            remote_registration_generation: params.remote_registration_generation,
+            transfer_mode: params.transfer_mode.clone(),
+            other: params.vllm_extra.clone(),
         }
+    }
+}
+
+impl KvTransferParams {
+    /// Parses vLLM's JSON `kv_transfer_params` (see
+    /// [`VllmKvTransferParams::from_json`] and the conversion's refusals).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming the key that is wrong, or what is not supported.
+    pub fn from_vllm_json(json: &str) -> Result<Self> {
+        KvTransferParams::try_from(&VllmKvTransferParams::from_json(json)?)
+    }
+
+    /// The params as vLLM's JSON `kv_transfer_params` (what vLLM's `request_finished`
+    /// returns, and a proxy hands to the decode).
+    pub fn to_vllm_json(&self) -> String {
+        VllmKvTransferParams::from(self).to_json()
     }
 }
 
@@ -325,12 +351,14 @@ mod tests {
     }
 
     #[test]
-    fn converts_to_and_from_the_connectors_params() {
+    fn converts_to_and_from_the_connectors_params_losslessly() {
         let params = VllmKvTransferParams::from_json(FROM_PREFILL).unwrap();
         let native = KvTransferParams::try_from(&params).unwrap();
         assert!(native.do_remote_prefill && !native.do_remote_decode);
         assert_eq!(native.remote_block_ids, vec![3, 4, 5]);
         assert_eq!(native.remote_tp_size, Some(2));
+        assert_eq!(native.remote_num_tokens, Some(40));
+        assert_eq!(native.remote_registration_generation, Some(1));
         let remote = native.remote_blocks().unwrap();
         assert_eq!(
             (
@@ -341,37 +369,44 @@ mod tests {
             ),
             ("pf-0", "10.0.0.1", 5600, "cmpl-1-0-1a2b3c4d")
         );
-
-        let back = VllmKvTransferParams::from(&native);
-        for key in [
-            "do_remote_prefill",
-            "do_remote_decode",
-            "remote_block_ids",
-            "remote_engine_id",
-            "remote_request_id",
-            "remote_host",
-            "remote_port",
-            "tp_size",
+        // vLLM's JSON, through the connector's params, back to the same JSON: every key,
+        // the nulls and the keys it does not know too.
+        for json in [
+            FROM_PREFILL,
+            r#"{"do_remote_prefill": true, "do_remote_decode": false, "remote_block_ids": [[1]], "remote_engine_id": "e", "remote_blocks_expiry_time": 1234.5, "a_newer_key": {"x": [1, null]}, "tp_size": null}"#,
+            r#"{"do_remote_prefill": false, "do_remote_decode": true}"#,
         ] {
-            assert_eq!(
-                value(&back.to_json())[key],
-                value(FROM_PREFILL)[key],
-                "{key}"
-            );
+            let native = KvTransferParams::from_vllm_json(json).unwrap();
+            assert_eq!(value(&native.to_vllm_json()), value(json), "{json}");
         }
-        let to_prefill = VllmKvTransferParams::from(&KvTransferParams {
-            do_remote_decode: true,
-            ..KvTransferParams::default()
-        });
+        // The connector's params, through vLLM's JSON, back to the same params.
+        let full = KvTransferParams {
+            do_remote_prefill: true,
+            do_remote_decode: false,
+            remote_engine_id: Some("p".into()),
+            remote_host: Some("h".into()),
+            remote_port: Some(7),
+            remote_block_ids: vec![9, 1],
+            remote_request_id: Some("r".into()),
+            remote_tp_size: Some(4),
+            remote_num_tokens: Some(33),
+            remote_dcp_size: Some(1),
+            remote_pp_size: Some(1),
+            remote_blocks_expiry_time: Some(0.1 + 0.2),
+            remote_registration_generation: Some(u64::MAX),
+            transfer_mode: Some("pull".into()),
+            vllm_extra: Map::from_iter([("k".to_string(), Value::from(vec![1.5, -2.0]))]),
+        };
+        for native in [full, KvTransferParams::default()] {
+            let back = KvTransferParams::from_vllm_json(&native.to_vllm_json()).unwrap();
+            assert_eq!(back, native);
+        }
+        // Older vLLM's flat block ids come back as one group.
+        let flat = KvTransferParams::from_vllm_json(r#"{"remote_block_ids": [9]}"#).unwrap();
+        assert_eq!(flat.remote_block_ids, vec![9]);
         assert_eq!(
-            value(&to_prefill.to_json()),
-            value(r#"{"do_remote_prefill": false, "do_remote_decode": true}"#)
-        );
-
-        let flat = VllmKvTransferParams::from_json(r#"{"remote_block_ids": [9]}"#).unwrap();
-        assert_eq!(
-            KvTransferParams::try_from(&flat).unwrap().remote_block_ids,
-            vec![9]
+            value(&flat.to_vllm_json())["remote_block_ids"],
+            value("[[9]]")
         );
     }
 

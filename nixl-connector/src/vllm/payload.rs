@@ -93,9 +93,9 @@ pub struct NixlAgentMetadata {
     /// Blocks of each region, when regions differ.
     #[serde(default)]
     pub region_num_blocks: Option<Vec<u64>>,
-    /// The KV cache group of each region.
+    /// The KV cache group of each region (vLLM's `-1`: a region shared by several).
     #[serde(default)]
-    pub region_group_ids: Option<Vec<u64>>,
+    pub region_group_ids: Option<Vec<i64>>,
     /// The name of each region.
     #[serde(default)]
     pub region_names: Option<Vec<String>>,

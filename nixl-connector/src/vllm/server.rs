@@ -91,9 +91,27 @@ impl MetadataServer {
         let listener = TcpListener::bind(addr)
             .await
             .map_err(|err| Error::io("bind the vLLM side channel", addr, err))?;
+        Self::serve(listener, limits)
+    }
+
+    /// Listens on `addr` as [`bind`](Self::bind) does, without awaiting: for callers that
+    /// are not async, inside a tokio runtime's context.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when the address cannot be bound.
+    pub fn bind_now(addr: SocketAddr, limits: VllmChannelLimits) -> Result<Self> {
+        let listener = std::net::TcpListener::bind(addr)
+            .and_then(|l| l.set_nonblocking(true).map(|()| l))
+            .and_then(TcpListener::from_std)
+            .map_err(|err| Error::io("bind the vLLM side channel", addr, err))?;
+        Self::serve(listener, limits)
+    }
+
+    /// Serves on `listener` until dropped.
+    fn serve(listener: TcpListener, limits: VllmChannelLimits) -> Result<Self> {
         let local_addr = listener
             .local_addr()
-            .map_err(|err| Error::io("bind the vLLM side channel", addr, err))?;
+            .map_err(|err| Error::io("bind the vLLM side channel", "its listener", err))?;
         let shared = Arc::new(Shared {
             limits,
             state: Mutex::new(State::default()),
@@ -122,6 +140,12 @@ impl MetadataServer {
             state.generation += 1;
         }
         state.payloads.insert((pp_rank, tp_rank), encoded);
+    }
+
+    /// Stops serving rank (`pp_rank`, `tp_rank`) (e.g. its worker is gone): requests for it
+    /// are answered with an error from now on.
+    pub fn withdraw(&self, pp_rank: u32, tp_rank: u32) {
+        self.shared.lock().payloads.remove(&(pp_rank, tp_rank));
     }
 
     /// How many times a rank's payload changed (vLLM's `remote_registration_generation`).

@@ -6,15 +6,17 @@
 //! with the connector's mapping: heads, offsets and token positions are computed here from
 //! the model's definition.
 
+use std::net::SocketAddr;
 use std::ops::Range;
 use std::sync::Arc;
 
+use nixl_connector::vllm::{MetadataServer, VllmChannelLimits};
 use nixl_connector::{
-    KvAttention, KvCacheSpec, KvConnectorWorker, KvLayout, KvRegion, KvRegionKind, RemoteBlocks,
-    WorkerConfig,
+    KvAttention, KvCacheSpec, KvConnectorWorker, KvLayout, KvRegion, KvRegionKind, Protocol,
+    RemoteBlocks, WorkerConfig,
 };
 
-use super::{cpu_config, SERVER_DEADLINE};
+use super::{cpu_config, vllm_config, vllm_factors, SERVER_DEADLINE};
 
 /// A model's KV cache: its attention, layout and regions.
 #[derive(Debug, Clone)]
@@ -307,6 +309,8 @@ impl Model {
             request_id: request.id.clone(),
             tp_size: tp,
             num_tokens: request.num_tokens,
+            blocks_expiry_time: None,
+            registration_generation: None,
         }
     }
 }
@@ -319,6 +323,38 @@ pub fn rank_config(engine: &str, rank: usize, tp: usize, port: u16) -> WorkerCon
     config.limits.deadline = SERVER_DEADLINE;
     config.side_channel.set_port(port);
     config
+}
+
+/// The ranks of an engine of TP `side.tp` in this process speaking `protocol`, each with
+/// `model`'s cache: see [`engine`], and in vLLM's protocol every rank publishing to one
+/// side channel (the engine's ROUTER) shared in its config.
+pub fn engine_speaking(
+    engine_id: &str,
+    model: &Model,
+    side: &Side,
+    protocol: Protocol,
+) -> Vec<KvConnectorWorker> {
+    if protocol == Protocol::Native {
+        return engine(engine_id, model, side);
+    }
+    let spec = model.spec(side);
+    let server = Arc::new(
+        MetadataServer::bind_now(
+            SocketAddr::from(([127, 0, 0, 1], 0)),
+            VllmChannelLimits::default(),
+        )
+        .unwrap(),
+    );
+    (0..side.tp)
+        .map(|rank| {
+            let mut config = rank_config(engine_id, rank, side.tp, 0);
+            config.kv_transfer_config = vllm_config(vllm_factors());
+            config.vllm_side_channel = Some(server.clone());
+            let worker = KvConnectorWorker::new(config).unwrap();
+            worker.register_host_kv_caches(spec.clone()).unwrap();
+            worker
+        })
+        .collect()
 }
 
 /// The ranks of an engine of TP `side.tp` in this process, rank `r` listening on rank 0's

@@ -5,6 +5,7 @@
 
 pub mod geometry;
 pub mod loads;
+pub mod matrix;
 
 use std::process::Child;
 #[path = "../../../tests/common/role.rs"]
@@ -29,7 +30,8 @@ use std::time::{Duration, Instant};
 
 use nixl::kv_config::KvTransferConfig;
 use nixl_connector::{
-    Finished, KvAttention, KvCacheSpec, KvConnectorWorker, KvLayout, RemoteBlocks, WorkerConfig,
+    FinishStatus, Finished, KvAttention, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker,
+    KvLayout, KvTransferParams, RemoteBlocks, WorkerConfig,
 };
 
 /// The total deadline of the test workers' side channels.
@@ -64,6 +66,24 @@ pub fn cpu_config() -> KvTransferConfig {
         kv_buffer_device: "cpu".to_string(),
         ..Default::default()
     }
+}
+
+/// The factors of vLLM's compatibility hash the tests' vLLM-mode engines share.
+pub fn vllm_factors() -> serde_json::Value {
+    serde_json::json!({
+        "vllm_version": "0.33.0", "model": "nixl-rs/test-model", "dtype": "torch.bfloat16",
+        "num_kv_heads": 4, "head_size": 8, "num_hidden_layers": 3,
+        "attn_backend_name": "FLASH_ATTN", "cache_dtype": "auto", "is_hma_enabled": false,
+    })
+}
+
+/// A host-memory `kv_transfer_config` speaking vLLM's protocol with `factors`.
+pub fn vllm_config(factors: serde_json::Value) -> KvTransferConfig {
+    let mut config = cpu_config();
+    let extra = &mut config.kv_connector_extra_config;
+    extra.insert("protocol".into(), "vllm".into());
+    extra.insert("vllm_compat_factors".into(), factors);
+    config
 }
 
 /// A worker with a registered zeroed DRAM cache of `spec`.
@@ -162,7 +182,32 @@ pub fn remote(
         request_id: request.to_string(),
         tp_size: tp,
         num_tokens: None,
+        blocks_expiry_time: None,
+        registration_generation: None,
     }
+}
+
+/// Finishes prefill request `request` in `blocks` for a remote decode (its blocks held),
+/// hands it to `worker`, and returns the params for the decode.
+pub fn finish_for_decode(
+    worker: &KvConnectorWorker,
+    scheduler: &mut KvConnectorScheduler,
+    request: &str,
+    blocks: &[usize],
+) -> KvTransferParams {
+    let for_decode = KvTransferParams {
+        do_remote_decode: true,
+        ..Default::default()
+    };
+    let done = scheduler.request_finished(
+        request,
+        blocks,
+        Some(&for_decode),
+        FinishStatus::LengthCapped,
+    );
+    assert!(done.delay_free_blocks);
+    worker.start_load_kv(&scheduler.build_connector_meta());
+    done.kv_transfer_params.unwrap()
 }
 
 /// Polls `worker.finished()` until `done` says so or `limit` passes; returns all finished.

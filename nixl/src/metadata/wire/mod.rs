@@ -41,6 +41,17 @@ pub fn validate_metadata(metadata: &[u8]) -> Result<()> {
     layout::check(metadata).map_err(invalid)
 }
 
+/// The name of the agent whose metadata `metadata` is, once it is checked as
+/// [`Agent::load_remote_metadata`](crate::Agent::load_remote_metadata) checks it: e.g. to
+/// tell, before loading, whether metadata of that agent is loaded already.
+///
+/// # Errors
+/// As [`validate_metadata`], and [`Error::InvalidMetadata`] for a UCX transport address
+/// shorter than what UCX reads of it.
+pub fn metadata_agent_name(metadata: &[u8]) -> Result<String> {
+    inspect_metadata(metadata).map(|peer| peer.name.to_string())
+}
+
 /// Checks `metadata` as [`validate_metadata`] does and takes it apart.
 ///
 /// # Errors

@@ -1,0 +1,244 @@
+//! A worker's side of vLLM's protocol: as a decode, the handshake with one rank of a remote
+//! engine (vLLM's `_nixl_handshake`): the rank's payload fetched from the engine's ROUTER,
+//! the compatibility hash checked before the metadata is decoded, the metadata's geometry
+//! converted into a [`HandshakeMessage`] for [`check_compatible`](crate::check_compatible),
+//! and the clock offset kept; then the registration generations and block expiry times of
+//! the loads.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use super::client::fetch_meta;
+use super::compat::Compatibility;
+use super::limits::VllmChannelLimits;
+use crate::error::{Error, Result};
+use crate::handshake::{HandshakeMessage, PROTOCOL_VERSION};
+use crate::params::RemoteBlocks;
+
+/// How long before a prefill's block expiry time a read is declined (vLLM's
+/// `_KV_BLOCKS_EXPIRY_SAFETY_MARGIN`): it absorbs the clock offset's error and the read.
+pub const EXPIRY_SAFETY_MARGIN: Duration = Duration::from_secs(5);
+
+/// Most kernel blocks per logical block a remote rank may declare.
+const MAX_BLOCKS_PER_LOGICAL: u64 = 1 << 10;
+
+/// A worker's vLLM-mode settings, and what its handshakes learned of remote engines.
+#[derive(Debug)]
+pub(crate) struct VllmWorker {
+    /// Our hash, and whether peers must match it.
+    pub(crate) compat: Compatibility,
+    /// The side channel's caps and deadlines.
+    pub(crate) limits: VllmChannelLimits,
+    engines: Mutex<HashMap<String, EngineClock>>,
+}
+
+/// What the handshakes with one remote engine learned.
+#[derive(Debug, Clone, Copy, Default)]
+struct EngineClock {
+    /// The round trip and clock offset of the handshake with the smallest round trip.
+    best: Option<(f64, f64)>,
+    /// The registration generation its ranks were loaded at.
+    generation: u64,
+}
+
+/// One remote rank's handshake, in the connector's terms.
+#[derive(Debug)]
+pub(crate) struct Fetched {
+    /// Its metadata as a handshake message: its geometry, base addresses and agent.
+    pub(crate) message: HandshakeMessage,
+    /// Kernel blocks per logical block (vLLM's `physical_blocks_per_logical_kv_block`): the
+    /// block ids of its transfer params are logical.
+    pub(crate) blocks_per_logical: usize,
+}
+
+impl VllmWorker {
+    pub(crate) fn new(compat: Compatibility, limits: VllmChannelLimits) -> Self {
+        VllmWorker {
+            compat,
+            limits,
+            engines: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn engines(&self) -> MutexGuard<'_, HashMap<String, EngineClock>> {
+        self.engines.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Asks the engine at `host:port` for rank `rank`'s payload (pp rank 0), checks its
+    /// hash and decodes its metadata as vLLM's decode does, and converts it for `ours`
+    /// (the engine serves the same model: its KV heads and attention are ours), with the TP
+    /// size of the transfer params.
+    ///
+    /// # Errors
+    /// The side channel's errors ([`Error::Refused`] for a rank the engine lacks);
+    /// [`Error::CompatibilityMismatch`] naming both hashes; [`Error::Protocol`] for metadata
+    /// that does not decode; [`Error::InvalidArgument`] for geometry the connector does not
+    /// read (see [`NixlAgentMetadata::kv_cache_spec`](super::NixlAgentMetadata::kv_cache_spec))
+    /// or agent metadata that is not NIXL's.
+    pub(crate) async fn fetch(
+        &self,
+        ours: &HandshakeMessage,
+        rank: usize,
+        tp_size: usize,
+        host: &str,
+        port: u16,
+    ) -> Result<Fetched> {
+        let tp_rank = u32::try_from(rank)
+            .map_err(|_| Error::invalid("ask for a vLLM rank", format!("rank {rank}")))?;
+        let reply = fetch_meta(host, port, 0, tp_rank, self.limits).await?;
+        let peer = format!("{host}:{port}");
+        let meta = self.compat.check(&reply.payload, &peer)?;
+        self.clock_sample(&meta.engine_id, reply.rtt(), reply.clock_offset());
+        let spec = meta.kv_cache_spec(ours.spec.attention)?;
+        if let Some(types) = meta.region_mem_types.as_ref() {
+            if types.len() != spec.num_regions() {
+                return Err(Error::invalid(
+                    "convert vLLM's NixlAgentMetadata",
+                    format!(
+                        "{} memory types for {} regions",
+                        types.len(),
+                        spec.num_regions()
+                    ),
+                ));
+            }
+        }
+        let blocks_per_logical = match meta.physical_blocks_per_logical_kv_block {
+            n @ 1..=MAX_BLOCKS_PER_LOGICAL => n as usize,
+            n => {
+                return Err(Error::invalid(
+                    "convert vLLM's NixlAgentMetadata",
+                    format!(
+                        "physical_blocks_per_logical_kv_block {n} (1 to {MAX_BLOCKS_PER_LOGICAL})"
+                    ),
+                ))
+            }
+        };
+        let agent_name = nixl::metadata_agent_name(&meta.agent_metadata)?;
+        Ok(Fetched {
+            message: HandshakeMessage {
+                protocol_version: PROTOCOL_VERSION,
+                engine_id: meta.engine_id,
+                agent_name,
+                agent_metadata: meta.agent_metadata,
+                region_base_addrs: meta.kv_caches_base_addr,
+                spec,
+                device_id: meta.device_id,
+                tp_rank: rank as u64,
+                tp_size: tp_size as u64,
+            },
+            blocks_per_logical,
+        })
+    }
+
+    /// Keeps the clock offset to `engine` of the handshake with the smallest round trip,
+    /// as vLLM does.
+    fn clock_sample(&self, engine: &str, rtt: f64, offset: f64) {
+        let mut engines = self.engines();
+        let clock = engines.entry(engine.to_string()).or_default();
+        if clock.best.map_or(true, |(best, _)| rtt < best) {
+            clock.best = Some((rtt, offset));
+        }
+    }
+
+    /// The estimated clock offset to `engine` (its clock minus ours), once a handshake ran.
+    pub(crate) fn clock_offset(&self, engine: &str) -> Option<f64> {
+        self.engines()
+            .get(engine)
+            .and_then(|c| c.best)
+            .map(|(_, offset)| offset)
+    }
+
+    /// Whether `remote`'s registration generation is newer than the one its engine's ranks
+    /// were loaded at (the engine registered its KV cache again): then it is remembered,
+    /// and the caller forgets the engine's ranks so that they are handshaken with again.
+    pub(crate) fn newer_generation(&self, remote: &RemoteBlocks) -> bool {
+        let Some(generation) = remote.registration_generation else {
+            return false;
+        };
+        let mut engines = self.engines();
+        let clock = engines.entry(remote.engine_id.clone()).or_default();
+        if generation <= clock.generation {
+            return false;
+        }
+        let first = clock.generation == 0;
+        clock.generation = generation;
+        !first
+    }
+
+    /// Why `remote`'s blocks must not be read at `now` (our [`perf_counter`](super::clock::perf_counter)):
+    /// its expiry time, read on our clock through the clock offset, is within
+    /// [`EXPIRY_SAFETY_MARGIN`] (vLLM's `_is_turn2_read_expired`). `None` without an expiry
+    /// time or before any handshake with the engine.
+    pub(crate) fn expired(&self, remote: &RemoteBlocks, now: f64) -> Option<Error> {
+        let expiry = remote.blocks_expiry_time?;
+        let offset = self.clock_offset(&remote.engine_id)?;
+        let deadline = expiry - offset;
+        let left = deadline - now;
+        (left <= EXPIRY_SAFETY_MARGIN.as_secs_f64()).then(|| Error::BlocksExpired {
+            request_id: remote.request_id.clone(),
+            engine: remote.engine_id.clone(),
+            left,
+            clock_offset: offset,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn worker() -> VllmWorker {
+        let compat = Compatibility {
+            hash: String::new(),
+            enforce: false,
+            factors: None,
+        };
+        VllmWorker::new(compat, VllmChannelLimits::default())
+    }
+
+    fn remote(expiry: Option<f64>, generation: Option<u64>) -> RemoteBlocks {
+        RemoteBlocks {
+            engine_id: "p".into(),
+            host: "h".into(),
+            port: 1,
+            block_ids: vec![0],
+            request_id: "r".into(),
+            tp_size: 1,
+            num_tokens: None,
+            blocks_expiry_time: expiry,
+            registration_generation: generation,
+        }
+    }
+
+    #[test]
+    fn expiry_is_read_through_the_best_clock_offset() {
+        let w = worker();
+        // No handshake yet: nothing is known to be expired.
+        assert!(w.expired(&remote(Some(0.0), None), 100.0).is_none());
+        // The prefill's clock is 1000 s ahead of ours (the best of two samples).
+        w.clock_sample("p", 0.5, 990.0);
+        w.clock_sample("p", 0.001, 1000.0);
+        w.clock_sample("p", 0.2, 900.0);
+        assert_eq!(w.clock_offset("p"), Some(1000.0));
+        // Expiry 1110 on its clock is 110 on ours.
+        assert!(w.expired(&remote(Some(1110.0), None), 100.0).is_none());
+        let err = w.expired(&remote(Some(1110.0), None), 106.0).unwrap();
+        assert!(matches!(err, Error::BlocksExpired { .. }), "{err}");
+        assert!(err.to_string().contains("1000"), "{err}");
+        assert!(w.expired(&remote(None, None), 1e9).is_none());
+    }
+
+    #[test]
+    fn only_a_newer_generation_forgets_an_engine() {
+        let w = worker();
+        assert!(!w.newer_generation(&remote(None, None)));
+        assert!(
+            !w.newer_generation(&remote(None, Some(1))),
+            "the first one seen"
+        );
+        assert!(!w.newer_generation(&remote(None, Some(1))));
+        assert!(w.newer_generation(&remote(None, Some(2))));
+        assert!(!w.newer_generation(&remote(None, Some(1))), "an older one");
+    }
+}
