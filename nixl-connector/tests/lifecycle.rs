@@ -10,8 +10,8 @@ use std::process::{Child, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{
-    after_tag, block, fill, handshake, pattern, poll_until, role_process, spec, stdout_lines,
-    worker, worker_with, ChildLines,
+    after_tag, block, fill, finish_for_decode, finished_for_decode, for_decode, handshake, pattern,
+    poll_until, role_process, spec, stdout_lines, worker, worker_with, ChildLines,
 };
 use nixl::kv_config::KvTransferConfig;
 use nixl_connector::{
@@ -82,44 +82,6 @@ fn engines(
     let decode = worker(&decode_engine, 0, 1, &spec);
     let decode_scheduler = scheduler(&decode_engine, &decode, &common::cpu_config());
     (spec, prefill, prefill_scheduler, decode, decode_scheduler)
-}
-
-/// The params of a prefill request that a remote decode will read.
-fn for_decode() -> KvTransferParams {
-    KvTransferParams {
-        do_remote_decode: true,
-        ..Default::default()
-    }
-}
-
-/// Finishes prefill request `request` in `blocks` for a remote decode (its lease starts
-/// now), and returns the params for the decode; the worker holds it from its next
-/// `start_load_kv`.
-fn finished_for_decode(
-    scheduler: &mut KvConnectorScheduler,
-    request: &str,
-    blocks: &[usize],
-) -> KvTransferParams {
-    let done = scheduler.request_finished(
-        request,
-        blocks,
-        Some(&for_decode()),
-        FinishStatus::LengthCapped,
-    );
-    assert!(done.delay_free_blocks);
-    done.kv_transfer_params.unwrap()
-}
-
-/// [`finished_for_decode`], and hands the request to the worker at once.
-fn finish_for_decode(
-    worker: &KvConnectorWorker,
-    scheduler: &mut KvConnectorScheduler,
-    request: &str,
-    blocks: &[usize],
-) -> KvTransferParams {
-    let params = finished_for_decode(scheduler, request, blocks);
-    worker.start_load_kv(&scheduler.build_connector_meta());
-    params
 }
 
 /// Whether every layer of local block `local` holds remote block `far`'s pattern.

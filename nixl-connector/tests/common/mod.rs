@@ -187,27 +187,42 @@ pub fn remote(
     }
 }
 
-/// Finishes prefill request `request` in `blocks` for a remote decode (its blocks held),
-/// hands it to `worker`, and returns the params for the decode.
+/// The params of a prefill request that a remote decode will read.
+pub fn for_decode() -> KvTransferParams {
+    KvTransferParams {
+        do_remote_decode: true,
+        ..Default::default()
+    }
+}
+
+/// Finishes prefill request `request` in `blocks` for a remote decode (its lease starts
+/// now), and returns the params for the decode; the worker holds it from its next
+/// `start_load_kv`.
+pub fn finished_for_decode(
+    scheduler: &mut KvConnectorScheduler,
+    request: &str,
+    blocks: &[usize],
+) -> KvTransferParams {
+    let done = scheduler.request_finished(
+        request,
+        blocks,
+        Some(&for_decode()),
+        FinishStatus::LengthCapped,
+    );
+    assert!(done.delay_free_blocks);
+    done.kv_transfer_params.unwrap()
+}
+
+/// [`finished_for_decode`], and hands the request to `worker` at once (its blocks held).
 pub fn finish_for_decode(
     worker: &KvConnectorWorker,
     scheduler: &mut KvConnectorScheduler,
     request: &str,
     blocks: &[usize],
 ) -> KvTransferParams {
-    let for_decode = KvTransferParams {
-        do_remote_decode: true,
-        ..Default::default()
-    };
-    let done = scheduler.request_finished(
-        request,
-        blocks,
-        Some(&for_decode),
-        FinishStatus::LengthCapped,
-    );
-    assert!(done.delay_free_blocks);
+    let params = finished_for_decode(scheduler, request, blocks);
     worker.start_load_kv(&scheduler.build_connector_meta());
-    done.kv_transfer_params.unwrap()
+    params
 }
 
 /// Polls `worker.finished()` until `done` says so or `limit` passes; returns all finished.
