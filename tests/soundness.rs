@@ -35,6 +35,43 @@ fn a_request_holds_the_in_process_target_it_writes_into() {
     assert_eq!(pair.a.leak_stats(), nixl::LeakStats::default());
 }
 
+/// A request made from prepared lists holds what they describe: the local memory it reads
+/// and the in-process target it writes, with the lists and registrations themselves gone.
+#[test]
+fn a_request_from_prepared_lists_holds_its_memory_and_target() {
+    let pair = stalled_pair("prepared-hold");
+    let (src, src_freed, dst, dst_freed) = tracked_pair(&pair, 1 << 20);
+    let local = pair.a.prepare_local(&local_whole(&src), &[]).unwrap();
+    let remote = pair
+        .a
+        .prepare_remote(pair.b.name(), &remote_whole(&dst), &[])
+        .unwrap();
+    let mut req = pair
+        .a
+        .make_xfer_req(
+            XferOp::Write,
+            &local,
+            &[0],
+            &remote,
+            &[0],
+            &XferOptions::new(),
+        )
+        .unwrap();
+    assert_eq!(req.post().unwrap(), nixl::XferStatus::InProgress);
+    drop((local, remote, src, dst));
+    assert!(
+        !src_freed.load(Ordering::SeqCst) && !dst_freed.load(Ordering::SeqCst),
+        "the in-flight request must keep its source and target alive"
+    );
+    finish(&pair, &mut req);
+    drop(req);
+    assert!(
+        src_freed.load(Ordering::SeqCst) && dst_freed.load(Ordering::SeqCst),
+        "both are freed once the request is gone"
+    );
+    assert_eq!(pair.a.leak_stats(), nixl::LeakStats::default());
+}
+
 #[test]
 fn an_in_process_peer_target_that_is_gone_is_refused() {
     let pair = Pair::with(

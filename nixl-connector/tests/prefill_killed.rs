@@ -1,11 +1,13 @@
 //! A prefill process killed after its first load: the next load fails in NIXL itself
 //! (`Error::Nixl`, well inside its transfer timeout), and exactly its blocks appear in
 //! `load_errors`; the dead remote is forgotten, so the load after it handshakes again.
+//! A prefill killed while a READ from it is in flight fails that READ in NIXL's status
+//! poll, reported the same way (not as the transfer timeout).
 
 mod common;
 mod prefill_process;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::{block, pattern, poll_until, remote, spec, worker_with};
 
@@ -13,7 +15,7 @@ const ROLE_ENV: &str = "NIXL_CONNECTOR_TEST_PREFILL_ROLE";
 
 /// The prefill, run in a child process: fills its cache, prints its port, waits to be killed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "the prefill of a_load_from_a_killed_prefill_reports_exactly_its_blocks, which starts it"]
+#[ignore = "the prefill of the tests here, which start it"]
 async fn prefill_role() {
     prefill_process::serve("pf-killed", ROLE_ENV).await;
 }
@@ -47,12 +49,8 @@ async fn a_load_from_a_killed_prefill_reports_exactly_its_blocks() {
     assert_eq!(decode.load_errors(), [10, 12, 14]);
     let metrics = decode.metrics();
     let failure = metrics[0].failure.clone().expect("the load failed");
-    // Error::Nixl's message (a handshake failure or the transfer timeout reads otherwise):
-    // NIXL's backend failed the READ, at its post or a status poll.
-    assert!(
-        failure.starts_with("NIXL: ") && failure.ends_with("NIXL returned backend error (-2)"),
-        "failed in NIXL: {failure}"
-    );
+    // The dead prefill fails this READ at its post.
+    assert_failed_in_nixl(&failure);
     assert_eq!(metrics[0].descriptors, 3 * spec.num_regions());
 
     // The failed remote is forgotten: the next load handshakes again, and is refused.
@@ -65,4 +63,45 @@ async fn a_load_from_a_killed_prefill_reports_exactly_its_blocks() {
         failure.contains("handshake") && failure.contains("connect"),
         "{failure}"
     );
+}
+
+/// Error::Nixl's message (a handshake failure or the transfer timeout reads otherwise): NIXL's
+/// backend failed the READ.
+fn assert_failed_in_nixl(failure: &str) {
+    assert!(
+        failure.starts_with("NIXL: ") && failure.ends_with("NIXL returned backend error (-2)"),
+        "failed in NIXL: {failure}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_in_flight_when_its_prefill_dies_fails_in_nixl() {
+    common::init_tracing();
+    // The prefill's agent never progresses, so the READ stays in flight until it dies.
+    let (mut child, port) = prefill_process::start_stalled("prefill_role", ROLE_ENV);
+    let spec = spec(2);
+    let decode = worker_with("dc-killed-mid", 0, 1, &spec, |c| {
+        c.transfer_timeout = Duration::from_secs(8)
+    });
+    let mut from = remote(&decode, "pf-killed", "mid", vec![4, 5], 1);
+    from.port = port;
+    decode.start_load("mid", &[0, 1], &from).unwrap();
+    // Posted and in flight: NIXL's completion driver holds the READ.
+    let agent = decode.agent();
+    let deadline = Instant::now() + common::WAIT;
+    while agent.driver_stats().held == 0 {
+        assert!(Instant::now() < deadline, "{:?}", decode.metrics());
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let done = poll_until(&decode, Duration::from_secs(20), |f| !f.recving.is_empty()).await;
+    assert_eq!(done.recving, ["mid"]);
+    assert_eq!(decode.load_errors(), [0, 1]);
+    let failure = decode.metrics()[0]
+        .failure
+        .clone()
+        .expect("the load failed");
+    assert_failed_in_nixl(&failure);
 }
