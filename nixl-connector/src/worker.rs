@@ -39,8 +39,11 @@ use crate::vllm::{
 /// The worker half of the connector: one per TP rank.
 ///
 /// Create it inside a tokio runtime: handshakes, loads and notifications run as tasks on
-/// it, so no method blocks an engine step. Dropping the worker stops its tasks; loads in
-/// flight are left to NIXL's completion driver, which keeps their memory until done.
+/// it, so no method blocks an engine step. Dropping the worker stops its side channel and
+/// its notification listener, and withdraws its published metadata. Loads already started
+/// run on in their own tasks to their end (done, failed or past `transfer_timeout`), and
+/// keep the registered caches alive until then; a READ still in flight at that point is left
+/// to NIXL's completion driver, which keeps its memory until NIXL is done with it.
 pub struct KvConnectorWorker {
     shared: Arc<Shared>,
     staging: OnceLock<Staging>,
