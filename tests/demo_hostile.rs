@@ -280,9 +280,9 @@ fn fifty_silent_connections_for_14_s_do_not_keep_a_decode_out() {
         let out = prefill.proc.output();
         let line = out
             .lines()
-            .find(|l| l.contains("connector side channel "))
-            .unwrap();
-        let rest = line.split("connector side channel ").nth(1).unwrap();
+            .find(|l| l.starts_with("prefill: agent ") && l.contains(" side channel "))
+            .expect("prefill's start line names its connector side channel");
+        let rest = line.rsplit(" side channel ").next().unwrap();
         rest.trim_end_matches(')').parse().unwrap()
     };
     // 50 silent peers on the control channel and 50 on the connector's side channel (16
