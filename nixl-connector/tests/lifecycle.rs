@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use common::{
     after_tag, block, fill, finish_for_decode, finished_for_decode, for_decode, handshake, pattern,
-    poll_until, role_process, spec, stdout_lines, worker, worker_with, ChildLines,
+    poll_until, role_process, spec, stdout_lines, wait_for, worker, worker_with, ChildLines,
 };
 use nixl::kv_config::KvTransferConfig;
 use nixl_connector::{
@@ -113,15 +113,6 @@ async fn released(prefill: &KvConnectorWorker, n: usize, limit: Duration) -> Vec
 async fn assert_nothing_more_freed(prefill: &KvConnectorWorker, why: &str) {
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert!(prefill.finished().sending.is_empty(), "{why}");
-}
-
-/// Waits until `done` holds; panics, naming `what`, after [`WAIT`].
-async fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !done() {
-        assert!(start.elapsed() < WAIT, "waited in vain for {what}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
 }
 
 /// Release counts: `on_notification` freed by their decodes' notifications, `on_timeout`
@@ -398,7 +389,7 @@ async fn hostile_heartbeats_and_repeated_or_late_notifications_stay_bounded() {
     send(b"held:2");
     // Wait for the effect of the last message sent (the repeated reader), not only the
     // malformed ones before it: the prefill's task may take them in more than one batch.
-    wait_for("the malformed and the repeated notifications", || {
+    wait_for("the malformed and the repeated notifications", WAIT, || {
         let notes = prefill.notification_stats();
         notes.malformed >= 7 && notes.duplicate_notifications >= 1
     })
@@ -416,7 +407,7 @@ async fn hostile_heartbeats_and_repeated_or_late_notifications_stay_bounded() {
     assert_eq!(released(&prefill, 1, WAIT).await, ["held"]);
     send(b"held:2");
     send(b"held:2");
-    wait_for("the late notifications", || {
+    wait_for("the late notifications", WAIT, || {
         prefill.notification_stats().late_notifications >= 2
     })
     .await;
@@ -451,7 +442,10 @@ async fn stopped_decode_role() {
     decode.start_load_kv(&scheduler.build_connector_meta());
     // The READ cannot end until the prefill's agent progresses, which it does not yet.
     let agent = decode.agent();
-    wait_for("the READ to be posted", || agent.driver_stats().held == 1).await;
+    wait_for("the READ to be posted", WAIT, || {
+        agent.driver_stats().held == 1
+    })
+    .await;
     // Its bytes may land before that (they need no help from the prefill here), but NIXL
     // reports it in progress: it is in flight.
     assert!(decode.finished().recving.is_empty());
@@ -535,7 +529,7 @@ impl DecodeProcess {
     /// Stops the decode (SIGSTOP) and waits until every thread of it has stopped.
     async fn stop(&self) {
         self.signal(libc::SIGSTOP);
-        wait_for("the decode process to stop", || self.stopped()).await;
+        wait_for("the decode process to stop", WAIT, || self.stopped()).await;
     }
 
     /// Resumes the stopped decode (SIGCONT).
@@ -547,7 +541,7 @@ impl DecodeProcess {
     async fn exit(&mut self) -> ExitStatus {
         drop(self.child.stdin.take());
         let mut status = None;
-        wait_for("the decode process to exit", || {
+        wait_for("the decode process to exit", WAIT, || {
             status = self.child.try_wait().unwrap();
             status.is_some()
         })
@@ -601,7 +595,7 @@ async fn a_lease_that_ends_during_a_read_frees_once_and_counts_its_notification_
     // notifies, late.
     decode.resume();
     decode.printed("LOADED").await;
-    wait_for("the decode's late notification", || {
+    wait_for("the decode's late notification", WAIT, || {
         prefill.notification_stats().late_notifications >= 1
     })
     .await;

@@ -7,9 +7,9 @@
 mod common;
 mod prefill_process;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::{block, pattern, poll_until, remote, spec, worker_with};
+use common::{block, pattern, poll_until, remote, spec, wait_for, worker_with, WAIT};
 
 const ROLE_ENV: &str = "NIXL_CONNECTOR_TEST_PREFILL_ROLE";
 
@@ -88,11 +88,10 @@ async fn a_read_in_flight_when_its_prefill_dies_fails_in_nixl() {
     decode.start_load("mid", &[0, 1], &from).unwrap();
     // Posted and in flight: NIXL's completion driver holds the READ.
     let agent = decode.agent();
-    let deadline = Instant::now() + common::WAIT;
-    while agent.driver_stats().held == 0 {
-        assert!(Instant::now() < deadline, "{:?}", decode.metrics());
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
+    wait_for("the READ to be in flight", WAIT, || {
+        agent.driver_stats().held >= 1
+    })
+    .await;
 
     child.kill().unwrap();
     child.wait().unwrap();

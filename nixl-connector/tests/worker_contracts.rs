@@ -18,7 +18,7 @@ use nixl_connector::{Error, KvConnectorWorker, WorkerConfig};
 
 use common::{
     cpu_config, fill, filled_prefill_and_decode, handshake, poll_until, progress_until, remote,
-    spec, stalled_worker, worker, Tracked, WAIT,
+    spec, stalled_worker, wait_for, worker, Tracked, WAIT,
 };
 
 fn config(engine: &str, rank: usize, tp: usize) -> WorkerConfig {
@@ -197,11 +197,10 @@ async fn a_worker_dropped_with_loads_in_flight_frees_nothing_early_and_leaks_not
         decode.start_load(request, &[i], &from).unwrap();
     }
     let agent = decode.agent().clone();
-    let deadline = Instant::now() + WAIT;
-    while agent.driver_stats().held < 2 {
-        assert!(Instant::now() < deadline, "{:?}", agent.driver_stats());
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
+    wait_for("both READs to be in flight", WAIT, || {
+        agent.driver_stats().held >= 2
+    })
+    .await;
 
     drop(decode);
     // The prefill has not progressed, so the READs are in flight: whatever the drop set in

@@ -278,6 +278,16 @@ pub fn stalled_worker(
     })
 }
 
+/// Waits until `done` holds, checking every millisecond; panics, naming `what`, after
+/// `limit`.
+pub async fn wait_for(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !done() {
+        assert!(Instant::now() < deadline, "waited in vain for {what}");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
 /// Lets `worker`'s agent progress (polling it every millisecond) until `done` holds; panics,
 /// naming `what`, after [`WAIT`].
 pub async fn progress_until(
@@ -285,12 +295,13 @@ pub async fn progress_until(
     what: &str,
     mut done: impl FnMut() -> bool,
 ) {
-    let deadline = Instant::now() + WAIT;
-    while !done() {
-        assert!(Instant::now() < deadline, "waited in vain for {what}");
-        worker.agent().notifications().expect("poll the agent");
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
+    wait_for(what, WAIT, || {
+        done() || {
+            worker.agent().notifications().expect("poll the agent");
+            false
+        }
+    })
+    .await
 }
 
 /// A TCP listener on 127.0.0.1 that counts the connections it accepts and forwards each to
