@@ -110,24 +110,26 @@ async fn max_sessions_caps_handshakes_and_evicts_the_oldest() {
 }
 
 /// Connects to `addr` and holds the connection without a word until the server closes it,
-/// then reconnects after `pause`, until `until`; returns how many times it connected.
+/// then reconnects after `pause`, until `until`; returns how many of its connections the
+/// server closed (the one still open at `until`, admitted or still waiting to be accepted,
+/// is not counted).
 async fn hold_silently(addr: std::net::SocketAddr, until: Instant, pause: Duration) -> u64 {
-    let mut connections = 0;
+    let mut closed = 0;
     while Instant::now() < until {
         if let Ok(mut stream) = TcpStream::connect(addr).await {
-            connections += 1;
             let mut buf = [0u8; 256];
             loop {
                 match tokio::time::timeout_at(until, stream.read(&mut buf)).await {
                     Ok(Ok(0) | Err(_)) => break,
                     Ok(Ok(_)) => {}
-                    Err(_) => return connections,
+                    Err(_) => return closed,
                 }
             }
+            closed += 1;
         }
         tokio::time::sleep(pause).await;
     }
-    connections
+    closed
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -186,9 +188,9 @@ async fn fifty_silent_connections_for_14_s_do_not_keep_a_decode_out() {
     }
     let decoded_at = Instant::now();
     asking.await.unwrap();
-    let mut connections = 0;
+    let mut closed = 0;
     for holder in holders {
-        connections += holder.await.unwrap();
+        closed += holder.await.unwrap();
     }
     assert!(
         decoded_at < until,
@@ -196,11 +198,12 @@ async fn fifty_silent_connections_for_14_s_do_not_keep_a_decode_out() {
     );
     let stats = prefill.side_channel_stats();
     eprintln!(
-        "{connections} silent connections, {} prompt handshakes answered; side channel: {stats:?}",
+        "{closed} silent connections closed by the server, {} prompt handshakes answered; side channel: {stats:?}",
         answered.load(Ordering::Relaxed)
     );
     assert!(answered.load(Ordering::Relaxed) >= 10);
-    assert!(stats.evicted >= connections - CAP as u64, "{stats:?}");
+    // Every silent connection the server closed (30 s deadline) was closed by an eviction.
+    assert!(stats.evicted >= closed, "{stats:?}");
     assert!(stats.peak <= CAP, "{stats:?}");
 }
 
