@@ -124,12 +124,40 @@ fn ucx_worker_threads_are_refused_by_the_safe_api() {
 }
 
 #[test]
+fn further_ucx_workers_are_refused_by_the_safe_api() {
+    let agent = Agent::new(&unique_name("workers")).unwrap();
+    for value in ["2", " 3", "2abc", "-1", "0x1", "abc"] {
+        match agent.create_backend_with("UCX", [("num_workers", value)]) {
+            Err(err @ Error::RefusedBackendParam { .. }) => {
+                let text = err.to_string();
+                for needle in ["num_workers", "TCP port", "create_backend_with_unchecked"] {
+                    assert!(text.contains(needle), "{value:?}: {text}");
+                }
+            }
+            other => panic!("num_workers={value:?}: expected a refusal, got {other:?}"),
+        }
+    }
+    assert!(agent.backends().is_empty(), "nothing reached NIXL");
+    // One worker is the default; NIXL reads 0 as 1.
+    for value in ["1", "0"] {
+        Agent::new(&unique_name("one-worker"))
+            .unwrap()
+            .create_backend_with("UCX", [("num_workers", value)])
+            .unwrap();
+    }
+    // The unsafe opt-in makes them.
+    let unchecked = Agent::new(&unique_name("workers-unchecked")).unwrap();
+    // SAFETY: this agent loads no metadata, so no peer can name its further worker.
+    unsafe { unchecked.create_backend_with_unchecked("UCX", [("num_workers", "2")]) }.unwrap();
+}
+
+#[test]
 fn bad_backend_param_values_are_rejected_by_nixl() {
     let agent = Agent::new(&unique_name("badvalue")).unwrap();
     // Values NIXL 1.5.1's plugins refuse (checked against the real library).
     for (plugin, key, value) in [
-        ("UCX", "num_workers", "abc"),
-        ("UCX", "num_workers", "-1"),
+        ("UCX", "ucx_num_device_channels", "abc"),
+        ("UCX", "ucx_num_device_channels", "-1"),
         ("UCX", "ucx_error_handling_mode", "bogus"),
         ("POSIX", "use_uring", "maybe"),
         ("POSIX", "ios_pool_size", "abc"),

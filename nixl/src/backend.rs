@@ -13,6 +13,7 @@ use crate::ffi::handles::{BackendHandle, OptArgs};
 use crate::ffi::library::capi;
 use crate::ffi::raw::{c_name, take_mem_list, take_string_list};
 use crate::memory::mem_type::MemType;
+use crate::refused_params::{self, RefusedParams};
 use crate::transfer::local_peers;
 
 /// What a plugin supports before any backend is created from it.
@@ -142,33 +143,6 @@ fn unadvertised_params(plugin: &str) -> &'static [&'static str] {
     }
 }
 
-/// Why the safe API refuses NIXL 1.5.1's UCX worker threads, and what to do instead.
-const UCX_THREADS_RACE: &str = "NIXL 1.5.1's UCX worker threads race with reposted and \
-released requests and crash the process (segfault in nixlUcxDedicatedThread::run(), \
-libplugin_UCX.so: 6 of 11 runs of a repost loop); leave num_threads at 0 (the default), or \
-opt in for benchmarks with the unsafe Agent::create_backend_with_unchecked";
-
-/// What backend creation does with UCX worker threads (`num_threads` other than 0).
-#[derive(Debug, Clone, Copy)]
-enum UcxThreads {
-    /// Refuses them ([`Error::RefusedBackendParam`]): the safe API.
-    Refuse,
-    /// Allows them and logs a warning: `Agent::create_backend_with_unchecked`.
-    AllowWithWarning,
-}
-
-/// The refusal of a parameter the safe API does not allow: UCX `num_threads` other than 0
-/// (anything but a decimal 0 counts, as NIXL may read a number from its start).
-fn refused_param(plugin: &str, params: &BTreeMap<String, String>) -> Option<Error> {
-    let threads = params.get("num_threads").filter(|_| plugin == "UCX")?;
-    (threads.trim().parse::<u64>() != Ok(0)).then(|| Error::RefusedBackendParam {
-        plugin: plugin.to_string(),
-        key: "num_threads".to_string(),
-        value: threads.clone(),
-        reason: UCX_THREADS_RACE,
-    })
-}
-
 /// A backend's memory types and parameters.
 pub(crate) type BackendDescription = (Vec<MemType>, BTreeMap<String, String>);
 
@@ -277,10 +251,11 @@ impl Agent {
 
     /// Creates a backend from `plugin` with the plugin's own default parameters.
     ///
-    /// For UCX that means no worker threads: the thread that polls a request does the copy,
-    /// which measured faster than two worker threads for bulk, KV-block and 4 KiB transfers
-    /// (figures: the README's Benchmarks section). Worker threads (`num_threads`) are refused
-    /// by the safe API: see [`create_backend_with`](Self::create_backend_with).
+    /// For UCX that means one worker and no worker threads: the thread that polls a request
+    /// does the copy, which measured faster than two worker threads for bulk, KV-block and
+    /// 4 KiB transfers (figures: the README's Benchmarks section). Worker threads
+    /// (`num_threads`) and further workers (`num_workers`) are refused by the safe API: see
+    /// [`create_backend_with`](Self::create_backend_with).
     pub fn create_backend(&self, plugin: &str) -> Result<Backend> {
         self.create_backend_with(plugin, std::iter::empty::<(&str, &str)>())
     }
@@ -291,20 +266,28 @@ impl Agent {
     /// reads without advertising them (UCX: `num_threads`, `split_batch_size`,
     /// `ucx_ep_close_force`, `ucx_num_device_channels`, `engine_config`).
     ///
-    /// UCX worker threads (`num_threads` other than 0) are refused: NIXL 1.5.1's UCX
-    /// worker-thread mode has a race in which a worker thread completes its part of a request
-    /// after the request was reposted or released, and the process dies with a segfault in
-    /// `nixlUcxDedicatedThread::run()` (`libplugin_UCX.so`; a write through a null pointer in
-    /// `nixlUcxChunkBackendReqH::complete`). Reposting one request of 16 × 4 KiB descriptors in
-    /// a loop with `num_threads=2`, `split_batch_size=1` crashed 6 of 11 runs, after 0.5 to
-    /// 16 s. Safe code cannot rule that out, so the mode is only available through the
-    /// `unsafe` [`create_backend_with_unchecked`](Self::create_backend_with_unchecked).
+    /// Two UCX settings are refused, each only available through the `unsafe`
+    /// [`create_backend_with_unchecked`](Self::create_backend_with_unchecked):
+    /// - **Worker threads** (`num_threads` other than 0). NIXL 1.5.1's UCX worker-thread mode
+    ///   has a race in which a worker thread completes its part of a request after the request
+    ///   was reposted or released, and the process dies with a segfault in
+    ///   `nixlUcxDedicatedThread::run()` (`libplugin_UCX.so`; a write through a null pointer in
+    ///   `nixlUcxChunkBackendReqH::complete`). Reposting one request of 16 × 4 KiB descriptors
+    ///   in a loop with `num_threads=2`, `split_batch_size=1` crashed 6 of 11 runs, after 0.5
+    ///   to 16 s. Safe code cannot rule that out.
+    /// - **Further workers** (`num_workers` other than 1; NIXL reads 0 as 1). Each UCX worker
+    ///   listens on its own TCP port, and the backend's metadata shows its first worker only.
+    ///   [`load_remote_metadata`](Agent::load_remote_metadata) refuses metadata that leads to
+    ///   a worker of this process, but cannot recognise the listener of a worker that no
+    ///   metadata shows among the listening sockets of the process. A peer whose metadata
+    ///   named such a worker would read and write this process's memory.
     ///
     /// # Errors
     /// [`Error::UnknownPlugin`] for a plugin NIXL does not have,
     /// [`Error::BackendExists`] when the agent already has a backend of `plugin`,
     /// [`Error::UnknownBackendParam`] for a key the plugin does not define,
-    /// [`Error::RefusedBackendParam`] for UCX `num_threads` other than 0, and
+    /// [`Error::RefusedBackendParam`] for UCX `num_threads` other than 0 or `num_workers`
+    /// other than 0 or 1, and
     /// [`Error::Nixl`] when NIXL rejects a value or cannot start the backend.
     pub fn create_backend_with<K, V>(
         &self,
@@ -316,12 +299,13 @@ impl Agent {
         V: Into<String>,
     {
         let params = self.backend_params(plugin, overrides)?;
-        self.create_backend_from(plugin, params, UcxThreads::Refuse)
+        self.create_backend_from(plugin, params, RefusedParams::Refuse)
     }
 
     /// Creates a backend as [`create_backend_with`](Self::create_backend_with) does, but
-    /// without refusing UCX worker threads (`num_threads` other than 0), for benchmarks of
-    /// that mode.
+    /// without refusing UCX worker threads (`num_threads` other than 0) or further workers
+    /// (`num_workers` above 1), for benchmarks of those modes. Each one it allows is logged
+    /// as a warning.
     ///
     /// # Safety
     /// NIXL 1.5.1's UCX worker-thread mode is not memory-safe: a worker thread can complete
@@ -331,6 +315,12 @@ impl Agent {
     /// once while a 64 MiB request split over the threads was reposted. The caller accepts
     /// that the process may crash, or worse, while requests made through the returned backend
     /// exist, and so uses it only where that is acceptable (a benchmark), never in serving.
+    ///
+    /// A backend with more than one UCX worker (further workers, or the workers of its
+    /// threads) has workers whose TCP listeners no metadata shows. The caller loads metadata
+    /// into any agent of this process only from peers it trusts, as
+    /// [`load_remote_metadata`](Agent::load_remote_metadata) cannot tell that metadata naming
+    /// such a worker leads into this process.
     ///
     /// # Errors
     /// As [`create_backend_with`](Self::create_backend_with), but never
@@ -345,7 +335,7 @@ impl Agent {
         V: Into<String>,
     {
         let params = self.backend_params(plugin, overrides)?;
-        self.create_backend_from(plugin, params, UcxThreads::AllowWithWarning)
+        self.create_backend_from(plugin, params, RefusedParams::AllowWithWarning)
     }
 
     /// The plugin's default parameters with `overrides` applied, each key checked.
@@ -378,21 +368,22 @@ impl Agent {
         Ok(params)
     }
 
-    /// Creates a backend of `plugin` with exactly `params`, UCX worker threads in them
-    /// refused or allowed as `threads` says.
+    /// Creates a backend of `plugin` with exactly `params`, the parameters the safe API
+    /// refuses refused or allowed as `refused` says.
     fn create_backend_from(
         &self,
         plugin: &str,
         params: BTreeMap<String, String>,
-        threads: UcxThreads,
+        refused: RefusedParams,
     ) -> Result<Backend> {
-        if let Some(refused) = refused_param(plugin, &params) {
-            match threads {
-                UcxThreads::Refuse => return Err(refused),
-                UcxThreads::AllowWithWarning => tracing::warn!(
+        for refusal in refused_params::refusals(plugin, &params) {
+            match refused {
+                RefusedParams::Refuse => return Err(refusal),
+                RefusedParams::AllowWithWarning => tracing::warn!(
                     agent = %self.inner.name,
                     plugin,
-                    "UCX worker threads (num_threads) are on: NIXL 1.5.1 can crash in their request completion (see Agent::create_backend_with_unchecked)"
+                    %refusal,
+                    "allowed by Agent::create_backend_with_unchecked"
                 ),
             }
         }

@@ -75,7 +75,8 @@ pub enum Error {
         /// The keys the plugin defines.
         known: Vec<String>,
     },
-    /// A backend parameter value the safe API refuses because NIXL is known to crash with it.
+    /// A backend parameter value the safe API refuses: NIXL is known to crash with it, or it
+    /// would let a peer's metadata lead into this process unrecognised.
     #[error("plugin {plugin:?} parameter {key}={value:?} is refused: {reason}")]
     RefusedBackendParam {
         /// The plugin.

@@ -111,7 +111,8 @@
 //!   atomics, each byte of a region always with one access size (its whole aligned words as
 //!   8-byte words, the bytes at its unaligned ends one by one), so racing transfers or
 //!   threads make them torn, never undefined (the copies' tests run under Miri).
-//! - **Unsafe opt-ins.** UCX worker threads (`num_threads`), which crash NIXL 1.5.1, only
+//! - **Unsafe opt-ins.** UCX worker threads (`num_threads`), which crash NIXL 1.5.1, and
+//!   further UCX workers (`num_workers` above 1), whose TCP listeners no metadata shows, only
 //!   through [`Agent::create_backend_with_unchecked`]; memory that is not `'static` only
 //!   through [`Agent::register_raw`].
 //! - **Not protected:** a peer in *another* process that holds stale metadata after this
@@ -123,8 +124,9 @@
 //!   it; requests to such an agent are held to the registrations of an agent of this
 //!   process of that name, if any. Under `UCX_UNIFIED_MODE=y` only the worker UUID can be
 //!   compared, addresses of transports not interpreted here (InfiniBand, ...) are compared
-//!   byte for byte (their NICs check memory keys), and the TCP listeners of a UCX backend's
-//!   further workers (`num_workers` > 1), which no metadata shows, are not recognised.
+//!   byte for byte (their NICs check memory keys), and the TCP listeners of the further
+//!   workers of a backend made by [`Agent::create_backend_with_unchecked`], which no metadata
+//!   shows, are not recognised.
 //!
 //! # Async
 //! A posted [`XferRequest`] can be awaited (`request.await`, see [`Completion`]), and
@@ -180,13 +182,15 @@
 #![warn(missing_docs)]
 
 // The crate's folders, one per concept, in the order data flows: the boundary with the C
-// API, then (beside the agent, its backends and the one error type) memory, descriptor
-// lists, transfers, notifications and metadata; last the platforms and vLLM's config.
+// API, then (beside the agent, its backends, the backend parameters the safe API refuses
+// and the one error type) memory, descriptor lists, transfers, notifications and metadata;
+// last the platforms and vLLM's config.
 mod ffi;
 
 mod agent;
 mod backend;
 mod error;
+mod refused_params;
 
 mod memory;
 

@@ -13,9 +13,10 @@
 //! - cross-memory attach or POSIX `/proc` access to this process's pid, or XPMEM to its
 //!   segment, which reach the whole process and so every worker in it.
 //!
-//! Not recognised: the TCP listener of a worker that no agent's metadata shows (a UCX
-//! backend's further workers, `num_workers` > 1), which this process cannot tell from the
-//! listeners its parent leaked to it.
+//! Not recognised: the TCP listener of a worker that no agent's metadata shows, which this
+//! process cannot tell from the listeners its parent leaked to it. Only UCX backends with
+//! further workers (`num_workers` above 1, or worker threads) have such workers, and the safe
+//! API refuses both (`refused_params`).
 //!
 //! Such metadata is an agent of this process only under that agent's exact name; it is
 //! then held to that agent's live registrations. Under any other name it is refused.
