@@ -1,6 +1,7 @@
 //! Metadata of an agent of this process, forged (renamed, a descriptor moved, its UCX
 //! worker UUID changed), never makes NIXL write into this process's memory: it is refused
-//! when it is loaded, and the bytes it aimed at stay as they were.
+//! when it is loaded, and the bytes it aimed at stay as they were. Under UCX's unified mode,
+//! where a worker address cannot be checked, UCX connection info is refused whole.
 
 mod common;
 
@@ -162,4 +163,49 @@ fn metadata_of_a_dropped_agent_of_this_process_is_refused() {
         }
         other => panic!("expected the refusal, got {other:?}"),
     }
+}
+
+const UNIFIED_ENV: &str = "NIXL_RS_TEST_UNIFIED_MODE";
+
+/// Run in a child process with `UCX_UNIFIED_MODE=y`: metadata with UCX connection info is
+/// refused, by the validation and by `load_remote_metadata`, with a reason that names the
+/// setting.
+#[test]
+#[ignore = "the child process of ucx_unified_mode_refuses_ucx_connection_info, which starts it"]
+fn unified_mode_role() {
+    assert!(
+        std::env::var_os(UNIFIED_ENV).is_some(),
+        "run only as the child of the unified-mode test"
+    );
+    let peer = agent("unified-peer");
+    let loader = agent("unified-loader");
+    let md = peer.local_metadata().unwrap();
+    for err in [
+        nixl::validate_metadata(&md).unwrap_err(),
+        loader.load_remote_metadata(&md).unwrap_err(),
+    ] {
+        match &err {
+            Error::InvalidMetadata { reason, .. } if reason.contains("UCX_UNIFIED_MODE") => {}
+            other => panic!("expected InvalidMetadata naming UCX_UNIFIED_MODE, got {other:?}"),
+        }
+    }
+    assert!(
+        !loader.has_remote_metadata(peer.name()).unwrap(),
+        "nothing was loaded"
+    );
+    println!("REFUSED");
+}
+
+#[test]
+fn ucx_unified_mode_refuses_ucx_connection_info() {
+    let mut child = common::role_process(
+        "unified_mode_role",
+        &[(UNIFIED_ENV, "1"), ("UCX_UNIFIED_MODE", "y")],
+        std::process::Stdio::inherit(),
+    );
+    let mut lines = common::stdout_lines(&mut child);
+    let refused = common::after_tag(&mut lines, "REFUSED");
+    let status = child.wait().unwrap();
+    assert!(status.success(), "the unified-mode child failed: {status}");
+    assert!(refused.is_some(), "the child reached its end");
 }

@@ -103,7 +103,9 @@
 //!   held to that agent's live registrations as above; under any other name
 //!   [`Agent::load_remote_metadata`] refuses it with [`Error::MetadataLeadsIntoThisProcess`].
 //!   A peer can therefore not make NIXL read or write this process's own memory, not even by
-//!   sending back this process's own worker address.
+//!   sending back this process's own worker address. Under `UCX_UNIFIED_MODE=y` a worker
+//!   address carries no lengths and can be neither bounded nor compared, so UCX connection
+//!   info is refused ([`Error::InvalidMetadata`]).
 //! - **Agents of other processes.** A request to an agent in another process may name only
 //!   memory its loaded metadata advertised; any other remote descriptor is refused before
 //!   NIXL sees it, with its index, address and length.
@@ -122,9 +124,8 @@
 //!   Metadata NIXL loads itself ([`MetadataPeer`]: its socket listener and etcd modes) is
 //!   neither validated nor checked for where it leads: NIXL offers no hook before it loads
 //!   it; requests to such an agent are held to the registrations of an agent of this
-//!   process of that name, if any. Under `UCX_UNIFIED_MODE=y` only the worker UUID can be
-//!   compared, addresses of transports not interpreted here (InfiniBand, ...) are compared
-//!   byte for byte (their NICs check memory keys), and the TCP listeners of the further
+//!   process of that name, if any. Addresses of transports not interpreted here
+//!   (InfiniBand, ...) are compared byte for byte (their NICs check memory keys), and the TCP listeners of the further
 //!   workers of a backend made by [`Agent::create_backend_with_unchecked`], which no metadata
 //!   shows, are not recognised.
 //!

@@ -20,7 +20,7 @@
 //! A worker address never carries endpoint addresses, and v1 ends with an empty last
 //! device whose md field holds the release version. In UCX's unified mode
 //! (`UCX_UNIFIED_MODE=y` in this process) interface entries have no lengths on the wire, so
-//! only the header is checked.
+//! neither their bounds nor where they lead can be checked: every worker address is refused.
 
 use std::sync::OnceLock;
 
@@ -49,8 +49,7 @@ enum Version {
 pub(crate) struct WorkerAddress<'a> {
     /// The worker's UUID (always in v1, optional in v2).
     pub uuid: Option<u64>,
-    /// Its transport addresses, in order; empty in unified mode, whose entries cannot be
-    /// delimited here.
+    /// Its transport addresses, in order.
     pub transports: Vec<TransportAddress<'a>>,
 }
 
@@ -73,6 +72,9 @@ pub(crate) struct TransportAddress<'a> {
 /// returns what it holds.
 pub(crate) fn parse(bytes: &[u8], base: usize) -> Parsed<WorkerAddress<'_>> {
     let mut r = Reader::new(bytes, base);
+    if unified_mode() {
+        return Err(r.reject_at(base, UNIFIED_MODE_REFUSED));
+    }
     let header = r.u8("UCX address header")?;
     let (version, flags) = match header & 0x0f {
         0 => (Version::V1, header >> 4),
@@ -98,11 +100,6 @@ pub(crate) fn parse(bytes: &[u8], base: usize) -> Parsed<WorkerAddress<'_>> {
         let len = r.u8("UCX worker name length")?;
         r.take(usize::from(len), "UCX worker name")?;
     }
-    if unified_mode() {
-        // Interface entries then carry no lengths (UCX takes them from its own interfaces),
-        // so their bounds cannot be checked here.
-        return Ok(address);
-    }
     if r.peek("UCX device list")? == NO_DEVICES {
         r.u8("UCX empty device list")?;
         r.finish("the UCX worker address")?;
@@ -112,6 +109,12 @@ pub(crate) fn parse(bytes: &[u8], base: usize) -> Parsed<WorkerAddress<'_>> {
     r.finish("the UCX worker address")?;
     Ok(address)
 }
+
+/// Why a worker address is refused in UCX's unified mode, and what to do instead.
+const UNIFIED_MODE_REFUSED: &str = "this process runs UCX in unified mode \
+(UCX_UNIFIED_MODE is on), where a UCX worker address carries no lengths, so neither its \
+bounds nor the process it leads to can be checked before UCX reads it; UCX connection info is \
+refused in that mode: unset UCX_UNIFIED_MODE";
 
 /// Whether this process runs UCX in unified mode (`UCX_UNIFIED_MODE`, read once), where
 /// UCX unpacks interface entries differently.

@@ -70,8 +70,7 @@ const AF_INET6: u8 = 10;
 pub(crate) struct Worker {
     /// Its UUID, where the address carries one (optional in UCX's v2 format).
     pub uuid: Option<u64>,
-    /// What each of its transport addresses leads to (none in UCX's unified mode, whose
-    /// addresses cannot be delimited here).
+    /// What each of its transport addresses leads to.
     pub destinations: Vec<Destination>,
 }
 
