@@ -125,9 +125,9 @@
 //!   neither validated nor checked for where it leads: NIXL offers no hook before it loads
 //!   it; requests to such an agent are held to the registrations of an agent of this
 //!   process of that name, if any. Addresses of transports not interpreted here
-//!   (InfiniBand, ...) are compared byte for byte (their NICs check memory keys), and the TCP listeners of the further
-//!   workers of a backend made by [`Agent::create_backend_with_unchecked`], which no metadata
-//!   shows, are not recognised.
+//!   (InfiniBand, ...) are compared byte for byte (their NICs check memory keys), and the
+//!   TCP listeners of the further workers of a backend made by
+//!   [`Agent::create_backend_with_unchecked`], which no metadata shows, are not recognised.
 //!
 //! # Async
 //! A posted [`XferRequest`] can be awaited (`request.await`, see [`Completion`]), and
