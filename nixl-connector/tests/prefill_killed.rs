@@ -10,26 +10,41 @@ mod prefill_process;
 use std::time::Duration;
 
 use common::{block, pattern, poll_until, remote, spec, wait_for, worker_with, WAIT};
+use nixl_connector::{KvCacheSpec, KvConnectorWorker, RemoteBlocks};
 
 const ROLE_ENV: &str = "NIXL_CONNECTOR_TEST_PREFILL_ROLE";
+/// The engine of the prefill process.
+const PREFILL: &str = "pf-killed";
 
 /// The prefill, run in a child process: fills its cache, prints its port, waits to be killed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "the prefill of the tests here, which start it"]
 async fn prefill_role() {
-    prefill_process::serve("pf-killed", ROLE_ENV).await;
+    prefill_process::serve(PREFILL, ROLE_ENV).await;
+}
+
+/// A decode worker `engine` (tracing started, an 8 s transfer timeout) with the cache of
+/// [`spec`]`(2)`, and request `request`'s blocks 4 and 5 of the prefill process whose side
+/// channel is on `port`.
+fn decode_of(
+    engine: &str,
+    port: u16,
+    request: &str,
+) -> (KvCacheSpec, KvConnectorWorker, RemoteBlocks) {
+    common::init_tracing();
+    let spec = spec(2);
+    let decode = worker_with(engine, 0, 1, &spec, |c| {
+        c.transfer_timeout = Duration::from_secs(8)
+    });
+    let mut from = remote(&decode, PREFILL, request, vec![4, 5], 1);
+    from.port = port;
+    (spec, decode, from)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_load_from_a_killed_prefill_reports_exactly_its_blocks() {
-    common::init_tracing();
     let (mut child, port) = prefill_process::start("prefill_role", ROLE_ENV);
-    let spec = spec(2);
-    let decode = worker_with("dc-killed", 0, 1, &spec, |c| {
-        c.transfer_timeout = Duration::from_secs(8)
-    });
-    let mut from = remote(&decode, "pf-killed", "first", vec![4, 5], 1);
-    from.port = port;
+    let (spec, decode, mut from) = decode_of("dc-killed", port, "first");
 
     decode.start_load("first", &[0, 1], &from).unwrap();
     let done = poll_until(&decode, Duration::from_secs(20), |f| !f.recving.is_empty()).await;
@@ -76,15 +91,9 @@ fn assert_failed_in_nixl(failure: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_read_in_flight_when_its_prefill_dies_fails_in_nixl() {
-    common::init_tracing();
     // The prefill's agent never progresses, so the READ stays in flight until it dies.
     let (mut child, port) = prefill_process::start_stalled("prefill_role", ROLE_ENV);
-    let spec = spec(2);
-    let decode = worker_with("dc-killed-mid", 0, 1, &spec, |c| {
-        c.transfer_timeout = Duration::from_secs(8)
-    });
-    let mut from = remote(&decode, "pf-killed", "mid", vec![4, 5], 1);
-    from.port = port;
+    let (_, decode, from) = decode_of("dc-killed-mid", port, "mid");
     decode.start_load("mid", &[0, 1], &from).unwrap();
     // Posted and in flight: NIXL's completion driver holds the READ.
     let agent = decode.agent();
