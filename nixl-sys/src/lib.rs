@@ -37,8 +37,9 @@ pub use libloading;
 /// The NIXL release whose C API the header declares; the loaded library must be this one.
 pub const NIXL_VERSION: &str = "1.5.1";
 
-/// The command that installs the NIXL release this crate is for.
-pub const PIP_INSTALL: &str = "pip install nixl-cu12==1.5.1";
+/// The command that installs the NIXL release this crate is for. `--no-deps`: loading the
+/// library needs none of the wheel's declared dependencies (torch and a score of CUDA wheels).
+pub const PIP_INSTALL: &str = "pip install --no-deps nixl-cu12==1.5.1";
 
 /// The folder holding the `libnixl_capi.so` found when this crate was built, if any.
 pub const BUILD_LIB_DIR: Option<&str> = match option_env!("NIXL_CAPI_SYS_BUILD_LIB_DIR") {

@@ -69,8 +69,9 @@
 //! `plugins/` beside it (or from `NIXL_PLUGIN_DIR`, which NIXL reads itself; this crate
 //! sets no environment variable). When nothing fits, creating the agent returns
 //! [`Error::Library`], whose message lists every place looked at and what was there, and
-//! says how to install NIXL (`pip install nixl-cu12==1.5.1`). [`load_library`] loads NIXL
-//! up front and says which library it is.
+//! says how to install NIXL (`pip install --no-deps nixl-cu12==1.5.1`; the wheel needs none
+//! of the packages it lists, torch among them). [`load_library`] loads NIXL up front and
+//! says which library it is.
 //!
 //! # Ownership and safety
 //! Everything made from an [`Agent`] holds it (`Arc`), so the agent outlives its backends,

@@ -120,3 +120,23 @@ impl fmt::Display for LibraryError {
 }
 
 impl std::error::Error for LibraryError {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_message_gives_the_install_command_without_the_wheels_dependencies() {
+        let error = LibraryError {
+            looked_at: vec![SearchStep {
+                place: "NIXL_LIB_DIR=/nowhere".into(),
+                outcome: SearchOutcome::Missing(vec![PathBuf::from("/nowhere")]),
+            }],
+        };
+        let message = error.to_string();
+        assert!(
+            message.contains("`pip install --no-deps nixl-cu12==1.5.1`"),
+            "{message}"
+        );
+    }
+}
