@@ -7,12 +7,18 @@
 //!    the last two holding the `nixl-cu12` or `nixl-cu13` wheel;
 //! 3. the NIXL found when this crate was built, if any;
 //! 4. the `nixl-cu12` / `nixl-cu13` wheel in the active venv (`VIRTUAL_ENV`);
-//! 5. the same wheels in the user site (`PYTHONUSERBASE`, else `~/.local`);
-//! 6. `/opt/nvidia/nvda_nixl`, NIXL's default source-install prefix;
-//! 7. the system loader (`ld.so.cache`, `LD_LIBRARY_PATH`).
+//! 5. the same wheels in the active conda environment (`CONDA_PREFIX`);
+//! 6. the same wheels in the site-packages of the first `python3` on `PATH` (the folder above
+//!    the `bin/` holding it, links not followed: a venv that is only on `PATH`, as in a
+//!    Dockerfile's `ENV PATH=/opt/venv/bin:$PATH`); Python is not run, and only absolute
+//!    `PATH` entries count;
+//! 7. the same wheels in the user site (`PYTHONUSERBASE`, else `~/.local`);
+//! 8. `/opt/nvidia/nvda_nixl`, NIXL's default source-install prefix;
+//! 9. the system loader (`ld.so.cache`, `LD_LIBRARY_PATH`).
 //!
 //! `NIXL_LIB_DIR` and `NIXL_PREFIX` are explicit: when one is set, only it is searched (the
-//! first of the two wins), so a wrong value is reported instead of silently replaced.
+//! first of the two wins), so a wrong value is reported instead of silently replaced; one
+//! that names no folder says so.
 //!
 //! The build script includes this file too, to find NIXL at build time.
 
@@ -47,6 +53,10 @@ pub struct SearchEnv {
     pub build_time: Option<PathBuf>,
     /// `VIRTUAL_ENV`, the active venv.
     pub virtual_env: Option<PathBuf>,
+    /// `CONDA_PREFIX`, the active conda environment.
+    pub conda_prefix: Option<PathBuf>,
+    /// The first `python3` on `PATH`, as named there (links not followed).
+    pub path_python: Option<PathBuf>,
     /// Python's user base: `PYTHONUSERBASE`, else `$HOME/.local`.
     pub user_base: Option<PathBuf>,
     /// NIXL's default source-install prefix ([`DEFAULT_PREFIX`]).
@@ -66,6 +76,8 @@ impl SearchEnv {
             prefix: var("NIXL_PREFIX").map(PathBuf::from),
             build_time,
             virtual_env: var("VIRTUAL_ENV").map(PathBuf::from),
+            conda_prefix: var("CONDA_PREFIX").map(PathBuf::from),
+            path_python: var("PATH").and_then(|path| python_on_path(&path)),
             user_base,
             default_prefix: PathBuf::from(DEFAULT_PREFIX),
         }
@@ -134,6 +146,26 @@ pub fn search_order(env: &SearchEnv) -> Vec<Step> {
             },
             None => unset("VIRTUAL_ENV"),
         },
+        match &env.conda_prefix {
+            Some(conda) => Step {
+                name: format!("CONDA_PREFIX={}", conda.display()),
+                looks_in: wheels_of(conda),
+            },
+            None => unset("CONDA_PREFIX"),
+        },
+        match &env.path_python {
+            Some(python) => Step {
+                name: format!("the python3 on PATH ({})", python.display()),
+                looks_in: match python.parent().and_then(Path::parent) {
+                    Some(root) => wheels_of(root),
+                    None => LooksIn::Nowhere("it is not in a bin/ folder"),
+                },
+            },
+            None => Step {
+                name: "the python3 on PATH".to_string(),
+                looks_in: LooksIn::Nowhere("there is none"),
+            },
+        },
         match &env.user_base {
             Some(base) => Step {
                 name: format!("the Python user site under {}", base.display()),
@@ -160,13 +192,36 @@ pub fn explicit_step(env: &SearchEnv) -> Option<Step> {
     if let Some(dir) = &env.lib_dir {
         return Some(Step {
             name: format!("NIXL_LIB_DIR={}", dir.display()),
-            looks_in: LooksIn::Dirs(vec![dir.clone()]),
+            looks_in: configured(dir, || vec![dir.clone()]),
         });
     }
     env.prefix.as_ref().map(|prefix| Step {
         name: format!("NIXL_PREFIX={}", prefix.display()),
-        looks_in: LooksIn::Dirs(prefix_dirs(prefix)),
+        looks_in: configured(prefix, || prefix_dirs(prefix)),
     })
+}
+
+/// Where a configured path looks: its folders, or nowhere when it names no folder.
+fn configured(path: &Path, dirs: impl FnOnce() -> Vec<PathBuf>) -> LooksIn {
+    match std::fs::metadata(path) {
+        Ok(meta) if meta.is_dir() => LooksIn::Dirs(dirs()),
+        Ok(_) => LooksIn::Nowhere("it is not a folder (nothing else is searched while it is set)"),
+        Err(_) => LooksIn::Nowhere("it does not exist (nothing else is searched while it is set)"),
+    }
+}
+
+/// The first `python3` in the absolute folders of `path` (a `PATH` value) that is an
+/// executable file, as named there: a venv's `bin/python3` is a link, and the venv is where
+/// the link is.
+pub fn python_on_path(path: &std::ffi::OsStr) -> Option<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    std::env::split_paths(path)
+        .filter(|dir| dir.is_absolute())
+        .map(|dir| dir.join("python3"))
+        .find(|python| {
+            std::fs::metadata(python)
+                .is_ok_and(|meta| meta.is_file() && meta.permissions().mode() & 0o111 != 0)
+        })
 }
 
 /// Library folders of `prefix` read as an install prefix, a venv root or a site-packages
