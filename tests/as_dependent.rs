@@ -156,7 +156,8 @@ fn assert_refused(run: &Run) {
         run.stderr
     );
     assert!(
-        run.stderr.contains("pip install --no-deps nixl-cu12==1.5.1"),
+        run.stderr
+            .contains("pip install --no-deps nixl-cu12==1.5.1"),
         "{}",
         run.stderr
     );

@@ -58,12 +58,17 @@
 //! 3. the NIXL found when `nixl-capi-sys` was built (its `NIXL_LIB_DIR` / `NIXL_PREFIX`, or
 //!    the nixl-rs workspace's vendored wheel);
 //! 4. the `nixl-cu12` / `nixl-cu13` wheel in the active venv (`VIRTUAL_ENV`);
-//! 5. the same in the Python user site (`PYTHONUSERBASE`, else `~/.local`);
-//! 6. `/opt/nvidia/nvda_nixl`, NIXL's default source-install prefix;
-//! 7. the system loader (`ld.so.cache`, `LD_LIBRARY_PATH`).
+//! 5. the same in the active conda environment (`CONDA_PREFIX`);
+//! 6. the same in the site-packages of the first `python3` on `PATH` (the folder above its
+//!    `bin/`, links not followed; Python is not run): a venv that is only on `PATH`, as
+//!    after a Dockerfile's `ENV PATH=/opt/venv/bin:$PATH`;
+//! 7. the same in the Python user site (`PYTHONUSERBASE`, else `~/.local`);
+//! 8. `/opt/nvidia/nvda_nixl`, NIXL's default source-install prefix;
+//! 9. the system loader (`ld.so.cache`, `LD_LIBRARY_PATH`).
 //!
-//! When `NIXL_LIB_DIR` or `NIXL_PREFIX` is set, only it is searched. The library must be
-//! NIXL 1.5.1: its version is read from the installation before anything of it runs. It is
+//! When `NIXL_LIB_DIR` or `NIXL_PREFIX` is set, only it is searched (one that names no
+//! folder says so). The library must be NIXL 1.5.1: its version is read from the
+//! installation before anything of it runs. It is
 //! opened by its full path, so the wheel's libraries still find each other (and UCX its
 //! modules) through their `$ORIGIN` paths, and NIXL loads its backend plugins from
 //! `plugins/` beside it (or from `NIXL_PLUGIN_DIR`, which NIXL reads itself; this crate
