@@ -9,8 +9,9 @@ use nixl_sys::{NIXL_VERSION, PIP_INSTALL};
 
 /// NIXL's C API library could not be loaded: none was found, or none that was found is
 /// NIXL 1.5.1 and opens. [`Display`](fmt::Display) lists every place looked at, in order,
-/// and how to install NIXL.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// and how to install NIXL; so does `Debug` (what `fn main() -> Result<(), Box<dyn Error>>`
+/// prints), while `{:#?}` shows the fields.
+#[derive(Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct LibraryError {
     /// Each step of the search order and what it found, in order.
@@ -119,6 +120,18 @@ impl fmt::Display for LibraryError {
     }
 }
 
+impl fmt::Debug for LibraryError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if f.alternate() {
+            f.debug_struct("LibraryError")
+                .field("looked_at", &self.looked_at)
+                .finish()
+        } else {
+            fmt::Display::fmt(self, f)
+        }
+    }
+}
+
 impl std::error::Error for LibraryError {}
 
 #[cfg(test)]
@@ -138,5 +151,8 @@ mod tests {
             message.contains("`pip install --no-deps nixl-cu12==1.5.1`"),
             "{message}"
         );
+        // What `main` returning it prints is the message; `{:#?}` still shows the fields.
+        assert_eq!(format!("{error:?}"), message);
+        assert!(format!("{error:#?}").contains("looked_at"));
     }
 }

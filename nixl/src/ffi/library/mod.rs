@@ -40,7 +40,8 @@ impl Loaded {
     }
 }
 
-/// The NIXL library this process loaded.
+/// The NIXL library this process loaded; its `Display` says which release, where, and which
+/// step of the search found it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LoadedLibrary {
     path: PathBuf,
@@ -62,6 +63,19 @@ impl LoadedLibrary {
     /// The step of the search order that found it, e.g. `NIXL_PREFIX=/opt/nixl`.
     pub fn found_by(&self) -> &str {
         &self.found_by
+    }
+}
+
+impl std::fmt::Display for LoadedLibrary {
+    /// E.g. `NIXL 1.5.1 at /opt/venv/…/libnixl_capi.so (found by VIRTUAL_ENV=/opt/venv)`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "NIXL {} at {} (found by {})",
+            self.version,
+            self.path.display(),
+            self.found_by
+        )
     }
 }
 
