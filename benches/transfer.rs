@@ -667,14 +667,14 @@ fn memcpy(src: &HostBuffer, dst: &mut HostBuffer, size: usize, iters: usize) -> 
 /// list's storage is reserved first (`nixl_capi_xfer_dlist_resize` to the final size, then
 /// `clear`, which keeps the capacity). Milliseconds.
 fn raw_list_floor(base: usize, reserve: bool) -> Res<f64> {
-    use nixl_sys::nixl_capi_status_t::NIXL_CAPI_SUCCESS as OK;
+    use nixl_capi_sys::nixl_capi_status_t::NIXL_CAPI_SUCCESS as OK;
     let capi = raw_capi()?;
     let t0 = Instant::now();
     let mut list = std::ptr::null_mut();
     // SAFETY: out-pointer to a local.
     let status = unsafe {
         capi.nixl_capi_create_xfer_dlist(
-            nixl_sys::nixl_capi_mem_type_t::NIXL_CAPI_MEM_DRAM,
+            nixl_capi_sys::nixl_capi_mem_type_t::NIXL_CAPI_MEM_DRAM,
             &mut list,
         )
     };
@@ -706,14 +706,14 @@ fn raw_list_floor(base: usize, reserve: bool) -> Res<f64> {
 
 /// NIXL's C API, opened from the library the `nixl` crate loaded (the same one, already
 /// in the process).
-fn raw_capi() -> Res<&'static nixl_sys::NixlCapi> {
-    static CAPI: std::sync::OnceLock<nixl_sys::NixlCapi> = std::sync::OnceLock::new();
+fn raw_capi() -> Res<&'static nixl_capi_sys::NixlCapi> {
+    static CAPI: std::sync::OnceLock<nixl_capi_sys::NixlCapi> = std::sync::OnceLock::new();
     if let Some(capi) = CAPI.get() {
         return Ok(capi);
     }
     let path = nixl::load_library()?.path();
     // SAFETY: the library nixl loaded and checked, opened again (the loader shares it).
-    let capi = unsafe { nixl_sys::NixlCapi::new(path) }?;
+    let capi = unsafe { nixl_capi_sys::NixlCapi::new(path) }?;
     Ok(CAPI.get_or_init(|| capi))
 }
 

@@ -5,7 +5,7 @@ use std::ptr;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
-use nixl_sys as sys;
+use nixl_capi_sys as sys;
 
 use crate::error::{check, Result};
 use crate::ffi::handles::BackendHandle;

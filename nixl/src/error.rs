@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use nixl_sys::nixl_capi_status_t as raw;
+use nixl_capi_sys::nixl_capi_status_t as raw;
 
 use crate::ffi::library::LibraryError;
 use crate::ffi::status::Status;

@@ -2,7 +2,7 @@
 //!
 //! NIXL moves memory (DRAM, VRAM, files, objects) between agents through pluggable backends
 //! (UCX, POSIX, GDS, ...). LLM serving stacks use it to move KV-cache blocks between prefill
-//! and decode workers. This crate wraps NIXL's C API (`nixl-sys`) so that safe code cannot
+//! and decode workers. This crate wraps NIXL's C API (`nixl-capi-sys`) so that safe code cannot
 //! free or deregister memory under a transfer, use a handle after its agent is gone, or
 //! crash on bad input: every failure is an [`Error`].
 //!

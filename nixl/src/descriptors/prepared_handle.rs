@@ -4,7 +4,7 @@
 use std::ptr;
 use std::sync::Arc;
 
-use nixl_sys as sys;
+use nixl_capi_sys as sys;
 
 use crate::agent::{Agent, AgentInner};
 use crate::backend::{backend_args, Backend};

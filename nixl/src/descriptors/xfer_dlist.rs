@@ -1,6 +1,6 @@
 //! A C descriptor list together with a Rust copy of its descriptors.
 
-use nixl_sys as sys;
+use nixl_capi_sys as sys;
 
 use crate::descriptors::descriptor::{validate, XferDesc};
 use crate::error::{check, Result};

@@ -7,7 +7,7 @@
 //! Objects whose release needs their agent (transfer requests, prepared lists, memory
 //! views) have owners of their own next to their users.
 
-use nixl_sys as sys;
+use nixl_capi_sys as sys;
 
 use crate::error::{check, Result};
 use crate::ffi::library::{self, capi};

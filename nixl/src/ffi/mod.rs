@@ -1,6 +1,6 @@
 //! The boundary with NIXL's C API: the library found and loaded at run time, NIXL's
 //! statuses, one owner type per C handle, and the raw helpers (names, strings, lists).
-//! It knows only `nixl-sys`, the error type and plain data; everything above calls NIXL
+//! It knows only `nixl-capi-sys`, the error type and plain data; everything above calls NIXL
 //! through it.
 
 pub(crate) mod handles;

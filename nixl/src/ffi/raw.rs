@@ -1,12 +1,12 @@
 //! The boundary with the C API: what the owners of its helper objects (optional arguments,
 //! parameters) can do, and conversions of names, strings and lists. It knows only
-//! `nixl-sys`, the error type and plain data.
+//! `nixl-capi-sys`, the error type and plain data.
 
 use std::collections::BTreeMap;
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::ptr;
 
-use nixl_sys as sys;
+use nixl_capi_sys as sys;
 
 use crate::error::{check, Error, Result};
 use crate::ffi::handles::{OptArgs, Params};

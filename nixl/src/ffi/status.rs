@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use nixl_sys::nixl_capi_status_t as raw;
+use nixl_capi_sys::nixl_capi_status_t as raw;
 
 /// A failure status returned by NIXL's C API.
 ///

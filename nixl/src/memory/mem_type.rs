@@ -3,7 +3,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use nixl_sys::nixl_capi_mem_type_t as raw;
+use nixl_capi_sys::nixl_capi_mem_type_t as raw;
 
 /// A NIXL memory type: what the addresses in a descriptor list mean.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

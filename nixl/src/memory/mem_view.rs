@@ -5,7 +5,7 @@ use std::ffi::CString;
 use std::ptr;
 use std::sync::Arc;
 
-use nixl_sys as sys;
+use nixl_capi_sys as sys;
 
 use crate::agent::{Agent, AgentInner};
 use crate::backend::backend_args;

@@ -2,7 +2,7 @@
 
 use std::ptr;
 
-use nixl_sys as sys;
+use nixl_capi_sys as sys;
 
 use crate::agent::{Agent, AgentInner};
 use crate::error::{check, Error, Result, HINT_LOAD_REMOTE_MD};

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use nixl_sys as sys;
+use nixl_capi_sys as sys;
 
 use crate::agent::AgentInner;
 use crate::backend::{backend_args, Backend};

@@ -6,7 +6,7 @@ use std::ptr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nixl_sys as sys;
+use nixl_capi_sys as sys;
 
 use crate::agent::AgentInner;
 use crate::backend::describe_backend;

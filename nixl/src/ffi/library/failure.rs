@@ -4,8 +4,8 @@
 use std::fmt;
 use std::path::PathBuf;
 
-use nixl_sys::discovery::CAPI_LIB;
-use nixl_sys::{NIXL_VERSION, PIP_INSTALL};
+use nixl_capi_sys::discovery::CAPI_LIB;
+use nixl_capi_sys::{NIXL_VERSION, PIP_INSTALL};
 
 /// NIXL's C API library could not be loaded: none was found, or none that was found is
 /// NIXL 1.5.1 and opens. [`Display`](fmt::Display) lists every place looked at, in order,

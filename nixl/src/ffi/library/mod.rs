@@ -1,7 +1,7 @@
 //! NIXL's C API library, found and loaded at run time, once per process.
 //!
 //! The first call that needs NIXL (creating an agent or any NIXL object) runs the search of
-//! [`nixl_sys::discovery`] and loads the first `libnixl_capi.so` of NIXL 1.5.1 it finds, by
+//! [`nixl_capi_sys::discovery`] and loads the first `libnixl_capi.so` of NIXL 1.5.1 it finds, by
 //! its full path; a failed search is an [`Error::Library`](crate::Error::Library) and is run
 //! again by the next call. NIXL loads its backend plugins from `plugins/` beside the library
 //! (or from `NIXL_PLUGIN_DIR`, which NIXL itself reads); this crate sets no environment
@@ -17,7 +17,7 @@ mod version;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock, PoisonError};
 
-use nixl_sys::NixlCapi;
+use nixl_capi_sys::NixlCapi;
 
 pub use failure::{LibraryError, SearchOutcome, SearchStep};
 

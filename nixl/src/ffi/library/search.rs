@@ -4,9 +4,9 @@ use std::ffi::{c_void, CStr, OsStr};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
-use nixl_sys::discovery::{search_order, LooksIn, SearchEnv, Step, CAPI_LIB};
-use nixl_sys::libloading::os::unix::{Library, RTLD_LOCAL, RTLD_NOW};
-use nixl_sys::NixlCapi;
+use nixl_capi_sys::discovery::{search_order, LooksIn, SearchEnv, Step, CAPI_LIB};
+use nixl_capi_sys::libloading::os::unix::{Library, RTLD_LOCAL, RTLD_NOW};
+use nixl_capi_sys::NixlCapi;
 
 use super::failure::{LibraryError, SearchOutcome, SearchStep};
 use super::version;
@@ -14,7 +14,7 @@ use super::LoadedLibrary;
 
 /// Searches in order and loads the first usable library; otherwise says what each step saw.
 pub(super) fn load_first() -> Result<(NixlCapi, LoadedLibrary), LibraryError> {
-    let env = SearchEnv::from_process(nixl_sys::BUILD_LIB_DIR.map(PathBuf::from));
+    let env = SearchEnv::from_process(nixl_capi_sys::BUILD_LIB_DIR.map(PathBuf::from));
     let mut looked_at = Vec::new();
     for step in search_order(&env) {
         match try_step(&step) {
@@ -65,7 +65,7 @@ fn try_step(step: &Step) -> Result<(NixlCapi, PathBuf, String), SearchOutcome> {
 fn checked_version(path: &Path) -> Result<String, SearchOutcome> {
     let dir = path.parent().unwrap_or(Path::new("."));
     match version::read(dir) {
-        Ok(found) if found == nixl_sys::NIXL_VERSION => Ok(found),
+        Ok(found) if found == nixl_capi_sys::NIXL_VERSION => Ok(found),
         Ok(found) => Err(SearchOutcome::WrongVersion {
             path: path.to_path_buf(),
             found,
@@ -79,7 +79,7 @@ fn checked_version(path: &Path) -> Result<String, SearchOutcome> {
 
 /// Opens the library and reads every function of the header from it.
 fn open(path: &Path) -> Result<NixlCapi, SearchOutcome> {
-    let unloadable = |err: nixl_sys::libloading::Error| SearchOutcome::Unloadable {
+    let unloadable = |err: nixl_capi_sys::libloading::Error| SearchOutcome::Unloadable {
         path: path.to_path_buf(),
         reason: err.to_string(),
     };
