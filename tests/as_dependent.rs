@@ -1,6 +1,6 @@
 //! `nixl` used as a dependent uses it: a fresh cargo project in a temporary folder outside
 //! this workspace (its program is tests/data/dependent/main.rs), depending on `nixl` by path,
-//! with no build script and no nixl-sys dependency, built offline against this workspace's
+//! with no build script and no nixl-capi-sys dependency, built offline against this workspace's
 //! Cargo.lock and target folder (so little is compiled again) and run with LD_LIBRARY_PATH
 //! unset: as built; with NIXL found only through a venv holding the pip-installed wheel; with
 //! no NIXL anywhere; with a NIXL of another version.

@@ -1,6 +1,6 @@
 //! The `nixl` crate's files form layers: no file's code reaches, through `crate::`,
 //! `super::` or `self::` paths (grouped `use` imports included), a file that reaches back
-//! to it, and the FFI boundary (`ffi/raw.rs`, `ffi/handles.rs`) knows only `nixl-sys`,
+//! to it, and the FFI boundary (`ffi/raw.rs`, `ffi/handles.rs`) knows only `nixl-capi-sys`,
 //! the loaded library, the error type and plain data.
 //!
 //! A file's own ancestors (`metadata/wire/mod.rs` and `metadata/mod.rs` for

@@ -1,5 +1,5 @@
 //! A program that depends on `nixl` as any crate would: no build script, no direct
-//! nixl-sys dependency, no LD_LIBRARY_PATH. Two agents move 1 MiB over UCX and every byte is
+//! nixl-capi-sys dependency, no LD_LIBRARY_PATH. Two agents move 1 MiB over UCX and every byte is
 //! checked. tests/as_dependent.rs writes it into a fresh cargo project and runs it.
 
 use std::process::ExitCode;
