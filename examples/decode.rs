@@ -24,7 +24,8 @@ use nixl_rs::decode::{self, DecodeOptions};
 struct Args {
     #[command(flatten)]
     worker: common::WorkerArgs,
-    /// Prefill's side-channel address.
+    /// Prefill's control-channel address: what the prefill prints as `listening on ADDR` (its
+    /// --listen), not its connector side channel.
     #[arg(long, default_value = "127.0.0.1:7800")]
     prefill: SocketAddr,
     /// Requests to pull.

@@ -20,6 +20,7 @@ use crate::config::Worker;
 use crate::error::{Error, Result};
 use crate::kv_cache::{KvCache, KvLayout, Mismatch};
 use crate::metered::Metered;
+use crate::not_a_prefill::{not_a_prefill, Answer};
 use crate::protocol::{Hello, Message, Welcome, DEFAULT_MAX_FRAME, PROTOCOL_VERSION};
 use crate::stats::{DecodeSummary, Lifecycle, Progress};
 
@@ -251,10 +252,23 @@ async fn greet(worker: &Worker, options: &DecodeOptions, deadline: Deadline) -> 
                 other.kind()
             )))
         }
+        Err(nixl_connector::Error::Closed { .. }) if channel.get_ref().received() == 0 => {
+            return Err(not_a_prefill(addr, Answer::ClosedSilently, &[]))
+        }
         Err(nixl_connector::Error::Closed { .. }) => {
             return Err(Error::PeerGone(format!(
                 "prefill at {addr} closed the control channel during the handshake"
             )))
+        }
+        Err(nixl_connector::Error::Truncated { .. }) => {
+            return Err(Error::PeerGone(format!(
+                "prefill at {addr} closed the control channel after {} of its first frame",
+                channel.get_ref().first_frame_progress()
+            )))
+        }
+        Err(nixl_connector::Error::Protocol { reason, .. }) => {
+            let first = channel.get_ref().first_bytes();
+            return Err(not_a_prefill(addr, Answer::NotAFrame(&reason), first));
         }
         Err(err) => return Err(err.into()),
     };

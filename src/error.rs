@@ -21,9 +21,13 @@ pub enum Error {
     /// The KV connector failed (setup, side channel, handshake or a load).
     #[error(transparent)]
     Connector(#[from] nixl_connector::Error),
-    /// The peer sent a message that breaks the side-channel protocol.
-    #[error("side-channel protocol error: {0}")]
+    /// The peer sent a message that breaks the control-channel protocol.
+    #[error("control-channel protocol error: {0}")]
     Protocol(String),
+    /// The address decode was given answers, but not as a prefill's control channel: what
+    /// it reached, what was expected, and which address to give instead.
+    #[error("{0}")]
+    NotAPrefill(String),
     /// The peer refused the session and said why.
     #[error("rejected by the peer: {0}")]
     Rejected(String),

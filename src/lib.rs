@@ -33,6 +33,7 @@ pub mod decode;
 pub mod error;
 pub mod kv_cache;
 pub mod metered;
+pub mod not_a_prefill;
 pub mod pattern;
 pub mod prefill;
 pub mod prometheus;

@@ -76,6 +76,12 @@ impl Metered {
         format!("{} of {total} bytes", self.received.min(total))
     }
 
+    /// The first bytes received (those of the first frame's header, at most
+    /// [`HEADER_BYTES`]).
+    pub fn first_bytes(&self) -> &[u8] {
+        &self.header[..self.received.min(HEADER_BYTES)]
+    }
+
     /// Bytes received so far.
     pub fn received(&self) -> usize {
         self.received

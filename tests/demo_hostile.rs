@@ -276,15 +276,7 @@ fn fifty_silent_connections_for_14_s_do_not_keep_a_decode_out() {
     // A handshake deadline past the hold: only being closed for a newer connection frees a
     // silent peer's place while they hold them.
     let prefill = Prefill::start(&["--handshake-timeout-s", "30"]);
-    let side_channel: SocketAddr = {
-        let out = prefill.proc.output();
-        let line = out
-            .lines()
-            .find(|l| l.starts_with("prefill: agent ") && l.contains(" side channel "))
-            .expect("prefill's start line names its connector side channel");
-        let rest = line.rsplit(" side channel ").next().unwrap();
-        rest.trim_end_matches(')').parse().unwrap()
-    };
+    let side_channel = prefill.side_channel();
     // 50 silent peers on the control channel and 50 on the connector's side channel (16
     // places each, the default); each one closed reconnects 100 ms later.
     let until = Instant::now() + HOLD;

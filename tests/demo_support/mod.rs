@@ -262,6 +262,17 @@ impl Prefill {
             .unwrap_or_else(|| panic!("no address in {line:?}"));
         Prefill { proc, addr }
     }
+
+    /// Its connector's side channel, as its start line names it.
+    pub fn side_channel(&self) -> SocketAddr {
+        let out = self.proc.output();
+        let line = out
+            .lines()
+            .find(|l| l.starts_with("prefill: agent ") && l.contains(" side channel "))
+            .expect("prefill's start line names its connector side channel");
+        let rest = line.rsplit(" side channel ").next().unwrap();
+        rest.trim_end_matches(')').parse().unwrap()
+    }
 }
 
 /// Starts decode against `prefill` with the small cache and `extra` flags.
