@@ -215,25 +215,30 @@ fn a_dependent_without_nixl_anywhere_says_where_it_looked_and_exits_non_zero() {
 fn a_dependent_refuses_nixl_of_another_version() {
     let loaded = nixl::load_library().expect("NIXL for this test");
     let lib_dir = loaded.path().parent().expect("library folder");
-    let other = tempfile::tempdir().expect("temporary folder");
-    std::fs::copy(loaded.path(), other.path().join("libnixl_capi.so")).expect("copy");
     let common = std::fs::read(lib_dir.join("libnixl_common.so")).expect("read libnixl_common");
     let marker = b"NIXL version: \x001.5.1\x00";
     let at = common
         .windows(marker.len())
         .position(|w| w == marker)
         .expect("NIXL's version string");
-    let mut patched = common.clone();
-    patched[at..at + marker.len()].copy_from_slice(b"NIXL version: \x001.4.9\x00");
-    std::fs::write(other.path().join("libnixl_common.so"), patched).expect("write");
+    // An older minor, and the patch releases either side (1.5.0 is what pip gives for
+    // nixl-cu12==1.5.0): this release loads 1.5.1 only, on purpose (README, Versions).
+    for version in ["1.4.9", "1.5.0", "1.5.2"] {
+        let other = tempfile::tempdir().expect("temporary folder");
+        std::fs::copy(loaded.path(), other.path().join("libnixl_capi.so")).expect("copy");
+        let mut patched = common.clone();
+        let with = format!("NIXL version: \0{version}\0");
+        patched[at..at + marker.len()].copy_from_slice(with.as_bytes());
+        std::fs::write(other.path().join("libnixl_common.so"), patched).expect("write");
 
-    let run = run(|command| {
-        command.env("NIXL_LIB_DIR", other.path());
-    });
-    assert_refused(&run);
-    let mismatch = format!(
-        "{}/libnixl_capi.so is NIXL 1.4.9, but this nixl-rs is for NIXL 1.5.1 (version mismatch)",
-        other.path().display()
-    );
-    assert!(run.stderr.contains(&mismatch), "{}", run.stderr);
+        let run = run(|command| {
+            command.env("NIXL_LIB_DIR", other.path());
+        });
+        assert_refused(&run);
+        let mismatch = format!(
+            "{}/libnixl_capi.so is NIXL {version}, but this nixl-rs is for NIXL 1.5.1 (version mismatch)",
+            other.path().display()
+        );
+        assert!(run.stderr.contains(&mismatch), "{}", run.stderr);
+    }
 }

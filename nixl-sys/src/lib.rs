@@ -34,7 +34,9 @@ pub use bindings::*;
 /// The libloading that [`NixlCapi::from_library`] takes its library from.
 pub use libloading;
 
-/// The NIXL release whose C API the header declares; the loaded library must be this one.
+/// The NIXL release whose C API the header declares; the loaded library must be this one. Each
+/// version of this crate is for one NIXL release (0.1.x: NIXL 1.5.1); another release,
+/// patch releases included, is refused, since NIXL's C API promises no compatibility.
 pub const NIXL_VERSION: &str = "1.5.1";
 
 /// The command that installs the NIXL release this crate is for. `--no-deps`: loading the
