@@ -57,6 +57,10 @@ struct Args {
     /// told at once) and while its load runs (its blocks are freed when the load ends).
     #[arg(long, value_parser = parse_positive::<u64>)]
     abort_every: Option<u64>,
+    /// Seconds to keep serving --metrics-addr after the run, so that Prometheus can take a
+    /// last scrape of a run that ended.
+    #[arg(long, default_value_t = 0)]
+    metrics_linger_s: u64,
 }
 
 fn main() -> ExitCode {
@@ -114,6 +118,13 @@ async fn run(args: &Args) -> nixl_rs::Result<ExitCode> {
         std::process::exit(1)
     });
     println!("{summary}");
+    if args.worker.metrics_addr.is_some() && args.metrics_linger_s > 0 {
+        println!(
+            "decode: run ended; serving metrics {} s more",
+            args.metrics_linger_s
+        );
+        tokio::time::sleep(Duration::from_secs(args.metrics_linger_s)).await;
+    }
     Ok(if summary.ok() {
         ExitCode::SUCCESS
     } else {

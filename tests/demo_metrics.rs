@@ -1,7 +1,9 @@
 //! The connector's `vllm:nixl_*` series through the demo's Prometheus endpoint, scraped over
 //! HTTP on loopback: in this process around real loads (the series move: NIXL telemetry of
-//! each READ, handshake time, failures by kind, expired leases, late notifications), and
-//! from the prefill example started with `--metrics-addr` (heartbeats move).
+//! each READ, one descriptor count, handshake time, loads by outcome, failures by kind,
+//! expired leases, late notifications), and from the prefill and decode examples started
+//! with `--metrics-addr`, each exporting only its own side's series (loads by outcome,
+//! aborts, prefix hits, heartbeats sent and received, releases, gauges back at zero).
 
 mod demo_support;
 
@@ -10,7 +12,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use demo_support::{run_decode, Prefill};
+use demo_support::{Prefill, Proc};
 use nixl::kv_config::KvTransferConfig;
 use nixl_connector::{
     KvAttention, KvCacheSpec, KvConnectorWorker, KvLayout, RemoteBlocks, WorkerConfig,
@@ -123,8 +125,10 @@ async fn the_connectors_series_move_in_a_scrape() {
     let start = Instant::now();
     let mut ended = 0;
     let mut expired = false;
+    let mut metrics = Vec::new();
     while (ended < 4 || !expired) && start.elapsed() < Duration::from_secs(10) {
         ended += decode.finished().recving.len();
+        metrics.extend(decode.metrics());
         expired |= !prefill.finished().sending.is_empty();
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -149,9 +153,28 @@ async fn the_connectors_series_move_in_a_scrape() {
         3.0
     );
     // NIXL counts descriptors after joining those contiguous on both sides: between one
-    // per layer and load (6) and one per block and layer (12).
+    // per layer and load (6) and one per block and layer (12). The loads' own metrics
+    // report the same count.
     let descriptors = value(&after, "vllm:nixl_num_descriptors_sum", &[dc]);
     assert!((6.0..=12.0).contains(&descriptors), "{descriptors}");
+    let loaded: Vec<_> = metrics.iter().filter(|m| m.failure.is_none()).collect();
+    assert_eq!(loaded.len(), 3);
+    let counted: usize = loaded.iter().map(|m| m.descriptors).sum();
+    assert_eq!(counted as f64, descriptors);
+    for (outcome, count) in [("loaded", 3.0), ("failed", 1.0), ("aborted", 0.0)] {
+        let label = format!(r#"outcome="{outcome}""#);
+        assert_eq!(value(&after, "vllm:nixl_num_loads", &[dc, &label]), count);
+    }
+    assert_eq!(value(&after, "vllm:nixl_loads_in_flight", &[dc]), 0.0);
+    assert_eq!(
+        value(
+            &after,
+            "vllm:nixl_num_released_reqs",
+            &[pf, r#"by="lease""#]
+        ),
+        1.0
+    );
+    assert_eq!(value(&after, "vllm:nixl_requests_held", &[pf]), 0.0);
     let bytes = (6 * spec.num_regions() * spec.block_len(0)) as f64;
     assert_eq!(
         value(&after, "vllm:nixl_bytes_transferred_sum", &[dc]),
@@ -191,32 +214,147 @@ async fn the_connectors_series_move_in_a_scrape() {
     );
 }
 
-#[test]
-fn the_prefill_example_serves_its_series_to_prometheus() {
-    let mut prefill = Prefill::start(&["--metrics-addr", "127.0.0.1:0"]);
-    let line = prefill.proc.expect_line("the metrics address", |l| {
+/// The endpoint a demo process printed (`...: Prometheus metrics on http://ADDR/metrics`).
+fn endpoint_of(proc: &Proc) -> SocketAddr {
+    let line = proc.expect_line("the metrics address", |l| {
         l.contains("Prometheus metrics on http://")
     });
-    let endpoint: SocketAddr = line
-        .split("http://")
+    line.split("http://")
         .nth(1)
         .and_then(|rest| rest.split('/').next())
         .and_then(|a| a.parse().ok())
-        .unwrap_or_else(|| panic!("no address in {line:?}"));
+        .unwrap_or_else(|| panic!("no address in {line:?}"))
+}
+
+/// Runs decode against `prefill` with its own endpoint and `extra` flags; scrapes it after
+/// the run, while it lingers, and returns the scrape once decode exited successfully.
+fn decode_scrape(prefill: SocketAddr, extra: &[&str]) -> String {
+    let mut args = vec!["--metrics-addr", "127.0.0.1:0", "--metrics-linger-s", "30"];
+    args.extend(extra);
+    let mut decode = demo_support::decode(prefill, &args);
+    let endpoint = endpoint_of(&decode);
+    decode.expect_line("the end of its run", |l| {
+        l.contains("run ended; serving metrics")
+    });
+    let body = scrape(endpoint);
+    decode.kill();
+    assert!(
+        decode.output().contains("every byte verified"),
+        "{}",
+        decode.output()
+    );
+    body
+}
+
+/// Series only a prefill exports, and series only a decode exports.
+const PREFILL_ONLY: [&str; 5] = [
+    "vllm:nixl_requests_held{",
+    "vllm:nixl_num_released_reqs{",
+    "vllm:nixl_num_heartbeats{",
+    "vllm:nixl_num_heartbeats_refused{",
+    "vllm:nixl_num_notifications_after_expiry{",
+];
+const DECODE_ONLY: [&str; 8] = [
+    "vllm:nixl_xfer_time_seconds",
+    "vllm:nixl_num_descriptors",
+    "vllm:nixl_num_failed_transfers{",
+    "vllm:nixl_loads_in_flight{",
+    "vllm:nixl_num_loads{",
+    "vllm:nixl_handshakes_pending{",
+    "vllm:nixl_num_heartbeats_sent{",
+    "vllm:nixl_num_aborted_reqs{",
+];
+
+#[test]
+fn prefill_and_decode_examples_each_serve_their_own_series() {
+    let mut prefill = Prefill::start(&["--metrics-addr", "127.0.0.1:0"]);
+    let endpoint = endpoint_of(&prefill.proc);
     let before = scrape(endpoint);
     assert_eq!(value(&before, "vllm:nixl_num_heartbeats", &[]), 0.0);
     assert_eq!(value(&before, "vllm:nixl_num_kv_expired_reqs", &[]), 0.0);
-    // A decode heartbeats prefill in its first step with requests waiting.
-    let (status, out) = run_decode(
+    assert_eq!(value(&before, "vllm:nixl_requests_held", &[]), 0.0);
+
+    // 16 requests of 2 blocks, every 4th aborted (2 before their load, 2 during it); a
+    // decode heartbeats prefill in its first step with requests waiting.
+    let decode = decode_scrape(
         prefill.addr,
-        &["--requests", "4", "--blocks-per-request", "2"],
+        &[
+            "--requests",
+            "16",
+            "--blocks-per-request",
+            "2",
+            "--abort-every",
+            "4",
+        ],
     );
-    assert!(status.success(), "{out}");
+    let loads = |outcome: &str| {
+        value(
+            &decode,
+            "vllm:nixl_num_loads",
+            &[&format!(r#"outcome="{outcome}""#)],
+        )
+    };
+    assert_eq!(value(&decode, "vllm:nixl_num_aborted_reqs", &[]), 4.0);
+    assert_eq!(loads("failed"), 0.0);
+    assert_eq!(loads("loaded") + loads("aborted"), 14.0, "{decode}");
+    assert_eq!(
+        value(&decode, "vllm:nixl_xfer_time_seconds_count", &[]),
+        14.0
+    );
+    assert_eq!(value(&decode, "vllm:nixl_loads_in_flight", &[]), 0.0);
+    assert_eq!(value(&decode, "vllm:nixl_handshakes_pending", &[]), 0.0);
+    assert_eq!(value(&decode, "vllm:nixl_leaked_requests", &[]), 0.0);
+    assert!(value(&decode, "vllm:nixl_num_heartbeats_sent", &[]) >= 1.0);
+    for series in PREFILL_ONLY {
+        assert!(
+            !decode.contains(series),
+            "a decode exports {series}:\n{decode}"
+        );
+    }
+
+    // Every block of the 4 requests is in decode's prefix cache: nothing is read.
+    let hits = decode_scrape(
+        prefill.addr,
+        &[
+            "--requests",
+            "4",
+            "--blocks-per-request",
+            "2",
+            "--prefix-hit-blocks",
+            "2",
+        ],
+    );
+    assert_eq!(value(&hits, "vllm:nixl_num_prefix_hits", &[]), 4.0);
+    assert_eq!(
+        value(&hits, "vllm:nixl_num_loads", &[r#"outcome="loaded""#]),
+        0.0
+    );
+
     let after = scrape(endpoint);
+    assert_eq!(
+        value(
+            &after,
+            "vllm:nixl_num_released_reqs",
+            &[r#"by="notification""#]
+        ),
+        20.0
+    );
+    assert_eq!(
+        value(&after, "vllm:nixl_num_released_reqs", &[r#"by="lease""#]),
+        0.0
+    );
+    assert_eq!(value(&after, "vllm:nixl_requests_held", &[]), 0.0);
+    assert_eq!(value(&after, "vllm:nixl_leaked_requests", &[]), 0.0);
     assert!(
         value(&after, "vllm:nixl_num_heartbeats", &[]) >= 1.0,
         "{after}"
     );
+    for series in DECODE_ONLY {
+        assert!(
+            !after.contains(series),
+            "a prefill exports {series}:\n{after}"
+        );
+    }
     // Anything but GET /metrics is turned away.
     let mut stream = TcpStream::connect(endpoint).unwrap();
     stream.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();

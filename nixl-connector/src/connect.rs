@@ -55,7 +55,9 @@ pub(crate) async fn remote(
                 tp_size,
             };
             let started = std::time::Instant::now();
+            shared.series.handshake_pending(true);
             let remote = connect(&shared, engine, rank, port).await;
+            shared.series.handshake_pending(false);
             if remote.is_ok() {
                 shared.series.handshake(started.elapsed());
             }

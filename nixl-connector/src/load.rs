@@ -150,10 +150,17 @@ pub(crate) fn try_now(shared: &Arc<Shared>, load: Load) -> Option<(Load, Option<
         post(shared, &load, &remotes)
     };
     if posted.done() {
-        for read in &posted.reads {
-            record_telemetry(shared, &read.request);
-        }
-        let at = Some((posted.at, posted.bytes, posted.descriptors));
+        let counts: Vec<Option<usize>> = posted
+            .reads
+            .iter()
+            .map(|read| record_telemetry(shared, &read.request))
+            .collect();
+        let descriptors = counts.into_iter().sum::<Option<usize>>();
+        let at = Some((
+            posted.at,
+            posted.bytes,
+            descriptors.unwrap_or(posted.descriptors),
+        ));
         record(shared, &load, at, Ok(()));
         return None;
     }
@@ -230,11 +237,20 @@ fn notify<'a>(
     }
 }
 
-/// Records NIXL's telemetry of a completed READ, if the agent recorded it.
-fn record_telemetry(shared: &Shared, request: &nixl::XferRequest) {
+/// Records NIXL's telemetry of a completed READ, if the agent recorded it; returns its
+/// descriptor count as NIXL counts them (after joining those contiguous on both sides), the
+/// one count both [`NUM_DESCRIPTORS`](crate::series::NUM_DESCRIPTORS) and
+/// [`TransferMetrics::descriptors`] report.
+fn record_telemetry(shared: &Shared, request: &nixl::XferRequest) -> Option<usize> {
     match request.telemetry() {
-        Ok(telemetry) => shared.series.transfer(&telemetry),
-        Err(err) => tracing::debug!(%err, "no NIXL telemetry for a load"),
+        Ok(telemetry) => {
+            shared.series.transfer(&telemetry);
+            usize::try_from(telemetry.desc_count).ok()
+        }
+        Err(err) => {
+            tracing::debug!(%err, "no NIXL telemetry for a load");
+            None
+        }
     }
 }
 
@@ -253,14 +269,14 @@ fn record(
         .map(|err| (FailureKind::of(&err), err.to_string()));
     let mut outcomes = shared.outcomes();
     let aborted = outcomes.end(&load.request_id);
-    load.span.record(
-        "outcome",
-        match (&failure, aborted) {
-            (_, true) => "aborted",
-            (None, false) => "loaded",
-            (Some(_), false) => "failed",
-        },
-    );
+    let ended = match (&failure, aborted) {
+        (_, true) => "aborted",
+        (None, false) => "loaded",
+        (Some(_), false) => "failed",
+    };
+    load.span.record("outcome", ended);
+    shared.series.load_ended(ended);
+    tracing::debug!(request = %load.request_id, remote = %load.remote.engine_id, outcome = ended, bytes, descriptors, ?duration, "load ended");
     if let Some((kind, reason)) = &failure {
         shared.series.failed(*kind);
         if aborted {
@@ -436,6 +452,7 @@ async fn finish_posted(shared: &Shared, load: &Load, posted: Posted) {
         };
         (read.rank, read.remote, outcome)
     });
+    let mut counted = Some(0);
     let outcome = match tokio::time::timeout(deadline, join_all(waits)).await {
         Err(_) => {
             for (rank, remote) in &read {
@@ -450,7 +467,10 @@ async fn finish_posted(shared: &Shared, load: &Load, posted: Posted) {
             let mut first_failure = failed.map(Err);
             for (rank, remote, outcome) in ended {
                 match outcome {
-                    Ok(request) => record_telemetry(shared, &request),
+                    Ok(request) => {
+                        let count = record_telemetry(shared, &request);
+                        counted = counted.zip(count).map(|(sum, more)| sum + more);
+                    }
                     Err(err) => {
                         shared.remotes.forget(&load.remote.engine_id, rank, &remote);
                         first_failure.get_or_insert(Err(err));
@@ -459,6 +479,11 @@ async fn finish_posted(shared: &Shared, load: &Load, posted: Posted) {
             }
             first_failure.unwrap_or(Ok(()))
         }
+    };
+    // NIXL's count when every READ completed with telemetry; else the descriptors asked for.
+    let descriptors = match (&outcome, counted) {
+        (Ok(()), Some(counted)) => counted,
+        _ => descriptors,
     };
     record(shared, load, Some((at, bytes, descriptors)), outcome);
 }

@@ -14,7 +14,9 @@ pub struct TransferMetrics {
     pub duration: Duration,
     /// Bytes moved (requested, when a READ failed; zero when none was made).
     pub bytes: u64,
-    /// Descriptors in the requests.
+    /// Descriptors in the requests, as NIXL counts them (after joining descriptors
+    /// contiguous on both sides: what `vllm:nixl_num_descriptors` records); the descriptors
+    /// asked for when a READ failed or NIXL kept no telemetry of it.
     pub descriptors: usize,
     /// Why it failed, or `None` when every byte landed.
     pub failure: Option<String>,

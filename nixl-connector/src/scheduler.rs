@@ -319,6 +319,7 @@ impl KvConnectorScheduler {
         }
         // A prefill that holds no block is not waiting for a notification.
         let state = if local_block_ids.is_empty() {
+            crate::series::prefix_hit(&self.config.engine_id);
             DecodeState::Done
         } else {
             DecodeState::Scheduled
@@ -362,11 +363,13 @@ impl KvConnectorScheduler {
         if let Some(decode) = self.decodes.remove(request_id) {
             return match decode.state {
                 DecodeState::Waiting | DecodeState::Scheduled => {
+                    crate::series::aborted_request(&self.config.engine_id);
                     self.loads.remove(request_id);
                     self.notify_only(request_id, decode.remote);
                     keep(false)
                 }
                 DecodeState::Loading { .. } => {
+                    crate::series::aborted_request(&self.config.engine_id);
                     self.aborted.push(request_id.to_string());
                     self.decodes.insert(
                         request_id.to_string(),
@@ -385,6 +388,7 @@ impl KvConnectorScheduler {
             .and_then(KvTransferParams::remote_blocks)
         {
             // Finished before the engine told us of it (vLLM's abort-immediately path).
+            crate::series::aborted_request(&self.config.engine_id);
             self.notify_only(request_id, remote);
             return keep(false);
         }

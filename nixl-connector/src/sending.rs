@@ -211,6 +211,7 @@ impl Sends {
             needed,
         };
         self.held.insert(request_id, held);
+        self.series.held(self.held.len());
     }
 
     /// Takes one notification from agent `sender`.
@@ -240,14 +241,19 @@ impl Sends {
         self.notes.heartbeats += 1;
         self.series.heartbeat();
         let until = now + self.lease.extension();
+        let mut extended = false;
         for id in ids {
             match self.held.get_mut(*id) {
                 Some(held) => {
                     held.deadline = held.deadline.max(until).min(held.limit);
                     self.notes.leases_extended += 1;
+                    extended = true;
                 }
                 None => self.notes.unknown_heartbeat_ids += 1,
             }
+        }
+        if !extended {
+            self.series.heartbeat_refused();
         }
     }
 
@@ -334,6 +340,9 @@ impl Sends {
         } else {
             self.stats.freed_on_timeout += 1;
         }
+        self.series.released(notified);
+        self.series.held(self.held.len());
+        tracing::debug!(request = %request_id, by = if notified { "notification" } else { "lease" }, "request released");
         if self.released_order.len() >= MAX_RELEASED {
             if let Some(oldest) = self.released_order.pop_front() {
                 self.released.remove(&oldest);
@@ -372,7 +381,7 @@ mod tests {
             own_tp,
             Protocol::Native,
             lease,
-            Arc::new(Series::new("test", 0)),
+            Arc::new(Series::new("test", 0, None)),
         )
     }
 
@@ -466,8 +475,18 @@ mod tests {
         let t0 = Instant::now();
         let lease = Lease::default();
         // Prefill TP 2 read by decode TP 4: vLLM's decode says 2 consumers, ours 4 (its TP).
-        let mut vllm = Sends::new(2, Protocol::Vllm, lease, Arc::new(Series::new("t", 0)));
-        let mut native = Sends::new(2, Protocol::Native, lease, Arc::new(Series::new("t", 0)));
+        let mut vllm = Sends::new(
+            2,
+            Protocol::Vllm,
+            lease,
+            Arc::new(Series::new("t", 0, None)),
+        );
+        let mut native = Sends::new(
+            2,
+            Protocol::Native,
+            lease,
+            Arc::new(Series::new("t", 0, None)),
+        );
         for (s, message) in [(&mut vllm, &b"r:2"[..]), (&mut native, b"r:4")] {
             s.hold("r".into(), t0 + Duration::from_secs(30), t0);
             s.notified(b"d0", message, t0);

@@ -6,16 +6,30 @@
 //! series carries the labels `engine` (the engine id) and `rank` (the TP rank). Without a
 //! recorder the facade drops everything, at the cost of an atomic load.
 //!
-//! Per load (decode side), from NIXL's own telemetry ([`nixl::XferRequest::telemetry`], the
+//! Each role exports only its own series: a worker whose `kv_role` is `kv_consumer` (a
+//! decode) registers the decode side's, a `kv_producer` (a prefill) the prefill side's, and
+//! `kv_both` (or no role) both; [`NUM_KV_EXPIRED_REQS`] and [`LEAKED_REQUESTS`] belong to
+//! both sides.
+//!
+//! Decode side, per load, from NIXL's own telemetry ([`nixl::XferRequest::telemetry`], the
 //! workers' agents run with telemetry on): [`XFER_TIME_SECONDS`], [`POST_TIME_SECONDS`],
-//! [`BYTES_TRANSFERRED`], [`NUM_DESCRIPTORS`]. Failures by kind: [`NUM_FAILED_TRANSFERS`]
-//! (label `kind`: `handshake`, `transfer`, `timeout`, `invalid`, `notification`), and
-//! [`NUM_FAILED_NOTIFICATIONS`]. Per handshake: [`HANDSHAKE_TIME_SECONDS`]. Prefill side:
-//! [`NUM_KV_EXPIRED_REQS`], [`NUM_NOTIFICATIONS_AFTER_EXPIRY`], [`NUM_HEARTBEATS`].
+//! [`BYTES_TRANSFERRED`], [`NUM_DESCRIPTORS`] (NIXL's count, after it joins descriptors
+//! contiguous on both sides; [`TransferMetrics::descriptors`](crate::TransferMetrics) is
+//! the same count). Failures by kind: [`NUM_FAILED_TRANSFERS`] (label `kind`: `handshake`,
+//! `transfer`, `timeout`, `invalid`, `notification`), and [`NUM_FAILED_NOTIFICATIONS`]. Per
+//! handshake: [`HANDSHAKE_TIME_SECONDS`]. Gauges [`LOADS_IN_FLIGHT`], [`HANDSHAKES_PENDING`];
+//! counters [`NUM_LOADS`] (label `outcome`: `loaded`, `failed`, `aborted`),
+//! [`NUM_HEARTBEATS_SENT`], and, from the scheduler (label `engine` only, exported once they
+//! first move), [`NUM_ABORTED_REQS`] and [`NUM_PREFIX_HITS`].
+//!
+//! Prefill side: gauge [`REQUESTS_HELD`]; counters [`NUM_RELEASED_REQS`] (label `by`:
+//! `notification`, `lease`), [`NUM_KV_EXPIRED_REQS`], [`NUM_NOTIFICATIONS_AFTER_EXPIRY`],
+//! [`NUM_HEARTBEATS`] (received) and [`NUM_HEARTBEATS_REFUSED`].
 
 use std::time::Duration;
 
-use metrics::{Counter, Histogram, Label, Unit};
+use metrics::{Counter, Gauge, Histogram, Label, Unit};
+use nixl::kv_config::KvRole;
 
 use crate::failure::FailureKind;
 
@@ -41,6 +55,35 @@ pub const NUM_NOTIFICATIONS_AFTER_EXPIRY: &str = "vllm:nixl_num_notifications_af
 pub const HANDSHAKE_TIME_SECONDS: &str = "vllm:nixl_handshake_time_seconds";
 /// Counter: heartbeat messages received (prefill side; not a vLLM series).
 pub const NUM_HEARTBEATS: &str = "vllm:nixl_num_heartbeats";
+/// Counter: heartbeats received that named no request held here, so extended no lease
+/// (prefill side; not a vLLM series).
+pub const NUM_HEARTBEATS_REFUSED: &str = "vllm:nixl_num_heartbeats_refused";
+/// Counter: heartbeat messages sent (decode side; not a vLLM series).
+pub const NUM_HEARTBEATS_SENT: &str = "vllm:nixl_num_heartbeats_sent";
+/// Gauge: requests held for decodes, their blocks not yet released (prefill side; not a
+/// vLLM series).
+pub const REQUESTS_HELD: &str = "vllm:nixl_requests_held";
+/// Counter: held requests released, by `by`: `notification` (every decode rank notified)
+/// or `lease` (the lease ended first) (prefill side; not a vLLM series).
+pub const NUM_RELEASED_REQS: &str = "vllm:nixl_num_released_reqs";
+/// Gauge: loads started and not yet ended, READs or handshakes under way (decode side; not
+/// a vLLM series).
+pub const LOADS_IN_FLIGHT: &str = "vllm:nixl_loads_in_flight";
+/// Counter: loads ended, by `outcome`: `loaded`, `failed` or `aborted` (decode side; not a
+/// vLLM series).
+pub const NUM_LOADS: &str = "vllm:nixl_num_loads";
+/// Gauge: handshakes with remote ranks under way (decode side; not a vLLM series).
+pub const HANDSHAKES_PENDING: &str = "vllm:nixl_handshakes_pending";
+/// Counter: decode requests finished before their load ended (aborted), from the scheduler
+/// (decode side; not a vLLM series).
+pub const NUM_ABORTED_REQS: &str = "vllm:nixl_num_aborted_reqs";
+/// Counter: decode requests whose blocks the prefix cache held entirely, so nothing was
+/// read, from the scheduler (decode side; not a vLLM series).
+pub const NUM_PREFIX_HITS: &str = "vllm:nixl_num_prefix_hits";
+/// Gauge: transfer requests this worker's agent gave up while they may still have been in
+/// flight, their memory kept for the process's life ([`nixl::LeakStats::requests`]; both
+/// sides; not a vLLM series).
+pub const LEAKED_REQUESTS: &str = "vllm:nixl_leaked_requests";
 
 /// vLLM's buckets for the post time (seconds).
 const TIME_BUCKETS: [f64; 13] = [
@@ -143,6 +186,72 @@ pub fn describe() {
         Unit::Count,
         "Heartbeat notifications received (prefill side)."
     );
+    describe_counter!(
+        NUM_HEARTBEATS_REFUSED,
+        Unit::Count,
+        "Heartbeats received that named no held request (prefill side)."
+    );
+    describe_counter!(
+        NUM_HEARTBEATS_SENT,
+        Unit::Count,
+        "Heartbeat notifications sent (decode side)."
+    );
+    describe_counter!(
+        NUM_RELEASED_REQS,
+        Unit::Count,
+        "Held requests released, by notification or by the end of their lease (prefill side)."
+    );
+    describe_counter!(
+        NUM_LOADS,
+        Unit::Count,
+        "KV cache loads ended, by outcome (decode side)."
+    );
+    describe_counter!(
+        NUM_ABORTED_REQS,
+        Unit::Count,
+        "Decode requests finished before their load ended (decode side)."
+    );
+    describe_counter!(
+        NUM_PREFIX_HITS,
+        Unit::Count,
+        "Decode requests whose blocks the prefix cache held entirely (decode side)."
+    );
+    metrics::describe_gauge!(
+        REQUESTS_HELD,
+        Unit::Count,
+        "Requests held for decodes, blocks not yet released (prefill side)."
+    );
+    metrics::describe_gauge!(
+        LOADS_IN_FLIGHT,
+        Unit::Count,
+        "KV cache loads started and not yet ended (decode side)."
+    );
+    metrics::describe_gauge!(
+        HANDSHAKES_PENDING,
+        Unit::Count,
+        "Handshakes with remote ranks under way (decode side)."
+    );
+    metrics::describe_gauge!(
+        LEAKED_REQUESTS,
+        Unit::Count,
+        "Transfer requests given up while possibly in flight, memory kept (NIXL leak_stats)."
+    );
+}
+
+/// Which sides' series a worker of `role` exports: (decode's, prefill's).
+fn sides(role: Option<KvRole>) -> (bool, bool) {
+    match role {
+        Some(KvRole::Consumer) => (true, false),
+        Some(KvRole::Producer) => (false, true),
+        Some(KvRole::Both) | None => (true, true),
+    }
+}
+
+/// Labels of a series with one more label.
+fn with(labels: &[Label], key: &'static str, value: &'static str) -> Vec<Label> {
+    let mut more = labels.to_vec();
+    more.push(Label::new(key, value));
+    more
 }
 
 /// One worker's handles on the series (registered when the worker is created, so every
@@ -159,7 +268,20 @@ pub(crate) struct Series {
     expired: Counter,
     after_expiry: Counter,
     heartbeats: Counter,
+    heartbeats_refused: Counter,
+    heartbeats_sent: Counter,
+    held: Gauge,
+    /// Released by notification, by lease.
+    released: [Counter; 2],
+    in_flight: Gauge,
+    /// Loads ended: loaded, failed, aborted.
+    loads: [Counter; 3],
+    handshakes_pending: Gauge,
+    leaked: Gauge,
 }
+
+/// The `outcome` labels of [`NUM_LOADS`], in `Series::loads` order.
+const OUTCOMES: [&str; 3] = ["loaded", "failed", "aborted"];
 
 const KINDS: [FailureKind; 4] = [
     FailureKind::Handshake,
@@ -169,31 +291,108 @@ const KINDS: [FailureKind; 4] = [
 ];
 
 impl Series {
-    /// The handles of engine `engine`, rank `rank`.
-    pub(crate) fn new(engine: &str, rank: usize) -> Self {
+    /// The handles of engine `engine`, rank `rank`, a worker of `role`: the series of the
+    /// other side are not registered (their handles do nothing).
+    pub(crate) fn new(engine: &str, rank: usize, role: Option<KvRole>) -> Self {
         describe();
+        let (decode, prefill) = sides(role);
         let labels = vec![
             Label::new("engine", engine.to_string()),
             Label::new("rank", rank.to_string()),
         ];
-        let kind = |kind: &'static str| {
-            let mut with_kind = labels.clone();
-            with_kind.push(Label::new("kind", kind));
-            metrics::counter!(NUM_FAILED_TRANSFERS, with_kind)
+        let counter = |exported: bool, name: &'static str, labels: Vec<Label>| {
+            if exported {
+                metrics::counter!(name, labels)
+            } else {
+                Counter::noop()
+            }
         };
+        let gauge = |exported: bool, name: &'static str| {
+            if exported {
+                metrics::gauge!(name, labels.clone())
+            } else {
+                Gauge::noop()
+            }
+        };
+        let histogram = |name: &'static str| {
+            if decode {
+                metrics::histogram!(name, labels.clone())
+            } else {
+                Histogram::noop()
+            }
+        };
+        let kind =
+            |kind: &'static str| counter(decode, NUM_FAILED_TRANSFERS, with(&labels, "kind", kind));
         Series {
-            xfer_time: metrics::histogram!(XFER_TIME_SECONDS, labels.clone()),
-            post_time: metrics::histogram!(POST_TIME_SECONDS, labels.clone()),
-            bytes: metrics::histogram!(BYTES_TRANSFERRED, labels.clone()),
-            descriptors: metrics::histogram!(NUM_DESCRIPTORS, labels.clone()),
-            handshake_time: metrics::histogram!(HANDSHAKE_TIME_SECONDS, labels.clone()),
+            xfer_time: histogram(XFER_TIME_SECONDS),
+            post_time: histogram(POST_TIME_SECONDS),
+            bytes: histogram(BYTES_TRANSFERRED),
+            descriptors: histogram(NUM_DESCRIPTORS),
+            handshake_time: histogram(HANDSHAKE_TIME_SECONDS),
             failed: KINDS.map(|k| kind(k.as_str())),
-            failed_notifications: metrics::counter!(NUM_FAILED_NOTIFICATIONS, labels.clone()),
+            failed_notifications: counter(decode, NUM_FAILED_NOTIFICATIONS, labels.clone()),
             failed_notifications_kind: kind("notification"),
-            expired: metrics::counter!(NUM_KV_EXPIRED_REQS, labels.clone()),
-            after_expiry: metrics::counter!(NUM_NOTIFICATIONS_AFTER_EXPIRY, labels.clone()),
-            heartbeats: metrics::counter!(NUM_HEARTBEATS, labels),
+            expired: counter(true, NUM_KV_EXPIRED_REQS, labels.clone()),
+            after_expiry: counter(prefill, NUM_NOTIFICATIONS_AFTER_EXPIRY, labels.clone()),
+            heartbeats: counter(prefill, NUM_HEARTBEATS, labels.clone()),
+            heartbeats_refused: counter(prefill, NUM_HEARTBEATS_REFUSED, labels.clone()),
+            heartbeats_sent: counter(decode, NUM_HEARTBEATS_SENT, labels.clone()),
+            held: gauge(prefill, REQUESTS_HELD),
+            released: ["notification", "lease"]
+                .map(|by| counter(prefill, NUM_RELEASED_REQS, with(&labels, "by", by))),
+            in_flight: gauge(decode, LOADS_IN_FLIGHT),
+            loads: OUTCOMES.map(|o| counter(decode, NUM_LOADS, with(&labels, "outcome", o))),
+            handshakes_pending: gauge(decode, HANDSHAKES_PENDING),
+            leaked: gauge(true, LEAKED_REQUESTS),
         }
+    }
+
+    /// A load started (its READs or handshakes are under way).
+    pub(crate) fn load_started(&self) {
+        self.in_flight.increment(1.0);
+    }
+
+    /// A load started with [`load_started`](Self::load_started) ended with `outcome`, one
+    /// of `loaded`, `failed`, `aborted`.
+    pub(crate) fn load_ended(&self, outcome: &str) {
+        self.in_flight.decrement(1.0);
+        if let Some(at) = OUTCOMES.iter().position(|&o| o == outcome) {
+            self.loads[at].increment(1);
+        }
+    }
+
+    /// A handshake with a remote rank began (`true`) or ended (`false`).
+    pub(crate) fn handshake_pending(&self, began: bool) {
+        if began {
+            self.handshakes_pending.increment(1.0);
+        } else {
+            self.handshakes_pending.decrement(1.0);
+        }
+    }
+
+    /// A heartbeat message sent.
+    pub(crate) fn heartbeat_sent(&self) {
+        self.heartbeats_sent.increment(1);
+    }
+
+    /// A heartbeat received that named no held request.
+    pub(crate) fn heartbeat_refused(&self) {
+        self.heartbeats_refused.increment(1);
+    }
+
+    /// `held` requests are held now.
+    pub(crate) fn held(&self, held: usize) {
+        self.held.set(held as f64);
+    }
+
+    /// A held request released, by notification (`true`) or by its lease's end.
+    pub(crate) fn released(&self, notified: bool) {
+        self.released[usize::from(!notified)].increment(1);
+    }
+
+    /// The agent's leaks so far.
+    pub(crate) fn leaks(&self, leaks: &nixl::LeakStats) {
+        self.leaked.set(leaks.requests as f64);
     }
 
     /// A READ that completed, with NIXL's telemetry of it.
@@ -239,4 +438,16 @@ impl Series {
     pub(crate) fn heartbeat(&self) {
         self.heartbeats.increment(1);
     }
+}
+
+/// A decode request of engine `engine` finished before its load ended (the scheduler's
+/// count; registered at its first use, so a prefill never exports it).
+pub(crate) fn aborted_request(engine: &str) {
+    metrics::counter!(NUM_ABORTED_REQS, "engine" => engine.to_string()).increment(1);
+}
+
+/// A decode request of engine `engine` whose blocks the prefix cache held entirely (the
+/// scheduler's count; registered at its first use, so a prefill never exports it).
+pub(crate) fn prefix_hit(engine: &str) {
+    metrics::counter!(NUM_PREFIX_HITS, "engine" => engine.to_string()).increment(1);
 }

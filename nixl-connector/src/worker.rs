@@ -121,7 +121,8 @@ impl KvConnectorWorker {
             &config.kv_transfer_config,
             config.platform.as_ref(),
         )?;
-        let series = Arc::new(Series::new(&config.engine_id, config.tp_rank));
+        let role = config.kv_transfer_config.kv_role;
+        let series = Arc::new(Series::new(&config.engine_id, config.tp_rank, role));
         let shared = Arc::new(Shared {
             sends: Mutex::new(Sends::new(config.tp_size, protocol, lease, series.clone())),
             series,
@@ -614,6 +615,7 @@ impl KvConnectorWorker {
                 format!("request {request_id:?}: a load for it is already under way"),
             ));
         }
+        self.shared.series.load_started();
         // After the handshakes, the READs are posted here and now (most finish within the
         // post); only what is left to wait for runs as a task.
         match crate::load::try_now(&self.shared, load) {
@@ -775,9 +777,12 @@ impl KvConnectorWorker {
                 continue;
             };
             for message in &messages {
-                if let Err(err) = self.agent().send_notification(&remote.agent, message) {
-                    self.shared.series.failed_notification();
-                    tracing::debug!(engine = %heartbeat.engine_id, rank, %err, "heartbeat not sent");
+                match self.agent().send_notification(&remote.agent, message) {
+                    Ok(()) => self.shared.series.heartbeat_sent(),
+                    Err(err) => {
+                        self.shared.series.failed_notification();
+                        tracing::debug!(engine = %heartbeat.engine_id, rank, %err, "heartbeat not sent");
+                    }
                 }
             }
         }
@@ -804,6 +809,7 @@ impl KvConnectorWorker {
             sends.take_done()
         };
         let recving = std::mem::take(&mut self.shared.outcomes().recving);
+        self.shared.series.leaks(&self.agent().leak_stats());
         Finished { sending, recving }
     }
 
