@@ -104,7 +104,10 @@
 //!   held to that agent's live registrations as above; under any other name
 //!   [`Agent::load_remote_metadata`] refuses it with [`Error::MetadataLeadsIntoThisProcess`].
 //!   A peer can therefore not make NIXL read or write this process's own memory, not even by
-//!   sending back this process's own worker address. Under `UCX_UNIFIED_MODE=y` a worker
+//!   sending back this process's own worker address. Once this process's UCX workers
+//!   changed after a load (a new worker can own an address the metadata names), the
+//!   metadata is checked again at the next request to its agent, which is refused while it
+//!   leads into this process. Under `UCX_UNIFIED_MODE=y` a worker
 //!   address carries no lengths and can be neither bounded nor compared, so UCX connection
 //!   info is refused ([`Error::InvalidMetadata`]).
 //! - **Agents of other processes.** A request to an agent in another process may name only

@@ -253,29 +253,12 @@ mod tests {
 
     use super::*;
     use crate::metadata::wire::Worker;
+    use crate::transfer::local_peers::FakeAgent;
 
     const HOST: Host = Host {
         id: 0x1234_5678,
         ns: None,
     };
-
-    /// A fake agent of this process with one worker; removed when dropped.
-    struct Fake(u64);
-
-    impl Fake {
-        fn new(name: &str, worker: Worker) -> Fake {
-            let id = local_peers::next_id();
-            local_peers::add_agent(id, name);
-            local_peers::add_worker(id, worker);
-            Fake(id)
-        }
-    }
-
-    impl Drop for Fake {
-        fn drop(&mut self) {
-            local_peers::remove_agent(self.0);
-        }
-    }
 
     fn cma(pid: u32) -> Destination {
         Destination::Cma {
@@ -332,7 +315,7 @@ mod tests {
                 cma(pid),
             ],
         };
-        let victim = Fake::new("designation-victim", worker.clone());
+        let victim = FakeAgent::new("designation-victim", worker.clone());
         // Its own name: an agent of this process.
         assert_eq!(
             classify_as(
@@ -387,7 +370,7 @@ mod tests {
         assert!(shmid >= 0, "shmget: {}", std::io::Error::last_os_error());
         let shmid = shmid as u32;
         // A worker of this process has a segment on this host...
-        let ours = Fake::new(
+        let ours = FakeAgent::new(
             "designation-sysv",
             Worker {
                 uuid: None,
@@ -418,8 +401,8 @@ mod tests {
             destinations: vec![cma(pid)],
         };
         let (a, b) = (
-            Fake::new("designation-twice", worker.clone()),
-            Fake::new("designation-twice", worker),
+            FakeAgent::new("designation-twice", worker.clone()),
+            FakeAgent::new("designation-twice", worker),
         );
         match classify_as("designation-twice", None, vec![cma(pid)]).unwrap() {
             Some(PeerKind::InProcess(mut ids)) => {
@@ -446,7 +429,7 @@ mod tests {
     #[test]
     fn a_thread_id_of_this_process_is_this_process() {
         // A worker of this process on HOST, in its pid namespace.
-        let _ours = Fake::new(
+        let _ours = FakeAgent::new(
             "designation-threads",
             Worker {
                 uuid: None,
