@@ -219,7 +219,7 @@ const PEER_ENV: &str = "NIXL_RS_TEST_FORGED_PEER";
 /// An agent of another process, run as a child: registers 4096 bytes, prints its metadata
 /// and lives until its parent closes its stdin.
 #[test]
-#[ignore = "the peer of the thread-id and sysv-id tests, which start it"]
+#[ignore = "the peer of the tests of other processes' metadata, which start it"]
 fn forged_peer_role() {
     let name = std::env::var(PEER_ENV).expect("run by the parent test");
     let agent = Agent::new(&name).unwrap();
@@ -239,8 +239,15 @@ struct Peer {
 
 impl Peer {
     fn start() -> Peer {
+        Peer::start_with(&[])
+    }
+
+    /// A peer with `env` set too (UCX settings).
+    fn start_with(env: &[(&str, &str)]) -> Peer {
         let name = unique_name("forged-peer");
-        let mut child = role_process("forged_peer_role", &[(PEER_ENV, &name)], Stdio::null());
+        let mut env = env.to_vec();
+        env.push((PEER_ENV, &name));
+        let mut child = role_process("forged_peer_role", &env, Stdio::null());
         let metadata = after_tag(&mut stdout_lines(&mut child), "MD ").map(|hex| unhex(&hex));
         Peer {
             child,
@@ -409,4 +416,56 @@ fn a_sysv_id_beyond_the_c_int_ucx_uses_is_refused() {
         }
     }
     assert!(!loader.has_remote_metadata(&peer.name).unwrap());
+}
+
+#[test]
+fn an_agent_refusing_same_host_transports_refuses_a_peer_offering_them_here() {
+    let strict = Agent::builder(&unique_name("strict-loader"))
+        .refuse_same_host_transports(true)
+        .build()
+        .unwrap();
+    strict.create_backend("UCX").unwrap();
+    // A peer on this host with UCX's default transports.
+    let peer = Peer::start();
+    match strict.load_remote_metadata(&peer.metadata) {
+        Err(err @ Error::SameHostTransportRefused { .. }) => {
+            let text = err.to_string();
+            assert!(text.contains(&format!("{:?}", peer.name)), "{text}");
+            assert!(text.contains("UCX_TLS=^cma,posix,sysv,xpmem"), "{text}");
+        }
+        other => panic!("expected the same-host peer refused, got {other:?}"),
+    }
+    assert!(!strict.has_remote_metadata(&peer.name).unwrap());
+    // By default it loads.
+    let lenient = agent("lenient-loader");
+    assert_eq!(
+        lenient.load_remote_metadata(&peer.metadata).unwrap(),
+        peer.name
+    );
+    // A peer on this host without them loads, and a READ from it goes through (over TCP).
+    let tcp_peer = Peer::start_with(&[("UCX_TLS", "^cma,posix,sysv,xpmem")]);
+    assert_eq!(
+        strict.load_remote_metadata(&tcp_peer.metadata).unwrap(),
+        tcp_peer.name
+    );
+    let at = first_descriptor(&tcp_peer.metadata);
+    let addr = u64::from_le_bytes(tcp_peer.metadata[at..at + 8].try_into().unwrap());
+    let dst = strict.register_memory(vec![0xEEu8; 4096], &[]).unwrap();
+    let remote =
+        RemoteDescList::from_descs(MemType::Dram, &[XferDesc::new(addr as usize, 4096, 0)])
+            .unwrap();
+    strict
+        .create_xfer_req(
+            XferOp::Read,
+            &local_whole(&dst),
+            &remote,
+            &tcp_peer.name,
+            &XferOptions::new(),
+        )
+        .and_then(|mut request| request.post_and_wait(WAIT))
+        .unwrap();
+    assert!(
+        common::contents(&dst).iter().all(|&b| b == 0),
+        "the READ brought the peer's zeros"
+    );
 }

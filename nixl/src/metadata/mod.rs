@@ -8,4 +8,5 @@ pub(crate) mod exchange;
 pub(crate) mod peer_hints;
 pub(crate) mod process_endpoints;
 pub(crate) mod recheck;
+pub(crate) mod same_host;
 pub(crate) mod wire;
