@@ -3,10 +3,12 @@
 //! `load_remote_metadata` decides where the metadata's worker lives against the workers
 //! this process has then. A worker this process creates later (a new agent or backend) can
 //! own an address the metadata names: a TCP listener on the port it names, a System V
-//! segment of the id it names. So before a request reaches a loaded agent, its metadata is
-//! classified again whenever the set of workers changed since it was last checked; metadata
-//! that now leads into this process under a name not its agent's is refused for every
-//! request, until it is invalidated.
+//! segment of the id it names. So before a request reaches a loaded agent, the metadata
+//! of an agent found in another process is classified again whenever the set of workers
+//! changed since it was last checked; metadata that now leads into this process under a
+//! name not its agent's is refused for every request, until it is invalidated. (Metadata
+//! found in this process needs no second look: requests to it are held to its agents' live
+//! registrations, and to none once they are gone.)
 
 use crate::error::{Error, Result};
 use crate::metadata::designation;

@@ -110,12 +110,13 @@ impl LoadedMetadata {
         );
     }
 
-    /// The bytes `agent` was last loaded from, when they were checked against another
-    /// generation of this process's UCX workers than `workers`.
+    /// The bytes `agent` was last loaded from, when it was found to live in another process
+    /// against another generation of this process's UCX workers than `workers`. (An agent
+    /// found in this process stays held to its agents' live registrations, whatever changes.)
     pub(crate) fn stale(&self, agent: &str, workers: u64) -> Option<Box<[u8]>> {
         self.lock()
             .get(agent.as_bytes())
-            .filter(|e| e.workers != workers)
+            .filter(|e| e.workers != workers && e.peer.kind == PeerKind::Remote)
             .map(|e| e.bytes.clone())
     }
 
