@@ -39,7 +39,7 @@ use crate::transfer::local_peers::{self, AgentWorkers};
 enum Lead {
     /// The worker of this agent.
     Agent(u64),
-    /// This process, no worker in particular, as the error names it.
+    /// This process, no worker in particular, with why (a clause for the error).
     Process(String),
     /// Nowhere that can be told apart from this process: refused whatever its name.
     Unclear(String),
@@ -125,7 +125,7 @@ pub(crate) fn classify(peer: &PeerMetadata<'_>) -> Result<Option<PeerKind>> {
         if named.is_empty() {
             let why = process.unwrap_or_default();
             return Err(refuse(format!(
-                "{why} is this process, and no agent of this process has that name"
+                "{why}, and no agent of this process has that name"
             )));
         }
         ids = named;
@@ -147,13 +147,13 @@ fn lead(dest: &Destination, agents: &[AgentWorkers], endpoints: &mut Endpoints) 
         // These reach the whole process, not one worker: every worker has the same.
         Destination::Cma { host, pid, pid_ns } => {
             if ours().any(|(_, d)| d == dest) {
-                return Some(Lead::Process(describe(dest)));
+                return Some(Lead::Process(is_this_process(dest)));
             }
             by_pid(dest, *host, *pid, *pid_ns, agents)
         }
         Destination::Xpmem { .. } => ours()
             .any(|(_, d)| d == dest)
-            .then(|| Lead::Process(describe(dest))),
+            .then(|| Lead::Process(is_this_process(dest))),
         _ => {
             if let Some((id, _)) = ours().find(|(_, d)| *d == dest) {
                 return Some(Lead::Agent(id));
@@ -167,14 +167,14 @@ fn lead(dest: &Destination, agents: &[AgentWorkers], endpoints: &mut Endpoints) 
                             if h == host && p == pid && n == pid_ns)
                     });
                     if same {
-                        return Some(Lead::Process(describe(dest)));
+                        return Some(Lead::Process(is_this_process(dest)));
                     }
                     by_pid(dest, *host, *pid, *pid_ns, agents)
                 }
                 Destination::Sysv { host, shmid } => (ours()
                     .any(|(_, d)| matches!(d, Destination::Sysv { host: h, .. } if h == host))
                     && endpoints.sysv().contains(shmid))
-                .then(|| Lead::Process(describe(dest))),
+                .then(|| Lead::Process(is_this_process(dest))),
                 _ => None,
             }
         }
@@ -217,14 +217,20 @@ fn by_pid(
         ))),
         Ok(Task::Other(_)) => None,
         Ok(Task::None) => Some(Lead::Unclear(format!(
-            "{what} designates no live thread of this host's pid namespace, where a thread \
-             this process starts later could take that id; metadata names its live process"
+            "{what} designates no live thread of this host's pid namespace, and a thread \
+             this process starts later could take that id (real metadata names the live \
+             process of its agent)"
         ))),
         Err(err) => Some(Lead::Unclear(format!(
             "{what} designates a pid of this process's pid namespace that cannot be told \
              apart from this process's threads ({err})"
         ))),
     }
+}
+
+/// Why `dest` is this process, as an error message says it.
+fn is_this_process(dest: &Destination) -> String {
+    format!("{} is this process", describe(dest))
 }
 
 /// `dest`, as an error message names it.
