@@ -444,6 +444,23 @@ mod tests {
     }
 
     #[test]
+    fn metadata_of_more_values_than_the_cap_is_refused() {
+        let names = vec![String::new(); MAX_METADATA_VALUES];
+        let bytes = NixlAgentMetadata {
+            region_names: Some(names),
+            ..sample()
+        }
+        .encode();
+        let err = NixlAgentMetadata::decode(&bytes).unwrap_err();
+        assert!(
+            err.contains(&format!(
+                "more than {MAX_METADATA_VALUES} MessagePack values"
+            )),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn requests_decode_strictly() {
         assert_eq!(decode_request(&encode_request(1, 2)), Ok((1, 2)));
         // msgspec's str form is taken too; negative ranks decode and are refused later.
@@ -471,6 +488,10 @@ mod tests {
             decode_reply(&encode_error("no rank 3")),
             Ok(ReplyFrame::Error("no rank 3".into()))
         );
+        // Taking the frame gives the same, its metadata moved to the frame's start.
+        for frame in [payload.encode(), encode_error("no rank 3"), vec![0xc1]] {
+            assert_eq!(decode_reply_frame(frame.clone()), decode_reply(&frame));
+        }
         let long = NixlHandshakePayload {
             compatibility_hash: "x".repeat(MAX_HASH_LEN + 1),
             agent_metadata_bytes: vec![],
