@@ -1,9 +1,10 @@
 //! A hostile prefill's handshake reply makes a decode allocate only in proportion to its
 //! size: a reply at the frame cap made of empty strings (one byte each on the wire, a
 //! 24-byte `String` each decoded) is refused before it is decoded, and the decode's peak
-//! RSS grows by less than twice the frame cap (one and a half times). The decode runs in a child process, so that
-//! its peak (`VmHWM`) measures the fetch and nothing else. Real metadata of a real NIXL
-//! agent with many regions still decodes within the caps.
+//! RSS grows by less than twice the frame cap (by at most one and a half times). The
+//! decode runs in a child process, so that its peak (`VmHWM`) measures the fetch and
+//! nothing else. Real metadata of a real NIXL agent with many regions still decodes
+//! within the caps.
 
 mod common;
 mod vllm_support;

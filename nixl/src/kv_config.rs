@@ -174,8 +174,9 @@ impl NixlSetup {
     ///
     /// # Errors
     /// The platform errors of [`PlatformRegistry::nixl_memory_type`];
-    /// [`Error::Config`] for a bad backend list or `refuse_same_host_transports` value; [`Error::UnknownPlugin`] (listing the
-    /// available plugins) for a backend NIXL does not have; agent and backend creation errors.
+    /// [`Error::Config`] for a bad backend list or `refuse_same_host_transports` value;
+    /// [`Error::UnknownPlugin`] (listing the available plugins) for a backend NIXL does not
+    /// have; agent and backend creation errors.
     pub fn new(
         agent: AgentBuilder,
         config: &KvTransferConfig,

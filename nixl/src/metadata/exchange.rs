@@ -145,8 +145,8 @@ impl Agent {
     /// process under a name that is not its agent's;
     /// [`Error::SameHostTransportRefused`] for another process's metadata offering a
     /// same-host transport on this host, when this agent refuses them
-    /// ([`AgentConfig::refuse_same_host_transports`](crate::AgentConfig::refuse_same_host_transports)); [`Error::Nixl`] for metadata NIXL
-    /// refuses or an agent it cannot connect to.
+    /// ([`AgentConfig::refuse_same_host_transports`](crate::AgentConfig::refuse_same_host_transports));
+    /// [`Error::Nixl`] for metadata NIXL refuses or an agent it cannot connect to.
     ///
     /// NIXL 1.5.1 caveat: metadata that fails inside NIXL after its connection info was
     /// loaded leaves that connection info in the backend, without the agent counting as
