@@ -1,11 +1,15 @@
 //! Metadata of an agent of this process, forged (renamed, a descriptor moved, its UCX
 //! worker UUID changed), never makes NIXL write into this process's memory: it is refused
-//! when it is loaded, and the bytes it aimed at stay as they were. Under UCX's unified mode,
-//! where a worker address cannot be checked, UCX connection info is refused whole.
+//! when it is loaded, and the bytes it aimed at stay as they were. So is the metadata of an
+//! agent of another process whose cma or posix address names a thread of this process.
+//! Under UCX's unified mode, where a worker address cannot be checked, UCX connection info
+//! is refused whole.
 
 mod common;
 
-use common::{local_whole, unique_name, WAIT};
+use std::process::{Child, Stdio};
+
+use common::{after_tag, hex, local_whole, role_process, stdout_lines, unhex, unique_name, WAIT};
 use nixl::{Agent, Error, MemType, RemoteDescList, XferDesc, XferOp, XferOptions};
 
 /// Offset of the payload of the first field whose tag and length start right after `marker`.
@@ -208,4 +212,260 @@ fn ucx_unified_mode_refuses_ucx_connection_info() {
     let status = child.wait().unwrap();
     assert!(status.success(), "the unified-mode child failed: {status}");
     assert!(refused.is_some(), "the child reached its end");
+}
+
+const PEER_ENV: &str = "NIXL_RS_TEST_FORGED_PEER";
+
+/// An agent of another process, run as a child: registers 4096 bytes, prints its metadata
+/// and lives until its parent closes its stdin.
+#[test]
+#[ignore = "the peer of the tests of other processes' metadata, which start it"]
+fn forged_peer_role() {
+    let name = std::env::var(PEER_ENV).expect("run by the parent test");
+    let agent = Agent::new(&name).unwrap();
+    agent.create_backend("UCX").unwrap();
+    let _reg = agent.register_memory(vec![0u8; 4096], &[]).unwrap();
+    println!("MD {}", hex(&agent.local_metadata().unwrap()));
+    let mut line = String::new();
+    let _ = std::io::stdin().read_line(&mut line);
+}
+
+/// The peer process; dropped, it closes the peer's stdin and waits for it.
+struct Peer {
+    child: Child,
+    name: String,
+    metadata: Vec<u8>,
+}
+
+impl Peer {
+    fn start() -> Peer {
+        Peer::start_with(&[])
+    }
+
+    /// A peer with `env` set too (UCX settings).
+    fn start_with(env: &[(&str, &str)]) -> Peer {
+        let name = unique_name("forged-peer");
+        let mut env = env.to_vec();
+        env.push((PEER_ENV, &name));
+        let mut child = role_process("forged_peer_role", &env, Stdio::null());
+        let metadata = after_tag(&mut stdout_lines(&mut child), "MD ").map(|hex| unhex(&hex));
+        Peer {
+            child,
+            name,
+            metadata: metadata.expect("the peer prints its metadata"),
+        }
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        drop(self.child.stdin.take());
+        let _ = self.child.wait();
+    }
+}
+
+/// A pid field of a UCX worker address: where it is, its width and how many low bits
+/// hold the pid.
+struct PidField {
+    at: usize,
+    width: usize,
+    bits: u32,
+}
+
+impl PidField {
+    fn read(&self, md: &[u8]) -> u64 {
+        let mut raw = [0u8; 8];
+        raw[..self.width].copy_from_slice(&md[self.at..self.at + self.width]);
+        u64::from_le_bytes(raw)
+    }
+
+    /// `md` with this field naming `pid` instead, its flags and other bits kept.
+    fn set(&self, md: &[u8], pid: u32) -> Vec<u8> {
+        let mask = (1u64 << self.bits) - 1;
+        let raw = (self.read(md) & !mask) | u64::from(pid);
+        let mut forged = md.to_vec();
+        forged[self.at..self.at + self.width].copy_from_slice(&raw.to_le_bytes()[..self.width]);
+        forged
+    }
+}
+
+/// The cma pid (a u32, bit 31 a flag) and the posix FIFO's `/proc` segment id (a u64: bit
+/// 63 set, the pid in its low 30 bits) that name `pid` in `md`'s UCX worker address.
+fn pid_fields(md: &[u8], pid: u32) -> (PidField, PidField) {
+    let address = payload(md, b"UCX|c");
+    let len = u64::from_le_bytes(md[address - 8..address].try_into().unwrap()) as usize;
+    let worker = address..address + len;
+    let posix: Vec<usize> = worker
+        .clone()
+        .filter(|&at| at + 8 <= worker.end)
+        .filter(|&at| {
+            let v = u64::from_le_bytes(md[at..at + 8].try_into().unwrap());
+            v >> 63 == 1
+                && v & ((1 << 30) - 1) == u64::from(pid)
+                && (v >> 30) & ((1 << 30) - 1) < 1 << 20
+        })
+        .collect();
+    let cma: Vec<usize> = worker
+        .clone()
+        .filter(|&at| at + 4 <= worker.end && !posix.contains(&at))
+        .filter(|&at| u32::from_le_bytes(md[at..at + 4].try_into().unwrap()) & !(1 << 31) == pid)
+        .collect();
+    assert_eq!(
+        (cma.len(), posix.len()),
+        (1, 1),
+        "one cma and one posix address of pid {pid} in the worker address"
+    );
+    (
+        PidField {
+            at: cma[0],
+            width: 4,
+            bits: 31,
+        },
+        PidField {
+            at: posix[0],
+            width: 8,
+            bits: 30,
+        },
+    )
+}
+
+#[test]
+fn a_thread_id_of_this_process_in_a_peers_address_is_refused() {
+    let loader = agent("thread-loader");
+    let peer = Peer::start();
+    // Memory of this process that no agent registered, advertised as the peer's.
+    let secret = vec![0x5Au8; 4096];
+    let mut md = peer.metadata.clone();
+    let at = first_descriptor(&md);
+    md[at..at + 8].copy_from_slice(&(secret.as_ptr() as u64).to_le_bytes());
+    let (cma, posix) = pid_fields(&md, peer.child.id());
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (stop, stopped) = std::sync::mpsc::channel::<()>();
+    let thread = std::thread::spawn(move || {
+        // SAFETY: gettid has no preconditions.
+        tx.send(unsafe { libc::gettid() } as u32).unwrap();
+        stopped.recv().ok();
+    });
+    let tid = rx.recv().unwrap();
+    assert_ne!(tid, std::process::id());
+    for (field, transport) in [(cma, "cma address"), (posix, "posix FIFO")] {
+        let forged = field.set(&md, tid);
+        match loader.load_remote_metadata(&forged) {
+            Err(Error::MetadataLeadsIntoThisProcess { agent, reason }) => {
+                assert_eq!(agent, peer.name);
+                assert!(reason.contains(transport), "{reason}");
+                assert!(
+                    reason.contains(&format!("designates thread {tid} of this process")),
+                    "names what the address designates: {reason}"
+                );
+            }
+            other => panic!("expected the {transport} naming thread {tid} refused, got {other:?}"),
+        }
+        write_must_fail(&loader, &peer.name, secret.as_ptr() as usize);
+    }
+    drop(stop);
+    thread.join().unwrap();
+    assert!(secret.iter().all(|&b| b == 0x5A), "the secret was written");
+    // The peer's own pid is another thread group: its metadata loads.
+    assert_eq!(
+        loader.load_remote_metadata(&peer.metadata).unwrap(),
+        peer.name
+    );
+}
+
+/// The System V segments process `pid` created, from `/proc/sysvipc/shm`.
+fn segments_of(pid: u32) -> Vec<u64> {
+    let text = std::fs::read_to_string("/proc/sysvipc/shm").unwrap();
+    text.lines()
+        .skip(1)
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            // key shmid perms size cpid ...
+            (fields.get(4)?.parse::<u32>().ok()? == pid).then(|| fields.get(1)?.parse().ok())?
+        })
+        .collect()
+}
+
+#[test]
+fn a_sysv_id_beyond_the_c_int_ucx_uses_is_refused() {
+    let loader = agent("sysv-loader");
+    let peer = Peer::start();
+    let md = &peer.metadata;
+    let address = payload(md, b"UCX|c");
+    let len = u64::from_le_bytes(md[address - 8..address].try_into().unwrap()) as usize;
+    let segments = segments_of(peer.child.id());
+    let at = (address..address + len - 8)
+        .find(|&at| segments.contains(&u64::from_le_bytes(md[at..at + 8].try_into().unwrap())))
+        .expect("the peer's sysv FIFO segment in its worker address");
+    // UCX's shmat(int) would take the low 32 bits: the peer's own segment, other bytes.
+    for high in [1u64 << 32, 1 << 31] {
+        let mut forged = md.clone();
+        let id = u64::from_le_bytes(md[at..at + 8].try_into().unwrap()) | high;
+        forged[at..at + 8].copy_from_slice(&id.to_le_bytes());
+        for err in [
+            nixl::validate_metadata(&forged).unwrap_err(),
+            loader.load_remote_metadata(&forged).unwrap_err(),
+        ] {
+            match err {
+                Error::InvalidMetadata { offset, reason } => {
+                    assert_eq!(offset, at);
+                    assert!(reason.contains("does not fit the C int"), "{reason}");
+                }
+                other => panic!("expected InvalidMetadata for sysv id {id:#x}, got {other:?}"),
+            }
+        }
+    }
+    assert!(!loader.has_remote_metadata(&peer.name).unwrap());
+}
+
+#[test]
+fn an_agent_refusing_same_host_transports_refuses_a_peer_offering_them_here() {
+    let strict = Agent::builder(&unique_name("strict-loader"))
+        .refuse_same_host_transports(true)
+        .build()
+        .unwrap();
+    strict.create_backend("UCX").unwrap();
+    // A peer on this host with UCX's default transports.
+    let peer = Peer::start();
+    match strict.load_remote_metadata(&peer.metadata) {
+        Err(err @ Error::SameHostTransportRefused { .. }) => {
+            let text = err.to_string();
+            assert!(text.contains(&format!("{:?}", peer.name)), "{text}");
+            assert!(text.contains("UCX_TLS=^cma,posix,sysv,xpmem"), "{text}");
+        }
+        other => panic!("expected the same-host peer refused, got {other:?}"),
+    }
+    assert!(!strict.has_remote_metadata(&peer.name).unwrap());
+    // By default it loads.
+    let lenient = agent("lenient-loader");
+    assert_eq!(
+        lenient.load_remote_metadata(&peer.metadata).unwrap(),
+        peer.name
+    );
+    // A peer on this host without them loads, and a READ from it goes through (over TCP).
+    let tcp_peer = Peer::start_with(&[("UCX_TLS", "^cma,posix,sysv,xpmem")]);
+    assert_eq!(
+        strict.load_remote_metadata(&tcp_peer.metadata).unwrap(),
+        tcp_peer.name
+    );
+    let at = first_descriptor(&tcp_peer.metadata);
+    let addr = u64::from_le_bytes(tcp_peer.metadata[at..at + 8].try_into().unwrap());
+    let dst = strict.register_memory(vec![0xEEu8; 4096], &[]).unwrap();
+    let remote =
+        RemoteDescList::from_descs(MemType::Dram, &[XferDesc::new(addr as usize, 4096, 0)])
+            .unwrap();
+    strict
+        .create_xfer_req(
+            XferOp::Read,
+            &local_whole(&dst),
+            &remote,
+            &tcp_peer.name,
+            &XferOptions::new(),
+        )
+        .and_then(|mut request| request.post_and_wait(WAIT))
+        .unwrap();
+    assert!(
+        common::contents(&dst).iter().all(|&b| b == 0),
+        "the READ brought the peer's zeros"
+    );
 }

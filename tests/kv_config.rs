@@ -95,6 +95,31 @@ fn empty_backend_list() {
     assert!(reason.contains("at least one backend"), "{reason}");
 }
 
+#[test]
+fn refuse_same_host_transports_comes_from_the_extra_config() {
+    let reason =
+        config_error(r#"{"kv_connector_extra_config": {"refuse_same_host_transports": "yes"}}"#);
+    assert!(
+        reason.contains("refuse_same_host_transports must be true or false"),
+        "{reason}"
+    );
+    let config = KvTransferConfig::from_json(
+        r#"{"kv_buffer_device":"cpu","kv_connector_extra_config":{"refuse_same_host_transports":true}}"#,
+    )
+    .unwrap();
+    assert_eq!(config.refuse_same_host_transports().unwrap(), Some(true));
+    let strict = setup_on("kvcfg-strict", &config, &BuiltinPlatform::CPU).unwrap();
+    assert!(strict.agent().config().refuse_same_host_transports);
+    // Unset: the builder's setting, off by default.
+    let default = setup_on(
+        "kvcfg-default",
+        &cpu_config(r#"["UCX"]"#),
+        &BuiltinPlatform::CPU,
+    )
+    .unwrap();
+    assert!(!default.agent().config().refuse_same_host_transports);
+}
+
 fn cpu_config(backends: &str) -> KvTransferConfig {
     KvTransferConfig::from_json(&format!(
         r#"{{"kv_role":"kv_both","kv_buffer_device":"cpu","kv_connector_extra_config":{{"backends":{backends}}}}}"#

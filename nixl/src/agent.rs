@@ -75,11 +75,21 @@ pub struct AgentConfig {
     pub thread_sync: ThreadSync,
     /// Record per-request telemetry ([`crate::XferRequest::telemetry`]).
     pub telemetry: bool,
+    /// Refuse the metadata of agents in other processes that offers a same-host transport
+    /// (cma, posix, sysv, xpmem) on this host
+    /// ([`Error::SameHostTransportRefused`](crate::Error::SameHostTransportRefused)). Through
+    /// those a peer can name a third process of this host, which this process would then
+    /// read from or write to on the peer's behalf. Cross-host deployments never need them;
+    /// same-host peers then run with `UCX_TLS=^cma,posix,sysv,xpmem`. Off by default,
+    /// because NIXL's and vLLM's same-host deployments (prefill and decode on one machine)
+    /// use these transports with UCX's default settings.
+    pub refuse_same_host_transports: bool,
 }
 
 impl Default for AgentConfig {
     /// Progress thread on with a 1 ms delay (an idle agent then costs a few percent of a
-    /// core instead of a whole one), no listener, read-write locking, telemetry off.
+    /// core instead of a whole one), no listener, read-write locking, telemetry off,
+    /// same-host transports of peers allowed.
     fn default() -> Self {
         AgentConfig {
             progress_thread: true,
@@ -89,6 +99,7 @@ impl Default for AgentConfig {
             listener_delay: Duration::from_millis(100),
             thread_sync: ThreadSync::ReadWrite,
             telemetry: false,
+            refuse_same_host_transports: false,
         }
     }
 }
@@ -141,6 +152,13 @@ impl AgentBuilder {
     /// Turns per-request telemetry on or off.
     pub fn telemetry(mut self, on: bool) -> Self {
         self.config.telemetry = on;
+        self
+    }
+
+    /// Refuses (or allows) peers' same-host transports on this host
+    /// ([`AgentConfig::refuse_same_host_transports`]).
+    pub fn refuse_same_host_transports(mut self, on: bool) -> Self {
+        self.config.refuse_same_host_transports = on;
         self
     }
 

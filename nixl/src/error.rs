@@ -237,6 +237,16 @@ pub enum Error {
         /// What in it leads into this process.
         reason: String,
     },
+    /// Remote metadata of an agent in another process offering a same-host transport (cma,
+    /// posix, sysv, xpmem) on this host, refused by an agent built with
+    /// [`AgentConfig::refuse_same_host_transports`](crate::AgentConfig::refuse_same_host_transports).
+    #[error("load remote metadata: the metadata of agent {agent:?} offers {transport} on this host, and this agent refuses same-host transports (AgentConfig::refuse_same_host_transports): through them a peer can name another process of this host, whose memory this process would then move for the peer; run same-host peers with UCX_TLS=^cma,posix,sysv,xpmem, or build this agent without the setting")]
+    SameHostTransportRefused {
+        /// The agent name the metadata declares.
+        agent: String,
+        /// The transport address, as the error names it.
+        transport: String,
+    },
     /// An operating-system call failed.
     #[error("{operation}: {source}")]
     Io {

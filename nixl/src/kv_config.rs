@@ -91,6 +91,7 @@ impl KvTransferConfig {
             reason: err.to_string(),
         })?;
         config.backends()?;
+        config.refuse_same_host_transports()?;
         Ok(config)
     }
 
@@ -103,6 +104,28 @@ impl KvTransferConfig {
         match serde_json::to_value(self) {
             Ok(Value::Object(map)) => map,
             _ => Map::new(),
+        }
+    }
+
+    /// `kv_connector_extra_config.refuse_same_host_transports`, when set: whether the agent
+    /// refuses peers' same-host transports on this host
+    /// ([`AgentConfig::refuse_same_host_transports`](crate::AgentConfig::refuse_same_host_transports)).
+    ///
+    /// # Errors
+    /// [`Error::Config`] if it is not `true` or `false`.
+    pub fn refuse_same_host_transports(&self) -> Result<Option<bool>> {
+        match self
+            .kv_connector_extra_config
+            .get("refuse_same_host_transports")
+        {
+            None => Ok(None),
+            Some(Value::Bool(on)) => Ok(Some(*on)),
+            Some(other) => Err(Error::Config {
+                reason: format!(
+                    "kv_connector_extra_config.refuse_same_host_transports must be true or \
+                     false (true for cross-host deployments); got {other}"
+                ),
+            }),
         }
     }
 
@@ -144,13 +167,16 @@ pub struct NixlSetup {
 }
 
 impl NixlSetup {
-    /// Resolves the memory type (see [`crate::platform`]), creates the agent, checks every
-    /// configured backend against the available plugins, and creates each one.
+    /// Resolves the memory type (see [`crate::platform`]), creates the agent (with
+    /// [`refuse_same_host_transports`](KvTransferConfig::refuse_same_host_transports) from
+    /// the config, when set), checks every configured backend against the available
+    /// plugins, and creates each one.
     ///
     /// # Errors
     /// The platform errors of [`PlatformRegistry::nixl_memory_type`];
-    /// [`Error::Config`] for a bad backend list; [`Error::UnknownPlugin`] (listing the
-    /// available plugins) for a backend NIXL does not have; agent and backend creation errors.
+    /// [`Error::Config`] for a bad backend list or `refuse_same_host_transports` value;
+    /// [`Error::UnknownPlugin`] (listing the available plugins) for a backend NIXL does not
+    /// have; agent and backend creation errors.
     pub fn new(
         agent: AgentBuilder,
         config: &KvTransferConfig,
@@ -159,6 +185,10 @@ impl NixlSetup {
     ) -> Result<Self> {
         let mem_type = registry.nixl_memory_type(platform, &config.kv_buffer_device)?;
         let names = config.backends()?;
+        let agent = match config.refuse_same_host_transports()? {
+            Some(on) => agent.refuse_same_host_transports(on),
+            None => agent,
+        };
         let agent = agent.build()?;
         let available = agent.available_plugins()?;
         if let Some(missing) = names.iter().find(|name| !available.contains(name)) {

@@ -103,13 +103,17 @@
 //! - **Metadata never leads into this process under another name.** Agents of this process
 //!   are recognised by their UCX worker, never by name alone: metadata whose worker is one of
 //!   this process's (its UUID, or any transport address that reaches this process: cma or
-//!   POSIX `/proc` access to this pid, XPMEM, a live agent's worker's shared-memory FIFO or
-//!   TCP listener, a System V segment this process created; compared by what UCX would
-//!   reach) loads only under that agent's exact name, and is then
+//!   POSIX `/proc` access to this pid or to the id of any of its threads, XPMEM, a live
+//!   agent's worker's shared-memory FIFO or TCP listener, a System V segment this process
+//!   created; compared by what UCX would reach) loads only under that agent's exact name,
+//!   and is then
 //!   held to that agent's live registrations as above; under any other name
 //!   [`Agent::load_remote_metadata`] refuses it with [`Error::MetadataLeadsIntoThisProcess`].
 //!   A peer can therefore not make NIXL read or write this process's own memory, not even by
-//!   sending back this process's own worker address. Under `UCX_UNIFIED_MODE=y` a worker
+//!   sending back this process's own worker address. Once this process's UCX workers
+//!   changed after a load (a new worker can own an address the metadata names), the
+//!   metadata is checked again at the next request to its agent, which is refused while it
+//!   leads into this process. Under `UCX_UNIFIED_MODE=y` a worker
 //!   address carries no lengths and can be neither bounded nor compared, so UCX connection
 //!   info is refused ([`Error::InvalidMetadata`]).
 //! - **Agents of other processes.** A request to an agent in another process may name only

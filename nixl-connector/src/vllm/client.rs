@@ -6,7 +6,7 @@ use tokio::net::TcpStream;
 use super::clock::perf_counter;
 use super::limits::VllmChannelLimits;
 use super::payload::{
-    decode_clock, decode_reply, encode_request, NixlHandshakePayload, ReplyFrame,
+    decode_clock, decode_reply_frame, encode_request, NixlHandshakePayload, ReplyFrame,
 };
 use super::zmtp::{Connection, SocketType};
 use crate::error::{Error, Result};
@@ -151,7 +151,7 @@ impl MetadataClient {
                 parts.len()
             ))
         })?;
-        let payload = match decode_reply(&payload).map_err(protocol)? {
+        let payload = match decode_reply_frame(payload).map_err(protocol)? {
             ReplyFrame::Payload(payload) => payload,
             ReplyFrame::Error(reason) => {
                 return Err(Error::Refused {

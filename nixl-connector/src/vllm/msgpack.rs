@@ -1,7 +1,7 @@
 //! Strict MessagePack decoding of a peer's bytes: exactly one value, nothing after it, a
 //! small nesting limit, and no allocation larger than what the bytes hold.
 
-use serde::de::DeserializeOwned;
+use serde::Deserialize;
 
 /// Deepest nesting a vLLM message has is three (a map holding a list of lists); a little
 /// more leaves room for unknown fields, which are skipped.
@@ -15,8 +15,23 @@ const MAX_DEPTH: usize = 16;
 /// # Errors
 /// A message for a person: malformed bytes, bytes after the value, or a value of the wrong
 /// shape (naming the field).
-pub(crate) fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, String> {
-    let len = value_len(bytes)?;
+pub(crate) fn decode<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, String> {
+    decode_within(bytes, usize::MAX)
+}
+
+/// [`decode`], refusing before anything is allocated bytes that hold more than
+/// `max_values` MessagePack values (each array, map, string or number counts one). Each
+/// value can become a Rust value many times its one byte (an empty string, 24 bytes), so
+/// this, and not the length of `bytes`, bounds what decoding allocates beyond the bytes'
+/// contents.
+///
+/// # Errors
+/// As [`decode`], and a message naming the cap for more values.
+pub(crate) fn decode_within<'a, T: Deserialize<'a>>(
+    bytes: &'a [u8],
+    max_values: usize,
+) -> Result<T, String> {
+    let len = value_len(bytes, max_values)?;
     if len != bytes.len() {
         return Err(format!(
             "{} bytes after the MessagePack value",
@@ -29,8 +44,9 @@ pub(crate) fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, String> {
 }
 
 /// The length of the one MessagePack value at the start of `bytes`, found without
-/// recursion or allocation (a count of values still to read stands in for the stack).
-fn value_len(bytes: &[u8]) -> Result<usize, String> {
+/// recursion or allocation (a count of values still to read stands in for the stack), or
+/// an error once more than `max_values` values were read.
+fn value_len(bytes: &[u8], max_values: usize) -> Result<usize, String> {
     let truncated = || "the MessagePack value is cut short".to_string();
     let mut pos = 0usize;
     let mut pending: u64 = 1;
@@ -46,8 +62,15 @@ fn value_len(bytes: &[u8]) -> Result<usize, String> {
             .iter()
             .fold(0u64, |acc, &b| (acc << 8) | u64::from(b)))
     };
+    let mut values = 0usize;
     while pending > 0 {
         pending -= 1;
+        values += 1;
+        if values > max_values {
+            return Err(format!(
+                "more than {max_values} MessagePack values, the most this message takes"
+            ));
+        }
         let marker = bytes[take(&mut pos, 1)?];
         let (skip, items) = match marker {
             0x00..=0x7f | 0xe0..=0xff | 0xc0 | 0xc2 | 0xc3 => (0, 0),
@@ -90,7 +113,7 @@ mod tests {
     #[test]
     fn one_value_exactly() {
         let bytes = rmp_serde::to_vec(&(1u8, "ab", vec![vec![1u64 << 40]])).unwrap();
-        assert_eq!(value_len(&bytes), Ok(bytes.len()));
+        assert_eq!(value_len(&bytes, usize::MAX), Ok(bytes.len()));
         let back: (u8, String, Vec<Vec<u64>>) = decode(&bytes).unwrap();
         assert_eq!(back, (1, "ab".into(), vec![vec![1 << 40]]));
         let mut longer = bytes.clone();
@@ -120,10 +143,20 @@ mod tests {
     }
 
     #[test]
+    fn more_values_than_the_cap_are_refused_before_decoding() {
+        let bytes = rmp_serde::to_vec(&vec![String::new(); 10]).unwrap();
+        // The array and its ten strings.
+        assert_eq!(value_len(&bytes, 11), Ok(bytes.len()));
+        assert_eq!(decode_within::<Vec<String>>(&bytes, 11).unwrap().len(), 10);
+        let err = decode_within::<Vec<String>>(&bytes, 10).unwrap_err();
+        assert!(err.contains("more than 10 MessagePack values"), "{err}");
+    }
+
+    #[test]
     fn deep_nesting_is_refused() {
         let mut bytes = vec![0x91; 10_000];
         bytes.push(0xc0);
-        assert_eq!(value_len(&bytes), Ok(bytes.len()));
+        assert_eq!(value_len(&bytes, usize::MAX), Ok(bytes.len()));
         assert!(decode::<serde::de::IgnoredAny>(&bytes).is_err());
     }
 
@@ -157,10 +190,18 @@ mod tests {
             vec![0xc9, 0, 0, 0, 2, 1, 9, 9],
         ];
         for value in values {
-            assert_eq!(value_len(&value), Ok(value.len()), "{value:02x?}");
+            assert_eq!(
+                value_len(&value, usize::MAX),
+                Ok(value.len()),
+                "{value:02x?}"
+            );
             let mut doubled = value.clone();
             doubled.extend_from_slice(&value);
-            assert_eq!(value_len(&doubled), Ok(value.len()), "{value:02x?}");
+            assert_eq!(
+                value_len(&doubled, usize::MAX),
+                Ok(value.len()),
+                "{value:02x?}"
+            );
         }
     }
 }

@@ -23,6 +23,13 @@ pub const NIXL_CONNECTOR_VERSION: u32 = 15;
 /// Longest compatibility hash accepted from a peer (a SHA-256 hex digest has 64 characters).
 pub const MAX_HASH_LEN: usize = 128;
 
+/// Most MessagePack values (each map, array, string and number counts one) a peer's
+/// [`NixlAgentMetadata`] may hold. A real one holds about 30 plus a few per KV cache region
+/// and per layer name: a model of 1000 regions of 4 layers each stays under 12 000. Each
+/// value can cost a decoder tens of bytes beyond its wire size (an empty string, one byte,
+/// is a 24-byte `String`), so the cap bounds that overhead to a few MiB.
+pub const MAX_METADATA_VALUES: usize = 1 << 16;
+
 /// vLLM's `NixlHandshakePayload`: the compatibility hash, checked before the agent metadata
 /// is decoded, and the encoded [`NixlAgentMetadata`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -160,12 +167,15 @@ impl NixlAgentMetadata {
     }
 
     /// Decodes a peer's metadata: unknown keys are ignored, absent optional ones take
-    /// their defaults.
+    /// their defaults. Bytes holding more than [`MAX_METADATA_VALUES`] MessagePack values
+    /// are refused before anything is allocated, so decoding allocates at most the bytes'
+    /// contents and a bounded overhead, whatever a peer sends.
     ///
     /// # Errors
-    /// A message naming what does not decode (e.g. a missing required field).
+    /// A message naming what does not decode (e.g. a missing required field), or the cap.
     pub fn decode(bytes: &[u8]) -> Result<Self, String> {
-        msgpack::decode(bytes).map_err(|err| format!("undecodable NixlAgentMetadata: {err}"))
+        msgpack::decode_within(bytes, MAX_METADATA_VALUES)
+            .map_err(|err| format!("undecodable NixlAgentMetadata: {err}"))
     }
 }
 
@@ -231,13 +241,13 @@ struct ErrorReply {
     error: String,
 }
 
-/// The first reply frame: the payload, or the server's error.
+/// The first reply frame: the payload, or the server's error (its metadata borrowed).
 #[derive(Deserialize)]
-struct Reply {
+struct Reply<'a> {
     #[serde(default)]
     compatibility_hash: Option<String>,
-    #[serde(default)]
-    agent_metadata_bytes: Option<serde_bytes::ByteBuf>,
+    #[serde(default, borrow)]
+    agent_metadata_bytes: Option<&'a serde_bytes::Bytes>,
     #[serde(default)]
     error: Option<String>,
 }
@@ -251,29 +261,82 @@ pub enum ReplyFrame {
     Error(String),
 }
 
-/// Decodes a first reply frame.
-///
-/// # Errors
-/// A message when it is neither a payload nor an error map, or its hash is longer than
-/// [`MAX_HASH_LEN`].
-pub fn decode_reply(bytes: &[u8]) -> Result<ReplyFrame, String> {
-    let reply: Reply =
+/// A first reply frame taken apart: its hash and where in the frame its metadata lies, or
+/// the server's error.
+enum ParsedReply {
+    Payload {
+        compatibility_hash: String,
+        metadata: std::ops::Range<usize>,
+    },
+    Error(String),
+}
+
+/// Takes a first reply frame apart without copying its metadata.
+fn parse_reply(bytes: &[u8]) -> Result<ParsedReply, String> {
+    let reply: Reply<'_> =
         msgpack::decode(bytes).map_err(|err| format!("undecodable NixlHandshakePayload: {err}"))?;
     if let Some(error) = reply.error {
-        return Ok(ReplyFrame::Error(error));
+        return Ok(ParsedReply::Error(error));
     }
     match (reply.compatibility_hash, reply.agent_metadata_bytes) {
         (Some(hash), _) if hash.len() > MAX_HASH_LEN => Err(format!(
             "its compatibility_hash has {} bytes, more than {MAX_HASH_LEN}",
             hash.len()
         )),
-        (Some(compatibility_hash), Some(bytes)) => Ok(ReplyFrame::Payload(NixlHandshakePayload {
-            compatibility_hash,
-            agent_metadata_bytes: bytes.into_vec(),
-        })),
+        (Some(compatibility_hash), Some(metadata)) => {
+            // Borrowed from `bytes`, so it lies inside them.
+            let start = (metadata.as_ptr() as usize)
+                .checked_sub(bytes.as_ptr() as usize)
+                .filter(|start| start + metadata.len() <= bytes.len())
+                .ok_or("agent_metadata_bytes outside the frame")?;
+            Ok(ParsedReply::Payload {
+                compatibility_hash,
+                metadata: start..start + metadata.len(),
+            })
+        }
         (None, _) => Err("NixlHandshakePayload without compatibility_hash".into()),
         (_, None) => Err("NixlHandshakePayload without agent_metadata_bytes".into()),
     }
+}
+
+/// Decodes a first reply frame.
+///
+/// # Errors
+/// A message when it is neither a payload nor an error map, or its hash is longer than
+/// [`MAX_HASH_LEN`].
+pub fn decode_reply(bytes: &[u8]) -> Result<ReplyFrame, String> {
+    Ok(match parse_reply(bytes)? {
+        ParsedReply::Payload {
+            compatibility_hash,
+            metadata,
+        } => ReplyFrame::Payload(NixlHandshakePayload {
+            compatibility_hash,
+            agent_metadata_bytes: bytes[metadata].to_vec(),
+        }),
+        ParsedReply::Error(error) => ReplyFrame::Error(error),
+    })
+}
+
+/// [`decode_reply`] of a frame it takes: the payload's metadata keeps the frame's memory
+/// (moved to its start) instead of a copy, so a reply never takes twice its frame.
+///
+/// # Errors
+/// As [`decode_reply`].
+pub(crate) fn decode_reply_frame(mut frame: Vec<u8>) -> Result<ReplyFrame, String> {
+    Ok(match parse_reply(&frame)? {
+        ParsedReply::Payload {
+            compatibility_hash,
+            metadata,
+        } => {
+            frame.truncate(metadata.end);
+            frame.drain(..metadata.start);
+            ReplyFrame::Payload(NixlHandshakePayload {
+                compatibility_hash,
+                agent_metadata_bytes: frame,
+            })
+        }
+        ParsedReply::Error(error) => ReplyFrame::Error(error),
+    })
 }
 
 #[cfg(test)]
@@ -381,6 +444,23 @@ mod tests {
     }
 
     #[test]
+    fn metadata_of_more_values_than_the_cap_is_refused() {
+        let names = vec![String::new(); MAX_METADATA_VALUES];
+        let bytes = NixlAgentMetadata {
+            region_names: Some(names),
+            ..sample()
+        }
+        .encode();
+        let err = NixlAgentMetadata::decode(&bytes).unwrap_err();
+        assert!(
+            err.contains(&format!(
+                "more than {MAX_METADATA_VALUES} MessagePack values"
+            )),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn requests_decode_strictly() {
         assert_eq!(decode_request(&encode_request(1, 2)), Ok((1, 2)));
         // msgspec's str form is taken too; negative ranks decode and are refused later.
@@ -408,6 +488,10 @@ mod tests {
             decode_reply(&encode_error("no rank 3")),
             Ok(ReplyFrame::Error("no rank 3".into()))
         );
+        // Taking the frame gives the same, its metadata moved to the frame's start.
+        for frame in [payload.encode(), encode_error("no rank 3"), vec![0xc1]] {
+            assert_eq!(decode_reply_frame(frame.clone()), decode_reply(&frame));
+        }
         let long = NixlHandshakePayload {
             compatibility_hash: "x".repeat(MAX_HASH_LEN + 1),
             agent_metadata_bytes: vec![],

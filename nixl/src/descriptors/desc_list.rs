@@ -9,6 +9,7 @@ use crate::descriptors::xfer_dlist::XferDlist;
 use crate::error::{Error, Result};
 use crate::memory::mem_type::MemType;
 use crate::memory::registration::{RegInner, Registration};
+use crate::metadata::recheck;
 use crate::metadata::wire::LoadedMetadata;
 use crate::transfer::local_peers::{self, Hold};
 
@@ -231,6 +232,7 @@ impl RemoteDescList {
         loaded: &LoadedMetadata,
         remote_agent: &str,
     ) -> Result<Vec<Hold>> {
+        recheck::recheck(loaded, remote_agent)?;
         local_peers::hold_targets(
             operation,
             loaded,

@@ -13,6 +13,7 @@ use crate::error::{check, Error, Result};
 use crate::ffi::handles::OptArgs;
 use crate::ffi::library::capi;
 use crate::ffi::raw::c_name;
+use crate::metadata::recheck;
 use crate::transfer::options::{XferOp, XferOptions};
 use crate::transfer::xfer::XferRequest;
 
@@ -176,6 +177,8 @@ impl Agent {
         options: &XferOptions,
     ) -> Result<XferRequest> {
         const OP: &str = "make transfer request";
+        // The remote list may have been prepared while this process had other workers.
+        recheck::recheck(&self.inner.loaded, remote_agent)?;
         let args = options.to_raw(&self.inner, OP)?;
         let mut raw = ptr::null_mut();
         let status = self.inner.with(|agent| {

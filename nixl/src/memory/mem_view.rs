@@ -17,6 +17,7 @@ use crate::ffi::handles::PeerDlist;
 use crate::ffi::library::capi;
 use crate::ffi::raw::c_name;
 use crate::memory::mem_type::MemType;
+use crate::metadata::recheck;
 use crate::transfer::local_peers::{self, Hold};
 
 /// A descriptor of another agent's memory, naming that agent (a view can span peers).
@@ -140,6 +141,7 @@ impl Agent {
         let list = PeerDlist::build(OP, mem_type, descs)?;
         let mut keep = Vec::new();
         for peer in descs {
+            recheck::recheck(&self.inner.loaded, &peer.agent)?;
             keep.extend(local_peers::hold_targets(
                 OP,
                 &self.inner.loaded,

@@ -10,8 +10,15 @@
 //!   interpreted here, the same address bytes) of a live agent's worker;
 //! - a System V segment this process created (read from `/proc`), on the host of this
 //!   process's workers, which covers workers that no agent's metadata shows;
-//! - cross-memory attach or POSIX `/proc` access to this process's pid, or XPMEM to its
-//!   segment, which reach the whole process and so every worker in it.
+//! - cross-memory attach or POSIX `/proc` access to this process's pid or to the thread id
+//!   of any of its threads (the kernel takes either, and reaches the whole thread group), or
+//!   XPMEM to its segment, which reach the whole process and so every worker in it.
+//!
+//! Pids are compared only where the address names the host and pid namespace of this
+//! process's workers, and so a pid of this process's namespace (UCX uses cma and posix's
+//! `/proc` path only within one pid namespace); they are read from this process's `/proc`,
+//! and refused where that `/proc` is another namespace's. There, a pid that names no live
+//! thread is refused too: a thread this process starts later could take it.
 //!
 //! Not recognised: the TCP listener of a worker that no agent's metadata shows, which this
 //! process cannot tell from the listeners its parent leaked to it. Only UCX backends with
@@ -24,26 +31,28 @@
 use std::net::SocketAddr;
 
 use crate::error::{Error, Result};
-use crate::metadata::process_endpoints;
-use crate::metadata::wire::{Destination, PeerKind, PeerMetadata};
+use crate::metadata::process_endpoints::{self, Task};
+use crate::metadata::wire::{Destination, Host, PeerKind, PeerMetadata};
 use crate::transfer::local_peers::{self, AgentWorkers};
 
 /// What one part of a worker address leads to in this process.
 enum Lead {
     /// The worker of this agent.
     Agent(u64),
-    /// This process, no worker in particular.
-    Process,
+    /// This process, no worker in particular, with why (a clause for the error).
+    Process(String),
+    /// Nowhere that can be told apart from this process: refused whatever its name.
+    Unclear(String),
 }
 
 /// Endpoints of this process read from `/proc`, once per classification and only if needed.
 #[derive(Default)]
 struct Endpoints {
-    sysv: Option<Vec<u64>>,
+    sysv: Option<Vec<u32>>,
 }
 
 impl Endpoints {
-    fn sysv(&mut self) -> &[u64] {
+    fn sysv(&mut self) -> &[u32] {
         self.sysv.get_or_insert_with(|| {
             process_endpoints::sysv_segments().unwrap_or_else(|err| {
                 tracing::warn!(%err, "cannot list this process's System V segments; metadata is checked against its agents' workers only");
@@ -79,8 +88,14 @@ pub(crate) fn classify(peer: &PeerMetadata<'_>) -> Result<Option<PeerKind>> {
     for dest in &worker.destinations {
         match lead(dest, &agents, &mut endpoints) {
             Some(Lead::Agent(id)) => workers.push((id, describe(dest))),
-            Some(Lead::Process) => {
-                process.get_or_insert_with(|| describe(dest));
+            Some(Lead::Process(why)) => {
+                process.get_or_insert(why);
+            }
+            Some(Lead::Unclear(why)) => {
+                return Err(Error::MetadataLeadsIntoThisProcess {
+                    agent: peer.name.to_string(),
+                    reason: why,
+                })
             }
             None => {}
         }
@@ -110,7 +125,7 @@ pub(crate) fn classify(peer: &PeerMetadata<'_>) -> Result<Option<PeerKind>> {
         if named.is_empty() {
             let why = process.unwrap_or_default();
             return Err(refuse(format!(
-                "{why} is this process, and no agent of this process has that name"
+                "{why}, and no agent of this process has that name"
             )));
         }
         ids = named;
@@ -130,29 +145,92 @@ fn lead(dest: &Destination, agents: &[AgentWorkers], endpoints: &mut Endpoints) 
     };
     match dest {
         // These reach the whole process, not one worker: every worker has the same.
-        Destination::Cma { .. } | Destination::Xpmem { .. } => {
-            ours().any(|(_, d)| d == dest).then_some(Lead::Process)
+        Destination::Cma { host, pid, pid_ns } => {
+            if ours().any(|(_, d)| d == dest) {
+                return Some(Lead::Process(is_this_process(dest)));
+            }
+            by_pid(dest, *host, *pid, *pid_ns, agents)
         }
+        Destination::Xpmem { .. } => ours()
+            .any(|(_, d)| d == dest)
+            .then(|| Lead::Process(is_this_process(dest))),
         _ => {
             if let Some((id, _)) = ours().find(|(_, d)| *d == dest) {
                 return Some(Lead::Agent(id));
             }
-            let process = match dest {
+            match dest {
                 Destination::PosixProc {
                     host, pid, pid_ns, ..
-                } => ours().any(|(_, d)| {
-                    matches!(d, Destination::PosixProc { host: h, pid: p, pid_ns: n, .. }
-                        if h == host && p == pid && n == pid_ns)
-                }),
-                Destination::Sysv { host, shmid } => {
-                    ours().any(|(_, d)| matches!(d, Destination::Sysv { host: h, .. } if h == host))
-                        && endpoints.sysv().contains(shmid)
+                } => {
+                    let same = ours().any(|(_, d)| {
+                        matches!(d, Destination::PosixProc { host: h, pid: p, pid_ns: n, .. }
+                            if h == host && p == pid && n == pid_ns)
+                    });
+                    if same {
+                        return Some(Lead::Process(is_this_process(dest)));
+                    }
+                    by_pid(dest, *host, *pid, *pid_ns, agents)
                 }
-                _ => false,
-            };
-            process.then_some(Lead::Process)
+                Destination::Sysv { host, shmid } => (ours()
+                    .any(|(_, d)| matches!(d, Destination::Sysv { host: h, .. } if h == host))
+                    && endpoints.sysv().contains(shmid))
+                .then(|| Lead::Process(is_this_process(dest))),
+                _ => None,
+            }
         }
     }
+}
+
+/// What `pid` in a cma or posix address (`dest`) of `host` and pid namespace `pid_ns`
+/// designates, when a worker of this process is on that host and in that namespace: this
+/// process for any of its threads, nothing for another process, and an unclear target for
+/// an id that names no live thread or cannot be looked up.
+fn by_pid(
+    dest: &Destination,
+    host: Host,
+    pid: u32,
+    pid_ns: u32,
+    agents: &[AgentWorkers],
+) -> Option<Lead> {
+    let here = agents
+        .iter()
+        .flat_map(|agent| agent.workers.iter())
+        .flat_map(|worker| worker.destinations.iter())
+        .any(|d| match d {
+            Destination::Cma {
+                host: h, pid_ns: n, ..
+            }
+            | Destination::PosixProc {
+                host: h, pid_ns: n, ..
+            } => *h == host && *n == pid_ns,
+            _ => false,
+        });
+    if !here {
+        return None;
+    }
+    let what = describe(dest);
+    match process_endpoints::task(pid) {
+        Ok(Task::ThisProcess) => Some(Lead::Process(format!(
+            "{what} designates thread {pid} of this process (pid {}), which reaches all of \
+             its memory",
+            std::process::id()
+        ))),
+        Ok(Task::Other(_)) => None,
+        Ok(Task::None) => Some(Lead::Unclear(format!(
+            "{what} designates no live thread of this host's pid namespace, and a thread \
+             this process starts later could take that id (real metadata names the live \
+             process of its agent)"
+        ))),
+        Err(err) => Some(Lead::Unclear(format!(
+            "{what} designates a pid of this process's pid namespace that cannot be told \
+             apart from this process's threads ({err})"
+        ))),
+    }
+}
+
+/// Why `dest` is this process, as an error message says it.
+fn is_this_process(dest: &Destination) -> String {
+    format!("{} is this process", describe(dest))
 }
 
 /// `dest`, as an error message names it.
@@ -180,30 +258,13 @@ mod tests {
     use std::net::IpAddr;
 
     use super::*;
-    use crate::metadata::wire::{Host, Worker};
+    use crate::metadata::wire::Worker;
+    use crate::transfer::local_peers::FakeAgent;
 
     const HOST: Host = Host {
         id: 0x1234_5678,
         ns: None,
     };
-
-    /// A fake agent of this process with one worker; removed when dropped.
-    struct Fake(u64);
-
-    impl Fake {
-        fn new(name: &str, worker: Worker) -> Fake {
-            let id = local_peers::next_id();
-            local_peers::add_agent(id, name);
-            local_peers::add_worker(id, worker);
-            Fake(id)
-        }
-    }
-
-    impl Drop for Fake {
-        fn drop(&mut self) {
-            local_peers::remove_agent(self.0);
-        }
-    }
 
     fn cma(pid: u32) -> Destination {
         Destination::Cma {
@@ -260,7 +321,7 @@ mod tests {
                 cma(pid),
             ],
         };
-        let victim = Fake::new("designation-victim", worker.clone());
+        let victim = FakeAgent::new("designation-victim", worker.clone());
         // Its own name: an agent of this process.
         assert_eq!(
             classify_as(
@@ -287,9 +348,9 @@ mod tests {
         ] {
             refused(classify_as("other", None, vec![dest]), what);
         }
-        // Elsewhere: another pid, port, segment or host.
+        // Elsewhere: another process, port, segment or host.
         let elsewhere = vec![
-            cma(pid + 1),
+            cma(std::os::unix::process::parent_id()),
             tcp([192, 0, 2, 7], 4001, false),
             Destination::Sysv {
                 host: Host { id: 9, ns: None },
@@ -313,9 +374,9 @@ mod tests {
         // SAFETY: plain System V calls on a private segment of this test.
         let shmid = unsafe { libc::shmget(libc::IPC_PRIVATE, 4096, libc::IPC_CREAT | 0o600) };
         assert!(shmid >= 0, "shmget: {}", std::io::Error::last_os_error());
-        let shmid = shmid as u64;
+        let shmid = shmid as u32;
         // A worker of this process has a segment on this host...
-        let ours = Fake::new(
+        let ours = FakeAgent::new(
             "designation-sysv",
             Worker {
                 uuid: None,
@@ -346,8 +407,8 @@ mod tests {
             destinations: vec![cma(pid)],
         };
         let (a, b) = (
-            Fake::new("designation-twice", worker.clone()),
-            Fake::new("designation-twice", worker),
+            FakeAgent::new("designation-twice", worker.clone()),
+            FakeAgent::new("designation-twice", worker),
         );
         match classify_as("designation-twice", None, vec![cma(pid)]).unwrap() {
             Some(PeerKind::InProcess(mut ids)) => {
@@ -359,6 +420,72 @@ mod tests {
         refused(
             classify_as("designation-nobody", None, vec![cma(pid)]),
             "no agent of this process has that name",
+        );
+    }
+
+    fn posix(pid: u32) -> Destination {
+        Destination::PosixProc {
+            host: HOST,
+            pid,
+            fd: 16,
+            pid_ns: crate::metadata::wire::ROOT_PID_NS,
+        }
+    }
+
+    #[test]
+    fn a_thread_id_of_this_process_is_this_process() {
+        // A worker of this process on HOST, in its pid namespace.
+        let _ours = FakeAgent::new(
+            "designation-threads",
+            Worker {
+                uuid: None,
+                destinations: vec![cma(0x7000_0003), posix(0x7000_0003)],
+            },
+        );
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (stop, stopped) = std::sync::mpsc::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            // SAFETY: gettid has no preconditions.
+            tx.send(unsafe { libc::gettid() } as u32).unwrap();
+            stopped.recv().ok();
+        });
+        let tid = rx.recv().unwrap();
+        for dest in [cma(tid), posix(tid)] {
+            refused(
+                classify_as("other", None, vec![dest]),
+                &format!("designates thread {tid} of this process"),
+            );
+        }
+        drop(stop);
+        thread.join().unwrap();
+        // Another thread group: another process, not this one.
+        let parent = std::os::unix::process::parent_id();
+        for dest in [cma(parent), posix(parent)] {
+            assert_eq!(
+                classify_as("other", None, vec![dest]).unwrap(),
+                Some(PeerKind::Remote)
+            );
+        }
+        // An id no thread has: one this process may take later.
+        refused(
+            classify_as("other", None, vec![cma(0x7000_0004)]),
+            "no live thread",
+        );
+        // On another host, or in another pid namespace, a pid is not compared.
+        let other_ns = Destination::Cma {
+            host: HOST,
+            pid: tid,
+            pid_ns: 7,
+        };
+        let other_host = Destination::PosixProc {
+            host: Host { id: 9, ns: None },
+            pid: tid,
+            fd: 16,
+            pid_ns: crate::metadata::wire::ROOT_PID_NS,
+        };
+        assert_eq!(
+            classify_as("other", None, vec![other_ns, other_host]).unwrap(),
+            Some(PeerKind::Remote)
         );
     }
 }

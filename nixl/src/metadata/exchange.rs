@@ -16,6 +16,8 @@ use crate::memory::mem_type::MemType;
 use crate::memory::registration::Registration;
 use crate::metadata::designation;
 use crate::metadata::peer_hints::remote_metadata_loaded;
+use crate::metadata::same_host;
+use crate::metadata::wire::PeerKind;
 use crate::transfer::local_peers;
 
 /// Where [`Agent::send_local_metadata`] and friends exchange metadata.
@@ -140,8 +142,11 @@ impl Agent {
     /// serializer could not have produced (garbage, truncated, out-of-range fields, a UCX
     /// transport address shorter than what UCX reads), with the offset and the reason;
     /// [`Error::MetadataLeadsIntoThisProcess`] for metadata whose UCX worker is in this
-    /// process under a name that is not its agent's; [`Error::Nixl`] for metadata NIXL
-    /// refuses or an agent it cannot connect to.
+    /// process under a name that is not its agent's;
+    /// [`Error::SameHostTransportRefused`] for another process's metadata offering a
+    /// same-host transport on this host, when this agent refuses them
+    /// ([`AgentConfig::refuse_same_host_transports`](crate::AgentConfig::refuse_same_host_transports));
+    /// [`Error::Nixl`] for metadata NIXL refuses or an agent it cannot connect to.
     ///
     /// NIXL 1.5.1 caveat: metadata that fails inside NIXL after its connection info was
     /// loaded leaves that connection info in the backend, without the agent counting as
@@ -168,6 +173,9 @@ impl Agent {
             };
             let peer = crate::metadata::wire::inspect_metadata(metadata).map_err(rejected)?;
             let kind = designation::classify(&peer).map_err(rejected)?;
+            if self.inner.config.refuse_same_host_transports && kind == Some(PeerKind::Remote) {
+                same_host::refuse(&peer).map_err(rejected)?;
+            }
             Some((kind, peer.regions))
         };
         let mut name = ptr::null_mut();

@@ -113,6 +113,28 @@ pub(crate) fn workers_generation() -> u64 {
     table().generation
 }
 
+/// A fake agent of this process with one worker, for tests; removed when dropped.
+#[cfg(test)]
+pub(crate) struct FakeAgent(pub u64);
+
+#[cfg(test)]
+impl FakeAgent {
+    /// Agent `name` of this process, with `worker`.
+    pub(crate) fn new(name: &str, worker: Worker) -> FakeAgent {
+        let id = next_id();
+        add_agent(id, name);
+        add_worker(id, worker);
+        FakeAgent(id)
+    }
+}
+
+#[cfg(test)]
+impl Drop for FakeAgent {
+    fn drop(&mut self) {
+        remove_agent(self.0);
+    }
+}
+
 /// A live agent as [`live_agents`] shows it.
 pub(crate) struct AgentWorkers {
     /// The agent's id.

@@ -79,17 +79,7 @@ impl LoadedMetadata {
     ) {
         let mut by_agent = self.lock();
         let before = by_agent.remove(agent.as_bytes());
-        let kind = match (before.as_ref().map(|e| &e.peer.kind), kind) {
-            (Some(PeerKind::InProcess(old)), Some(PeerKind::InProcess(new))) => {
-                let mut ids = old.clone();
-                ids.extend(new.into_iter().filter(|id| !old.contains(id)));
-                PeerKind::InProcess(ids)
-            }
-            (Some(PeerKind::InProcess(old)), _) => PeerKind::InProcess(old.clone()),
-            (_, Some(kind)) => kind,
-            (Some(old), None) => old.clone(),
-            (None, None) => PeerKind::Remote,
-        };
+        let kind = merged(before.as_ref().map(|e| &e.peer.kind), kind);
         let mut all: Vec<((MemType, u64), usize, usize)> = before
             .iter()
             .flat_map(|e| {
@@ -120,6 +110,36 @@ impl LoadedMetadata {
         );
     }
 
+    /// The bytes `agent` was last loaded from, when it was found to live in another process
+    /// against another generation of this process's UCX workers than `workers`. (An agent
+    /// found in this process stays held to its agents' live registrations, whatever changes.)
+    pub(crate) fn stale(&self, agent: &str, workers: u64) -> Option<Box<[u8]>> {
+        self.lock()
+            .get(agent.as_bytes())
+            .filter(|e| e.workers != workers && e.peer.kind == PeerKind::Remote)
+            .map(|e| e.bytes.clone())
+    }
+
+    /// Records that `agent`'s `metadata`, if it is still what the agent was last loaded
+    /// from, passed the checks against generation `workers`, found to be `kind` (merged with
+    /// what was known as [`remember`](Self::remember) does).
+    pub(crate) fn rechecked(
+        &self,
+        agent: &str,
+        metadata: &[u8],
+        workers: u64,
+        kind: Option<PeerKind>,
+    ) {
+        if let Some(entry) = self
+            .lock()
+            .get_mut(agent.as_bytes())
+            .filter(|e| *e.bytes == *metadata)
+        {
+            entry.peer.kind = merged(Some(&entry.peer.kind), kind);
+            entry.workers = workers;
+        }
+    }
+
     /// What is known of `agent`, if its metadata was loaded here.
     pub(crate) fn peer(&self, agent: &str) -> Option<LoadedPeer> {
         self.lock().get(agent.as_bytes()).map(|e| e.peer.clone())
@@ -128,6 +148,23 @@ impl LoadedMetadata {
     /// Forgets `agent`'s metadata (it was invalidated).
     pub(crate) fn forget(&self, agent: &str) {
         self.lock().remove(agent.as_bytes());
+    }
+}
+
+/// Where an agent lives, from what was known (`before`) and what its metadata now says
+/// (`now`; `None`: nothing, for want of UCX connection info): once in this process, always
+/// (its connection may still be the one NIXL uses), with the agents of both.
+fn merged(before: Option<&PeerKind>, now: Option<PeerKind>) -> PeerKind {
+    match (before, now) {
+        (Some(PeerKind::InProcess(old)), Some(PeerKind::InProcess(new))) => {
+            let mut ids = old.clone();
+            ids.extend(new.into_iter().filter(|id| !old.contains(id)));
+            PeerKind::InProcess(ids)
+        }
+        (Some(PeerKind::InProcess(old)), _) => PeerKind::InProcess(old.clone()),
+        (_, Some(kind)) => kind,
+        (Some(old), None) => old.clone(),
+        (None, None) => PeerKind::Remote,
     }
 }
 

@@ -25,9 +25,9 @@ use crate::error::{Error, Result};
 
 pub(crate) use loaded::{AdvertisedIndex, LoadedMetadata, PeerKind};
 pub(crate) use peer::PeerMetadata;
-pub(crate) use ucx_transports::{Destination, Worker};
 #[cfg(test)]
-pub(crate) use ucx_transports::{Host, ROOT_PID_NS};
+pub(crate) use ucx_transports::ROOT_PID_NS;
+pub(crate) use ucx_transports::{Destination, Host, Worker};
 
 /// Checks that `metadata` is well-formed NIXL 1.5.1 agent metadata (full, partial or
 /// connection-only) with well-formed UCX connection info and remote keys.

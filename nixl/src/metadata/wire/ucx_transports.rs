@@ -9,7 +9,9 @@
 //! posix  interface  u64 segment id: bit 63 the FIFO is opened as /proc/<pid>/fd/<fd>
 //!                   (pid: low 30 bits, fd: the 30 above), bit 62 shm_open, bit 60 a u32
 //!                   pid-namespace id follows; otherwise the low 60 bits name the segment
-//! sysv   interface  u64 shared-memory id
+//! sysv   interface  u64 shared-memory id, which UCX hands to shmat() as an int: only
+//!                   ids that fit one are taken (a larger one would name the segment of
+//!                   its low 32 bits under other bytes)
 //! xpmem  interface  u64 FIFO address, then the i64 segment of the whole process
 //! tcp    device     u8 flags (bit 0 loopback), u8 address family (2 inet, 10 inet6), then
 //!                   the IP (4 or 16 bytes), or for loopback a host id as above (network
@@ -119,8 +121,8 @@ pub(crate) enum Destination {
     Sysv {
         /// The host.
         host: Host,
-        /// The shared-memory id.
-        shmid: u64,
+        /// The shared-memory id (a non-negative C int, as `shmget` returns them).
+        shmid: u32,
     },
     /// XPMEM: the segment of a whole process.
     Xpmem {
@@ -194,10 +196,27 @@ pub(crate) fn destination(address: &TransportAddress<'_>) -> Parsed<Destination>
                 Destination::PosixNamed { host: host()?, id }
             }
         }
-        SYSV => Destination::Sysv {
-            host: host()?,
-            shmid: iface.u64("UCX sysv interface address")?,
-        },
+        SYSV => {
+            let at = iface.offset();
+            let raw = iface.u64("UCX sysv interface address")?;
+            let shmid = u32::try_from(raw)
+                .ok()
+                .filter(|&id| i32::try_from(id).is_ok())
+                .ok_or_else(|| {
+                    iface.reject_at(
+                        at,
+                        format!(
+                            "UCX sysv shared-memory id {raw:#x} does not fit the C int UCX \
+                             passes to shmat (0 to {:#x}); UCX never packs such an id",
+                            i32::MAX
+                        ),
+                    )
+                })?;
+            Destination::Sysv {
+                host: host()?,
+                shmid,
+            }
+        }
         XPMEM => {
             iface.u64("UCX xpmem FIFO address")?;
             Destination::Xpmem {
@@ -368,6 +387,17 @@ mod tests {
         assert_eq!(err.offset, 100);
         assert!(err.reason.contains("cma"), "{}", err.reason);
         assert!(decode(SYSV, "61e4", "0e00090000000000").is_err());
+        // A segment id with bits above the C int that shmat takes: the same segment as
+        // its low 32 bits, under other bytes.
+        for iface in ["0e00090001000000", "0e00098000000000", "ffffffff00000000"] {
+            let err = decode(SYSV, "61e418955e68ff19", iface).unwrap_err();
+            assert_eq!(err.offset, 100);
+            assert!(
+                err.reason.contains("does not fit the C int"),
+                "{}",
+                err.reason
+            );
+        }
         assert!(decode(TCP, "0002c000", "920f").is_err());
         assert!(decode(TCP, "0007c0000202", "920f").is_err());
         assert_eq!(
