@@ -17,7 +17,7 @@ use crate::error::{Error, Result};
 use crate::handshake::check_compatible;
 use crate::remotes::{ReadLists, Remote};
 use crate::shared::Shared;
-use crate::side_channel::fetch_handshake;
+use crate::side_channel::fetch_handshake_with;
 
 /// Where a remote engine's side channel is, and its TP size.
 #[derive(Debug, Clone, Copy)]
@@ -80,7 +80,11 @@ async fn connect(
     let (theirs, blocks_per_id) = match &shared.vllm {
         None => {
             let addr = resolve(engine.host, port).await?;
-            (fetch_handshake(addr, ours, shared.config.limits).await?, 1)
+            let secret = shared.guard.secret.as_ref();
+            (
+                fetch_handshake_with(addr, ours, shared.config.limits, secret).await?,
+                1,
+            )
         }
         Some(vllm) => {
             let fetched = vllm

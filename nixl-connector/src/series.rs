@@ -41,6 +41,9 @@ pub const NUM_NOTIFICATIONS_AFTER_EXPIRY: &str = "vllm:nixl_num_notifications_af
 pub const HANDSHAKE_TIME_SECONDS: &str = "vllm:nixl_handshake_time_seconds";
 /// Counter: heartbeat messages received (prefill side; not a vLLM series).
 pub const NUM_HEARTBEATS: &str = "vllm:nixl_num_heartbeats";
+/// Counter: finish notifications refused because their sender or count is not one of this
+/// engine's readers' (prefill side; not a vLLM series).
+pub const NUM_REFUSED_NOTIFICATIONS: &str = "vllm:nixl_num_refused_notifications";
 
 /// vLLM's buckets for the post time (seconds).
 const TIME_BUCKETS: [f64; 13] = [
@@ -143,6 +146,11 @@ pub fn describe() {
         Unit::Count,
         "Heartbeat notifications received (prefill side)."
     );
+    describe_counter!(
+        NUM_REFUSED_NOTIFICATIONS,
+        Unit::Count,
+        "Finish notifications refused: not from a reader of this engine, or a count beyond its TP (prefill side)."
+    );
 }
 
 /// One worker's handles on the series (registered when the worker is created, so every
@@ -159,6 +167,7 @@ pub(crate) struct Series {
     expired: Counter,
     after_expiry: Counter,
     heartbeats: Counter,
+    refused_notifications: Counter,
 }
 
 const KINDS: [FailureKind; 4] = [
@@ -192,7 +201,8 @@ impl Series {
             failed_notifications_kind: kind("notification"),
             expired: metrics::counter!(NUM_KV_EXPIRED_REQS, labels.clone()),
             after_expiry: metrics::counter!(NUM_NOTIFICATIONS_AFTER_EXPIRY, labels.clone()),
-            heartbeats: metrics::counter!(NUM_HEARTBEATS, labels),
+            heartbeats: metrics::counter!(NUM_HEARTBEATS, labels.clone()),
+            refused_notifications: metrics::counter!(NUM_REFUSED_NOTIFICATIONS, labels),
         }
     }
 
@@ -238,5 +248,10 @@ impl Series {
     /// A heartbeat received.
     pub(crate) fn heartbeat(&self) {
         self.heartbeats.increment(1);
+    }
+
+    /// A finish notification refused.
+    pub(crate) fn refused_notification(&self) {
+        self.refused_notifications.increment(1);
     }
 }

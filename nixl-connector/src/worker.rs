@@ -13,6 +13,7 @@ use nixl::{
 use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
 
+use crate::auth::SharedSecret;
 use crate::config::{Lease, MetadataExchange, Protocol, WorkerConfig};
 use crate::connect::{self, Engine};
 use crate::error::{Error, Result};
@@ -23,12 +24,14 @@ use crate::host_buffer::Staging;
 use crate::metrics::{RemoteStats, SendStats, TransferMetrics};
 use crate::outcomes::{Finished, Outcomes};
 use crate::params::RemoteBlocks;
+use crate::peer_networks::{warn_if_open, PeerNetworks};
 use crate::pending::{PendingHandshakes, PendingStats};
 use crate::remotes::Remotes;
 use crate::scheduler::{ConnectorMetadata, HeartbeatSpec};
 use crate::sending::{heartbeat_messages, NotificationStats, Sends};
 use crate::series::Series;
 use crate::shared::{Caches, Shared};
+use crate::side_channel::Guard;
 use crate::spec::KvCacheSpec;
 use crate::tp_mapping::TpMapping;
 use crate::vllm::{
@@ -122,8 +125,30 @@ impl KvConnectorWorker {
             config.platform.as_ref(),
         )?;
         let series = Arc::new(Series::new(&config.engine_id, config.tp_rank));
+        let guard = Arc::new(Guard {
+            secret: match (&config.secret, protocol) {
+                (_, Protocol::Vllm) => None,
+                (Some(secret), Protocol::Native) => Some(secret.clone()),
+                (None, Protocol::Native) => {
+                    SharedSecret::from_kv_transfer_config(&config.kv_transfer_config)?
+                }
+            },
+            peers: match &config.allowed_peers {
+                Some(peers) => peers.clone(),
+                None => PeerNetworks::from_kv_transfer_config(&config.kv_transfer_config)?,
+            },
+            ..Guard::default()
+        });
+        let sends = Sends::new(
+            config.tp_size,
+            protocol,
+            lease,
+            series.clone(),
+            guard.readers.clone(),
+        );
         let shared = Arc::new(Shared {
-            sends: Mutex::new(Sends::new(config.tp_size, protocol, lease, series.clone())),
+            sends: Mutex::new(sends),
+            guard,
             series,
             config,
             protocol,
@@ -350,7 +375,14 @@ impl KvConnectorWorker {
         let _entered = self.runtime.enter();
         let listener = tokio::net::TcpListener::from_std(listener)
             .map_err(|err| Error::io("bind the side channel", side_channel, err))?;
-        let server = crate::side_channel::serve(listener, ours, config.limits, pending);
+        let guard = self.shared.guard.clone();
+        warn_if_open(
+            "the side channel",
+            side_channel,
+            guard.secret.is_some(),
+            &guard.peers,
+        );
+        let server = crate::side_channel::serve(listener, ours, config.limits, pending, guard);
         self.tasks
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -390,6 +422,7 @@ impl KvConnectorWorker {
                 )?)
             }
         };
+        server.set_allowed_peers(self.shared.guard.peers.clone());
         Ok((server, payload))
     }
 
