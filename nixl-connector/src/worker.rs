@@ -125,6 +125,9 @@ impl KvConnectorWorker {
             config.platform.as_ref(),
         )?;
         let series = Arc::new(Series::new(&config.engine_id, config.tp_rank));
+        if protocol == Protocol::Vllm && config.secret.is_some() {
+            tracing::warn!("vLLM's protocol has no credential: the shared secret is not used; set kv_connector_extra_config.allowed_peer_networks");
+        }
         let guard = Arc::new(Guard {
             secret: match (&config.secret, protocol) {
                 (_, Protocol::Vllm) => None,
@@ -534,6 +537,12 @@ impl KvConnectorWorker {
     /// The protocol this worker speaks.
     pub fn protocol(&self) -> Protocol {
         self.shared.protocol
+    }
+
+    /// Whether this worker's handshakes prove a shared secret both ways (native protocol
+    /// with a [`SharedSecret`]; see [`auth`](crate::auth)).
+    pub fn authenticated(&self) -> bool {
+        self.shared.guard.secret.is_some()
     }
 
     /// vLLM mode: the engine's side channel this rank's payload is published to (the
