@@ -137,6 +137,30 @@ async fn engines_sharing_the_secret_handshake_and_others_are_refused_with_nothin
         let next = c.recv::<Response>().await.unwrap_err();
         assert!(matches!(next, Error::Closed { .. }), "then the end: {next}");
     }
+    // By hand: a proof with a MAC made without the secret gets the refusal alone.
+    let mut c = channel(addr(&prefill)).await;
+    c.send(&Request::Hello { nonce: vec![7; 32] })
+        .await
+        .unwrap();
+    let challenge: Response = c.recv().await.unwrap();
+    assert!(
+        matches!(challenge, Response::Challenge { .. }),
+        "{challenge:?}"
+    );
+    let message = rmp_serde::to_vec_named(&ours).unwrap();
+    c.send(&Request::Proof {
+        message,
+        mac: vec![3; 32],
+    })
+    .await
+    .unwrap();
+    let answer: Response = c.recv().await.unwrap();
+    assert!(
+        matches!(answer, Response::Unauthenticated { .. }),
+        "{answer:?}"
+    );
+    let next = c.recv::<Response>().await.unwrap_err();
+    assert!(matches!(next, Error::Closed { .. }), "then the end: {next}");
     // A decode engine without the secret: its handshake fails, naming why.
     let open = engine("dc-open", None);
     let err = open
