@@ -109,8 +109,14 @@ async fn connect(
             let limits = shared.config.limits;
             let left = limits.deadline.saturating_sub(started.elapsed());
             let key = crate::etcd::metadata_key(&etcd.namespace, &theirs.agent_name);
-            let metadata =
-                crate::etcd::fetch_metadata(&etcd.endpoints, &key, limits.max_frame, left).await?;
+            let metadata = crate::etcd::fetch_metadata_as(
+                &etcd.endpoints,
+                &key,
+                limits.max_frame,
+                left,
+                etcd.credentials.as_ref(),
+            )
+            .await?;
             shared
                 .remotes
                 .load_metadata(agent, &source, &theirs.agent_name, &metadata)?

@@ -117,6 +117,7 @@ mod config;
 mod connect;
 mod error;
 pub mod etcd;
+mod etcd_auth;
 mod failure;
 pub mod handshake;
 pub mod host_buffer;

@@ -7,9 +7,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use nixl::kv_config::NixlSetup;
-use nixl::{
-    Agent, MetadataPeer, NotificationFilter, RegDesc, RegisterMemory, Registration, XferOp,
-};
+use nixl::{Agent, NotificationFilter, RegDesc, RegisterMemory, Registration, XferOp};
 use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
 
@@ -920,12 +918,8 @@ impl Drop for KvConnectorWorker {
         if let Some((server, _)) = self.shared.caches.get().and_then(|c| c.vllm.as_ref()) {
             server.withdraw(0, vllm_rank(self.shared.config.tp_rank));
         }
-        let published = self.shared.config.metadata_exchange == MetadataExchange::Etcd
-            && self.shared.caches.get().is_some();
-        if published {
-            if let Err(err) = self.agent().invalidate_local_metadata(&MetadataPeer::Etcd) {
-                tracing::warn!(%err, "could not withdraw the agent metadata from etcd");
-            }
+        if let (Some(source), Some(_)) = (&self.shared.etcd, self.shared.caches.get()) {
+            crate::etcd::withdraw(self.agent(), source);
         }
     }
 }
