@@ -80,6 +80,7 @@ async fn run(args: &Args) -> nixl_rs::Result<ExitCode> {
     );
     let side_channel = worker.connector.side_channel_addr()?;
     let protocol = worker.connector.protocol();
+    let authenticated = worker.connector.authenticated();
     let options = PrefillOptions {
         max_frame: args.worker.max_frame,
         handshake_timeout: Duration::from_secs(args.handshake_timeout_s),
@@ -91,13 +92,14 @@ async fn run(args: &Args) -> nixl_rs::Result<ExitCode> {
     let server = PrefillServer::bind(worker, args.listen, options).await?;
     println!(
         "prefill: agent {name} listening on {} ({} layers x {} blocks x {} bytes = {:.1} MiB, \
-         backends {backends:?}, platform {platform}, metadata via {}, connector protocol {protocol}, side channel {side_channel})",
+         backends {backends:?}, platform {platform}, metadata via {}, connector protocol {protocol}, {}side channel {side_channel})",
         server.local_addr()?,
         layout.layers,
         layout.blocks,
         layout.block_bytes,
         layout.total_bytes() as f64 / (1 << 20) as f64,
         args.worker.metadata,
+        if authenticated { "authenticated " } else { "" },
     );
     let stats = server
         .serve(|event| match event {

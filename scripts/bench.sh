@@ -17,6 +17,7 @@
 #   transfer.svg    GB/s against transfer size for Rust, Python and memcpy
 #   latency.svg     p50/p99 of the 4 KiB round trip: .await, blocking wait, 5 ms sleep-poll, Python
 #   transfer.log    what each benchmark printed: its figures and the command reproducing them
+#   handshake-auth.log  the side-channel handshake with and without a shared secret, as a ratio
 # Honours an existing CARGO_TARGET_DIR; BENCH_VENV overrides the venv location.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -100,6 +101,12 @@ done
 echo "bench: $rounds rounds in $((SECONDS - start)) s" >&2
 
 "$bin" report "$jsonl" "$results"
+
+# What authentication costs a handshake: the side-channel exchange with and without a shared
+# secret, alternating, as a ratio (bench/results/handshake-auth.log).
+cargo build --release --locked -p nixl-connector --example handshake_bench
+"$CARGO_TARGET_DIR/release/examples/handshake_bench" --rounds 10 --exchanges 200 |
+    tee "$results/handshake-auth.log"
 cat <<EOF
 
 Setup: two agents A and B in one process; Rust: the crate's default UCX backend (the plugin's

@@ -4,7 +4,8 @@
 # Builds the `prefill` and `decode` examples in release, starts prefill on loopback, runs
 # decode against it (256 requests of 16 blocks x 32 layers x 16 KiB: 2 GiB pulled with NIXL
 # READs, every byte checked), then prints both sides' output and a verdict. Exits non-zero
-# if either side fails or any byte mismatches.
+# if either side fails or any byte mismatches. In the native protocol both sides get a fresh
+# shared secret (--secret-file), so their connector side channels authenticate each other.
 #
 #   scripts/demo.sh                            # metadata inside the connector's handshake
 #   scripts/demo.sh --etcd                     # metadata through a private etcd on loopback
@@ -65,6 +66,12 @@ free_port() {
     python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
 }
 
+secret_args=()
+if [[ ${protocol_args[1]:-native} == native ]]; then
+    (umask 077 && od -An -tx1 -N32 /dev/urandom | tr -d ' \n' >"$work/secret")
+    secret_args=(--secret-file "$work/secret")
+fi
+
 metadata_args=()
 if [[ $use_etcd == 1 ]]; then
     client_port=$(free_port) peer_port=$(free_port)
@@ -93,7 +100,8 @@ fi
 # after the first look below.
 : >"$work/prefill.log"
 "${prefill_wrap[@]}" "$bin/prefill" --listen "${NIXL_DEMO_LISTEN:-127.0.0.1:0}" --sessions 1 \
-    "${cache_args[@]}" "${metadata_args[@]}" "${protocol_args[@]}" >"$work/prefill.log" 2>&1 &
+    "${cache_args[@]}" "${metadata_args[@]}" "${protocol_args[@]}" "${secret_args[@]}" \
+    >"$work/prefill.log" 2>&1 &
 prefill_pid=$!
 addr=''
 for _ in $(seq 300); do
@@ -111,7 +119,7 @@ fi
 start=$(date +%s.%N)
 decode_rc=0
 "${decode_wrap[@]}" "$bin/decode" --prefill "$addr" "${cache_args[@]}" "${metadata_args[@]}" \
-    "${protocol_args[@]}" "${decode_args[@]}" || decode_rc=$?
+    "${protocol_args[@]}" "${secret_args[@]}" "${decode_args[@]}" || decode_rc=$?
 
 prefill_rc=0
 for _ in $(seq 100); do

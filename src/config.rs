@@ -2,6 +2,7 @@
 //! worker through the platform registry (and, with the cache geometry, into its registered
 //! KV cache), and how agent metadata is exchanged.
 
+use std::path::Path;
 use std::str::FromStr;
 use std::sync::Arc;
 
@@ -11,7 +12,8 @@ use nixl::MemType;
 use nixl_connector::etcd::ETCD_ENDPOINTS_ENV;
 use nixl_connector::vllm::compat::{ENFORCE_KEY, FACTORS_KEY};
 use nixl_connector::{
-    KvConnectorWorker, MetadataExchange, Protocol, WorkerConfig as ConnectorConfig, PROTOCOL_KEY,
+    KvConnectorWorker, MetadataExchange, Protocol, SharedSecret, WorkerConfig as ConnectorConfig,
+    PROTOCOL_KEY,
 };
 
 use crate::error::{Error, Result};
@@ -126,6 +128,9 @@ pub struct WorkerConfig<'a> {
     /// `--protocol`, the connector's protocol (`None`: the `kv_transfer_config`'s, by
     /// default native).
     pub protocol: Option<Protocol>,
+    /// `--secret-file`, the file holding the secret both workers' side channels prove
+    /// (native protocol; `None`: the `kv_transfer_config`'s or the environment's, if any).
+    pub secret_file: Option<&'a Path>,
 }
 
 /// A worker's connector, with its agent and registered KV cache, as set up by
@@ -185,6 +190,9 @@ impl WorkerConfig<'_> {
             None => format!("{}-{}", self.worker, std::process::id()),
         };
         let mut config = ConnectorConfig::new(&name, 0, 1, kv_config.clone());
+        if let Some(path) = self.secret_file {
+            config.secret = Some(SharedSecret::from_file(path)?);
+        }
         config.platform = platform.clone();
         config.agent_name = Some(name.clone());
         config.metadata_exchange = self.metadata.exchange();

@@ -243,10 +243,46 @@ fn demo_script_passes() {
     );
     assert!(status.success(), "{text}");
     assert!(text.contains("requests:  12/12"), "{text}");
+    assert!(text.contains("authenticated side channel"), "{text}");
     assert!(text.contains("demo: PASSED"), "{text}");
 
     let (status, text) = run_script("demo.sh", &["--protocol", "vllm", "--", "--requests", "12"]);
     assert!(status.success(), "{text}");
     assert!(text.contains("connector protocol vllm"), "{text}");
     assert!(text.contains("demo: PASSED"), "{text}");
+}
+
+/// With `--secret-file` the connectors' side channels authenticate each other: a decode with
+/// the prefill's secret runs, one without it or with another is refused in its handshake,
+/// naming why (their sessions end early), and the prefill goes on serving.
+#[test]
+fn a_decode_without_the_prefills_secret_is_refused() {
+    let dir = std::env::temp_dir().join(format!("nixl-demo-secret-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (ours, other) = (dir.join("secret"), dir.join("other"));
+    std::fs::write(&ours, "0123456789abcdef0123456789abcdef\n").unwrap();
+    std::fs::write(&other, "fedcba9876543210fedcba9876543210\n").unwrap();
+    let secret = ["--secret-file", ours.to_str().unwrap()];
+    let mut args = vec!["--sessions", "3"];
+    args.extend(secret);
+    let mut prefill = Prefill::start(&args);
+    assert!(prefill.proc.output().contains("authenticated side channel"));
+    for refused in [vec![], vec!["--secret-file", other.to_str().unwrap()]] {
+        let mut args = WORK.to_vec();
+        args.extend(&refused);
+        let (status, out) = run_decode(prefill.addr, &args);
+        assert!(!status.success(), "{out}");
+        assert!(out.contains("not authenticated"), "{out}");
+    }
+    let mut args = WORK.to_vec();
+    args.extend(secret);
+    let (status, out) = run_decode(prefill.addr, &args);
+    assert!(status.success(), "{out}");
+    prefill.proc.finish();
+    let pout = prefill.proc.output();
+    assert!(
+        pout.contains("3 sessions (2 ended early), 20 requests served"),
+        "{pout}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -3,6 +3,7 @@
 
 use std::io::IsTerminal;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use nixl::kv_config::KvRole;
@@ -42,6 +43,12 @@ pub struct WorkerArgs {
     /// etcd endpoints for --metadata etcd (sets NIXL_ETCD_ENDPOINTS).
     #[arg(long)]
     pub etcd_endpoints: Option<String>,
+    /// File holding the secret both workers' connector side channels prove to each other
+    /// (native protocol; 16 to 4096 bytes, e.g. from `openssl rand -hex 32`). Default: the
+    /// kv_transfer_config's auth_secret_file or auth_secret, else $NIXL_CONNECTOR_SECRET or
+    /// $NIXL_CONNECTOR_SECRET_FILE, else none (not authenticated).
+    #[arg(long)]
+    pub secret_file: Option<PathBuf>,
     /// Agent name (default: <worker>-<pid>).
     #[arg(long)]
     pub name: Option<String>,
@@ -104,6 +111,7 @@ impl WorkerArgs {
             metadata: self.metadata,
             layout: self.layout(),
             protocol: self.protocol,
+            secret_file: self.secret_file.as_deref(),
         }
     }
 }

@@ -8,7 +8,9 @@ use nixl::kv_config::KvTransferConfig;
 use nixl::platform::Platform;
 use serde_json::Value;
 
+use crate::auth::SharedSecret;
 use crate::error::{Error, Result};
+use crate::peer_networks::PeerNetworks;
 use crate::vllm::{MetadataServer, VllmChannelLimits};
 use crate::wire::ChannelLimits;
 
@@ -240,14 +242,23 @@ pub struct WorkerConfig {
     /// gives, so that the engine's other ranks can publish to it (the payloads of ranks in
     /// other processes: [`KvConnectorWorker::vllm_handshake_payload`](crate::KvConnectorWorker::vllm_handshake_payload)).
     pub vllm_side_channel: Option<Arc<MetadataServer>>,
+    /// Native protocol: the secret both sides of every handshake prove (`None`: from the
+    /// `kv_transfer_config` or the environment, see
+    /// [`SharedSecret::from_kv_transfer_config`]; no secret there: not authenticated).
+    /// vLLM's protocol has no credential and does not use it.
+    pub secret: Option<SharedSecret>,
+    /// The networks this rank's side channel (either protocol's) answers (`None`: from the
+    /// `kv_transfer_config`, see [`PeerNetworks::from_kv_transfer_config`]; any network
+    /// when it lists none).
+    pub allowed_peers: Option<PeerNetworks>,
 }
 
 impl WorkerConfig {
     /// Defaults: the current platform (or `cpu` when none is detected), side channel on
     /// 127.0.0.1 port 0, [`ChannelLimits::default`], 30 s transfers, device 0, a generated
     /// agent name with [`nixl::AgentConfig::default`], metadata in the handshake, the lease
-    /// and protocol of the `kv_transfer_config`, [`VllmChannelLimits::default`] and no shared
-    /// vLLM side channel.
+    /// and protocol of the `kv_transfer_config`, [`VllmChannelLimits::default`], no shared
+    /// vLLM side channel, and the secret and allowed peers of the `kv_transfer_config`.
     pub fn new(engine_id: &str, tp_rank: usize, tp_size: usize, kv: KvTransferConfig) -> Self {
         let platform = nixl::platform::current_platform()
             .unwrap_or_else(|_| Arc::new(nixl::platform::BuiltinPlatform::CPU));
@@ -268,6 +279,8 @@ impl WorkerConfig {
             protocol: None,
             vllm_limits: VllmChannelLimits::default(),
             vllm_side_channel: None,
+            secret: None,
+            allowed_peers: None,
         }
     }
 }

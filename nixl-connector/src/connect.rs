@@ -17,7 +17,7 @@ use crate::error::{Error, Result};
 use crate::handshake::check_compatible;
 use crate::remotes::{ReadLists, Remote};
 use crate::shared::Shared;
-use crate::side_channel::fetch_handshake;
+use crate::side_channel::fetch_handshake_with;
 
 /// Where a remote engine's side channel is, and its TP size.
 #[derive(Debug, Clone, Copy)]
@@ -82,7 +82,11 @@ async fn connect(
     let (theirs, blocks_per_id) = match &shared.vllm {
         None => {
             let addr = resolve(engine.host, port).await?;
-            (fetch_handshake(addr, ours, shared.config.limits).await?, 1)
+            let secret = shared.guard.secret.as_ref();
+            (
+                fetch_handshake_with(addr, ours, shared.config.limits, secret).await?,
+                1,
+            )
         }
         Some(vllm) => {
             let fetched = vllm
@@ -107,8 +111,14 @@ async fn connect(
             let limits = shared.config.limits;
             let left = limits.deadline.saturating_sub(started.elapsed());
             let key = crate::etcd::metadata_key(&etcd.namespace, &theirs.agent_name);
-            let metadata =
-                crate::etcd::fetch_metadata(&etcd.endpoints, &key, limits.max_frame, left).await?;
+            let metadata = crate::etcd::fetch_metadata_as(
+                &etcd.endpoints,
+                &key,
+                limits.max_frame,
+                left,
+                etcd.credentials.as_ref(),
+            )
+            .await?;
             shared
                 .remotes
                 .load_metadata(agent, &source, &theirs.agent_name, &metadata)?

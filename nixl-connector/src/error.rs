@@ -71,6 +71,23 @@ pub enum Error {
         /// The peer's stated reason.
         reason: String,
     },
+    /// The agent metadata could not be published to etcd with the etcd credentials.
+    #[error("publish agent metadata to etcd (key {key:?}): {reason}")]
+    EtcdPublish {
+        /// The key published under.
+        key: String,
+        /// What went wrong, per endpoint.
+        reason: String,
+    },
+    /// A peer did not prove the shared secret of the side channel (or one side has a secret
+    /// and the other none); nothing was exchanged beyond the refusal.
+    #[error("side channel with {peer}: not authenticated: {reason}")]
+    Unauthenticated {
+        /// The peer.
+        peer: String,
+        /// What was not proven.
+        reason: String,
+    },
     /// The peer was still too busy to answer a handshake when the deadline passed, after
     /// every try it turned away.
     #[error("peer {peer} was still busy after {tries} tries within {deadline:?}: {reason}")]

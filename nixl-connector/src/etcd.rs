@@ -8,6 +8,11 @@
 //! the namespace being `NIXL_ETCD_NAMESPACE` or [`DEFAULT_NAMESPACE`] (whose trailing slash
 //! makes a double one in the key).
 //!
+//! With etcd credentials ([`EtcdCredentials::from_env`]: `NIXL_CONNECTOR_ETCD_USER` and its
+//! password) every request authenticates (`POST /v3/auth/authenticate`, then the token in
+//! the `Authorization` header), and the connector publishes and withdraws the metadata
+//! itself under NIXL's key, NIXL's own etcd client having no authentication.
+//!
 //! NIXL stores the metadata from a background thread and only logs a failure, so
 //! [`publish`] first checks that etcd answers, and fails at once, naming the endpoint, when
 //! it does not. A fetch may come before NIXL's store has landed, so a key that is not there
@@ -23,7 +28,12 @@ use serde::Deserialize;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::error::{Error, Result};
+use crate::etcd_auth::{authenticate, delete_at_first, put_at_first};
 use crate::side_channel::RetryBackoff;
+
+pub use crate::etcd_auth::{
+    EtcdCredentials, ETCD_PASSWORD_ENV, ETCD_PASSWORD_FILE_ENV, ETCD_USER_ENV,
+};
 
 /// The environment variable NIXL reads its etcd endpoints from when an agent is created.
 pub const ETCD_ENDPOINTS_ENV: &str = "NIXL_ETCD_ENDPOINTS";
@@ -45,16 +55,63 @@ pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(2);
 pub const UNHEALTHY_PAUSE: Duration = Duration::from_millis(100);
 
 /// Checks that etcd answers at one of `NIXL_ETCD_ENDPOINTS`, then publishes the agent's
-/// metadata there.
+/// metadata there: through NIXL, or, with [`EtcdCredentials::from_env`], by the connector,
+/// authenticated, under NIXL's key ([`metadata_key`]).
 ///
 /// # Errors
-/// [`Error::InvalidArgument`] without `NIXL_ETCD_ENDPOINTS`; [`check_reachable`]'s errors;
-/// NIXL's error when the publication cannot start.
+/// [`Error::InvalidArgument`] without `NIXL_ETCD_ENDPOINTS` or for incomplete credentials;
+/// [`check_reachable`]'s errors; NIXL's error when the publication cannot start;
+/// [`Error::EtcdPublish`] when no endpoint took the authenticated publication.
 pub fn publish(agent: &Agent) -> Result<()> {
     let endpoints = endpoints()?;
     check_reachable(&endpoints, HEALTH_TIMEOUT)?;
-    agent.send_local_metadata(&MetadataPeer::Etcd)?;
+    match EtcdCredentials::from_env()? {
+        None => agent.send_local_metadata(&MetadataPeer::Etcd)?,
+        Some(credentials) => {
+            let key = metadata_key(&namespace(), agent.name());
+            let hosts = http_hosts(&endpoints);
+            let value = agent.local_metadata()?;
+            put_at_first(
+                hosts.iter().map(String::as_str),
+                &key,
+                &value,
+                &credentials,
+                HEALTH_TIMEOUT,
+            )?;
+        }
+    }
     Ok(())
+}
+
+/// Withdraws the agent's metadata from etcd, as [`publish`] published it; logs a failure.
+pub(crate) fn withdraw(agent: &Agent, source: &EtcdSource) {
+    let outcome = match &source.credentials {
+        None => agent
+            .invalidate_local_metadata(&MetadataPeer::Etcd)
+            .map_err(|err| err.to_string()),
+        Some(credentials) => {
+            let key = metadata_key(&source.namespace, agent.name());
+            let hosts = http_hosts(&source.endpoints);
+            delete_at_first(
+                hosts.iter().map(String::as_str),
+                &key,
+                credentials,
+                HEALTH_TIMEOUT,
+            )
+        }
+    };
+    if let Err(err) = outcome {
+        tracing::warn!(%err, "could not withdraw the agent metadata from etcd");
+    }
+}
+
+/// The `host:port` of each `http://` endpoint of `endpoints`.
+fn http_hosts(endpoints: &str) -> Vec<String> {
+    each_endpoint(endpoints)
+        .map(parse_endpoint)
+        .filter(|(http, _)| *http)
+        .map(|(_, host)| with_port(host))
+        .collect()
 }
 
 /// Checks that at least one of `endpoints` (etcd client URLs separated by commas or
@@ -200,17 +257,20 @@ fn ask_health(
 pub(crate) struct EtcdSource {
     pub(crate) endpoints: String,
     pub(crate) namespace: String,
+    pub(crate) credentials: Option<EtcdCredentials>,
 }
 
 impl EtcdSource {
-    /// From `NIXL_ETCD_ENDPOINTS` and `NIXL_ETCD_NAMESPACE`.
+    /// From `NIXL_ETCD_ENDPOINTS`, `NIXL_ETCD_NAMESPACE` and [`EtcdCredentials::from_env`].
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when `NIXL_ETCD_ENDPOINTS` is not set.
+    /// [`Error::InvalidArgument`] when `NIXL_ETCD_ENDPOINTS` is not set, or for incomplete
+    /// credentials.
     pub(crate) fn from_env() -> Result<Self> {
         Ok(EtcdSource {
             endpoints: endpoints()?,
             namespace: namespace(),
+            credentials: EtcdCredentials::from_env()?,
         })
     }
 }
@@ -243,6 +303,22 @@ pub async fn fetch_metadata(
     max_bytes: usize,
     deadline: Duration,
 ) -> Result<Vec<u8>> {
+    fetch_metadata_as(endpoints, key, max_bytes, deadline, None).await
+}
+
+/// As [`fetch_metadata`], authenticating each request with `credentials` when given (a
+/// token from `/v3/auth/authenticate`, within the same deadline).
+///
+/// # Errors
+/// As [`fetch_metadata`]; an endpoint where the authentication fails is named with etcd's
+/// answer.
+pub async fn fetch_metadata_as(
+    endpoints: &str,
+    key: &str,
+    max_bytes: usize,
+    deadline: Duration,
+    credentials: Option<&EtcdCredentials>,
+) -> Result<Vec<u8>> {
     let mut backoff = RetryBackoff::default();
     let mut tries = 0;
     // Whether an endpoint said the key is not there (yet), or that etcd cannot answer now;
@@ -254,7 +330,7 @@ pub async fn fetch_metadata(
             tries += 1;
             failures.clear();
             for url in each_endpoint(endpoints) {
-                match range(url, key, max_bytes).await {
+                match range(url, key, max_bytes, credentials, deadline).await {
                     Ok(Some(value)) => return Some(value),
                     Ok(None) => absent = true,
                     Err(failure) => {
@@ -332,18 +408,32 @@ async fn range(
     url: &str,
     key: &str,
     max_bytes: usize,
+    credentials: Option<&EtcdCredentials>,
+    deadline: Duration,
 ) -> std::result::Result<Option<Vec<u8>>, RangeFailure> {
     let (http, host) = parse_endpoint(url);
     if !http {
         return Err("only http:// endpoints can be asked for metadata".into());
     }
+    let auth = match credentials {
+        None => String::new(),
+        Some(credentials) => {
+            let (host, credentials) = (with_port(host), credentials.clone());
+            // Bounded by the socket's timeouts; the caller's deadline cuts the wait.
+            let token =
+                tokio::task::spawn_blocking(move || authenticate(&host, &credentials, deadline))
+                    .await
+                    .map_err(|err| RangeFailure::from(err.to_string()))??;
+            format!("Authorization: {token}\r\n")
+        }
+    };
     let mut stream = tokio::net::TcpStream::connect(with_port(host))
         .await
         .map_err(|err| RangeFailure::from(err.to_string()))?;
     let body = format!(r#"{{"key":"{}"}}"#, BASE64_STANDARD.encode(key));
     let request = format!(
         "POST /v3/kv/range HTTP/1.0\r\nHost: {host}\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\n\r\n{body}",
+         {auth}Content-Length: {}\r\n\r\n{body}",
         body.len()
     );
     stream

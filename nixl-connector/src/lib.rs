@@ -111,11 +111,13 @@
 
 #![warn(missing_docs)]
 
+pub mod auth;
 mod block_map;
 mod config;
 mod connect;
 mod error;
 pub mod etcd;
+mod etcd_auth;
 mod failure;
 pub mod handshake;
 pub mod host_buffer;
@@ -123,8 +125,10 @@ mod load;
 mod metrics;
 mod outcomes;
 mod params;
+pub mod peer_networks;
 pub mod pending;
 mod read_plan;
+mod readers;
 mod remotes;
 pub mod scheduler;
 mod sending;
@@ -137,6 +141,7 @@ pub mod vllm;
 mod wire;
 mod worker;
 
+pub use auth::SharedSecret;
 pub use config::{
     Lease, LoadFailurePolicy, MetadataExchange, Protocol, WorkerConfig, DEFAULT_KV_LEASE_DURATION,
     DEFAULT_MAX_HOLD, PROTOCOL_KEY,
@@ -147,6 +152,7 @@ pub use handshake::{check_compatible, HandshakeMessage, PROTOCOL_VERSION};
 pub use metrics::{open_fds, RemoteStats, SendStats, TransferMetrics};
 pub use outcomes::Finished;
 pub use params::{KvTransferParams, RemoteBlocks};
+pub use peer_networks::{PeerNetwork, PeerNetworks};
 pub use pending::{PendingHandshakes, PendingSlot, PendingStats};
 pub use read_plan::{Piece, ReadPlan, RegionPlan};
 pub use scheduler::{

@@ -11,8 +11,9 @@ use std::time::Instant;
 
 use crate::config::{Lease, Protocol};
 use crate::metrics::SendStats;
+use crate::readers::Readers;
 use crate::series::Series;
-use crate::tp_mapping::TpMapping;
+use crate::tp_mapping::{TpMapping, MAX_TP_SIZE};
 
 /// Most notifications kept for requests not (yet) held, e.g. ones that arrive before the
 /// engine's step hands the request over; more are dropped, and each is dropped after a
@@ -128,6 +129,10 @@ pub struct NotificationStats {
     pub duplicate_notifications: u64,
     /// Notifications that are neither `request:tp` nor a well-formed heartbeat (ignored).
     pub malformed: u64,
+    /// Finish notifications refused (ignored): in the native protocol, from an agent that no
+    /// handshake with this rank named as a reader, or with a count other than that
+    /// reader's TP size; in vLLM's, with more readers than a decode can have.
+    pub refused: u64,
 }
 
 #[derive(Debug)]
@@ -161,6 +166,8 @@ pub(crate) struct Sends {
     done: Vec<String>,
     stats: SendStats,
     notes: NotificationStats,
+    /// The readers this rank's side channel accepted (native protocol).
+    readers: Arc<Readers>,
 }
 
 impl Sends {
@@ -169,8 +176,10 @@ impl Sends {
         protocol: Protocol,
         lease: Lease,
         series: Arc<Series>,
+        readers: Arc<Readers>,
     ) -> Self {
         Sends {
+            readers,
             own_tp,
             protocol,
             lease,
@@ -219,6 +228,15 @@ impl Sends {
         match parse(message) {
             Ok(Note::Heartbeat(ids)) => self.heartbeat(&ids, now),
             Ok(Note::Done { request, count }) => {
+                if let Err(why) = self.admit(sender, count) {
+                    self.notes.refused += 1;
+                    self.series.refused_notification();
+                    // Logged at the 1st, 2nd, 4th, 8th... so that a flood cannot flood the log.
+                    if self.notes.refused.is_power_of_two() {
+                        tracing::warn!(sender = %String::from_utf8_lossy(sender), request, count, why, refused = self.notes.refused, "finish notification refused");
+                    }
+                    return;
+                }
                 let needed = match self.protocol {
                     Protocol::Native => TpMapping::consumers(count, self.own_tp),
                     Protocol::Vllm => count,
@@ -231,6 +249,32 @@ impl Sends {
                 if self.notes.malformed.is_power_of_two() {
                     tracing::warn!(sender = %String::from_utf8_lossy(sender), why, malformed = self.notes.malformed, "malformed notification ignored");
                 }
+            }
+        }
+    }
+
+    /// Whether a finish notification from `sender` saying `count` may count. Native: only
+    /// from an agent a handshake with this rank named as a reader, and only with that
+    /// reader's TP size. vLLM: the prefill never learns its readers' agents (they load its
+    /// metadata, not it theirs), so only the count is checked: at most as many readers as
+    /// a decode of the largest TP has per rank of this engine.
+    fn admit(&self, sender: &[u8], count: usize) -> Result<(), &'static str> {
+        match self.protocol {
+            Protocol::Native => {
+                let reader = self
+                    .readers
+                    .get(sender)
+                    .ok_or("not from a reader that handshook with this rank")?;
+                if count != reader.tp_size {
+                    return Err("the count is not the reader's TP size");
+                }
+                Ok(())
+            }
+            Protocol::Vllm => {
+                if count > (MAX_TP_SIZE / self.own_tp.max(1)).max(1) {
+                    return Err("more readers than a decode can have per rank of this engine");
+                }
+                Ok(())
             }
         }
     }
@@ -371,6 +415,17 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+    use crate::readers::Reader;
+
+    /// Readers that handshook: `d` and `solo` of TP 1, `d0` and `d1` of TP `tp`.
+    fn readers(tp: usize) -> Arc<Readers> {
+        let readers = Arc::new(Readers::default());
+        for (agent, tp_size) in [("d", 1), ("solo", 1), ("d0", tp), ("d1", tp)] {
+            let engine_id = "decode".to_string();
+            readers.accept(agent, Reader { engine_id, tp_size });
+        }
+        readers
+    }
 
     fn sends(own_tp: usize) -> Sends {
         let lease = Lease {
@@ -382,6 +437,7 @@ mod tests {
             Protocol::Native,
             lease,
             Arc::new(Series::new("test", 0, None)),
+            readers(2),
         )
     }
 
@@ -475,18 +531,9 @@ mod tests {
         let t0 = Instant::now();
         let lease = Lease::default();
         // Prefill TP 2 read by decode TP 4: vLLM's decode says 2 consumers, ours 4 (its TP).
-        let mut vllm = Sends::new(
-            2,
-            Protocol::Vllm,
-            lease,
-            Arc::new(Series::new("t", 0, None)),
-        );
-        let mut native = Sends::new(
-            2,
-            Protocol::Native,
-            lease,
-            Arc::new(Series::new("t", 0, None)),
-        );
+        let series = || Arc::new(Series::new("t", 0, None));
+        let mut vllm = Sends::new(2, Protocol::Vllm, lease, series(), readers(4));
+        let mut native = Sends::new(2, Protocol::Native, lease, series(), readers(4));
         for (s, message) in [(&mut vllm, &b"r:2"[..]), (&mut native, b"r:4")] {
             s.hold("r".into(), t0 + Duration::from_secs(30), t0);
             s.notified(b"d0", message, t0);
@@ -519,12 +566,39 @@ mod tests {
         );
 
         // Early notifications release at the hold, and go stale after a lease.
-        s.notified(b"d0", b"e:1", t0);
+        s.notified(b"solo", b"e:1", t0);
         s.hold("e".into(), t0 + Duration::from_secs(30), t0);
         assert_eq!(s.take_done(), ["e"]);
-        s.notified(b"d0", b"never:1", t0);
+        s.notified(b"solo", b"never:1", t0);
         s.expire(t0 + Duration::from_secs(31));
         assert!(s.early.is_empty());
         assert_eq!(s.notification_stats().late_notifications, 2);
+    }
+
+    #[test]
+    fn only_readers_count_and_only_with_their_tp() {
+        let mut s = sends(1);
+        let t0 = Instant::now();
+        s.hold("r".into(), t0 + Duration::from_secs(30), t0);
+        s.notified(b"third", b"r:1", t0);
+        s.notified(b"d0", b"r:4096", t0);
+        s.notified(b"d0", b"r:1", t0);
+        s.notified(b"d", b"r:4294967295", t0);
+        assert!(s.take_done().is_empty(), "the request is still held");
+        let notes = s.notification_stats();
+        assert_eq!((notes.refused, notes.malformed), (3, 1));
+        s.notified(b"d0", b"r:2", t0);
+        s.notified(b"d1", b"r:2", t0);
+        assert_eq!(s.take_done(), ["r"]);
+
+        // vLLM: a count no decode can have is refused.
+        let lease = Lease::default();
+        let series = Arc::new(Series::new("t", 0, None));
+        let mut vllm = Sends::new(2, Protocol::Vllm, lease, series, readers(1));
+        vllm.hold("r".into(), t0 + Duration::from_secs(30), t0);
+        vllm.notified(b"anyone", b"r:4096", t0);
+        assert_eq!(vllm.notification_stats().refused, 1);
+        vllm.notified(b"anyone", b"r:1", t0);
+        assert_eq!(vllm.take_done(), ["r"]);
     }
 }

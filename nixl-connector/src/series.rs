@@ -84,6 +84,9 @@ pub const NUM_PREFIX_HITS: &str = "vllm:nixl_num_prefix_hits";
 /// flight, their memory kept for the process's life ([`nixl::LeakStats::requests`]; both
 /// sides; not a vLLM series).
 pub const LEAKED_REQUESTS: &str = "vllm:nixl_leaked_requests";
+/// Counter: finish notifications refused because their sender or count is not one of this
+/// engine's readers' (prefill side; not a vLLM series).
+pub const NUM_REFUSED_NOTIFICATIONS: &str = "vllm:nixl_num_refused_notifications";
 
 /// vLLM's buckets for the post time (seconds).
 const TIME_BUCKETS: [f64; 13] = [
@@ -187,6 +190,11 @@ pub fn describe() {
         "Heartbeat notifications received (prefill side)."
     );
     describe_counter!(
+        NUM_REFUSED_NOTIFICATIONS,
+        Unit::Count,
+        "Finish notifications refused: not from a reader of this engine, or a count beyond its TP (prefill side)."
+    );
+    describe_counter!(
         NUM_HEARTBEATS_REFUSED,
         Unit::Count,
         "Heartbeats received that named no held request (prefill side)."
@@ -278,6 +286,7 @@ pub(crate) struct Series {
     loads: [Counter; 3],
     handshakes_pending: Gauge,
     leaked: Gauge,
+    refused_notifications: Counter,
 }
 
 /// The `outcome` labels of [`NUM_LOADS`], in `Series::loads` order.
@@ -344,6 +353,7 @@ impl Series {
             loads: OUTCOMES.map(|o| counter(decode, NUM_LOADS, with(&labels, "outcome", o))),
             handshakes_pending: gauge(decode, HANDSHAKES_PENDING),
             leaked: gauge(true, LEAKED_REQUESTS),
+            refused_notifications: counter(prefill, NUM_REFUSED_NOTIFICATIONS, labels.clone()),
         }
     }
 
@@ -437,6 +447,11 @@ impl Series {
     /// A heartbeat received.
     pub(crate) fn heartbeat(&self) {
         self.heartbeats.increment(1);
+    }
+
+    /// A finish notification refused.
+    pub(crate) fn refused_notification(&self) {
+        self.refused_notifications.increment(1);
     }
 }
 

@@ -15,6 +15,7 @@ use crate::pending::PendingHandshakes;
 use crate::remotes::Remotes;
 use crate::sending::Sends;
 use crate::series::Series;
+use crate::side_channel::Guard;
 use crate::spec::KvCacheSpec;
 use crate::vllm::{MetadataServer, NixlHandshakePayload, VllmWorker};
 
@@ -44,6 +45,8 @@ pub(crate) struct Shared {
     pub(crate) caches: OnceLock<Caches>,
     pub(crate) outcomes: Mutex<Outcomes>,
     pub(crate) sends: Mutex<Sends>,
+    /// The secret, allowed networks and accepted readers of the side channel.
+    pub(crate) guard: Arc<Guard>,
     pub(crate) remotes: Remotes,
     /// Where peers' metadata is fetched from, in etcd mode.
     pub(crate) etcd: Option<EtcdSource>,

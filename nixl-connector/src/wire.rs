@@ -89,7 +89,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Channel<S> {
         self.framed.get_mut()
     }
 
-    fn protocol(&self, reason: String) -> Error {
+    pub(crate) fn protocol(&self, reason: String) -> Error {
         Error::Protocol {
             peer: self.peer.clone(),
             reason,

@@ -7,12 +7,11 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use nixl::kv_config::NixlSetup;
-use nixl::{
-    Agent, MetadataPeer, NotificationFilter, RegDesc, RegisterMemory, Registration, XferOp,
-};
+use nixl::{Agent, NotificationFilter, RegDesc, RegisterMemory, Registration, XferOp};
 use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
 
+use crate::auth::SharedSecret;
 use crate::config::{Lease, MetadataExchange, Protocol, WorkerConfig};
 use crate::connect::{self, Engine};
 use crate::error::{Error, Result};
@@ -23,12 +22,14 @@ use crate::host_buffer::Staging;
 use crate::metrics::{RemoteStats, SendStats, TransferMetrics};
 use crate::outcomes::{Finished, Outcomes};
 use crate::params::RemoteBlocks;
+use crate::peer_networks::{warn_if_open, PeerNetworks};
 use crate::pending::{PendingHandshakes, PendingStats};
 use crate::remotes::Remotes;
 use crate::scheduler::{ConnectorMetadata, HeartbeatSpec};
 use crate::sending::{heartbeat_messages, NotificationStats, Sends};
 use crate::series::Series;
 use crate::shared::{Caches, Shared};
+use crate::side_channel::Guard;
 use crate::spec::KvCacheSpec;
 use crate::tp_mapping::TpMapping;
 use crate::vllm::{
@@ -123,8 +124,33 @@ impl KvConnectorWorker {
         )?;
         let role = config.kv_transfer_config.kv_role;
         let series = Arc::new(Series::new(&config.engine_id, config.tp_rank, role));
+        if protocol == Protocol::Vllm && config.secret.is_some() {
+            tracing::warn!("vLLM's protocol has no credential: the shared secret is not used; set kv_connector_extra_config.allowed_peer_networks");
+        }
+        let guard = Arc::new(Guard {
+            secret: match (&config.secret, protocol) {
+                (_, Protocol::Vllm) => None,
+                (Some(secret), Protocol::Native) => Some(secret.clone()),
+                (None, Protocol::Native) => {
+                    SharedSecret::from_kv_transfer_config(&config.kv_transfer_config)?
+                }
+            },
+            peers: match &config.allowed_peers {
+                Some(peers) => peers.clone(),
+                None => PeerNetworks::from_kv_transfer_config(&config.kv_transfer_config)?,
+            },
+            ..Guard::default()
+        });
+        let sends = Sends::new(
+            config.tp_size,
+            protocol,
+            lease,
+            series.clone(),
+            guard.readers.clone(),
+        );
         let shared = Arc::new(Shared {
-            sends: Mutex::new(Sends::new(config.tp_size, protocol, lease, series.clone())),
+            sends: Mutex::new(sends),
+            guard,
             series,
             config,
             protocol,
@@ -351,7 +377,14 @@ impl KvConnectorWorker {
         let _entered = self.runtime.enter();
         let listener = tokio::net::TcpListener::from_std(listener)
             .map_err(|err| Error::io("bind the side channel", side_channel, err))?;
-        let server = crate::side_channel::serve(listener, ours, config.limits, pending);
+        let guard = self.shared.guard.clone();
+        warn_if_open(
+            "the side channel",
+            side_channel,
+            guard.secret.is_some(),
+            &guard.peers,
+        );
+        let server = crate::side_channel::serve(listener, ours, config.limits, pending, guard);
         self.tasks
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -391,6 +424,7 @@ impl KvConnectorWorker {
                 )?)
             }
         };
+        server.set_allowed_peers(self.shared.guard.peers.clone());
         Ok((server, payload))
     }
 
@@ -502,6 +536,12 @@ impl KvConnectorWorker {
     /// The protocol this worker speaks.
     pub fn protocol(&self) -> Protocol {
         self.shared.protocol
+    }
+
+    /// Whether this worker's handshakes prove a shared secret both ways (native protocol
+    /// with a [`SharedSecret`]; see [`auth`](crate::auth)).
+    pub fn authenticated(&self) -> bool {
+        self.shared.guard.secret.is_some()
     }
 
     /// vLLM mode: the engine's side channel this rank's payload is published to (the
@@ -884,12 +924,8 @@ impl Drop for KvConnectorWorker {
         if let Some((server, _)) = self.shared.caches.get().and_then(|c| c.vllm.as_ref()) {
             server.withdraw(0, vllm_rank(self.shared.config.tp_rank));
         }
-        let published = self.shared.config.metadata_exchange == MetadataExchange::Etcd
-            && self.shared.caches.get().is_some();
-        if published {
-            if let Err(err) = self.agent().invalidate_local_metadata(&MetadataPeer::Etcd) {
-                tracing::warn!(%err, "could not withdraw the agent metadata from etcd");
-            }
+        if let (Some(source), Some(_)) = (&self.shared.etcd, self.shared.caches.get()) {
+            crate::etcd::withdraw(self.agent(), source);
         }
     }
 }

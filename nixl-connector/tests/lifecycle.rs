@@ -359,8 +359,9 @@ async fn a_decode_that_heartbeats_keeps_blocks_past_the_lease_and_one_that_stops
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_heartbeats_and_repeated_or_late_notifications_stay_bounded() {
-    let (spec, prefill, mut prefill_scheduler) = prefill("pf-hostile", 2.0);
-    let decode = worker("dc-hostile", 0, 1, &spec);
+    let (_, prefill, mut prefill_scheduler) = prefill("pf-hostile", 2.0);
+    // Rank 0 of a TP-2 decode: a reader whose notification counts for one of two.
+    let decode = worker("dc-hostile", 0, 2, &common::spec_tp(2, 2));
     handshake(
         &decode,
         "pf-hostile",

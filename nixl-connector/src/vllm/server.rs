@@ -22,6 +22,7 @@ use super::limits::VllmChannelLimits;
 use super::payload::{decode_request, encode_clock, encode_error, NixlHandshakePayload};
 use super::zmtp::{Connection, SocketType};
 use crate::error::{Error, Result};
+use crate::peer_networks::PeerNetworks;
 use crate::wire::within;
 
 /// Most ranks an error reply lists.
@@ -53,6 +54,10 @@ struct Shared {
 
 #[derive(Default)]
 struct State {
+    /// The networks answered.
+    peers: PeerNetworks,
+    /// Connections closed at accept because of their network.
+    refused_networks: u64,
     /// Encoded payloads by (pp_rank, tp_rank).
     payloads: BTreeMap<(u32, u32), Arc<[u8]>>,
     generation: u64,
@@ -153,6 +158,20 @@ impl MetadataServer {
         self.shared.lock().generation
     }
 
+    /// Answers only peers in `peers` from now on (default: any): a connection from
+    /// elsewhere is closed as it is accepted, before a byte is read or sent. vLLM's protocol
+    /// has no credential, so this allowlist is its only guard (see the README's security
+    /// section); warns when the server listens on a non-loopback address without one.
+    pub fn set_allowed_peers(&self, peers: PeerNetworks) {
+        crate::peer_networks::warn_if_open("the vLLM side channel", self.local_addr, false, &peers);
+        self.shared.lock().peers = peers;
+    }
+
+    /// Connections closed at accept because they came from outside the allowed networks.
+    pub fn refused_networks(&self) -> u64 {
+        self.shared.lock().refused_networks
+    }
+
     /// Connections open now.
     pub fn connections(&self) -> usize {
         self.shared.lock().connections.len()
@@ -192,6 +211,14 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
 /// Starts serving a new connection, closing the least recently active idle one at the cap.
 fn admit(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
     let mut state = shared.lock();
+    if !state.peers.allows(peer.ip()) {
+        state.refused_networks += 1;
+        // Logged at the 1st, 2nd, 4th, 8th... so that a flood cannot flood the log.
+        if state.refused_networks.is_power_of_two() {
+            tracing::warn!(%peer, refused = state.refused_networks, "vLLM side channel: a connection from outside the allowed peer networks closed");
+        }
+        return;
+    }
     let mut displaced = None;
     if state.connections.len() >= shared.limits.max_connections {
         let idlest = state
