@@ -372,10 +372,9 @@ async fn pull_all(
             biased;
             () = connector.load_ended() => {
                 idle.as_mut().reset(Deadline::now() + options.idle_timeout);
-                let finished = connector.finished();
-                let errors = connector.load_errors();
+                let output = connector.output();
                 connector.metrics();
-                let outcomes = state.scheduler.update_connector_output(&finished, &errors);
+                let outcomes = state.scheduler.update_connector_output(&[output])?.load_outcomes;
                 if let Err(failed) = state.loads_ended(outcomes) {
                     if !channel_open {
                         return Err(failed);

@@ -26,7 +26,7 @@ use nixl_connector::vllm::{
 };
 use nixl_connector::{
     Error, FinishStatus, KvAttention, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker,
-    KvLayout, KvTransferParams, LoadOutcome, SchedulerConfig, WorkerConfig,
+    KvLayout, KvTransferParams, LoadOutcome, SchedulerConfig, WorkerConfig, WorkerOutput,
 };
 use py::{hex, unhex};
 use serde_json::{json, Value};
@@ -504,7 +504,15 @@ async fn load_from_python(
         let finished = decode.finished();
         if finished.recving.iter().any(|r| r == request) {
             let errors = decode.load_errors();
-            let mut outcomes = scheduler.update_connector_output(&finished, &errors);
+            let output = WorkerOutput {
+                tp_rank: 0,
+                finished,
+                load_errors: errors,
+            };
+            let mut outcomes = scheduler
+                .update_connector_output(&[output])
+                .unwrap()
+                .load_outcomes;
             assert_eq!(outcomes.len(), 1, "{outcomes:?}");
             return outcomes.remove(0);
         }

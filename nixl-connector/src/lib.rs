@@ -111,6 +111,7 @@
 
 #![warn(missing_docs)]
 
+mod aggregate;
 mod block_map;
 mod config;
 mod connect;
@@ -132,11 +133,13 @@ pub mod series;
 mod shared;
 pub mod side_channel;
 mod spec;
+mod step_wire;
 mod tp_mapping;
 pub mod vllm;
 mod wire;
 mod worker;
 
+pub use aggregate::{AggregatedOutput, ConnectorOutput, KvOutputAggregator, WorkerOutput};
 pub use config::{
     Lease, LoadFailurePolicy, MetadataExchange, Protocol, WorkerConfig, DEFAULT_KV_LEASE_DURATION,
     DEFAULT_MAX_HOLD, PROTOCOL_KEY,

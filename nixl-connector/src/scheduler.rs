@@ -5,9 +5,10 @@
 //! # Prefill side: delayed freeing under a lease
 //! A prefill request whose KV a remote decode will read (`do_remote_decode`) and that
 //! stopped normally ([`FinishStatus::LengthCapped`], [`FinishStatus::Stopped`]) is finished
-//! with [`RequestFinished::delay_free_blocks`] set: the engine keeps its blocks until the
-//! worker reports the request in [`Finished::sending`](crate::Finished::sending). The worker
-//! reports it when the decode's notification arrives (one per decode rank reading from this
+//! with [`RequestFinished::delay_free_blocks`] set: the engine keeps its blocks until
+//! [`update_connector_output`](KvConnectorScheduler::update_connector_output) lists the
+//! request in [`ConnectorOutput::finished_sending`], once every TP rank has reported it in
+//! [`Finished::sending`](crate::Finished::sending). A rank reports it when the decode's notification arrives (one per decode rank reading from this
 //! rank), or when the request's **KV lease** ends ([`Lease`], vLLM's `kv_lease_duration`,
 //! default 30 s). A decode whose load still waits sends heartbeats that extend the lease,
 //! up to [`Lease::max_hold`]. An aborted prefill request frees its blocks at once.
@@ -23,7 +24,7 @@
 //! notifies the prefill without reading; one finished while its READ may run keeps its
 //! blocks until the load ends ([`LoadOutcome::AbortedLoadEnded`]). Each step,
 //! [`update_connector_output`](KvConnectorScheduler::update_connector_output) turns what
-//! the workers report into a [`LoadOutcome`] per request, applying the
+//! every TP rank reports into a [`LoadOutcome`] per request, applying the
 //! [`LoadFailurePolicy`] to failed loads.
 
 use std::collections::HashMap;
@@ -31,11 +32,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use nixl::kv_config::KvTransferConfig;
+use serde::{Deserialize, Serialize};
 
+use crate::aggregate::{ConnectorOutput, KvOutputAggregator, WorkerOutput};
 use crate::config::{Lease, LoadFailurePolicy, Protocol};
 use crate::error::{Error, Result};
 use crate::failure::FailedBlock;
-use crate::outcomes::Finished;
 use crate::params::{KvTransferParams, RemoteBlocks};
 use crate::vllm::MetadataServer;
 
@@ -117,7 +119,7 @@ impl SchedulerConfig {
 }
 
 /// One load for the workers: read `remote` into `local_block_ids`.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LoadSpec {
     /// The local request id.
     pub request_id: String,
@@ -130,16 +132,18 @@ pub struct LoadSpec {
 
 /// One request whose blocks wait for a decode: freed on its notification or when its lease
 /// ends at `deadline`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SendSpec {
     /// The request id (the notification names it).
     pub request_id: String,
-    /// When the lease ends unless a heartbeat extends it.
+    /// When the lease ends unless a heartbeat extends it (in another process: the time left
+    /// when it was sent, from its arrival; see [`ConnectorMetadata::to_msgpack`]).
+    #[serde(with = "crate::step_wire::deadline")]
     pub deadline: Instant,
 }
 
 /// A heartbeat for one remote engine: its requests that loads here still wait for.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HeartbeatSpec {
     /// The remote engine.
     pub engine_id: String,
@@ -153,8 +157,9 @@ pub struct HeartbeatSpec {
     pub request_ids: Vec<String>,
 }
 
-/// What the scheduler hands its workers each step.
-#[derive(Debug, Clone, Default, PartialEq)]
+/// What the scheduler hands its workers each step (vLLM's `NixlConnectorMetadata`); it
+/// crosses to worker processes as MessagePack ([`to_msgpack`](Self::to_msgpack)).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ConnectorMetadata {
     /// Loads to start.
     pub loads: Vec<LoadSpec>,
@@ -170,7 +175,7 @@ pub struct ConnectorMetadata {
 #[derive(Debug, Clone, PartialEq)]
 pub struct RequestFinished {
     /// Keep the blocks until the workers report the request: in
-    /// [`Finished::sending`](crate::Finished::sending) on a prefill, as
+    /// [`ConnectorOutput::finished_sending`] on a prefill, as
     /// [`LoadOutcome::AbortedLoadEnded`] on a decode.
     pub delay_free_blocks: bool,
     /// Params for the decode engine, when a remote decode will read this request.
@@ -245,19 +250,22 @@ pub struct KvConnectorScheduler {
     /// Failed blocks of loads whose end the workers have not reported yet.
     failed: HashMap<String, Vec<FailedBlock>>,
     last_heartbeat: Option<Instant>,
+    /// Every TP rank's outputs, counted until each has reported a request.
+    aggregator: KvOutputAggregator,
 }
 
 impl KvConnectorScheduler {
     /// A scheduler for an engine with `config`.
     pub fn new(config: SchedulerConfig) -> Self {
         KvConnectorScheduler {
-            config,
             decodes: HashMap::new(),
             loads: HashMap::new(),
             sends: HashMap::new(),
             aborted: Vec::new(),
             failed: HashMap::new(),
             last_heartbeat: None,
+            aggregator: KvOutputAggregator::new(config.tp_size),
+            config,
         }
     }
 
@@ -520,16 +528,29 @@ impl KvConnectorScheduler {
         by_engine.into_values().collect()
     }
 
-    /// Takes what the workers reported in one step (vLLM's `update_connector_output`):
-    /// `finished` and then `load_errors`, from every worker. Returns how each decode
-    /// request's load ended, applying the [`LoadFailurePolicy`] to those with failed
-    /// blocks; requests it does not track (notification only, or unknown) are skipped.
-    /// A load's failed blocks may come one step before its end; they wait for it.
-    pub fn update_connector_output(
-        &mut self,
-        finished: &Finished,
-        load_errors: &[FailedBlock],
-    ) -> Vec<LoadOutcome> {
+    /// Takes what every TP rank reported in one step (vLLM's `update_connector_output`,
+    /// after its `KVOutputAggregator`): one [`WorkerOutput`] per rank
+    /// ([`KvConnectorWorker::output`](crate::KvConnectorWorker::output)), aggregated so
+    /// that a request is finished only once every rank has reported it. Returns the
+    /// prefill requests whose blocks the engine may free now, and how each decode request's
+    /// load ended, applying the [`LoadFailurePolicy`] to those with failed blocks (on any
+    /// rank); requests it does not track (notification only, or unknown) are skipped. A
+    /// load's failed blocks may come steps before its end; they wait for it.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] unless `outputs` holds exactly one output of each rank
+    /// below [`SchedulerConfig::tp_size`] (nothing is taken then).
+    pub fn update_connector_output(&mut self, outputs: &[WorkerOutput]) -> Result<ConnectorOutput> {
+        let step = self.aggregator.aggregate(outputs)?;
+        Ok(ConnectorOutput {
+            load_outcomes: self.loads_ended(&step.finished.recving, &step.load_errors),
+            finished_sending: step.finished.sending,
+        })
+    }
+
+    /// How the loads of `recving` (every rank's ended) came out, with every rank's
+    /// `load_errors`.
+    fn loads_ended(&mut self, recving: &[String], load_errors: &[FailedBlock]) -> Vec<LoadOutcome> {
         for failed in load_errors {
             let loading = self
                 .decodes
@@ -543,7 +564,7 @@ impl KvConnectorScheduler {
             }
         }
         let mut outcomes = Vec::new();
-        for request_id in &finished.recving {
+        for request_id in recving {
             let Some(decode) = self.decodes.get_mut(request_id) else {
                 continue;
             };
@@ -596,6 +617,7 @@ mod tests {
 
     use super::*;
     use crate::failure::FailureKind;
+    use crate::outcomes::Finished;
 
     fn config(policy: LoadFailurePolicy) -> SchedulerConfig {
         SchedulerConfig {
@@ -681,6 +703,25 @@ mod tests {
             sending: Vec::new(),
             recving: ids.iter().map(|s| s.to_string()).collect(),
         }
+    }
+
+    /// The outcomes of a step in which both ranks of the TP 2 engine report `finished`, and
+    /// rank 0 `load_errors`.
+    fn both_ranks(
+        s: &mut KvConnectorScheduler,
+        finished: &Finished,
+        load_errors: &[FailedBlock],
+    ) -> Vec<LoadOutcome> {
+        let outputs = [0, 1].map(|tp_rank| WorkerOutput {
+            tp_rank,
+            finished: finished.clone(),
+            load_errors: if tp_rank == 0 {
+                load_errors.to_vec()
+            } else {
+                Vec::new()
+            },
+        });
+        s.update_connector_output(&outputs).unwrap().load_outcomes
     }
 
     #[test]
@@ -771,7 +812,7 @@ mod tests {
             "the worker reads the tail"
         );
         // The full hit is done at once: nothing waits for it, no heartbeat names it.
-        let outcomes = s.update_connector_output(&recving(&["full", "part"]), &[]);
+        let outcomes = both_ranks(&mut s, &recving(&["full", "part"]), &[]);
         assert_eq!(
             outcomes,
             [LoadOutcome::Loaded {
@@ -817,7 +858,7 @@ mod tests {
             meta.heartbeats.is_empty(),
             "no heartbeat for an aborted load"
         );
-        let outcomes = s.update_connector_output(&recving(&["running"]), &[failed("running", 6)]);
+        let outcomes = both_ranks(&mut s, &recving(&["running"]), &[failed("running", 6)]);
         assert_eq!(
             outcomes,
             [LoadOutcome::AbortedLoadEnded {
@@ -829,8 +870,7 @@ mod tests {
             "nothing left behind"
         );
         assert!(
-            s.update_connector_output(&recving(&["running"]), &[])
-                .is_empty(),
+            both_ranks(&mut s, &recving(&["running"]), &[]).is_empty(),
             "once"
         );
     }
@@ -854,7 +894,7 @@ mod tests {
             .is_empty());
         let meta = s.meta_at(t0 + Duration::from_millis(500));
         assert_eq!(meta.heartbeats.len(), 1, "3 s lease: every 500 ms");
-        s.update_connector_output(&recving(&["b"]), &[]);
+        both_ranks(&mut s, &recving(&["b"]), &[]);
         s.request_finished("a", &[], None, FinishStatus::Aborted);
         assert!(s.meta_at(t0 + Duration::from_secs(2)).heartbeats.is_empty());
     }
@@ -870,8 +910,8 @@ mod tests {
             s.build_connector_meta();
             // The errors come one step before the load's end.
             let early = [failed("x", 9), failed("x", 3), failed("stranger", 1)];
-            assert!(s.update_connector_output(&recving(&[]), &early).is_empty());
-            let outcomes = s.update_connector_output(&recving(&["ok", "x"]), &[]);
+            assert!(both_ranks(&mut s, &recving(&[]), &early).is_empty());
+            let outcomes = both_ranks(&mut s, &recving(&["ok", "x"]), &[]);
             let reason = "transfer failure: peer gone".to_string();
             let x = match policy {
                 LoadFailurePolicy::Recompute => LoadOutcome::Recompute {

@@ -13,6 +13,7 @@ use nixl::{
 use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
 
+use crate::aggregate::WorkerOutput;
 use crate::config::{Lease, MetadataExchange, Protocol, WorkerConfig};
 use crate::connect::{self, Engine};
 use crate::error::{Error, Result};
@@ -805,6 +806,18 @@ impl KvConnectorWorker {
         };
         let recving = std::mem::take(&mut self.shared.outcomes().recving);
         Finished { sending, recving }
+    }
+
+    /// This rank's output of one step, for
+    /// [`KvConnectorScheduler::update_connector_output`](crate::KvConnectorScheduler::update_connector_output)
+    /// (vLLM's `KVConnectorOutput`): its rank, [`finished`](Self::finished) and
+    /// [`load_errors`](Self::load_errors), both taken.
+    pub fn output(&self) -> WorkerOutput {
+        WorkerOutput {
+            tp_rank: self.shared.config.tp_rank,
+            finished: self.finished(),
+            load_errors: self.load_errors(),
+        }
     }
 
     /// Resolves once a load has ended since the previous call (or immediately if one ended

@@ -134,8 +134,8 @@ async fn outcomes(
     let start = Instant::now();
     let mut all = Vec::new();
     while all.len() < n && start.elapsed() < limit {
-        let finished = decode.finished();
-        all.extend(scheduler.update_connector_output(&finished, &decode.load_errors()));
+        let step = scheduler.update_connector_output(&[decode.output()]);
+        all.extend(step.unwrap().load_outcomes);
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     all

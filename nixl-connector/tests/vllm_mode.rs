@@ -22,7 +22,7 @@ use nixl_connector::vllm::clock::perf_counter;
 use nixl_connector::vllm::{MetadataServer, VllmChannelLimits};
 use nixl_connector::{
     FailureKind, KvAttention, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker, KvLayout,
-    KvRegionKind, KvTransferParams, LoadOutcome, Protocol, SchedulerConfig,
+    KvRegionKind, KvTransferParams, LoadOutcome, Protocol, SchedulerConfig, WorkerOutput,
 };
 
 /// A guard against hangs only.
@@ -101,7 +101,15 @@ async fn load(
     decode.start_load_kv(&scheduler.build_connector_meta());
     let done = poll_until(decode, WAIT, |f| f.recving.iter().any(|r| r == request)).await;
     let errors = decode.load_errors();
-    let mut outcomes = scheduler.update_connector_output(&done, &errors);
+    let output = WorkerOutput {
+        tp_rank: 0,
+        finished: done,
+        load_errors: errors,
+    };
+    let mut outcomes = scheduler
+        .update_connector_output(&[output])
+        .unwrap()
+        .load_outcomes;
     assert_eq!(outcomes.len(), 1, "{outcomes:?}");
     outcomes.remove(0)
 }
