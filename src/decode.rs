@@ -528,7 +528,7 @@ impl RunState<'_> {
         if abort == Some(AbortPoint::BeforeLoad) {
             let done =
                 self.scheduler
-                    .request_finished(&id, &[], Some(&params), FinishStatus::Aborted);
+                    .request_finished(&id, &[], 0, Some(&params), FinishStatus::Aborted);
             debug_assert!(!done.delay_free_blocks);
             worker
                 .connector
@@ -654,6 +654,7 @@ impl RunState<'_> {
                 let done = self.scheduler.request_finished(
                     &id,
                     &missing,
+                    0,
                     Some(&pending.params),
                     FinishStatus::Aborted,
                 );

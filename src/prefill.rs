@@ -623,6 +623,7 @@ impl Session<'_> {
             let finished = scheduler.request_finished(
                 &id,
                 &block_ids,
+                block_ids.len(),
                 Some(&decode),
                 FinishStatus::LengthCapped,
             );

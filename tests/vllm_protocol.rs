@@ -607,6 +607,7 @@ async fn a_python_decode_reads_every_byte_from_a_rust_prefill_whose_notification
     let finished = scheduler.request_finished(
         "rs-req-1",
         &remote,
+        43,
         Some(&for_decode),
         FinishStatus::LengthCapped,
     );
@@ -615,6 +616,10 @@ async fn a_python_decode_reads_every_byte_from_a_rust_prefill_whose_notification
         serde_json::from_str(&finished.kv_transfer_params.unwrap().to_vllm_json()).unwrap();
     let port = params["remote_port"].as_u64().unwrap();
     assert_eq!(params["remote_block_ids"], json!([remote]));
+    assert_eq!(
+        params["remote_num_tokens"], 43,
+        "vLLM's num_computed_tokens"
+    );
     let hash = factors().hash();
 
     // Another hash: the Python decode refuses before it decodes the metadata.

@@ -49,8 +49,13 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
         do_remote_decode: true,
         ..Default::default()
     };
-    let finished =
-        scheduler.request_finished(REQUEST, &BLOCKS, Some(&asked), FinishStatus::LengthCapped);
+    let finished = scheduler.request_finished(
+        REQUEST,
+        &BLOCKS,
+        BLOCKS.len() * 16,
+        Some(&asked),
+        FinishStatus::LengthCapped,
+    );
     worker.start_load_kv(&scheduler.build_connector_meta());
     let params = finished
         .kv_transfer_params

@@ -47,6 +47,7 @@ pub(crate) async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let finished = prefill_scheduler.request_finished(
         "r1",
         &[4, 5, 6, 7],
+        4 * 16,
         Some(&request),
         FinishStatus::LengthCapped,
     );

@@ -350,7 +350,9 @@ impl KvConnectorScheduler {
     ///
     /// - A prefill request for a remote decode (`do_remote_decode`) that is length-capped or
     ///   stopped keeps its `block_ids` (if any) under a lease, and the params for the decode
-    ///   are returned. An aborted or failed one frees its blocks at once.
+    ///   are returned, with `num_computed_tokens` (the request's tokens whose KV its blocks
+    ///   hold) as `remote_num_tokens`, which a decode with smaller blocks needs (0: unknown).
+    ///   An aborted or failed one frees its blocks at once.
     /// - A decode request whose load was not handed to the workers yet (or that was never
     ///   scheduled: aborted while it waited) notifies the prefill without reading, so that
     ///   the prefill frees at once. One whose load the workers have keeps its blocks
@@ -360,6 +362,7 @@ impl KvConnectorScheduler {
         &mut self,
         request_id: &str,
         block_ids: &[usize],
+        num_computed_tokens: usize,
         params: Option<&KvTransferParams>,
         status: FinishStatus,
     ) -> RequestFinished {
@@ -411,17 +414,28 @@ impl KvConnectorScheduler {
         }
         RequestFinished {
             delay_free_blocks,
-            kv_transfer_params: Some(self.params_for_decode(request_id, block_ids)),
+            kv_transfer_params: Some(self.params_for_decode(
+                request_id,
+                block_ids,
+                delay_free_blocks.then_some(num_computed_tokens),
+            )),
         }
     }
 
-    /// The params a remote decode reads `block_ids` of `request_id` with. In vLLM mode they
-    /// have every key vLLM 0.33's prefill gives (see [`KvTransferParams::to_vllm_json`]),
-    /// but `remote_num_tokens`, which this call does not know: a pull, no pipeline or
-    /// decode context parallelism, no expiry time (a prefill's blocks live as long as its
-    /// lease, which the decode's heartbeats extend), and the side channel's registration
-    /// generation.
-    fn params_for_decode(&self, request_id: &str, block_ids: &[usize]) -> KvTransferParams {
+    /// The params a remote decode reads `block_ids` of `request_id` with, `num_tokens` its
+    /// computed tokens when its blocks are held (vLLM's `remote_num_tokens`: the request's
+    /// `num_computed_tokens`; 0, unknown, is left out in the native protocol). In vLLM mode
+    /// they have every key vLLM 0.33's prefill gives (see
+    /// [`KvTransferParams::to_vllm_json`]; `remote_num_tokens` 0 when nothing is held, as
+    /// vLLM's `request_finished`): a pull, no pipeline or decode context parallelism, no
+    /// expiry time (a prefill's blocks live as long as its lease, which the decode's
+    /// heartbeats extend), and the side channel's registration generation.
+    fn params_for_decode(
+        &self,
+        request_id: &str,
+        block_ids: &[usize],
+        num_tokens: Option<usize>,
+    ) -> KvTransferParams {
         let config = &self.config;
         let params = KvTransferParams {
             do_remote_prefill: true,
@@ -432,11 +446,13 @@ impl KvConnectorScheduler {
             remote_block_ids: block_ids.to_vec(),
             remote_request_id: Some(request_id.to_string()),
             remote_tp_size: Some(config.tp_size),
+            remote_num_tokens: num_tokens.filter(|&n| n > 0),
             ..KvTransferParams::default()
         };
         match config.protocol {
             Protocol::Native => params,
             Protocol::Vllm => KvTransferParams {
+                remote_num_tokens: Some(num_tokens.unwrap_or(0)),
                 remote_dcp_size: Some(1),
                 remote_pp_size: Some(1),
                 remote_registration_generation: Some(
@@ -652,6 +668,7 @@ mod tests {
             .request_finished(
                 request,
                 blocks,
+                0,
                 Some(&for_decode()),
                 FinishStatus::LengthCapped,
             )
@@ -668,16 +685,18 @@ mod tests {
         let done = s.request_finished(
             "cmpl-1",
             &[3, 4],
+            20,
             Some(&for_decode()),
             FinishStatus::LengthCapped,
         );
         let json = done.kv_transfer_params.unwrap().to_vllm_json();
-        // vLLM 0.33's request_finished on a prefill, but remote_num_tokens.
+        // vLLM 0.33's request_finished on a prefill.
         let expect = serde_json::json!({
             "do_remote_prefill": true, "do_remote_decode": false,
             "remote_block_ids": [[3, 4]], "remote_engine_id": "p",
             "remote_request_id": "cmpl-1", "remote_host": "10.0.0.1", "remote_port": 5600,
-            "tp_size": 2, "dcp_size": 1, "pp_size": 1, "remote_blocks_expiry_time": null,
+            "tp_size": 2, "dcp_size": 1, "pp_size": 1, "remote_num_tokens": 20,
+            "remote_blocks_expiry_time": null,
             "remote_registration_generation": 0, "transfer_mode": "pull",
         });
         assert_eq!(
@@ -731,6 +750,7 @@ mod tests {
         let done = s.request_finished(
             "r",
             &[3, 4],
+            7,
             Some(&for_decode()),
             FinishStatus::LengthCapped,
         );
@@ -738,6 +758,7 @@ mod tests {
         let handed = done.kv_transfer_params.unwrap();
         assert!(handed.do_remote_prefill && !handed.do_remote_decode);
         let remote = handed.remote_blocks().unwrap();
+        assert_eq!(remote.num_tokens, Some(7), "vLLM's num_computed_tokens");
         assert_eq!(
             (remote.engine_id.as_str(), remote.host.as_str(), remote.port),
             ("p", "10.0.0.1", 5600)
@@ -754,12 +775,12 @@ mod tests {
             "handed over once"
         );
 
-        let plain = s.request_finished("q", &[1], None, FinishStatus::LengthCapped);
+        let plain = s.request_finished("q", &[1], 0, None, FinishStatus::LengthCapped);
         assert!(!plain.delay_free_blocks && plain.kv_transfer_params.is_none());
-        let stopped = s.request_finished("s", &[1], Some(&for_decode()), FinishStatus::Stopped);
+        let stopped = s.request_finished("s", &[1], 0, Some(&for_decode()), FinishStatus::Stopped);
         assert!(stopped.delay_free_blocks, "a stopped request is read too");
         for status in [FinishStatus::Aborted, FinishStatus::Error] {
-            let gone = s.request_finished("a", &[1], Some(&for_decode()), status);
+            let gone = s.request_finished("a", &[1], 0, Some(&for_decode()), status);
             assert!(!gone.delay_free_blocks && gone.kv_transfer_params.is_none());
         }
         assert_eq!(
@@ -767,7 +788,8 @@ mod tests {
             1,
             "only the stopped one"
         );
-        let empty = s.request_finished("e", &[], Some(&for_decode()), FinishStatus::LengthCapped);
+        let empty =
+            s.request_finished("e", &[], 0, Some(&for_decode()), FinishStatus::LengthCapped);
         assert!(!empty.delay_free_blocks && empty.kv_transfer_params.is_some());
         assert!(s.build_connector_meta().sends.is_empty(), "nothing to hold");
     }
@@ -826,12 +848,13 @@ mod tests {
         let mut s = scheduler();
         // Aborted while waiting for blocks: the prefill is notified, nothing read.
         s.on_new_request("waiting", Some(&handed("rw", &[1, 2])));
-        let done = s.request_finished("waiting", &[], None, FinishStatus::Aborted);
+        let done = s.request_finished("waiting", &[], 0, None, FinishStatus::Aborted);
         assert!(!done.delay_free_blocks);
         // Aborted before the engine ever told of it.
         let done = s.request_finished(
             "unseen",
             &[],
+            0,
             Some(&handed("ru", &[3])),
             FinishStatus::Aborted,
         );
@@ -839,7 +862,7 @@ mod tests {
         // Aborted after allocation, before the workers got the load.
         s.update_state_after_alloc("scheduled", &[4, 5], &handed("rs", &[4, 5]))
             .unwrap();
-        let done = s.request_finished("scheduled", &[4, 5], None, FinishStatus::Aborted);
+        let done = s.request_finished("scheduled", &[4, 5], 0, None, FinishStatus::Aborted);
         assert!(!done.delay_free_blocks, "no READ was posted");
         let meta = s.build_connector_meta();
         assert_eq!(meta.loads.len(), 3);
@@ -850,7 +873,7 @@ mod tests {
         s.update_state_after_alloc("running", &[6], &handed("rr", &[6]))
             .unwrap();
         assert_eq!(s.build_connector_meta().loads.len(), 1);
-        let done = s.request_finished("running", &[6], None, FinishStatus::Aborted);
+        let done = s.request_finished("running", &[6], 0, None, FinishStatus::Aborted);
         assert!(done.delay_free_blocks);
         let meta = s.build_connector_meta();
         assert_eq!(meta.aborted, ["running"]);
@@ -895,7 +918,7 @@ mod tests {
         let meta = s.meta_at(t0 + Duration::from_millis(500));
         assert_eq!(meta.heartbeats.len(), 1, "3 s lease: every 500 ms");
         both_ranks(&mut s, &recving(&["b"]), &[]);
-        s.request_finished("a", &[], None, FinishStatus::Aborted);
+        s.request_finished("a", &[], 0, None, FinishStatus::Aborted);
         assert!(s.meta_at(t0 + Duration::from_secs(2)).heartbeats.is_empty());
     }
 

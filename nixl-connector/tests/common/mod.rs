@@ -206,6 +206,7 @@ pub fn finished_for_decode(
     let done = scheduler.request_finished(
         request,
         blocks,
+        0,
         Some(&for_decode()),
         FinishStatus::LengthCapped,
     );
