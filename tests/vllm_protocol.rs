@@ -417,8 +417,8 @@ fn rust_byte(region: usize, i: usize) -> u8 {
     ((i * 11 + (i >> 8) * 5 + region * 71 + 1) % 256) as u8
 }
 
-/// The geometry both engines of the Python tests share: 2 regions of 16 blocks of 16
-/// tokens of 8 KV heads of 8 bytes (1 KiB blocks), HND.
+/// The geometry both engines of the Python tests share, vLLM 0.33's `LBHNC`: 2 layers of 16
+/// blocks of 16 tokens of 8 KV heads of 4 bytes of K and 4 of V (1 KiB blocks).
 const REGIONS: usize = 2;
 const BLOCKS: usize = 16;
 const BLOCK_LEN: usize = 1024;
@@ -586,6 +586,91 @@ async fn a_rust_decode_pulls_every_byte_from_a_python_prefill_then_notifies_and_
         serde_json::from_value(notes[1]["vllm"]["hb"].clone()).expect("a heartbeat");
     ids.sort();
     assert_eq!(ids, ["py-wait-1", "py-wait-2"]);
+}
+
+/// Bytes of one KV head's K (or V) of one token in [`kv_spec`]: its blocks are vLLM 0.33's
+/// `LBHNC`, 8 heads of 16 tokens of 4 bytes of K then 4 of V.
+const HEAD_BYTES: usize = 4;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rust_decode_of_tp2_reads_each_heads_packed_k_and_v_from_a_python_prefill() {
+    let mut peer = VllmPeer::start();
+    let hash = factors().hash();
+    python_prefill(&mut peer, &hash, false, false);
+    let full = KvCacheSpec::lbhnc(REGIONS, BLOCKS, 16, 8, 1, HEAD_BYTES);
+    assert_eq!(
+        full,
+        kv_spec(),
+        "the Python prefill's cache is vLLM's LBHNC"
+    );
+    let spec = KvCacheSpec::lbhnc(REGIONS, BLOCKS, 16, 8, 2, HEAD_BYTES);
+    let kv = vllm_kv(&factors());
+    let ranks: Vec<KvConnectorWorker> = (0..2)
+        .map(|rank| {
+            let mut config = WorkerConfig::new("rs-decode-tp2", rank, 2, kv.clone());
+            config.platform = Arc::new(BuiltinPlatform::CPU);
+            let worker = KvConnectorWorker::new(config).unwrap();
+            worker.register_host_kv_caches(spec.clone()).unwrap();
+            worker
+        })
+        .collect();
+    let mut scheduler = KvConnectorScheduler::new(
+        SchedulerConfig::new("rs-decode-tp2", "127.0.0.1", 0, 2, &kv).unwrap(),
+    );
+    let (remote, local) = ([4usize, 12], [7usize, 2]);
+    let json = peer.call(&format!("kv_finish {} 4,12", hex(b"py-req-tp2")));
+    let params = KvTransferParams::from_vllm_json(&json).unwrap();
+    scheduler
+        .update_state_after_alloc("py-req-tp2", &local, &params)
+        .unwrap();
+    let meta = scheduler.build_connector_meta();
+    for rank in &ranks {
+        rank.start_load_kv(&meta);
+    }
+    let start = Instant::now();
+    let outcomes = loop {
+        let outputs: Vec<WorkerOutput> = ranks.iter().map(KvConnectorWorker::output).collect();
+        for output in &outputs {
+            assert!(output.load_errors.is_empty(), "{:?}", output.load_errors);
+        }
+        let step = scheduler.update_connector_output(&outputs).unwrap();
+        if !step.load_outcomes.is_empty() {
+            break step.load_outcomes;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "no load ended");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    assert!(
+        matches!(&outcomes[..], [LoadOutcome::Loaded { .. }]),
+        "{outcomes:?}"
+    );
+    // Rank r holds heads 4r..4r+4: in a block of [8 heads, 16 tokens, 4 K + 4 V bytes],
+    // its half of the Python block.
+    let len = spec.block_len(0);
+    for (r, rank) in ranks.iter().enumerate() {
+        let cache = rank.kv_caches().unwrap();
+        for region in 0..REGIONS {
+            for (&l, &b) in local.iter().zip(&remote) {
+                let mut got = vec![0u8; len];
+                cache.read(region, l * len, &mut got).unwrap();
+                for (o, &byte) in got.iter().enumerate() {
+                    let (head, token, c) = (
+                        o / (16 * 2 * HEAD_BYTES),
+                        (o / (2 * HEAD_BYTES)) % 16,
+                        o % (2 * HEAD_BYTES),
+                    );
+                    let at = (((4 * r + head) * 16 + token) * 2 * HEAD_BYTES) + c;
+                    assert_eq!(
+                        byte,
+                        python_byte(region, b * BLOCK_LEN + at),
+                        "rank {r} region {region} block {l}: head {head} token {token} {} byte {}",
+                        if c < HEAD_BYTES { "K" } else { "V" },
+                        c % HEAD_BYTES
+                    );
+                }
+            }
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

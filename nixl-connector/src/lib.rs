@@ -69,8 +69,10 @@
 //!   size (vLLM's `physical_blocks_per_logical_kv_block`), read a head at a time in HND, so
 //!   a prefill's smaller blocks fill whole decode blocks; [`RemoteBlocks::num_tokens`] tells
 //!   a decode with smaller blocks where its blocks start in the prompt.
-//! - **Regions** ([`KvRegion`]): each registered region has its own block length (K and V
-//!   apart with different head sizes, layers of different sizes) and may hold K and V
+//! - **Regions** ([`KvRegion`]): each registered region has its own block length (layers
+//!   of different sizes, K and V apart with different head sizes); vLLM 0.33 registers one
+//!   region per layer with K and V packed per head and token ([`KvCacheSpec::lbhnc`],
+//!   `LBHNC`), which reads as one tensor in HND. A region may also hold K and V
 //!   halves in one block (FlashInfer's blocks-first layout, [`KvRegionKind::KvHalves`]).
 //!
 //! The [`ReadPlan`] of each remote rank says which bytes of a local block come from where;

@@ -195,8 +195,8 @@ impl KvConnectorWorker {
         self.shared.setup.mem_type()
     }
 
-    /// Registers the KV cache: `caches` holds the regions of `spec` in order (one per layer,
-    /// or K and V of each layer apart, ...), region `r` at least `spec.region_len(r)` bytes,
+    /// Registers the KV cache: `caches` holds the regions of `spec` in order (one per layer
+    /// with K and V packed as vLLM 0.33 has them, [`KvCacheSpec::lbhnc`], ...), region `r` at least `spec.region_len(r)` bytes,
     /// of the memory type the platform and kv-buffer device give (DRAM for `cpu`), with the
     /// configured backends; then publishes the agent metadata (etcd mode) and starts the
     /// side channel. The handshake tells peers each region's block length.

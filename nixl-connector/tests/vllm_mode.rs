@@ -281,9 +281,9 @@ async fn a_prefill_registered_again_is_handshaken_with_again() {
 
 /// vLLM's protocol through the geometry matrix's model: one ROUTER per engine shared by its
 /// ranks, each asked by number, the metadata converted from vLLM's `NixlAgentMetadata`,
-/// notifications counting consumers; TP both ways and block sizes both ways, for MHA (K and
-/// V in regions of their own and of different lengths: vLLM's metadata cannot say halves)
-/// and MLA.
+/// notifications counting consumers; TP both ways and block sizes both ways, for MHA (one
+/// tensor per region, of different lengths, as vLLM 0.33's packed K and V per layer: vLLM's
+/// metadata cannot say halves) and MLA.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tp_and_block_sizes_both_ways_move_every_byte_where_the_model_says() {
     common::init_tracing();
