@@ -37,6 +37,8 @@ use crate::vllm::{
     VllmWorker,
 };
 
+mod shutdown;
+
 /// The worker half of the connector: one per TP rank.
 ///
 /// Create it inside a tokio runtime: handshakes, loads and notifications run as tasks on
@@ -44,7 +46,9 @@ use crate::vllm::{
 /// its notification listener, and withdraws its published metadata. Loads already started
 /// run on in their own tasks to their end (done, failed or past `transfer_timeout`), and
 /// keep the registered caches alive until then; a READ still in flight at that point is left
-/// to NIXL's completion driver, which keeps its memory until NIXL is done with it.
+/// to NIXL's completion driver, which keeps its memory until NIXL is done with it. To
+/// destroy the agent before going on (e.g. before `std::process::exit`), call
+/// [`shutdown`](Self::shutdown) instead.
 pub struct KvConnectorWorker {
     shared: Arc<Shared>,
     staging: OnceLock<Staging>,
