@@ -51,7 +51,7 @@ impl WorkerOutput {
 }
 
 /// Every rank's output of one step, aggregated: what the scheduler acts on.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AggregatedOutput {
     /// Requests every rank is done with: `sending` (every rank's blocks released, the engine
     /// may free them) and `recving` (every rank's load ended).
@@ -62,7 +62,7 @@ pub struct AggregatedOutput {
 
 /// What [`KvConnectorScheduler::update_connector_output`](crate::KvConnectorScheduler::update_connector_output)
 /// makes of one step's outputs of every rank.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ConnectorOutput {
     /// Held prefill requests that every rank has released (every decode rank notified, or
     /// the lease ended): free their blocks now (vLLM's `finished_sending`).

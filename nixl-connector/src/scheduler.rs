@@ -42,7 +42,7 @@ use crate::params::{KvTransferParams, RemoteBlocks};
 use crate::vllm::MetadataServer;
 
 /// How a request finished (vLLM's `RequestStatus.FINISHED_*`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum FinishStatus {
     /// It reached its length cap (a prefill for a remote decode stops after one token).
     LengthCapped,
@@ -172,7 +172,7 @@ pub struct ConnectorMetadata {
 }
 
 /// The answer to [`KvConnectorScheduler::request_finished`].
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RequestFinished {
     /// Keep the blocks until the workers report the request: in
     /// [`ConnectorOutput::finished_sending`] on a prefill, as
@@ -184,7 +184,7 @@ pub struct RequestFinished {
 
 /// How a decode request's load ended, from
 /// [`KvConnectorScheduler::update_connector_output`].
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum LoadOutcome {
     /// Every block landed: the request can run.
     Loaded {

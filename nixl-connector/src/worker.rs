@@ -801,7 +801,11 @@ impl KvConnectorWorker {
     }
 
     /// Requests done sending (every decode rank notified, or their lease ended) and done
-    /// receiving, since the last call.
+    /// receiving, since the last call, on this rank only. An engine step passes
+    /// [`output`](Self::output) to
+    /// [`KvConnectorScheduler::update_connector_output`](crate::KvConnectorScheduler::update_connector_output)
+    /// instead: with TP > 1 a request is done only once every rank reports it, and its
+    /// blocks must not be freed (nor a load taken as landed) on one rank's word.
     pub fn finished(&self) -> Finished {
         let sending = {
             let mut sends = self.shared.sends();
