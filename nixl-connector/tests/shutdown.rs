@@ -6,14 +6,23 @@
 //! - `shutdown().await`, which destroys each agent before it returns;
 //! - a plain drop, whose agents the runtime destroys later (nixl's exit guard lets the exit
 //!   wait for a destruction under way, and leaves one not yet started to the exit).
+//!
+//! And `shutdown()` returns only once the agent is destroyed, also when a READ is still in
+//! flight as it is called.
 
 mod common;
 
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
 use common::loads::load;
-use common::{filled_prefill_and_decode, role_process};
+use common::{
+    fill, filled_prefill_and_decode, handshake, progress_until, remote, role_process, spec,
+    stalled_worker, worker_with,
+};
 
 const MODE_ENV: &str = "NIXL_CONNECTOR_TEST_END";
 const RUNS: usize = 50;
@@ -84,4 +93,45 @@ async fn shutdown_then_exit_never_crashes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drop_then_exit_never_crashes() {
     run_many("drop").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_returns_once_the_agent_is_destroyed_after_a_read_in_flight() {
+    common::init_tracing();
+    let spec = spec(2);
+    // The prefill's agent makes no progress until polled: the decode's READ stays in flight.
+    let prefill = stalled_worker("pf-sd", 0, 1, &spec);
+    fill(&prefill, &spec);
+    let decode = worker_with("dc-sd", 0, 1, &spec, |c| {
+        c.transfer_timeout = Duration::from_millis(300)
+    });
+    let port = prefill.side_channel_addr().unwrap().port();
+    handshake(&decode, "pf-sd", port).await;
+    decode
+        .start_load("r", &[1, 2], &remote(&prefill, "pf-sd", "r", vec![5, 6], 1))
+        .unwrap();
+    let destroyed = Arc::new(AtomicBool::new(false));
+    let flag = destroyed.clone();
+    decode
+        .agent()
+        .on_destroyed(move || flag.store(true, Ordering::SeqCst));
+
+    // The READ finishes only once the prefill progresses, well after shutdown was called.
+    let (destroyed_when_returned, ()) = tokio::join!(
+        async {
+            decode.shutdown().await;
+            destroyed.load(Ordering::SeqCst)
+        },
+        async {
+            tokio::time::sleep(Duration::from_millis(800)).await;
+            progress_until(&prefill, "the decode's agent to be destroyed", || {
+                destroyed.load(Ordering::SeqCst)
+            })
+            .await;
+        }
+    );
+    assert!(
+        destroyed_when_returned,
+        "shutdown returned before the agent was destroyed"
+    );
 }

@@ -11,6 +11,12 @@ impl KvConnectorWorker {
     /// the agent to be destroyed. After it, nothing of this worker runs on the runtime, so
     /// the program may call `std::process::exit` at once.
     ///
+    /// A READ still in flight past `transfer_timeout` stays NIXL's until the peer completes
+    /// or fails it, and holds the agent until then: against a peer that does neither,
+    /// `shutdown` waits as long. Bound it with `tokio::time::timeout` where that matters;
+    /// the agent is then destroyed when the READ ends, or left to the process if it exits
+    /// first.
+    ///
     /// Dropping the worker instead destroys the agent later, on a runtime thread, once the
     /// last load has ended; a process that exits meanwhile leaves that agent to the exit
     /// (see the crate's README, "Shutting down").
