@@ -386,10 +386,9 @@ async fn pull_all(
             biased;
             () = connector.load_ended() => {
                 idle.as_mut().reset(Deadline::now() + options.idle_timeout);
-                let finished = connector.finished();
-                let errors = connector.load_errors();
+                let output = connector.output();
                 connector.metrics();
-                let outcomes = state.scheduler.update_connector_output(&finished, &errors);
+                let outcomes = state.scheduler.update_connector_output(&[output])?.load_outcomes;
                 if let Err(failed) = state.loads_ended(outcomes) {
                     if !channel_open {
                         return Err(failed);
@@ -543,7 +542,7 @@ impl RunState<'_> {
         if abort == Some(AbortPoint::BeforeLoad) {
             let done =
                 self.scheduler
-                    .request_finished(&id, &[], Some(&params), FinishStatus::Aborted);
+                    .request_finished(&id, &[], 0, Some(&params), FinishStatus::Aborted);
             debug_assert!(!done.delay_free_blocks);
             worker
                 .connector
@@ -669,6 +668,7 @@ impl RunState<'_> {
                 let done = self.scheduler.request_finished(
                     &id,
                     &missing,
+                    0,
                     Some(&pending.params),
                     FinishStatus::Aborted,
                 );

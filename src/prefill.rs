@@ -287,7 +287,17 @@ async fn route_releases(shared: Arc<Shared>) {
             () = connector.notified() => {}
             _ = expiry.tick() => {}
         }
-        for request in connector.finished().sending {
+        // The connector's output, through the scheduler as every engine step takes it (with
+        // one rank, only the connector's own; see the connector's engine step loop).
+        let released = lock(&shared.scheduler).update_connector_output(&[connector.output()]);
+        let released = match released {
+            Ok(output) => output.finished_sending,
+            Err(err) => {
+                tracing::error!(%err, "the connector's output was refused");
+                continue;
+            }
+        };
+        for request in released {
             match lock(&shared.owners).remove(&request) {
                 Some(session) => {
                     let _ = session.send(request);
@@ -623,6 +633,7 @@ impl Session<'_> {
             let finished = scheduler.request_finished(
                 &id,
                 &block_ids,
+                block_ids.len(),
                 Some(&decode),
                 FinishStatus::LengthCapped,
             );

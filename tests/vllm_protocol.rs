@@ -26,7 +26,7 @@ use nixl_connector::vllm::{
 };
 use nixl_connector::{
     Error, FinishStatus, KvAttention, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker,
-    KvLayout, KvTransferParams, LoadOutcome, SchedulerConfig, WorkerConfig,
+    KvLayout, KvTransferParams, LoadOutcome, SchedulerConfig, WorkerConfig, WorkerOutput,
 };
 use py::{hex, unhex};
 use serde_json::{json, Value};
@@ -417,8 +417,8 @@ fn rust_byte(region: usize, i: usize) -> u8 {
     ((i * 11 + (i >> 8) * 5 + region * 71 + 1) % 256) as u8
 }
 
-/// The geometry both engines of the Python tests share: 2 regions of 16 blocks of 16
-/// tokens of 8 KV heads of 8 bytes (1 KiB blocks), HND.
+/// The geometry both engines of the Python tests share, vLLM 0.33's `LBHNC`: 2 layers of 16
+/// blocks of 16 tokens of 8 KV heads of 4 bytes of K and 4 of V (1 KiB blocks).
 const REGIONS: usize = 2;
 const BLOCKS: usize = 16;
 const BLOCK_LEN: usize = 1024;
@@ -504,7 +504,15 @@ async fn load_from_python(
         let finished = decode.finished();
         if finished.recving.iter().any(|r| r == request) {
             let errors = decode.load_errors();
-            let mut outcomes = scheduler.update_connector_output(&finished, &errors);
+            let output = WorkerOutput {
+                tp_rank: 0,
+                finished,
+                load_errors: errors,
+            };
+            let mut outcomes = scheduler
+                .update_connector_output(&[output])
+                .unwrap()
+                .load_outcomes;
             assert_eq!(outcomes.len(), 1, "{outcomes:?}");
             return outcomes.remove(0);
         }
@@ -580,6 +588,91 @@ async fn a_rust_decode_pulls_every_byte_from_a_python_prefill_then_notifies_and_
     assert_eq!(ids, ["py-wait-1", "py-wait-2"]);
 }
 
+/// Bytes of one KV head's K (or V) of one token in [`kv_spec`]: its blocks are vLLM 0.33's
+/// `LBHNC`, 8 heads of 16 tokens of 4 bytes of K then 4 of V.
+const HEAD_BYTES: usize = 4;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rust_decode_of_tp2_reads_each_heads_packed_k_and_v_from_a_python_prefill() {
+    let mut peer = VllmPeer::start();
+    let hash = factors().hash();
+    python_prefill(&mut peer, &hash, false, false);
+    let full = KvCacheSpec::lbhnc(REGIONS, BLOCKS, 16, 8, 1, HEAD_BYTES);
+    assert_eq!(
+        full,
+        kv_spec(),
+        "the Python prefill's cache is vLLM's LBHNC"
+    );
+    let spec = KvCacheSpec::lbhnc(REGIONS, BLOCKS, 16, 8, 2, HEAD_BYTES);
+    let kv = vllm_kv(&factors());
+    let ranks: Vec<KvConnectorWorker> = (0..2)
+        .map(|rank| {
+            let mut config = WorkerConfig::new("rs-decode-tp2", rank, 2, kv.clone());
+            config.platform = Arc::new(BuiltinPlatform::CPU);
+            let worker = KvConnectorWorker::new(config).unwrap();
+            worker.register_host_kv_caches(spec.clone()).unwrap();
+            worker
+        })
+        .collect();
+    let mut scheduler = KvConnectorScheduler::new(
+        SchedulerConfig::new("rs-decode-tp2", "127.0.0.1", 0, 2, &kv).unwrap(),
+    );
+    let (remote, local) = ([4usize, 12], [7usize, 2]);
+    let json = peer.call(&format!("kv_finish {} 4,12", hex(b"py-req-tp2")));
+    let params = KvTransferParams::from_vllm_json(&json).unwrap();
+    scheduler
+        .update_state_after_alloc("py-req-tp2", &local, &params)
+        .unwrap();
+    let meta = scheduler.build_connector_meta();
+    for rank in &ranks {
+        rank.start_load_kv(&meta);
+    }
+    let start = Instant::now();
+    let outcomes = loop {
+        let outputs: Vec<WorkerOutput> = ranks.iter().map(KvConnectorWorker::output).collect();
+        for output in &outputs {
+            assert!(output.load_errors.is_empty(), "{:?}", output.load_errors);
+        }
+        let step = scheduler.update_connector_output(&outputs).unwrap();
+        if !step.load_outcomes.is_empty() {
+            break step.load_outcomes;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "no load ended");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    assert!(
+        matches!(&outcomes[..], [LoadOutcome::Loaded { .. }]),
+        "{outcomes:?}"
+    );
+    // Rank r holds heads 4r..4r+4: in a block of [8 heads, 16 tokens, 4 K + 4 V bytes],
+    // its half of the Python block.
+    let len = spec.block_len(0);
+    for (r, rank) in ranks.iter().enumerate() {
+        let cache = rank.kv_caches().unwrap();
+        for region in 0..REGIONS {
+            for (&l, &b) in local.iter().zip(&remote) {
+                let mut got = vec![0u8; len];
+                cache.read(region, l * len, &mut got).unwrap();
+                for (o, &byte) in got.iter().enumerate() {
+                    let (head, token, c) = (
+                        o / (16 * 2 * HEAD_BYTES),
+                        (o / (2 * HEAD_BYTES)) % 16,
+                        o % (2 * HEAD_BYTES),
+                    );
+                    let at = (((4 * r + head) * 16 + token) * 2 * HEAD_BYTES) + c;
+                    assert_eq!(
+                        byte,
+                        python_byte(region, b * BLOCK_LEN + at),
+                        "rank {r} region {region} block {l}: head {head} token {token} {} byte {}",
+                        if c < HEAD_BYTES { "K" } else { "V" },
+                        c % HEAD_BYTES
+                    );
+                }
+            }
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_python_decode_reads_every_byte_from_a_rust_prefill_whose_notification_frees_it() {
     let mut peer = VllmPeer::start();
@@ -599,6 +692,7 @@ async fn a_python_decode_reads_every_byte_from_a_rust_prefill_whose_notification
     let finished = scheduler.request_finished(
         "rs-req-1",
         &remote,
+        43,
         Some(&for_decode),
         FinishStatus::LengthCapped,
     );
@@ -607,6 +701,10 @@ async fn a_python_decode_reads_every_byte_from_a_rust_prefill_whose_notification
         serde_json::from_str(&finished.kv_transfer_params.unwrap().to_vllm_json()).unwrap();
     let port = params["remote_port"].as_u64().unwrap();
     assert_eq!(params["remote_block_ids"], json!([remote]));
+    assert_eq!(
+        params["remote_num_tokens"], 43,
+        "vLLM's num_computed_tokens"
+    );
     let hash = factors().hash();
 
     // Another hash: the Python decode refuses before it decodes the metadata.

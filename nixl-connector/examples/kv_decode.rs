@@ -12,7 +12,7 @@ mod kv_pair;
 
 use std::process::ExitCode;
 
-use nixl_connector::{KvConnectorScheduler, KvTransferParams};
+use nixl_connector::{KvConnectorScheduler, KvTransferParams, LoadOutcome};
 
 /// The request's id on this engine.
 const REQUEST: &str = "decode-req-1";
@@ -44,11 +44,19 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
     let mut scheduler = KvConnectorScheduler::new(kv_pair::scheduler_config("kv-decode", &worker)?);
     // This engine allocated its first blocks for the request; they are loaded in order.
     let local: Vec<usize> = (0..remote_blocks.len()).collect();
+    scheduler.on_new_request(REQUEST, Some(&params));
     scheduler.update_state_after_alloc(REQUEST, &local, &params)?;
-    worker.start_load_kv(&scheduler.build_connector_meta());
 
+    // Engine steps (the crate docs' loop) until the load ends.
+    let workers = std::slice::from_ref(&worker);
     let deadline = tokio::time::Instant::now() + kv_pair::WAIT;
-    while !worker.finished().recving.iter().any(|r| r == REQUEST) {
+    loop {
+        if let Some(outcome) = scheduler.step(workers)?.load_outcomes.pop() {
+            match outcome {
+                LoadOutcome::Loaded { .. } => break,
+                other => return Err(format!("the load of {REQUEST} failed: {other:?}").into()),
+            }
+        }
         if tokio::time::timeout_at(deadline, worker.load_ended())
             .await
             .is_err()
@@ -59,10 +67,6 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
             )
             .into());
         }
-    }
-    let failed = worker.load_errors();
-    if !failed.is_empty() {
-        return Err(format!("the load failed for blocks {failed:?}").into());
     }
 
     let cache = worker.kv_caches()?;

@@ -49,9 +49,16 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
         do_remote_decode: true,
         ..Default::default()
     };
-    let finished =
-        scheduler.request_finished(REQUEST, &BLOCKS, Some(&asked), FinishStatus::LengthCapped);
-    worker.start_load_kv(&scheduler.build_connector_meta());
+    let finished = scheduler.request_finished(
+        REQUEST,
+        &BLOCKS,
+        BLOCKS.len() * 16,
+        Some(&asked),
+        FinishStatus::LengthCapped,
+    );
+    // The engine step that finished it (the crate docs' loop): the worker holds its blocks.
+    let workers = std::slice::from_ref(&worker);
+    scheduler.step(workers)?;
     let params = finished
         .kv_transfer_params
         .ok_or("the scheduler gave no params for the decode")?;
@@ -65,7 +72,12 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
 
     let deadline = tokio::time::Instant::now() + kv_pair::WAIT;
     loop {
-        if worker.finished().sending.iter().any(|r| r == REQUEST) {
+        if scheduler
+            .step(workers)?
+            .finished_sending
+            .iter()
+            .any(|r| r == REQUEST)
+        {
             break;
         }
         if tokio::time::timeout_at(deadline, worker.notified())

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use kv_pair::{scheduler_config, worker};
 use nixl_connector::{
     FinishStatus, KvAttention, KvCacheSpec, KvConnectorScheduler, KvLayout, KvTransferParams,
+    LoadOutcome,
 };
 
 /// Visible to the crate: the suite calls it (tests/pd_pair_example.rs).
@@ -47,6 +48,7 @@ pub(crate) async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let finished = prefill_scheduler.request_finished(
         "r1",
         &[4, 5, 6, 7],
+        4 * 16,
         Some(&request),
         FinishStatus::LengthCapped,
     );
@@ -54,7 +56,6 @@ pub(crate) async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "prefill: delay freeing the blocks: {}",
         finished.delay_free_blocks
     );
-    prefill.start_load_kv(&prefill_scheduler.build_connector_meta());
     let params = finished.kv_transfer_params.expect("params for the decode");
     println!("prefill → decode params: {params:?}");
 
@@ -63,43 +64,41 @@ pub(crate) async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut decode_scheduler =
         KvConnectorScheduler::new(scheduler_config("decode-engine", &decode)?);
     assert!(KvConnectorScheduler::needs_remote_prefill(Some(&params)));
+    decode_scheduler.on_new_request("r1", Some(&params));
     decode_scheduler.update_state_after_alloc("r1", &[0, 1, 2, 3], &params)?;
-    decode.start_load_kv(&decode_scheduler.build_connector_meta());
 
-    // Engine steps: poll both workers, for at most 30 s.
+    // Engine steps of both engines (the crate docs' loop), for at most 30 s.
     let give_up = Instant::now() + Duration::from_secs(30);
     let (mut received, mut freed) = (false, false);
     while !(received && freed) {
         if Instant::now() > give_up {
             return Err(format!("not done after 30 s: received {received}, freed {freed}").into());
         }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-        let d = decode.finished();
-        if !d.recving.is_empty() {
-            let failed = decode.load_errors();
+        let p = prefill_scheduler.step(std::slice::from_ref(&prefill))?;
+        if !p.finished_sending.is_empty() {
             println!(
-                "decode: done receiving {:?}, failed blocks {failed:?}",
-                d.recving
+                "prefill: done sending {:?}; its blocks can be freed",
+                p.finished_sending
             );
+            freed = true;
+        }
+        let d = decode_scheduler.step(std::slice::from_ref(&decode))?;
+        for outcome in d.load_outcomes {
             for m in decode.metrics() {
                 println!(
                     "decode: {} bytes in {} descriptors in {:?}",
                     m.bytes, m.descriptors, m.duration
                 );
             }
-            if !failed.is_empty() {
-                return Err(format!("blocks {failed:?} failed to load").into());
+            match outcome {
+                LoadOutcome::Loaded { request_id } => {
+                    println!("decode: {request_id} loaded; it can run");
+                    received = true;
+                }
+                other => return Err(format!("the load did not complete: {other:?}").into()),
             }
-            received = true;
         }
-        let p = prefill.finished();
-        if !p.sending.is_empty() {
-            println!(
-                "prefill: done sending {:?}; its blocks can be freed",
-                p.sending
-            );
-            freed = true;
-        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let mut block = vec![0u8; block_len];
     decode.kv_caches()?.read(3, 2 * block_len, &mut block)?;

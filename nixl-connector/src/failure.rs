@@ -3,10 +3,13 @@
 
 use std::sync::Arc;
 
+use serde::{Deserialize, Serialize};
+
 use crate::error::Error;
 
 /// What kind of failure ended a load.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 #[non_exhaustive]
 pub enum FailureKind {
     /// The handshake with the remote rank failed (unreachable, refused, incompatible).
@@ -57,7 +60,7 @@ impl std::fmt::Display for FailureKind {
 /// One local block whose load failed, and why.
 ///
 /// It compares equal to its block id, so a list of them can be checked against ids.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FailedBlock {
     /// The local block id.
     pub block_id: usize,

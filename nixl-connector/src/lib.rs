@@ -69,8 +69,10 @@
 //!   size (vLLM's `physical_blocks_per_logical_kv_block`), read a head at a time in HND, so
 //!   a prefill's smaller blocks fill whole decode blocks; [`RemoteBlocks::num_tokens`] tells
 //!   a decode with smaller blocks where its blocks start in the prompt.
-//! - **Regions** ([`KvRegion`]): each registered region has its own block length (K and V
-//!   apart with different head sizes, layers of different sizes) and may hold K and V
+//! - **Regions** ([`KvRegion`]): each registered region has its own block length (layers
+//!   of different sizes, K and V apart with different head sizes); vLLM 0.33 registers one
+//!   region per layer with K and V packed per head and token ([`KvCacheSpec::lbhnc`],
+//!   `LBHNC`), which reads as one tensor in HND. A region may also hold K and V
 //!   halves in one block (FlashInfer's blocks-first layout, [`KvRegionKind::KvHalves`]).
 //!
 //! The [`ReadPlan`] of each remote rank says which bytes of a local block come from where;
@@ -80,41 +82,90 @@
 //! # Host-buffer mode
 //! See [`host_buffer`]: KV in VRAM, staged through a registered host buffer.
 //!
-//! # Example
-//! One prefill and one decode in one process (see `examples/pd_pair.rs` for the whole
-//! flow through the scheduler):
+//! # The engine step loop
+//! The connector runs on tokio: create each [`KvConnectorWorker`] inside a runtime (its
+//! handshakes, loads and notifications are tasks there; no call blocks a step), and keep
+//! the runtime running while workers live; end them with
+//! [`shutdown`](KvConnectorWorker::shutdown)`.await`. Each engine step runs the loop below,
+//! in vLLM's order (`EngineCore.step`): the scheduler's request calls, the connector's step
+//! ([`KvConnectorScheduler::step`]: metadata to every worker, every rank's output
+//! aggregated), then what the engine does with the result.
 //! ```no_run
-//! # async fn demo() -> nixl_connector::Result<()> {
-//! use nixl::kv_config::KvTransferConfig;
-//! use nixl::HostBuffer;
-//! use nixl_connector::{KvAttention, KvCacheSpec, KvConnectorWorker, KvLayout, RemoteBlocks, WorkerConfig};
-//!
-//! // 2 layers of 8 blocks of 16 tokens of 2 KV heads of 64 two-byte elements.
-//! let heads = KvAttention::Mha { total_kv_heads: 2 };
-//! let spec = KvCacheSpec::uniform(2, 8, 16, heads, KvLayout::Hnd, 16 * 2 * 64 * 2);
-//! let cpu = KvTransferConfig { kv_buffer_device: "cpu".into(), ..Default::default() };
-//! let layers = || (0..spec.num_regions()).map(|r| HostBuffer::zeroed(spec.region_len(r))).collect::<nixl::Result<Vec<_>>>();
-//! let prefill = KvConnectorWorker::new(WorkerConfig::new("prefill", 0, 1, cpu.clone()))?;
-//! prefill.register_kv_caches(layers()?, spec.clone())?;
-//! let decode = KvConnectorWorker::new(WorkerConfig::new("decode", 0, 1, cpu))?;
-//! decode.register_kv_caches(layers()?, spec.clone())?;
-//! let remote = RemoteBlocks {
-//!     engine_id: "prefill".into(), host: "127.0.0.1".into(),
-//!     port: prefill.side_channel_addr()?.port(), block_ids: vec![3, 4],
-//!     request_id: "req-1".into(), tp_size: 1, num_tokens: None,
-//!     blocks_expiry_time: None, registration_generation: None,
+//! use nixl_connector::{
+//!     FinishStatus, KvConnectorScheduler, KvConnectorWorker, KvTransferParams, LoadOutcome,
 //! };
-//! decode.start_load("req-1", &[0, 1], &remote)?;
-//! // ...later steps: decode.finished().recving lists "req-1"; decode.load_errors() is empty.
-//! # Ok(()) }
+//!
+//! /// What the engine decided this step (its own scheduler's output).
+//! struct EngineStep {
+//!     /// New requests and their kv_transfer_params.
+//!     arrived: Vec<(String, Option<KvTransferParams>)>,
+//!     /// Requests given blocks this step: the blocks they still need.
+//!     allocated: Vec<(String, Vec<usize>, KvTransferParams)>,
+//!     /// Requests that finished: their blocks, computed tokens, params and status.
+//!     finished: Vec<(String, Vec<usize>, usize, Option<KvTransferParams>, FinishStatus)>,
+//! }
+//!
+//! fn engine_step(
+//!     scheduler: &mut KvConnectorScheduler,
+//!     workers: &[KvConnectorWorker], // every TP rank of this engine
+//!     step: EngineStep,
+//! ) -> nixl_connector::Result<()> {
+//!     // 1. Requests: the decode learns which load KV from a remote prefill.
+//!     for (id, params) in &step.arrived {
+//!         scheduler.on_new_request(id, params.as_ref());
+//!     }
+//!     for (id, blocks, params) in &step.allocated {
+//!         scheduler.update_state_after_alloc(id, blocks, params)?;
+//!     }
+//!     // 2. The connector's step: build_connector_meta, start_load_kv on every worker,
+//!     //    every worker's finished and load_errors, aggregated, update_connector_output.
+//!     let output = scheduler.step(workers)?;
+//!     // 3. Prefill: every rank's blocks of these requests were read (or their lease ended).
+//!     for id in &output.finished_sending {
+//!         println!("free the blocks of {id}");
+//!     }
+//!     //    Decode: how each load ended.
+//!     for outcome in output.load_outcomes {
+//!         match outcome {
+//!             LoadOutcome::Loaded { request_id } => println!("{request_id} can run"),
+//!             LoadOutcome::Recompute { request_id, block_ids, .. } => {
+//!                 println!("compute blocks {block_ids:?} of {request_id} here")
+//!             }
+//!             LoadOutcome::Failed { request_id, reason } => println!("fail {request_id}: {reason}"),
+//!             LoadOutcome::AbortedLoadEnded { request_id } => println!("free {request_id}'s blocks"),
+//!         }
+//!     }
+//!     // 4. Finished requests: a prefill's keeps its blocks for the decode, which gets the params.
+//!     for (id, blocks, tokens, params, status) in &step.finished {
+//!         let done = scheduler.request_finished(id, blocks, *tokens, params.as_ref(), *status);
+//!         if let Some(for_decode) = done.kv_transfer_params {
+//!             println!("hand {id}'s params to the decode: {}", serde_json::to_string(&for_decode).unwrap());
+//!         }
+//!         if !done.delay_free_blocks {
+//!             println!("free the blocks of {id}");
+//!         }
+//!     }
+//!     Ok(())
+//! }
 //! ```
+//! `examples/pd_pair.rs` runs this loop for a prefill and a decode in one process. With the
+//! workers in other processes (vLLM's worker processes), the metadata and each rank's output
+//! cross as MessagePack ([`ConnectorMetadata::to_msgpack`], [`WorkerOutput::to_msgpack`]).
+//!
+//! **Across hosts.** A worker's side channel binds 127.0.0.1 by default
+//! ([`WorkerConfig::side_channel`]): set it to an address the other engine reaches (or
+//! `0.0.0.0` and a port), and give the scheduler that host and port
+//! ([`SchedulerConfig::host`], [`SchedulerConfig::port`]): they go to the decode in the
+//! `kv_transfer_params`. In vLLM mode the engine's one ROUTER binds there.
 
 #![warn(missing_docs)]
 
+mod aggregate;
 pub mod auth;
 mod block_map;
 mod config;
 mod connect;
+mod engine_step;
 mod error;
 pub mod etcd;
 mod etcd_auth;
@@ -136,11 +187,13 @@ pub mod series;
 mod shared;
 pub mod side_channel;
 mod spec;
+mod step_wire;
 mod tp_mapping;
 pub mod vllm;
 mod wire;
 mod worker;
 
+pub use aggregate::{AggregatedOutput, ConnectorOutput, KvOutputAggregator, WorkerOutput};
 pub use auth::SharedSecret;
 pub use config::{
     Lease, LoadFailurePolicy, MetadataExchange, Protocol, WorkerConfig, DEFAULT_KV_LEASE_DURATION,

@@ -3,12 +3,16 @@
 
 use std::collections::HashMap;
 
+use serde::{Deserialize, Serialize};
+
 use crate::failure::FailedBlock;
 use crate::metrics::TransferMetrics;
 
-/// Requests that finished transferring since the last
-/// [`KvConnectorWorker::finished`](crate::KvConnectorWorker::finished).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// Requests that finished transferring on one rank since the last
+/// [`KvConnectorWorker::finished`](crate::KvConnectorWorker::finished); the engine acts on
+/// every rank's, aggregated by
+/// [`KvConnectorScheduler::update_connector_output`](crate::KvConnectorScheduler::update_connector_output).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Finished {
     /// Held requests whose blocks may now be freed (every decode rank notified, or their
     /// lease ended).

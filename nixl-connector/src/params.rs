@@ -70,7 +70,7 @@ pub struct KvTransferParams {
 }
 
 /// Where a load reads from: the complete remote half of [`KvTransferParams`].
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RemoteBlocks {
     /// The prefill engine's id.
     pub engine_id: String,

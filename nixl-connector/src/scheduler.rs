@@ -5,9 +5,10 @@
 //! # Prefill side: delayed freeing under a lease
 //! A prefill request whose KV a remote decode will read (`do_remote_decode`) and that
 //! stopped normally ([`FinishStatus::LengthCapped`], [`FinishStatus::Stopped`]) is finished
-//! with [`RequestFinished::delay_free_blocks`] set: the engine keeps its blocks until the
-//! worker reports the request in [`Finished::sending`](crate::Finished::sending). The worker
-//! reports it when the decode's notification arrives (one per decode rank reading from this
+//! with [`RequestFinished::delay_free_blocks`] set: the engine keeps its blocks until
+//! [`update_connector_output`](KvConnectorScheduler::update_connector_output) lists the
+//! request in [`ConnectorOutput::finished_sending`], once every TP rank has reported it in
+//! [`Finished::sending`](crate::Finished::sending). A rank reports it when the decode's notification arrives (one per decode rank reading from this
 //! rank), or when the request's **KV lease** ends ([`Lease`], vLLM's `kv_lease_duration`,
 //! default 30 s). A decode whose load still waits sends heartbeats that extend the lease,
 //! up to [`Lease::max_hold`]. An aborted prefill request frees its blocks at once.
@@ -23,7 +24,7 @@
 //! notifies the prefill without reading; one finished while its READ may run keeps its
 //! blocks until the load ends ([`LoadOutcome::AbortedLoadEnded`]). Each step,
 //! [`update_connector_output`](KvConnectorScheduler::update_connector_output) turns what
-//! the workers report into a [`LoadOutcome`] per request, applying the
+//! every TP rank reports into a [`LoadOutcome`] per request, applying the
 //! [`LoadFailurePolicy`] to failed loads.
 
 use std::collections::HashMap;
@@ -31,16 +32,17 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use nixl::kv_config::KvTransferConfig;
+use serde::{Deserialize, Serialize};
 
+use crate::aggregate::{ConnectorOutput, KvOutputAggregator, WorkerOutput};
 use crate::config::{Lease, LoadFailurePolicy, Protocol};
 use crate::error::{Error, Result};
 use crate::failure::FailedBlock;
-use crate::outcomes::Finished;
 use crate::params::{KvTransferParams, RemoteBlocks};
 use crate::vllm::MetadataServer;
 
 /// How a request finished (vLLM's `RequestStatus.FINISHED_*`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum FinishStatus {
     /// It reached its length cap (a prefill for a remote decode stops after one token).
     LengthCapped,
@@ -117,7 +119,7 @@ impl SchedulerConfig {
 }
 
 /// One load for the workers: read `remote` into `local_block_ids`.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LoadSpec {
     /// The local request id.
     pub request_id: String,
@@ -130,16 +132,18 @@ pub struct LoadSpec {
 
 /// One request whose blocks wait for a decode: freed on its notification or when its lease
 /// ends at `deadline`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SendSpec {
     /// The request id (the notification names it).
     pub request_id: String,
-    /// When the lease ends unless a heartbeat extends it.
+    /// When the lease ends unless a heartbeat extends it (in another process: the time left
+    /// when it was sent, from its arrival; see [`ConnectorMetadata::to_msgpack`]).
+    #[serde(with = "crate::step_wire::deadline")]
     pub deadline: Instant,
 }
 
 /// A heartbeat for one remote engine: its requests that loads here still wait for.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HeartbeatSpec {
     /// The remote engine.
     pub engine_id: String,
@@ -153,8 +157,9 @@ pub struct HeartbeatSpec {
     pub request_ids: Vec<String>,
 }
 
-/// What the scheduler hands its workers each step.
-#[derive(Debug, Clone, Default, PartialEq)]
+/// What the scheduler hands its workers each step (vLLM's `NixlConnectorMetadata`); it
+/// crosses to worker processes as MessagePack ([`to_msgpack`](Self::to_msgpack)).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ConnectorMetadata {
     /// Loads to start.
     pub loads: Vec<LoadSpec>,
@@ -167,10 +172,10 @@ pub struct ConnectorMetadata {
 }
 
 /// The answer to [`KvConnectorScheduler::request_finished`].
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RequestFinished {
     /// Keep the blocks until the workers report the request: in
-    /// [`Finished::sending`](crate::Finished::sending) on a prefill, as
+    /// [`ConnectorOutput::finished_sending`] on a prefill, as
     /// [`LoadOutcome::AbortedLoadEnded`] on a decode.
     pub delay_free_blocks: bool,
     /// Params for the decode engine, when a remote decode will read this request.
@@ -179,7 +184,7 @@ pub struct RequestFinished {
 
 /// How a decode request's load ended, from
 /// [`KvConnectorScheduler::update_connector_output`].
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum LoadOutcome {
     /// Every block landed: the request can run.
     Loaded {
@@ -245,19 +250,22 @@ pub struct KvConnectorScheduler {
     /// Failed blocks of loads whose end the workers have not reported yet.
     failed: HashMap<String, Vec<FailedBlock>>,
     last_heartbeat: Option<Instant>,
+    /// Every TP rank's outputs, counted until each has reported a request.
+    aggregator: KvOutputAggregator,
 }
 
 impl KvConnectorScheduler {
     /// A scheduler for an engine with `config`.
     pub fn new(config: SchedulerConfig) -> Self {
         KvConnectorScheduler {
-            config,
             decodes: HashMap::new(),
             loads: HashMap::new(),
             sends: HashMap::new(),
             aborted: Vec::new(),
             failed: HashMap::new(),
             last_heartbeat: None,
+            aggregator: KvOutputAggregator::new(config.tp_size),
+            config,
         }
     }
 
@@ -343,7 +351,9 @@ impl KvConnectorScheduler {
     ///
     /// - A prefill request for a remote decode (`do_remote_decode`) that is length-capped or
     ///   stopped keeps its `block_ids` (if any) under a lease, and the params for the decode
-    ///   are returned. An aborted or failed one frees its blocks at once.
+    ///   are returned, with `num_computed_tokens` (the request's tokens whose KV its blocks
+    ///   hold) as `remote_num_tokens`, which a decode with smaller blocks needs (0: unknown).
+    ///   An aborted or failed one frees its blocks at once.
     /// - A decode request whose load was not handed to the workers yet (or that was never
     ///   scheduled: aborted while it waited) notifies the prefill without reading, so that
     ///   the prefill frees at once. One whose load the workers have keeps its blocks
@@ -353,6 +363,7 @@ impl KvConnectorScheduler {
         &mut self,
         request_id: &str,
         block_ids: &[usize],
+        num_computed_tokens: usize,
         params: Option<&KvTransferParams>,
         status: FinishStatus,
     ) -> RequestFinished {
@@ -407,17 +418,28 @@ impl KvConnectorScheduler {
         }
         RequestFinished {
             delay_free_blocks,
-            kv_transfer_params: Some(self.params_for_decode(request_id, block_ids)),
+            kv_transfer_params: Some(self.params_for_decode(
+                request_id,
+                block_ids,
+                delay_free_blocks.then_some(num_computed_tokens),
+            )),
         }
     }
 
-    /// The params a remote decode reads `block_ids` of `request_id` with. In vLLM mode they
-    /// have every key vLLM 0.33's prefill gives (see [`KvTransferParams::to_vllm_json`]),
-    /// but `remote_num_tokens`, which this call does not know: a pull, no pipeline or
-    /// decode context parallelism, no expiry time (a prefill's blocks live as long as its
-    /// lease, which the decode's heartbeats extend), and the side channel's registration
-    /// generation.
-    fn params_for_decode(&self, request_id: &str, block_ids: &[usize]) -> KvTransferParams {
+    /// The params a remote decode reads `block_ids` of `request_id` with, `num_tokens` its
+    /// computed tokens when its blocks are held (vLLM's `remote_num_tokens`: the request's
+    /// `num_computed_tokens`; 0, unknown, is left out in the native protocol). In vLLM mode
+    /// they have every key vLLM 0.33's prefill gives (see
+    /// [`KvTransferParams::to_vllm_json`]; `remote_num_tokens` 0 when nothing is held, as
+    /// vLLM's `request_finished`): a pull, no pipeline or decode context parallelism, no
+    /// expiry time (a prefill's blocks live as long as its lease, which the decode's
+    /// heartbeats extend), and the side channel's registration generation.
+    fn params_for_decode(
+        &self,
+        request_id: &str,
+        block_ids: &[usize],
+        num_tokens: Option<usize>,
+    ) -> KvTransferParams {
         let config = &self.config;
         let params = KvTransferParams {
             do_remote_prefill: true,
@@ -428,11 +450,13 @@ impl KvConnectorScheduler {
             remote_block_ids: block_ids.to_vec(),
             remote_request_id: Some(request_id.to_string()),
             remote_tp_size: Some(config.tp_size),
+            remote_num_tokens: num_tokens.filter(|&n| n > 0),
             ..KvTransferParams::default()
         };
         match config.protocol {
             Protocol::Native => params,
             Protocol::Vllm => KvTransferParams {
+                remote_num_tokens: Some(num_tokens.unwrap_or(0)),
                 remote_dcp_size: Some(1),
                 remote_pp_size: Some(1),
                 remote_registration_generation: Some(
@@ -524,16 +548,29 @@ impl KvConnectorScheduler {
         by_engine.into_values().collect()
     }
 
-    /// Takes what the workers reported in one step (vLLM's `update_connector_output`):
-    /// `finished` and then `load_errors`, from every worker. Returns how each decode
-    /// request's load ended, applying the [`LoadFailurePolicy`] to those with failed
-    /// blocks; requests it does not track (notification only, or unknown) are skipped.
-    /// A load's failed blocks may come one step before its end; they wait for it.
-    pub fn update_connector_output(
-        &mut self,
-        finished: &Finished,
-        load_errors: &[FailedBlock],
-    ) -> Vec<LoadOutcome> {
+    /// Takes what every TP rank reported in one step (vLLM's `update_connector_output`,
+    /// after its `KVOutputAggregator`): one [`WorkerOutput`] per rank
+    /// ([`KvConnectorWorker::output`](crate::KvConnectorWorker::output)), aggregated so
+    /// that a request is finished only once every rank has reported it. Returns the
+    /// prefill requests whose blocks the engine may free now, and how each decode request's
+    /// load ended, applying the [`LoadFailurePolicy`] to those with failed blocks (on any
+    /// rank); requests it does not track (notification only, or unknown) are skipped. A
+    /// load's failed blocks may come steps before its end; they wait for it.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] unless `outputs` holds exactly one output of each rank
+    /// below [`SchedulerConfig::tp_size`] (nothing is taken then).
+    pub fn update_connector_output(&mut self, outputs: &[WorkerOutput]) -> Result<ConnectorOutput> {
+        let step = self.aggregator.aggregate(outputs)?;
+        Ok(ConnectorOutput {
+            load_outcomes: self.loads_ended(&step.finished.recving, &step.load_errors),
+            finished_sending: step.finished.sending,
+        })
+    }
+
+    /// How the loads of `recving` (every rank's ended) came out, with every rank's
+    /// `load_errors`.
+    fn loads_ended(&mut self, recving: &[String], load_errors: &[FailedBlock]) -> Vec<LoadOutcome> {
         for failed in load_errors {
             let loading = self
                 .decodes
@@ -547,7 +584,7 @@ impl KvConnectorScheduler {
             }
         }
         let mut outcomes = Vec::new();
-        for request_id in &finished.recving {
+        for request_id in recving {
             let Some(decode) = self.decodes.get_mut(request_id) else {
                 continue;
             };
@@ -600,6 +637,7 @@ mod tests {
 
     use super::*;
     use crate::failure::FailureKind;
+    use crate::outcomes::Finished;
 
     fn config(policy: LoadFailurePolicy) -> SchedulerConfig {
         SchedulerConfig {
@@ -634,6 +672,7 @@ mod tests {
             .request_finished(
                 request,
                 blocks,
+                0,
                 Some(&for_decode()),
                 FinishStatus::LengthCapped,
             )
@@ -650,16 +689,18 @@ mod tests {
         let done = s.request_finished(
             "cmpl-1",
             &[3, 4],
+            20,
             Some(&for_decode()),
             FinishStatus::LengthCapped,
         );
         let json = done.kv_transfer_params.unwrap().to_vllm_json();
-        // vLLM 0.33's request_finished on a prefill, but remote_num_tokens.
+        // vLLM 0.33's request_finished on a prefill.
         let expect = serde_json::json!({
             "do_remote_prefill": true, "do_remote_decode": false,
             "remote_block_ids": [[3, 4]], "remote_engine_id": "p",
             "remote_request_id": "cmpl-1", "remote_host": "10.0.0.1", "remote_port": 5600,
-            "tp_size": 2, "dcp_size": 1, "pp_size": 1, "remote_blocks_expiry_time": null,
+            "tp_size": 2, "dcp_size": 1, "pp_size": 1, "remote_num_tokens": 20,
+            "remote_blocks_expiry_time": null,
             "remote_registration_generation": 0, "transfer_mode": "pull",
         });
         assert_eq!(
@@ -687,6 +728,25 @@ mod tests {
         }
     }
 
+    /// The outcomes of a step in which both ranks of the TP 2 engine report `finished`, and
+    /// rank 0 `load_errors`.
+    fn both_ranks(
+        s: &mut KvConnectorScheduler,
+        finished: &Finished,
+        load_errors: &[FailedBlock],
+    ) -> Vec<LoadOutcome> {
+        let outputs = [0, 1].map(|tp_rank| WorkerOutput {
+            tp_rank,
+            finished: finished.clone(),
+            load_errors: if tp_rank == 0 {
+                load_errors.to_vec()
+            } else {
+                Vec::new()
+            },
+        });
+        s.update_connector_output(&outputs).unwrap().load_outcomes
+    }
+
     #[test]
     fn a_prefill_request_for_a_remote_decode_keeps_its_blocks_and_hands_its_params() {
         let mut s = scheduler();
@@ -694,6 +754,7 @@ mod tests {
         let done = s.request_finished(
             "r",
             &[3, 4],
+            7,
             Some(&for_decode()),
             FinishStatus::LengthCapped,
         );
@@ -701,6 +762,7 @@ mod tests {
         let handed = done.kv_transfer_params.unwrap();
         assert!(handed.do_remote_prefill && !handed.do_remote_decode);
         let remote = handed.remote_blocks().unwrap();
+        assert_eq!(remote.num_tokens, Some(7), "vLLM's num_computed_tokens");
         assert_eq!(
             (remote.engine_id.as_str(), remote.host.as_str(), remote.port),
             ("p", "10.0.0.1", 5600)
@@ -717,12 +779,12 @@ mod tests {
             "handed over once"
         );
 
-        let plain = s.request_finished("q", &[1], None, FinishStatus::LengthCapped);
+        let plain = s.request_finished("q", &[1], 0, None, FinishStatus::LengthCapped);
         assert!(!plain.delay_free_blocks && plain.kv_transfer_params.is_none());
-        let stopped = s.request_finished("s", &[1], Some(&for_decode()), FinishStatus::Stopped);
+        let stopped = s.request_finished("s", &[1], 0, Some(&for_decode()), FinishStatus::Stopped);
         assert!(stopped.delay_free_blocks, "a stopped request is read too");
         for status in [FinishStatus::Aborted, FinishStatus::Error] {
-            let gone = s.request_finished("a", &[1], Some(&for_decode()), status);
+            let gone = s.request_finished("a", &[1], 0, Some(&for_decode()), status);
             assert!(!gone.delay_free_blocks && gone.kv_transfer_params.is_none());
         }
         assert_eq!(
@@ -730,7 +792,8 @@ mod tests {
             1,
             "only the stopped one"
         );
-        let empty = s.request_finished("e", &[], Some(&for_decode()), FinishStatus::LengthCapped);
+        let empty =
+            s.request_finished("e", &[], 0, Some(&for_decode()), FinishStatus::LengthCapped);
         assert!(!empty.delay_free_blocks && empty.kv_transfer_params.is_some());
         assert!(s.build_connector_meta().sends.is_empty(), "nothing to hold");
     }
@@ -775,7 +838,7 @@ mod tests {
             "the worker reads the tail"
         );
         // The full hit is done at once: nothing waits for it, no heartbeat names it.
-        let outcomes = s.update_connector_output(&recving(&["full", "part"]), &[]);
+        let outcomes = both_ranks(&mut s, &recving(&["full", "part"]), &[]);
         assert_eq!(
             outcomes,
             [LoadOutcome::Loaded {
@@ -789,12 +852,13 @@ mod tests {
         let mut s = scheduler();
         // Aborted while waiting for blocks: the prefill is notified, nothing read.
         s.on_new_request("waiting", Some(&handed("rw", &[1, 2])));
-        let done = s.request_finished("waiting", &[], None, FinishStatus::Aborted);
+        let done = s.request_finished("waiting", &[], 0, None, FinishStatus::Aborted);
         assert!(!done.delay_free_blocks);
         // Aborted before the engine ever told of it.
         let done = s.request_finished(
             "unseen",
             &[],
+            0,
             Some(&handed("ru", &[3])),
             FinishStatus::Aborted,
         );
@@ -802,7 +866,7 @@ mod tests {
         // Aborted after allocation, before the workers got the load.
         s.update_state_after_alloc("scheduled", &[4, 5], &handed("rs", &[4, 5]))
             .unwrap();
-        let done = s.request_finished("scheduled", &[4, 5], None, FinishStatus::Aborted);
+        let done = s.request_finished("scheduled", &[4, 5], 0, None, FinishStatus::Aborted);
         assert!(!done.delay_free_blocks, "no READ was posted");
         let meta = s.build_connector_meta();
         assert_eq!(meta.loads.len(), 3);
@@ -813,7 +877,7 @@ mod tests {
         s.update_state_after_alloc("running", &[6], &handed("rr", &[6]))
             .unwrap();
         assert_eq!(s.build_connector_meta().loads.len(), 1);
-        let done = s.request_finished("running", &[6], None, FinishStatus::Aborted);
+        let done = s.request_finished("running", &[6], 0, None, FinishStatus::Aborted);
         assert!(done.delay_free_blocks);
         let meta = s.build_connector_meta();
         assert_eq!(meta.aborted, ["running"]);
@@ -821,7 +885,7 @@ mod tests {
             meta.heartbeats.is_empty(),
             "no heartbeat for an aborted load"
         );
-        let outcomes = s.update_connector_output(&recving(&["running"]), &[failed("running", 6)]);
+        let outcomes = both_ranks(&mut s, &recving(&["running"]), &[failed("running", 6)]);
         assert_eq!(
             outcomes,
             [LoadOutcome::AbortedLoadEnded {
@@ -833,8 +897,7 @@ mod tests {
             "nothing left behind"
         );
         assert!(
-            s.update_connector_output(&recving(&["running"]), &[])
-                .is_empty(),
+            both_ranks(&mut s, &recving(&["running"]), &[]).is_empty(),
             "once"
         );
     }
@@ -858,8 +921,8 @@ mod tests {
             .is_empty());
         let meta = s.meta_at(t0 + Duration::from_millis(500));
         assert_eq!(meta.heartbeats.len(), 1, "3 s lease: every 500 ms");
-        s.update_connector_output(&recving(&["b"]), &[]);
-        s.request_finished("a", &[], None, FinishStatus::Aborted);
+        both_ranks(&mut s, &recving(&["b"]), &[]);
+        s.request_finished("a", &[], 0, None, FinishStatus::Aborted);
         assert!(s.meta_at(t0 + Duration::from_secs(2)).heartbeats.is_empty());
     }
 
@@ -874,8 +937,8 @@ mod tests {
             s.build_connector_meta();
             // The errors come one step before the load's end.
             let early = [failed("x", 9), failed("x", 3), failed("stranger", 1)];
-            assert!(s.update_connector_output(&recving(&[]), &early).is_empty());
-            let outcomes = s.update_connector_output(&recving(&["ok", "x"]), &[]);
+            assert!(both_ranks(&mut s, &recving(&[]), &early).is_empty());
+            let outcomes = both_ranks(&mut s, &recving(&["ok", "x"]), &[]);
             let reason = "transfer failure: peer gone".to_string();
             let x = match policy {
                 LoadFailurePolicy::Recompute => LoadOutcome::Recompute {

@@ -109,7 +109,9 @@ impl KvAttention {
 /// What one block of a region holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum KvRegionKind {
-    /// One tensor: K, V (each its own region, as vLLM registers them), or an MLA latent.
+    /// One tensor: a layer's K and V packed per head and token (vLLM 0.33's `LBHNC`,
+    /// [`KvCacheSpec::lbhnc`]: a block is `[heads, tokens, 2 × head_size]`, so a head's
+    /// token holds its K then its V), K or V alone, or an MLA latent.
     Tensor,
     /// K and V, each half of the block in the spec's layout (FlashInfer's blocks-first
     /// layout, `[blocks][2][...]`): a head slice of a block is two pieces, one per half.
@@ -146,8 +148,9 @@ pub struct KvRegion {
     pub kind: KvRegionKind,
 }
 
-/// One TP rank's KV cache: `regions` (one per registered tensor, e.g. per layer, or K and V
-/// of each layer apart) of `num_blocks` blocks each, a block holding `block_size` tokens of
+/// One TP rank's KV cache: `regions` (one per registered tensor, e.g. one per layer with K
+/// and V packed as vLLM 0.33 registers them, [`lbhnc`](Self::lbhnc)) of `num_blocks` blocks
+/// each, a block holding `block_size` tokens of
 /// the `attention`'s heads (this rank's share) or latent, in `layout` byte order.
 ///
 /// Regions may differ in block length (layers of different sizes, K and V of different head
@@ -191,6 +194,37 @@ impl KvCacheSpec {
                 num_regions
             ],
         }
+    }
+
+    /// vLLM 0.33's non-MLA cache (`kv_cache_layout` `"LBHNC"`, what its NixlConnector
+    /// asks attention backends for in `get_required_kvcache_layout`): one region per layer,
+    /// each block `[heads, tokens, 2 × head_size]` (HND, K and V packed per head and token),
+    /// so a block holds `block_size × heads × 2 × head_bytes` bytes, `heads` being the KV
+    /// heads of one rank of TP `tp_size` ([`KvAttention::heads_of_rank`]). A head's slice
+    /// of a block (its K and V of every token) is contiguous, so ranks of other TP sizes
+    /// read it as one piece. `head_bytes` is one head's K (or V) of one token.
+    pub fn lbhnc(
+        num_layers: usize,
+        num_blocks: usize,
+        block_size: usize,
+        total_kv_heads: usize,
+        tp_size: usize,
+        head_bytes: usize,
+    ) -> Self {
+        let attention = KvAttention::Mha { total_kv_heads };
+        let heads = attention.heads_per_rank(tp_size);
+        let block_len = block_size
+            .saturating_mul(heads)
+            .saturating_mul(2)
+            .saturating_mul(head_bytes);
+        KvCacheSpec::uniform(
+            num_layers,
+            num_blocks,
+            block_size,
+            attention,
+            KvLayout::Hnd,
+            block_len,
+        )
     }
 
     /// Number of regions.

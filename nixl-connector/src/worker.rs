@@ -11,6 +11,7 @@ use nixl::{Agent, NotificationFilter, RegDesc, RegisterMemory, Registration, Xfe
 use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
 
+use crate::aggregate::WorkerOutput;
 use crate::auth::SharedSecret;
 use crate::config::{Lease, MetadataExchange, Protocol, WorkerConfig};
 use crate::connect::{self, Engine};
@@ -37,6 +38,8 @@ use crate::vllm::{
     VllmWorker,
 };
 
+mod shutdown;
+
 /// The worker half of the connector: one per TP rank.
 ///
 /// Create it inside a tokio runtime: handshakes, loads and notifications run as tasks on
@@ -44,7 +47,9 @@ use crate::vllm::{
 /// its notification listener, and withdraws its published metadata. Loads already started
 /// run on in their own tasks to their end (done, failed or past `transfer_timeout`), and
 /// keep the registered caches alive until then; a READ still in flight at that point is left
-/// to NIXL's completion driver, which keeps its memory until NIXL is done with it.
+/// to NIXL's completion driver, which keeps its memory until NIXL is done with it. To
+/// destroy the agent before going on (e.g. before `std::process::exit`), call
+/// [`shutdown`](Self::shutdown) instead.
 pub struct KvConnectorWorker {
     shared: Arc<Shared>,
     staging: OnceLock<Staging>,
@@ -221,8 +226,8 @@ impl KvConnectorWorker {
         self.shared.setup.mem_type()
     }
 
-    /// Registers the KV cache: `caches` holds the regions of `spec` in order (one per layer,
-    /// or K and V of each layer apart, ...), region `r` at least `spec.region_len(r)` bytes,
+    /// Registers the KV cache: `caches` holds the regions of `spec` in order (one per layer
+    /// with K and V packed as vLLM 0.33 has them, [`KvCacheSpec::lbhnc`], ...), region `r` at least `spec.region_len(r)` bytes,
     /// of the memory type the platform and kv-buffer device give (DRAM for `cpu`), with the
     /// configured backends; then publishes the agent metadata (etcd mode) and starts the
     /// side channel. The handshake tells peers each region's block length.
@@ -841,7 +846,11 @@ impl KvConnectorWorker {
     }
 
     /// Requests done sending (every decode rank notified, or their lease ended) and done
-    /// receiving, since the last call.
+    /// receiving, since the last call, on this rank only. An engine step passes
+    /// [`output`](Self::output) to
+    /// [`KvConnectorScheduler::update_connector_output`](crate::KvConnectorScheduler::update_connector_output)
+    /// instead: with TP > 1 a request is done only once every rank reports it, and its
+    /// blocks must not be freed (nor a load taken as landed) on one rank's word.
     pub fn finished(&self) -> Finished {
         let sending = {
             let mut sends = self.shared.sends();
@@ -851,6 +860,18 @@ impl KvConnectorWorker {
         let recving = std::mem::take(&mut self.shared.outcomes().recving);
         self.shared.series.leaks(&self.agent().leak_stats());
         Finished { sending, recving }
+    }
+
+    /// This rank's output of one step, for
+    /// [`KvConnectorScheduler::update_connector_output`](crate::KvConnectorScheduler::update_connector_output)
+    /// (vLLM's `KVConnectorOutput`): its rank, [`finished`](Self::finished) and
+    /// [`load_errors`](Self::load_errors), both taken.
+    pub fn output(&self) -> WorkerOutput {
+        WorkerOutput {
+            tp_rank: self.shared.config.tp_rank,
+            finished: self.finished(),
+            load_errors: self.load_errors(),
+        }
     }
 
     /// Resolves once a load has ended since the previous call (or immediately if one ended

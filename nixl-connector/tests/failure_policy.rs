@@ -98,13 +98,17 @@ async fn outcomes(
     let start = Instant::now();
     let mut got = Vec::new();
     while got.len() < n && start.elapsed() < Duration::from_secs(20) {
-        let finished = decode.finished();
-        let errors = decode.load_errors();
-        for failed in &errors {
+        let output = decode.output();
+        for failed in &output.load_errors {
             assert!(!failed.reason.is_empty(), "{failed}");
             assert_ne!(failed.kind, FailureKind::Invalid, "{failed}");
         }
-        got.extend(scheduler.update_connector_output(&finished, &errors));
+        got.extend(
+            scheduler
+                .update_connector_output(&[output])
+                .unwrap()
+                .load_outcomes,
+        );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     got

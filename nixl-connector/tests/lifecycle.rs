@@ -134,8 +134,8 @@ async fn outcomes(
     let start = Instant::now();
     let mut all = Vec::new();
     while all.len() < n && start.elapsed() < limit {
-        let finished = decode.finished();
-        all.extend(scheduler.update_connector_output(&finished, &decode.load_errors()));
+        let step = scheduler.update_connector_output(&[decode.output()]);
+        all.extend(step.unwrap().load_outcomes);
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     all
@@ -187,11 +187,18 @@ async fn a_prefix_hit_loads_only_the_missing_tail_and_a_full_hit_only_notifies()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_aborted_prefill_request_frees_at_once_and_a_capped_one_waits() {
     let (_, prefill, mut s) = prefill("pf-abort", 30.0);
-    let aborted = s.request_finished("gone", &[1, 2], Some(&for_decode()), FinishStatus::Aborted);
+    let aborted = s.request_finished(
+        "gone",
+        &[1, 2],
+        0,
+        Some(&for_decode()),
+        FinishStatus::Aborted,
+    );
     assert!(!aborted.delay_free_blocks && aborted.kv_transfer_params.is_none());
     let capped = s.request_finished(
         "kept",
         &[3],
+        0,
         Some(&for_decode()),
         FinishStatus::LengthCapped,
     );
@@ -217,7 +224,7 @@ async fn a_decode_aborted_before_or_during_its_load_tells_the_prefill_and_writes
     let waiting = finish_for_decode(&prefill, &mut prefill_scheduler, "p-wait", &[1, 2]);
     decode_scheduler.on_new_request("d-wait", Some(&waiting));
     let done =
-        decode_scheduler.request_finished("d-wait", &[], Some(&waiting), FinishStatus::Aborted);
+        decode_scheduler.request_finished("d-wait", &[], 0, Some(&waiting), FinishStatus::Aborted);
     assert!(!done.delay_free_blocks);
     // Aborted right after its load went to the worker, while the handshake runs: the READ
     // is never posted.
@@ -226,8 +233,13 @@ async fn a_decode_aborted_before_or_during_its_load_tells_the_prefill_and_writes
         .update_state_after_alloc("d-run", &[6, 7], &running)
         .unwrap();
     decode.start_load_kv(&decode_scheduler.build_connector_meta());
-    let done =
-        decode_scheduler.request_finished("d-run", &[6, 7], Some(&running), FinishStatus::Aborted);
+    let done = decode_scheduler.request_finished(
+        "d-run",
+        &[6, 7],
+        0,
+        Some(&running),
+        FinishStatus::Aborted,
+    );
     assert!(
         done.delay_free_blocks,
         "a READ may run: the blocks wait for the load's end"
@@ -279,7 +291,7 @@ async fn an_abort_racing_the_loads_completion_frees_each_request_once() {
             tokio::task::yield_now().await;
         }
         let done =
-            decode_scheduler.request_finished(&id, &[i], Some(&params), FinishStatus::Aborted);
+            decode_scheduler.request_finished(&id, &[i], 0, Some(&params), FinishStatus::Aborted);
         assert!(done.delay_free_blocks, "request {id}");
         decode.start_load_kv(&decode_scheduler.build_connector_meta());
     }

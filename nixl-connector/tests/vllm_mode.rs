@@ -22,7 +22,7 @@ use nixl_connector::vllm::clock::perf_counter;
 use nixl_connector::vllm::{MetadataServer, VllmChannelLimits};
 use nixl_connector::{
     FailureKind, KvAttention, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker, KvLayout,
-    KvRegionKind, KvTransferParams, LoadOutcome, Protocol, SchedulerConfig,
+    KvRegionKind, KvTransferParams, LoadOutcome, Protocol, SchedulerConfig, WorkerOutput,
 };
 
 /// A guard against hangs only.
@@ -101,7 +101,15 @@ async fn load(
     decode.start_load_kv(&scheduler.build_connector_meta());
     let done = poll_until(decode, WAIT, |f| f.recving.iter().any(|r| r == request)).await;
     let errors = decode.load_errors();
-    let mut outcomes = scheduler.update_connector_output(&done, &errors);
+    let output = WorkerOutput {
+        tp_rank: 0,
+        finished: done,
+        load_errors: errors,
+    };
+    let mut outcomes = scheduler
+        .update_connector_output(&[output])
+        .unwrap()
+        .load_outcomes;
     assert_eq!(outcomes.len(), 1, "{outcomes:?}");
     outcomes.remove(0)
 }
@@ -273,9 +281,9 @@ async fn a_prefill_registered_again_is_handshaken_with_again() {
 
 /// vLLM's protocol through the geometry matrix's model: one ROUTER per engine shared by its
 /// ranks, each asked by number, the metadata converted from vLLM's `NixlAgentMetadata`,
-/// notifications counting consumers; TP both ways and block sizes both ways, for MHA (K and
-/// V in regions of their own and of different lengths: vLLM's metadata cannot say halves)
-/// and MLA.
+/// notifications counting consumers; TP both ways and block sizes both ways, for MHA (one
+/// tensor per region, of different lengths, as vLLM 0.33's packed K and V per layer: vLLM's
+/// metadata cannot say halves) and MLA.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tp_and_block_sizes_both_ways_move_every_byte_where_the_model_says() {
     common::init_tracing();

@@ -197,6 +197,7 @@ impl AgentBuilder {
             unsafe { capi().nixl_capi_create_configured_agent(name.as_ptr(), &raw_cfg, &mut raw) };
         check(status, "create agent")?;
         tracing::debug!(agent = %self.name, config = ?self.config, "created NIXL agent");
+        crate::exit_guard::install();
         let inner = Arc::new(AgentInner {
             raw,
             id: local_peers::next_id(),
@@ -208,6 +209,7 @@ impl AgentBuilder {
             driver_start: Mutex::new(()),
             name: self.name,
             config: self.config,
+            on_destroyed: Mutex::new(Vec::new()),
         });
         local_peers::add_agent(inner.id, &inner.name);
         Ok(Agent { inner })
@@ -263,6 +265,18 @@ impl Agent {
         &self.inner.name
     }
 
+    /// Runs `hook` once this agent is destroyed: on the thread that drops its last reference
+    /// (the agent, or any object made from it), right after NIXL's agent and backends are
+    /// gone. An agent whose last reference goes while the process exits is not destroyed
+    /// (UCX is being torn down then), and `hook` does not run.
+    pub fn on_destroyed(&self, hook: impl FnOnce() + Send + 'static) {
+        self.inner
+            .on_destroyed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(Box::new(hook));
+    }
+
     /// The configuration the agent was created with.
     pub fn config(&self) -> &AgentConfig {
         &self.inner.config
@@ -305,6 +319,8 @@ pub(crate) struct AgentInner {
     driver_start: Mutex<()>,
     pub(crate) name: String,
     pub(crate) config: AgentConfig,
+    /// Run once the agent is destroyed ([`Agent::on_destroyed`]).
+    on_destroyed: Mutex<Vec<Box<dyn FnOnce() + Send>>>,
 }
 
 // SAFETY: the handle is only used through `with`, which serialises calls when NIXL itself
@@ -351,6 +367,29 @@ impl AgentInner {
 impl Drop for AgentInner {
     fn drop(&mut self) {
         local_peers::remove_agent(self.id);
+        let hooks = std::mem::take(
+            self.on_destroyed
+                .get_mut()
+                .unwrap_or_else(|p| p.into_inner()),
+        );
+        let Some(_destroying) = crate::exit_guard::begin() else {
+            // The process is exiting and UCX may be cleaning up already (see exit_guard):
+            // leave the agent and its backends to the process.
+            std::mem::forget(std::mem::take(
+                self.backends.get_mut().unwrap_or_else(|p| p.into_inner()),
+            ));
+            return;
+        };
+        self.destroy();
+        for hook in hooks {
+            hook();
+        }
+    }
+}
+
+impl AgentInner {
+    /// Stops the driver, frees the backends and destroys the NIXL agent.
+    fn destroy(&mut self) {
         if let Some(driver) = self.driver.get() {
             driver.stop();
         }

@@ -201,6 +201,7 @@ mod ffi;
 mod agent;
 mod backend;
 mod error;
+mod exit_guard;
 mod refused_params;
 
 mod memory;

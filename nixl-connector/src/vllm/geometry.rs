@@ -18,8 +18,9 @@ impl NixlAgentMetadata {
     /// `block_size` and `num_blocks` are the kernel's (vLLM already multiplied the blocks by
     /// `physical_blocks_per_logical_kv_block`); a logical block id `b` of the prefill's
     /// `kv_transfer_params` is its kernel blocks `b * ratio .. (b + 1) * ratio`
-    /// (`_logical_to_kernel_block_ids`). Each region is one tensor (vLLM 0.33 registers K
-    /// and V apart, or one latent).
+    /// (`_logical_to_kernel_block_ids`). Each region is one tensor: vLLM 0.33 registers one
+    /// region per layer, K and V packed per head and token in `LBHNC`
+    /// ([`KvCacheSpec::lbhnc`]), or one latent for MLA.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for what the connector does not read: Mamba state
@@ -152,7 +153,7 @@ impl NixlAgentMetadata {
         {
             return Err(Error::invalid(
                 "describe the KV caches to vLLM",
-                format!("region {r} holds K and V halves in one block, which vLLM's NixlAgentMetadata cannot say; register K and V as regions of their own"),
+                format!("region {r} holds K and V halves in one block, which vLLM's NixlAgentMetadata cannot say; register each layer as one region with K and V packed per head and token (vLLM's LBHNC, KvCacheSpec::lbhnc)"),
             ));
         }
         let regions = spec.num_regions();

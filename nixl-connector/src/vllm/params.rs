@@ -229,7 +229,9 @@ impl TryFrom<&VllmKvTransferParams> for KvTransferParams {
             remote_block_ids,
             remote_request_id: params.remote_request_id.clone(),
             remote_tp_size: size("tp_size", params.tp_size.map(u64::from))?,
-            remote_num_tokens: size("remote_num_tokens", params.remote_num_tokens)?,
+            // 0 is vLLM's "not known" (its decode reads `remote_num_tokens or 0`).
+            remote_num_tokens: size("remote_num_tokens", params.remote_num_tokens)?
+                .filter(|&n| n > 0),
             remote_dcp_size: size("dcp_size", params.dcp_size.map(u64::from))?,
             remote_pp_size: size("pp_size", params.pp_size.map(u64::from))?,
             remote_blocks_expiry_time: params.remote_blocks_expiry_time,

@@ -17,7 +17,7 @@ mod tracked;
 
 // Not every test binary uses each.
 #[allow(unused_imports)]
-pub use role::{after_tag, role_process, stdout_lines, ChildLines};
+pub use role::{after_tag, hex, role_process, stdout_lines, unhex, ChildLines};
 #[allow(unused_imports)]
 pub use skip::skip;
 #[allow(unused_imports)]
@@ -206,6 +206,7 @@ pub fn finished_for_decode(
     let done = scheduler.request_finished(
         request,
         blocks,
+        0,
         Some(&for_decode()),
         FinishStatus::LengthCapped,
     );
