@@ -119,6 +119,7 @@ pub mod etcd;
 mod failure;
 pub mod handshake;
 pub mod host_buffer;
+mod lease;
 mod load;
 mod metrics;
 mod outcomes;
@@ -137,13 +138,11 @@ pub mod vllm;
 mod wire;
 mod worker;
 
-pub use config::{
-    Lease, LoadFailurePolicy, MetadataExchange, Protocol, WorkerConfig, DEFAULT_KV_LEASE_DURATION,
-    DEFAULT_MAX_HOLD, PROTOCOL_KEY,
-};
+pub use config::{LoadFailurePolicy, MetadataExchange, Protocol, WorkerConfig, PROTOCOL_KEY};
 pub use error::{Error, Result};
 pub use failure::{FailedBlock, FailureKind};
 pub use handshake::{check_compatible, HandshakeMessage, PROTOCOL_VERSION};
+pub use lease::{Lease, DEFAULT_KV_LEASE_DURATION, LEASE_KEY, MAX_HOLD_KEY, MAX_LEASE};
 pub use metrics::{open_fds, RemoteStats, SendStats, TransferMetrics};
 pub use outcomes::Finished;
 pub use params::{KvTransferParams, RemoteBlocks};

@@ -10,7 +10,8 @@
 //! reports it when the decode's notification arrives (one per decode rank reading from this
 //! rank), or when the request's **KV lease** ends ([`Lease`], vLLM's `kv_lease_duration`,
 //! default 30 s). A decode whose load still waits sends heartbeats that extend the lease,
-//! up to [`Lease::max_hold`]. An aborted prefill request frees its blocks at once.
+//! as long as they come (or up to [`Lease::max_hold`], an opt-in cap). An aborted prefill
+//! request frees its blocks at once.
 //!
 //! # Decode side: loads, prefix hits, aborts and failures
 //! [`on_new_request`](KvConnectorScheduler::on_new_request) (optional) and
@@ -32,9 +33,10 @@ use std::time::Instant;
 
 use nixl::kv_config::KvTransferConfig;
 
-use crate::config::{Lease, LoadFailurePolicy, Protocol};
+use crate::config::{LoadFailurePolicy, Protocol};
 use crate::error::{Error, Result};
 use crate::failure::FailedBlock;
+use crate::lease::Lease;
 use crate::outcomes::Finished;
 use crate::params::{KvTransferParams, RemoteBlocks};
 use crate::vllm::MetadataServer;
@@ -397,7 +399,7 @@ impl KvConnectorScheduler {
                 request_id.to_string(),
                 SendSpec {
                     request_id: request_id.to_string(),
-                    deadline: Instant::now() + self.config.lease.duration,
+                    deadline: Instant::now() + self.config.lease.duration(),
                 },
             );
         }
@@ -603,10 +605,7 @@ mod tests {
             host: "10.0.0.1".into(),
             port: 5600,
             tp_size: 2,
-            lease: Lease {
-                duration: Duration::from_secs(3),
-                ..Lease::default()
-            },
+            lease: Lease::new(Duration::from_secs(3)).unwrap(),
             load_failure_policy: policy,
             protocol: Protocol::Native,
             vllm_side_channel: None,
@@ -904,7 +903,7 @@ mod tests {
         )
         .unwrap();
         let c = SchedulerConfig::new("e", "h", 1, 1, &kv).unwrap();
-        assert_eq!(c.lease.duration, Duration::from_secs(12));
+        assert_eq!(c.lease.duration(), Duration::from_secs(12));
         assert_eq!(c.lease.heartbeat_interval(), Duration::from_secs(2));
         assert_eq!(c.lease.extension(), Duration::from_secs(8));
         assert_eq!(c.load_failure_policy, LoadFailurePolicy::Recompute);

@@ -9,7 +9,8 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::config::{Lease, Protocol};
+use crate::config::Protocol;
+use crate::lease::Lease;
 use crate::metrics::SendStats;
 use crate::series::Series;
 use crate::tp_mapping::TpMapping;
@@ -143,8 +144,8 @@ pub struct NotificationStats {
 struct Held {
     /// When the lease ends.
     deadline: Instant,
-    /// The latest the lease may end ([`Lease::max_hold`] after the hold).
-    limit: Instant,
+    /// The latest the lease may end ([`Lease::max_hold`] after the hold), if capped.
+    limit: Option<Instant>,
     /// The agents that notified (each counts once).
     readers: Vec<Vec<u8>>,
     needed: usize,
@@ -195,7 +196,8 @@ impl Sends {
     }
 
     /// Holds `request_id` until its notifications arrive or its lease ends at `deadline`
-    /// (at most [`Lease::max_hold`] from `now`). A request already held keeps its lease.
+    /// (at most [`Lease::max_hold`] from `now`, if capped). A request already held keeps its
+    /// lease.
     pub(crate) fn hold(&mut self, request_id: String, deadline: Instant, now: Instant) {
         if self.held.contains_key(&request_id) {
             tracing::warn!(request = %request_id, "request is already held; its lease is kept");
@@ -204,7 +206,7 @@ impl Sends {
         if self.released.remove(&request_id) {
             self.released_order.retain(|id| *id != request_id);
         }
-        let limit = now + self.lease.max_hold;
+        let limit = self.lease.max_hold().map(|cap| now + cap);
         let (readers, needed) = self
             .early
             .remove(&request_id)
@@ -214,7 +216,7 @@ impl Sends {
             return;
         }
         let held = Held {
-            deadline: deadline.min(limit),
+            deadline: limit.map_or(deadline, |limit| deadline.min(limit)),
             limit,
             readers,
             needed,
@@ -253,7 +255,8 @@ impl Sends {
         for id in ids.split(',') {
             match self.held.get_mut(id) {
                 Some(held) => {
-                    held.deadline = held.deadline.max(until).min(held.limit);
+                    let extended = held.deadline.max(until);
+                    held.deadline = held.limit.map_or(extended, |limit| extended.min(limit));
                     self.notes.leases_extended += 1;
                 }
                 None => self.notes.unknown_heartbeat_ids += 1,
@@ -322,7 +325,7 @@ impl Sends {
             tracing::warn!(request = %id, readers, "the request's KV lease ended before every decode rank notified; blocks freed");
             self.release(id, false);
         }
-        let lease = self.lease.duration;
+        let lease = self.lease.duration();
         let stale: Vec<String> = self
             .early
             .iter()
@@ -374,10 +377,9 @@ mod tests {
     use super::*;
 
     fn sends(own_tp: usize) -> Sends {
-        let lease = Lease {
-            duration: Duration::from_secs(30),
-            max_hold: Duration::from_secs(100),
-        };
+        let lease = Lease::new(Duration::from_secs(30))
+            .and_then(|lease| lease.with_max_hold(Duration::from_secs(100)))
+            .unwrap();
         Sends::new(
             own_tp,
             Protocol::Native,
@@ -474,6 +476,22 @@ mod tests {
         }
         s.expire(t0 + Duration::from_secs(100));
         assert_eq!(s.take_done(), ["q"]);
+    }
+
+    #[test]
+    fn without_a_cap_heartbeats_keep_a_request_while_they_come() {
+        // vLLM's default: no cap (the 480 s one ended leases vLLM's heartbeats kept alive).
+        let lease = Lease::default();
+        let mut s = Sends::new(1, Protocol::Vllm, lease, Arc::new(Series::new("t", 0)));
+        let t0 = Instant::now();
+        s.hold("r".into(), t0 + Duration::from_secs(30), t0);
+        for at in (20..2000).step_by(10) {
+            s.notified(b"d", b"HB:r", t0 + Duration::from_secs(at));
+            s.expire(t0 + Duration::from_secs(at));
+        }
+        assert!(s.take_done().is_empty(), "held while heartbeats came");
+        s.expire(t0 + Duration::from_secs(1990 + 20));
+        assert_eq!(s.take_done(), ["r"], "freed an extension after the last");
     }
 
     #[test]

@@ -13,7 +13,8 @@ use nixl::{
 use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
 
-use crate::config::{Lease, MetadataExchange, Protocol, WorkerConfig};
+use crate::config::{MetadataExchange, Protocol, WorkerConfig};
+use crate::lease::Lease;
 use crate::connect::{self, Engine};
 use crate::error::{Error, Result};
 use crate::etcd::EtcdSource;
