@@ -502,28 +502,12 @@ impl DecodeProcess {
     }
 
     fn signal(&self, signal: libc::c_int) {
-        // SAFETY: kill(2) touches no memory of ours; the pid is our child's, which is not
-        // reaped before `exit` (after which nothing signals it), so no other process has it.
-        let sent = unsafe { libc::kill(self.child.id() as libc::pid_t, signal) };
-        assert_eq!(
-            sent,
-            0,
-            "signal {signal}: {}",
-            std::io::Error::last_os_error()
-        );
+        common::signal(&self.child, signal);
     }
 
-    /// Whether every thread of the decode is stopped (state `T` in /proc).
+    /// Whether every thread of the decode is stopped.
     fn stopped(&self) -> bool {
-        let tasks = format!("/proc/{}/task", self.child.id());
-        std::fs::read_dir(tasks).unwrap().all(|task| {
-            let stat =
-                std::fs::read_to_string(task.unwrap().path().join("stat")).unwrap_or_default();
-            // The state follows the command name, which is in parentheses.
-            stat.rfind(')')
-                .and_then(|end| stat[end + 1..].split_whitespace().next())
-                == Some("T")
-        })
+        common::all_threads_stopped(&self.child)
     }
 
     /// Stops the decode (SIGSTOP) and waits until every thread of it has stopped.
