@@ -142,7 +142,10 @@ pub struct WorkerConfig {
     pub side_channel: SocketAddr,
     /// Side-channel limits.
     pub limits: ChannelLimits,
-    /// Total time one load's transfer may take once posted.
+    /// Total time one load's transfer may take once posted. A load past it is reported in
+    /// [`overdue_loads`](crate::KvConnectorWorker::overdue_loads), and fails with
+    /// [`Error::TransferTimeout`] once NIXL has ended its READs (its blocks stay with the
+    /// connector until then).
     pub transfer_timeout: Duration,
     /// Device id of the KV cache memory, as NIXL describes it.
     pub device_id: u64,

@@ -144,7 +144,7 @@ pub use failure::{FailedBlock, FailureKind};
 pub use handshake::{check_compatible, HandshakeMessage, PROTOCOL_VERSION};
 pub use lease::{Lease, DEFAULT_KV_LEASE_DURATION, LEASE_KEY, MAX_HOLD_KEY, MAX_LEASE};
 pub use metrics::{open_fds, RemoteStats, SendStats, TransferMetrics};
-pub use outcomes::Finished;
+pub use outcomes::{Finished, OverdueLoad};
 pub use params::{KvTransferParams, RemoteBlocks};
 pub use pending::{PendingHandshakes, PendingSlot, PendingStats};
 pub use read_plan::{Piece, ReadPlan, RegionPlan};

@@ -10,7 +10,8 @@
 //! workers' agents run with telemetry on): [`XFER_TIME_SECONDS`], [`POST_TIME_SECONDS`],
 //! [`BYTES_TRANSFERRED`], [`NUM_DESCRIPTORS`]. Failures by kind: [`NUM_FAILED_TRANSFERS`]
 //! (label `kind`: `handshake`, `transfer`, `timeout`, `invalid`, `notification`), and
-//! [`NUM_FAILED_NOTIFICATIONS`]. Per handshake: [`HANDSHAKE_TIME_SECONDS`]. Prefill side:
+//! [`NUM_FAILED_NOTIFICATIONS`]; loads past their transfer timeout:
+//! [`NUM_OVERDUE_TRANSFERS`]. Per handshake: [`HANDSHAKE_TIME_SECONDS`]. Prefill side:
 //! [`NUM_KV_EXPIRED_REQS`], [`NUM_NOTIFICATIONS_AFTER_EXPIRY`], [`NUM_HEARTBEATS`].
 
 use std::time::Duration;
@@ -41,6 +42,9 @@ pub const NUM_NOTIFICATIONS_AFTER_EXPIRY: &str = "vllm:nixl_num_notifications_af
 pub const HANDSHAKE_TIME_SECONDS: &str = "vllm:nixl_handshake_time_seconds";
 /// Counter: heartbeat messages received (prefill side; not a vLLM series).
 pub const NUM_HEARTBEATS: &str = "vllm:nixl_num_heartbeats";
+/// Counter: loads whose READs were still in flight at the transfer timeout; their blocks
+/// stay with the connector until NIXL ends the READs (decode side; not a vLLM series).
+pub const NUM_OVERDUE_TRANSFERS: &str = "vllm:nixl_num_overdue_transfers";
 
 /// vLLM's buckets for the post time (seconds).
 const TIME_BUCKETS: [f64; 13] = [
@@ -143,6 +147,11 @@ pub fn describe() {
         Unit::Count,
         "Heartbeat notifications received (prefill side)."
     );
+    describe_counter!(
+        NUM_OVERDUE_TRANSFERS,
+        Unit::Count,
+        "Loads whose READs were in flight at the transfer timeout; their blocks are held until the READs end."
+    );
 }
 
 /// One worker's handles on the series (registered when the worker is created, so every
@@ -159,6 +168,7 @@ pub(crate) struct Series {
     expired: Counter,
     after_expiry: Counter,
     heartbeats: Counter,
+    overdue: Counter,
 }
 
 const KINDS: [FailureKind; 4] = [
@@ -192,7 +202,8 @@ impl Series {
             failed_notifications_kind: kind("notification"),
             expired: metrics::counter!(NUM_KV_EXPIRED_REQS, labels.clone()),
             after_expiry: metrics::counter!(NUM_NOTIFICATIONS_AFTER_EXPIRY, labels.clone()),
-            heartbeats: metrics::counter!(NUM_HEARTBEATS, labels),
+            heartbeats: metrics::counter!(NUM_HEARTBEATS, labels.clone()),
+            overdue: metrics::counter!(NUM_OVERDUE_TRANSFERS, labels),
         }
     }
 
@@ -238,5 +249,10 @@ impl Series {
     /// A heartbeat received.
     pub(crate) fn heartbeat(&self) {
         self.heartbeats.increment(1);
+    }
+
+    /// A load whose READs outlived its transfer timeout.
+    pub(crate) fn overdue(&self) {
+        self.overdue.increment(1);
     }
 }

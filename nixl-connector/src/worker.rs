@@ -14,15 +14,15 @@ use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
 
 use crate::config::{MetadataExchange, Protocol, WorkerConfig};
-use crate::lease::Lease;
 use crate::connect::{self, Engine};
 use crate::error::{Error, Result};
 use crate::etcd::EtcdSource;
 use crate::failure::{FailedBlock, FailureKind};
 use crate::handshake::HandshakeMessage;
 use crate::host_buffer::Staging;
+use crate::lease::Lease;
 use crate::metrics::{RemoteStats, SendStats, TransferMetrics};
-use crate::outcomes::{Finished, Outcomes};
+use crate::outcomes::{Finished, Outcomes, OverdueLoad};
 use crate::params::RemoteBlocks;
 use crate::pending::{PendingHandshakes, PendingStats};
 use crate::remotes::Remotes;
@@ -42,9 +42,10 @@ use crate::vllm::{
 /// Create it inside a tokio runtime: handshakes, loads and notifications run as tasks on
 /// it, so no method blocks an engine step. Dropping the worker stops its side channel and
 /// its notification listener, and withdraws its published metadata. Loads already started
-/// run on in their own tasks to their end (done, failed or past `transfer_timeout`), and
-/// keep the registered caches alive until then; a READ still in flight at that point is left
-/// to NIXL's completion driver, which keeps its memory until NIXL is done with it.
+/// run on in their own tasks to their end (every READ done or failed in NIXL, past
+/// `transfer_timeout` too), and keep the registered caches alive until then; a task dropped
+/// with the runtime leaves its READs to NIXL's completion driver, which keeps their memory
+/// until NIXL is done with them.
 pub struct KvConnectorWorker {
     shared: Arc<Shared>,
     staging: OnceLock<Staging>,
@@ -830,6 +831,15 @@ impl KvConnectorWorker {
         let mut failed = std::mem::take(&mut self.shared.outcomes().load_errors);
         failed.sort_by_key(|f| f.block_id);
         failed
+    }
+
+    /// The loads whose READs were still in flight at the
+    /// [`transfer_timeout`](WorkerConfig::transfer_timeout) since the last call, each once.
+    /// Their blocks are not the engine's yet: NIXL may still write them. Each load's outcome
+    /// (in [`finished`](Self::finished) and [`load_errors`](Self::load_errors)) follows once
+    /// NIXL has ended its every READ; a READ stuck forever keeps its blocks forever.
+    pub fn overdue_loads(&self) -> Vec<OverdueLoad> {
+        std::mem::take(&mut self.shared.outcomes().overdue)
     }
 
     /// Metrics of the loads that ended since the last call.

@@ -17,9 +17,7 @@ mod tracked;
 
 // Not every test binary uses each.
 #[allow(unused_imports)]
-pub use role::{
-    after_tag, all_threads_stopped, role_process, signal, stdout_lines, ChildLines,
-};
+pub use role::{after_tag, all_threads_stopped, role_process, signal, stdout_lines, ChildLines};
 #[allow(unused_imports)]
 pub use skip::skip;
 #[allow(unused_imports)]
