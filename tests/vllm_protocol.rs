@@ -495,6 +495,7 @@ async fn load_from_python(
         blocks.join(",")
     ));
     let params = KvTransferParams::from_vllm_json(&json).unwrap();
+    scheduler.on_new_request(request, Some(&params));
     scheduler
         .update_state_after_alloc(request, local, &params)
         .unwrap();

@@ -44,6 +44,7 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
     let mut scheduler = KvConnectorScheduler::new(kv_pair::scheduler_config("kv-decode", &worker)?);
     // This engine allocated its first blocks for the request; they are loaded in order.
     let local: Vec<usize> = (0..remote_blocks.len()).collect();
+    scheduler.on_new_request(REQUEST, Some(&params));
     scheduler.update_state_after_alloc(REQUEST, &local, &params)?;
     worker.start_load_kv(&scheduler.build_connector_meta());
 

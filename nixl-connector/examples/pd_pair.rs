@@ -63,6 +63,7 @@ pub(crate) async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut decode_scheduler =
         KvConnectorScheduler::new(scheduler_config("decode-engine", &decode)?);
     assert!(KvConnectorScheduler::needs_remote_prefill(Some(&params)));
+    decode_scheduler.on_new_request("r1", Some(&params));
     decode_scheduler.update_state_after_alloc("r1", &[0, 1, 2, 3], &params)?;
     decode.start_load_kv(&decode_scheduler.build_connector_meta());
 

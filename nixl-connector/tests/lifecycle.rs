@@ -147,11 +147,13 @@ async fn a_prefix_hit_loads_only_the_missing_tail_and_a_full_hit_only_notifies()
 
     // The decode's prefix cache holds the first two of four blocks: it loads the last two.
     let partial = finish_for_decode(&prefill, &mut prefill_scheduler, "p-part", &[5, 2, 9, 15]);
+    decode_scheduler.on_new_request("d-part", Some(&partial));
     decode_scheduler
         .update_state_after_alloc("d-part", &[10, 11], &partial)
         .unwrap();
     // It holds all three blocks of the next request: nothing is read.
     let full = finish_for_decode(&prefill, &mut prefill_scheduler, "p-full", &[1, 3, 4]);
+    decode_scheduler.on_new_request("d-full", Some(&full));
     decode_scheduler
         .update_state_after_alloc("d-full", &[], &full)
         .unwrap();
@@ -222,6 +224,7 @@ async fn a_decode_aborted_before_or_during_its_load_tells_the_prefill_and_writes
     // Aborted right after its load went to the worker, while the handshake runs: the READ
     // is never posted.
     let running = finish_for_decode(&prefill, &mut prefill_scheduler, "p-run", &[3, 4]);
+    decode_scheduler.on_new_request("d-run", Some(&running));
     decode_scheduler
         .update_state_after_alloc("d-run", &[6, 7], &running)
         .unwrap();
@@ -270,6 +273,7 @@ async fn an_abort_racing_the_loads_completion_frees_each_request_once() {
     for i in 0..N {
         let params = finish_for_decode(&prefill, &mut prefill_scheduler, &format!("p{i}"), &[i]);
         let id = format!("d{i}");
+        decode_scheduler.on_new_request(&id, Some(&params));
         decode_scheduler
             .update_state_after_alloc(&id, &[i], &params)
             .unwrap();
@@ -436,6 +440,7 @@ async fn stopped_decode_role() {
     let spec = spec(2);
     let decode = worker("dc-inflight", 0, 1, &spec);
     let mut scheduler = scheduler("dc-inflight", &decode, &common::cpu_config());
+    scheduler.on_new_request("d-inflight", Some(&params));
     scheduler
         .update_state_after_alloc("d-inflight", &INTO, &params)
         .unwrap();

@@ -95,6 +95,7 @@ async fn load(
     params: &str,
 ) -> LoadOutcome {
     let params = KvTransferParams::from_vllm_json(params).unwrap();
+    scheduler.on_new_request(request, Some(&params));
     scheduler
         .update_state_after_alloc(request, local, &params)
         .unwrap();
@@ -230,6 +231,7 @@ async fn blocks_past_their_expiry_time_are_not_read() {
     assert!(reason.contains("safety margin; not read"), "{reason}");
     assert!(block(&decode, &spec, 0, 1).iter().all(|&b| b == 0));
     let params = KvTransferParams::from_vllm_json(&json).unwrap();
+    decode_scheduler.on_new_request("d-kind", Some(&params));
     decode_scheduler
         .update_state_after_alloc("d-kind", &[2], &params)
         .unwrap();
