@@ -273,6 +273,32 @@ async fn a_prefill_registered_again_is_handshaken_with_again() {
     assert_eq!(again.finished().sending, ["r-gen-2"]);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_generation_seen_replaces_ranks_loaded_before_it() {
+    // The decode loads the prefill's rank without a generation (as for heartbeats); the
+    // prefill registers again; the first load then names a generation the decode never saw,
+    // which counts as newer than vLLM's stored default, 0 (#30 item 5).
+    common::init_tracing();
+    let spec = spec(4);
+    let server = side_channel();
+    let first = vllm_worker("vm-pf-seen", &spec, vllm_factors(), Some(server.clone()));
+    let decode = vllm_worker("vm-dc-seen", &spec, vllm_factors(), None);
+    let port = first.side_channel_addr().unwrap().port();
+    decode
+        .handshake_with("vm-pf-seen", "127.0.0.1", port, 1)
+        .await
+        .unwrap();
+    drop(first);
+    let again = vllm_worker("vm-pf-seen", &spec, vllm_factors(), Some(server.clone()));
+    fill(&again, &spec);
+    let mut again_scheduler = vllm_scheduler("vm-pf-seen", &again);
+    let json = finish(&again, &mut again_scheduler, "r-seen", &[5]);
+    let mut decode_scheduler = vllm_scheduler("vm-dc-seen", &decode);
+    let outcome = load(&decode, &mut decode_scheduler, "d-seen", &[1], &json).await;
+    assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
+    holds(&decode, &spec, &[1], &[5]);
+}
+
 /// vLLM's protocol through the geometry matrix's model: one ROUTER per engine shared by its
 /// ranks, each asked by number, the metadata converted from vLLM's `NixlAgentMetadata`,
 /// notifications counting consumers; TP both ways and block sizes both ways, for MHA (K and
