@@ -361,6 +361,51 @@ async fn a_decode_that_heartbeats_keeps_blocks_past_the_lease_and_one_that_stops
     assert!(prefill.finished().sending.is_empty());
 }
 
+/// Request id `i` of 48 characters, the length of vLLM's ids that the issue measured.
+fn id48(i: usize) -> String {
+    format!("{:x>48}", format!("-{i}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_waiting_for_5000_requests_extends_every_lease() {
+    // 5,000 ids of 48 characters: 245,000 bytes of ids, which this decode splits into
+    // heartbeats of at most 16 KiB (#30 item 1).
+    const N: usize = 5000;
+    let (_, prefill, mut prefill_scheduler, decode, mut decode_scheduler) = engines("hb5k", 30.0);
+    for i in 0..N {
+        let params = finished_for_decode(&mut prefill_scheduler, &id48(i), &[1]);
+        decode_scheduler.on_new_request(&format!("d{i}"), Some(&params));
+    }
+    prefill.start_load_kv(&prefill_scheduler.build_connector_meta());
+    // The first heartbeat of a step goes once the handshake is done.
+    handshake(
+        &decode,
+        "pf-hb5k",
+        prefill.side_channel_addr().unwrap().port(),
+    )
+    .await;
+    let meta = decode_scheduler.build_connector_meta();
+    assert_eq!(meta.heartbeats.len(), 1, "one engine");
+    assert_eq!(meta.heartbeats[0].request_ids.len(), N);
+    decode.start_load_kv(&meta);
+    wait_for("every lease extended", WAIT, || {
+        prefill.notification_stats().leases_extended >= N as u64
+    })
+    .await;
+    let notes = prefill.notification_stats();
+    assert_eq!(
+        (
+            notes.leases_extended,
+            notes.unknown_heartbeat_ids,
+            notes.malformed
+        ),
+        (N as u64, 0, 0),
+        "{notes:?}"
+    );
+    assert!(notes.heartbeats >= 15, "split at 16 KiB: {notes:?}");
+    assert!(prefill.finished().sending.is_empty());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_heartbeats_and_repeated_or_late_notifications_stay_bounded() {
     let (spec, prefill, mut prefill_scheduler) = prefill("pf-hostile", 2.0);
