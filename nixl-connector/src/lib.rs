@@ -114,6 +114,7 @@
 mod block_map;
 mod config;
 mod connect;
+mod engines;
 mod error;
 pub mod etcd;
 mod failure;
@@ -139,6 +140,7 @@ mod wire;
 mod worker;
 
 pub use config::{LoadFailurePolicy, MetadataExchange, Protocol, WorkerConfig, PROTOCOL_KEY};
+pub use engines::{DEFAULT_ENGINE_TTL, ENGINE_TTL_KEY};
 pub use error::{Error, Result};
 pub use failure::{FailedBlock, FailureKind};
 pub use handshake::{check_compatible, HandshakeMessage, PROTOCOL_VERSION};

@@ -94,6 +94,7 @@ impl KvConnectorWorker {
             .agent_name
             .clone()
             .unwrap_or_else(|| agent_name(&config));
+        let engine_ttl = crate::engines::engine_ttl(&config.kv_transfer_config)?;
         let lease = match config.lease {
             Some(lease) => lease,
             None => Lease::from_kv_transfer_config(&config.kv_transfer_config)?,
@@ -133,7 +134,7 @@ impl KvConnectorWorker {
             setup,
             caches: OnceLock::new(),
             outcomes: Mutex::new(Outcomes::default()),
-            remotes: Remotes::default(),
+            remotes: Remotes::with_engine_ttl(engine_ttl),
             etcd,
             load_ended: tokio::sync::Notify::new(),
             notified: tokio::sync::Notify::new(),
@@ -712,7 +713,15 @@ impl KvConnectorWorker {
     /// Carries out one scheduler step's `meta` (vLLM's `start_load_kv`): starts every load,
     /// aborts the loads of aborted requests, holds every send, and sends the heartbeats. A
     /// load that cannot start is reported as finished with its blocks in `load_errors`.
+    /// First, at most once a second, evicts remote engines unused for longer than
+    /// `kv_connector_extra_config.engine_ttl` or replaced at their address, once no load
+    /// holds them (see [`RemoteStats::evicted`]).
     pub fn start_load_kv(&self, meta: &ConnectorMetadata) {
+        for engine in self.shared.remotes.sweep(self.agent(), Instant::now()) {
+            if let Some(vllm) = &self.shared.vllm {
+                vllm.forget(&engine);
+            }
+        }
         for load in &meta.loads {
             if let Err(err) = self.start_load(&load.request_id, &load.local_block_ids, &load.remote)
             {

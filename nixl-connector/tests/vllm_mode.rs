@@ -299,6 +299,38 @@ async fn the_first_generation_seen_replaces_ranks_loaded_before_it() {
     holds(&decode, &spec, &[1], &[5]);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_replaced_at_its_address_is_evicted() {
+    // Another engine at the same ROUTER: the one before it is released once no load holds
+    // it (vLLM's _track_remote_engine_replacement), TTL or not (#30 item 5).
+    common::init_tracing();
+    let spec = spec(4);
+    let server = side_channel();
+    let decode = vllm_worker("vm-dc-moved", &spec, vllm_factors(), None);
+    let mut decode_scheduler = vllm_scheduler("vm-dc-moved", &decode);
+    for (i, engine) in ["vm-pf-before", "vm-pf-after"].into_iter().enumerate() {
+        let prefill = vllm_worker(engine, &spec, vllm_factors(), Some(server.clone()));
+        fill(&prefill, &spec);
+        let mut scheduler = vllm_scheduler(engine, &prefill);
+        let json = finish(&prefill, &mut scheduler, &format!("r-moved-{i}"), &[5]);
+        let request = format!("d-moved-{i}");
+        let outcome = load(&decode, &mut decode_scheduler, &request, &[1], &json).await;
+        assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
+    }
+    let start = Instant::now();
+    while decode.remote_stats().evicted == 0 {
+        assert!(start.elapsed() < WAIT, "{:?}", decode.remote_stats());
+        decode.start_load_kv(&Default::default());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let stats = decode.remote_stats();
+    assert_eq!(
+        (stats.engines, stats.agents, stats.evicted),
+        (1, 1, 1),
+        "{stats:?}"
+    );
+}
+
 /// vLLM's protocol through the geometry matrix's model: one ROUTER per engine shared by its
 /// ranks, each asked by number, the metadata converted from vLLM's `NixlAgentMetadata`,
 /// notifications counting consumers; TP both ways and block sizes both ways, for MHA (K and

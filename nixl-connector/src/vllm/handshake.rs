@@ -169,6 +169,11 @@ impl VllmWorker {
         true
     }
 
+    /// Forgets what the handshakes with `engine` learned (it was evicted).
+    pub(crate) fn forget(&self, engine: &str) {
+        self.engines().remove(engine);
+    }
+
     /// Why `remote`'s blocks must not be read at `now` (our [`perf_counter`](super::clock::perf_counter)):
     /// its expiry time, read on our clock through the clock offset, is within
     /// [`EXPIRY_SAFETY_MARGIN`] (vLLM's `_is_turn2_read_expired`). `None` without an expiry
