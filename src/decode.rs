@@ -150,13 +150,24 @@ fn check_options(options: &DecodeOptions, layout: KvLayout) -> Result<()> {
     Ok(())
 }
 
+/// How far ahead [`after`] puts a deadline that the clock cannot represent: 30 years.
+const FAR_FUTURE: Duration = Duration::from_secs(86_400 * 365 * 30);
+
+/// The deadline `limit` from now; a limit past what the clock can represent (e.g.
+/// `--connect-timeout-s 18446744073709551615`) is [`FAR_FUTURE`] from now, no limit in
+/// practice, instead of a panic.
+fn after(limit: Duration) -> Deadline {
+    let now = Deadline::now();
+    now.checked_add(limit).unwrap_or_else(|| now + FAR_FUTURE)
+}
+
 /// Connects to prefill (retrying while it starts, and after a busy answer), sends the Hello,
 /// takes the Welcome and runs the connector's handshake with prefill's side channel, all by
 /// one deadline.
 async fn connect(worker: &Worker, options: &DecodeOptions) -> Result<(Channel<Metered>, Welcome)> {
     let addr = options.prefill;
     let limit = options.connect_timeout;
-    let deadline = Deadline::now() + limit;
+    let deadline = after(limit);
     let mut backoff = RetryBackoff::default();
     let mut tries = 0;
     let (channel, welcome) = loop {
@@ -166,7 +177,7 @@ async fn connect(worker: &Worker, options: &DecodeOptions) -> Result<(Channel<Me
             Greeting::Busy(busy) => busy,
         };
         let pause = backoff.next_pause();
-        if Deadline::now() + pause >= deadline {
+        if after(pause) >= deadline {
             return Err(Error::Rejected(format!(
                 "{busy} (still busy after {tries} tries within {limit:?})"
             )));
@@ -360,14 +371,11 @@ async fn pull_all(
     };
     let connector = &worker.connector;
     let start = Instant::now();
-    let mut report = tokio::time::interval_at(
-        Deadline::now() + options.progress_interval,
-        options.progress_interval,
-    );
+    let mut report =
+        tokio::time::interval_at(after(options.progress_interval), options.progress_interval);
     report.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // Engine steps without news still carry the scheduler's heartbeats to prefill.
-    let mut step =
-        tokio::time::interval_at(Deadline::now() + heartbeat_interval, heartbeat_interval);
+    let mut step = tokio::time::interval_at(after(heartbeat_interval), heartbeat_interval);
     step.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut channel_open = true;
     let idle = tokio::time::sleep(options.idle_timeout);
@@ -385,7 +393,7 @@ async fn pull_all(
         tokio::select! {
             biased;
             () = connector.load_ended() => {
-                idle.as_mut().reset(Deadline::now() + options.idle_timeout);
+                idle.as_mut().reset(after(options.idle_timeout));
                 let output = connector.output();
                 connector.metrics();
                 let outcomes = state.scheduler.update_connector_output(&[output])?.load_outcomes;
@@ -403,7 +411,7 @@ async fn pull_all(
             }
             incoming = channel.recv::<Message>(), if channel_open => match incoming {
                 Ok(message) => {
-                    idle.as_mut().reset(Deadline::now() + options.idle_timeout);
+                    idle.as_mut().reset(after(options.idle_timeout));
                     state.handle(message, worker)?
                 }
                 // Prefill closes the channel after Complete; only loads are left then.

@@ -9,7 +9,7 @@ use std::os::fd::{FromRawFd, OwnedFd};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use demo_support::{decode_env, example, free_port, Prefill, CACHE_ARGS, WAIT};
+use demo_support::{decode_env, example, free_port, run_decode, Prefill, CACHE_ARGS, WAIT};
 
 const ESC: &str = "\x1b[";
 
@@ -63,6 +63,29 @@ fn zero_counts_and_timeouts_are_refused_naming_the_flag() {
             "{binary} {flag} 0"
         );
     }
+}
+
+#[test]
+fn the_largest_timeouts_mean_no_limit_instead_of_a_panic() {
+    // u64::MAX seconds overflow any deadline the clock can hold (#30 item 3).
+    let mut prefill = Prefill::start(&["--sessions", "1"]);
+    let max = u64::MAX.to_string();
+    let (status, out) = run_decode(
+        prefill.addr,
+        &[
+            "--requests",
+            "2",
+            "--connect-timeout-s",
+            &max,
+            "--xfer-timeout-s",
+            &max,
+            "--progress-interval-ms",
+            &max,
+        ],
+    );
+    assert!(status.success(), "decode failed:\n{out}");
+    assert!(out.contains("every byte verified"), "{out}");
+    assert!(prefill.proc.finish().success(), "{}", prefill.proc.output());
 }
 
 /// The log lines of `out` that contain `text`.

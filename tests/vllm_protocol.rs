@@ -26,7 +26,8 @@ use nixl_connector::vllm::{
 };
 use nixl_connector::{
     Error, FinishStatus, KvAttention, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker,
-    KvLayout, KvTransferParams, LoadOutcome, SchedulerConfig, WorkerConfig, WorkerOutput,
+    KvLayout, KvTransferParams, LoadOutcome, NotificationStats, SchedulerConfig, WorkerConfig,
+    WorkerOutput,
 };
 use py::{hex, unhex};
 use serde_json::{json, Value};
@@ -495,6 +496,7 @@ async fn load_from_python(
         blocks.join(",")
     ));
     let params = KvTransferParams::from_vllm_json(&json).unwrap();
+    scheduler.on_new_request(request, Some(&params));
     scheduler
         .update_state_after_alloc(request, local, &params)
         .unwrap();
@@ -740,6 +742,38 @@ async fn a_python_decode_reads_every_byte_from_a_rust_prefill_whose_notification
         .expect("the Python decode's notification");
     assert_eq!(prefill.finished().sending, ["rs-req-1"]);
     assert_eq!(prefill.send_stats().freed_on_notification, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_vllm_heartbeat_for_5000_requests_extends_every_lease_of_a_rust_prefill() {
+    // vLLM's _send_heartbeats sends one message per engine, whatever its length: 5,000
+    // ids of 48 characters (#30 item 1; 16 KiB, the old limit, held about 334).
+    const N: usize = 5000;
+    let mut peer = VllmPeer::start();
+    let (prefill, _) = vllm_engine("rs-prefill-hb", &factors());
+    let far = Instant::now() + Duration::from_secs(600);
+    for i in 0..N {
+        prefill.hold_for_decode(&format!("{:x>48}", format!("rs-hb-{i}")), far);
+    }
+    let port = prefill.side_channel_addr().unwrap().port();
+    let got = peer.json(&format!(
+        "kv_heartbeat {port} {} 1 rs-prefill-hb {N} rs-hb",
+        factors().hash()
+    ));
+    assert_eq!(got["bytes"], json!(3 + N * 49 - 1), "{got}");
+    let start = Instant::now();
+    let arrived = |n: NotificationStats| n.heartbeats + n.malformed > 0;
+    while !arrived(prefill.notification_stats()) {
+        assert!(start.elapsed() < Duration::from_secs(10), "nothing arrived");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let notes = prefill.notification_stats();
+    assert_eq!(
+        (notes.heartbeats, notes.leases_extended, notes.malformed),
+        (1, N as u64, 0),
+        "{notes:?}"
+    );
+    assert_eq!(notes.unknown_heartbeat_ids, 0, "{notes:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

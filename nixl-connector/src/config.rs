@@ -10,80 +10,10 @@ use serde_json::Value;
 
 use crate::auth::SharedSecret;
 use crate::error::{Error, Result};
+use crate::lease::Lease;
 use crate::peer_networks::PeerNetworks;
 use crate::vllm::{MetadataServer, VllmChannelLimits};
 use crate::wire::ChannelLimits;
-
-/// vLLM's default `kv_lease_duration`: 30 s.
-pub const DEFAULT_KV_LEASE_DURATION: Duration = Duration::from_secs(30);
-
-/// Default [`Lease::max_hold`]: 480 s, the fixed abort timeout vLLM had before leases.
-pub const DEFAULT_MAX_HOLD: Duration = Duration::from_secs(480);
-
-/// How long a prefill holds a finished request's blocks for a remote decode (vLLM's KV
-/// lease, `kv_connector_extra_config.kv_lease_duration`, in seconds).
-///
-/// The prefill frees the blocks when the lease ends without the decode's notification. A
-/// decode whose load still waits sends a heartbeat every [`heartbeat_interval`](Self::heartbeat_interval);
-/// each heartbeat extends the lease to [`extension`](Self::extension) from its arrival. No
-/// heartbeat keeps a request past [`max_hold`](Self::max_hold) from when it was held, so a
-/// decode that heartbeats forever cannot pin blocks forever (vLLM 0.33 has no such bound).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Lease {
-    /// The lease: how long a request is held without heartbeats.
-    pub duration: Duration,
-    /// The longest a request is held, heartbeats or not.
-    pub max_hold: Duration,
-}
-
-impl Default for Lease {
-    fn default() -> Self {
-        Lease {
-            duration: DEFAULT_KV_LEASE_DURATION,
-            max_hold: DEFAULT_MAX_HOLD,
-        }
-    }
-}
-
-impl Lease {
-    /// The lease of `config`: `kv_connector_extra_config.kv_lease_duration` (seconds, a
-    /// positive number; default 30), with [`DEFAULT_MAX_HOLD`].
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] for a value that is not a positive number of seconds of
-    /// at most a day.
-    pub fn from_kv_transfer_config(config: &KvTransferConfig) -> Result<Self> {
-        let Some(value) = config.kv_connector_extra_config.get("kv_lease_duration") else {
-            return Ok(Lease::default());
-        };
-        let duration = value
-            .as_f64()
-            .filter(|s| *s > 0.0 && *s <= 86_400.0)
-            .and_then(|s| Duration::try_from_secs_f64(s).ok())
-            .ok_or_else(|| {
-                Error::invalid(
-                    "read the KV lease",
-                    format!("kv_connector_extra_config.kv_lease_duration is {value}; give a positive number of seconds (at most 86400), e.g. 30"),
-                )
-            })?;
-        Ok(Lease {
-            duration,
-            max_hold: DEFAULT_MAX_HOLD,
-        })
-    }
-
-    /// How often a decode heartbeats a remote engine it still waits for: a sixth of the
-    /// lease (vLLM's `_heartbeat_interval`).
-    pub fn heartbeat_interval(&self) -> Duration {
-        self.duration / 6
-    }
-
-    /// How far a heartbeat extends a lease, from the heartbeat's arrival: two thirds of the
-    /// lease (vLLM's `_lease_extension`).
-    pub fn extension(&self) -> Duration {
-        self.duration * 2 / 3
-    }
-}
 
 /// What a decode's scheduler does with a request whose load failed (vLLM's
 /// `kv_load_failure_policy`, a key of `kv_transfer_config`, default `fail`).
@@ -214,7 +144,10 @@ pub struct WorkerConfig {
     pub side_channel: SocketAddr,
     /// Side-channel limits.
     pub limits: ChannelLimits,
-    /// Total time one load's transfer may take once posted.
+    /// Total time one load's transfer may take once posted. A load past it is reported in
+    /// [`overdue_loads`](crate::KvConnectorWorker::overdue_loads), and fails with
+    /// [`Error::TransferTimeout`] once NIXL has ended its READs (its blocks stay with the
+    /// connector until then).
     pub transfer_timeout: Duration,
     /// Device id of the KV cache memory, as NIXL describes it.
     pub device_id: u64,

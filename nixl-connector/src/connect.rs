@@ -65,6 +65,7 @@ pub(crate) async fn remote(
         }
         .boxed()
     };
+    shared.remotes.serves(engine.host, port, engine.id);
     shared.remotes.get(engine.id, rank, start).await
 }
 

@@ -166,12 +166,14 @@ mod block_map;
 mod config;
 mod connect;
 mod engine_step;
+mod engines;
 mod error;
 pub mod etcd;
 mod etcd_auth;
 mod failure;
 pub mod handshake;
 pub mod host_buffer;
+mod lease;
 mod load;
 mod metrics;
 mod outcomes;
@@ -195,15 +197,14 @@ mod worker;
 
 pub use aggregate::{AggregatedOutput, ConnectorOutput, KvOutputAggregator, WorkerOutput};
 pub use auth::SharedSecret;
-pub use config::{
-    Lease, LoadFailurePolicy, MetadataExchange, Protocol, WorkerConfig, DEFAULT_KV_LEASE_DURATION,
-    DEFAULT_MAX_HOLD, PROTOCOL_KEY,
-};
+pub use config::{LoadFailurePolicy, MetadataExchange, Protocol, WorkerConfig, PROTOCOL_KEY};
+pub use engines::{DEFAULT_ENGINE_TTL, ENGINE_TTL_KEY};
 pub use error::{Error, Result};
 pub use failure::{FailedBlock, FailureKind};
 pub use handshake::{check_compatible, HandshakeMessage, PROTOCOL_VERSION};
+pub use lease::{Lease, DEFAULT_KV_LEASE_DURATION, LEASE_KEY, MAX_HOLD_KEY, MAX_LEASE};
 pub use metrics::{open_fds, RemoteStats, SendStats, TransferMetrics};
-pub use outcomes::Finished;
+pub use outcomes::{Finished, OverdueLoad};
 pub use params::{KvTransferParams, RemoteBlocks};
 pub use peer_networks::{PeerNetwork, PeerNetworks};
 pub use pending::{PendingHandshakes, PendingSlot, PendingStats};

@@ -21,6 +21,7 @@ use crate::connect::{self, Engine};
 use crate::error::{Error, Result};
 use crate::failure::{FailedBlock, FailureKind};
 use crate::metrics::TransferMetrics;
+use crate::outcomes::OverdueLoad;
 use crate::params::RemoteBlocks;
 use crate::remotes::Remote;
 use crate::sending::notification_message;
@@ -429,8 +430,13 @@ fn blocks_of_ids(ids: &[usize], per_id: usize) -> Result<Cow<'_, [usize]>> {
     Ok(Cow::Owned(blocks))
 }
 
-/// Awaits posted READs within the transfer timeout (one deadline for all of them), forgets
-/// the remotes whose READ failed, and records the outcome: the first failure, if any.
+/// Awaits posted READs, forgets the remotes whose READ failed, and records the outcome:
+/// the first failure, if any. READs still in flight when the transfer timeout passes (one
+/// deadline for all of them) are reported at once as overdue, with their remotes
+/// forgotten, and then awaited to their end: NIXL may still write the load's blocks until
+/// it has ended every READ, so the outcome ([`Error::TransferTimeout`]) is recorded, and
+/// the blocks go back to the engine, only then (vLLM's `_pop_done_transfers`: a failed
+/// request keeps its handles, and is reported, until none is in progress).
 async fn finish_posted(shared: &Shared, load: &Load, posted: Posted) {
     let deadline = shared.config.transfer_timeout;
     let Posted {
@@ -452,38 +458,58 @@ async fn finish_posted(shared: &Shared, load: &Load, posted: Posted) {
         };
         (read.rank, read.remote, outcome)
     });
-    let mut counted = Some(0);
-    let outcome = match tokio::time::timeout(deadline, join_all(waits)).await {
+    let all = join_all(waits);
+    tokio::pin!(all);
+    let (ended, overdue) = match tokio::time::timeout(deadline, &mut all).await {
+        Ok(ended) => (ended, false),
         Err(_) => {
             for (rank, remote) in &read {
                 shared.remotes.forget(&load.remote.engine_id, *rank, remote);
             }
-            Err(Error::TransferTimeout {
-                request_id: load.request_id.clone(),
-                deadline,
-            })
-        }
-        Ok(ended) => {
-            let mut first_failure = failed.map(Err);
-            for (rank, remote, outcome) in ended {
-                match outcome {
-                    Ok(request) => {
-                        let count = record_telemetry(shared, &request);
-                        counted = counted.zip(count).map(|(sum, more)| sum + more);
-                    }
-                    Err(err) => {
-                        shared.remotes.forget(&load.remote.engine_id, rank, &remote);
-                        first_failure.get_or_insert(Err(err));
-                    }
-                }
-            }
-            first_failure.unwrap_or(Ok(()))
+            report_overdue(shared, load, deadline);
+            (all.await, true)
         }
     };
+    let mut first_failure = failed.map(Err);
+    if overdue {
+        first_failure = Some(Err(Error::TransferTimeout {
+            request_id: load.request_id.clone(),
+            deadline,
+        }));
+    }
+    let mut counted = Some(0);
+    for (rank, remote, outcome) in ended {
+        match outcome {
+            Ok(request) => {
+                let count = record_telemetry(shared, &request);
+                counted = counted.zip(count).map(|(sum, more)| sum + more);
+            }
+            Err(err) => {
+                shared.remotes.forget(&load.remote.engine_id, rank, &remote);
+                first_failure.get_or_insert(Err(err));
+            }
+        }
+    }
+    let outcome = first_failure.unwrap_or(Ok(()));
     // NIXL's count when every READ completed with telemetry; else the descriptors asked for.
     let descriptors = match (&outcome, counted) {
         (Ok(()), Some(counted)) => counted,
         _ => descriptors,
     };
     record(shared, load, Some((at, bytes, descriptors)), outcome);
+}
+
+/// Reports a load whose READs outlived its transfer timeout: logged, counted
+/// ([`NUM_OVERDUE_TRANSFERS`](crate::series::NUM_OVERDUE_TRANSFERS)) and listed for
+/// [`KvConnectorWorker::overdue_loads`](crate::KvConnectorWorker::overdue_loads). Its blocks
+/// stay with the connector.
+fn report_overdue(shared: &Shared, load: &Load, deadline: Duration) {
+    shared.series.overdue();
+    tracing::warn!(request = %load.request_id, remote = %load.remote.engine_id, ?deadline, blocks = load.local_block_ids.len(), "a load's READs are still in flight past the transfer timeout; its blocks stay with the connector until NIXL ends them");
+    shared.outcomes().overdue.push(OverdueLoad {
+        request_id: load.request_id.clone(),
+        remote_engine: load.remote.engine_id.clone(),
+        block_ids: load.local_block_ids.clone(),
+        deadline,
+    });
 }

@@ -46,6 +46,14 @@ pub struct RemoteStats {
     /// Loaded agents invalidated because a handshake brought different metadata for them
     /// (a peer restarted under the same name).
     pub replaced: u64,
+    /// Remote engines known now: used by a load or a heartbeat and not evicted.
+    pub engines: u64,
+    /// Remote agents loaded now (one per remote rank handshaken with).
+    pub agents: u64,
+    /// Remote engines evicted so far, their agents invalidated: unused for longer than
+    /// `kv_connector_extra_config.engine_ttl` (default 3600 s), or replaced at their
+    /// side-channel address by another engine.
+    pub evicted: u64,
     /// File descriptors open in this process when the stats were taken (`None` where
     /// `/proc/self/fd` cannot be read).
     pub open_fds: Option<u64>,

@@ -21,10 +21,29 @@ pub struct Finished {
     pub recving: Vec<String>,
 }
 
+/// A load whose READs were still in flight when its
+/// [`transfer_timeout`](crate::WorkerConfig::transfer_timeout) passed. NIXL may still write
+/// its local blocks, so they stay with the connector: the load's outcome (a
+/// [`TransferTimeout`](crate::Error::TransferTimeout) failure) is reported only once NIXL has
+/// ended every READ, done or failed (vLLM's `_pop_done_transfers` keeps a failed request's
+/// handles, and reports it, only then).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OverdueLoad {
+    /// The local request id.
+    pub request_id: String,
+    /// The engine read from.
+    pub remote_engine: String,
+    /// The local blocks the READs may still write.
+    pub block_ids: Vec<usize>,
+    /// The transfer timeout that passed.
+    pub deadline: std::time::Duration,
+}
+
 /// Outcomes the background tasks report, and the loads under way.
 #[derive(Debug, Default)]
 pub(crate) struct Outcomes {
     pub(crate) recving: Vec<String>,
+    pub(crate) overdue: Vec<OverdueLoad>,
     pub(crate) load_errors: Vec<FailedBlock>,
     pub(crate) metrics: Vec<TransferMetrics>,
     /// Loads started and not yet ended, by request id: whether their request was aborted.

@@ -72,7 +72,8 @@ impl PendingHandshakes {
     /// evicted and waits, at most `grace`, for a place to be given back; `None` when none
     /// was (its holder ignores eviction, or `max` is 0).
     pub async fn admit(self: &Arc<Self>, grace: Duration) -> Option<PendingSlot> {
-        let deadline = tokio::time::Instant::now() + grace;
+        // A grace the clock cannot add (Duration::MAX) waits without a limit.
+        let deadline = tokio::time::Instant::now().checked_add(grace);
         loop {
             let freed = self.freed.notified();
             tokio::pin!(freed);
@@ -87,7 +88,15 @@ impl PendingHandshakes {
                     state.stats.evicted += 1;
                 }
             }
-            if self.max == 0 || tokio::time::timeout_at(deadline, freed).await.is_err() {
+            let timed_out = match deadline {
+                _ if self.max == 0 => true,
+                Some(deadline) => tokio::time::timeout_at(deadline, freed).await.is_err(),
+                None => {
+                    freed.await;
+                    false
+                }
+            };
+            if timed_out {
                 self.lock().stats.refused += 1;
                 return None;
             }
@@ -200,6 +209,19 @@ mod tests {
         drop(stubborn);
         assert!(pending.admit(GRACE).await.is_some());
         assert_eq!(pending.stats().refused, 2);
+    }
+
+    #[tokio::test]
+    async fn a_grace_past_the_clock_waits_without_a_limit() {
+        let pending = PendingHandshakes::new(1);
+        let first = pending.admit(Duration::MAX).await.unwrap();
+        let evicted = first.evicted();
+        let owner = tokio::spawn(async move {
+            evicted.await;
+            drop(first);
+        });
+        assert!(pending.admit(Duration::MAX).await.is_some());
+        owner.await.unwrap();
     }
 
     #[tokio::test]

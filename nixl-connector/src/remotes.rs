@@ -7,16 +7,25 @@
 //! was loaded from (then the old one is invalidated first): NIXL 1.5.1 keeps two file
 //! descriptors for every load and invalidation of a live peer, so reloading a flapping peer
 //! would grow the process's descriptors without bound.
+//!
+//! Engines churn: a prefill that restarts is a new engine. A failing engine is backed off
+//! from, and engines idle past the TTL or replaced at their address are evicted once no
+//! load holds them, their agents' metadata invalidated (see [`Engines`]).
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
 
 use futures::future::{BoxFuture, FutureExt, Shared};
 use nixl::{Agent, PreparedLocal, PreparedRemote};
 
+use crate::engines::Engines;
 use crate::error::{Error, Result};
 use crate::metrics::RemoteStats;
 use crate::read_plan::ReadPlan;
+
+/// The least time between two sweeps for engines to evict.
+const SWEEP_EVERY: Duration = Duration::from_secs(1);
 
 /// A remote rank after a successful handshake.
 #[derive(Debug)]
@@ -52,6 +61,18 @@ type Handshake = Shared<BoxFuture<'static, std::result::Result<Arc<Remote>, Stri
 pub(crate) struct Remotes {
     map: Mutex<HashMap<(String, usize), Handshake>>,
     loaded: Mutex<LoadedAgents>,
+    book: Mutex<EngineBook>,
+    /// How long an engine may stay unused before it is evicted (`None`: never).
+    ttl: Option<Duration>,
+}
+
+/// The engines over time, and the ranks made for each (to tell whether a load holds one).
+#[derive(Default)]
+struct EngineBook {
+    engines: Engines,
+    made: HashMap<String, Vec<Weak<Remote>>>,
+    last_sweep: Option<Instant>,
+    evicted: u64,
 }
 
 /// The metadata each remote agent was loaded from, by agent name, and the counts.
@@ -70,9 +91,19 @@ struct LoadedAgent {
 }
 
 impl Remotes {
+    /// No remote rank yet; engines unused for `ttl` are evicted (`None`: never).
+    pub(crate) fn with_engine_ttl(ttl: Option<Duration>) -> Self {
+        Remotes {
+            ttl,
+            ..Remotes::default()
+        }
+    }
+
     /// The remote rank `rank` of `engine`, handshaking first (the future `start` makes) if
     /// no load has yet. Loads that wait for the same handshake share its outcome; a failed
-    /// one is forgotten, so a later load tries again.
+    /// one is forgotten, so a later load tries again, unless the engine's handshakes failed
+    /// again and again: then it is backed off from, 1 s after the second failure in a row
+    /// up to 60 s (vLLM's `_mark_remote_engine_invalid`).
     ///
     /// # Errors
     /// [`Error::Handshake`] with the reason.
@@ -82,6 +113,20 @@ impl Remotes {
         rank: usize,
         start: impl FnOnce() -> BoxFuture<'static, Result<Arc<Remote>>>,
     ) -> Result<Arc<Remote>> {
+        {
+            let now = Instant::now();
+            let mut book = self.book();
+            book.engines.touch(engine, now);
+            if let Some(left) = book.engines.backing_off(engine, now) {
+                return Err(Error::Handshake {
+                    engine: engine.to_string(),
+                    rank,
+                    reason: format!(
+                        "its handshakes failed again and again; not tried for another {left:.1?}"
+                    ),
+                });
+            }
+        }
         let key = (engine.to_string(), rank);
         let handshake = self
             .lock()
@@ -94,11 +139,24 @@ impl Remotes {
             })
             .clone();
         match handshake.clone().await {
-            Ok(remote) => Ok(remote),
+            Ok(remote) => {
+                let mut book = self.book();
+                let made = book.made.entry(engine.to_string()).or_default();
+                let weak = Arc::downgrade(&remote);
+                if !made.iter().any(|w| w.ptr_eq(&weak)) {
+                    made.push(weak);
+                }
+                Ok(remote)
+            }
             Err(reason) => {
                 let mut map = self.lock();
                 if map.get(&key).is_some_and(|h| h.ptr_eq(&handshake)) {
                     map.remove(&key);
+                    drop(map);
+                    let backoff = self.book().engines.failed(engine, Instant::now());
+                    if !backoff.is_zero() {
+                        tracing::warn!(engine, rank, ?backoff, %reason, "the remote engine's handshakes keep failing; backing off");
+                    }
                 }
                 Err(Error::Handshake {
                     engine: engine.to_string(),
@@ -109,13 +167,99 @@ impl Remotes {
         }
     }
 
-    /// The remote rank `rank` of `engine` if its handshake is done, without waiting.
+    /// The remote rank `rank` of `engine` if its handshake is done, without waiting (a
+    /// use of the engine, for its TTL).
     pub(crate) fn ready(&self, engine: &str, rank: usize) -> Option<Arc<Remote>> {
         let key = (engine.to_string(), rank);
-        self.lock()
+        let remote = self
+            .lock()
             .get(&key)
             .and_then(|h| h.peek())
-            .and_then(|done| done.as_ref().ok().cloned())
+            .and_then(|done| done.as_ref().ok().cloned());
+        if remote.is_some() {
+            self.book().engines.touch(engine, Instant::now());
+        }
+        remote
+    }
+
+    /// Records that the side channel at `host:port` serves `engine`; the engine it served
+    /// before, if another, is evicted once no load holds it (vLLM's
+    /// `_track_remote_engine_replacement`).
+    pub(crate) fn serves(&self, host: &str, port: u16, engine: &str) {
+        self.book().engines.serves(host, port, engine);
+    }
+
+    /// Evicts the engines that were replaced at their address or stayed unused for longer
+    /// than the TTL, once no load holds any rank of theirs (vLLM's
+    /// `_cleanup_remote_engines` and `_cleanup_remote_engine`): their ranks are forgotten
+    /// and their agents' metadata invalidated in `agent`. Runs at most once a second; the
+    /// engines evicted.
+    pub(crate) fn sweep(&self, agent: &Agent, now: Instant) -> Vec<String> {
+        let mut evicted = Vec::new();
+        let due = {
+            let mut book = self.book();
+            if book
+                .last_sweep
+                .is_some_and(|at| now.saturating_duration_since(at) < SWEEP_EVERY)
+            {
+                return evicted;
+            }
+            book.last_sweep = Some(now);
+            book.made.retain(|_, made| {
+                made.retain(|w| w.strong_count() > 0);
+                !made.is_empty()
+            });
+            book.engines.due(self.ttl, now)
+        };
+        for engine in due {
+            {
+                let mut map = self.lock();
+                if map
+                    .iter()
+                    .any(|((e, _), h)| *e == engine && h.peek().is_none())
+                {
+                    continue;
+                }
+                map.retain(|(e, _), _| *e != engine);
+            }
+            let mut book = self.book();
+            let held = book
+                .made
+                .get(&engine)
+                .is_some_and(|made| made.iter().any(|w| w.strong_count() > 0));
+            if held {
+                continue;
+            }
+            book.engines.forget(&engine);
+            book.made.remove(&engine);
+            book.evicted += 1;
+            drop(book);
+            self.release_agents(agent, &engine);
+            tracing::info!(%engine, "remote engine evicted (idle past its TTL, or replaced at its address)");
+            evicted.push(engine);
+        }
+        evicted
+    }
+
+    /// Invalidates, in `agent`, the metadata of the agents `engine`'s handshakes loaded.
+    fn release_agents(&self, agent: &Agent, engine: &str) {
+        let mut loaded = self.loaded.lock().unwrap_or_else(|p| p.into_inner());
+        let names: Vec<String> = loaded
+            .by_name
+            .iter()
+            .filter(|(_, l)| l.source.0 == engine)
+            .map(|(name, _)| name.clone())
+            .collect();
+        for name in names {
+            loaded.by_name.remove(&name);
+            if let Err(err) = agent.invalidate_remote_metadata(&name) {
+                tracing::debug!(%engine, remote = %name, %err, "invalidating an evicted engine's agent failed");
+            }
+        }
+    }
+
+    fn book(&self) -> MutexGuard<'_, EngineBook> {
+        self.book.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Forgets `remote` (after a transfer with it failed), so the next load handshakes
@@ -191,10 +335,18 @@ impl Remotes {
         Ok(declared)
     }
 
-    /// The counts so far, with the process's open file descriptors now.
+    /// The counts so far, with the engines known and the process's open file descriptors
+    /// now.
     pub(crate) fn stats(&self) -> RemoteStats {
+        let (engines, evicted) = {
+            let book = self.book();
+            (book.engines.known() as u64, book.evicted)
+        };
         let loaded = self.loaded.lock().unwrap_or_else(|p| p.into_inner());
         RemoteStats {
+            engines,
+            evicted,
+            agents: loaded.by_name.len() as u64,
             open_fds: crate::metrics::open_fds(),
             ..loaded.stats
         }

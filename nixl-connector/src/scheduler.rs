@@ -11,10 +11,13 @@
 //! [`Finished::sending`](crate::Finished::sending). A rank reports it when the decode's notification arrives (one per decode rank reading from this
 //! rank), or when the request's **KV lease** ends ([`Lease`], vLLM's `kv_lease_duration`,
 //! default 30 s). A decode whose load still waits sends heartbeats that extend the lease,
-//! up to [`Lease::max_hold`]. An aborted prefill request frees its blocks at once.
+//! as long as they come (or up to [`Lease::max_hold`], an opt-in cap). An aborted prefill
+//! request frees its blocks at once.
 //!
 //! # Decode side: loads, prefix hits, aborts and failures
-//! [`on_new_request`](KvConnectorScheduler::on_new_request) (optional) and
+//! [`on_new_request`](KvConnectorScheduler::on_new_request) (required, as vLLM's scheduler
+//! calls it for every request: the heartbeats that keep the prefill's lease cover the wait
+//! from then on) and
 //! [`update_state_after_alloc`](KvConnectorScheduler::update_state_after_alloc) take a
 //! request whose KV the prefill holds. The engine passes only the local blocks it still
 //! needs: with its prefix cache holding the first blocks of the prompt, they pair with the
@@ -35,9 +38,10 @@ use nixl::kv_config::KvTransferConfig;
 use serde::{Deserialize, Serialize};
 
 use crate::aggregate::{ConnectorOutput, KvOutputAggregator, WorkerOutput};
-use crate::config::{Lease, LoadFailurePolicy, Protocol};
+use crate::config::{LoadFailurePolicy, Protocol};
 use crate::error::{Error, Result};
 use crate::failure::FailedBlock;
+use crate::lease::Lease;
 use crate::params::{KvTransferParams, RemoteBlocks};
 use crate::vllm::MetadataServer;
 
@@ -277,6 +281,11 @@ impl KvConnectorScheduler {
     /// A new request arrived (vLLM's `on_new_request`): if a remote prefill holds its KV,
     /// the remote engine gets heartbeats for it while it waits for blocks, so its lease does
     /// not end meanwhile. Params without every remote field are left alone.
+    ///
+    /// Required for every request that loads from a remote prefill, before
+    /// [`update_state_after_alloc`](Self::update_state_after_alloc), which refuses a request
+    /// it was not told of: without it, nothing would heartbeat while the request waits in
+    /// the engine's queue, and the prefill's lease could end before the load.
     pub fn on_new_request(&mut self, request_id: &str, params: Option<&KvTransferParams>) {
         let Some(remote) = params
             .filter(|p| p.do_remote_prefill)
@@ -305,8 +314,12 @@ impl KvConnectorScheduler {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] when `params` lack a remote field or name what the
-    /// connector cannot read ([`KvTransferParams::check_supported`]), or the request's load
-    /// was already scheduled (one load per request).
+    /// connector cannot read ([`KvTransferParams::check_supported`]), when
+    /// [`on_new_request`](Self::on_new_request) was not called for the request, when the
+    /// request's load was already scheduled (one load per request), or when local blocks
+    /// come with an empty `remote_block_ids` (nothing to read them from; vLLM's
+    /// `update_state_after_alloc` asserts that no external token comes without remote
+    /// blocks): the request then waits for nothing, and the engine computes its blocks.
     pub fn update_state_after_alloc(
         &mut self,
         request_id: &str,
@@ -318,11 +331,23 @@ impl KvConnectorScheduler {
         let remote = params.remote_blocks().ok_or_else(|| {
             Error::invalid(OP, format!("request {request_id:?}: kv_transfer_params lack remote_engine_id, remote_host, remote_port, remote_request_id or remote_tp_size"))
         })?;
-        let state = self.decodes.get(request_id).map(|d| d.state);
-        if state.is_some_and(|s| s != DecodeState::Waiting) {
+        let Some(decode) = self.decodes.get_mut(request_id) else {
+            return Err(Error::invalid(
+                OP,
+                format!("request {request_id:?} is unknown: call on_new_request first, when the request arrives, so that its remote prefill's lease is kept while it waits"),
+            ));
+        };
+        if decode.state != DecodeState::Waiting {
             return Err(Error::invalid(
                 OP,
                 format!("request {request_id:?}: its load was already scheduled"),
+            ));
+        }
+        if remote.block_ids.is_empty() && !local_block_ids.is_empty() {
+            decode.state = DecodeState::Done;
+            return Err(Error::invalid(
+                OP,
+                format!("request {request_id:?}: {} local blocks to load, but kv_transfer_params have no remote_block_ids; compute them locally", local_block_ids.len()),
             ));
         }
         // A prefill that holds no block is not waiting for a notification.
@@ -412,7 +437,7 @@ impl KvConnectorScheduler {
                 request_id.to_string(),
                 SendSpec {
                     request_id: request_id.to_string(),
-                    deadline: Instant::now() + self.config.lease.duration,
+                    deadline: Instant::now() + self.config.lease.duration(),
                 },
             );
         }
@@ -645,10 +670,7 @@ mod tests {
             host: "10.0.0.1".into(),
             port: 5600,
             tp_size: 2,
-            lease: Lease {
-                duration: Duration::from_secs(3),
-                ..Lease::default()
-            },
+            lease: Lease::new(Duration::from_secs(3)).unwrap(),
             load_failure_policy: policy,
             protocol: Protocol::Native,
             vllm_side_channel: None,
@@ -803,6 +825,12 @@ mod tests {
         let mut s = scheduler();
         let mut params = handed("r", &[3, 4]);
         assert!(KvConnectorScheduler::needs_remote_prefill(Some(&params)));
+        let err = s
+            .update_state_after_alloc("d", &[0, 1], &params)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("call on_new_request first"), "{err}");
+        s.on_new_request("d", Some(&params));
         s.update_state_after_alloc("d", &[0, 1], &params).unwrap();
         let err = s
             .update_state_after_alloc("d", &[0, 1], &params)
@@ -821,10 +849,31 @@ mod tests {
     }
 
     #[test]
+    fn local_blocks_without_remote_blocks_are_refused_and_wait_for_nothing() {
+        // vLLM's update_state_after_alloc asserts no external token without remote blocks.
+        let mut s = scheduler();
+        let params = handed("r", &[]);
+        s.on_new_request("d", Some(&params));
+        let err = s
+            .update_state_after_alloc("d", &[0, 1], &params)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("no remote_block_ids"), "{err}");
+        let meta = s.build_connector_meta();
+        assert!(meta.loads.is_empty(), "{meta:?}");
+        assert!(meta.heartbeats.is_empty(), "it waits for nothing: {meta:?}");
+        let done = s.request_finished("d", &[0, 1], 0, None, FinishStatus::Stopped);
+        assert!(!done.delay_free_blocks);
+        assert!(s.decodes.is_empty());
+    }
+
+    #[test]
     fn prefix_hits_load_the_rest_and_a_full_hit_only_notifies() {
         let mut s = scheduler();
+        s.on_new_request("part", Some(&handed("r1", &[3, 4, 5])));
         s.update_state_after_alloc("part", &[7], &handed("r1", &[3, 4, 5]))
             .unwrap();
+        s.on_new_request("full", Some(&handed("r2", &[6, 8])));
         s.update_state_after_alloc("full", &[], &handed("r2", &[6, 8]))
             .unwrap();
         let mut loads = s.build_connector_meta().loads;
@@ -864,6 +913,7 @@ mod tests {
         );
         assert!(!done.delay_free_blocks);
         // Aborted after allocation, before the workers got the load.
+        s.on_new_request("scheduled", Some(&handed("rs", &[4, 5])));
         s.update_state_after_alloc("scheduled", &[4, 5], &handed("rs", &[4, 5]))
             .unwrap();
         let done = s.request_finished("scheduled", &[4, 5], 0, None, FinishStatus::Aborted);
@@ -874,6 +924,7 @@ mod tests {
         assert!(meta.aborted.is_empty());
 
         // Aborted while its load runs: blocks kept until the load ends.
+        s.on_new_request("running", Some(&handed("rr", &[6])));
         s.update_state_after_alloc("running", &[6], &handed("rr", &[6]))
             .unwrap();
         assert_eq!(s.build_connector_meta().loads.len(), 1);
@@ -907,6 +958,7 @@ mod tests {
         let mut s = scheduler();
         let t0 = Instant::now();
         s.on_new_request("a", Some(&handed("ra", &[1])));
+        s.on_new_request("b", Some(&handed("rb", &[2])));
         s.update_state_after_alloc("b", &[2], &handed("rb", &[2]))
             .unwrap();
         let meta = s.meta_at(t0);
@@ -930,8 +982,10 @@ mod tests {
     fn failed_loads_follow_the_policy_with_exactly_their_blocks() {
         for policy in [LoadFailurePolicy::Recompute, LoadFailurePolicy::Fail] {
             let mut s = KvConnectorScheduler::new(config(policy));
+            s.on_new_request("x", Some(&handed("rx", &[1, 2])));
             s.update_state_after_alloc("x", &[9, 3], &handed("rx", &[1, 2]))
                 .unwrap();
+            s.on_new_request("ok", Some(&handed("ro", &[4])));
             s.update_state_after_alloc("ok", &[5], &handed("ro", &[4]))
                 .unwrap();
             s.build_connector_meta();
@@ -971,7 +1025,7 @@ mod tests {
         )
         .unwrap();
         let c = SchedulerConfig::new("e", "h", 1, 1, &kv).unwrap();
-        assert_eq!(c.lease.duration, Duration::from_secs(12));
+        assert_eq!(c.lease.duration(), Duration::from_secs(12));
         assert_eq!(c.lease.heartbeat_interval(), Duration::from_secs(2));
         assert_eq!(c.lease.extension(), Duration::from_secs(8));
         assert_eq!(c.load_failure_policy, LoadFailurePolicy::Recompute);

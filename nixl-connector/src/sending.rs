@@ -9,7 +9,8 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::config::{Lease, Protocol};
+use crate::config::Protocol;
+use crate::lease::Lease;
 use crate::metrics::SendStats;
 use crate::readers::Readers;
 use crate::series::Series;
@@ -31,8 +32,16 @@ const MAX_READER_TP: usize = 1 << 12;
 /// request ids).
 const HEARTBEAT_PREFIX: &str = "HB:";
 
-/// Longest heartbeat message sent or accepted; a decode splits longer lists.
+/// Longest heartbeat message this connector sends; a decode splits longer lists. Heartbeats
+/// taken have no such bound: vLLM's `_send_heartbeats` sends one message per engine naming
+/// every request it waits for, so they are bounded only by what NIXL delivers (its UCX
+/// notifications have no size limit; the agent's notification hub holds at most 64 MiB).
 pub(crate) const MAX_HEARTBEAT_BYTES: usize = 16 << 10;
+
+/// Longest request id a heartbeat may name (that of vLLM's
+/// [`NotificationLimits`](crate::vllm::NotificationLimits)); a heartbeat naming a longer
+/// one is refused whole.
+const MAX_HEARTBEAT_ID_BYTES: usize = 4096;
 
 /// The notification message a reader sends for `request_id`: `request:count`, `count` its
 /// TP size (native protocol) or how many of its ranks notify each prefill rank (vLLM's
@@ -43,15 +52,13 @@ pub(crate) fn notification_message(request_id: &str, count: usize) -> Vec<u8> {
 
 /// The heartbeat messages for remote requests `ids` (vLLM's `_send_heartbeats`): `HB:` and
 /// the ids separated by commas, split so that none is longer than [`MAX_HEARTBEAT_BYTES`].
-/// An id that is empty, holds a comma or cannot fit is left out (it could not be parsed).
+/// An id that is empty, holds a comma or is longer than a heartbeat's ids may be is left
+/// out (it could not be parsed).
 pub(crate) fn heartbeat_messages<'a>(ids: impl IntoIterator<Item = &'a str>) -> Vec<Vec<u8>> {
     let mut messages = Vec::new();
     let mut current = String::from(HEARTBEAT_PREFIX);
     for id in ids {
-        if id.is_empty()
-            || id.contains(',')
-            || HEARTBEAT_PREFIX.len() + id.len() > MAX_HEARTBEAT_BYTES
-        {
+        if id.is_empty() || id.contains(',') || id.len() > MAX_HEARTBEAT_ID_BYTES {
             tracing::warn!(
                 request = id,
                 "a remote request id that a heartbeat cannot carry; its lease is not extended"
@@ -80,22 +87,25 @@ enum Note<'a> {
     /// A reader is done with `request` (it read it, or never will); `count` is its TP
     /// size (native protocol) or how many readers notify (vLLM's).
     Done { request: &'a str, count: usize },
-    /// A decode still waits for these requests.
-    Heartbeat(Vec<&'a str>),
+    /// A decode still waits for these requests: their ids, comma-separated, each checked
+    /// (non-empty, at most [`MAX_HEARTBEAT_ID_BYTES`]).
+    Heartbeat(&'a str),
 }
 
-/// Parses a notification strictly: `HB:` and non-empty comma-separated ids (vLLM's
-/// `_handle_heartbeat` format), or `request:count` with a non-empty request and a count of 1
-/// to [`MAX_READER_TP`]; why not, otherwise.
+/// Parses a notification strictly: `HB:` and non-empty comma-separated ids of at most
+/// [`MAX_HEARTBEAT_ID_BYTES`] each (vLLM's `_handle_heartbeat` format, of any length), or
+/// `request:count` with a non-empty request and a count of 1 to [`MAX_READER_TP`]; why not,
+/// otherwise. It allocates nothing: a heartbeat's ids are read from the message.
 fn parse(message: &[u8]) -> Result<Note<'_>, &'static str> {
     let text = std::str::from_utf8(message).map_err(|_| "not UTF-8")?;
     if let Some(ids) = text.strip_prefix(HEARTBEAT_PREFIX) {
-        if message.len() > MAX_HEARTBEAT_BYTES {
-            return Err("heartbeat longer than its limit");
-        }
-        let ids: Vec<&str> = ids.split(',').collect();
-        if ids.iter().any(|id| id.is_empty()) {
-            return Err("heartbeat with an empty request id");
+        for id in ids.split(',') {
+            if id.is_empty() {
+                return Err("heartbeat with an empty request id");
+            }
+            if id.len() > MAX_HEARTBEAT_ID_BYTES {
+                return Err("heartbeat with a request id over 4096 bytes");
+            }
         }
         return Ok(Note::Heartbeat(ids));
     }
@@ -139,8 +149,8 @@ pub struct NotificationStats {
 struct Held {
     /// When the lease ends.
     deadline: Instant,
-    /// The latest the lease may end ([`Lease::max_hold`] after the hold).
-    limit: Instant,
+    /// The latest the lease may end ([`Lease::max_hold`] after the hold), if capped.
+    limit: Option<Instant>,
     /// The agents that notified (each counts once).
     readers: Vec<Vec<u8>>,
     needed: usize,
@@ -195,7 +205,8 @@ impl Sends {
     }
 
     /// Holds `request_id` until its notifications arrive or its lease ends at `deadline`
-    /// (at most [`Lease::max_hold`] from `now`). A request already held keeps its lease.
+    /// (at most [`Lease::max_hold`] from `now`, if capped). A request already held keeps its
+    /// lease.
     pub(crate) fn hold(&mut self, request_id: String, deadline: Instant, now: Instant) {
         if self.held.contains_key(&request_id) {
             tracing::warn!(request = %request_id, "request is already held; its lease is kept");
@@ -204,7 +215,7 @@ impl Sends {
         if self.released.remove(&request_id) {
             self.released_order.retain(|id| *id != request_id);
         }
-        let limit = now + self.lease.max_hold;
+        let limit = self.lease.max_hold().map(|cap| now + cap);
         let (readers, needed) = self
             .early
             .remove(&request_id)
@@ -214,7 +225,7 @@ impl Sends {
             return;
         }
         let held = Held {
-            deadline: deadline.min(limit),
+            deadline: limit.map_or(deadline, |limit| deadline.min(limit)),
             limit,
             readers,
             needed,
@@ -226,7 +237,7 @@ impl Sends {
     /// Takes one notification from agent `sender`.
     pub(crate) fn notified(&mut self, sender: &[u8], message: &[u8], now: Instant) {
         match parse(message) {
-            Ok(Note::Heartbeat(ids)) => self.heartbeat(&ids, now),
+            Ok(Note::Heartbeat(ids)) => self.heartbeat(ids, now),
             Ok(Note::Done { request, count }) => {
                 if let Err(why) = self.admit(sender, count) {
                     self.notes.refused += 1;
@@ -279,24 +290,26 @@ impl Sends {
         }
     }
 
-    /// Extends the lease of every held request in `ids` to [`Lease::extension`] from now
-    /// (never shortening it, never past its limit); follows vLLM's `_handle_heartbeat`.
-    fn heartbeat(&mut self, ids: &[&str], now: Instant) {
+    /// Extends the lease of every held request in `ids` (comma-separated) to
+    /// [`Lease::extension`] from now (never shortening it, never past its limit); follows
+    /// vLLM's `_handle_heartbeat`.
+    fn heartbeat(&mut self, ids: &str, now: Instant) {
         self.notes.heartbeats += 1;
         self.series.heartbeat();
         let until = now + self.lease.extension();
-        let mut extended = false;
-        for id in ids {
-            match self.held.get_mut(*id) {
+        let mut any_held = false;
+        for id in ids.split(',') {
+            match self.held.get_mut(id) {
                 Some(held) => {
-                    held.deadline = held.deadline.max(until).min(held.limit);
+                    let extended = held.deadline.max(until);
+                    held.deadline = held.limit.map_or(extended, |limit| extended.min(limit));
                     self.notes.leases_extended += 1;
-                    extended = true;
+                    any_held = true;
                 }
                 None => self.notes.unknown_heartbeat_ids += 1,
             }
         }
-        if !extended {
+        if !any_held {
             self.series.heartbeat_refused();
         }
     }
@@ -362,7 +375,7 @@ impl Sends {
             tracing::warn!(request = %id, readers, "the request's KV lease ended before every decode rank notified; blocks freed");
             self.release(id, false);
         }
-        let lease = self.lease.duration;
+        let lease = self.lease.duration();
         let stale: Vec<String> = self
             .early
             .iter()
@@ -428,10 +441,9 @@ mod tests {
     }
 
     fn sends(own_tp: usize) -> Sends {
-        let lease = Lease {
-            duration: Duration::from_secs(30),
-            max_hold: Duration::from_secs(100),
-        };
+        let lease = Lease::new(Duration::from_secs(30))
+            .and_then(|lease| lease.with_max_hold(Duration::from_secs(100)))
+            .unwrap();
         Sends::new(
             own_tp,
             Protocol::Native,
@@ -457,7 +469,7 @@ mod tests {
                 count: 1
             })
         );
-        assert_eq!(parse(b"HB:a,b"), Ok(Note::Heartbeat(vec!["a", "b"])));
+        assert_eq!(parse(b"HB:a,b"), Ok(Note::Heartbeat("a,b")));
         for bad in [
             &b"HB:"[..],
             b"HB:a,,b",
@@ -472,8 +484,13 @@ mod tests {
         ] {
             assert!(parse(bad).is_err(), "{:?}", String::from_utf8_lossy(bad));
         }
-        let long = format!("HB:{}", "x".repeat(MAX_HEARTBEAT_BYTES));
-        assert!(parse(long.as_bytes()).is_err());
+        // vLLM sends one heartbeat of any length; each id has a cap.
+        let ids = vec!["r".repeat(48); 5000].join(",");
+        let long = format!("HB:{ids}");
+        assert_eq!(parse(long.as_bytes()), Ok(Note::Heartbeat(ids.as_str())));
+        let id = "x".repeat(MAX_HEARTBEAT_ID_BYTES);
+        assert!(parse(format!("HB:a,{id}").as_bytes()).is_ok());
+        assert!(parse(format!("HB:a,{id}x").as_bytes()).is_err());
     }
 
     #[test]
@@ -485,7 +502,7 @@ mod tests {
         for m in &messages {
             assert!(m.len() <= MAX_HEARTBEAT_BYTES);
             match parse(m).unwrap() {
-                Note::Heartbeat(got) => back.extend(got.into_iter().map(String::from)),
+                Note::Heartbeat(got) => back.extend(got.split(',').map(String::from)),
                 other => panic!("{other:?}"),
             }
         }
@@ -524,6 +541,28 @@ mod tests {
         }
         s.expire(t0 + Duration::from_secs(100));
         assert_eq!(s.take_done(), ["q"]);
+    }
+
+    #[test]
+    fn without_a_cap_heartbeats_keep_a_request_while_they_come() {
+        // vLLM's default: no cap (the 480 s one ended leases vLLM's heartbeats kept alive).
+        let lease = Lease::default();
+        let mut s = Sends::new(
+            1,
+            Protocol::Vllm,
+            lease,
+            Arc::new(Series::new("t", 0, None)),
+            readers(1),
+        );
+        let t0 = Instant::now();
+        s.hold("r".into(), t0 + Duration::from_secs(30), t0);
+        for at in (20..2000).step_by(10) {
+            s.notified(b"d", b"HB:r", t0 + Duration::from_secs(at));
+            s.expire(t0 + Duration::from_secs(at));
+        }
+        assert!(s.take_done().is_empty(), "held while heartbeats came");
+        s.expire(t0 + Duration::from_secs(1990 + 20));
+        assert_eq!(s.take_done(), ["r"], "freed an extension after the last");
     }
 
     #[test]

@@ -87,6 +87,9 @@ pub const LEAKED_REQUESTS: &str = "vllm:nixl_leaked_requests";
 /// Counter: finish notifications refused because their sender or count is not one of this
 /// engine's readers' (prefill side; not a vLLM series).
 pub const NUM_REFUSED_NOTIFICATIONS: &str = "vllm:nixl_num_refused_notifications";
+/// Counter: loads whose READs were still in flight at the transfer timeout; their blocks
+/// stay with the connector until NIXL ends the READs (decode side; not a vLLM series).
+pub const NUM_OVERDUE_TRANSFERS: &str = "vllm:nixl_num_overdue_transfers";
 
 /// vLLM's buckets for the post time (seconds).
 const TIME_BUCKETS: [f64; 13] = [
@@ -190,6 +193,11 @@ pub fn describe() {
         "Heartbeat notifications received (prefill side)."
     );
     describe_counter!(
+        NUM_OVERDUE_TRANSFERS,
+        Unit::Count,
+        "Loads whose READs were in flight at the transfer timeout; their blocks are held until the READs end."
+    );
+    describe_counter!(
         NUM_REFUSED_NOTIFICATIONS,
         Unit::Count,
         "Finish notifications refused: not from a reader of this engine, or a count beyond its TP (prefill side)."
@@ -287,6 +295,7 @@ pub(crate) struct Series {
     handshakes_pending: Gauge,
     leaked: Gauge,
     refused_notifications: Counter,
+    overdue: Counter,
 }
 
 /// The `outcome` labels of [`NUM_LOADS`], in `Series::loads` order.
@@ -354,6 +363,7 @@ impl Series {
             handshakes_pending: gauge(decode, HANDSHAKES_PENDING),
             leaked: gauge(true, LEAKED_REQUESTS),
             refused_notifications: counter(prefill, NUM_REFUSED_NOTIFICATIONS, labels.clone()),
+            overdue: counter(decode, NUM_OVERDUE_TRANSFERS, labels.clone()),
         }
     }
 
@@ -447,6 +457,11 @@ impl Series {
     /// A heartbeat received.
     pub(crate) fn heartbeat(&self) {
         self.heartbeats.increment(1);
+    }
+
+    /// A load whose READs outlived its transfer timeout.
+    pub(crate) fn overdue(&self) {
+        self.overdue.increment(1);
     }
 
     /// A finish notification refused.

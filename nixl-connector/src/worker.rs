@@ -13,15 +13,16 @@ use tokio::task::JoinHandle;
 
 use crate::aggregate::WorkerOutput;
 use crate::auth::SharedSecret;
-use crate::config::{Lease, MetadataExchange, Protocol, WorkerConfig};
+use crate::config::{MetadataExchange, Protocol, WorkerConfig};
 use crate::connect::{self, Engine};
 use crate::error::{Error, Result};
 use crate::etcd::EtcdSource;
 use crate::failure::{FailedBlock, FailureKind};
 use crate::handshake::HandshakeMessage;
 use crate::host_buffer::Staging;
+use crate::lease::Lease;
 use crate::metrics::{RemoteStats, SendStats, TransferMetrics};
-use crate::outcomes::{Finished, Outcomes};
+use crate::outcomes::{Finished, Outcomes, OverdueLoad};
 use crate::params::RemoteBlocks;
 use crate::peer_networks::{warn_if_open, PeerNetworks};
 use crate::pending::{PendingHandshakes, PendingStats};
@@ -45,11 +46,11 @@ mod shutdown;
 /// Create it inside a tokio runtime: handshakes, loads and notifications run as tasks on
 /// it, so no method blocks an engine step. Dropping the worker stops its side channel and
 /// its notification listener, and withdraws its published metadata. Loads already started
-/// run on in their own tasks to their end (done, failed or past `transfer_timeout`), and
-/// keep the registered caches alive until then; a READ still in flight at that point is left
-/// to NIXL's completion driver, which keeps its memory until NIXL is done with it. To
-/// destroy the agent before going on (e.g. before `std::process::exit`), call
-/// [`shutdown`](Self::shutdown) instead.
+/// run on in their own tasks to their end (every READ done or failed in NIXL, past
+/// `transfer_timeout` too), and keep the registered caches alive until then; a task dropped
+/// with the runtime leaves its READs to NIXL's completion driver, which keeps their memory
+/// until NIXL is done with them. To destroy the agent before going on (e.g. before
+/// `std::process::exit`), call [`shutdown`](Self::shutdown) instead.
 pub struct KvConnectorWorker {
     shared: Arc<Shared>,
     staging: OnceLock<Staging>,
@@ -98,6 +99,7 @@ impl KvConnectorWorker {
             .agent_name
             .clone()
             .unwrap_or_else(|| agent_name(&config));
+        let engine_ttl = crate::engines::engine_ttl(&config.kv_transfer_config)?;
         let lease = match config.lease {
             Some(lease) => lease,
             None => Lease::from_kv_transfer_config(&config.kv_transfer_config)?,
@@ -163,7 +165,7 @@ impl KvConnectorWorker {
             setup,
             caches: OnceLock::new(),
             outcomes: Mutex::new(Outcomes::default()),
-            remotes: Remotes::default(),
+            remotes: Remotes::with_engine_ttl(engine_ttl),
             etcd,
             load_ended: tokio::sync::Notify::new(),
             notified: tokio::sync::Notify::new(),
@@ -757,7 +759,15 @@ impl KvConnectorWorker {
     /// Carries out one scheduler step's `meta` (vLLM's `start_load_kv`): starts every load,
     /// aborts the loads of aborted requests, holds every send, and sends the heartbeats. A
     /// load that cannot start is reported as finished with its blocks in `load_errors`.
+    /// First, at most once a second, evicts remote engines unused for longer than
+    /// `kv_connector_extra_config.engine_ttl` or replaced at their address, once no load
+    /// holds them (see [`RemoteStats::evicted`]).
     pub fn start_load_kv(&self, meta: &ConnectorMetadata) {
+        for engine in self.shared.remotes.sweep(self.agent(), Instant::now()) {
+            if let Some(vllm) = &self.shared.vllm {
+                vllm.forget(&engine);
+            }
+        }
         for load in &meta.loads {
             if let Err(err) = self.start_load(&load.request_id, &load.local_block_ids, &load.remote)
             {
@@ -896,6 +906,15 @@ impl KvConnectorWorker {
         let mut failed = std::mem::take(&mut self.shared.outcomes().load_errors);
         failed.sort_by_key(|f| f.block_id);
         failed
+    }
+
+    /// The loads whose READs were still in flight at the
+    /// [`transfer_timeout`](WorkerConfig::transfer_timeout) since the last call, each once.
+    /// Their blocks are not the engine's yet: NIXL may still write them. Each load's outcome
+    /// (in [`finished`](Self::finished) and [`load_errors`](Self::load_errors)) follows once
+    /// NIXL has ended its every READ; a READ stuck forever keeps its blocks forever.
+    pub fn overdue_loads(&self) -> Vec<OverdueLoad> {
+        std::mem::take(&mut self.shared.outcomes().overdue)
     }
 
     /// Metrics of the loads that ended since the last call.

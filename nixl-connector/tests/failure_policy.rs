@@ -56,6 +56,7 @@ async fn killed_mid_load(policy: &str) -> Vec<LoadOutcome> {
     let step = |scheduler: &mut KvConnectorScheduler| {
         decode.start_load_kv(&scheduler.build_connector_meta());
     };
+    scheduler.on_new_request("first", Some(&params(port, "p1", &[4, 5])));
     scheduler
         .update_state_after_alloc("first", &[0, 1], &params(port, "p1", &[4, 5]))
         .unwrap();
@@ -69,12 +70,14 @@ async fn killed_mid_load(policy: &str) -> Vec<LoadOutcome> {
     let want: Vec<u8> = (0..spec.block_len(0)).map(|o| pattern(1, 5, o)).collect();
     assert_eq!(block(&decode, &spec, 1, 1), want);
 
+    scheduler.on_new_request("during", Some(&params(port, "p2", &[6, 7, 8])));
     scheduler
         .update_state_after_alloc("during", &[2, 3, 4], &params(port, "p2", &[6, 7, 8]))
         .unwrap();
     step(&mut scheduler);
     child.kill().unwrap();
     child.wait().unwrap();
+    scheduler.on_new_request("after", Some(&params(port, "p3", &[9, 10, 11])));
     scheduler
         .update_state_after_alloc("after", &[10, 12, 14], &params(port, "p3", &[9, 10, 11]))
         .unwrap();
@@ -166,6 +169,7 @@ async fn each_failed_block_carries_its_request_kind_and_reason() {
     let mut scheduler = KvConnectorScheduler::new(
         SchedulerConfig::new("dc-reasons", "127.0.0.1", 0, 1, &kv).unwrap(),
     );
+    scheduler.on_new_request("gone", Some(&params(port, "p", &[1, 2])));
     scheduler
         .update_state_after_alloc("gone", &[5, 3], &params(port, "p", &[1, 2]))
         .unwrap();

@@ -147,11 +147,13 @@ async fn a_prefix_hit_loads_only_the_missing_tail_and_a_full_hit_only_notifies()
 
     // The decode's prefix cache holds the first two of four blocks: it loads the last two.
     let partial = finish_for_decode(&prefill, &mut prefill_scheduler, "p-part", &[5, 2, 9, 15]);
+    decode_scheduler.on_new_request("d-part", Some(&partial));
     decode_scheduler
         .update_state_after_alloc("d-part", &[10, 11], &partial)
         .unwrap();
     // It holds all three blocks of the next request: nothing is read.
     let full = finish_for_decode(&prefill, &mut prefill_scheduler, "p-full", &[1, 3, 4]);
+    decode_scheduler.on_new_request("d-full", Some(&full));
     decode_scheduler
         .update_state_after_alloc("d-full", &[], &full)
         .unwrap();
@@ -229,6 +231,7 @@ async fn a_decode_aborted_before_or_during_its_load_tells_the_prefill_and_writes
     // Aborted right after its load went to the worker, while the handshake runs: the READ
     // is never posted.
     let running = finish_for_decode(&prefill, &mut prefill_scheduler, "p-run", &[3, 4]);
+    decode_scheduler.on_new_request("d-run", Some(&running));
     decode_scheduler
         .update_state_after_alloc("d-run", &[6, 7], &running)
         .unwrap();
@@ -282,6 +285,7 @@ async fn an_abort_racing_the_loads_completion_frees_each_request_once() {
     for i in 0..N {
         let params = finish_for_decode(&prefill, &mut prefill_scheduler, &format!("p{i}"), &[i]);
         let id = format!("d{i}");
+        decode_scheduler.on_new_request(&id, Some(&params));
         decode_scheduler
             .update_state_after_alloc(&id, &[i], &params)
             .unwrap();
@@ -369,6 +373,51 @@ async fn a_decode_that_heartbeats_keeps_blocks_past_the_lease_and_one_that_stops
     assert!(prefill.finished().sending.is_empty());
 }
 
+/// Request id `i` of 48 characters, the length of vLLM's ids that the issue measured.
+fn id48(i: usize) -> String {
+    format!("{:x>48}", format!("-{i}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_waiting_for_5000_requests_extends_every_lease() {
+    // 5,000 ids of 48 characters: 245,000 bytes of ids, which this decode splits into
+    // heartbeats of at most 16 KiB (#30 item 1).
+    const N: usize = 5000;
+    let (_, prefill, mut prefill_scheduler, decode, mut decode_scheduler) = engines("hb5k", 30.0);
+    for i in 0..N {
+        let params = finished_for_decode(&mut prefill_scheduler, &id48(i), &[1]);
+        decode_scheduler.on_new_request(&format!("d{i}"), Some(&params));
+    }
+    prefill.start_load_kv(&prefill_scheduler.build_connector_meta());
+    // The first heartbeat of a step goes once the handshake is done.
+    handshake(
+        &decode,
+        "pf-hb5k",
+        prefill.side_channel_addr().unwrap().port(),
+    )
+    .await;
+    let meta = decode_scheduler.build_connector_meta();
+    assert_eq!(meta.heartbeats.len(), 1, "one engine");
+    assert_eq!(meta.heartbeats[0].request_ids.len(), N);
+    decode.start_load_kv(&meta);
+    wait_for("every lease extended", WAIT, || {
+        prefill.notification_stats().leases_extended >= N as u64
+    })
+    .await;
+    let notes = prefill.notification_stats();
+    assert_eq!(
+        (
+            notes.leases_extended,
+            notes.unknown_heartbeat_ids,
+            notes.malformed
+        ),
+        (N as u64, 0, 0),
+        "{notes:?}"
+    );
+    assert!(notes.heartbeats >= 15, "split at 16 KiB: {notes:?}");
+    assert!(prefill.finished().sending.is_empty());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_heartbeats_and_repeated_or_late_notifications_stay_bounded() {
     let (_, prefill, mut prefill_scheduler) = prefill("pf-hostile", 2.0);
@@ -449,6 +498,7 @@ async fn stopped_decode_role() {
     let spec = spec(2);
     let decode = worker("dc-inflight", 0, 1, &spec);
     let mut scheduler = scheduler("dc-inflight", &decode, &common::cpu_config());
+    scheduler.on_new_request("d-inflight", Some(&params));
     scheduler
         .update_state_after_alloc("d-inflight", &INTO, &params)
         .unwrap();
@@ -515,28 +565,12 @@ impl DecodeProcess {
     }
 
     fn signal(&self, signal: libc::c_int) {
-        // SAFETY: kill(2) touches no memory of ours; the pid is our child's, which is not
-        // reaped before `exit` (after which nothing signals it), so no other process has it.
-        let sent = unsafe { libc::kill(self.child.id() as libc::pid_t, signal) };
-        assert_eq!(
-            sent,
-            0,
-            "signal {signal}: {}",
-            std::io::Error::last_os_error()
-        );
+        common::signal(&self.child, signal);
     }
 
-    /// Whether every thread of the decode is stopped (state `T` in /proc).
+    /// Whether every thread of the decode is stopped.
     fn stopped(&self) -> bool {
-        let tasks = format!("/proc/{}/task", self.child.id());
-        std::fs::read_dir(tasks).unwrap().all(|task| {
-            let stat =
-                std::fs::read_to_string(task.unwrap().path().join("stat")).unwrap_or_default();
-            // The state follows the command name, which is in parentheses.
-            stat.rfind(')')
-                .and_then(|end| stat[end + 1..].split_whitespace().next())
-                == Some("T")
-        })
+        common::all_threads_stopped(&self.child)
     }
 
     /// Stops the decode (SIGSTOP) and waits until every thread of it has stopped.

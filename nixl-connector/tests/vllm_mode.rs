@@ -95,6 +95,7 @@ async fn load(
     params: &str,
 ) -> LoadOutcome {
     let params = KvTransferParams::from_vllm_json(params).unwrap();
+    scheduler.on_new_request(request, Some(&params));
     scheduler
         .update_state_after_alloc(request, local, &params)
         .unwrap();
@@ -238,6 +239,7 @@ async fn blocks_past_their_expiry_time_are_not_read() {
     assert!(reason.contains("safety margin; not read"), "{reason}");
     assert!(block(&decode, &spec, 0, 1).iter().all(|&b| b == 0));
     let params = KvTransferParams::from_vllm_json(&json).unwrap();
+    decode_scheduler.on_new_request("d-kind", Some(&params));
     decode_scheduler
         .update_state_after_alloc("d-kind", &[2], &params)
         .unwrap();
@@ -277,6 +279,64 @@ async fn a_prefill_registered_again_is_handshaken_with_again() {
     assert!(started.elapsed() < WAIT);
     tokio::time::timeout(WAIT, again.notified()).await.unwrap();
     assert_eq!(again.finished().sending, ["r-gen-2"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_generation_seen_replaces_ranks_loaded_before_it() {
+    // The decode loads the prefill's rank without a generation (as for heartbeats); the
+    // prefill registers again; the first load then names a generation the decode never saw,
+    // which counts as newer than vLLM's stored default, 0 (#30 item 5).
+    common::init_tracing();
+    let spec = spec(4);
+    let server = side_channel();
+    let first = vllm_worker("vm-pf-seen", &spec, vllm_factors(), Some(server.clone()));
+    let decode = vllm_worker("vm-dc-seen", &spec, vllm_factors(), None);
+    let port = first.side_channel_addr().unwrap().port();
+    decode
+        .handshake_with("vm-pf-seen", "127.0.0.1", port, 1)
+        .await
+        .unwrap();
+    drop(first);
+    let again = vllm_worker("vm-pf-seen", &spec, vllm_factors(), Some(server.clone()));
+    fill(&again, &spec);
+    let mut again_scheduler = vllm_scheduler("vm-pf-seen", &again);
+    let json = finish(&again, &mut again_scheduler, "r-seen", &[5]);
+    let mut decode_scheduler = vllm_scheduler("vm-dc-seen", &decode);
+    let outcome = load(&decode, &mut decode_scheduler, "d-seen", &[1], &json).await;
+    assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
+    holds(&decode, &spec, &[1], &[5]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_replaced_at_its_address_is_evicted() {
+    // Another engine at the same ROUTER: the one before it is released once no load holds
+    // it (vLLM's _track_remote_engine_replacement), TTL or not (#30 item 5).
+    common::init_tracing();
+    let spec = spec(4);
+    let server = side_channel();
+    let decode = vllm_worker("vm-dc-moved", &spec, vllm_factors(), None);
+    let mut decode_scheduler = vllm_scheduler("vm-dc-moved", &decode);
+    for (i, engine) in ["vm-pf-before", "vm-pf-after"].into_iter().enumerate() {
+        let prefill = vllm_worker(engine, &spec, vllm_factors(), Some(server.clone()));
+        fill(&prefill, &spec);
+        let mut scheduler = vllm_scheduler(engine, &prefill);
+        let json = finish(&prefill, &mut scheduler, &format!("r-moved-{i}"), &[5]);
+        let request = format!("d-moved-{i}");
+        let outcome = load(&decode, &mut decode_scheduler, &request, &[1], &json).await;
+        assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
+    }
+    let start = Instant::now();
+    while decode.remote_stats().evicted == 0 {
+        assert!(start.elapsed() < WAIT, "{:?}", decode.remote_stats());
+        decode.start_load_kv(&Default::default());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let stats = decode.remote_stats();
+    assert_eq!(
+        (stats.engines, stats.agents, stats.evicted),
+        (1, 1, 1),
+        "{stats:?}"
+    );
 }
 
 /// vLLM's protocol through the geometry matrix's model: one ROUTER per engine shared by its

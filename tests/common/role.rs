@@ -45,6 +45,34 @@ pub fn after_tag(lines: &mut ChildLines, tag: &str) -> Option<String> {
         .find_map(|line| line.find(tag).map(|at| line[at + tag.len()..].to_string()))
 }
 
+/// Sends `signal` to `child` (e.g. `libc::SIGSTOP` to stall it, `libc::SIGCONT` to resume it).
+///
+/// # Panics
+/// If kill(2) fails.
+pub fn signal(child: &Child, signal: libc::c_int) {
+    // SAFETY: kill(2) touches no memory of ours; the pid is our child's, which is not reaped
+    // while the caller holds the `Child` unwaited, so no other process has it.
+    let sent = unsafe { libc::kill(child.id() as libc::pid_t, signal) };
+    assert_eq!(
+        sent,
+        0,
+        "signal {signal}: {}",
+        std::io::Error::last_os_error()
+    );
+}
+
+/// Whether every thread of `child` is stopped (state `T` in /proc), as after SIGSTOP.
+pub fn all_threads_stopped(child: &Child) -> bool {
+    let tasks = format!("/proc/{}/task", child.id());
+    std::fs::read_dir(tasks).unwrap().all(|task| {
+        let stat = std::fs::read_to_string(task.unwrap().path().join("stat")).unwrap_or_default();
+        // The state follows the command name, which is in parentheses.
+        stat.rfind(')')
+            .and_then(|end| stat[end + 1..].split_whitespace().next())
+            == Some("T")
+    })
+}
+
 /// `bytes` as lowercase hex, for a role to print.
 pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()

@@ -33,6 +33,10 @@ A prefill and a decode with NIXL's Python agent (DRAM, UCX), as vLLM's run them:
                                remote agent added, BLOCKS READ from every region into a
                                registered buffer with the notification "REQ:CONSUMERS"
                                -> JSON {data: HEX of the buffer, agent, meta} or the refusal
+  kv_heartbeat PORT HASH ENFORCE ENGINE COUNT PREFIX
+                               a decode (handshake as kv_decode's) waiting for COUNT requests:
+                               one vLLM heartbeat naming PREFIX-0 ... PREFIX-(COUNT-1), each
+                               left-padded with 'x' to 48 characters -> JSON {bytes}
   quit
 """
 
@@ -90,6 +94,8 @@ idle_sockets = []
 # The kv_prefill agent, its buffers, its port and what it was asked to serve.
 kv = {}
 decodes = [0]
+# The kv_heartbeat agents: kept, so that their notifications are not cut short.
+heartbeat_agents = []
 
 
 def answer(value):
@@ -353,7 +359,10 @@ def kv_notifs(count, seconds):
     return out
 
 
-def kv_decode(port, local_hash, enforce, engine, blocks, req_id, consumers):
+def decode_agent(port, local_hash, enforce, engine):
+    """vLLM's decode handshake with rank (0, 0) of the ROUTER at PORT: get_meta_msg, the hash
+    checked before the metadata is decoded, a new agent that adds the remote one ->
+    (agent, remote agent name, metadata, reply frames) or a dict saying why not."""
     from nixl_cu12 import nixl_agent
 
     sock = req(port, 5000)
@@ -373,12 +382,35 @@ def kv_decode(port, local_hash, enforce, engine, blocks, req_id, consumers):
         return {"error": f"engine id {meta.engine_id}, expected {engine}"}
     decodes[0] += 1
     agent = nixl_agent(f"py-decode-{os.getpid()}-{decodes[0]}")
+    remote = agent.add_remote_agent(meta.agent_metadata)
+    remote = remote.decode() if isinstance(remote, bytes) else remote
+    return agent, remote, meta, parts
+
+
+def kv_heartbeat(port, local_hash, enforce, engine, count, prefix):
+    """A decode waiting for COUNT requests of the prefill: vLLM's _send_heartbeats message,
+    one HB: notification naming ids PREFIX-0 ... PREFIX-(COUNT-1), each left-padded with
+    'x' to 48 characters -> JSON {bytes} or the refusal."""
+    got = decode_agent(port, local_hash, enforce, engine)
+    if isinstance(got, dict):
+        return got
+    agent, remote, _, _ = got
+    ids = [f"{prefix}-{i}".rjust(48, "x") for i in range(count)]
+    hb_msg = ("HB:" + ",".join(ids)).encode()
+    agent.send_notif(remote, notif_msg=hb_msg)
+    heartbeat_agents.append(agent)
+    return {"bytes": len(hb_msg)}
+
+
+def kv_decode(port, local_hash, enforce, engine, blocks, req_id, consumers):
+    got = decode_agent(port, local_hash, enforce, engine)
+    if isinstance(got, dict):
+        return got
+    agent, remote, meta, parts = got
     lens = meta.block_lens
     size = sum(lens) * len(blocks)
     buf = np.zeros(size, dtype=np.uint8)
     agent.register_memory(agent.get_reg_descs([(buf.ctypes.data, size, 0, "")], "DRAM"))
-    remote = agent.add_remote_agent(meta.agent_metadata)
-    remote = remote.decode() if isinstance(remote, bytes) else remote
     local_descs, remote_descs, at = [], [], buf.ctypes.data
     for region, base in enumerate(meta.kv_caches_base_addr):
         for b in blocks:
@@ -463,6 +495,9 @@ def main():
             blocks = [int(x) for x in args[4].split(",")]
             req_id = bytes.fromhex(args[5]).decode()
             got = kv_decode(int(args[0]), args[1], args[2] == "1", args[3], blocks, req_id, int(args[6]))
+            answer(json.dumps(got))
+        elif cmd == "kv_heartbeat":
+            got = kv_heartbeat(int(args[0]), args[1], args[2] == "1", args[3], int(args[4]), args[5])
             answer(json.dumps(got))
         elif cmd == "quit":
             break

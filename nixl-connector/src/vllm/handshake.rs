@@ -150,8 +150,12 @@ impl VllmWorker {
     }
 
     /// Whether `remote`'s registration generation is newer than the one its engine's ranks
-    /// were loaded at (the engine registered its KV cache again): then it is remembered,
-    /// and the caller forgets the engine's ranks so that they are handshaken with again.
+    /// were loaded at, 0 before any (the engine registered its KV cache again): then it is
+    /// remembered, and the caller forgets the engine's ranks so that they are handshaken
+    /// with again. The first generation seen counts too, as in vLLM's `_start_load_kv`
+    /// (`_remote_registration_generations.get(engine_id, 0) < generation`): ranks loaded
+    /// before it (for heartbeats, or a load that carried none) may hold the metadata of a
+    /// registration since replaced.
     pub(crate) fn newer_generation(&self, remote: &RemoteBlocks) -> bool {
         let Some(generation) = remote.registration_generation else {
             return false;
@@ -161,9 +165,13 @@ impl VllmWorker {
         if generation <= clock.generation {
             return false;
         }
-        let first = clock.generation == 0;
         clock.generation = generation;
-        !first
+        true
+    }
+
+    /// Forgets what the handshakes with `engine` learned (it was evicted).
+    pub(crate) fn forget(&self, engine: &str) {
+        self.engines().remove(engine);
     }
 
     /// Why `remote`'s blocks must not be read at `now` (our [`perf_counter`](super::clock::perf_counter)):
@@ -234,8 +242,12 @@ mod tests {
         let w = worker();
         assert!(!w.newer_generation(&remote(None, None)));
         assert!(
-            !w.newer_generation(&remote(None, Some(1))),
-            "the first one seen"
+            !w.newer_generation(&remote(None, Some(0))),
+            "vLLM's default"
+        );
+        assert!(
+            w.newer_generation(&remote(None, Some(1))),
+            "the first one seen is newer than the 0 stored"
         );
         assert!(!w.newer_generation(&remote(None, Some(1))));
         assert!(w.newer_generation(&remote(None, Some(2))));

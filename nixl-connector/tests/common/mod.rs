@@ -17,7 +17,9 @@ mod tracked;
 
 // Not every test binary uses each.
 #[allow(unused_imports)]
-pub use role::{after_tag, hex, role_process, stdout_lines, unhex, ChildLines};
+pub use role::{
+    after_tag, all_threads_stopped, hex, role_process, signal, stdout_lines, unhex, ChildLines,
+};
 #[allow(unused_imports)]
 pub use skip::skip;
 #[allow(unused_imports)]
