@@ -622,6 +622,7 @@ async fn a_rust_decode_of_tp2_reads_each_heads_packed_k_and_v_from_a_python_pref
     let (remote, local) = ([4usize, 12], [7usize, 2]);
     let json = peer.call(&format!("kv_finish {} 4,12", hex(b"py-req-tp2")));
     let params = KvTransferParams::from_vllm_json(&json).unwrap();
+    scheduler.on_new_request("py-req-tp2", Some(&params));
     scheduler
         .update_state_after_alloc("py-req-tp2", &local, &params)
         .unwrap();

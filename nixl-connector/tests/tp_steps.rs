@@ -106,6 +106,7 @@ async fn a_stalled_rank_holds_loaded_and_free_until_both_ranks_are_done() {
         model().fill_sentinel(worker, &side());
     }
     let mut decode_scheduler = scheduler("dc-tp2", 0);
+    decode_scheduler.on_new_request(DECODE_REQUEST, Some(&params));
     decode_scheduler
         .update_state_after_alloc(DECODE_REQUEST, &request().local, &params)
         .unwrap();
@@ -249,6 +250,7 @@ async fn the_scheduler_and_two_tp_workers_run_as_three_processes() {
     let (prefill, mut prefill_scheduler, params) = prefill();
     let mut ranks: Vec<RankProcess> = (0..2).map(RankProcess::start).collect();
     let mut decode_scheduler = scheduler("dc-3p", 0);
+    decode_scheduler.on_new_request(DECODE_REQUEST, Some(&params));
     decode_scheduler
         .update_state_after_alloc(DECODE_REQUEST, &request().local, &params)
         .unwrap();
