@@ -7,6 +7,7 @@ use std::sync::Arc;
 use nixl_sys as sys;
 
 use crate::agent::{Agent, AgentInner};
+use crate::backend_defaults;
 use crate::error::{check, Error, Result};
 use crate::ffi::handles::Params;
 use crate::ffi::handles::{BackendHandle, OptArgs};
@@ -266,6 +267,11 @@ impl Agent {
     /// reads without advertising them (UCX: `num_threads`, `split_batch_size`,
     /// `ucx_ep_close_force`, `ucx_num_device_channels`, `engine_config`).
     ///
+    /// A UCX backend's `engine_config` gets `USE_MT_MUTEX=y` (UCX's worker lock a mutex
+    /// rather than a spinlock, so that threads waiting for the worker sleep instead of spinning
+    /// against the one using it) unless it names `USE_MT_MUTEX` itself; the environment
+    /// variable `UCX_USE_MT_MUTEX` still wins, as NIXL lets it.
+    ///
     /// Two UCX settings are refused, each only available through the `unsafe`
     /// [`create_backend_with_unchecked`](Self::create_backend_with_unchecked):
     /// - **Worker threads** (`num_threads` other than 0). NIXL 1.5.1's UCX worker-thread mode
@@ -365,6 +371,7 @@ impl Agent {
             }
             params.insert(key, value.into());
         }
+        backend_defaults::apply(plugin, &mut params);
         Ok(params)
     }
 

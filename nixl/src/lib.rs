@@ -190,6 +190,7 @@ mod ffi;
 
 mod agent;
 mod backend;
+mod backend_defaults;
 mod error;
 mod refused_params;
 
