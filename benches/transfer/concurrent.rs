@@ -252,12 +252,14 @@ fn run(rt: &tokio::runtime::Runtime, concurrent: bool, side: &mut Side) -> Res<V
         }
         return Ok(done);
     }
-    rt.block_on(async {
+    let (dst, expected) = (side.dst.clone(), side.expected.clone());
+    // Spawned from a task of the runtime, as a server's request handlers would be.
+    let batch = rt.spawn(async move {
         let tasks: Vec<_> = reqs
             .into_iter()
             .enumerate()
             .map(|(i, mut req)| {
-                let (dst, expected) = (side.dst.clone(), side.expected.clone());
+                let (dst, expected) = (dst.clone(), expected.clone());
                 tokio::spawn(async move {
                     if req.post().map_err(|e| e.to_string())? == XferStatus::InProgress {
                         req = req.await.map_err(|e| e.to_string())?;
@@ -269,10 +271,11 @@ fn run(rt: &tokio::runtime::Runtime, concurrent: bool, side: &mut Side) -> Res<V
             .collect();
         let mut done = Vec::with_capacity(tasks.len());
         for task in tasks {
-            done.push(task.await??);
+            done.push(task.await.map_err(|e| e.to_string())??);
         }
-        Ok(done)
-    })
+        Ok::<_, String>(done)
+    });
+    Ok(rt.block_on(batch)??)
 }
 
 /// The child process holding agent B; it exits when its stdin closes (on drop).
