@@ -114,7 +114,7 @@ fn main() -> Res<()> {
     out.summary(&format!(
         "rust bench round {}: agents A,B created on core {AGENT_CORE} (NIXL/UCX threads inherit it), \
          measured on core {MEASURE_CORE}; the crate's default UCX backend (the plugin's defaults: \
-         no worker threads) unless the config says otherwise; config 'default' = nixl::AgentConfig::default()",
+         no worker threads; UCX's mutex worker lock) unless the config says otherwise; config 'default' = nixl::AgentConfig::default()",
         out.round
     ));
     Ok(())

@@ -106,7 +106,7 @@ echo "bench: $rounds rounds in $((SECONDS - start)) s" >&2
 cat <<EOF
 
 Setup: two agents A and B in one process; Rust: the crate's default UCX backend (the plugin's
-defaults, no worker threads; ucx-threads2: num_threads=2 split_batch_size=2; ucx-mt2+*:
+defaults, no worker threads, UCX's mutex worker lock; ucx-threads2: num_threads=2 split_batch_size=2; ucx-mt2+*:
 num_threads=2 split_batch_size=1), Python: UCX defaults; DRAM (huge-page-backed buffers in both languages), agents created on core 1
 (NIXL/UCX threads inherit it; ucx-mt2+* and *desc: cores 0-1), measuring thread on core 0.
 Async completion (each Rust round, variants alternating): .await, blocking wait and a 5 ms

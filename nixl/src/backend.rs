@@ -256,7 +256,8 @@ impl Agent {
     /// does the copy, which measured faster than two worker threads for bulk, KV-block and
     /// 4 KiB transfers (figures: the README's Benchmarks section). Worker threads
     /// (`num_threads`) and further workers (`num_workers`) are refused by the safe API: see
-    /// [`create_backend_with`](Self::create_backend_with).
+    /// [`create_backend_with`](Self::create_backend_with), which also says why a UCX
+    /// backend's worker lock is UCX's mutex.
     pub fn create_backend(&self, plugin: &str) -> Result<Backend> {
         self.create_backend_with(plugin, std::iter::empty::<(&str, &str)>())
     }
