@@ -17,10 +17,16 @@
 //! `scripts/demo.sh` run (its output in DEMO_OUTPUT) and a memcpy probe of the same shape;
 //! `report JSONL OUT_DIR` turns the JSON lines of a whole run into `OUT_DIR/results.md` and
 //! `OUT_DIR/transfer.svg` and `OUT_DIR/latency.svg`. The async completion variants (`.await`,
-//! blocking `wait`, a 5 ms sleep-poll loop) are in `transfer/awaiting.rs`.
+//! blocking `wait`, a 5 ms sleep-poll loop) are in `transfer/awaiting.rs`; many tasks awaiting
+//! transfers against the same transfers one after another are in `transfer/concurrent.rs`
+//! (part of every round; `concurrent [--round N] [--json PATH]` runs them alone, and
+//! `report-concurrent JSONL OUT_MD` writes their table; `concurrent-peer SEED` is its child
+//! process).
 
 #[path = "transfer/awaiting.rs"]
 mod awaiting;
+#[path = "transfer/concurrent.rs"]
+mod concurrent;
 #[path = "transfer/cross_process.rs"]
 mod cross_process;
 #[path = "transfer/report.rs"]
@@ -69,6 +75,28 @@ fn main() -> Res<()> {
         };
         return report::write(input.as_ref(), out_dir.as_ref());
     }
+    if let [cmd, arg] = args.as_slice() {
+        if cmd == "concurrent-peer" {
+            return concurrent::serve_peer(arg);
+        }
+    }
+    if let [cmd, input, out_md] = args.as_slice() {
+        if cmd == "report-concurrent" {
+            return report::write_concurrent_only(input.as_ref(), out_md.as_ref());
+        }
+    }
+    if args.first().map(String::as_str) == Some("concurrent") {
+        let mut out = Output::from_args(&args[1..])?;
+        let round = u64::from(out.round);
+        concurrent::record(&mut out, round)?;
+        out.summary(&format!(
+            "concurrent round {}: {} tasks each awaiting a 16 KiB READ against the same READs \
+             one after another (blocking wait)",
+            out.round,
+            concurrent::REQUESTS
+        ));
+        return Ok(());
+    }
     if let [cmd, demo_output, rest @ ..] = args.as_slice() {
         if cmd == "cross-process" {
             let mut out = Output::from_args(rest)?;
@@ -86,7 +114,7 @@ fn main() -> Res<()> {
     out.summary(&format!(
         "rust bench round {}: agents A,B created on core {AGENT_CORE} (NIXL/UCX threads inherit it), \
          measured on core {MEASURE_CORE}; the crate's default UCX backend (the plugin's defaults: \
-         no worker threads) unless the config says otherwise; config 'default' = nixl::AgentConfig::default()",
+         no worker threads; UCX's mutex worker lock) unless the config says otherwise; config 'default' = nixl::AgentConfig::default()",
         out.round
     ));
     Ok(())
@@ -132,6 +160,7 @@ impl Output {
             "us_per_iter" | "p50_us" | "p99_us" => "us",
             "in_progress_pct" => "% of posts",
             "core_pct" => "% of a core",
+            "ratio" => "x",
             _ => "ms",
         };
         let record = serde_json::json!({
@@ -799,6 +828,7 @@ fn run_round(out: &mut Output) -> Res<()> {
     out.emit("rust", "default", "idle", "core_pct", idle(&default, IDLE)?);
     out.emit("rust", "delay0", "idle", "core_pct", idle(&delay0, IDLE)?);
     awaiting::record(out, round)?;
+    concurrent::record(out, round)?;
 
     pin(MEASURE_CORE)?;
     let mut src = HostBuffer::zeroed(BULK)?;

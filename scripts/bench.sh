@@ -11,7 +11,10 @@
 #   transfer.jsonl  every figure of every round, one JSON object a line
 #   results.md      medians over rounds, ratios Rust/Python and Rust/memcpy from the same run,
 #                   and the async completion variants with ratios await/blocking and
-#                   await/sleep-poll (benches/transfer/awaiting.rs), then the recorded figures of
+#                   await/sleep-poll (benches/transfer/awaiting.rs), many tasks awaiting 16 KiB
+#                   READs against the same READs one after another at 1, 2 and 4 tokio workers,
+#                   in-process and across processes, with UCX's mutex and spinlock worker lock
+#                   (benches/transfer/concurrent.rs), then the recorded figures of
 #                   benches/registered_copy.rs (registered_copy.md, which that bench does not
 #                   rewrite: run it on its own, `cargo bench -p nixl-rs --bench registered_copy`)
 #   transfer.svg    GB/s against transfer size for Rust, Python and memcpy
@@ -110,12 +113,15 @@ cargo build --release --locked -p nixl-connector --example handshake_bench
 cat <<EOF
 
 Setup: two agents A and B in one process; Rust: the crate's default UCX backend (the plugin's
-defaults, no worker threads; ucx-threads2: num_threads=2 split_batch_size=2; ucx-mt2+*:
+defaults, no worker threads, UCX's mutex worker lock; ucx-threads2: num_threads=2 split_batch_size=2; ucx-mt2+*:
 num_threads=2 split_batch_size=1), Python: UCX defaults; DRAM (huge-page-backed buffers in both languages), agents created on core 1
 (NIXL/UCX threads inherit it; ucx-mt2+* and *desc: cores 0-1), measuring thread on core 0.
 Async completion (each Rust round, variants alternating): .await, blocking wait and a 5 ms
 sleep-poll loop on one tokio current-thread runtime, with the crate's default UCX backend
 (copies within post) and with UCX num_threads=2 split_batch_size=1 (copies after post).
+Many tasks (each Rust round): 1000 tokio tasks each posting, awaiting and checking a 16 KiB
+READ vs the same READs one after another (post + blocking wait), 1, 2 and 4 workers, agents
+in one process and B in a child process, UCX worker lock mutex (default) vs spinlock.
 Cross-process: scripts/demo.sh (prefill and decode processes, the connector's loads of 256
 requests x 16 blocks, then 200 requests x 32 blocks, x 32 layers x 16 KiB READ over UCX, 4 in
 flight, every byte verified) once per shape and round, GB/s from decode's summary.
@@ -123,5 +129,6 @@ Results: $results/{transfer.jsonl,results.md,transfer.svg,latency.svg,transfer.l
 Reproduce everything:  scripts/bench.sh            (BENCH_ROUNDS=$rounds)
 One Rust round:        CARGO_TARGET_DIR=$CARGO_TARGET_DIR cargo bench -p nixl-rs --bench transfer
 One Python round:      $venv/bin/python bench/python/transfer.py
+Many tasks alone:      CARGO_TARGET_DIR=$CARGO_TARGET_DIR cargo bench -p nixl-rs --bench transfer -- concurrent   (ratios concurrent/sequential)
 One demo run:          CARGO_TARGET_DIR=$CARGO_TARGET_DIR scripts/demo.sh [-- --requests 200 --blocks-per-request 32]   (decode prints GB/s)
 EOF

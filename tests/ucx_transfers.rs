@@ -435,11 +435,12 @@ fn large_descriptors_are_cut_in_two_for_the_ucx_worker_threads() {
 }
 
 #[test]
-fn create_backend_keeps_the_plugin_defaults() {
+fn create_backend_keeps_the_plugin_defaults_and_asks_for_the_ucx_mutex() {
     let agent = Agent::new(&unique_name("plugin-defaults")).unwrap();
-    let advertised = agent.plugin_info("UCX").unwrap().params;
+    let mut expected = agent.plugin_info("UCX").unwrap().params;
+    expected.insert("engine_config".into(), "USE_MT_MUTEX=y".into());
     let ucx = agent.create_backend("UCX").unwrap();
-    assert_eq!(ucx.params().unwrap(), advertised);
+    assert_eq!(ucx.params().unwrap(), expected);
 }
 
 #[test]

@@ -324,6 +324,7 @@ pub fn write(input: &Path, out_dir: &Path) -> Res<()> {
     )?;
 
     let latency = write_async(&mut md, &runs)?;
+    write_concurrent(&mut md, &runs)?;
 
     writeln!(md, "\n**Alternative Rust configurations** (same run; ratios against the crate default and the Python default):\n")?;
     writeln!(
@@ -534,6 +535,73 @@ const ASYNC_ROWS: [AsyncRow; 8] = [
         None,
     ),
 ];
+
+/// Writes `out` with the table of [`write_concurrent`] from the JSON lines `input` (runs of
+/// `transfer concurrent` alone).
+pub fn write_concurrent_only(input: &Path, out: &Path) -> Res<()> {
+    let runs = load(input)?;
+    let mut md = String::new();
+    write_concurrent(&mut md, &runs)?;
+    std::fs::write(out, md.trim_start())?;
+    Ok(())
+}
+
+/// Writes the table of many tasks awaiting transfers against the same transfers one after
+/// another (benches/transfer/concurrent.rs), with UCX's mutex worker lock (the crate's
+/// default) and its spinlock (the baseline), and the awaited 4 KiB round trip under each.
+fn write_concurrent(md: &mut String, runs: &Runs) -> Res<()> {
+    writeln!(md, "\n**Many tasks awaiting transfers** (same run; {} tasks on a multi-thread tokio runtime, each posting and awaiting its own 16 KiB READ and checking every byte, against the same READs one after another with `post` and blocking `wait` on one thread; agents A and B in one process, or B in a child process over UCX; A's UCX worker lock a mutex (the crate's default) or UCX's spinlock (`engine_config=USE_MT_MUTEX=n`, the baseline); the four runs alternate 7 times per worker count and round; ratios are medians of per-repetition ratios, then over rounds; CPU of the whole process):\n", super::concurrent::REQUESTS)?;
+    writeln!(md, "| setup | tokio workers | sequential ms | concurrent ms | concurrent/sequential | CPU s/GB sequential | CPU s/GB concurrent | spinlock: concurrent/sequential | spinlock: CPU s/GB concurrent | target |")?;
+    writeln!(
+        md,
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"
+    )?;
+    let get = |setup: &str, lock: &str, how: &str, w: &str, m: &str| {
+        series(runs, "rust", &format!("{setup} {lock} {how}"), w, m)
+    };
+    for setup in ["in-process", "cross-process"] {
+        for workers in [1, 2, 4] {
+            let w = format!("conc_16k_w{workers}");
+            let ratio = get(setup, "mutex", "concurrent", &w, "ratio").median();
+            let target = if setup == "in-process" && workers > 1 {
+                format!("{} (goal 0.8)", verdict(ratio, false, 1.0))
+            } else {
+                String::new()
+            };
+            writeln!(
+                md,
+                "| {setup} | {workers} | {} | {} | {} | {} | {} | {} | {} | {target} |",
+                fmt(get(setup, "mutex", "sequential", &w, "ms").median(), 2),
+                fmt(get(setup, "mutex", "concurrent", &w, "ms").median(), 2),
+                fmt_ratio(ratio),
+                fmt(
+                    get(setup, "mutex", "sequential", &w, "cpu_s_per_gb").median(),
+                    3
+                ),
+                fmt(
+                    get(setup, "mutex", "concurrent", &w, "cpu_s_per_gb").median(),
+                    3
+                ),
+                fmt_ratio(get(setup, "spinlock", "concurrent", &w, "ratio").median()),
+                fmt(
+                    get(setup, "spinlock", "concurrent", &w, "cpu_s_per_gb").median(),
+                    3
+                ),
+            )?;
+        }
+    }
+    let rt = |lock: &str, m: &str| series(runs, "rust", lock, "rt_4k_read_await", m);
+    let ratio = rt("mutex", "ratio").median();
+    writeln!(
+        md,
+        "\nAwaited 4 KiB READ round trip on one task (in-process, current-thread runtime, `post`, then `.await` if in progress): mutex {} µs, spinlock {} µs, mutex/spinlock {}: {}.",
+        fmt(rt("mutex", "us_per_iter").median(), 3),
+        fmt(rt("spinlock", "us_per_iter").median(), 3),
+        fmt_ratio(ratio),
+        verdict(ratio, false, 1.05),
+    )?;
+    Ok(())
+}
 
 /// p50 and p99 of the 4 KiB round trip (µs, medians over rounds) for one variant.
 type Latency = (String, Option<f64>, Option<f64>);

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use nixl_capi_sys as sys;
 
 use crate::agent::{Agent, AgentInner};
+use crate::backend_defaults;
 use crate::error::{check, Error, Result};
 use crate::ffi::handles::Params;
 use crate::ffi::handles::{BackendHandle, OptArgs};
@@ -255,7 +256,8 @@ impl Agent {
     /// does the copy, which measured faster than two worker threads for bulk, KV-block and
     /// 4 KiB transfers (figures: the README's Benchmarks section). Worker threads
     /// (`num_threads`) and further workers (`num_workers`) are refused by the safe API: see
-    /// [`create_backend_with`](Self::create_backend_with).
+    /// [`create_backend_with`](Self::create_backend_with), which also says why a UCX
+    /// backend's worker lock is UCX's mutex.
     pub fn create_backend(&self, plugin: &str) -> Result<Backend> {
         self.create_backend_with(plugin, std::iter::empty::<(&str, &str)>())
     }
@@ -265,6 +267,11 @@ impl Agent {
     /// Keys are checked against the plugin's advertised parameters plus the ones its backend
     /// reads without advertising them (UCX: `num_threads`, `split_batch_size`,
     /// `ucx_ep_close_force`, `ucx_num_device_channels`, `engine_config`).
+    ///
+    /// A UCX backend's `engine_config` gets `USE_MT_MUTEX=y` (UCX's worker lock a mutex
+    /// rather than a spinlock, so that threads waiting for the worker sleep instead of spinning
+    /// against the one using it) unless it names `USE_MT_MUTEX` itself; the environment
+    /// variable `UCX_USE_MT_MUTEX` still wins, as NIXL lets it.
     ///
     /// Two UCX settings are refused, each only available through the `unsafe`
     /// [`create_backend_with_unchecked`](Self::create_backend_with_unchecked):
@@ -365,6 +372,7 @@ impl Agent {
             }
             params.insert(key, value.into());
         }
+        backend_defaults::apply(plugin, &mut params);
         Ok(params)
     }
 

@@ -200,6 +200,7 @@ mod ffi;
 
 mod agent;
 mod backend;
+mod backend_defaults;
 mod error;
 mod exit_guard;
 mod refused_params;
