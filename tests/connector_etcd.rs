@@ -12,7 +12,7 @@ mod connector;
 mod demo_support;
 
 use std::io::{Read, Write};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use base64::prelude::{Engine, BASE64_STANDARD};
 use connector::{fill, spec, worker_with};
@@ -68,7 +68,19 @@ async fn load(
 ) -> Result<(), String> {
     let engine = prefill.handshake().unwrap().engine_id;
     let blocks: (&[usize], &[usize]) = (&[4, 5], &[1, 2]);
-    connector::loads::load(decode, prefill, &spec(2), &engine, request, blocks).await
+    // An engine whose handshakes failed twice in a row is backed off from for a second,
+    // doubling (as vLLM's worker does): wait that out, so each load reaches etcd.
+    let give_up = Instant::now() + Duration::from_secs(30);
+    loop {
+        let result =
+            connector::loads::load(decode, prefill, &spec(2), &engine, request, blocks).await;
+        match result {
+            Err(reason) if reason.contains("not tried for another") && Instant::now() < give_up => {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            result => return result,
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -278,7 +278,7 @@ fn grouped_imports_and_super_paths_are_read() {
 }
 
 #[test]
-fn no_connector_file_reaches_back_to_itself_and_only_lib_reaches_the_worker() {
+fn no_connector_file_reaches_back_to_itself_and_only_the_top_reaches_the_worker() {
     let graph = imports_of(sources_in("nixl-connector/src"));
     let cycles = cycles_in(&graph);
     assert!(
@@ -286,9 +286,11 @@ fn no_connector_file_reaches_back_to_itself_and_only_lib_reaches_the_worker() {
         "cycles among nixl-connector's files:\n{}",
         cycles.join("\n")
     );
+    // Above the worker sit only lib.rs and engine_step.rs, the engine's step, which drives
+    // the scheduler and the workers together and which nothing imports.
     let reaching: Vec<&String> = graph
         .iter()
-        .filter(|(_, used)| used.contains("worker"))
+        .filter(|(module, used)| used.contains("worker") && module.as_str() != "engine_step")
         .map(|(module, _)| module)
         .collect();
     assert!(reaching.is_empty(), "{reaching:?} reach worker.rs");

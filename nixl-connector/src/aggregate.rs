@@ -16,7 +16,6 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::failure::FailedBlock;
 use crate::outcomes::Finished;
-use crate::scheduler::LoadOutcome;
 
 /// What one TP rank reports after a step (vLLM's `KVConnectorOutput` of one worker):
 /// its [`KvConnectorWorker::output`](crate::KvConnectorWorker::output). It crosses the
@@ -58,17 +57,6 @@ pub struct AggregatedOutput {
     pub finished: Finished,
     /// Every rank's failed blocks of this step.
     pub load_errors: Vec<FailedBlock>,
-}
-
-/// What [`KvConnectorScheduler::update_connector_output`](crate::KvConnectorScheduler::update_connector_output)
-/// makes of one step's outputs of every rank.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ConnectorOutput {
-    /// Held prefill requests that every rank has released (every decode rank notified, or
-    /// the lease ended): free their blocks now (vLLM's `finished_sending`).
-    pub finished_sending: Vec<String>,
-    /// How decode loads that ended on every rank came out.
-    pub load_outcomes: Vec<LoadOutcome>,
 }
 
 /// Aggregates the outputs of an engine's TP ranks (vLLM's `KVOutputAggregator`, with

@@ -195,7 +195,7 @@ pub mod vllm;
 mod wire;
 mod worker;
 
-pub use aggregate::{AggregatedOutput, ConnectorOutput, KvOutputAggregator, WorkerOutput};
+pub use aggregate::{AggregatedOutput, KvOutputAggregator, WorkerOutput};
 pub use auth::SharedSecret;
 pub use config::{LoadFailurePolicy, MetadataExchange, Protocol, WorkerConfig, PROTOCOL_KEY};
 pub use engines::{DEFAULT_ENGINE_TTL, ENGINE_TTL_KEY};
@@ -210,8 +210,8 @@ pub use peer_networks::{PeerNetwork, PeerNetworks};
 pub use pending::{PendingHandshakes, PendingSlot, PendingStats};
 pub use read_plan::{Piece, ReadPlan, RegionPlan};
 pub use scheduler::{
-    ConnectorMetadata, FinishStatus, HeartbeatSpec, KvConnectorScheduler, LoadOutcome, LoadSpec,
-    RequestFinished, SchedulerConfig, SendSpec,
+    ConnectorMetadata, ConnectorOutput, FinishStatus, HeartbeatSpec, KvConnectorScheduler,
+    LoadOutcome, LoadSpec, RequestFinished, SchedulerConfig, SendSpec,
 };
 pub use sending::NotificationStats;
 pub use spec::{KvAttention, KvCacheSpec, KvLayout, KvRegion, KvRegionKind};

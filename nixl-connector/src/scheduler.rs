@@ -37,7 +37,7 @@ use std::time::Instant;
 use nixl::kv_config::KvTransferConfig;
 use serde::{Deserialize, Serialize};
 
-use crate::aggregate::{ConnectorOutput, KvOutputAggregator, WorkerOutput};
+use crate::aggregate::{KvOutputAggregator, WorkerOutput};
 use crate::config::{LoadFailurePolicy, Protocol};
 use crate::error::{Error, Result};
 use crate::failure::FailedBlock;
@@ -184,6 +184,17 @@ pub struct RequestFinished {
     pub delay_free_blocks: bool,
     /// Params for the decode engine, when a remote decode will read this request.
     pub kv_transfer_params: Option<KvTransferParams>,
+}
+
+/// What [`KvConnectorScheduler::update_connector_output`]
+/// makes of one step's outputs of every rank.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConnectorOutput {
+    /// Held prefill requests that every rank has released (every decode rank notified, or
+    /// the lease ended): free their blocks now (vLLM's `finished_sending`).
+    pub finished_sending: Vec<String>,
+    /// How decode loads that ended on every rank came out.
+    pub load_outcomes: Vec<LoadOutcome>,
 }
 
 /// How a decode request's load ended, from
