@@ -12,6 +12,7 @@ use crate::auth::SharedSecret;
 use crate::error::{Error, Result};
 use crate::lease::Lease;
 use crate::peer_networks::PeerNetworks;
+#[cfg(feature = "vllm")]
 use crate::vllm::{MetadataServer, VllmChannelLimits};
 use crate::wire::ChannelLimits;
 
@@ -62,6 +63,8 @@ pub enum Protocol {
     /// a vLLM engine serve as each other's prefill or decode: one ZMQ ROUTER per engine at
     /// its port answering `get_meta_msg` for each rank by number, the compatibility hash,
     /// `NixlAgentMetadata`, notifications `request:consumers`; see [`vllm`](crate::vllm).
+    /// Workers speak it only with the `vllm` feature (a default one): without it, creating
+    /// a worker for it fails.
     Vllm,
 }
 
@@ -166,6 +169,8 @@ pub struct WorkerConfig {
     pub protocol: Option<Protocol>,
     /// vLLM mode: caps and deadlines of the vLLM side channel, as a decode asking a
     /// prefill and as the ROUTER this worker binds.
+    #[cfg(feature = "vllm")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "vllm")))]
     pub vllm_limits: VllmChannelLimits,
     /// vLLM mode: the engine's side channel (one ROUTER per engine, as vLLM has it), shared
     /// by the engine's ranks in this process; this rank's handshake payload is published to
@@ -174,6 +179,8 @@ pub struct WorkerConfig {
     /// which [`KvConnectorWorker::vllm_side_channel`](crate::KvConnectorWorker::vllm_side_channel)
     /// gives, so that the engine's other ranks can publish to it (the payloads of ranks in
     /// other processes: [`KvConnectorWorker::vllm_handshake_payload`](crate::KvConnectorWorker::vllm_handshake_payload)).
+    #[cfg(feature = "vllm")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "vllm")))]
     pub vllm_side_channel: Option<Arc<MetadataServer>>,
     /// Native protocol: the secret both sides of every handshake prove (`None`: from the
     /// `kv_transfer_config` or the environment, see
@@ -210,7 +217,9 @@ impl WorkerConfig {
             metadata_exchange: MetadataExchange::default(),
             lease: None,
             protocol: None,
+            #[cfg(feature = "vllm")]
             vllm_limits: VllmChannelLimits::default(),
+            #[cfg(feature = "vllm")]
             vllm_side_channel: None,
             secret: None,
             allowed_peers: None,

@@ -80,21 +80,21 @@ async fn connect(
     })?;
     let started = std::time::Instant::now();
     let ours = &caches.handshake;
-    let (theirs, blocks_per_id) = match &shared.vllm {
-        None => {
-            let addr = resolve(engine.host, port).await?;
-            let secret = shared.guard.secret.as_ref();
-            (
-                fetch_handshake_with(addr, ours, shared.config.limits, secret).await?,
-                1,
-            )
-        }
-        Some(vllm) => {
+    #[cfg_attr(not(feature = "vllm"), allow(unused_labels))]
+    let (theirs, blocks_per_id) = 'fetched: {
+        #[cfg(feature = "vllm")]
+        if let Some(vllm) = &shared.vllm {
             let fetched = vllm
                 .fetch(ours, rank, engine.tp_size, engine.host, port)
                 .await?;
-            (fetched.message, fetched.blocks_per_logical)
+            break 'fetched (fetched.message, fetched.blocks_per_logical);
         }
+        let addr = resolve(engine.host, port).await?;
+        let secret = shared.guard.secret.as_ref();
+        (
+            fetch_handshake_with(addr, ours, shared.config.limits, secret).await?,
+            1,
+        )
     };
     let engine = engine.id;
     let plan = check_compatible(ours, &theirs, Some(engine), Some(rank))?;

@@ -157,8 +157,22 @@
 //! `0.0.0.0` and a port), and give the scheduler that host and port
 //! ([`SchedulerConfig::host`], [`SchedulerConfig::port`]): they go to the decode in the
 //! `kv_transfer_params`. In vLLM mode the engine's one ROUTER binds there.
+//!
+//! # Cargo features
+//! - **`vllm`** (default): vLLM 0.33's NixlConnector protocol, [`Protocol::Vllm`]: the
+//!   `vllm` module (its ZMQ side channel, msgpack payloads, compatibility hash, notifications),
+//!   the vLLM fields of [`WorkerConfig`] and [`SchedulerConfig`] and the worker's vLLM
+//!   methods. Without it, the native protocol only: a worker asked for vLLM's protocol
+//!   refuses to start with [`Error::InvalidArgument`]. It pulls no dependency of its own
+//!   (the native protocol uses the same ones): leaving it out saves its compile time. A
+//!   scheduler in vLLM mode still gives vLLM's `kv_transfer_params`.
+//!
+//! etcd ([`MetadataExchange::Etcd`], the [`etcd`] module) is not a feature: it speaks
+//! etcd's HTTP/JSON gateway over tokio with the crates the rest of the connector uses, so
+//! leaving it out would build nothing less.
 
 #![warn(missing_docs)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod aggregate;
 pub mod auth;
@@ -191,6 +205,8 @@ pub mod side_channel;
 mod spec;
 mod step_wire;
 mod tp_mapping;
+#[cfg(feature = "vllm")]
+#[cfg_attr(docsrs, doc(cfg(feature = "vllm")))]
 pub mod vllm;
 mod wire;
 mod worker;

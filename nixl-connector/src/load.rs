@@ -27,6 +27,7 @@ use crate::remotes::Remote;
 use crate::sending::notification_message;
 use crate::shared::Shared;
 use crate::tp_mapping::TpMapping;
+#[cfg(feature = "vllm")]
 use crate::vllm::clock::perf_counter;
 
 /// What [`crate::KvConnectorWorker::start_load`] checked and hands the task.
@@ -320,11 +321,12 @@ fn post(shared: &Shared, load: &Load, remotes: &[Arc<Remote>]) -> Posted {
         descriptors: 0,
         failed: None,
     };
-    let expired = shared
+    #[cfg(feature = "vllm")]
+    if let Some(err) = shared
         .vllm
         .as_ref()
-        .and_then(|vllm| vllm.expired(&load.remote, perf_counter()));
-    if let Some(err) = expired {
+        .and_then(|vllm| vllm.expired(&load.remote, perf_counter()))
+    {
         posted.failed = Some(err);
         return posted;
     }

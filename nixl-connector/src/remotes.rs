@@ -278,6 +278,7 @@ impl Remotes {
 
     /// Forgets every rank of `engine` (it registered its KV cache again), so the next loads
     /// handshake again; loads holding one keep it until they end.
+    #[cfg(feature = "vllm")]
     pub(crate) fn forget_engine(&self, engine: &str) {
         self.lock().retain(|(name, _), _| name != engine);
     }

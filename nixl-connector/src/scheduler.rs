@@ -31,6 +31,7 @@
 //! [`LoadFailurePolicy`] to failed loads.
 
 use std::collections::HashMap;
+#[cfg(feature = "vllm")]
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -43,6 +44,7 @@ use crate::error::{Error, Result};
 use crate::failure::FailedBlock;
 use crate::lease::Lease;
 use crate::params::{KvTransferParams, RemoteBlocks};
+#[cfg(feature = "vllm")]
 use crate::vllm::MetadataServer;
 
 /// How a request finished (vLLM's `RequestStatus.FINISHED_*`).
@@ -90,6 +92,8 @@ pub struct SchedulerConfig {
     pub protocol: Protocol,
     /// vLLM mode: the engine's side channel, whose registration generation the params of
     /// [`request_finished`](KvConnectorScheduler::request_finished) carry (0 without it).
+    #[cfg(feature = "vllm")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "vllm")))]
     pub vllm_side_channel: Option<Arc<MetadataServer>>,
 }
 
@@ -117,6 +121,7 @@ impl SchedulerConfig {
             lease: Lease::from_kv_transfer_config(kv_transfer_config)?,
             load_failure_policy: LoadFailurePolicy::from_kv_transfer_config(kv_transfer_config)?,
             protocol: Protocol::from_kv_transfer_config(kv_transfer_config)?,
+            #[cfg(feature = "vllm")]
             vllm_side_channel: None,
         })
     }
@@ -495,12 +500,7 @@ impl KvConnectorScheduler {
                 remote_num_tokens: Some(num_tokens.unwrap_or(0)),
                 remote_dcp_size: Some(1),
                 remote_pp_size: Some(1),
-                remote_registration_generation: Some(
-                    config
-                        .vllm_side_channel
-                        .as_ref()
-                        .map_or(0, |server| server.registration_generation()),
-                ),
+                remote_registration_generation: Some(registration_generation(config)),
                 transfer_mode: Some("pull".to_string()),
                 vllm_extra: serde_json::Map::from_iter([(
                     "remote_blocks_expiry_time".to_string(),
@@ -666,6 +666,21 @@ impl KvConnectorScheduler {
     }
 }
 
+/// The registration generation of the engine's vLLM side channel (0 without one).
+#[cfg(feature = "vllm")]
+fn registration_generation(config: &SchedulerConfig) -> u64 {
+    config
+        .vllm_side_channel
+        .as_ref()
+        .map_or(0, |server| server.registration_generation())
+}
+
+/// Without the `vllm` feature there is no vLLM side channel: generation 0.
+#[cfg(not(feature = "vllm"))]
+fn registration_generation(_config: &SchedulerConfig) -> u64 {
+    0
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
@@ -684,6 +699,7 @@ mod tests {
             lease: Lease::new(Duration::from_secs(3)).unwrap(),
             load_failure_policy: policy,
             protocol: Protocol::Native,
+            #[cfg(feature = "vllm")]
             vllm_side_channel: None,
         }
     }
@@ -714,6 +730,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg(feature = "vllm")]
     fn in_vllm_mode_the_params_are_vllms_json() {
         let mut s = KvConnectorScheduler::new(SchedulerConfig {
             protocol: Protocol::Vllm,

@@ -17,6 +17,7 @@ use crate::sending::Sends;
 use crate::series::Series;
 use crate::side_channel::Guard;
 use crate::spec::KvCacheSpec;
+#[cfg(feature = "vllm")]
 use crate::vllm::{MetadataServer, NixlHandshakePayload, VllmWorker};
 
 /// The registered cache and what is derived from it.
@@ -30,6 +31,7 @@ pub(crate) struct Caches {
     pub(crate) side_channel_pending: Arc<PendingHandshakes>,
     /// vLLM mode: the engine's side channel this rank's payload is published to, and the
     /// payload.
+    #[cfg(feature = "vllm")]
     pub(crate) vllm: Option<(Arc<MetadataServer>, NixlHandshakePayload)>,
 }
 
@@ -40,6 +42,7 @@ pub(crate) struct Shared {
     pub(crate) protocol: Protocol,
     /// vLLM mode: the compatibility hash, the side channel's limits, what handshakes
     /// learned of remote engines.
+    #[cfg(feature = "vllm")]
     pub(crate) vllm: Option<VllmWorker>,
     pub(crate) setup: NixlSetup,
     pub(crate) caches: OnceLock<Caches>,

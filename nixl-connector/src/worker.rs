@@ -34,12 +34,15 @@ use crate::shared::{Caches, Shared};
 use crate::side_channel::Guard;
 use crate::spec::KvCacheSpec;
 use crate::tp_mapping::TpMapping;
+#[cfg(feature = "vllm")]
 use crate::vllm::{
     Compatibility, MetadataServer, NixlAgentMetadata, NixlHandshakePayload, RankRegistration,
     VllmWorker,
 };
 
 mod shutdown;
+#[cfg(all(test, not(feature = "vllm")))]
+mod without_vllm;
 
 /// The worker half of the connector: one per TP rank.
 ///
@@ -79,7 +82,8 @@ impl KvConnectorWorker {
     /// size, for etcd metadata without `NIXL_ETCD_ENDPOINTS`, for a bad `kv_lease_duration`
     /// or protocol, in vLLM mode for etcd metadata (vLLM's metadata travels in its
     /// handshake) or compatibility settings that do not read (see
-    /// [`Compatibility::from_kv_transfer_config`]); the platform and backend errors of
+    /// [`Compatibility::from_kv_transfer_config`]), or for vLLM's protocol at all when the
+    /// crate is built without its `vllm` feature; the platform and backend errors of
     /// [`NixlSetup::new`].
     pub fn new(config: WorkerConfig) -> Result<Self> {
         const OP: &str = "create the connector worker";
@@ -108,6 +112,11 @@ impl KvConnectorWorker {
             Some(protocol) => protocol,
             None => Protocol::from_kv_transfer_config(&config.kv_transfer_config)?,
         };
+        #[cfg(not(feature = "vllm"))]
+        if protocol == Protocol::Vllm {
+            return Err(vllm_not_built(OP));
+        }
+        #[cfg(feature = "vllm")]
         let vllm = match protocol {
             Protocol::Native => None,
             Protocol::Vllm if etcd.is_some() => {
@@ -161,6 +170,7 @@ impl KvConnectorWorker {
             series,
             config,
             protocol,
+            #[cfg(feature = "vllm")]
             vllm,
             setup,
             caches: OnceLock::new(),
@@ -336,6 +346,7 @@ impl KvConnectorWorker {
             config.device_id,
         ));
         let side_channel_pending = PendingHandshakes::new(config.limits.max_sessions);
+        #[cfg(feature = "vllm")]
         let (side_channel, vllm) = match self.shared.protocol {
             Protocol::Native => {
                 let at = self.serve_native(handshake.clone(), side_channel_pending.clone())?;
@@ -346,6 +357,13 @@ impl KvConnectorWorker {
                 (vllm.0.local_addr(), Some(vllm))
             }
         };
+        #[cfg(not(feature = "vllm"))]
+        let side_channel = match self.shared.protocol {
+            Protocol::Native => {
+                self.serve_native(handshake.clone(), side_channel_pending.clone())?
+            }
+            Protocol::Vllm => return Err(vllm_not_built(OP)),
+        };
         let caches = Caches {
             registration,
             spec,
@@ -353,12 +371,14 @@ impl KvConnectorWorker {
             handshake,
             side_channel,
             side_channel_pending,
+            #[cfg(feature = "vllm")]
             vllm,
         };
         if self.shared.caches.set(caches).is_err() {
             return Err(Error::invalid(OP, "the KV caches are already registered"));
         }
         let caches = self.caches(OP)?;
+        #[cfg(feature = "vllm")]
         if let Some((server, payload)) = &caches.vllm {
             server.publish(0, vllm_rank(config.tp_rank), payload);
         }
@@ -401,6 +421,7 @@ impl KvConnectorWorker {
 
     /// vLLM mode: the engine's side channel (the config's, or one bound at the config's
     /// address) and this rank's payload for it, described from `ours`.
+    #[cfg(feature = "vllm")]
     fn vllm_side_channel_for(
         &self,
         ours: &HandshakeMessage,
@@ -436,11 +457,13 @@ impl KvConnectorWorker {
     }
 
     /// The vLLM-mode state.
+    #[cfg(feature = "vllm")]
     fn vllm(&self) -> Result<&VllmWorker> {
         self.shared.vllm.as_ref().ok_or_else(native_protocol)
     }
 
     /// vLLM mode: the engine's side channel and this rank's payload.
+    #[cfg(feature = "vllm")]
     fn vllm_published(
         &self,
         operation: &'static str,
@@ -559,6 +582,8 @@ impl KvConnectorWorker {
     /// # Errors
     /// [`Error::NotRegistered`] before [`register_kv_caches`](Self::register_kv_caches);
     /// [`Error::InvalidArgument`] in the native protocol.
+    #[cfg(feature = "vllm")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "vllm")))]
     pub fn vllm_side_channel(&self) -> Result<Arc<MetadataServer>> {
         Ok(self.vllm_published("read the vLLM side channel")?.0.clone())
     }
@@ -570,6 +595,8 @@ impl KvConnectorWorker {
     ///
     /// # Errors
     /// As [`vllm_side_channel`](Self::vllm_side_channel).
+    #[cfg(feature = "vllm")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "vllm")))]
     pub fn vllm_handshake_payload(&self) -> Result<NixlHandshakePayload> {
         Ok(self
             .vllm_published("read the vLLM handshake payload")?
@@ -635,6 +662,7 @@ impl KvConnectorWorker {
             ));
         }
         let ranks = self.remote_ranks(OP, remote.port, remote.tp_size)?;
+        #[cfg(feature = "vllm")]
         if self
             .shared
             .vllm
@@ -763,7 +791,9 @@ impl KvConnectorWorker {
     /// `kv_connector_extra_config.engine_ttl` or replaced at their address, once no load
     /// holds them (see [`RemoteStats::evicted`]).
     pub fn start_load_kv(&self, meta: &ConnectorMetadata) {
+        #[cfg_attr(not(feature = "vllm"), allow(unused_variables))]
         for engine in self.shared.remotes.sweep(self.agent(), Instant::now()) {
+            #[cfg(feature = "vllm")]
             if let Some(vllm) = &self.shared.vllm {
                 vllm.forget(&engine);
             }
@@ -961,6 +991,7 @@ impl Drop for KvConnectorWorker {
         {
             task.abort();
         }
+        #[cfg(feature = "vllm")]
         if let Some((server, _)) = self.shared.caches.get().and_then(|c| c.vllm.as_ref()) {
             server.withdraw(0, vllm_rank(self.shared.config.tp_rank));
         }
@@ -971,6 +1002,7 @@ impl Drop for KvConnectorWorker {
 }
 
 /// The error of a vLLM-mode operation on a worker speaking the native protocol.
+#[cfg(feature = "vllm")]
 fn native_protocol() -> Error {
     Error::invalid(
         "use vLLM's protocol",
@@ -978,7 +1010,17 @@ fn native_protocol() -> Error {
     )
 }
 
+/// The refusal of vLLM's protocol by a connector built without the `vllm` feature.
+#[cfg(not(feature = "vllm"))]
+fn vllm_not_built(operation: &'static str) -> Error {
+    Error::invalid(
+        operation,
+        "vLLM's protocol was asked for (kv_connector_extra_config.protocol or WorkerConfig::protocol), but nixl-connector was built without its \"vllm\" feature: enable it (it is a default feature), or use the native protocol",
+    )
+}
+
 /// A TP rank as vLLM's side channel numbers it.
+#[cfg(feature = "vllm")]
 fn vllm_rank(tp_rank: usize) -> u32 {
     u32::try_from(tp_rank).unwrap_or(u32::MAX)
 }

@@ -49,6 +49,7 @@ pub fn scheduler_config(
         lease: Lease::new(2 * WAIT)?,
         load_failure_policy: LoadFailurePolicy::default(),
         protocol: Protocol::Native,
+        #[cfg(feature = "vllm")]
         vllm_side_channel: None,
     })
 }

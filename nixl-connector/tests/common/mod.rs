@@ -3,8 +3,11 @@
 
 #![allow(dead_code)]
 
+// Both speak vLLM's protocol too: only the tests of the vllm feature use them.
+#[cfg(feature = "vllm")]
 pub mod geometry;
 pub mod loads;
+#[cfg(feature = "vllm")]
 pub mod matrix;
 
 use std::process::Child;
