@@ -2,7 +2,10 @@
 //! with the CA that signed etcd's certificate (`NIXL_CONNECTOR_ETCD_CA_FILE`) and the etcd
 //! user and password, the prefill publishes its metadata over `https://` and the decode
 //! fetches it and loads every byte; without the CA, with another CA, or by a name etcd's
-//! certificate does not list, the fetch is refused with what to do. The certificates are
+//! certificate does not list, the fetch is refused with what to do. Then against an etcd
+//! that wants a client certificate (`--client-cert-auth`), without authentication: with the
+//! client certificate (`NIXL_CONNECTOR_ETCD_CERT_FILE`, `_KEY_FILE`) the same, without it
+//! refused. The certificates are
 //! made at test time with the `openssl` CLI. Alone in its binary: it sets the environment
 //! NIXL and the connector read when a worker is created.
 //!
@@ -21,7 +24,7 @@ use connector::{fill, spec, worker_with};
 use demo_support::Etcd;
 use nixl_connector::etcd::{
     fetch_metadata_with, metadata_key, EtcdCredentials, EtcdTls, ETCD_CA_FILE_ENV,
-    ETCD_PASSWORD_ENV, ETCD_USER_ENV,
+    ETCD_CERT_FILE_ENV, ETCD_KEY_FILE_ENV, ETCD_PASSWORD_ENV, ETCD_USER_ENV,
 };
 use nixl_connector::{KvConnectorWorker, MetadataExchange};
 
@@ -73,9 +76,14 @@ fn make_ca(dir: &Path, name: &str) -> Result<PathBuf, String> {
     Ok(dir.join(pem))
 }
 
-/// etcd's certificate and key (`server.pem`, `server.key`) in `dir`, signed by the CA
-/// `ca`, for the address 127.0.0.1 only (not the name `localhost`).
-fn make_server_cert(dir: &Path, ca: &str) -> Result<(PathBuf, PathBuf), String> {
+/// A certificate and key (`name.pem`, `name.key`) in `dir` with the extensions `ext`,
+/// signed by the CA `ca` (see [`make_ca`]).
+fn make_cert(dir: &Path, name: &str, ca: &str, ext: &str) -> Result<(PathBuf, PathBuf), String> {
+    let (pem, key, csr) = (
+        format!("{name}.pem"),
+        format!("{name}.key"),
+        format!("{name}.csr"),
+    );
     openssl(
         dir,
         &[
@@ -86,40 +94,56 @@ fn make_server_cert(dir: &Path, ca: &str) -> Result<(PathBuf, PathBuf), String> 
             "ec_paramgen_curve:prime256v1",
             "-nodes",
             "-keyout",
-            "server.key",
+            &key,
             "-out",
-            "server.csr",
+            &csr,
             "-subj",
-            "/CN=etcd of the test",
+            &format!("/CN={name}"),
         ],
     )?;
-    let ext = dir.join("server.ext");
-    std::fs::write(
-        &ext,
-        "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n",
-    )
-    .map_err(|err| err.to_string())?;
+    let ext_file = format!("{name}.ext");
+    std::fs::write(dir.join(&ext_file), ext).map_err(|err| err.to_string())?;
     openssl(
         dir,
         &[
             "x509",
             "-req",
             "-in",
-            "server.csr",
+            &csr,
             "-CA",
             &format!("{ca}.pem"),
             "-CAkey",
             &format!("{ca}.key"),
             "-CAcreateserial",
             "-out",
-            "server.pem",
+            &pem,
             "-days",
             "1",
             "-extfile",
-            "server.ext",
+            &ext_file,
         ],
     )?;
-    Ok((dir.join("server.pem"), dir.join("server.key")))
+    Ok((dir.join(pem), dir.join(key)))
+}
+
+/// The files of the test: the CA, another CA, etcd's certificate and key (for the address
+/// 127.0.0.1 only, not the name `localhost`; also a client's, as etcd's gateway dials etcd
+/// with it), and a client's certificate and key, all signed by the CA.
+struct Files {
+    ca: PathBuf,
+    other_ca: PathBuf,
+    server: (PathBuf, PathBuf),
+    client: (PathBuf, PathBuf),
+}
+
+fn make_files(dir: &Path) -> Result<Files, String> {
+    let server_ext = "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n";
+    Ok(Files {
+        ca: make_ca(dir, "ca")?,
+        other_ca: make_ca(dir, "other-ca")?,
+        server: make_cert(dir, "server", "ca", server_ext)?,
+        client: make_cert(dir, "client", "ca", "extendedKeyUsage=clientAuth\n")?,
+    })
 }
 
 fn etcd_worker(engine: &str) -> KvConnectorWorker {
@@ -132,16 +156,17 @@ fn etcd_worker(engine: &str) -> KvConnectorWorker {
 async fn metadata_goes_through_an_etcd_serving_tls() {
     const TEST: &str = "metadata_goes_through_an_etcd_serving_tls";
     let dir = tempfile::tempdir().unwrap();
-    let made = make_ca(dir.path(), "ca").and_then(|ca| {
-        let other = make_ca(dir.path(), "other-ca")?;
-        let (cert, key) = make_server_cert(dir.path(), "ca")?;
-        Ok((ca, other, cert, key))
-    });
-    let (ca, other_ca, cert, server_key) = match made {
+    let files = match make_files(dir.path()) {
         Ok(files) => files,
         Err(reason) => return connector::skip(TEST, &reason),
     };
-    let etcd = match Etcd::start_tls(&cert, &server_key) {
+    let Files {
+        ca,
+        other_ca,
+        server: (cert, server_key),
+        client: (client_cert, client_key),
+    } = &files;
+    let etcd = match Etcd::start_tls(cert, server_key, None) {
         Ok(etcd) => etcd,
         Err(reason) => return connector::skip(TEST, &reason),
     };
@@ -153,7 +178,7 @@ async fn metadata_goes_through_an_etcd_serving_tls() {
     std::env::set_var("NIXL_ETCD_NAMESPACE", &namespace);
     std::env::set_var(ETCD_USER_ENV, "root");
     std::env::set_var(ETCD_PASSWORD_ENV, PASSWORD);
-    std::env::set_var(ETCD_CA_FILE_ENV, &ca);
+    std::env::set_var(ETCD_CA_FILE_ENV, ca);
     connector::init_tracing();
 
     let prefill = etcd_worker("pf-etcd-tls");
@@ -167,7 +192,7 @@ async fn metadata_goes_through_an_etcd_serving_tls() {
 
     let key = metadata_key(&namespace, prefill.agent().name());
     let root = EtcdCredentials::new("root", PASSWORD);
-    let trusted = EtcdTls::from_files(&ca, None).unwrap();
+    let trusted = EtcdTls::from_files(ca, None).unwrap();
     let deadline = Duration::from_secs(5);
     let fetch = |url: String, tls: Option<EtcdTls>| {
         let (key, root) = (key.clone(), root.clone());
@@ -182,12 +207,12 @@ async fn metadata_goes_through_an_etcd_serving_tls() {
     // each saying what to do.
     let err = fetch(https.clone(), None).await.unwrap_err().to_string();
     assert!(err.contains(ETCD_CA_FILE_ENV), "{err}");
-    let other = EtcdTls::from_files(&other_ca, None).unwrap();
+    let other = EtcdTls::from_files(other_ca, None).unwrap();
     let err = fetch(https.clone(), Some(other))
         .await
         .unwrap_err()
         .to_string();
-    assert!(err.contains("TLS handshake with 127.0.0.1"), "{err}");
+    assert!(err.contains("TLS with 127.0.0.1"), "{err}");
     assert!(err.contains("not signed by a CA"), "{err}");
     let by_name = https.replace("127.0.0.1", "localhost");
     let err = fetch(by_name, Some(trusted.clone()))
@@ -196,7 +221,7 @@ async fn metadata_goes_through_an_etcd_serving_tls() {
         .to_string();
     assert!(err.contains("does not name \"localhost\""), "{err}");
     // A file without a certificate for the CA is refused when read.
-    let err = EtcdTls::from_files(&server_key, None)
+    let err = EtcdTls::from_files(server_key, None)
         .unwrap_err()
         .to_string();
     assert!(err.contains("holds no PEM certificate"), "{err}");
@@ -215,4 +240,38 @@ async fn metadata_goes_through_an_etcd_serving_tls() {
     .unwrap_err()
     .to_string();
     assert!(err.contains("no metadata under it"), "{err}");
+    drop(decode);
+
+    // An etcd that wants a client certificate its CA signed, without authentication: the
+    // connector still publishes itself (NIXL's client speaks no TLS), showing the client
+    // certificate; a client without one is refused.
+    let guarded = match Etcd::start_tls(cert, server_key, Some(ca)) {
+        Ok(etcd) => etcd,
+        Err(reason) => panic!("the first etcd started, the second did not: {reason}"),
+    };
+    let https = guarded.tls_endpoint.clone().unwrap();
+    // No worker exists now.
+    std::env::set_var("NIXL_ETCD_ENDPOINTS", &https);
+    std::env::remove_var(ETCD_USER_ENV);
+    std::env::remove_var(ETCD_PASSWORD_ENV);
+    std::env::set_var(ETCD_CERT_FILE_ENV, client_cert);
+    std::env::set_var(ETCD_KEY_FILE_ENV, client_key);
+    let prefill = etcd_worker("pf-etcd-mtls");
+    fill(&prefill, &spec(2));
+    let decode = etcd_worker("dc-etcd-mtls");
+    let engine = prefill.handshake().unwrap().engine_id;
+    connector::loads::load(&decode, &prefill, &spec(2), &engine, "mtls", blocks)
+        .await
+        .unwrap();
+    let key = metadata_key(&namespace, prefill.agent().name());
+    let shown = EtcdTls::from_files(ca, Some((client_cert, client_key))).unwrap();
+    let stored = fetch_metadata_with(&https, &key, 1 << 20, deadline, None, Some(&shown))
+        .await
+        .unwrap();
+    assert_eq!(stored, prefill.agent().local_metadata().unwrap());
+    let err = fetch_metadata_with(&https, &key, 1 << 20, deadline, None, Some(&trusted))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains(ETCD_CERT_FILE_ENV), "{err}");
 }

@@ -111,7 +111,7 @@ pub(crate) fn withdraw(agent: &Agent, source: &EtcdSource) {
 /// `tls`), or why it cannot.
 fn spoken(endpoints: &str, tls: Option<&EtcdTls>) -> Vec<std::result::Result<Endpoint, String>> {
     each_endpoint(endpoints)
-        .map(|url| endpoint(url, tls))
+        .map(|url| endpoint(url, tls).map_err(|why| format!("{url}: {why}")))
         .collect()
 }
 
@@ -120,11 +120,9 @@ fn endpoint(url: &str, tls: Option<&EtcdTls>) -> std::result::Result<Endpoint, S
     let (http, host) = parse_endpoint(url);
     let https = is_https(url);
     if !http && !https {
-        return Err(format!(
-            "{url}: only http:// and https:// endpoints can be spoken to"
-        ));
+        return Err("only http:// and https:// endpoints can be spoken to".to_string());
     }
-    Endpoint::new(url, &with_port(host), https, tls)
+    Endpoint::new(&with_port(host), https, tls)
 }
 
 /// Whether `url` is an `https://` URL.

@@ -162,13 +162,11 @@ trait Stream: Read + Write + Send {}
 impl<T: Read + Write + Send> Stream for T {}
 
 impl Endpoint {
-    /// The endpoint of `url` (`http://` or `https://`, or no scheme for plain HTTP),
-    /// `port` added when it names none; `https://` speaks TLS with `tls`.
+    /// The endpoint at `host` (`host:port`), spoken to through TLS with `tls` when `https`.
     ///
     /// # Errors
-    /// Why the URL cannot be spoken to: another scheme, or `https://` without `tls`.
+    /// Why it cannot be spoken to: `https` without `tls`, or a host that is no server name.
     pub(crate) fn new(
-        url: &str,
         host: &str,
         https: bool,
         tls: Option<&EtcdTls>,
@@ -181,8 +179,8 @@ impl Endpoint {
         }
         let Some(tls) = tls else {
             return Err(format!(
-                "{url} speaks TLS: set {ETCD_CA_FILE_ENV} to a PEM file of the CA that signed \
-                 etcd's certificate"
+                "the endpoint speaks TLS: set {ETCD_CA_FILE_ENV} to a PEM file of the CA that \
+                 signed etcd's certificate"
             ));
         };
         let name = host
@@ -191,7 +189,7 @@ impl Endpoint {
             .trim_start_matches('[')
             .trim_end_matches(']');
         let name = ServerName::try_from(name.to_string())
-            .map_err(|err| format!("{url}: {name:?} is not a host name: {err}"))?;
+            .map_err(|err| format!("{name:?} is not a host name: {err}"))?;
         Ok(Endpoint {
             host: host.to_string(),
             tls: Some((name, tls.clone())),
@@ -224,17 +222,19 @@ impl Endpoint {
                     .map_err(|err| err.to_string())?;
                 while conn.is_handshaking() {
                     conn.complete_io(&mut tcp)
-                        .map_err(|err| self.handshake_failure(err))?;
+                        .map_err(|err| self.failure(err))?;
                 }
                 Box::new(StreamOwned::new(conn, tcp))
             }
         };
-        stream.write_all(request).map_err(|e| e.to_string())?;
+        // With TLS 1.3 etcd refuses a client certificate after the client's handshake has
+        // ended: its alert comes with the answer.
+        stream.write_all(request).map_err(|e| self.failure(e))?;
         let mut answer = Vec::new();
         stream
             .take(cap)
             .read_to_end(&mut answer)
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| self.failure(e))?;
         Ok(answer)
     }
 
@@ -247,21 +247,21 @@ impl Endpoint {
         let tcp = tokio::net::TcpStream::connect(&self.host)
             .await
             .map_err(|err| err.to_string())?;
-        match &self.tls {
+        let answer = match &self.tls {
             None => talk(tcp, request, cap).await,
             Some((name, tls)) => {
                 let connector = tokio_rustls::TlsConnector::from(tls.config.clone());
-                let stream = connector
-                    .connect(name.clone(), tcp)
-                    .await
-                    .map_err(|err| self.handshake_failure(err))?;
-                talk(stream, request, cap).await
+                match connector.connect(name.clone(), tcp).await {
+                    Ok(stream) => talk(stream, request, cap).await,
+                    Err(err) => Err(err),
+                }
             }
-        }
+        };
+        answer.map_err(|err| self.failure(err))
     }
 
-    /// A failed TLS handshake, with what to do about it.
-    fn handshake_failure(&self, err: std::io::Error) -> String {
+    /// What went wrong on the connection; for TLS's errors, with what to do about them.
+    fn failure(&self, err: std::io::Error) -> String {
         use rustls::{AlertDescription, CertificateError, Error as Tls};
         let hint = match err.get_ref().and_then(|e| e.downcast_ref::<Tls>()) {
             Some(Tls::InvalidCertificate(CertificateError::UnknownIssuer)) => format!(
@@ -286,9 +286,10 @@ impl Endpoint {
                 ": etcd may ask for a client certificate its CA signed ({ETCD_CERT_FILE_ENV}, \
                  {ETCD_KEY_FILE_ENV})"
             ),
-            _ => String::new(),
+            Some(_) => String::new(),
+            None => return err.to_string(),
         };
-        format!("TLS handshake with {} failed: {err}{hint}", self.host)
+        format!("TLS with {} failed: {err}{hint}", self.host)
     }
 }
 
@@ -297,17 +298,10 @@ async fn talk<S: AsyncRead + AsyncWrite + Unpin>(
     mut stream: S,
     request: &[u8],
     cap: u64,
-) -> std::result::Result<Vec<u8>, String> {
-    stream
-        .write_all(request)
-        .await
-        .map_err(|err| err.to_string())?;
+) -> std::io::Result<Vec<u8>> {
+    stream.write_all(request).await?;
     let mut answer = Vec::new();
-    (&mut stream)
-        .take(cap)
-        .read_to_end(&mut answer)
-        .await
-        .map_err(|err| err.to_string())?;
+    (&mut stream).take(cap).read_to_end(&mut answer).await?;
     Ok(answer)
 }
 
@@ -337,7 +331,7 @@ mod tests {
 
     #[test]
     fn https_without_a_ca_says_which_variable() {
-        let err = Endpoint::new("https://127.0.0.1:1", "127.0.0.1:1", true, None).unwrap_err();
+        let err = Endpoint::new("127.0.0.1:1", true, None).unwrap_err();
         assert!(err.contains(ETCD_CA_FILE_ENV), "{err}");
     }
 }

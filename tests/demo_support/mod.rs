@@ -403,13 +403,14 @@ impl Etcd {
     }
 
     /// As [`Etcd::start`], serving TLS too, on a third port ([`Etcd::tls_endpoint`]), with
-    /// the certificate and key of the PEM files `cert` and `key`.
-    pub fn start_tls(cert: &Path, key: &Path) -> Result<Etcd, String> {
+    /// the certificate and key of the PEM files `cert` and `key`; with `client_ca`, a client
+    /// there needs a certificate that CA signed (`--client-cert-auth`).
+    pub fn start_tls(cert: &Path, key: &Path, client_ca: Option<&Path>) -> Result<Etcd, String> {
         let binary = which("etcd")
             .ok_or("no etcd binary on PATH (Debian etcd-server; scripts/setup.sh installs it)")?;
         let mut last = String::new();
         for _ in 0..5 {
-            let tls = Some((cert, key, free_port()));
+            let tls = Some((cert, key, client_ca, free_port()));
             match Etcd::start_on(&binary, free_port(), free_port(), tls) {
                 Ok(etcd) => return Ok(etcd),
                 Err(why) => last = why,
@@ -422,19 +423,24 @@ impl Etcd {
         binary: &Path,
         client: u16,
         peer: u16,
-        tls: Option<(&Path, &Path, u16)>,
+        tls: Option<(&Path, &Path, Option<&Path>, u16)>,
     ) -> Result<Etcd, String> {
         let data = tempfile::tempdir().map_err(|e| e.to_string())?;
         let client_url = format!("http://127.0.0.1:{client}");
         let peer_url = format!("http://127.0.0.1:{peer}");
-        let tls_url = tls.map(|(_, _, port)| format!("https://127.0.0.1:{port}"));
+        let tls_url = tls.map(|(_, _, _, port)| format!("https://127.0.0.1:{port}"));
         let client_urls = match &tls_url {
             Some(tls_url) => format!("{client_url},{tls_url}"),
             None => client_url.clone(),
         };
         let mut cmd = Command::new(binary);
-        if let Some((cert, key, _)) = tls {
+        if let Some((cert, key, client_ca, _)) = tls {
             cmd.arg("--cert-file").arg(cert).arg("--key-file").arg(key);
+            if let Some(ca) = client_ca {
+                cmd.arg("--client-cert-auth")
+                    .arg("--trusted-ca-file")
+                    .arg(ca);
+            }
         }
         cmd.arg("--name")
             .arg("demo")
