@@ -7,6 +7,8 @@
 #    NIXL_LIB_DIR points at another NIXL);
 #  - etcd (Debian etcd-server), when no `etcd` binary is found: the prefill/decode demo's
 #    etcd metadata mode and its tests start one on loopback.
+#  - openssl (Debian openssl), when no `openssl` binary is found: tests/etcd_tls.rs makes its
+#    CA and certificates with it.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
@@ -27,6 +29,7 @@ apt_install() {
 
 have_libclang || apt_install libclang-dev "the bindings drift test runs bindgen, which needs libclang"
 command -v etcd >/dev/null 2>&1 || apt_install etcd-server "etcd metadata exchange"
+command -v openssl >/dev/null 2>&1 || apt_install openssl "the etcd TLS test's certificates"
 
 if [[ -z ${NIXL_PREFIX:-}${NIXL_LIB_DIR:-} ]]; then
     "$root/vendor/install-nixl.sh"

@@ -12,7 +12,6 @@
 mod connector;
 mod demo_support;
 
-use std::io::{Read, Write};
 use std::time::Duration;
 
 use connector::{fill, spec, worker_with};
@@ -24,33 +23,6 @@ use nixl_connector::etcd::{
 use nixl_connector::{KvConnectorWorker, MetadataExchange};
 
 const PASSWORD: &str = "etcd password of the test";
-
-/// Sends one request of etcd's JSON gateway and checks that it succeeded.
-fn etcd_request(endpoint: &str, path: &str, body: &str) {
-    let host = endpoint.trim_start_matches("http://");
-    let mut stream = std::net::TcpStream::connect(host).expect("connect to etcd");
-    let request = format!(
-        "POST {path} HTTP/1.0\r\nHost: {host}\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(request.as_bytes()).expect("ask etcd");
-    let mut answer = String::new();
-    stream.read_to_string(&mut answer).expect("etcd's answer");
-    assert!(answer.starts_with("HTTP/1.0 200"), "{path}: {answer}");
-}
-
-/// Turns etcd's authentication on, with user `root` (role `root`) and [`PASSWORD`].
-fn enable_auth(endpoint: &str) {
-    let user = format!(r#"{{"name":"root","password":"{PASSWORD}"}}"#);
-    etcd_request(endpoint, "/v3/auth/user/add", &user);
-    etcd_request(endpoint, "/v3/auth/role/add", r#"{"name":"root"}"#);
-    etcd_request(
-        endpoint,
-        "/v3/auth/user/grant",
-        r#"{"user":"root","role":"root"}"#,
-    );
-    etcd_request(endpoint, "/v3/auth/enable", "{}");
-}
 
 fn etcd_worker(engine: &str) -> KvConnectorWorker {
     worker_with(engine, 0, 1, &spec(2), |config| {
@@ -67,7 +39,7 @@ async fn metadata_goes_through_an_etcd_with_authentication() {
             return;
         }
     };
-    enable_auth(&etcd.endpoint);
+    etcd.enable_auth(PASSWORD);
     let namespace = format!("/nixl-rs-etcd-auth-{}", std::process::id());
     // Set before any worker exists; this process has no other test.
     std::env::set_var("NIXL_ETCD_ENDPOINTS", &etcd.endpoint);

@@ -112,12 +112,13 @@ async fn connect(
             let limits = shared.config.limits;
             let left = limits.deadline.saturating_sub(started.elapsed());
             let key = crate::etcd::metadata_key(&etcd.namespace, &theirs.agent_name);
-            let metadata = crate::etcd::fetch_metadata_as(
+            let metadata = crate::etcd::fetch_metadata_with(
                 &etcd.endpoints,
                 &key,
                 limits.max_frame,
                 left,
                 etcd.credentials.as_ref(),
+                etcd.tls.as_ref(),
             )
             .await?;
             shared

@@ -13,6 +13,11 @@
 //! the `Authorization` header), and the connector publishes and withdraws the metadata
 //! itself under NIXL's key, NIXL's own etcd client having no authentication.
 //!
+//! `https://` endpoints are spoken to through TLS ([`EtcdTls::from_env`]: the CA in
+//! `NIXL_CONNECTOR_ETCD_CA_FILE`, optionally a client certificate and key); with any
+//! `https://` endpoint the connector publishes and withdraws the metadata itself too, NIXL's
+//! client speaking no TLS.
+//!
 //! NIXL stores the metadata from a background thread and only logs a failure, so
 //! [`publish`] first checks that etcd answers, and fails at once, naming the endpoint, when
 //! it does not. A fetch may come before NIXL's store has landed, so a key that is not there
@@ -25,15 +30,16 @@ use std::time::{Duration, Instant};
 use base64::prelude::{Engine, BASE64_STANDARD};
 use nixl::{Agent, MetadataPeer};
 use serde::Deserialize;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::error::{Error, Result};
 use crate::etcd_auth::{authenticate, delete_at_first, put_at_first};
+use crate::etcd_tls::Endpoint;
 use crate::side_channel::RetryBackoff;
 
 pub use crate::etcd_auth::{
     EtcdCredentials, ETCD_PASSWORD_ENV, ETCD_PASSWORD_FILE_ENV, ETCD_USER_ENV,
 };
+pub use crate::etcd_tls::{EtcdTls, ETCD_CA_FILE_ENV, ETCD_CERT_FILE_ENV, ETCD_KEY_FILE_ENV};
 
 /// The environment variable NIXL reads its etcd endpoints from when an agent is created.
 pub const ETCD_ENDPOINTS_ENV: &str = "NIXL_ETCD_ENDPOINTS";
@@ -63,55 +69,66 @@ pub const UNHEALTHY_PAUSE: Duration = Duration::from_millis(100);
 /// [`check_reachable`]'s errors; NIXL's error when the publication cannot start;
 /// [`Error::EtcdPublish`] when no endpoint took the authenticated publication.
 pub fn publish(agent: &Agent) -> Result<()> {
-    let endpoints = endpoints()?;
-    check_reachable(&endpoints, HEALTH_TIMEOUT)?;
-    match EtcdCredentials::from_env()? {
-        None => agent.send_local_metadata(&MetadataPeer::Etcd)?,
-        Some(credentials) => {
-            let key = metadata_key(&namespace(), agent.name());
-            let hosts = http_hosts(&endpoints);
-            let value = agent.local_metadata()?;
-            put_at_first(
-                hosts.iter().map(String::as_str),
-                &key,
-                &value,
-                &credentials,
-                HEALTH_TIMEOUT,
-            )?;
-        }
+    let source = EtcdSource::from_env()?;
+    check_reachable(&source.endpoints, HEALTH_TIMEOUT)?;
+    if source.nixl_publishes() {
+        agent.send_local_metadata(&MetadataPeer::Etcd)?;
+    } else {
+        let key = metadata_key(&source.namespace, agent.name());
+        let value = agent.local_metadata()?;
+        put_at_first(
+            &source.spoken(),
+            &key,
+            &value,
+            source.credentials.as_ref(),
+            HEALTH_TIMEOUT,
+        )?;
     }
     Ok(())
 }
 
 /// Withdraws the agent's metadata from etcd, as [`publish`] published it; logs a failure.
 pub(crate) fn withdraw(agent: &Agent, source: &EtcdSource) {
-    let outcome = match &source.credentials {
-        None => agent
+    let outcome = if source.nixl_publishes() {
+        agent
             .invalidate_local_metadata(&MetadataPeer::Etcd)
-            .map_err(|err| err.to_string()),
-        Some(credentials) => {
-            let key = metadata_key(&source.namespace, agent.name());
-            let hosts = http_hosts(&source.endpoints);
-            delete_at_first(
-                hosts.iter().map(String::as_str),
-                &key,
-                credentials,
-                HEALTH_TIMEOUT,
-            )
-        }
+            .map_err(|err| err.to_string())
+    } else {
+        let key = metadata_key(&source.namespace, agent.name());
+        delete_at_first(
+            &source.spoken(),
+            &key,
+            source.credentials.as_ref(),
+            HEALTH_TIMEOUT,
+        )
     };
     if let Err(err) = outcome {
         tracing::warn!(%err, "could not withdraw the agent metadata from etcd");
     }
 }
 
-/// The `host:port` of each `http://` endpoint of `endpoints`.
-fn http_hosts(endpoints: &str) -> Vec<String> {
+/// Each endpoint of `endpoints` as the connector speaks to it (`https://` ones through
+/// `tls`), or why it cannot.
+fn spoken(endpoints: &str, tls: Option<&EtcdTls>) -> Vec<std::result::Result<Endpoint, String>> {
     each_endpoint(endpoints)
-        .map(parse_endpoint)
-        .filter(|(http, _)| *http)
-        .map(|(_, host)| with_port(host))
+        .map(|url| endpoint(url, tls).map_err(|why| format!("{url}: {why}")))
         .collect()
+}
+
+/// The endpoint `url` as the connector speaks to it, or why it cannot.
+fn endpoint(url: &str, tls: Option<&EtcdTls>) -> std::result::Result<Endpoint, String> {
+    let (http, host) = parse_endpoint(url);
+    let https = is_https(url);
+    if !http && !https {
+        return Err("only http:// and https:// endpoints can be spoken to".to_string());
+    }
+    Endpoint::new(&with_port(host), https, tls)
+}
+
+/// Whether `url` is an `https://` URL.
+fn is_https(url: &str) -> bool {
+    url.split_once("://")
+        .is_some_and(|(scheme, _)| scheme.eq_ignore_ascii_case("https"))
 }
 
 /// Checks that at least one of `endpoints` (etcd client URLs separated by commas or
@@ -258,20 +275,34 @@ pub(crate) struct EtcdSource {
     pub(crate) endpoints: String,
     pub(crate) namespace: String,
     pub(crate) credentials: Option<EtcdCredentials>,
+    pub(crate) tls: Option<EtcdTls>,
 }
 
 impl EtcdSource {
-    /// From `NIXL_ETCD_ENDPOINTS`, `NIXL_ETCD_NAMESPACE` and [`EtcdCredentials::from_env`].
+    /// From `NIXL_ETCD_ENDPOINTS`, `NIXL_ETCD_NAMESPACE`, [`EtcdCredentials::from_env`] and
+    /// [`EtcdTls::from_env`].
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when `NIXL_ETCD_ENDPOINTS` is not set, or for incomplete
-    /// credentials.
+    /// [`Error::InvalidArgument`] when `NIXL_ETCD_ENDPOINTS` is not set, for incomplete
+    /// credentials, or for TLS files that do not do.
     pub(crate) fn from_env() -> Result<Self> {
         Ok(EtcdSource {
             endpoints: endpoints()?,
             namespace: namespace(),
             credentials: EtcdCredentials::from_env()?,
+            tls: EtcdTls::from_env()?,
         })
+    }
+
+    /// Whether NIXL publishes and withdraws the metadata: neither credentials nor an
+    /// `https://` endpoint, which NIXL's own etcd client cannot speak to.
+    fn nixl_publishes(&self) -> bool {
+        self.credentials.is_none() && !each_endpoint(&self.endpoints).any(is_https)
+    }
+
+    /// Each endpoint as the connector speaks to it, or why it cannot.
+    fn spoken(&self) -> Vec<std::result::Result<Endpoint, String>> {
+        spoken(&self.endpoints, self.tls.as_ref())
     }
 }
 
@@ -290,7 +321,8 @@ pub fn metadata_key(namespace: &str, agent: &str) -> String {
 /// answers that it cannot serve now (a 5xx status), it asks again after a pause
 /// ([`RetryBackoff`]). A value of more than `max_bytes` is refused
 /// without reading it all: at most `max_bytes` × 4/3 (its base64) and 16 KiB are read from
-/// each answer. Only `http://` endpoints can be asked. Load the bytes with
+/// each answer. Only `http://` endpoints can be asked here (`https://` ones through
+/// [`fetch_metadata_with`]). Load the bytes with
 /// [`Agent::load_remote_metadata`], which validates them.
 ///
 /// # Errors
@@ -319,6 +351,23 @@ pub async fn fetch_metadata_as(
     deadline: Duration,
     credentials: Option<&EtcdCredentials>,
 ) -> Result<Vec<u8>> {
+    fetch_metadata_with(endpoints, key, max_bytes, deadline, credentials, None).await
+}
+
+/// As [`fetch_metadata_as`], speaking TLS with `tls` to `https://` endpoints (an `https://`
+/// endpoint without `tls` is refused), within the same deadline and caps.
+///
+/// # Errors
+/// As [`fetch_metadata_as`]; a failed TLS handshake is named with what to do (the CA that
+/// signed etcd's certificate, a name the certificate lists, a client certificate).
+pub async fn fetch_metadata_with(
+    endpoints: &str,
+    key: &str,
+    max_bytes: usize,
+    deadline: Duration,
+    credentials: Option<&EtcdCredentials>,
+    tls: Option<&EtcdTls>,
+) -> Result<Vec<u8>> {
     let mut backoff = RetryBackoff::default();
     let mut tries = 0;
     // Whether an endpoint said the key is not there (yet), or that etcd cannot answer now;
@@ -330,7 +379,7 @@ pub async fn fetch_metadata_as(
             tries += 1;
             failures.clear();
             for url in each_endpoint(endpoints) {
-                match range(url, key, max_bytes, credentials, deadline).await {
+                match range(url, key, max_bytes, credentials, tls, deadline).await {
                     Ok(Some(value)) => return Some(value),
                     Ok(None) => absent = true,
                     Err(failure) => {
@@ -409,44 +458,34 @@ async fn range(
     key: &str,
     max_bytes: usize,
     credentials: Option<&EtcdCredentials>,
+    tls: Option<&EtcdTls>,
     deadline: Duration,
 ) -> std::result::Result<Option<Vec<u8>>, RangeFailure> {
-    let (http, host) = parse_endpoint(url);
-    if !http {
-        return Err("only http:// endpoints can be asked for metadata".into());
-    }
+    let endpoint = endpoint(url, tls)?;
     let auth = match credentials {
         None => String::new(),
         Some(credentials) => {
-            let (host, credentials) = (with_port(host), credentials.clone());
+            let (endpoint, credentials) = (endpoint.clone(), credentials.clone());
             // Bounded by the socket's timeouts; the caller's deadline cuts the wait.
-            let token =
-                tokio::task::spawn_blocking(move || authenticate(&host, &credentials, deadline))
-                    .await
-                    .map_err(|err| RangeFailure::from(err.to_string()))??;
+            let token = tokio::task::spawn_blocking(move || {
+                authenticate(&endpoint, &credentials, deadline)
+            })
+            .await
+            .map_err(|err| RangeFailure::from(err.to_string()))??;
             format!("Authorization: {token}\r\n")
         }
     };
-    let mut stream = tokio::net::TcpStream::connect(with_port(host))
-        .await
-        .map_err(|err| RangeFailure::from(err.to_string()))?;
+    let host = &endpoint.host;
     let body = format!(r#"{{"key":"{}"}}"#, BASE64_STANDARD.encode(key));
     let request = format!(
         "POST /v3/kv/range HTTP/1.0\r\nHost: {host}\r\nContent-Type: application/json\r\n\
          {auth}Content-Length: {}\r\n\r\n{body}",
         body.len()
     );
-    stream
-        .write_all(request.as_bytes())
-        .await
-        .map_err(|err| RangeFailure::from(err.to_string()))?;
     let cap = max_bytes.saturating_mul(4) / 3 + ANSWER_OVERHEAD;
-    let mut answer = Vec::new();
-    (&mut stream)
-        .take(cap as u64 + 1)
-        .read_to_end(&mut answer)
-        .await
-        .map_err(|err| RangeFailure::from(err.to_string()))?;
+    let answer = endpoint
+        .exchange_async(request.as_bytes(), cap as u64 + 1)
+        .await?;
     if answer.len() > cap {
         return Err(format!(
             "the answer passes {cap} bytes: the value is larger than the {max_bytes}-byte cap"
@@ -624,11 +663,18 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn only_http_endpoints_are_asked() {
+    async fn only_http_and_https_endpoints_are_asked() {
+        let err = fetch_metadata("unix://127.0.0.1:1", "k", 1024, Duration::from_secs(1))
+            .await
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("only http:// and https://"),
+            "{err}"
+        );
         let err = fetch_metadata("https://127.0.0.1:1", "k", 1024, Duration::from_secs(1))
             .await
             .unwrap_err();
-        assert!(err.to_string().contains("only http:// endpoints"), "{err}");
+        assert!(err.to_string().contains(ETCD_CA_FILE_ENV), "{err}");
     }
 
     #[test]

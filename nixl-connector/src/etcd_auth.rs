@@ -1,16 +1,16 @@
 //! etcd's user and password authentication for the connector's etcd paths: a token from
 //! `POST /v3/auth/authenticate`, sent in the `Authorization` header of each request of
-//! etcd's HTTP/JSON gateway. NIXL's own etcd client has no authentication, so with
-//! credentials the connector publishes and withdraws the metadata itself, under NIXL's key.
+//! etcd's HTTP/JSON gateway. NIXL's own etcd client has no authentication (nor TLS), so with
+//! credentials (or `https://` endpoints) the connector publishes and withdraws the metadata
+//! itself, under NIXL's key.
 
-use std::io::{Read, Write};
-use std::net::{TcpStream, ToSocketAddrs};
 use std::time::Duration;
 
 use base64::prelude::{Engine, BASE64_STANDARD};
 use serde::Deserialize;
 
 use crate::error::{Error, Result};
+use crate::etcd_tls::Endpoint;
 
 /// The environment variable naming the etcd user.
 pub const ETCD_USER_ENV: &str = "NIXL_CONNECTOR_ETCD_USER";
@@ -85,39 +85,23 @@ struct Token {
     token: String,
 }
 
-/// Sends one request of etcd's JSON gateway to `host` (`host:port`) and returns the body of
-/// a 200 answer; why not, otherwise.
+/// Sends one request of etcd's JSON gateway to `endpoint` and returns the body of a 200
+/// answer; why not, otherwise.
 fn post(
-    host: &str,
+    endpoint: &Endpoint,
     path: &str,
     body: &str,
     token: Option<&str>,
     timeout: Duration,
 ) -> std::result::Result<Vec<u8>, String> {
-    let addr = host
-        .to_socket_addrs()
-        .map_err(|err| err.to_string())?
-        .next()
-        .ok_or("the host name resolves to no address")?;
-    let mut stream = TcpStream::connect_timeout(&addr, timeout).map_err(|e| e.to_string())?;
-    stream
-        .set_read_timeout(Some(timeout))
-        .and_then(|()| stream.set_write_timeout(Some(timeout)))
-        .map_err(|e| e.to_string())?;
+    let host = &endpoint.host;
     let auth = token.map_or(String::new(), |t| format!("Authorization: {t}\r\n"));
     let request = format!(
         "POST {path} HTTP/1.0\r\nHost: {host}\r\nContent-Type: application/json\r\n{auth}\
          Content-Length: {}\r\n\r\n{body}",
         body.len()
     );
-    stream
-        .write_all(request.as_bytes())
-        .map_err(|e| e.to_string())?;
-    let mut answer = Vec::new();
-    (&mut stream)
-        .take(ANSWER_CAP)
-        .read_to_end(&mut answer)
-        .map_err(|e| e.to_string())?;
+    let answer = endpoint.exchange(request.as_bytes(), ANSWER_CAP, timeout)?;
     let split = answer
         .windows(4)
         .position(|w| w == b"\r\n\r\n")
@@ -132,15 +116,15 @@ fn post(
     Ok(body.to_vec())
 }
 
-/// A token for `credentials` from etcd at `host`.
+/// A token for `credentials` from etcd at `endpoint`.
 pub(crate) fn authenticate(
-    host: &str,
+    endpoint: &Endpoint,
     credentials: &EtcdCredentials,
     timeout: Duration,
 ) -> std::result::Result<String, String> {
     let body = serde_json::json!({"name": credentials.user, "password": credentials.password});
     let answer = post(
-        host,
+        endpoint,
         "/v3/auth/authenticate",
         &body.to_string(),
         None,
@@ -152,57 +136,73 @@ pub(crate) fn authenticate(
         .map_err(|err| format!("etcd's authentication answer is not its JSON: {err}"))
 }
 
-/// Stores `value` under `key` at `host`, authenticated with `credentials`.
+/// A token for `credentials` when given.
+fn token_for(
+    endpoint: &Endpoint,
+    credentials: Option<&EtcdCredentials>,
+    timeout: Duration,
+) -> std::result::Result<Option<String>, String> {
+    credentials
+        .map(|credentials| authenticate(endpoint, credentials, timeout))
+        .transpose()
+}
+
+/// Stores `value` under `key` at `endpoint`, authenticated with `credentials` when given.
 fn put(
-    host: &str,
+    endpoint: &Endpoint,
     key: &str,
     value: &[u8],
-    credentials: &EtcdCredentials,
+    credentials: Option<&EtcdCredentials>,
     timeout: Duration,
 ) -> std::result::Result<(), String> {
-    let token = authenticate(host, credentials, timeout)?;
+    let token = token_for(endpoint, credentials, timeout)?;
     let body = serde_json::json!({
         "key": BASE64_STANDARD.encode(key),
         "value": BASE64_STANDARD.encode(value),
     });
-    post(host, "/v3/kv/put", &body.to_string(), Some(&token), timeout).map(drop)
+    let token = token.as_deref();
+    post(endpoint, "/v3/kv/put", &body.to_string(), token, timeout).map(drop)
 }
 
-/// Deletes `key` at `host`, authenticated with `credentials`.
+/// Deletes `key` at `endpoint`, authenticated with `credentials` when given.
 fn delete(
-    host: &str,
+    endpoint: &Endpoint,
     key: &str,
-    credentials: &EtcdCredentials,
+    credentials: Option<&EtcdCredentials>,
     timeout: Duration,
 ) -> std::result::Result<(), String> {
-    let token = authenticate(host, credentials, timeout)?;
+    let token = token_for(endpoint, credentials, timeout)?;
     let body = serde_json::json!({"key": BASE64_STANDARD.encode(key)});
     post(
-        host,
+        endpoint,
         "/v3/kv/deleterange",
         &body.to_string(),
-        Some(&token),
+        token.as_deref(),
         timeout,
     )
     .map(drop)
 }
 
-/// Stores `value` under `key` at the first of `hosts` that takes it.
+/// Stores `value` under `key` at the first of `endpoints` that takes it (an endpoint that
+/// cannot be spoken to is its reason why).
 ///
 /// # Errors
-/// [`Error::EtcdPublish`] naming the key and what went wrong at each host.
-pub(crate) fn put_at_first<'a>(
-    hosts: impl Iterator<Item = &'a str>,
+/// [`Error::EtcdPublish`] naming the key and what went wrong at each endpoint.
+pub(crate) fn put_at_first(
+    endpoints: &[std::result::Result<Endpoint, String>],
     key: &str,
     value: &[u8],
-    credentials: &EtcdCredentials,
+    credentials: Option<&EtcdCredentials>,
     timeout: Duration,
 ) -> Result<()> {
     let mut failures = Vec::new();
-    for host in hosts {
-        match put(host, key, value, credentials, timeout) {
-            Ok(()) => return Ok(()),
-            Err(why) => failures.push(format!("{host}: {why}")),
+    for endpoint in endpoints {
+        match endpoint {
+            Ok(endpoint) => match put(endpoint, key, value, credentials, timeout) {
+                Ok(()) => return Ok(()),
+                Err(why) => failures.push(format!("{}: {why}", endpoint.host)),
+            },
+            Err(why) => failures.push(why.clone()),
         }
     }
     Err(Error::EtcdPublish {
@@ -211,18 +211,21 @@ pub(crate) fn put_at_first<'a>(
     })
 }
 
-/// Deletes `key` at the first of `hosts` that takes it; what went wrong, otherwise.
-pub(crate) fn delete_at_first<'a>(
-    hosts: impl Iterator<Item = &'a str>,
+/// Deletes `key` at the first of `endpoints` that takes it; what went wrong, otherwise.
+pub(crate) fn delete_at_first(
+    endpoints: &[std::result::Result<Endpoint, String>],
     key: &str,
-    credentials: &EtcdCredentials,
+    credentials: Option<&EtcdCredentials>,
     timeout: Duration,
 ) -> std::result::Result<(), String> {
     let mut failures = Vec::new();
-    for host in hosts {
-        match delete(host, key, credentials, timeout) {
-            Ok(()) => return Ok(()),
-            Err(why) => failures.push(format!("{host}: {why}")),
+    for endpoint in endpoints {
+        match endpoint {
+            Ok(endpoint) => match delete(endpoint, key, credentials, timeout) {
+                Ok(()) => return Ok(()),
+                Err(why) => failures.push(format!("{}: {why}", endpoint.host)),
+            },
+            Err(why) => failures.push(why.clone()),
         }
     }
     Err(failures.join("; "))

@@ -184,6 +184,7 @@ mod engines;
 mod error;
 pub mod etcd;
 mod etcd_auth;
+mod etcd_tls;
 mod failure;
 pub mod handshake;
 pub mod host_buffer;

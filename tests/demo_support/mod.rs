@@ -380,6 +380,8 @@ pub struct Etcd {
     _data: tempfile::TempDir,
     /// The client URL, for `--etcd-endpoints`.
     pub endpoint: String,
+    /// The `https://` client URL of an etcd started with [`Etcd::start_tls`].
+    pub tls_endpoint: Option<String>,
 }
 
 impl Etcd {
@@ -392,7 +394,7 @@ impl Etcd {
             .ok_or("no etcd binary on PATH (Debian etcd-server; scripts/setup.sh installs it)")?;
         let mut last = String::new();
         for _ in 0..5 {
-            match Etcd::start_on(&binary, free_port(), free_port()) {
+            match Etcd::start_on(&binary, free_port(), free_port(), None) {
                 Ok(etcd) => return Ok(etcd),
                 Err(why) => last = why,
             }
@@ -400,17 +402,52 @@ impl Etcd {
         Err(last)
     }
 
-    fn start_on(binary: &Path, client: u16, peer: u16) -> Result<Etcd, String> {
+    /// As [`Etcd::start`], serving TLS too, on a third port ([`Etcd::tls_endpoint`]), with
+    /// the certificate and key of the PEM files `cert` and `key`; with `client_ca`, a client
+    /// there needs a certificate that CA signed (`--client-cert-auth`).
+    pub fn start_tls(cert: &Path, key: &Path, client_ca: Option<&Path>) -> Result<Etcd, String> {
+        let binary = which("etcd")
+            .ok_or("no etcd binary on PATH (Debian etcd-server; scripts/setup.sh installs it)")?;
+        let mut last = String::new();
+        for _ in 0..5 {
+            let tls = Some((cert, key, client_ca, free_port()));
+            match Etcd::start_on(&binary, free_port(), free_port(), tls) {
+                Ok(etcd) => return Ok(etcd),
+                Err(why) => last = why,
+            }
+        }
+        Err(last)
+    }
+
+    fn start_on(
+        binary: &Path,
+        client: u16,
+        peer: u16,
+        tls: Option<(&Path, &Path, Option<&Path>, u16)>,
+    ) -> Result<Etcd, String> {
         let data = tempfile::tempdir().map_err(|e| e.to_string())?;
         let client_url = format!("http://127.0.0.1:{client}");
         let peer_url = format!("http://127.0.0.1:{peer}");
+        let tls_url = tls.map(|(_, _, _, port)| format!("https://127.0.0.1:{port}"));
+        let client_urls = match &tls_url {
+            Some(tls_url) => format!("{client_url},{tls_url}"),
+            None => client_url.clone(),
+        };
         let mut cmd = Command::new(binary);
+        if let Some((cert, key, client_ca, _)) = tls {
+            cmd.arg("--cert-file").arg(cert).arg("--key-file").arg(key);
+            if let Some(ca) = client_ca {
+                cmd.arg("--client-cert-auth")
+                    .arg("--trusted-ca-file")
+                    .arg(ca);
+            }
+        }
         cmd.arg("--name")
             .arg("demo")
             .arg("--data-dir")
             .arg(data.path())
-            .args(["--listen-client-urls", &client_url])
-            .args(["--advertise-client-urls", &client_url])
+            .args(["--listen-client-urls", &client_urls])
+            .args(["--advertise-client-urls", &client_urls])
             .args(["--listen-peer-urls", &peer_url])
             .args(["--initial-advertise-peer-urls", &peer_url])
             .args(["--initial-cluster", &format!("demo={peer_url}")]);
@@ -427,13 +464,48 @@ impl Etcd {
                 proc.output()
             ));
         }
+        // And, serving TLS, "serving client requests on 127.0.0.1:N".
+        const SERVING_TLS: &str = "serving client requests on ";
+        if tls_url.is_some()
+            && proc
+                .wait_line(Duration::from_secs(30), |l| l.contains(SERVING_TLS))
+                .is_none()
+        {
+            proc.kill();
+            return Err(format!("etcd never served TLS:\n{}", proc.output()));
+        }
         let mut etcd = Etcd {
             proc,
             _data: data,
             endpoint: client_url,
+            tls_endpoint: tls_url,
         };
         etcd.wait_healthy(client)?;
         Ok(etcd)
+    }
+
+    /// Sends one request of etcd's JSON gateway (plain HTTP) and checks that it succeeded.
+    pub fn request(&self, path: &str, body: &str) {
+        use std::io::Write;
+        let host = self.endpoint.trim_start_matches("http://");
+        let mut stream = std::net::TcpStream::connect(host).expect("connect to etcd");
+        let request = format!(
+            "POST {path} HTTP/1.0\r\nHost: {host}\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        stream.write_all(request.as_bytes()).expect("ask etcd");
+        let mut answer = String::new();
+        stream.read_to_string(&mut answer).expect("etcd's answer");
+        assert!(answer.starts_with("HTTP/1.0 200"), "{path}: {answer}");
+    }
+
+    /// Turns etcd's authentication on, with user `root` (role `root`) and `password`.
+    pub fn enable_auth(&self, password: &str) {
+        let user = format!(r#"{{"name":"root","password":"{password}"}}"#);
+        self.request("/v3/auth/user/add", &user);
+        self.request("/v3/auth/role/add", r#"{"name":"root"}"#);
+        self.request("/v3/auth/user/grant", r#"{"user":"root","role":"root"}"#);
+        self.request("/v3/auth/enable", "{}");
     }
 
     /// Kills etcd, as if it went down.
