@@ -1,19 +1,22 @@
 //! A chaos soak of a prefill engine in a child process and a decode engine over real
-//! NIXL/UCX (#30 item 6, in part): hundreds of requests with random prefix hits, aborts
-//! while waiting and while loading, leases that end for requests nobody reads, a prefill
-//! stopped (SIGSTOP) now and then for longer than the decode's transfer timeout while READs
-//! from it run, and heartbeat floods with malformed notifications from a third agent.
+//! NIXL/UCX (#30 item 6): hundreds of requests with random prefix hits, aborts while
+//! waiting and while loading, leases that end for requests nobody reads, a prefill stopped
+//! (SIGSTOP) now and then for longer than the decode's transfer timeout while READs from it
+//! run, a decode stopped (the prefill stops its parent, the test process) for less and for
+//! more than a lease, a prefill killed (SIGKILL) mid-run and restarted as a new engine on a
+//! new port, and heartbeat floods with malformed notifications from a third agent.
 //!
 //! Both engines keep a block pool. Every block either side frees is overwritten with a
 //! poison pattern, and checked to be still poisoned when it is taken again; every block the
-//! decode is told is loaded is checked against its request's pattern. A READ landing in a
-//! block after its load handed it back shows as a late write; a block freed while a READ
-//! could still read it, as a poisoned or mismatched block.
+//! decode is told is loaded is checked against its request's pattern, unless the request's
+//! lease may have ended while the decode was stopped (the prefill may then have reused the
+//! blocks before the READ: the documented cost of a lease). A READ landing in a block after
+//! its load handed it back shows as a late write; a block freed while a READ could still
+//! read it, as a poisoned or mismatched block.
 //!
-//! In CI it runs 300 requests; `NIXL_CONNECTOR_SOAK_SECONDS=600` runs it for ten minutes.
-//! Not covered here (left for a larger soak): TP 2, a stalled decode and a prefill killed
-//! and restarted; `transfer_timeout.rs`, `lifecycle.rs`, `prefill_killed.rs` and
-//! `engine_churn.rs` test those one by one.
+//! In CI it runs 300 requests in a few seconds; `NIXL_CONNECTOR_SOAK_SECONDS=600` runs it
+//! for ten minutes. Not covered here: TP 2 (`hetero_tp.rs` and `geometry_matrix.rs` test
+//! it).
 
 mod common;
 
@@ -126,6 +129,7 @@ impl Pool {
 }
 
 /// What the soak saw.
+/// What the soak saw.
 #[derive(Debug, Default)]
 struct Report {
     requests: u64,
@@ -145,15 +149,28 @@ struct Report {
     freed_twice: u64,
     floods: u64,
     prefill_stops: u64,
+    decode_stalls: u64,
+    decode_stalls_past_lease: u64,
+    /// Loaded, but not verified: the request's lease may have ended in a decode stall.
+    loaded_past_lease: u64,
+    prefill_restarts: u64,
+    /// Outcomes of loads from a killed prefill: loaded before it died, and not.
+    dead_loaded: u64,
+    dead_failed: u64,
+    /// Loaded from a prefill started after a restart.
+    loaded_after_restart: u64,
 }
 
-/// A decode request: its params, when to allocate it, its request seed and remote blocks.
+/// A decode request: its params, when to allocate it, its request seed and remote blocks,
+/// which prefill process made it, and whether its lease may have ended in a decode stall.
 struct Queued {
     id: String,
     params: Box<KvTransferParams>,
     at_step: u64,
     seed: u64,
     remote_len: usize,
+    generation: u64,
+    past_lease: bool,
 }
 
 /// A decode request under way: its local blocks and which of the request's blocks they are.
@@ -161,6 +178,8 @@ struct Loading {
     local: Vec<usize>,
     seed: u64,
     first_index: usize,
+    generation: u64,
+    past_lease: bool,
 }
 
 /// The process's resident memory, in KiB.
@@ -186,15 +205,30 @@ fn spec() -> KvCacheSpec {
 
 /// The role's environment: how many requests the prefill makes (at most, in a long run).
 const TARGET_ENV: &str = "NIXL_CONNECTOR_SOAK_REQUESTS";
-/// The prefill's engine id.
+/// The role's environment: the prefill's engine id (a restarted prefill is a new engine).
+const ENGINE_ENV: &str = "NIXL_CONNECTOR_SOAK_ENGINE";
+/// The long run's length, in whole seconds (the prefill process gets what is left of it).
+const SECONDS_ENV: &str = "NIXL_CONNECTOR_SOAK_SECONDS";
+/// The first prefill's engine id.
 const PREFILL: &str = "pf-soak";
 /// UCX's transport selection, and the soak's: TCP only (with UCX's own self transport).
 const UCX_TLS: &str = "UCX_TLS";
 const TCP_ONLY: &str = "tcp,self";
+/// The prefill is killed and restarted after this many of its requests reached the decode
+/// (once in CI, again and again in a long run).
+const KILL_AFTER: u64 = 150;
+/// The decode is stopped every this many steps: alternately for less than the lease's
+/// margin (heartbeats stop, leases hold) and for more than a whole lease (leases end).
+const STALL_EVERY: u64 = 250;
+/// A stall that misses heartbeats (sent every 250 ms, each extending the lease to 1 s from
+/// its arrival) without ending a lease.
+const SHORT_STALL_MS: u64 = 300;
+/// A stall past the 1.5 s lease.
+const LONG_STALL_MS: u64 = 2200;
 
 /// `NIXL_CONNECTOR_SOAK_SECONDS`: a long run's length (the prefill process sees it too).
 fn soak_seconds() -> Option<u64> {
-    std::env::var("NIXL_CONNECTOR_SOAK_SECONDS").ok().map(|s| {
+    std::env::var(SECONDS_ENV).ok().map(|s| {
         s.parse()
             .expect("NIXL_CONNECTOR_SOAK_SECONDS: whole seconds")
     })
@@ -214,11 +248,37 @@ fn scheduler(engine: &str, worker: &KvConnectorWorker) -> KvConnectorScheduler {
     KvConnectorScheduler::new(SchedulerConfig::new(engine, "127.0.0.1", port, 1, &kv()).unwrap())
 }
 
+/// Sends `signal` to this process's parent (the soak's decode).
+fn signal_parent(signal: libc::c_int) {
+    // SAFETY: kill(2) and getppid(2) touch no memory of ours; the parent is the test process
+    // that waits for this child, so it is alive while this child runs.
+    let sent = unsafe { libc::kill(libc::getppid(), signal) };
+    assert_eq!(
+        sent,
+        0,
+        "signal {signal}: {}",
+        std::io::Error::last_os_error()
+    );
+}
+
+/// Serves the decode's stall orders on stdin (`STALL <ms>`: stop the parent, the decode,
+/// for that long, then print `RESUMED`), until stdin closes.
+fn serve_stalls() {
+    for line in std::io::stdin().lines().map_while(Result::ok) {
+        if let Some(ms) = line.strip_prefix("STALL ") {
+            signal_parent(libc::SIGSTOP);
+            std::thread::sleep(Duration::from_millis(ms.trim().parse().unwrap()));
+            signal_parent(libc::SIGCONT);
+            println!("RESUMED");
+        }
+    }
+}
+
 /// The prefill, in a child process: prints `PORT <port> <agent>`, then makes requests of 1 to 4
 /// blocks as its pool allows (until it made them all, or a long run's time is up), each
 /// finished for a remote decode and printed as `REQ <seed> <blocks> <params JSON>`; poisons
 /// and frees the blocks of each released request. Once every one is released, prints
-/// `END <freed twice> <late writes>` and waits for its stdin to close.
+/// `END <freed twice> <late writes>` and serves stall orders until its stdin closes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "the prefill of the soak, which starts it"]
 async fn soak_prefill_role() {
@@ -227,16 +287,18 @@ async fn soak_prefill_role() {
         .expect("run by the soak")
         .parse()
         .unwrap();
+    let engine = std::env::var(ENGINE_ENV).expect("run by the soak");
     let until = soak_seconds().map(|s| Instant::now() + Duration::from_secs(s));
     let spec = spec();
     let kv = kv();
-    let prefill = worker_with(PREFILL, 0, 1, &spec, |c| c.kv_transfer_config = kv.clone());
-    let mut ps = scheduler(PREFILL, &prefill);
+    let prefill = worker_with(&engine, 0, 1, &spec, |c| c.kv_transfer_config = kv.clone());
+    let mut ps = scheduler(&engine, &prefill);
     let mut pool = Pool::new(&spec);
     let mut rng = Rng(0x5eed_0000_0000_0001 ^ u64::from(std::process::id()));
     let (mut made, mut twice, mut late) = (0u64, 0u64, 0u64);
     let mut held: HashMap<String, Vec<usize>> = HashMap::new();
     let mut released: HashSet<String> = HashSet::new();
+    let stalls = std::thread::spawn(serve_stalls);
     println!(
         "PORT {} {}",
         prefill.side_channel_addr().unwrap().port(),
@@ -282,7 +344,7 @@ async fn soak_prefill_role() {
         tokio::time::sleep(Duration::from_millis(3)).await;
     }
     println!("END {twice} {late}");
-    tokio::task::spawn_blocking(|| std::io::stdin().read_line(&mut String::new()))
+    tokio::task::spawn_blocking(move || stalls.join())
         .await
         .unwrap()
         .unwrap();
@@ -295,17 +357,25 @@ enum Line {
         blocks: usize,
         params: Box<KvTransferParams>,
     },
+    Resumed,
     End {
         freed_twice: u64,
         late_writes: u64,
     },
 }
 
-/// Reads the prefill process's lines (after its port) in a thread, into a channel.
+/// Reads the prefill process's lines (after its port) in a thread, into a channel that
+/// closes when the process's stdout does.
 fn read_lines(mut lines: common::ChildLines) -> tokio::sync::mpsc::UnboundedReceiver<Line> {
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     std::thread::spawn(move || {
         for line in lines.by_ref().map_while(Result::ok) {
+            if line.contains("RESUMED") {
+                if tx.send(Line::Resumed).is_err() {
+                    break;
+                }
+                continue;
+            }
             let Some(at) = line.find("REQ ").or_else(|| line.find("END ")) else {
                 continue;
             };
@@ -329,34 +399,254 @@ fn read_lines(mut lines: common::ChildLines) -> tokio::sync::mpsc::UnboundedRece
     rx
 }
 
+/// A prefill process: the child, its agent's name and what it prints.
+struct PrefillProcess {
+    child: std::process::Child,
+    engine: String,
+    port: u16,
+    agent: String,
+    lines: tokio::sync::mpsc::UnboundedReceiver<Line>,
+}
+
+/// Starts a prefill process of engine `engine` that makes `target` requests (or runs for
+/// `seconds`).
+fn start_prefill(engine: &str, target: u64, seconds: Option<u64>) -> PrefillProcess {
+    let target = target.to_string();
+    let seconds = seconds.map(|s| s.to_string());
+    let mut env = vec![
+        (TARGET_ENV, target.as_str()),
+        (ENGINE_ENV, engine),
+        (UCX_TLS, TCP_ONLY),
+    ];
+    if let Some(seconds) = &seconds {
+        env.push((SECONDS_ENV, seconds.as_str()));
+    }
+    let mut child = role_process("soak_prefill_role", &env, Stdio::inherit());
+    let mut lines = stdout_lines(&mut child);
+    let printed = after_tag(&mut lines, "PORT ").expect("the prefill prints its port");
+    let (port, agent) = printed.trim().split_once(' ').unwrap();
+    PrefillProcess {
+        port: port.parse().unwrap(),
+        agent: agent.into(),
+        engine: engine.into(),
+        lines: read_lines(lines),
+        child,
+    }
+}
+
+/// The decode engine: its worker, scheduler, pool and requests, and what it saw.
+struct DecodeEngine {
+    worker: KvConnectorWorker,
+    scheduler: KvConnectorScheduler,
+    pool: Pool,
+    spec: KvCacheSpec,
+    rng: Rng,
+    queued: Vec<Queued>,
+    loading: HashMap<String, Loading>,
+    aborted: HashSet<String>,
+    r: Report,
+}
+
+impl DecodeEngine {
+    /// Takes a request of prefill process `generation` (nobody reads some of them: their
+    /// leases end); `past_lease` if its lease may end before the decode reads it.
+    fn receive(
+        &mut self,
+        step: u64,
+        generation: u64,
+        past_lease: bool,
+        (seed, blocks, params): (u64, usize, Box<KvTransferParams>),
+    ) {
+        self.r.requests += 1;
+        if self.rng.chance(8) {
+            self.r.never_read += 1;
+            return;
+        }
+        let id = format!("d{}", self.r.requests);
+        self.scheduler.on_new_request(&id, Some(&params));
+        self.queued.push(Queued {
+            id,
+            params,
+            at_step: step + self.rng.below(4) as u64,
+            seed,
+            remote_len: blocks,
+            generation,
+            past_lease,
+        });
+    }
+
+    /// Marks every request under way as one whose lease may end (a long stall follows).
+    fn past_lease(&mut self) {
+        self.queued.iter_mut().for_each(|q| q.past_lease = true);
+        self.loading.values_mut().for_each(|l| l.past_lease = true);
+    }
+
+    /// One engine step: queued requests get their blocks (a random prefix hit, or an
+    /// abort), loads start, some are aborted while loading, and the outcomes are checked.
+    fn step(&mut self, step: u64, generation: u64) {
+        let mut later = Vec::new();
+        for q in std::mem::take(&mut self.queued) {
+            if q.at_step > step {
+                later.push(q);
+                continue;
+            }
+            if self.rng.chance(5) {
+                self.scheduler
+                    .request_finished(&q.id, &[], 0, None, FinishStatus::Aborted);
+                self.r.aborted_while_waiting += 1;
+                continue;
+            }
+            let hit = if self.rng.chance(15) {
+                q.remote_len
+            } else {
+                self.rng.below(q.remote_len)
+            };
+            let Some(local) =
+                self.pool
+                    .take(&self.worker, q.remote_len - hit, &mut self.r.late_writes)
+            else {
+                later.push(q);
+                continue;
+            };
+            self.scheduler
+                .update_state_after_alloc(&q.id, &local, &q.params)
+                .unwrap();
+            if local.is_empty() {
+                self.r.full_hits += 1;
+                self.scheduler
+                    .request_finished(&q.id, &[], 0, None, FinishStatus::Stopped);
+                continue;
+            }
+            self.r.loads += 1;
+            self.loading.insert(
+                q.id,
+                Loading {
+                    local,
+                    seed: q.seed,
+                    first_index: hit,
+                    generation: q.generation,
+                    past_lease: q.past_lease,
+                },
+            );
+        }
+        self.queued = later;
+        self.worker
+            .start_load_kv(&self.scheduler.build_connector_meta());
+        // Aborts while loading: the blocks stay until the load ends.
+        let running: Vec<String> = self
+            .loading
+            .keys()
+            .filter(|id| !self.aborted.contains(*id))
+            .cloned()
+            .collect();
+        for id in running {
+            if self.rng.chance(1) {
+                let done =
+                    self.scheduler
+                        .request_finished(&id, &[], 0, None, FinishStatus::Aborted);
+                assert!(done.delay_free_blocks, "{id}");
+                self.aborted.insert(id);
+                self.r.aborted_while_loading += 1;
+            }
+        }
+        // The outcomes: loaded blocks checked, then every block poisoned and freed.
+        let output = self.worker.output();
+        self.r.overdue += self.worker.overdue_loads().len() as u64;
+        self.worker.metrics();
+        let outcomes = self
+            .scheduler
+            .update_connector_output(&[output])
+            .unwrap()
+            .load_outcomes;
+        for outcome in outcomes {
+            self.ended(outcome, generation);
+        }
+    }
+
+    /// Checks and frees a load that ended with `outcome` (`generation`: the live prefill).
+    fn ended(&mut self, outcome: LoadOutcome, generation: u64) {
+        let (id, loaded) = match &outcome {
+            LoadOutcome::Loaded { request_id } => {
+                self.r.loaded += 1;
+                (request_id, true)
+            }
+            LoadOutcome::Failed { request_id, .. } => {
+                self.r.failed += 1;
+                (request_id, false)
+            }
+            LoadOutcome::Recompute { request_id, .. } => {
+                self.r.recompute += 1;
+                (request_id, false)
+            }
+            LoadOutcome::AbortedLoadEnded { request_id } => (request_id, false),
+        };
+        let load = self
+            .loading
+            .remove(id)
+            .expect("an outcome for a load under way");
+        self.aborted.remove(id);
+        let aborted = matches!(outcome, LoadOutcome::AbortedLoadEnded { .. });
+        if load.generation < generation && !aborted {
+            match loaded {
+                true => self.r.dead_loaded += 1,
+                false => self.r.dead_failed += 1,
+            }
+        }
+        if loaded && load.generation > 0 {
+            self.r.loaded_after_restart += 1;
+        }
+        if loaded && load.past_lease {
+            self.r.loaded_past_lease += 1;
+        } else if loaded {
+            let cache = self.worker.kv_caches().unwrap();
+            for (k, &b) in load.local.iter().enumerate() {
+                for region in 0..self.spec.num_regions() {
+                    let len = self.spec.block_len(region);
+                    let mut got = vec![0u8; len];
+                    cache.read(region, b * len, &mut got).unwrap();
+                    let want: Vec<u8> = (0..len)
+                        .map(|o| byte(load.seed, load.first_index + k, region, o))
+                        .collect();
+                    if got.iter().all(|&x| x == POISON) {
+                        self.r.poisoned_blocks += 1;
+                    } else if got != want {
+                        self.r.mismatched_blocks += 1;
+                    }
+                }
+                self.r.blocks_verified += 1;
+            }
+        }
+        if !aborted {
+            let done =
+                self.scheduler
+                    .request_finished(id, &load.local, 0, None, FinishStatus::Stopped);
+            assert!(!done.delay_free_blocks, "{id}: its load ended");
+        }
+        self.pool
+            .give(&self.worker, &load.local, &mut self.r.freed_twice);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
     common::init_tracing();
     let seconds = soak_seconds();
-    // A long run: requests until its time is up.
+    // A long run: requests until its time is up, the prefill restarted again and again.
     let target = seconds.map_or(300, |_| u64::MAX);
+    let max_restarts = seconds.map_or(1, |_| u64::MAX);
     let limit = Duration::from_secs(seconds.map_or(50, |s| s + 60));
+    let seconds_left =
+        |started: Instant| seconds.map(|s| s.saturating_sub(started.elapsed().as_secs()));
     // Over TCP a READ's bytes need the prefill to send them: a stopped prefill holds them
     // back, and a READ handed back early lands late (over shared memory they land at once,
     // and only the READ's completion waits for the prefill). Set before any agent exists;
     // this binary's only other test is the prefill role, in its own process.
     std::env::set_var(UCX_TLS, TCP_ONLY);
-    let mut child = role_process(
-        "soak_prefill_role",
-        &[
-            (TARGET_ENV, target.to_string().as_str()),
-            (UCX_TLS, TCP_ONLY),
-        ],
-        Stdio::inherit(),
-    );
-    let mut lines = stdout_lines(&mut child);
-    let printed = after_tag(&mut lines, "PORT ").expect("the prefill prints its port");
-    let (port, prefill_agent) = printed.trim().split_once(' ').unwrap();
-    let (port, prefill_agent): (u16, String) = (port.parse().unwrap(), prefill_agent.into());
-    let mut from_prefill = read_lines(lines);
+    let started = Instant::now();
+    let mut prefill = start_prefill(PREFILL, target, seconds);
     let spec = spec();
     let kv = kv();
-    let decode = worker_with("dc-soak", 0, 1, &spec, |c| {
+    let worker = worker_with("dc-soak", 0, 1, &spec, |c| {
         c.kv_transfer_config = kv.clone();
         // Shorter than the prefill's stops, so that READs from it pass it.
         c.transfer_timeout = Duration::from_millis(100);
@@ -364,131 +654,139 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
     let hostile = worker_with("hb-soak", 0, 1, &spec, |c| {
         c.kv_transfer_config = kv.clone()
     });
-    handshake(&hostile, PREFILL, port).await;
-    let mut ds = scheduler("dc-soak", &decode);
-    let mut dp = Pool::new(&spec);
+    handshake(&hostile, PREFILL, prefill.port).await;
+    let mut d = DecodeEngine {
+        scheduler: scheduler("dc-soak", &worker),
+        worker,
+        pool: Pool::new(&spec),
+        spec: spec.clone(),
+        rng: Rng(0x5eed_1234_abcd_0001),
+        queued: Vec::new(),
+        loading: HashMap::new(),
+        aborted: HashSet::new(),
+        r: Report::default(),
+    };
     let fds_before = open_fds().unwrap();
     let rss_before = rss_kib();
-    let started = Instant::now();
-    let mut rng = Rng(0x5eed_1234_abcd_0001);
-    let mut r = Report::default();
-    let mut queued: Vec<Queued> = Vec::new();
-    let mut loading: HashMap<String, Loading> = HashMap::new();
-    let mut aborted: HashSet<String> = HashSet::new();
     let mut prefill_end = None;
     let mut stopped_until: Option<Instant> = None;
     let mut step = 0u64;
+    let mut generation = 0u64;
+    let mut from_current = 0u64;
     loop {
         step += 1;
-        if prefill_end.is_some() && queued.is_empty() && loading.is_empty() {
+        if prefill_end.is_some() && d.queued.is_empty() && d.loading.is_empty() {
             break;
         }
         assert!(
             started.elapsed() < limit,
-            "the soak did not end: {} queued, {} loading, {r:?}",
-            queued.len(),
-            loading.len()
+            "the soak did not end: {} queued, {} loading, {:?}",
+            d.queued.len(),
+            d.loading.len(),
+            d.r
         );
         // The prefill stops for 250 ms every 150 steps.
         match stopped_until {
             Some(until) if Instant::now() >= until => {
-                common::signal(&child, libc::SIGCONT);
+                common::signal(&prefill.child, libc::SIGCONT);
                 stopped_until = None;
             }
             None if step % 150 == 0 && prefill_end.is_none() => {
-                common::signal(&child, libc::SIGSTOP);
+                common::signal(&prefill.child, libc::SIGSTOP);
                 stopped_until = Some(Instant::now() + Duration::from_millis(250));
-                r.prefill_stops += 1;
+                d.r.prefill_stops += 1;
             }
             _ => {}
         }
-        while let Ok(line) = from_prefill.try_recv() {
+        // The prefill is killed and a new one (a new engine, port and agent) takes over.
+        if from_current >= KILL_AFTER
+            && d.r.prefill_restarts < max_restarts
+            && prefill_end.is_none()
+        {
+            prefill.child.kill().unwrap();
+            prefill.child.wait().unwrap();
+            stopped_until = None;
+            // What the dead one printed still comes: its loads fail.
+            while let Some(line) = prefill.lines.recv().await {
+                if let Line::Request {
+                    seed,
+                    blocks,
+                    params,
+                } = line
+                {
+                    d.receive(step, generation, false, (seed, blocks, params));
+                }
+            }
+            generation += 1;
+            from_current = 0;
+            d.r.prefill_restarts += 1;
+            let engine = format!("{PREFILL}-{generation}");
+            let left = target.saturating_sub(d.r.requests);
+            prefill = start_prefill(&engine, left, seconds_left(started));
+            handshake(&hostile, &engine, prefill.port).await;
+        }
+        // The decode stops: alternately past the heartbeats only, and past whole leases.
+        if step % STALL_EVERY == 0 && prefill_end.is_none() {
+            if stopped_until.take().is_some() {
+                common::signal(&prefill.child, libc::SIGCONT);
+            }
+            let past_lease = (step / STALL_EVERY) % 2 == 0;
+            let ms = if past_lease {
+                d.past_lease();
+                d.r.decode_stalls_past_lease += 1;
+                LONG_STALL_MS
+            } else {
+                SHORT_STALL_MS
+            };
+            d.r.decode_stalls += 1;
+            use std::io::Write;
+            let stdin = prefill.child.stdin.as_mut().unwrap();
+            stdin.write_all(format!("STALL {ms}\n").as_bytes()).unwrap();
+            // Stopped by the prefill until it prints RESUMED; what it made meanwhile may
+            // outlive its lease too.
+            loop {
+                match prefill
+                    .lines
+                    .recv()
+                    .await
+                    .expect("the prefill resumes the decode")
+                {
+                    Line::Resumed => break,
+                    Line::End {
+                        freed_twice,
+                        late_writes,
+                    } => prefill_end = Some((freed_twice, late_writes)),
+                    Line::Request {
+                        seed,
+                        blocks,
+                        params,
+                    } => {
+                        from_current += 1;
+                        d.receive(step, generation, past_lease, (seed, blocks, params));
+                    }
+                }
+            }
+        }
+        while let Ok(line) = prefill.lines.try_recv() {
             match line {
                 Line::End {
                     freed_twice,
                     late_writes,
                 } => prefill_end = Some((freed_twice, late_writes)),
+                Line::Resumed => {}
                 Line::Request {
                     seed,
                     blocks,
                     params,
                 } => {
-                    r.requests += 1;
-                    if rng.chance(8) {
-                        // Nobody reads it: its lease ends.
-                        r.never_read += 1;
-                        continue;
-                    }
-                    let id = format!("d{}", r.requests);
-                    ds.on_new_request(&id, Some(&params));
-                    queued.push(Queued {
-                        id,
-                        params,
-                        at_step: step + rng.below(4) as u64,
-                        seed,
-                        remote_len: blocks,
-                    });
+                    from_current += 1;
+                    d.receive(step, generation, false, (seed, blocks, params));
                 }
-            }
-        }
-        // Queued decode requests get their blocks: a random prefix hit, or an abort.
-        let mut later = Vec::new();
-        for q in queued.drain(..) {
-            if q.at_step > step {
-                later.push(q);
-                continue;
-            }
-            if rng.chance(5) {
-                ds.request_finished(&q.id, &[], 0, None, FinishStatus::Aborted);
-                r.aborted_while_waiting += 1;
-                continue;
-            }
-            let hit = if rng.chance(15) {
-                q.remote_len
-            } else {
-                rng.below(q.remote_len)
-            };
-            let Some(local) = dp.take(&decode, q.remote_len - hit, &mut r.late_writes) else {
-                later.push(q);
-                continue;
-            };
-            ds.update_state_after_alloc(&q.id, &local, &q.params)
-                .unwrap();
-            if local.is_empty() {
-                r.full_hits += 1;
-                ds.request_finished(&q.id, &[], 0, None, FinishStatus::Stopped);
-                continue;
-            }
-            r.loads += 1;
-            loading.insert(
-                q.id,
-                Loading {
-                    local,
-                    seed: q.seed,
-                    first_index: hit,
-                },
-            );
-        }
-        queued = later;
-        decode.start_load_kv(&ds.build_connector_meta());
-        // Aborts while loading: the blocks stay until the load ends.
-        let running: Vec<String> = loading
-            .keys()
-            .filter(|id| !aborted.contains(*id))
-            .cloned()
-            .collect();
-        for id in running {
-            if rng.chance(1) {
-                let done = ds.request_finished(&id, &[], 0, None, FinishStatus::Aborted);
-                assert!(done.delay_free_blocks, "{id}");
-                aborted.insert(id);
-                r.aborted_while_loading += 1;
             }
         }
         // A heartbeat flood with malformed notifications, now and then.
         if step % 50 == 0 {
-            r.floods += 1;
-            let to = prefill_agent.clone();
+            d.r.floods += 1;
             let ids: Vec<String> = (0..5000).map(|i| format!("{:x>48}", i)).collect();
             for message in [
                 format!("HB:{}", ids.join(",")).into_bytes(),
@@ -496,74 +794,32 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
                 b"p1:0".to_vec(),
                 vec![0xff; 64],
             ] {
-                hostile.agent().send_notification(&to, &message).unwrap();
+                hostile
+                    .agent()
+                    .send_notification(&prefill.agent, &message)
+                    .unwrap();
             }
         }
-        // The decode's outcomes: loaded blocks checked, then every block poisoned and freed.
-        let output = decode.output();
-        r.overdue += decode.overdue_loads().len() as u64;
-        decode.metrics();
-        let outcomes = ds.update_connector_output(&[output]).unwrap().load_outcomes;
-        for outcome in outcomes {
-            let id = match &outcome {
-                LoadOutcome::Loaded { request_id } => {
-                    r.loaded += 1;
-                    request_id
-                }
-                LoadOutcome::Failed { request_id, .. } => {
-                    r.failed += 1;
-                    request_id
-                }
-                LoadOutcome::Recompute { request_id, .. } => {
-                    r.recompute += 1;
-                    request_id
-                }
-                LoadOutcome::AbortedLoadEnded { request_id } => request_id,
-            };
-            let load = loading.remove(id).expect("an outcome for a load under way");
-            aborted.remove(id);
-            if let LoadOutcome::Loaded { .. } = outcome {
-                let cache = decode.kv_caches().unwrap();
-                for (k, &b) in load.local.iter().enumerate() {
-                    for region in 0..spec.num_regions() {
-                        let len = spec.block_len(region);
-                        let mut got = vec![0u8; len];
-                        cache.read(region, b * len, &mut got).unwrap();
-                        let want: Vec<u8> = (0..len)
-                            .map(|o| byte(load.seed, load.first_index + k, region, o))
-                            .collect();
-                        if got.iter().all(|&x| x == POISON) {
-                            r.poisoned_blocks += 1;
-                        } else if got != want {
-                            r.mismatched_blocks += 1;
-                        }
-                    }
-                    r.blocks_verified += 1;
-                }
-            }
-            if !matches!(outcome, LoadOutcome::AbortedLoadEnded { .. }) {
-                let done = ds.request_finished(id, &load.local, 0, None, FinishStatus::Stopped);
-                assert!(!done.delay_free_blocks, "{id}: its load ended");
-            }
-            dp.give(&decode, &load.local, &mut r.freed_twice);
-        }
+        d.step(step, generation);
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     if stopped_until.is_some() {
-        common::signal(&child, libc::SIGCONT);
+        common::signal(&prefill.child, libc::SIGCONT);
     }
     let (prefill_freed_twice, prefill_late_writes) = prefill_end.unwrap();
-    drop(child.stdin.take());
+    drop(prefill.child.stdin.take());
     assert!(
-        child.wait().unwrap().success(),
+        prefill.child.wait().unwrap().success(),
         "the prefill's checks passed"
     );
     let (fds_after, rss_after) = (open_fds().unwrap(), rss_kib());
+    let r = &d.r;
     eprintln!(
-        "soak: {:.1} s, {step} steps, {r:?}; prefill: freed twice {prefill_freed_twice}, \
+        "soak: {:.1} s, {step} steps, {r:?}; last prefill {}: freed twice {prefill_freed_twice}, \
          late writes {prefill_late_writes}; decode fds {fds_before} -> {fds_after}, RSS \
          {rss_before} -> {rss_after} KiB",
-        started.elapsed().as_secs_f64()
+        started.elapsed().as_secs_f64(),
+        prefill.engine,
     );
     assert_eq!((prefill_freed_twice, prefill_late_writes), (0, 0));
     assert_eq!(
@@ -577,8 +833,16 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
         "{r:?}"
     );
     assert!(r.loaded > 0 && r.blocks_verified > 0, "{r:?}");
-    assert_eq!(dp.free.len(), BLOCKS, "every block back");
+    assert_eq!(d.pool.free.len(), BLOCKS, "every block back");
     assert!(r.overdue > 0, "some READs passed the timeout: {r:?}");
+    assert!(
+        r.decode_stalls_past_lease > 0 && r.decode_stalls > r.decode_stalls_past_lease,
+        "the decode stalled, past a lease and not: {r:?}"
+    );
+    assert!(
+        r.prefill_restarts > 0 && r.dead_failed > 0 && r.loaded_after_restart > 0,
+        "a prefill died with loads from it, and its successor served: {r:?}"
+    );
     assert!(
         fds_after <= fds_before + 4,
         "fds {fds_before} -> {fds_after}"
