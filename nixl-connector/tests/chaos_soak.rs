@@ -1,4 +1,5 @@
-//! A chaos soak of a prefill engine in a child process and a decode engine over real
+//! A chaos soak of a prefill engine (TP 1) in a child process and a decode engine of TP 2
+//! (two ranks in the test process, their outputs aggregated by the scheduler) over real
 //! NIXL/UCX (#30 item 6): hundreds of requests with random prefix hits, aborts while
 //! waiting and while loading, leases that end for requests nobody reads, a prefill stopped
 //! (SIGSTOP) now and then for longer than the decode's transfer timeout while READs from it
@@ -8,15 +9,15 @@
 //!
 //! Both engines keep a block pool. Every block either side frees is overwritten with a
 //! poison pattern, and checked to be still poisoned when it is taken again; every block the
-//! decode is told is loaded is checked against its request's pattern, unless the request's
+//! decode is told is loaded is checked, rank by rank (each holds its head's half of the
+//! prefill's block), against its request's pattern, unless the request's
 //! lease may have ended while the decode was stopped (the prefill may then have reused the
 //! blocks before the READ: the documented cost of a lease). A READ landing in a block after
 //! its load handed it back shows as a late write; a block freed while a READ could still
 //! read it, as a poisoned or mismatched block.
 //!
-//! In CI it runs 300 requests in a few seconds; `NIXL_CONNECTOR_SOAK_SECONDS=600` runs it
-//! for ten minutes. Not covered here: TP 2 (`hetero_tp.rs` and `geometry_matrix.rs` test
-//! it).
+//! In CI it runs 300 requests in about 9 s; `NIXL_CONNECTOR_SOAK_SECONDS=600` runs it for
+//! ten minutes, the prefill killed and restarted every 150 requests.
 
 mod common;
 
@@ -77,39 +78,50 @@ impl Pool {
         }
     }
 
-    /// `n` free blocks; counts in `late` each that something wrote since it was poisoned
-    /// (a READ that landed after its load's outcome handed the block back).
-    fn take(&mut self, worker: &KvConnectorWorker, n: usize, late: &mut u64) -> Option<Vec<usize>> {
+    /// `n` free blocks of the engine of `ranks`; counts in `late` each rank's block that
+    /// something wrote since it was poisoned (a READ that landed after its load's outcome
+    /// handed the block back).
+    fn take(
+        &mut self,
+        ranks: &[KvConnectorWorker],
+        n: usize,
+        late: &mut u64,
+    ) -> Option<Vec<usize>> {
         if self.free.len() < n {
             return None;
         }
         let blocks = self.free.split_off(self.free.len() - n);
-        let cache = worker.kv_caches().unwrap();
-        for &b in &blocks {
-            for region in 0..self.spec.num_regions() {
-                let len = self.spec.block_len(region);
-                let mut got = vec![0u8; len];
-                cache.read(region, b * len, &mut got).unwrap();
-                // Never used (zero) or poisoned when freed, and untouched since.
-                if !(got.iter().all(|&x| x == POISON) || got.iter().all(|&x| x == 0)) {
-                    *late += 1;
+        for rank in ranks {
+            let cache = rank.kv_caches().unwrap();
+            for &b in &blocks {
+                for region in 0..self.spec.num_regions() {
+                    let len = self.spec.block_len(region);
+                    let mut got = vec![0u8; len];
+                    cache.read(region, b * len, &mut got).unwrap();
+                    // Never used (zero) or poisoned when freed, and untouched since.
+                    if !(got.iter().all(|&x| x == POISON) || got.iter().all(|&x| x == 0)) {
+                        *late += 1;
+                    }
                 }
             }
         }
         Some(blocks)
     }
 
-    /// Poisons `blocks` in `worker`'s cache and gives them back; counts a block freed twice.
-    fn give(&mut self, worker: &KvConnectorWorker, blocks: &[usize], twice: &mut u64) {
-        let cache = worker.kv_caches().unwrap();
+    /// Poisons `blocks` in every rank's cache and gives them back; counts a block freed
+    /// twice.
+    fn give(&mut self, ranks: &[KvConnectorWorker], blocks: &[usize], twice: &mut u64) {
         for &b in blocks {
             if self.free.contains(&b) {
                 *twice += 1;
                 continue;
             }
-            for region in 0..self.spec.num_regions() {
-                let len = self.spec.block_len(region);
-                cache.write(region, b * len, &vec![POISON; len]).unwrap();
+            for rank in ranks {
+                let cache = rank.kv_caches().unwrap();
+                for region in 0..self.spec.num_regions() {
+                    let len = self.spec.block_len(region);
+                    cache.write(region, b * len, &vec![POISON; len]).unwrap();
+                }
             }
             self.free.push(b);
         }
@@ -151,8 +163,10 @@ struct Report {
     prefill_stops: u64,
     decode_stalls: u64,
     decode_stalls_past_lease: u64,
-    /// Loaded, but not verified: the request's lease may have ended in a decode stall.
+    /// Loaded, but not held to its pattern: the request's lease may have ended in a decode
+    /// stall; and how many of their blocks (region by rank) the prefill had reused.
     loaded_past_lease: u64,
+    reused_past_lease: u64,
     prefill_restarts: u64,
     /// Outcomes of loads from a killed prefill: loaded before it died, and not.
     dead_loaded: u64,
@@ -171,6 +185,8 @@ struct Queued {
     remote_len: usize,
     generation: u64,
     past_lease: bool,
+    /// Loaded, neither aborted nor a full hit (one of a killed prefill's, which must fail).
+    plain: bool,
 }
 
 /// A decode request under way: its local blocks and which of the request's blocks they are.
@@ -180,6 +196,7 @@ struct Loading {
     first_index: usize,
     generation: u64,
     past_lease: bool,
+    plain: bool,
 }
 
 /// The process's resident memory, in KiB.
@@ -192,16 +209,22 @@ fn rss_kib() -> u64 {
         .expect("VmRSS in /proc/self/status")
 }
 
-fn spec() -> KvCacheSpec {
+/// The cache of a rank of TP `tp` of a model with 2 KV heads (HND: a block is its heads'
+/// tokens, head by head, so rank `d` of TP 2 holds the second half of each prefill block
+/// when `d` is 1, the first when 0).
+fn spec(tp: usize) -> KvCacheSpec {
     KvCacheSpec::uniform(
         3,
         BLOCKS,
         4,
         KvAttention::Mha { total_kv_heads: 2 },
         KvLayout::Hnd,
-        4 * 2 * 16,
+        4 * (2 / tp) * 16,
     )
 }
+
+/// The decode's TP (the prefill's is 1): each decode rank reads its head from the prefill.
+const DECODE_TP: usize = 2;
 
 /// The role's environment: how many requests the prefill makes (at most, in a long run).
 const TARGET_ENV: &str = "NIXL_CONNECTOR_SOAK_REQUESTS";
@@ -217,8 +240,8 @@ const TCP_ONLY: &str = "tcp,self";
 /// The prefill is killed and restarted after this many of its requests reached the decode
 /// (once in CI, again and again in a long run).
 const KILL_AFTER: u64 = 150;
-/// The decode is stopped every this many steps: alternately for less than the lease's
-/// margin (heartbeats stop, leases hold) and for more than a whole lease (leases end).
+/// The decode is stopped every this many steps: alternately for more than a whole lease
+/// (leases end) and for less than the lease's margin (heartbeats stop, leases hold).
 const STALL_EVERY: u64 = 250;
 /// A stall that misses heartbeats (sent every 250 ms, each extending the lease to 1 s from
 /// its arrival) without ending a lease.
@@ -242,10 +265,10 @@ fn kv() -> nixl::kv_config::KvTransferConfig {
     kv
 }
 
-/// The scheduler of `worker`'s engine `engine`.
-fn scheduler(engine: &str, worker: &KvConnectorWorker) -> KvConnectorScheduler {
-    let port = worker.side_channel_addr().unwrap().port();
-    KvConnectorScheduler::new(SchedulerConfig::new(engine, "127.0.0.1", port, 1, &kv()).unwrap())
+/// The scheduler of engine `engine` of TP `tp`, whose rank 0 is `rank0`.
+fn scheduler(engine: &str, tp: usize, rank0: &KvConnectorWorker) -> KvConnectorScheduler {
+    let port = rank0.side_channel_addr().unwrap().port();
+    KvConnectorScheduler::new(SchedulerConfig::new(engine, "127.0.0.1", port, tp, &kv()).unwrap())
 }
 
 /// Sends `signal` to this process's parent (the soak's decode).
@@ -289,10 +312,12 @@ async fn soak_prefill_role() {
         .unwrap();
     let engine = std::env::var(ENGINE_ENV).expect("run by the soak");
     let until = soak_seconds().map(|s| Instant::now() + Duration::from_secs(s));
-    let spec = spec();
+    let spec = spec(1);
     let kv = kv();
-    let prefill = worker_with(&engine, 0, 1, &spec, |c| c.kv_transfer_config = kv.clone());
-    let mut ps = scheduler(&engine, &prefill);
+    let prefill = [worker_with(&engine, 0, 1, &spec, |c| {
+        c.kv_transfer_config = kv.clone()
+    })];
+    let mut ps = scheduler(&engine, 1, &prefill[0]);
     let mut pool = Pool::new(&spec);
     let mut rng = Rng(0x5eed_0000_0000_0001 ^ u64::from(std::process::id()));
     let (mut made, mut twice, mut late) = (0u64, 0u64, 0u64);
@@ -301,8 +326,8 @@ async fn soak_prefill_role() {
     let stalls = std::thread::spawn(serve_stalls);
     println!(
         "PORT {} {}",
-        prefill.side_channel_addr().unwrap().port(),
-        prefill.agent().name()
+        prefill[0].side_channel_addr().unwrap().port(),
+        prefill[0].agent().name()
     );
     while made < target || !held.is_empty() {
         let n = 1 + rng.below(4);
@@ -315,7 +340,7 @@ async fn soak_prefill_role() {
                 made += 1;
                 let seed = rng.below(usize::MAX) as u64 | 1;
                 let id = format!("p{made}");
-                pool.fill(&prefill, seed, &blocks);
+                pool.fill(&prefill[0], seed, &blocks);
                 let done = ps.request_finished(
                     &id,
                     &blocks,
@@ -328,9 +353,9 @@ async fn soak_prefill_role() {
                 println!("REQ {seed} {n} {params}");
             }
         }
-        prefill.start_load_kv(&ps.build_connector_meta());
+        prefill[0].start_load_kv(&ps.build_connector_meta());
         let released_now = ps
-            .update_connector_output(&[prefill.output()])
+            .update_connector_output(&[prefill[0].output()])
             .unwrap()
             .finished_sending;
         for id in released_now {
@@ -434,9 +459,9 @@ fn start_prefill(engine: &str, target: u64, seconds: Option<u64>) -> PrefillProc
     }
 }
 
-/// The decode engine: its worker, scheduler, pool and requests, and what it saw.
+/// The decode engine: its ranks, scheduler, pool and requests, and what it saw.
 struct DecodeEngine {
-    worker: KvConnectorWorker,
+    ranks: Vec<KvConnectorWorker>,
     scheduler: KvConnectorScheduler,
     pool: Pool,
     spec: KvCacheSpec,
@@ -472,6 +497,7 @@ impl DecodeEngine {
             remote_len: blocks,
             generation,
             past_lease,
+            plain: false,
         });
     }
 
@@ -490,20 +516,20 @@ impl DecodeEngine {
                 later.push(q);
                 continue;
             }
-            if self.rng.chance(5) {
+            if !q.plain && self.rng.chance(5) {
                 self.scheduler
                     .request_finished(&q.id, &[], 0, None, FinishStatus::Aborted);
                 self.r.aborted_while_waiting += 1;
                 continue;
             }
-            let hit = if self.rng.chance(15) {
+            let hit = if !q.plain && self.rng.chance(15) {
                 q.remote_len
             } else {
                 self.rng.below(q.remote_len)
             };
             let Some(local) =
                 self.pool
-                    .take(&self.worker, q.remote_len - hit, &mut self.r.late_writes)
+                    .take(&self.ranks, q.remote_len - hit, &mut self.r.late_writes)
             else {
                 later.push(q);
                 continue;
@@ -526,17 +552,21 @@ impl DecodeEngine {
                     first_index: hit,
                     generation: q.generation,
                     past_lease: q.past_lease,
+                    plain: q.plain,
                 },
             );
         }
         self.queued = later;
-        self.worker
-            .start_load_kv(&self.scheduler.build_connector_meta());
+        let meta = self.scheduler.build_connector_meta();
+        for rank in &self.ranks {
+            rank.start_load_kv(&meta);
+        }
         // Aborts while loading: the blocks stay until the load ends.
         let running: Vec<String> = self
             .loading
-            .keys()
-            .filter(|id| !self.aborted.contains(*id))
+            .iter()
+            .filter(|(id, load)| !load.plain && !self.aborted.contains(*id))
+            .map(|(id, _)| id)
             .cloned()
             .collect();
         for id in running {
@@ -550,17 +580,45 @@ impl DecodeEngine {
             }
         }
         // The outcomes: loaded blocks checked, then every block poisoned and freed.
-        let output = self.worker.output();
-        self.r.overdue += self.worker.overdue_loads().len() as u64;
-        self.worker.metrics();
+        // Every rank's output, aggregated as vLLM's engine does.
+        let outputs: Vec<_> = self.ranks.iter().map(|rank| rank.output()).collect();
+        for rank in &self.ranks {
+            self.r.overdue += rank.overdue_loads().len() as u64;
+            rank.metrics();
+        }
         let outcomes = self
             .scheduler
-            .update_connector_output(&[output])
+            .update_connector_output(&outputs)
             .unwrap()
             .load_outcomes;
         for outcome in outcomes {
             self.ended(outcome, generation);
         }
+    }
+
+    /// Checks every rank's blocks of `load` against its request's pattern: rank `d` holds
+    /// the `d`th slice of the prefill's block (its head). Counts (poisoned, mismatched).
+    fn check(&self, load: &Loading) -> (u64, u64) {
+        let (mut poisoned, mut mismatched) = (0, 0);
+        for (d, rank) in self.ranks.iter().enumerate() {
+            let cache = rank.kv_caches().unwrap();
+            for (k, &b) in load.local.iter().enumerate() {
+                for region in 0..self.spec.num_regions() {
+                    let len = self.spec.block_len(region);
+                    let mut got = vec![0u8; len];
+                    cache.read(region, b * len, &mut got).unwrap();
+                    let want: Vec<u8> = (0..len)
+                        .map(|o| byte(load.seed, load.first_index + k, region, d * len + o))
+                        .collect();
+                    if got.iter().all(|&x| x == POISON) {
+                        poisoned += 1;
+                    } else if got != want {
+                        mismatched += 1;
+                    }
+                }
+            }
+        }
+        (poisoned, mismatched)
     }
 
     /// Checks and frees a load that ended with `outcome` (`generation`: the live prefill).
@@ -595,25 +653,16 @@ impl DecodeEngine {
         if loaded && load.generation > 0 {
             self.r.loaded_after_restart += 1;
         }
-        if loaded && load.past_lease {
-            self.r.loaded_past_lease += 1;
-        } else if loaded {
-            let cache = self.worker.kv_caches().unwrap();
-            for (k, &b) in load.local.iter().enumerate() {
-                for region in 0..self.spec.num_regions() {
-                    let len = self.spec.block_len(region);
-                    let mut got = vec![0u8; len];
-                    cache.read(region, b * len, &mut got).unwrap();
-                    let want: Vec<u8> = (0..len)
-                        .map(|o| byte(load.seed, load.first_index + k, region, o))
-                        .collect();
-                    if got.iter().all(|&x| x == POISON) {
-                        self.r.poisoned_blocks += 1;
-                    } else if got != want {
-                        self.r.mismatched_blocks += 1;
-                    }
-                }
-                self.r.blocks_verified += 1;
+        if loaded {
+            let (poisoned, mismatched) = self.check(&load);
+            if load.past_lease {
+                // The prefill may have reused them before the READ: counted, not failed.
+                self.r.loaded_past_lease += 1;
+                self.r.reused_past_lease += poisoned + mismatched;
+            } else {
+                self.r.poisoned_blocks += poisoned;
+                self.r.mismatched_blocks += mismatched;
+                self.r.blocks_verified += (load.local.len() * self.ranks.len()) as u64;
             }
         }
         if !aborted {
@@ -623,7 +672,7 @@ impl DecodeEngine {
             assert!(!done.delay_free_blocks, "{id}: its load ended");
         }
         self.pool
-            .give(&self.worker, &load.local, &mut self.r.freed_twice);
+            .give(&self.ranks, &load.local, &mut self.r.freed_twice);
     }
 }
 
@@ -644,20 +693,24 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
     std::env::set_var(UCX_TLS, TCP_ONLY);
     let started = Instant::now();
     let mut prefill = start_prefill(PREFILL, target, seconds);
-    let spec = spec();
+    let spec = spec(DECODE_TP);
     let kv = kv();
-    let worker = worker_with("dc-soak", 0, 1, &spec, |c| {
-        c.kv_transfer_config = kv.clone();
-        // Shorter than the prefill's stops, so that READs from it pass it.
-        c.transfer_timeout = Duration::from_millis(100);
-    });
-    let hostile = worker_with("hb-soak", 0, 1, &spec, |c| {
+    let ranks: Vec<KvConnectorWorker> = (0..DECODE_TP)
+        .map(|rank| {
+            worker_with("dc-soak", rank, DECODE_TP, &spec, |c| {
+                c.kv_transfer_config = kv.clone();
+                // Shorter than the prefill's stops, so that READs from it pass it.
+                c.transfer_timeout = Duration::from_millis(100);
+            })
+        })
+        .collect();
+    let hostile = worker_with("hb-soak", 0, 1, &self::spec(1), |c| {
         c.kv_transfer_config = kv.clone()
     });
     handshake(&hostile, PREFILL, prefill.port).await;
     let mut d = DecodeEngine {
-        scheduler: scheduler("dc-soak", &worker),
-        worker,
+        scheduler: scheduler("dc-soak", DECODE_TP, &ranks[0]),
+        ranks,
         pool: Pool::new(&spec),
         spec: spec.clone(),
         rng: Rng(0x5eed_1234_abcd_0001),
@@ -670,6 +723,7 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
     let rss_before = rss_kib();
     let mut prefill_end = None;
     let mut stopped_until: Option<Instant> = None;
+    let mut next_prefill_stop = 100;
     let mut step = 0u64;
     let mut generation = 0u64;
     let mut from_current = 0u64;
@@ -685,24 +739,31 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
             d.loading.len(),
             d.r
         );
-        // The prefill stops for 250 ms every 150 steps.
+        // The prefill stops for 250 ms, 100 steps or more apart, while loads from it run.
         match stopped_until {
             Some(until) if Instant::now() >= until => {
                 common::signal(&prefill.child, libc::SIGCONT);
                 stopped_until = None;
             }
-            None if step % 150 == 0 && prefill_end.is_none() => {
+            None if step >= next_prefill_stop && !d.loading.is_empty() && prefill_end.is_none() => {
                 common::signal(&prefill.child, libc::SIGSTOP);
                 stopped_until = Some(Instant::now() + Duration::from_millis(250));
+                next_prefill_stop = step + 100;
                 d.r.prefill_stops += 1;
             }
             _ => {}
         }
-        // The prefill is killed and a new one (a new engine, port and agent) takes over.
+        // The prefill is killed and a new one (a new engine, port and agent) takes over,
+        // while requests from it wait for their blocks (so that some loads from it fail).
         if from_current >= KILL_AFTER
             && d.r.prefill_restarts < max_restarts
             && prefill_end.is_none()
+            && d.queued.iter().any(|q| q.generation == generation)
         {
+            d.queued
+                .iter_mut()
+                .filter(|q| q.generation == generation)
+                .for_each(|q| q.plain = true);
             prefill.child.kill().unwrap();
             prefill.child.wait().unwrap();
             stopped_until = None;
@@ -730,7 +791,7 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
             if stopped_until.take().is_some() {
                 common::signal(&prefill.child, libc::SIGCONT);
             }
-            let past_lease = (step / STALL_EVERY) % 2 == 0;
+            let past_lease = (step / STALL_EVERY) % 2 == 1;
             let ms = if past_lease {
                 d.past_lease();
                 d.r.decode_stalls_past_lease += 1;
