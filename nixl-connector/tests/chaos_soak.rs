@@ -1,7 +1,8 @@
 //! A chaos soak of a prefill engine (TP 1) in a child process and a decode engine of TP 2
 //! (two ranks in the test process, their outputs aggregated by the scheduler) over real
-//! NIXL/UCX (#30 item 6): hundreds of requests with random prefix hits, aborts while
-//! waiting and while loading, leases that end for requests nobody reads, a prefill stopped
+//! NIXL/UCX (#30 item 6): hundreds of requests with random prefix hits, some waiting for
+//! blocks longer than a lease (kept by heartbeats), aborts while waiting and while loading,
+//! leases that end for requests nobody reads, a prefill stopped
 //! (SIGSTOP) now and then for longer than the decode's transfer timeout while READs from it
 //! run, a decode stopped (the prefill stops its parent, the test process) for less and for
 //! more than a lease, a prefill killed (SIGKILL) mid-run and restarted as a new engine on a
@@ -167,6 +168,8 @@ struct Report {
     /// stall; and how many of their blocks (region by rank) the prefill had reused.
     loaded_past_lease: u64,
     reused_past_lease: u64,
+    /// Requests that waited for blocks longer than a lease (heartbeats keeping it).
+    waited_past_lease: u64,
     prefill_restarts: u64,
     /// Outcomes of loads from a killed prefill: loaded before it died, and not.
     dead_loaded: u64,
@@ -181,6 +184,9 @@ struct Queued {
     id: String,
     params: Box<KvTransferParams>,
     at_step: u64,
+    /// Not before then either: some wait for blocks longer than a lease, kept by the
+    /// heartbeats that start at `on_new_request`.
+    ready_at: Instant,
     seed: u64,
     remote_len: usize,
     generation: u64,
@@ -240,14 +246,17 @@ const TCP_ONLY: &str = "tcp,self";
 /// The prefill is killed and restarted after this many of its requests reached the decode
 /// (once in CI, again and again in a long run).
 const KILL_AFTER: u64 = 150;
-/// The decode is stopped every this many steps: alternately for more than a whole lease
-/// (leases end) and for less than the lease's margin (heartbeats stop, leases hold).
+/// The decode is stopped every this many steps: the first of every four times for more
+/// than a whole lease (leases end), the others for less than the lease's margin
+/// (heartbeats stop, leases hold).
 const STALL_EVERY: u64 = 250;
 /// A stall that misses heartbeats (sent every 250 ms, each extending the lease to 1 s from
 /// its arrival) without ending a lease.
 const SHORT_STALL_MS: u64 = 300;
 /// A stall past the 1.5 s lease.
 const LONG_STALL_MS: u64 = 2200;
+/// How long some requests wait for their blocks: past the 1.5 s lease.
+const LONG_WAIT: Duration = Duration::from_secs(2);
 
 /// `NIXL_CONNECTOR_SOAK_SECONDS`: a long run's length (the prefill process sees it too).
 fn soak_seconds() -> Option<u64> {
@@ -489,10 +498,18 @@ impl DecodeEngine {
         }
         let id = format!("d{}", self.r.requests);
         self.scheduler.on_new_request(&id, Some(&params));
+        // Long waits come between long decode stalls (which would end their leases too).
+        let mut ready_at = Instant::now();
+        let window = step % (4 * STALL_EVERY);
+        if (STALL_EVERY..3 * STALL_EVERY).contains(&window) && !past_lease && self.rng.chance(8) {
+            ready_at += LONG_WAIT;
+            self.r.waited_past_lease += 1;
+        }
         self.queued.push(Queued {
             id,
             params,
             at_step: step + self.rng.below(4) as u64,
+            ready_at,
             seed,
             remote_len: blocks,
             generation,
@@ -512,7 +529,7 @@ impl DecodeEngine {
     fn step(&mut self, step: u64, generation: u64) {
         let mut later = Vec::new();
         for q in std::mem::take(&mut self.queued) {
-            if q.at_step > step {
+            if q.at_step > step || q.ready_at > Instant::now() {
                 later.push(q);
                 continue;
             }
@@ -791,7 +808,7 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
             if stopped_until.take().is_some() {
                 common::signal(&prefill.child, libc::SIGCONT);
             }
-            let past_lease = (step / STALL_EVERY) % 2 == 1;
+            let past_lease = (step / STALL_EVERY) % 4 == 1;
             let ms = if past_lease {
                 d.past_lease();
                 d.r.decode_stalls_past_lease += 1;
@@ -899,6 +916,10 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
     assert!(
         r.decode_stalls_past_lease > 0 && r.decode_stalls > r.decode_stalls_past_lease,
         "the decode stalled, past a lease and not: {r:?}"
+    );
+    assert!(
+        r.waited_past_lease > 0,
+        "some requests waited for blocks past a lease: {r:?}"
     );
     assert!(
         r.prefill_restarts > 0 && r.dead_failed > 0 && r.loaded_after_restart > 0,
