@@ -29,8 +29,8 @@ use std::process::Stdio;
 
 use common::{after_tag, handshake, role_process, stdout_lines, worker_with};
 use nixl_connector::{
-    open_fds, FinishStatus, KvAttention, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker,
-    KvLayout, KvTransferParams, LoadOutcome, SchedulerConfig,
+    open_fds, ConnectorMetadata, FinishStatus, KvAttention, KvCacheSpec, KvConnectorScheduler,
+    KvConnectorWorker, KvLayout, KvTransferParams, LoadOutcome, SchedulerConfig,
 };
 
 /// Blocks per cache: enough for a few dozen requests in flight.
@@ -255,6 +255,8 @@ const STALL_EVERY: u64 = 250;
 const SHORT_STALL_MS: u64 = 300;
 /// A stall past the 1.5 s lease.
 const LONG_STALL_MS: u64 = 2200;
+/// The decode's engine TTL, in seconds (`engine_ttl`): a killed prefill is evicted.
+const ENGINE_TTL_S: f64 = 1.0;
 /// How long some requests wait for their blocks: past the 1.5 s lease.
 const LONG_WAIT: Duration = Duration::from_secs(2);
 
@@ -716,6 +718,11 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
         .map(|rank| {
             worker_with("dc-soak", rank, DECODE_TP, &spec, |c| {
                 c.kv_transfer_config = kv.clone();
+                // A killed prefill's engine is evicted within the run (a live one may be
+                // too, between loads, and is handshaken again).
+                c.kv_transfer_config
+                    .kv_connector_extra_config
+                    .insert("engine_ttl".into(), ENGINE_TTL_S.into());
                 // Shorter than the prefill's stops, so that READs from it pass it.
                 c.transfer_timeout = Duration::from_millis(100);
             })
@@ -890,6 +897,20 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
         prefill.child.wait().unwrap().success(),
         "the prefill's checks passed"
     );
+    // Every killed prefill's engine is evicted once idle past the TTL (each step sweeps).
+    let evicted = |d: &DecodeEngine| {
+        d.ranks.iter().all(|rank| {
+            rank.start_load_kv(&ConnectorMetadata::default());
+            let stats = rank.remote_stats();
+            stats.evicted >= d.r.prefill_restarts && stats.engines <= 1
+        })
+    };
+    common::wait_for(
+        "the dead prefills' engines evicted",
+        Duration::from_secs(5),
+        || evicted(&d),
+    )
+    .await;
     let (fds_after, rss_after) = (open_fds().unwrap(), rss_kib());
     let r = &d.r;
     eprintln!(
