@@ -170,6 +170,8 @@ struct Report {
     reused_past_lease: u64,
     /// Requests that waited for blocks longer than a lease (heartbeats keeping it).
     waited_past_lease: u64,
+    /// Of those, kept by the third agent's unsplit (vLLM) heartbeats, over 16 KiB.
+    waited_on_vllm_heartbeats: u64,
     prefill_restarts: u64,
     /// Outcomes of loads from a killed prefill: loaded before it died, and not.
     dead_loaded: u64,
@@ -193,6 +195,9 @@ struct Queued {
     past_lease: bool,
     /// Loaded, neither aborted nor a full hit (one of a killed prefill's, which must fail).
     plain: bool,
+    /// Its lease kept while it waits by the third agent's vLLM heartbeats, not the
+    /// decode's (`on_new_request` only at allocation).
+    vllm_heartbeats: bool,
 }
 
 /// A decode request under way: its local blocks and which of the request's blocks they are.
@@ -255,6 +260,8 @@ const STALL_EVERY: u64 = 250;
 const SHORT_STALL_MS: u64 = 300;
 /// A stall past the 1.5 s lease.
 const LONG_STALL_MS: u64 = 2200;
+/// How often the third agent floods the prefill with heartbeats.
+const FLOOD_EVERY: Duration = Duration::from_millis(250);
 /// The decode's engine TTL, in seconds (`engine_ttl`): a killed prefill is evicted.
 const ENGINE_TTL_S: f64 = 1.0;
 /// How long some requests wait for their blocks: past the 1.5 s lease.
@@ -480,6 +487,8 @@ struct DecodeEngine {
     queued: Vec<Queued>,
     loading: HashMap<String, Loading>,
     aborted: HashSet<String>,
+    /// The prefill's ids of the requests the third agent heartbeats (as a vLLM decode).
+    vllm_waiting: HashSet<String>,
     r: Report,
 }
 
@@ -499,13 +508,23 @@ impl DecodeEngine {
             return;
         }
         let id = format!("d{}", self.r.requests);
-        self.scheduler.on_new_request(&id, Some(&params));
         // Long waits come between long decode stalls (which would end their leases too).
         let mut ready_at = Instant::now();
         let window = step % (4 * STALL_EVERY);
+        let mut vllm_heartbeats = false;
         if (STALL_EVERY..3 * STALL_EVERY).contains(&window) && !past_lease && self.rng.chance(8) {
             ready_at += LONG_WAIT;
             self.r.waited_past_lease += 1;
+            // Every second one is kept by a vLLM decode's heartbeats instead (the third agent's
+            // unsplit ones), the engine telling the connector only when it allocates.
+            vllm_heartbeats = self.r.waited_past_lease % 2 == 1;
+        }
+        if vllm_heartbeats {
+            self.r.waited_on_vllm_heartbeats += 1;
+            let remote = params.remote_request_id.clone().unwrap();
+            self.vllm_waiting.insert(remote);
+        } else {
+            self.scheduler.on_new_request(&id, Some(&params));
         }
         self.queued.push(Queued {
             id,
@@ -516,7 +535,8 @@ impl DecodeEngine {
             remote_len: blocks,
             generation,
             past_lease,
-            plain: false,
+            plain: vllm_heartbeats,
+            vllm_heartbeats,
         });
     }
 
@@ -553,6 +573,11 @@ impl DecodeEngine {
                 later.push(q);
                 continue;
             };
+            if q.vllm_heartbeats {
+                self.vllm_waiting
+                    .remove(q.params.remote_request_id.as_deref().unwrap());
+                self.scheduler.on_new_request(&q.id, Some(&q.params));
+            }
             self.scheduler
                 .update_state_after_alloc(&q.id, &local, &q.params)
                 .unwrap();
@@ -741,6 +766,7 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
         queued: Vec::new(),
         loading: HashMap::new(),
         aborted: HashSet::new(),
+        vllm_waiting: HashSet::new(),
         r: Report::default(),
     };
     let fds_before = open_fds().unwrap();
@@ -748,6 +774,7 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
     let mut prefill_end = None;
     let mut stopped_until: Option<Instant> = None;
     let mut next_prefill_stop = 100;
+    let mut last_flood = Instant::now();
     let mut step = 0u64;
     let mut generation = 0u64;
     let mut from_current = 0u64;
@@ -869,10 +896,14 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
                 }
             }
         }
-        // A heartbeat flood with malformed notifications, now and then.
-        if step % 50 == 0 {
+        // The third agent's heartbeat flood with malformed notifications, every 250 ms (more
+        // often than a heartbeat's 1 s extension): one heartbeat naming the requests it
+        // waits for as a vLLM decode does, in one message (far over 16 KiB).
+        if last_flood.elapsed() >= FLOOD_EVERY {
+            last_flood = Instant::now();
             d.r.floods += 1;
-            let ids: Vec<String> = (0..5000).map(|i| format!("{:x>48}", i)).collect();
+            let padding = (0..5000).map(|i| format!("{:x>48}", i));
+            let ids: Vec<String> = d.vllm_waiting.iter().cloned().chain(padding).collect();
             for message in [
                 format!("HB:{}", ids.join(",")).into_bytes(),
                 b"HB:a,,b".to_vec(),
@@ -939,8 +970,8 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
         "the decode stalled, past a lease and not: {r:?}"
     );
     assert!(
-        r.waited_past_lease > 0,
-        "some requests waited for blocks past a lease: {r:?}"
+        r.waited_on_vllm_heartbeats > 0,
+        "some requests waited for blocks past a lease, kept by vLLM heartbeats: {r:?}"
     );
     assert!(
         r.prefill_restarts > 0 && r.dead_failed > 0 && r.loaded_after_restart > 0,
