@@ -1,12 +1,13 @@
 //! A chaos soak of a prefill engine (TP 1) in a child process and a decode engine of TP 2
 //! (two ranks in the test process, their outputs aggregated by the scheduler) over real
 //! NIXL/UCX (#30 item 6): hundreds of requests with random prefix hits, some waiting for
-//! blocks longer than a lease (kept by heartbeats), aborts while waiting and while loading,
+//! blocks longer than a lease (kept by the decode's heartbeats, or by a third agent's
+//! vLLM-style ones of over 16 KiB), aborts while waiting and while loading,
 //! leases that end for requests nobody reads, a prefill stopped
 //! (SIGSTOP) now and then for longer than the decode's transfer timeout while READs from it
 //! run, a decode stopped (the prefill stops its parent, the test process) for less and for
 //! more than a lease, a prefill killed (SIGKILL) mid-run and restarted as a new engine on a
-//! new port, and heartbeat floods with malformed notifications from a third agent.
+//! new port (the dead one evicted by the decode), and heartbeat floods with malformed notifications from a third agent.
 //!
 //! Both engines keep a block pool. Every block either side frees is overwritten with a
 //! poison pattern, and checked to be still poisoned when it is taken again; every block the
