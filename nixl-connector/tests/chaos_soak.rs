@@ -513,7 +513,9 @@ impl DecodeEngine {
         let mut ready_at = Instant::now();
         let window = step % (4 * STALL_EVERY);
         let mut vllm_heartbeats = false;
-        if (STALL_EVERY..3 * STALL_EVERY).contains(&window) && !past_lease && self.rng.chance(8) {
+        // (The first two in a run, then 8 % of them.)
+        let long = self.r.waited_past_lease < 2 || self.rng.chance(8);
+        if (STALL_EVERY..3 * STALL_EVERY).contains(&window) && !past_lease && long {
             ready_at += LONG_WAIT;
             self.r.waited_past_lease += 1;
             // Every second one is kept by a vLLM decode's heartbeats instead (the third agent's
