@@ -154,6 +154,8 @@ struct Report {
     aborted_while_waiting: u64,
     aborted_while_loading: u64,
     full_hits: u64,
+    /// Refused for lacking remote blocks, and freed at once.
+    without_remote_blocks: u64,
     never_read: u64,
     overdue: u64,
     blocks_verified: u64,
@@ -581,9 +583,29 @@ impl DecodeEngine {
                     .remove(q.params.remote_request_id.as_deref().unwrap());
                 self.scheduler.on_new_request(&q.id, Some(&q.params));
             }
-            self.scheduler
-                .update_state_after_alloc(&q.id, &local, &q.params)
-                .unwrap();
+            // Now and then (the first time in a run, then 2 %) the engine passes params without
+            // remote blocks: refused, and the request waits for nothing (the engine computes
+            // its blocks).
+            let bare = !q.plain
+                && !local.is_empty()
+                && (self.r.without_remote_blocks == 0 || self.rng.chance(2));
+            let mut params = q.params.clone();
+            if bare {
+                params.remote_block_ids.clear();
+            }
+            let scheduled = self
+                .scheduler
+                .update_state_after_alloc(&q.id, &local, &params);
+            if bare && scheduled.is_err() {
+                self.r.without_remote_blocks += 1;
+                let done =
+                    self.scheduler
+                        .request_finished(&q.id, &local, 0, None, FinishStatus::Stopped);
+                assert!(!done.delay_free_blocks, "{}: nothing to load", q.id);
+                self.pool.give(&self.ranks, &local, &mut self.r.freed_twice);
+                continue;
+            }
+            scheduled.unwrap();
             if local.is_empty() {
                 self.r.full_hits += 1;
                 self.scheduler
