@@ -9,7 +9,7 @@ use std::io::{Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
@@ -161,6 +161,52 @@ pub(crate) struct Endpoint {
 trait Stream: Read + Write + Send {}
 impl<T: Read + Write + Send> Stream for T {}
 
+/// The longest exchange a deadline is set for; a longer timeout means no sooner end.
+const LONGEST_EXCHANGE: Duration = Duration::from_secs(86_400);
+
+/// A TCP stream whose reads and writes all end by one deadline, that of the whole exchange:
+/// each operation may take only the time left, so a slow endpoint cannot stretch an
+/// exchange by answering a byte at a time.
+struct DeadlineTcp {
+    tcp: TcpStream,
+    deadline: Instant,
+}
+
+impl DeadlineTcp {
+    /// The time left, or `TimedOut` once the deadline has passed.
+    fn left(&self) -> std::io::Result<Duration> {
+        self.deadline
+            .checked_duration_since(Instant::now())
+            .filter(|left| !left.is_zero())
+            .ok_or_else(|| {
+                std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "the exchange's deadline passed",
+                )
+            })
+    }
+}
+
+impl Read for DeadlineTcp {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let left = self.left()?;
+        self.tcp.set_read_timeout(Some(left))?;
+        self.tcp.read(buf)
+    }
+}
+
+impl Write for DeadlineTcp {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let left = self.left()?;
+        self.tcp.set_write_timeout(Some(left))?;
+        self.tcp.write(buf)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.tcp.flush()
+    }
+}
+
 impl Endpoint {
     /// The endpoint at `host` (`host:port`), spoken to through TLS with `tls` when `https`.
     ///
@@ -196,8 +242,9 @@ impl Endpoint {
         })
     }
 
-    /// Sends `request` and reads the answer up to its end or `cap` bytes, each socket
-    /// operation within `timeout` (blocking).
+    /// Sends `request` and reads the answer up to its end or `cap` bytes, the whole
+    /// exchange (connecting, the TLS handshake, writing and reading) within `timeout`
+    /// (blocking).
     pub(crate) fn exchange(
         &self,
         request: &[u8],
@@ -210,10 +257,9 @@ impl Endpoint {
             .map_err(|err| err.to_string())?
             .next()
             .ok_or("the host name resolves to no address")?;
+        let deadline = Instant::now() + timeout.min(LONGEST_EXCHANGE);
         let tcp = TcpStream::connect_timeout(&addr, timeout).map_err(|e| e.to_string())?;
-        tcp.set_read_timeout(Some(timeout))
-            .and_then(|()| tcp.set_write_timeout(Some(timeout)))
-            .map_err(|e| e.to_string())?;
+        let tcp = DeadlineTcp { tcp, deadline };
         let mut stream: Box<dyn Stream> = match &self.tls {
             None => Box::new(tcp),
             Some((name, tls)) => {
@@ -327,6 +373,37 @@ mod tests {
         let err = EtcdTls::from_files(&path, None).unwrap_err().to_string();
         std::fs::remove_dir_all(&dir).unwrap();
         assert!(err.contains("holds no PEM certificate"), "{err}");
+    }
+
+    #[test]
+    fn an_endpoint_answering_a_byte_at_a_time_is_given_up_at_the_exchanges_deadline() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let host = listener.local_addr().unwrap().to_string();
+        // The answer trickles in for 5 s: each byte comes well within a per-read timeout.
+        let server = std::thread::spawn(move || {
+            let (mut peer, _) = listener.accept().unwrap();
+            for _ in 0..50 {
+                if peer.write_all(b"x").is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        });
+        let endpoint = Endpoint::new(&host, false, None).unwrap();
+        let start = Instant::now();
+        let err = endpoint
+            .exchange(
+                b"GET / HTTP/1.1\r\n\r\n",
+                1 << 20,
+                Duration::from_millis(500),
+            )
+            .unwrap_err();
+        assert!(
+            start.elapsed() < Duration::from_secs(4),
+            "given up after {:?}: {err}",
+            start.elapsed()
+        );
+        server.join().unwrap();
     }
 
     #[test]
