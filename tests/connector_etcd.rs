@@ -11,7 +11,6 @@
 mod connector;
 mod demo_support;
 
-use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
 use base64::prelude::{Engine, BASE64_STANDARD};
@@ -20,33 +19,18 @@ use demo_support::Etcd;
 use nixl_connector::etcd::{fetch_metadata, metadata_key};
 use nixl_connector::{KvConnectorWorker, MetadataExchange};
 
-/// Sends one request of etcd's JSON gateway (`/v3/kv/put`, `/v3/kv/deleterange`) and checks
-/// that it succeeded.
-fn etcd_request(endpoint: &str, path: &str, body: &str) {
-    let host = endpoint.trim_start_matches("http://");
-    let mut stream = std::net::TcpStream::connect(host).expect("connect to etcd");
-    let request = format!(
-        "POST {path} HTTP/1.0\r\nHost: {host}\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(request.as_bytes()).expect("ask etcd");
-    let mut answer = String::new();
-    stream.read_to_string(&mut answer).expect("etcd's answer");
-    assert!(answer.starts_with("HTTP/1.0 200"), "{path}: {answer}");
-}
-
-fn put(endpoint: &str, key: &str, value: &[u8]) {
+fn put(etcd: &Etcd, key: &str, value: &[u8]) {
     let body = format!(
         r#"{{"key":"{}","value":"{}"}}"#,
         BASE64_STANDARD.encode(key),
         BASE64_STANDARD.encode(value)
     );
-    etcd_request(endpoint, "/v3/kv/put", &body);
+    etcd.request("/v3/kv/put", &body);
 }
 
-fn delete(endpoint: &str, key: &str) {
+fn delete(etcd: &Etcd, key: &str) {
     let body = format!(r#"{{"key":"{}"}}"#, BASE64_STANDARD.encode(key));
-    etcd_request(endpoint, "/v3/kv/deleterange", &body);
+    etcd.request("/v3/kv/deleterange", &body);
 }
 
 /// The decode's frame cap, which also caps the metadata it fetches from etcd.
@@ -120,15 +104,11 @@ async fn metadata_from_etcd_is_fetched_by_the_connector_and_validated() {
         .await
         .unwrap();
 
-    put(
-        &etcd.endpoint,
-        &key,
-        b"nixlSerDes|garbage that is not metadata",
-    );
+    put(&etcd, &key, b"nixlSerDes|garbage that is not metadata");
     let failure = load(&decode, &victim, "garbage").await.unwrap_err();
     assert!(failure.contains("invalid metadata at byte"), "{failure}");
 
-    put(&etcd.endpoint, &key, &vec![7u8; 4 * MAX_FRAME]);
+    put(&etcd, &key, &vec![7u8; 4 * MAX_FRAME]);
     let failure = load(&decode, &victim, "oversized").await.unwrap_err();
     assert!(
         failure.contains(&format!("{MAX_FRAME}-byte cap")),
@@ -136,13 +116,13 @@ async fn metadata_from_etcd_is_fetched_by_the_connector_and_validated() {
     );
     assert!(failure.contains(&key), "{failure}");
 
-    delete(&etcd.endpoint, &key);
+    delete(&etcd, &key);
     let failure = load(&decode, &victim, "absent").await.unwrap_err();
     assert!(failure.contains("no metadata under it after"), "{failure}");
     assert!(failure.contains(&format!("key {key:?}")), "{failure}");
 
     // The real metadata back: it loads, and nothing of the refused bytes stuck.
-    put(&etcd.endpoint, &key, &real);
+    put(&etcd, &key, &real);
     load(&decode, &victim, "restored").await.unwrap();
     let stats = decode.remote_stats();
     assert_eq!((stats.loaded, stats.replaced), (2, 0), "{stats:?}");

@@ -213,16 +213,6 @@ struct Loading {
     plain: bool,
 }
 
-/// The process's resident memory, in KiB.
-fn rss_kib() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .expect("VmRSS in /proc/self/status")
-}
-
 /// The cache of a rank of TP `tp` of a model with 2 KV heads (HND: a block is its heads'
 /// tokens, head by head, so rank `d` of TP 2 holds the second half of each prefill block
 /// when `d` is 1, the first when 0).
@@ -795,7 +785,7 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
         r: Report::default(),
     };
     let fds_before = open_fds().unwrap();
-    let rss_before = rss_kib();
+    let rss_before = common::status_kib("VmRSS");
     let mut prefill_end = None;
     let mut stopped_until: Option<Instant> = None;
     let mut next_prefill_stop = 100;
@@ -967,7 +957,7 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
         || evicted(&d),
     )
     .await;
-    let (fds_after, rss_after) = (open_fds().unwrap(), rss_kib());
+    let (fds_after, rss_after) = (open_fds().unwrap(), common::status_kib("VmRSS"));
     let r = &d.r;
     eprintln!(
         "soak: {:.1} s, {step} steps, {r:?}; last prefill {}: freed twice {prefill_freed_twice}, \

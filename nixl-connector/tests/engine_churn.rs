@@ -36,16 +36,6 @@ async fn load(decode: &KvConnectorWorker, request: &str, remote: RemoteBlocks) -
     decode.metrics().remove(0).failure
 }
 
-/// The process's resident memory, in KiB.
-fn rss_kib() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .expect("VmRSS in /proc/self/status")
-}
-
 /// Steps `decode` with nothing to do until it has evicted every engine unused for [`TTL`].
 async fn settle(decode: &KvConnectorWorker) -> RemoteStats {
     let start = Instant::now();
@@ -82,12 +72,12 @@ async fn prefills_restarted_on_new_ports_leave_their_decode_flat() {
         drop(prefill);
         most_engines = most_engines.max(decode.remote_stats().engines);
         if i == 4 {
-            warm = Some((settle(&decode).await, rss_kib()));
+            warm = Some((settle(&decode).await, common::status_kib("VmRSS")));
         }
     }
     let (warm, warm_rss) = warm.unwrap();
     let end = settle(&decode).await;
-    let end_rss = rss_kib();
+    let end_rss = common::status_kib("VmRSS");
     eprintln!(
         "{RESTARTS} restarts: at most {most_engines} engines known at once; after the 5th \
          {warm:?}, RSS {warm_rss} KiB; at the end {end:?}, RSS {end_rss} KiB"

@@ -26,17 +26,6 @@ const PORT_ENV: &str = "NIXL_RS_TEST_REPLY_MEMORY_PORT";
 const REGIONS: usize = 512;
 const LAYERS_PER_REGION: usize = 4;
 
-/// A `kB` line of `/proc/self/status`, in bytes.
-fn status_bytes(field: &str) -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let line = status
-        .lines()
-        .find_map(|line| line.strip_prefix(field))
-        .unwrap_or_else(|| panic!("no {field} in /proc/self/status"));
-    let kb: u64 = line.trim().trim_end_matches("kB").trim().parse().unwrap();
-    kb * 1024
-}
-
 /// The decode, run as a child: fetches rank (0, 0), the hostile reply, and prints how much
 /// its peak RSS grew and the error; then fetches rank (0, 1), real metadata, and prints
 /// how many regions it decoded.
@@ -61,9 +50,9 @@ fn decode_role() {
     };
     // Warm up what the first fetch sets up once (the runtime's I/O driver, a connection).
     let _ = fetch(1).unwrap();
-    let before = status_bytes("VmRSS:");
+    let before = common::status_kib("VmRSS") * 1024;
     let result = fetch(0);
-    let growth = status_bytes("VmHWM:").saturating_sub(before);
+    let growth = (common::status_kib("VmHWM") * 1024).saturating_sub(before);
     println!("GROWTH {growth}");
     let err = result.expect_err("the hostile reply is refused");
     println!("ERROR {}", err.to_string().replace('\n', " "));

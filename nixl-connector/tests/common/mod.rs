@@ -45,6 +45,17 @@ pub const SERVER_DEADLINE: Duration = Duration::from_secs(2);
 /// Bytes of one head's token in the test caches (8 elements of 2 bytes).
 pub const TOKEN_BYTES: usize = 16;
 
+/// A memory figure of this process from `/proc/self/status` in KiB, e.g. `VmRSS` or
+/// `VmHWM` (its peak).
+pub fn status_kib(field: &str) -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").expect("read /proc/self/status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no {field} in /proc/self/status"))
+}
+
 /// A small HND cache of a rank of TP `tp` of a model with `total` KV heads: 3 regions of 16
 /// blocks of 4 tokens.
 pub fn spec_tp(total: usize, tp: usize) -> KvCacheSpec {

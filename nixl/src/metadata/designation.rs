@@ -258,6 +258,7 @@ mod tests {
     use std::net::IpAddr;
 
     use super::*;
+    use crate::metadata::process_endpoints::LiveThread;
     use crate::metadata::wire::Worker;
     use crate::transfer::local_peers::FakeAgent;
 
@@ -442,22 +443,15 @@ mod tests {
                 destinations: vec![cma(0x7000_0003), posix(0x7000_0003)],
             },
         );
-        let (tx, rx) = std::sync::mpsc::channel();
-        let (stop, stopped) = std::sync::mpsc::channel::<()>();
-        let thread = std::thread::spawn(move || {
-            // SAFETY: gettid has no preconditions.
-            tx.send(unsafe { libc::gettid() } as u32).unwrap();
-            stopped.recv().ok();
-        });
-        let tid = rx.recv().unwrap();
+        let thread = LiveThread::start();
+        let tid = thread.tid;
         for dest in [cma(tid), posix(tid)] {
             refused(
                 classify_as("other", None, vec![dest]),
                 &format!("designates thread {tid} of this process"),
             );
         }
-        drop(stop);
-        thread.join().unwrap();
+        drop(thread);
         // Another thread group: another process, not this one.
         let parent = std::os::unix::process::parent_id();
         for dest in [cma(parent), posix(parent)] {

@@ -72,6 +72,46 @@ pub(crate) fn sysv_segments() -> io::Result<Vec<u32>> {
         .collect())
 }
 
+/// A thread of this process, alive until dropped, with its thread id: what a forged
+/// address names to alias this process (tests only).
+#[cfg(test)]
+pub(crate) struct LiveThread {
+    /// Its thread id (`gettid`), which is not this process's pid.
+    pub(crate) tid: u32,
+    /// Dropped to let the thread end.
+    stop: Option<std::sync::mpsc::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+#[cfg(test)]
+impl LiveThread {
+    /// Starts the thread and waits for its id.
+    pub(crate) fn start() -> LiveThread {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (stop, stopped) = std::sync::mpsc::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            // SAFETY: gettid has no preconditions.
+            tx.send(unsafe { libc::gettid() } as u32).unwrap();
+            stopped.recv().ok();
+        });
+        LiveThread {
+            tid: rx.recv().unwrap(),
+            stop: Some(stop),
+            thread: Some(thread),
+        }
+    }
+}
+
+#[cfg(test)]
+impl Drop for LiveThread {
+    fn drop(&mut self) {
+        drop(self.stop.take());
+        if let Some(thread) = self.thread.take() {
+            thread.join().unwrap();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -89,19 +129,11 @@ mod tests {
 
     #[test]
     fn every_thread_of_this_process_is_this_process() {
-        let (tx, rx) = std::sync::mpsc::channel();
-        let (stop, stopped) = std::sync::mpsc::channel::<()>();
-        let thread = std::thread::spawn(move || {
-            // SAFETY: gettid has no preconditions.
-            tx.send(unsafe { libc::gettid() } as u32).unwrap();
-            stopped.recv().ok();
-        });
-        let tid = rx.recv().unwrap();
-        assert_ne!(tid, std::process::id());
-        assert_eq!(task(tid).unwrap(), Task::ThisProcess);
+        let thread = LiveThread::start();
+        assert_ne!(thread.tid, std::process::id());
+        assert_eq!(task(thread.tid).unwrap(), Task::ThisProcess);
         assert_eq!(task(std::process::id()).unwrap(), Task::ThisProcess);
-        drop(stop);
-        thread.join().unwrap();
+        drop(thread);
         let parent = std::os::unix::process::parent_id();
         assert_eq!(task(parent).unwrap(), Task::Other(parent));
         // Above the largest pid Linux hands out (2^22).
