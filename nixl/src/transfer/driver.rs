@@ -258,9 +258,10 @@ impl Shared {
     }
 }
 
-/// Polls each held request once; delivers and removes the finished ones.
+/// Polls each held request once; removes the finished ones and delivers them, counting
+/// them out of the held requests first, so whoever sees a delivery sees them gone.
 fn poll_requests(shared: &Shared, held: &mut Vec<Entry>) {
-    let before = held.len();
+    let mut ended = Vec::new();
     let mut index = 0;
     while index < held.len() {
         let outcome = match held[index].item.poll_done() {
@@ -271,7 +272,10 @@ fn poll_requests(shared: &Shared, held: &mut Vec<Entry>) {
             Ok(true) => None,
             Err(err) => Some(err),
         };
-        let Entry { item, slot } = held.swap_remove(index);
+        ended.push((held.swap_remove(index), outcome));
+    }
+    shared.finished(ended.len());
+    for (Entry { item, slot }, outcome) in ended {
         let leftover = match outcome {
             None => slot.deliver(Ok(item)),
             // A failed request may still be partly in flight: dropping it leaks it with its
@@ -284,7 +288,6 @@ fn poll_requests(shared: &Shared, held: &mut Vec<Entry>) {
         // A cancelled future's request is released (or leaked) here, off the caller's thread.
         drop(leftover);
     }
-    shared.finished(before - held.len());
 }
 
 /// The driver thread.

@@ -16,8 +16,8 @@ pub struct DriverStats {
     pub dropped_in_flight: u64,
     /// Times a future found the driver at its capacity (4096 requests) and waited for room.
     pub waited_for_room: u64,
-    /// Requests the driver holds now (a request leaves this count just after its outcome
-    /// is handed back).
+    /// Requests the driver holds now, still in flight or not yet seen done (a request
+    /// leaves this count just before its outcome is handed back).
     pub held: u64,
 }
 
