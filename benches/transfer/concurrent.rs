@@ -90,6 +90,8 @@ struct Side {
     reqs: Vec<XferRequest>,
     /// A READ of the first 4 KiB, for the awaited round trip.
     small: Option<XferRequest>,
+    /// One READ of every block, a descriptor each (unmerged), for `concurrent-profile`.
+    whole: Option<XferRequest>,
     /// What the source holds.
     expected: Arc<Vec<u8>>,
 }
@@ -147,10 +149,23 @@ fn side(lock: Lock, b_meta: &[u8], src_addr: usize, seed: u64) -> Res<Side> {
         .map(|i| read(i * BLOCK, BLOCK, i % lock.workers()))
         .collect::<Res<Vec<XferRequest>>>()?;
     let small = Some(read(0, SMALL, 0)?);
+    let mut local = LocalDescList::with_capacity(MemType::Dram, REQUESTS)?;
+    let mut descs = Vec::with_capacity(REQUESTS);
+    for i in 0..REQUESTS {
+        local.push(&dst, 0, i * BLOCK, BLOCK)?;
+        descs.push(XferDesc::new(src_addr + i * BLOCK, BLOCK, 0));
+    }
+    let remote = RemoteDescList::from_descs(MemType::Dram, &descs)?;
+    let mut options = XferOptions::new().skip_desc_merge(true);
+    if lock.workers() > 1 {
+        options = options.custom_param("worker_id=0");
+    }
+    let whole = Some(a.create_xfer_req(XferOp::Read, &local, &remote, &peer, &options)?);
     Ok(Side {
         dst: Arc::new(dst),
         reqs,
         small,
+        whole,
         expected: Arc::new(pattern(REQUESTS * BLOCK, seed)),
     })
 }
@@ -305,8 +320,9 @@ fn run(rt: &tokio::runtime::Runtime, concurrent: bool, side: &mut Side) -> Res<V
 }
 
 /// `transfer concurrent-profile LOCK WORKERS HOW BATCHES`: runs one variant alone (in-process,
-/// `LOCK` one of mutex, spinlock, workers2; `HOW` sequential or concurrent) for `BATCHES`
-/// batches, for a profiler (`perf record`, `valgrind --tool=callgrind`) to look at.
+/// `LOCK` one of mutex, spinlock, workers2; `HOW` sequential, concurrent, or one-request: one
+/// task posting one request of all the blocks, a descriptor each, and checking them) for
+/// `BATCHES` batches, for a profiler (`perf record`, `valgrind --tool=callgrind`) to look at.
 pub fn profile(args: &[String]) -> Res<()> {
     let [lock, workers, how, batches] = args else {
         return Err("usage: transfer concurrent-profile LOCK WORKERS HOW BATCHES".into());
@@ -316,9 +332,9 @@ pub fn profile(args: &[String]) -> Res<()> {
         .find(|l| l.name() == lock)
         .ok_or("LOCK: mutex, spinlock or workers2")?;
     let concurrent = match how.as_str() {
-        "sequential" => false,
+        "sequential" | "one-request" => false,
         "concurrent" => true,
-        _ => return Err("HOW: sequential or concurrent".into()),
+        _ => return Err("HOW: sequential, concurrent or one-request".into()),
     };
     pin_to(&CORES)?;
     let seed = 0xC0C0;
@@ -333,7 +349,11 @@ pub fn profile(args: &[String]) -> Res<()> {
     let (cpu0, sleeps0, t0) = (cpu_seconds(), sleeps(), Instant::now());
     let batches: usize = batches.parse()?;
     for _ in 0..batches {
-        side.reqs = run(&rt, concurrent, &mut side)?;
+        if how == "one-request" {
+            side.whole = Some(run_whole(&rt, &mut side)?);
+        } else {
+            side.reqs = run(&rt, concurrent, &mut side)?;
+        }
     }
     let per = |total: f64| total * 1e6 / (batches * REQUESTS) as f64;
     eprintln!(
@@ -345,6 +365,23 @@ pub fn profile(args: &[String]) -> Res<()> {
         per((sleeps() - sleeps0) as f64) / 1e6,
     );
     Ok(())
+}
+
+/// One task posts one request of every block, awaits it and checks every block; gives the
+/// request back, done.
+fn run_whole(rt: &tokio::runtime::Runtime, side: &mut Side) -> Res<XferRequest> {
+    let mut req = side.whole.take().ok_or("whole request lost")?;
+    let (dst, expected) = (side.dst.clone(), side.expected.clone());
+    let task = rt.spawn(async move {
+        if req.post().map_err(|e| e.to_string())? == XferStatus::InProgress {
+            req = req.await.map_err(|e| e.to_string())?;
+        }
+        for i in 0..REQUESTS {
+            check_block(&dst, &expected, i)?;
+        }
+        Ok::<_, String>(req)
+    });
+    Ok(rt.block_on(task)??)
 }
 
 /// Voluntary context switches of the whole process so far: its threads going to sleep, e.g.
