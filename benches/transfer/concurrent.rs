@@ -320,8 +320,9 @@ fn run(rt: &tokio::runtime::Runtime, concurrent: bool, side: &mut Side) -> Res<V
 }
 
 /// `transfer concurrent-profile LOCK WORKERS HOW BATCHES`: runs one variant alone (in-process,
-/// `LOCK` one of mutex, spinlock, workers2; `HOW` sequential, concurrent, or one-request: one
-/// task posting one request of all the blocks, a descriptor each, and checking them) for
+/// `LOCK` one of mutex, spinlock, workers2; `HOW` sequential, concurrent, one-request: one
+/// task posting one request of all the blocks, a descriptor each, and checking them, or
+/// check-only: a task per block checking it, no transfer) for
 /// `BATCHES` batches, for a profiler (`perf record`, `valgrind --tool=callgrind`) to look at.
 pub fn profile(args: &[String]) -> Res<()> {
     let [lock, workers, how, batches] = args else {
@@ -332,9 +333,9 @@ pub fn profile(args: &[String]) -> Res<()> {
         .find(|l| l.name() == lock)
         .ok_or("LOCK: mutex, spinlock or workers2")?;
     let concurrent = match how.as_str() {
-        "sequential" | "one-request" => false,
+        "sequential" | "one-request" | "check-only" => false,
         "concurrent" => true,
-        _ => return Err("HOW: sequential, concurrent or one-request".into()),
+        _ => return Err("HOW: sequential, concurrent, one-request or check-only".into()),
     };
     pin_to(&CORES)?;
     let seed = 0xC0C0;
@@ -346,11 +347,17 @@ pub fn profile(args: &[String]) -> Res<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(workers.parse()?)
         .build()?;
+    if how == "check-only" {
+        // The blocks to check, read once.
+        side.reqs = run(&rt, false, &mut side)?;
+    }
     let (cpu0, sleeps0, t0) = (cpu_seconds(), sleeps(), Instant::now());
     let batches: usize = batches.parse()?;
     for _ in 0..batches {
         if how == "one-request" {
             side.whole = Some(run_whole(&rt, &mut side)?);
+        } else if how == "check-only" {
+            run_checks(&rt, &side)?;
         } else {
             side.reqs = run(&rt, concurrent, &mut side)?;
         }
@@ -365,6 +372,24 @@ pub fn profile(args: &[String]) -> Res<()> {
         per((sleeps() - sleeps0) as f64) / 1e6,
     );
     Ok(())
+}
+
+/// A task per block that only checks it (no transfer), spawned and awaited as by `run`.
+fn run_checks(rt: &tokio::runtime::Runtime, side: &Side) -> Res<()> {
+    let (dst, expected) = (side.dst.clone(), side.expected.clone());
+    let batch = rt.spawn(async move {
+        let tasks: Vec<_> = (0..REQUESTS)
+            .map(|i| {
+                let (dst, expected) = (dst.clone(), expected.clone());
+                tokio::spawn(async move { check_block(&dst, &expected, i) })
+            })
+            .collect();
+        for task in tasks {
+            task.await.map_err(|e| e.to_string())??;
+        }
+        Ok::<_, String>(())
+    });
+    Ok(rt.block_on(batch)??)
 }
 
 /// One task posts one request of every block, awaits it and checks every block; gives the
