@@ -85,6 +85,9 @@ fn main() -> Res<()> {
             return report::write_concurrent_only(input.as_ref(), out_md.as_ref());
         }
     }
+    if args.first().map(String::as_str) == Some("concurrent-profile") {
+        return concurrent::profile(&args[1..]);
+    }
     if args.first().map(String::as_str) == Some("concurrent") {
         let mut out = Output::from_args(&args[1..])?;
         let round = u64::from(out.round);

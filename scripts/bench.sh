@@ -14,6 +14,7 @@
 #                   await/sleep-poll (benches/transfer/awaiting.rs), many tasks awaiting 16 KiB
 #                   READs against the same READs one after another at 1, 2 and 4 tokio workers,
 #                   in-process and across processes, with UCX's mutex and spinlock worker lock
+#                   and with two UCX workers
 #                   (benches/transfer/concurrent.rs), then the recorded figures of
 #                   benches/registered_copy.rs (registered_copy.md, which that bench does not
 #                   rewrite: run it on its own, `cargo bench -p nixl-rs --bench registered_copy`)

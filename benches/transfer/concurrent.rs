@@ -9,7 +9,10 @@
 //! request, `wait`s for it and checks its bytes. Both run on A's UCX backend as the crate
 //! makes it (UCX's worker lock a mutex, see `nixl::Agent::create_backend`) and, as the
 //! baseline, on a second A whose backend asks for UCX's default spinlock
-//! (`engine_config=USE_MT_MUTEX=n`). The four runs alternate [`REPS`] times per worker count.
+//! (`engine_config=USE_MT_MUTEX=n`), and on a third A whose backend has two UCX workers
+//! (`num_workers=2`, which the safe API refuses: made with `create_backend_with_unchecked`),
+//! request `i` bound to worker `i % 2` (`worker_id=` in its custom parameter), to see whether
+//! copies on different workers overlap. The six runs alternate [`REPS`] times per worker count.
 //! Records the milliseconds of a batch, the ratio concurrent/sequential of each repetition
 //! (the report takes medians) and the CPU seconds per GB of each.
 
@@ -40,23 +43,26 @@ const REPS: usize = 7;
 /// The cores every thread of this workload may run on.
 const CORES: [usize; 2] = [0, 1];
 
-/// The UCX worker lock A's backend uses.
+/// How A's UCX backend is set up: its worker lock, and how many workers it has.
 #[derive(Clone, Copy, PartialEq)]
 enum Lock {
     /// The crate's default: a mutex.
     Mutex,
     /// UCX's own default, the baseline: a spinlock.
     Spin,
+    /// The mutex, with two UCX workers (`num_workers=2`), request `i` on worker `i % 2`.
+    Workers2,
 }
 
 impl Lock {
-    const ALL: [Lock; 2] = [Lock::Mutex, Lock::Spin];
+    const ALL: [Lock; 3] = [Lock::Mutex, Lock::Spin, Lock::Workers2];
 
     /// Its name in the records' configuration.
     fn name(self) -> &'static str {
         match self {
             Lock::Mutex => "mutex",
             Lock::Spin => "spinlock",
+            Lock::Workers2 => "workers2",
         }
     }
 
@@ -65,6 +71,15 @@ impl Lock {
         match self {
             Lock::Mutex => Vec::new(),
             Lock::Spin => vec![("engine_config", "USE_MT_MUTEX=n")],
+            Lock::Workers2 => vec![("num_workers", "2")],
+        }
+    }
+
+    /// The UCX workers of its backend.
+    fn workers(self) -> usize {
+        match self {
+            Lock::Workers2 => 2,
+            Lock::Mutex | Lock::Spin => 1,
         }
     }
 }
@@ -75,6 +90,8 @@ struct Side {
     reqs: Vec<XferRequest>,
     /// A READ of the first 4 KiB, for the awaited round trip.
     small: Option<XferRequest>,
+    /// One READ of every block, a descriptor each (unmerged), for `concurrent-profile`.
+    whole: Option<XferRequest>,
     /// What the source holds.
     expected: Arc<Vec<u8>>,
 }
@@ -107,24 +124,48 @@ pub fn record(out: &mut Output, round: u64) -> Res<()> {
 /// (B's metadata `b_meta`, filled with the pattern of `seed`).
 fn side(lock: Lock, b_meta: &[u8], src_addr: usize, seed: u64) -> Res<Side> {
     let a = Agent::new(&format!("CA-{}", lock.name()))?;
-    let ucx = a.create_backend_with("UCX", lock.params())?;
+    let ucx = if lock.workers() > 1 {
+        // SAFETY: no worker threads (`num_threads` stays 0); the further worker's listener
+        // is reachable only from this benchmark's own agents, whose metadata it trusts.
+        unsafe { a.create_backend_with_unchecked("UCX", lock.params())? }
+    } else {
+        a.create_backend_with("UCX", lock.params())?
+    };
     let dst = a.register_memory(HostBuffer::zeroed(REQUESTS * BLOCK)?, &[&ucx])?;
     let peer = a.load_remote_metadata(b_meta)?;
-    let read = |offset: usize, len: usize| -> Res<XferRequest> {
+    let read = |offset: usize, len: usize, worker: usize| -> Res<XferRequest> {
         let mut local = LocalDescList::with_capacity(MemType::Dram, 1)?;
         local.push(&dst, 0, offset, len)?;
         let remote =
             RemoteDescList::from_descs(MemType::Dram, &[XferDesc::new(src_addr + offset, len, 0)])?;
-        Ok(a.create_xfer_req(XferOp::Read, &local, &remote, &peer, &XferOptions::new())?)
+        let options = if lock.workers() > 1 {
+            XferOptions::new().custom_param(format!("worker_id={worker}"))
+        } else {
+            XferOptions::new()
+        };
+        Ok(a.create_xfer_req(XferOp::Read, &local, &remote, &peer, &options)?)
     };
     let reqs = (0..REQUESTS)
-        .map(|i| read(i * BLOCK, BLOCK))
+        .map(|i| read(i * BLOCK, BLOCK, i % lock.workers()))
         .collect::<Res<Vec<XferRequest>>>()?;
-    let small = Some(read(0, SMALL)?);
+    let small = Some(read(0, SMALL, 0)?);
+    let mut local = LocalDescList::with_capacity(MemType::Dram, REQUESTS)?;
+    let mut descs = Vec::with_capacity(REQUESTS);
+    for i in 0..REQUESTS {
+        local.push(&dst, 0, i * BLOCK, BLOCK)?;
+        descs.push(XferDesc::new(src_addr + i * BLOCK, BLOCK, 0));
+    }
+    let remote = RemoteDescList::from_descs(MemType::Dram, &descs)?;
+    let mut options = XferOptions::new().skip_desc_merge(true);
+    if lock.workers() > 1 {
+        options = options.custom_param("worker_id=0");
+    }
+    let whole = Some(a.create_xfer_req(XferOp::Read, &local, &remote, &peer, &options)?);
     Ok(Side {
         dst: Arc::new(dst),
         reqs,
         small,
+        whole,
         expected: Arc::new(pattern(REQUESTS * BLOCK, seed)),
     })
 }
@@ -134,7 +175,7 @@ fn side(lock: Lock, b_meta: &[u8], src_addr: usize, seed: u64) -> Res<Side> {
 /// lock and the ratio mutex/spinlock of the repetitions' means.
 fn round_trips(out: &mut Output, sides: &mut [Side]) -> Res<()> {
     let rt = tokio::runtime::Builder::new_current_thread().build()?;
-    let mut us = [Vec::new(), Vec::new()];
+    let mut us = vec![Vec::new(); sides.len()];
     for rep in 0..=REPS {
         for (l, side) in sides.iter_mut().enumerate() {
             let mut req = side.small.take().ok_or("round-trip request lost")?;
@@ -199,8 +240,8 @@ fn measure(out: &mut Output, setup: &str, mut sides: Vec<Side>) -> Res<()> {
             .worker_threads(workers)
             .build()?;
         // [lock][concurrent] -> per-repetition ms and CPU s/GB.
-        let mut ms = [[Vec::new(), Vec::new()], [Vec::new(), Vec::new()]];
-        let mut cpu = [[Vec::new(), Vec::new()], [Vec::new(), Vec::new()]];
+        let mut ms = vec![[Vec::new(), Vec::new()]; sides.len()];
+        let mut cpu = vec![[Vec::new(), Vec::new()]; sides.len()];
         // One untimed repetition first (pages touched, runtime threads started).
         for rep in 0..=REPS {
             for (l, side) in sides.iter_mut().enumerate() {
@@ -276,6 +317,106 @@ fn run(rt: &tokio::runtime::Runtime, concurrent: bool, side: &mut Side) -> Res<V
         Ok::<_, String>(done)
     });
     Ok(rt.block_on(batch)??)
+}
+
+/// `transfer concurrent-profile LOCK WORKERS HOW BATCHES`: runs one variant alone (in-process,
+/// `LOCK` one of mutex, spinlock, workers2; `HOW` sequential, concurrent, one-request: one
+/// task posting one request of all the blocks, a descriptor each, and checking them, or
+/// check-only: a task per block checking it, no transfer) for
+/// `BATCHES` batches, for a profiler (`perf record`, `valgrind --tool=callgrind`) to look at.
+pub fn profile(args: &[String]) -> Res<()> {
+    let [lock, workers, how, batches] = args else {
+        return Err("usage: transfer concurrent-profile LOCK WORKERS HOW BATCHES".into());
+    };
+    let lock = Lock::ALL
+        .into_iter()
+        .find(|l| l.name() == lock)
+        .ok_or("LOCK: mutex, spinlock or workers2")?;
+    let concurrent = match how.as_str() {
+        "sequential" | "one-request" | "check-only" => false,
+        "concurrent" => true,
+        _ => return Err("HOW: sequential, concurrent, one-request or check-only".into()),
+    };
+    pin_to(&CORES)?;
+    let seed = 0xC0C0;
+    let b = Agent::new("CB")?;
+    let ucx_b = b.create_backend("UCX")?;
+    let src = b.register_memory(HostBuffer::zeroed(REQUESTS * BLOCK)?, &[&ucx_b])?;
+    src.write(0, 0, &pattern(REQUESTS * BLOCK, seed))?;
+    let mut side = side(lock, &b.local_metadata()?, src.regions()[0].addr, seed)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers.parse()?)
+        .build()?;
+    if how == "check-only" {
+        // The blocks to check, read once.
+        side.reqs = run(&rt, false, &mut side)?;
+    }
+    let (cpu0, sleeps0, t0) = (cpu_seconds(), sleeps(), Instant::now());
+    let batches: usize = batches.parse()?;
+    for _ in 0..batches {
+        if how == "one-request" {
+            side.whole = Some(run_whole(&rt, &mut side)?);
+        } else if how == "check-only" {
+            run_checks(&rt, &side)?;
+        } else {
+            side.reqs = run(&rt, concurrent, &mut side)?;
+        }
+    }
+    let per = |total: f64| total * 1e6 / (batches * REQUESTS) as f64;
+    eprintln!(
+        "{} {how} at {workers} workers: {:.2} µs and {:.2} µs of CPU a request, {:.3} sleeps \
+         (voluntary context switches of the process) a request",
+        lock.name(),
+        per(t0.elapsed().as_secs_f64()),
+        per(cpu_seconds() - cpu0),
+        per((sleeps() - sleeps0) as f64) / 1e6,
+    );
+    Ok(())
+}
+
+/// A task per block that only checks it (no transfer), spawned and awaited as by `run`.
+fn run_checks(rt: &tokio::runtime::Runtime, side: &Side) -> Res<()> {
+    let (dst, expected) = (side.dst.clone(), side.expected.clone());
+    let batch = rt.spawn(async move {
+        let tasks: Vec<_> = (0..REQUESTS)
+            .map(|i| {
+                let (dst, expected) = (dst.clone(), expected.clone());
+                tokio::spawn(async move { check_block(&dst, &expected, i) })
+            })
+            .collect();
+        for task in tasks {
+            task.await.map_err(|e| e.to_string())??;
+        }
+        Ok::<_, String>(())
+    });
+    Ok(rt.block_on(batch)??)
+}
+
+/// One task posts one request of every block, awaits it and checks every block; gives the
+/// request back, done.
+fn run_whole(rt: &tokio::runtime::Runtime, side: &mut Side) -> Res<XferRequest> {
+    let mut req = side.whole.take().ok_or("whole request lost")?;
+    let (dst, expected) = (side.dst.clone(), side.expected.clone());
+    let task = rt.spawn(async move {
+        if req.post().map_err(|e| e.to_string())? == XferStatus::InProgress {
+            req = req.await.map_err(|e| e.to_string())?;
+        }
+        for i in 0..REQUESTS {
+            check_block(&dst, &expected, i)?;
+        }
+        Ok::<_, String>(req)
+    });
+    Ok(rt.block_on(task)??)
+}
+
+/// Voluntary context switches of the whole process so far: its threads going to sleep, e.g.
+/// waiting for a lock another thread holds.
+fn sleeps() -> i64 {
+    // SAFETY: rusage is plain data, valid when zeroed.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: RUSAGE_SELF with a valid out-pointer.
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) };
+    usage.ru_nvcsw
 }
 
 /// The child process holding agent B; it exits when its stdin closes (on drop).

@@ -550,11 +550,11 @@ pub fn write_concurrent_only(input: &Path, out: &Path) -> Res<()> {
 /// another (benches/transfer/concurrent.rs), with UCX's mutex worker lock (the crate's
 /// default) and its spinlock (the baseline), and the awaited 4 KiB round trip under each.
 fn write_concurrent(md: &mut String, runs: &Runs) -> Res<()> {
-    writeln!(md, "\n**Many tasks awaiting transfers** (same run; {} tasks on a multi-thread tokio runtime, each posting and awaiting its own 16 KiB READ and checking every byte, against the same READs one after another with `post` and blocking `wait` on one thread; agents A and B in one process, or B in a child process over UCX; A's UCX worker lock a mutex (the crate's default) or UCX's spinlock (`engine_config=USE_MT_MUTEX=n`, the baseline); the four runs alternate 7 times per worker count and round; ratios are medians of per-repetition ratios, then over rounds; CPU of the whole process):\n", super::concurrent::REQUESTS)?;
-    writeln!(md, "| setup | tokio workers | sequential ms | concurrent ms | concurrent/sequential | CPU s/GB sequential | CPU s/GB concurrent | spinlock: concurrent/sequential | spinlock: CPU s/GB concurrent | target |")?;
+    writeln!(md, "\n**Many tasks awaiting transfers** (same run; {} tasks on a multi-thread tokio runtime, each posting and awaiting its own 16 KiB READ and checking every byte, against the same READs one after another with `post` and blocking `wait` on one thread; agents A and B in one process, or B in a child process over UCX; A's UCX worker lock a mutex (the crate's default) or UCX's spinlock (`engine_config=USE_MT_MUTEX=n`, the baseline), or the mutex with two UCX workers (`num_workers=2`, opt-in through `create_backend_with_unchecked`; request i on worker i mod 2 by `worker_id=` in its custom parameter); the six runs alternate 7 times per worker count and round; ratios are medians of per-repetition ratios, then over rounds; CPU of the whole process):\n", super::concurrent::REQUESTS)?;
+    writeln!(md, "| setup | tokio workers | sequential ms | concurrent ms | concurrent/sequential | CPU s/GB sequential | CPU s/GB concurrent | spinlock: concurrent/sequential | spinlock: CPU s/GB concurrent | 2 UCX workers: concurrent/sequential | 2 UCX workers: CPU s/GB sequential | 2 UCX workers: CPU s/GB concurrent | target |")?;
     writeln!(
         md,
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"
     )?;
     let get = |setup: &str, lock: &str, how: &str, w: &str, m: &str| {
         series(runs, "rust", &format!("{setup} {lock} {how}"), w, m)
@@ -570,7 +570,7 @@ fn write_concurrent(md: &mut String, runs: &Runs) -> Res<()> {
             };
             writeln!(
                 md,
-                "| {setup} | {workers} | {} | {} | {} | {} | {} | {} | {} | {target} |",
+                "| {setup} | {workers} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {target} |",
                 fmt(get(setup, "mutex", "sequential", &w, "ms").median(), 2),
                 fmt(get(setup, "mutex", "concurrent", &w, "ms").median(), 2),
                 fmt_ratio(ratio),
@@ -587,6 +587,15 @@ fn write_concurrent(md: &mut String, runs: &Runs) -> Res<()> {
                     get(setup, "spinlock", "concurrent", &w, "cpu_s_per_gb").median(),
                     3
                 ),
+                fmt_ratio(get(setup, "workers2", "concurrent", &w, "ratio").median()),
+                fmt(
+                    get(setup, "workers2", "sequential", &w, "cpu_s_per_gb").median(),
+                    3
+                ),
+                fmt(
+                    get(setup, "workers2", "concurrent", &w, "cpu_s_per_gb").median(),
+                    3
+                ),
             )?;
         }
     }
@@ -594,9 +603,10 @@ fn write_concurrent(md: &mut String, runs: &Runs) -> Res<()> {
     let ratio = rt("mutex", "ratio").median();
     writeln!(
         md,
-        "\nAwaited 4 KiB READ round trip on one task (in-process, current-thread runtime, `post`, then `.await` if in progress): mutex {} µs, spinlock {} µs, mutex/spinlock {}: {}.",
+        "\nAwaited 4 KiB READ round trip on one task (in-process, current-thread runtime, `post`, then `.await` if in progress): mutex {} µs, spinlock {} µs, 2 UCX workers {} µs, mutex/spinlock {}: {}.",
         fmt(rt("mutex", "us_per_iter").median(), 3),
         fmt(rt("spinlock", "us_per_iter").median(), 3),
+        fmt(rt("workers2", "us_per_iter").median(), 3),
         fmt_ratio(ratio),
         verdict(ratio, false, 1.05),
     )?;
