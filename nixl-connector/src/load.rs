@@ -15,7 +15,7 @@ use futures::future::join_all;
 use nixl::{XferOp, XferOptions, XferStatus};
 use tracing::Instrument;
 
-use crate::block_map::pair_units;
+use crate::block_map::{pair_groups, pair_units};
 use crate::config::Protocol;
 use crate::connect::{self, Engine};
 use crate::error::{Error, Result};
@@ -383,13 +383,32 @@ fn post_one(
             format!("remote block {bad} of {} blocks", plan.remote_num_blocks),
         ));
     }
-    let pairs = pair_units(
-        &load.request_id,
-        &load.local_block_ids,
-        &remote_ids,
-        plan.block_sizes(),
-        load.remote.num_tokens,
-    )?;
+    let pairs = if load.remote.group_lens.len() > 1 {
+        if remote.blocks_per_id != 1 {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "{} kernel blocks per block id with several KV cache groups are not supported",
+                    remote.blocks_per_id
+                ),
+            ));
+        }
+        pair_groups(
+            &load.request_id,
+            &load.local_block_ids,
+            &remote_ids,
+            &load.remote.group_lens,
+            plan.block_sizes(),
+        )?
+    } else {
+        pair_units(
+            &load.request_id,
+            &load.local_block_ids,
+            &remote_ids,
+            plan.block_sizes(),
+            load.remote.num_tokens,
+        )?
+    };
     let (local, far, bytes) = plan.descriptor_ids(caches.spec.num_blocks, &pairs);
     let options = XferOptions::new().notification(load.notification(shared));
     let mut request = shared.setup.agent().make_xfer_req(

@@ -440,6 +440,10 @@ impl KvConnectorWorker {
                 .as_ref()
                 .map(|f| f.attn_backend_name.clone())
                 .unwrap_or_default(),
+            groups: crate::groups::KvCacheGroups::from_kv_transfer_config(
+                &config.kv_transfer_config,
+            )?
+            .len(),
         })?;
         let payload = NixlHandshakePayload::new(&compat.hash, &metadata);
         let server = match &config.vllm_side_channel {

@@ -9,6 +9,10 @@ use crate::spec::{KvAttention, KvCacheSpec, KvLayout, KvRegion, KvRegionKind};
 
 const OP: &str = "convert vLLM's NixlAgentMetadata";
 
+/// vLLM's `_SHARED_REGION_GROUP_ID`: the `region_group_ids` entry of a region that layers of
+/// several KV cache groups share.
+const SHARED_REGION: i64 = -1;
+
 impl NixlAgentMetadata {
     /// The [`KvCacheSpec`] this rank's metadata describes, for a model serving `attention`.
     /// vLLM's handshake names neither the KV heads nor MLA: both engines serve the same
@@ -27,8 +31,9 @@ impl NixlAgentMetadata {
     /// (`ssm_sizes`), PLE state (`ple_block_len`), regions packing several layers
     /// (`packed_member_layouts`), decode or prefill context parallelism, regions of different block
     /// counts, padded blocks (a stride other than the length), a layout other than HND or
-    /// NHD (`"HND"`, `"LBHNC"`; `"NHD"`, `"LBNHC"`), several KV cache groups
-    /// (`region_group_ids` that differ), or counts that do not fit.
+    /// NHD (`"HND"`, `"LBHNC"`; `"NHD"`, `"LBNHC"`), regions of different KV cache groups
+    /// (`region_group_ids` that differ: groups sharing every region are read, see
+    /// [`crate::KvCacheGroups`]), or counts that do not fit.
     pub fn kv_cache_spec(&self, attention: KvAttention) -> Result<KvCacheSpec> {
         let refuse = |why: String| Error::invalid(OP, why);
         if self.ssm_sizes != (0, 0) {
@@ -65,7 +70,7 @@ impl NixlAgentMetadata {
         if let Some(groups) = &self.region_group_ids {
             if groups.len() != regions || groups.windows(2).any(|w| w[0] != w[1]) {
                 return Err(refuse(format!(
-                    "regions of several KV cache groups ({groups:?}) are not supported (one KV cache group only)"
+                    "regions of different KV cache groups (region_group_ids {groups:?}) are not supported: only one group, or groups sharing every region ({SHARED_REGION} for each, as vLLM registers full-attention and sliding-window layers of a hybrid model)"
                 )));
             }
         }
@@ -131,11 +136,16 @@ pub(crate) struct RankRegistration<'a> {
     pub mem_type: String,
     /// The attention backend's name vLLM would give (from the compatibility factors).
     pub attn_backend_name: String,
+    /// The engine's KV cache groups ([`KvCacheGroups`](crate::KvCacheGroups)), which share
+    /// every region.
+    pub groups: usize,
 }
 
 impl NixlAgentMetadata {
-    /// The metadata of a rank registered with `rank.spec`, as vLLM 0.33's prefill writes it
-    /// for a model of one KV cache group: every region of all the blocks, unpadded
+    /// The metadata of a rank registered with `rank.spec`, as vLLM 0.33's prefill writes it:
+    /// every region of all the blocks, of the one KV cache group (`region_group_ids` 0) or
+    /// shared by the groups of a hybrid model (vLLM's `_SHARED_REGION_GROUP_ID`, -1, as its
+    /// `register_kv_caches` marks a tensor that layers of several groups use), unpadded
     /// (`block_strides` = `block_lens`), the layout by vLLM's name (`"LBHNC"` for HND,
     /// `"LBNHC"` for NHD), one kernel block per logical block, no Mamba state, no context
     /// parallelism, and no region names (a vLLM decode compares them with its layer names
@@ -176,7 +186,10 @@ impl NixlAgentMetadata {
             attn_backend_name: rank.attn_backend_name,
             physical_blocks_per_logical_kv_block: 1,
             region_num_blocks: Some(vec![spec.num_blocks as u64; regions]),
-            region_group_ids: Some(vec![0; regions]),
+            region_group_ids: Some(vec![
+                if rank.groups > 1 { SHARED_REGION } else { 0 };
+                regions
+            ]),
             region_names: None,
             region_mem_types: Some(vec![rank.mem_type; regions]),
             ..NixlAgentMetadata::default()
@@ -217,7 +230,11 @@ mod tests {
     #[test]
     fn a_ranks_own_metadata_is_the_spec_it_registered() {
         let heads = KvAttention::Mha { total_kv_heads: 8 };
-        for layout in [KvLayout::Hnd, KvLayout::Nhd] {
+        for (layout, groups, group_id) in [
+            (KvLayout::Hnd, 1, 0),
+            (KvLayout::Nhd, 1, 0),
+            (KvLayout::Hnd, 2, SHARED_REGION),
+        ] {
             let spec = KvCacheSpec::uniform(3, 64, 16, heads, layout, 4096);
             let meta = NixlAgentMetadata::of_rank(RankRegistration {
                 engine_id: "e",
@@ -227,10 +244,11 @@ mod tests {
                 device_id: 0,
                 mem_type: "DRAM".into(),
                 attn_backend_name: "FLASH_ATTN".into(),
+                groups,
             })
             .unwrap();
             assert_eq!(meta.kv_cache_spec(heads).unwrap(), spec);
-            assert_eq!(meta.region_group_ids, Some(vec![0; 3]));
+            assert_eq!(meta.region_group_ids, Some(vec![group_id; 3]));
             assert_eq!(meta.region_names, None);
         }
         let halves = KvCacheSpec {
@@ -248,6 +266,7 @@ mod tests {
             device_id: 0,
             mem_type: "DRAM".into(),
             attn_backend_name: String::new(),
+            groups: 1,
         })
         .unwrap_err();
         assert!(err.to_string().contains("K and V halves"), "{err}");
@@ -303,7 +322,7 @@ mod tests {
                     region_group_ids: Some(vec![0, -1]),
                     ..metadata()
                 },
-                "several KV cache groups",
+                "regions of different KV cache groups (region_group_ids [0, -1])",
             ),
             (
                 NixlAgentMetadata {

@@ -211,6 +211,7 @@ mod tests {
             host: "h".into(),
             port: 1,
             block_ids: vec![0],
+            group_lens: Vec::new(),
             request_id: "r".into(),
             tp_size: 1,
             num_tokens: None,

@@ -195,6 +195,7 @@ pub fn remote(
         host: "127.0.0.1".to_string(),
         port: prefill.side_channel_addr().unwrap().port(),
         block_ids: blocks,
+        group_lens: Vec::new(),
         request_id: request.to_string(),
         tp_size: tp,
         num_tokens: None,
