@@ -6,6 +6,8 @@
 // Both speak vLLM's protocol too: only the tests of the vllm feature use them.
 #[cfg(feature = "vllm")]
 pub mod geometry;
+#[cfg(feature = "vllm")]
+pub mod hybrid;
 pub mod loads;
 #[cfg(feature = "vllm")]
 pub mod matrix;
