@@ -115,7 +115,7 @@ pub(crate) fn pair_units(
         .collect())
 }
 
-/// The units a load of several KV cache groups reads (see [`crate::groups`]): `remote`
+/// The units a load of several KV cache groups reads (see [`KvCacheGroups`](crate::KvCacheGroups)): `remote`
 /// holds each group's blocks in turn, `group_lens` long, already trimmed to the local ones
 /// (the scheduler's `update_state_after_alloc_groups`), so that local block `i` reads
 /// remote block `i`, both engines' blocks holding as many tokens.

@@ -1,25 +1,5 @@
-//! Hybrid models: the KV cache groups of an engine (vLLM's `kv_cache_config.transfer_groups`
-//! under its hybrid KV cache manager, `SupportsHMA`) and the block ids of a request as one
-//! list per group.
-//!
-//! What is supported is what vLLM 0.33 ships for full-attention and sliding-window layers:
-//! every group has as many layers, and layer `i` of each group shares one registered tensor
-//! (vLLM's `_SHARED_REGION_GROUP_ID`, `-1`, in `region_group_ids`), so that a group's block
-//! ids address every region, and the groups' ids never collide (one block pool). A load
-//! then reads each group's blocks across every region (vLLM's `_compute_desc_ids` without
-//! region group mapping: the groups' lists flattened).
-//!
-//! A sliding-window group needs only the blocks of its window: both engines clip its list
-//! to the last `ceil(window / block_size) + 1` blocks (vLLM's `get_exchange_clipped_blocks`,
-//! `blocks_per_sw`), the prefill when it hands the params to the decode
-//! ([`KvConnectorScheduler::request_finished_all_groups`](crate::KvConnectorScheduler::request_finished_all_groups)),
-//! the decode when it schedules the load
-//! ([`KvConnectorScheduler::update_state_after_alloc_groups`](crate::KvConnectorScheduler::update_state_after_alloc_groups)),
-//! and each group's local blocks pair with the tail of its remote ones (vLLM's
-//! `_apply_prefix_caching`, group by group).
-//!
-//! Not supported, refused by name: SSM (Mamba) groups, and groups with regions of their own
-//! (`region_group_ids` naming different groups).
+//! Hybrid models: the KV cache groups of an engine and the block ids of a request as one
+//! list per group (see [`KvCacheGroups`]).
 
 use serde::{Deserialize, Serialize};
 
@@ -58,9 +38,30 @@ impl std::fmt::Display for KvCacheGroupKind {
     }
 }
 
-/// An engine's KV cache groups, in vLLM's order, all sharing the engine's registered
-/// regions and block size (see the [module](self) docs). The default is one full-attention
-/// group: a model without hybrid layers, whose requests' block ids are one list.
+/// An engine's KV cache groups, in vLLM's order (its `kv_cache_config.transfer_groups`
+/// under the hybrid KV cache manager, `SupportsHMA`), all sharing the engine's registered
+/// regions and block size. The default is one full-attention group: a model without hybrid
+/// layers, whose requests' block ids are one list.
+///
+/// What is supported is what vLLM 0.33 ships for full-attention and sliding-window layers:
+/// every group has as many layers, and layer `i` of each group shares one registered
+/// tensor (vLLM's `_SHARED_REGION_GROUP_ID`, `-1`, in `region_group_ids`), so that a
+/// group's block ids address every region, and the groups' ids never collide (one block
+/// pool). A load then reads each group's blocks across every region (vLLM's
+/// `_compute_desc_ids` without region group mapping: the groups' lists flattened).
+///
+/// A sliding-window group needs only the blocks of its window: both engines clip its list
+/// to the last `ceil(window / block_size) + 1` blocks (vLLM's `get_exchange_clipped_blocks`
+/// and `blocks_per_sw`), the prefill when it hands the params to the decode
+/// ([`KvConnectorScheduler::request_finished_all_groups`](crate::KvConnectorScheduler::request_finished_all_groups)),
+/// the decode when it schedules the load
+/// ([`KvConnectorScheduler::update_state_after_alloc_groups`](crate::KvConnectorScheduler::update_state_after_alloc_groups)),
+/// and each group's local blocks pair with the tail of its remote ones (vLLM's
+/// `_apply_prefix_caching`, group by group).
+///
+/// Not supported, refused by name: SSM (Mamba) groups, groups with regions of their own
+/// (`region_group_ids` naming different groups), and blocks of different sizes on the two
+/// engines of a load of several groups.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(try_from = "GroupsJson", into = "GroupsJson")]
 pub struct KvCacheGroups {

@@ -1,5 +1,5 @@
 //! The scheduler for hybrid models (vLLM's `SupportsHMA`): a request's block ids as one
-//! list per KV cache group, clipped to what each group needs (see [`crate::groups`]).
+//! list per KV cache group, clipped to what each group needs (see [`KvCacheGroups`](crate::KvCacheGroups)).
 
 use super::{KvConnectorScheduler, RequestFinished};
 use crate::error::{Error, Result};

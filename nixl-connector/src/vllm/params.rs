@@ -270,7 +270,7 @@ impl From<&KvTransferParams> for VllmKvTransferParams {
             remote_block_ids: (params.remote_engine_id.is_some()
                 || !params.remote_block_ids.is_empty()
                 || !params.remote_block_group_lens.is_empty())
-            .then(|| VllmBlockIds::Groups(groups)),
+            .then_some(VllmBlockIds::Groups(groups)),
             remote_engine_id: params.remote_engine_id.clone(),
             remote_request_id: params.remote_request_id.clone(),
             remote_host: params.remote_host.clone(),
