@@ -224,6 +224,42 @@ mod tests {
     }
 
     #[test]
+    fn one_sliding_window_group_clips_its_blocks_and_drops_the_token_count() {
+        let groups = KvCacheGroups::new(
+            8,
+            vec![KvCacheGroupKind::SlidingWindow { window_tokens: 12 }],
+        )
+        .unwrap();
+        let mut prefill = hybrid("p", Protocol::Native).with_kv_cache_groups(groups.clone());
+        let done = prefill
+            .request_finished_all_groups(
+                "r",
+                &[vec![1, 2, 3, 4, 5]],
+                40,
+                Some(&for_decode()),
+                FinishStatus::Stopped,
+            )
+            .unwrap();
+        let params = KvTransferParams {
+            do_remote_prefill: true,
+            do_remote_decode: false,
+            ..done.kv_transfer_params.unwrap()
+        };
+        // One group: the params keep vLLM's one-group shape.
+        assert_eq!(params.remote_block_ids, [3, 4, 5]);
+        assert!(params.remote_block_group_lens.is_empty());
+        let mut decode = hybrid("d", Protocol::Native).with_kv_cache_groups(groups);
+        decode.on_new_request("r", Some(&params));
+        decode
+            .update_state_after_alloc_groups("r", &[vec![11, 12, 13, 14, 15]], &params)
+            .unwrap();
+        let load = &decode.build_connector_meta().loads[0];
+        assert_eq!(load.local_block_ids, [13, 14, 15]);
+        assert_eq!(load.remote.block_ids, [3, 4, 5]);
+        assert_eq!(load.remote.num_tokens, None);
+    }
+
+    #[test]
     fn a_decode_pairs_each_group_with_the_tail_of_its_remote_blocks() {
         let params = KvTransferParams {
             do_remote_prefill: true,
