@@ -782,7 +782,7 @@ async fn a_rust_decode_of_two_kv_cache_groups_reads_each_groups_blocks_from_a_py
     let mut peer = VllmPeer::start();
     let hash = factors().hash();
     let got = peer.json(&format!(
-        "kv_prefill {hash} 0 0 py-hybrid {REGIONS} {BLOCKS} {BLOCK_LEN} 16 2"
+        "kv_prefill {hash} 0 0 py-hybrid {REGIONS} {BLOCKS} {BLOCK_LEN} 16 -1,-1"
     ));
     let port = got["port"].as_u64().unwrap();
     let (decode, mut scheduler) = vllm_engine_with("rs-decode-hybrid", hybrid_kv(&factors()));
@@ -842,6 +842,71 @@ async fn a_rust_decode_of_two_kv_cache_groups_reads_each_groups_blocks_from_a_py
         notes[0]["vllm"],
         json!({"id": "py-hybrid-1", "consumers": 1})
     );
+}
+
+/// vLLM 0.33's hybrid models whose KV cache groups have regions of their own
+/// (`region_group_ids` [0, 1]: layer 0 the full-attention group's, layer 1 the window's): a
+/// Rust decode of the same layout reads each group's blocks only in its own region (vLLM's
+/// `_compute_desc_ids` with region group mapping), leaving every other block untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rust_decode_reads_each_groups_blocks_only_in_its_own_regions() {
+    let mut peer = VllmPeer::start();
+    let hash = factors().hash();
+    peer.json(&format!(
+        "kv_prefill {hash} 0 0 py-own {REGIONS} {BLOCKS} {BLOCK_LEN} 16 0,1"
+    ));
+    let mut kv = hybrid_kv(&factors());
+    kv.kv_connector_extra_config.insert(
+        KV_CACHE_GROUPS_KEY.into(),
+        json!({"block_size": 16, "groups": ["full_attention", {"sliding_window": {"window_tokens": WINDOW_TOKENS}}], "region_groups": [0, 1]}),
+    );
+    let (decode, mut scheduler) = vllm_engine_with("rs-decode-own", kv);
+    let cache = decode.kv_caches().unwrap();
+    let untouched = vec![0xEEu8; BLOCKS * BLOCK_LEN];
+    for region in 0..REGIONS {
+        cache.write(region, 0, &untouched).unwrap();
+    }
+    let json = peer.call(&format!(
+        "kv_finish {} 1,3,9,14;2,4,5,6,7 {WINDOW_TOKENS}",
+        hex(b"py-own-1")
+    ));
+    let params = KvTransferParams::from_vllm_json(&json).unwrap();
+    scheduler.on_new_request("py-own-1", Some(&params));
+    let local = [vec![0, 8, 10, 11], vec![1, 2, 12, 13, 15]];
+    scheduler
+        .update_state_after_alloc_groups("py-own-1", &local, &params)
+        .unwrap();
+    decode.start_load_kv(&scheduler.build_connector_meta());
+    let start = Instant::now();
+    let outcome = loop {
+        let output = decode.output();
+        assert!(output.load_errors.is_empty(), "{:?}", output.load_errors);
+        let mut step = scheduler.update_connector_output(&[output]).unwrap();
+        if let Some(outcome) = step.load_outcomes.pop() {
+            break outcome;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "no load ended");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
+    // Region r holds group r's blocks; every other block of it is as it was.
+    let groups: [&[(usize, usize)]; 2] = [
+        &[(0, 1), (8, 3), (10, 9), (11, 14)],
+        &[(12, 5), (13, 6), (15, 7)],
+    ];
+    for (region, pairs) in groups.iter().enumerate() {
+        for block in 0..BLOCKS {
+            let mut got = vec![0u8; BLOCK_LEN];
+            cache.read(region, block * BLOCK_LEN, &mut got).unwrap();
+            let want: Vec<u8> = match pairs.iter().find(|(l, _)| *l == block) {
+                Some(&(_, r)) => (0..BLOCK_LEN)
+                    .map(|o| python_byte(region, r * BLOCK_LEN + o))
+                    .collect(),
+                None => vec![0xEE; BLOCK_LEN],
+            };
+            assert!(got == want, "region {region} block {block}");
+        }
+    }
 }
 
 /// A Rust prefill of two KV cache groups publishes its regions as shared by every group

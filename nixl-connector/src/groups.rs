@@ -59,15 +59,25 @@ impl std::fmt::Display for KvCacheGroupKind {
 /// and each group's local blocks pair with the tail of its remote ones (vLLM's
 /// `_apply_prefix_caching`, group by group).
 ///
-/// Not supported, refused by name: SSM (Mamba) groups, groups with regions of their own
-/// (`region_group_ids` naming different groups), and blocks of different sizes on the two
-/// engines of a load of several groups.
+/// In vLLM's protocol, groups may also have regions of their own
+/// ([`with_region_groups`](Self::with_region_groups), vLLM's `region_group_ids`): a group's
+/// blocks are then read only in its regions and the shared ones.
+///
+/// Not supported, refused by name: SSM (Mamba) groups, groups with regions of their own in
+/// the native protocol, and blocks of different sizes on the two engines of a load of
+/// several groups.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(try_from = "GroupsJson", into = "GroupsJson")]
 pub struct KvCacheGroups {
     block_size: usize,
     kinds: Vec<KvCacheGroupKind>,
+    /// Each region's group, or [`SHARED_REGION`]; empty: every region shared.
+    region_groups: Vec<i64>,
 }
+
+/// vLLM's `_SHARED_REGION_GROUP_ID`: the [`KvCacheGroups::region_groups`] entry of a region
+/// that layers of several KV cache groups share.
+pub const SHARED_REGION: i64 = -1;
 
 /// The JSON shape of [`KvCacheGroups`], checked on the way in.
 #[derive(Serialize, Deserialize)]
@@ -75,13 +85,15 @@ pub struct KvCacheGroups {
 struct GroupsJson {
     block_size: usize,
     groups: Vec<KvCacheGroupKind>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    region_groups: Vec<i64>,
 }
 
 impl TryFrom<GroupsJson> for KvCacheGroups {
     type Error = Error;
 
     fn try_from(json: GroupsJson) -> Result<Self> {
-        KvCacheGroups::new(json.block_size, json.groups)
+        KvCacheGroups::new(json.block_size, json.groups)?.with_region_groups(json.region_groups)
     }
 }
 
@@ -90,6 +102,7 @@ impl From<KvCacheGroups> for GroupsJson {
         GroupsJson {
             block_size: groups.block_size,
             groups: groups.kinds,
+            region_groups: groups.region_groups,
         }
     }
 }
@@ -99,6 +112,7 @@ impl Default for KvCacheGroups {
         KvCacheGroups {
             block_size: 1,
             kinds: vec![KvCacheGroupKind::FullAttention],
+            region_groups: Vec::new(),
         }
     }
 }
@@ -126,7 +140,75 @@ impl KvCacheGroups {
                 format!("group {group}: a sliding window must hold at least 1 token"),
             ));
         }
-        Ok(KvCacheGroups { block_size, kinds })
+        Ok(KvCacheGroups {
+            block_size,
+            kinds,
+            region_groups: Vec::new(),
+        })
+    }
+
+    /// The groups with the group of each registered region, in registration order (vLLM's
+    /// `region_group_ids`): a group's number, or [`SHARED_REGION`] for a region that layers
+    /// of several groups share. A group's blocks are read only in its regions and the shared
+    /// ones (vLLM's `_compute_desc_ids` with region group mapping); both engines must have
+    /// the same, which a vLLM-mode decode checks in the handshake. Empty: every region is
+    /// shared. Only vLLM's protocol reads groups with regions of their own.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for an entry that is neither a group nor
+    /// [`SHARED_REGION`].
+    pub fn with_region_groups(mut self, region_groups: Vec<i64>) -> Result<Self> {
+        let groups = self.len();
+        if let Some(region) = region_groups
+            .iter()
+            .position(|&g| g != SHARED_REGION && usize::try_from(g).map_or(true, |g| g >= groups))
+        {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "region {region}: group {} is not one of the {groups} groups, nor {SHARED_REGION} (shared)",
+                    region_groups[region]
+                ),
+            ));
+        }
+        self.region_groups = region_groups;
+        Ok(self)
+    }
+
+    /// Each region's group (see [`with_region_groups`](Self::with_region_groups)); empty:
+    /// every region shared.
+    pub fn region_groups(&self) -> &[i64] {
+        &self.region_groups
+    }
+
+    /// Whether some region belongs to one group only (its blocks are not read there for the
+    /// others).
+    pub fn has_regions_of_their_own(&self) -> bool {
+        self.region_groups.iter().any(|&g| g != SHARED_REGION) && self.len() > 1
+    }
+
+    /// The `region_group_ids` a rank of `regions` regions publishes in vLLM's metadata:
+    /// [`region_groups`](Self::region_groups) when given, else every region the one group's
+    /// (0) or shared ([`SHARED_REGION`]) by several.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the region groups are not one per region.
+    #[cfg(feature = "vllm")]
+    pub(crate) fn region_group_ids(&self, regions: usize) -> Result<Vec<i64>> {
+        if self.region_groups.is_empty() {
+            let id = if self.len() > 1 { SHARED_REGION } else { 0 };
+            return Ok(vec![id; regions]);
+        }
+        if self.region_groups.len() != regions {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "{} region groups for {regions} registered regions",
+                    self.region_groups.len()
+                ),
+            ));
+        }
+        Ok(self.region_groups.clone())
     }
 
     /// The groups `kv_connector_extra_config.kv_cache_groups` holds ([`KV_CACHE_GROUPS_KEY`]),
@@ -274,6 +356,56 @@ pub(crate) fn split<'a>(ids: &'a [usize], lens: &[usize]) -> Result<Vec<&'a [usi
         .collect())
 }
 
+/// The pairs each region reads, for `region_groups` (each region's group, or
+/// [`SHARED_REGION`]): a region of one group reads that group's pairs, a shared one every
+/// pair; `pairs` holds each group's in turn, `group_lens` of them (vLLM's `_compute_desc_ids`
+/// with region group mapping).
+///
+/// # Errors
+/// [`Error::InvalidArgument`] when the counts do not add up to the pairs, or a region names
+/// a group the load has not.
+pub(crate) fn pairs_by_region<'a>(
+    pairs: &'a [(usize, usize)],
+    group_lens: &[usize],
+    region_groups: &[i64],
+) -> Result<Vec<&'a [(usize, usize)]>> {
+    const OP: &str = "read the blocks of KV cache groups";
+    let mut groups = Vec::with_capacity(group_lens.len());
+    let mut rest = pairs;
+    for &n in group_lens {
+        if n > rest.len() {
+            return Err(Error::invalid(
+                OP,
+                format!("group counts {group_lens:?} for {} pairs", pairs.len()),
+            ));
+        }
+        let (group, tail) = rest.split_at(n);
+        groups.push(group);
+        rest = tail;
+    }
+    region_groups
+        .iter()
+        .enumerate()
+        .map(|(region, &g)| {
+            if g == SHARED_REGION {
+                return Ok(pairs);
+            }
+            usize::try_from(g)
+                .ok()
+                .and_then(|g| groups.get(g).copied())
+                .ok_or_else(|| {
+                    Error::invalid(
+                        OP,
+                        format!(
+                            "region {region} is group {g}'s, the load has {} groups",
+                            group_lens.len()
+                        ),
+                    )
+                })
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -348,6 +480,53 @@ mod tests {
             assert!(err.contains(want), "{err}");
             assert!(err.contains("SSM/Mamba groups are not"), "{err}");
         }
+    }
+
+    #[test]
+    fn a_region_of_one_group_reads_that_groups_pairs_only() {
+        let pairs = [(1, 7), (2, 8), (3, 9)];
+        let by_region = pairs_by_region(&pairs, &[2, 1], &[0, SHARED_REGION, 1]).unwrap();
+        assert_eq!(
+            by_region,
+            [&pairs[..2], &pairs[..], &pairs[2..]],
+            "group 0, shared, group 1"
+        );
+        let err = pairs_by_region(&pairs, &[2, 1], &[2])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("region 0 is group 2's, the load has 2 groups"),
+            "{err}"
+        );
+        assert!(pairs_by_region(&pairs, &[4], &[0]).is_err());
+    }
+
+    #[test]
+    fn region_groups_name_a_group_or_shared() {
+        let groups = gemma_like().with_region_groups(vec![0, 1, -1]).unwrap();
+        assert!(groups.has_regions_of_their_own());
+        assert_eq!(groups.region_groups(), [0, 1, -1]);
+        let err = gemma_like()
+            .with_region_groups(vec![0, 2])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("region 1: group 2 is not one of the 2 groups"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    #[cfg(feature = "vllm")]
+    fn a_rank_publishes_each_regions_group() {
+        let groups = gemma_like().with_region_groups(vec![0, 1, -1]).unwrap();
+        assert_eq!(groups.region_group_ids(3).unwrap(), [0, 1, -1]);
+        assert!(groups.region_group_ids(2).is_err());
+        assert_eq!(gemma_like().region_group_ids(2).unwrap(), [-1, -1]);
+        assert_eq!(
+            KvCacheGroups::default().region_group_ids(2).unwrap(),
+            [0, 0]
+        );
     }
 
     #[test]

@@ -17,14 +17,14 @@ Arguments are hex where they could hold spaces.
   parse_notif HEX              vLLM's reading of a notification -> JSON
 
 A prefill and a decode with NIXL's Python agent (DRAM, UCX), as vLLM's run them:
-  kv_prefill HASH EXTRA LIE ENGINE REGIONS BLOCKS BLOCK_LEN BLOCK_SIZE [GROUPS]
+  kv_prefill HASH EXTRA LIE ENGINE REGIONS BLOCKS BLOCK_LEN BLOCK_SIZE [REGION_GROUPS]
                                an agent registering REGIONS buffers of BLOCKS blocks of
                                BLOCK_LEN bytes (byte i of region r: kv_byte(r, i)) and a
                                ROUTER serving rank (0, 0)'s NixlAgentMetadata under HASH;
                                EXTRA 1 adds unknown keys; LIE 1 claims base addresses 1 MiB
-                               past the buffers; GROUPS > 1 (default 1): a hybrid model whose
-                               KV cache groups share every region (region_group_ids -1)
-                               -> JSON {port, agent}
+                               past the buffers; REGION_GROUPS ("-1,-1"; default every
+                               region group 0's) is each region's KV cache group, -1 for
+                               one that several groups share -> JSON {port, agent}
   kv_finish HEXREQ BLOCKS [WINDOW]
                                vLLM's request_finished params for the prefill's blocks
                                BLOCKS of request HEXREQ: one group ("3,4"), or one list per
@@ -279,7 +279,7 @@ def kv_byte(region, size):
     return ((i * 7 + (i >> 8) * 13 + region * 131 + 3) % 256).astype(np.uint8)
 
 
-def kv_prefill(hash_, extra, lie, engine, regions, blocks, block_len, block_size, groups=1):
+def kv_prefill(hash_, extra, lie, engine, regions, blocks, block_len, block_size, region_groups):
     from nixl_cu12 import nixl_agent
 
     name = f"py-prefill-{os.getpid()}"
@@ -304,7 +304,7 @@ def kv_prefill(hash_, extra, lie, engine, regions, blocks, block_len, block_size
         physical_blocks_per_logical_kv_block=1,
         region_num_blocks=[blocks] * regions,
         # A tensor that layers of several groups share is marked -1.
-        region_group_ids=[-1 if groups > 1 else 0] * regions,
+        region_group_ids=region_groups or [0] * regions,
         region_names=[f"model.layers.{r}.self_attn.attn" for r in range(regions)],
         region_mem_types=["DRAM"] * regions,
     )
@@ -496,8 +496,9 @@ def main():
                 answer(json.dumps({"error": str(e)}))
         elif cmd == "kv_prefill":
             hash_ = "" if args[0] == "-" else args[0]
-            nums = [int(x) for x in args[4:9]]
-            answer(json.dumps(kv_prefill(hash_, args[1] == "1", args[2] == "1", args[3], *nums)))
+            nums = [int(x) for x in args[4:8]]
+            groups = [int(x) for x in args[8].split(",")] if len(args) > 8 else None
+            answer(json.dumps(kv_prefill(hash_, args[1] == "1", args[2] == "1", args[3], *nums, groups)))
         elif cmd == "kv_finish":
             groups = [[int(x) for x in g.split(",") if x] for g in args[1].split(";")]
             window = int(args[2]) if len(args) > 2 else 0
