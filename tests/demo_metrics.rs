@@ -98,6 +98,7 @@ async fn the_connectors_series_move_in_a_scrape() {
         host: "127.0.0.1".into(),
         port,
         block_ids: blocks,
+        group_lens: Vec::new(),
         request_id: request.into(),
         tp_size: 1,
         num_tokens: None,

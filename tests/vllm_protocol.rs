@@ -25,9 +25,9 @@ use nixl_connector::vllm::{
     NixlHandshakePayload, SpeculativeFactors, VllmChannelLimits, VllmNotification,
 };
 use nixl_connector::{
-    Error, FinishStatus, KvAttention, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker,
-    KvLayout, KvTransferParams, LoadOutcome, NotificationStats, SchedulerConfig, WorkerConfig,
-    WorkerOutput,
+    Error, FinishStatus, KvAttention, KvCacheGroups, KvCacheSpec, KvConnectorScheduler,
+    KvConnectorWorker, KvLayout, KvTransferParams, LoadOutcome, NotificationStats, SchedulerConfig,
+    WorkerConfig, WorkerOutput, KV_CACHE_GROUPS_KEY,
 };
 use py::{hex, unhex};
 use serde_json::{json, Value};
@@ -458,7 +458,15 @@ fn vllm_engine(
     engine: &str,
     factors: &CompatibilityFactors,
 ) -> (KvConnectorWorker, KvConnectorScheduler) {
-    let kv = vllm_kv(factors);
+    vllm_engine_with(engine, vllm_kv(factors))
+}
+
+/// A vLLM-mode engine of TP 1 with `kv` (see [`vllm_engine`]), its scheduler knowing the KV
+/// cache groups `kv` names.
+fn vllm_engine_with(
+    engine: &str,
+    kv: KvTransferConfig,
+) -> (KvConnectorWorker, KvConnectorScheduler) {
     let mut config = WorkerConfig::new(engine, 0, 1, kv.clone());
     config.platform = Arc::new(BuiltinPlatform::CPU);
     let worker = KvConnectorWorker::new(config).unwrap();
@@ -466,7 +474,26 @@ fn vllm_engine(
     let port = worker.side_channel_addr().unwrap().port();
     let mut config = SchedulerConfig::new(engine, "127.0.0.1", port, 1, &kv).unwrap();
     config.vllm_side_channel = Some(worker.vllm_side_channel().unwrap());
-    (worker, KvConnectorScheduler::new(config))
+    let groups = KvCacheGroups::from_kv_transfer_config(&kv).unwrap();
+    (
+        worker,
+        KvConnectorScheduler::new(config).with_kv_cache_groups(groups),
+    )
+}
+
+/// The sliding window of the hybrid engines' second KV cache group, in tokens: with blocks
+/// of 16 tokens it needs 3 blocks (2 it spans, one more for a window starting inside one).
+const WINDOW_TOKENS: usize = 20;
+
+/// [`vllm_kv`] for a hybrid model: a full-attention KV cache group and one of a sliding
+/// window of [`WINDOW_TOKENS`], sharing every region.
+fn hybrid_kv(factors: &CompatibilityFactors) -> KvTransferConfig {
+    let mut kv = vllm_kv(factors);
+    kv.kv_connector_extra_config.insert(
+        KV_CACHE_GROUPS_KEY.into(),
+        json!({"block_size": 16, "groups": ["full_attention", {"sliding_window": {"window_tokens": WINDOW_TOKENS}}]}),
+    );
+    kv
 }
 
 /// A Python prefill engine serving [`kv_spec`]'s geometry under `hash`; `extra` adds keys
@@ -743,6 +770,202 @@ async fn a_python_decode_reads_every_byte_from_a_rust_prefill_whose_notification
         .expect("the Python decode's notification");
     assert_eq!(prefill.finished().sending, ["rs-req-1"]);
     assert_eq!(prefill.send_stats().freed_on_notification, 1);
+}
+
+/// vLLM 0.33's hybrid models: a Python prefill of two KV cache groups sharing every region
+/// (`region_group_ids` -1) hands one list of block ids per group, its sliding-window group
+/// clipped to the blocks of the window; a Rust decode of the same groups clips its own
+/// lists, pairs each group with the tail of the prefill's, and reads every byte of both,
+/// leaving its blocks out of the window untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rust_decode_of_two_kv_cache_groups_reads_each_groups_blocks_from_a_python_prefill() {
+    let mut peer = VllmPeer::start();
+    let hash = factors().hash();
+    let got = peer.json(&format!(
+        "kv_prefill {hash} 0 0 py-hybrid {REGIONS} {BLOCKS} {BLOCK_LEN} 16 -1,-1"
+    ));
+    let port = got["port"].as_u64().unwrap();
+    let (decode, mut scheduler) = vllm_engine_with("rs-decode-hybrid", hybrid_kv(&factors()));
+    let cache = decode.kv_caches().unwrap();
+    let untouched = vec![0xEEu8; BLOCK_LEN];
+    for region in 0..REGIONS {
+        for block in [1, 2] {
+            cache.write(region, block * BLOCK_LEN, &untouched).unwrap();
+        }
+    }
+
+    // The full-attention group's 4 blocks, and the window group's last 3 of its 5.
+    let json = peer.call(&format!(
+        "kv_finish {} 1,3,9,14;2,4,5,6,7 {WINDOW_TOKENS}",
+        hex(b"py-hybrid-1")
+    ));
+    let vllm: Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(vllm["remote_block_ids"], json!([[1, 3, 9, 14], [5, 6, 7]]));
+    let params = KvTransferParams::from_vllm_json(&json).unwrap();
+    assert_eq!(params.remote_port, Some(port as u16));
+    scheduler.on_new_request("py-hybrid-1", Some(&params));
+    // The decode's window group allocated 5 blocks too; 1 and 2 are out of the window.
+    let local = [vec![0, 8, 10, 11], vec![1, 2, 12, 13, 15]];
+    scheduler
+        .update_state_after_alloc_groups("py-hybrid-1", &local, &params)
+        .unwrap();
+    decode.start_load_kv(&scheduler.build_connector_meta());
+    let start = Instant::now();
+    let outcome = loop {
+        let output = decode.output();
+        assert!(output.load_errors.is_empty(), "{:?}", output.load_errors);
+        let mut step = scheduler.update_connector_output(&[output]).unwrap();
+        if let Some(outcome) = step.load_outcomes.pop() {
+            break outcome;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "no load ended");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
+    holds_python_blocks(
+        &decode,
+        &[0, 8, 10, 11, 12, 13, 15],
+        &[1, 3, 9, 14, 5, 6, 7],
+    );
+    for region in 0..REGIONS {
+        for block in [1, 2] {
+            let mut got = vec![0u8; BLOCK_LEN];
+            cache.read(region, block * BLOCK_LEN, &mut got).unwrap();
+            assert!(
+                got == untouched,
+                "region {region} block {block}: out of the window, read"
+            );
+        }
+    }
+    let notes = peer.json("kv_notifs 1 10");
+    assert_eq!(
+        notes[0]["vllm"],
+        json!({"id": "py-hybrid-1", "consumers": 1})
+    );
+}
+
+/// vLLM 0.33's hybrid models whose KV cache groups have regions of their own
+/// (`region_group_ids` [0, 1]: layer 0 the full-attention group's, layer 1 the window's): a
+/// Rust decode of the same layout reads each group's blocks only in its own region (vLLM's
+/// `_compute_desc_ids` with region group mapping), leaving every other block untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rust_decode_reads_each_groups_blocks_only_in_its_own_regions() {
+    let mut peer = VllmPeer::start();
+    let hash = factors().hash();
+    peer.json(&format!(
+        "kv_prefill {hash} 0 0 py-own {REGIONS} {BLOCKS} {BLOCK_LEN} 16 0,1"
+    ));
+    let mut kv = hybrid_kv(&factors());
+    kv.kv_connector_extra_config.insert(
+        KV_CACHE_GROUPS_KEY.into(),
+        json!({"block_size": 16, "groups": ["full_attention", {"sliding_window": {"window_tokens": WINDOW_TOKENS}}], "region_groups": [0, 1]}),
+    );
+    let (decode, mut scheduler) = vllm_engine_with("rs-decode-own", kv);
+    let cache = decode.kv_caches().unwrap();
+    let untouched = vec![0xEEu8; BLOCKS * BLOCK_LEN];
+    for region in 0..REGIONS {
+        cache.write(region, 0, &untouched).unwrap();
+    }
+    let json = peer.call(&format!(
+        "kv_finish {} 1,3,9,14;2,4,5,6,7 {WINDOW_TOKENS}",
+        hex(b"py-own-1")
+    ));
+    let params = KvTransferParams::from_vllm_json(&json).unwrap();
+    scheduler.on_new_request("py-own-1", Some(&params));
+    let local = [vec![0, 8, 10, 11], vec![1, 2, 12, 13, 15]];
+    scheduler
+        .update_state_after_alloc_groups("py-own-1", &local, &params)
+        .unwrap();
+    decode.start_load_kv(&scheduler.build_connector_meta());
+    let start = Instant::now();
+    let outcome = loop {
+        let output = decode.output();
+        assert!(output.load_errors.is_empty(), "{:?}", output.load_errors);
+        let mut step = scheduler.update_connector_output(&[output]).unwrap();
+        if let Some(outcome) = step.load_outcomes.pop() {
+            break outcome;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "no load ended");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
+    // Region r holds group r's blocks; every other block of it is as it was.
+    let groups: [&[(usize, usize)]; 2] = [
+        &[(0, 1), (8, 3), (10, 9), (11, 14)],
+        &[(12, 5), (13, 6), (15, 7)],
+    ];
+    for (region, pairs) in groups.iter().enumerate() {
+        for block in 0..BLOCKS {
+            let mut got = vec![0u8; BLOCK_LEN];
+            cache.read(region, block * BLOCK_LEN, &mut got).unwrap();
+            let want: Vec<u8> = match pairs.iter().find(|(l, _)| *l == block) {
+                Some(&(_, r)) => (0..BLOCK_LEN)
+                    .map(|o| python_byte(region, r * BLOCK_LEN + o))
+                    .collect(),
+                None => vec![0xEE; BLOCK_LEN],
+            };
+            assert!(got == want, "region {region} block {block}");
+        }
+    }
+}
+
+/// A Rust prefill of two KV cache groups publishes its regions as shared by every group
+/// (vLLM's `region_group_ids` -1, what a vLLM decode of the same hybrid model compares
+/// with its own) and hands one list per group, the window group's clipped; a Python decode
+/// reads them all across every region, as vLLM's does, and its notification frees the
+/// request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_python_decode_reads_both_kv_cache_groups_of_a_rust_prefill() {
+    let mut peer = VllmPeer::start();
+    let (prefill, mut scheduler) = vllm_engine_with("rs-prefill-hybrid", hybrid_kv(&factors()));
+    let cache = prefill.kv_caches().unwrap();
+    for region in 0..REGIONS {
+        let bytes: Vec<u8> = (0..BLOCKS * BLOCK_LEN)
+            .map(|i| rust_byte(region, i))
+            .collect();
+        cache.write(region, 0, &bytes).unwrap();
+    }
+    let for_decode = KvTransferParams {
+        do_remote_decode: true,
+        ..Default::default()
+    };
+    let blocks = [vec![5, 2, 11, 3], vec![0, 0, 7, 8, 9]];
+    let finished = scheduler
+        .request_finished_all_groups(
+            "rs-hybrid-1",
+            &blocks,
+            60,
+            Some(&for_decode),
+            FinishStatus::LengthCapped,
+        )
+        .unwrap();
+    assert!(finished.delay_free_blocks);
+    prefill.start_load_kv(&scheduler.build_connector_meta());
+    let params: Value =
+        serde_json::from_str(&finished.kv_transfer_params.unwrap().to_vllm_json()).unwrap();
+    assert_eq!(
+        params["remote_block_ids"],
+        json!([[5, 2, 11, 3], [7, 8, 9]])
+    );
+    let port = params["remote_port"].as_u64().unwrap();
+    let hash = factors().hash();
+    let got = peer.json(&format!(
+        "kv_decode {port} {hash} 1 rs-prefill-hybrid 5,2,11,3,7,8,9 {} 1",
+        hex(b"rs-hybrid-1")
+    ));
+    assert_eq!(got["meta"]["region_group_ids"], json!([-1, -1]), "{got}");
+    let data = unhex(got["data"].as_str().expect("the blocks read"));
+    let mut want = Vec::new();
+    for region in 0..REGIONS {
+        for block in [5, 2, 11, 3, 7, 8, 9] {
+            want.extend((0..BLOCK_LEN).map(|o| rust_byte(region, block * BLOCK_LEN + o)));
+        }
+    }
+    assert!(data == want, "the Python decode read other bytes");
+    tokio::time::timeout(Duration::from_secs(10), prefill.notified())
+        .await
+        .expect("the Python decode's notification");
+    assert_eq!(prefill.finished().sending, ["rs-hybrid-1"]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

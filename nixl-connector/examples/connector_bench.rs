@@ -152,6 +152,7 @@ async fn measure(a: &Args, port: u16) -> nixl_connector::Result<()> {
         host: "127.0.0.1".into(),
         port,
         block_ids: blocks,
+        group_lens: Vec::new(),
         request_id: format!("r{i}"),
         tp_size: 1,
         num_tokens: None,

@@ -115,6 +115,49 @@ pub(crate) fn pair_units(
         .collect())
 }
 
+/// The units a load of several KV cache groups reads (see [`KvCacheGroups`](crate::KvCacheGroups)): `remote`
+/// holds each group's blocks in turn, `group_lens` long, already trimmed to the local ones
+/// (the scheduler's `update_state_after_alloc_groups`), so that local block `i` reads
+/// remote block `i`, both engines' blocks holding as many tokens.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] when the blocks differ in size, when the counts do not add up
+/// to the remote blocks, or when there are not as many local blocks as remote ones.
+pub(crate) fn pair_groups(
+    request_id: &str,
+    local: &[usize],
+    remote: &[usize],
+    group_lens: &[usize],
+    sizes: BlockSizes,
+) -> Result<Vec<(usize, usize)>> {
+    const OP: &str = "pair the blocks of a load";
+    if sizes.local != sizes.remote {
+        return Err(Error::invalid(
+            OP,
+            format!(
+                "request {request_id:?}: {} KV cache groups with blocks of {} tokens (local) and {} (remote): a hybrid model's blocks must hold as many tokens on both engines",
+                group_lens.len(),
+                sizes.local,
+                sizes.remote
+            ),
+        ));
+    }
+    crate::groups::split(remote, group_lens)
+        .map_err(|err| Error::invalid(OP, format!("request {request_id:?}: {err}")))?;
+    if local.len() != remote.len() {
+        return Err(Error::invalid(
+            OP,
+            format!(
+                "request {request_id:?}: {} local blocks for {} remote blocks of {} KV cache groups {group_lens:?}: pair them group by group (the scheduler's update_state_after_alloc_groups)",
+                local.len(),
+                remote.len(),
+                group_lens.len()
+            ),
+        ));
+    }
+    Ok(local.iter().copied().zip(remote.iter().copied()).collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -169,6 +212,27 @@ mod tests {
         // Full blocks need no token count.
         let pairs = pair_units("r", &[0, 1, 2, 3], &[3, 8], REMOTE_DOUBLE, None).unwrap();
         assert_eq!(pairs, [(0, 6), (1, 7), (2, 16), (3, 17)]);
+    }
+
+    #[test]
+    fn groups_pair_block_by_block_when_their_blocks_hold_as_many_tokens() {
+        let pairs = pair_groups("r", &[1, 2, 3], &[7, 8, 9], &[2, 1], SAME).unwrap();
+        assert_eq!(pairs, [(1, 7), (2, 8), (3, 9)]);
+        let err = pair_groups("r", &[1, 2, 3], &[7, 8, 9], &[2, 1], LOCAL_DOUBLE)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("blocks of 32 tokens (local) and 16 (remote)"),
+            "{err}"
+        );
+        let err = pair_groups("r", &[1, 2, 3], &[7, 8, 9], &[2, 2], SAME)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("do not add up to the 3"), "{err}");
+        let err = pair_groups("r", &[1, 2], &[7, 8, 9], &[2, 1], SAME)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("2 local blocks for 3 remote blocks"), "{err}");
     }
 
     #[test]

@@ -189,6 +189,7 @@ pub mod etcd;
 mod etcd_auth;
 mod etcd_tls;
 mod failure;
+mod groups;
 pub mod handshake;
 pub mod host_buffer;
 mod lease;
@@ -221,6 +222,7 @@ pub use config::{LoadFailurePolicy, MetadataExchange, Protocol, WorkerConfig, PR
 pub use engines::{DEFAULT_ENGINE_TTL, ENGINE_TTL_KEY};
 pub use error::{Error, Result};
 pub use failure::{FailedBlock, FailureKind};
+pub use groups::{KvCacheGroupKind, KvCacheGroups, KV_CACHE_GROUPS_KEY, SHARED_REGION};
 pub use handshake::{check_compatible, HandshakeMessage, PROTOCOL_VERSION};
 pub use lease::{Lease, DEFAULT_KV_LEASE_DURATION, LEASE_KEY, MAX_HOLD_KEY, MAX_LEASE};
 pub use metrics::{open_fds, RemoteStats, SendStats, TransferMetrics};

@@ -15,11 +15,12 @@ use futures::future::join_all;
 use nixl::{XferOp, XferOptions, XferStatus};
 use tracing::Instrument;
 
-use crate::block_map::pair_units;
+use crate::block_map::{pair_groups, pair_units};
 use crate::config::Protocol;
 use crate::connect::{self, Engine};
 use crate::error::{Error, Result};
 use crate::failure::{FailedBlock, FailureKind};
+use crate::groups::pairs_by_region;
 use crate::metrics::TransferMetrics;
 use crate::outcomes::OverdueLoad;
 use crate::params::RemoteBlocks;
@@ -383,14 +384,41 @@ fn post_one(
             format!("remote block {bad} of {} blocks", plan.remote_num_blocks),
         ));
     }
-    let pairs = pair_units(
-        &load.request_id,
-        &load.local_block_ids,
-        &remote_ids,
-        plan.block_sizes(),
-        load.remote.num_tokens,
-    )?;
-    let (local, far, bytes) = plan.descriptor_ids(caches.spec.num_blocks, &pairs);
+    let pairs = if load.remote.group_lens.len() > 1 {
+        if remote.blocks_per_id != 1 {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "{} kernel blocks per block id with several KV cache groups are not supported",
+                    remote.blocks_per_id
+                ),
+            ));
+        }
+        pair_groups(
+            &load.request_id,
+            &load.local_block_ids,
+            &remote_ids,
+            &load.remote.group_lens,
+            plan.block_sizes(),
+        )?
+    } else {
+        pair_units(
+            &load.request_id,
+            &load.local_block_ids,
+            &remote_ids,
+            plan.block_sizes(),
+            load.remote.num_tokens,
+        )?
+    };
+    let own = own_region_groups(shared);
+    let (local, far, bytes) = if own.is_empty() || load.remote.group_lens.len() < 2 {
+        plan.descriptor_ids(caches.spec.num_blocks, &pairs)
+    } else {
+        let by_region = pairs_by_region(&pairs, &load.remote.group_lens, own)?;
+        plan.descriptor_ids_in(caches.spec.num_blocks, |region| {
+            by_region.get(region).copied().unwrap_or(&pairs)
+        })
+    };
     let options = XferOptions::new().notification(load.notification(shared));
     let mut request = shared.setup.agent().make_xfer_req(
         XferOp::Read,
@@ -404,6 +432,22 @@ fn post_one(
     posted.descriptors += local.len();
     let done = request.post()? == XferStatus::Done;
     Ok((request, done))
+}
+
+/// The region groups of this engine's KV cache groups when some region is one group's only
+/// (vLLM mode); empty otherwise (every region read for every group).
+#[cfg(feature = "vllm")]
+fn own_region_groups(shared: &Shared) -> &[i64] {
+    shared
+        .vllm
+        .as_ref()
+        .map_or(&[], |vllm| vllm.own_region_groups())
+}
+
+/// Without vLLM's protocol every region is read for every group.
+#[cfg(not(feature = "vllm"))]
+fn own_region_groups(_shared: &Shared) -> &[i64] {
+    &[]
 }
 
 /// The remote rank's blocks of the transfer params' block `ids`, `per_id` blocks each

@@ -29,9 +29,16 @@ pub struct KvTransferParams {
     /// listens on port + `r`), the engine's one ROUTER in vLLM's (ranks asked by number).
     #[serde(default)]
     pub remote_port: Option<u16>,
-    /// The prefill's block ids holding the request's KV, in token order.
+    /// The prefill's block ids holding the request's KV, in token order; for a hybrid
+    /// model, each KV cache group's in turn (see
+    /// [`remote_block_group_lens`](Self::remote_block_group_lens)).
     #[serde(default)]
     pub remote_block_ids: Vec<usize>,
+    /// For a hybrid model of several KV cache groups ([`KvCacheGroups`](crate::KvCacheGroups)):
+    /// how many of `remote_block_ids` each group has, in order (vLLM's `remote_block_ids`
+    /// is one list per group, these lists flattened). Empty: one group.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub remote_block_group_lens: Vec<usize>,
     /// The request's id on the prefill engine (the notification names it).
     #[serde(default)]
     pub remote_request_id: Option<String>,
@@ -80,6 +87,14 @@ pub struct RemoteBlocks {
     pub port: u16,
     /// Its block ids, paired in order with the local ones.
     pub block_ids: Vec<usize>,
+    /// For several KV cache groups, how many of `block_ids` each has (see
+    /// [`KvTransferParams::remote_block_group_lens`]); more than one: each local block
+    /// pairs with the remote one at its place, group by group (the scheduler's
+    /// [`update_state_after_alloc_groups`](crate::KvConnectorScheduler::update_state_after_alloc_groups)
+    /// trims each group's remote blocks to the local ones), both engines' blocks holding
+    /// as many tokens. Empty: one group.
+    #[serde(default)]
+    pub group_lens: Vec<usize>,
     /// The request's id there.
     pub request_id: String,
     /// Its TP size.
@@ -104,6 +119,7 @@ impl KvTransferParams {
             host: self.remote_host.clone()?,
             port: self.remote_port?,
             block_ids: self.remote_block_ids.clone(),
+            group_lens: self.remote_block_group_lens.clone(),
             request_id: self.remote_request_id.clone()?,
             tp_size: self.remote_tp_size?,
             num_tokens: self.remote_num_tokens,

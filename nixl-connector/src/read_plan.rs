@@ -261,17 +261,31 @@ impl ReadPlan {
         local_num_blocks: usize,
         pairs: &[(usize, usize)],
     ) -> (Vec<usize>, Vec<usize>, usize) {
+        self.descriptor_ids_in(local_num_blocks, |_| pairs)
+    }
+
+    /// [`descriptor_ids`](Self::descriptor_ids) with the unit pairs of each region its own:
+    /// `pairs_of(region)` (the KV cache groups of a hybrid model whose regions are not all
+    /// shared read only in their regions).
+    pub(crate) fn descriptor_ids_in<'a>(
+        &self,
+        local_num_blocks: usize,
+        pairs_of: impl Fn(usize) -> &'a [(usize, usize)],
+    ) -> (Vec<usize>, Vec<usize>, usize) {
         let sizes = self.block_sizes();
         let (local_units, remote_units) = (
             local_num_blocks * sizes.local_units(),
             self.remote_num_blocks * sizes.remote_units(),
         );
-        let pieces: usize = self.regions.iter().map(|r| r.pieces.len()).sum();
-        let mut local = Vec::with_capacity(pairs.len() * pieces);
-        let mut remote = Vec::with_capacity(local.capacity());
+        let descriptors: usize = (0..self.regions.len())
+            .map(|r| self.regions[r].pieces.len() * pairs_of(r).len())
+            .sum();
+        let mut local = Vec::with_capacity(descriptors);
+        let mut remote = Vec::with_capacity(descriptors);
         let mut bytes = 0;
         let (mut local_at, mut remote_at) = (0, 0);
-        for region in &self.regions {
+        for (index, region) in self.regions.iter().enumerate() {
+            let pairs = pairs_of(index);
             let n = region.pieces.len();
             for &(l, r) in pairs {
                 local.extend((0..n).map(|k| local_at + l * n + k));

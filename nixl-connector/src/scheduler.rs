@@ -42,10 +42,13 @@ use crate::aggregate::{KvOutputAggregator, WorkerOutput};
 use crate::config::{LoadFailurePolicy, Protocol};
 use crate::error::{Error, Result};
 use crate::failure::FailedBlock;
+use crate::groups::KvCacheGroups;
 use crate::lease::Lease;
 use crate::params::{KvTransferParams, RemoteBlocks};
 #[cfg(feature = "vllm")]
 use crate::vllm::MetadataServer;
+
+mod hybrid;
 
 /// How a request finished (vLLM's `RequestStatus.FINISHED_*`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -272,6 +275,9 @@ pub struct KvConnectorScheduler {
     last_heartbeat: Option<Instant>,
     /// Every TP rank's outputs, counted until each has reported a request.
     aggregator: KvOutputAggregator,
+    /// The engine's KV cache groups (one full-attention group unless
+    /// [`with_kv_cache_groups`](Self::with_kv_cache_groups) says otherwise).
+    groups: KvCacheGroups,
 }
 
 impl KvConnectorScheduler {
@@ -285,6 +291,7 @@ impl KvConnectorScheduler {
             failed: HashMap::new(),
             last_heartbeat: None,
             aggregator: KvOutputAggregator::new(config.tp_size),
+            groups: KvCacheGroups::default(),
             config,
         }
     }
@@ -335,8 +342,28 @@ impl KvConnectorScheduler {
     /// request's load was already scheduled (one load per request), or when local blocks
     /// come with an empty `remote_block_ids` (nothing to read them from; vLLM's
     /// `update_state_after_alloc` asserts that no external token comes without remote
-    /// blocks): the request then waits for nothing, and the engine computes its blocks.
+    /// blocks): the request then waits for nothing, and the engine computes its blocks; and
+    /// for params of several KV cache groups (see
+    /// [`update_state_after_alloc_groups`](Self::update_state_after_alloc_groups)).
     pub fn update_state_after_alloc(
+        &mut self,
+        request_id: &str,
+        local_block_ids: &[usize],
+        params: &KvTransferParams,
+    ) -> Result<()> {
+        let groups = params.remote_block_group_lens.len();
+        if groups > 1 {
+            return Err(Error::invalid(
+                "schedule a remote prefill",
+                format!("request {request_id:?}: kv_transfer_params hold the block ids of {groups} KV cache groups; pass the local ones per group to update_state_after_alloc_groups"),
+            ));
+        }
+        self.schedule_load(request_id, local_block_ids, params)
+    }
+
+    /// [`update_state_after_alloc`](Self::update_state_after_alloc) for `local_block_ids`
+    /// paired with `params`' remote blocks as they are.
+    fn schedule_load(
         &mut self,
         request_id: &str,
         local_block_ids: &[usize],

@@ -98,6 +98,7 @@ mod tests {
             host: "10.0.0.1".into(),
             port: 5600,
             block_ids: vec![3, 4],
+            group_lens: vec![1, 1],
             request_id: "rp".into(),
             tp_size: 2,
             num_tokens: Some(30),

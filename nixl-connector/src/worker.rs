@@ -128,6 +128,7 @@ impl KvConnectorWorker {
             Protocol::Vllm => Some(VllmWorker::new(
                 Compatibility::from_kv_transfer_config(&config.kv_transfer_config)?,
                 config.vllm_limits,
+                crate::groups::KvCacheGroups::from_kv_transfer_config(&config.kv_transfer_config)?,
             )),
         };
         // Telemetry on: each READ's post and transfer durations feed the exported series.
@@ -440,6 +441,10 @@ impl KvConnectorWorker {
                 .as_ref()
                 .map(|f| f.attn_backend_name.clone())
                 .unwrap_or_default(),
+            region_group_ids: self
+                .vllm()?
+                .groups
+                .region_group_ids(ours.spec.num_regions())?,
         })?;
         let payload = NixlHandshakePayload::new(&compat.hash, &metadata);
         let server = match &config.vllm_side_channel {

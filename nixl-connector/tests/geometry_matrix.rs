@@ -12,6 +12,10 @@
 //! mapping does not support is refused by name before any READ: nothing is read, the
 //! decode's cache keeps every byte, and the message names what differs.
 //!
+//! A hybrid model of two KV cache groups (full attention and a sliding window sharing every
+//! region) runs through the same model, each group's blocks as the model's own reading of
+//! the window says.
+//!
 //! The ranks of both engines run in this process, on one runtime (the two-process cases
 //! are in hetero_tp.rs); the caches are small, so the whole matrix runs in seconds.
 
@@ -20,6 +24,7 @@ mod common;
 use nixl_connector::{Error, KvAttention, KvConnectorWorker, KvLayout, KvRegionKind, Protocol};
 
 use common::geometry::{engine, Model, Request, Side};
+use common::hybrid::{run_hybrid_cases, HYBRID_BLOCKS};
 use common::matrix::{run_cases_speaking, BLOCKS, WAIT};
 use common::poll_until;
 
@@ -104,6 +109,28 @@ async fn replicated_kv_heads_are_read_once_each() {
         &[(side(2, 4), side(1, 4)), (side(1, 4), side(2, 8))],
     )
     .await;
+}
+
+/// A hybrid model of two KV cache groups sharing every region (full attention and a
+/// sliding window, as vLLM 0.33 serves them), handed over by the schedulers one list per
+/// group: the window group reads only its last blocks, every group's decode blocks pair
+/// with the tail of its prefill blocks, over TP both ways, MHA (regions of different
+/// lengths, K and V halves) and MLA; blocks of different sizes are refused by name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_kv_cache_groups_move_every_byte_where_the_model_says() {
+    common::init_tracing();
+    let side = |tp, block_size| Side {
+        tp,
+        block_size,
+        num_blocks: HYBRID_BLOCKS,
+    };
+    let mut cases: Vec<(Side, Side)> = [(1, 2), (2, 1), (4, 2), (2, 4)]
+        .map(|(p, d)| (side(p, 4), side(d, 4)))
+        .to_vec();
+    cases.push((side(1, 4), side(2, 8)));
+    cases.push((side(4, 4), side(2, 8)));
+    run_hybrid_cases(&mha(4), &cases, Protocol::Native).await;
+    run_hybrid_cases(&mla(), &cases[..2], Protocol::Native).await;
 }
 
 /// A geometry the decode cannot read: the load is refused naming `reason`, before any READ

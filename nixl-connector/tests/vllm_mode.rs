@@ -3,7 +3,7 @@
 //! `request:consumers` notification; a mismatched hash, a rank the engine lacks and a
 //! prefill's blocks past their expiry time refused with the reason; a re-registered prefill
 //! handshaken with again when its registration generation grows; TP and block sizes both
-//! ways through the geometry matrix's model. (The Python peers
+//! ways through the geometry matrix's model, and a hybrid model of two KV cache groups. (The Python peers
 //! speaking the same protocol are in the root package's tests/vllm_protocol.rs.)
 
 mod common;
@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::geometry::{Model, Side};
+use common::hybrid::{run_hybrid_cases, HYBRID_BLOCKS};
 use common::matrix::{run_cases_speaking, BLOCKS};
 use common::{
     block, fill, finish_for_decode, pattern, poll_until, spec, spec_tp, vllm_config, vllm_factors,
@@ -371,4 +372,25 @@ async fn tp_and_block_sizes_both_ways_move_every_byte_where_the_model_says() {
     ];
     run_cases_speaking(&mha, &cases, Protocol::Vllm).await;
     run_cases_speaking(&mla, &cases[1..3], Protocol::Vllm).await;
+}
+
+/// A hybrid model of two KV cache groups sharing every region (full attention and a
+/// sliding window) in vLLM's protocol: the params handed as vLLM's JSON, one list of block
+/// ids per group, each group clipped and paired as vLLM 0.33's scheduler and worker do,
+/// every byte checked against the geometry matrix's model; TP both ways.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_kv_cache_groups_move_every_byte_where_the_model_says() {
+    common::init_tracing();
+    let side = |tp| Side {
+        tp,
+        block_size: 4,
+        num_blocks: HYBRID_BLOCKS,
+    };
+    let mha = Model {
+        attention: KvAttention::Mha { total_kv_heads: 4 },
+        layout: KvLayout::Hnd,
+        regions: vec![(KvRegionKind::Tensor, 16), (KvRegionKind::Tensor, 8)],
+    };
+    let cases = [(side(1), side(2)), (side(2), side(1))];
+    run_hybrid_cases(&mha, &cases, Protocol::Vllm).await;
 }

@@ -17,14 +17,19 @@ Arguments are hex where they could hold spaces.
   parse_notif HEX              vLLM's reading of a notification -> JSON
 
 A prefill and a decode with NIXL's Python agent (DRAM, UCX), as vLLM's run them:
-  kv_prefill HASH EXTRA LIE ENGINE REGIONS BLOCKS BLOCK_LEN BLOCK_SIZE
+  kv_prefill HASH EXTRA LIE ENGINE REGIONS BLOCKS BLOCK_LEN BLOCK_SIZE [REGION_GROUPS]
                                an agent registering REGIONS buffers of BLOCKS blocks of
                                BLOCK_LEN bytes (byte i of region r: kv_byte(r, i)) and a
                                ROUTER serving rank (0, 0)'s NixlAgentMetadata under HASH;
                                EXTRA 1 adds unknown keys; LIE 1 claims base addresses 1 MiB
-                               past the buffers -> JSON {port, agent}
-  kv_finish HEXREQ BLOCKS      vLLM's request_finished params for the prefill's blocks
-                               BLOCKS ("3,4") of request HEXREQ -> JSON
+                               past the buffers; REGION_GROUPS ("-1,-1"; default every
+                               region group 0's) is each region's KV cache group, -1 for
+                               one that several groups share -> JSON {port, agent}
+  kv_finish HEXREQ BLOCKS [WINDOW]
+                               vLLM's request_finished params for the prefill's blocks
+                               BLOCKS of request HEXREQ: one group ("3,4"), or one list per
+                               group ("3,4;7,8,9"), the last a sliding window of WINDOW
+                               tokens clipped to the blocks it needs -> JSON
   kv_notifs N SECONDS          the prefill agent's next N notifications, waiting at most
                                SECONDS -> JSON [{from, hex, vllm}] in arrival order
   kv_decode PORT HASH ENFORCE ENGINE BLOCKS HEXREQ CONSUMERS
@@ -274,7 +279,7 @@ def kv_byte(region, size):
     return ((i * 7 + (i >> 8) * 13 + region * 131 + 3) % 256).astype(np.uint8)
 
 
-def kv_prefill(hash_, extra, lie, engine, regions, blocks, block_len, block_size):
+def kv_prefill(hash_, extra, lie, engine, regions, blocks, block_len, block_size, region_groups):
     from nixl_cu12 import nixl_agent
 
     name = f"py-prefill-{os.getpid()}"
@@ -298,7 +303,8 @@ def kv_prefill(hash_, extra, lie, engine, regions, blocks, block_len, block_size
         attn_backend_name="FLASH_ATTN",
         physical_blocks_per_logical_kv_block=1,
         region_num_blocks=[blocks] * regions,
-        region_group_ids=[0] * regions,
+        # A tensor that layers of several groups share is marked -1.
+        region_group_ids=region_groups or [0] * regions,
         region_names=[f"model.layers.{r}.self_attn.attn" for r in range(regions)],
         region_mem_types=["DRAM"] * regions,
     )
@@ -321,12 +327,18 @@ def kv_prefill(hash_, extra, lie, engine, regions, blocks, block_len, block_size
     return {"port": port, "agent": name}
 
 
-def kv_finish(req_id, blocks):
-    # vLLM 0.33's request_finished on a prefill (pull mode, one KV cache group).
+def kv_finish(req_id, groups, window):
+    # vLLM 0.33's request_finished on a prefill (pull mode), one list per KV cache group; a
+    # sliding window needs the blocks its tokens span, plus one for a window that starts
+    # inside a block.
+    if window:
+        keep = -(-window // kv["block_size"]) + 1
+        groups[-1] = groups[-1][-keep:]
+    blocks = groups[0]
     return dict(
         do_remote_prefill=True,
         do_remote_decode=False,
-        remote_block_ids=[blocks],
+        remote_block_ids=groups,
         remote_engine_id=kv["engine"],
         remote_request_id=req_id,
         remote_host="127.0.0.1",
@@ -485,10 +497,12 @@ def main():
         elif cmd == "kv_prefill":
             hash_ = "" if args[0] == "-" else args[0]
             nums = [int(x) for x in args[4:8]]
-            answer(json.dumps(kv_prefill(hash_, args[1] == "1", args[2] == "1", args[3], *nums)))
+            groups = [int(x) for x in args[8].split(",")] if len(args) > 8 else None
+            answer(json.dumps(kv_prefill(hash_, args[1] == "1", args[2] == "1", args[3], *nums, groups)))
         elif cmd == "kv_finish":
-            blocks = [int(x) for x in args[1].split(",")]
-            answer(json.dumps(kv_finish(bytes.fromhex(args[0]).decode(), blocks)))
+            groups = [[int(x) for x in g.split(",") if x] for g in args[1].split(";")]
+            window = int(args[2]) if len(args) > 2 else 0
+            answer(json.dumps(kv_finish(bytes.fromhex(args[0]).decode(), groups, window)))
         elif cmd == "kv_notifs":
             answer(json.dumps(kv_notifs(int(args[0]), float(args[1]))))
         elif cmd == "kv_decode":

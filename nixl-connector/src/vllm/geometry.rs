@@ -5,6 +5,7 @@
 
 use super::payload::NixlAgentMetadata;
 use crate::error::{Error, Result};
+use crate::groups::SHARED_REGION;
 use crate::spec::{KvAttention, KvCacheSpec, KvLayout, KvRegion, KvRegionKind};
 
 const OP: &str = "convert vLLM's NixlAgentMetadata";
@@ -27,9 +28,23 @@ impl NixlAgentMetadata {
     /// (`ssm_sizes`), PLE state (`ple_block_len`), regions packing several layers
     /// (`packed_member_layouts`), decode or prefill context parallelism, regions of different block
     /// counts, padded blocks (a stride other than the length), a layout other than HND or
-    /// NHD (`"HND"`, `"LBHNC"`; `"NHD"`, `"LBNHC"`), several KV cache groups
-    /// (`region_group_ids` that differ), or counts that do not fit.
+    /// NHD (`"HND"`, `"LBHNC"`; `"NHD"`, `"LBNHC"`), regions of different KV cache groups
+    /// (`region_group_ids` that differ: groups sharing every region are read, see
+    /// [`crate::KvCacheGroups`]), or counts that do not fit.
     pub fn kv_cache_spec(&self, attention: KvAttention) -> Result<KvCacheSpec> {
+        self.kv_cache_spec_for(attention, &[])
+    }
+
+    /// [`kv_cache_spec`](Self::kv_cache_spec) for a reader whose KV cache groups have
+    /// regions of their own, `ours` each region's group
+    /// ([`KvCacheGroups::region_groups`](crate::KvCacheGroups::region_groups); empty: none):
+    /// the rank's `region_group_ids` must be the same (vLLM's `_read_blocks_for_req` reads
+    /// region-mapped groups only between equal layouts).
+    pub(crate) fn kv_cache_spec_for(
+        &self,
+        attention: KvAttention,
+        ours: &[i64],
+    ) -> Result<KvCacheSpec> {
         let refuse = |why: String| Error::invalid(OP, why);
         if self.ssm_sizes != (0, 0) {
             return Err(refuse(format!(
@@ -63,11 +78,21 @@ impl NixlAgentMetadata {
             )));
         }
         if let Some(groups) = &self.region_group_ids {
-            if groups.len() != regions || groups.windows(2).any(|w| w[0] != w[1]) {
+            let uniform = groups.windows(2).all(|w| w[0] == w[1]);
+            if groups.len() != regions || (ours.is_empty() && !uniform) {
                 return Err(refuse(format!(
-                    "regions of several KV cache groups ({groups:?}) are not supported (one KV cache group only)"
+                    "regions of different KV cache groups (region_group_ids {groups:?}) need the same groups here: give kv_cache_groups the region_groups of the prefill's layers (without them, only one group, or groups sharing every region, {SHARED_REGION} for each, are read)"
                 )));
             }
+            if !ours.is_empty() && groups != ours {
+                return Err(refuse(format!(
+                    "region_group_ids {groups:?} (source) vs {ours:?} (reader): both engines must register the same layers per KV cache group"
+                )));
+            }
+        } else if !ours.is_empty() {
+            return Err(refuse(format!(
+                "no region_group_ids, while this engine's KV cache groups have regions of their own ({ours:?})"
+            )));
         }
         if let Some(counts) = &self.region_num_blocks {
             if counts.iter().any(|&n| n != self.num_blocks) || counts.len() != regions {
@@ -131,11 +156,17 @@ pub(crate) struct RankRegistration<'a> {
     pub mem_type: String,
     /// The attention backend's name vLLM would give (from the compatibility factors).
     pub attn_backend_name: String,
+    /// Each region's KV cache group, as vLLM's `region_group_ids`
+    /// ([`KvCacheGroups`](crate::KvCacheGroups)).
+    pub region_group_ids: Vec<i64>,
 }
 
 impl NixlAgentMetadata {
-    /// The metadata of a rank registered with `rank.spec`, as vLLM 0.33's prefill writes it
-    /// for a model of one KV cache group: every region of all the blocks, unpadded
+    /// The metadata of a rank registered with `rank.spec`, as vLLM 0.33's prefill writes it:
+    /// every region of all the blocks, each with its KV cache group (`region_group_ids`: 0
+    /// for one group; for a hybrid model each region's group, or vLLM's
+    /// `_SHARED_REGION_GROUP_ID`, -1, as its `register_kv_caches` marks a tensor that layers
+    /// of several groups use), unpadded
     /// (`block_strides` = `block_lens`), the layout by vLLM's name (`"LBHNC"` for HND,
     /// `"LBNHC"` for NHD), one kernel block per logical block, no Mamba state, no context
     /// parallelism, and no region names (a vLLM decode compares them with its layer names
@@ -176,7 +207,7 @@ impl NixlAgentMetadata {
             attn_backend_name: rank.attn_backend_name,
             physical_blocks_per_logical_kv_block: 1,
             region_num_blocks: Some(vec![spec.num_blocks as u64; regions]),
-            region_group_ids: Some(vec![0; regions]),
+            region_group_ids: Some(rank.region_group_ids),
             region_names: None,
             region_mem_types: Some(vec![rank.mem_type; regions]),
             ..NixlAgentMetadata::default()
@@ -217,7 +248,11 @@ mod tests {
     #[test]
     fn a_ranks_own_metadata_is_the_spec_it_registered() {
         let heads = KvAttention::Mha { total_kv_heads: 8 };
-        for layout in [KvLayout::Hnd, KvLayout::Nhd] {
+        for (layout, group_id) in [
+            (KvLayout::Hnd, 0),
+            (KvLayout::Nhd, 0),
+            (KvLayout::Hnd, SHARED_REGION),
+        ] {
             let spec = KvCacheSpec::uniform(3, 64, 16, heads, layout, 4096);
             let meta = NixlAgentMetadata::of_rank(RankRegistration {
                 engine_id: "e",
@@ -227,10 +262,11 @@ mod tests {
                 device_id: 0,
                 mem_type: "DRAM".into(),
                 attn_backend_name: "FLASH_ATTN".into(),
+                region_group_ids: vec![group_id; 3],
             })
             .unwrap();
             assert_eq!(meta.kv_cache_spec(heads).unwrap(), spec);
-            assert_eq!(meta.region_group_ids, Some(vec![0; 3]));
+            assert_eq!(meta.region_group_ids, Some(vec![group_id; 3]));
             assert_eq!(meta.region_names, None);
         }
         let halves = KvCacheSpec {
@@ -248,9 +284,43 @@ mod tests {
             device_id: 0,
             mem_type: "DRAM".into(),
             attn_backend_name: String::new(),
+            region_group_ids: vec![0],
         })
         .unwrap_err();
         assert!(err.to_string().contains("K and V halves"), "{err}");
+    }
+
+    #[test]
+    fn regions_of_different_groups_are_read_only_between_equal_layouts() {
+        let own = NixlAgentMetadata {
+            region_group_ids: Some(vec![0, 1]),
+            ..metadata()
+        };
+        assert!(own.kv_cache_spec_for(KvAttention::Mla, &[0, 1]).is_ok());
+        let err = own
+            .kv_cache_spec_for(KvAttention::Mla, &[1, 0])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("region_group_ids [0, 1] (source) vs [1, 0] (reader)"),
+            "{err}"
+        );
+        let err = own.kv_cache_spec(KvAttention::Mla).unwrap_err().to_string();
+        assert!(
+            err.contains("give kv_cache_groups the region_groups"),
+            "{err}"
+        );
+        let shared = NixlAgentMetadata {
+            region_group_ids: Some(vec![-1, -1]),
+            ..metadata()
+        };
+        assert!(shared.kv_cache_spec(KvAttention::Mla).is_ok());
+        assert!(shared.kv_cache_spec_for(KvAttention::Mla, &[0, 1]).is_err());
+        let err = metadata()
+            .kv_cache_spec_for(KvAttention::Mla, &[0, 1])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("no region_group_ids"), "{err}");
     }
 
     #[test]
@@ -303,7 +373,7 @@ mod tests {
                     region_group_ids: Some(vec![0, -1]),
                     ..metadata()
                 },
-                "several KV cache groups",
+                "regions of different KV cache groups (region_group_ids [0, -1]) need the same groups here",
             ),
             (
                 NixlAgentMetadata {

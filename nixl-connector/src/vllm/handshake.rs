@@ -13,6 +13,7 @@ use super::client::fetch_meta;
 use super::compat::Compatibility;
 use super::limits::VllmChannelLimits;
 use crate::error::{Error, Result};
+use crate::groups::KvCacheGroups;
 use crate::handshake::{HandshakeMessage, PROTOCOL_VERSION};
 use crate::params::RemoteBlocks;
 
@@ -30,6 +31,8 @@ pub(crate) struct VllmWorker {
     pub(crate) compat: Compatibility,
     /// The side channel's caps and deadlines.
     pub(crate) limits: VllmChannelLimits,
+    /// The engine's KV cache groups (`kv_connector_extra_config.kv_cache_groups`).
+    pub(crate) groups: KvCacheGroups,
     engines: Mutex<HashMap<String, EngineClock>>,
 }
 
@@ -53,10 +56,15 @@ pub(crate) struct Fetched {
 }
 
 impl VllmWorker {
-    pub(crate) fn new(compat: Compatibility, limits: VllmChannelLimits) -> Self {
+    pub(crate) fn new(
+        compat: Compatibility,
+        limits: VllmChannelLimits,
+        groups: KvCacheGroups,
+    ) -> Self {
         VllmWorker {
             compat,
             limits,
+            groups,
             engines: Mutex::new(HashMap::new()),
         }
     }
@@ -90,7 +98,7 @@ impl VllmWorker {
         let peer = format!("{host}:{port}");
         let meta = self.compat.check(&reply.payload, &peer)?;
         self.clock_sample(&meta.engine_id, reply.rtt(), reply.clock_offset());
-        let spec = meta.kv_cache_spec(ours.spec.attention)?;
+        let spec = meta.kv_cache_spec_for(ours.spec.attention, self.own_region_groups())?;
         if let Some(types) = meta.region_mem_types.as_ref() {
             if types.len() != spec.num_regions() {
                 return Err(Error::invalid(
@@ -129,6 +137,17 @@ impl VllmWorker {
             },
             blocks_per_logical,
         })
+    }
+
+    /// The region groups of this engine's KV cache groups when some region is one group's
+    /// only (then a group's blocks are read only in its regions and the shared ones); empty
+    /// otherwise.
+    pub(crate) fn own_region_groups(&self) -> &[i64] {
+        if self.groups.has_regions_of_their_own() {
+            self.groups.region_groups()
+        } else {
+            &[]
+        }
     }
 
     /// Keeps the clock offset to `engine` of the handshake with the smallest round trip,
@@ -202,7 +221,11 @@ mod tests {
             enforce: false,
             factors: None,
         };
-        VllmWorker::new(compat, VllmChannelLimits::default())
+        VllmWorker::new(
+            compat,
+            VllmChannelLimits::default(),
+            KvCacheGroups::default(),
+        )
     }
 
     fn remote(expiry: Option<f64>, generation: Option<u64>) -> RemoteBlocks {
@@ -211,6 +234,7 @@ mod tests {
             host: "h".into(),
             port: 1,
             block_ids: vec![0],
+            group_lens: Vec::new(),
             request_id: "r".into(),
             tp_size: 1,
             num_tokens: None,

@@ -183,27 +183,22 @@ impl VllmKvTransferParams {
 impl TryFrom<&VllmKvTransferParams> for KvTransferParams {
     type Error = Error;
 
-    /// The connector's params for vLLM's, refusing what they cannot say (more than one KV
-    /// cache group, a block id past `usize`) and what the connector cannot read (see
-    /// [`KvTransferParams::check_supported`]). Every other key is kept: unknown keys and
-    /// `null` values in [`KvTransferParams::vllm_extra`].
+    /// The connector's params for vLLM's, refusing what they cannot say (a block id past
+    /// `usize`) and what the connector cannot read (see
+    /// [`KvTransferParams::check_supported`]). Block ids of several KV cache groups
+    /// (vLLM 0.33's hybrid models) are flattened into
+    /// [`KvTransferParams::remote_block_ids`], each group's count in
+    /// [`KvTransferParams::remote_block_group_lens`]. Every other key is kept: unknown keys
+    /// and `null` values in [`KvTransferParams::vllm_extra`].
     fn try_from(params: &VllmKvTransferParams) -> Result<Self> {
         const OPERATION: &str = "convert vLLM kv_transfer_params";
-        let ids: &[u64] = match &params.remote_block_ids {
-            None => &[],
-            Some(VllmBlockIds::Flat(ids)) => ids,
+        let (ids, group_lens): (Vec<u64>, Vec<usize>) = match &params.remote_block_ids {
+            None => (Vec::new(), Vec::new()),
+            Some(VllmBlockIds::Flat(ids)) => (ids.clone(), Vec::new()),
             Some(VllmBlockIds::Groups(groups)) => match groups.as_slice() {
-                [] => &[],
-                [one] => one,
-                more => {
-                    return Err(Error::invalid(
-                        OPERATION,
-                        format!(
-                            "remote_block_ids has {} KV cache groups; only models with one KV cache group are supported",
-                            more.len()
-                        ),
-                    ))
-                }
+                [] => (Vec::new(), Vec::new()),
+                [one] => (one.clone(), Vec::new()),
+                more => (more.concat(), more.iter().map(Vec::len).collect()),
             },
         };
         let size = |key: &str, value: Option<u64>| {
@@ -227,6 +222,7 @@ impl TryFrom<&VllmKvTransferParams> for KvTransferParams {
             remote_host: params.remote_host.clone(),
             remote_port: params.remote_port,
             remote_block_ids,
+            remote_block_group_lens: group_lens,
             remote_request_id: params.remote_request_id.clone(),
             remote_tp_size: size("tp_size", params.tp_size.map(u64::from))?,
             // 0 is vLLM's "not known" (its decode reads `remote_num_tokens or 0`).
@@ -245,24 +241,36 @@ impl TryFrom<&VllmKvTransferParams> for KvTransferParams {
 }
 
 impl From<&KvTransferParams> for VllmKvTransferParams {
-    /// vLLM's params for the connector's: every field, with the block ids as one KV cache
-    /// group (as vLLM 0.33 reads them) when the params name a remote engine or hold blocks,
-    /// and the keys of [`KvTransferParams::vllm_extra`] as they came. JSON that became
-    /// `params` converts back to the same JSON, except that an absent `do_remote_prefill`
-    /// or `do_remote_decode` comes back `false` and a flat list of block ids (older vLLM)
-    /// as one group.
+    /// vLLM's params for the connector's: every field, with the block ids as one list per
+    /// KV cache group (as vLLM 0.33 reads them: one group, or the groups of
+    /// [`KvTransferParams::remote_block_group_lens`] when their counts add up to the ids)
+    /// when the params name a remote engine or hold blocks, and the keys of
+    /// [`KvTransferParams::vllm_extra`] as they came. JSON that became `params` converts
+    /// back to the same JSON, except that an absent `do_remote_prefill` or
+    /// `do_remote_decode` comes back `false` and a flat list of block ids (older vLLM) as
+    /// one group.
     fn from(params: &KvTransferParams) -> Self {
         let ids: Vec<u64> = params
             .remote_block_ids
             .iter()
             .map(|&id| id as u64)
             .collect();
+        let groups =
+            match crate::groups::split(&params.remote_block_ids, &params.remote_block_group_lens) {
+                Ok(groups) if groups.len() > 1 => groups
+                    .iter()
+                    .map(|group| group.iter().map(|&id| id as u64).collect())
+                    .collect(),
+                _ => vec![ids],
+            };
         let count = |n: Option<usize>| n.and_then(|n| u32::try_from(n).ok());
         VllmKvTransferParams {
             do_remote_prefill: Some(params.do_remote_prefill),
             do_remote_decode: Some(params.do_remote_decode),
-            remote_block_ids: (params.remote_engine_id.is_some() || !ids.is_empty())
-                .then(|| VllmBlockIds::Groups(vec![ids])),
+            remote_block_ids: (params.remote_engine_id.is_some()
+                || !params.remote_block_ids.is_empty()
+                || !params.remote_block_group_lens.is_empty())
+            .then_some(VllmBlockIds::Groups(groups)),
             remote_engine_id: params.remote_engine_id.clone(),
             remote_request_id: params.remote_request_id.clone(),
             remote_host: params.remote_host.clone(),
@@ -389,6 +397,7 @@ mod tests {
             remote_host: Some("h".into()),
             remote_port: Some(7),
             remote_block_ids: vec![9, 1],
+            remote_block_group_lens: Vec::new(),
             remote_request_id: Some("r".into()),
             remote_tp_size: Some(4),
             remote_num_tokens: Some(33),
@@ -399,10 +408,29 @@ mod tests {
             transfer_mode: Some("pull".into()),
             vllm_extra: Map::from_iter([("k".to_string(), Value::from(vec![1.5, -2.0]))]),
         };
-        for native in [full, KvTransferParams::default()] {
+        let hybrid = KvTransferParams {
+            remote_block_ids: vec![9, 1, 4],
+            remote_block_group_lens: vec![2, 0, 1],
+            ..full.clone()
+        };
+        for native in [full, hybrid, KvTransferParams::default()] {
             let back = KvTransferParams::from_vllm_json(&native.to_vllm_json()).unwrap();
             assert_eq!(back, native);
         }
+        // A hybrid model's groups, flattened, and back.
+        let json = r#"{"remote_block_ids": [[3, 4], [], [9]], "remote_engine_id": "e"}"#;
+        let hybrid = KvTransferParams::from_vllm_json(json).unwrap();
+        assert_eq!(hybrid.remote_block_ids, vec![3, 4, 9]);
+        assert_eq!(hybrid.remote_block_group_lens, vec![2, 0, 1]);
+        assert_eq!(
+            value(&hybrid.to_vllm_json())["remote_block_ids"],
+            value("[[3, 4], [], [9]]")
+        );
+        let empty = KvTransferParams::from_vllm_json(r#"{"remote_block_ids": [[], []]}"#).unwrap();
+        assert_eq!(
+            value(&empty.to_vllm_json())["remote_block_ids"],
+            value("[[], []]")
+        );
         // Older vLLM's flat block ids come back as one group.
         let flat = KvTransferParams::from_vllm_json(r#"{"remote_block_ids": [9]}"#).unwrap();
         assert_eq!(flat.remote_block_ids, vec![9]);
@@ -415,7 +443,6 @@ mod tests {
     #[test]
     fn what_the_connector_cannot_do_is_refused() {
         for (json, expect) in [
-            (r#"{"remote_block_ids": [[1], [2]]}"#, "2 KV cache groups"),
             (r#"{"pp_size": 2}"#, "pp_size 2"),
             (r#"{"dcp_size": 4}"#, "dcp_size 4"),
             (r#"{"transfer_mode": "push"}"#, "\"push\" is not supported"),

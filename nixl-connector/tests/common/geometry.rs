@@ -306,6 +306,7 @@ impl Model {
             host: "127.0.0.1".to_string(),
             port,
             block_ids: request.remote.clone(),
+            group_lens: Vec::new(),
             request_id: request.id.clone(),
             tp_size: tp,
             num_tokens: request.num_tokens,

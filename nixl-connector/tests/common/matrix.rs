@@ -47,7 +47,7 @@ fn requests(tag: &str, prefill: &Side, decode: &Side) -> [Request; 2] {
 }
 
 /// The requests each rank of `workers` reports as sent, waiting until each has all of `ids`.
-async fn await_freed(
+pub async fn await_freed(
     workers: &[KvConnectorWorker],
     ids: &[&str],
     what: &str,

@@ -6,6 +6,8 @@
 // Both speak vLLM's protocol too: only the tests of the vllm feature use them.
 #[cfg(feature = "vllm")]
 pub mod geometry;
+#[cfg(feature = "vllm")]
+pub mod hybrid;
 pub mod loads;
 #[cfg(feature = "vllm")]
 pub mod matrix;
@@ -195,6 +197,7 @@ pub fn remote(
         host: "127.0.0.1".to_string(),
         port: prefill.side_channel_addr().unwrap().port(),
         block_ids: blocks,
+        group_lens: Vec::new(),
         request_id: request.to_string(),
         tp_size: tp,
         num_tokens: None,

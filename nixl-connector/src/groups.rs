@@ -1,0 +1,546 @@
+//! Hybrid models: the KV cache groups of an engine and the block ids of a request as one
+//! list per group (see [`KvCacheGroups`]).
+
+use serde::{Deserialize, Serialize};
+
+use nixl::kv_config::KvTransferConfig;
+
+use crate::error::{Error, Result};
+
+/// The `kv_connector_extra_config` key holding an engine's [`KvCacheGroups`] as JSON, e.g.
+/// `{"block_size": 16, "groups": ["full_attention", {"sliding_window": {"window_tokens":
+/// 4096}}]}`. Absent: one full-attention group.
+pub const KV_CACHE_GROUPS_KEY: &str = "kv_cache_groups";
+
+/// What a KV cache group's layers attend to (vLLM's `kv_cache_spec` of the group).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KvCacheGroupKind {
+    /// Every token of the sequence (vLLM's `FullAttentionSpec`, `MLAAttentionSpec`): every
+    /// block is read.
+    FullAttention,
+    /// The last `window_tokens` tokens (vLLM's `SlidingWindowSpec`): only the blocks of the
+    /// window are read.
+    SlidingWindow {
+        /// The window, in tokens (vLLM's `sliding_window`).
+        window_tokens: usize,
+    },
+}
+
+impl std::fmt::Display for KvCacheGroupKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            KvCacheGroupKind::FullAttention => f.write_str("full attention"),
+            KvCacheGroupKind::SlidingWindow { window_tokens } => {
+                write!(f, "sliding window of {window_tokens} tokens")
+            }
+        }
+    }
+}
+
+/// An engine's KV cache groups, in vLLM's order (its `kv_cache_config.transfer_groups`
+/// under the hybrid KV cache manager, `SupportsHMA`), all sharing the engine's registered
+/// regions and block size. The default is one full-attention group: a model without hybrid
+/// layers, whose requests' block ids are one list.
+///
+/// What is supported is what vLLM 0.33 ships for full-attention and sliding-window layers:
+/// every group has as many layers, and layer `i` of each group shares one registered
+/// tensor (vLLM's `_SHARED_REGION_GROUP_ID`, `-1`, in `region_group_ids`), so that a
+/// group's block ids address every region, and the groups' ids never collide (one block
+/// pool). A load then reads each group's blocks across every region (vLLM's
+/// `_compute_desc_ids` without region group mapping: the groups' lists flattened).
+///
+/// A sliding-window group needs only the blocks of its window: both engines clip its list
+/// to the last `ceil(window / block_size) + 1` blocks (vLLM's `get_exchange_clipped_blocks`
+/// and `blocks_per_sw`), the prefill when it hands the params to the decode
+/// ([`KvConnectorScheduler::request_finished_all_groups`](crate::KvConnectorScheduler::request_finished_all_groups)),
+/// the decode when it schedules the load
+/// ([`KvConnectorScheduler::update_state_after_alloc_groups`](crate::KvConnectorScheduler::update_state_after_alloc_groups)),
+/// and each group's local blocks pair with the tail of its remote ones (vLLM's
+/// `_apply_prefix_caching`, group by group).
+///
+/// In vLLM's protocol, groups may also have regions of their own
+/// ([`with_region_groups`](Self::with_region_groups), vLLM's `region_group_ids`): a group's
+/// blocks are then read only in its regions and the shared ones.
+///
+/// Not supported, refused by name: SSM (Mamba) groups, groups with regions of their own in
+/// the native protocol, and blocks of different sizes on the two engines of a load of
+/// several groups.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "GroupsJson", into = "GroupsJson")]
+pub struct KvCacheGroups {
+    block_size: usize,
+    kinds: Vec<KvCacheGroupKind>,
+    /// Each region's group, or [`SHARED_REGION`]; empty: every region shared.
+    region_groups: Vec<i64>,
+}
+
+/// vLLM's `_SHARED_REGION_GROUP_ID`: the [`KvCacheGroups::region_groups`] entry of a region
+/// that layers of several KV cache groups share.
+pub const SHARED_REGION: i64 = -1;
+
+/// The JSON shape of [`KvCacheGroups`], checked on the way in.
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct GroupsJson {
+    block_size: usize,
+    groups: Vec<KvCacheGroupKind>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    region_groups: Vec<i64>,
+}
+
+impl TryFrom<GroupsJson> for KvCacheGroups {
+    type Error = Error;
+
+    fn try_from(json: GroupsJson) -> Result<Self> {
+        KvCacheGroups::new(json.block_size, json.groups)?.with_region_groups(json.region_groups)
+    }
+}
+
+impl From<KvCacheGroups> for GroupsJson {
+    fn from(groups: KvCacheGroups) -> Self {
+        GroupsJson {
+            block_size: groups.block_size,
+            groups: groups.kinds,
+            region_groups: groups.region_groups,
+        }
+    }
+}
+
+impl Default for KvCacheGroups {
+    fn default() -> Self {
+        KvCacheGroups {
+            block_size: 1,
+            kinds: vec![KvCacheGroupKind::FullAttention],
+            region_groups: Vec::new(),
+        }
+    }
+}
+
+const OP: &str = "KV cache groups";
+
+impl KvCacheGroups {
+    /// Groups of `kinds`, in vLLM's group order, over blocks of `block_size` tokens.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for no group, a block size or window of 0 tokens.
+    pub fn new(block_size: usize, kinds: Vec<KvCacheGroupKind>) -> Result<Self> {
+        if kinds.is_empty() {
+            return Err(Error::invalid(OP, "at least one KV cache group is needed"));
+        }
+        if block_size == 0 {
+            return Err(Error::invalid(OP, "block_size must be at least 1"));
+        }
+        if let Some(group) = kinds
+            .iter()
+            .position(|k| *k == KvCacheGroupKind::SlidingWindow { window_tokens: 0 })
+        {
+            return Err(Error::invalid(
+                OP,
+                format!("group {group}: a sliding window must hold at least 1 token"),
+            ));
+        }
+        Ok(KvCacheGroups {
+            block_size,
+            kinds,
+            region_groups: Vec::new(),
+        })
+    }
+
+    /// The groups with the group of each registered region, in registration order (vLLM's
+    /// `region_group_ids`): a group's number, or [`SHARED_REGION`] for a region that layers
+    /// of several groups share. A group's blocks are read only in its regions and the shared
+    /// ones (vLLM's `_compute_desc_ids` with region group mapping); both engines must have
+    /// the same, which a vLLM-mode decode checks in the handshake. Empty: every region is
+    /// shared. Only vLLM's protocol reads groups with regions of their own.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for an entry that is neither a group nor
+    /// [`SHARED_REGION`].
+    pub fn with_region_groups(mut self, region_groups: Vec<i64>) -> Result<Self> {
+        let groups = self.len();
+        if let Some(region) = region_groups
+            .iter()
+            .position(|&g| g != SHARED_REGION && usize::try_from(g).map_or(true, |g| g >= groups))
+        {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "region {region}: group {} is not one of the {groups} groups, nor {SHARED_REGION} (shared)",
+                    region_groups[region]
+                ),
+            ));
+        }
+        self.region_groups = region_groups;
+        Ok(self)
+    }
+
+    /// Each region's group (see [`with_region_groups`](Self::with_region_groups)); empty:
+    /// every region shared.
+    pub fn region_groups(&self) -> &[i64] {
+        &self.region_groups
+    }
+
+    /// Whether some region belongs to one group only (its blocks are not read there for the
+    /// others).
+    pub fn has_regions_of_their_own(&self) -> bool {
+        self.region_groups.iter().any(|&g| g != SHARED_REGION) && self.len() > 1
+    }
+
+    /// The `region_group_ids` a rank of `regions` regions publishes in vLLM's metadata:
+    /// [`region_groups`](Self::region_groups) when given, else every region the one group's
+    /// (0) or shared ([`SHARED_REGION`]) by several.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the region groups are not one per region.
+    #[cfg(feature = "vllm")]
+    pub(crate) fn region_group_ids(&self, regions: usize) -> Result<Vec<i64>> {
+        if self.region_groups.is_empty() {
+            let id = if self.len() > 1 { SHARED_REGION } else { 0 };
+            return Ok(vec![id; regions]);
+        }
+        if self.region_groups.len() != regions {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "{} region groups for {regions} registered regions",
+                    self.region_groups.len()
+                ),
+            ));
+        }
+        Ok(self.region_groups.clone())
+    }
+
+    /// The groups `kv_connector_extra_config.kv_cache_groups` holds ([`KV_CACHE_GROUPS_KEY`]),
+    /// or one full-attention group without it.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming what is wrong, e.g. a kind of group that is not
+    /// supported (SSM/Mamba groups are not).
+    pub fn from_kv_transfer_config(config: &KvTransferConfig) -> Result<Self> {
+        match config.kv_connector_extra_config.get(KV_CACHE_GROUPS_KEY) {
+            None => Ok(KvCacheGroups::default()),
+            Some(value) => serde_json::from_value(value.clone()).map_err(|err| {
+                Error::invalid(
+                    OP,
+                    format!(
+                        "kv_connector_extra_config.{KV_CACHE_GROUPS_KEY}: {err}; only \
+                         full_attention and sliding_window groups are supported (SSM/Mamba \
+                         groups are not)"
+                    ),
+                )
+            }),
+        }
+    }
+
+    /// The groups' kinds, in order.
+    pub fn kinds(&self) -> &[KvCacheGroupKind] {
+        &self.kinds
+    }
+
+    /// Number of groups.
+    pub fn len(&self) -> usize {
+        self.kinds.len()
+    }
+
+    /// Never: there is at least one group.
+    pub fn is_empty(&self) -> bool {
+        self.kinds.is_empty()
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Whether these are one full-attention group (a model without hybrid layers: nothing
+    /// is clipped).
+    pub fn is_single_full_attention(&self) -> bool {
+        self.kinds == [KvCacheGroupKind::FullAttention]
+    }
+
+    /// Blocks group `group` needs of a request, from its last (vLLM's `blocks_per_sw`:
+    /// `ceil(window / block_size) + 1`, the window seldom starting on a block's first
+    /// token); `None`: every block.
+    pub fn blocks_needed(&self, group: usize) -> Option<usize> {
+        match self.kinds.get(group)? {
+            KvCacheGroupKind::FullAttention => None,
+            KvCacheGroupKind::SlidingWindow { window_tokens } => {
+                Some(window_tokens.div_ceil(self.block_size).saturating_add(1))
+            }
+        }
+    }
+
+    /// A request's block ids, one list per group, clipped to what each group needs (vLLM's
+    /// `get_exchange_clipped_blocks`): a sliding-window group keeps its last
+    /// [`blocks_needed`](Self::blocks_needed). No list at all (vLLM's empty tuple, a full
+    /// prefix hit) is every group empty.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the lists are not one per group.
+    pub fn clip<'a, G: AsRef<[usize]>>(
+        &self,
+        request_id: &str,
+        block_ids: &'a [G],
+    ) -> Result<Vec<&'a [usize]>> {
+        if block_ids.is_empty() {
+            return Ok(vec![&[]; self.len()]);
+        }
+        if block_ids.len() != self.len() {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "request {request_id:?}: {} lists of block ids for {} KV cache groups ({}); pass one list per group, in the groups' order",
+                    block_ids.len(),
+                    self.len(),
+                    self.describe()
+                ),
+            ));
+        }
+        Ok(block_ids
+            .iter()
+            .enumerate()
+            .map(|(group, ids)| {
+                let ids = ids.as_ref();
+                match self.blocks_needed(group) {
+                    Some(n) if ids.len() > n => &ids[ids.len() - n..],
+                    _ => ids,
+                }
+            })
+            .collect())
+    }
+
+    /// The kinds, for messages.
+    fn describe(&self) -> String {
+        let kinds: Vec<String> = self.kinds.iter().map(ToString::to_string).collect();
+        kinds.join(", ")
+    }
+}
+
+/// Lists of block ids as one list and each list's length, as
+/// [`KvTransferParams::remote_block_group_lens`](crate::KvTransferParams::remote_block_group_lens)
+/// has them.
+pub(crate) fn flatten(groups: &[&[usize]]) -> (Vec<usize>, Vec<usize>) {
+    (
+        groups.concat(),
+        groups.iter().map(|group| group.len()).collect(),
+    )
+}
+
+/// `ids` split into lists of `lens` (no length: one list).
+///
+/// # Errors
+/// [`Error::InvalidArgument`] when the lengths do not add up to the ids.
+pub(crate) fn split<'a>(ids: &'a [usize], lens: &[usize]) -> Result<Vec<&'a [usize]>> {
+    if lens.is_empty() {
+        return Ok(vec![ids]);
+    }
+    let total = lens.iter().try_fold(0usize, |sum, &n| sum.checked_add(n));
+    if total != Some(ids.len()) {
+        return Err(Error::invalid(
+            "read the block ids of KV cache groups",
+            format!(
+                "remote_block_group_lens {lens:?} do not add up to the {} remote_block_ids",
+                ids.len()
+            ),
+        ));
+    }
+    let mut rest = ids;
+    Ok(lens
+        .iter()
+        .map(|&n| {
+            let (group, tail) = rest.split_at(n);
+            rest = tail;
+            group
+        })
+        .collect())
+}
+
+/// The pairs each region reads, for `region_groups` (each region's group, or
+/// [`SHARED_REGION`]): a region of one group reads that group's pairs, a shared one every
+/// pair; `pairs` holds each group's in turn, `group_lens` of them (vLLM's `_compute_desc_ids`
+/// with region group mapping).
+///
+/// # Errors
+/// [`Error::InvalidArgument`] when the counts do not add up to the pairs, or a region names
+/// a group the load has not.
+pub(crate) fn pairs_by_region<'a>(
+    pairs: &'a [(usize, usize)],
+    group_lens: &[usize],
+    region_groups: &[i64],
+) -> Result<Vec<&'a [(usize, usize)]>> {
+    const OP: &str = "read the blocks of KV cache groups";
+    let mut groups = Vec::with_capacity(group_lens.len());
+    let mut rest = pairs;
+    for &n in group_lens {
+        if n > rest.len() {
+            return Err(Error::invalid(
+                OP,
+                format!("group counts {group_lens:?} for {} pairs", pairs.len()),
+            ));
+        }
+        let (group, tail) = rest.split_at(n);
+        groups.push(group);
+        rest = tail;
+    }
+    region_groups
+        .iter()
+        .enumerate()
+        .map(|(region, &g)| {
+            if g == SHARED_REGION {
+                return Ok(pairs);
+            }
+            usize::try_from(g)
+                .ok()
+                .and_then(|g| groups.get(g).copied())
+                .ok_or_else(|| {
+                    Error::invalid(
+                        OP,
+                        format!(
+                            "region {region} is group {g}'s, the load has {} groups",
+                            group_lens.len()
+                        ),
+                    )
+                })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gemma_like() -> KvCacheGroups {
+        KvCacheGroups::new(
+            16,
+            vec![
+                KvCacheGroupKind::FullAttention,
+                KvCacheGroupKind::SlidingWindow { window_tokens: 32 },
+            ],
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn a_sliding_window_group_keeps_its_last_blocks() {
+        let groups = gemma_like();
+        // 32 tokens of 16: 2 blocks, and one more for a window that starts inside a block.
+        assert_eq!(groups.blocks_needed(1), Some(3));
+        assert_eq!(groups.blocks_needed(0), None);
+        let ids = [vec![1, 2, 3, 4, 5], vec![0, 0, 8, 9, 10]];
+        let clipped = groups.clip("r", &ids).unwrap();
+        assert_eq!(clipped, [&[1, 2, 3, 4, 5][..], &[8, 9, 10][..]]);
+        // Short lists are kept whole; no list is every group empty.
+        let short = [vec![1], vec![2]];
+        assert_eq!(groups.clip("r", &short).unwrap(), [&[1][..], &[2][..]]);
+        let none: [Vec<usize>; 0] = [];
+        let empty: &[usize] = &[];
+        assert_eq!(groups.clip("r", &none).unwrap(), [empty, empty]);
+        let err = groups.clip("r", &[vec![1]]).unwrap_err().to_string();
+        assert!(
+            err.contains("1 lists of block ids for 2 KV cache groups"),
+            "{err}"
+        );
+        assert!(err.contains("sliding window of 32 tokens"), "{err}");
+    }
+
+    #[test]
+    fn groups_parse_from_the_extra_config_and_refuse_what_is_not_supported() {
+        let mut kv = KvTransferConfig::default();
+        assert!(KvCacheGroups::from_kv_transfer_config(&kv)
+            .unwrap()
+            .is_single_full_attention());
+        kv.kv_connector_extra_config.insert(
+            KV_CACHE_GROUPS_KEY.into(),
+            serde_json::json!({"block_size": 16, "groups": ["full_attention", {"sliding_window": {"window_tokens": 32}}]}),
+        );
+        assert_eq!(
+            KvCacheGroups::from_kv_transfer_config(&kv).unwrap(),
+            gemma_like()
+        );
+        for (json, want) in [
+            (
+                serde_json::json!({"block_size": 16, "groups": ["full_attention", "mamba"]}),
+                "unknown variant `mamba`",
+            ),
+            (
+                serde_json::json!({"block_size": 16, "groups": []}),
+                "at least one KV cache group",
+            ),
+            (
+                serde_json::json!({"block_size": 16, "groups": [{"sliding_window": {"window_tokens": 0}}]}),
+                "group 0: a sliding window must hold at least 1 token",
+            ),
+        ] {
+            kv.kv_connector_extra_config
+                .insert(KV_CACHE_GROUPS_KEY.into(), json);
+            let err = KvCacheGroups::from_kv_transfer_config(&kv)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(want), "{err}");
+            assert!(err.contains("SSM/Mamba groups are not"), "{err}");
+        }
+    }
+
+    #[test]
+    fn a_region_of_one_group_reads_that_groups_pairs_only() {
+        let pairs = [(1, 7), (2, 8), (3, 9)];
+        let by_region = pairs_by_region(&pairs, &[2, 1], &[0, SHARED_REGION, 1]).unwrap();
+        assert_eq!(
+            by_region,
+            [&pairs[..2], &pairs[..], &pairs[2..]],
+            "group 0, shared, group 1"
+        );
+        let err = pairs_by_region(&pairs, &[2, 1], &[2])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("region 0 is group 2's, the load has 2 groups"),
+            "{err}"
+        );
+        assert!(pairs_by_region(&pairs, &[4], &[0]).is_err());
+    }
+
+    #[test]
+    fn region_groups_name_a_group_or_shared() {
+        let groups = gemma_like().with_region_groups(vec![0, 1, -1]).unwrap();
+        assert!(groups.has_regions_of_their_own());
+        assert_eq!(groups.region_groups(), [0, 1, -1]);
+        let err = gemma_like()
+            .with_region_groups(vec![0, 2])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("region 1: group 2 is not one of the 2 groups"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    #[cfg(feature = "vllm")]
+    fn a_rank_publishes_each_regions_group() {
+        let groups = gemma_like().with_region_groups(vec![0, 1, -1]).unwrap();
+        assert_eq!(groups.region_group_ids(3).unwrap(), [0, 1, -1]);
+        assert!(groups.region_group_ids(2).is_err());
+        assert_eq!(gemma_like().region_group_ids(2).unwrap(), [-1, -1]);
+        assert_eq!(
+            KvCacheGroups::default().region_group_ids(2).unwrap(),
+            [0, 0]
+        );
+    }
+
+    #[test]
+    fn lists_flatten_and_split_back() {
+        let (flat, lens) = flatten(&[&[1, 2], &[], &[7]]);
+        assert_eq!(
+            (flat.as_slice(), lens.as_slice()),
+            (&[1, 2, 7][..], &[2, 0, 1][..])
+        );
+        let empty: &[usize] = &[];
+        assert_eq!(split(&flat, &lens).unwrap(), [&[1, 2][..], empty, &[7][..]]);
+        assert_eq!(split(&flat, &[]).unwrap(), [&[1, 2, 7][..]]);
+        let err = split(&flat, &[2, 2]).unwrap_err().to_string();
+        assert!(err.contains("do not add up to the 3"), "{err}");
+        assert!(split(&flat, &[usize::MAX, 4]).is_err());
+    }
+}

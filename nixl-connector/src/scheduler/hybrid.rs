@@ -1,0 +1,350 @@
+//! The scheduler for hybrid models (vLLM's `SupportsHMA`): a request's block ids as one
+//! list per KV cache group, clipped to what each group needs (see [`KvCacheGroups`](crate::KvCacheGroups)).
+
+use super::{KvConnectorScheduler, RequestFinished};
+use crate::config::Protocol;
+use crate::error::{Error, Result};
+use crate::groups::{flatten, split, KvCacheGroups};
+use crate::params::KvTransferParams;
+use crate::scheduler::FinishStatus;
+
+impl KvConnectorScheduler {
+    /// The scheduler with the engine's KV cache `groups` (one full-attention group without
+    /// it; see [`KvCacheGroups::from_kv_transfer_config`]).
+    pub fn with_kv_cache_groups(mut self, groups: KvCacheGroups) -> Self {
+        self.groups = groups;
+        self
+    }
+
+    /// The engine's KV cache groups.
+    pub fn kv_cache_groups(&self) -> &KvCacheGroups {
+        &self.groups
+    }
+
+    /// [`update_state_after_alloc`](Self::update_state_after_alloc) for a hybrid model: the
+    /// local blocks the engine still needs, one list per KV cache group in the groups'
+    /// order (vLLM's `blocks.get_unhashed_block_ids_all_groups()`; none at all, or only
+    /// empty lists, for a full prefix hit).
+    ///
+    /// Each list is clipped to what its group needs (vLLM's `get_exchange_clipped_blocks`:
+    /// a sliding-window group keeps its last blocks), and pairs with the tail of the same
+    /// group's remote blocks (vLLM's `_apply_prefix_caching`, group by group). With one
+    /// full-attention group this is `update_state_after_alloc`. With several groups, both
+    /// engines' blocks must hold as many tokens (the workers check it); each group's
+    /// remote list is trimmed here to as many blocks as its local one.
+    ///
+    /// # Errors
+    /// Those of `update_state_after_alloc`, and [`Error::InvalidArgument`] when the lists
+    /// are not one per group, when the params hold another number of groups (or counts
+    /// that do not add up to their block ids), or when a group has more local blocks than
+    /// remote ones; nothing is scheduled then.
+    pub fn update_state_after_alloc_groups<G: AsRef<[usize]>>(
+        &mut self,
+        request_id: &str,
+        local_block_ids: &[G],
+        params: &KvTransferParams,
+    ) -> Result<()> {
+        const OP: &str = "schedule a remote prefill";
+        if self.groups.has_regions_of_their_own() && self.config.protocol == Protocol::Native {
+            return Err(Error::invalid(
+                OP,
+                "KV cache groups with regions of their own are read in vLLM's protocol only, whose handshake says each region's group; share every region between the groups, or speak vLLM's protocol",
+            ));
+        }
+        let local = self.groups.clip(request_id, local_block_ids)?;
+        if self.groups.is_single_full_attention() {
+            return self.update_state_after_alloc(request_id, local[0], params);
+        }
+        let (local_ids, _) = flatten(&local);
+        if local_ids.is_empty() {
+            // A full prefix hit: the prefill is only notified.
+            return self.schedule_load(request_id, &[], params);
+        }
+        if local.len() == 1 {
+            // One sliding-window group: the prefill's list ends with the prompt as the
+            // local one does; the prompt's token count no longer spans the list.
+            let params = KvTransferParams {
+                remote_num_tokens: None,
+                ..params.clone()
+            };
+            return self.update_state_after_alloc(request_id, local[0], &params);
+        }
+        let remote = split(&params.remote_block_ids, &params.remote_block_group_lens)
+            .map_err(|err| Error::invalid(OP, format!("request {request_id:?}: {err}")))?;
+        if remote.len() != local.len() {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "request {request_id:?}: kv_transfer_params hold the blocks of {} KV cache groups, this engine has {}; both engines must serve the same model with the same groups",
+                    remote.len(),
+                    local.len()
+                ),
+            ));
+        }
+        let mut trimmed = Vec::with_capacity(remote.len());
+        for (group, (l, r)) in local.iter().zip(&remote).enumerate() {
+            let Some(skipped) = r.len().checked_sub(l.len()) else {
+                return Err(Error::invalid(
+                    OP,
+                    format!(
+                        "request {request_id:?}: KV cache group {group} ({}): {} local blocks for {} remote blocks",
+                        self.groups.kinds()[group],
+                        l.len(),
+                        r.len()
+                    ),
+                ));
+            };
+            trimmed.push(&r[skipped..]);
+        }
+        let (remote_block_ids, remote_block_group_lens) = flatten(&trimmed);
+        let params = KvTransferParams {
+            remote_block_ids,
+            remote_block_group_lens,
+            remote_num_tokens: None,
+            ..params.clone()
+        };
+        self.schedule_load(request_id, &local_ids, &params)
+    }
+
+    /// [`request_finished`](Self::request_finished) for a hybrid model (vLLM's
+    /// `request_finished_all_groups`): `block_ids` holds the request's blocks, one list per
+    /// KV cache group in the groups' order. A prefill keeps them all until the decode is
+    /// done (freed together, as vLLM's scheduler frees a request's groups), and hands the
+    /// decode each group's blocks clipped to what it needs (vLLM's
+    /// `get_exchange_clipped_blocks`: a sliding-window group's last ones, the engine having
+    /// freed or nulled those before its window), in
+    /// [`KvTransferParams::remote_block_group_lens`] when there are several groups.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the lists are not one per group (none at all is
+    /// every group empty); nothing is recorded then.
+    pub fn request_finished_all_groups<G: AsRef<[usize]>>(
+        &mut self,
+        request_id: &str,
+        block_ids: &[G],
+        num_computed_tokens: usize,
+        params: Option<&KvTransferParams>,
+        status: FinishStatus,
+    ) -> Result<RequestFinished> {
+        let clipped = self.groups.clip(request_id, block_ids)?;
+        let (ids, lens) = flatten(&clipped);
+        let mut finished =
+            self.request_finished(request_id, &ids, num_computed_tokens, params, status);
+        if let Some(params) = finished
+            .kv_transfer_params
+            .as_mut()
+            .filter(|_| lens.len() > 1)
+        {
+            params.remote_block_group_lens = lens;
+        }
+        Ok(finished)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::config::LoadFailurePolicy;
+    use crate::groups::KvCacheGroupKind;
+    use crate::lease::Lease;
+    use crate::scheduler::SchedulerConfig;
+
+    /// Full attention, and a sliding window of 12 tokens over blocks of 8 (3 blocks).
+    fn hybrid(engine: &str, protocol: Protocol) -> KvConnectorScheduler {
+        let config = SchedulerConfig {
+            engine_id: engine.into(),
+            host: "10.0.0.1".into(),
+            port: 5600,
+            tp_size: 1,
+            lease: Lease::new(Duration::from_secs(3)).unwrap(),
+            load_failure_policy: LoadFailurePolicy::Fail,
+            protocol,
+            #[cfg(feature = "vllm")]
+            vllm_side_channel: None,
+        };
+        let groups = KvCacheGroups::new(
+            8,
+            vec![
+                KvCacheGroupKind::FullAttention,
+                KvCacheGroupKind::SlidingWindow { window_tokens: 12 },
+            ],
+        )
+        .unwrap();
+        KvConnectorScheduler::new(config).with_kv_cache_groups(groups)
+    }
+
+    fn for_decode() -> KvTransferParams {
+        KvTransferParams {
+            do_remote_decode: true,
+            ..Default::default()
+        }
+    }
+
+    /// The params a hybrid prefill hands for a prompt of 6 blocks, its window group's first
+    /// two freed (vLLM's null block 0).
+    fn handed(protocol: Protocol) -> KvTransferParams {
+        let blocks = [vec![1, 2, 3, 4, 5, 6], vec![0, 0, 13, 14, 15, 16]];
+        let done = hybrid("p", protocol)
+            .request_finished_all_groups(
+                "r",
+                &blocks,
+                44,
+                Some(&for_decode()),
+                FinishStatus::LengthCapped,
+            )
+            .unwrap();
+        assert!(done.delay_free_blocks);
+        done.kv_transfer_params.unwrap()
+    }
+
+    #[test]
+    fn a_prefill_hands_each_groups_blocks_clipped_to_its_window() {
+        let params = handed(Protocol::Native);
+        assert_eq!(params.remote_block_ids, [1, 2, 3, 4, 5, 6, 14, 15, 16]);
+        assert_eq!(params.remote_block_group_lens, [6, 3]);
+        assert_eq!(params.remote_num_tokens, Some(44));
+        #[cfg(feature = "vllm")]
+        {
+            let json: serde_json::Value =
+                serde_json::from_str(&handed(Protocol::Vllm).to_vllm_json()).unwrap();
+            assert_eq!(
+                json["remote_block_ids"],
+                serde_json::json!([[1, 2, 3, 4, 5, 6], [14, 15, 16]])
+            );
+        }
+        let err = hybrid("p", Protocol::Native)
+            .request_finished_all_groups(
+                "r",
+                &[vec![1]],
+                8,
+                Some(&for_decode()),
+                FinishStatus::LengthCapped,
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("1 lists of block ids for 2 KV cache groups"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn groups_with_regions_of_their_own_are_read_in_vllms_protocol_only() {
+        let own = KvCacheGroups::new(
+            8,
+            vec![
+                KvCacheGroupKind::FullAttention,
+                KvCacheGroupKind::SlidingWindow { window_tokens: 12 },
+            ],
+        )
+        .unwrap()
+        .with_region_groups(vec![0, 1])
+        .unwrap();
+        let params = KvTransferParams {
+            do_remote_prefill: true,
+            do_remote_decode: false,
+            ..handed(Protocol::Native)
+        };
+        let local = [vec![23, 24], vec![33]];
+        let mut native = hybrid("d", Protocol::Native).with_kv_cache_groups(own.clone());
+        native.on_new_request("r", Some(&params));
+        let err = native
+            .update_state_after_alloc_groups("r", &local, &params)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("in vLLM's protocol only"), "{err}");
+        let mut vllm = hybrid("d", Protocol::Vllm).with_kv_cache_groups(own);
+        vllm.on_new_request("r", Some(&params));
+        vllm.update_state_after_alloc_groups("r", &local, &params)
+            .unwrap();
+    }
+
+    #[test]
+    fn one_sliding_window_group_clips_its_blocks_and_drops_the_token_count() {
+        let groups = KvCacheGroups::new(
+            8,
+            vec![KvCacheGroupKind::SlidingWindow { window_tokens: 12 }],
+        )
+        .unwrap();
+        let mut prefill = hybrid("p", Protocol::Native).with_kv_cache_groups(groups.clone());
+        let done = prefill
+            .request_finished_all_groups(
+                "r",
+                &[vec![1, 2, 3, 4, 5]],
+                40,
+                Some(&for_decode()),
+                FinishStatus::Stopped,
+            )
+            .unwrap();
+        let params = KvTransferParams {
+            do_remote_prefill: true,
+            do_remote_decode: false,
+            ..done.kv_transfer_params.unwrap()
+        };
+        // One group: the params keep vLLM's one-group shape.
+        assert_eq!(params.remote_block_ids, [3, 4, 5]);
+        assert!(params.remote_block_group_lens.is_empty());
+        let mut decode = hybrid("d", Protocol::Native).with_kv_cache_groups(groups);
+        decode.on_new_request("r", Some(&params));
+        decode
+            .update_state_after_alloc_groups("r", &[vec![11, 12, 13, 14, 15]], &params)
+            .unwrap();
+        let load = &decode.build_connector_meta().loads[0];
+        assert_eq!(load.local_block_ids, [13, 14, 15]);
+        assert_eq!(load.remote.block_ids, [3, 4, 5]);
+        assert_eq!(load.remote.num_tokens, None);
+    }
+
+    #[test]
+    fn a_decode_pairs_each_group_with_the_tail_of_its_remote_blocks() {
+        let params = KvTransferParams {
+            do_remote_prefill: true,
+            do_remote_decode: false,
+            ..handed(Protocol::Native)
+        };
+        let mut s = hybrid("d", Protocol::Native);
+        s.on_new_request("r", Some(&params));
+        // The first two blocks in the prefix cache; the window group's list is clipped.
+        let local = [vec![23, 24, 25, 26], vec![31, 32, 33, 34]];
+        s.update_state_after_alloc_groups("r", &local, &params)
+            .unwrap();
+        let meta = s.build_connector_meta();
+        let load = &meta.loads[0];
+        assert_eq!(load.local_block_ids, [23, 24, 25, 26, 32, 33, 34]);
+        assert_eq!(load.remote.block_ids, [3, 4, 5, 6, 14, 15, 16]);
+        assert_eq!(load.remote.group_lens, [4, 3]);
+        assert_eq!(load.remote.num_tokens, None);
+
+        // The one-group API refuses params of several groups; so does a group with more
+        // local blocks than remote ones, or a count of lists that is not the groups'.
+        let mut s = hybrid("d", Protocol::Native);
+        s.on_new_request("r", Some(&params));
+        let err = s
+            .update_state_after_alloc("r", &[1, 2], &params)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("update_state_after_alloc_groups"), "{err}");
+        let too_many = [(1..=7).collect::<Vec<usize>>(), vec![1]];
+        let err = s
+            .update_state_after_alloc_groups("r", &too_many, &params)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("KV cache group 0 (full attention): 7 local blocks for 6 remote blocks"),
+            "{err}"
+        );
+        let err = s
+            .update_state_after_alloc_groups("r", &[vec![1]], &params)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("1 lists of block ids for 2"), "{err}");
+        // A full prefix hit only notifies, with the prefill's blocks as they are.
+        s.update_state_after_alloc_groups("r", &[Vec::<usize>::new(), Vec::new()], &params)
+            .unwrap();
+        let load = &s.build_connector_meta().loads[0];
+        assert!(load.local_block_ids.is_empty());
+        assert_eq!(load.remote.block_ids, params.remote_block_ids);
+    }
+}

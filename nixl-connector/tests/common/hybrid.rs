@@ -1,0 +1,251 @@
+//! The geometry matrix for a hybrid model of two KV cache groups sharing every region (a
+//! full-attention group and a sliding-window one, as vLLM 0.33 serves them): both engines'
+//! schedulers hand the blocks over one list per group, and every byte of every decode rank
+//! is checked against the model of [`super::geometry`], given which blocks each group needs
+//! as computed here from the window's definition.
+
+use std::time::Instant;
+
+use nixl_connector::{
+    FinishStatus, KvAttention, KvCacheGroupKind, KvCacheGroups, KvConnectorScheduler,
+    KvTransferParams, Protocol, SchedulerConfig, TransferMetrics,
+};
+
+use super::geometry::{engine_speaking, Model, Request, Side};
+use super::matrix::{await_freed, WAIT};
+use super::{cpu_config, for_decode, poll_until, vllm_config, vllm_factors};
+
+/// Blocks per region of the hybrid cases: room for two groups of two requests.
+pub const HYBRID_BLOCKS: usize = 40;
+
+/// The sliding window's tokens: with blocks of `block_size` tokens the group needs the last
+/// `window / block_size` blocks that hold it whole, and one more for a window that begins
+/// inside a block.
+const WINDOW_TOKENS: usize = 6;
+
+/// The groups of the hybrid model over blocks of `block_size` tokens.
+fn groups(block_size: usize) -> KvCacheGroups {
+    KvCacheGroups::new(
+        block_size,
+        vec![
+            KvCacheGroupKind::FullAttention,
+            KvCacheGroupKind::SlidingWindow {
+                window_tokens: WINDOW_TOKENS,
+            },
+        ],
+    )
+    .unwrap()
+}
+
+/// The blocks of `ids` (a prompt's, from its first token or from the first the decode
+/// lacks, in order) that group `group` needs: all of them for full attention; for the
+/// window, the blocks holding the last [`WINDOW_TOKENS`] tokens of a prompt that could end
+/// anywhere in its last block, and so at most one block more than those tokens fill.
+fn needed(group: usize, ids: &[usize], block_size: usize) -> Vec<usize> {
+    if group == 0 {
+        return ids.to_vec();
+    }
+    let whole = WINDOW_TOKENS.div_ceil(block_size);
+    ids[ids.len().saturating_sub(whole + 1)..].to_vec()
+}
+
+/// A scheduler of an engine of TP `tp` speaking `protocol`, reached at `port`, with the
+/// hybrid model's groups.
+fn scheduler(
+    engine: &str,
+    port: u16,
+    tp: usize,
+    block_size: usize,
+    protocol: Protocol,
+) -> KvConnectorScheduler {
+    let kv = match protocol {
+        Protocol::Native => cpu_config(),
+        Protocol::Vllm => vllm_config(vllm_factors()),
+    };
+    let config = SchedulerConfig::new(engine, "127.0.0.1", port, tp, &kv).unwrap();
+    KvConnectorScheduler::new(config).with_kv_cache_groups(groups(block_size))
+}
+
+/// One request of the case: each group's prefill blocks for the whole prompt, and each
+/// group's decode blocks (the tail the decode lacks).
+struct HybridRequest {
+    id: String,
+    remote: [Vec<usize>; 2],
+    local: [Vec<usize>; 2],
+}
+
+/// The two requests of a case: the whole prompt of 7 blocks, then the same prompt with the
+/// decode's first block in its prefix cache; each group's blocks apart from the other's
+/// (one block pool).
+fn requests(tag: &str) -> [HybridRequest; 2] {
+    let ids = |first: usize, n: usize| (first..first + n).collect::<Vec<usize>>();
+    let remote = [ids(1, 7), ids(11, 7)];
+    [
+        HybridRequest {
+            id: format!("{tag}-whole"),
+            remote: remote.clone(),
+            local: [ids(2, 7), ids(12, 7)],
+        },
+        HybridRequest {
+            id: format!("{tag}-hit"),
+            remote,
+            local: [ids(22, 6), ids(31, 6)],
+        },
+    ]
+}
+
+/// What the model reads for `request`: per group, the blocks each side needs, the decode's
+/// paired with the last of the prefill's.
+fn model_loads(request: &HybridRequest, block_size: usize) -> Vec<Request> {
+    (0..2)
+        .map(|group| Request {
+            id: request.id.clone(),
+            remote: needed(group, &request.remote[group], block_size),
+            local: needed(group, &request.local[group], block_size),
+            num_tokens: None,
+        })
+        .collect()
+}
+
+/// One case: both requests handed over by the prefill's scheduler and loaded through the
+/// decode's by every decode rank, every byte checked, every prefill rank freeing both.
+async fn hybrid_case(
+    model: &Model,
+    prefill: Side,
+    decode: Side,
+    protocol: Protocol,
+) -> Result<(), String> {
+    let tag = format!(
+        "hybrid-{protocol}-{}-p{}-d{}",
+        match model.attention {
+            KvAttention::Mla => "mla".to_string(),
+            KvAttention::Mha { total_kv_heads } => format!("mha{total_kv_heads}"),
+        },
+        prefill.tp,
+        decode.tp,
+    );
+    let engine_id = format!("pf-{tag}");
+    let prefills = engine_speaking(&engine_id, model, &prefill, protocol);
+    let decodes = engine_speaking(&format!("dc-{tag}"), model, &decode, protocol);
+    for (rank, worker) in prefills.iter().enumerate() {
+        model.fill_prefill(worker, &prefill, rank);
+    }
+    for worker in &decodes {
+        model.fill_sentinel(worker, &decode);
+    }
+    let port = prefills[0].side_channel_addr().unwrap().port();
+    let block_size = prefill.block_size;
+    let mut prefill_scheduler = scheduler(&engine_id, port, prefill.tp, block_size, protocol);
+    let mut decode_scheduler = scheduler("dc", 0, decode.tp, decode.block_size, protocol);
+    let requests = requests(&tag);
+    for request in &requests {
+        let done = prefill_scheduler
+            .request_finished_all_groups(
+                &request.id,
+                &request.remote,
+                7 * block_size - 1,
+                Some(&for_decode()),
+                FinishStatus::LengthCapped,
+            )
+            .map_err(|err| format!("{tag}: {err}"))?;
+        let mut params = done.kv_transfer_params.unwrap();
+        if protocol == Protocol::Vllm {
+            // Through a proxy, as vLLM's JSON.
+            params = KvTransferParams::from_vllm_json(&params.to_vllm_json()).unwrap();
+        }
+        decode_scheduler.on_new_request(&request.id, Some(&params));
+        decode_scheduler
+            .update_state_after_alloc_groups(&request.id, &request.local, &params)
+            .map_err(|err| format!("{tag}: {err}"))?;
+    }
+    let held = prefill_scheduler.build_connector_meta();
+    for worker in &prefills {
+        worker.start_load_kv(&held);
+    }
+    let loads = decode_scheduler.build_connector_meta();
+    for worker in &decodes {
+        worker.start_load_kv(&loads);
+    }
+    let model_requests: Vec<Request> = requests
+        .iter()
+        .flat_map(|r| model_loads(r, block_size))
+        .collect();
+    for (rank, worker) in decodes.iter().enumerate() {
+        let done = poll_until(worker, WAIT, |f| f.recving.len() == requests.len()).await;
+        let metrics: Vec<TransferMetrics> = worker.metrics();
+        let errors = worker.load_errors();
+        if prefill.block_size != decode.block_size {
+            // Refused by name before any READ: every block failed, nothing moved.
+            let refused = done.recving.len() == requests.len()
+                && requests
+                    .iter()
+                    .all(|r| errors.iter().any(|e| e.request_id == r.id))
+                && errors.iter().all(|e| {
+                    e.reason.contains(
+                        "a hybrid model's blocks must hold as many tokens on both engines",
+                    )
+                });
+            let refused = refused && metrics.iter().all(|m| m.bytes == 0);
+            if !refused {
+                return Err(format!("{tag}: decode rank {rank} was not refused: ended {:?}; errors {errors:?}; {metrics:?}", done.recving));
+            }
+            model
+                .check_decode(worker, &prefill, &decode, rank, &[])
+                .map_err(|err| format!("{tag}: {err}"))?;
+            continue;
+        }
+        if done.recving.len() != requests.len() || !errors.is_empty() {
+            return Err(format!(
+                "{tag}: decode rank {rank} ended {:?}; errors {errors:?}; {metrics:?}",
+                done.recving
+            ));
+        }
+        let refs: Vec<&Request> = model_requests.iter().collect();
+        model
+            .check_decode(worker, &prefill, &decode, rank, &refs)
+            .map_err(|err| format!("{tag}: {err}"))?;
+        let moved: usize = model_requests
+            .iter()
+            .map(|r| model.moved_bytes(&prefill, &decode, rank, r))
+            .sum();
+        let read: u64 = metrics.iter().map(|m| m.bytes).sum();
+        if read != moved as u64 {
+            return Err(format!("{tag}: decode rank {rank} read {read} bytes, the model moves {moved} (each byte once)"));
+        }
+    }
+    if prefill.block_size != decode.block_size {
+        // Nothing read, nothing notified: the prefill's lease frees the blocks.
+        return Ok(());
+    }
+    let ids: Vec<&str> = requests.iter().map(|r| r.id.as_str()).collect();
+    await_freed(&prefills, &ids, &tag).await
+}
+
+/// Runs every case of `cases` (prefill and decode sides) for `model` as a hybrid model of
+/// two groups, both engines speaking `protocol`: sides whose blocks hold as many tokens
+/// move every byte the model says; others are refused by name and move nothing. Fails
+/// naming each case that failed.
+pub async fn run_hybrid_cases(model: &Model, cases: &[(Side, Side)], protocol: Protocol) {
+    let mut failed = Vec::new();
+    for &(prefill, decode) in cases {
+        let started = Instant::now();
+        let outcome = if prefill.block_size == decode.block_size {
+            "every byte as the model says"
+        } else {
+            "refused by name, nothing read"
+        };
+        match hybrid_case(model, prefill, decode, protocol).await {
+            Ok(()) => eprintln!(
+                "{prefill:?} -> {decode:?}, two KV cache groups: {outcome}, in {:?}",
+                started.elapsed()
+            ),
+            Err(err) => failed.push(err),
+        }
+    }
+    assert!(
+        failed.is_empty(),
+        "{} cases failed:\n{}",
+        failed.len(),
+        failed.join("\n")
+    );
+}
