@@ -8,8 +8,8 @@
 //! descriptors for every load and invalidation of a live peer, so reloading a flapping peer
 //! would grow the process's descriptors without bound.
 //!
-//! Engines churn: a prefill that restarts is a new engine. A failing engine is backed off
-//! from, and engines idle past the TTL or replaced at their address are evicted once no
+//! Engines churn: a prefill that restarts is a new engine. An engine whose handshakes or
+//! transfers keep failing is backed off from, and engines idle past the TTL or replaced at their address are evicted once no
 //! load holds them, their agents' metadata invalidated (see [`Engines`]).
 
 use std::collections::HashMap;
@@ -263,8 +263,9 @@ impl Remotes {
     }
 
     /// Forgets `remote` (after a transfer with it failed), so the next load handshakes
-    /// again; a newer handshake under the same key is kept.
-    pub(crate) fn forget(&self, engine: &str, rank: usize, remote: &Arc<Remote>) {
+    /// again; a newer handshake under the same key is kept. Whether `remote` was the
+    /// current handshake (and is now forgotten).
+    pub(crate) fn forget(&self, engine: &str, rank: usize, remote: &Arc<Remote>) -> bool {
         let key = (engine.to_string(), rank);
         let mut map = self.lock();
         let same = map
@@ -274,6 +275,31 @@ impl Remotes {
         if same {
             map.remove(&key);
         }
+        same
+    }
+
+    /// Forgets `remote` after a load from it failed with `error` (as
+    /// [`forget`](Self::forget)); a failure in NIXL itself (at the post or in the status
+    /// poll) also marks `engine` as a failed handshake does, so that an engine whose
+    /// transfers keep failing is backed off from (vLLM's `_handle_failed_transfer` and
+    /// `_mark_remote_engine_invalid`). vLLM marks an engine whose agent NIXL dropped on the
+    /// failure; NIXL 1.5.1 keeps the agent's metadata after a peer's disconnection and its
+    /// C API folds the disconnection into a backend error, so every NIXL failure counts.
+    /// Only the failure that forgets the engine's current handshake counts: the other loads
+    /// of that handshake failing with it add nothing, as vLLM marks an engine once until it
+    /// is handshaken again.
+    pub(crate) fn transfer_failed(
+        &self,
+        engine: &str,
+        rank: usize,
+        remote: &Arc<Remote>,
+        error: &Error,
+    ) {
+        if !self.forget(engine, rank, remote) || !matches!(error, Error::Nixl(_)) {
+            return;
+        }
+        let backoff = self.book().engines.failed(engine, Instant::now());
+        tracing::warn!(engine, rank, remote = %remote.agent, ?backoff, %error, "a transfer from the remote engine failed in NIXL; it is handshaken again after the backoff");
     }
 
     /// Forgets every rank of `engine` (it registered its KV cache again), so the next loads

@@ -1,9 +1,11 @@
 //! Remote engines that come and go (#30 item 5): prefills restarted as new engines on new
 //! ports are evicted from their decode once unused for `engine_ttl`, so its remote ranks,
 //! loaded agents and file descriptors stay flat; an engine whose handshakes keep failing is
-//! backed off from instead of being handshaken with on every load.
+//! backed off from instead of being handshaken with on every load, and so is one whose
+//! transfers fail as its agent is lost.
 
 mod common;
+mod prefill_process;
 
 use std::time::{Duration, Instant};
 
@@ -126,5 +128,47 @@ async fn an_engine_whose_handshakes_keep_failing_is_backed_off_from() {
     assert!(
         fifth.contains("not tried for another"),
         "backed off for 2 s now: {fifth}"
+    );
+}
+
+/// The role variable of the prefill process that [`an_engine_whose_transfers_fail_is_backed_off_from`] kills.
+const ROLE_ENV: &str = "NIXL_CONNECTOR_TEST_CHURN_PREFILL";
+/// That prefill's engine.
+const KILLED: &str = "pf-churn-killed";
+
+/// The prefill of the test below, run in a child process: fills its cache, prints its port,
+/// waits to be killed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "the prefill of a test here, which starts it"]
+async fn prefill_role() {
+    prefill_process::serve(KILLED, ROLE_ENV).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_whose_transfers_fail_is_backed_off_from() {
+    let (mut child, port) = prefill_process::start("prefill_role", ROLE_ENV);
+    common::init_tracing();
+    let spec = spec(2);
+    let decode = worker("dc-transfer-backoff", 0, 1, &spec);
+    let mut from = remote(&decode, KILLED, "r", vec![4, 5], 1);
+    from.port = port;
+    assert_eq!(load(&decode, "d0", from.clone()).await, None);
+    child.kill().unwrap();
+    child.wait().unwrap();
+
+    // The READ from the dead prefill fails in NIXL, which drops its agent: the engine is
+    // marked as by a failed handshake (the first failure: no backoff yet).
+    let first = load(&decode, "d1", from.clone()).await.unwrap();
+    assert!(first.starts_with("NIXL: "), "a transfer failure: {first}");
+    // The handshake with it fails too: the second failure in a row backs off for 1 s.
+    let second = load(&decode, "d2", from.clone()).await.unwrap();
+    assert!(
+        second.contains("handshake") && !second.contains("not tried"),
+        "{second}"
+    );
+    let third = load(&decode, "d3", from).await.unwrap();
+    assert!(
+        third.contains("not tried for another"),
+        "backed off after a failed transfer and a failed handshake: {third}"
     );
 }
