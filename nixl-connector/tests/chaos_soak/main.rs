@@ -105,6 +105,7 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
     };
     let fds_before = open_fds().unwrap();
     let rss_before = common::status_kib("VmRSS");
+    let heap_before = common::heap_in_use_kib();
     let mut prefill_end = None;
     let mut stopped_until: Option<Instant> = None;
     let mut next_prefill_stop = 100;
@@ -277,11 +278,12 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
     )
     .await;
     let (fds_after, rss_after) = (open_fds().unwrap(), common::status_kib("VmRSS"));
+    let heap_after = common::heap_in_use_kib();
     let r = &d.r;
     eprintln!(
         "soak: {:.1} s, {step} steps, {r:?}; last prefill {}: freed twice {prefill_freed_twice}, \
          late writes {prefill_late_writes}; decode fds {fds_before} -> {fds_after}, RSS \
-         {rss_before} -> {rss_after} KiB",
+         {rss_before} -> {rss_after} KiB, heap in use {heap_before} -> {heap_after} KiB",
         started.elapsed().as_secs_f64(),
         prefill.engine,
     );
