@@ -95,9 +95,9 @@ impl Engines {
     }
 
     /// Records that a handshake with `engine` failed at `now`, or a transfer from it failed
-    /// in NIXL (vLLM's `_mark_remote_engine_invalid`): the first failure backs off for nothing, each repeat
-    /// before the engine stayed healthy for [`MAX_BACKOFF`] doubles the backoff, from
-    /// [`MIN_BACKOFF`] up to [`MAX_BACKOFF`]; the backoff it set.
+    /// in NIXL (vLLM's `_mark_remote_engine_invalid`): the first failure backs off for
+    /// nothing, each repeat before the engine stayed healthy for [`MAX_BACKOFF`] doubles the
+    /// backoff, from [`MIN_BACKOFF`] up to [`MAX_BACKOFF`]; the backoff it set.
     pub(crate) fn failed(&mut self, engine: &str, now: Instant) -> Duration {
         self.backoff
             .retain(|_, &mut (_, until)| now.saturating_duration_since(until) <= MAX_BACKOFF);

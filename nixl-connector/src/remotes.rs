@@ -9,10 +9,11 @@
 //! would grow the process's descriptors without bound.
 //!
 //! Engines churn: a prefill that restarts is a new engine. An engine whose handshakes or
-//! transfers keep failing is backed off from, and engines idle past the TTL or replaced at their address are evicted once no
-//! load holds them, their agents' metadata invalidated (see [`Engines`]).
+//! transfers keep failing is backed off from, and engines idle past the TTL or replaced at
+//! their address are evicted once no load holds them, their agents' metadata invalidated
+//! (see [`Engines`]).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
@@ -71,6 +72,8 @@ pub(crate) struct Remotes {
 struct EngineBook {
     engines: Engines,
     made: HashMap<String, Vec<Weak<Remote>>>,
+    /// Engines a failed transfer marked since their last new handshake (marked once).
+    marked: HashSet<String>,
     last_sweep: Option<Instant>,
     evicted: u64,
 }
@@ -145,6 +148,7 @@ impl Remotes {
                 let weak = Arc::downgrade(&remote);
                 if !made.iter().any(|w| w.ptr_eq(&weak)) {
                     made.push(weak);
+                    book.marked.remove(engine);
                 }
                 Ok(remote)
             }
@@ -232,6 +236,7 @@ impl Remotes {
             }
             book.engines.forget(&engine);
             book.made.remove(&engine);
+            book.marked.remove(&engine);
             book.evicted += 1;
             drop(book);
             self.release_agents(agent, &engine);
@@ -285,9 +290,9 @@ impl Remotes {
     /// `_mark_remote_engine_invalid`). vLLM marks an engine whose agent NIXL dropped on the
     /// failure; NIXL 1.5.1 keeps the agent's metadata after a peer's disconnection and its
     /// C API folds the disconnection into a backend error, so every NIXL failure counts.
-    /// Only the failure that forgets the engine's current handshake counts: the other loads
-    /// of that handshake failing with it add nothing, as vLLM marks an engine once until it
-    /// is handshaken again.
+    /// An engine is marked once until a new handshake with it: the other loads and ranks
+    /// failing with it add nothing, as vLLM marks an engine once until it is handshaken
+    /// again, and a load failing on a handshake already replaced counts for nothing.
     pub(crate) fn transfer_failed(
         &self,
         engine: &str,
@@ -298,7 +303,12 @@ impl Remotes {
         if !self.forget(engine, rank, remote) || !matches!(error, Error::Nixl(_)) {
             return;
         }
-        let backoff = self.book().engines.failed(engine, Instant::now());
+        let mut book = self.book();
+        if !book.marked.insert(engine.to_string()) {
+            return;
+        }
+        let backoff = book.engines.failed(engine, Instant::now());
+        drop(book);
         tracing::warn!(engine, rank, remote = %remote.agent, ?backoff, %error, "a transfer from the remote engine failed in NIXL; it is handshaken again after the backoff");
     }
 
