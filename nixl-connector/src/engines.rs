@@ -1,6 +1,6 @@
 //! The remote engines a decode worker has known, over time: when each was last active,
 //! which engine serves each side-channel address, and how long to back off from one whose
-//! handshakes fail (vLLM's `_engine_last_active`, `_engine_by_address` and
+//! handshakes or transfers fail (vLLM's `_engine_last_active`, `_engine_by_address` and
 //! `_invalid_engine_backoff`). Engines idle past the TTL, and engines whose address now
 //! serves another, are evicted once no load holds them, so that prefill restarts (each a
 //! new engine) leave nothing behind.
@@ -94,10 +94,10 @@ impl Engines {
             .filter(|left| !left.is_zero())
     }
 
-    /// Records that a handshake with `engine` failed at `now` (vLLM's
-    /// `_mark_remote_engine_invalid`): the first failure backs off for nothing, each repeat
-    /// before the engine stayed healthy for [`MAX_BACKOFF`] doubles the backoff, from
-    /// [`MIN_BACKOFF`] up to [`MAX_BACKOFF`]; the backoff it set.
+    /// Records that a handshake with `engine` failed at `now`, or a transfer from it failed
+    /// in NIXL (vLLM's `_mark_remote_engine_invalid`): the first failure backs off for
+    /// nothing, each repeat before the engine stayed healthy for [`MAX_BACKOFF`] doubles the
+    /// backoff, from [`MIN_BACKOFF`] up to [`MAX_BACKOFF`]; the backoff it set.
     pub(crate) fn failed(&mut self, engine: &str, now: Instant) -> Duration {
         self.backoff
             .retain(|_, &mut (_, until)| now.saturating_duration_since(until) <= MAX_BACKOFF);

@@ -11,14 +11,20 @@
 //!   load errors, it calls [`stage_from_host`](crate::KvConnectorWorker::stage_from_host) (a NIXL
 //!   READ from the host buffer into VRAM).
 //!
+//! A copy returns only once NIXL has ended it: one past the transfer timeout is reported
+//! at once and still awaited, its blocks untouched by the engine meanwhile.
+//!
 //! The handshake describes the host buffer, so both engines of a pair must run this mode
 //! (or a `cpu` kv-buffer device), and a peer's memory type must match. On a machine
 //! without a CUDA device, [`register_kv_caches_host_buffer`](crate::KvConnectorWorker::register_kv_caches_host_buffer)
 //! fails with [`Error::HostBufferNeedsGpu`] before allocating anything.
 
+use std::future::IntoFuture;
+use std::time::Duration;
+
 use nixl::{
     LocalDescList, MemType, PreparedLocal, PreparedRemote, RegDesc, Registration, RemoteDescList,
-    XferDesc, XferOp, XferOptions, XferStatus,
+    XferDesc, XferOp, XferOptions, XferRequest, XferStatus,
 };
 
 use crate::error::{Error, Result};
@@ -125,11 +131,13 @@ impl Staging {
     }
 
     /// Copies `block_ids` of every region between VRAM and the host buffer: a WRITE from VRAM
-    /// into the host buffer, or a READ from it into VRAM.
+    /// into the host buffer, or a READ from it into VRAM. Returns once NIXL has ended the
+    /// copy (see [`finish_copy`]): a copy past the transfer timeout is reported at once
+    /// (logged, counted in `vllm:nixl_num_overdue_transfers`) and still awaited.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for a block id out of range; [`Error::TransferTimeout`];
-    /// NIXL's errors.
+    /// [`Error::InvalidArgument`] for a block id out of range; [`Error::TransferTimeout`]
+    /// (once the copy ended); NIXL's errors.
     pub(crate) async fn copy(
         &self,
         shared: &Shared,
@@ -159,12 +167,130 @@ impl Staging {
             return Ok(());
         }
         let deadline = shared.config.transfer_timeout;
-        match tokio::time::timeout(deadline, request).await {
-            Ok(done) => done.map(drop).map_err(Error::from),
-            Err(_) => Err(Error::TransferTimeout {
+        finish_copy(request, deadline, || {
+            shared.series.overdue();
+            tracing::warn!(?op, blocks = block_ids.len(), ?deadline, "a host-buffer copy is still in flight past the transfer timeout; its blocks stay the connector's until NIXL ends it");
+        })
+        .await
+    }
+}
+
+/// Awaits the posted copy `request` until NIXL has ended it, done or failed: until then
+/// NIXL may still write its blocks, so the outcome, which hands them back to the caller,
+/// comes only then. Past `deadline` it calls `overdue` once and goes on waiting; the copy
+/// then ends with [`Error::TransferTimeout`] (as a load's READs do, following vLLM's
+/// `_pop_done_transfers`). Dropping the future does not stop the copy either: the agent's
+/// completion driver takes it over.
+///
+/// # Errors
+/// [`Error::TransferTimeout`] for a copy that outlived `deadline`; NIXL's errors.
+async fn finish_copy(
+    request: XferRequest,
+    deadline: Duration,
+    overdue: impl FnOnce(),
+) -> Result<()> {
+    let mut copy = std::pin::pin!(request.into_future());
+    match tokio::time::timeout(deadline, &mut copy).await {
+        Ok(done) => done.map(drop).map_err(Error::from),
+        Err(_) => {
+            overdue();
+            let ended = copy.await;
+            tracing::debug!(failed = ended.is_err(), "an overdue host-buffer copy ended");
+            Err(Error::TransferTimeout {
                 request_id: "host-buffer staging".to_string(),
                 deadline,
-            }),
+            })
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    use std::time::Instant;
+
+    use nixl::{Agent, XferOp, XferOptions};
+
+    use super::*;
+
+    /// A copy from an agent that makes no progress until polled (UCX needs it for the
+    /// wire-up), posted and in flight: the stalled agent and the copy's source, the copy's
+    /// destination, the copy and the agent that makes it.
+    fn stalled_copy(len: usize) -> (Agent, Registration, Registration, XferRequest, Agent) {
+        let local = Agent::new(&format!("hb-copy-{}", std::process::id())).unwrap();
+        let stalled = Agent::builder(&format!("hb-stalled-{}", std::process::id()))
+            .progress_thread(false)
+            .build()
+            .unwrap();
+        let (ucx_local, ucx_stalled) = (
+            local.create_backend("UCX").unwrap(),
+            stalled.create_backend("UCX").unwrap(),
+        );
+        let destination = local
+            .register_memory(vec![0u8; len], &[&ucx_local])
+            .unwrap();
+        let source = stalled
+            .register_memory(vec![7u8; len], &[&ucx_stalled])
+            .unwrap();
+        local
+            .load_remote_metadata(&stalled.local_metadata().unwrap())
+            .unwrap();
+        stalled
+            .load_remote_metadata(&local.local_metadata().unwrap())
+            .unwrap();
+        let mut into = LocalDescList::new(MemType::Dram).unwrap();
+        into.push_region(&destination, 0).unwrap();
+        let r = &source.regions()[0];
+        let from =
+            RemoteDescList::from_descs(MemType::Dram, &[XferDesc::new(r.addr, r.len, r.dev_id)])
+                .unwrap();
+        let mut request = local
+            .create_xfer_req(
+                XferOp::Read,
+                &into,
+                &from,
+                stalled.name(),
+                &XferOptions::new(),
+            )
+            .unwrap();
+        assert_eq!(request.post().unwrap(), XferStatus::InProgress);
+        (stalled, source, destination, request, local)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_copy_past_its_deadline_is_reported_at_once_and_ends_only_with_nixl() {
+        const DEADLINE: Duration = Duration::from_millis(200);
+        const LEN: usize = 1 << 16;
+        let (stalled, _source, destination, request, _local) = stalled_copy(LEN);
+        let overdue = Arc::new(AtomicBool::new(false));
+        let reported = overdue.clone();
+        let started = Instant::now();
+        let copy = tokio::spawn(finish_copy(request, DEADLINE, move || {
+            reported.store(true, Ordering::SeqCst)
+        }));
+        tokio::time::sleep(2 * DEADLINE).await;
+        assert!(overdue.load(Ordering::SeqCst), "reported at the deadline");
+        assert!(
+            !copy.is_finished(),
+            "no outcome while the copy is in flight"
+        );
+        // The stalled agent progresses: the copy lands, and only then the outcome comes.
+        while !copy.is_finished() {
+            stalled.notifications().unwrap();
+            assert!(
+                started.elapsed() < Duration::from_secs(60),
+                "the copy never ended"
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let err = copy.await.unwrap().unwrap_err();
+        assert!(matches!(err, Error::TransferTimeout { .. }), "{err}");
+        let mut landed = vec![0u8; LEN];
+        destination.read(0, 0, &mut landed).unwrap();
+        assert!(
+            landed.iter().all(|&b| b == 7),
+            "the copy ended before its outcome"
+        );
     }
 }

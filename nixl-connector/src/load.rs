@@ -343,7 +343,8 @@ fn post(shared: &Shared, load: &Load, remotes: &[Arc<Remote>]) -> Posted {
                 done,
             }),
             Err(err) => {
-                shared.remotes.forget(&load.remote.engine_id, rank, remote);
+                let engine = &load.remote.engine_id;
+                shared.remotes.transfer_failed(engine, rank, remote, &err);
                 posted.failed = Some(err);
                 return posted;
             }
@@ -531,7 +532,8 @@ async fn finish_posted(shared: &Shared, load: &Load, posted: Posted) {
                 counted = counted.zip(count).map(|(sum, more)| sum + more);
             }
             Err(err) => {
-                shared.remotes.forget(&load.remote.engine_id, rank, &remote);
+                let engine = &load.remote.engine_id;
+                shared.remotes.transfer_failed(engine, rank, &remote, &err);
                 first_failure.get_or_insert(Err(err));
             }
         }

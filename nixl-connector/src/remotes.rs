@@ -8,11 +8,12 @@
 //! descriptors for every load and invalidation of a live peer, so reloading a flapping peer
 //! would grow the process's descriptors without bound.
 //!
-//! Engines churn: a prefill that restarts is a new engine. A failing engine is backed off
-//! from, and engines idle past the TTL or replaced at their address are evicted once no
-//! load holds them, their agents' metadata invalidated (see [`Engines`]).
+//! Engines churn: a prefill that restarts is a new engine. An engine whose handshakes or
+//! transfers keep failing is backed off from, and engines idle past the TTL or replaced at
+//! their address are evicted once no load holds them, their agents' metadata invalidated
+//! (see [`Engines`]).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
@@ -71,6 +72,8 @@ pub(crate) struct Remotes {
 struct EngineBook {
     engines: Engines,
     made: HashMap<String, Vec<Weak<Remote>>>,
+    /// Engines a failed transfer marked since their last new handshake (marked once).
+    marked: HashSet<String>,
     last_sweep: Option<Instant>,
     evicted: u64,
 }
@@ -145,6 +148,7 @@ impl Remotes {
                 let weak = Arc::downgrade(&remote);
                 if !made.iter().any(|w| w.ptr_eq(&weak)) {
                     made.push(weak);
+                    book.marked.remove(engine);
                 }
                 Ok(remote)
             }
@@ -232,6 +236,7 @@ impl Remotes {
             }
             book.engines.forget(&engine);
             book.made.remove(&engine);
+            book.marked.remove(&engine);
             book.evicted += 1;
             drop(book);
             self.release_agents(agent, &engine);
@@ -263,8 +268,9 @@ impl Remotes {
     }
 
     /// Forgets `remote` (after a transfer with it failed), so the next load handshakes
-    /// again; a newer handshake under the same key is kept.
-    pub(crate) fn forget(&self, engine: &str, rank: usize, remote: &Arc<Remote>) {
+    /// again; a newer handshake under the same key is kept. Whether `remote` was the
+    /// current handshake (and is now forgotten).
+    pub(crate) fn forget(&self, engine: &str, rank: usize, remote: &Arc<Remote>) -> bool {
         let key = (engine.to_string(), rank);
         let mut map = self.lock();
         let same = map
@@ -274,6 +280,36 @@ impl Remotes {
         if same {
             map.remove(&key);
         }
+        same
+    }
+
+    /// Forgets `remote` after a load from it failed with `error` (as
+    /// [`forget`](Self::forget)); a failure in NIXL itself (at the post or in the status
+    /// poll) also marks `engine` as a failed handshake does, so that an engine whose
+    /// transfers keep failing is backed off from (vLLM's `_handle_failed_transfer` and
+    /// `_mark_remote_engine_invalid`). vLLM marks an engine whose agent NIXL dropped on the
+    /// failure; NIXL 1.5.1 keeps the agent's metadata after a peer's disconnection and its
+    /// C API folds the disconnection into a backend error, so every NIXL failure counts.
+    /// An engine is marked once until a new handshake with it: the other loads and ranks
+    /// failing with it add nothing, as vLLM marks an engine once until it is handshaken
+    /// again, and a load failing on a handshake already replaced counts for nothing.
+    pub(crate) fn transfer_failed(
+        &self,
+        engine: &str,
+        rank: usize,
+        remote: &Arc<Remote>,
+        error: &Error,
+    ) {
+        if !self.forget(engine, rank, remote) || !matches!(error, Error::Nixl(_)) {
+            return;
+        }
+        let mut book = self.book();
+        if !book.marked.insert(engine.to_string()) {
+            return;
+        }
+        let backoff = book.engines.failed(engine, Instant::now());
+        drop(book);
+        tracing::warn!(engine, rank, remote = %remote.agent, ?backoff, %error, "a transfer from the remote engine failed in NIXL; it is handshaken again after the backoff");
     }
 
     /// Forgets every rank of `engine` (it registered its KV cache again), so the next loads

@@ -58,6 +58,14 @@ pub fn status_kib(field: &str) -> u64 {
         .unwrap_or_else(|| panic!("no {field} in /proc/self/status"))
 }
 
+/// The bytes this process's heap (glibc malloc, every arena and its mmapped blocks) holds
+/// allocated now, in KiB: what leaks grow, without the freed memory that RSS keeps.
+pub fn heap_in_use_kib() -> u64 {
+    // SAFETY: mallinfo2 only reads the allocator's counters.
+    let info = unsafe { libc::mallinfo2() };
+    ((info.uordblks + info.hblkhd) / 1024) as u64
+}
+
 /// A small HND cache of a rank of TP `tp` of a model with `total` KV heads: 3 regions of 16
 /// blocks of 4 tokens.
 pub fn spec_tp(total: usize, tp: usize) -> KvCacheSpec {

@@ -1,0 +1,320 @@
+//! A chaos soak of a prefill engine (TP 1) in a child process and a decode engine of TP 2
+//! (two ranks in the test process, their outputs aggregated by the scheduler) over real
+//! NIXL/UCX (#30 item 6): hundreds of requests with random prefix hits, some waiting for
+//! blocks longer than a lease (kept by the decode's heartbeats, or by a third agent's
+//! vLLM-style ones of over 16 KiB), aborts while waiting and while loading,
+//! leases that end for requests nobody reads, a prefill stopped
+//! (SIGSTOP) now and then for longer than the decode's transfer timeout while READs from it
+//! run, a decode stopped (the prefill stops its parent, the test process) for less and for
+//! more than a lease, a prefill killed (SIGKILL) mid-run and restarted as a new engine on a
+//! new port (the dead one evicted by the decode), and heartbeat floods with malformed notifications from a third agent.
+//!
+//! Both engines keep a block pool. Every block either side frees is overwritten with a
+//! poison pattern, and checked to be still poisoned when it is taken again; every block the
+//! decode is told is loaded is checked, rank by rank (each holds its head's half of the
+//! prefill's block), against its request's pattern, unless the request's
+//! lease may have ended while the decode was stopped (the prefill may then have reused the
+//! blocks before the READ: the documented cost of a lease). A READ landing in a block after
+//! its load handed it back shows as a late write; a block freed while a READ could still
+//! read it, as a poisoned or mismatched block.
+//!
+//! In CI it runs 300 requests in about 9 s; `NIXL_CONNECTOR_SOAK_SECONDS=600` runs it for
+//! ten minutes, the prefill killed and restarted every 150 requests.
+
+#[path = "../common/mod.rs"]
+mod common;
+mod decode;
+mod pool;
+mod prefill_child;
+mod prefill_role;
+mod report;
+mod rng;
+mod settings;
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use common::{handshake, worker_with};
+use nixl_connector::{open_fds, ConnectorMetadata, KvConnectorWorker};
+
+use decode::DecodeEngine;
+use pool::{Pool, BLOCKS};
+use prefill_child::{start_prefill, Line};
+use report::Report;
+use rng::Rng;
+use settings::{
+    kv, scheduler, soak_seconds, spec, DECODE_TP, ENGINE_TTL_S, FLOOD_EVERY, KILL_AFTER,
+    LONG_STALL_MS, PREFILL, SHORT_STALL_MS, STALL_EVERY, TCP_ONLY, UCX_TLS,
+};
+
+/// The soak's prefill, in a child process: see [`prefill_role::serve`].
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "the prefill of the soak, which starts it"]
+async fn soak_prefill_role() {
+    prefill_role::serve().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
+    common::init_tracing();
+    let seconds = soak_seconds();
+    // A long run: requests until its time is up, the prefill restarted again and again.
+    let target = seconds.map_or(300, |_| u64::MAX);
+    let max_restarts = seconds.map_or(1, |_| u64::MAX);
+    let limit = Duration::from_secs(seconds.map_or(50, |s| s + 60));
+    let seconds_left =
+        |started: Instant| seconds.map(|s| s.saturating_sub(started.elapsed().as_secs()));
+    // Over TCP a READ's bytes need the prefill to send them: a stopped prefill holds them
+    // back, and a READ handed back early lands late (over shared memory they land at once,
+    // and only the READ's completion waits for the prefill). Set before any agent exists;
+    // this binary's only other test is the prefill role, in its own process.
+    std::env::set_var(UCX_TLS, TCP_ONLY);
+    let started = Instant::now();
+    let mut prefill = start_prefill(PREFILL, target, seconds);
+    let spec = spec(DECODE_TP);
+    let kv = kv();
+    let ranks: Vec<KvConnectorWorker> = (0..DECODE_TP)
+        .map(|rank| {
+            worker_with("dc-soak", rank, DECODE_TP, &spec, |c| {
+                c.kv_transfer_config = kv.clone();
+                // A killed prefill's engine is evicted within the run (a live one may be
+                // too, between loads, and is handshaken again).
+                c.kv_transfer_config
+                    .kv_connector_extra_config
+                    .insert("engine_ttl".into(), ENGINE_TTL_S.into());
+                // Shorter than the prefill's stops, so that READs from it pass it.
+                c.transfer_timeout = Duration::from_millis(100);
+            })
+        })
+        .collect();
+    let hostile = worker_with("hb-soak", 0, 1, &self::spec(1), |c| {
+        c.kv_transfer_config = kv.clone()
+    });
+    handshake(&hostile, PREFILL, prefill.port).await;
+    let mut d = DecodeEngine {
+        scheduler: scheduler("dc-soak", DECODE_TP, &ranks[0]),
+        ranks,
+        pool: Pool::new(&spec),
+        spec: spec.clone(),
+        rng: Rng(0x5eed_1234_abcd_0001),
+        queued: Vec::new(),
+        loading: HashMap::new(),
+        aborted: HashSet::new(),
+        vllm_waiting: HashSet::new(),
+        r: Report::default(),
+    };
+    let fds_before = open_fds().unwrap();
+    let rss_before = common::status_kib("VmRSS");
+    let heap_before = common::heap_in_use_kib();
+    let mut prefill_end = None;
+    let mut stopped_until: Option<Instant> = None;
+    let mut next_prefill_stop = 100;
+    let mut last_flood = Instant::now();
+    let mut step = 0u64;
+    let mut generation = 0u64;
+    let mut from_current = 0u64;
+    loop {
+        step += 1;
+        if prefill_end.is_some() && d.queued.is_empty() && d.loading.is_empty() {
+            break;
+        }
+        assert!(
+            started.elapsed() < limit,
+            "the soak did not end: {} queued, {} loading, {:?}",
+            d.queued.len(),
+            d.loading.len(),
+            d.r
+        );
+        // The prefill stops for 250 ms, 100 steps or more apart, while loads from it run.
+        match stopped_until {
+            Some(until) if Instant::now() >= until => {
+                common::signal(&prefill.child, libc::SIGCONT);
+                stopped_until = None;
+            }
+            None if step >= next_prefill_stop && !d.loading.is_empty() && prefill_end.is_none() => {
+                common::signal(&prefill.child, libc::SIGSTOP);
+                stopped_until = Some(Instant::now() + Duration::from_millis(250));
+                next_prefill_stop = step + 100;
+                d.r.prefill_stops += 1;
+            }
+            _ => {}
+        }
+        // The prefill is killed and a new one (a new engine, port and agent) takes over,
+        // while requests from it wait for their blocks (so that some loads from it fail).
+        if from_current >= KILL_AFTER
+            && d.r.prefill_restarts < max_restarts
+            && prefill_end.is_none()
+            && d.queued.iter().any(|q| q.generation == generation)
+        {
+            d.queued
+                .iter_mut()
+                .filter(|q| q.generation == generation)
+                .for_each(|q| q.plain = true);
+            prefill.child.kill().unwrap();
+            prefill.child.wait().unwrap();
+            stopped_until = None;
+            // What the dead one printed still comes: its loads fail.
+            while let Some(line) = prefill.lines.recv().await {
+                if let Line::Request {
+                    seed,
+                    blocks,
+                    params,
+                } = line
+                {
+                    d.receive(step, generation, false, (seed, blocks, params));
+                }
+            }
+            generation += 1;
+            from_current = 0;
+            d.r.prefill_restarts += 1;
+            let engine = format!("{PREFILL}-{generation}");
+            let left = target.saturating_sub(d.r.requests);
+            prefill = start_prefill(&engine, left, seconds_left(started));
+            handshake(&hostile, &engine, prefill.port).await;
+        }
+        // The decode stops: alternately past the heartbeats only, and past whole leases.
+        if step % STALL_EVERY == 0 && prefill_end.is_none() {
+            if stopped_until.take().is_some() {
+                common::signal(&prefill.child, libc::SIGCONT);
+            }
+            let past_lease = (step / STALL_EVERY) % 4 == 1;
+            let ms = if past_lease {
+                d.past_lease();
+                d.r.decode_stalls_past_lease += 1;
+                LONG_STALL_MS
+            } else {
+                SHORT_STALL_MS
+            };
+            d.r.decode_stalls += 1;
+            use std::io::Write;
+            let stdin = prefill.child.stdin.as_mut().unwrap();
+            stdin.write_all(format!("STALL {ms}\n").as_bytes()).unwrap();
+            // Stopped by the prefill until it prints RESUMED; what it made meanwhile may
+            // outlive its lease too.
+            loop {
+                match prefill
+                    .lines
+                    .recv()
+                    .await
+                    .expect("the prefill resumes the decode")
+                {
+                    Line::Resumed => break,
+                    Line::End {
+                        freed_twice,
+                        late_writes,
+                    } => prefill_end = Some((freed_twice, late_writes)),
+                    Line::Request {
+                        seed,
+                        blocks,
+                        params,
+                    } => {
+                        from_current += 1;
+                        d.receive(step, generation, past_lease, (seed, blocks, params));
+                    }
+                }
+            }
+        }
+        while let Ok(line) = prefill.lines.try_recv() {
+            match line {
+                Line::End {
+                    freed_twice,
+                    late_writes,
+                } => prefill_end = Some((freed_twice, late_writes)),
+                Line::Resumed => {}
+                Line::Request {
+                    seed,
+                    blocks,
+                    params,
+                } => {
+                    from_current += 1;
+                    d.receive(step, generation, false, (seed, blocks, params));
+                }
+            }
+        }
+        // The third agent's heartbeat flood with malformed notifications, every 250 ms (more
+        // often than a heartbeat's 1 s extension): one heartbeat naming the requests it
+        // waits for as a vLLM decode does, in one message (far over 16 KiB).
+        if last_flood.elapsed() >= FLOOD_EVERY {
+            last_flood = Instant::now();
+            d.r.floods += 1;
+            let padding = (0..5000).map(|i| format!("{:x>48}", i));
+            let ids: Vec<String> = d.vllm_waiting.iter().cloned().chain(padding).collect();
+            for message in [
+                format!("HB:{}", ids.join(",")).into_bytes(),
+                b"HB:a,,b".to_vec(),
+                b"p1:0".to_vec(),
+                vec![0xff; 64],
+            ] {
+                hostile
+                    .agent()
+                    .send_notification(&prefill.agent, &message)
+                    .unwrap();
+            }
+        }
+        d.step(step, generation);
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    if stopped_until.is_some() {
+        common::signal(&prefill.child, libc::SIGCONT);
+    }
+    let (prefill_freed_twice, prefill_late_writes) = prefill_end.unwrap();
+    drop(prefill.child.stdin.take());
+    assert!(
+        prefill.child.wait().unwrap().success(),
+        "the prefill's checks passed"
+    );
+    // Every killed prefill's engine is evicted once idle past the TTL (each step sweeps).
+    let evicted = |d: &DecodeEngine| {
+        d.ranks.iter().all(|rank| {
+            rank.start_load_kv(&ConnectorMetadata::default());
+            let stats = rank.remote_stats();
+            stats.evicted >= d.r.prefill_restarts && stats.engines <= 1
+        })
+    };
+    common::wait_for(
+        "the dead prefills' engines evicted",
+        Duration::from_secs(5),
+        || evicted(&d),
+    )
+    .await;
+    let (fds_after, rss_after) = (open_fds().unwrap(), common::status_kib("VmRSS"));
+    let heap_after = common::heap_in_use_kib();
+    let r = &d.r;
+    eprintln!(
+        "soak: {:.1} s, {step} steps, {r:?}; last prefill {}: freed twice {prefill_freed_twice}, \
+         late writes {prefill_late_writes}; decode fds {fds_before} -> {fds_after}, RSS \
+         {rss_before} -> {rss_after} KiB, heap in use {heap_before} -> {heap_after} KiB",
+        started.elapsed().as_secs_f64(),
+        prefill.engine,
+    );
+    assert_eq!((prefill_freed_twice, prefill_late_writes), (0, 0));
+    assert_eq!(
+        (
+            r.poisoned_blocks,
+            r.mismatched_blocks,
+            r.late_writes,
+            r.freed_twice
+        ),
+        (0, 0, 0, 0),
+        "{r:?}"
+    );
+    assert!(r.loaded > 0 && r.blocks_verified > 0, "{r:?}");
+    assert_eq!(d.pool.free.len(), BLOCKS, "every block back");
+    assert!(r.overdue > 0, "some READs passed the timeout: {r:?}");
+    assert!(
+        r.decode_stalls_past_lease > 0 && r.decode_stalls > r.decode_stalls_past_lease,
+        "the decode stalled, past a lease and not: {r:?}"
+    );
+    assert!(
+        r.waited_on_vllm_heartbeats > 0,
+        "some requests waited for blocks past a lease, kept by vLLM heartbeats: {r:?}"
+    );
+    assert!(
+        r.prefill_restarts > 0 && r.dead_failed > 0 && r.loaded_after_restart > 0,
+        "a prefill died with loads from it, and its successor served: {r:?}"
+    );
+    assert!(
+        fds_after <= fds_before + 4,
+        "fds {fds_before} -> {fds_after}"
+    );
+}

@@ -1,0 +1,92 @@
+//! The decode's side of the prefill process: starting it, and what it prints.
+
+use std::process::Stdio;
+
+use nixl_connector::KvTransferParams;
+
+use crate::common::{self, after_tag, role_process, stdout_lines};
+use crate::settings::{ENGINE_ENV, SECONDS_ENV, TARGET_ENV, TCP_ONLY, UCX_TLS};
+
+/// What the prefill process printed.
+pub enum Line {
+    Request {
+        seed: u64,
+        blocks: usize,
+        params: Box<KvTransferParams>,
+    },
+    Resumed,
+    End {
+        freed_twice: u64,
+        late_writes: u64,
+    },
+}
+
+/// Reads the prefill process's lines (after its port) in a thread, into a channel that
+/// closes when the process's stdout does.
+pub fn read_lines(mut lines: common::ChildLines) -> tokio::sync::mpsc::UnboundedReceiver<Line> {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    std::thread::spawn(move || {
+        for line in lines.by_ref().map_while(Result::ok) {
+            if line.contains("RESUMED") {
+                if tx.send(Line::Resumed).is_err() {
+                    break;
+                }
+                continue;
+            }
+            let Some(at) = line.find("REQ ").or_else(|| line.find("END ")) else {
+                continue;
+            };
+            let mut words = line[at..].splitn(4, ' ');
+            let parsed = match words.next() {
+                Some("REQ") => Line::Request {
+                    seed: words.next().unwrap().parse().unwrap(),
+                    blocks: words.next().unwrap().parse().unwrap(),
+                    params: Box::new(serde_json::from_str(words.next().unwrap()).unwrap()),
+                },
+                _ => Line::End {
+                    freed_twice: words.next().unwrap().parse().unwrap(),
+                    late_writes: words.next().unwrap().trim().parse().unwrap(),
+                },
+            };
+            if tx.send(parsed).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+/// A prefill process: the child, its agent's name and what it prints.
+pub struct PrefillProcess {
+    pub child: std::process::Child,
+    pub engine: String,
+    pub port: u16,
+    pub agent: String,
+    pub lines: tokio::sync::mpsc::UnboundedReceiver<Line>,
+}
+
+/// Starts a prefill process of engine `engine` that makes `target` requests (or runs for
+/// `seconds`).
+pub fn start_prefill(engine: &str, target: u64, seconds: Option<u64>) -> PrefillProcess {
+    let target = target.to_string();
+    let seconds = seconds.map(|s| s.to_string());
+    let mut env = vec![
+        (TARGET_ENV, target.as_str()),
+        (ENGINE_ENV, engine),
+        (UCX_TLS, TCP_ONLY),
+    ];
+    if let Some(seconds) = &seconds {
+        env.push((SECONDS_ENV, seconds.as_str()));
+    }
+    let mut child = role_process("soak_prefill_role", &env, Stdio::inherit());
+    let mut lines = stdout_lines(&mut child);
+    let printed = after_tag(&mut lines, "PORT ").expect("the prefill prints its port");
+    let (port, agent) = printed.trim().split_once(' ').unwrap();
+    PrefillProcess {
+        port: port.parse().unwrap(),
+        agent: agent.into(),
+        engine: engine.into(),
+        lines: read_lines(lines),
+        child,
+    }
+}

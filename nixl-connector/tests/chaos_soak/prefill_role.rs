@@ -1,0 +1,115 @@
+//! The prefill engine, in a child process of the soak (the ignored role test runs it): it
+//! makes requests for the decode, frees their blocks once released, and stops its parent,
+//! the decode, when told to.
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use nixl_connector::FinishStatus;
+
+use crate::common::{self, worker_with};
+use crate::pool::Pool;
+use crate::rng::Rng;
+use crate::settings::{kv, scheduler, soak_seconds, spec, ENGINE_ENV, TARGET_ENV};
+
+/// Sends `signal` to this process's parent (the soak's decode).
+fn signal_parent(signal: libc::c_int) {
+    // SAFETY: kill(2) and getppid(2) touch no memory of ours; the parent is the test process
+    // that waits for this child, so it is alive while this child runs.
+    let sent = unsafe { libc::kill(libc::getppid(), signal) };
+    assert_eq!(
+        sent,
+        0,
+        "signal {signal}: {}",
+        std::io::Error::last_os_error()
+    );
+}
+
+/// Serves the decode's stall orders on stdin (`STALL <ms>`: stop the parent, the decode,
+/// for that long, then print `RESUMED`), until stdin closes.
+fn serve_stalls() {
+    for line in std::io::stdin().lines().map_while(Result::ok) {
+        if let Some(ms) = line.strip_prefix("STALL ") {
+            signal_parent(libc::SIGSTOP);
+            std::thread::sleep(Duration::from_millis(ms.trim().parse().unwrap()));
+            signal_parent(libc::SIGCONT);
+            println!("RESUMED");
+        }
+    }
+}
+
+/// The prefill, in a child process: prints `PORT <port> <agent>`, then makes requests of 1 to 4
+/// blocks as its pool allows (until it made them all, or a long run's time is up), each
+/// finished for a remote decode and printed as `REQ <seed> <blocks> <params JSON>`; poisons
+/// and frees the blocks of each released request. Once every one is released, prints
+/// `END <freed twice> <late writes>` and serves stall orders until its stdin closes.
+pub async fn serve() {
+    common::init_tracing();
+    let mut target: u64 = std::env::var(TARGET_ENV)
+        .expect("run by the soak")
+        .parse()
+        .unwrap();
+    let engine = std::env::var(ENGINE_ENV).expect("run by the soak");
+    let until = soak_seconds().map(|s| Instant::now() + Duration::from_secs(s));
+    let spec = spec(1);
+    let kv = kv();
+    let prefill = [worker_with(&engine, 0, 1, &spec, |c| {
+        c.kv_transfer_config = kv.clone()
+    })];
+    let mut ps = scheduler(&engine, 1, &prefill[0]);
+    let mut pool = Pool::new(&spec);
+    let mut rng = Rng(0x5eed_0000_0000_0001 ^ u64::from(std::process::id()));
+    let (mut made, mut twice, mut late) = (0u64, 0u64, 0u64);
+    let mut held: HashMap<String, Vec<usize>> = HashMap::new();
+    let mut released: HashSet<String> = HashSet::new();
+    let stalls = std::thread::spawn(serve_stalls);
+    println!(
+        "PORT {} {}",
+        prefill[0].side_channel_addr().unwrap().port(),
+        prefill[0].agent().name()
+    );
+    while made < target || !held.is_empty() {
+        let n = 1 + rng.below(4);
+        let making = made < target && until.map_or(true, |u| Instant::now() < u);
+        if !making && made < target {
+            target = made;
+        }
+        if making && held.len() < 32 {
+            if let Some(blocks) = pool.take(&prefill, n, &mut late) {
+                made += 1;
+                let seed = rng.below(usize::MAX) as u64 | 1;
+                let id = format!("p{made}");
+                pool.fill(&prefill[0], seed, &blocks);
+                let done = ps.request_finished(
+                    &id,
+                    &blocks,
+                    0,
+                    Some(&common::for_decode()),
+                    FinishStatus::LengthCapped,
+                );
+                let params = serde_json::to_string(&done.kv_transfer_params.unwrap()).unwrap();
+                held.insert(id, blocks);
+                println!("REQ {seed} {n} {params}");
+            }
+        }
+        prefill[0].start_load_kv(&ps.build_connector_meta());
+        let released_now = ps
+            .update_connector_output(&[prefill[0].output()])
+            .unwrap()
+            .finished_sending;
+        for id in released_now {
+            if !released.insert(id.clone()) {
+                twice += 1;
+                continue;
+            }
+            let blocks = held.remove(&id).expect("a held request released");
+            pool.give(&prefill, &blocks, &mut twice);
+        }
+        tokio::time::sleep(Duration::from_millis(3)).await;
+    }
+    println!("END {twice} {late}");
+    tokio::task::spawn_blocking(move || stalls.join())
+        .await
+        .unwrap()
+        .unwrap();
+}

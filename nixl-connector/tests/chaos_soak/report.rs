@@ -1,0 +1,41 @@
+//! What the soak saw, and reports.
+
+/// What the soak saw.
+#[derive(Debug, Default)]
+pub struct Report {
+    pub requests: u64,
+    pub loads: u64,
+    pub loaded: u64,
+    pub failed: u64,
+    pub recompute: u64,
+    pub aborted_while_waiting: u64,
+    pub aborted_while_loading: u64,
+    pub full_hits: u64,
+    /// Refused for lacking remote blocks, and freed at once.
+    pub without_remote_blocks: u64,
+    pub never_read: u64,
+    pub overdue: u64,
+    pub blocks_verified: u64,
+    pub poisoned_blocks: u64,
+    pub mismatched_blocks: u64,
+    pub late_writes: u64,
+    pub freed_twice: u64,
+    pub floods: u64,
+    pub prefill_stops: u64,
+    pub decode_stalls: u64,
+    pub decode_stalls_past_lease: u64,
+    /// Loaded, but not held to its pattern: the request's lease may have ended in a decode
+    /// stall; and how many of their blocks (region by rank) the prefill had reused.
+    pub loaded_past_lease: u64,
+    pub reused_past_lease: u64,
+    /// Requests that waited for blocks longer than a lease (heartbeats keeping it).
+    pub waited_past_lease: u64,
+    /// Of those, kept by the third agent's unsplit (vLLM) heartbeats, over 16 KiB.
+    pub waited_on_vllm_heartbeats: u64,
+    pub prefill_restarts: u64,
+    /// Outcomes of loads from a killed prefill: loaded before it died, and not.
+    pub dead_loaded: u64,
+    pub dead_failed: u64,
+    /// Loaded from a prefill started after a restart.
+    pub loaded_after_restart: u64,
+}

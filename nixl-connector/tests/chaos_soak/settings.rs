@@ -1,0 +1,80 @@
+//! The soak's shape: caches, timings, the engines' config, and the variables that pass it
+//! to the prefill process.
+
+use std::time::Duration;
+
+use nixl_connector::{
+    KvAttention, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker, KvLayout, SchedulerConfig,
+};
+
+use crate::common;
+use crate::pool::BLOCKS;
+
+/// The cache of a rank of TP `tp` of a model with 2 KV heads (HND: a block is its heads'
+/// tokens, head by head, so rank `d` of TP 2 holds the second half of each prefill block
+/// when `d` is 1, the first when 0).
+pub fn spec(tp: usize) -> KvCacheSpec {
+    KvCacheSpec::uniform(
+        3,
+        BLOCKS,
+        4,
+        KvAttention::Mha { total_kv_heads: 2 },
+        KvLayout::Hnd,
+        4 * (2 / tp) * 16,
+    )
+}
+
+/// The decode's TP (the prefill's is 1): each decode rank reads its head from the prefill.
+pub const DECODE_TP: usize = 2;
+
+/// The role's environment: how many requests the prefill makes (at most, in a long run).
+pub const TARGET_ENV: &str = "NIXL_CONNECTOR_SOAK_REQUESTS";
+/// The role's environment: the prefill's engine id (a restarted prefill is a new engine).
+pub const ENGINE_ENV: &str = "NIXL_CONNECTOR_SOAK_ENGINE";
+/// The long run's length, in whole seconds (the prefill process gets what is left of it).
+pub const SECONDS_ENV: &str = "NIXL_CONNECTOR_SOAK_SECONDS";
+/// The first prefill's engine id.
+pub const PREFILL: &str = "pf-soak";
+/// UCX's transport selection, and the soak's: TCP only (with UCX's own self transport).
+pub const UCX_TLS: &str = "UCX_TLS";
+pub const TCP_ONLY: &str = "tcp,self";
+/// The prefill is killed and restarted after this many of its requests reached the decode
+/// (once in CI, again and again in a long run).
+pub const KILL_AFTER: u64 = 150;
+/// The decode is stopped every this many steps: the first of every four times for more
+/// than a whole lease (leases end), the others for less than the lease's margin
+/// (heartbeats stop, leases hold).
+pub const STALL_EVERY: u64 = 250;
+/// A stall that misses heartbeats (sent every 250 ms, each extending the lease to 1 s from
+/// its arrival) without ending a lease.
+pub const SHORT_STALL_MS: u64 = 300;
+/// A stall past the 1.5 s lease.
+pub const LONG_STALL_MS: u64 = 2200;
+/// How often the third agent floods the prefill with heartbeats.
+pub const FLOOD_EVERY: Duration = Duration::from_millis(250);
+/// The decode's engine TTL, in seconds (`engine_ttl`): a killed prefill is evicted.
+pub const ENGINE_TTL_S: f64 = 1.0;
+/// How long some requests wait for their blocks: past the 1.5 s lease.
+pub const LONG_WAIT: Duration = Duration::from_secs(2);
+
+/// `NIXL_CONNECTOR_SOAK_SECONDS`: a long run's length (the prefill process sees it too).
+pub fn soak_seconds() -> Option<u64> {
+    std::env::var(SECONDS_ENV).ok().map(|s| {
+        s.parse()
+            .expect("NIXL_CONNECTOR_SOAK_SECONDS: whole seconds")
+    })
+}
+
+/// The `kv_transfer_config` of both engines: DRAM, a 1.5 s lease.
+pub fn kv() -> nixl::kv_config::KvTransferConfig {
+    let mut kv = common::cpu_config();
+    kv.kv_connector_extra_config
+        .insert("kv_lease_duration".into(), 1.5.into());
+    kv
+}
+
+/// The scheduler of engine `engine` of TP `tp`, whose rank 0 is `rank0`.
+pub fn scheduler(engine: &str, tp: usize, rank0: &KvConnectorWorker) -> KvConnectorScheduler {
+    let port = rank0.side_channel_addr().unwrap().port();
+    KvConnectorScheduler::new(SchedulerConfig::new(engine, "127.0.0.1", port, tp, &kv()).unwrap())
+}
