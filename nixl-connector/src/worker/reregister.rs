@@ -61,7 +61,9 @@ impl KvConnectorWorker {
     /// Peers that handshook with the old one must learn of the new one before they read:
     /// in vLLM mode the engine's side channel starts a new registration generation when the
     /// payload changes, which the prefill's params carry (vLLM's
-    /// `remote_registration_generation`); in the native protocol, tell the engine's
+    /// `remote_registration_generation`; where that side channel runs in another process,
+    /// publish the rank's new `vllm_handshake_payload`
+    /// there, as after the first registration); in the native protocol, tell the engine's
     /// scheduler ([`KvConnectorScheduler::kv_caches_registered_again`](crate::KvConnectorScheduler::kv_caches_registered_again))
     /// once every rank has registered again. A decode seeing a newer generation forgets the
     /// engine's ranks and handshakes again (vLLM's `_read_blocks_for_req`).
