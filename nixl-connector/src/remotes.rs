@@ -389,3 +389,19 @@ impl Remotes {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_newer_generation_forgets_an_engine() {
+        let remotes = Remotes::default();
+        assert!(remotes.newer_generation("pf", 1), "the first one seen");
+        assert!(!remotes.newer_generation("pf", 1), "the same one");
+        assert!(remotes.newer_generation("pf", 3));
+        assert!(!remotes.newer_generation("pf", 2), "an older one");
+        assert!(remotes.newer_generation("other", 1), "per engine");
+        assert!(!remotes.newer_generation("new", 0), "0 is vLLM's default");
+    }
+}
