@@ -691,8 +691,13 @@ impl RunState<'_> {
                 aborted: false,
             };
             if pending.abort_during_load {
-                // A step hands the load to the worker before the request is aborted.
-                self.step(&worker.connector)?;
+                // The abort comes as vLLM's async scheduling can bring it: after the worker
+                // started the load and before that step's output is taken (the next step
+                // takes it), so the load is the connector's until it ends. A whole step
+                // here would often see the load end within its post, and nothing to abort.
+                worker
+                    .connector
+                    .start_load_kv(&self.scheduler.build_connector_meta());
                 let done = self.scheduler.request_finished(
                     &id,
                     &missing,
