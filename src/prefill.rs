@@ -644,7 +644,7 @@ impl Session<'_> {
                 Some(&decode),
                 FinishStatus::LengthCapped,
             );
-            engine_step(&self.shared, &mut scheduler);
+            engine_step(self.shared, &mut scheduler);
             finished.kv_transfer_params
         }
         .ok_or_else(|| Error::Protocol("the scheduler gave no transfer params".into()))?;
