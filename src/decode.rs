@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 
 use nixl_connector::side_channel::RetryBackoff;
 use nixl_connector::{
-    Channel, FinishStatus, KvConnectorScheduler, KvTransferParams, LoadOutcome, SchedulerConfig,
+    Channel, FinishStatus, KvConnectorScheduler, KvConnectorWorker, KvTransferParams, LoadOutcome,
+    SchedulerConfig,
 };
 use tokio::net::TcpStream;
 use tokio::time::Instant as Deadline;
@@ -368,6 +369,8 @@ async fn pull_all(
             bytes: 0,
             elapsed: Duration::ZERO,
         },
+        step_due: false,
+        outcomes: Vec::new(),
     };
     let connector = &worker.connector;
     let start = Instant::now();
@@ -382,6 +385,16 @@ async fn pull_all(
     tokio::pin!(idle);
     loop {
         state.start_loads(worker)?;
+        if state.step_due {
+            state.step(connector)?;
+        }
+        let outcomes = std::mem::take(&mut state.outcomes);
+        if let Err(failed) = state.loads_ended(outcomes) {
+            if !channel_open {
+                return Err(failed);
+            }
+            return Err(blame(failed, channel, &state.progress).await);
+        }
         state.progress.elapsed = start.elapsed();
         if state.finished() {
             break;
@@ -394,15 +407,7 @@ async fn pull_all(
             biased;
             () = connector.load_ended() => {
                 idle.as_mut().reset(after(options.idle_timeout));
-                let output = connector.output();
-                connector.metrics();
-                let outcomes = state.scheduler.update_connector_output(&[output])?.load_outcomes;
-                if let Err(failed) = state.loads_ended(outcomes) {
-                    if !channel_open {
-                        return Err(failed);
-                    }
-                    return Err(blame(failed, channel, &state.progress).await);
-                }
+                state.step_due = true;
             }
             () = std::future::ready(()), if !state.ended.is_empty() => {
                 state.check_one()?;
@@ -412,14 +417,14 @@ async fn pull_all(
             incoming = channel.recv::<Message>(), if channel_open => match incoming {
                 Ok(message) => {
                     idle.as_mut().reset(after(options.idle_timeout));
-                    state.handle(message, worker)?
+                    state.handle(message)?
                 }
                 // Prefill closes the channel after Complete; only loads are left then.
                 Err(_) if state.complete => channel_open = false,
                 Err(err) => return Err(Error::PeerGone(channel_lost(err, &state.progress))),
             },
             _ = report.tick() => on_progress(&state.progress),
-            _ = step.tick() => connector.start_load_kv(&state.scheduler.build_connector_meta()),
+            _ = step.tick() => state.step_due = true,
             () = &mut idle => return Err(Error::Timeout(format!(
                 "no announcement from prefill and no load ended for {:?}, with {}/{} requests done",
                 options.idle_timeout, state.progress.requests_done, options.requests
@@ -501,22 +506,38 @@ struct RunState<'w> {
     mismatches: Vec<Mismatch>,
     lifecycle: Lifecycle,
     progress: Progress,
+    /// Whether the loop runs an engine step next: the scheduler has news for the worker, a
+    /// load ended, or heartbeats are due.
+    step_due: bool,
+    /// How the loads the steps reported ended, for the loop to handle.
+    outcomes: Vec<LoadOutcome>,
 }
 
 impl RunState<'_> {
+    /// One engine step of the connector, exactly as the crate runs it
+    /// ([`KvConnectorScheduler::step`]: the scheduler's metadata to the worker, the worker's
+    /// output aggregated back); the load outcomes wait in `outcomes` for the loop.
+    fn step(&mut self, connector: &KvConnectorWorker) -> Result<()> {
+        self.step_due = false;
+        let output = self.scheduler.step(std::slice::from_ref(connector))?;
+        connector.metrics();
+        self.outcomes.extend(output.load_outcomes);
+        Ok(())
+    }
+
     fn finished(&self) -> bool {
         self.complete && self.progress.requests_done == self.options.requests
     }
 
-    fn handle(&mut self, message: Message, worker: &Worker) -> Result<()> {
+    fn handle(&mut self, message: Message) -> Result<()> {
         let total = self.options.requests;
         match message {
-            Message::Announce(params) => self.announce(params, worker),
+            Message::Announce(params) => self.announce(params),
             Message::AnnounceVllm(json) => {
                 let params = KvTransferParams::from_vllm_json(&json).map_err(|err| {
                     Error::Protocol(format!("prefill's vLLM kv_transfer_params: {err}"))
                 })?;
-                self.announce(params, worker)
+                self.announce(params)
             }
             Message::Complete { requests } if requests == total => {
                 self.complete = true;
@@ -538,7 +559,7 @@ impl RunState<'_> {
 
     /// Takes an announced request: aborts it at once (`--abort-every`), or queues it for
     /// free blocks.
-    fn announce(&mut self, mut params: KvTransferParams, worker: &Worker) -> Result<()> {
+    fn announce(&mut self, mut params: KvTransferParams) -> Result<()> {
         let request = self.check_announce(&params)?;
         // Read from the prefill this run connected to, wherever the params point.
         params.remote_host = Some(self.source.1.clone());
@@ -552,9 +573,8 @@ impl RunState<'_> {
                 self.scheduler
                     .request_finished(&id, &[], 0, Some(&params), FinishStatus::Aborted);
             debug_assert!(!done.delay_free_blocks);
-            worker
-                .connector
-                .start_load_kv(&self.scheduler.build_connector_meta());
+            // The next step tells the worker, which notifies prefill.
+            self.step_due = true;
             self.lifecycle.aborted_before_load += 1;
             self.progress.requests_done += 1;
             return Ok(());
@@ -662,9 +682,7 @@ impl RunState<'_> {
             let missing: Vec<usize> = local[hits..].iter().map(|&b| b as usize).collect();
             self.scheduler
                 .update_state_after_alloc(&id, &missing, &pending.params)?;
-            worker
-                .connector
-                .start_load_kv(&self.scheduler.build_connector_meta());
+            self.step_due = true;
             let mut pull = Pull {
                 request: pending.request,
                 local,
@@ -673,6 +691,13 @@ impl RunState<'_> {
                 aborted: false,
             };
             if pending.abort_during_load {
+                // The abort comes as vLLM's async scheduling can bring it: after the worker
+                // started the load and before that step's output is taken (the next step
+                // takes it), so the load is the connector's until it ends. A whole step
+                // here would often see the load end within its post, and nothing to abort.
+                worker
+                    .connector
+                    .start_load_kv(&self.scheduler.build_connector_meta());
                 let done = self.scheduler.request_finished(
                     &id,
                     &missing,
@@ -680,9 +705,6 @@ impl RunState<'_> {
                     Some(&pending.params),
                     FinishStatus::Aborted,
                 );
-                worker
-                    .connector
-                    .start_load_kv(&self.scheduler.build_connector_meta());
                 self.lifecycle.aborted_during_load += 1;
                 if !done.delay_free_blocks {
                     // Nothing is read (a full prefix hit): the blocks are free at once.

@@ -277,8 +277,9 @@ impl PrefillServer {
     }
 }
 
-/// Hands every request the connector released (the decode's notification arrived, or its
-/// lease ended) to the session that announced it.
+/// Runs an engine step ([`engine_step`]) whenever a decode notification arrives, and now and
+/// then for the leases that end, so that every request the connector released reaches the
+/// session that announced it.
 async fn route_releases(shared: Arc<Shared>) {
     let connector = &shared.worker.connector;
     let mut expiry = tokio::time::interval(EXPIRY_CHECK);
@@ -287,26 +288,32 @@ async fn route_releases(shared: Arc<Shared>) {
             () = connector.notified() => {}
             _ = expiry.tick() => {}
         }
-        // The connector's output, through the scheduler as every engine step takes it (with
-        // one rank, only the connector's own; see the connector's engine step loop).
-        let released = lock(&shared.scheduler).update_connector_output(&[connector.output()]);
-        let released = match released {
-            Ok(output) => output.finished_sending,
-            Err(err) => {
-                tracing::error!(%err, "the connector's output was refused");
-                continue;
+        engine_step(&shared, &mut lock(&shared.scheduler));
+    }
+}
+
+/// One engine step of the connector, exactly as the crate runs it
+/// ([`KvConnectorScheduler::step`]: the scheduler's metadata to the worker, which holds the
+/// requests just finished, and the worker's output aggregated back); hands every request
+/// released (the decode's notification arrived, or its lease ended) to the session that
+/// announced it.
+fn engine_step(shared: &Shared, scheduler: &mut KvConnectorScheduler) {
+    let released = match scheduler.step(std::slice::from_ref(&shared.worker.connector)) {
+        Ok(output) => output.finished_sending,
+        Err(err) => {
+            tracing::error!(%err, "the connector's output was refused");
+            return;
+        }
+    };
+    for request in released {
+        match lock(&shared.owners).remove(&request) {
+            Some(session) => {
+                let _ = session.send(request);
             }
-        };
-        for request in released {
-            match lock(&shared.owners).remove(&request) {
-                Some(session) => {
-                    let _ = session.send(request);
-                }
-                None => tracing::debug!(
-                    %request,
-                    "released request of a session that has ended; its blocks are already free"
-                ),
-            }
+            None => tracing::debug!(
+                %request,
+                "released request of a session that has ended; its blocks are already free"
+            ),
         }
     }
 }
@@ -637,10 +644,7 @@ impl Session<'_> {
                 Some(&decode),
                 FinishStatus::LengthCapped,
             );
-            self.shared
-                .worker
-                .connector
-                .start_load_kv(&scheduler.build_connector_meta());
+            engine_step(self.shared, &mut scheduler);
             finished.kv_transfer_params
         }
         .ok_or_else(|| Error::Protocol("the scheduler gave no transfer params".into()))?;

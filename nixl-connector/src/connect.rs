@@ -66,7 +66,15 @@ pub(crate) async fn remote(
         .boxed()
     };
     shared.remotes.serves(engine.host, port, engine.id);
-    shared.remotes.get(engine.id, rank, start).await
+    let remote = shared.remotes.get(engine.id, rank, start).await?;
+    let generation = shared.current_caches().map(|c| c.generation);
+    if generation.is_some_and(|g| g != remote.local_generation) {
+        // Prepared over a registration this worker has replaced since (a handshake that
+        // was under way when the caches were registered again): handshake again.
+        shared.remotes.forget(engine.id, rank, &remote);
+        return shared.remotes.get(engine.id, rank, start).await;
+    }
+    Ok(remote)
 }
 
 async fn connect(
@@ -75,7 +83,7 @@ async fn connect(
     rank: usize,
     port: u16,
 ) -> Result<Arc<Remote>> {
-    let caches = shared.caches.get().ok_or(Error::NotRegistered {
+    let caches = shared.current_caches().ok_or(Error::NotRegistered {
         operation: "handshake",
     })?;
     let started = std::time::Instant::now();
@@ -166,6 +174,7 @@ async fn connect(
         plan,
         lists,
         blocks_per_id,
+        local_generation: caches.generation,
     }))
 }
 

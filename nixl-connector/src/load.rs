@@ -140,10 +140,17 @@ pub(crate) async fn run(shared: Arc<Shared>, load: Load) {
 /// it if NIXL finished it within the posts; `None` when it is done, else the load, with its
 /// posted READs if there are some, for a task to finish.
 pub(crate) fn try_now(shared: &Arc<Shared>, load: Load) -> Option<(Load, Option<Posted>)> {
+    // A remote prepared over a registration replaced since is handshaken with again first.
+    let generation = shared.current_caches().map(|c| c.generation);
     let remotes: Option<Vec<Arc<Remote>>> = load
         .ranks
         .iter()
-        .map(|&(rank, _)| shared.remotes.ready(&load.remote.engine_id, rank))
+        .map(|&(rank, _)| {
+            shared
+                .remotes
+                .ready(&load.remote.engine_id, rank)
+                .filter(|r| Some(r.local_generation) == generation)
+        })
         .collect();
     let Some(remotes) = remotes else {
         return Some((load, None));
@@ -370,9 +377,14 @@ fn post_one(
 ) -> Result<(nixl::XferRequest, bool)> {
     const OP: &str = "load remote blocks";
     let caches = shared
-        .caches
-        .get()
+        .current_caches()
         .ok_or(Error::NotRegistered { operation: OP })?;
+    if caches.generation != remote.local_generation {
+        return Err(Error::invalid(
+            OP,
+            "the KV caches were registered again since the handshake with this rank; it will be handshaken with again",
+        ));
+    }
     let lists = remote
         .lists
         .as_ref()

@@ -60,6 +60,11 @@ impl Outcomes {
         true
     }
 
+    /// How many loads are under way (started, not yet ended).
+    pub(crate) fn under_way(&self) -> usize {
+        self.active.len()
+    }
+
     /// Marks the load of `request_id` as ended; whether its request was aborted.
     pub(crate) fn end(&mut self, request_id: &str) -> bool {
         self.active.remove(request_id).unwrap_or(false)

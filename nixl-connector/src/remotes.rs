@@ -40,6 +40,10 @@ pub(crate) struct Remote {
     /// Its blocks per block id of the transfer params (vLLM's
     /// `physical_blocks_per_logical_kv_block`; 1 in the native protocol).
     pub(crate) blocks_per_id: usize,
+    /// The generation of the local registration its lists were prepared over (see
+    /// [`Caches::generation`](crate::shared::Caches)): a remote of an older one is handshaken
+    /// with again.
+    pub(crate) local_generation: u64,
 }
 
 /// The prepared lists of the READs from one remote rank (see
@@ -63,6 +67,9 @@ pub(crate) struct Remotes {
     map: Mutex<HashMap<(String, usize), Handshake>>,
     loaded: Mutex<LoadedAgents>,
     book: Mutex<EngineBook>,
+    /// Native protocol: the registration generation each remote engine's ranks were
+    /// handshaken with at (vLLM mode keeps it with the engine's clock).
+    generations: Mutex<HashMap<String, u64>>,
     /// How long an engine may stay unused before it is evicted (`None`: never).
     ttl: Option<Duration>,
 }
@@ -237,6 +244,7 @@ impl Remotes {
             book.engines.forget(&engine);
             book.made.remove(&engine);
             book.marked.remove(&engine);
+            self.generations().remove(&engine);
             book.evicted += 1;
             drop(book);
             self.release_agents(agent, &engine);
@@ -314,9 +322,37 @@ impl Remotes {
 
     /// Forgets every rank of `engine` (it registered its KV cache again), so the next loads
     /// handshake again; loads holding one keep it until they end.
-    #[cfg(feature = "vllm")]
     pub(crate) fn forget_engine(&self, engine: &str) {
         self.lock().retain(|(name, _), _| name != engine);
+    }
+
+    /// Forgets every remote rank (the local KV caches were registered again, and their
+    /// lists hold the old registration), so the next loads handshake again; loads holding
+    /// one keep it until they end. The agents' metadata stays loaded: a handshake bringing
+    /// the same metadata reuses it.
+    pub(crate) fn forget_all(&self) {
+        self.lock().clear();
+    }
+
+    /// Native protocol: whether `generation`, the registration generation of `engine`'s
+    /// transfer params, is newer than the one its ranks were handshaken with (the first one
+    /// seen counts, as in vLLM's `_read_blocks_for_req`); if so, it is recorded and every
+    /// rank of `engine` forgotten, so that the next loads handshake again and never read the
+    /// addresses of the registration it replaced.
+    pub(crate) fn newer_generation(&self, engine: &str, generation: u64) -> bool {
+        {
+            let mut generations = self.generations();
+            if generations.get(engine).copied().unwrap_or(0) >= generation {
+                return false;
+            }
+            generations.insert(engine.to_string(), generation);
+        }
+        self.forget_engine(engine);
+        true
+    }
+
+    fn generations(&self) -> MutexGuard<'_, HashMap<String, u64>> {
+        self.generations.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, usize), Handshake>> {
@@ -387,5 +423,21 @@ impl Remotes {
             open_fds: crate::metrics::open_fds(),
             ..loaded.stats
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_newer_generation_forgets_an_engine() {
+        let remotes = Remotes::default();
+        assert!(remotes.newer_generation("pf", 1), "the first one seen");
+        assert!(!remotes.newer_generation("pf", 1), "the same one");
+        assert!(remotes.newer_generation("pf", 3));
+        assert!(!remotes.newer_generation("pf", 2), "an older one");
+        assert!(remotes.newer_generation("other", 1), "per engine");
+        assert!(!remotes.newer_generation("new", 0), "0 is vLLM's default");
     }
 }

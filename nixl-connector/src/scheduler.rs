@@ -278,6 +278,9 @@ pub struct KvConnectorScheduler {
     /// The engine's KV cache groups (one full-attention group unless
     /// [`with_kv_cache_groups`](Self::with_kv_cache_groups) says otherwise).
     groups: KvCacheGroups,
+    /// Native protocol: how many times the engine's ranks registered their KV caches again
+    /// (the registration generation its params carry once above 0).
+    registered_again: u64,
 }
 
 impl KvConnectorScheduler {
@@ -290,6 +293,7 @@ impl KvConnectorScheduler {
             aborted: Vec::new(),
             failed: HashMap::new(),
             last_heartbeat: None,
+            registered_again: 0,
             aggregator: KvOutputAggregator::new(config.tp_size),
             groups: KvCacheGroups::default(),
             config,
@@ -415,6 +419,18 @@ impl KvConnectorScheduler {
         Ok(())
     }
 
+    /// Native protocol: every rank of the engine registered its KV caches again
+    /// ([`KvConnectorWorker::register_kv_caches_again`](crate::KvConnectorWorker::register_kv_caches_again)),
+    /// as vLLM's `set_xfer_handshake_metadata` learns after a wake-up: the params of
+    /// requests finished from now on carry a newer registration generation, and a decode
+    /// that handshook with the old registration handshakes again before it reads. Call it
+    /// after the ranks registered again and before the engine finishes another request. In
+    /// vLLM mode the engine's side channel counts the generations itself (each changed
+    /// payload published to it), and this changes nothing.
+    pub fn kv_caches_registered_again(&mut self) {
+        self.registered_again += 1;
+    }
+
     /// A request finished on this engine with `status` (vLLM's `request_finished`).
     ///
     /// - A prefill request for a remote decode (`do_remote_decode`) that is length-capped or
@@ -522,7 +538,11 @@ impl KvConnectorScheduler {
             ..KvTransferParams::default()
         };
         match config.protocol {
-            Protocol::Native => params,
+            Protocol::Native => KvTransferParams {
+                remote_registration_generation: (self.registered_again > 0)
+                    .then_some(self.registered_again),
+                ..params
+            },
             Protocol::Vllm => KvTransferParams {
                 remote_num_tokens: Some(num_tokens.unwrap_or(0)),
                 remote_dcp_size: Some(1),

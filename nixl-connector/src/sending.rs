@@ -234,6 +234,11 @@ impl Sends {
         self.series.held(self.held.len());
     }
 
+    /// How many requests are held for decodes now.
+    pub(crate) fn held_count(&self) -> usize {
+        self.held.len()
+    }
+
     /// Takes one notification from agent `sender`.
     pub(crate) fn notified(&mut self, sender: &[u8], message: &[u8], now: Instant) {
         match parse(message) {

@@ -120,11 +120,13 @@ pub(crate) struct Guard {
     pub(crate) refused_networks: std::sync::atomic::AtomicU64,
 }
 
-/// Accepts connections on `listener` and answers each with `ours`, `pending` holding the
-/// places of the handshakes under way, until aborted.
+/// Accepts connections on `listener` and answers each with the message `ours` holds when it
+/// is accepted (closing it at once while `ours` holds none: the KV caches are being
+/// registered again), `pending` holding the places of the handshakes under way, until
+/// aborted.
 pub(crate) fn serve(
     listener: TcpListener,
-    ours: Arc<HandshakeMessage>,
+    ours: tokio::sync::watch::Receiver<Option<Arc<HandshakeMessage>>>,
     limits: ChannelLimits,
     pending: Arc<PendingHandshakes>,
     guard: Arc<Guard>,
@@ -148,6 +150,11 @@ pub(crate) fn serve(
                 drop(stream);
                 continue;
             }
+            let Some(message) = ours.borrow().clone() else {
+                tracing::debug!(%peer, "side channel: the KV caches are being registered again; connection closed");
+                drop(stream);
+                continue;
+            };
             let Some(slot) = pending.admit(EVICTION_GRACE).await else {
                 tracing::warn!(%peer, max = limits.max_sessions, "side channel: no handshake place came free; connection refused as busy");
                 let reason = format!(
@@ -160,7 +167,7 @@ pub(crate) fn serve(
                 );
                 continue;
             };
-            let ours = ours.clone();
+            let ours = message;
             let guard = guard.clone();
             tokio::spawn(async move {
                 let peer_name = peer.to_string();

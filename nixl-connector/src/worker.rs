@@ -40,7 +40,10 @@ use crate::vllm::{
     VllmWorker,
 };
 
+mod reregister;
 mod shutdown;
+
+use reregister::KeptChannel;
 #[cfg(all(test, not(feature = "vllm")))]
 mod without_vllm;
 
@@ -56,6 +59,9 @@ mod without_vllm;
 /// `std::process::exit`), call [`shutdown`](Self::shutdown) instead.
 pub struct KvConnectorWorker {
     shared: Arc<Shared>,
+    /// The registered caches, as the background tasks have them too (`shared.caches`); the
+    /// worker's own handle lends them out by reference until a re-registration (`&mut self`).
+    registered: OnceLock<Arc<Caches>>,
     staging: OnceLock<Staging>,
     runtime: Handle,
     tasks: Mutex<Vec<JoinHandle<()>>>,
@@ -174,7 +180,7 @@ impl KvConnectorWorker {
             #[cfg(feature = "vllm")]
             vllm,
             setup,
-            caches: OnceLock::new(),
+            caches: Mutex::new(None),
             outcomes: Mutex::new(Outcomes::default()),
             remotes: Remotes::with_engine_ttl(engine_ttl),
             etcd,
@@ -183,6 +189,7 @@ impl KvConnectorWorker {
         });
         Ok(KvConnectorWorker {
             shared,
+            registered: OnceLock::new(),
             staging: OnceLock::new(),
             runtime,
             tasks: Mutex::new(Vec::new()),
@@ -248,7 +255,8 @@ impl KvConnectorWorker {
     /// # Errors
     /// [`Error::InvalidArgument`] for a bad spec or one that does not fit this rank's TP
     /// (see [`KvCacheSpec::check_rank`]), a wrong region count or short regions, or a second
-    /// call; the registration errors of [`NixlSetup::register_memory`];
+    /// call (see [`register_kv_caches_again`](Self::register_kv_caches_again)); the
+    /// registration errors of [`NixlSetup::register_memory`];
     /// [`Error::EtcdUnreachable`] (etcd mode); [`Error::Io`] when the side channel cannot
     /// bind.
     pub fn register_kv_caches<M: RegisterMemory + 'static>(
@@ -258,11 +266,11 @@ impl KvConnectorWorker {
     ) -> Result<()> {
         const OP: &str = "register the KV caches";
         self.check_spec(&spec)?;
-        if self.shared.caches.get().is_some() {
-            return Err(Error::invalid(OP, "the KV caches are already registered"));
+        if self.registered.get().is_some() {
+            return Err(already_registered(OP));
         }
         let registration = self.shared.setup.register_memory(caches)?;
-        self.finish_registration(registration, spec)
+        self.finish_registration(registration, spec, None)
     }
 
     /// Allocates one zeroed [`HostBuffer`](nixl::HostBuffer) of `spec.region_len(r)` bytes
@@ -287,8 +295,14 @@ impl KvConnectorWorker {
         spec.check_rank(self.shared.config.tp_rank, self.shared.config.tp_size)
     }
 
-    /// Builds the prepared list, the handshake and the side channel for a registration.
-    fn finish_registration(&self, registration: Registration, spec: KvCacheSpec) -> Result<()> {
+    /// Builds the prepared list, the handshake and the side channel for a registration (or,
+    /// registering again, serves the new handshake on the side channel `kept`).
+    fn finish_registration(
+        &self,
+        registration: Registration,
+        spec: KvCacheSpec,
+        kept: Option<KeptChannel>,
+    ) -> Result<()> {
         const OP: &str = "register the KV caches";
         let regions = registration.regions();
         if regions.len() != spec.num_regions() {
@@ -346,26 +360,45 @@ impl KvConnectorWorker {
             (config.tp_rank, config.tp_size),
             config.device_id,
         ));
-        let side_channel_pending = PendingHandshakes::new(config.limits.max_sessions);
+        let generation = kept.as_ref().map_or(1, |k| k.generation + 1);
+        let (served, side_channel_pending, kept_at) = match kept {
+            Some(kept) => {
+                kept.served.send_replace(Some(handshake.clone()));
+                (
+                    kept.served,
+                    kept.pending,
+                    Some((kept.side_channel, kept.vllm)),
+                )
+            }
+            None => (
+                Arc::new(tokio::sync::watch::channel(Some(handshake.clone())).0),
+                PendingHandshakes::new(config.limits.max_sessions),
+                None,
+            ),
+        };
         #[cfg(feature = "vllm")]
-        let (side_channel, vllm) = match self.shared.protocol {
-            Protocol::Native => {
-                let at = self.serve_native(handshake.clone(), side_channel_pending.clone())?;
+        let (side_channel, vllm) = match (self.shared.protocol, kept_at) {
+            (Protocol::Native, Some((at, _))) => (at, None),
+            (Protocol::Native, None) => {
+                let at = self.serve_native(served.subscribe(), side_channel_pending.clone())?;
                 (at, None)
             }
-            Protocol::Vllm => {
-                let vllm = self.vllm_side_channel_for(&handshake)?;
+            (Protocol::Vllm, kept) => {
+                let vllm = self.vllm_side_channel_for(&handshake, kept.and_then(|k| k.1))?;
                 (vllm.0.local_addr(), Some(vllm))
             }
         };
         #[cfg(not(feature = "vllm"))]
-        let side_channel = match self.shared.protocol {
-            Protocol::Native => {
-                self.serve_native(handshake.clone(), side_channel_pending.clone())?
+        let side_channel = match (self.shared.protocol, kept_at) {
+            (Protocol::Native, Some((at, ()))) => at,
+            (Protocol::Native, None) => {
+                self.serve_native(served.subscribe(), side_channel_pending.clone())?
             }
-            Protocol::Vllm => return Err(vllm_not_built(OP)),
+            (Protocol::Vllm, _) => return Err(vllm_not_built(OP)),
         };
         let caches = Caches {
+            generation,
+            served,
             registration,
             spec,
             local,
@@ -375,16 +408,18 @@ impl KvConnectorWorker {
             #[cfg(feature = "vllm")]
             vllm,
         };
-        if self.shared.caches.set(caches).is_err() {
-            return Err(Error::invalid(OP, "the KV caches are already registered"));
+        let caches = Arc::new(caches);
+        if self.registered.set(caches.clone()).is_err() {
+            return Err(already_registered(OP));
         }
+        *self.shared.caches.lock().unwrap_or_else(|p| p.into_inner()) = Some(caches);
         let caches = self.caches(OP)?;
         #[cfg(feature = "vllm")]
         if let Some((server, payload)) = &caches.vllm {
             server.publish(0, vllm_rank(config.tp_rank), payload);
         }
         let spec = &caches.spec;
-        tracing::info!(engine = %config.engine_id, rank = config.tp_rank, %side_channel, regions = spec.num_regions(), blocks = spec.num_blocks, block_size = spec.block_size, block_len = spec.block_len(0), attention = %spec.attention, "KV caches registered");
+        tracing::info!(engine = %config.engine_id, rank = config.tp_rank, %side_channel, generation, regions = spec.num_regions(), blocks = spec.num_blocks, block_size = spec.block_size, block_len = spec.block_len(0), attention = %spec.attention, "KV caches registered");
         Ok(())
     }
 
@@ -392,7 +427,7 @@ impl KvConnectorWorker {
     /// it listens.
     fn serve_native(
         &self,
-        ours: Arc<HandshakeMessage>,
+        ours: tokio::sync::watch::Receiver<Option<Arc<HandshakeMessage>>>,
         pending: Arc<PendingHandshakes>,
     ) -> Result<SocketAddr> {
         let config = &self.shared.config;
@@ -420,12 +455,14 @@ impl KvConnectorWorker {
         Ok(side_channel)
     }
 
-    /// vLLM mode: the engine's side channel (the config's, or one bound at the config's
-    /// address) and this rank's payload for it, described from `ours`.
+    /// vLLM mode: the engine's side channel (`kept` from an earlier registration, the
+    /// config's, or one bound at the config's address) and this rank's payload for it,
+    /// described from `ours`.
     #[cfg(feature = "vllm")]
     fn vllm_side_channel_for(
         &self,
         ours: &HandshakeMessage,
+        kept: Option<Arc<MetadataServer>>,
     ) -> Result<(Arc<MetadataServer>, NixlHandshakePayload)> {
         let config = &self.shared.config;
         let compat = &self.vllm()?.compat;
@@ -447,7 +484,7 @@ impl KvConnectorWorker {
                 .region_group_ids(ours.spec.num_regions())?,
         })?;
         let payload = NixlHandshakePayload::new(&compat.hash, &metadata);
-        let server = match &config.vllm_side_channel {
+        let server = match kept.as_ref().or(config.vllm_side_channel.as_ref()) {
             Some(server) => server.clone(),
             None => {
                 let _entered = self.runtime.enter();
@@ -503,14 +540,14 @@ impl KvConnectorWorker {
         const OP: &str = "register the KV caches in host-buffer mode";
         self.check_spec(&spec)?;
         if self.staging.get().is_some() {
-            return Err(Error::invalid(OP, "the KV caches are already registered"));
+            return Err(already_registered(OP));
         }
         // SAFETY: forwarded from the caller's contract.
         let vram = unsafe { Staging::register_device(&self.shared, device_layers, &spec) }?;
         self.register_host_kv_caches(spec.clone())?;
         let staging = Staging::new(&self.shared, vram, self.kv_caches()?, spec)?;
         if self.staging.set(staging).is_err() {
-            return Err(Error::invalid(OP, "the KV caches are already registered"));
+            return Err(already_registered(OP));
         }
         Ok(())
     }
@@ -544,9 +581,9 @@ impl KvConnectorWorker {
     }
 
     fn caches(&self, operation: &'static str) -> Result<&Caches> {
-        self.shared
-            .caches
+        self.registered
             .get()
+            .map(|caches| &**caches)
             .ok_or(Error::NotRegistered { operation })
     }
 
@@ -676,6 +713,14 @@ impl KvConnectorWorker {
         {
             tracing::info!(engine = %remote.engine_id, generation = remote.registration_generation, "the remote engine registered its KV cache again; handshaking with it again");
             self.shared.remotes.forget_engine(&remote.engine_id);
+        }
+        if self.shared.protocol == Protocol::Native {
+            let generation = remote.registration_generation;
+            if generation
+                .is_some_and(|g| self.shared.remotes.newer_generation(&remote.engine_id, g))
+            {
+                tracing::info!(engine = %remote.engine_id, generation, "the remote engine registered its KV cache again; handshaking with it again");
+            }
         }
         let load = crate::load::Load {
             request_id: request_id.to_string(),
@@ -972,8 +1017,7 @@ impl KvConnectorWorker {
     /// [`ChannelLimits::max_sessions`](crate::ChannelLimits::max_sessions)), refused, and
     /// the most under way at once (all zero before the KV caches are registered).
     pub fn side_channel_stats(&self) -> PendingStats {
-        self.shared
-            .caches
+        self.registered
             .get()
             .map(|c| c.side_channel_pending.stats())
             .unwrap_or_default()
@@ -997,13 +1041,21 @@ impl Drop for KvConnectorWorker {
             task.abort();
         }
         #[cfg(feature = "vllm")]
-        if let Some((server, _)) = self.shared.caches.get().and_then(|c| c.vllm.as_ref()) {
+        if let Some((server, _)) = self.registered.get().and_then(|c| c.vllm.as_ref()) {
             server.withdraw(0, vllm_rank(self.shared.config.tp_rank));
         }
-        if let (Some(source), Some(_)) = (&self.shared.etcd, self.shared.caches.get()) {
+        if let (Some(source), Some(_)) = (&self.shared.etcd, self.registered.get()) {
             crate::etcd::withdraw(self.agent(), source);
         }
     }
+}
+
+/// The refusal of a second registration through a method that registers once.
+fn already_registered(operation: &'static str) -> Error {
+    Error::invalid(
+        operation,
+        "the KV caches are already registered; to register them again (vLLM's sleep mode), call register_kv_caches_again",
+    )
 }
 
 /// The error of a vLLM-mode operation on a worker speaking the native protocol.

@@ -2,8 +2,9 @@
 //! NIXL/UCX: the params handed as vLLM's JSON, every byte checked, the prefill freed by the
 //! `request:consumers` notification; a mismatched hash, a rank the engine lacks and a
 //! prefill's blocks past their expiry time refused with the reason; a re-registered prefill
-//! handshaken with again when its registration generation grows; TP and block sizes both
-//! ways through the geometry matrix's model, and a hybrid model of two KV cache groups. (The Python peers
+//! (a new worker, or the same one registering again) handshaken with again when its
+//! registration generation grows; TP and block sizes both ways through the geometry matrix's
+//! model, and a hybrid model of two KV cache groups. (The Python peers
 //! speaking the same protocol are in the root package's tests/vllm_protocol.rs.)
 
 mod common;
@@ -280,6 +281,50 @@ async fn a_prefill_registered_again_is_handshaken_with_again() {
     assert!(started.elapsed() < WAIT);
     tokio::time::timeout(WAIT, again.notified()).await.unwrap();
     assert_eq!(again.finished().sending, ["r-gen-2"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_registering_its_caches_again_starts_a_generation_its_params_carry() {
+    // vLLM's sleep mode: the same worker registers new memory; its side channel serves the
+    // changed payload as a new generation, and the decode handshakes again (#32 item 7).
+    common::init_tracing();
+    let spec = spec(4);
+    let mut prefill = vllm_worker("vm-pf-rereg", &spec, vllm_factors(), None);
+    fill(&prefill, &spec);
+    let mut prefill_scheduler = vllm_scheduler("vm-pf-rereg", &prefill);
+    let decode = vllm_worker("vm-dc-rereg", &spec, vllm_factors(), None);
+    let mut decode_scheduler = vllm_scheduler("vm-dc-rereg", &decode);
+    let json = finish(&prefill, &mut prefill_scheduler, "r-rereg-1", &[5]);
+    let value: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(value["remote_registration_generation"], 1);
+    let outcome = load(&decode, &mut decode_scheduler, "d-rereg-1", &[0], &json).await;
+    assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
+    holds(&decode, &spec, &[0], &[5]);
+    tokio::time::timeout(WAIT, prefill.notified())
+        .await
+        .unwrap();
+    assert_eq!(prefill.finished().sending, ["r-rereg-1"]);
+
+    let side_channel = prefill.side_channel_addr().unwrap();
+    prefill.register_host_kv_caches_again(spec.clone()).unwrap();
+    assert_eq!(prefill.side_channel_addr().unwrap(), side_channel);
+    // Block 5 of the new memory holds what block 9 held: the old memory's block 5 differs.
+    let cache = prefill.kv_caches().unwrap();
+    for layer in 0..spec.num_regions() {
+        let len = spec.block_len(layer);
+        let data: Vec<u8> = (0..len).map(|o| pattern(layer, 9, o)).collect();
+        cache.write(layer, 5 * len, &data).unwrap();
+    }
+    let json = finish(&prefill, &mut prefill_scheduler, "r-rereg-2", &[5]);
+    let value: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(value["remote_registration_generation"], 2);
+    let outcome = load(&decode, &mut decode_scheduler, "d-rereg-2", &[1], &json).await;
+    assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
+    holds(&decode, &spec, &[1], &[9]);
+    tokio::time::timeout(WAIT, prefill.notified())
+        .await
+        .unwrap();
+    assert_eq!(prefill.finished().sending, ["r-rereg-2"]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
