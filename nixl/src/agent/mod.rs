@@ -1,5 +1,20 @@
-//! The NIXL agent: its C handle, configuration, locking and backend handles, at the bottom
-//! of the crate (it knows nothing of registrations, requests or the driver that use it).
+//! The agent core: the NIXL agent's C handle, configuration, locking and backend handles
+//! (this file); its backends (`backend`, with the parameters set unless the creator did and
+//! those the safe API refuses); its completion driver (`driver`, `driver_stats`) and the hub
+//! that hands notifications to waiting tasks (`notify_hub`); its counts of leaked requests
+//! (`leaks`); the hints it adds to NIXL's failures about a remote agent (`peer_hints`); and
+//! the guard that leaves agents to an exiting process (`exit_guard`). It knows nothing of the
+//! registrations, lists and requests above it, which use it.
+
+pub(crate) mod backend;
+pub(crate) mod backend_defaults;
+pub(crate) mod driver;
+pub(crate) mod driver_stats;
+pub(crate) mod exit_guard;
+pub(crate) mod leaks;
+pub(crate) mod notify_hub;
+pub(crate) mod peer_hints;
+pub(crate) mod refused_params;
 
 use std::ptr;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
@@ -7,15 +22,15 @@ use std::time::Duration;
 
 use nixl_capi_sys as sys;
 
+use crate::agent::driver::{Driver, Shared};
+use crate::agent::driver_stats::DriverStats;
+use crate::agent::leaks::{LeakCounters, LeakStats};
 use crate::error::{check, Result};
 use crate::ffi::handles::BackendHandle;
 use crate::ffi::library::capi;
 use crate::ffi::raw::c_name;
-use crate::metadata::wire::LoadedMetadata;
-use crate::transfer::driver::{Driver, Shared};
-use crate::transfer::driver_stats::DriverStats;
-use crate::transfer::leaks::{LeakCounters, LeakStats};
-use crate::transfer::local_peers;
+use crate::peers::local_peers;
+use crate::peers::wire::LoadedMetadata;
 
 /// How NIXL locks an agent's internal state across threads.
 ///
@@ -197,7 +212,7 @@ impl AgentBuilder {
             unsafe { capi().nixl_capi_create_configured_agent(name.as_ptr(), &raw_cfg, &mut raw) };
         check(status, "create agent")?;
         tracing::debug!(agent = %self.name, config = ?self.config, "created NIXL agent");
-        crate::exit_guard::install();
+        crate::agent::exit_guard::install();
         let inner = Arc::new(AgentInner {
             raw,
             id: local_peers::next_id(),
@@ -358,7 +373,7 @@ impl AgentInner {
     /// The driver's shared state, when tasks await notifications through it.
     pub(crate) fn active_hub(&self) -> Option<Arc<Shared>> {
         let shared = &self.driver.get()?.shared;
-        crate::transfer::driver::lock(&shared.hub)
+        crate::agent::driver::lock(&shared.hub)
             .active
             .then(|| shared.clone())
     }
@@ -372,7 +387,7 @@ impl Drop for AgentInner {
                 .get_mut()
                 .unwrap_or_else(|p| p.into_inner()),
         );
-        let Some(_destroying) = crate::exit_guard::begin() else {
+        let Some(_destroying) = crate::agent::exit_guard::begin() else {
             // The process is exiting and UCX may be cleaning up already (see exit_guard):
             // leave the agent and its backends to the process.
             std::mem::forget(std::mem::take(

@@ -7,18 +7,18 @@ use std::sync::Arc;
 
 use nixl_capi_sys as sys;
 
+use crate::agent::backend::backend_args;
+use crate::agent::backend::Backend;
 use crate::agent::{Agent, AgentInner};
-use crate::backend::backend_args;
-use crate::backend::Backend;
 use crate::descriptors::desc_list::LocalDescList;
-use crate::descriptors::descriptor::{validate, XferDesc};
 use crate::error::{check, Error, Result};
+use crate::ffi::descriptor::{validate, XferDesc};
 use crate::ffi::handles::PeerDlist;
 use crate::ffi::library::capi;
+use crate::ffi::mem_type::MemType;
 use crate::ffi::raw::c_name;
-use crate::memory::mem_type::MemType;
-use crate::metadata::recheck;
-use crate::transfer::local_peers::{self, Hold};
+use crate::peers::local_peers::{self, Hold};
+use crate::peers::recheck;
 
 /// A descriptor of another agent's memory, naming that agent (a view can span peers).
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -4,7 +4,7 @@
 use super::layout::{self, BasicDesc, Visitor};
 use super::reader::Parsed;
 use super::ucx_transports::Worker;
-use crate::memory::mem_type::MemType;
+use crate::ffi::mem_type::MemType;
 
 /// Metadata of a remote agent, checked and taken apart.
 #[derive(Debug, Default)]

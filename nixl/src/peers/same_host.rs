@@ -8,8 +8,8 @@
 //! never reaches through these transports.
 
 use crate::error::{Error, Result};
-use crate::metadata::wire::{Destination, Host, PeerMetadata};
-use crate::transfer::local_peers;
+use crate::peers::local_peers;
+use crate::peers::wire::{Destination, Host, PeerMetadata};
 
 /// The host of a same-host transport address, with the transport's name.
 fn same_host(dest: &Destination) -> Option<(Host, &'static str)> {

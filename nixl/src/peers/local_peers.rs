@@ -18,11 +18,11 @@ use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, PoisonError, Weak};
 
-use crate::descriptors::descriptor::{RegDesc, XferDesc};
 use crate::error::{Error, Result};
-use crate::memory::mem_type::MemType;
-use crate::memory::region_index::RegionIndex;
-use crate::metadata::wire::{AdvertisedIndex, LoadedMetadata, PeerKind, Worker};
+use crate::ffi::descriptor::{RegDesc, XferDesc};
+use crate::ffi::mem_type::MemType;
+use crate::peers::region_index::RegionIndex;
+use crate::peers::wire::{AdvertisedIndex, LoadedMetadata, PeerKind, Worker};
 
 /// Registered memory that a transfer can target and hold.
 pub(crate) trait Target: Send + Sync {

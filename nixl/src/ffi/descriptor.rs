@@ -3,7 +3,7 @@
 use crate::error::{check, Error, Result};
 use crate::ffi::handles::RegDlist;
 use crate::ffi::library::capi;
-use crate::memory::mem_type::MemType;
+use crate::ffi::mem_type::MemType;
 
 /// A range to register: address (or offset), length, device id and backend metadata.
 ///

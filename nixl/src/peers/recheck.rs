@@ -11,9 +11,9 @@
 //! registrations, and to none once they are gone.)
 
 use crate::error::{Error, Result};
-use crate::metadata::designation;
-use crate::metadata::wire::{inspect_metadata, LoadedMetadata};
-use crate::transfer::local_peers;
+use crate::peers::designation;
+use crate::peers::local_peers;
+use crate::peers::wire::{inspect_metadata, LoadedMetadata};
 
 /// Checks `remote_agent`'s loaded metadata again if this process's UCX workers changed
 /// since it was last checked, and records what it now says.
@@ -49,8 +49,8 @@ mod tests {
     use std::process::{Command, Stdio};
 
     use super::*;
-    use crate::metadata::wire::Worker;
-    use crate::transfer::local_peers::FakeAgent;
+    use crate::peers::local_peers::FakeAgent;
+    use crate::peers::wire::Worker;
     use crate::{Agent, LocalDescList, MemType, RemoteDescList, XferDesc, XferOp, XferOptions};
 
     const PEER_ENV: &str = "NIXL_RS_TEST_RECHECK_PEER";
@@ -77,7 +77,7 @@ mod tests {
         let mut child = Command::new(std::env::current_exe().unwrap())
             .args([
                 "--exact",
-                "metadata::recheck::tests::recheck_peer_role",
+                "peers::recheck::tests::recheck_peer_role",
                 "--ignored",
                 "--nocapture",
                 "--test-threads=1",

@@ -10,8 +10,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use super::peer::Advertised;
 use super::serdes::Fields;
-use crate::memory::mem_type::MemType;
-use crate::memory::region_index::RegionIndex;
+use crate::ffi::mem_type::MemType;
+use crate::peers::region_index::RegionIndex;
 
 /// Memory advertised by a remote agent's loaded metadata, keyed by memory type and device.
 pub(crate) type AdvertisedIndex = RegionIndex<(MemType, u64), ()>;

@@ -6,16 +6,16 @@ use std::sync::Arc;
 
 use nixl_capi_sys as sys;
 
+use crate::agent::backend_defaults;
+use crate::agent::refused_params::{self, RefusedParams};
 use crate::agent::{Agent, AgentInner};
-use crate::backend_defaults;
 use crate::error::{check, Error, Result};
 use crate::ffi::handles::Params;
-use crate::ffi::handles::{BackendHandle, OptArgs};
+use crate::ffi::handles::{BackendHandle, OptArgs, RegDlist};
 use crate::ffi::library::capi;
-use crate::ffi::raw::{c_name, take_mem_list, take_string_list};
-use crate::memory::mem_type::MemType;
-use crate::refused_params::{self, RefusedParams};
-use crate::transfer::local_peers;
+use crate::ffi::mem_type::MemType;
+use crate::ffi::raw::{c_name, take_malloced, take_mem_list, take_string_list};
+use crate::peers::local_peers;
 
 /// What a plugin supports before any backend is created from it.
 #[non_exhaustive]
@@ -128,6 +128,33 @@ pub(crate) fn backend_args(
         unsafe { args.add_backend(backend.raw()) }?;
     }
     Ok(args)
+}
+
+/// `agent`'s metadata for just the registrations in `list` (empty: connection info only) as
+/// seen through `backends`.
+pub(crate) fn partial_metadata(
+    agent: &AgentInner,
+    operation: &'static str,
+    list: &RegDlist,
+    backends: &[&Backend],
+) -> Result<Vec<u8>> {
+    let args = backend_args(agent, operation, backends)?;
+    let (mut data, mut len) = (ptr::null_mut(), 0);
+    let status = agent.with(|agent| {
+        // SAFETY: live agent, list and args; on success `data` is a malloc'd buffer we own.
+        unsafe {
+            capi().nixl_capi_get_local_partial_md(
+                agent,
+                list.raw(),
+                &mut data,
+                &mut len,
+                args.raw(),
+            )
+        }
+    });
+    check(status, operation)?;
+    // SAFETY: malloc'd by NIXL, `len` bytes, freed once here.
+    Ok(unsafe { take_malloced(data, len) })
 }
 
 /// Parameters a NIXL 1.5.1 plugin reads although its advertised defaults do not list them.
@@ -440,9 +467,10 @@ impl Agent {
     /// process's: metadata that leads to it is then recognised as this process's whatever
     /// name it gives.
     fn record_ucx_worker(&self, backend: &Backend) {
-        let learned = self
-            .local_partial_metadata(&[], &[backend])
-            .and_then(|md| Ok(crate::metadata::wire::inspect_metadata(&md)?.worker));
+        const OP: &str = "get partial local metadata";
+        let learned = RegDlist::build(OP, MemType::Dram, &[])
+            .and_then(|list| partial_metadata(&self.inner, OP, &list, &[backend]))
+            .and_then(|md| Ok(crate::peers::wire::inspect_metadata(&md)?.worker));
         match learned {
             Ok(Some(worker)) => local_peers::add_worker(self.inner.id, worker),
             Ok(None) => {

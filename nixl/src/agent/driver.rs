@@ -18,9 +18,9 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::task::Waker;
 use std::time::{Duration, Instant};
 
+use crate::agent::driver_stats::{DriverCounters, DriverStats};
+use crate::agent::notify_hub::{Hub, Notification};
 use crate::error::{Error, Result};
-use crate::notifications::notify_hub::{Hub, Notification};
-use crate::transfer::driver_stats::{DriverCounters, DriverStats};
 
 /// Most requests one agent's driver holds at once.
 pub(crate) const CAPACITY: usize = 4096;

@@ -31,9 +31,9 @@
 use std::net::SocketAddr;
 
 use crate::error::{Error, Result};
-use crate::metadata::process_endpoints::{self, Task};
-use crate::metadata::wire::{Destination, Host, PeerKind, PeerMetadata};
-use crate::transfer::local_peers::{self, AgentWorkers};
+use crate::peers::local_peers::{self, AgentWorkers};
+use crate::peers::process_endpoints::{self, Task};
+use crate::peers::wire::{Destination, Host, PeerKind, PeerMetadata};
 
 /// What one part of a worker address leads to in this process.
 enum Lead {
@@ -258,9 +258,9 @@ mod tests {
     use std::net::IpAddr;
 
     use super::*;
-    use crate::metadata::process_endpoints::LiveThread;
-    use crate::metadata::wire::Worker;
-    use crate::transfer::local_peers::FakeAgent;
+    use crate::peers::local_peers::FakeAgent;
+    use crate::peers::process_endpoints::LiveThread;
+    use crate::peers::wire::Worker;
 
     const HOST: Host = Host {
         id: 0x1234_5678,
@@ -271,7 +271,7 @@ mod tests {
         Destination::Cma {
             host: HOST,
             pid,
-            pid_ns: crate::metadata::wire::ROOT_PID_NS,
+            pid_ns: crate::peers::wire::ROOT_PID_NS,
         }
     }
 
@@ -429,7 +429,7 @@ mod tests {
             host: HOST,
             pid,
             fd: 16,
-            pid_ns: crate::metadata::wire::ROOT_PID_NS,
+            pid_ns: crate::peers::wire::ROOT_PID_NS,
         }
     }
 
@@ -475,7 +475,7 @@ mod tests {
             host: Host { id: 9, ns: None },
             pid: tid,
             fd: 16,
-            pid_ns: crate::metadata::wire::ROOT_PID_NS,
+            pid_ns: crate::peers::wire::ROOT_PID_NS,
         };
         assert_eq!(
             classify_as("other", None, vec![other_ns, other_host]).unwrap(),
