@@ -38,14 +38,18 @@ use std::time::Instant;
 use nixl::kv_config::KvTransferConfig;
 use serde::{Deserialize, Serialize};
 
-use crate::aggregate::{KvOutputAggregator, WorkerOutput};
 use crate::config::{LoadFailurePolicy, Protocol};
 use crate::error::{Error, Result};
 use crate::failure::FailedBlock;
 use crate::lease::Lease;
-use crate::params::{KvTransferParams, RemoteBlocks};
+use crate::scheduler::aggregate::{KvOutputAggregator, WorkerOutput};
+use crate::transport::params::{KvTransferParams, RemoteBlocks};
 #[cfg(feature = "vllm")]
 use crate::vllm::MetadataServer;
+
+pub(crate) mod aggregate;
+pub(crate) mod outcomes;
+pub(crate) mod step_wire;
 
 /// How a request finished (vLLM's `RequestStatus.FINISHED_*`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -147,7 +151,7 @@ pub struct SendSpec {
     pub request_id: String,
     /// When the lease ends unless a heartbeat extends it (in another process: the time left
     /// when it was sent, from its arrival; see [`ConnectorMetadata::to_msgpack`]).
-    #[serde(with = "crate::step_wire::deadline")]
+    #[serde(with = "crate::scheduler::step_wire::deadline")]
     pub deadline: Instant,
 }
 
@@ -368,7 +372,7 @@ impl KvConnectorScheduler {
         }
         // A prefill that holds no block is not waiting for a notification.
         let state = if local_block_ids.is_empty() {
-            crate::series::prefix_hit(&self.config.engine_id);
+            crate::metrics::series::prefix_hit(&self.config.engine_id);
             DecodeState::Done
         } else {
             DecodeState::Scheduled
@@ -415,13 +419,13 @@ impl KvConnectorScheduler {
         if let Some(decode) = self.decodes.remove(request_id) {
             return match decode.state {
                 DecodeState::Waiting | DecodeState::Scheduled => {
-                    crate::series::aborted_request(&self.config.engine_id);
+                    crate::metrics::series::aborted_request(&self.config.engine_id);
                     self.loads.remove(request_id);
                     self.notify_only(request_id, decode.remote);
                     keep(false)
                 }
                 DecodeState::Loading { .. } => {
-                    crate::series::aborted_request(&self.config.engine_id);
+                    crate::metrics::series::aborted_request(&self.config.engine_id);
                     self.aborted.push(request_id.to_string());
                     self.decodes.insert(
                         request_id.to_string(),
@@ -440,7 +444,7 @@ impl KvConnectorScheduler {
             .and_then(KvTransferParams::remote_blocks)
         {
             // Finished before the engine told us of it (vLLM's abort-immediately path).
-            crate::series::aborted_request(&self.config.engine_id);
+            crate::metrics::series::aborted_request(&self.config.engine_id);
             self.notify_only(request_id, remote);
             return keep(false);
         }
@@ -688,7 +692,7 @@ mod tests {
 
     use super::*;
     use crate::failure::FailureKind;
-    use crate::outcomes::Finished;
+    use crate::scheduler::outcomes::Finished;
 
     fn config(policy: LoadFailurePolicy) -> SchedulerConfig {
         SchedulerConfig {

@@ -11,35 +11,42 @@ use nixl::{Agent, NotificationFilter, RegDesc, RegisterMemory, Registration, Xfe
 use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
 
-use crate::aggregate::WorkerOutput;
-use crate::auth::SharedSecret;
 use crate::config::{MetadataExchange, Protocol, WorkerConfig};
-use crate::connect::{self, Engine};
 use crate::error::{Error, Result};
-use crate::etcd::EtcdSource;
 use crate::failure::{FailedBlock, FailureKind};
-use crate::handshake::HandshakeMessage;
-use crate::host_buffer::Staging;
+use crate::geometry::spec::KvCacheSpec;
+use crate::geometry::tp_mapping::TpMapping;
 use crate::lease::Lease;
+use crate::metrics::series::Series;
 use crate::metrics::{RemoteStats, SendStats, TransferMetrics};
-use crate::outcomes::{Finished, Outcomes, OverdueLoad};
-use crate::params::RemoteBlocks;
-use crate::peer_networks::{warn_if_open, PeerNetworks};
-use crate::pending::{PendingHandshakes, PendingStats};
-use crate::remotes::Remotes;
+use crate::scheduler::aggregate::WorkerOutput;
+use crate::scheduler::outcomes::{Finished, Outcomes, OverdueLoad};
 use crate::scheduler::{ConnectorMetadata, HeartbeatSpec};
-use crate::sending::{heartbeat_messages, NotificationStats, Sends};
-use crate::series::Series;
-use crate::shared::{Caches, Shared};
-use crate::side_channel::Guard;
-use crate::spec::KvCacheSpec;
-use crate::tp_mapping::TpMapping;
+use crate::transport::auth::SharedSecret;
+use crate::transport::etcd::EtcdSource;
+use crate::transport::handshake::HandshakeMessage;
+use crate::transport::params::RemoteBlocks;
+use crate::transport::peer_networks::{warn_if_open, PeerNetworks};
+use crate::transport::pending::{PendingHandshakes, PendingStats};
+use crate::transport::side_channel::Guard;
 #[cfg(feature = "vllm")]
 use crate::vllm::{
     Compatibility, MetadataServer, NixlAgentMetadata, NixlHandshakePayload, RankRegistration,
     VllmWorker,
 };
+use crate::worker::connect::Engine;
+use crate::worker::host_buffer::Staging;
+use crate::worker::remotes::Remotes;
+use crate::worker::sending::{heartbeat_messages, NotificationStats, Sends};
+use crate::worker::shared::{Caches, Shared};
 
+pub(crate) mod connect;
+pub(crate) mod engines;
+pub mod host_buffer;
+pub(crate) mod load;
+pub(crate) mod remotes;
+pub(crate) mod sending;
+pub(crate) mod shared;
 mod shutdown;
 #[cfg(all(test, not(feature = "vllm")))]
 mod without_vllm;
@@ -103,7 +110,7 @@ impl KvConnectorWorker {
             .agent_name
             .clone()
             .unwrap_or_else(|| agent_name(&config));
-        let engine_ttl = crate::engines::engine_ttl(&config.kv_transfer_config)?;
+        let engine_ttl = crate::worker::engines::engine_ttl(&config.kv_transfer_config)?;
         let lease = match config.lease {
             Some(lease) => lease,
             None => Lease::from_kv_transfer_config(&config.kv_transfer_config)?,
@@ -332,7 +339,7 @@ impl KvConnectorWorker {
         let metadata = match config.metadata_exchange {
             MetadataExchange::SideChannel => self.agent().local_metadata()?,
             MetadataExchange::Etcd => {
-                crate::etcd::publish(self.agent())?;
+                crate::transport::etcd::publish(self.agent())?;
                 Vec::new()
             }
         };
@@ -411,7 +418,8 @@ impl KvConnectorWorker {
             guard.secret.is_some(),
             &guard.peers,
         );
-        let server = crate::side_channel::serve(listener, ours, config.limits, pending, guard);
+        let server =
+            crate::transport::side_channel::serve(listener, ours, config.limits, pending, guard);
         self.tasks
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -672,16 +680,21 @@ impl KvConnectorWorker {
             tracing::info!(engine = %remote.engine_id, generation = remote.registration_generation, "the remote engine registered its KV cache again; handshaking with it again");
             self.shared.remotes.forget_engine(&remote.engine_id);
         }
-        let load = crate::load::Load {
+        let load = crate::worker::load::Load {
             request_id: request_id.to_string(),
             local_block_ids: local_block_ids.to_vec(),
-            span: crate::load::Load::span(request_id, remote, &ranks, local_block_ids.len()),
+            span: crate::worker::load::Load::span(
+                request_id,
+                remote,
+                &ranks,
+                local_block_ids.len(),
+            ),
             remote: remote.clone(),
             ranks,
         };
         if local_block_ids.is_empty() {
             self.runtime
-                .spawn(crate::load::notify_only(self.shared.clone(), load));
+                .spawn(crate::worker::load::notify_only(self.shared.clone(), load));
             return Ok(());
         }
         if !self.shared.outcomes().start(request_id) {
@@ -693,15 +706,18 @@ impl KvConnectorWorker {
         self.shared.series.load_started();
         // After the handshakes, the READs are posted here and now (most finish within the
         // post); only what is left to wait for runs as a task.
-        match crate::load::try_now(&self.shared, load) {
+        match crate::worker::load::try_now(&self.shared, load) {
             None => {}
             Some((load, Some(posted))) => {
-                self.runtime
-                    .spawn(crate::load::finish(self.shared.clone(), load, posted));
+                self.runtime.spawn(crate::worker::load::finish(
+                    self.shared.clone(),
+                    load,
+                    posted,
+                ));
             }
             Some((load, None)) => {
                 self.runtime
-                    .spawn(crate::load::run(self.shared.clone(), load));
+                    .spawn(crate::worker::load::run(self.shared.clone(), load));
             }
         }
         Ok(())
@@ -996,7 +1012,7 @@ impl Drop for KvConnectorWorker {
             server.withdraw(0, vllm_rank(self.shared.config.tp_rank));
         }
         if let (Some(source), Some(_)) = (&self.shared.etcd, self.shared.caches.get()) {
-            crate::etcd::withdraw(self.agent(), source);
+            crate::transport::etcd::withdraw(self.agent(), source);
         }
     }
 }

@@ -5,7 +5,7 @@
 
 use super::payload::NixlAgentMetadata;
 use crate::error::{Error, Result};
-use crate::spec::{KvAttention, KvCacheSpec, KvLayout, KvRegion, KvRegionKind};
+use crate::geometry::spec::{KvAttention, KvCacheSpec, KvLayout, KvRegion, KvRegionKind};
 
 const OP: &str = "convert vLLM's NixlAgentMetadata";
 

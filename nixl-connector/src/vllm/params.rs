@@ -9,7 +9,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_json::{Map, Value};
 
 use crate::error::{Error, Result};
-use crate::params::KvTransferParams;
+use crate::transport::params::KvTransferParams;
 
 /// `remote_block_ids`: one list of block ids (older vLLM, and this connector's own), or one
 /// list per KV cache group (vLLM 0.33).

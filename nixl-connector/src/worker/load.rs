@@ -15,20 +15,20 @@ use futures::future::join_all;
 use nixl::{XferOp, XferOptions, XferStatus};
 use tracing::Instrument;
 
-use crate::block_map::pair_units;
 use crate::config::Protocol;
-use crate::connect::{self, Engine};
 use crate::error::{Error, Result};
 use crate::failure::{FailedBlock, FailureKind};
+use crate::geometry::block_map::pair_units;
+use crate::geometry::tp_mapping::TpMapping;
 use crate::metrics::TransferMetrics;
-use crate::outcomes::OverdueLoad;
-use crate::params::RemoteBlocks;
-use crate::remotes::Remote;
-use crate::sending::notification_message;
-use crate::shared::Shared;
-use crate::tp_mapping::TpMapping;
+use crate::scheduler::outcomes::OverdueLoad;
+use crate::transport::params::RemoteBlocks;
 #[cfg(feature = "vllm")]
 use crate::vllm::clock::perf_counter;
+use crate::worker::connect::{self, Engine};
+use crate::worker::remotes::Remote;
+use crate::worker::sending::notification_message;
+use crate::worker::shared::Shared;
 
 /// What [`crate::KvConnectorWorker::start_load`] checked and hands the task.
 pub(crate) struct Load {

@@ -22,8 +22,8 @@ use nixl::{
 };
 
 use crate::error::{Error, Result};
-use crate::shared::Shared;
-use crate::spec::KvCacheSpec;
+use crate::geometry::spec::KvCacheSpec;
+use crate::worker::shared::Shared;
 
 /// The VRAM cache and the lists that copy it to and from the host buffer.
 pub(crate) struct Staging {

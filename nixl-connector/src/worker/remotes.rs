@@ -1,5 +1,5 @@
 //! The remote ranks this worker reads from (or only notifies): one handshake each, run by
-//! the first load that needs it (in the background, see [`connect`](crate::connect)), then
+//! the first load that needs it (in the background, see [`connect`](crate::worker::connect)), then
 //! their prepared descriptor lists are reused.
 //!
 //! A remote rank is handshaken with again after a transfer with it failed. Its agent's
@@ -19,10 +19,10 @@ use std::time::{Duration, Instant};
 use futures::future::{BoxFuture, FutureExt, Shared};
 use nixl::{Agent, PreparedLocal, PreparedRemote};
 
-use crate::engines::Engines;
 use crate::error::{Error, Result};
+use crate::geometry::read_plan::ReadPlan;
 use crate::metrics::RemoteStats;
-use crate::read_plan::ReadPlan;
+use crate::worker::engines::Engines;
 
 /// The least time between two sweeps for engines to evict.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);

@@ -10,7 +10,7 @@ use base64::prelude::{Engine, BASE64_STANDARD};
 use serde::Deserialize;
 
 use crate::error::{Error, Result};
-use crate::etcd_tls::Endpoint;
+use crate::transport::etcd_tls::Endpoint;
 
 /// The environment variable naming the etcd user.
 pub const ETCD_USER_ENV: &str = "NIXL_CONNECTOR_ETCD_USER";

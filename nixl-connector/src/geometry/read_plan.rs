@@ -1,5 +1,5 @@
 //! How a reader rank's blocks take their bytes from one source rank, region by region: the
-//! pieces of a unit (see [`block_map`](crate::block_map)) on both sides, and the prepared
+//! pieces of a unit (see [`block_map`](crate::geometry::block_map)) on both sides, and the prepared
 //! descriptor lists and indices built from them.
 //!
 //! A piece is a run of bytes contiguous on both sides. With equal block sizes a head slice
@@ -13,9 +13,9 @@
 
 use nixl::XferDesc;
 
-use crate::block_map::BlockSizes;
-use crate::spec::{KvAttention, KvCacheSpec, KvLayout};
-use crate::tp_mapping::{Share, TpMapping};
+use crate::geometry::block_map::BlockSizes;
+use crate::geometry::spec::{KvAttention, KvCacheSpec, KvLayout};
+use crate::geometry::tp_mapping::{Share, TpMapping};
 
 /// A run of bytes read in one descriptor: at `local_offset` of a local block and
 /// `remote_offset` of a remote block (for a block's first unit).
@@ -397,7 +397,7 @@ fn merged(pieces: &[Piece]) -> Vec<Piece> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::spec::{KvRegion, KvRegionKind};
+    use crate::geometry::spec::{KvRegion, KvRegionKind};
 
     /// An HND cache of one region: `heads` per rank of 4 bytes per token.
     fn hnd(total: usize, heads: usize, block_size: usize, kind: KvRegionKind) -> KvCacheSpec {

@@ -5,7 +5,7 @@
 //! brought it), and, when it is read from, the pieces of its blocks and of the local blocks
 //! they land in described in prepared lists ([`ReadPlan`](crate::ReadPlan)), which NIXL holds
 //! to the memory the loaded metadata advertises. Run once per remote rank, in the
-//! background, through [`Remotes`](crate::remotes).
+//! background, through [`Remotes`](crate::worker::remotes).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -14,10 +14,10 @@ use futures::FutureExt;
 use nixl::{LocalDescList, RemoteDescList};
 
 use crate::error::{Error, Result};
-use crate::handshake::check_compatible;
-use crate::remotes::{ReadLists, Remote};
-use crate::shared::Shared;
-use crate::side_channel::fetch_handshake_with;
+use crate::transport::handshake::check_compatible;
+use crate::transport::side_channel::fetch_handshake_with;
+use crate::worker::remotes::{ReadLists, Remote};
+use crate::worker::shared::Shared;
 
 /// Where a remote engine's side channel is, and its TP size.
 #[derive(Debug, Clone, Copy)]
@@ -31,7 +31,7 @@ pub(crate) struct Engine<'a> {
 }
 
 /// The remote rank `rank` of `engine`, whose side channel is at `port`, handshaking first
-/// if no load has yet (see [`Remotes::get`](crate::remotes::Remotes::get)).
+/// if no load has yet (see [`Remotes::get`](crate::worker::remotes::Remotes::get)).
 ///
 /// # Errors
 /// [`Error::Handshake`] with the reason.
@@ -111,8 +111,8 @@ async fn connect(
             // What is left of the handshake's deadline: one total for the whole of it.
             let limits = shared.config.limits;
             let left = limits.deadline.saturating_sub(started.elapsed());
-            let key = crate::etcd::metadata_key(&etcd.namespace, &theirs.agent_name);
-            let metadata = crate::etcd::fetch_metadata_with(
+            let key = crate::transport::etcd::metadata_key(&etcd.namespace, &theirs.agent_name);
+            let metadata = crate::transport::etcd::fetch_metadata_with(
                 &etcd.endpoints,
                 &key,
                 limits.max_frame,

@@ -27,13 +27,13 @@ use serde::{Deserialize, Serialize};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 
-use crate::auth::{nonce, Nonce, SharedSecret, NONCE_BYTES};
 use crate::error::{Error, Result};
-use crate::handshake::{check_compatible, HandshakeMessage};
-use crate::peer_networks::PeerNetworks;
-use crate::pending::{PendingHandshakes, PendingSlot};
-use crate::readers::{Reader, Readers};
-use crate::wire::{within, Channel, ChannelLimits};
+use crate::transport::auth::{nonce, Nonce, SharedSecret, NONCE_BYTES};
+use crate::transport::handshake::{check_compatible, HandshakeMessage};
+use crate::transport::peer_networks::PeerNetworks;
+use crate::transport::pending::{PendingHandshakes, PendingSlot};
+use crate::transport::readers::{Reader, Readers};
+use crate::transport::wire::{within, Channel, ChannelLimits};
 
 /// How long a new connection waits for the place of the handshake evicted for it; past it,
 /// the new connection is the one told the server is busy.

@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::failure::FailedBlock;
-use crate::outcomes::Finished;
+use crate::scheduler::outcomes::Finished;
 
 /// What one TP rank reports after a step (vLLM's `KVConnectorOutput` of one worker):
 /// its [`KvConnectorWorker::output`](crate::KvConnectorWorker::output). It crosses the
@@ -37,7 +37,7 @@ impl WorkerOutput {
     /// # Errors
     /// [`Error::InvalidArgument`] if it cannot be encoded.
     pub fn to_msgpack(&self) -> Result<Vec<u8>> {
-        crate::step_wire::encode("encode a worker output", self)
+        crate::scheduler::step_wire::encode("encode a worker output", self)
     }
 
     /// An output from the MessagePack of [`to_msgpack`](Self::to_msgpack).
@@ -45,7 +45,7 @@ impl WorkerOutput {
     /// # Errors
     /// [`Error::InvalidArgument`] naming what does not decode.
     pub fn from_msgpack(bytes: &[u8]) -> Result<Self> {
-        crate::step_wire::decode("decode a worker output", bytes)
+        crate::scheduler::step_wire::decode("decode a worker output", bytes)
     }
 }
 

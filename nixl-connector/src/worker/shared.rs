@@ -8,17 +8,17 @@ use nixl::kv_config::NixlSetup;
 use nixl::{PreparedLocal, Registration};
 
 use crate::config::{Protocol, WorkerConfig};
-use crate::etcd::EtcdSource;
-use crate::handshake::HandshakeMessage;
-use crate::outcomes::Outcomes;
-use crate::pending::PendingHandshakes;
-use crate::remotes::Remotes;
-use crate::sending::Sends;
-use crate::series::Series;
-use crate::side_channel::Guard;
-use crate::spec::KvCacheSpec;
+use crate::geometry::spec::KvCacheSpec;
+use crate::metrics::series::Series;
+use crate::scheduler::outcomes::Outcomes;
+use crate::transport::etcd::EtcdSource;
+use crate::transport::handshake::HandshakeMessage;
+use crate::transport::pending::PendingHandshakes;
+use crate::transport::side_channel::Guard;
 #[cfg(feature = "vllm")]
 use crate::vllm::{MetadataServer, NixlHandshakePayload, VllmWorker};
+use crate::worker::remotes::Remotes;
+use crate::worker::sending::Sends;
 
 /// The registered cache and what is derived from it.
 pub(crate) struct Caches {

@@ -16,7 +16,7 @@
 use std::ops::Range;
 
 use crate::error::{Error, Result};
-use crate::spec::KvAttention;
+use crate::geometry::spec::KvAttention;
 
 /// What a local rank takes from one remote rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -34,7 +34,7 @@ pub(crate) fn decode<T: DeserializeOwned>(operation: &'static str, bytes: &[u8])
 }
 
 /// Serde of an [`Instant`] as the time left until it, in nanoseconds (past: 0); for
-/// `#[serde(with = "crate::step_wire::deadline")]`.
+/// `#[serde(with = "crate::scheduler::step_wire::deadline")]`.
 pub(crate) mod deadline {
     use super::*;
 

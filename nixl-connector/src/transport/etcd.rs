@@ -32,14 +32,16 @@ use nixl::{Agent, MetadataPeer};
 use serde::Deserialize;
 
 use crate::error::{Error, Result};
-use crate::etcd_auth::{authenticate, delete_at_first, put_at_first};
-use crate::etcd_tls::Endpoint;
-use crate::side_channel::RetryBackoff;
+use crate::transport::etcd_auth::{authenticate, delete_at_first, put_at_first};
+use crate::transport::etcd_tls::Endpoint;
+use crate::transport::side_channel::RetryBackoff;
 
-pub use crate::etcd_auth::{
+pub use crate::transport::etcd_auth::{
     EtcdCredentials, ETCD_PASSWORD_ENV, ETCD_PASSWORD_FILE_ENV, ETCD_USER_ENV,
 };
-pub use crate::etcd_tls::{EtcdTls, ETCD_CA_FILE_ENV, ETCD_CERT_FILE_ENV, ETCD_KEY_FILE_ENV};
+pub use crate::transport::etcd_tls::{
+    EtcdTls, ETCD_CA_FILE_ENV, ETCD_CERT_FILE_ENV, ETCD_KEY_FILE_ENV,
+};
 
 /// The environment variable NIXL reads its etcd endpoints from when an agent is created.
 pub const ETCD_ENDPOINTS_ENV: &str = "NIXL_ETCD_ENDPOINTS";

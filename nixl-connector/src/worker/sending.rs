@@ -10,11 +10,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::config::Protocol;
+use crate::geometry::tp_mapping::{TpMapping, MAX_TP_SIZE};
 use crate::lease::Lease;
+use crate::metrics::series::Series;
 use crate::metrics::SendStats;
-use crate::readers::Readers;
-use crate::series::Series;
-use crate::tp_mapping::{TpMapping, MAX_TP_SIZE};
+use crate::transport::readers::Readers;
 
 /// Most notifications kept for requests not (yet) held, e.g. ones that arrive before the
 /// engine's step hands the request over; more are dropped, and each is dropped after a
@@ -428,7 +428,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::readers::Reader;
+    use crate::transport::readers::Reader;
 
     /// Readers that handshook: `d` and `solo` of TP 1, `d0` and `d1` of TP `tp`.
     fn readers(tp: usize) -> Arc<Readers> {

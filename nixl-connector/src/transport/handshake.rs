@@ -4,8 +4,8 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::read_plan::ReadPlan;
-use crate::spec::KvCacheSpec;
+use crate::geometry::read_plan::ReadPlan;
+use crate::geometry::spec::KvCacheSpec;
 
 /// Version of the side-channel protocol and handshake; peers of another version are refused.
 pub const PROTOCOL_VERSION: u32 = 2;
@@ -171,7 +171,7 @@ impl HandshakeMessage {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::spec::{KvAttention, KvLayout, KvRegion, KvRegionKind};
+    use crate::geometry::spec::{KvAttention, KvLayout, KvRegion, KvRegionKind};
 
     fn message(tp: (u64, u64)) -> HandshakeMessage {
         let heads = KvAttention::Mha { total_kv_heads: 4 };
