@@ -1,8 +1,8 @@
 //! Notifications for many tasks, as data: each message goes to the oldest waiter whose
 //! filter matches; messages nobody waits for are kept (in order) for the next waiter, stream
 //! or [`crate::Agent::notifications`] call. No message is lost or given twice. Who takes
-//! messages from NIXL and who waits is `transfer/driver.rs`'s and `notification_wait.rs`'s
-//! business.
+//! messages from NIXL and who waits is the business of `driver.rs` (beside it) and
+//! `notifications/notification_wait.rs`.
 
 use std::collections::VecDeque;
 use std::task::Waker;

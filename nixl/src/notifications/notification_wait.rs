@@ -1,5 +1,5 @@
 //! Awaiting notifications: each task subscribes with a filter to the agent's hub
-//! (`notify_hub.rs`), which the agent's completion driver fills from NIXL.
+//! (`agent/notify_hub.rs`), which the agent's completion driver fills from NIXL.
 
 use std::future::Future;
 use std::pin::Pin;
