@@ -174,11 +174,9 @@
 #![warn(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-// The crate's folders are floors, each importing only the floors below it (checked by
-// tests/module_layers.rs): the one error type; why a load failed; metrics; the KV geometry;
-// the transport between engines (native protocol, side channel, etcd); vLLM's protocol;
-// the configuration; the scheduler half; the worker half; last the engine's step, which
-// drives both.
+// The crate's folders are floors, declared here bottom up, each importing only the floors
+// below it: tests/module_layers.rs names their order (CONNECTOR_FLOORS) and checks it, and
+// docs/architecture.md draws them.
 mod error;
 
 mod failure;
@@ -193,8 +191,9 @@ mod transport;
 #[cfg_attr(docsrs, doc(cfg(feature = "vllm")))]
 pub mod vllm;
 
-mod config;
 mod lease;
+
+mod config;
 
 pub mod scheduler;
 

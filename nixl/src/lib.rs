@@ -192,11 +192,9 @@
 
 #![warn(missing_docs)]
 
-// The crate's folders are floors, each importing only the floors below it (checked by
-// tests/module_layers.rs): the boundary with the C API and the one error type; what is
-// known of peers (validated metadata, the agents of this process, where metadata leads);
-// the agent core (its handle, lock, backends and completion driver); memory; descriptor
-// lists; transfers; notifications; metadata exchange; last the platforms and vLLM's config.
+// The crate's folders are floors, declared here bottom up, each importing only the floors
+// below it: tests/module_layers.rs names their order (NIXL_FLOORS) and checks it, and
+// docs/architecture.md draws them.
 mod error;
 mod ffi;
 
