@@ -8,7 +8,7 @@ use common::executor::Executor;
 use common::{pattern, resume_b_when, stalled_pair};
 use nixl::{LocalDescList, MemType, RemoteDescList, XferDesc, XferOp, XferOptions, XferStatus};
 
-/// The driver's capacity per agent (`transfer/driver.rs`).
+/// The driver's capacity per agent (`agent/driver.rs`).
 const CAPACITY: u64 = 4096;
 /// Requests past the capacity.
 const OVER: usize = 100;

@@ -1,19 +1,71 @@
 //! The `nixl` crate's files form layers: no file's code reaches, through `crate::`,
 //! `super::` or `self::` paths (grouped `use` imports included), a file that reaches back
 //! to it, and the FFI boundary (`ffi/raw.rs`, `ffi/handles.rs`) knows only `nixl-capi-sys`,
-//! the loaded library, the error type and plain data.
+//! the loaded library, the error type and plain data. Its folders are floors
+//! ([`NIXL_FLOORS`]): a file reaches only files of its own floor and of the floors below.
 //!
-//! A file's own ancestors (`metadata/wire/mod.rs` and `metadata/mod.rs` for
-//! `metadata/wire/reader.rs`) do not count as reached:
+//! A file's own ancestors (`peers/wire/mod.rs` and `peers/mod.rs` for
+//! `peers/wire/reader.rs`) do not count as reached:
 //! a parent module holds its children. `super::` is read relative to the file, so one
 //! inside an inline module (`mod tests { use super::*; }`) counts as the file's parent.
+//! Paths to the public API that `lib.rs` re-exports (`crate::Agent`) name no module and are
+//! not counted; only a unit test (`peers/recheck.rs`'s) uses one.
 //!
-//! The same holds for `nixl-connector`'s files, where only `lib.rs` reaches the worker.
+//! The same holds for `nixl-connector`'s files and folders ([`CONNECTOR_FLOORS`]), where
+//! only `lib.rs` and the engine's step reach the worker.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
-/// Every module of nixl/src (`metadata::wire::reader` for metadata/wire/reader.rs) and its
+/// `nixl`'s floors, bottom up: the folders (and the files at the crate root) of each floor.
+/// A file reaches only files of its own floor and of the floors below it.
+/// - the boundary with the C API, and the one error type its checks return (which names
+///   the library's failures, NIXL's statuses and memory kinds);
+/// - what is known of peers: validated metadata, the agents of this process, where metadata
+///   leads;
+/// - the agent core: its handle, lock, backends, completion driver and notification hub;
+/// - memory, then descriptor lists, then transfers, then notifications, then metadata
+///   exchange: each the public `Agent`'s methods of that concept and what they need;
+/// - the platforms, then vLLM's config, which builds a whole agent.
+const NIXL_FLOORS: &[&[&str]] = &[
+    &["ffi", "error"],
+    &["peers"],
+    &["agent"],
+    &["memory"],
+    &["descriptors"],
+    &["transfer"],
+    &["notifications"],
+    &["metadata"],
+    &["platform"],
+    &["kv_config"],
+];
+
+/// `nixl-connector`'s floors, bottom up, as [`NIXL_FLOORS`]:
+/// - the one error type, then why a load failed, then the metrics (which count failures);
+/// - the KV geometry: the cache's shape, TP mapping, read plans, block maps;
+/// - the transport between engines: the handshake message, the transfer params, the side
+///   channel and what guards it, etcd;
+/// - vLLM's protocol (the `vllm` feature), which speaks with the same geometry and params;
+/// - the settings: the lease, then the configuration, which names both protocols;
+/// - the scheduler half (with the outcomes and outputs it aggregates, and their wire);
+/// - the worker half (loads, handshakes with remotes, sends, staging, the state they
+///   share), which takes the scheduler's metadata;
+/// - the engine's step, which drives both halves.
+const CONNECTOR_FLOORS: &[&[&str]] = &[
+    &["error"],
+    &["failure"],
+    &["metrics"],
+    &["geometry"],
+    &["transport"],
+    &["vllm"],
+    &["lease"],
+    &["config"],
+    &["scheduler"],
+    &["worker"],
+    &["engine_step"],
+];
+
+/// Every module of nixl/src (`peers::wire::reader` for peers/wire/reader.rs) and its
 /// code, comment lines left out (a doc link to another module is a reference, not a
 /// dependency).
 fn sources() -> BTreeMap<String, String> {
@@ -221,6 +273,69 @@ fn no_file_reaches_back_to_itself() {
     );
 }
 
+/// The floor of `module` (its first path segment) in `floors`.
+fn floor_of(floors: &[&[&str]], module: &str) -> Option<usize> {
+    let top = module.split("::").next().unwrap();
+    floors.iter().position(|floor| floor.contains(&top))
+}
+
+/// Each import of `graph` from a lower floor of `floors` into a higher one (`a -> b`), and
+/// each module on no floor.
+fn upward_imports(graph: &BTreeMap<String, BTreeSet<String>>, floors: &[&[&str]]) -> Vec<String> {
+    let mut wrong = Vec::new();
+    for (module, used) in graph {
+        let Some(floor) = floor_of(floors, module) else {
+            wrong.push(format!("{module} is on no floor"));
+            continue;
+        };
+        for target in used {
+            match floor_of(floors, target) {
+                Some(above) if above > floor => wrong.push(format!("{module} -> {target}")),
+                Some(_) => {}
+                None => wrong.push(format!("{target} is on no floor")),
+            }
+        }
+    }
+    wrong
+}
+
+#[test]
+fn nixl_folders_import_only_the_floors_below() {
+    let wrong = upward_imports(&imports(), NIXL_FLOORS);
+    assert!(
+        wrong.is_empty(),
+        "nixl imports from a lower floor into a higher one (floors, bottom up: {NIXL_FLOORS:?}):\n{}",
+        wrong.join("\n")
+    );
+}
+
+#[test]
+fn an_upward_import_is_seen() {
+    let sources = BTreeMap::from([
+        (
+            "ffi::raw".to_string(),
+            "use crate::error::Result;".to_string(),
+        ),
+        (
+            "error".to_string(),
+            "use crate::ffi::status::Status;".to_string(),
+        ),
+        ("ffi::status".to_string(), String::new()),
+        (
+            "peers::wire".to_string(),
+            "fn f() { crate::transfer::xfer::XferRequest::new(); }".to_string(),
+        ),
+        (
+            "transfer::xfer".to_string(),
+            "use crate::peers::wire;".to_string(),
+        ),
+    ]);
+    assert_eq!(
+        upward_imports(&imports_of(sources), NIXL_FLOORS),
+        ["peers::wire -> transfer::xfer"]
+    );
+}
+
 #[test]
 fn the_ffi_boundary_knows_only_the_library_the_error_type_and_plain_data() {
     let graph = imports();
@@ -231,7 +346,7 @@ fn the_ffi_boundary_knows_only_the_library_the_error_type_and_plain_data() {
             "ffi::handles",
             "ffi::library",
             "ffi::status",
-            "memory::mem_type",
+            "ffi::mem_type",
         ]
         .into_iter()
         .map(String::from)
@@ -270,15 +385,15 @@ fn grouped_imports_and_super_paths_are_read() {
     // (layout.rs through `use super::ucx_rkey;`).
     let graph = imports();
     assert!(
-        graph["metadata::wire::layout"].contains("metadata::wire::ucx_rkey"),
+        graph["peers::wire::layout"].contains("peers::wire::ucx_rkey"),
         "{:?}",
-        graph["metadata::wire::layout"]
+        graph["peers::wire::layout"]
     );
-    assert!(graph["metadata::wire::ucx_rkey"].contains("metadata::wire::reader"));
+    assert!(graph["peers::wire::ucx_rkey"].contains("peers::wire::reader"));
 }
 
 #[test]
-fn no_connector_file_reaches_back_to_itself_and_only_the_top_reaches_the_worker() {
+fn no_connector_file_reaches_back_to_itself_and_its_folders_import_only_the_floors_below() {
     let graph = imports_of(sources_in("nixl-connector/src"));
     let cycles = cycles_in(&graph);
     assert!(
@@ -286,18 +401,17 @@ fn no_connector_file_reaches_back_to_itself_and_only_the_top_reaches_the_worker(
         "cycles among nixl-connector's files:\n{}",
         cycles.join("\n")
     );
-    // Above the worker sit only lib.rs and engine_step.rs, the engine's step, which drives
-    // the scheduler and the workers together and which nothing imports.
-    let reaching: Vec<&String> = graph
-        .iter()
-        .filter(|(module, used)| used.contains("worker") && module.as_str() != "engine_step")
-        .map(|(module, _)| module)
-        .collect();
-    assert!(reaching.is_empty(), "{reaching:?} reach worker.rs");
+    let wrong = upward_imports(&graph, CONNECTOR_FLOORS);
+    assert!(
+        wrong.is_empty(),
+        "nixl-connector imports from a lower floor into a higher one (floors, bottom up: \
+         {CONNECTOR_FLOORS:?}):\n{}",
+        wrong.join("\n")
+    );
     // The state the loads, the handshakes and the staging share sits below all three.
-    for module in ["load", "connect", "host_buffer"] {
+    for module in ["worker::load", "worker::connect", "worker::host_buffer"] {
         assert!(
-            graph[module].contains("shared"),
+            graph[module].contains("worker::shared"),
             "{module}: {:?}",
             graph[module]
         );

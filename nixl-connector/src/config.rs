@@ -8,13 +8,13 @@ use nixl::kv_config::KvTransferConfig;
 use nixl::platform::Platform;
 use serde_json::Value;
 
-use crate::auth::SharedSecret;
 use crate::error::{Error, Result};
 use crate::lease::Lease;
-use crate::peer_networks::PeerNetworks;
+use crate::transport::auth::SharedSecret;
+use crate::transport::peer_networks::PeerNetworks;
+use crate::transport::wire::ChannelLimits;
 #[cfg(feature = "vllm")]
 use crate::vllm::{MetadataServer, VllmChannelLimits};
-use crate::wire::ChannelLimits;
 
 /// What a decode's scheduler does with a request whose load failed (vLLM's
 /// `kv_load_failure_policy`, a key of `kv_transfer_config`, default `fail`).

@@ -6,8 +6,8 @@
 //! [`update_connector_output`](KvConnectorScheduler::update_connector_output). The crate docs
 //! show the whole loop around it.
 
-use crate::aggregate::WorkerOutput;
 use crate::error::Result;
+use crate::scheduler::aggregate::WorkerOutput;
 use crate::scheduler::ConnectorOutput;
 use crate::scheduler::KvConnectorScheduler;
 use crate::worker::KvConnectorWorker;

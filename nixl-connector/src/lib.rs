@@ -177,66 +177,62 @@
 // which are then not built: those links render as plain text instead of failing the docs.
 #![cfg_attr(not(feature = "vllm"), allow(rustdoc::broken_intra_doc_links))]
 
-mod aggregate;
-pub mod auth;
-mod block_map;
-mod config;
-mod connect;
-mod engine_step;
-mod engines;
+// The crate's folders are floors, declared here bottom up, each importing only the floors
+// below it: tests/module_layers.rs names their order (CONNECTOR_FLOORS) and checks it, and
+// docs/architecture.md draws them.
 mod error;
-pub mod etcd;
-mod etcd_auth;
-mod etcd_tls;
+
 mod failure;
-mod groups;
-pub mod handshake;
-pub mod host_buffer;
-mod lease;
-mod load;
+
 mod metrics;
-mod outcomes;
-mod params;
-pub mod peer_networks;
-pub mod pending;
-mod read_plan;
-mod readers;
-mod remotes;
-pub mod scheduler;
-mod sending;
-pub mod series;
-mod shared;
-pub mod side_channel;
-mod spec;
-mod step_wire;
-mod tp_mapping;
+
+mod geometry;
+
+mod transport;
+
 #[cfg(feature = "vllm")]
 #[cfg_attr(docsrs, doc(cfg(feature = "vllm")))]
 pub mod vllm;
-mod wire;
+
+mod lease;
+
+mod config;
+
+pub mod scheduler;
+
 mod worker;
 
-pub use aggregate::{AggregatedOutput, KvOutputAggregator, WorkerOutput};
-pub use auth::SharedSecret;
+mod engine_step;
+
+// The public modules of the floors below, at the paths they always had.
+#[doc(inline)]
+pub use metrics::series;
+#[doc(inline)]
+pub use transport::{auth, etcd, handshake, peer_networks, pending, side_channel};
+#[doc(inline)]
+pub use worker::host_buffer;
+
 pub use config::{LoadFailurePolicy, MetadataExchange, Protocol, WorkerConfig, PROTOCOL_KEY};
-pub use engines::{DEFAULT_ENGINE_TTL, ENGINE_TTL_KEY};
 pub use error::{Error, Result};
 pub use failure::{FailedBlock, FailureKind};
-pub use groups::{KvCacheGroupKind, KvCacheGroups, KV_CACHE_GROUPS_KEY, SHARED_REGION};
-pub use handshake::{check_compatible, HandshakeMessage, PROTOCOL_VERSION};
+pub use geometry::groups::{KvCacheGroupKind, KvCacheGroups, KV_CACHE_GROUPS_KEY, SHARED_REGION};
+pub use geometry::read_plan::{Piece, ReadPlan, RegionPlan};
+pub use geometry::spec::{KvAttention, KvCacheSpec, KvLayout, KvRegion, KvRegionKind};
+pub use geometry::tp_mapping::{RankShare, Share, TpMapping, MAX_TP_SIZE};
 pub use lease::{Lease, DEFAULT_KV_LEASE_DURATION, LEASE_KEY, MAX_HOLD_KEY, MAX_LEASE};
 pub use metrics::{open_fds, RemoteStats, SendStats, TransferMetrics};
-pub use outcomes::{Finished, OverdueLoad};
-pub use params::{KvTransferParams, RemoteBlocks};
-pub use peer_networks::{PeerNetwork, PeerNetworks};
-pub use pending::{PendingHandshakes, PendingSlot, PendingStats};
-pub use read_plan::{Piece, ReadPlan, RegionPlan};
+pub use scheduler::aggregate::{AggregatedOutput, KvOutputAggregator, WorkerOutput};
+pub use scheduler::outcomes::{Finished, OverdueLoad};
 pub use scheduler::{
     ConnectorMetadata, ConnectorOutput, FinishStatus, HeartbeatSpec, KvConnectorScheduler,
     LoadOutcome, LoadSpec, RequestFinished, SchedulerConfig, SendSpec,
 };
-pub use sending::NotificationStats;
-pub use spec::{KvAttention, KvCacheSpec, KvLayout, KvRegion, KvRegionKind};
-pub use tp_mapping::{RankShare, Share, TpMapping, MAX_TP_SIZE};
-pub use wire::{Channel, ChannelLimits};
+pub use transport::auth::SharedSecret;
+pub use transport::handshake::{check_compatible, HandshakeMessage, PROTOCOL_VERSION};
+pub use transport::params::{KvTransferParams, RemoteBlocks};
+pub use transport::peer_networks::{PeerNetwork, PeerNetworks};
+pub use transport::pending::{PendingHandshakes, PendingSlot, PendingStats};
+pub use transport::wire::{Channel, ChannelLimits};
+pub use worker::engines::{DEFAULT_ENGINE_TTL, ENGINE_TTL_KEY};
+pub use worker::sending::NotificationStats;
 pub use worker::KvConnectorWorker;

@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+pub mod series;
+
 /// One load (its NIXL READ requests, one per remote rank read from) as the worker saw it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TransferMetrics {

@@ -38,16 +38,22 @@ use std::time::Instant;
 use nixl::kv_config::KvTransferConfig;
 use serde::{Deserialize, Serialize};
 
-use crate::aggregate::{KvOutputAggregator, WorkerOutput};
 use crate::config::{LoadFailurePolicy, Protocol};
 use crate::error::{Error, Result};
 use crate::failure::FailedBlock;
-use crate::groups::KvCacheGroups;
+use crate::geometry::groups::KvCacheGroups;
 use crate::lease::Lease;
-use crate::params::{KvTransferParams, RemoteBlocks};
+use crate::scheduler::aggregate::{KvOutputAggregator, WorkerOutput};
+use crate::transport::params::{KvTransferParams, RemoteBlocks};
 #[cfg(feature = "vllm")]
 use crate::vllm::MetadataServer;
 
+pub(crate) mod aggregate;
+pub(crate) mod metadata;
+pub(crate) mod outcomes;
+pub(crate) mod step_wire;
+
+pub use metadata::{ConnectorMetadata, HeartbeatSpec, LoadSpec, SendSpec};
 mod hybrid;
 
 /// How a request finished (vLLM's `RequestStatus.FINISHED_*`).
@@ -128,59 +134,6 @@ impl SchedulerConfig {
             vllm_side_channel: None,
         })
     }
-}
-
-/// One load for the workers: read `remote` into `local_block_ids`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct LoadSpec {
-    /// The local request id.
-    pub request_id: String,
-    /// Local blocks, paired in token order with the last of `remote.block_ids`; empty: nothing
-    /// is read, the prefill is only notified (a full prefix hit, or an aborted request).
-    pub local_block_ids: Vec<usize>,
-    /// Where to read.
-    pub remote: RemoteBlocks,
-}
-
-/// One request whose blocks wait for a decode: freed on its notification or when its lease
-/// ends at `deadline`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SendSpec {
-    /// The request id (the notification names it).
-    pub request_id: String,
-    /// When the lease ends unless a heartbeat extends it (in another process: the time left
-    /// when it was sent, from its arrival; see [`ConnectorMetadata::to_msgpack`]).
-    #[serde(with = "crate::step_wire::deadline")]
-    pub deadline: Instant,
-}
-
-/// A heartbeat for one remote engine: its requests that loads here still wait for.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct HeartbeatSpec {
-    /// The remote engine.
-    pub engine_id: String,
-    /// Its side-channel host.
-    pub host: String,
-    /// The side-channel port of its TP rank 0.
-    pub port: u16,
-    /// Its TP size.
-    pub tp_size: usize,
-    /// Its request ids (the remote ones) whose leases to extend.
-    pub request_ids: Vec<String>,
-}
-
-/// What the scheduler hands its workers each step (vLLM's `NixlConnectorMetadata`); it
-/// crosses to worker processes as MessagePack ([`to_msgpack`](Self::to_msgpack)).
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct ConnectorMetadata {
-    /// Loads to start.
-    pub loads: Vec<LoadSpec>,
-    /// Requests to hold for a decode.
-    pub sends: Vec<SendSpec>,
-    /// Local requests whose loads were aborted while they may run.
-    pub aborted: Vec<String>,
-    /// Heartbeats to send (at most one step in [`Lease::heartbeat_interval`] has them).
-    pub heartbeats: Vec<HeartbeatSpec>,
 }
 
 /// The answer to [`KvConnectorScheduler::request_finished`].
@@ -399,7 +352,7 @@ impl KvConnectorScheduler {
         }
         // A prefill that holds no block is not waiting for a notification.
         let state = if local_block_ids.is_empty() {
-            crate::series::prefix_hit(&self.config.engine_id);
+            crate::metrics::series::prefix_hit(&self.config.engine_id);
             DecodeState::Done
         } else {
             DecodeState::Scheduled
@@ -458,13 +411,13 @@ impl KvConnectorScheduler {
         if let Some(decode) = self.decodes.remove(request_id) {
             return match decode.state {
                 DecodeState::Waiting | DecodeState::Scheduled => {
-                    crate::series::aborted_request(&self.config.engine_id);
+                    crate::metrics::series::aborted_request(&self.config.engine_id);
                     self.loads.remove(request_id);
                     self.notify_only(request_id, decode.remote);
                     keep(false)
                 }
                 DecodeState::Loading { .. } => {
-                    crate::series::aborted_request(&self.config.engine_id);
+                    crate::metrics::series::aborted_request(&self.config.engine_id);
                     self.aborted.push(request_id.to_string());
                     self.decodes.insert(
                         request_id.to_string(),
@@ -483,7 +436,7 @@ impl KvConnectorScheduler {
             .and_then(KvTransferParams::remote_blocks)
         {
             // Finished before the engine told us of it (vLLM's abort-immediately path).
-            crate::series::aborted_request(&self.config.engine_id);
+            crate::metrics::series::aborted_request(&self.config.engine_id);
             self.notify_only(request_id, remote);
             return keep(false);
         }
@@ -735,7 +688,7 @@ mod tests {
 
     use super::*;
     use crate::failure::FailureKind;
-    use crate::outcomes::Finished;
+    use crate::scheduler::outcomes::Finished;
 
     fn config(policy: LoadFailurePolicy) -> SchedulerConfig {
         SchedulerConfig {

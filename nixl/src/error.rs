@@ -5,8 +5,8 @@ use std::time::Duration;
 use nixl_capi_sys::nixl_capi_status_t as raw;
 
 use crate::ffi::library::LibraryError;
+use crate::ffi::mem_type::MemType;
 use crate::ffi::status::Status;
-use crate::memory::mem_type::MemType;
 
 /// Result alias used across the crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;

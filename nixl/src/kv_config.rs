@@ -17,11 +17,11 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
+use crate::agent::backend::Backend;
 use crate::agent::{Agent, AgentBuilder};
-use crate::backend::Backend;
-use crate::descriptors::descriptor::RegDesc;
 use crate::error::{Error, Result};
-use crate::memory::mem_type::MemType;
+use crate::ffi::descriptor::RegDesc;
+use crate::ffi::mem_type::MemType;
 use crate::memory::registrable::RegisterMemory;
 use crate::memory::registration::Registration;
 use crate::platform::{Platform, PlatformRegistry};

@@ -192,18 +192,15 @@
 
 #![warn(missing_docs)]
 
-// The crate's folders, one per concept, in the order data flows: the boundary with the C
-// API, then (beside the agent, its backends, the backend parameters the safe API refuses
-// and the one error type) memory, descriptor lists, transfers, notifications and metadata;
-// last the platforms and vLLM's config.
+// The crate's folders are floors, declared here bottom up, each importing only the floors
+// below it: tests/module_layers.rs names their order (NIXL_FLOORS) and checks it, and
+// docs/architecture.md draws them.
+mod error;
 mod ffi;
 
+mod peers;
+
 mod agent;
-mod backend;
-mod backend_defaults;
-mod error;
-mod exit_guard;
-mod refused_params;
 
 mod memory;
 
@@ -215,29 +212,30 @@ mod notifications;
 
 mod metadata;
 
-pub mod kv_config;
 pub mod platform;
 
+pub mod kv_config;
+
+pub use agent::backend::{Backend, PluginInfo};
+pub use agent::driver_stats::DriverStats;
+pub use agent::leaks::LeakStats;
+pub use agent::notify_hub::{Notification, NotificationFilter};
 pub use agent::{Agent, AgentBuilder, AgentConfig, ThreadSync};
-pub use backend::{Backend, PluginInfo};
 pub use descriptors::desc_list::{LocalDescList, RemoteDescList};
-pub use descriptors::descriptor::{RegDesc, XferDesc};
+pub use descriptors::mem_view::{MemView, PeerDesc};
 pub use descriptors::prepared::{PreparedLocal, PreparedRemote};
 pub use error::{Error, Result};
+pub use ffi::descriptor::{RegDesc, XferDesc};
 pub use ffi::library::{LibraryError, LoadedLibrary, SearchOutcome, SearchStep};
+pub use ffi::mem_type::{MemType, ParseMemTypeError};
 pub use ffi::status::Status;
-pub use memory::mem_type::{MemType, ParseMemTypeError};
-pub use memory::mem_view::{MemView, PeerDesc};
 pub use memory::registrable::{FileRegion, HostBuffer, RegisterMemory};
 pub use memory::registration::Registration;
 pub use metadata::exchange::MetadataPeer;
-pub use metadata::wire::{metadata_agent_name, validate_metadata};
 pub use notifications::notification::Notifications;
 pub use notifications::notification_wait::{NextNotification, NotificationStream};
-pub use notifications::notify_hub::{Notification, NotificationFilter};
+pub use peers::wire::{metadata_agent_name, validate_metadata};
 pub use transfer::completion::Completion;
-pub use transfer::driver_stats::DriverStats;
-pub use transfer::leaks::LeakStats;
 pub use transfer::options::{XferOp, XferOptions};
 pub use transfer::xfer::{CostEstimate, CostMethod, XferRequest, XferStatus, XferTelemetry};
 

@@ -4,9 +4,9 @@
 use super::{KvConnectorScheduler, RequestFinished};
 use crate::config::Protocol;
 use crate::error::{Error, Result};
-use crate::groups::{flatten, split, KvCacheGroups};
-use crate::params::KvTransferParams;
+use crate::geometry::groups::{flatten, split, KvCacheGroups};
 use crate::scheduler::FinishStatus;
+use crate::transport::params::KvTransferParams;
 
 impl KvConnectorScheduler {
     /// The scheduler with the engine's KV cache `groups` (one full-attention group without
@@ -147,7 +147,7 @@ mod tests {
 
     use super::*;
     use crate::config::LoadFailurePolicy;
-    use crate::groups::KvCacheGroupKind;
+    use crate::geometry::groups::KvCacheGroupKind;
     use crate::lease::Lease;
     use crate::scheduler::SchedulerConfig;
 

@@ -10,7 +10,7 @@ use super::payload::{
 };
 use super::zmtp::{Connection, SocketType};
 use crate::error::{Error, Result};
-use crate::wire::within;
+use crate::transport::wire::within;
 
 /// Largest clock frame taken (a MessagePack float has 9 bytes).
 const MAX_CLOCK: usize = 16;

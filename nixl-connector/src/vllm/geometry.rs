@@ -5,8 +5,8 @@
 
 use super::payload::NixlAgentMetadata;
 use crate::error::{Error, Result};
-use crate::groups::SHARED_REGION;
-use crate::spec::{KvAttention, KvCacheSpec, KvLayout, KvRegion, KvRegionKind};
+use crate::geometry::groups::SHARED_REGION;
+use crate::geometry::spec::{KvAttention, KvCacheSpec, KvLayout, KvRegion, KvRegionKind};
 
 const OP: &str = "convert vLLM's NixlAgentMetadata";
 

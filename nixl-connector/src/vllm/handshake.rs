@@ -13,9 +13,9 @@ use super::client::fetch_meta;
 use super::compat::Compatibility;
 use super::limits::VllmChannelLimits;
 use crate::error::{Error, Result};
-use crate::groups::KvCacheGroups;
-use crate::handshake::{HandshakeMessage, PROTOCOL_VERSION};
-use crate::params::RemoteBlocks;
+use crate::geometry::groups::KvCacheGroups;
+use crate::transport::handshake::{HandshakeMessage, PROTOCOL_VERSION};
+use crate::transport::params::RemoteBlocks;
 
 /// How long before a prefill's block expiry time a read is declined (vLLM's
 /// `_KV_BLOCKS_EXPIRY_SAFETY_MARGIN`): it absorbs the clock offset's error and the read.

@@ -9,7 +9,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_json::{Map, Value};
 
 use crate::error::{Error, Result};
-use crate::params::KvTransferParams;
+use crate::transport::params::KvTransferParams;
 
 /// `remote_block_ids`: one list of block ids (older vLLM, and this connector's own), or one
 /// list per KV cache group (vLLM 0.33).
@@ -255,14 +255,16 @@ impl From<&KvTransferParams> for VllmKvTransferParams {
             .iter()
             .map(|&id| id as u64)
             .collect();
-        let groups =
-            match crate::groups::split(&params.remote_block_ids, &params.remote_block_group_lens) {
-                Ok(groups) if groups.len() > 1 => groups
-                    .iter()
-                    .map(|group| group.iter().map(|&id| id as u64).collect())
-                    .collect(),
-                _ => vec![ids],
-            };
+        let groups = match crate::geometry::groups::split(
+            &params.remote_block_ids,
+            &params.remote_block_group_lens,
+        ) {
+            Ok(groups) if groups.len() > 1 => groups
+                .iter()
+                .map(|group| group.iter().map(|&id| id as u64).collect())
+                .collect(),
+            _ => vec![ids],
+        };
         let count = |n: Option<usize>| n.and_then(|n| u32::try_from(n).ok());
         VllmKvTransferParams {
             do_remote_prefill: Some(params.do_remote_prefill),

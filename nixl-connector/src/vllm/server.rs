@@ -22,8 +22,8 @@ use super::limits::VllmChannelLimits;
 use super::payload::{decode_request, encode_clock, encode_error, NixlHandshakePayload};
 use super::zmtp::{Connection, SocketType};
 use crate::error::{Error, Result};
-use crate::peer_networks::PeerNetworks;
-use crate::wire::within;
+use crate::transport::peer_networks::PeerNetworks;
+use crate::transport::wire::within;
 
 /// Most ranks an error reply lists.
 const LISTED_RANKS: usize = 16;
@@ -163,7 +163,12 @@ impl MetadataServer {
     /// has no credential, so this allowlist is its only guard (see the README's security
     /// section); warns when the server listens on a non-loopback address without one.
     pub fn set_allowed_peers(&self, peers: PeerNetworks) {
-        crate::peer_networks::warn_if_open("the vLLM side channel", self.local_addr, false, &peers);
+        crate::transport::peer_networks::warn_if_open(
+            "the vLLM side channel",
+            self.local_addr,
+            false,
+            &peers,
+        );
         self.shared.lock().peers = peers;
     }
 

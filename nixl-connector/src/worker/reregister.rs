@@ -15,9 +15,9 @@ use nixl::RegisterMemory;
 
 use super::KvConnectorWorker;
 use crate::error::{Error, Result};
-use crate::handshake::HandshakeMessage;
-use crate::pending::PendingHandshakes;
-use crate::spec::KvCacheSpec;
+use crate::geometry::spec::KvCacheSpec;
+use crate::transport::handshake::HandshakeMessage;
+use crate::transport::pending::PendingHandshakes;
 #[cfg(feature = "vllm")]
 use crate::vllm::MetadataServer;
 

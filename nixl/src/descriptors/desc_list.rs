@@ -3,15 +3,15 @@
 use std::sync::Arc;
 
 use crate::agent::AgentInner;
-use crate::descriptors::descriptor::XferDesc;
 use crate::descriptors::reuse::Reuse;
 use crate::descriptors::xfer_dlist::XferDlist;
 use crate::error::{Error, Result};
-use crate::memory::mem_type::MemType;
+use crate::ffi::descriptor::XferDesc;
+use crate::ffi::mem_type::MemType;
 use crate::memory::registration::{RegInner, Registration};
-use crate::metadata::recheck;
-use crate::metadata::wire::LoadedMetadata;
-use crate::transfer::local_peers::{self, Hold};
+use crate::peers::local_peers::{self, Hold};
+use crate::peers::recheck;
+use crate::peers::wire::LoadedMetadata;
 
 /// The accessors both list types share, reading the `list: XferDlist` field.
 macro_rules! list_accessors {

@@ -6,13 +6,13 @@ use std::sync::Arc;
 
 use nixl_capi_sys as sys;
 
+use crate::agent::backend::{backend_args, Backend};
 use crate::agent::{Agent, AgentInner};
-use crate::backend::{backend_args, Backend};
 use crate::descriptors::xfer_dlist::XferDlist;
 use crate::error::{check, Error, Result};
 use crate::ffi::handles::OptArgs;
 use crate::ffi::library::capi;
-use crate::transfer::local_peers::Hold;
+use crate::peers::local_peers::Hold;
 
 /// The owner of a prepared-list handle, shared by the list and the requests made from it.
 pub(crate) struct PreparedShared {

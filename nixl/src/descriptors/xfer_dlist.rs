@@ -2,11 +2,11 @@
 
 use nixl_capi_sys as sys;
 
-use crate::descriptors::descriptor::{validate, XferDesc};
 use crate::error::{check, Result};
+use crate::ffi::descriptor::{validate, XferDesc};
 use crate::ffi::handles::XferDlistHandle;
 use crate::ffi::library::capi;
-use crate::memory::mem_type::MemType;
+use crate::ffi::mem_type::MemType;
 
 /// A C descriptor list with a Rust copy of its descriptors.
 pub(crate) struct XferDlist {

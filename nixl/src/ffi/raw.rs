@@ -11,7 +11,7 @@ use nixl_capi_sys as sys;
 use crate::error::{check, Error, Result};
 use crate::ffi::handles::{OptArgs, Params};
 use crate::ffi::library::capi;
-use crate::memory::mem_type::MemType;
+use crate::ffi::mem_type::MemType;
 
 /// Validates a name that crosses into NIXL as a C string: not empty, no NUL byte.
 pub(crate) fn c_name(what: &'static str, name: &str) -> Result<CString> {

@@ -3,15 +3,15 @@
 use std::collections::BTreeMap;
 use std::ptr;
 
+use crate::agent::backend::backend_args;
+use crate::agent::backend::Backend;
 use crate::agent::Agent;
-use crate::backend::backend_args;
-use crate::backend::Backend;
-use crate::descriptors::descriptor::RegDesc;
 use crate::error::{check, Result};
+use crate::ffi::descriptor::RegDesc;
 use crate::ffi::handles::RegDlist;
 use crate::ffi::handles::{Params, QueryResponses};
 use crate::ffi::library::capi;
-use crate::memory::mem_type::MemType;
+use crate::ffi::mem_type::MemType;
 
 impl QueryResponses {
     fn new() -> Result<Self> {

@@ -4,9 +4,9 @@ use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::ptr::NonNull;
 
-use crate::descriptors::descriptor::RegDesc;
 use crate::error::{Error, Result};
-use crate::memory::mem_type::MemType;
+use crate::ffi::descriptor::RegDesc;
+use crate::ffi::mem_type::MemType;
 
 /// Memory a [`crate::Registration`] can own.
 ///

@@ -2,17 +2,17 @@
 
 use std::sync::Arc;
 
+use crate::agent::backend::backend_args;
+use crate::agent::backend::Backend;
 use crate::agent::{Agent, AgentInner};
-use crate::backend::backend_args;
-use crate::backend::Backend;
-use crate::descriptors::descriptor::RegDesc;
 use crate::error::{check, Error, Result};
+use crate::ffi::descriptor::RegDesc;
 use crate::ffi::handles::{OptArgs, RegDlist};
 use crate::ffi::library::capi;
+use crate::ffi::mem_type::MemType;
 use crate::memory::atomic_copy::{self, Region};
-use crate::memory::mem_type::MemType;
 use crate::memory::registrable::RegisterMemory;
-use crate::transfer::local_peers::{self, Target};
+use crate::peers::local_peers::{self, Target};
 
 /// Registered memory. Deregisters (with the same backends) when the last user is gone.
 ///

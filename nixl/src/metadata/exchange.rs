@@ -2,23 +2,23 @@
 
 use std::ptr;
 
+use crate::agent::backend::Backend;
+use crate::agent::backend::{backend_args, partial_metadata};
+use crate::agent::peer_hints::remote_metadata_loaded;
 use crate::agent::{Agent, AgentInner};
-use crate::backend::backend_args;
-use crate::backend::Backend;
 use crate::descriptors::desc_list::RemoteDescList;
 use crate::error::{check, check_hint, Error, Result};
 use crate::ffi::handles::OptArgs;
 use crate::ffi::handles::RegDlist;
 use crate::ffi::library::capi;
+use crate::ffi::mem_type::MemType;
 use crate::ffi::raw::{c_name, take_malloced};
 use crate::ffi::status::Status;
-use crate::memory::mem_type::MemType;
 use crate::memory::registration::Registration;
-use crate::metadata::designation;
-use crate::metadata::peer_hints::remote_metadata_loaded;
-use crate::metadata::same_host;
-use crate::metadata::wire::PeerKind;
-use crate::transfer::local_peers;
+use crate::peers::designation;
+use crate::peers::local_peers;
+use crate::peers::same_host;
+use crate::peers::wire::PeerKind;
 
 /// Where [`Agent::send_local_metadata`] and friends exchange metadata.
 ///
@@ -102,24 +102,7 @@ impl Agent {
         backends: &[&Backend],
     ) -> Result<Vec<u8>> {
         const OP: &str = "get partial local metadata";
-        let list = partial_list(OP, regs)?;
-        let args = backend_args(&self.inner, OP, backends)?;
-        let (mut data, mut len) = (ptr::null_mut(), 0);
-        let status = self.inner.with(|agent| {
-            // SAFETY: live agent, list and args; on success `data` is a malloc'd buffer we own.
-            unsafe {
-                capi().nixl_capi_get_local_partial_md(
-                    agent,
-                    list.raw(),
-                    &mut data,
-                    &mut len,
-                    args.raw(),
-                )
-            }
-        });
-        check(status, OP)?;
-        // SAFETY: malloc'd by NIXL, `len` bytes, freed once here.
-        Ok(unsafe { take_malloced(data, len) })
+        partial_metadata(&self.inner, OP, &partial_list(OP, regs)?, backends)
     }
 
     /// Loads a remote agent's metadata and returns that agent's name.
@@ -171,7 +154,7 @@ impl Agent {
                 tracing::warn!(agent = %self.inner.name, %err, "remote metadata rejected");
                 err
             };
-            let peer = crate::metadata::wire::inspect_metadata(metadata).map_err(rejected)?;
+            let peer = crate::peers::wire::inspect_metadata(metadata).map_err(rejected)?;
             let kind = designation::classify(&peer).map_err(rejected)?;
             if self.inner.config.refuse_same_host_transports && kind == Some(PeerKind::Remote) {
                 same_host::refuse(&peer).map_err(rejected)?;

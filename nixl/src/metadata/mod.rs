@@ -1,12 +1,5 @@
-//! Metadata: exchanging it with remote agents, validating the untrusted bytes before NIXL
-//! parses them (`wire`), deciding whether they lead into this process (at the load, and again
-//! at a request once this process's workers changed), and the hints added to failures about
-//! a remote agent.
+//! Metadata exchange: the agent's own metadata, and loading, checking and invalidating
+//! remote agents' (validated and checked for where it leads by `peers` first), directly or
+//! through NIXL's socket listener and etcd.
 
-pub(crate) mod designation;
 pub(crate) mod exchange;
-pub(crate) mod peer_hints;
-pub(crate) mod process_endpoints;
-pub(crate) mod recheck;
-pub(crate) mod same_host;
-pub(crate) mod wire;

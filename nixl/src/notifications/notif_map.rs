@@ -4,12 +4,12 @@
 use std::ffi::CStr;
 use std::ptr;
 
+use crate::agent::backend::{backend_args, Backend};
+use crate::agent::notify_hub::Notification;
 use crate::agent::AgentInner;
-use crate::backend::{backend_args, Backend};
 use crate::error::{check, Result};
 use crate::ffi::handles::{NotifMap, OptArgs};
 use crate::ffi::library::capi;
-use crate::notifications::notify_hub::Notification;
 
 impl NotifMap {
     fn new() -> Result<Self> {

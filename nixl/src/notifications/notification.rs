@@ -2,14 +2,14 @@
 
 use std::collections::HashMap;
 
+use crate::agent::backend::Backend;
+use crate::agent::driver::lock;
 use crate::agent::Agent;
-use crate::backend::Backend;
 use crate::error::{check, Result};
 use crate::ffi::handles::OptArgs;
 use crate::ffi::library::capi;
 use crate::ffi::raw::c_name;
 use crate::notifications::notif_map::{optional_backend_args, take_from_nixl};
-use crate::transfer::driver::lock;
 
 /// New notifications, by sending agent, in arrival order. Messages are arbitrary bytes.
 pub type Notifications = HashMap<String, Vec<Vec<u8>>>;

@@ -1,16 +1,16 @@
 //! Awaiting notifications: each task subscribes with a filter to the agent's hub
-//! (`notify_hub.rs`), which the agent's completion driver fills from NIXL.
+//! (`agent/notify_hub.rs`), which the agent's completion driver fills from NIXL.
 
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 
+use crate::agent::driver::{lock, Shared};
+use crate::agent::notify_hub::{Notification, NotificationFilter};
 use crate::agent::{Agent, AgentInner};
 use crate::error::Result;
 use crate::notifications::notif_map::take_from_nixl;
-use crate::notifications::notify_hub::{Notification, NotificationFilter};
-use crate::transfer::driver::{lock, Shared};
 
 /// Lets the driver of `agent` take its notifications from NIXL (once; later calls keep the
 /// first).

@@ -78,7 +78,7 @@ mod registry;
 use std::collections::BTreeMap;
 
 use crate::error::Result;
-use crate::memory::mem_type::MemType;
+use crate::ffi::mem_type::MemType;
 
 pub use builtin::BuiltinPlatform;
 pub use registry::{current_platform, global, register_platform, PlatformRegistry, PLATFORM_ENV};

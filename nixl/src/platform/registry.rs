@@ -5,7 +5,7 @@ use std::sync::{Arc, OnceLock, RwLock};
 
 use super::{default_memory_type, BuiltinPlatform, Platform};
 use crate::error::{Error, Result};
-use crate::memory::mem_type::MemType;
+use crate::ffi::mem_type::MemType;
 
 /// Environment variable naming the current platform's device type.
 pub const PLATFORM_ENV: &str = "NIXL_RS_PLATFORM";

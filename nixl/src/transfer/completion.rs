@@ -5,8 +5,8 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
+use crate::agent::driver::{Entry, Pollable, Slot};
 use crate::error::{Error, Result};
-use crate::transfer::driver::{Entry, Pollable, Slot};
 use crate::transfer::xfer::{XferRequest, XferStatus};
 
 /// A future of a posted request's completion; made by `request.await` (or

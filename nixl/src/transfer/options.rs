@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use nixl_capi_sys as sys;
 
+use crate::agent::backend::{backend_args, Backend};
 use crate::agent::AgentInner;
-use crate::backend::{backend_args, Backend};
 use crate::error::Result;
 use crate::ffi::handles::OptArgs;
 

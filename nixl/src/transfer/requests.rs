@@ -3,18 +3,18 @@
 
 use std::ptr;
 
+use crate::agent::backend::Backend;
 use crate::agent::Agent;
-use crate::backend::Backend;
 use crate::descriptors::desc_list::{LocalDescList, RemoteDescList};
-use crate::descriptors::descriptor::{check_pairing, XferDesc};
 use crate::descriptors::reuse::ReuseKey;
 use crate::descriptors::xfer_dlist::XferDlist;
 use crate::error::{check, Error, Result};
+use crate::ffi::descriptor::{check_pairing, XferDesc};
 use crate::ffi::handles::OptArgs;
 use crate::ffi::library::capi;
+use crate::ffi::mem_type::MemType;
 use crate::ffi::raw::c_name;
 use crate::ffi::status::Status;
-use crate::memory::mem_type::MemType;
 use crate::transfer::options::{XferOp, XferOptions};
 use crate::transfer::xfer::XferRequest;
 

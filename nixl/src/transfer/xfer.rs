@@ -8,15 +8,15 @@ use std::time::{Duration, Instant};
 
 use nixl_capi_sys as sys;
 
+use crate::agent::backend::describe_backend;
+use crate::agent::driver::{Entry, Pollable, Slot};
 use crate::agent::AgentInner;
-use crate::backend::describe_backend;
 use crate::descriptors::prepared_handle::PreparedShared;
 use crate::error::{check, check_progress, with_hint, Error, Progress, Result, HINT_STALE_REQUEST};
 use crate::ffi::handles::OptArgs;
 use crate::ffi::library::capi;
 use crate::ffi::status::Status;
-use crate::transfer::driver::{Entry, Pollable, Slot};
-use crate::transfer::local_peers::Hold;
+use crate::peers::local_peers::Hold;
 
 /// Where a posted request stands. Failures are errors, not statuses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

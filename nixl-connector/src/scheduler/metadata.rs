@@ -1,0 +1,63 @@
+//! What the scheduler hands its workers each step (vLLM's `NixlConnectorMetadata`): the
+//! loads to start, the requests to hold for a decode, the aborted loads and the heartbeats
+//! to send.
+
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+
+use crate::transport::params::RemoteBlocks;
+
+/// One load for the workers: read `remote` into `local_block_ids`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LoadSpec {
+    /// The local request id.
+    pub request_id: String,
+    /// Local blocks, paired in token order with the last of `remote.block_ids`; empty: nothing
+    /// is read, the prefill is only notified (a full prefix hit, or an aborted request).
+    pub local_block_ids: Vec<usize>,
+    /// Where to read.
+    pub remote: RemoteBlocks,
+}
+
+/// One request whose blocks wait for a decode: freed on its notification or when its lease
+/// ends at `deadline`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SendSpec {
+    /// The request id (the notification names it).
+    pub request_id: String,
+    /// When the lease ends unless a heartbeat extends it (in another process: the time left
+    /// when it was sent, from its arrival; see [`ConnectorMetadata::to_msgpack`]).
+    #[serde(with = "crate::scheduler::step_wire::deadline")]
+    pub deadline: Instant,
+}
+
+/// A heartbeat for one remote engine: its requests that loads here still wait for.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeartbeatSpec {
+    /// The remote engine.
+    pub engine_id: String,
+    /// Its side-channel host.
+    pub host: String,
+    /// The side-channel port of its TP rank 0.
+    pub port: u16,
+    /// Its TP size.
+    pub tp_size: usize,
+    /// Its request ids (the remote ones) whose leases to extend.
+    pub request_ids: Vec<String>,
+}
+
+/// What the scheduler hands its workers each step (vLLM's `NixlConnectorMetadata`); it
+/// crosses to worker processes as MessagePack ([`to_msgpack`](Self::to_msgpack)).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ConnectorMetadata {
+    /// Loads to start.
+    pub loads: Vec<LoadSpec>,
+    /// Requests to hold for a decode.
+    pub sends: Vec<SendSpec>,
+    /// Local requests whose loads were aborted while they may run.
+    pub aborted: Vec<String>,
+    /// Heartbeats to send (at most one step in
+    /// [`Lease::heartbeat_interval`](crate::Lease::heartbeat_interval) has them).
+    pub heartbeats: Vec<HeartbeatSpec>,
+}

@@ -1,0 +1,259 @@
+//! The handshake message two engines exchange, and the check that refuses a peer whose KV
+//! cache cannot be transferred with ours.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::geometry::read_plan::ReadPlan;
+use crate::geometry::spec::KvCacheSpec;
+
+/// Version of the side-channel protocol and handshake; peers of another version are refused.
+pub const PROTOCOL_VERSION: u32 = 2;
+
+/// Most descriptors either list of a READ plan may have (regions × blocks × pieces of a
+/// block, on the peer's side or, split to the peer's block size, on ours); a peer whose
+/// geometry needs more is refused before anything is allocated for it.
+pub const MAX_REMOTE_DESCRIPTORS: usize = 1 << 22;
+
+/// What an engine's TP rank tells a peer about itself and its KV cache.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HandshakeMessage {
+    /// [`PROTOCOL_VERSION`] of the sender.
+    pub protocol_version: u32,
+    /// The sending engine's id.
+    pub engine_id: String,
+    /// The sender's NIXL agent name.
+    pub agent_name: String,
+    /// The sender's NIXL agent metadata.
+    #[serde(with = "serde_bytes")]
+    pub agent_metadata: Vec<u8>,
+    /// Base address of each region.
+    pub region_base_addrs: Vec<u64>,
+    /// The sender's KV cache: blocks, tokens per block, attention, layout, and each region's
+    /// block length.
+    pub spec: KvCacheSpec,
+    /// Device id NIXL uses for the memory.
+    pub device_id: u64,
+    /// The sender's TP rank.
+    pub tp_rank: u64,
+    /// The sender's TP size.
+    pub tp_size: u64,
+}
+
+/// Checks that `local` (the reader) can read `remote`'s blocks, and says how.
+///
+/// Refused, with both values in the message: another protocol version; a different engine
+/// or rank than expected; a spec that is not valid; another attention, region count or
+/// layout; block sizes or TP sizes of which neither divides the other; a source rank the
+/// reader's [`TpMapping`](crate::TpMapping) does not name; the first region whose content
+/// or bytes per token and head differ (see [`ReadPlan`]); NHD when heads must be split; a
+/// cache needing more than [`MAX_REMOTE_DESCRIPTORS`] or whose addresses overflow.
+///
+/// # Errors
+/// [`Error::Incompatible`].
+pub fn check_compatible(
+    local: &HandshakeMessage,
+    remote: &HandshakeMessage,
+    expected_engine: Option<&str>,
+    expected_rank: Option<usize>,
+) -> Result<ReadPlan> {
+    let refuse = |reason: String| Error::Incompatible {
+        reader: rank_name(local),
+        source_rank: rank_name(remote),
+        reason,
+    };
+    if remote.protocol_version != local.protocol_version {
+        return Err(refuse(format!(
+            "protocol version {} (reader) vs {} (source); run the same connector version on both engines",
+            local.protocol_version, remote.protocol_version
+        )));
+    }
+    if let Some(engine) = expected_engine {
+        if remote.engine_id != engine {
+            return Err(refuse(format!(
+                "the transfer params name engine {engine:?}"
+            )));
+        }
+    }
+    if let Some(rank) = expected_rank {
+        if remote.tp_rank != rank as u64 {
+            return Err(refuse(format!("the reader expected TP rank {rank}")));
+        }
+    }
+    // Either side may be the peer: the server checks a reader's message, a reader a server's.
+    for (whose, message) in [("reader", local), ("source", remote)] {
+        message
+            .spec
+            .validate()
+            .map_err(|err| refuse(format!("the {whose}'s {err}")))?;
+    }
+    if remote.region_base_addrs.len() != remote.spec.regions.len() {
+        return Err(refuse(format!(
+            "the source sends {} base addresses for {} regions",
+            remote.region_base_addrs.len(),
+            remote.spec.regions.len()
+        )));
+    }
+    let tp = |m: &HandshakeMessage| {
+        (
+            usize::try_from(m.tp_rank).unwrap_or(usize::MAX),
+            usize::try_from(m.tp_size).unwrap_or(usize::MAX),
+        )
+    };
+    let plan = ReadPlan::new(&local.spec, tp(local), &remote.spec, tp(remote)).map_err(refuse)?;
+    let spec = &remote.spec;
+    let blocks = (spec.regions.len() as u64).checked_mul(spec.num_blocks as u64);
+    if blocks.map_or(true, |d| d > MAX_REMOTE_DESCRIPTORS as u64)
+        || plan.remote_descriptors() > MAX_REMOTE_DESCRIPTORS
+    {
+        return Err(refuse(format!(
+            "the source declares {} blocks × {} regions; at most {MAX_REMOTE_DESCRIPTORS} descriptors are accepted",
+            spec.num_blocks,
+            spec.regions.len()
+        )));
+    }
+    let local_descriptors = plan.local_descriptors(local.spec.num_blocks);
+    if local_descriptors > MAX_REMOTE_DESCRIPTORS {
+        return Err(refuse(format!(
+            "reading blocks of {} tokens into blocks of {} takes {local_descriptors} local descriptors; at most {MAX_REMOTE_DESCRIPTORS} are accepted",
+            spec.block_size, local.spec.block_size
+        )));
+    }
+    let overflows = remote
+        .region_base_addrs
+        .iter()
+        .zip(&spec.regions)
+        .any(|(&base, region)| {
+            let len = (region.block_len as u64).checked_mul(spec.num_blocks as u64);
+            base == 0
+                || len
+                    .and_then(|len| base.checked_add(len))
+                    .map_or(true, |end| usize::try_from(end).is_err())
+        });
+    if overflows {
+        return Err(refuse(
+            "a region is null or overflows the address space".to_string(),
+        ));
+    }
+    Ok(plan)
+}
+
+/// `engine "e" rank r`, for messages.
+fn rank_name(message: &HandshakeMessage) -> String {
+    format!("engine {:?} rank {}", message.engine_id, message.tp_rank)
+}
+
+impl HandshakeMessage {
+    /// The message of a rank holding `spec`, with base addresses and metadata.
+    pub(crate) fn describe(
+        engine_id: &str,
+        agent_name: &str,
+        agent_metadata: Vec<u8>,
+        region_base_addrs: Vec<u64>,
+        spec: &KvCacheSpec,
+        tp: (usize, usize),
+        device_id: u64,
+    ) -> Self {
+        HandshakeMessage {
+            protocol_version: PROTOCOL_VERSION,
+            engine_id: engine_id.to_string(),
+            agent_name: agent_name.to_string(),
+            agent_metadata,
+            region_base_addrs,
+            spec: spec.clone(),
+            device_id,
+            tp_rank: tp.0 as u64,
+            tp_size: tp.1 as u64,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::geometry::spec::{KvAttention, KvLayout, KvRegion, KvRegionKind};
+
+    fn message(tp: (u64, u64)) -> HandshakeMessage {
+        let heads = KvAttention::Mha { total_kv_heads: 4 };
+        let spec =
+            KvCacheSpec::uniform(2, 8, 16, heads, KvLayout::Hnd, 16 * 4 * 32 / tp.1 as usize);
+        HandshakeMessage {
+            protocol_version: PROTOCOL_VERSION,
+            engine_id: "e".to_string(),
+            agent_name: "a".to_string(),
+            agent_metadata: Vec::new(),
+            region_base_addrs: vec![1 << 20, 1 << 30],
+            spec,
+            device_id: 0,
+            tp_rank: tp.0,
+            tp_size: tp.1,
+        }
+    }
+
+    /// Every extreme a peer may claim, on either side of the check, gives an answer and never
+    /// a panic, an overflow or an allocation sized by the claim.
+    #[test]
+    fn hostile_geometry_claims_are_refused_or_planned_without_a_panic() {
+        const EXTREMES: [usize; 6] = [0, 1, 3, 1 << 20, 1 << 40, usize::MAX];
+        type Mutation = fn(&mut HandshakeMessage, usize);
+        let mutations: [Mutation; 9] = [
+            |m, v| m.spec.num_blocks = v,
+            |m, v| m.spec.block_size = v,
+            |m, v| m.spec.regions[0].block_len = v,
+            |m, v| m.spec.attention = KvAttention::Mha { total_kv_heads: v },
+            |m, v| m.tp_size = v as u64,
+            |m, v| m.tp_rank = v as u64,
+            |m, v| m.region_base_addrs[1] = v as u64,
+            |m, v| {
+                m.spec.regions = vec![
+                    KvRegion {
+                        block_len: 64,
+                        kind: KvRegionKind::KvHalves,
+                    };
+                    v.min(1 << 12)
+                ]
+            },
+            |m, v| {
+                m.spec.attention = if v % 2 == 0 {
+                    KvAttention::Mla
+                } else {
+                    m.spec.attention
+                }
+            },
+        ];
+        let good = (message((0, 1)), message((1, 2)));
+        assert!(check_compatible(&good.1, &good.0, None, None).is_ok());
+        for mutate in mutations {
+            for value in EXTREMES {
+                for peer_is_source in [true, false] {
+                    let (mut reader, mut source) = good.clone();
+                    mutate(
+                        if peer_is_source {
+                            &mut source
+                        } else {
+                            &mut reader
+                        },
+                        value,
+                    );
+                    let _ = check_compatible(&reader, &source, None, None);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_peer_whose_blocks_would_split_ours_into_too_many_pieces_is_refused() {
+        let (mut reader, mut source) = (message((0, 1)), message((0, 1)));
+        reader.spec.num_blocks = 1 << 16;
+        reader.spec.block_size = 1 << 10;
+        reader.spec.regions[0].block_len = (1 << 10) * 4 * 32;
+        reader.spec.regions[1].block_len = (1 << 10) * 4 * 32;
+        source.spec.block_size = 1;
+        source.spec.regions[0].block_len = 4 * 32;
+        source.spec.regions[1].block_len = 4 * 32;
+        let err = check_compatible(&reader, &source, None, None)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("local descriptors"), "{err}");
+    }
+}

@@ -1,0 +1,17 @@
+//! What crosses between engines, and how, in the connector's native protocol: the
+//! handshake message and the transfer params; framed MessagePack (`wire`); the side channel
+//! with its shared-secret authentication, network allowlist, cap on handshakes in progress
+//! and accepted readers; and agent metadata through etcd, with etcd's authentication and
+//! TLS.
+
+pub mod auth;
+pub mod etcd;
+pub(crate) mod etcd_auth;
+pub(crate) mod etcd_tls;
+pub mod handshake;
+pub(crate) mod params;
+pub mod peer_networks;
+pub mod pending;
+pub(crate) mod readers;
+pub mod side_channel;
+pub(crate) mod wire;

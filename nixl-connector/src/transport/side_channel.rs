@@ -1,0 +1,484 @@
+//! The side channel: a TCP server that answers handshakes, and the client that asks them.
+//!
+//! One exchange: the reader sends its [`HandshakeMessage`]; the server checks that the
+//! reader can read its cache ([`check_compatible`]) and answers with its own message or a
+//! refusal with the reason. Both sides check. Every exchange runs under one total deadline,
+//! frames are capped, and a server runs at most [`ChannelLimits::max_sessions`] handshakes
+//! at once ([`PendingHandshakes`]): when all are taken, the oldest is closed with a "busy"
+//! answer to make room for the newest, and the client retries a busy answer with backoff
+//! within its deadline, so connections held open without a word cannot lock readers out.
+//!
+//! With a [`SharedSecret`] both sides authenticate each other before any metadata leaves
+//! (see [`auth`](crate::auth)): the reader opens with a nonce instead of its message, the
+//! server answers with its own, the reader sends its message with its MAC, and only then
+//! does the server answer with its message and MAC. A server with a secret answers a reader
+//! without one with an [`Error::Unauthenticated`] refusal and nothing else. Connections from
+//! outside the allowed [`PeerNetworks`] are closed as they are accepted.
+
+use std::collections::hash_map::RandomState;
+use std::hash::{BuildHasher, Hasher};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::FutureExt;
+use serde::{Deserialize, Serialize};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinHandle;
+
+use crate::error::{Error, Result};
+use crate::transport::auth::{nonce, Nonce, SharedSecret, NONCE_BYTES};
+use crate::transport::handshake::{check_compatible, HandshakeMessage};
+use crate::transport::peer_networks::PeerNetworks;
+use crate::transport::pending::{PendingHandshakes, PendingSlot};
+use crate::transport::readers::{Reader, Readers};
+use crate::transport::wire::{within, Channel, ChannelLimits};
+
+/// How long a new connection waits for the place of the handshake evicted for it; past it,
+/// the new connection is the one told the server is busy.
+pub const EVICTION_GRACE: Duration = Duration::from_secs(1);
+
+/// The first pause before trying again after a busy answer or (etcd) metadata not yet
+/// there (see [`RetryBackoff`]).
+pub const FIRST_RETRY_PAUSE: Duration = Duration::from_millis(10);
+
+/// The longest pause between tries (see [`RetryBackoff`]).
+pub const MAX_RETRY_PAUSE: Duration = Duration::from_millis(320);
+
+/// What a reader sends.
+#[derive(Debug, Serialize, Deserialize)]
+enum Request {
+    /// The reader's own handshake, for the server's check (no shared secret).
+    Handshake(Box<HandshakeMessage>),
+    /// The opening of an authenticated exchange: the reader's nonce.
+    Hello {
+        /// The reader's fresh nonce.
+        #[serde(with = "serde_bytes")]
+        nonce: Vec<u8>,
+    },
+    /// The reader's handshake in an authenticated exchange, answering a [`Response::Challenge`].
+    Proof {
+        /// The reader's [`HandshakeMessage`], encoded.
+        #[serde(with = "serde_bytes")]
+        message: Vec<u8>,
+        /// The reader's MAC of both nonces and `message`.
+        #[serde(with = "serde_bytes")]
+        mac: Vec<u8>,
+    },
+}
+
+/// What a server answers.
+#[derive(Debug, Serialize, Deserialize)]
+enum Response {
+    /// The server's handshake.
+    Accepted(Box<HandshakeMessage>),
+    /// Why the server refuses the reader.
+    Refused {
+        /// A message for a person.
+        reason: String,
+    },
+    /// The server has no room for this handshake now; try again shortly.
+    Busy {
+        /// A message for a person.
+        reason: String,
+    },
+    /// The server's nonce, answering a [`Request::Hello`].
+    Challenge {
+        /// The server's fresh nonce.
+        #[serde(with = "serde_bytes")]
+        nonce: Vec<u8>,
+    },
+    /// The server's handshake in an authenticated exchange, once the reader's proof checked.
+    Proven {
+        /// The server's [`HandshakeMessage`], encoded.
+        #[serde(with = "serde_bytes")]
+        message: Vec<u8>,
+        /// The server's MAC of both nonces and `message`.
+        #[serde(with = "serde_bytes")]
+        mac: Vec<u8>,
+    },
+    /// The reader did not prove the shared secret (or the server has none, and was asked to
+    /// prove one).
+    Unauthenticated {
+        /// A message for a person.
+        reason: String,
+    },
+}
+
+/// What a side-channel server checks of its peers, besides their handshakes: the shared
+/// secret, the networks it answers, and where it notes the readers it accepted.
+#[derive(Debug, Default)]
+pub(crate) struct Guard {
+    /// The secret readers must prove (`None`: readers are not authenticated).
+    pub(crate) secret: Option<SharedSecret>,
+    /// The networks answered.
+    pub(crate) peers: PeerNetworks,
+    /// The readers accepted.
+    pub(crate) readers: std::sync::Arc<Readers>,
+    /// Connections closed at accept because of their network.
+    pub(crate) refused_networks: std::sync::atomic::AtomicU64,
+}
+
+/// Accepts connections on `listener` and answers each with the message `ours` holds when it
+/// is accepted (closing it at once while `ours` holds none: the KV caches are being
+/// registered again), `pending` holding the places of the handshakes under way, until
+/// aborted.
+pub(crate) fn serve(
+    listener: TcpListener,
+    ours: tokio::sync::watch::Receiver<Option<Arc<HandshakeMessage>>>,
+    limits: ChannelLimits,
+    pending: Arc<PendingHandshakes>,
+    guard: Arc<Guard>,
+) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        loop {
+            let (stream, peer) = match listener.accept().await {
+                Ok(accepted) => accepted,
+                Err(err) => {
+                    tracing::warn!(%err, "side channel: accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            if !guard.peers.allows(peer.ip()) {
+                let refused = guard.refused_networks.fetch_add(1, Ordering::Relaxed) + 1;
+                // Logged at the 1st, 2nd, 4th, 8th... so that a flood cannot flood the log.
+                if refused.is_power_of_two() {
+                    tracing::warn!(%peer, refused, "side channel: a connection from outside the allowed peer networks closed");
+                }
+                drop(stream);
+                continue;
+            }
+            let Some(message) = ours.borrow().clone() else {
+                tracing::debug!(%peer, "side channel: the KV caches are being registered again; connection closed");
+                drop(stream);
+                continue;
+            };
+            let Some(slot) = pending.admit(EVICTION_GRACE).await else {
+                tracing::warn!(%peer, max = limits.max_sessions, "side channel: no handshake place came free; connection refused as busy");
+                let reason = format!(
+                    "{} handshakes are under way, the most this side channel runs at once",
+                    limits.max_sessions
+                );
+                answer_busy(
+                    &mut Channel::new(stream, peer.to_string(), limits.max_frame),
+                    reason,
+                );
+                continue;
+            };
+            let ours = message;
+            let guard = guard.clone();
+            tokio::spawn(async move {
+                let peer_name = peer.to_string();
+                let outcome = within(
+                    "answer a handshake",
+                    &peer_name,
+                    limits.deadline,
+                    answer(stream, peer, &ours, limits, &slot, &guard),
+                )
+                .await;
+                if let Err(err) = outcome {
+                    tracing::warn!(%err, "side channel: handshake failed");
+                }
+                drop(slot);
+            });
+        }
+    })
+}
+
+/// Tells the peer on a fresh connection that the server is busy, if its socket takes the
+/// frame at once (it does: nothing was sent on it before); nothing waits on the peer.
+fn answer_busy(channel: &mut Channel, reason: String) {
+    let _ = channel.send(&Response::Busy { reason }).now_or_never();
+}
+
+async fn answer(
+    stream: TcpStream,
+    peer: SocketAddr,
+    ours: &HandshakeMessage,
+    limits: ChannelLimits,
+    slot: &PendingSlot,
+    guard: &Guard,
+) -> Result<()> {
+    let mut channel = Channel::new(stream, peer.to_string(), limits.max_frame);
+    let evicted = slot.evicted();
+    // Once part of our answer may be out, a busy frame after it would garble the stream.
+    let answering = AtomicBool::new(false);
+    let exchange = async {
+        let response = match (channel.recv().await?, &guard.secret) {
+            (Request::Handshake(theirs), None) => check(peer, &theirs, ours, guard)
+                .map(|()| Response::Accepted(Box::new(ours.clone()))),
+            (Request::Hello { nonce: reader }, Some(secret)) => {
+                let reader = nonce_of(&channel, &reader)?;
+                let server = nonce()?;
+                channel
+                    .send(&Response::Challenge {
+                        nonce: server.to_vec(),
+                    })
+                    .await?;
+                let Request::Proof { message, mac } = channel.recv().await? else {
+                    return Err(
+                        channel.protocol("the reader sent no proof after the challenge".into())
+                    );
+                };
+                if secret.verify_reader(&reader, &server, &message, &mac) {
+                    let theirs: HandshakeMessage = decode(&channel, &message)?;
+                    match check(peer, &theirs, ours, guard) {
+                        Ok(()) => {
+                            let message = encode(&channel, ours)?;
+                            let mac = secret.server_mac(&reader, &server, &message);
+                            Ok(Response::Proven { message, mac })
+                        }
+                        Err(reason) => Err(reason),
+                    }
+                } else {
+                    tracing::warn!(%peer, "side channel: a reader without the shared secret refused");
+                    Ok(Response::Unauthenticated {
+                        reason: "the reader did not prove the shared secret; configure the same secret on both engines".into(),
+                    })
+                }
+            }
+            (Request::Handshake(_) | Request::Proof { .. }, Some(_)) => {
+                tracing::warn!(%peer, "side channel: a reader without the shared secret refused");
+                Ok(Response::Unauthenticated {
+                    reason: "this side channel requires the shared secret; configure the same secret on both engines".into(),
+                })
+            }
+            (Request::Hello { .. } | Request::Proof { .. }, None) => {
+                tracing::warn!(%peer, "side channel: a reader asked for authentication, which this side channel has no secret for");
+                Ok(Response::Unauthenticated {
+                    reason: "this side channel has no shared secret; configure the same secret on both engines".into(),
+                })
+            }
+        };
+        let response = response.unwrap_or_else(|reason| Response::Refused { reason });
+        answering.store(true, Ordering::Relaxed);
+        channel.send(&response).await
+    };
+    tokio::select! {
+        done = exchange => done,
+        () = evicted => {
+            tracing::warn!(%peer, max = limits.max_sessions, "side channel: closed the oldest handshake under way to make room for a newer one");
+            let reason = format!(
+                "this handshake was the oldest of the {} under way, the most this side channel runs at once, and was closed for a newer one",
+                limits.max_sessions
+            );
+            if !answering.load(Ordering::Relaxed) {
+                answer_busy(&mut channel, reason);
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Checks a reader's message, and notes the reader when it is accepted; the reason when not.
+fn check(
+    peer: SocketAddr,
+    theirs: &HandshakeMessage,
+    ours: &HandshakeMessage,
+    guard: &Guard,
+) -> std::result::Result<(), String> {
+    match check_compatible(theirs, ours, None, None) {
+        Ok(_) => {
+            tracing::info!(%peer, engine = %theirs.engine_id, rank = theirs.tp_rank, "side channel: handshake accepted");
+            let reader = Reader {
+                engine_id: theirs.engine_id.clone(),
+                tp_size: usize::try_from(theirs.tp_size).unwrap_or(usize::MAX),
+            };
+            guard.readers.accept(&theirs.agent_name, reader);
+            Ok(())
+        }
+        Err(err) => {
+            tracing::warn!(%peer, %err, "side channel: handshake refused");
+            Err(err.to_string())
+        }
+    }
+}
+
+/// A peer's nonce, checked for its length.
+fn nonce_of(channel: &Channel, bytes: &[u8]) -> Result<Nonce> {
+    bytes.try_into().map_err(|_| {
+        channel.protocol(format!(
+            "a nonce of {} bytes, not {NONCE_BYTES}",
+            bytes.len()
+        ))
+    })
+}
+
+/// `message` as MessagePack, as it is MACed and sent.
+fn encode(channel: &Channel, message: &HandshakeMessage) -> Result<Vec<u8>> {
+    rmp_serde::to_vec_named(message)
+        .map_err(|err| channel.protocol(format!("cannot encode a handshake: {err}")))
+}
+
+/// The handshake message in the (authenticated) bytes `message`.
+fn decode(channel: &Channel, message: &[u8]) -> Result<HandshakeMessage> {
+    rmp_serde::from_slice(message).map_err(|err| {
+        channel.protocol(format!(
+            "undecodable handshake of {} bytes: {err}",
+            message.len()
+        ))
+    })
+}
+
+/// Connects to `addr`, sends `ours` and returns the server's handshake, all within
+/// `limits.deadline`. A server that answers it is busy is asked again after a pause
+/// ([`RetryBackoff`]) while the deadline allows. Unauthenticated: see
+/// [`fetch_handshake_with`].
+///
+/// # Errors
+/// As [`fetch_handshake_with`].
+pub async fn fetch_handshake(
+    addr: SocketAddr,
+    ours: &HandshakeMessage,
+    limits: ChannelLimits,
+) -> Result<HandshakeMessage> {
+    fetch_handshake_with(addr, ours, limits, None).await
+}
+
+/// As [`fetch_handshake`], authenticating both sides with `secret` when one is given (the
+/// server's message is returned only once its MAC checked).
+///
+/// # Errors
+/// [`Error::Busy`] when the server was still busy at the deadline; [`Error::Deadline`],
+/// [`Error::Io`], [`Error::Protocol`], [`Error::Refused`] with the server's reason, or
+/// [`Error::Unauthenticated`] when either side did not prove the secret.
+pub async fn fetch_handshake_with(
+    addr: SocketAddr,
+    ours: &HandshakeMessage,
+    limits: ChannelLimits,
+    secret: Option<&SharedSecret>,
+) -> Result<HandshakeMessage> {
+    let peer = addr.to_string();
+    let mut busy = None;
+    let mut tries = 0;
+    let retried = tokio::time::timeout(limits.deadline, async {
+        let mut backoff = RetryBackoff::default();
+        loop {
+            tries += 1;
+            match ask(addr, &peer, ours, limits, secret).await? {
+                Ok(theirs) => return Ok(theirs),
+                Err(reason) => {
+                    tracing::debug!(%peer, %reason, tries, "side channel: the server is busy; trying again");
+                    busy = Some(reason);
+                }
+            }
+            tokio::time::sleep(backoff.next_pause()).await;
+        }
+    })
+    .await;
+    let Ok(outcome) = retried else {
+        return Err(match busy {
+            Some(reason) => Error::Busy {
+                peer,
+                reason,
+                tries,
+                deadline: limits.deadline,
+            },
+            None => Error::Deadline {
+                operation: "handshake",
+                peer,
+                deadline: limits.deadline,
+            },
+        });
+    };
+    outcome
+}
+
+/// One try: connect, send `ours` (with its proof, after the server's challenge, when
+/// there is a `secret`), read the answer: the server's handshake, or why it was busy.
+async fn ask(
+    addr: SocketAddr,
+    peer: &str,
+    ours: &HandshakeMessage,
+    limits: ChannelLimits,
+    secret: Option<&SharedSecret>,
+) -> Result<std::result::Result<HandshakeMessage, String>> {
+    let stream = TcpStream::connect(addr)
+        .await
+        .map_err(|err| Error::io("connect to the side channel", addr, err))?;
+    let mut channel = Channel::new(stream, peer.to_string(), limits.max_frame);
+    let Some(secret) = secret else {
+        channel
+            .send(&Request::Handshake(Box::new(ours.clone())))
+            .await?;
+        return match channel.recv().await? {
+            Response::Accepted(theirs) => Ok(Ok(*theirs)),
+            other => answer_of(&channel, other),
+        };
+    };
+    let reader = nonce()?;
+    channel
+        .send(&Request::Hello {
+            nonce: reader.to_vec(),
+        })
+        .await?;
+    let server = match channel.recv().await? {
+        Response::Challenge { nonce } => nonce_of(&channel, &nonce)?,
+        other => return answer_of(&channel, other),
+    };
+    let message = encode(&channel, ours)?;
+    let mac = secret.reader_mac(&reader, &server, &message);
+    channel.send(&Request::Proof { message, mac }).await?;
+    match channel.recv().await? {
+        Response::Proven { message, mac } => {
+            if !secret.verify_server(&reader, &server, &message, &mac) {
+                return Err(Error::Unauthenticated {
+                    peer: peer.to_string(),
+                    reason: "the server did not prove the shared secret; configure the same secret on both engines".into(),
+                });
+            }
+            decode(&channel, &message).map(Ok)
+        }
+        other => answer_of(&channel, other),
+    }
+}
+
+/// What a server's answer other than the one expected means: busy (`Ok(Err(reason))`), a
+/// refusal, or a protocol error.
+fn answer_of(
+    channel: &Channel,
+    response: Response,
+) -> Result<std::result::Result<HandshakeMessage, String>> {
+    let peer = channel.peer().to_string();
+    match response {
+        Response::Busy { reason } => Ok(Err(reason)),
+        Response::Refused { reason } => Err(Error::Refused { peer, reason }),
+        Response::Unauthenticated { reason } => Err(Error::Unauthenticated { peer, reason }),
+        Response::Accepted(_) => Err(channel.protocol(
+            "the server answered without authenticating; it has no shared secret, and this side requires one".into(),
+        )),
+        Response::Challenge { .. } | Response::Proven { .. } => {
+            Err(channel.protocol("an answer out of the exchange's order".into()))
+        }
+    }
+}
+
+/// The pauses of a client between tries, after a server turned it away as busy (or etcd
+/// did not have the metadata yet): from
+/// [`FIRST_RETRY_PAUSE`], doubling up to [`MAX_RETRY_PAUSE`], each with up to half of it
+/// added at random, so that clients turned away together spread out.
+#[derive(Debug, Clone, Copy)]
+pub struct RetryBackoff {
+    pause: Duration,
+}
+
+impl Default for RetryBackoff {
+    fn default() -> Self {
+        RetryBackoff {
+            pause: FIRST_RETRY_PAUSE,
+        }
+    }
+}
+
+impl RetryBackoff {
+    /// The pause before the next try.
+    pub fn next_pause(&mut self) -> Duration {
+        let pause = self.pause;
+        self.pause = (pause * 2).min(MAX_RETRY_PAUSE);
+        let random = RandomState::new().build_hasher().finish();
+        let half = u64::try_from(pause.as_nanos() / 2).unwrap_or(u64::MAX);
+        pause + Duration::from_nanos(random % half.max(1))
+    }
+}

@@ -1,0 +1,316 @@
+//! Registering a worker's KV cache and publishing it: the prepared local list, the
+//! handshake message, the native side channel or vLLM's, and the metadata in etcd mode;
+//! in host-buffer mode also the VRAM it stages through.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use nixl::{RegDesc, RegisterMemory, Registration};
+
+use crate::config::{MetadataExchange, Protocol};
+use crate::error::{Error, Result};
+use crate::geometry::spec::KvCacheSpec;
+use crate::transport::handshake::HandshakeMessage;
+use crate::transport::peer_networks::warn_if_open;
+use crate::transport::pending::PendingHandshakes;
+#[cfg(feature = "vllm")]
+use crate::vllm::{MetadataServer, NixlAgentMetadata, NixlHandshakePayload, RankRegistration};
+use crate::worker::host_buffer::Staging;
+use crate::worker::shared::Caches;
+
+use super::reregister::KeptChannel;
+#[cfg(not(feature = "vllm"))]
+use super::vllm_not_built;
+#[cfg(feature = "vllm")]
+use super::vllm_rank;
+use super::{already_registered, KvConnectorWorker};
+
+impl KvConnectorWorker {
+    /// Registers the KV cache: `caches` holds the regions of `spec` in order (one per layer
+    /// with K and V packed as vLLM 0.33 has them, [`KvCacheSpec::lbhnc`], ...), region `r` at least `spec.region_len(r)` bytes,
+    /// of the memory type the platform and kv-buffer device give (DRAM for `cpu`), with the
+    /// configured backends; then publishes the agent metadata (etcd mode) and starts the
+    /// side channel. The handshake tells peers each region's block length.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a bad spec or one that does not fit this rank's TP
+    /// (see [`KvCacheSpec::check_rank`]), a wrong region count or short regions, or a second
+    /// call (see [`register_kv_caches_again`](Self::register_kv_caches_again)); the
+    /// registration errors of [`NixlSetup::register_memory`](nixl::kv_config::NixlSetup::register_memory);
+    /// [`Error::EtcdUnreachable`] (etcd mode); [`Error::Io`] when the side channel cannot
+    /// bind.
+    pub fn register_kv_caches<M: RegisterMemory + 'static>(
+        &self,
+        caches: M,
+        spec: KvCacheSpec,
+    ) -> Result<()> {
+        const OP: &str = "register the KV caches";
+        self.check_spec(&spec)?;
+        if self.registered.get().is_some() {
+            return Err(already_registered(OP));
+        }
+        let registration = self.shared.setup.register_memory(caches)?;
+        self.finish_registration(registration, spec, None)
+    }
+
+    /// Allocates one zeroed [`HostBuffer`](nixl::HostBuffer) of `spec.region_len(r)` bytes
+    /// per region `r` and registers them as the KV cache
+    /// ([`register_kv_caches`](Self::register_kv_caches)): the cache of a `cpu` kv-buffer
+    /// device, or the host side of host-buffer mode.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a bad spec (checked before anything is allocated);
+    /// allocation errors; those of [`register_kv_caches`](Self::register_kv_caches).
+    pub fn register_host_kv_caches(&self, spec: KvCacheSpec) -> Result<()> {
+        self.check_spec(&spec)?;
+        let regions = (0..spec.num_regions())
+            .map(|r| nixl::HostBuffer::zeroed(spec.region_len(r)))
+            .collect::<nixl::Result<Vec<_>>>()?;
+        self.register_kv_caches(regions, spec)
+    }
+
+    /// Checks `spec` on its own and against this rank's TP.
+    pub(super) fn check_spec(&self, spec: &KvCacheSpec) -> Result<()> {
+        spec.validate()?;
+        spec.check_rank(self.shared.config.tp_rank, self.shared.config.tp_size)
+    }
+
+    /// Builds the prepared list, the handshake and the side channel for a registration (or,
+    /// registering again, serves the new handshake on the side channel `kept`).
+    pub(super) fn finish_registration(
+        &self,
+        registration: Registration,
+        spec: KvCacheSpec,
+        kept: Option<KeptChannel>,
+    ) -> Result<()> {
+        const OP: &str = "register the KV caches";
+        let regions = registration.regions();
+        if regions.len() != spec.num_regions() {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "{} regions for a spec of {}; pass one region per entry of spec.regions",
+                    regions.len(),
+                    spec.num_regions()
+                ),
+            ));
+        }
+        if let Some((index, region)) = regions
+            .iter()
+            .enumerate()
+            .find(|(r, region)| region.len < spec.region_len(*r))
+        {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "region {index} has {} bytes, the spec needs {}",
+                    region.len,
+                    spec.region_len(index)
+                ),
+            ));
+        }
+        let mut list = nixl::LocalDescList::with_capacity(
+            registration.mem_type(),
+            spec.num_regions() * spec.num_blocks,
+        )?;
+        for index in 0..spec.num_regions() {
+            list.push_blocks(
+                &registration,
+                index,
+                spec.block_len(index),
+                0..spec.num_blocks,
+            )?;
+        }
+        let backends: Vec<&nixl::Backend> = self.shared.setup.backends().iter().collect();
+        let local = self.agent().prepare_local(&list, &backends)?;
+        let config = &self.shared.config;
+        let metadata = match config.metadata_exchange {
+            MetadataExchange::SideChannel => self.agent().local_metadata()?,
+            MetadataExchange::Etcd => {
+                crate::transport::etcd::publish(self.agent())?;
+                Vec::new()
+            }
+        };
+        let handshake = Arc::new(HandshakeMessage::describe(
+            &config.engine_id,
+            self.agent().name(),
+            metadata,
+            regions.iter().map(|r| r.addr as u64).collect(),
+            &spec,
+            (config.tp_rank, config.tp_size),
+            config.device_id,
+        ));
+        let generation = kept.as_ref().map_or(1, |k| k.generation + 1);
+        let (served, side_channel_pending, kept_at) = match kept {
+            Some(kept) => {
+                kept.served.send_replace(Some(handshake.clone()));
+                (
+                    kept.served,
+                    kept.pending,
+                    Some((kept.side_channel, kept.vllm)),
+                )
+            }
+            None => (
+                Arc::new(tokio::sync::watch::channel(Some(handshake.clone())).0),
+                PendingHandshakes::new(config.limits.max_sessions),
+                None,
+            ),
+        };
+        #[cfg(feature = "vllm")]
+        let (side_channel, vllm) = match (self.shared.protocol, kept_at) {
+            (Protocol::Native, Some((at, _))) => (at, None),
+            (Protocol::Native, None) => {
+                let at = self.serve_native(served.subscribe(), side_channel_pending.clone())?;
+                (at, None)
+            }
+            (Protocol::Vllm, kept) => {
+                let vllm = self.vllm_side_channel_for(&handshake, kept.and_then(|k| k.1))?;
+                (vllm.0.local_addr(), Some(vllm))
+            }
+        };
+        #[cfg(not(feature = "vllm"))]
+        let side_channel = match (self.shared.protocol, kept_at) {
+            (Protocol::Native, Some((at, ()))) => at,
+            (Protocol::Native, None) => {
+                self.serve_native(served.subscribe(), side_channel_pending.clone())?
+            }
+            (Protocol::Vllm, _) => return Err(vllm_not_built(OP)),
+        };
+        let caches = Caches {
+            generation,
+            served,
+            registration,
+            spec,
+            local,
+            handshake,
+            side_channel,
+            side_channel_pending,
+            #[cfg(feature = "vllm")]
+            vllm,
+        };
+        let caches = Arc::new(caches);
+        if self.registered.set(caches.clone()).is_err() {
+            return Err(already_registered(OP));
+        }
+        *self.shared.caches.lock().unwrap_or_else(|p| p.into_inner()) = Some(caches);
+        let caches = self.caches(OP)?;
+        #[cfg(feature = "vllm")]
+        if let Some((server, payload)) = &caches.vllm {
+            server.publish(0, vllm_rank(config.tp_rank), payload);
+        }
+        let spec = &caches.spec;
+        tracing::info!(engine = %config.engine_id, rank = config.tp_rank, %side_channel, generation, regions = spec.num_regions(), blocks = spec.num_blocks, block_size = spec.block_size, block_len = spec.block_len(0), attention = %spec.attention, "KV caches registered");
+        Ok(())
+    }
+
+    /// Starts the native side channel at the config's address, answering with `ours`; where
+    /// it listens.
+    fn serve_native(
+        &self,
+        ours: tokio::sync::watch::Receiver<Option<Arc<HandshakeMessage>>>,
+        pending: Arc<PendingHandshakes>,
+    ) -> Result<SocketAddr> {
+        let config = &self.shared.config;
+        let listener = std::net::TcpListener::bind(config.side_channel)
+            .and_then(|l| l.set_nonblocking(true).map(|()| l))
+            .map_err(|err| Error::io("bind the side channel", config.side_channel, err))?;
+        let side_channel = listener
+            .local_addr()
+            .map_err(|err| Error::io("bind the side channel", config.side_channel, err))?;
+        let _entered = self.runtime.enter();
+        let listener = tokio::net::TcpListener::from_std(listener)
+            .map_err(|err| Error::io("bind the side channel", side_channel, err))?;
+        let guard = self.shared.guard.clone();
+        warn_if_open(
+            "the side channel",
+            side_channel,
+            guard.secret.is_some(),
+            &guard.peers,
+        );
+        let server =
+            crate::transport::side_channel::serve(listener, ours, config.limits, pending, guard);
+        self.tasks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(server);
+        Ok(side_channel)
+    }
+
+    /// vLLM mode: the engine's side channel (`kept` from an earlier registration, the
+    /// config's, or one bound at the config's address) and this rank's payload for it,
+    /// described from `ours`.
+    #[cfg(feature = "vllm")]
+    fn vllm_side_channel_for(
+        &self,
+        ours: &HandshakeMessage,
+        kept: Option<Arc<MetadataServer>>,
+    ) -> Result<(Arc<MetadataServer>, NixlHandshakePayload)> {
+        let config = &self.shared.config;
+        let compat = &self.vllm()?.compat;
+        let metadata = NixlAgentMetadata::of_rank(RankRegistration {
+            engine_id: &config.engine_id,
+            agent_metadata: ours.agent_metadata.clone(),
+            base_addrs: ours.region_base_addrs.clone(),
+            spec: &ours.spec,
+            device_id: config.device_id,
+            mem_type: self.mem_type().to_string(),
+            attn_backend_name: compat
+                .factors
+                .as_ref()
+                .map(|f| f.attn_backend_name.clone())
+                .unwrap_or_default(),
+            region_group_ids: self
+                .vllm()?
+                .groups
+                .region_group_ids(ours.spec.num_regions())?,
+        })?;
+        let payload = NixlHandshakePayload::new(&compat.hash, &metadata);
+        let server = match kept.as_ref().or(config.vllm_side_channel.as_ref()) {
+            Some(server) => server.clone(),
+            None => {
+                let _entered = self.runtime.enter();
+                Arc::new(MetadataServer::bind_now(
+                    config.side_channel,
+                    config.vllm_limits,
+                )?)
+            }
+        };
+        server.set_allowed_peers(self.shared.guard.peers.clone());
+        Ok((server, payload))
+    }
+
+    /// Registers a VRAM KV cache in host-buffer mode (see [`host_buffer`](crate::host_buffer)):
+    /// `device_layers` are the engine's VRAM regions (device addresses, `dev_id` the GPU
+    /// index), region `r` at least `spec.region_len(r)` bytes; the connector allocates and
+    /// registers a host buffer of the same shape for transfers and starts the side channel.
+    ///
+    /// # Safety
+    /// Every descriptor must describe device memory that stays allocated until this worker
+    /// and every request made from it have been dropped (as for
+    /// [`nixl::Agent::register_raw`]).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] unless the config's kv-buffer device is `cpu` on a `cuda`
+    /// platform, or for regions that do not fit `spec`; [`Error::HostBufferNeedsGpu`] when
+    /// no CUDA device is usable; then the errors of
+    /// [`register_kv_caches`](Self::register_kv_caches).
+    pub unsafe fn register_kv_caches_host_buffer(
+        &self,
+        device_layers: &[RegDesc],
+        spec: KvCacheSpec,
+    ) -> Result<()> {
+        const OP: &str = "register the KV caches in host-buffer mode";
+        self.check_spec(&spec)?;
+        if self.staging.get().is_some() {
+            return Err(already_registered(OP));
+        }
+        // SAFETY: forwarded from the caller's contract.
+        let vram = unsafe { Staging::register_device(&self.shared, device_layers, &spec) }?;
+        self.register_host_kv_caches(spec.clone())?;
+        let staging = Staging::new(&self.shared, vram, self.kv_caches()?, spec)?;
+        if self.staging.set(staging).is_err() {
+            return Err(already_registered(OP));
+        }
+        Ok(())
+    }
+}
