@@ -106,6 +106,7 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
     let fds_before = open_fds().unwrap();
     let rss_before = common::status_kib("VmRSS");
     let heap_before = common::heap_in_use_kib();
+    prefill.go();
     let mut prefill_end = None;
     let mut stopped_until: Option<Instant> = None;
     let mut next_prefill_stop = 100;
@@ -171,6 +172,7 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
             let left = target.saturating_sub(d.r.requests);
             prefill = start_prefill(&engine, left, seconds_left(started));
             handshake(&hostile, &engine, prefill.port).await;
+            prefill.go();
         }
         // The decode stops: alternately past the heartbeats only, and past whole leases.
         if step % STALL_EVERY == 0 && prefill_end.is_none() {

@@ -65,6 +65,16 @@ pub struct PrefillProcess {
     pub lines: tokio::sync::mpsc::UnboundedReceiver<Line>,
 }
 
+impl PrefillProcess {
+    /// Tells the prefill that the decode's engine is up (`GO`): it makes requests from then
+    /// on, so that none waits unread while its lease runs.
+    pub fn go(&mut self) {
+        use std::io::Write;
+        let stdin = self.child.stdin.as_mut().expect("the prefill's stdin");
+        stdin.write_all(b"GO\n").unwrap();
+    }
+}
+
 /// Starts a prefill process of engine `engine` that makes `target` requests (or runs for
 /// `seconds`).
 pub fn start_prefill(engine: &str, target: u64, seconds: Option<u64>) -> PrefillProcess {
