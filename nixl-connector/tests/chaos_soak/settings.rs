@@ -41,10 +41,11 @@ pub const TCP_ONLY: &str = "tcp,self";
 /// The prefill is killed and restarted after this many of its requests reached the decode
 /// (once in CI, again and again in a long run).
 pub const KILL_AFTER: u64 = 150;
-/// The decode is stopped every this many steps: the first of every four times for more
-/// than a whole lease (leases end), the others for less than the lease's margin
-/// (heartbeats stop, leases hold).
-pub const STALL_EVERY: u64 = 250;
+/// The decode is stopped this long after the start and after it resumed (half of it after
+/// a long stop; by time, not steps: on a loaded machine a step takes several times
+/// longer): the first of every four times for more than a whole lease (leases end), the
+/// others for less than the lease's margin (heartbeats stop, leases hold).
+pub const STALL_EVERY: Duration = Duration::from_secs(2);
 /// A stall that misses heartbeats (sent every 250 ms, each extending the lease to 1 s from
 /// its arrival) without ending a lease.
 pub const SHORT_STALL_MS: u64 = 300;
