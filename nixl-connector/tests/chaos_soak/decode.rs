@@ -2,7 +2,7 @@
 //! allocation, prefix hits and aborts, its loads, and the checks of every loaded block.
 
 use std::collections::{HashMap, HashSet};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use nixl_connector::{
     FinishStatus, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker, KvTransferParams,
@@ -10,9 +10,10 @@ use nixl_connector::{
 };
 
 use crate::pool::{byte, Pool, POISON};
+use crate::prefill_child::monotonic;
 use crate::report::Report;
 use crate::rng::Rng;
-use crate::settings::LONG_WAIT;
+use crate::settings::{ARRIVED_LATE, LONG_WAIT};
 
 /// A decode request: its params, when to allocate it, its request seed and remote blocks,
 /// which prefill process made it, and whether its lease may have ended in a decode stall.
@@ -60,16 +61,21 @@ pub struct DecodeEngine {
 }
 
 impl DecodeEngine {
-    /// Takes a request of prefill process `generation` (nobody reads some of them: their
-    /// leases end); `past_lease` if its lease may end before the decode reads it.
+    /// Takes a request of prefill process `generation`, made at `made` (nobody reads some
+    /// of them: their leases end); `past_lease` if its lease may end before the decode
+    /// reads it, as it may if it arrives late (the decode starved on a loaded machine).
     pub fn receive(
         &mut self,
         step: u64,
         generation: u64,
-        past_lease: bool,
-        (seed, blocks, params): (u64, usize, Box<KvTransferParams>),
+        mut past_lease: bool,
+        (seed, blocks, made, params): (u64, usize, Duration, Box<KvTransferParams>),
     ) {
         self.r.requests += 1;
+        if !past_lease && monotonic().saturating_sub(made) > ARRIVED_LATE {
+            self.r.arrived_late += 1;
+            past_lease = true;
+        }
         if self.rng.chance(8) {
             self.r.never_read += 1;
             return;

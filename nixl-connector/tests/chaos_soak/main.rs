@@ -13,8 +13,8 @@
 //! poison pattern, and checked to be still poisoned when it is taken again; every block the
 //! decode is told is loaded is checked, rank by rank (each holds its head's half of the
 //! prefill's block), against its request's pattern, unless the request's
-//! lease may have ended while the decode was stopped (the prefill may then have reused the
-//! blocks before the READ: the documented cost of a lease). A READ landing in a block after
+//! lease may have ended while the decode was stopped or before the request reached it (the
+//! prefill may then have reused the blocks before the READ: the documented cost of a lease). A READ landing in a block after
 //! its load handed it back shows as a late write; a block freed while a READ could still
 //! read it, as a poisoned or mismatched block.
 //!
@@ -162,10 +162,11 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
                 if let Line::Request {
                     seed,
                     blocks,
+                    made,
                     params,
                 } = line
                 {
-                    d.receive(step, generation, false, (seed, blocks, params));
+                    d.receive(step, generation, false, (seed, blocks, made, params));
                 }
             }
             generation += 1;
@@ -220,10 +221,11 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
                     Line::Request {
                         seed,
                         blocks,
+                        made,
                         params,
                     } => {
                         from_current += 1;
-                        d.receive(step, generation, past_lease, (seed, blocks, params));
+                        d.receive(step, generation, past_lease, (seed, blocks, made, params));
                     }
                 }
             }
@@ -238,10 +240,11 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
                 Line::Request {
                     seed,
                     blocks,
+                    made,
                     params,
                 } => {
                     from_current += 1;
-                    d.receive(step, generation, false, (seed, blocks, params));
+                    d.receive(step, generation, false, (seed, blocks, made, params));
                 }
             }
         }

@@ -11,6 +11,7 @@ use nixl_connector::FinishStatus;
 
 use crate::common::{self, worker_with};
 use crate::pool::Pool;
+use crate::prefill_child::monotonic;
 use crate::rng::Rng;
 use crate::settings::{kv, scheduler, soak_seconds, spec, ENGINE_ENV, TARGET_ENV};
 
@@ -46,10 +47,11 @@ fn serve_orders(go: &AtomicBool) {
 /// The prefill, in a child process: prints `PORT <port> <agent>`, then, once the decode
 /// says `GO` (its engine is up: a request made before would wait unread in the pipe while
 /// its lease runs, and on a loaded machine the decode's agents take seconds to start),
-/// makes requests of 1 to 4 blocks as its pool allows (until it made them all, or a long run's time is up), each
-/// finished for a remote decode and printed as `REQ <seed> <blocks> <params JSON>`; poisons
-/// and frees the blocks of each released request. Once every one is released, prints
-/// `END <freed twice> <late writes>` and serves stall orders until its stdin closes.
+/// makes requests of 1 to 4 blocks as its pool allows (until it made them all, or a long
+/// run's time is up), each finished for a remote decode and printed as
+/// `REQ <seed> <blocks> <made> <params JSON>` (`made`: when, in µs of [`monotonic`]);
+/// poisons and frees the blocks of each released request. Once every one is released,
+/// prints `END <freed twice> <late writes>` and serves stall orders until its stdin closes.
 pub async fn serve() {
     common::init_tracing();
     let mut target: u64 = std::env::var(TARGET_ENV)
@@ -95,6 +97,7 @@ pub async fn serve() {
                 let seed = rng.below(usize::MAX) as u64 | 1;
                 let id = format!("p{made}");
                 pool.fill(&prefill[0], seed, &blocks);
+                let made_at = monotonic();
                 let done = ps.request_finished(
                     &id,
                     &blocks,
@@ -104,7 +107,7 @@ pub async fn serve() {
                 );
                 let params = serde_json::to_string(&done.kv_transfer_params.unwrap()).unwrap();
                 held.insert(id, blocks);
-                println!("REQ {seed} {n} {params}");
+                println!("REQ {seed} {n} {} {params}", made_at.as_micros());
             }
         }
         prefill[0].start_load_kv(&ps.build_connector_meta());

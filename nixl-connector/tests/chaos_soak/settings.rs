@@ -55,6 +55,10 @@ pub const LONG_STALL_MS: u64 = 2200;
 pub const FLOOD_EVERY: Duration = Duration::from_millis(250);
 /// The decode's engine TTL, in seconds (`engine_ttl`): a killed prefill is evicted.
 pub const ENGINE_TTL_S: f64 = 1.0;
+/// A request that reaches the decode this long after the prefill made it may lose its
+/// 1.5 s lease before the decode's first heartbeat arrives (on a loaded machine): it is
+/// not held to its pattern.
+pub const ARRIVED_LATE: Duration = Duration::from_millis(750);
 /// How long some requests wait for their blocks: past the 1.5 s lease.
 pub const LONG_WAIT: Duration = Duration::from_secs(2);
 
