@@ -2,7 +2,7 @@
 //! allocation, prefix hits and aborts, its loads, and the checks of every loaded block.
 
 use std::collections::{HashMap, HashSet};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use nixl_connector::{
     FinishStatus, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker, KvTransferParams,
@@ -10,9 +10,10 @@ use nixl_connector::{
 };
 
 use crate::pool::{byte, Pool, POISON};
+use crate::prefill_child::monotonic;
 use crate::report::Report;
 use crate::rng::Rng;
-use crate::settings::{LONG_WAIT, STALL_EVERY};
+use crate::settings::{ARRIVED_LATE, LONG_WAIT};
 
 /// A decode request: its params, when to allocate it, its request seed and remote blocks,
 /// which prefill process made it, and whether its lease may have ended in a decode stall.
@@ -60,28 +61,34 @@ pub struct DecodeEngine {
 }
 
 impl DecodeEngine {
-    /// Takes a request of prefill process `generation` (nobody reads some of them: their
-    /// leases end); `past_lease` if its lease may end before the decode reads it.
+    /// Takes a request of prefill process `generation`, made at `made` (nobody reads some
+    /// of them: their leases end); `past_lease` if its lease may end before the decode
+    /// reads it, as it may if it arrives late (the decode starved on a loaded machine).
     pub fn receive(
         &mut self,
         step: u64,
         generation: u64,
-        past_lease: bool,
-        (seed, blocks, params): (u64, usize, Box<KvTransferParams>),
+        mut past_lease: bool,
+        (seed, blocks, made, params): (u64, usize, Duration, Box<KvTransferParams>),
     ) {
         self.r.requests += 1;
+        if !past_lease && monotonic().saturating_sub(made) > ARRIVED_LATE {
+            self.r.arrived_late += 1;
+            past_lease = true;
+        }
         if self.rng.chance(8) {
             self.r.never_read += 1;
             return;
         }
         let id = format!("d{}", self.r.requests);
-        // Long waits come between long decode stalls (which would end their leases too).
+        // Long waits come between long decode stalls (which would end their leases too):
+        // after the first of every four stalls (the long one), before the third.
         let mut ready_at = Instant::now();
-        let window = step % (4 * STALL_EVERY);
+        let window = self.r.decode_stalls % 4;
         let mut vllm_heartbeats = false;
         // (The first two in a run, then 8 % of them.)
         let long = self.r.waited_past_lease < 2 || self.rng.chance(8);
-        if (STALL_EVERY..3 * STALL_EVERY).contains(&window) && !past_lease && long {
+        if (1..3).contains(&window) && !past_lease && long {
             ready_at += LONG_WAIT;
             self.r.waited_past_lease += 1;
             // Every second one is kept by a vLLM decode's heartbeats instead (the third agent's
@@ -107,6 +114,14 @@ impl DecodeEngine {
             plain: vllm_heartbeats,
             vllm_heartbeats,
         });
+    }
+
+    /// Whether a queued request is due to get its blocks, and its load posted, this step.
+    pub fn loads_due(&self, step: u64) -> bool {
+        let now = Instant::now();
+        self.queued
+            .iter()
+            .any(|q| q.at_step <= step && q.ready_at <= now)
     }
 
     /// Marks every request under way as one whose lease may end (a long stall follows).

@@ -13,8 +13,8 @@
 //! poison pattern, and checked to be still poisoned when it is taken again; every block the
 //! decode is told is loaded is checked, rank by rank (each holds its head's half of the
 //! prefill's block), against its request's pattern, unless the request's
-//! lease may have ended while the decode was stopped (the prefill may then have reused the
-//! blocks before the READ: the documented cost of a lease). A READ landing in a block after
+//! lease may have ended while the decode was stopped or before the request reached it (the
+//! prefill may then have reused the blocks before the READ: the documented cost of a lease). A READ landing in a block after
 //! its load handed it back shows as a late write; a block freed while a READ could still
 //! read it, as a poisoned or mismatched block.
 //!
@@ -106,6 +106,8 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
     let fds_before = open_fds().unwrap();
     let rss_before = common::status_kib("VmRSS");
     let heap_before = common::heap_in_use_kib();
+    prefill.go();
+    let mut next_decode_stall = Instant::now() + STALL_EVERY;
     let mut prefill_end = None;
     let mut stopped_until: Option<Instant> = None;
     let mut next_prefill_stop = 100;
@@ -125,16 +127,18 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
             d.loading.len(),
             d.r
         );
-        // The prefill stops for 250 ms, 100 steps or more apart, while loads from it run.
+        // The prefill stops for 250 ms, 100 steps or more apart, just before this step posts
+        // loads from it (their READs then pass the timeout: loads already running may have
+        // ended in NIXL on a loaded machine); 20 steps apart until a READ passed it.
         match stopped_until {
             Some(until) if Instant::now() >= until => {
                 common::signal(&prefill.child, libc::SIGCONT);
                 stopped_until = None;
             }
-            None if step >= next_prefill_stop && !d.loading.is_empty() && prefill_end.is_none() => {
+            None if step >= next_prefill_stop && d.loads_due(step) && prefill_end.is_none() => {
                 common::signal(&prefill.child, libc::SIGSTOP);
                 stopped_until = Some(Instant::now() + Duration::from_millis(250));
-                next_prefill_stop = step + 100;
+                next_prefill_stop = step + if d.r.overdue > 0 { 100 } else { 20 };
                 d.r.prefill_stops += 1;
             }
             _ => {}
@@ -158,10 +162,11 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
                 if let Line::Request {
                     seed,
                     blocks,
+                    made,
                     params,
                 } = line
                 {
-                    d.receive(step, generation, false, (seed, blocks, params));
+                    d.receive(step, generation, false, (seed, blocks, made, params));
                 }
             }
             generation += 1;
@@ -171,13 +176,14 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
             let left = target.saturating_sub(d.r.requests);
             prefill = start_prefill(&engine, left, seconds_left(started));
             handshake(&hostile, &engine, prefill.port).await;
+            prefill.go();
         }
         // The decode stops: alternately past the heartbeats only, and past whole leases.
-        if step % STALL_EVERY == 0 && prefill_end.is_none() {
+        if next_decode_stall <= Instant::now() && prefill_end.is_none() {
             if stopped_until.take().is_some() {
                 common::signal(&prefill.child, libc::SIGCONT);
             }
-            let past_lease = (step / STALL_EVERY) % 4 == 1;
+            let past_lease = d.r.decode_stalls % 4 == 0;
             let ms = if past_lease {
                 d.past_lease();
                 d.r.decode_stalls_past_lease += 1;
@@ -198,7 +204,16 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
                     .await
                     .expect("the prefill resumes the decode")
                 {
-                    Line::Resumed => break,
+                    Line::Resumed => {
+                        // (Sooner after a long one, so that both kinds come in CI.)
+                        let wait = if past_lease {
+                            STALL_EVERY / 2
+                        } else {
+                            STALL_EVERY
+                        };
+                        next_decode_stall = Instant::now() + wait;
+                        break;
+                    }
                     Line::End {
                         freed_twice,
                         late_writes,
@@ -206,10 +221,11 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
                     Line::Request {
                         seed,
                         blocks,
+                        made,
                         params,
                     } => {
                         from_current += 1;
-                        d.receive(step, generation, past_lease, (seed, blocks, params));
+                        d.receive(step, generation, past_lease, (seed, blocks, made, params));
                     }
                 }
             }
@@ -224,10 +240,11 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
                 Line::Request {
                     seed,
                     blocks,
+                    made,
                     params,
                 } => {
                     from_current += 1;
-                    d.receive(step, generation, false, (seed, blocks, params));
+                    d.receive(step, generation, false, (seed, blocks, made, params));
                 }
             }
         }

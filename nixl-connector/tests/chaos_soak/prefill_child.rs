@@ -1,6 +1,7 @@
 //! The decode's side of the prefill process: starting it, and what it prints.
 
 use std::process::Stdio;
+use std::time::Duration;
 
 use nixl_connector::KvTransferParams;
 
@@ -12,6 +13,8 @@ pub enum Line {
     Request {
         seed: u64,
         blocks: usize,
+        /// When the prefill made it (and its lease began), on [`monotonic`]'s clock.
+        made: Duration,
         params: Box<KvTransferParams>,
     },
     Resumed,
@@ -19,6 +22,24 @@ pub enum Line {
         freed_twice: u64,
         late_writes: u64,
     },
+}
+
+/// The time on this machine's monotonic clock, which the prefill process and the decode
+/// share (`CLOCK_MONOTONIC`).
+pub fn monotonic() -> Duration {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime(2) writes only the timespec it is given, which lives here.
+    let read = unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
+    assert_eq!(
+        read,
+        0,
+        "clock_gettime: {}",
+        std::io::Error::last_os_error()
+    );
+    Duration::new(now.tv_sec as u64, now.tv_nsec as u32)
 }
 
 /// Reads the prefill process's lines (after its port) in a thread, into a channel that
@@ -36,11 +57,12 @@ pub fn read_lines(mut lines: common::ChildLines) -> tokio::sync::mpsc::Unbounded
             let Some(at) = line.find("REQ ").or_else(|| line.find("END ")) else {
                 continue;
             };
-            let mut words = line[at..].splitn(4, ' ');
+            let mut words = line[at..].splitn(5, ' ');
             let parsed = match words.next() {
                 Some("REQ") => Line::Request {
                     seed: words.next().unwrap().parse().unwrap(),
                     blocks: words.next().unwrap().parse().unwrap(),
+                    made: Duration::from_micros(words.next().unwrap().parse().unwrap()),
                     params: Box::new(serde_json::from_str(words.next().unwrap()).unwrap()),
                 },
                 _ => Line::End {
@@ -63,6 +85,16 @@ pub struct PrefillProcess {
     pub port: u16,
     pub agent: String,
     pub lines: tokio::sync::mpsc::UnboundedReceiver<Line>,
+}
+
+impl PrefillProcess {
+    /// Tells the prefill that the decode's engine is up (`GO`): it makes requests from then
+    /// on, so that none waits unread while its lease runs.
+    pub fn go(&mut self) {
+        use std::io::Write;
+        let stdin = self.child.stdin.as_mut().expect("the prefill's stdin");
+        stdin.write_all(b"GO\n").unwrap();
+    }
 }
 
 /// Starts a prefill process of engine `engine` that makes `target` requests (or runs for

@@ -3,12 +3,15 @@
 //! the decode, when told to.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nixl_connector::FinishStatus;
 
 use crate::common::{self, worker_with};
 use crate::pool::Pool;
+use crate::prefill_child::monotonic;
 use crate::rng::Rng;
 use crate::settings::{kv, scheduler, soak_seconds, spec, ENGINE_ENV, TARGET_ENV};
 
@@ -25,11 +28,14 @@ fn signal_parent(signal: libc::c_int) {
     );
 }
 
-/// Serves the decode's stall orders on stdin (`STALL <ms>`: stop the parent, the decode,
-/// for that long, then print `RESUMED`), until stdin closes.
-fn serve_stalls() {
+/// Serves the decode's orders on stdin until it closes: `GO` (its engine is up and takes
+/// requests: `go` is set) and `STALL <ms>` (stop the parent, the decode, for that long,
+/// then print `RESUMED`).
+fn serve_orders(go: &AtomicBool) {
     for line in std::io::stdin().lines().map_while(Result::ok) {
-        if let Some(ms) = line.strip_prefix("STALL ") {
+        if line == "GO" {
+            go.store(true, Ordering::Release);
+        } else if let Some(ms) = line.strip_prefix("STALL ") {
             signal_parent(libc::SIGSTOP);
             std::thread::sleep(Duration::from_millis(ms.trim().parse().unwrap()));
             signal_parent(libc::SIGCONT);
@@ -38,11 +44,14 @@ fn serve_stalls() {
     }
 }
 
-/// The prefill, in a child process: prints `PORT <port> <agent>`, then makes requests of 1 to 4
-/// blocks as its pool allows (until it made them all, or a long run's time is up), each
-/// finished for a remote decode and printed as `REQ <seed> <blocks> <params JSON>`; poisons
-/// and frees the blocks of each released request. Once every one is released, prints
-/// `END <freed twice> <late writes>` and serves stall orders until its stdin closes.
+/// The prefill, in a child process: prints `PORT <port> <agent>`, then, once the decode
+/// says `GO` (its engine is up: a request made before would wait unread in the pipe while
+/// its lease runs, and on a loaded machine the decode's agents take seconds to start),
+/// makes requests of 1 to 4 blocks as its pool allows (until it made them all, or a long
+/// run's time is up), each finished for a remote decode and printed as
+/// `REQ <seed> <blocks> <made> <params JSON>` (`made`: when, in µs of [`monotonic`]);
+/// poisons and frees the blocks of each released request. Once every one is released,
+/// prints `END <freed twice> <late writes>` and serves stall orders until its stdin closes.
 pub async fn serve() {
     common::init_tracing();
     let mut target: u64 = std::env::var(TARGET_ENV)
@@ -62,7 +71,11 @@ pub async fn serve() {
     let (mut made, mut twice, mut late) = (0u64, 0u64, 0u64);
     let mut held: HashMap<String, Vec<usize>> = HashMap::new();
     let mut released: HashSet<String> = HashSet::new();
-    let stalls = std::thread::spawn(serve_stalls);
+    let go = Arc::new(AtomicBool::new(false));
+    let orders = std::thread::spawn({
+        let go = go.clone();
+        move || serve_orders(&go)
+    });
     println!(
         "PORT {} {}",
         prefill[0].side_channel_addr().unwrap().port(),
@@ -70,6 +83,10 @@ pub async fn serve() {
     );
     while made < target || !held.is_empty() {
         let n = 1 + rng.below(4);
+        if !go.load(Ordering::Acquire) {
+            tokio::time::sleep(Duration::from_millis(3)).await;
+            continue;
+        }
         let making = made < target && until.map_or(true, |u| Instant::now() < u);
         if !making && made < target {
             target = made;
@@ -80,6 +97,7 @@ pub async fn serve() {
                 let seed = rng.below(usize::MAX) as u64 | 1;
                 let id = format!("p{made}");
                 pool.fill(&prefill[0], seed, &blocks);
+                let made_at = monotonic();
                 let done = ps.request_finished(
                     &id,
                     &blocks,
@@ -89,7 +107,7 @@ pub async fn serve() {
                 );
                 let params = serde_json::to_string(&done.kv_transfer_params.unwrap()).unwrap();
                 held.insert(id, blocks);
-                println!("REQ {seed} {n} {params}");
+                println!("REQ {seed} {n} {} {params}", made_at.as_micros());
             }
         }
         prefill[0].start_load_kv(&ps.build_connector_meta());
@@ -108,7 +126,7 @@ pub async fn serve() {
         tokio::time::sleep(Duration::from_millis(3)).await;
     }
     println!("END {twice} {late}");
-    tokio::task::spawn_blocking(move || stalls.join())
+    tokio::task::spawn_blocking(move || orders.join())
         .await
         .unwrap()
         .unwrap();

@@ -41,10 +41,11 @@ pub const TCP_ONLY: &str = "tcp,self";
 /// The prefill is killed and restarted after this many of its requests reached the decode
 /// (once in CI, again and again in a long run).
 pub const KILL_AFTER: u64 = 150;
-/// The decode is stopped every this many steps: the first of every four times for more
-/// than a whole lease (leases end), the others for less than the lease's margin
-/// (heartbeats stop, leases hold).
-pub const STALL_EVERY: u64 = 250;
+/// The decode is stopped this long after the start and after it resumed (half of it after
+/// a long stop; by time, not steps: on a loaded machine a step takes several times
+/// longer): the first of every four times for more than a whole lease (leases end), the
+/// others for less than the lease's margin (heartbeats stop, leases hold).
+pub const STALL_EVERY: Duration = Duration::from_secs(2);
 /// A stall that misses heartbeats (sent every 250 ms, each extending the lease to 1 s from
 /// its arrival) without ending a lease.
 pub const SHORT_STALL_MS: u64 = 300;
@@ -54,6 +55,10 @@ pub const LONG_STALL_MS: u64 = 2200;
 pub const FLOOD_EVERY: Duration = Duration::from_millis(250);
 /// The decode's engine TTL, in seconds (`engine_ttl`): a killed prefill is evicted.
 pub const ENGINE_TTL_S: f64 = 1.0;
+/// A request that reaches the decode this long after the prefill made it may lose its
+/// 1.5 s lease before the decode's first heartbeat arrives (on a loaded machine): it is
+/// not held to its pattern.
+pub const ARRIVED_LATE: Duration = Duration::from_millis(750);
 /// How long some requests wait for their blocks: past the 1.5 s lease.
 pub const LONG_WAIT: Duration = Duration::from_secs(2);
 
