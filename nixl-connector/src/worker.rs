@@ -31,12 +31,14 @@ use crate::transport::side_channel::Guard;
 #[cfg(feature = "vllm")]
 use crate::vllm::{Compatibility, MetadataServer, NixlHandshakePayload, VllmWorker};
 use crate::worker::connect::Engine;
+use crate::worker::decode_notes::DecodeNotes;
 use crate::worker::host_buffer::Staging;
 use crate::worker::remotes::Remotes;
 use crate::worker::sending::{heartbeat_messages, NotificationStats, Sends};
 use crate::worker::shared::{Caches, Shared};
 
 pub(crate) mod connect;
+mod decode_notes;
 pub(crate) mod engines;
 pub mod host_buffer;
 pub(crate) mod load;
@@ -70,6 +72,8 @@ pub struct KvConnectorWorker {
     tasks: Mutex<Vec<JoinHandle<()>>>,
     /// Whether decode notifications are being taken (see `listen_for_notifications`).
     listening: std::sync::Once,
+    /// The decode notifications this rank takes, once it listens.
+    decode_notes: Arc<DecodeNotes>,
 }
 
 impl std::fmt::Debug for KvConnectorWorker {
@@ -197,6 +201,7 @@ impl KvConnectorWorker {
             runtime,
             tasks: Mutex::new(Vec::new()),
             listening: std::sync::Once::new(),
+            decode_notes: Arc::default(),
         })
     }
 
@@ -215,11 +220,12 @@ impl KvConnectorWorker {
                     return;
                 }
             };
+            self.decode_notes.set(stream);
             let shared = self.shared.clone();
-            let mut stream = stream;
+            let decode_notes = self.decode_notes.clone();
             let notes = self.runtime.spawn(async move {
                 loop {
-                    let note = stream.recv().await;
+                    let note = decode_notes.next().await;
                     shared
                         .sends()
                         .notified(&note.sender, &note.message, Instant::now());
@@ -666,9 +672,15 @@ impl KvConnectorWorker {
     /// instead: with TP > 1 a request is done only once every rank reports it, and its
     /// blocks must not be freed (nor a load taken as landed) on one rank's word.
     pub fn finished(&self) -> Finished {
+        let arrived = self.decode_notes.take_arrived();
         let sending = {
             let mut sends = self.shared.sends();
-            sends.expire(Instant::now());
+            // What NIXL holds counts before any lease ends (vLLM's `get_finished`).
+            let now = Instant::now();
+            for note in &arrived {
+                sends.notified(&note.sender, &note.message, now);
+            }
+            sends.expire(now);
             sends.take_done()
         };
         let recving = std::mem::take(&mut self.shared.outcomes().recving);

@@ -657,3 +657,32 @@ async fn a_lease_that_ends_during_a_read_frees_once_and_counts_its_notification_
     assert_eq!(prefill.send_stats(), freed(0, 1));
     assert!(decode.exit().await.success(), "the decode's checks passed");
 }
+
+/// A prefill whose runtime is starved (a current-thread runtime whose one thread sleeps past
+/// the lease, so the task applying notifications cannot run) still counts the finish
+/// notification NIXL received within the lease: `finished` takes what NIXL holds before it
+/// ends any lease, as vLLM's `get_finished` takes NIXL's notifications before it reaps
+/// expired leases. Ending the lease first would free the blocks as expired and count the
+/// decode's timely notification late.
+#[tokio::test(flavor = "current_thread")]
+async fn a_starved_prefill_counts_the_notification_nixl_holds_before_ending_the_lease() {
+    let lease = Duration::from_millis(500);
+    let (spec, prefill, mut prefill_scheduler) = prefill("pf-starved", lease.as_secs_f64());
+    let decode = worker("dc-starved", 0, 1, &spec);
+    handshake(
+        &decode,
+        "pf-starved",
+        prefill.side_channel_addr().unwrap().port(),
+    )
+    .await;
+    finish_for_decode(&prefill, &mut prefill_scheduler, "timely", &[1]);
+    let to = prefill.agent().name().to_string();
+    decode.agent().send_notification(&to, b"timely:1").unwrap();
+    // The runtime's only thread sleeps past the lease: nothing on it runs meanwhile, while
+    // NIXL's progress threads deliver the notification.
+    std::thread::sleep(lease + Duration::from_millis(300));
+    assert_eq!(prefill.finished().sending, ["timely"]);
+    assert_eq!(prefill.send_stats(), freed(1, 0), "freed as notified");
+    assert_eq!(prefill.notification_stats().late_notifications, 0);
+    assert_nothing_more_freed(&prefill, "none twice").await;
+}

@@ -161,18 +161,22 @@ impl Hub {
 
     /// The next message of subscriber `id`, or `None` after keeping `waker`.
     pub(crate) fn next_for(&mut self, id: u64, waker: &Waker) -> Option<Notification> {
-        let sub = self.subscribers.iter_mut().find(|s| s.id == id)?;
-        match sub.queue.pop_front() {
-            Some(note) => {
-                sub.served = sub.once;
-                self.release(&note);
-                Some(note)
-            }
-            None => {
+        let note = self.try_next_for(id);
+        if note.is_none() {
+            if let Some(sub) = self.subscribers.iter_mut().find(|s| s.id == id) {
                 sub.waker = Some(waker.clone());
-                None
             }
         }
+        note
+    }
+
+    /// The next message of subscriber `id`, if one is queued for it.
+    pub(crate) fn try_next_for(&mut self, id: u64) -> Option<Notification> {
+        let sub = self.subscribers.iter_mut().find(|s| s.id == id)?;
+        let note = sub.queue.pop_front()?;
+        sub.served = sub.once;
+        self.release(&note);
+        Some(note)
     }
 
     /// Removes subscriber `id`; messages it did not take go back, first in line, to the

@@ -97,6 +97,21 @@ impl NotificationStream {
     pub fn recv(&mut self) -> impl Future<Output = Notification> + '_ {
         std::future::poll_fn(|cx| self.subscription.poll_next(cx))
     }
+
+    /// Every notification for this stream that NIXL has received by now, without waiting:
+    /// asks NIXL for its notifications first (as the driver does now and then), so a caller
+    /// about to act on the time (e.g. to end a lease) sees each message that arrived before.
+    /// Bounded by the hub's cap on messages held.
+    ///
+    /// # Errors
+    /// [`crate::Error`] from NIXL's notification query; messages already queued for this
+    /// stream stay queued.
+    pub fn take_arrived(&mut self) -> Result<Vec<Notification>> {
+        let shared = &self.subscription.shared;
+        shared.pull()?;
+        let mut hub = lock(&shared.hub);
+        Ok(std::iter::from_fn(|| hub.try_next_for(self.subscription.id)).collect())
+    }
 }
 
 impl futures_core::Stream for NotificationStream {
