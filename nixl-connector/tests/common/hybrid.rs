@@ -8,12 +8,12 @@ use std::time::Instant;
 
 use nixl_connector::{
     FinishStatus, KvAttention, KvCacheGroupKind, KvCacheGroups, KvConnectorScheduler,
-    KvTransferParams, Protocol, SchedulerConfig, TransferMetrics,
+    KvTransferParams, Protocol, SchedulerConfig,
 };
 
 use super::geometry::{engine_speaking, Model, Request, Side};
-use super::matrix::{await_freed, WAIT};
-use super::{cpu_config, for_decode, poll_until, vllm_config, vllm_factors};
+use super::matrix::{await_freed, RankEnd};
+use super::{cpu_config, for_decode, vllm_config, vllm_factors};
 
 /// Blocks per region of the hybrid cases: room for two groups of two requests.
 pub const HYBRID_BLOCKS: usize = 40;
@@ -171,12 +171,16 @@ async fn hybrid_case(
         .flat_map(|r| model_loads(r, block_size))
         .collect();
     for (rank, worker) in decodes.iter().enumerate() {
-        let done = poll_until(worker, WAIT, |f| f.recving.len() == requests.len()).await;
-        let metrics: Vec<TransferMetrics> = worker.metrics();
-        let errors = worker.load_errors();
+        let end = RankEnd::of(worker, rank, requests.len()).await;
         if prefill.block_size != decode.block_size {
             // Refused by name before any READ: every block failed, nothing moved.
-            let refused = done.recving.len() == requests.len()
+            let RankEnd {
+                recving,
+                metrics,
+                errors,
+                ..
+            } = &end;
+            let refused = recving.len() == requests.len()
                 && requests
                     .iter()
                     .all(|r| errors.iter().any(|e| e.request_id == r.id))
@@ -187,31 +191,21 @@ async fn hybrid_case(
                 });
             let refused = refused && metrics.iter().all(|m| m.bytes == 0);
             if !refused {
-                return Err(format!("{tag}: decode rank {rank} was not refused: ended {:?}; errors {errors:?}; {metrics:?}", done.recving));
+                return Err(format!("{tag}: decode rank {rank} was not refused: ended {recving:?}; errors {errors:?}; {metrics:?}"));
             }
             model
                 .check_decode(worker, &prefill, &decode, rank, &[])
                 .map_err(|err| format!("{tag}: {err}"))?;
             continue;
         }
-        if done.recving.len() != requests.len() || !errors.is_empty() {
-            return Err(format!(
-                "{tag}: decode rank {rank} ended {:?}; errors {errors:?}; {metrics:?}",
-                done.recving
-            ));
-        }
-        let refs: Vec<&Request> = model_requests.iter().collect();
-        model
-            .check_decode(worker, &prefill, &decode, rank, &refs)
-            .map_err(|err| format!("{tag}: {err}"))?;
-        let moved: usize = model_requests
-            .iter()
-            .map(|r| model.moved_bytes(&prefill, &decode, rank, r))
-            .sum();
-        let read: u64 = metrics.iter().map(|m| m.bytes).sum();
-        if read != moved as u64 {
-            return Err(format!("{tag}: decode rank {rank} read {read} bytes, the model moves {moved} (each byte once)"));
-        }
+        end.check_moved(
+            &tag,
+            model,
+            worker,
+            (&prefill, &decode),
+            requests.len(),
+            &model_requests,
+        )?;
     }
     if prefill.block_size != decode.block_size {
         // Nothing read, nothing notified: the prefill's lease frees the blocks.

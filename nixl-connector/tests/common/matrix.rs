@@ -5,10 +5,74 @@
 
 use std::time::{Duration, Instant};
 
-use nixl_connector::{KvAttention, KvConnectorWorker, Protocol, TransferMetrics};
+use nixl_connector::{FailedBlock, KvAttention, KvConnectorWorker, Protocol, TransferMetrics};
 
 use super::geometry::{engine_speaking, Model, Request, Side};
 use super::poll_until;
+
+/// How one decode rank's loads ended: the requests it reported received, what it read and
+/// the blocks that failed.
+pub struct RankEnd {
+    /// The decode rank.
+    pub rank: usize,
+    /// The requests whose loads ended.
+    pub recving: Vec<String>,
+    /// What each load read.
+    pub metrics: Vec<TransferMetrics>,
+    /// The blocks that failed.
+    pub errors: Vec<FailedBlock>,
+}
+
+impl RankEnd {
+    /// Waits (at most [`WAIT`]) until decode rank `rank` reports `loads` loads ended, then
+    /// takes what it read and what failed.
+    pub async fn of(worker: &KvConnectorWorker, rank: usize, loads: usize) -> RankEnd {
+        let done = poll_until(worker, WAIT, |f| f.recving.len() == loads).await;
+        RankEnd {
+            rank,
+            recving: done.recving,
+            metrics: worker.metrics(),
+            errors: worker.load_errors(),
+        }
+    }
+
+    /// Checks that `loads` loads ended without a failed block, and that they moved every
+    /// byte of `requests` (prefill and decode `sides`) where `model` says, each byte once.
+    pub fn check_moved(
+        &self,
+        tag: &str,
+        model: &Model,
+        worker: &KvConnectorWorker,
+        (prefill, decode): (&Side, &Side),
+        loads: usize,
+        requests: &[Request],
+    ) -> Result<(), String> {
+        let RankEnd {
+            rank,
+            recving,
+            metrics,
+            errors,
+        } = self;
+        if recving.len() != loads || !errors.is_empty() {
+            return Err(format!(
+                "{tag}: decode rank {rank} ended {recving:?}; errors {errors:?}; {metrics:?}"
+            ));
+        }
+        let refs: Vec<&Request> = requests.iter().collect();
+        model
+            .check_decode(worker, prefill, decode, *rank, &refs)
+            .map_err(|err| format!("{tag}: {err}"))?;
+        let moved: usize = requests
+            .iter()
+            .map(|r| model.moved_bytes(prefill, decode, *rank, r))
+            .sum();
+        let read: u64 = metrics.iter().map(|m| m.bytes).sum();
+        if read != moved as u64 {
+            return Err(format!("{tag}: decode rank {rank} read {read} bytes, the model moves {moved} (each byte once)"));
+        }
+        Ok(())
+    }
+}
 
 /// Blocks per region on both sides.
 pub const BLOCKS: usize = 12;
@@ -111,27 +175,16 @@ async fn supported(
         }
     }
     for (rank, worker) in decodes.iter().enumerate() {
-        let done = poll_until(worker, WAIT, |f| f.recving.len() == requests.len()).await;
-        let metrics: Vec<TransferMetrics> = worker.metrics();
-        let errors = worker.load_errors();
-        if done.recving.len() != requests.len() || !errors.is_empty() {
-            return Err(format!(
-                "{tag}: decode rank {rank} ended {:?}; errors {errors:?}; {metrics:?}",
-                done.recving
-            ));
-        }
-        let refs: Vec<&Request> = requests.iter().collect();
-        model
-            .check_decode(worker, &prefill, &decode, rank, &refs)
-            .map_err(|err| format!("{tag}: {err}"))?;
-        let moved: usize = requests
-            .iter()
-            .map(|r| model.moved_bytes(&prefill, &decode, rank, r))
-            .sum();
-        let read: u64 = metrics.iter().map(|m| m.bytes).sum();
-        if read != moved as u64 {
-            return Err(format!("{tag}: decode rank {rank} read {read} bytes, the model moves {moved} (each byte once)"));
-        }
+        RankEnd::of(worker, rank, requests.len())
+            .await
+            .check_moved(
+                &tag,
+                model,
+                worker,
+                (&prefill, &decode),
+                requests.len(),
+                &requests,
+            )?;
     }
     let ids: Vec<&str> = requests.iter().map(|r| r.id.as_str()).collect();
     await_freed(&prefills, &ids, &tag).await
