@@ -39,10 +39,10 @@ impl DecodeNotes {
 
     /// Every notification NIXL has received for the rank by now (none before it listens).
     pub(crate) fn take_arrived(&self) -> Vec<Notification> {
-        let Some(stream) = self.lock().as_mut().map(|s| s.take_arrived()) else {
+        let Some(arrived) = self.lock().as_mut().map(|s| s.take_arrived()) else {
             return Vec::new();
         };
-        stream.unwrap_or_else(|err| {
+        arrived.unwrap_or_else(|err| {
             tracing::warn!(%err, "cannot take the decode notifications NIXL holds; leases are ended without them");
             Vec::new()
         })

@@ -4,15 +4,13 @@
 //! is checked against the model of [`super::geometry`], given which blocks each group needs
 //! as computed here from the window's definition.
 
-use std::time::Instant;
-
 use nixl_connector::{
-    FinishStatus, KvAttention, KvCacheGroupKind, KvCacheGroups, KvConnectorScheduler,
-    KvTransferParams, Protocol, SchedulerConfig,
+    FinishStatus, KvCacheGroupKind, KvCacheGroups, KvConnectorScheduler, KvTransferParams,
+    Protocol, SchedulerConfig,
 };
 
-use super::geometry::{engine_speaking, Model, Request, Side};
-use super::matrix::{await_freed, RankEnd};
+use super::geometry::{Model, Request, Side};
+use super::matrix::{attention_label, await_freed, filled_engines, run_each, RankEnd};
 use super::{cpu_config, for_decode, vllm_config, vllm_factors};
 
 /// Blocks per region of the hybrid cases: room for two groups of two requests.
@@ -117,22 +115,11 @@ async fn hybrid_case(
 ) -> Result<(), String> {
     let tag = format!(
         "hybrid-{protocol}-{}-p{}-d{}",
-        match model.attention {
-            KvAttention::Mla => "mla".to_string(),
-            KvAttention::Mha { total_kv_heads } => format!("mha{total_kv_heads}"),
-        },
+        attention_label(model),
         prefill.tp,
         decode.tp,
     );
-    let engine_id = format!("pf-{tag}");
-    let prefills = engine_speaking(&engine_id, model, &prefill, protocol);
-    let decodes = engine_speaking(&format!("dc-{tag}"), model, &decode, protocol);
-    for (rank, worker) in prefills.iter().enumerate() {
-        model.fill_prefill(worker, &prefill, rank);
-    }
-    for worker in &decodes {
-        model.fill_sentinel(worker, &decode);
-    }
+    let (engine_id, prefills, decodes) = filled_engines(&tag, model, &prefill, &decode, protocol);
     let port = prefills[0].side_channel_addr().unwrap().port();
     let block_size = prefill.block_size;
     let mut prefill_scheduler = scheduler(&engine_id, port, prefill.tp, block_size, protocol);
@@ -220,26 +207,13 @@ async fn hybrid_case(
 /// move every byte the model says; others are refused by name and move nothing. Fails
 /// naming each case that failed.
 pub async fn run_hybrid_cases(model: &Model, cases: &[(Side, Side)], protocol: Protocol) {
-    let mut failed = Vec::new();
-    for &(prefill, decode) in cases {
-        let started = Instant::now();
+    run_each(cases, ", two KV cache groups", |prefill, decode| {
         let outcome = if prefill.block_size == decode.block_size {
             "every byte as the model says"
         } else {
             "refused by name, nothing read"
         };
-        match hybrid_case(model, prefill, decode, protocol).await {
-            Ok(()) => eprintln!(
-                "{prefill:?} -> {decode:?}, two KV cache groups: {outcome}, in {:?}",
-                started.elapsed()
-            ),
-            Err(err) => failed.push(err),
-        }
-    }
-    assert!(
-        failed.is_empty(),
-        "{} cases failed:\n{}",
-        failed.len(),
-        failed.join("\n")
-    );
+        (outcome, hybrid_case(model, prefill, decode, protocol))
+    })
+    .await
 }

@@ -141,24 +141,13 @@ async fn supported(
 ) -> Result<(), String> {
     let tag = format!(
         "{protocol}-{}-p{}x{}-d{}x{}",
-        match model.attention {
-            KvAttention::Mla => "mla".to_string(),
-            KvAttention::Mha { total_kv_heads } => format!("mha{total_kv_heads}"),
-        },
+        attention_label(model),
         prefill.tp,
         prefill.block_size,
         decode.tp,
         decode.block_size
     );
-    let engine_id = format!("pf-{tag}");
-    let prefills = engine_speaking(&engine_id, model, &prefill, protocol);
-    let decodes = engine_speaking(&format!("dc-{tag}"), model, &decode, protocol);
-    for (rank, worker) in prefills.iter().enumerate() {
-        model.fill_prefill(worker, &prefill, rank);
-    }
-    for worker in &decodes {
-        model.fill_sentinel(worker, &decode);
-    }
+    let (engine_id, prefills, decodes) = filled_engines(&tag, model, &prefill, &decode, protocol);
     let requests = requests(&tag, &prefill, &decode);
     for worker in &prefills {
         for request in &requests {
@@ -193,12 +182,28 @@ async fn supported(
 /// Runs every case of `cases` (prefill and decode sides) for `model`, both engines speaking
 /// `protocol`; fails naming each case that failed.
 pub async fn run_cases_speaking(model: &Model, cases: &[(Side, Side)], protocol: Protocol) {
+    run_each(cases, "", |prefill, decode| {
+        let outcome = "every byte as the model says";
+        (outcome, supported(model, prefill, decode, protocol))
+    })
+    .await
+}
+
+/// Runs `case` for each prefill and decode side of `cases`, one after the other, saying
+/// each passing case's outcome (`what` after its sides, e.g. the model's kind); fails naming
+/// each case that failed. `case` gives the outcome a pass means, and the case to run.
+pub async fn run_each<F, C>(cases: &[(Side, Side)], what: &str, mut case: C)
+where
+    C: FnMut(Side, Side) -> (&'static str, F),
+    F: std::future::Future<Output = Result<(), String>>,
+{
     let mut failed = Vec::new();
     for &(prefill, decode) in cases {
         let started = Instant::now();
-        match supported(model, prefill, decode, protocol).await {
+        let (outcome, run) = case(prefill, decode);
+        match run.await {
             Ok(()) => eprintln!(
-                "{prefill:?} -> {decode:?}: every byte as the model says, in {:?}",
+                "{prefill:?} -> {decode:?}{what}: {outcome}, in {:?}",
                 started.elapsed()
             ),
             Err(err) => failed.push(err),
@@ -210,4 +215,34 @@ pub async fn run_cases_speaking(model: &Model, cases: &[(Side, Side)], protocol:
         failed.len(),
         failed.join("\n")
     );
+}
+
+/// The model's attention, for case tags: `mla`, or `mha` and its KV heads.
+pub fn attention_label(model: &Model) -> String {
+    match model.attention {
+        KvAttention::Mla => "mla".to_string(),
+        KvAttention::Mha { total_kv_heads } => format!("mha{total_kv_heads}"),
+    }
+}
+
+/// The engines of case `tag`, both speaking `protocol`: the prefill's id, its ranks with
+/// their caches filled as the model says, and the decode's ranks with theirs filled with
+/// the sentinel.
+pub fn filled_engines(
+    tag: &str,
+    model: &Model,
+    prefill: &Side,
+    decode: &Side,
+    protocol: Protocol,
+) -> (String, Vec<KvConnectorWorker>, Vec<KvConnectorWorker>) {
+    let engine_id = format!("pf-{tag}");
+    let prefills = engine_speaking(&engine_id, model, prefill, protocol);
+    let decodes = engine_speaking(&format!("dc-{tag}"), model, decode, protocol);
+    for (rank, worker) in prefills.iter().enumerate() {
+        model.fill_prefill(worker, prefill, rank);
+    }
+    for worker in &decodes {
+        model.fill_sentinel(worker, decode);
+    }
+    (engine_id, prefills, decodes)
 }
