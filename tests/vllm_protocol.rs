@@ -3,7 +3,9 @@
 //! with NIXL's Python agent, written from the wire format (tests/py/vllm_peer.py): the
 //! handshake both ways, the compatibility hash, the notification formats, hostile requests;
 //! and whole loads both ways between a connector worker in vLLM mode and the Python engine,
-//! every byte checked, the notifications and heartbeats compared byte for byte.
+//! every byte checked, the notifications and heartbeats compared byte for byte, also after
+//! either engine registered its KV cache again (vLLM's sleep mode, a new registration
+//! generation).
 
 mod py;
 #[path = "../nixl-connector/tests/vllm_support/mod.rs"]
@@ -410,12 +412,18 @@ async fn notifications_match_vllms_both_ways() {
 /// The bytes of region `region` of a Python prefill, as tests/py/vllm_peer.py's `kv_byte`
 /// fills them (byte `i` from the region's start).
 fn python_byte(region: usize, i: usize) -> u8 {
-    ((i * 7 + (i >> 8) * 13 + region * 131 + 3) % 256) as u8
+    python_byte_of(0, region, i)
 }
 
-/// The bytes of region `region` of a Rust prefill (byte `i` from the region's start).
-fn rust_byte(region: usize, i: usize) -> u8 {
-    ((i * 11 + (i >> 8) * 5 + region * 71 + 1) % 256) as u8
+/// [`python_byte`] of a Python prefill's registration after `salt` others (`kv_reregister`).
+fn python_byte_of(salt: usize, region: usize, i: usize) -> u8 {
+    ((i * 7 + (i >> 8) * 13 + region * 131 + salt * 89 + 3) % 256) as u8
+}
+
+/// The bytes of region `region` of a Rust prefill (byte `i` from the region's start), in
+/// its registration after `salt` others.
+fn rust_byte_of(salt: usize, region: usize, i: usize) -> u8 {
+    ((i * 11 + (i >> 8) * 5 + region * 71 + salt * 97 + 1) % 256) as u8
 }
 
 /// The geometry both engines of the Python tests share, vLLM 0.33's `LBHNC`: 2 layers of 16
@@ -555,13 +563,23 @@ async fn load_from_python(
 
 /// Checks that `local` blocks of `decode` hold the Python prefill's `remote` blocks.
 fn holds_python_blocks(decode: &KvConnectorWorker, local: &[usize], remote: &[usize]) {
+    holds_python_blocks_of(decode, 0, local, remote);
+}
+
+/// [`holds_python_blocks`] of the Python prefill's registration after `salt` others.
+fn holds_python_blocks_of(
+    decode: &KvConnectorWorker,
+    salt: usize,
+    local: &[usize],
+    remote: &[usize],
+) {
     let cache = decode.kv_caches().unwrap();
     for region in 0..REGIONS {
         for (&l, &r) in local.iter().zip(remote) {
             let mut got = vec![0u8; BLOCK_LEN];
             cache.read(region, l * BLOCK_LEN, &mut got).unwrap();
             let want: Vec<u8> = (0..BLOCK_LEN)
-                .map(|o| python_byte(region, r * BLOCK_LEN + o))
+                .map(|o| python_byte_of(salt, region, r * BLOCK_LEN + o))
                 .collect();
             assert!(got == want, "region {region} local block {l} (remote {r})");
         }
@@ -707,13 +725,7 @@ async fn a_rust_decode_of_tp2_reads_each_heads_packed_k_and_v_from_a_python_pref
 async fn a_python_decode_reads_every_byte_from_a_rust_prefill_whose_notification_frees_it() {
     let mut peer = VllmPeer::start();
     let (prefill, mut scheduler) = vllm_engine("rs-prefill", &factors());
-    let cache = prefill.kv_caches().unwrap();
-    for region in 0..REGIONS {
-        let bytes: Vec<u8> = (0..BLOCKS * BLOCK_LEN)
-            .map(|i| rust_byte(region, i))
-            .collect();
-        cache.write(region, 0, &bytes).unwrap();
-    }
+    fill_rust_prefill(&prefill, 0);
     let for_decode = KvTransferParams {
         do_remote_decode: true,
         ..Default::default()
@@ -756,13 +768,10 @@ async fn a_python_decode_reads_every_byte_from_a_rust_prefill_whose_notification
     assert_eq!(got["meta"]["region_mem_types"], json!(["DRAM", "DRAM"]));
     assert_eq!(got["remote_perf_is_float"], true);
     let data = unhex(got["data"].as_str().expect("the blocks read"));
-    let mut want = Vec::new();
-    for region in 0..REGIONS {
-        for &block in &remote {
-            want.extend((0..BLOCK_LEN).map(|o| rust_byte(region, block * BLOCK_LEN + o)));
-        }
-    }
-    assert!(data == want, "the Python decode read other bytes");
+    assert!(
+        data == rust_blocks_of(0, &remote),
+        "the Python decode read other bytes"
+    );
 
     // The READ's notification "rs-req-1:1" frees the request.
     tokio::time::timeout(Duration::from_secs(10), prefill.notified())
@@ -918,13 +927,7 @@ async fn a_rust_decode_reads_each_groups_blocks_only_in_its_own_regions() {
 async fn a_python_decode_reads_both_kv_cache_groups_of_a_rust_prefill() {
     let mut peer = VllmPeer::start();
     let (prefill, mut scheduler) = vllm_engine_with("rs-prefill-hybrid", hybrid_kv(&factors()));
-    let cache = prefill.kv_caches().unwrap();
-    for region in 0..REGIONS {
-        let bytes: Vec<u8> = (0..BLOCKS * BLOCK_LEN)
-            .map(|i| rust_byte(region, i))
-            .collect();
-        cache.write(region, 0, &bytes).unwrap();
-    }
+    fill_rust_prefill(&prefill, 0);
     let for_decode = KvTransferParams {
         do_remote_decode: true,
         ..Default::default()
@@ -955,13 +958,10 @@ async fn a_python_decode_reads_both_kv_cache_groups_of_a_rust_prefill() {
     ));
     assert_eq!(got["meta"]["region_group_ids"], json!([-1, -1]), "{got}");
     let data = unhex(got["data"].as_str().expect("the blocks read"));
-    let mut want = Vec::new();
-    for region in 0..REGIONS {
-        for block in [5, 2, 11, 3, 7, 8, 9] {
-            want.extend((0..BLOCK_LEN).map(|o| rust_byte(region, block * BLOCK_LEN + o)));
-        }
-    }
-    assert!(data == want, "the Python decode read other bytes");
+    assert!(
+        data == rust_blocks_of(0, &[5, 2, 11, 3, 7, 8, 9]),
+        "the Python decode read other bytes"
+    );
     tokio::time::timeout(Duration::from_secs(10), prefill.notified())
         .await
         .expect("the Python decode's notification");
@@ -1056,4 +1056,147 @@ async fn a_rust_decode_ignores_new_keys_refuses_another_hash_and_false_addresses
         .read(0, 2 * BLOCK_LEN, &mut block)
         .unwrap();
     assert!(block.iter().all(|&b| b == 0));
+}
+
+/// Fills every region of a Rust prefill's cache with [`rust_byte_of`] `salt`.
+fn fill_rust_prefill(prefill: &KvConnectorWorker, salt: usize) {
+    let cache = prefill.kv_caches().unwrap();
+    for region in 0..REGIONS {
+        let bytes: Vec<u8> = (0..BLOCKS * BLOCK_LEN)
+            .map(|i| rust_byte_of(salt, region, i))
+            .collect();
+        cache.write(region, 0, &bytes).unwrap();
+    }
+}
+
+/// Finishes `request` in `remote` blocks on a Rust prefill for a decode, and has the Python
+/// peer's vLLM decode (`kv_load`) read it from the params: what it answered, once the
+/// prefill reported the request sent (freed by the decode's notification), and the
+/// params' registration generation.
+async fn python_load_from_rust(
+    peer: &mut VllmPeer,
+    (prefill, scheduler): (&KvConnectorWorker, &mut KvConnectorScheduler),
+    request: &str,
+    remote: &[usize],
+) -> (Value, u64) {
+    let for_decode = KvTransferParams {
+        do_remote_decode: true,
+        ..Default::default()
+    };
+    let finished = scheduler.request_finished(
+        request,
+        remote,
+        16,
+        Some(&for_decode),
+        FinishStatus::LengthCapped,
+    );
+    prefill.start_load_kv(&scheduler.build_connector_meta());
+    let json = finished.kv_transfer_params.unwrap().to_vllm_json();
+    let params: Value = serde_json::from_str(&json).unwrap();
+    let got = peer.json(&format!(
+        "kv_load {} {} 1",
+        hex(json.as_bytes()),
+        factors().hash()
+    ));
+    assert!(got["data"].is_string(), "{request}: nothing read: {got}");
+    tokio::time::timeout(Duration::from_secs(10), prefill.notified())
+        .await
+        .expect("the Python decode's notification");
+    assert_eq!(prefill.finished().sending, [request]);
+    let generation = params["remote_registration_generation"].as_u64().unwrap();
+    (got, generation)
+}
+
+/// What a Python decode reading `remote` blocks of a Rust prefill filled with
+/// [`rust_byte_of`] `salt` gets: every region's blocks in turn.
+fn rust_blocks_of(salt: usize, remote: &[usize]) -> Vec<u8> {
+    let mut want = Vec::new();
+    for region in 0..REGIONS {
+        for &block in remote {
+            want.extend((0..BLOCK_LEN).map(|o| rust_byte_of(salt, region, block * BLOCK_LEN + o)));
+        }
+    }
+    want
+}
+
+/// vLLM's sleep mode on a Rust prefill (#32 item 7): the worker registers its KV cache
+/// again (new buffers, other bytes), and the engine's side channel starts a new registration
+/// generation, which the params of the requests finished from then on carry. A Python vLLM
+/// decode that loaded the engine at the generation before drops it and handshakes again
+/// (vLLM's `_read_blocks_for_req`), then reads the new buffers' bytes, not the old ones; at
+/// the same generation it reads without a handshake.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_python_decode_handshakes_again_with_a_rust_prefill_registered_again() {
+    let mut peer = VllmPeer::start();
+    let (mut prefill, mut scheduler) = vllm_engine("rs-prefill-rereg", &factors());
+    fill_rust_prefill(&prefill, 0);
+    let remote = [5, 2, 11];
+    let engine = (&prefill, &mut scheduler);
+    let (got, generation) = python_load_from_rust(&mut peer, engine, "rs-rereg-1", &remote).await;
+    assert_eq!(generation, 1);
+    assert_eq!(got["handshaken"], true, "{got}");
+    let data = unhex(got["data"].as_str().expect("the blocks read"));
+    assert!(
+        data == rust_blocks_of(0, &remote),
+        "the first registration's bytes"
+    );
+
+    prefill.register_host_kv_caches_again(kv_spec()).unwrap();
+    assert_eq!(prefill.registration_generation(), 2);
+    fill_rust_prefill(&prefill, 1);
+    let (new, old) = (rust_blocks_of(1, &remote), rust_blocks_of(0, &remote));
+    assert!(new != old);
+    let engine = (&prefill, &mut scheduler);
+    let (got, generation) = python_load_from_rust(&mut peer, engine, "rs-rereg-2", &remote).await;
+    assert_eq!(generation, 2);
+    assert_eq!(got["handshaken"], true, "a newer generation: {got}");
+    let data = unhex(got["data"].as_str().expect("the blocks read"));
+    assert!(
+        data != old,
+        "the Python decode read the old registration's bytes"
+    );
+    assert!(data == new, "the Python decode read other bytes");
+
+    let engine = (&prefill, &mut scheduler);
+    let (got, generation) = python_load_from_rust(&mut peer, engine, "rs-rereg-3", &remote).await;
+    assert_eq!(generation, 2);
+    assert_eq!(got["handshaken"], false, "the same generation: {got}");
+    assert!(unhex(got["data"].as_str().unwrap()) == new);
+}
+
+/// vLLM's sleep mode on a Python prefill (#32 item 7): it deregisters its KV cache,
+/// registers new buffers (other bytes; the old ones kept, unregistered) and serves the changed
+/// payload as a new registration generation, which its params carry. A Rust decode in vLLM
+/// mode that loaded the engine at the generation before forgets it, handshakes again and
+/// reads the new buffers' bytes, not the old ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rust_decode_handshakes_again_with_a_python_prefill_registered_again() {
+    let mut peer = VllmPeer::start();
+    python_prefill(&mut peer, &factors().hash(), false, false);
+    let (decode, mut scheduler) = vllm_engine("rs-decode-rereg", &factors());
+    let remote = [3, 9];
+    let engine = (&decode, &mut scheduler);
+    let outcome = load_from_python(&mut peer, engine, "py-rereg-1", &remote, &[0, 1]).await;
+    assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
+    holds_python_blocks(&decode, &[0, 1], &remote);
+    assert_eq!(peer.call("kv_served"), "1", "one handshake");
+
+    let got = peer.json("kv_reregister");
+    assert_eq!(got, json!({"generation": 2, "salt": 1}));
+    let params = peer.json(&format!("kv_finish {} 3,9", hex(b"py-rereg-2")));
+    assert_eq!(params["remote_registration_generation"], 2, "{params}");
+    let engine = (&decode, &mut scheduler);
+    let outcome = load_from_python(&mut peer, engine, "py-rereg-2", &remote, &[2, 3]).await;
+    assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
+    holds_python_blocks_of(&decode, 1, &[2, 3], &remote);
+    assert_eq!(peer.call("kv_served"), "2", "a handshake again");
+    let notes = peer.json("kv_notifs 2 10");
+    assert_eq!(
+        notes[0]["vllm"],
+        json!({"id": "py-rereg-1", "consumers": 1})
+    );
+    assert_eq!(
+        notes[1]["vllm"],
+        json!({"id": "py-rereg-2", "consumers": 1})
+    );
 }
