@@ -115,47 +115,128 @@ pub(crate) fn pair_units(
         .collect())
 }
 
-/// The units a load of several KV cache groups reads (see [`KvCacheGroups`](crate::KvCacheGroups)): `remote`
-/// holds each group's blocks in turn, `group_lens` long, already trimmed to the local ones
-/// (the scheduler's `update_state_after_alloc_groups`), so that local block `i` reads
-/// remote block `i`, both engines' blocks holding as many tokens.
+/// One side's block ids of a load of several KV cache groups: each group's in turn, `lens`
+/// of them.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct GroupBlocks<'a> {
+    /// The ids, group after group.
+    pub(crate) ids: &'a [usize],
+    /// How many ids each group has.
+    pub(crate) lens: &'a [usize],
+}
+
+/// The units a load of several KV cache groups reads (see [`KvCacheGroups`](crate::KvCacheGroups)),
+/// as `(local unit, remote unit)` pairs in token order, group after group, and how many
+/// pairs each group has.
+///
+/// Each group's lists are the tail of the blocks the prompt fills on each side: a
+/// sliding-window group's clipped to its window (by each engine, in its own blocks), a
+/// full-attention group's whole on the prefill and without the decode's prefix cache. The
+/// `remote` ids are the prefill's kernel blocks, `per_id` of them for each of its block ids
+/// (vLLM's `physical_blocks_per_logical_kv_block`; `_logical_to_kernel_block_ids` expands
+/// them); units are the prefill's kernel blocks, of which a decode block holds
+/// [`BlockSizes::local_units`] (vLLM's `_map_block_ids_for_block_size_ratio`). A unit is
+/// read when both sides' lists hold it, so each group's lists meet at the same token of the
+/// prompt:
+/// - with blocks of as many tokens and one kernel block per id, the lists end together:
+///   local block `i` from the last pairs with remote block `i` from the last (vLLM's
+///   `_apply_prefix_caching`);
+/// - otherwise by the prompt's `num_tokens` (vLLM's `remote_num_tokens`): the units
+///   holding tokens end the prompt, the prefill's ids end with its block holding the last
+///   token (kernel blocks past it are not read), and the decode's blocks with its own.
 ///
 /// # Errors
-/// [`Error::InvalidArgument`] when the blocks differ in size, when the counts do not add up
-/// to the remote blocks, or when there are not as many local blocks as remote ones.
+/// [`Error::InvalidArgument`] when the prefill's kernel blocks are larger than the decode's
+/// (vLLM 0.33 reads blocks of different sizes only into a multiple of them:
+/// `TransferTopology.block_size_ratio` asserts it), when the counts do not add up to the
+/// ids or the groups differ in number, when a group has more local blocks than remote ones
+/// (same sizes) or more than the prompt fills, and when `num_tokens` is needed but absent.
 pub(crate) fn pair_groups(
     request_id: &str,
-    local: &[usize],
-    remote: &[usize],
-    group_lens: &[usize],
+    local: GroupBlocks<'_>,
+    remote: GroupBlocks<'_>,
     sizes: BlockSizes,
-) -> Result<Vec<(usize, usize)>> {
+    num_tokens: Option<usize>,
+    per_id: usize,
+) -> Result<(Vec<(usize, usize)>, Vec<usize>)> {
     const OP: &str = "pair the blocks of a load";
-    if sizes.local != sizes.remote {
-        return Err(Error::invalid(
-            OP,
-            format!(
-                "request {request_id:?}: {} KV cache groups with blocks of {} tokens (local) and {} (remote): a hybrid model's blocks must hold as many tokens on both engines",
-                group_lens.len(),
-                sizes.local,
-                sizes.remote
-            ),
-        ));
+    let invalid = |why: String| Error::invalid(OP, format!("request {request_id:?}: {why}"));
+    let groups = local.lens.len();
+    if sizes.remote > sizes.local {
+        return Err(invalid(format!(
+            "{groups} KV cache groups with blocks of {} tokens (local) and {} (remote): vLLM 0.33 reads a hybrid model's blocks only when the decode's block size is a multiple of the prefill's (its TransferTopology.block_size_ratio asserts it); give the decode blocks of a multiple of {} tokens",
+            sizes.local, sizes.remote, sizes.remote
+        )));
     }
-    crate::geometry::groups::split(remote, group_lens)
-        .map_err(|err| Error::invalid(OP, format!("request {request_id:?}: {err}")))?;
-    if local.len() != remote.len() {
-        return Err(Error::invalid(
-            OP,
-            format!(
-                "request {request_id:?}: {} local blocks for {} remote blocks of {} KV cache groups {group_lens:?}: pair them group by group (the scheduler's update_state_after_alloc_groups)",
-                local.len(),
-                remote.len(),
-                group_lens.len()
-            ),
-        ));
+    let split = |ids, lens| {
+        crate::geometry::groups::split(ids, lens).map_err(|err| invalid(err.to_string()))
+    };
+    let (locals, remotes) = (
+        split(local.ids, local.lens)?,
+        split(remote.ids, remote.lens)?,
+    );
+    if locals.len() != remotes.len() {
+        return Err(invalid(format!(
+            "{} local KV cache groups for {} remote ones",
+            locals.len(),
+            remotes.len()
+        )));
     }
-    Ok(local.iter().copied().zip(remote.iter().copied()).collect())
+    let lu = sizes.local_units();
+    // Where the prompt ends, in units, prefill blocks and decode blocks.
+    let ends = if lu == 1 && per_id == 1 {
+        None
+    } else {
+        let Some(tokens) = num_tokens else {
+            return Err(invalid(format!(
+                "{groups} KV cache groups with blocks of {} tokens (local) and {} (remote, {per_id} per block id): which tokens each group's blocks hold depends on the prompt's length; pass num_tokens (vLLM's remote_num_tokens)",
+                sizes.local, sizes.remote
+            )));
+        };
+        let filled = tokens.div_ceil(sizes.unit());
+        let remote_end = filled
+            .div_ceil(per_id)
+            .checked_mul(per_id)
+            .ok_or_else(|| invalid(format!("num_tokens {tokens} overflows")))?;
+        Some((tokens, filled, remote_end, filled.div_ceil(lu)))
+    };
+    let mut pairs = Vec::with_capacity(local.ids.len().saturating_mul(lu));
+    let mut counts = Vec::with_capacity(groups);
+    for (group, (l, r)) in locals.iter().zip(&remotes).enumerate() {
+        let before = pairs.len();
+        match ends {
+            None => {
+                let Some(skipped) = r.len().checked_sub(l.len()) else {
+                    return Err(invalid(format!(
+                        "KV cache group {group}: {} local blocks for {} remote blocks",
+                        l.len(),
+                        r.len()
+                    )));
+                };
+                pairs.extend(l.iter().copied().zip(r[skipped..].iter().copied()));
+            }
+            Some((tokens, filled, remote_end, local_end)) => {
+                if r.len() > remote_end || l.len() > local_end {
+                    return Err(invalid(format!(
+                        "KV cache group {group}: num_tokens {tokens} fill {} remote block ids of {} tokens and {local_end} local blocks of {} tokens, the load names {} and {}",
+                        remote_end / per_id,
+                        sizes.remote * per_id,
+                        sizes.local,
+                        r.len() / per_id,
+                        l.len()
+                    )));
+                }
+                let remote_first = remote_end - r.len();
+                let skipped = local_end - l.len();
+                for unit in remote_first.max(skipped * lu)..filled {
+                    let block = l[unit / lu - skipped];
+                    pairs.push((block * lu + unit % lu, r[unit - remote_first]));
+                }
+            }
+        }
+        counts.push(pairs.len() - before);
+    }
+    Ok((pairs, counts))
 }
 
 #[cfg(test)]
@@ -214,25 +295,138 @@ mod tests {
         assert_eq!(pairs, [(0, 6), (1, 7), (2, 16), (3, 17)]);
     }
 
+    fn groups<'a>(ids: &'a [usize], lens: &'a [usize]) -> GroupBlocks<'a> {
+        GroupBlocks { ids, lens }
+    }
+
     #[test]
     fn groups_pair_block_by_block_when_their_blocks_hold_as_many_tokens() {
-        let pairs = pair_groups("r", &[1, 2, 3], &[7, 8, 9], &[2, 1], SAME).unwrap();
+        let pair = |local: &[usize], lens: &[usize], sizes| {
+            pair_groups(
+                "r",
+                groups(local, lens),
+                groups(&[7, 8, 9], &[2, 1]),
+                sizes,
+                None,
+                1,
+            )
+        };
+        let (pairs, counts) = pair(&[1, 2, 3], &[2, 1], SAME).unwrap();
         assert_eq!(pairs, [(1, 7), (2, 8), (3, 9)]);
-        let err = pair_groups("r", &[1, 2, 3], &[7, 8, 9], &[2, 1], LOCAL_DOUBLE)
+        assert_eq!(counts, [2, 1]);
+        // A prefix hit: the group's local blocks pair with the last of its remote ones.
+        let (pairs, counts) = pair(&[2, 3], &[1, 1], SAME).unwrap();
+        assert_eq!((pairs, counts), (vec![(2, 8), (3, 9)], vec![1, 1]));
+        let err = pair(&[1, 2, 3], &[2, 1], REMOTE_DOUBLE)
             .unwrap_err()
             .to_string();
         assert!(
-            err.contains("blocks of 32 tokens (local) and 16 (remote)"),
+            err.contains("blocks of 16 tokens (local) and 32 (remote)")
+                && err.contains("TransferTopology.block_size_ratio"),
             "{err}"
         );
-        let err = pair_groups("r", &[1, 2, 3], &[7, 8, 9], &[2, 2], SAME)
-            .unwrap_err()
-            .to_string();
+        let err = pair(&[1, 2, 3], &[2, 2], SAME).unwrap_err().to_string();
         assert!(err.contains("do not add up to the 3"), "{err}");
-        let err = pair_groups("r", &[1, 2], &[7, 8, 9], &[2, 1], SAME)
+        let err = pair(&[1, 2, 3], &[3], SAME).unwrap_err().to_string();
+        assert!(
+            err.contains("1 local KV cache groups for 2 remote"),
+            "{err}"
+        );
+        let err = pair(&[1, 2, 3], &[1, 2], SAME).unwrap_err().to_string();
+        assert!(
+            err.contains("KV cache group 1: 2 local blocks for 1 remote blocks"),
+            "{err}"
+        );
+        let err = pair(&[1, 2, 3], &[2, 1], LOCAL_DOUBLE)
             .unwrap_err()
             .to_string();
-        assert!(err.contains("2 local blocks for 3 remote blocks"), "{err}");
+        assert!(err.contains("pass num_tokens"), "{err}");
+    }
+
+    #[test]
+    fn larger_decode_blocks_pair_each_groups_units_by_token() {
+        // 20 tokens: 2 remote blocks of 16, 1 local block of 32. Full attention: remote 3
+        // and 8 into local 5's two units; the window group's last remote block, 12, into
+        // the second unit of its local block 6.
+        let (pairs, counts) = pair_groups(
+            "r",
+            groups(&[5, 6], &[1, 1]),
+            groups(&[3, 8, 12], &[2, 1]),
+            LOCAL_DOUBLE,
+            Some(20),
+            1,
+        )
+        .unwrap();
+        assert_eq!(pairs, [(10, 3), (11, 8), (13, 12)]);
+        assert_eq!(counts, [2, 1]);
+        // 70 tokens: 5 remote blocks (the last one partly filled), 3 local blocks. The
+        // window group's lists start at the prompt's remote block 3 and local block 1
+        // (units 2 and 3): unit 2 is not in its remote list and not read; units 3 and 4
+        // land in the second half of local block 7 and the first half of 9.
+        let (pairs, counts) = pair_groups(
+            "r",
+            groups(&[1, 2, 3, 7, 9], &[3, 2]),
+            groups(&[10, 11, 12, 13, 14, 23, 24], &[5, 2]),
+            LOCAL_DOUBLE,
+            Some(70),
+            1,
+        )
+        .unwrap();
+        assert_eq!(
+            pairs,
+            [
+                (2, 10),
+                (3, 11),
+                (4, 12),
+                (5, 13),
+                (6, 14),
+                (15, 23),
+                (18, 24)
+            ]
+        );
+        assert_eq!(counts, [5, 2]);
+        let err = pair_groups(
+            "r",
+            groups(&[1, 2, 3, 4], &[4]),
+            groups(&[10, 11], &[2]),
+            LOCAL_DOUBLE,
+            Some(20),
+            1,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("KV cache group 0: num_tokens 20 fill 2 remote block ids of 16 tokens and 1 local blocks of 32 tokens, the load names 2 and 4"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn kernel_blocks_past_the_prompt_are_not_read() {
+        // Remote block ids of 2 kernel blocks of 16 tokens, 40 tokens: ids 4 and 6 are
+        // kernel blocks 8, 9, 12 (13 holds no token); local blocks of 16.
+        let (pairs, counts) = pair_groups(
+            "r",
+            groups(&[1, 2, 3, 5, 7], &[3, 2]),
+            groups(&[8, 9, 12, 13, 12, 13], &[4, 2]),
+            SAME,
+            Some(40),
+            2,
+        )
+        .unwrap();
+        assert_eq!(pairs, [(1, 8), (2, 9), (3, 12), (7, 12)]);
+        assert_eq!(counts, [3, 1]);
+        // With local blocks of two kernel blocks: units of 16 tokens.
+        let (pairs, _) = pair_groups(
+            "r",
+            groups(&[4, 5], &[2]),
+            groups(&[8, 9, 12, 13], &[4]),
+            LOCAL_DOUBLE,
+            Some(40),
+            2,
+        )
+        .unwrap();
+        assert_eq!(pairs, [(8, 8), (9, 9), (10, 12)]);
     }
 
     #[test]

@@ -18,7 +18,7 @@ use tracing::Instrument;
 use crate::config::Protocol;
 use crate::error::{Error, Result};
 use crate::failure::{FailedBlock, FailureKind};
-use crate::geometry::block_map::{pair_groups, pair_units};
+use crate::geometry::block_map::{pair_groups, pair_units, GroupBlocks};
 use crate::geometry::groups::pairs_by_region;
 use crate::geometry::tp_mapping::TpMapping;
 use crate::metrics::TransferMetrics;
@@ -35,6 +35,9 @@ use crate::worker::shared::Shared;
 pub(crate) struct Load {
     pub(crate) request_id: String,
     pub(crate) local_block_ids: Vec<usize>,
+    /// How many of `local_block_ids` each KV cache group has (see
+    /// [`LoadSpec::local_group_lens`](crate::LoadSpec::local_group_lens)); empty: one group.
+    pub(crate) local_group_lens: Vec<usize>,
     pub(crate) remote: RemoteBlocks,
     /// The remote ranks holding the request, each with its side-channel port.
     pub(crate) ranks: Vec<(usize, u16)>,
@@ -397,37 +400,37 @@ fn post_one(
             format!("remote block {bad} of {} blocks", plan.remote_num_blocks),
         ));
     }
-    let pairs = if load.remote.group_lens.len() > 1 {
-        if remote.blocks_per_id != 1 {
-            return Err(Error::invalid(
-                OP,
-                format!(
-                    "{} kernel blocks per block id with several KV cache groups are not supported",
-                    remote.blocks_per_id
-                ),
-            ));
-        }
-        pair_groups(
-            &load.request_id,
-            &load.local_block_ids,
-            &remote_ids,
-            &load.remote.group_lens,
-            plan.block_sizes(),
-        )?
-    } else {
-        pair_units(
+    let (pairs, group_pairs) = if load.local_group_lens.is_empty() {
+        let pairs = pair_units(
             &load.request_id,
             &load.local_block_ids,
             &remote_ids,
             plan.block_sizes(),
             load.remote.num_tokens,
+        )?;
+        (pairs, Vec::new())
+    } else {
+        let remote_lens = kernel_group_lens(&load.remote, remote.blocks_per_id)?;
+        pair_groups(
+            &load.request_id,
+            GroupBlocks {
+                ids: &load.local_block_ids,
+                lens: &load.local_group_lens,
+            },
+            GroupBlocks {
+                ids: &remote_ids,
+                lens: &remote_lens,
+            },
+            plan.block_sizes(),
+            load.remote.num_tokens,
+            remote.blocks_per_id,
         )?
     };
     let own = own_region_groups(shared);
-    let (local, far, bytes) = if own.is_empty() || load.remote.group_lens.len() < 2 {
+    let (local, far, bytes) = if own.is_empty() || group_pairs.len() < 2 {
         plan.descriptor_ids(caches.spec.num_blocks, &pairs)
     } else {
-        let by_region = pairs_by_region(&pairs, &load.remote.group_lens, own)?;
+        let by_region = pairs_by_region(&pairs, &group_pairs, own)?;
         plan.descriptor_ids_in(caches.spec.num_blocks, |region| {
             by_region.get(region).copied().unwrap_or(&pairs)
         })
@@ -487,6 +490,31 @@ fn blocks_of_ids(ids: &[usize], per_id: usize) -> Result<Cow<'_, [usize]>> {
         blocks.extend(end - per_id..end);
     }
     Ok(Cow::Owned(blocks))
+}
+
+/// How many of the remote rank's blocks each KV cache group of `remote` has: its
+/// [`group_lens`](RemoteBlocks::group_lens) (none: one group of every id), `per_id` blocks
+/// each.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for a count whose blocks overflow.
+fn kernel_group_lens(remote: &RemoteBlocks, per_id: usize) -> Result<Vec<usize>> {
+    let one = [remote.block_ids.len()];
+    let lens = if remote.group_lens.is_empty() {
+        &one[..]
+    } else {
+        remote.group_lens.as_slice()
+    };
+    lens.iter()
+        .map(|&n| {
+            n.checked_mul(per_id).ok_or_else(|| {
+                Error::invalid(
+                    "load remote blocks",
+                    format!("{n} remote block ids of {per_id} kernel blocks each overflow"),
+                )
+            })
+        })
+        .collect()
 }
 
 /// Awaits posted READs, forgets the remotes whose READ failed, and records the outcome:

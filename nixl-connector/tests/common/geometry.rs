@@ -47,13 +47,18 @@ pub struct Side {
 pub struct Request {
     /// The request id on both engines.
     pub id: String,
-    /// Prefill block ids, from the prompt's first token.
+    /// Prefill block ids, from the prompt's first token; [`NOT_LISTED`] for a block the
+    /// load does not name (a KV cache group that needs only the prompt's last blocks).
     pub remote: Vec<usize>,
     /// Decode block ids the load fills.
     pub local: Vec<usize>,
     /// Tokens in the prompt, if the load is told.
     pub num_tokens: Option<usize>,
 }
+
+/// A [`Request::remote`] entry for a prefill block the load does not name: its tokens are
+/// not read.
+pub const NOT_LISTED: usize = usize::MAX;
 
 fn parts(kind: KvRegionKind) -> usize {
     match kind {
@@ -242,6 +247,9 @@ impl Model {
                         continue;
                     }
                     let far = request.remote[position / prefill.block_size];
+                    if far == NOT_LISTED {
+                        continue;
+                    }
                     out[block * len + self.offset(region, decode, rank, at)] =
                         value(region, part, head, far, position % prefill.block_size, byte);
                 }
@@ -261,7 +269,9 @@ impl Model {
     ) -> usize {
         let moved = Self::moved_tokens(request, prefill, decode);
         let first = moved.div_ceil(decode.block_size) - request.local.len();
-        let tokens = moved - first * decode.block_size;
+        let tokens = (first * decode.block_size..moved)
+            .filter(|&p| request.remote[p / prefill.block_size] != NOT_LISTED)
+            .count();
         (0..self.regions.len())
             .map(|r| {
                 let (kind, token_bytes) = self.regions[r];

@@ -9,12 +9,13 @@ use nixl_connector::{
     Protocol, SchedulerConfig,
 };
 
-use super::geometry::{Model, Request, Side};
+use super::geometry::{Model, Request, Side, NOT_LISTED};
 use super::matrix::{attention_label, await_freed, filled_engines, run_each, RankEnd};
 use super::{cpu_config, for_decode, vllm_config, vllm_factors};
 
-/// Blocks per region of the hybrid cases: room for two groups of two requests.
-pub const HYBRID_BLOCKS: usize = 40;
+/// Blocks per region of the hybrid cases: room for two groups of two requests of up to 15
+/// blocks.
+pub const HYBRID_BLOCKS: usize = 64;
 
 /// The sliding window's tokens: with blocks of `block_size` tokens the group needs the last
 /// `window / block_size` blocks that hold it whole, and one more for a window that begins
@@ -65,42 +66,55 @@ fn scheduler(
 }
 
 /// One request of the case: each group's prefill blocks for the whole prompt, and each
-/// group's decode blocks (the tail the decode lacks).
+/// group's decode blocks (the tail the decode lacks), for a prompt of `tokens`.
 struct HybridRequest {
     id: String,
+    tokens: usize,
     remote: [Vec<usize>; 2],
     local: [Vec<usize>; 2],
 }
 
-/// The two requests of a case: the whole prompt of 7 blocks, then the same prompt with the
-/// decode's first block in its prefix cache; each group's blocks apart from the other's
-/// (one block pool).
-fn requests(tag: &str) -> [HybridRequest; 2] {
+/// The two requests of a case, a prompt of 7 prefill blocks ending one token short of the
+/// last's end: the whole prompt, then the same prompt with the decode's first block in its
+/// prefix cache; each group's blocks apart from the other's (one block pool).
+fn requests(tag: &str, prefill: &Side, decode: &Side) -> [HybridRequest; 2] {
     let ids = |first: usize, n: usize| (first..first + n).collect::<Vec<usize>>();
+    let tokens = 7 * prefill.block_size - 1;
+    let local = tokens.div_ceil(decode.block_size);
     let remote = [ids(1, 7), ids(11, 7)];
     [
         HybridRequest {
             id: format!("{tag}-whole"),
+            tokens,
             remote: remote.clone(),
-            local: [ids(2, 7), ids(12, 7)],
+            local: [ids(1, local), ids(1 + local, local)],
         },
         HybridRequest {
             id: format!("{tag}-hit"),
+            tokens,
             remote,
-            local: [ids(22, 6), ids(31, 6)],
+            local: [ids(1 + 2 * local, local - 1), ids(3 * local, local - 1)],
         },
     ]
 }
 
-/// What the model reads for `request`: per group, the blocks each side needs, the decode's
-/// paired with the last of the prefill's.
-fn model_loads(request: &HybridRequest, block_size: usize) -> Vec<Request> {
+/// What the model reads for `request`: per group, the blocks each side needs (each clipped
+/// in its own blocks), the prefill's others not named, at their tokens of the prompt.
+fn model_loads(request: &HybridRequest, prefill: &Side, decode: &Side) -> Vec<Request> {
     (0..2)
-        .map(|group| Request {
-            id: request.id.clone(),
-            remote: needed(group, &request.remote[group], block_size),
-            local: needed(group, &request.local[group], block_size),
-            num_tokens: None,
+        .map(|group| {
+            let all = &request.remote[group];
+            let listed = needed(group, all, prefill.block_size);
+            let remote = all
+                .iter()
+                .map(|b| if listed.contains(b) { *b } else { NOT_LISTED })
+                .collect();
+            Request {
+                id: request.id.clone(),
+                remote,
+                local: needed(group, &request.local[group], decode.block_size),
+                num_tokens: Some(request.tokens),
+            }
         })
         .collect()
 }
@@ -124,13 +138,13 @@ async fn hybrid_case(
     let block_size = prefill.block_size;
     let mut prefill_scheduler = scheduler(&engine_id, port, prefill.tp, block_size, protocol);
     let mut decode_scheduler = scheduler("dc", 0, decode.tp, decode.block_size, protocol);
-    let requests = requests(&tag);
+    let requests = requests(&tag, &prefill, &decode);
     for request in &requests {
         let done = prefill_scheduler
             .request_finished_all_groups(
                 &request.id,
                 &request.remote,
-                7 * block_size - 1,
+                request.tokens,
                 Some(&for_decode()),
                 FinishStatus::LengthCapped,
             )
@@ -155,11 +169,11 @@ async fn hybrid_case(
     }
     let model_requests: Vec<Request> = requests
         .iter()
-        .flat_map(|r| model_loads(r, block_size))
+        .flat_map(|r| model_loads(r, &prefill, &decode))
         .collect();
     for (rank, worker) in decodes.iter().enumerate() {
         let end = RankEnd::of(worker, rank, requests.len()).await;
-        if prefill.block_size != decode.block_size {
+        if refused(&prefill, &decode) {
             // Refused by name before any READ: every block failed, nothing moved.
             let RankEnd {
                 recving,
@@ -172,9 +186,7 @@ async fn hybrid_case(
                     .iter()
                     .all(|r| errors.iter().any(|e| e.request_id == r.id))
                 && errors.iter().all(|e| {
-                    e.reason.contains(
-                        "a hybrid model's blocks must hold as many tokens on both engines",
-                    )
+                    e.reason.contains("vLLM 0.33 reads a hybrid model's blocks only when the decode's block size is a multiple of the prefill's")
                 });
             let refused = refused && metrics.iter().all(|m| m.bytes == 0);
             if !refused {
@@ -194,7 +206,7 @@ async fn hybrid_case(
             &model_requests,
         )?;
     }
-    if prefill.block_size != decode.block_size {
+    if refused(&prefill, &decode) {
         // Nothing read, nothing notified: the prefill's lease frees the blocks.
         return Ok(());
     }
@@ -202,16 +214,23 @@ async fn hybrid_case(
     await_freed(&prefills, &ids, &tag).await
 }
 
+/// Whether a load of the hybrid model from `prefill` into `decode` is refused: vLLM 0.33
+/// reads several KV cache groups only into blocks of a multiple of the prefill's
+/// (`TransferTopology.block_size_ratio`).
+fn refused(prefill: &Side, decode: &Side) -> bool {
+    prefill.block_size > decode.block_size
+}
+
 /// Runs every case of `cases` (prefill and decode sides) for `model` as a hybrid model of
-/// two groups, both engines speaking `protocol`: sides whose blocks hold as many tokens
-/// move every byte the model says; others are refused by name and move nothing. Fails
-/// naming each case that failed.
+/// two groups, both engines speaking `protocol`: sides whose decode blocks hold a multiple
+/// of the prefill's tokens move every byte the model says; others are refused by name and
+/// move nothing. Fails naming each case that failed.
 pub async fn run_hybrid_cases(model: &Model, cases: &[(Side, Side)], protocol: Protocol) {
     run_each(cases, ", two KV cache groups", |prefill, decode| {
-        let outcome = if prefill.block_size == decode.block_size {
-            "every byte as the model says"
-        } else {
+        let outcome = if refused(&prefill, &decode) {
             "refused by name, nothing read"
+        } else {
+            "every byte as the model says"
         };
         (outcome, hybrid_case(model, prefill, decode, protocol))
     })
