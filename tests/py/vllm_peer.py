@@ -17,19 +17,24 @@ Arguments are hex where they could hold spaces.
   parse_notif HEX              vLLM's reading of a notification -> JSON
 
 A prefill and a decode with NIXL's Python agent (DRAM, UCX), as vLLM's run them:
-  kv_prefill HASH EXTRA LIE ENGINE REGIONS BLOCKS BLOCK_LEN BLOCK_SIZE [REGION_GROUPS]
+  kv_prefill HASH EXTRA LIE ENGINE REGIONS BLOCKS BLOCK_LEN BLOCK_SIZE [REGION_GROUPS [PPL]]
                                an agent registering REGIONS buffers of BLOCKS blocks of
                                BLOCK_LEN bytes (byte i of region r: kv_byte(r, i)) and a
                                ROUTER serving rank (0, 0)'s NixlAgentMetadata under HASH;
                                EXTRA 1 adds unknown keys; LIE 1 claims base addresses 1 MiB
-                               past the buffers; REGION_GROUPS ("-1,-1"; default every
-                               region group 0's) is each region's KV cache group, -1 for
-                               one that several groups share -> JSON {port, agent}
-  kv_finish HEXREQ BLOCKS [WINDOW]
-                               vLLM's request_finished params for the prefill's blocks
-                               BLOCKS of request HEXREQ: one group ("3,4"), or one list per
-                               group ("3,4;7,8,9"), the last a sliding window of WINDOW
-                               tokens clipped to the blocks it needs -> JSON
+                               past the buffers; REGION_GROUPS ("-1,-1"; "-" or absent:
+                               every region group 0's) is each region's KV cache group, -1
+                               for one that several groups share; PPL (default 1) kernel
+                               blocks per logical block (vLLM's
+                               physical_blocks_per_logical_kv_block: BLOCKS and BLOCK_SIZE
+                               are the kernel's, block ids logical) -> JSON {port, agent}
+  kv_finish HEXREQ BLOCKS [WINDOW [TOKENS]]
+                               vLLM's request_finished params for the prefill's (logical)
+                               blocks BLOCKS of request HEXREQ: one group ("3,4"), or one
+                               list per group ("3,4;7,8,9"), the last a sliding window of
+                               WINDOW tokens (0: none) clipped to the blocks it needs; TOKENS
+                               the prompt's (default: every token of the first list's
+                               blocks) -> JSON
   kv_notifs N SECONDS          the prefill agent's next N notifications, waiting at most
                                SECONDS -> JSON [{from, hex, vllm}] in arrival order
   kv_decode PORT HASH ENFORCE ENGINE BLOCKS HEXREQ CONSUMERS
@@ -279,7 +284,8 @@ def kv_byte(region, size):
     return ((i * 7 + (i >> 8) * 13 + region * 131 + 3) % 256).astype(np.uint8)
 
 
-def kv_prefill(hash_, extra, lie, engine, regions, blocks, block_len, block_size, region_groups):
+def kv_prefill(hash_, extra, lie, engine, regions, blocks, block_len, block_size, region_groups,
+               ppl):
     from nixl_cu12 import nixl_agent
 
     name = f"py-prefill-{os.getpid()}"
@@ -301,7 +307,7 @@ def kv_prefill(hash_, extra, lie, engine, regions, blocks, block_len, block_size
         block_size=block_size,
         ssm_sizes=(0, 0),
         attn_backend_name="FLASH_ATTN",
-        physical_blocks_per_logical_kv_block=1,
+        physical_blocks_per_logical_kv_block=ppl,
         region_num_blocks=[blocks] * regions,
         # A tensor that layers of several groups share is marked -1.
         region_group_ids=region_groups or [0] * regions,
@@ -322,12 +328,13 @@ def kv_prefill(hash_, extra, lie, engine, regions, blocks, block_len, block_size
             sock.send_multipart((identity, b"", payload, ts))
 
     threading.Thread(target=loop, daemon=True).start()
+    # vLLM's scheduler works in logical blocks of the kernel's PPL blocks.
     kv.update(agent=agent, bufs=bufs, reg=reg, port=port, engine=engine,
-              block_size=block_size, notifs=[])
+              block_size=block_size * ppl, notifs=[])
     return {"port": port, "agent": name}
 
 
-def kv_finish(req_id, groups, window):
+def kv_finish(req_id, groups, window, tokens):
     # vLLM 0.33's request_finished on a prefill (pull mode), one list per KV cache group; a
     # sliding window needs the blocks its tokens span, plus one for a window that starts
     # inside a block.
@@ -346,7 +353,7 @@ def kv_finish(req_id, groups, window):
         tp_size=1,
         dcp_size=1,
         pp_size=1,
-        remote_num_tokens=len(blocks) * kv["block_size"],
+        remote_num_tokens=tokens or len(blocks) * kv["block_size"],
         remote_blocks_expiry_time=None,
         remote_registration_generation=1,
         transfer_mode="pull",
@@ -497,12 +504,17 @@ def main():
         elif cmd == "kv_prefill":
             hash_ = "" if args[0] == "-" else args[0]
             nums = [int(x) for x in args[4:8]]
-            groups = [int(x) for x in args[8].split(",")] if len(args) > 8 else None
-            answer(json.dumps(kv_prefill(hash_, args[1] == "1", args[2] == "1", args[3], *nums, groups)))
+            groups = None
+            if len(args) > 8 and args[8] != "-":
+                groups = [int(x) for x in args[8].split(",")]
+            ppl = int(args[9]) if len(args) > 9 else 1
+            answer(json.dumps(kv_prefill(hash_, args[1] == "1", args[2] == "1", args[3], *nums,
+                                         groups, ppl)))
         elif cmd == "kv_finish":
             groups = [[int(x) for x in g.split(",") if x] for g in args[1].split(";")]
             window = int(args[2]) if len(args) > 2 else 0
-            answer(json.dumps(kv_finish(bytes.fromhex(args[0]).decode(), groups, window)))
+            tokens = int(args[3]) if len(args) > 3 else 0
+            answer(json.dumps(kv_finish(bytes.fromhex(args[0]).decode(), groups, window, tokens)))
         elif cmd == "kv_notifs":
             answer(json.dumps(kv_notifs(int(args[0]), float(args[1]))))
         elif cmd == "kv_decode":
