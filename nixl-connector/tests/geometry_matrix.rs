@@ -118,8 +118,8 @@ async fn replicated_kv_heads_are_read_once_each() {
 /// with its prefill blocks at their tokens of the prompt, over TP both ways, MHA (regions
 /// of different lengths, K and V halves) and MLA, with blocks of as many tokens or decode
 /// blocks of twice the prefill's (vLLM's `block_size_ratio`: each group's blocks read a
-/// prefill block at a time, the window clipped by each engine in its own blocks), in both
-/// protocols; a prefill of larger blocks than the decode's is refused by name (vLLM 0.33
+/// prefill block at a time, the window clipped by each engine in its own blocks; vLLM's
+/// protocol in vllm_mode.rs); a prefill of larger blocks than the decode's is refused by name (vLLM 0.33
 /// asserts the decode's block size is a multiple of the prefill's).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_kv_cache_groups_move_every_byte_where_the_model_says() {
@@ -139,11 +139,6 @@ async fn two_kv_cache_groups_move_every_byte_where_the_model_says() {
     run_hybrid_cases(&mha(4), &cases, Protocol::Native).await;
     let mla_cases = [cases[0], cases[1], cases[4], cases[7]];
     run_hybrid_cases(&mla(), &mla_cases, Protocol::Native).await;
-    // vLLM's metadata says no K and V halves: its layers' tensors only.
-    let mut tensors = mha(4);
-    tensors.regions.truncate(2);
-    let vllm_cases = [cases[0], cases[5], cases[6], cases[7]];
-    run_hybrid_cases(&tensors, &vllm_cases, Protocol::Vllm).await;
 }
 
 /// A geometry the decode cannot read: the load is refused naming `reason`, before any READ
