@@ -115,6 +115,31 @@ pub(crate) fn pair_units(
         .collect())
 }
 
+/// Kernel blocks per block id of an engine whose scheduler counts blocks of `logical`
+/// tokens (its [`KvCacheGroups::block_size`](crate::KvCacheGroups::block_size)) and whose
+/// registered blocks hold `kernel` tokens (vLLM's `physical_blocks_per_logical_kv_block`:
+/// the attention kernel's block smaller than the logical one, as vLLM's hybrid KV cache
+/// manager allows): `logical / kernel`, or 1 when the logical blocks are no larger.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] when `logical` is larger than `kernel` and not a multiple of
+/// it.
+#[cfg(feature = "vllm")]
+pub(crate) fn kernel_blocks_per_block(logical: usize, kernel: usize) -> Result<usize> {
+    if logical <= kernel {
+        return Ok(1);
+    }
+    if kernel == 0 || logical % kernel != 0 {
+        return Err(Error::invalid(
+            "describe the KV cache's blocks",
+            format!(
+                "kv_cache_groups.block_size {logical} is not a multiple of the registered blocks' {kernel} tokens (vLLM's physical_blocks_per_logical_kv_block is a whole number)"
+            ),
+        ));
+    }
+    Ok(logical / kernel)
+}
+
 /// One side's block ids of a load of several KV cache groups: each group's in turn, `lens`
 /// of them.
 #[derive(Debug, Clone, Copy)]
@@ -125,6 +150,10 @@ pub(crate) struct GroupBlocks<'a> {
     pub(crate) lens: &'a [usize],
 }
 
+/// The `(local unit, remote unit)` pairs of a load of several KV cache groups, group after
+/// group, and how many pairs each group has.
+pub(crate) type GroupPairs = (Vec<(usize, usize)>, Vec<usize>);
+
 /// The units a load of several KV cache groups reads (see [`KvCacheGroups`](crate::KvCacheGroups)),
 /// as `(local unit, remote unit)` pairs in token order, group after group, and how many
 /// pairs each group has.
@@ -132,18 +161,19 @@ pub(crate) struct GroupBlocks<'a> {
 /// Each group's lists are the tail of the blocks the prompt fills on each side: a
 /// sliding-window group's clipped to its window (by each engine, in its own blocks), a
 /// full-attention group's whole on the prefill and without the decode's prefix cache. The
-/// `remote` ids are the prefill's kernel blocks, `per_id` of them for each of its block ids
+/// `remote` ids are the prefill's kernel blocks, `per_id.1` of them for each of its block ids
 /// (vLLM's `physical_blocks_per_logical_kv_block`; `_logical_to_kernel_block_ids` expands
 /// them); units are the prefill's kernel blocks, of which a decode block holds
-/// [`BlockSizes::local_units`] (vLLM's `_map_block_ids_for_block_size_ratio`). A unit is
-/// read when both sides' lists hold it, so each group's lists meet at the same token of the
-/// prompt:
+/// [`BlockSizes::local_units`] (vLLM's `_map_block_ids_for_block_size_ratio`). The `local`
+/// ids are the decode's kernel blocks likewise, `per_id.0` for each of its block ids. A
+/// unit is read when both sides' lists hold it, so each group's lists meet at the same
+/// token of the prompt:
 /// - with blocks of as many tokens and one kernel block per id, the lists end together:
 ///   local block `i` from the last pairs with remote block `i` from the last (vLLM's
 ///   `_apply_prefix_caching`);
 /// - otherwise by the prompt's `num_tokens` (vLLM's `remote_num_tokens`): the units
-///   holding tokens end the prompt, the prefill's ids end with its block holding the last
-///   token (kernel blocks past it are not read), and the decode's blocks with its own.
+///   holding tokens end the prompt, each side's ids end with its block id holding the last
+///   token (kernel blocks past it are not read).
 ///
 /// # Errors
 /// [`Error::InvalidArgument`] when the prefill's kernel blocks are larger than the decode's
@@ -157,8 +187,8 @@ pub(crate) fn pair_groups(
     remote: GroupBlocks<'_>,
     sizes: BlockSizes,
     num_tokens: Option<usize>,
-    per_id: usize,
-) -> Result<(Vec<(usize, usize)>, Vec<usize>)> {
+    (local_per_id, per_id): (usize, usize),
+) -> Result<GroupPairs> {
     const OP: &str = "pair the blocks of a load";
     let invalid = |why: String| Error::invalid(OP, format!("request {request_id:?}: {why}"));
     let groups = local.lens.len();
@@ -184,21 +214,27 @@ pub(crate) fn pair_groups(
     }
     let lu = sizes.local_units();
     // Where the prompt ends, in units, prefill blocks and decode blocks.
-    let ends = if lu == 1 && per_id == 1 {
+    let ends = if lu == 1 && per_id == 1 && local_per_id == 1 {
         None
     } else {
         let Some(tokens) = num_tokens else {
             return Err(invalid(format!(
-                "{groups} KV cache groups with blocks of {} tokens (local) and {} (remote, {per_id} per block id): which tokens each group's blocks hold depends on the prompt's length; pass num_tokens (vLLM's remote_num_tokens)",
+                "{groups} KV cache groups with blocks of {} tokens (local, {local_per_id} per block id) and {} (remote, {per_id} per block id): which tokens each group's blocks hold depends on the prompt's length; pass num_tokens (vLLM's remote_num_tokens)",
                 sizes.local, sizes.remote
             )));
         };
         let filled = tokens.div_ceil(sizes.unit());
+        let overflows = || invalid(format!("num_tokens {tokens} overflows"));
         let remote_end = filled
             .div_ceil(per_id)
             .checked_mul(per_id)
-            .ok_or_else(|| invalid(format!("num_tokens {tokens} overflows")))?;
-        Some((tokens, filled, remote_end, filled.div_ceil(lu)))
+            .ok_or_else(overflows)?;
+        let local_end = filled
+            .div_ceil(lu)
+            .div_ceil(local_per_id)
+            .checked_mul(local_per_id)
+            .ok_or_else(overflows)?;
+        Some((tokens, filled, remote_end, local_end))
     };
     let mut pairs = Vec::with_capacity(local.ids.len().saturating_mul(lu));
     let mut counts = Vec::with_capacity(groups);
@@ -218,12 +254,13 @@ pub(crate) fn pair_groups(
             Some((tokens, filled, remote_end, local_end)) => {
                 if r.len() > remote_end || l.len() > local_end {
                     return Err(invalid(format!(
-                        "KV cache group {group}: num_tokens {tokens} fill {} remote block ids of {} tokens and {local_end} local blocks of {} tokens, the load names {} and {}",
+                        "KV cache group {group}: num_tokens {tokens} fill {} remote block ids of {} tokens and {} local ones of {} tokens, the load names {} and {}",
                         remote_end / per_id,
                         sizes.remote * per_id,
-                        sizes.local,
+                        local_end / local_per_id,
+                        sizes.local * local_per_id,
                         r.len() / per_id,
-                        l.len()
+                        l.len() / local_per_id
                     )));
                 }
                 let remote_first = remote_end - r.len();
@@ -308,7 +345,7 @@ mod tests {
                 groups(&[7, 8, 9], &[2, 1]),
                 sizes,
                 None,
-                1,
+                (1, 1),
             )
         };
         let (pairs, counts) = pair(&[1, 2, 3], &[2, 1], SAME).unwrap();
@@ -354,7 +391,7 @@ mod tests {
             groups(&[3, 8, 12], &[2, 1]),
             LOCAL_DOUBLE,
             Some(20),
-            1,
+            (1, 1),
         )
         .unwrap();
         assert_eq!(pairs, [(10, 3), (11, 8), (13, 12)]);
@@ -369,7 +406,7 @@ mod tests {
             groups(&[10, 11, 12, 13, 14, 23, 24], &[5, 2]),
             LOCAL_DOUBLE,
             Some(70),
-            1,
+            (1, 1),
         )
         .unwrap();
         assert_eq!(
@@ -391,12 +428,12 @@ mod tests {
             groups(&[10, 11], &[2]),
             LOCAL_DOUBLE,
             Some(20),
-            1,
+            (1, 1),
         )
         .unwrap_err()
         .to_string();
         assert!(
-            err.contains("KV cache group 0: num_tokens 20 fill 2 remote block ids of 16 tokens and 1 local blocks of 32 tokens, the load names 2 and 4"),
+            err.contains("KV cache group 0: num_tokens 20 fill 2 remote block ids of 16 tokens and 1 local ones of 32 tokens, the load names 2 and 4"),
             "{err}"
         );
     }
@@ -411,7 +448,7 @@ mod tests {
             groups(&[8, 9, 12, 13, 12, 13], &[4, 2]),
             SAME,
             Some(40),
-            2,
+            (1, 2),
         )
         .unwrap();
         assert_eq!(pairs, [(1, 8), (2, 9), (3, 12), (7, 12)]);
@@ -423,10 +460,36 @@ mod tests {
             groups(&[8, 9, 12, 13], &[4]),
             LOCAL_DOUBLE,
             Some(40),
-            2,
+            (1, 2),
         )
         .unwrap();
         assert_eq!(pairs, [(8, 8), (9, 9), (10, 12)]);
+    }
+
+    #[test]
+    fn a_decodes_block_ids_of_several_kernel_blocks_are_read_to_the_prompts_end() {
+        // Local ids of 2 kernel blocks of 16 tokens (ids 3 and 5: kernel blocks 6 7 10 11),
+        // remote blocks of 16 tokens, 40 tokens: kernel block 11 holds no token.
+        let (pairs, counts) = pair_groups(
+            "r",
+            groups(&[6, 7, 10, 11, 10, 11], &[4, 2]),
+            groups(&[1, 2, 3, 3], &[3, 1]),
+            SAME,
+            Some(40),
+            (2, 1),
+        )
+        .unwrap();
+        assert_eq!(pairs, [(6, 1), (7, 2), (10, 3), (10, 3)]);
+        assert_eq!(counts, [3, 1]);
+    }
+
+    #[test]
+    #[cfg(feature = "vllm")]
+    fn a_logical_block_is_a_whole_number_of_kernel_blocks() {
+        assert_eq!(kernel_blocks_per_block(32, 16).unwrap(), 2);
+        assert_eq!(kernel_blocks_per_block(1, 16).unwrap(), 1);
+        let err = kernel_blocks_per_block(24, 16).unwrap_err().to_string();
+        assert!(err.contains("block_size 24 is not a multiple"), "{err}");
     }
 
     #[test]

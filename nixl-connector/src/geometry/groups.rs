@@ -65,11 +65,14 @@ impl std::fmt::Display for KvCacheGroupKind {
 ///
 /// Blocks of different sizes on the two engines are read as vLLM 0.33's pull connector
 /// reads them, in both protocols: a decode block may hold several of the prefill's (vLLM's
-/// `block_size_ratio`), and in vLLM's protocol a prefill's block id may be several kernel
+/// `block_size_ratio`), and in vLLM's protocol an engine's block id may be several kernel
 /// blocks (its `physical_blocks_per_logical_kv_block`, the kernel's block smaller than the
-/// logical one). Each engine clips a window group in its own blocks, and each group's
-/// lists pair at their tokens of the prompt, which the prompt's `remote_num_tokens` says
-/// (see [`LoadSpec::local_group_lens`](crate::LoadSpec::local_group_lens)).
+/// logical one): a vLLM-mode rank whose [`block_size`](Self::block_size) is a multiple of
+/// its registered blocks' publishes that many and reads its own block ids as that many
+/// registered blocks each. Each engine clips a window group in its own blocks, and each
+/// group's lists pair at their tokens of the prompt, which the prompt's
+/// `remote_num_tokens` says (see
+/// [`LoadSpec::local_group_lens`](crate::LoadSpec::local_group_lens)).
 ///
 /// Not supported, refused by name: SSM (Mamba) groups, groups with regions of their own in
 /// the native protocol, and a prefill's (kernel) blocks larger than the decode's in a load

@@ -400,7 +400,8 @@ fn post_one(
             format!("remote block {bad} of {} blocks", plan.remote_num_blocks),
         ));
     }
-    let (pairs, group_pairs) = if load.local_group_lens.is_empty() {
+    let local_per_id = local_blocks_per_id(shared, &caches.spec)?;
+    let (pairs, group_pairs) = if load.local_group_lens.is_empty() && local_per_id == 1 {
         let pairs = pair_units(
             &load.request_id,
             &load.local_block_ids,
@@ -410,12 +411,28 @@ fn post_one(
         )?;
         (pairs, Vec::new())
     } else {
-        let remote_lens = kernel_group_lens(&load.remote, remote.blocks_per_id)?;
+        let remote_lens = kernel_group_lens(
+            &load.remote.block_ids,
+            &load.remote.group_lens,
+            remote.blocks_per_id,
+        )?;
+        let local_lens =
+            kernel_group_lens(&load.local_block_ids, &load.local_group_lens, local_per_id)?;
+        let local_ids = blocks_of_ids(&load.local_block_ids, local_per_id)?;
+        if let Some(bad) = local_ids.iter().find(|&&b| b >= caches.spec.num_blocks) {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "local kernel block {bad} of {} blocks ({local_per_id} per block id)",
+                    caches.spec.num_blocks
+                ),
+            ));
+        }
         pair_groups(
             &load.request_id,
             GroupBlocks {
-                ids: &load.local_block_ids,
-                lens: &load.local_group_lens,
+                ids: &local_ids,
+                lens: &local_lens,
             },
             GroupBlocks {
                 ids: &remote_ids,
@@ -423,7 +440,7 @@ fn post_one(
             },
             plan.block_sizes(),
             load.remote.num_tokens,
-            remote.blocks_per_id,
+            (local_per_id, remote.blocks_per_id),
         )?
     };
     let own = own_region_groups(shared);
@@ -466,6 +483,32 @@ fn own_region_groups(_shared: &Shared) -> &[i64] {
     &[]
 }
 
+/// Kernel blocks per block id of this engine's own blocks: vLLM mode, its KV cache groups'
+/// block size over its registered blocks' (vLLM's `physical_blocks_per_logical_kv_block`);
+/// 1 in the native protocol.
+///
+/// # Errors
+/// Those of [`kernel_blocks_per_block`](crate::geometry::block_map::kernel_blocks_per_block).
+#[cfg(feature = "vllm")]
+fn local_blocks_per_id(
+    shared: &Shared,
+    spec: &crate::geometry::spec::KvCacheSpec,
+) -> Result<usize> {
+    shared
+        .vllm
+        .as_ref()
+        .map_or(Ok(1), |vllm| vllm.blocks_per_id(spec.block_size))
+}
+
+/// Without vLLM's protocol an engine's block ids are its registered blocks.
+#[cfg(not(feature = "vllm"))]
+fn local_blocks_per_id(
+    _shared: &Shared,
+    _spec: &crate::geometry::spec::KvCacheSpec,
+) -> Result<usize> {
+    Ok(1)
+}
+
 /// The remote rank's blocks of the transfer params' block `ids`, `per_id` blocks each
 /// (vLLM's `_logical_to_kernel_block_ids`: logical block `b` is kernel blocks
 /// `b * per_id .. (b + 1) * per_id`).
@@ -492,18 +535,17 @@ fn blocks_of_ids(ids: &[usize], per_id: usize) -> Result<Cow<'_, [usize]>> {
     Ok(Cow::Owned(blocks))
 }
 
-/// How many of the remote rank's blocks each KV cache group of `remote` has: its
-/// [`group_lens`](RemoteBlocks::group_lens) (none: one group of every id), `per_id` blocks
-/// each.
+/// How many kernel blocks each KV cache group of block `ids` has, `group_lens` of the ids
+/// each (none: one group of every id), `per_id` kernel blocks per id.
 ///
 /// # Errors
 /// [`Error::InvalidArgument`] for a count whose blocks overflow.
-fn kernel_group_lens(remote: &RemoteBlocks, per_id: usize) -> Result<Vec<usize>> {
-    let one = [remote.block_ids.len()];
-    let lens = if remote.group_lens.is_empty() {
+fn kernel_group_lens(ids: &[usize], group_lens: &[usize], per_id: usize) -> Result<Vec<usize>> {
+    let one = [ids.len()];
+    let lens = if group_lens.is_empty() {
         &one[..]
     } else {
-        remote.group_lens.as_slice()
+        group_lens
     };
     lens.iter()
         .map(|&n| {

@@ -263,6 +263,7 @@ impl KvConnectorWorker {
                 .vllm()?
                 .groups
                 .region_group_ids(ours.spec.num_regions())?,
+            blocks_per_logical: self.vllm()?.blocks_per_id(ours.spec.block_size)?,
         })?;
         let payload = NixlHandshakePayload::new(&compat.hash, &metadata);
         let server = match kept.as_ref().or(config.vllm_side_channel.as_ref()) {

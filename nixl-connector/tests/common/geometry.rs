@@ -12,8 +12,8 @@ use std::sync::Arc;
 
 use nixl_connector::vllm::{MetadataServer, VllmChannelLimits};
 use nixl_connector::{
-    KvAttention, KvCacheSpec, KvConnectorWorker, KvLayout, KvRegion, KvRegionKind, Protocol,
-    RemoteBlocks, WorkerConfig,
+    KvAttention, KvCacheGroups, KvCacheSpec, KvConnectorWorker, KvLayout, KvRegion, KvRegionKind,
+    Protocol, RemoteBlocks, WorkerConfig, KV_CACHE_GROUPS_KEY,
 };
 
 use super::{cpu_config, vllm_config, vllm_factors, SERVER_DEADLINE};
@@ -348,6 +348,18 @@ pub fn engine_speaking(
     if protocol == Protocol::Native {
         return engine(engine_id, model, side);
     }
+    engine_speaking_vllm(engine_id, model, side, None)
+}
+
+/// The ranks of an engine of TP `side.tp` in this process speaking vLLM's protocol (see
+/// [`engine_speaking`]), their config naming `groups` when given (a vLLM-mode rank
+/// publishes its `region_group_ids` and kernel blocks per block id from them).
+pub fn engine_speaking_vllm(
+    engine_id: &str,
+    model: &Model,
+    side: &Side,
+    groups: Option<&KvCacheGroups>,
+) -> Vec<KvConnectorWorker> {
     let spec = model.spec(side);
     let server = Arc::new(
         MetadataServer::bind_now(
@@ -360,6 +372,12 @@ pub fn engine_speaking(
         .map(|rank| {
             let mut config = rank_config(engine_id, rank, side.tp, 0);
             config.kv_transfer_config = vllm_config(vllm_factors());
+            if let Some(groups) = groups {
+                config.kv_transfer_config.kv_connector_extra_config.insert(
+                    KV_CACHE_GROUPS_KEY.into(),
+                    serde_json::to_value(groups).unwrap(),
+                );
+            }
             config.vllm_side_channel = Some(server.clone());
             let worker = KvConnectorWorker::new(config).unwrap();
             worker.register_host_kv_caches(spec.clone()).unwrap();
