@@ -1008,6 +1008,35 @@ async fn a_rust_decode_of_two_kv_cache_groups_reads_the_kernel_blocks_of_larger_
     assert_eq!(notes[0]["vllm"], json!({"id": "py-ppl-1", "consumers": 1}));
 }
 
+/// A vLLM 0.33 prefill (one KV cache group) whose block ids are two 16-token kernel blocks
+/// each, for a 40-token prompt: a Rust decode of 16-token blocks reads the three kernel
+/// blocks holding the prompt, not the fourth past its end, where it refused the load (the
+/// kernel blocks named more tokens than `remote_num_tokens`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rust_decode_reads_the_kernel_blocks_of_a_python_prompt_ending_inside_a_block_id() {
+    let mut peer = VllmPeer::start();
+    let hash = factors().hash();
+    peer.json(&format!(
+        "kv_prefill {hash} 0 0 py-ppl-one {REGIONS} {BLOCKS} {BLOCK_LEN} 16 - 2"
+    ));
+    let (decode, mut scheduler) = vllm_engine("rs-decode-ppl-one", &factors());
+    let cache = decode.kv_caches().unwrap();
+    for region in 0..REGIONS {
+        cache.write(region, 0, &[0xEE; BLOCKS * BLOCK_LEN]).unwrap();
+    }
+    let json = peer.call(&format!("kv_finish {} 2,5 0 40", hex(b"py-ppl-one-1")));
+    let outcome = load_groups_from_python(
+        (&decode, &mut scheduler),
+        "py-ppl-one-1",
+        &json,
+        &[vec![7, 1, 12]],
+    )
+    .await;
+    assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
+    // Ids 2 and 5: kernel blocks 4 5 and 10 (11 holds no token of the prompt).
+    holds_python_units(&decode, &[(7, 0, 4), (1, 0, 5), (12, 0, 10)], 16);
+}
+
 /// A hybrid vLLM 0.33 prefill of 8-token blocks read by a Rust decode of 16-token blocks
 /// (vLLM's `block_size_ratio` 2): each decode block takes two prefill blocks, a head at a
 /// time, at their tokens of a 60-token prompt; the prefill's window clipped to 4 of its

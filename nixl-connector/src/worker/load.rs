@@ -401,7 +401,11 @@ fn post_one(
         ));
     }
     let local_per_id = local_blocks_per_id(shared, &caches.spec)?;
-    let (pairs, group_pairs) = if load.local_group_lens.is_empty() && local_per_id == 1 {
+    // One group reads unit by unit from its first token, but when a block id is several
+    // kernel blocks (the last ones past the prompt): then as a group, by token.
+    let sizes = plan.block_sizes();
+    let kernel_ids = local_per_id > 1 || (remote.blocks_per_id > 1 && sizes.remote <= sizes.local);
+    let (pairs, group_pairs) = if load.local_group_lens.is_empty() && !kernel_ids {
         let pairs = pair_units(
             &load.request_id,
             &load.local_block_ids,
