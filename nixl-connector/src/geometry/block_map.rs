@@ -140,6 +140,25 @@ pub(crate) fn kernel_blocks_per_block(logical: usize, kernel: usize) -> Result<u
     Ok(logical / kernel)
 }
 
+/// Native protocol: refuses KV cache groups counting blocks of `logical` tokens larger than
+/// the registered blocks' `kernel` (block ids of several kernel blocks each, vLLM's
+/// `physical_blocks_per_logical_kv_block`), which the native handshake cannot say: a
+/// decode would read each id as one block.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming both sizes.
+pub(crate) fn check_native_block_size(logical: usize, kernel: usize) -> Result<()> {
+    if logical > kernel {
+        return Err(Error::invalid(
+            "register the KV caches",
+            format!(
+                "kv_cache_groups.block_size {logical} is larger than the registered blocks' {kernel} tokens: block ids of several kernel blocks each (vLLM's physical_blocks_per_logical_kv_block) are read in vLLM's protocol only, whose handshake says it; give kv_cache_groups the registered block size, or speak vLLM's protocol"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// One side's block ids of a load of several KV cache groups: each group's in turn, `lens`
 /// of them.
 #[derive(Debug, Clone, Copy)]

@@ -75,8 +75,9 @@ impl std::fmt::Display for KvCacheGroupKind {
 /// [`LoadSpec::local_group_lens`](crate::LoadSpec::local_group_lens)).
 ///
 /// Not supported, refused by name: SSM (Mamba) groups, groups with regions of their own in
-/// the native protocol, and a prefill's (kernel) blocks larger than the decode's in a load
-/// of several groups (vLLM 0.33's `TransferTopology.block_size_ratio` asserts that the
+/// the native protocol, a native worker whose groups' block size is larger than its
+/// registered blocks' (its handshake cannot say kernel blocks per id), and a prefill's
+/// (kernel) blocks larger than the decode's in a load of several groups (vLLM 0.33's `TransferTopology.block_size_ratio` asserts that the
 /// decode's block size is a multiple of the prefill's).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(try_from = "GroupsJson", into = "GroupsJson")]
