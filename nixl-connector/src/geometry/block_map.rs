@@ -284,7 +284,7 @@ pub(crate) fn pair_groups(
                 }
                 let remote_first = remote_end - r.len();
                 let skipped = local_end - l.len();
-                for unit in remote_first.max(skipped * lu)..filled {
+                for unit in remote_first.max(skipped.saturating_mul(lu))..filled {
                     let block = l[unit / lu - skipped];
                     pairs.push((block * lu + unit % lu, r[unit - remote_first]));
                 }
@@ -500,6 +500,19 @@ mod tests {
         .unwrap();
         assert_eq!(pairs, [(6, 1), (7, 2), (10, 3), (10, 3)]);
         assert_eq!(counts, [3, 1]);
+        // A peer's token count past any prompt pairs at most the blocks named, or is
+        // refused: no panic, nothing sized by it.
+        for (tokens, sizes) in [(usize::MAX, SAME), (usize::MAX - 1, LOCAL_DOUBLE)] {
+            let far = pair_groups(
+                "r",
+                groups(&[6, 7], &[2]),
+                groups(&[1, 2], &[2]),
+                sizes,
+                Some(tokens),
+                (2, 2),
+            );
+            assert!(far.map_or(true, |(pairs, _)| pairs.len() <= 2));
+        }
     }
 
     #[test]

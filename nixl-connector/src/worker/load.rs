@@ -401,8 +401,9 @@ fn post_one(
         ));
     }
     let local_per_id = local_blocks_per_id(shared, &caches.spec)?;
-    // One group reads unit by unit from its first token, but when a block id is several
-    // kernel blocks (the last ones past the prompt): then as a group, by token.
+    // One group pairs unit by unit from the prompt's first token, but not when a block id
+    // is several kernel blocks (the last of which may hold no token): then as a group, at
+    // the units' tokens of the prompt.
     let sizes = plan.block_sizes();
     let kernel_ids = local_per_id > 1 || (remote.blocks_per_id > 1 && sizes.remote <= sizes.local);
     let (pairs, group_pairs) = if load.local_group_lens.is_empty() && !kernel_ids {
@@ -410,7 +411,7 @@ fn post_one(
             &load.request_id,
             &load.local_block_ids,
             &remote_ids,
-            plan.block_sizes(),
+            sizes,
             load.remote.num_tokens,
         )?;
         (pairs, Vec::new())
@@ -442,7 +443,7 @@ fn post_one(
                 ids: &remote_ids,
                 lens: &remote_lens,
             },
-            plan.block_sizes(),
+            sizes,
             load.remote.num_tokens,
             (local_per_id, remote.blocks_per_id),
         )?
