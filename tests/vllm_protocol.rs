@@ -786,6 +786,34 @@ async fn a_python_decode_reads_every_byte_from_a_rust_prefill_whose_notification
 /// clipped to the blocks of the window; a Rust decode of the same groups clips its own
 /// lists, pairs each group with the tail of the prefill's, and reads every byte of both,
 /// leaving its blocks out of the window untouched.
+/// Loads a Python prefill's request of several KV cache groups into `local` (one list per
+/// group, before the decode's clipping) through the decode's scheduler and worker, from
+/// vLLM's JSON `params`; the outcome, no load error allowed.
+async fn load_groups_from_python(
+    (decode, scheduler): (&KvConnectorWorker, &mut KvConnectorScheduler),
+    request: &str,
+    params: &str,
+    local: &[Vec<usize>],
+) -> LoadOutcome {
+    let params = KvTransferParams::from_vllm_json(params).unwrap();
+    scheduler.on_new_request(request, Some(&params));
+    scheduler
+        .update_state_after_alloc_groups(request, local, &params)
+        .unwrap();
+    decode.start_load_kv(&scheduler.build_connector_meta());
+    let start = Instant::now();
+    loop {
+        let output = decode.output();
+        assert!(output.load_errors.is_empty(), "{:?}", output.load_errors);
+        let mut step = scheduler.update_connector_output(&[output]).unwrap();
+        if let Some(outcome) = step.load_outcomes.pop() {
+            return outcome;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "no load ended");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rust_decode_of_two_kv_cache_groups_reads_each_groups_blocks_from_a_python_prefill() {
     let mut peer = VllmPeer::start();
@@ -812,24 +840,10 @@ async fn a_rust_decode_of_two_kv_cache_groups_reads_each_groups_blocks_from_a_py
     assert_eq!(vllm["remote_block_ids"], json!([[1, 3, 9, 14], [5, 6, 7]]));
     let params = KvTransferParams::from_vllm_json(&json).unwrap();
     assert_eq!(params.remote_port, Some(port as u16));
-    scheduler.on_new_request("py-hybrid-1", Some(&params));
     // The decode's window group allocated 5 blocks too; 1 and 2 are out of the window.
     let local = [vec![0, 8, 10, 11], vec![1, 2, 12, 13, 15]];
-    scheduler
-        .update_state_after_alloc_groups("py-hybrid-1", &local, &params)
-        .unwrap();
-    decode.start_load_kv(&scheduler.build_connector_meta());
-    let start = Instant::now();
-    let outcome = loop {
-        let output = decode.output();
-        assert!(output.load_errors.is_empty(), "{:?}", output.load_errors);
-        let mut step = scheduler.update_connector_output(&[output]).unwrap();
-        if let Some(outcome) = step.load_outcomes.pop() {
-            break outcome;
-        }
-        assert!(start.elapsed() < Duration::from_secs(10), "no load ended");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    };
+    let outcome =
+        load_groups_from_python((&decode, &mut scheduler), "py-hybrid-1", &json, &local).await;
     assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
     holds_python_blocks(
         &decode,
@@ -879,24 +893,9 @@ async fn a_rust_decode_reads_each_groups_blocks_only_in_its_own_regions() {
         "kv_finish {} 1,3,9,14;2,4,5,6,7 {WINDOW_TOKENS}",
         hex(b"py-own-1")
     ));
-    let params = KvTransferParams::from_vllm_json(&json).unwrap();
-    scheduler.on_new_request("py-own-1", Some(&params));
     let local = [vec![0, 8, 10, 11], vec![1, 2, 12, 13, 15]];
-    scheduler
-        .update_state_after_alloc_groups("py-own-1", &local, &params)
-        .unwrap();
-    decode.start_load_kv(&scheduler.build_connector_meta());
-    let start = Instant::now();
-    let outcome = loop {
-        let output = decode.output();
-        assert!(output.load_errors.is_empty(), "{:?}", output.load_errors);
-        let mut step = scheduler.update_connector_output(&[output]).unwrap();
-        if let Some(outcome) = step.load_outcomes.pop() {
-            break outcome;
-        }
-        assert!(start.elapsed() < Duration::from_secs(10), "no load ended");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    };
+    let outcome =
+        load_groups_from_python((&decode, &mut scheduler), "py-own-1", &json, &local).await;
     assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
     // Region r holds group r's blocks; every other block of it is as it was.
     let groups: [&[(usize, usize)]; 2] = [
@@ -916,6 +915,187 @@ async fn a_rust_decode_reads_each_groups_blocks_only_in_its_own_regions() {
             assert!(got == want, "region {region} block {block}");
         }
     }
+}
+
+/// Region `region` of a decode of [`kv_spec`] (8 KV heads of 8-byte tokens, blocks of 16
+/// tokens, HND) that held 0xEE everywhere, after a load of `units` (local block, unit of
+/// `remote_tokens` tokens in it, remote block) from a Python prefill of blocks of
+/// `remote_tokens` tokens of the same heads.
+fn decode_after(region: usize, units: &[(usize, usize, usize)], remote_tokens: usize) -> Vec<u8> {
+    const HEADS: usize = 8;
+    const TOKEN: usize = 8;
+    let mut out = vec![0xEE; BLOCKS * BLOCK_LEN];
+    for &(local, unit, remote) in units {
+        for head in 0..HEADS {
+            for token in 0..remote_tokens {
+                for byte in 0..TOKEN {
+                    let at = local * BLOCK_LEN
+                        + head * 16 * TOKEN
+                        + (unit * remote_tokens + token) * TOKEN
+                        + byte;
+                    let from = remote * HEADS * remote_tokens * TOKEN
+                        + head * remote_tokens * TOKEN
+                        + token * TOKEN
+                        + byte;
+                    out[at] = python_byte(region, from);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Checks every byte of `decode`'s cache against [`decode_after`].
+fn holds_python_units(
+    decode: &KvConnectorWorker,
+    units: &[(usize, usize, usize)],
+    remote_tokens: usize,
+) {
+    let cache = decode.kv_caches().unwrap();
+    for region in 0..REGIONS {
+        let want = decode_after(region, units, remote_tokens);
+        let mut got = vec![0u8; want.len()];
+        cache.read(region, 0, &mut got).unwrap();
+        if let Some(at) = (0..want.len()).find(|&i| got[i] != want[i]) {
+            panic!(
+                "region {region}: byte {} of block {} is {:#04x}, want {:#04x}",
+                at % BLOCK_LEN,
+                at / BLOCK_LEN,
+                got[at],
+                want[at]
+            );
+        }
+    }
+}
+
+/// A hybrid vLLM 0.33 prefill whose kernel blocks are smaller than its logical ones
+/// (`physical_blocks_per_logical_kv_block` 2: block ids of 32 tokens, kernel blocks of 16,
+/// as vLLM's HMA has them when the attention kernel's block is smaller): a Rust decode of
+/// 16-token blocks reads each group's kernel blocks at their tokens of a 70-token prompt,
+/// the prefill's window clipped in its 32-token blocks (2 ids), the decode's in its own (3
+/// blocks); the kernel blocks past the prompt's last token are not read, nor is anything
+/// outside the groups' lists.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rust_decode_of_two_kv_cache_groups_reads_the_kernel_blocks_of_larger_python_blocks() {
+    let mut peer = VllmPeer::start();
+    let hash = factors().hash();
+    peer.json(&format!(
+        "kv_prefill {hash} 0 0 py-ppl {REGIONS} {BLOCKS} {BLOCK_LEN} 16 -1,-1 2"
+    ));
+    let (decode, mut scheduler) = vllm_engine_with("rs-decode-ppl", hybrid_kv(&factors()));
+    let cache = decode.kv_caches().unwrap();
+    for region in 0..REGIONS {
+        cache.write(region, 0, &[0xEE; BLOCKS * BLOCK_LEN]).unwrap();
+    }
+    let json = peer.call(&format!(
+        "kv_finish {} 1,4,6;2,5,7 {WINDOW_TOKENS} 70",
+        hex(b"py-ppl-1")
+    ));
+    let vllm: Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(vllm["remote_block_ids"], json!([[1, 4, 6], [5, 7]]));
+    let local = [vec![0, 3, 5, 6, 9], vec![1, 2, 10, 11, 12]];
+    let outcome =
+        load_groups_from_python((&decode, &mut scheduler), "py-ppl-1", &json, &local).await;
+    assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
+    // Ids 1, 4, 6 are kernel blocks 2 3, 8 9, 12 (13 past the prompt); the window's 5, 7
+    // are 10 11, 14 (15 past it), at the prompt's kernel blocks 2 to 4.
+    holds_python_units(
+        &decode,
+        &[
+            (0, 0, 2),
+            (3, 0, 3),
+            (5, 0, 8),
+            (6, 0, 9),
+            (9, 0, 12),
+            (10, 0, 10),
+            (11, 0, 11),
+            (12, 0, 14),
+        ],
+        16,
+    );
+    let notes = peer.json("kv_notifs 1 10");
+    assert_eq!(notes[0]["vllm"], json!({"id": "py-ppl-1", "consumers": 1}));
+}
+
+/// A vLLM 0.33 prefill (one KV cache group) whose block ids are two 16-token kernel blocks
+/// each, for a 40-token prompt: a Rust decode of 16-token blocks reads the three kernel
+/// blocks holding the prompt, not the fourth past its end, where it refused the load (the
+/// kernel blocks named more tokens than `remote_num_tokens`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rust_decode_reads_the_kernel_blocks_of_a_python_prompt_ending_inside_a_block_id() {
+    let mut peer = VllmPeer::start();
+    let hash = factors().hash();
+    peer.json(&format!(
+        "kv_prefill {hash} 0 0 py-ppl-one {REGIONS} {BLOCKS} {BLOCK_LEN} 16 - 2"
+    ));
+    let (decode, mut scheduler) = vllm_engine("rs-decode-ppl-one", &factors());
+    let cache = decode.kv_caches().unwrap();
+    for region in 0..REGIONS {
+        cache.write(region, 0, &[0xEE; BLOCKS * BLOCK_LEN]).unwrap();
+    }
+    let json = peer.call(&format!("kv_finish {} 2,5 0 40", hex(b"py-ppl-one-1")));
+    let outcome = load_groups_from_python(
+        (&decode, &mut scheduler),
+        "py-ppl-one-1",
+        &json,
+        &[vec![7, 1, 12]],
+    )
+    .await;
+    assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
+    // Ids 2 and 5: kernel blocks 4 5 and 10 (11 holds no token of the prompt).
+    holds_python_units(&decode, &[(7, 0, 4), (1, 0, 5), (12, 0, 10)], 16);
+}
+
+/// A hybrid vLLM 0.33 prefill of 8-token blocks read by a Rust decode of 16-token blocks
+/// (vLLM's `block_size_ratio` 2): each decode block takes two prefill blocks, a head at a
+/// time, at their tokens of a 60-token prompt; the prefill's window clipped to 4 of its
+/// blocks, the decode's to 3 of its own, the first of which holds tokens the prefill's
+/// list does not name and is not read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rust_decode_of_two_kv_cache_groups_reads_smaller_python_blocks_into_its_own() {
+    let mut peer = VllmPeer::start();
+    let hash = factors().hash();
+    let (small_blocks, small_len) = (2 * BLOCKS, BLOCK_LEN / 2);
+    peer.json(&format!(
+        "kv_prefill {hash} 0 0 py-ratio {REGIONS} {small_blocks} {small_len} 8 -1,-1"
+    ));
+    let (decode, mut scheduler) = vllm_engine_with("rs-decode-ratio", hybrid_kv(&factors()));
+    let cache = decode.kv_caches().unwrap();
+    for region in 0..REGIONS {
+        cache.write(region, 0, &[0xEE; BLOCKS * BLOCK_LEN]).unwrap();
+    }
+    let json = peer.call(&format!(
+        "kv_finish {} 3,5,7,9,11,13,15,17;20,21,22,23,24,25,26,27 {WINDOW_TOKENS} 60",
+        hex(b"py-ratio-1")
+    ));
+    let vllm: Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(
+        vllm["remote_block_ids"][1],
+        json!([24, 25, 26, 27]),
+        "ceil(20 / 8) + 1 blocks"
+    );
+    let local = [vec![0, 2, 4, 6], vec![1, 3, 8, 9]];
+    let outcome =
+        load_groups_from_python((&decode, &mut scheduler), "py-ratio-1", &json, &local).await;
+    assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
+    holds_python_units(
+        &decode,
+        &[
+            (0, 0, 3),
+            (0, 1, 5),
+            (2, 0, 7),
+            (2, 1, 9),
+            (4, 0, 11),
+            (4, 1, 13),
+            (6, 0, 15),
+            (6, 1, 17),
+            (8, 0, 24),
+            (8, 1, 25),
+            (9, 0, 26),
+            (9, 1, 27),
+        ],
+        8,
+    );
 }
 
 /// A Rust prefill of two KV cache groups publishes its regions as shared by every group

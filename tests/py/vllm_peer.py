@@ -17,20 +17,25 @@ Arguments are hex where they could hold spaces.
   parse_notif HEX              vLLM's reading of a notification -> JSON
 
 A prefill and a decode with NIXL's Python agent (DRAM, UCX), as vLLM's run them:
-  kv_prefill HASH EXTRA LIE ENGINE REGIONS BLOCKS BLOCK_LEN BLOCK_SIZE [REGION_GROUPS]
+  kv_prefill HASH EXTRA LIE ENGINE REGIONS BLOCKS BLOCK_LEN BLOCK_SIZE [REGION_GROUPS [PPL]]
                                an agent registering REGIONS buffers of BLOCKS blocks of
                                BLOCK_LEN bytes (byte i of region r: kv_byte(r, i)) and a
                                ROUTER serving rank (0, 0)'s NixlAgentMetadata under HASH;
                                EXTRA 1 adds unknown keys; LIE 1 claims base addresses 1 MiB
-                               past the buffers; REGION_GROUPS ("-1,-1"; default every
-                               region group 0's) is each region's KV cache group, -1 for
-                               one that several groups share -> JSON {port, agent}
-  kv_finish HEXREQ BLOCKS [WINDOW]
-                               vLLM's request_finished params for the prefill's blocks
-                               BLOCKS of request HEXREQ: one group ("3,4"), or one list per
-                               group ("3,4;7,8,9"), the last a sliding window of WINDOW
-                               tokens clipped to the blocks it needs; they carry the
-                               prefill's registration generation -> JSON
+                               past the buffers; REGION_GROUPS ("-1,-1"; "-" or absent:
+                               every region group 0's) is each region's KV cache group, -1
+                               for one that several groups share; PPL (default 1) kernel
+                               blocks per logical block (vLLM's
+                               physical_blocks_per_logical_kv_block: BLOCKS and BLOCK_SIZE
+                               are the kernel's, block ids logical) -> JSON {port, agent}
+  kv_finish HEXREQ BLOCKS [WINDOW [TOKENS]]
+                               vLLM's request_finished params for the prefill's (logical)
+                               blocks BLOCKS of request HEXREQ: one group ("3,4"), or one
+                               list per group ("3,4;7,8,9"), the last a sliding window of
+                               WINDOW tokens (0: none) clipped to the blocks it needs; TOKENS
+                               the prompt's (default: every token of the first list's
+                               blocks); they carry the prefill's registration generation
+                               -> JSON
   kv_reregister                the prefill registers its KV cache again, as vLLM's sleep mode
                                (unregister_kv_caches, restore_kv_caches, then the engine
                                core's _set_kv_connector_handshake_metadata): its memory
@@ -308,7 +313,8 @@ def publish(payload):
     kv["payload"] = payload
 
 
-def kv_prefill(hash_, extra, lie, engine, regions, blocks, block_len, block_size, region_groups):
+def kv_prefill(hash_, extra, lie, engine, regions, blocks, block_len, block_size, region_groups,
+               ppl):
     from nixl_cu12 import nixl_agent
 
     name = f"py-prefill-{os.getpid()}"
@@ -328,7 +334,7 @@ def kv_prefill(hash_, extra, lie, engine, regions, blocks, block_len, block_size
         block_size=block_size,
         ssm_sizes=(0, 0),
         attn_backend_name="FLASH_ATTN",
-        physical_blocks_per_logical_kv_block=1,
+        physical_blocks_per_logical_kv_block=ppl,
         region_num_blocks=[blocks] * regions,
         # A tensor that layers of several groups share is marked -1.
         region_group_ids=region_groups or [0] * regions,
@@ -352,8 +358,9 @@ def kv_prefill(hash_, extra, lie, engine, regions, blocks, block_len, block_size
             # The payload served now: a re-registration replaces it.
             sock.send_multipart((identity, b"", kv["payload"], ts))
 
+    # vLLM's scheduler works in logical blocks of the kernel's PPL blocks.
     kv.update(agent=agent, bufs=bufs, reg=reg, port=port, engine=engine,
-              block_size=block_size, notifs=[], meta=meta, hash=hash_, extra=extra,
+              block_size=block_size * ppl, notifs=[], meta=meta, hash=hash_, extra=extra,
               shift=shift, salt=0, retired=[], served=0)
     threading.Thread(target=loop, daemon=True).start()
     return {"port": port, "agent": name}
@@ -390,7 +397,7 @@ def kv_reregister():
     return {"generation": kv["generation"], "salt": salt}
 
 
-def kv_finish(req_id, groups, window):
+def kv_finish(req_id, groups, window, tokens):
     # vLLM 0.33's request_finished on a prefill (pull mode), one list per KV cache group; a
     # sliding window needs the blocks its tokens span, plus one for a window that starts
     # inside a block.
@@ -409,7 +416,7 @@ def kv_finish(req_id, groups, window):
         tp_size=1,
         dcp_size=1,
         pp_size=1,
-        remote_num_tokens=len(blocks) * kv["block_size"],
+        remote_num_tokens=tokens or len(blocks) * kv["block_size"],
         remote_blocks_expiry_time=None,
         remote_registration_generation=kv["generation"],
         transfer_mode="pull",
@@ -616,12 +623,17 @@ def main():
         elif cmd == "kv_prefill":
             hash_ = "" if args[0] == "-" else args[0]
             nums = [int(x) for x in args[4:8]]
-            groups = [int(x) for x in args[8].split(",")] if len(args) > 8 else None
-            answer(json.dumps(kv_prefill(hash_, args[1] == "1", args[2] == "1", args[3], *nums, groups)))
+            groups = None
+            if len(args) > 8 and args[8] != "-":
+                groups = [int(x) for x in args[8].split(",")]
+            ppl = int(args[9]) if len(args) > 9 else 1
+            answer(json.dumps(kv_prefill(hash_, args[1] == "1", args[2] == "1", args[3], *nums,
+                                         groups, ppl)))
         elif cmd == "kv_finish":
             groups = [[int(x) for x in g.split(",") if x] for g in args[1].split(";")]
             window = int(args[2]) if len(args) > 2 else 0
-            answer(json.dumps(kv_finish(bytes.fromhex(args[0]).decode(), groups, window)))
+            tokens = int(args[3]) if len(args) > 3 else 0
+            answer(json.dumps(kv_finish(bytes.fromhex(args[0]).decode(), groups, window, tokens)))
         elif cmd == "kv_reregister":
             answer(json.dumps(kv_reregister()))
         elif cmd == "kv_served":

@@ -63,9 +63,22 @@ impl std::fmt::Display for KvCacheGroupKind {
 /// ([`with_region_groups`](Self::with_region_groups), vLLM's `region_group_ids`): a group's
 /// blocks are then read only in its regions and the shared ones.
 ///
+/// Blocks of different sizes on the two engines are read as vLLM 0.33's pull connector
+/// reads them, in both protocols: a decode block may hold several of the prefill's (vLLM's
+/// `block_size_ratio`), and in vLLM's protocol an engine's block id may be several kernel
+/// blocks (its `physical_blocks_per_logical_kv_block`, the kernel's block smaller than the
+/// logical one): a vLLM-mode rank whose [`block_size`](Self::block_size) is a multiple of
+/// its registered blocks' publishes that many and reads its own block ids as that many
+/// registered blocks each. Each engine clips a window group in its own blocks, and each
+/// group's lists pair at their tokens of the prompt, which the prompt's
+/// `remote_num_tokens` says (see
+/// [`LoadSpec::local_group_lens`](crate::LoadSpec::local_group_lens)).
+///
 /// Not supported, refused by name: SSM (Mamba) groups, groups with regions of their own in
-/// the native protocol, and blocks of different sizes on the two engines of a load of
-/// several groups.
+/// the native protocol, a native worker whose groups' block size is larger than its
+/// registered blocks' (its handshake cannot say kernel blocks per id), and a prefill's
+/// (kernel) blocks larger than the decode's in a load of several groups (vLLM 0.33's `TransferTopology.block_size_ratio` asserts that the
+/// decode's block size is a multiple of the prefill's).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(try_from = "GroupsJson", into = "GroupsJson")]
 pub struct KvCacheGroups {
