@@ -18,7 +18,7 @@
 //! its load handed it back shows as a late write; a block freed while a READ could still
 //! read it, as a poisoned or mismatched block.
 //!
-//! In CI it runs 300 requests in about 9 s; `NIXL_CONNECTOR_SOAK_SECONDS=600` runs it for
+//! In CI it runs 300 requests in about 14 s; `NIXL_CONNECTOR_SOAK_SECONDS=600` runs it for
 //! ten minutes, the prefill killed and restarted every 150 requests.
 
 #[path = "../common/mod.rs"]
@@ -35,7 +35,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use common::{handshake, worker_with};
-use nixl_connector::{open_fds, ConnectorMetadata, KvConnectorWorker};
+use nixl_connector::{open_fds, ConnectorMetadata, HeartbeatSpec, KvConnectorWorker};
 
 use decode::DecodeEngine;
 use pool::{Pool, BLOCKS};
@@ -43,8 +43,8 @@ use prefill_child::{start_prefill, Line};
 use report::Report;
 use rng::Rng;
 use settings::{
-    kv, scheduler, soak_seconds, spec, DECODE_TP, ENGINE_TTL_S, FLOOD_EVERY, KILL_AFTER,
-    LONG_STALL_MS, PREFILL, SHORT_STALL_MS, STALL_EVERY, TCP_ONLY, UCX_TLS,
+    kv, scheduler, soak_seconds, spec, DECODE_TP, ENGINE_TTL_S, FLOOD_EVERY, HOSTILE_ENGINE_TTL_S,
+    KILL_AFTER, LONG_STALL_MS, PREFILL, SHORT_STALL_MS, STALL_EVERY, TCP_ONLY, UCX_TLS,
 };
 
 /// The soak's prefill, in a child process: see [`prefill_role::serve`].
@@ -87,8 +87,13 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
             })
         })
         .collect();
+    // It evicts the killed prefills as an engine does (their metadata invalidated), keeping
+    // the live one in use with heartbeats of no request; longer than a decode stall.
     let hostile = worker_with("hb-soak", 0, 1, &self::spec(1), |c| {
-        c.kv_transfer_config = kv.clone()
+        c.kv_transfer_config = kv.clone();
+        c.kv_transfer_config
+            .kv_connector_extra_config
+            .insert("engine_ttl".into(), HOSTILE_ENGINE_TTL_S.into());
     });
     handshake(&hostile, PREFILL, prefill.port).await;
     let mut d = DecodeEngine {
@@ -254,6 +259,18 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
         if last_flood.elapsed() >= FLOOD_EVERY {
             last_flood = Instant::now();
             d.r.floods += 1;
+            // The third agent's engine step: it sweeps the engines idle past its TTL (the
+            // killed prefills), and keeps the live one in use.
+            hostile.start_load_kv(&ConnectorMetadata {
+                heartbeats: vec![HeartbeatSpec {
+                    engine_id: prefill.engine.clone(),
+                    host: "127.0.0.1".into(),
+                    port: prefill.port,
+                    tp_size: 1,
+                    request_ids: Vec::new(),
+                }],
+                ..ConnectorMetadata::default()
+            });
             let padding = (0..5000).map(|i| format!("{:x>48}", i));
             let ids: Vec<String> = d.vllm_waiting.iter().cloned().chain(padding).collect();
             for message in [
@@ -280,17 +297,21 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
         prefill.child.wait().unwrap().success(),
         "the prefill's checks passed"
     );
-    // Every killed prefill's engine is evicted once idle past the TTL (each step sweeps).
+    // Every killed prefill's engine is evicted once idle past the TTL (each step sweeps), by
+    // the decode's ranks and the third agent (which evicts the last prefill, ended, too).
     let evicted = |d: &DecodeEngine| {
-        d.ranks.iter().all(|rank| {
-            rank.start_load_kv(&ConnectorMetadata::default());
-            let stats = rank.remote_stats();
-            stats.evicted >= d.r.prefill_restarts && stats.engines <= 1
-        })
+        for worker in d.ranks.iter().chain([&hostile]) {
+            worker.start_load_kv(&ConnectorMetadata::default());
+        }
+        hostile.remote_stats().evicted > d.r.prefill_restarts
+            && d.ranks.iter().all(|rank| {
+                let stats = rank.remote_stats();
+                stats.evicted >= d.r.prefill_restarts && stats.engines <= 1
+            })
     };
     common::wait_for(
         "the dead prefills' engines evicted",
-        Duration::from_secs(5),
+        Duration::from_secs(10),
         || evicted(&d),
     )
     .await;
