@@ -18,12 +18,15 @@
 //! its load handed it back shows as a late write; a block freed while a READ could still
 //! read it, as a poisoned or mismatched block.
 //!
+//! The decode process's heap in use must stay under a bound after warm-up (see [`memory`]).
+//!
 //! In CI it runs 300 requests in about 14 s; `NIXL_CONNECTOR_SOAK_SECONDS=600` runs it for
 //! ten minutes, the prefill killed and restarted every 150 requests.
 
 #[path = "../common/mod.rs"]
 mod common;
 mod decode;
+mod memory;
 mod pool;
 mod prefill_child;
 mod prefill_role;
@@ -38,6 +41,7 @@ use common::{handshake, worker_with};
 use nixl_connector::{open_fds, ConnectorMetadata, HeartbeatSpec, KvConnectorWorker};
 
 use decode::DecodeEngine;
+use memory::{MemoryTrace, Sample};
 use pool::{Pool, BLOCKS};
 use prefill_child::{start_prefill, Line};
 use report::Report;
@@ -111,6 +115,7 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
     let fds_before = open_fds().unwrap();
     let rss_before = common::status_kib("VmRSS");
     let heap_before = common::heap_in_use_kib();
+    let mut memory = MemoryTrace::new(seconds, target);
     prefill.go();
     let mut next_decode_stall = Instant::now() + STALL_EVERY;
     let mut prefill_end = None;
@@ -286,6 +291,15 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
             }
         }
         d.step(step, generation);
+        if memory.due(d.r.requests, started.elapsed()) {
+            let workers: Vec<_> = d.ranks.iter().chain([&hostile]).collect();
+            memory.push(Sample::take(
+                started,
+                d.r.requests,
+                d.r.prefill_restarts,
+                &workers,
+            ));
+        }
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     if stopped_until.is_some() {
@@ -317,6 +331,13 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
     .await;
     let (fds_after, rss_after) = (open_fds().unwrap(), common::status_kib("VmRSS"));
     let heap_after = common::heap_in_use_kib();
+    let workers: Vec<_> = d.ranks.iter().chain([&hostile]).collect();
+    memory.push(Sample::take(
+        started,
+        d.r.requests,
+        d.r.prefill_restarts,
+        &workers,
+    ));
     let r = &d.r;
     eprintln!(
         "soak: {:.1} s, {step} steps, {r:?}; last prefill {}: freed twice {prefill_freed_twice}, \
@@ -325,6 +346,7 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
         started.elapsed().as_secs_f64(),
         prefill.engine,
     );
+    memory.report_and_check();
     assert_eq!((prefill_freed_twice, prefill_late_writes), (0, 0));
     assert_eq!(
         (
