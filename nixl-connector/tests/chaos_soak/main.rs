@@ -18,12 +18,15 @@
 //! its load handed it back shows as a late write; a block freed while a READ could still
 //! read it, as a poisoned or mismatched block.
 //!
-//! In CI it runs 300 requests in about 9 s; `NIXL_CONNECTOR_SOAK_SECONDS=600` runs it for
+//! The decode process's heap in use must stay under a bound after warm-up (see [`memory`]).
+//!
+//! In CI it runs 300 requests in about 14 s; `NIXL_CONNECTOR_SOAK_SECONDS=600` runs it for
 //! ten minutes, the prefill killed and restarted every 150 requests.
 
 #[path = "../common/mod.rs"]
 mod common;
 mod decode;
+mod memory;
 mod pool;
 mod prefill_child;
 mod prefill_role;
@@ -35,16 +38,17 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use common::{handshake, worker_with};
-use nixl_connector::{open_fds, ConnectorMetadata, KvConnectorWorker};
+use nixl_connector::{open_fds, ConnectorMetadata, HeartbeatSpec, KvConnectorWorker};
 
 use decode::DecodeEngine;
+use memory::{MemoryTrace, Sample};
 use pool::{Pool, BLOCKS};
 use prefill_child::{start_prefill, Line};
 use report::Report;
 use rng::Rng;
 use settings::{
-    kv, scheduler, soak_seconds, spec, DECODE_TP, ENGINE_TTL_S, FLOOD_EVERY, KILL_AFTER,
-    LONG_STALL_MS, PREFILL, SHORT_STALL_MS, STALL_EVERY, TCP_ONLY, UCX_TLS,
+    kv, scheduler, soak_seconds, spec, DECODE_TP, ENGINE_TTL_S, FLOOD_EVERY, HOSTILE_ENGINE_TTL_S,
+    KILL_AFTER, LONG_STALL_MS, PREFILL, SHORT_STALL_MS, STALL_EVERY, TCP_ONLY, UCX_TLS,
 };
 
 /// The soak's prefill, in a child process: see [`prefill_role::serve`].
@@ -87,8 +91,13 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
             })
         })
         .collect();
+    // It evicts the killed prefills as an engine does (their metadata invalidated), keeping
+    // the live one in use with heartbeats of no request; longer than a decode stall.
     let hostile = worker_with("hb-soak", 0, 1, &self::spec(1), |c| {
-        c.kv_transfer_config = kv.clone()
+        c.kv_transfer_config = kv.clone();
+        c.kv_transfer_config
+            .kv_connector_extra_config
+            .insert("engine_ttl".into(), HOSTILE_ENGINE_TTL_S.into());
     });
     handshake(&hostile, PREFILL, prefill.port).await;
     let mut d = DecodeEngine {
@@ -106,6 +115,7 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
     let fds_before = open_fds().unwrap();
     let rss_before = common::status_kib("VmRSS");
     let heap_before = common::heap_in_use_kib();
+    let mut memory = MemoryTrace::new(seconds, target);
     prefill.go();
     let mut next_decode_stall = Instant::now() + STALL_EVERY;
     let mut prefill_end = None;
@@ -254,6 +264,18 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
         if last_flood.elapsed() >= FLOOD_EVERY {
             last_flood = Instant::now();
             d.r.floods += 1;
+            // The third agent's engine step: it sweeps the engines idle past its TTL (the
+            // killed prefills), and keeps the live one in use.
+            hostile.start_load_kv(&ConnectorMetadata {
+                heartbeats: vec![HeartbeatSpec {
+                    engine_id: prefill.engine.clone(),
+                    host: "127.0.0.1".into(),
+                    port: prefill.port,
+                    tp_size: 1,
+                    request_ids: Vec::new(),
+                }],
+                ..ConnectorMetadata::default()
+            });
             let padding = (0..5000).map(|i| format!("{:x>48}", i));
             let ids: Vec<String> = d.vllm_waiting.iter().cloned().chain(padding).collect();
             for message in [
@@ -269,6 +291,15 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
             }
         }
         d.step(step, generation);
+        if memory.due(d.r.requests, started.elapsed()) {
+            let workers: Vec<_> = d.ranks.iter().chain([&hostile]).collect();
+            memory.push(Sample::take(
+                started,
+                d.r.requests,
+                d.r.prefill_restarts,
+                &workers,
+            ));
+        }
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     if stopped_until.is_some() {
@@ -280,22 +311,33 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
         prefill.child.wait().unwrap().success(),
         "the prefill's checks passed"
     );
-    // Every killed prefill's engine is evicted once idle past the TTL (each step sweeps).
+    // Every killed prefill's engine is evicted once idle past the TTL (each step sweeps), by
+    // the decode's ranks and the third agent (which evicts the last prefill, ended, too).
     let evicted = |d: &DecodeEngine| {
-        d.ranks.iter().all(|rank| {
-            rank.start_load_kv(&ConnectorMetadata::default());
-            let stats = rank.remote_stats();
-            stats.evicted >= d.r.prefill_restarts && stats.engines <= 1
-        })
+        for worker in d.ranks.iter().chain([&hostile]) {
+            worker.start_load_kv(&ConnectorMetadata::default());
+        }
+        hostile.remote_stats().evicted > d.r.prefill_restarts
+            && d.ranks.iter().all(|rank| {
+                let stats = rank.remote_stats();
+                stats.evicted >= d.r.prefill_restarts && stats.engines <= 1
+            })
     };
     common::wait_for(
         "the dead prefills' engines evicted",
-        Duration::from_secs(5),
+        Duration::from_secs(10),
         || evicted(&d),
     )
     .await;
     let (fds_after, rss_after) = (open_fds().unwrap(), common::status_kib("VmRSS"));
     let heap_after = common::heap_in_use_kib();
+    let workers: Vec<_> = d.ranks.iter().chain([&hostile]).collect();
+    memory.push(Sample::take(
+        started,
+        d.r.requests,
+        d.r.prefill_restarts,
+        &workers,
+    ));
     let r = &d.r;
     eprintln!(
         "soak: {:.1} s, {step} steps, {r:?}; last prefill {}: freed twice {prefill_freed_twice}, \
@@ -304,6 +346,7 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
         started.elapsed().as_secs_f64(),
         prefill.engine,
     );
+    memory.report_and_check();
     assert_eq!((prefill_freed_twice, prefill_late_writes), (0, 0));
     assert_eq!(
         (

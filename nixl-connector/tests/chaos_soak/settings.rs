@@ -55,6 +55,10 @@ pub const LONG_STALL_MS: u64 = 2200;
 pub const FLOOD_EVERY: Duration = Duration::from_millis(250);
 /// The decode's engine TTL, in seconds (`engine_ttl`): a killed prefill is evicted.
 pub const ENGINE_TTL_S: f64 = 1.0;
+/// The third agent's engine TTL, in seconds: a killed prefill is evicted, the live one is
+/// kept (in use every flood) through the longest decode stall, which stops the third agent
+/// too.
+pub const HOSTILE_ENGINE_TTL_S: f64 = 5.0;
 /// A request that reaches the decode this long after the prefill made it may lose its
 /// 1.5 s lease before the decode's first heartbeat arrives (on a loaded machine): it is
 /// not held to its pattern.
