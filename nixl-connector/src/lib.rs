@@ -218,6 +218,7 @@ pub use failure::{FailedBlock, FailureKind};
 pub use geometry::groups::{KvCacheGroupKind, KvCacheGroups, KV_CACHE_GROUPS_KEY, SHARED_REGION};
 pub use geometry::read_plan::{Piece, ReadPlan, RegionPlan};
 pub use geometry::spec::{KvAttention, KvCacheSpec, KvLayout, KvRegion, KvRegionKind};
+pub use geometry::ssm::SsmState;
 pub use geometry::tp_mapping::{RankShare, Share, TpMapping, MAX_TP_SIZE};
 pub use lease::{Lease, DEFAULT_KV_LEASE_DURATION, LEASE_KEY, MAX_HOLD_KEY, MAX_LEASE};
 pub use metrics::{open_fds, RemoteStats, SendStats, TransferMetrics};

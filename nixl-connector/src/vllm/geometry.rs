@@ -7,6 +7,7 @@ use super::payload::NixlAgentMetadata;
 use crate::error::{Error, Result};
 use crate::geometry::groups::SHARED_REGION;
 use crate::geometry::spec::{KvAttention, KvCacheSpec, KvLayout, KvRegion, KvRegionKind};
+use crate::geometry::ssm::SsmState;
 
 const OP: &str = "convert vLLM's NixlAgentMetadata";
 
@@ -25,32 +26,46 @@ impl NixlAgentMetadata {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for what the connector does not read: Mamba state
-    /// (`ssm_sizes`), PLE state (`ple_block_len`), regions packing several layers
+    /// (`ssm_sizes`; read for KV cache groups with an SSM group), PLE state (`ple_block_len`), regions packing several layers
     /// (`packed_member_layouts`), decode or prefill context parallelism, regions of different block
     /// counts, padded blocks (a stride other than the length), a layout other than HND or
     /// NHD (`"HND"`, `"LBHNC"`; `"NHD"`, `"LBNHC"`), regions of different KV cache groups
     /// (`region_group_ids` that differ: groups sharing every region are read, see
     /// [`crate::KvCacheGroups`]), or counts that do not fit.
     pub fn kv_cache_spec(&self, attention: KvAttention) -> Result<KvCacheSpec> {
-        self.kv_cache_spec_for(attention, &[])
+        self.kv_cache_spec_for(attention, &[], None)
     }
 
     /// [`kv_cache_spec`](Self::kv_cache_spec) for a reader whose KV cache groups have
     /// regions of their own, `ours` each region's group
     /// ([`KvCacheGroups::region_groups`](crate::KvCacheGroups::region_groups); empty: none):
     /// the rank's `region_group_ids` must be the same (vLLM's `_read_blocks_for_req` reads
-    /// region-mapped groups only between equal layouts).
+    /// region-mapped groups only between equal layouts). With SSM groups, `ssm` is this
+    /// engine's state ([`KvCacheGroups::ssm_state`](crate::KvCacheGroups::ssm_state)): the
+    /// rank's `ssm_sizes` must be its sizes (vLLM's equal-TP read of the conv and temporal
+    /// state); without, the rank must have no Mamba state.
     pub(crate) fn kv_cache_spec_for(
         &self,
         attention: KvAttention,
         ours: &[i64],
+        ssm: Option<&SsmState>,
     ) -> Result<KvCacheSpec> {
         let refuse = |why: String| Error::invalid(OP, why);
-        if self.ssm_sizes != (0, 0) {
-            return Err(refuse(format!(
-                "Mamba state (ssm_sizes {:?}) is not supported",
-                self.ssm_sizes
-            )));
+        let our_sizes = ssm.map_or((0, 0), |state| {
+            let (conv, temporal) = state.ssm_sizes();
+            (conv as u64, temporal as u64)
+        });
+        if self.ssm_sizes != our_sizes {
+            return Err(refuse(match ssm {
+                None => format!(
+                    "Mamba state (ssm_sizes {:?}) needs KV cache groups with an ssm group and its ssm_state here",
+                    self.ssm_sizes
+                ),
+                Some(_) => format!(
+                    "ssm_sizes {:?} (source) vs {our_sizes:?} (reader): both engines must serve the same model with the same TP size (a state split across ranks of another TP size is not supported)",
+                    self.ssm_sizes
+                ),
+            }));
         }
         if let Some(len) = self.ple_block_len {
             return Err(refuse(format!(
@@ -168,7 +183,8 @@ impl NixlAgentMetadata {
     /// `_SHARED_REGION_GROUP_ID`, -1, as its `register_kv_caches` marks a tensor that layers
     /// of several groups use), unpadded
     /// (`block_strides` = `block_lens`), the layout by vLLM's name (`"LBHNC"` for HND,
-    /// `"LBNHC"` for NHD), one kernel block per logical block, no Mamba state, no context
+    /// `"LBNHC"` for NHD), one kernel block per logical block, no Mamba state (the registration
+    /// adds the `ssm_sizes` of SSM groups), no context
     /// parallelism, and no region names (a vLLM decode compares them with its layer names
     /// only when they are given).
     ///
@@ -296,9 +312,11 @@ mod tests {
             region_group_ids: Some(vec![0, 1]),
             ..metadata()
         };
-        assert!(own.kv_cache_spec_for(KvAttention::Mla, &[0, 1]).is_ok());
+        assert!(own
+            .kv_cache_spec_for(KvAttention::Mla, &[0, 1], None)
+            .is_ok());
         let err = own
-            .kv_cache_spec_for(KvAttention::Mla, &[1, 0])
+            .kv_cache_spec_for(KvAttention::Mla, &[1, 0], None)
             .unwrap_err()
             .to_string();
         assert!(
@@ -315,12 +333,48 @@ mod tests {
             ..metadata()
         };
         assert!(shared.kv_cache_spec(KvAttention::Mla).is_ok());
-        assert!(shared.kv_cache_spec_for(KvAttention::Mla, &[0, 1]).is_err());
+        assert!(shared
+            .kv_cache_spec_for(KvAttention::Mla, &[0, 1], None)
+            .is_err());
         let err = metadata()
-            .kv_cache_spec_for(KvAttention::Mla, &[0, 1])
+            .kv_cache_spec_for(KvAttention::Mla, &[0, 1], None)
             .unwrap_err()
             .to_string();
         assert!(err.contains("no region_group_ids"), "{err}");
+    }
+
+    #[test]
+    fn mamba_state_is_read_only_with_the_same_ssm_sizes() {
+        let state = SsmState::new(vec![24, 8, 8], 64).unwrap();
+        let mamba = NixlAgentMetadata {
+            ssm_sizes: (40, 64),
+            ..metadata()
+        };
+        assert!(mamba
+            .kv_cache_spec_for(KvAttention::Mla, &[], Some(&state))
+            .is_ok());
+        let err = mamba
+            .kv_cache_spec(KvAttention::Mla)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("needs KV cache groups with an ssm group"),
+            "{err}"
+        );
+        let other = SsmState::new(vec![12, 4, 4], 32).unwrap();
+        let err = mamba
+            .kv_cache_spec_for(KvAttention::Mla, &[], Some(&other))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("ssm_sizes (40, 64) (source) vs (20, 32) (reader)"),
+            "{err}"
+        );
+        let err = metadata()
+            .kv_cache_spec_for(KvAttention::Mla, &[], Some(&state))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("ssm_sizes (0, 0) (source)"), "{err}");
     }
 
     #[test]

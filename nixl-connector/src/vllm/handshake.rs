@@ -98,7 +98,11 @@ impl VllmWorker {
         let peer = format!("{host}:{port}");
         let meta = self.compat.check(&reply.payload, &peer)?;
         self.clock_sample(&meta.engine_id, reply.rtt(), reply.clock_offset());
-        let spec = meta.kv_cache_spec_for(ours.spec.attention, self.own_region_groups())?;
+        let spec = meta.kv_cache_spec_for(
+            ours.spec.attention,
+            self.own_region_groups(),
+            self.groups.checked_ssm_state()?,
+        )?;
         if let Some(types) = meta.region_mem_types.as_ref() {
             if types.len() != spec.num_regions() {
                 return Err(Error::invalid(

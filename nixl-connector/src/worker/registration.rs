@@ -247,7 +247,7 @@ impl KvConnectorWorker {
     ) -> Result<(Arc<MetadataServer>, NixlHandshakePayload)> {
         let config = &self.shared.config;
         let compat = &self.vllm()?.compat;
-        let metadata = NixlAgentMetadata::of_rank(RankRegistration {
+        let mut metadata = NixlAgentMetadata::of_rank(RankRegistration {
             engine_id: &config.engine_id,
             agent_metadata: ours.agent_metadata.clone(),
             base_addrs: ours.region_base_addrs.clone(),
@@ -264,6 +264,11 @@ impl KvConnectorWorker {
                 .groups
                 .region_group_ids(ours.spec.num_regions())?,
         })?;
+        // vLLM's `_mamba_ssm_size`: (0, 0) without SSM groups.
+        if let Some(state) = self.vllm()?.groups.checked_ssm_state()? {
+            let (conv, temporal) = state.ssm_sizes();
+            metadata.ssm_sizes = (conv as u64, temporal as u64);
+        }
         let payload = NixlHandshakePayload::new(&compat.hash, &metadata);
         let server = match kept.as_ref().or(config.vllm_side_channel.as_ref()) {
             Some(server) => server.clone(),

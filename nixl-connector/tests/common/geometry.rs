@@ -10,6 +10,7 @@ use std::net::SocketAddr;
 use std::ops::Range;
 use std::sync::Arc;
 
+use nixl::kv_config::KvTransferConfig;
 use nixl_connector::vllm::{MetadataServer, VllmChannelLimits};
 use nixl_connector::{
     KvAttention, KvCacheSpec, KvConnectorWorker, KvLayout, KvRegion, KvRegionKind, Protocol,
@@ -338,6 +339,18 @@ pub fn engine_speaking(
     if protocol == Protocol::Native {
         return engine(engine_id, model, side);
     }
+    vllm_engine(engine_id, model, side, &vllm_config(vllm_factors()))
+}
+
+/// The ranks of an engine of TP `side.tp` in this process speaking vLLM's protocol with
+/// `kv` (e.g. its KV cache groups), each with `model`'s cache, every rank publishing to
+/// one side channel (the engine's ROUTER) shared in its config.
+pub fn vllm_engine(
+    engine_id: &str,
+    model: &Model,
+    side: &Side,
+    kv: &KvTransferConfig,
+) -> Vec<KvConnectorWorker> {
     let spec = model.spec(side);
     let server = Arc::new(
         MetadataServer::bind_now(
@@ -349,7 +362,7 @@ pub fn engine_speaking(
     (0..side.tp)
         .map(|rank| {
             let mut config = rank_config(engine_id, rank, side.tp, 0);
-            config.kv_transfer_config = vllm_config(vllm_factors());
+            config.kv_transfer_config = kv.clone();
             config.vllm_side_channel = Some(server.clone());
             let worker = KvConnectorWorker::new(config).unwrap();
             worker.register_host_kv_caches(spec.clone()).unwrap();
