@@ -968,6 +968,157 @@ async fn a_python_decode_reads_both_kv_cache_groups_of_a_rust_prefill() {
     assert_eq!(prefill.finished().sending, ["rs-hybrid-1"]);
 }
 
+/// The conv sub-projections (Mamba2's x, B, C) and temporal state of the SSM engines'
+/// Mamba page, in bytes, as the Python peer takes them: 104 bytes of a 1 KiB page, the rest
+/// padding.
+const SSM_CONV: [usize; 3] = [24, 8, 8];
+const SSM_TEMPORAL: usize = 64;
+const SSM_ARG: &str = "24,8,8/64";
+
+/// [`vllm_kv`] for a hybrid model of a full-attention KV cache group and a Mamba group of
+/// one speculative block, sharing every region (vLLM's Nemotron-H-style registration).
+fn ssm_kv(factors: &CompatibilityFactors) -> KvTransferConfig {
+    let mut kv = vllm_kv(factors);
+    kv.kv_connector_extra_config.insert(
+        KV_CACHE_GROUPS_KEY.into(),
+        json!({"block_size": 16, "groups": ["full_attention", {"ssm": {"speculative_blocks": 1}}],
+            "ssm_state": {"conv_bytes": SSM_CONV, "temporal_bytes": SSM_TEMPORAL}}),
+    );
+    kv
+}
+
+/// vLLM 0.33's hybrid Mamba models: a Python prefill of a full-attention group and a Mamba
+/// group sharing every region publishes its `ssm_sizes` and hands the Mamba group's
+/// state-bearing block only (vLLM's `clip_ssm_state_blocks`); a Rust decode of the same
+/// groups clips its own list, reads the attention blocks whole in every region and, of the
+/// state block, only the conv sub-projections and the temporal state, leaving the page's
+/// padding and every other block untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rust_decode_of_attention_and_ssm_groups_reads_the_state_block_from_a_python_prefill() {
+    let mut peer = VllmPeer::start();
+    let hash = factors().hash();
+    peer.json(&format!(
+        "kv_prefill {hash} 0 0 py-ssm {REGIONS} {BLOCKS} {BLOCK_LEN} 16 -1,-1 {SSM_ARG}"
+    ));
+    let (decode, mut scheduler) = vllm_engine_with("rs-decode-ssm", ssm_kv(&factors()));
+    let cache = decode.kv_caches().unwrap();
+    let untouched = vec![0xEEu8; BLOCKS * BLOCK_LEN];
+    for region in 0..REGIONS {
+        cache.write(region, 0, &untouched).unwrap();
+    }
+    // The Mamba group's list: a null block, the state, a speculative scratch block.
+    let json = peer.call(&format!("kv_finish {} 1,3,9;0,6,7 ssm:1", hex(b"py-ssm-1")));
+    let vllm: Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(vllm["remote_block_ids"], json!([[1, 3, 9], [6]]));
+    let params = KvTransferParams::from_vllm_json(&json).unwrap();
+    scheduler.on_new_request("py-ssm-1", Some(&params));
+    let local = [vec![0, 8, 10], vec![11, 12, 13]];
+    scheduler
+        .update_state_after_alloc_groups("py-ssm-1", &local, &params)
+        .unwrap();
+    decode.start_load_kv(&scheduler.build_connector_meta());
+    let start = Instant::now();
+    let outcome = loop {
+        let output = decode.output();
+        assert!(output.load_errors.is_empty(), "{:?}", output.load_errors);
+        let mut step = scheduler.update_connector_output(&[output]).unwrap();
+        if let Some(outcome) = step.load_outcomes.pop() {
+            break outcome;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "no load ended");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
+    let state: usize = SSM_CONV.iter().sum::<usize>() + SSM_TEMPORAL;
+    for region in 0..REGIONS {
+        for block in 0..BLOCKS {
+            let mut got = vec![0u8; BLOCK_LEN];
+            cache.read(region, block * BLOCK_LEN, &mut got).unwrap();
+            let python = |r: usize, o: usize| python_byte(region, r * BLOCK_LEN + o);
+            let want: Vec<u8> = match block {
+                0 | 8 | 10 => {
+                    let r = [1, 3, 9][[0, 8, 10].iter().position(|&b| b == block).unwrap()];
+                    (0..BLOCK_LEN).map(|o| python(r, o)).collect()
+                }
+                // The state block (the one before the scratch block 13): its state only.
+                12 => (0..BLOCK_LEN)
+                    .map(|o| if o < state { python(6, o) } else { 0xEE })
+                    .collect(),
+                _ => vec![0xEE; BLOCK_LEN],
+            };
+            assert!(got == want, "region {region} block {block}");
+        }
+    }
+    let notes = peer.json("kv_notifs 1 10");
+    assert_eq!(notes[0]["vllm"], json!({"id": "py-ssm-1", "consumers": 1}));
+    let metrics = decode.metrics();
+    let attention = 3 * REGIONS * BLOCK_LEN;
+    assert_eq!(
+        metrics.iter().map(|m| m.bytes).sum::<u64>(),
+        (attention + REGIONS * state) as u64,
+        "{metrics:?}"
+    );
+}
+
+/// A Rust prefill of a full-attention group and a Mamba group publishes the `ssm_sizes` of
+/// its state and hands the Mamba group's state-bearing block only; a Python decode reads
+/// the attention blocks and, of the state block, each conv sub-projection and the temporal
+/// state as vLLM's decode lays out its descriptors, and its notification frees the request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_python_decode_reads_the_ssm_state_of_a_rust_prefill() {
+    let mut peer = VllmPeer::start();
+    let (prefill, mut scheduler) = vllm_engine_with("rs-prefill-ssm", ssm_kv(&factors()));
+    let cache = prefill.kv_caches().unwrap();
+    for region in 0..REGIONS {
+        let bytes: Vec<u8> = (0..BLOCKS * BLOCK_LEN)
+            .map(|i| rust_byte(region, i))
+            .collect();
+        cache.write(region, 0, &bytes).unwrap();
+    }
+    let for_decode = KvTransferParams {
+        do_remote_decode: true,
+        ..Default::default()
+    };
+    let finished = scheduler
+        .request_finished_all_groups(
+            "rs-ssm-1",
+            &[vec![5, 2, 11], vec![0, 7, 8]],
+            47,
+            Some(&for_decode),
+            FinishStatus::LengthCapped,
+        )
+        .unwrap();
+    assert!(finished.delay_free_blocks);
+    prefill.start_load_kv(&scheduler.build_connector_meta());
+    let params: Value =
+        serde_json::from_str(&finished.kv_transfer_params.unwrap().to_vllm_json()).unwrap();
+    assert_eq!(params["remote_block_ids"], json!([[5, 2, 11], [7]]));
+    let port = params["remote_port"].as_u64().unwrap();
+    let hash = factors().hash();
+    let got = peer.json(&format!(
+        "kv_decode {port} {hash} 1 rs-prefill-ssm 5,2,11 {} 1 {SSM_ARG}:7",
+        hex(b"rs-ssm-1")
+    ));
+    assert_eq!(got["meta"]["ssm_sizes"], json!([40, 64]), "{got}");
+    assert_eq!(got["meta"]["region_group_ids"], json!([-1, -1]), "{got}");
+    let data = unhex(got["data"].as_str().expect("the blocks read"));
+    let mut want = Vec::new();
+    for region in 0..REGIONS {
+        for block in [5, 2, 11] {
+            want.extend((0..BLOCK_LEN).map(|o| rust_byte(region, block * BLOCK_LEN + o)));
+        }
+    }
+    let state: usize = SSM_CONV.iter().sum::<usize>() + SSM_TEMPORAL;
+    for region in 0..REGIONS {
+        want.extend((0..state).map(|o| rust_byte(region, 7 * BLOCK_LEN + o)));
+    }
+    assert!(data == want, "the Python decode read other bytes");
+    tokio::time::timeout(Duration::from_secs(10), prefill.notified())
+        .await
+        .expect("the Python decode's notification");
+    assert_eq!(prefill.finished().sending, ["rs-ssm-1"]);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_vllm_heartbeat_for_5000_requests_extends_every_lease_of_a_rust_prefill() {
     // vLLM's _send_heartbeats sends one message per engine, whatever its length: 5,000

@@ -17,26 +17,36 @@ Arguments are hex where they could hold spaces.
   parse_notif HEX              vLLM's reading of a notification -> JSON
 
 A prefill and a decode with NIXL's Python agent (DRAM, UCX), as vLLM's run them:
-  kv_prefill HASH EXTRA LIE ENGINE REGIONS BLOCKS BLOCK_LEN BLOCK_SIZE [REGION_GROUPS]
+  kv_prefill HASH EXTRA LIE ENGINE REGIONS BLOCKS BLOCK_LEN BLOCK_SIZE [REGION_GROUPS [SSM]]
                                an agent registering REGIONS buffers of BLOCKS blocks of
                                BLOCK_LEN bytes (byte i of region r: kv_byte(r, i)) and a
                                ROUTER serving rank (0, 0)'s NixlAgentMetadata under HASH;
                                EXTRA 1 adds unknown keys; LIE 1 claims base addresses 1 MiB
                                past the buffers; REGION_GROUPS ("-1,-1"; default every
                                region group 0's) is each region's KV cache group, -1 for
-                               one that several groups share -> JSON {port, agent}
+                               one that several groups share; SSM ("24,8,8/64") the conv
+                               sub-projections' and temporal state's bytes of a Mamba
+                               layer's page in every region, published as ssm_sizes
+                               -> JSON {port, agent}
   kv_finish HEXREQ BLOCKS [WINDOW]
                                vLLM's request_finished params for the prefill's blocks
                                BLOCKS of request HEXREQ: one group ("3,4"), or one list per
                                group ("3,4;7,8,9"), the last a sliding window of WINDOW
-                               tokens clipped to the blocks it needs -> JSON
+                               tokens clipped to the blocks it needs, or, for WINDOW
+                               "ssm:N", a Mamba group of N speculative blocks clipped to
+                               its state-bearing block -> JSON
   kv_notifs N SECONDS          the prefill agent's next N notifications, waiting at most
                                SECONDS -> JSON [{from, hex, vllm}] in arrival order
-  kv_decode PORT HASH ENFORCE ENGINE BLOCKS HEXREQ CONSUMERS
+  kv_decode PORT HASH ENFORCE ENGINE BLOCKS HEXREQ CONSUMERS [SSM]
                                a decode: get_meta_msg for rank (0, 0), the hash checked
                                before the metadata is decoded into vLLM's layout, the
                                remote agent added, BLOCKS READ from every region into a
-                               registered buffer with the notification "REQ:CONSUMERS"
+                               registered buffer with the notification "REQ:CONSUMERS";
+                               with SSM ("24,8,8/64:21"), then a Mamba state block (21)
+                               read as vLLM's decode reads it: in every region each conv
+                               sub-projection, then the temporal state after the conv
+                               state, each a descriptor of its own, after the attention
+                               ones; refused unless the metadata's ssm_sizes are these
                                -> JSON {data: HEX of the buffer, agent, meta} or the refusal
   kv_heartbeat PORT HASH ENFORCE ENGINE COUNT PREFIX
                                a decode (handshake as kv_decode's) waiting for COUNT requests:
@@ -279,7 +289,24 @@ def kv_byte(region, size):
     return ((i * 7 + (i >> 8) * 13 + region * 131 + 3) % 256).astype(np.uint8)
 
 
-def kv_prefill(hash_, extra, lie, engine, regions, blocks, block_len, block_size, region_groups):
+def parse_ssm(arg):
+    """"24,8,8/64" -> ([24, 8, 8], 64): a Mamba page's conv sub-projections and temporal
+    state, in bytes, per rank."""
+    conv, temporal = arg.split("/")
+    return [int(x) for x in conv.split(",")], int(temporal)
+
+
+def ssm_parts(conv, temporal):
+    """The (offset, bytes) of each part of a Mamba page as vLLM's DS conv layout has them:
+    the conv sub-projections one after the other, then the temporal state."""
+    parts, offset = [], 0
+    for size in conv:
+        parts.append((offset, size))
+        offset += size
+    return parts + [(sum(conv), temporal)]
+
+
+def kv_prefill(hash_, extra, lie, engine, regions, blocks, block_len, block_size, region_groups, ssm=None):
     from nixl_cu12 import nixl_agent
 
     name = f"py-prefill-{os.getpid()}"
@@ -299,7 +326,7 @@ def kv_prefill(hash_, extra, lie, engine, regions, blocks, block_len, block_size
         block_strides=[block_len] * regions,
         kv_cache_layout="LBHNC",
         block_size=block_size,
-        ssm_sizes=(0, 0),
+        ssm_sizes=(sum(ssm[0]), ssm[1]) if ssm else (0, 0),
         attn_backend_name="FLASH_ATTN",
         physical_blocks_per_logical_kv_block=1,
         region_num_blocks=[blocks] * regions,
@@ -331,7 +358,13 @@ def kv_finish(req_id, groups, window):
     # vLLM 0.33's request_finished on a prefill (pull mode), one list per KV cache group; a
     # sliding window needs the blocks its tokens span, plus one for a window that starts
     # inside a block.
-    if window:
+    if isinstance(window, str) and window.startswith("ssm:"):
+        # A Mamba group keeps its running state's block: the last one before its
+        # speculative scratch blocks (of which at least that one is left).
+        scratch = min(int(window[4:]), max(len(groups[-1]) - 1, 0))
+        kept = groups[-1][: len(groups[-1]) - scratch]
+        groups[-1] = kept[-1:]
+    elif window:
         keep = -(-window // kv["block_size"]) + 1
         groups[-1] = groups[-1][-keep:]
     blocks = groups[0]
@@ -414,13 +447,23 @@ def kv_heartbeat(port, local_hash, enforce, engine, count, prefix):
     return {"bytes": len(hb_msg)}
 
 
-def kv_decode(port, local_hash, enforce, engine, blocks, req_id, consumers):
+def kv_decode(port, local_hash, enforce, engine, blocks, req_id, consumers, ssm=None):
     got = decode_agent(port, local_hash, enforce, engine)
     if isinstance(got, dict):
         return got
     agent, remote, meta, parts = got
     lens = meta.block_lens
     size = sum(lens) * len(blocks)
+    state = []
+    if ssm:
+        (conv, temporal), block = ssm
+        if tuple(meta.ssm_sizes) != (sum(conv), temporal):
+            return {"error": f"ssm_sizes {meta.ssm_sizes}, expected {(sum(conv), temporal)}"}
+        # vLLM's [descs_fa | descs_ssm]: region by region, part by part.
+        for region, base in enumerate(meta.kv_caches_base_addr):
+            for offset, length in ssm_parts(conv, temporal):
+                state.append((base + block * meta.block_strides[region] + offset, length))
+        size += sum(length for _, length in state)
     buf = np.zeros(size, dtype=np.uint8)
     agent.register_memory(agent.get_reg_descs([(buf.ctypes.data, size, 0, "")], "DRAM"))
     local_descs, remote_descs, at = [], [], buf.ctypes.data
@@ -429,6 +472,10 @@ def kv_decode(port, local_hash, enforce, engine, blocks, req_id, consumers):
             remote_descs.append((base + b * meta.block_strides[region], lens[region], meta.device_id))
             local_descs.append((at, lens[region], 0))
             at += lens[region]
+    for address, length in state:
+        remote_descs.append((address, length, meta.device_id))
+        local_descs.append((at, length, 0))
+        at += length
     notif = f"{req_id}:{consumers}".encode()
     handle = agent.initialize_xfer(
         "READ",
@@ -456,6 +503,7 @@ def kv_decode(port, local_hash, enforce, engine, blocks, req_id, consumers):
             "region_names": meta.region_names,
             "region_group_ids": meta.region_group_ids,
             "region_mem_types": meta.region_mem_types,
+            "ssm_sizes": list(meta.ssm_sizes),
         },
         "remote_perf_is_float": isinstance(msgspec.msgpack.decode(parts[1]), float),
     }
@@ -498,17 +546,22 @@ def main():
             hash_ = "" if args[0] == "-" else args[0]
             nums = [int(x) for x in args[4:8]]
             groups = [int(x) for x in args[8].split(",")] if len(args) > 8 else None
-            answer(json.dumps(kv_prefill(hash_, args[1] == "1", args[2] == "1", args[3], *nums, groups)))
+            ssm = parse_ssm(args[9]) if len(args) > 9 else None
+            answer(json.dumps(kv_prefill(hash_, args[1] == "1", args[2] == "1", args[3], *nums, groups, ssm)))
         elif cmd == "kv_finish":
             groups = [[int(x) for x in g.split(",") if x] for g in args[1].split(";")]
-            window = int(args[2]) if len(args) > 2 else 0
+            window = 0 if len(args) < 3 else args[2] if args[2].startswith("ssm:") else int(args[2])
             answer(json.dumps(kv_finish(bytes.fromhex(args[0]).decode(), groups, window)))
         elif cmd == "kv_notifs":
             answer(json.dumps(kv_notifs(int(args[0]), float(args[1]))))
         elif cmd == "kv_decode":
             blocks = [int(x) for x in args[4].split(",")]
             req_id = bytes.fromhex(args[5]).decode()
-            got = kv_decode(int(args[0]), args[1], args[2] == "1", args[3], blocks, req_id, int(args[6]))
+            ssm = None
+            if len(args) > 7:
+                sizes, block = args[7].split(":")
+                ssm = (parse_ssm(sizes), int(block))
+            got = kv_decode(int(args[0]), args[1], args[2] == "1", args[3], blocks, req_id, int(args[6]), ssm)
             answer(json.dumps(got))
         elif cmd == "kv_heartbeat":
             got = kv_heartbeat(int(args[0]), args[1], args[2] == "1", args[3], int(args[4]), args[5])
