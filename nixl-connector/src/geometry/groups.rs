@@ -30,7 +30,9 @@ pub enum KvCacheGroupKind {
     },
     /// The recurrent state of SSM (Mamba) layers (vLLM's `MambaSpec`): a request's state is
     /// one block, the only one read (vLLM's `clip_ssm_state_blocks`); its bytes are the
-    /// groups' [`SsmState`] ([`KvCacheGroups::with_ssm_state`]).
+    /// groups' [`SsmState`] ([`KvCacheGroups::with_ssm_state`]). The state handed over is
+    /// the one before the prompt's last token, which the decode computes itself
+    /// ([`KvCacheGroups::prefill_backoff_tokens`]).
     Ssm {
         /// Speculative-decoding scratch blocks at the end of each request's list (vLLM's
         /// `num_speculative_blocks`), never read; 0 when absent from the JSON.

@@ -165,6 +165,30 @@ impl KvCacheGroups {
             .any(|k| matches!(k, KvCacheGroupKind::Ssm { .. }))
     }
 
+    /// Trailing prompt tokens the prefill must not compute, which the decode computes
+    /// itself (vLLM's `_prefill_backoff` for Mamba): 1 with SSM groups, so that the state
+    /// handed over is the one before the prompt's last token (vLLM's h(N-1)) and the
+    /// decode's first step, running that token, yields the state after it; 0 without. The
+    /// engine applies it: its prefill schedules `num_prompt_tokens - backoff` tokens
+    /// (vLLM's `_truncate_request_for_prefill`), its decode loads
+    /// [`remote_prefill_tokens`](Self::remote_prefill_tokens).
+    pub fn prefill_backoff_tokens(&self) -> usize {
+        usize::from(self.has_ssm_groups())
+    }
+
+    /// The prompt tokens a decode loads from the prefill of a prompt of `num_prompt_tokens`
+    /// (vLLM's `_get_remote_prefill_token_count`): all but the
+    /// [`prefill_backoff_tokens`](Self::prefill_backoff_tokens), or all of a prompt no
+    /// longer than those.
+    pub fn remote_prefill_tokens(&self, num_prompt_tokens: usize) -> usize {
+        let backoff = self.prefill_backoff_tokens();
+        if backoff > 0 && num_prompt_tokens > backoff {
+            num_prompt_tokens - backoff
+        } else {
+            num_prompt_tokens
+        }
+    }
+
     /// Whether group `group` is an SSM group.
     pub fn is_ssm(&self, group: usize) -> bool {
         matches!(self.kinds().get(group), Some(KvCacheGroupKind::Ssm { .. }))
@@ -480,6 +504,11 @@ mod tests {
             }
         );
         assert_eq!(groups.kinds()[1].to_string(), "SSM (Mamba) state");
+        // The decode recomputes the prompt's last token (vLLM's h(N-1) hand-over).
+        assert_eq!(groups.prefill_backoff_tokens(), 1);
+        assert_eq!(groups.remote_prefill_tokens(100), 99);
+        assert_eq!(groups.remote_prefill_tokens(1), 1);
+        assert_eq!(KvCacheGroups::default().remote_prefill_tokens(100), 100);
         let ids = [vec![1, 2, 3], vec![0, 7, 8, 9], vec![0, 0, 5]];
         assert_eq!(
             groups.clip("r", &ids).unwrap(),
