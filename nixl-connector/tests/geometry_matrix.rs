@@ -140,7 +140,7 @@ async fn two_kv_cache_groups_move_every_byte_where_the_model_says() {
 /// temporal state, padded to the attention page): the SSM group reads only its
 /// state-bearing block, in every region only the state's bytes, each part where vLLM's
 /// `_build_mamba_local` puts it; over TP 1 and 2 on both engines, MHA with regions of two
-/// lengths. TP sizes that differ are refused by name (vLLM splits the state across ranks).
+/// lengths, and MLA. TP sizes that differ are refused by name (vLLM splits the state across ranks).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_attention_and_ssm_model_moves_every_byte_where_the_model_says() {
     common::init_tracing();
@@ -160,6 +160,13 @@ async fn an_attention_and_ssm_model_moves_every_byte_where_the_model_says() {
         (side(1, 4), side(2, 4)),
     ];
     run_ssm_cases(&model, &cases).await;
+    // MLA's replicated latent beside the state split across the ranks.
+    let mla = Model {
+        attention: KvAttention::Mla,
+        layout: KvLayout::Hnd,
+        regions: vec![(KvRegionKind::Tensor, 24), (KvRegionKind::Tensor, 16)],
+    };
+    run_ssm_cases(&mla, &cases[..2]).await;
 }
 
 /// A geometry the decode cannot read: the load is refused naming `reason`, before any READ
