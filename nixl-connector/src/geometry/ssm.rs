@@ -9,8 +9,9 @@
 //! vLLM 0.33 reads each sub-projection and the temporal state as regions of their own
 //! (`_build_mamba_local`, `_build_mamba_remote`), their descriptors after every attention
 //! descriptor (`[descs_fa | descs_ssm]` in `_compute_desc_ids`), each block read whole,
-//! whatever the attention geometry. Only the state-bearing block of a request moves
-//! (`clip_ssm_state_blocks`).
+//! whatever the attention geometry; every rank holds a TP-th of each part, so a decode of
+//! a larger TP reads its slice of each from the prefill rank it reads from. Only the
+//! state-bearing block of a request moves (`clip_ssm_state_blocks`).
 
 use nixl::XferDesc;
 use serde::{Deserialize, Serialize};
@@ -134,8 +135,8 @@ impl SsmState {
 impl KvCacheGroups {
     /// The groups with `state`, what a block of their SSM groups holds in each region (see
     /// [`SsmState`]); every region holds SSM state (vLLM's registration with each KV cache
-    /// tensor shared by a layer of every group). Both engines must have the same, which a
-    /// vLLM-mode decode checks against the prefill's `ssm_sizes`.
+    /// tensor shared by a layer of every group), per rank of this engine's TP. A vLLM-mode
+    /// decode checks it against the prefill's `ssm_sizes` (times the TP ratio).
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] when no group is an SSM group, or when regions have groups
@@ -230,16 +231,19 @@ pub(crate) fn state_block(ids: &[usize], speculative_blocks: usize) -> &[usize] 
     &kept[kept.len().saturating_sub(1)..]
 }
 
-/// How a reader rank reads the SSM state from one source rank of the same TP size: one
-/// descriptor per SSM region, part ([`SsmState::parts`]) and block, region by region, part
-/// by part, block by block, appended to the lists after the attention descriptors (vLLM's
-/// `[descs_fa | descs_ssm]`).
+/// How a reader rank reads the SSM state from the one source rank it reads from, of the
+/// same TP size or a TP size that divides the reader's: one descriptor per SSM region, part
+/// ([`SsmState::parts`]) and block, region by region, part by part, block by block,
+/// appended to the lists after the attention descriptors (vLLM's `[descs_fa | descs_ssm]`).
+/// With a source TP `ratio` times smaller, each source part is `ratio` of the reader's, and
+/// the reader takes its slice of each, the `reader_rank % ratio`-th (vLLM's
+/// `_build_mamba_remote` and `remote_conv_offsets` with `tp_ratio` of 1 or more).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct SsmReads {
     /// The regions that hold SSM state.
     regions: Vec<usize>,
-    /// Each part's (offset, bytes) in a block.
-    parts: Vec<(usize, usize)>,
+    /// Each part's offset in a local block, offset in a remote block, and bytes.
+    parts: Vec<(usize, usize, usize)>,
     /// Each region's block length (local, remote).
     block_lens: Vec<(usize, usize)>,
     /// Blocks per region (local, remote).
@@ -249,31 +253,36 @@ pub(crate) struct SsmReads {
 }
 
 impl SsmReads {
-    /// The reads of `state` in every region of `reader` (TP `reader_tp`) from `source` (TP
-    /// `source_tp`), whose lists hold `first` attention descriptors (local, remote) before.
+    /// The reads of `state` (the reader's, per rank) in every region of `reader` (rank
+    /// `reader_tp.0` of TP `reader_tp.1`) from `source` (of TP `source_tp`), whose lists hold
+    /// `first` attention descriptors (local, remote) before.
     ///
     /// # Errors
-    /// Why the state cannot be read: TP sizes that differ (vLLM splits every conv
-    /// sub-projection and the temporal state across the ranks of the larger TP, which is not
-    /// supported here), or a region whose blocks cannot hold the state.
+    /// Why the state cannot be read: a source TP larger than the reader's (vLLM then reads
+    /// each part from several source ranks, which is not supported here) or one that does
+    /// not divide it, or a region whose blocks cannot hold the state.
     pub(crate) fn new(
         state: &SsmState,
-        reader: (&KvCacheSpec, usize),
+        reader: (&KvCacheSpec, (usize, usize)),
         source: (&KvCacheSpec, usize),
         first: (usize, usize),
     ) -> std::result::Result<Self, String> {
-        let ((reader, reader_tp), (source, source_tp)) = (reader, source);
-        if reader_tp != source_tp {
+        let ((reader, (reader_rank, reader_tp)), (source, source_tp)) = (reader, source);
+        let ratio = match source_tp {
+            0 => 0,
+            tp => reader_tp / tp,
+        };
+        if ratio == 0 || ratio * source_tp != reader_tp {
             return Err(format!(
-                "SSM (Mamba) state between engines of different TP sizes (reader TP {reader_tp}, source TP {source_tp}) is not supported: vLLM splits each conv sub-projection and the temporal state across the ranks of the larger TP; serve both engines with the same TP size"
+                "SSM (Mamba) state from a prefill of TP {source_tp} into a decode of TP {reader_tp} is not supported: the prefill's TP must divide the decode's (with a larger prefill TP, vLLM reads each decode rank's state from several prefill ranks)"
             ));
         }
         let needed = state.state_bytes();
         let mut block_lens = Vec::with_capacity(reader.regions.len());
         for (index, (local, remote)) in reader.regions.iter().zip(&source.regions).enumerate() {
-            if local.block_len < needed || remote.block_len < needed {
+            if local.block_len < needed || remote.block_len < needed.saturating_mul(ratio) {
                 return Err(format!(
-                    "region {index}: blocks of {} bytes (reader) and {} (source) cannot hold the SSM state of {needed} bytes (ssm_sizes {:?})",
+                    "region {index}: blocks of {} bytes (reader) and {} (source, TP {ratio} times smaller) cannot hold the SSM state of {needed} bytes per reader rank (ssm_sizes {:?})",
                     local.block_len,
                     remote.block_len,
                     state.ssm_sizes()
@@ -281,9 +290,17 @@ impl SsmReads {
             }
             block_lens.push((local.block_len, remote.block_len));
         }
+        // The source's parts are `ratio` times the reader's; the reader's slice of each is
+        // its rank's place among the readers of that source rank.
+        let slice = reader_rank % ratio;
+        let parts = state
+            .parts()
+            .into_iter()
+            .map(|(offset, len)| (offset, offset * ratio + slice * len, len))
+            .collect();
         Ok(SsmReads {
             regions: (0..reader.regions.len()).collect(),
-            parts: state.parts(),
+            parts,
             block_lens,
             num_blocks: (reader.num_blocks, source.num_blocks),
             first,
@@ -300,7 +317,7 @@ impl SsmReads {
         let blocks = self.num_blocks.0;
         self.regions.iter().flat_map(move |&region| {
             let block_len = self.block_lens[region].0;
-            self.parts.iter().flat_map(move |&(offset, len)| {
+            self.parts.iter().flat_map(move |&(offset, _, len)| {
                 (0..blocks).map(move |block| (region, block * block_len + offset, len))
             })
         })
@@ -324,7 +341,7 @@ impl SsmReads {
             let (Some(&base), block_len) = (bases.get(region), self.block_lens[region].1) else {
                 continue;
             };
-            for &(offset, len) in &self.parts {
+            for &(_, offset, len) in &self.parts {
                 descs.extend((0..blocks).map(|block| {
                     XferDesc::new(base as usize + block * block_len + offset, len, device_id)
                 }));
@@ -343,7 +360,7 @@ impl SsmReads {
         let (mut local, mut remote) = (Vec::with_capacity(n), Vec::with_capacity(n));
         let mut bytes = 0;
         for slot in 0..self.per_block() {
-            let len = self.parts[slot % self.parts.len()].1;
+            let len = self.parts[slot % self.parts.len()].2;
             for &(l, r) in pairs {
                 local.push(self.first.0 + slot * self.num_blocks.0 + l);
                 remote.push(self.first.1 + slot * self.num_blocks.1 + r);
@@ -445,8 +462,13 @@ mod tests {
 
     #[test]
     fn reads_follow_the_attention_descriptors_part_by_part() {
-        let reads =
-            SsmReads::new(&mamba2(), (&spec(128, 2), 2), (&spec(128, 2), 2), (8, 10)).unwrap();
+        let reads = SsmReads::new(
+            &mamba2(),
+            (&spec(128, 2), (1, 2)),
+            (&spec(128, 2), 2),
+            (8, 10),
+        )
+        .unwrap();
         assert_eq!(reads.local_descriptors(), 2 * 4 * 4);
         let local: Vec<_> = reads.local_descs().collect();
         assert_eq!(local.len(), 32);
@@ -463,19 +485,62 @@ mod tests {
     }
 
     #[test]
-    fn other_tp_sizes_and_small_blocks_are_refused_by_name() {
-        let err =
-            SsmReads::new(&mamba2(), (&spec(128, 1), 2), (&spec(128, 1), 1), (0, 0)).unwrap_err();
-        assert!(
-            err.contains("different TP sizes (reader TP 2, source TP 1) is not supported"),
-            "{err}"
+    fn a_decode_of_a_larger_tp_reads_its_slice_of_each_part() {
+        // Decode rank 3 of TP 4 from a prefill of TP 2: the second half of each part.
+        let reads = SsmReads::new(
+            &mamba2(),
+            (&spec(128, 1), (3, 4)),
+            (&spec(256, 1), 2),
+            (0, 0),
+        )
+        .unwrap();
+        assert_eq!(
+            reads.parts,
+            [(0, 24, 24), (24, 56, 8), (32, 72, 8), (40, 144, 64)]
         );
-        let err =
-            SsmReads::new(&mamba2(), (&spec(128, 1), 1), (&spec(64, 1), 1), (0, 0)).unwrap_err();
+        let remote = reads.remote_descs(&[1 << 20], 0);
+        // Block 1 of the source, its temporal state's second half.
+        assert_eq!(
+            remote[3 * 4 + 1],
+            XferDesc::new((1 << 20) + 256 + 144, 64, 0)
+        );
+    }
+
+    #[test]
+    fn other_tp_sizes_and_small_blocks_are_refused_by_name() {
+        for (reader, source) in [((0, 1), 2), ((0, 3), 2), ((0, 2), 0)] {
+            let err = SsmReads::new(
+                &mamba2(),
+                (&spec(128, 1), reader),
+                (&spec(128, 1), source),
+                (0, 0),
+            )
+            .unwrap_err();
+            assert!(
+                err.contains("the prefill's TP must divide the decode's"),
+                "{err}"
+            );
+        }
+        let err = SsmReads::new(
+            &mamba2(),
+            (&spec(128, 1), (0, 1)),
+            (&spec(64, 1), 1),
+            (0, 0),
+        )
+        .unwrap_err();
         assert!(
             err.contains("cannot hold the SSM state of 104 bytes"),
             "{err}"
         );
+        // A source of half the TP needs twice the state per block.
+        let err = SsmReads::new(
+            &mamba2(),
+            (&spec(128, 1), (0, 2)),
+            (&spec(128, 1), 1),
+            (0, 0),
+        )
+        .unwrap_err();
+        assert!(err.contains("TP 2 times smaller"), "{err}");
     }
 
     /// `kv_connector_extra_config.kv_cache_groups` holding `json`, parsed.

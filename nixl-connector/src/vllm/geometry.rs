@@ -41,29 +41,34 @@ impl NixlAgentMetadata {
     /// ([`KvCacheGroups::region_groups`](crate::KvCacheGroups::region_groups); empty: none):
     /// the rank's `region_group_ids` must be the same (vLLM's `_read_blocks_for_req` reads
     /// region-mapped groups only between equal layouts). With SSM groups, `ssm` is this
-    /// engine's state ([`KvCacheGroups::ssm_state`](crate::KvCacheGroups::ssm_state)): the
-    /// rank's `ssm_sizes` must be its sizes (vLLM's equal-TP read of the conv and temporal
-    /// state); without, the rank must have no Mamba state.
+    /// engine's state ([`KvCacheGroups::ssm_state`](crate::KvCacheGroups::ssm_state)) and
+    /// how many times the rank's TP divides this engine's: the rank's `ssm_sizes` must be
+    /// that many times this engine's (vLLM's read of each rank's slice of the conv and
+    /// temporal state); without, the rank must have no Mamba state.
     pub(crate) fn kv_cache_spec_for(
         &self,
         attention: KvAttention,
         ours: &[i64],
-        ssm: Option<&SsmState>,
+        ssm: Option<(&SsmState, usize)>,
     ) -> Result<KvCacheSpec> {
         let refuse = |why: String| Error::invalid(OP, why);
-        let our_sizes = ssm.map_or((0, 0), |state| {
+        let expected = ssm.map_or((0, 0), |(state, ratio)| {
             let (conv, temporal) = state.ssm_sizes();
-            (conv as u64, temporal as u64)
+            (
+                conv.saturating_mul(ratio) as u64,
+                temporal.saturating_mul(ratio) as u64,
+            )
         });
-        if self.ssm_sizes != our_sizes {
+        if self.ssm_sizes != expected {
             return Err(refuse(match ssm {
                 None => format!(
                     "Mamba state (ssm_sizes {:?}) needs KV cache groups with an ssm group and its ssm_state here",
                     self.ssm_sizes
                 ),
-                Some(_) => format!(
-                    "ssm_sizes {:?} (source) vs {our_sizes:?} (reader): both engines must serve the same model with the same TP size (a state split across ranks of another TP size is not supported)",
-                    self.ssm_sizes
+                Some((state, ratio)) => format!(
+                    "ssm_sizes {:?} (source) vs {expected:?} expected ({ratio} × the reader's {:?}, its TP {ratio} times the source's): both engines must serve the same model",
+                    self.ssm_sizes,
+                    state.ssm_sizes()
                 ),
             }));
         }
@@ -351,7 +356,12 @@ mod tests {
             ..metadata()
         };
         assert!(mamba
-            .kv_cache_spec_for(KvAttention::Mla, &[], Some(&state))
+            .kv_cache_spec_for(KvAttention::Mla, &[], Some((&state, 1)))
+            .is_ok());
+        // A decode of twice the TP reads half of each part.
+        let half = SsmState::new(vec![12, 4, 4], 32).unwrap();
+        assert!(mamba
+            .kv_cache_spec_for(KvAttention::Mla, &[], Some((&half, 2)))
             .is_ok());
         let err = mamba
             .kv_cache_spec(KvAttention::Mla)
@@ -363,15 +373,15 @@ mod tests {
         );
         let other = SsmState::new(vec![12, 4, 4], 32).unwrap();
         let err = mamba
-            .kv_cache_spec_for(KvAttention::Mla, &[], Some(&other))
+            .kv_cache_spec_for(KvAttention::Mla, &[], Some((&other, 1)))
             .unwrap_err()
             .to_string();
         assert!(
-            err.contains("ssm_sizes (40, 64) (source) vs (20, 32) (reader)"),
+            err.contains("ssm_sizes (40, 64) (source) vs (20, 32) expected (1 × the reader's"),
             "{err}"
         );
         let err = metadata()
-            .kv_cache_spec_for(KvAttention::Mla, &[], Some(&state))
+            .kv_cache_spec_for(KvAttention::Mla, &[], Some((&state, 1)))
             .unwrap_err()
             .to_string();
         assert!(err.contains("ssm_sizes (0, 0) (source)"), "{err}");

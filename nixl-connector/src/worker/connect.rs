@@ -220,13 +220,14 @@ fn ssm_reads(
         reason,
     };
     let tp = |m: &HandshakeMessage| usize::try_from(m.tp_size).unwrap_or(usize::MAX);
+    let rank = usize::try_from(ours.tp_rank).unwrap_or(usize::MAX);
     let first = (
         plan.local_descriptors(ours.spec.num_blocks),
         plan.remote_descriptors(),
     );
     let reads = SsmReads::new(
         state,
-        (&ours.spec, tp(ours)),
+        (&ours.spec, (rank, tp(ours))),
         (&theirs.spec, tp(theirs)),
         first,
     )

@@ -33,6 +33,24 @@ fn rank_state(tp: usize) -> (Vec<usize>, usize) {
     (CONV.iter().map(|c| c / tp).collect(), TEMPORAL / tp)
 }
 
+/// Where byte `j` of the model-wide part `part` of the state (the conv sub-projections in
+/// turn, then the temporal state) sits at TP `tp`: each rank holds a `tp`-th of every
+/// part, in rank order, its parts one after the other from its page's start. The rank
+/// holding it, and the offset in that rank's page.
+fn state_byte(part: usize, j: usize, tp: usize) -> (usize, usize) {
+    let sizes: Vec<usize> = CONV.iter().copied().chain([TEMPORAL]).collect();
+    let per_rank = sizes[part] / tp;
+    let before: usize = sizes[..part].iter().map(|s| s / tp).sum();
+    (j / per_rank, before + j % per_rank)
+}
+
+/// Whether a decode of `decode` reads the state from a prefill of `prefill`: the prefill's
+/// TP divides the decode's (vLLM reads a larger prefill TP's state from several ranks,
+/// which is not supported).
+fn reads_state(prefill: &Side, decode: &Side) -> bool {
+    decode.tp % prefill.tp == 0
+}
+
 /// The vLLM-mode config of an engine of TP `tp` over blocks of `block_size` tokens: its
 /// groups and their state in `kv_connector_extra_config`.
 fn config(tp: usize, block_size: usize) -> nixl::kv_config::KvTransferConfig {
@@ -102,8 +120,9 @@ fn attention_load(request: &SsmRequest) -> Request {
 }
 
 /// Checks every byte of decode rank `rank`: the attention group's as the model says, each
-/// SSM state block's first `conv + temporal` bytes in every region the prefill rank's,
-/// its padding and every other byte as it was; and the bytes read, each once.
+/// byte of the rank's share of the SSM state in every region the prefill's (from the
+/// prefill rank holding it, see [`state_byte`]), the state page's padding and every other
+/// byte as it was; and the bytes read, each once.
 fn check_rank(
     model: &Model,
     worker: &KvConnectorWorker,
@@ -119,12 +138,12 @@ fn check_rank(
     let cache = worker.kv_caches().unwrap();
     for region in 0..model.regions.len() {
         let mut want = model.expected_decode_region(region, prefill, decode, rank, &refs);
-        let source = model.prefill_region(region, prefill, rank);
-        let len = model.block_len(region, decode);
-        assert_eq!(
-            len,
+        let sources: Vec<Vec<u8>> = (0..prefill.tp)
+            .map(|p| model.prefill_region(region, prefill, p))
+            .collect();
+        let (len, far_len) = (
+            model.block_len(region, decode),
             model.block_len(region, prefill),
-            "same TP, same blocks"
         );
         assert!(state < len, "the state leaves padding to check");
         for request in requests {
@@ -132,7 +151,17 @@ fn check_rank(
                 state_block(&request.local[1]),
                 state_block(&request.remote[1]),
             );
-            want[l * len..l * len + state].copy_from_slice(&source[r * len..r * len + state]);
+            let sizes = CONV.iter().copied().chain([TEMPORAL]);
+            for (part, size) in sizes.enumerate() {
+                for j in 0..size {
+                    let (holder, local) = state_byte(part, j, decode.tp);
+                    if holder != rank {
+                        continue;
+                    }
+                    let (p, far) = state_byte(part, j, prefill.tp);
+                    want[l * len + local] = sources[p][r * far_len + far];
+                }
+            }
         }
         let mut got = vec![0u8; want.len()];
         cache.read(region, 0, &mut got).unwrap();
@@ -161,7 +190,7 @@ fn check_rank(
 
 /// One case: both requests handed over by the prefill's scheduler and loaded through the
 /// decode's by every decode rank, every byte checked, every prefill rank freeing both; with
-/// TP sizes that differ, refused by name before any READ.
+/// a prefill TP that does not divide the decode's, refused by name before any READ.
 async fn ssm_case(model: &Model, prefill: Side, decode: Side) -> Result<(), String> {
     let tag = format!(
         "ssm-{}-p{}-d{}",
@@ -222,10 +251,13 @@ async fn ssm_case(model: &Model, prefill: Side, decode: Side) -> Result<(), Stri
             errors,
             ..
         } = RankEnd::of(worker, rank, requests.len()).await;
-        if prefill.tp != decode.tp {
+        if !reads_state(&prefill, &decode) {
             let refused = recving.len() == requests.len()
                 && errors.len() >= requests.len()
-                && errors.iter().all(|e| e.reason.contains("TP size"))
+                && errors.iter().all(|e| {
+                    e.reason
+                        .contains("the prefill's TP must divide the decode's")
+                })
                 && metrics.iter().all(|m| m.bytes == 0);
             if !refused {
                 return Err(format!("{tag}: decode rank {rank} was not refused: ended {recving:?}; errors {errors:?}; {metrics:?}"));
@@ -244,7 +276,7 @@ async fn ssm_case(model: &Model, prefill: Side, decode: Side) -> Result<(), Stri
         check_rank(model, worker, (&prefill, &decode), rank, &requests, read)
             .map_err(|err| format!("{tag}: {err}"))?;
     }
-    if prefill.tp != decode.tp {
+    if !reads_state(&prefill, &decode) {
         // Nothing read, nothing notified: the prefill's lease frees the blocks.
         return Ok(());
     }
@@ -253,14 +285,15 @@ async fn ssm_case(model: &Model, prefill: Side, decode: Side) -> Result<(), Stri
 }
 
 /// Runs every case of `cases` (prefill and decode sides) for `model` as a hybrid model of a
-/// full-attention and an SSM group, both engines speaking vLLM's protocol: equal TP sizes
-/// move every byte the models say; others are refused by name and move nothing.
+/// full-attention and an SSM group, both engines speaking vLLM's protocol: a prefill TP
+/// dividing the decode's moves every byte the models say; others are refused by name and
+/// move nothing.
 pub async fn run_ssm_cases(model: &Model, cases: &[(Side, Side)]) {
     run_each(
         cases,
         ", full attention and SSM groups",
         |prefill, decode| {
-            let outcome = if prefill.tp == decode.tp {
+            let outcome = if reads_state(&prefill, &decode) {
                 "every byte as the model says"
             } else {
                 "refused by name, nothing read"
