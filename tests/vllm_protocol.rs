@@ -976,13 +976,15 @@ const SSM_TEMPORAL: usize = 64;
 const SSM_ARG: &str = "24,8,8/64";
 
 /// [`vllm_kv`] for a hybrid model of a full-attention KV cache group and a Mamba group of
-/// one speculative block, sharing every region (vLLM's Nemotron-H-style registration).
-fn ssm_kv(factors: &CompatibilityFactors) -> KvTransferConfig {
+/// one speculative block, sharing every region (vLLM's Nemotron-H-style registration), at
+/// TP `tp`: a rank holds a `tp`-th of each part of the state.
+fn ssm_kv(factors: &CompatibilityFactors, tp: usize) -> KvTransferConfig {
     let mut kv = vllm_kv(factors);
+    let conv: Vec<usize> = SSM_CONV.iter().map(|c| c / tp).collect();
     kv.kv_connector_extra_config.insert(
         KV_CACHE_GROUPS_KEY.into(),
         json!({"block_size": 16, "groups": ["full_attention", {"ssm": {"speculative_blocks": 1}}],
-            "ssm_state": {"conv_bytes": SSM_CONV, "temporal_bytes": SSM_TEMPORAL}}),
+            "ssm_state": {"conv_bytes": conv, "temporal_bytes": SSM_TEMPORAL / tp}}),
     );
     kv
 }
@@ -1000,7 +1002,7 @@ async fn a_rust_decode_of_attention_and_ssm_groups_reads_the_state_block_from_a_
     peer.json(&format!(
         "kv_prefill {hash} 0 0 py-ssm {REGIONS} {BLOCKS} {BLOCK_LEN} 16 -1,-1 {SSM_ARG}"
     ));
-    let (decode, mut scheduler) = vllm_engine_with("rs-decode-ssm", ssm_kv(&factors()));
+    let (decode, mut scheduler) = vllm_engine_with("rs-decode-ssm", ssm_kv(&factors(), 1));
     let cache = decode.kv_caches().unwrap();
     let untouched = vec![0xEEu8; BLOCKS * BLOCK_LEN];
     for region in 0..REGIONS {
@@ -1060,6 +1062,85 @@ async fn a_rust_decode_of_attention_and_ssm_groups_reads_the_state_block_from_a_
     );
 }
 
+/// A Rust decode of TP 2 from a Python prefill of TP 1 of a full-attention group and a
+/// Mamba group: each rank reads its half of every conv sub-projection and of the temporal
+/// state (vLLM's `_build_mamba_remote` with a TP ratio of 2) into its own page, whose
+/// padding stays untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rust_decode_of_tp2_reads_its_half_of_the_ssm_state_from_a_python_prefill() {
+    let mut peer = VllmPeer::start();
+    let hash = factors().hash();
+    peer.json(&format!(
+        "kv_prefill {hash} 0 0 py-ssm-tp {REGIONS} {BLOCKS} {BLOCK_LEN} 16 -1,-1 {SSM_ARG}"
+    ));
+    let spec = KvCacheSpec::lbhnc(REGIONS, BLOCKS, 16, 8, 2, HEAD_BYTES);
+    let kv = ssm_kv(&factors(), 2);
+    let len = spec.block_len(0);
+    let ranks: Vec<KvConnectorWorker> = (0..2)
+        .map(|rank| {
+            let mut config = WorkerConfig::new("rs-decode-ssm-tp2", rank, 2, kv.clone());
+            config.platform = Arc::new(BuiltinPlatform::CPU);
+            let worker = KvConnectorWorker::new(config).unwrap();
+            worker.register_host_kv_caches(spec.clone()).unwrap();
+            let cache = worker.kv_caches().unwrap();
+            for region in 0..REGIONS {
+                cache.write(region, 0, &vec![0xEE; BLOCKS * len]).unwrap();
+            }
+            worker
+        })
+        .collect();
+    let mut scheduler = KvConnectorScheduler::new(
+        SchedulerConfig::new("rs-decode-ssm-tp2", "127.0.0.1", 0, 2, &kv).unwrap(),
+    )
+    .with_kv_cache_groups(KvCacheGroups::from_kv_transfer_config(&kv).unwrap());
+    let json = peer.call(&format!("kv_finish {} 1,3;0,6,7 ssm:1", hex(b"py-ssm-tp2")));
+    let params = KvTransferParams::from_vllm_json(&json).unwrap();
+    scheduler.on_new_request("py-ssm-tp2", Some(&params));
+    scheduler
+        .update_state_after_alloc_groups("py-ssm-tp2", &[vec![7, 2], vec![9, 10, 11]], &params)
+        .unwrap();
+    let meta = scheduler.build_connector_meta();
+    for rank in &ranks {
+        rank.start_load_kv(&meta);
+    }
+    let start = Instant::now();
+    let outcomes = loop {
+        let outputs: Vec<WorkerOutput> = ranks.iter().map(KvConnectorWorker::output).collect();
+        for output in &outputs {
+            assert!(output.load_errors.is_empty(), "{:?}", output.load_errors);
+        }
+        let step = scheduler.update_connector_output(&outputs).unwrap();
+        if !step.load_outcomes.is_empty() {
+            break step.load_outcomes;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "no load ended");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    assert!(
+        matches!(&outcomes[..], [LoadOutcome::Loaded { .. }]),
+        "{outcomes:?}"
+    );
+    // Part k of the model's state holds its bytes j in order; the Python rank all of them
+    // from its page's start, rank r of TP 2 its half (j from r * size / 2) from its own.
+    let parts: Vec<usize> = SSM_CONV.iter().copied().chain([SSM_TEMPORAL]).collect();
+    for (r, rank) in ranks.iter().enumerate() {
+        let cache = rank.kv_caches().unwrap();
+        for region in 0..REGIONS {
+            let mut want = vec![0xEEu8; len];
+            for (k, &size) in parts.iter().enumerate() {
+                let before: usize = parts[..k].iter().sum();
+                for j in r * size / 2..(r + 1) * size / 2 {
+                    let local = before / 2 + j - r * size / 2;
+                    want[local] = python_byte(region, 6 * BLOCK_LEN + before + j);
+                }
+            }
+            let mut got = vec![0u8; len];
+            cache.read(region, 10 * len, &mut got).unwrap();
+            assert!(got == want, "rank {r} region {region}: the state block");
+        }
+    }
+}
+
 /// A Rust prefill of a full-attention group and a Mamba group publishes the `ssm_sizes` of
 /// its state and hands the Mamba group's state-bearing block only; a Python decode reads
 /// the attention blocks and, of the state block, each conv sub-projection and the temporal
@@ -1067,7 +1148,7 @@ async fn a_rust_decode_of_attention_and_ssm_groups_reads_the_state_block_from_a_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_python_decode_reads_the_ssm_state_of_a_rust_prefill() {
     let mut peer = VllmPeer::start();
-    let (prefill, mut scheduler) = vllm_engine_with("rs-prefill-ssm", ssm_kv(&factors()));
+    let (prefill, mut scheduler) = vllm_engine_with("rs-prefill-ssm", ssm_kv(&factors(), 1));
     let cache = prefill.kv_caches().unwrap();
     for region in 0..REGIONS {
         let bytes: Vec<u8> = (0..BLOCKS * BLOCK_LEN)
