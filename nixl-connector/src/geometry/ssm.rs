@@ -240,11 +240,9 @@ pub(crate) fn state_block(ids: &[usize], speculative_blocks: usize) -> &[usize] 
 /// `_build_mamba_remote` and `remote_conv_offsets` with `tp_ratio` of 1 or more).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct SsmReads {
-    /// The regions that hold SSM state.
-    regions: Vec<usize>,
     /// Each part's offset in a local block, offset in a remote block, and bytes.
     parts: Vec<(usize, usize, usize)>,
-    /// Each region's block length (local, remote).
+    /// Each region's block length (local, remote): every region holds SSM state.
     block_lens: Vec<(usize, usize)>,
     /// Blocks per region (local, remote).
     num_blocks: (usize, usize),
@@ -253,9 +251,9 @@ pub(crate) struct SsmReads {
 }
 
 impl SsmReads {
-    /// The reads of `state` (the reader's, per rank) in every region of `reader` (rank
-    /// `reader_tp.0` of TP `reader_tp.1`) from `source` (of TP `source_tp`), whose lists hold
-    /// `first` attention descriptors (local, remote) before.
+    /// The reads of `state` (the reader's, per rank) in every region of the reader's cache
+    /// (`reader`: its spec, and its rank and TP size) from the source's (`source`: its spec
+    /// and TP size), whose lists hold `first` attention descriptors (local, remote) before.
     ///
     /// # Errors
     /// Why the state cannot be read: a source TP larger than the reader's (vLLM then reads
@@ -282,7 +280,7 @@ impl SsmReads {
         for (index, (local, remote)) in reader.regions.iter().zip(&source.regions).enumerate() {
             if local.block_len < needed || remote.block_len < needed.saturating_mul(ratio) {
                 return Err(format!(
-                    "region {index}: blocks of {} bytes (reader) and {} (source, TP {ratio} times smaller) cannot hold the SSM state of {needed} bytes per reader rank (ssm_sizes {:?})",
+                    "region {index}: blocks of {} bytes (reader) and {} (source of TP {source_tp}) cannot hold the SSM state of {needed} bytes per reader rank, {ratio} reader ranks' per source rank (ssm_sizes {:?})",
                     local.block_len,
                     remote.block_len,
                     state.ssm_sizes()
@@ -299,7 +297,6 @@ impl SsmReads {
             .map(|(offset, len)| (offset, offset * ratio + slice * len, len))
             .collect();
         Ok(SsmReads {
-            regions: (0..reader.regions.len()).collect(),
             parts,
             block_lens,
             num_blocks: (reader.num_blocks, source.num_blocks),
@@ -307,20 +304,22 @@ impl SsmReads {
         })
     }
 
-    /// Descriptors of each list (the same count on both sides when the block counts are).
+    /// Descriptors per block: one per region and part.
     fn per_block(&self) -> usize {
-        self.regions.len() * self.parts.len()
+        self.block_lens.len() * self.parts.len()
     }
 
     /// The local descriptors, as (region, offset in the region, length).
     pub(crate) fn local_descs(&self) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
         let blocks = self.num_blocks.0;
-        self.regions.iter().flat_map(move |&region| {
-            let block_len = self.block_lens[region].0;
-            self.parts.iter().flat_map(move |&(offset, _, len)| {
-                (0..blocks).map(move |block| (region, block * block_len + offset, len))
+        self.block_lens
+            .iter()
+            .enumerate()
+            .flat_map(move |(region, &(block_len, _))| {
+                self.parts.iter().flat_map(move |&(offset, _, len)| {
+                    (0..blocks).map(move |block| (region, block * block_len + offset, len))
+                })
             })
-        })
     }
 
     /// Local descriptors.
@@ -337,10 +336,7 @@ impl SsmReads {
     pub(crate) fn remote_descs(&self, bases: &[u64], device_id: u64) -> Vec<XferDesc> {
         let blocks = self.num_blocks.1;
         let mut descs = Vec::with_capacity(self.per_block().saturating_mul(blocks));
-        for &region in &self.regions {
-            let (Some(&base), block_len) = (bases.get(region), self.block_lens[region].1) else {
-                continue;
-            };
+        for (&(_, block_len), &base) in self.block_lens.iter().zip(bases) {
             for &(_, offset, len) in &self.parts {
                 descs.extend((0..blocks).map(|block| {
                     XferDesc::new(base as usize + block * block_len + offset, len, device_id)
@@ -540,7 +536,7 @@ mod tests {
             (0, 0),
         )
         .unwrap_err();
-        assert!(err.contains("TP 2 times smaller"), "{err}");
+        assert!(err.contains("2 reader ranks' per source rank"), "{err}");
     }
 
     /// `kv_connector_extra_config.kv_cache_groups` holding `json`, parsed.
