@@ -139,9 +139,10 @@ async fn two_kv_cache_groups_move_every_byte_where_the_model_says() {
 /// in vLLM's protocol (vLLM 0.33's Mamba2-style models: three conv sub-projections and a
 /// temporal state, padded to the attention page): the SSM group reads only its
 /// state-bearing block, in every region only the state's bytes, each part where vLLM's
-/// `_build_mamba_local` puts it, a decode of a larger TP its slice of each part; over TP
-/// 1, 2 and 4, MHA with regions of two lengths, and MLA. A prefill TP that does not divide
-/// the decode's is refused by name (vLLM then reads the state from several prefill ranks).
+/// `_build_mamba_local` puts it, a decode of a larger TP its slice of each part, one of a
+/// smaller TP each prefill rank's whole parts as its slices; over TP 1, 2 and 4, MHA with
+/// regions of two lengths, and MLA. MLA from a larger prefill TP is refused by name (its
+/// latent is read from one prefill rank, the state is on all of them).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_attention_and_ssm_model_moves_every_byte_where_the_model_says() {
     common::init_tracing();
@@ -161,6 +162,7 @@ async fn an_attention_and_ssm_model_moves_every_byte_where_the_model_says() {
         (side(1, 4), side(2, 4)),
         (side(2, 4), side(4, 4)),
         (side(2, 4), side(1, 4)),
+        (side(4, 4), side(2, 4)),
     ];
     run_ssm_cases(&model, &cases).await;
     // MLA's replicated latent beside the state split across the ranks.
@@ -169,7 +171,7 @@ async fn an_attention_and_ssm_model_moves_every_byte_where_the_model_says() {
         layout: KvLayout::Hnd,
         regions: vec![(KvRegionKind::Tensor, 24), (KvRegionKind::Tensor, 16)],
     };
-    run_ssm_cases(&mla, &cases[..3]).await;
+    run_ssm_cases(&mla, &cases[..5]).await;
 }
 
 /// A geometry the decode cannot read: the load is refused naming `reason`, before any READ

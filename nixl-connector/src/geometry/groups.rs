@@ -80,18 +80,19 @@ impl std::fmt::Display for KvCacheGroupKind {
 ///
 /// SSM (Mamba) groups ([`KvCacheGroupKind::Ssm`], with the [`SsmState`] of their blocks,
 /// [`with_ssm_state`](Self::with_ssm_state)) are read in vLLM's protocol as vLLM 0.33 reads
-/// them from a prefill whose TP divides the decode's: each request's one state-bearing
-/// block (vLLM's `clip_ssm_state_blocks`), in every region its conv sub-projections and
-/// temporal state as descriptors of their own after every attention descriptor (vLLM's
-/// `_build_mamba_local` and `[descs_fa | descs_ssm]`), a decode of a larger TP taking its
-/// slice of each (`_build_mamba_remote`); the attention groups' blocks in every region. The
-/// prefill's `ssm_sizes` must be this engine's times the TP ratio.
+/// them: each request's one state-bearing block (vLLM's `clip_ssm_state_blocks`), in every
+/// region its conv sub-projections and temporal state as descriptors of their own after
+/// every attention descriptor (vLLM's `_build_mamba_local` and `[descs_fa | descs_ssm]`),
+/// each rank holding a TP-th of each part: a decode of a larger TP takes its slice of each
+/// (`_build_mamba_remote`), one of a smaller TP takes each prefill rank's parts as its
+/// slices (`_build_local_splits_from_plan`); the attention groups' blocks in every region.
+/// The prefill's `ssm_sizes` must be this engine's scaled by the TP sizes.
 ///
 /// Not supported, refused by name: groups with regions of their own in the native
 /// protocol, blocks of different sizes on the two engines of a load of several groups, and,
-/// for SSM groups: the native protocol (its handshake does not say the state), a prefill
-/// TP larger than the decode's or not dividing it (vLLM then reads a decode rank's state
-/// from several prefill ranks), kernel blocks smaller than the
+/// for SSM groups: the native protocol (its handshake does not say the state), a larger
+/// prefill TP with MLA or replicated KV heads (the attention is read from one prefill rank
+/// of a group, the state is on all of them), kernel blocks smaller than the
 /// logical ones (`physical_blocks_per_logical_kv_block` above 1), regions of their own, and
 /// models of SSM groups only.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

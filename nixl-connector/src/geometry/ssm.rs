@@ -10,8 +10,9 @@
 //! (`_build_mamba_local`, `_build_mamba_remote`), their descriptors after every attention
 //! descriptor (`[descs_fa | descs_ssm]` in `_compute_desc_ids`), each block read whole,
 //! whatever the attention geometry; every rank holds a TP-th of each part, so a decode of
-//! a larger TP reads its slice of each from the prefill rank it reads from. Only the
-//! state-bearing block of a request moves (`clip_ssm_state_blocks`).
+//! a larger TP reads its slice of each from the prefill rank it reads from, and one of a
+//! smaller TP each of its prefill ranks' parts as its slices. Only the state-bearing block
+//! of a request moves (`clip_ssm_state_blocks`).
 
 use nixl::XferDesc;
 use serde::{Deserialize, Serialize};
@@ -231,13 +232,16 @@ pub(crate) fn state_block(ids: &[usize], speculative_blocks: usize) -> &[usize] 
     &kept[kept.len().saturating_sub(1)..]
 }
 
-/// How a reader rank reads the SSM state from the one source rank it reads from, of the
-/// same TP size or a TP size that divides the reader's: one descriptor per SSM region, part
-/// ([`SsmState::parts`]) and block, region by region, part by part, block by block,
+/// How a reader rank reads the SSM state from one source rank: one descriptor per region,
+/// part ([`SsmState::parts`]) and block, region by region, part by part, block by block,
 /// appended to the lists after the attention descriptors (vLLM's `[descs_fa | descs_ssm]`).
-/// With a source TP `ratio` times smaller, each source part is `ratio` of the reader's, and
-/// the reader takes its slice of each, the `reader_rank % ratio`-th (vLLM's
-/// `_build_mamba_remote` and `remote_conv_offsets` with `tp_ratio` of 1 or more).
+/// Every rank holds a TP-th of each part. From a source TP `ratio` times smaller, each
+/// source part is `ratio` reader parts, and the reader takes its slice of each, the
+/// `reader_rank % ratio`-th (vLLM's `_build_mamba_remote` and `remote_conv_offsets` with
+/// `tp_ratio` of 1 or more); from a source TP `ratio` times larger, each of the `ratio`
+/// source ranks of the reader's group gives its whole parts, which land as the
+/// `source_rank % ratio`-th slice of the reader's (vLLM's `remote_conv_offsets` with a
+/// negative `tp_ratio` and `_build_local_splits_from_plan`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct SsmReads {
     /// Each part's offset in a local block, offset in a remote block, and bytes.
@@ -252,35 +256,66 @@ pub(crate) struct SsmReads {
 
 impl SsmReads {
     /// The reads of `state` (the reader's, per rank) in every region of the reader's cache
-    /// (`reader`: its spec, and its rank and TP size) from the source's (`source`: its spec
-    /// and TP size), whose lists hold `first` attention descriptors (local, remote) before.
+    /// (`reader`: its spec, and its rank and TP size) from the source's (`source`: its spec,
+    /// and its rank and TP size), whose lists hold `first` attention descriptors (local,
+    /// remote) before.
     ///
     /// # Errors
-    /// Why the state cannot be read: a source TP larger than the reader's (vLLM then reads
-    /// each part from several source ranks, which is not supported here) or one that does
-    /// not divide it, or a region whose blocks cannot hold the state.
+    /// Why the state cannot be read: TP sizes neither of which divides the other, parts of
+    /// the reader's state that do not split over a larger source TP, or a region whose
+    /// blocks cannot hold the state.
     pub(crate) fn new(
         state: &SsmState,
         reader: (&KvCacheSpec, (usize, usize)),
-        source: (&KvCacheSpec, usize),
+        source: (&KvCacheSpec, (usize, usize)),
         first: (usize, usize),
     ) -> std::result::Result<Self, String> {
-        let ((reader, (reader_rank, reader_tp)), (source, source_tp)) = (reader, source);
-        let ratio = match source_tp {
-            0 => 0,
-            tp => reader_tp / tp,
-        };
-        if ratio == 0 || ratio * source_tp != reader_tp {
+        let ((reader, (reader_rank, reader_tp)), (source, (source_rank, source_tp))) =
+            (reader, source);
+        let divides = |a: usize, b: usize| a > 0 && b > 0 && b % a == 0;
+        let parts: Vec<(usize, usize, usize)> = if divides(source_tp, reader_tp) {
+            // Each source part holds `ratio` readers' slices; ours is the rank's place
+            // among the readers of that source rank.
+            let ratio = reader_tp / source_tp;
+            let slice = reader_rank % ratio;
+            state
+                .parts()
+                .into_iter()
+                .map(|(offset, len)| (offset, offset * ratio + slice * len, len))
+                .collect()
+        } else if divides(reader_tp, source_tp) {
+            // Each of our parts is `ratio` source ranks' whole parts, in rank order.
+            let ratio = source_tp / reader_tp;
+            let piece = source_rank % ratio;
+            if let Some(&len) = state
+                .parts()
+                .iter()
+                .map(|(_, len)| len)
+                .find(|&&l| l % ratio != 0)
+            {
+                return Err(format!(
+                    "a part of {len} bytes of the SSM state (ssm_sizes {:?}) does not split over the source's {ratio} ranks per reader rank",
+                    state.ssm_sizes()
+                ));
+            }
+            state
+                .parts()
+                .into_iter()
+                .map(|(offset, len)| (offset + piece * len / ratio, offset / ratio, len / ratio))
+                .collect()
+        } else {
             return Err(format!(
-                "SSM (Mamba) state from a prefill of TP {source_tp} into a decode of TP {reader_tp} is not supported: the prefill's TP must divide the decode's (with a larger prefill TP, vLLM reads each decode rank's state from several prefill ranks)"
+                "SSM (Mamba) state between a prefill of TP {source_tp} and a decode of TP {reader_tp}: one TP size must divide the other"
             ));
-        }
-        let needed = state.state_bytes();
+        };
+        let (local_end, remote_end) = parts.iter().fold((0, 0), |(l, r), &(lo, ro, len)| {
+            (l.max(lo + len), r.max(ro + len))
+        });
         let mut block_lens = Vec::with_capacity(reader.regions.len());
         for (index, (local, remote)) in reader.regions.iter().zip(&source.regions).enumerate() {
-            if local.block_len < needed || remote.block_len < needed.saturating_mul(ratio) {
+            if local.block_len < local_end || remote.block_len < remote_end {
                 return Err(format!(
-                    "region {index}: blocks of {} bytes (reader) and {} (source of TP {source_tp}) cannot hold the SSM state of {needed} bytes per reader rank, {ratio} reader ranks' per source rank (ssm_sizes {:?})",
+                    "region {index}: blocks of {} bytes (reader) and {} (source of TP {source_tp}) cannot hold the SSM state read, up to byte {local_end} and {remote_end} (ssm_sizes {:?} per reader rank)",
                     local.block_len,
                     remote.block_len,
                     state.ssm_sizes()
@@ -288,14 +323,6 @@ impl SsmReads {
             }
             block_lens.push((local.block_len, remote.block_len));
         }
-        // The source's parts are `ratio` times the reader's; the reader's slice of each is
-        // its rank's place among the readers of that source rank.
-        let slice = reader_rank % ratio;
-        let parts = state
-            .parts()
-            .into_iter()
-            .map(|(offset, len)| (offset, offset * ratio + slice * len, len))
-            .collect();
         Ok(SsmReads {
             parts,
             block_lens,
@@ -461,7 +488,7 @@ mod tests {
         let reads = SsmReads::new(
             &mamba2(),
             (&spec(128, 2), (1, 2)),
-            (&spec(128, 2), 2),
+            (&spec(128, 2), (1, 2)),
             (8, 10),
         )
         .unwrap();
@@ -486,7 +513,7 @@ mod tests {
         let reads = SsmReads::new(
             &mamba2(),
             (&spec(128, 1), (3, 4)),
-            (&spec(256, 1), 2),
+            (&spec(256, 1), (1, 2)),
             (0, 0),
         )
         .unwrap();
@@ -503,8 +530,26 @@ mod tests {
     }
 
     #[test]
+    fn a_decode_of_a_smaller_tp_takes_whole_parts_from_each_source_rank() {
+        // Decode rank 0 of TP 1 from prefill rank 1 of TP 2: the second half of each of its
+        // parts, from the start of the source's.
+        let reads = SsmReads::new(
+            &mamba2(),
+            (&spec(128, 1), (0, 1)),
+            (&spec(64, 1), (1, 2)),
+            (0, 0),
+        )
+        .unwrap();
+        assert_eq!(
+            reads.parts,
+            [(12, 0, 12), (28, 12, 4), (36, 16, 4), (72, 20, 32)]
+        );
+        assert_eq!(reads.descriptor_ids(&[(0, 0)]).2, 52);
+    }
+
+    #[test]
     fn other_tp_sizes_and_small_blocks_are_refused_by_name() {
-        for (reader, source) in [((0, 1), 2), ((0, 3), 2), ((0, 2), 0)] {
+        for (reader, source) in [((0, 3), (0, 2)), ((0, 2), (0, 0))] {
             let err = SsmReads::new(
                 &mamba2(),
                 (&spec(128, 1), reader),
@@ -512,31 +557,37 @@ mod tests {
                 (0, 0),
             )
             .unwrap_err();
-            assert!(
-                err.contains("the prefill's TP must divide the decode's"),
-                "{err}"
-            );
+            assert!(err.contains("one TP size must divide the other"), "{err}");
         }
+        // 8 bytes do not split over 16 source ranks per reader rank.
         let err = SsmReads::new(
             &mamba2(),
             (&spec(128, 1), (0, 1)),
-            (&spec(64, 1), 1),
+            (&spec(128, 1), (0, 16)),
             (0, 0),
         )
         .unwrap_err();
         assert!(
-            err.contains("cannot hold the SSM state of 104 bytes"),
+            err.contains("does not split over the source's 16 ranks"),
             "{err}"
         );
-        // A source of half the TP needs twice the state per block.
         let err = SsmReads::new(
             &mamba2(),
-            (&spec(128, 1), (0, 2)),
-            (&spec(128, 1), 1),
+            (&spec(128, 1), (0, 1)),
+            (&spec(64, 1), (0, 1)),
             (0, 0),
         )
         .unwrap_err();
-        assert!(err.contains("2 reader ranks' per source rank"), "{err}");
+        assert!(err.contains("cannot hold the SSM state read"), "{err}");
+        // A source of half the TP holds twice the state per block.
+        let err = SsmReads::new(
+            &mamba2(),
+            (&spec(128, 1), (0, 2)),
+            (&spec(128, 1), (0, 1)),
+            (0, 0),
+        )
+        .unwrap_err();
+        assert!(err.contains("up to byte 104 and 144"), "{err}");
     }
 
     /// `kv_connector_extra_config.kv_cache_groups` holding `json`, parsed.

@@ -41,32 +41,34 @@ impl NixlAgentMetadata {
     /// ([`KvCacheGroups::region_groups`](crate::KvCacheGroups::region_groups); empty: none):
     /// the rank's `region_group_ids` must be the same (vLLM's `_read_blocks_for_req` reads
     /// region-mapped groups only between equal layouts). With SSM groups, `ssm` is this
-    /// engine's state ([`KvCacheGroups::ssm_state`](crate::KvCacheGroups::ssm_state)) and
-    /// how many times the rank's TP divides this engine's: the rank's `ssm_sizes` must be
-    /// that many times this engine's (vLLM's read of each rank's slice of the conv and
-    /// temporal state); without, the rank must have no Mamba state.
+    /// engine's state ([`KvCacheGroups::ssm_state`](crate::KvCacheGroups::ssm_state)), its
+    /// TP size and the rank's: the rank's `ssm_sizes` must be the state scaled from one TP
+    /// to the other (every rank holds a TP-th of each part; vLLM's reads of each rank's
+    /// slice); without, the rank must have no Mamba state.
     pub(crate) fn kv_cache_spec_for(
         &self,
         attention: KvAttention,
         ours: &[i64],
-        ssm: Option<(&SsmState, usize)>,
+        ssm: Option<(&SsmState, usize, usize)>,
     ) -> Result<KvCacheSpec> {
         let refuse = |why: String| Error::invalid(OP, why);
-        let expected = ssm.map_or((0, 0), |(state, ratio)| {
+        let scaled = |bytes: usize, (reader_tp, source_tp): (usize, usize)| {
+            let total = bytes.checked_mul(reader_tp)?;
+            (source_tp > 0 && total % source_tp == 0).then(|| (total / source_tp) as u64)
+        };
+        let expected = ssm.map_or(Some((0, 0)), |(state, reader_tp, source_tp)| {
             let (conv, temporal) = state.ssm_sizes();
-            (
-                conv.saturating_mul(ratio) as u64,
-                temporal.saturating_mul(ratio) as u64,
-            )
+            let tp = (reader_tp, source_tp);
+            Some((scaled(conv, tp)?, scaled(temporal, tp)?))
         });
-        if self.ssm_sizes != expected {
+        if expected != Some(self.ssm_sizes) {
             return Err(refuse(match ssm {
                 None => format!(
                     "Mamba state (ssm_sizes {:?}) needs KV cache groups with an ssm group and its ssm_state here",
                     self.ssm_sizes
                 ),
-                Some((state, ratio)) => format!(
-                    "ssm_sizes {:?} (source) vs {expected:?} expected ({ratio} × the reader's {:?}, its TP {ratio} times the source's): both engines must serve the same model",
+                Some((state, reader_tp, source_tp)) => format!(
+                    "ssm_sizes {:?} (source, TP {source_tp}) vs the reader's {:?} at TP {reader_tp}: every rank holds a TP-th of the state, so both engines must serve the same model",
                     self.ssm_sizes,
                     state.ssm_sizes()
                 ),
@@ -356,13 +358,23 @@ mod tests {
             ..metadata()
         };
         assert!(mamba
-            .kv_cache_spec_for(KvAttention::Mla, &[], Some((&state, 1)))
+            .kv_cache_spec_for(KvAttention::Mla, &[], Some((&state, 1, 1)))
             .is_ok());
         // A decode of twice the TP reads half of each part.
         let half = SsmState::new(vec![12, 4, 4], 32).unwrap();
         assert!(mamba
-            .kv_cache_spec_for(KvAttention::Mla, &[], Some((&half, 2)))
+            .kv_cache_spec_for(KvAttention::Mla, &[], Some((&half, 2, 1)))
             .is_ok());
+        // A decode of half the TP reads twice each part, from two ranks.
+        let double = SsmState::new(vec![48, 16, 16], 128).unwrap();
+        assert!(mamba
+            .kv_cache_spec_for(KvAttention::Mla, &[], Some((&double, 1, 2)))
+            .is_ok());
+        // Parts that do not split over the TP sizes.
+        let odd = SsmState::new(vec![49, 16, 16], 128).unwrap();
+        assert!(mamba
+            .kv_cache_spec_for(KvAttention::Mla, &[], Some((&odd, 1, 2)))
+            .is_err());
         let err = mamba
             .kv_cache_spec(KvAttention::Mla)
             .unwrap_err()
@@ -373,18 +385,18 @@ mod tests {
         );
         let other = SsmState::new(vec![12, 4, 4], 32).unwrap();
         let err = mamba
-            .kv_cache_spec_for(KvAttention::Mla, &[], Some((&other, 1)))
+            .kv_cache_spec_for(KvAttention::Mla, &[], Some((&other, 1, 1)))
             .unwrap_err()
             .to_string();
         assert!(
-            err.contains("ssm_sizes (40, 64) (source) vs (20, 32) expected (1 × the reader's"),
+            err.contains("ssm_sizes (40, 64) (source, TP 1) vs the reader's (20, 32) at TP 1"),
             "{err}"
         );
         let err = metadata()
-            .kv_cache_spec_for(KvAttention::Mla, &[], Some((&state, 1)))
+            .kv_cache_spec_for(KvAttention::Mla, &[], Some((&state, 1, 1)))
             .unwrap_err()
             .to_string();
-        assert!(err.contains("ssm_sizes (0, 0) (source)"), "{err}");
+        assert!(err.contains("ssm_sizes (0, 0) (source, TP 1)"), "{err}");
     }
 
     #[test]

@@ -55,25 +55,6 @@ pub(crate) struct Fetched {
     pub(crate) blocks_per_logical: usize,
 }
 
-/// How many times a prefill's TP `source_tp` divides the decode's `reader_tp`, for its SSM
-/// state: each prefill rank's state is that many decode ranks'.
-///
-/// # Errors
-/// [`Error::InvalidArgument`] when it does not divide it (a larger prefill TP: vLLM reads
-/// each decode rank's state from several prefill ranks, which is not supported).
-fn ssm_tp_ratio(reader_tp: u64, source_tp: usize) -> Result<usize> {
-    let reader_tp = usize::try_from(reader_tp).unwrap_or(usize::MAX);
-    match reader_tp.checked_div(source_tp) {
-        Some(ratio) if ratio > 0 && ratio * source_tp == reader_tp => Ok(ratio),
-        _ => Err(Error::invalid(
-            "convert vLLM's NixlAgentMetadata",
-            format!(
-                "SSM (Mamba) state from a prefill of TP {source_tp} into a decode of TP {reader_tp} is not supported: the prefill's TP must divide the decode's (with a larger prefill TP, vLLM reads each decode rank's state from several prefill ranks)"
-            ),
-        )),
-    }
-}
-
 impl VllmWorker {
     pub(crate) fn new(
         compat: Compatibility,
@@ -117,10 +98,11 @@ impl VllmWorker {
         let peer = format!("{host}:{port}");
         let meta = self.compat.check(&reply.payload, &peer)?;
         self.clock_sample(&meta.engine_id, reply.rtt(), reply.clock_offset());
-        let ssm = match self.groups.checked_ssm_state()? {
-            Some(state) => Some((state, ssm_tp_ratio(ours.tp_size, tp_size)?)),
-            None => None,
-        };
+        let reader_tp = usize::try_from(ours.tp_size).unwrap_or(usize::MAX);
+        let ssm = self
+            .groups
+            .checked_ssm_state()?
+            .map(|state| (state, reader_tp, tp_size));
         let spec = meta.kv_cache_spec_for(ours.spec.attention, self.own_region_groups(), ssm)?;
         if let Some(types) = meta.region_mem_types.as_ref() {
             if types.len() != spec.num_regions() {

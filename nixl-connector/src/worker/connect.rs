@@ -190,7 +190,8 @@ async fn connect(
 }
 
 /// How the SSM state of this engine's SSM groups is read from the remote rank `theirs`
-/// (vLLM mode; `None` without SSM groups), after the attention descriptors of `plan`.
+/// (vLLM mode; `None` without SSM groups), after the attention descriptors of `plan`;
+/// every rank of a larger prefill TP holds part of it, so each is read from.
 ///
 /// # Errors
 /// [`Error::Incompatible`] when it cannot be read (see [`SsmReads::new`]), or its
@@ -211,7 +212,7 @@ fn ssm_reads(
         let _ = shared;
         None
     };
-    let Some(state) = state.filter(|_| plan.share.reads()) else {
+    let Some(state) = state else {
         return Ok(None);
     };
     let refuse = |reason: String| Error::Incompatible {
@@ -219,8 +220,15 @@ fn ssm_reads(
         source_rank: format!("engine {:?} rank {}", theirs.engine_id, theirs.tp_rank),
         reason,
     };
+    if !plan.share.reads() {
+        // Only with a larger prefill TP, whose every rank holds a part of the state.
+        return Err(refuse(
+            "it holds part of this rank's SSM (Mamba) state, but its attention is read from another of its TP group only (MLA's latent, or replicated KV heads): SSM groups from a larger prefill TP are read with MHA whose heads are not replicated only".to_string(),
+        ));
+    }
     let tp = |m: &HandshakeMessage| usize::try_from(m.tp_size).unwrap_or(usize::MAX);
     let rank = usize::try_from(ours.tp_rank).unwrap_or(usize::MAX);
+    let theirs_rank = usize::try_from(theirs.tp_rank).unwrap_or(usize::MAX);
     let first = (
         plan.local_descriptors(ours.spec.num_blocks),
         plan.remote_descriptors(),
@@ -228,7 +236,7 @@ fn ssm_reads(
     let reads = SsmReads::new(
         state,
         (&ours.spec, (rank, tp(ours))),
-        (&theirs.spec, tp(theirs)),
+        (&theirs.spec, (theirs_rank, tp(theirs))),
         first,
     )
     .map_err(refuse)?;

@@ -8,8 +8,8 @@
 //! per rank) are the prefill's, its padding keeps what it held.
 
 use nixl_connector::{
-    FinishStatus, KvCacheGroups, KvConnectorScheduler, KvConnectorWorker, KvTransferParams,
-    SchedulerConfig, KV_CACHE_GROUPS_KEY,
+    FinishStatus, KvAttention, KvCacheGroups, KvConnectorScheduler, KvConnectorWorker,
+    KvTransferParams, SchedulerConfig, KV_CACHE_GROUPS_KEY,
 };
 
 use super::geometry::{vllm_engine, Model, Request, Side};
@@ -44,11 +44,18 @@ fn state_byte(part: usize, j: usize, tp: usize) -> (usize, usize) {
     (j / per_rank, before + j % per_rank)
 }
 
-/// Whether a decode of `decode` reads the state from a prefill of `prefill`: the prefill's
-/// TP divides the decode's (vLLM reads a larger prefill TP's state from several ranks,
-/// which is not supported).
-fn reads_state(prefill: &Side, decode: &Side) -> bool {
-    decode.tp % prefill.tp == 0
+/// Whether a decode of `decode` reads the state from a prefill of `prefill` of `model`:
+/// when the prefill's TP divides the decode's, or, from a larger prefill TP, when every
+/// prefill rank of a decode rank's group is read from (MHA whose heads are not replicated;
+/// MLA reads its latent from one rank only).
+fn reads_state(model: &Model, prefill: &Side, decode: &Side) -> bool {
+    match model.attention {
+        _ if decode.tp % prefill.tp == 0 => true,
+        KvAttention::Mha { total_kv_heads } => {
+            prefill.tp % decode.tp == 0 && prefill.tp <= total_kv_heads
+        }
+        KvAttention::Mla => false,
+    }
 }
 
 /// The vLLM-mode config of an engine of TP `tp` over blocks of `block_size` tokens: its
@@ -190,7 +197,8 @@ fn check_rank(
 
 /// One case: both requests handed over by the prefill's scheduler and loaded through the
 /// decode's by every decode rank, every byte checked, every prefill rank freeing both; with
-/// a prefill TP that does not divide the decode's, refused by name before any READ.
+/// a prefill TP whose state is not read (see [`reads_state`]), refused by name before any
+/// READ.
 async fn ssm_case(model: &Model, prefill: Side, decode: Side) -> Result<(), String> {
     let tag = format!(
         "ssm-{}-p{}-d{}",
@@ -251,13 +259,12 @@ async fn ssm_case(model: &Model, prefill: Side, decode: Side) -> Result<(), Stri
             errors,
             ..
         } = RankEnd::of(worker, rank, requests.len()).await;
-        if !reads_state(&prefill, &decode) {
+        if !reads_state(model, &prefill, &decode) {
             let refused = recving.len() == requests.len()
                 && errors.len() >= requests.len()
-                && errors.iter().all(|e| {
-                    e.reason
-                        .contains("the prefill's TP must divide the decode's")
-                })
+                && errors
+                    .iter()
+                    .all(|e| e.reason.contains("SSM (Mamba) state"))
                 && metrics.iter().all(|m| m.bytes == 0);
             if !refused {
                 return Err(format!("{tag}: decode rank {rank} was not refused: ended {recving:?}; errors {errors:?}; {metrics:?}"));
@@ -276,7 +283,7 @@ async fn ssm_case(model: &Model, prefill: Side, decode: Side) -> Result<(), Stri
         check_rank(model, worker, (&prefill, &decode), rank, &requests, read)
             .map_err(|err| format!("{tag}: {err}"))?;
     }
-    if !reads_state(&prefill, &decode) {
+    if !reads_state(model, &prefill, &decode) {
         // Nothing read, nothing notified: the prefill's lease frees the blocks.
         return Ok(());
     }
@@ -285,15 +292,15 @@ async fn ssm_case(model: &Model, prefill: Side, decode: Side) -> Result<(), Stri
 }
 
 /// Runs every case of `cases` (prefill and decode sides) for `model` as a hybrid model of a
-/// full-attention and an SSM group, both engines speaking vLLM's protocol: a prefill TP
-/// dividing the decode's moves every byte the models say; others are refused by name and
+/// full-attention and an SSM group, both engines speaking vLLM's protocol: cases whose state
+/// is read ([`reads_state`]) move every byte the models say; others are refused by name and
 /// move nothing.
 pub async fn run_ssm_cases(model: &Model, cases: &[(Side, Side)]) {
     run_each(
         cases,
         ", full attention and SSM groups",
         |prefill, decode| {
-            let outcome = if reads_state(&prefill, &decode) {
+            let outcome = if reads_state(model, &prefill, &decode) {
                 "every byte as the model says"
             } else {
                 "refused by name, nothing read"
