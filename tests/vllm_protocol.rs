@@ -3,7 +3,9 @@
 //! with NIXL's Python agent, written from the wire format (tests/py/vllm_peer.py): the
 //! handshake both ways, the compatibility hash, the notification formats, hostile requests;
 //! and whole loads both ways between a connector worker in vLLM mode and the Python engine,
-//! every byte checked, the notifications and heartbeats compared byte for byte.
+//! every byte checked, the notifications and heartbeats compared byte for byte, also after
+//! either engine registered its KV cache again (vLLM's sleep mode, a new registration
+//! generation).
 
 mod py;
 #[path = "../nixl-connector/tests/vllm_support/mod.rs"]
@@ -410,12 +412,18 @@ async fn notifications_match_vllms_both_ways() {
 /// The bytes of region `region` of a Python prefill, as tests/py/vllm_peer.py's `kv_byte`
 /// fills them (byte `i` from the region's start).
 fn python_byte(region: usize, i: usize) -> u8 {
-    ((i * 7 + (i >> 8) * 13 + region * 131 + 3) % 256) as u8
+    python_byte_of(0, region, i)
 }
 
-/// The bytes of region `region` of a Rust prefill (byte `i` from the region's start).
-fn rust_byte(region: usize, i: usize) -> u8 {
-    ((i * 11 + (i >> 8) * 5 + region * 71 + 1) % 256) as u8
+/// [`python_byte`] of a Python prefill's registration after `salt` others (`kv_reregister`).
+fn python_byte_of(salt: usize, region: usize, i: usize) -> u8 {
+    ((i * 7 + (i >> 8) * 13 + region * 131 + salt * 89 + 3) % 256) as u8
+}
+
+/// The bytes of region `region` of a Rust prefill (byte `i` from the region's start), in
+/// its registration after `salt` others.
+fn rust_byte_of(salt: usize, region: usize, i: usize) -> u8 {
+    ((i * 11 + (i >> 8) * 5 + region * 71 + salt * 97 + 1) % 256) as u8
 }
 
 /// The geometry both engines of the Python tests share, vLLM 0.33's `LBHNC`: 2 layers of 16
@@ -555,13 +563,23 @@ async fn load_from_python(
 
 /// Checks that `local` blocks of `decode` hold the Python prefill's `remote` blocks.
 fn holds_python_blocks(decode: &KvConnectorWorker, local: &[usize], remote: &[usize]) {
+    holds_python_blocks_of(decode, 0, local, remote);
+}
+
+/// [`holds_python_blocks`] of the Python prefill's registration after `salt` others.
+fn holds_python_blocks_of(
+    decode: &KvConnectorWorker,
+    salt: usize,
+    local: &[usize],
+    remote: &[usize],
+) {
     let cache = decode.kv_caches().unwrap();
     for region in 0..REGIONS {
         for (&l, &r) in local.iter().zip(remote) {
             let mut got = vec![0u8; BLOCK_LEN];
             cache.read(region, l * BLOCK_LEN, &mut got).unwrap();
             let want: Vec<u8> = (0..BLOCK_LEN)
-                .map(|o| python_byte(region, r * BLOCK_LEN + o))
+                .map(|o| python_byte_of(salt, region, r * BLOCK_LEN + o))
                 .collect();
             assert!(got == want, "region {region} local block {l} (remote {r})");
         }
@@ -707,13 +725,7 @@ async fn a_rust_decode_of_tp2_reads_each_heads_packed_k_and_v_from_a_python_pref
 async fn a_python_decode_reads_every_byte_from_a_rust_prefill_whose_notification_frees_it() {
     let mut peer = VllmPeer::start();
     let (prefill, mut scheduler) = vllm_engine("rs-prefill", &factors());
-    let cache = prefill.kv_caches().unwrap();
-    for region in 0..REGIONS {
-        let bytes: Vec<u8> = (0..BLOCKS * BLOCK_LEN)
-            .map(|i| rust_byte(region, i))
-            .collect();
-        cache.write(region, 0, &bytes).unwrap();
-    }
+    fill_rust_prefill(&prefill, 0);
     let for_decode = KvTransferParams {
         do_remote_decode: true,
         ..Default::default()
@@ -756,13 +768,10 @@ async fn a_python_decode_reads_every_byte_from_a_rust_prefill_whose_notification
     assert_eq!(got["meta"]["region_mem_types"], json!(["DRAM", "DRAM"]));
     assert_eq!(got["remote_perf_is_float"], true);
     let data = unhex(got["data"].as_str().expect("the blocks read"));
-    let mut want = Vec::new();
-    for region in 0..REGIONS {
-        for &block in &remote {
-            want.extend((0..BLOCK_LEN).map(|o| rust_byte(region, block * BLOCK_LEN + o)));
-        }
-    }
-    assert!(data == want, "the Python decode read other bytes");
+    assert!(
+        data == rust_blocks_of(0, &remote),
+        "the Python decode read other bytes"
+    );
 
     // The READ's notification "rs-req-1:1" frees the request.
     tokio::time::timeout(Duration::from_secs(10), prefill.notified())
@@ -777,6 +786,34 @@ async fn a_python_decode_reads_every_byte_from_a_rust_prefill_whose_notification
 /// clipped to the blocks of the window; a Rust decode of the same groups clips its own
 /// lists, pairs each group with the tail of the prefill's, and reads every byte of both,
 /// leaving its blocks out of the window untouched.
+/// Loads a Python prefill's request of several KV cache groups into `local` (one list per
+/// group, before the decode's clipping) through the decode's scheduler and worker, from
+/// vLLM's JSON `params`; the outcome, no load error allowed.
+async fn load_groups_from_python(
+    (decode, scheduler): (&KvConnectorWorker, &mut KvConnectorScheduler),
+    request: &str,
+    params: &str,
+    local: &[Vec<usize>],
+) -> LoadOutcome {
+    let params = KvTransferParams::from_vllm_json(params).unwrap();
+    scheduler.on_new_request(request, Some(&params));
+    scheduler
+        .update_state_after_alloc_groups(request, local, &params)
+        .unwrap();
+    decode.start_load_kv(&scheduler.build_connector_meta());
+    let start = Instant::now();
+    loop {
+        let output = decode.output();
+        assert!(output.load_errors.is_empty(), "{:?}", output.load_errors);
+        let mut step = scheduler.update_connector_output(&[output]).unwrap();
+        if let Some(outcome) = step.load_outcomes.pop() {
+            return outcome;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "no load ended");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rust_decode_of_two_kv_cache_groups_reads_each_groups_blocks_from_a_python_prefill() {
     let mut peer = VllmPeer::start();
@@ -803,24 +840,10 @@ async fn a_rust_decode_of_two_kv_cache_groups_reads_each_groups_blocks_from_a_py
     assert_eq!(vllm["remote_block_ids"], json!([[1, 3, 9, 14], [5, 6, 7]]));
     let params = KvTransferParams::from_vllm_json(&json).unwrap();
     assert_eq!(params.remote_port, Some(port as u16));
-    scheduler.on_new_request("py-hybrid-1", Some(&params));
     // The decode's window group allocated 5 blocks too; 1 and 2 are out of the window.
     let local = [vec![0, 8, 10, 11], vec![1, 2, 12, 13, 15]];
-    scheduler
-        .update_state_after_alloc_groups("py-hybrid-1", &local, &params)
-        .unwrap();
-    decode.start_load_kv(&scheduler.build_connector_meta());
-    let start = Instant::now();
-    let outcome = loop {
-        let output = decode.output();
-        assert!(output.load_errors.is_empty(), "{:?}", output.load_errors);
-        let mut step = scheduler.update_connector_output(&[output]).unwrap();
-        if let Some(outcome) = step.load_outcomes.pop() {
-            break outcome;
-        }
-        assert!(start.elapsed() < Duration::from_secs(10), "no load ended");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    };
+    let outcome =
+        load_groups_from_python((&decode, &mut scheduler), "py-hybrid-1", &json, &local).await;
     assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
     holds_python_blocks(
         &decode,
@@ -870,24 +893,9 @@ async fn a_rust_decode_reads_each_groups_blocks_only_in_its_own_regions() {
         "kv_finish {} 1,3,9,14;2,4,5,6,7 {WINDOW_TOKENS}",
         hex(b"py-own-1")
     ));
-    let params = KvTransferParams::from_vllm_json(&json).unwrap();
-    scheduler.on_new_request("py-own-1", Some(&params));
     let local = [vec![0, 8, 10, 11], vec![1, 2, 12, 13, 15]];
-    scheduler
-        .update_state_after_alloc_groups("py-own-1", &local, &params)
-        .unwrap();
-    decode.start_load_kv(&scheduler.build_connector_meta());
-    let start = Instant::now();
-    let outcome = loop {
-        let output = decode.output();
-        assert!(output.load_errors.is_empty(), "{:?}", output.load_errors);
-        let mut step = scheduler.update_connector_output(&[output]).unwrap();
-        if let Some(outcome) = step.load_outcomes.pop() {
-            break outcome;
-        }
-        assert!(start.elapsed() < Duration::from_secs(10), "no load ended");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    };
+    let outcome =
+        load_groups_from_python((&decode, &mut scheduler), "py-own-1", &json, &local).await;
     assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
     // Region r holds group r's blocks; every other block of it is as it was.
     let groups: [&[(usize, usize)]; 2] = [
@@ -909,6 +917,187 @@ async fn a_rust_decode_reads_each_groups_blocks_only_in_its_own_regions() {
     }
 }
 
+/// Region `region` of a decode of [`kv_spec`] (8 KV heads of 8-byte tokens, blocks of 16
+/// tokens, HND) that held 0xEE everywhere, after a load of `units` (local block, unit of
+/// `remote_tokens` tokens in it, remote block) from a Python prefill of blocks of
+/// `remote_tokens` tokens of the same heads.
+fn decode_after(region: usize, units: &[(usize, usize, usize)], remote_tokens: usize) -> Vec<u8> {
+    const HEADS: usize = 8;
+    const TOKEN: usize = 8;
+    let mut out = vec![0xEE; BLOCKS * BLOCK_LEN];
+    for &(local, unit, remote) in units {
+        for head in 0..HEADS {
+            for token in 0..remote_tokens {
+                for byte in 0..TOKEN {
+                    let at = local * BLOCK_LEN
+                        + head * 16 * TOKEN
+                        + (unit * remote_tokens + token) * TOKEN
+                        + byte;
+                    let from = remote * HEADS * remote_tokens * TOKEN
+                        + head * remote_tokens * TOKEN
+                        + token * TOKEN
+                        + byte;
+                    out[at] = python_byte(region, from);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Checks every byte of `decode`'s cache against [`decode_after`].
+fn holds_python_units(
+    decode: &KvConnectorWorker,
+    units: &[(usize, usize, usize)],
+    remote_tokens: usize,
+) {
+    let cache = decode.kv_caches().unwrap();
+    for region in 0..REGIONS {
+        let want = decode_after(region, units, remote_tokens);
+        let mut got = vec![0u8; want.len()];
+        cache.read(region, 0, &mut got).unwrap();
+        if let Some(at) = (0..want.len()).find(|&i| got[i] != want[i]) {
+            panic!(
+                "region {region}: byte {} of block {} is {:#04x}, want {:#04x}",
+                at % BLOCK_LEN,
+                at / BLOCK_LEN,
+                got[at],
+                want[at]
+            );
+        }
+    }
+}
+
+/// A hybrid vLLM 0.33 prefill whose kernel blocks are smaller than its logical ones
+/// (`physical_blocks_per_logical_kv_block` 2: block ids of 32 tokens, kernel blocks of 16,
+/// as vLLM's HMA has them when the attention kernel's block is smaller): a Rust decode of
+/// 16-token blocks reads each group's kernel blocks at their tokens of a 70-token prompt,
+/// the prefill's window clipped in its 32-token blocks (2 ids), the decode's in its own (3
+/// blocks); the kernel blocks past the prompt's last token are not read, nor is anything
+/// outside the groups' lists.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rust_decode_of_two_kv_cache_groups_reads_the_kernel_blocks_of_larger_python_blocks() {
+    let mut peer = VllmPeer::start();
+    let hash = factors().hash();
+    peer.json(&format!(
+        "kv_prefill {hash} 0 0 py-ppl {REGIONS} {BLOCKS} {BLOCK_LEN} 16 -1,-1 2"
+    ));
+    let (decode, mut scheduler) = vllm_engine_with("rs-decode-ppl", hybrid_kv(&factors()));
+    let cache = decode.kv_caches().unwrap();
+    for region in 0..REGIONS {
+        cache.write(region, 0, &[0xEE; BLOCKS * BLOCK_LEN]).unwrap();
+    }
+    let json = peer.call(&format!(
+        "kv_finish {} 1,4,6;2,5,7 {WINDOW_TOKENS} 70",
+        hex(b"py-ppl-1")
+    ));
+    let vllm: Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(vllm["remote_block_ids"], json!([[1, 4, 6], [5, 7]]));
+    let local = [vec![0, 3, 5, 6, 9], vec![1, 2, 10, 11, 12]];
+    let outcome =
+        load_groups_from_python((&decode, &mut scheduler), "py-ppl-1", &json, &local).await;
+    assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
+    // Ids 1, 4, 6 are kernel blocks 2 3, 8 9, 12 (13 past the prompt); the window's 5, 7
+    // are 10 11, 14 (15 past it), at the prompt's kernel blocks 2 to 4.
+    holds_python_units(
+        &decode,
+        &[
+            (0, 0, 2),
+            (3, 0, 3),
+            (5, 0, 8),
+            (6, 0, 9),
+            (9, 0, 12),
+            (10, 0, 10),
+            (11, 0, 11),
+            (12, 0, 14),
+        ],
+        16,
+    );
+    let notes = peer.json("kv_notifs 1 10");
+    assert_eq!(notes[0]["vllm"], json!({"id": "py-ppl-1", "consumers": 1}));
+}
+
+/// A vLLM 0.33 prefill (one KV cache group) whose block ids are two 16-token kernel blocks
+/// each, for a 40-token prompt: a Rust decode of 16-token blocks reads the three kernel
+/// blocks holding the prompt, not the fourth past its end, where it refused the load (the
+/// kernel blocks named more tokens than `remote_num_tokens`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rust_decode_reads_the_kernel_blocks_of_a_python_prompt_ending_inside_a_block_id() {
+    let mut peer = VllmPeer::start();
+    let hash = factors().hash();
+    peer.json(&format!(
+        "kv_prefill {hash} 0 0 py-ppl-one {REGIONS} {BLOCKS} {BLOCK_LEN} 16 - 2"
+    ));
+    let (decode, mut scheduler) = vllm_engine("rs-decode-ppl-one", &factors());
+    let cache = decode.kv_caches().unwrap();
+    for region in 0..REGIONS {
+        cache.write(region, 0, &[0xEE; BLOCKS * BLOCK_LEN]).unwrap();
+    }
+    let json = peer.call(&format!("kv_finish {} 2,5 0 40", hex(b"py-ppl-one-1")));
+    let outcome = load_groups_from_python(
+        (&decode, &mut scheduler),
+        "py-ppl-one-1",
+        &json,
+        &[vec![7, 1, 12]],
+    )
+    .await;
+    assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
+    // Ids 2 and 5: kernel blocks 4 5 and 10 (11 holds no token of the prompt).
+    holds_python_units(&decode, &[(7, 0, 4), (1, 0, 5), (12, 0, 10)], 16);
+}
+
+/// A hybrid vLLM 0.33 prefill of 8-token blocks read by a Rust decode of 16-token blocks
+/// (vLLM's `block_size_ratio` 2): each decode block takes two prefill blocks, a head at a
+/// time, at their tokens of a 60-token prompt; the prefill's window clipped to 4 of its
+/// blocks, the decode's to 3 of its own, the first of which holds tokens the prefill's
+/// list does not name and is not read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rust_decode_of_two_kv_cache_groups_reads_smaller_python_blocks_into_its_own() {
+    let mut peer = VllmPeer::start();
+    let hash = factors().hash();
+    let (small_blocks, small_len) = (2 * BLOCKS, BLOCK_LEN / 2);
+    peer.json(&format!(
+        "kv_prefill {hash} 0 0 py-ratio {REGIONS} {small_blocks} {small_len} 8 -1,-1"
+    ));
+    let (decode, mut scheduler) = vllm_engine_with("rs-decode-ratio", hybrid_kv(&factors()));
+    let cache = decode.kv_caches().unwrap();
+    for region in 0..REGIONS {
+        cache.write(region, 0, &[0xEE; BLOCKS * BLOCK_LEN]).unwrap();
+    }
+    let json = peer.call(&format!(
+        "kv_finish {} 3,5,7,9,11,13,15,17;20,21,22,23,24,25,26,27 {WINDOW_TOKENS} 60",
+        hex(b"py-ratio-1")
+    ));
+    let vllm: Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(
+        vllm["remote_block_ids"][1],
+        json!([24, 25, 26, 27]),
+        "ceil(20 / 8) + 1 blocks"
+    );
+    let local = [vec![0, 2, 4, 6], vec![1, 3, 8, 9]];
+    let outcome =
+        load_groups_from_python((&decode, &mut scheduler), "py-ratio-1", &json, &local).await;
+    assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
+    holds_python_units(
+        &decode,
+        &[
+            (0, 0, 3),
+            (0, 1, 5),
+            (2, 0, 7),
+            (2, 1, 9),
+            (4, 0, 11),
+            (4, 1, 13),
+            (6, 0, 15),
+            (6, 1, 17),
+            (8, 0, 24),
+            (8, 1, 25),
+            (9, 0, 26),
+            (9, 1, 27),
+        ],
+        8,
+    );
+}
+
 /// A Rust prefill of two KV cache groups publishes its regions as shared by every group
 /// (vLLM's `region_group_ids` -1, what a vLLM decode of the same hybrid model compares
 /// with its own) and hands one list per group, the window group's clipped; a Python decode
@@ -918,13 +1107,7 @@ async fn a_rust_decode_reads_each_groups_blocks_only_in_its_own_regions() {
 async fn a_python_decode_reads_both_kv_cache_groups_of_a_rust_prefill() {
     let mut peer = VllmPeer::start();
     let (prefill, mut scheduler) = vllm_engine_with("rs-prefill-hybrid", hybrid_kv(&factors()));
-    let cache = prefill.kv_caches().unwrap();
-    for region in 0..REGIONS {
-        let bytes: Vec<u8> = (0..BLOCKS * BLOCK_LEN)
-            .map(|i| rust_byte(region, i))
-            .collect();
-        cache.write(region, 0, &bytes).unwrap();
-    }
+    fill_rust_prefill(&prefill, 0);
     let for_decode = KvTransferParams {
         do_remote_decode: true,
         ..Default::default()
@@ -955,13 +1138,10 @@ async fn a_python_decode_reads_both_kv_cache_groups_of_a_rust_prefill() {
     ));
     assert_eq!(got["meta"]["region_group_ids"], json!([-1, -1]), "{got}");
     let data = unhex(got["data"].as_str().expect("the blocks read"));
-    let mut want = Vec::new();
-    for region in 0..REGIONS {
-        for block in [5, 2, 11, 3, 7, 8, 9] {
-            want.extend((0..BLOCK_LEN).map(|o| rust_byte(region, block * BLOCK_LEN + o)));
-        }
-    }
-    assert!(data == want, "the Python decode read other bytes");
+    assert!(
+        data == rust_blocks_of(0, &[5, 2, 11, 3, 7, 8, 9]),
+        "the Python decode read other bytes"
+    );
     tokio::time::timeout(Duration::from_secs(10), prefill.notified())
         .await
         .expect("the Python decode's notification");
@@ -1000,7 +1180,7 @@ async fn a_rust_decode_of_attention_and_ssm_groups_reads_the_state_block_from_a_
     let mut peer = VllmPeer::start();
     let hash = factors().hash();
     peer.json(&format!(
-        "kv_prefill {hash} 0 0 py-ssm {REGIONS} {BLOCKS} {BLOCK_LEN} 16 -1,-1 {SSM_ARG}"
+        "kv_prefill {hash} 0 0 py-ssm {REGIONS} {BLOCKS} {BLOCK_LEN} 16 -1,-1 1 {SSM_ARG}"
     ));
     let (decode, mut scheduler) = vllm_engine_with("rs-decode-ssm", ssm_kv(&factors(), 1));
     let cache = decode.kv_caches().unwrap();
@@ -1012,24 +1192,9 @@ async fn a_rust_decode_of_attention_and_ssm_groups_reads_the_state_block_from_a_
     let json = peer.call(&format!("kv_finish {} 1,3,9;0,6,7 ssm:1", hex(b"py-ssm-1")));
     let vllm: Value = serde_json::from_str(&json).unwrap();
     assert_eq!(vllm["remote_block_ids"], json!([[1, 3, 9], [6]]));
-    let params = KvTransferParams::from_vllm_json(&json).unwrap();
-    scheduler.on_new_request("py-ssm-1", Some(&params));
     let local = [vec![0, 8, 10], vec![11, 12, 13]];
-    scheduler
-        .update_state_after_alloc_groups("py-ssm-1", &local, &params)
-        .unwrap();
-    decode.start_load_kv(&scheduler.build_connector_meta());
-    let start = Instant::now();
-    let outcome = loop {
-        let output = decode.output();
-        assert!(output.load_errors.is_empty(), "{:?}", output.load_errors);
-        let mut step = scheduler.update_connector_output(&[output]).unwrap();
-        if let Some(outcome) = step.load_outcomes.pop() {
-            break outcome;
-        }
-        assert!(start.elapsed() < Duration::from_secs(10), "no load ended");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    };
+    let outcome =
+        load_groups_from_python((&decode, &mut scheduler), "py-ssm-1", &json, &local).await;
     assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
     let state: usize = SSM_CONV.iter().sum::<usize>() + SSM_TEMPORAL;
     for region in 0..REGIONS {
@@ -1071,7 +1236,7 @@ async fn a_rust_decode_of_tp2_reads_its_half_of_the_ssm_state_from_a_python_pref
     let mut peer = VllmPeer::start();
     let hash = factors().hash();
     peer.json(&format!(
-        "kv_prefill {hash} 0 0 py-ssm-tp {REGIONS} {BLOCKS} {BLOCK_LEN} 16 -1,-1 {SSM_ARG}"
+        "kv_prefill {hash} 0 0 py-ssm-tp {REGIONS} {BLOCKS} {BLOCK_LEN} 16 -1,-1 1 {SSM_ARG}"
     ));
     let spec = KvCacheSpec::lbhnc(REGIONS, BLOCKS, 16, 8, 2, HEAD_BYTES);
     let kv = ssm_kv(&factors(), 2);
@@ -1149,13 +1314,7 @@ async fn a_rust_decode_of_tp2_reads_its_half_of_the_ssm_state_from_a_python_pref
 async fn a_python_decode_reads_the_ssm_state_of_a_rust_prefill() {
     let mut peer = VllmPeer::start();
     let (prefill, mut scheduler) = vllm_engine_with("rs-prefill-ssm", ssm_kv(&factors(), 1));
-    let cache = prefill.kv_caches().unwrap();
-    for region in 0..REGIONS {
-        let bytes: Vec<u8> = (0..BLOCKS * BLOCK_LEN)
-            .map(|i| rust_byte(region, i))
-            .collect();
-        cache.write(region, 0, &bytes).unwrap();
-    }
+    fill_rust_prefill(&prefill, 0);
     let for_decode = KvTransferParams {
         do_remote_decode: true,
         ..Default::default()
@@ -1183,15 +1342,10 @@ async fn a_python_decode_reads_the_ssm_state_of_a_rust_prefill() {
     assert_eq!(got["meta"]["ssm_sizes"], json!([40, 64]), "{got}");
     assert_eq!(got["meta"]["region_group_ids"], json!([-1, -1]), "{got}");
     let data = unhex(got["data"].as_str().expect("the blocks read"));
-    let mut want = Vec::new();
-    for region in 0..REGIONS {
-        for block in [5, 2, 11] {
-            want.extend((0..BLOCK_LEN).map(|o| rust_byte(region, block * BLOCK_LEN + o)));
-        }
-    }
+    let mut want = rust_blocks_of(0, &[5, 2, 11]);
     let state: usize = SSM_CONV.iter().sum::<usize>() + SSM_TEMPORAL;
     for region in 0..REGIONS {
-        want.extend((0..state).map(|o| rust_byte(region, 7 * BLOCK_LEN + o)));
+        want.extend((0..state).map(|o| rust_byte_of(0, region, 7 * BLOCK_LEN + o)));
     }
     assert!(data == want, "the Python decode read other bytes");
     tokio::time::timeout(Duration::from_secs(10), prefill.notified())
@@ -1288,4 +1442,147 @@ async fn a_rust_decode_ignores_new_keys_refuses_another_hash_and_false_addresses
         .read(0, 2 * BLOCK_LEN, &mut block)
         .unwrap();
     assert!(block.iter().all(|&b| b == 0));
+}
+
+/// Fills every region of a Rust prefill's cache with [`rust_byte_of`] `salt`.
+fn fill_rust_prefill(prefill: &KvConnectorWorker, salt: usize) {
+    let cache = prefill.kv_caches().unwrap();
+    for region in 0..REGIONS {
+        let bytes: Vec<u8> = (0..BLOCKS * BLOCK_LEN)
+            .map(|i| rust_byte_of(salt, region, i))
+            .collect();
+        cache.write(region, 0, &bytes).unwrap();
+    }
+}
+
+/// Finishes `request` in `remote` blocks on a Rust prefill for a decode, and has the Python
+/// peer's vLLM decode (`kv_load`) read it from the params: what it answered, once the
+/// prefill reported the request sent (freed by the decode's notification), and the
+/// params' registration generation.
+async fn python_load_from_rust(
+    peer: &mut VllmPeer,
+    (prefill, scheduler): (&KvConnectorWorker, &mut KvConnectorScheduler),
+    request: &str,
+    remote: &[usize],
+) -> (Value, u64) {
+    let for_decode = KvTransferParams {
+        do_remote_decode: true,
+        ..Default::default()
+    };
+    let finished = scheduler.request_finished(
+        request,
+        remote,
+        16,
+        Some(&for_decode),
+        FinishStatus::LengthCapped,
+    );
+    prefill.start_load_kv(&scheduler.build_connector_meta());
+    let json = finished.kv_transfer_params.unwrap().to_vllm_json();
+    let params: Value = serde_json::from_str(&json).unwrap();
+    let got = peer.json(&format!(
+        "kv_load {} {} 1",
+        hex(json.as_bytes()),
+        factors().hash()
+    ));
+    assert!(got["data"].is_string(), "{request}: nothing read: {got}");
+    tokio::time::timeout(Duration::from_secs(10), prefill.notified())
+        .await
+        .expect("the Python decode's notification");
+    assert_eq!(prefill.finished().sending, [request]);
+    let generation = params["remote_registration_generation"].as_u64().unwrap();
+    (got, generation)
+}
+
+/// What a Python decode reading `remote` blocks of a Rust prefill filled with
+/// [`rust_byte_of`] `salt` gets: every region's blocks in turn.
+fn rust_blocks_of(salt: usize, remote: &[usize]) -> Vec<u8> {
+    let mut want = Vec::new();
+    for region in 0..REGIONS {
+        for &block in remote {
+            want.extend((0..BLOCK_LEN).map(|o| rust_byte_of(salt, region, block * BLOCK_LEN + o)));
+        }
+    }
+    want
+}
+
+/// vLLM's sleep mode on a Rust prefill (#32 item 7): the worker registers its KV cache
+/// again (new buffers, other bytes), and the engine's side channel starts a new registration
+/// generation, which the params of the requests finished from then on carry. A Python vLLM
+/// decode that loaded the engine at the generation before drops it and handshakes again
+/// (vLLM's `_read_blocks_for_req`), then reads the new buffers' bytes, not the old ones; at
+/// the same generation it reads without a handshake.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_python_decode_handshakes_again_with_a_rust_prefill_registered_again() {
+    let mut peer = VllmPeer::start();
+    let (mut prefill, mut scheduler) = vllm_engine("rs-prefill-rereg", &factors());
+    fill_rust_prefill(&prefill, 0);
+    let remote = [5, 2, 11];
+    let engine = (&prefill, &mut scheduler);
+    let (got, generation) = python_load_from_rust(&mut peer, engine, "rs-rereg-1", &remote).await;
+    assert_eq!(generation, 1);
+    assert_eq!(got["handshaken"], true, "{got}");
+    let data = unhex(got["data"].as_str().expect("the blocks read"));
+    assert!(
+        data == rust_blocks_of(0, &remote),
+        "the first registration's bytes"
+    );
+
+    prefill.register_host_kv_caches_again(kv_spec()).unwrap();
+    assert_eq!(prefill.registration_generation(), 2);
+    fill_rust_prefill(&prefill, 1);
+    let (new, old) = (rust_blocks_of(1, &remote), rust_blocks_of(0, &remote));
+    assert!(new != old);
+    let engine = (&prefill, &mut scheduler);
+    let (got, generation) = python_load_from_rust(&mut peer, engine, "rs-rereg-2", &remote).await;
+    assert_eq!(generation, 2);
+    assert_eq!(got["handshaken"], true, "a newer generation: {got}");
+    let data = unhex(got["data"].as_str().expect("the blocks read"));
+    assert!(
+        data != old,
+        "the Python decode read the old registration's bytes"
+    );
+    assert!(data == new, "the Python decode read other bytes");
+
+    let engine = (&prefill, &mut scheduler);
+    let (got, generation) = python_load_from_rust(&mut peer, engine, "rs-rereg-3", &remote).await;
+    assert_eq!(generation, 2);
+    assert_eq!(got["handshaken"], false, "the same generation: {got}");
+    assert!(unhex(got["data"].as_str().unwrap()) == new);
+}
+
+/// vLLM's sleep mode on a Python prefill (#32 item 7): it deregisters its KV cache,
+/// registers new buffers (other bytes; the old ones kept, unregistered) and serves the changed
+/// payload as a new registration generation, which its params carry. A Rust decode in vLLM
+/// mode that loaded the engine at the generation before forgets it, handshakes again and
+/// reads the new buffers' bytes, not the old ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rust_decode_handshakes_again_with_a_python_prefill_registered_again() {
+    let mut peer = VllmPeer::start();
+    python_prefill(&mut peer, &factors().hash(), false, false);
+    let (decode, mut scheduler) = vllm_engine("rs-decode-rereg", &factors());
+    let remote = [3, 9];
+    let engine = (&decode, &mut scheduler);
+    let outcome = load_from_python(&mut peer, engine, "py-rereg-1", &remote, &[0, 1]).await;
+    assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
+    holds_python_blocks(&decode, &[0, 1], &remote);
+    assert_eq!(peer.call("kv_served"), "1", "one handshake");
+
+    let got = peer.json("kv_reregister");
+    assert_eq!(got, json!({"generation": 2, "salt": 1}));
+    let params = peer.json(&format!("kv_finish {} 3,9", hex(b"py-rereg-2")));
+    assert_eq!(params["remote_registration_generation"], 2, "{params}");
+    let engine = (&decode, &mut scheduler);
+    let outcome = load_from_python(&mut peer, engine, "py-rereg-2", &remote, &[2, 3]).await;
+    assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
+    holds_python_blocks_of(&decode, 1, &[2, 3], &remote);
+    assert_eq!(peer.call("kv_served"), "2", "a handshake again");
+    let notes = peer.json("kv_notifs 2 10");
+    assert_eq!(
+        notes[0]["vllm"],
+        json!({"id": "py-rereg-1", "consumers": 1})
+    );
+    assert_eq!(
+        notes[1]["vllm"],
+        json!({"id": "py-rereg-2", "consumers": 1})
+    );
 }

@@ -158,6 +158,69 @@
 //! ([`SchedulerConfig::host`], [`SchedulerConfig::port`]): they go to the decode in the
 //! `kv_transfer_params`. In vLLM mode the engine's one ROUTER binds there.
 //!
+//! ## Hybrid models: several KV cache groups
+//! A model with full-attention and sliding-window layers (vLLM's hybrid KV cache manager,
+//! `SupportsHMA`) gives each request one list of blocks per KV cache group
+//! ([`KvCacheGroups`]). The loop above stays as it is (the connector's step, the load
+//! outcomes, `finished_sending` freeing a request's blocks of every group together), but:
+//! - the groups are named in the `kv_transfer_config` every worker gets
+//!   (`kv_connector_extra_config`, under [`KV_CACHE_GROUPS_KEY`]), and handed to the
+//!   scheduler ([`KvConnectorScheduler::with_kv_cache_groups`]);
+//! - step 1 calls [`KvConnectorScheduler::update_state_after_alloc_groups`] with the blocks
+//!   still needed, one list per group in the groups' order (vLLM's
+//!   `get_unhashed_block_ids_all_groups`);
+//! - step 4 calls [`KvConnectorScheduler::request_finished_all_groups`] with every group's
+//!   blocks.
+//!
+//! Both clip a sliding-window group's list to the blocks of its window, and the params carry
+//! each group's blocks ([`KvTransferParams::remote_block_group_lens`]; in vLLM's JSON, one
+//! list per group):
+//! ```
+//! use nixl::kv_config::KvTransferConfig;
+//! use nixl_connector::{
+//!     FinishStatus, KvCacheGroups, KvConnectorScheduler, KvTransferParams, SchedulerConfig,
+//!     KV_CACHE_GROUPS_KEY,
+//! };
+//!
+//! # fn main() -> nixl_connector::Result<()> {
+//! // Full attention, and a sliding window of 20 tokens over blocks of 16: the window
+//! // needs a request's last 3 blocks (ceil(20 / 16) + 1).
+//! let mut kv = KvTransferConfig::default();
+//! kv.kv_connector_extra_config.insert(
+//!     KV_CACHE_GROUPS_KEY.into(),
+//!     serde_json::json!({"block_size": 16, "groups": [
+//!         "full_attention", {"sliding_window": {"window_tokens": 20}}]}),
+//! );
+//! let groups = KvCacheGroups::from_kv_transfer_config(&kv)?; // each WorkerConfig gets `kv`
+//! let scheduler = |engine: &str| -> nixl_connector::Result<KvConnectorScheduler> {
+//!     let config = SchedulerConfig::new(engine, "127.0.0.1", 5600, 1, &kv)?;
+//!     Ok(KvConnectorScheduler::new(config).with_kv_cache_groups(groups.clone()))
+//! };
+//! let (mut prefill, mut decode) = (scheduler("prefill")?, scheduler("decode")?);
+//!
+//! // The prefill's step 4: a prompt of 5 blocks (the window group's first two already
+//! // freed, vLLM's null block 0). It keeps every group's blocks until the decode read them.
+//! let for_decode = KvTransferParams { do_remote_decode: true, ..Default::default() };
+//! let blocks = [vec![1, 2, 3, 4, 5], vec![0, 0, 13, 14, 15]];
+//! let done = prefill.request_finished_all_groups(
+//!     "req", &blocks, 72, Some(&for_decode), FinishStatus::LengthCapped)?;
+//! assert!(done.delay_free_blocks);
+//! let params = done.kv_transfer_params.expect("params for the decode");
+//! assert_eq!(params.remote_block_ids, [1, 2, 3, 4, 5, 13, 14, 15]);
+//! assert_eq!(params.remote_block_group_lens, [5, 3]);
+//!
+//! // The decode's step 1: the blocks it allocated, one list per group; the window group
+//! // loads its last 3, from the prefill's.
+//! decode.on_new_request("req", Some(&params));
+//! let local = [vec![21, 22, 23, 24, 25], vec![31, 32, 33, 34, 35]];
+//! decode.update_state_after_alloc_groups("req", &local, &params)?;
+//! let load = &decode.build_connector_meta().loads[0];
+//! assert_eq!(load.local_block_ids, [21, 22, 23, 24, 25, 33, 34, 35]);
+//! assert_eq!(load.remote.block_ids, [1, 2, 3, 4, 5, 13, 14, 15]);
+//! # Ok(())
+//! # }
+//! ```
+//!
 //! # Cargo features
 //! - **`vllm`** (default): vLLM 0.33's NixlConnector protocol, [`Protocol::Vllm`]: the
 //!   `vllm` module (its ZMQ side channel, msgpack payloads, compatibility hash, notifications),

@@ -363,6 +363,7 @@ impl KvConnectorScheduler {
                 LoadSpec {
                     request_id: request_id.to_string(),
                     local_block_ids: local_block_ids.to_vec(),
+                    local_group_lens: Vec::new(),
                     remote: remote.clone(),
                 },
             );
@@ -522,6 +523,7 @@ impl KvConnectorScheduler {
             LoadSpec {
                 request_id: request_id.to_string(),
                 local_block_ids: Vec::new(),
+                local_group_lens: Vec::new(),
                 remote,
             },
         );

@@ -411,6 +411,19 @@ impl KvConnectorWorker {
         local_block_ids: &[usize],
         remote: &RemoteBlocks,
     ) -> Result<()> {
+        self.start_load_in_groups(request_id, local_block_ids, &[], remote)
+    }
+
+    /// [`start_load`](Self::start_load) with the local blocks of each KV cache group
+    /// `local_group_lens` long ([`LoadSpec::local_group_lens`](crate::LoadSpec::local_group_lens);
+    /// empty: one group).
+    fn start_load_in_groups(
+        &self,
+        request_id: &str,
+        local_block_ids: &[usize],
+        local_group_lens: &[usize],
+        remote: &RemoteBlocks,
+    ) -> Result<()> {
         const OP: &str = "start a load";
         let caches = self.caches(OP)?;
         if let Some(bad) = local_block_ids
@@ -447,6 +460,7 @@ impl KvConnectorWorker {
         let load = crate::worker::load::Load {
             request_id: request_id.to_string(),
             local_block_ids: local_block_ids.to_vec(),
+            local_group_lens: local_group_lens.to_vec(),
             span: crate::worker::load::Load::span(
                 request_id,
                 remote,
@@ -579,8 +593,12 @@ impl KvConnectorWorker {
             }
         }
         for load in &meta.loads {
-            if let Err(err) = self.start_load(&load.request_id, &load.local_block_ids, &load.remote)
-            {
+            if let Err(err) = self.start_load_in_groups(
+                &load.request_id,
+                &load.local_block_ids,
+                &load.local_group_lens,
+                &load.remote,
+            ) {
                 tracing::warn!(request = %load.request_id, %err, "load not started");
                 self.shared.series.failed(FailureKind::of(&err));
                 let reason: Arc<str> = err.to_string().into();

@@ -34,6 +34,7 @@ async fn load(decode: &KvConnectorWorker, request: &str, remote: RemoteBlocks) -
         loads: vec![LoadSpec {
             request_id: request.to_string(),
             local_block_ids: vec![1],
+            local_group_lens: Vec::new(),
             remote,
         }],
         ..ConnectorMetadata::default()

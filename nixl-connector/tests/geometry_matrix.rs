@@ -14,8 +14,9 @@
 //!
 //! A hybrid model of two KV cache groups (full attention and a sliding window sharing every
 //! region) runs through the same model, each group's blocks as the model's own reading of
-//! the window says; so does one of full attention and an SSM (Mamba) group, its state
-//! blocks checked against the test's own reading of vLLM's state page.
+//! the window says, with blocks of as many tokens on both engines or decode blocks of a
+//! multiple of the prefill's; so does one of full attention and an SSM (Mamba) group, its
+//! state blocks checked against the test's own reading of vLLM's state page.
 //!
 //! The ranks of both engines run in this process, on one runtime (the two-process cases
 //! are in hetero_tp.rs); the caches are small, so the whole matrix runs in seconds.
@@ -116,8 +117,12 @@ async fn replicated_kv_heads_are_read_once_each() {
 /// A hybrid model of two KV cache groups sharing every region (full attention and a
 /// sliding window, as vLLM 0.33 serves them), handed over by the schedulers one list per
 /// group: the window group reads only its last blocks, every group's decode blocks pair
-/// with the tail of its prefill blocks, over TP both ways, MHA (regions of different
-/// lengths, K and V halves) and MLA; blocks of different sizes are refused by name.
+/// with its prefill blocks at their tokens of the prompt, over TP both ways, MHA (regions
+/// of different lengths, K and V halves) and MLA, with blocks of as many tokens or decode
+/// blocks of twice the prefill's (vLLM's `block_size_ratio`: each group's blocks read a
+/// prefill block at a time, the window clipped by each engine in its own blocks; vLLM's
+/// protocol in vllm_mode.rs); a prefill of larger blocks than the decode's is refused by name (vLLM 0.33
+/// asserts the decode's block size is a multiple of the prefill's).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_kv_cache_groups_move_every_byte_where_the_model_says() {
     common::init_tracing();
@@ -131,8 +136,11 @@ async fn two_kv_cache_groups_move_every_byte_where_the_model_says() {
         .to_vec();
     cases.push((side(1, 4), side(2, 8)));
     cases.push((side(4, 4), side(2, 8)));
+    cases.push((side(2, 4), side(1, 16)));
+    cases.push((side(2, 8), side(1, 4)));
     run_hybrid_cases(&mha(4), &cases, Protocol::Native).await;
-    run_hybrid_cases(&mla(), &cases[..2], Protocol::Native).await;
+    let mla_cases = [cases[0], cases[1], cases[4], cases[7]];
+    run_hybrid_cases(&mla(), &mla_cases, Protocol::Native).await;
 }
 
 /// A hybrid model of a full-attention group and an SSM (Mamba) group sharing every region,

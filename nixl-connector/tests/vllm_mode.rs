@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::geometry::{Model, Side};
-use common::hybrid::{run_hybrid_cases, HYBRID_BLOCKS};
+use common::hybrid::{run_hybrid_cases, run_hybrid_cases_per_id, PerId, HYBRID_BLOCKS};
 use common::matrix::{run_cases_speaking, BLOCKS};
 use common::{
     block, fill, finish_for_decode, pattern, poll_until, spec, spec_tp, vllm_config, vllm_factors,
@@ -422,13 +422,16 @@ async fn tp_and_block_sizes_both_ways_move_every_byte_where_the_model_says() {
 /// A hybrid model of two KV cache groups sharing every region (full attention and a
 /// sliding window) in vLLM's protocol: the params handed as vLLM's JSON, one list of block
 /// ids per group, each group clipped and paired as vLLM 0.33's scheduler and worker do,
-/// every byte checked against the geometry matrix's model; TP both ways.
+/// every byte checked against the geometry matrix's model; TP both ways, blocks of as many
+/// tokens or decode blocks of 2 and 4 times the prefill's (vLLM's `block_size_ratio`), a
+/// prefill of larger blocks refused by name, and engines whose block ids are two kernel
+/// blocks each (`physical_blocks_per_logical_kv_block` 2, from their groups' block size).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_kv_cache_groups_move_every_byte_where_the_model_says() {
     common::init_tracing();
-    let side = |tp| Side {
+    let side = |tp, block_size| Side {
         tp,
-        block_size: 4,
+        block_size,
         num_blocks: HYBRID_BLOCKS,
     };
     let mha = Model {
@@ -436,6 +439,26 @@ async fn two_kv_cache_groups_move_every_byte_where_the_model_says() {
         layout: KvLayout::Hnd,
         regions: vec![(KvRegionKind::Tensor, 16), (KvRegionKind::Tensor, 8)],
     };
-    let cases = [(side(1), side(2)), (side(2), side(1))];
+    let cases = [
+        (side(1, 4), side(2, 4)),
+        (side(2, 4), side(1, 4)),
+        (side(4, 4), side(2, 8)),
+        (side(2, 4), side(1, 16)),
+        (side(2, 8), side(1, 4)),
+    ];
     run_hybrid_cases(&mha, &cases, Protocol::Vllm).await;
+    // Block ids of two kernel blocks each (vLLM's physical_blocks_per_logical_kv_block 2):
+    // on the prefill, with decode blocks of as many tokens or twice its kernel's; on the
+    // decode; on both.
+    let per_id = |prefill, decode| PerId { prefill, decode };
+    let kernel = [(side(1, 4), side(2, 4)), (side(2, 4), side(1, 8))];
+    run_hybrid_cases_per_id(&mha, &kernel, Protocol::Vllm, per_id(2, 1)).await;
+    run_hybrid_cases_per_id(&mha, &kernel[..1], Protocol::Vllm, per_id(1, 2)).await;
+    run_hybrid_cases_per_id(
+        &mha,
+        &[(side(2, 4), side(1, 4))],
+        Protocol::Vllm,
+        per_id(2, 2),
+    )
+    .await;
 }

@@ -27,3 +27,31 @@ async fn refuse_same_host_transports_comes_from_the_extra_config() {
     });
     assert!(strict.agent().config().refuse_same_host_transports);
 }
+
+/// The native handshake cannot say that a block id is several registered blocks (vLLM's
+/// `physical_blocks_per_logical_kv_block`): a native worker whose `kv_cache_groups` count
+/// larger blocks than it registers is refused by name, before any peer reads it.
+#[tokio::test]
+async fn native_kv_cache_groups_of_larger_blocks_than_the_registered_ones_are_refused() {
+    let spec = common::spec(2);
+    let logical = 2 * spec.block_size;
+    let mut config = nixl_connector::WorkerConfig::new("native-groups", 0, 1, common::cpu_config());
+    config.platform = std::sync::Arc::new(nixl::platform::BuiltinPlatform::CPU);
+    config.kv_transfer_config.kv_connector_extra_config.insert(
+        nixl_connector::KV_CACHE_GROUPS_KEY.into(),
+        serde_json::json!({"block_size": logical, "groups": ["full_attention", {"sliding_window": {"window_tokens": 64}}]}),
+    );
+    let worker = nixl_connector::KvConnectorWorker::new(config).unwrap();
+    let err = worker
+        .register_host_kv_caches(spec.clone())
+        .unwrap_err()
+        .to_string();
+    let want = format!(
+        "kv_cache_groups.block_size {logical} is larger than the registered blocks' {} tokens",
+        spec.block_size
+    );
+    assert!(
+        err.contains(&want) && err.contains("vLLM's protocol only"),
+        "{err}"
+    );
+}

@@ -17,24 +17,37 @@ Arguments are hex where they could hold spaces.
   parse_notif HEX              vLLM's reading of a notification -> JSON
 
 A prefill and a decode with NIXL's Python agent (DRAM, UCX), as vLLM's run them:
-  kv_prefill HASH EXTRA LIE ENGINE REGIONS BLOCKS BLOCK_LEN BLOCK_SIZE [REGION_GROUPS [SSM]]
+  kv_prefill HASH EXTRA LIE ENGINE REGIONS BLOCKS BLOCK_LEN BLOCK_SIZE [REGION_GROUPS [PPL [SSM]]]
                                an agent registering REGIONS buffers of BLOCKS blocks of
                                BLOCK_LEN bytes (byte i of region r: kv_byte(r, i)) and a
                                ROUTER serving rank (0, 0)'s NixlAgentMetadata under HASH;
                                EXTRA 1 adds unknown keys; LIE 1 claims base addresses 1 MiB
-                               past the buffers; REGION_GROUPS ("-1,-1"; default every
-                               region group 0's) is each region's KV cache group, -1 for
-                               one that several groups share; SSM ("24,8,8/64") the conv
-                               sub-projections' and temporal state's bytes of a Mamba
+                               past the buffers; REGION_GROUPS ("-1,-1"; "-" or absent:
+                               every region group 0's) is each region's KV cache group, -1
+                               for one that several groups share; PPL (default 1) kernel
+                               blocks per logical block (vLLM's
+                               physical_blocks_per_logical_kv_block: BLOCKS and BLOCK_SIZE
+                               are the kernel's, block ids logical); SSM ("24,8,8/64") the
+                               conv sub-projections' and temporal state's bytes of a Mamba
                                layer's page in every region, published as ssm_sizes
                                -> JSON {port, agent}
-  kv_finish HEXREQ BLOCKS [WINDOW]
-                               vLLM's request_finished params for the prefill's blocks
-                               BLOCKS of request HEXREQ: one group ("3,4"), or one list per
-                               group ("3,4;7,8,9"), the last a sliding window of WINDOW
-                               tokens clipped to the blocks it needs, or, for WINDOW
-                               "ssm:N", a Mamba group of N speculative blocks clipped to
-                               its state-bearing block -> JSON
+  kv_finish HEXREQ BLOCKS [WINDOW [TOKENS]]
+                               vLLM's request_finished params for the prefill's (logical)
+                               blocks BLOCKS of request HEXREQ: one group ("3,4"), or one
+                               list per group ("3,4;7,8,9"), the last a sliding window of
+                               WINDOW tokens (0: none) clipped to the blocks it needs, or,
+                               for WINDOW "ssm:N", a Mamba group of N speculative blocks
+                               clipped to its state-bearing block; TOKENS the prompt's
+                               (default: every token of the first list's blocks); they
+                               carry the prefill's registration generation -> JSON
+  kv_reregister                the prefill registers its KV cache again, as vLLM's sleep mode
+                               (unregister_kv_caches, restore_kv_caches, then the engine
+                               core's _set_kv_connector_handshake_metadata): its memory
+                               deregistered (the old buffers kept, unregistered), new
+                               buffers registered (byte i of region r: kv_byte(r, i, SALT),
+                               SALT the registrations before it), the changed payload served,
+                               a new registration generation -> JSON {generation, salt}
+  kv_served                    how many get_meta_msg requests the prefill's ROUTER answered
   kv_notifs N SECONDS          the prefill agent's next N notifications, waiting at most
                                SECONDS -> JSON [{from, hex, vllm}] in arrival order
   kv_decode PORT HASH ENFORCE ENGINE BLOCKS HEXREQ CONSUMERS [SSM]
@@ -48,6 +61,14 @@ A prefill and a decode with NIXL's Python agent (DRAM, UCX), as vLLM's run them:
                                state, each a descriptor of its own, after the attention
                                ones; refused unless the metadata's ssm_sizes are these
                                -> JSON {data: HEX of the buffer, agent, meta} or the refusal
+  kv_load HEXPARAMS HASH CONSUMERS
+                               vLLM's pull decode (one agent for its life) reading the request
+                               of the prefill's JSON kv_transfer_params HEXPARAMS (one group;
+                               the prefill on loopback): its stored registration generation
+                               of the engine below the params' drops the engine's remote
+                               agent, a handshake (as kv_decode's) only for an engine it has
+                               not loaded, then the READ with kv_decode's notification
+                               -> JSON {data, handshaken, generation} or the refusal
   kv_heartbeat PORT HASH ENFORCE ENGINE COUNT PREFIX
                                a decode (handshake as kv_decode's) waiting for COUNT requests:
                                one vLLM heartbeat naming PREFIX-0 ... PREFIX-(COUNT-1), each
@@ -111,6 +132,9 @@ kv = {}
 decodes = [0]
 # The kv_heartbeat agents: kept, so that their notifications are not cut short.
 heartbeat_agents = []
+# The kv_load decode: its agent, the remote engines it loaded (engine id -> (remote agent
+# name, metadata)) and the registration generation it stored for each.
+puller = {"agent": None, "engines": {}, "generations": {}}
 
 
 def answer(value):
@@ -283,10 +307,11 @@ def parse_notif(notif):
     return {"id": req_id, "consumers": int(consumers)}
 
 
-def kv_byte(region, size):
-    """The bytes a kv_prefill region holds: different in every block, region and byte."""
+def kv_byte(region, size, salt=0):
+    """The bytes a kv_prefill region holds: different in every block, region and byte, and
+    in every registration (SALT, the registrations before it)."""
     i = np.arange(size, dtype=np.uint64)
-    return ((i * 7 + (i >> 8) * 13 + region * 131 + 3) % 256).astype(np.uint8)
+    return ((i * 7 + (i >> 8) * 13 + region * 131 + salt * 89 + 3) % 256).astype(np.uint8)
 
 
 def parse_ssm(arg):
@@ -306,15 +331,22 @@ def ssm_parts(conv, temporal):
     return parts + [(sum(conv), temporal)]
 
 
-def kv_prefill(hash_, extra, lie, engine, regions, blocks, block_len, block_size, region_groups, ssm=None):
+def publish(payload):
+    """vLLM's set_xfer_handshake_metadata for rank (0, 0): a payload that differs from the
+    one served starts a new registration generation."""
+    if kv.get("payload") != payload:
+        kv["generation"] = kv.get("generation", 0) + 1
+    kv["payload"] = payload
+
+
+def kv_prefill(hash_, extra, lie, engine, regions, blocks, block_len, block_size, region_groups,
+               ppl, ssm):
     from nixl_cu12 import nixl_agent
 
     name = f"py-prefill-{os.getpid()}"
     agent = nixl_agent(name)
-    bufs = [kv_byte(r, blocks * block_len) for r in range(regions)]
+    bufs, reg = register_kv(agent, regions, blocks * block_len, 0)
     addrs = [b.ctypes.data for b in bufs]
-    reg = agent.get_reg_descs([(a, blocks * block_len, 0, "") for a in addrs], "DRAM")
-    agent.register_memory(reg)
     shift = (1 << 20) if lie else 0
     meta = NixlAgentMetadata(
         engine_id=engine,
@@ -328,7 +360,7 @@ def kv_prefill(hash_, extra, lie, engine, regions, blocks, block_len, block_size
         block_size=block_size,
         ssm_sizes=(sum(ssm[0]), ssm[1]) if ssm else (0, 0),
         attn_backend_name="FLASH_ATTN",
-        physical_blocks_per_logical_kv_block=1,
+        physical_blocks_per_logical_kv_block=ppl,
         region_num_blocks=[blocks] * regions,
         # A tensor that layers of several groups share is marked -1.
         region_group_ids=region_groups or [0] * regions,
@@ -338,7 +370,9 @@ def kv_prefill(hash_, extra, lie, engine, regions, blocks, block_len, block_size
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
-    payload = encode_payload(hash_, meta, extra)
+    # A new engine's scheduler: nothing served yet, generation 0 until the first payload.
+    kv.update(payload=None, generation=0)
+    publish(encode_payload(hash_, meta, extra))
 
     def loop():
         while True:
@@ -346,15 +380,50 @@ def kv_prefill(hash_, extra, lie, engine, regions, blocks, block_len, block_size
             tag, pp, tp = msgspec.msgpack.decode(msg)
             assert tag == GET_META_MSG and (pp, tp) == (0, 0), (tag, pp, tp)
             ts = msgspec.msgpack.encode(time.perf_counter())
-            sock.send_multipart((identity, b"", payload, ts))
+            kv["served"] += 1
+            # The payload served now: a re-registration replaces it.
+            sock.send_multipart((identity, b"", kv["payload"], ts))
 
-    threading.Thread(target=loop, daemon=True).start()
+    # vLLM's scheduler works in logical blocks of the kernel's PPL blocks.
     kv.update(agent=agent, bufs=bufs, reg=reg, port=port, engine=engine,
-              block_size=block_size, notifs=[])
+              block_size=block_size * ppl, notifs=[], meta=meta, hash=hash_, extra=extra,
+              shift=shift, salt=0, retired=[], served=0)
+    threading.Thread(target=loop, daemon=True).start()
     return {"port": port, "agent": name}
 
 
-def kv_finish(req_id, groups, window):
+def register_kv(agent, regions, size, salt):
+    """REGIONS buffers of SIZE bytes of kv_byte(r, i, SALT), registered with AGENT."""
+    bufs = [kv_byte(r, size, salt) for r in range(regions)]
+    reg = agent.get_reg_descs([(b.ctypes.data, size, 0, "") for b in bufs], "DRAM")
+    agent.register_memory(reg)
+    return bufs, reg
+
+
+def kv_reregister():
+    # vLLM's sleep mode on the prefill: unregister_kv_caches deregisters the memory,
+    # restore_kv_caches registers it again and puts the agent's new metadata in the
+    # payload, and the engine core hands the payload to set_xfer_handshake_metadata, which
+    # starts a new generation as it changed. vLLM's memory comes back at its addresses;
+    # here new buffers take its place, the old ones kept (unregistered) so that a decode
+    # reading with the old registration could only find the old bytes.
+    agent, meta = kv["agent"], kv["meta"]
+    agent.deregister_memory(kv["reg"])
+    kv["retired"].append(kv["bufs"])
+    salt = kv["salt"] + 1
+    size = meta.num_blocks * meta.block_lens[0]
+    bufs, reg = register_kv(agent, len(kv["bufs"]), size, salt)
+    meta = dataclasses.replace(
+        meta,
+        agent_metadata=agent.get_agent_metadata(),
+        kv_caches_base_addr=[b.ctypes.data + kv["shift"] for b in bufs],
+    )
+    kv.update(bufs=bufs, reg=reg, meta=meta, salt=salt)
+    publish(encode_payload(kv["hash"], meta, kv["extra"]))
+    return {"generation": kv["generation"], "salt": salt}
+
+
+def kv_finish(req_id, groups, window, tokens):
     # vLLM 0.33's request_finished on a prefill (pull mode), one list per KV cache group; a
     # sliding window needs the blocks its tokens span, plus one for a window that starts
     # inside a block.
@@ -379,9 +448,9 @@ def kv_finish(req_id, groups, window):
         tp_size=1,
         dcp_size=1,
         pp_size=1,
-        remote_num_tokens=len(blocks) * kv["block_size"],
+        remote_num_tokens=tokens or len(blocks) * kv["block_size"],
         remote_blocks_expiry_time=None,
-        remote_registration_generation=1,
+        remote_registration_generation=kv["generation"],
         transfer_mode="pull",
     )
 
@@ -404,12 +473,10 @@ def kv_notifs(count, seconds):
     return out
 
 
-def decode_agent(port, local_hash, enforce, engine):
+def fetch_meta(port, local_hash, enforce, engine):
     """vLLM's decode handshake with rank (0, 0) of the ROUTER at PORT: get_meta_msg, the hash
-    checked before the metadata is decoded, a new agent that adds the remote one ->
-    (agent, remote agent name, metadata, reply frames) or a dict saying why not."""
-    from nixl_cu12 import nixl_agent
-
+    checked before the metadata is decoded -> (metadata, reply frames) or a dict saying why
+    not."""
     sock = req(port, 5000)
     try:
         sock.send(msgspec.msgpack.encode((GET_META_MSG, 0, 0)))
@@ -425,6 +492,18 @@ def decode_agent(port, local_hash, enforce, engine):
     meta = msgspec.msgpack.Decoder(NixlAgentMetadata).decode(payload.agent_metadata_bytes)
     if meta.engine_id != engine:
         return {"error": f"engine id {meta.engine_id}, expected {engine}"}
+    return meta, parts
+
+
+def decode_agent(port, local_hash, enforce, engine):
+    """fetch_meta, then a new agent that adds the remote one -> (agent, remote agent name,
+    metadata, reply frames) or a dict saying why not."""
+    from nixl_cu12 import nixl_agent
+
+    got = fetch_meta(port, local_hash, enforce, engine)
+    if isinstance(got, dict):
+        return got
+    meta, parts = got
     decodes[0] += 1
     agent = nixl_agent(f"py-decode-{os.getpid()}-{decodes[0]}")
     remote = agent.add_remote_agent(meta.agent_metadata)
@@ -447,14 +526,13 @@ def kv_heartbeat(port, local_hash, enforce, engine, count, prefix):
     return {"bytes": len(hb_msg)}
 
 
-def kv_decode(port, local_hash, enforce, engine, blocks, req_id, consumers, ssm=None):
-    got = decode_agent(port, local_hash, enforce, engine)
-    if isinstance(got, dict):
-        return got
-    agent, remote, meta, parts = got
+def read_blocks(agent, remote, meta, blocks, notif, ssm=None):
+    """READs BLOCKS of every region of REMOTE (its metadata META) into a buffer AGENT
+    registers, notifying NOTIF, and with SSM ((conv, temporal), block) then a Mamba state
+    block as vLLM's decode reads it -> the buffer's bytes, or a dict saying why not."""
     lens = meta.block_lens
     size = sum(lens) * len(blocks)
-    state = []
+    ssm_descs = []
     if ssm:
         (conv, temporal), block = ssm
         if tuple(meta.ssm_sizes) != (sum(conv), temporal):
@@ -462,8 +540,8 @@ def kv_decode(port, local_hash, enforce, engine, blocks, req_id, consumers, ssm=
         # vLLM's [descs_fa | descs_ssm]: region by region, part by part.
         for region, base in enumerate(meta.kv_caches_base_addr):
             for offset, length in ssm_parts(conv, temporal):
-                state.append((base + block * meta.block_strides[region] + offset, length))
-        size += sum(length for _, length in state)
+                ssm_descs.append((base + block * meta.block_strides[region] + offset, length))
+        size += sum(length for _, length in ssm_descs)
     buf = np.zeros(size, dtype=np.uint8)
     agent.register_memory(agent.get_reg_descs([(buf.ctypes.data, size, 0, "")], "DRAM"))
     local_descs, remote_descs, at = [], [], buf.ctypes.data
@@ -472,11 +550,10 @@ def kv_decode(port, local_hash, enforce, engine, blocks, req_id, consumers, ssm=
             remote_descs.append((base + b * meta.block_strides[region], lens[region], meta.device_id))
             local_descs.append((at, lens[region], 0))
             at += lens[region]
-    for address, length in state:
+    for address, length in ssm_descs:
         remote_descs.append((address, length, meta.device_id))
         local_descs.append((at, length, 0))
         at += length
-    notif = f"{req_id}:{consumers}".encode()
     handle = agent.initialize_xfer(
         "READ",
         agent.get_xfer_descs(local_descs, "DRAM"),
@@ -492,8 +569,19 @@ def kv_decode(port, local_hash, enforce, engine, blocks, req_id, consumers, ssm=
     agent.release_xfer_handle(handle)
     if state != "DONE":
         return {"error": f"READ ended {state}"}
+    return buf.tobytes()
+
+
+def kv_decode(port, local_hash, enforce, engine, blocks, req_id, consumers, ssm=None):
+    got = decode_agent(port, local_hash, enforce, engine)
+    if isinstance(got, dict):
+        return got
+    agent, remote, meta, parts = got
+    data = read_blocks(agent, remote, meta, blocks, f"{req_id}:{consumers}".encode(), ssm)
+    if isinstance(data, dict):
+        return data
     return {
-        "data": buf.tobytes().hex(),
+        "data": data.hex(),
         "agent": remote,
         "meta": {
             "num_blocks": meta.num_blocks,
@@ -507,6 +595,44 @@ def kv_decode(port, local_hash, enforce, engine, blocks, req_id, consumers, ssm=
         },
         "remote_perf_is_float": isinstance(msgspec.msgpack.decode(parts[1]), float),
     }
+
+
+def kv_load(params, local_hash, consumers):
+    # vLLM 0.33's pull worker: _read_blocks_for_req compares the params' generation with
+    # the one it stored for the engine (0 if none) and, below it, drops the engine
+    # (_cleanup_remote_engine removes its remote agent); an engine not loaded is
+    # handshaken with (_background_nixl_handshake) before its blocks are read.
+    from nixl_cu12 import nixl_agent
+
+    if puller["agent"] is None:
+        puller["agent"] = nixl_agent(f"py-puller-{os.getpid()}")
+    agent = puller["agent"]
+    engine = params["remote_engine_id"]
+    generation = params.get("remote_registration_generation", 0)
+    if puller["generations"].get(engine, 0) < generation:
+        if engine in puller["engines"]:
+            remote, _ = puller["engines"].pop(engine)
+            agent.remove_remote_agent(remote)
+        puller["generations"][engine] = generation
+    handshaken = engine not in puller["engines"]
+    if handshaken:
+        got = fetch_meta(params["remote_port"], local_hash, True, engine)
+        if isinstance(got, dict):
+            return got
+        meta, _ = got
+        remote = agent.add_remote_agent(meta.agent_metadata)
+        remote = remote.decode() if isinstance(remote, bytes) else remote
+        puller["engines"][engine] = (remote, meta)
+    remote, meta = puller["engines"][engine]
+    [blocks] = params["remote_block_ids"]
+    notif = f"{params['remote_request_id']}:{consumers}".encode()
+    try:
+        data = read_blocks(agent, remote, meta, blocks, notif)
+    except Exception as e:  # NIXL's errors, e.g. descriptors its loaded metadata lacks
+        return {"error": f"READ: {e}", "handshaken": handshaken}
+    if isinstance(data, dict):
+        return data
+    return {"data": data.hex(), "handshaken": handshaken, "generation": generation}
 
 
 def main():
@@ -545,13 +671,25 @@ def main():
         elif cmd == "kv_prefill":
             hash_ = "" if args[0] == "-" else args[0]
             nums = [int(x) for x in args[4:8]]
-            groups = [int(x) for x in args[8].split(",")] if len(args) > 8 else None
-            ssm = parse_ssm(args[9]) if len(args) > 9 else None
-            answer(json.dumps(kv_prefill(hash_, args[1] == "1", args[2] == "1", args[3], *nums, groups, ssm)))
+            groups = None
+            if len(args) > 8 and args[8] != "-":
+                groups = [int(x) for x in args[8].split(",")]
+            ppl = int(args[9]) if len(args) > 9 else 1
+            ssm = parse_ssm(args[10]) if len(args) > 10 else None
+            answer(json.dumps(kv_prefill(hash_, args[1] == "1", args[2] == "1", args[3], *nums,
+                                         groups, ppl, ssm)))
         elif cmd == "kv_finish":
             groups = [[int(x) for x in g.split(",") if x] for g in args[1].split(";")]
             window = 0 if len(args) < 3 else args[2] if args[2].startswith("ssm:") else int(args[2])
-            answer(json.dumps(kv_finish(bytes.fromhex(args[0]).decode(), groups, window)))
+            tokens = int(args[3]) if len(args) > 3 else 0
+            answer(json.dumps(kv_finish(bytes.fromhex(args[0]).decode(), groups, window, tokens)))
+        elif cmd == "kv_reregister":
+            answer(json.dumps(kv_reregister()))
+        elif cmd == "kv_served":
+            answer(kv["served"])
+        elif cmd == "kv_load":
+            params = json.loads(bytes.fromhex(args[0]))
+            answer(json.dumps(kv_load(params, args[1], int(args[2]))))
         elif cmd == "kv_notifs":
             answer(json.dumps(kv_notifs(int(args[0]), float(args[1]))))
         elif cmd == "kv_decode":

@@ -115,47 +115,184 @@ pub(crate) fn pair_units(
         .collect())
 }
 
-/// The units a load of several KV cache groups reads (see [`KvCacheGroups`](crate::KvCacheGroups)): `remote`
-/// holds each group's blocks in turn, `group_lens` long, already trimmed to the local ones
-/// (the scheduler's `update_state_after_alloc_groups`), so that local block `i` reads
-/// remote block `i`, both engines' blocks holding as many tokens.
+/// Kernel blocks per block id of an engine whose scheduler counts blocks of `logical`
+/// tokens (its [`KvCacheGroups::block_size`](crate::KvCacheGroups::block_size)) and whose
+/// registered blocks hold `kernel` tokens (vLLM's `physical_blocks_per_logical_kv_block`:
+/// the attention kernel's block smaller than the logical one, as vLLM's hybrid KV cache
+/// manager allows): `logical / kernel`, or 1 when the logical blocks are no larger.
 ///
 /// # Errors
-/// [`Error::InvalidArgument`] when the blocks differ in size, when the counts do not add up
-/// to the remote blocks, or when there are not as many local blocks as remote ones.
+/// [`Error::InvalidArgument`] when `logical` is larger than `kernel` and not a multiple of
+/// it.
+#[cfg(feature = "vllm")]
+pub(crate) fn kernel_blocks_per_block(logical: usize, kernel: usize) -> Result<usize> {
+    if logical <= kernel {
+        return Ok(1);
+    }
+    if kernel == 0 || logical % kernel != 0 {
+        return Err(Error::invalid(
+            "describe the KV cache's blocks",
+            format!(
+                "kv_cache_groups.block_size {logical} is not a multiple of the registered blocks' {kernel} tokens (vLLM's physical_blocks_per_logical_kv_block is a whole number)"
+            ),
+        ));
+    }
+    Ok(logical / kernel)
+}
+
+/// Native protocol: refuses KV cache groups counting blocks of `logical` tokens larger than
+/// the registered blocks' `kernel` (block ids of several kernel blocks each, vLLM's
+/// `physical_blocks_per_logical_kv_block`), which the native handshake cannot say: a
+/// decode would read each id as one block.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming both sizes.
+pub(crate) fn check_native_block_size(logical: usize, kernel: usize) -> Result<()> {
+    if logical > kernel {
+        return Err(Error::invalid(
+            "register the KV caches",
+            format!(
+                "kv_cache_groups.block_size {logical} is larger than the registered blocks' {kernel} tokens: block ids of several kernel blocks each (vLLM's physical_blocks_per_logical_kv_block) are read in vLLM's protocol only, whose handshake says it; give kv_cache_groups the registered block size, or speak vLLM's protocol"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// One side's block ids of a load of several KV cache groups: each group's in turn, `lens`
+/// of them.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct GroupBlocks<'a> {
+    /// The ids, group after group.
+    pub(crate) ids: &'a [usize],
+    /// How many ids each group has.
+    pub(crate) lens: &'a [usize],
+}
+
+/// The `(local unit, remote unit)` pairs of a load of several KV cache groups, group after
+/// group, and how many pairs each group has.
+pub(crate) type GroupPairs = (Vec<(usize, usize)>, Vec<usize>);
+
+/// The units a load of several KV cache groups reads (see [`KvCacheGroups`](crate::KvCacheGroups)),
+/// as `(local unit, remote unit)` pairs in token order, group after group, and how many
+/// pairs each group has.
+///
+/// Each group's lists are the tail of the blocks the prompt fills on each side: a
+/// sliding-window group's clipped to its window (by each engine, in its own blocks), a
+/// full-attention group's whole on the prefill and without the decode's prefix cache. The
+/// `remote` ids are the prefill's kernel blocks, `per_id.1` of them for each of its block ids
+/// (vLLM's `physical_blocks_per_logical_kv_block`; `_logical_to_kernel_block_ids` expands
+/// them); units are the prefill's kernel blocks, of which a decode block holds
+/// [`BlockSizes::local_units`] (vLLM's `_map_block_ids_for_block_size_ratio`). The `local`
+/// ids are the decode's kernel blocks likewise, `per_id.0` for each of its block ids. A
+/// unit is read when both sides' lists hold it, so each group's lists meet at the same
+/// token of the prompt:
+/// - with blocks of as many tokens and one kernel block per id, the lists end together:
+///   local block `i` from the last pairs with remote block `i` from the last (vLLM's
+///   `_apply_prefix_caching`);
+/// - otherwise by the prompt's `num_tokens` (vLLM's `remote_num_tokens`): the units
+///   holding tokens end the prompt, each side's ids end with its block id holding the last
+///   token (kernel blocks past it are not read).
+///
+/// # Errors
+/// [`Error::InvalidArgument`] when the prefill's kernel blocks are larger than the decode's
+/// (vLLM 0.33 reads blocks of different sizes only into a multiple of them:
+/// `TransferTopology.block_size_ratio` asserts it), when the counts do not add up to the
+/// ids or the groups differ in number, when a group has more local blocks than remote ones
+/// (same sizes) or more than the prompt fills, and when `num_tokens` is needed but absent.
 pub(crate) fn pair_groups(
     request_id: &str,
-    local: &[usize],
-    remote: &[usize],
-    group_lens: &[usize],
+    local: GroupBlocks<'_>,
+    remote: GroupBlocks<'_>,
     sizes: BlockSizes,
-) -> Result<Vec<(usize, usize)>> {
+    num_tokens: Option<usize>,
+    (local_per_id, per_id): (usize, usize),
+) -> Result<GroupPairs> {
     const OP: &str = "pair the blocks of a load";
-    if sizes.local != sizes.remote {
-        return Err(Error::invalid(
-            OP,
-            format!(
-                "request {request_id:?}: {} KV cache groups with blocks of {} tokens (local) and {} (remote): a hybrid model's blocks must hold as many tokens on both engines",
-                group_lens.len(),
-                sizes.local,
-                sizes.remote
-            ),
-        ));
+    let invalid = |why: String| Error::invalid(OP, format!("request {request_id:?}: {why}"));
+    let groups = local.lens.len();
+    if sizes.remote > sizes.local {
+        return Err(invalid(format!(
+            "{groups} KV cache groups with blocks of {} tokens (local) and {} (remote): vLLM 0.33 reads a hybrid model's blocks only when the decode's block size is a multiple of the prefill's (its TransferTopology.block_size_ratio asserts it); give the decode blocks of a multiple of {} tokens",
+            sizes.local, sizes.remote, sizes.remote
+        )));
     }
-    crate::geometry::groups::split(remote, group_lens)
-        .map_err(|err| Error::invalid(OP, format!("request {request_id:?}: {err}")))?;
-    if local.len() != remote.len() {
-        return Err(Error::invalid(
-            OP,
-            format!(
-                "request {request_id:?}: {} local blocks for {} remote blocks of {} KV cache groups {group_lens:?}: pair them group by group (the scheduler's update_state_after_alloc_groups)",
-                local.len(),
-                remote.len(),
-                group_lens.len()
-            ),
-        ));
+    let split = |ids, lens| {
+        crate::geometry::groups::split(ids, lens).map_err(|err| invalid(err.to_string()))
+    };
+    let (locals, remotes) = (
+        split(local.ids, local.lens)?,
+        split(remote.ids, remote.lens)?,
+    );
+    if locals.len() != remotes.len() {
+        return Err(invalid(format!(
+            "{} local KV cache groups for {} remote ones",
+            locals.len(),
+            remotes.len()
+        )));
     }
-    Ok(local.iter().copied().zip(remote.iter().copied()).collect())
+    let lu = sizes.local_units();
+    // Where the prompt ends, in units, prefill blocks and decode blocks.
+    let ends = if lu == 1 && per_id == 1 && local_per_id == 1 {
+        None
+    } else {
+        let Some(tokens) = num_tokens else {
+            return Err(invalid(format!(
+                "{groups} KV cache groups with blocks of {} tokens (local, {local_per_id} per block id) and {} (remote, {per_id} per block id): which tokens each group's blocks hold depends on the prompt's length; pass num_tokens (vLLM's remote_num_tokens)",
+                sizes.local, sizes.remote
+            )));
+        };
+        let filled = tokens.div_ceil(sizes.unit());
+        let overflows = || invalid(format!("num_tokens {tokens} overflows"));
+        let remote_end = filled
+            .div_ceil(per_id)
+            .checked_mul(per_id)
+            .ok_or_else(overflows)?;
+        let local_end = filled
+            .div_ceil(lu)
+            .div_ceil(local_per_id)
+            .checked_mul(local_per_id)
+            .ok_or_else(overflows)?;
+        Some((tokens, filled, remote_end, local_end))
+    };
+    let mut pairs = Vec::with_capacity(local.ids.len().saturating_mul(lu));
+    let mut counts = Vec::with_capacity(groups);
+    for (group, (l, r)) in locals.iter().zip(&remotes).enumerate() {
+        let before = pairs.len();
+        match ends {
+            None => {
+                let Some(skipped) = r.len().checked_sub(l.len()) else {
+                    return Err(invalid(format!(
+                        "KV cache group {group}: {} local blocks for {} remote blocks",
+                        l.len(),
+                        r.len()
+                    )));
+                };
+                pairs.extend(l.iter().copied().zip(r[skipped..].iter().copied()));
+            }
+            Some((tokens, filled, remote_end, local_end)) => {
+                if r.len() > remote_end || l.len() > local_end {
+                    return Err(invalid(format!(
+                        "KV cache group {group}: num_tokens {tokens} fill {} remote block ids of {} tokens and {} local ones of {} tokens, the load names {} and {}",
+                        remote_end / per_id,
+                        sizes.remote * per_id,
+                        local_end / local_per_id,
+                        sizes.local * local_per_id,
+                        r.len() / per_id,
+                        l.len() / local_per_id
+                    )));
+                }
+                let remote_first = remote_end - r.len();
+                let skipped = local_end - l.len();
+                for unit in remote_first.max(skipped.saturating_mul(lu))..filled {
+                    let block = l[unit / lu - skipped];
+                    pairs.push((block * lu + unit % lu, r[unit - remote_first]));
+                }
+            }
+        }
+        counts.push(pairs.len() - before);
+    }
+    Ok((pairs, counts))
 }
 
 #[cfg(test)]
@@ -214,25 +351,177 @@ mod tests {
         assert_eq!(pairs, [(0, 6), (1, 7), (2, 16), (3, 17)]);
     }
 
+    fn groups<'a>(ids: &'a [usize], lens: &'a [usize]) -> GroupBlocks<'a> {
+        GroupBlocks { ids, lens }
+    }
+
     #[test]
     fn groups_pair_block_by_block_when_their_blocks_hold_as_many_tokens() {
-        let pairs = pair_groups("r", &[1, 2, 3], &[7, 8, 9], &[2, 1], SAME).unwrap();
+        let pair = |local: &[usize], lens: &[usize], sizes| {
+            pair_groups(
+                "r",
+                groups(local, lens),
+                groups(&[7, 8, 9], &[2, 1]),
+                sizes,
+                None,
+                (1, 1),
+            )
+        };
+        let (pairs, counts) = pair(&[1, 2, 3], &[2, 1], SAME).unwrap();
         assert_eq!(pairs, [(1, 7), (2, 8), (3, 9)]);
-        let err = pair_groups("r", &[1, 2, 3], &[7, 8, 9], &[2, 1], LOCAL_DOUBLE)
+        assert_eq!(counts, [2, 1]);
+        // A prefix hit: the group's local blocks pair with the last of its remote ones.
+        let (pairs, counts) = pair(&[2, 3], &[1, 1], SAME).unwrap();
+        assert_eq!((pairs, counts), (vec![(2, 8), (3, 9)], vec![1, 1]));
+        let err = pair(&[1, 2, 3], &[2, 1], REMOTE_DOUBLE)
             .unwrap_err()
             .to_string();
         assert!(
-            err.contains("blocks of 32 tokens (local) and 16 (remote)"),
+            err.contains("blocks of 16 tokens (local) and 32 (remote)")
+                && err.contains("TransferTopology.block_size_ratio"),
             "{err}"
         );
-        let err = pair_groups("r", &[1, 2, 3], &[7, 8, 9], &[2, 2], SAME)
-            .unwrap_err()
-            .to_string();
+        let err = pair(&[1, 2, 3], &[2, 2], SAME).unwrap_err().to_string();
         assert!(err.contains("do not add up to the 3"), "{err}");
-        let err = pair_groups("r", &[1, 2], &[7, 8, 9], &[2, 1], SAME)
+        let err = pair(&[1, 2, 3], &[3], SAME).unwrap_err().to_string();
+        assert!(
+            err.contains("1 local KV cache groups for 2 remote"),
+            "{err}"
+        );
+        let err = pair(&[1, 2, 3], &[1, 2], SAME).unwrap_err().to_string();
+        assert!(
+            err.contains("KV cache group 1: 2 local blocks for 1 remote blocks"),
+            "{err}"
+        );
+        let err = pair(&[1, 2, 3], &[2, 1], LOCAL_DOUBLE)
             .unwrap_err()
             .to_string();
-        assert!(err.contains("2 local blocks for 3 remote blocks"), "{err}");
+        assert!(err.contains("pass num_tokens"), "{err}");
+    }
+
+    #[test]
+    fn larger_decode_blocks_pair_each_groups_units_by_token() {
+        // 20 tokens: 2 remote blocks of 16, 1 local block of 32. Full attention: remote 3
+        // and 8 into local 5's two units; the window group's last remote block, 12, into
+        // the second unit of its local block 6.
+        let (pairs, counts) = pair_groups(
+            "r",
+            groups(&[5, 6], &[1, 1]),
+            groups(&[3, 8, 12], &[2, 1]),
+            LOCAL_DOUBLE,
+            Some(20),
+            (1, 1),
+        )
+        .unwrap();
+        assert_eq!(pairs, [(10, 3), (11, 8), (13, 12)]);
+        assert_eq!(counts, [2, 1]);
+        // 70 tokens: 5 remote blocks (the last one partly filled), 3 local blocks. The
+        // window group's lists start at the prompt's remote block 3 and local block 1
+        // (units 2 and 3): unit 2 is not in its remote list and not read; units 3 and 4
+        // land in the second half of local block 7 and the first half of 9.
+        let (pairs, counts) = pair_groups(
+            "r",
+            groups(&[1, 2, 3, 7, 9], &[3, 2]),
+            groups(&[10, 11, 12, 13, 14, 23, 24], &[5, 2]),
+            LOCAL_DOUBLE,
+            Some(70),
+            (1, 1),
+        )
+        .unwrap();
+        assert_eq!(
+            pairs,
+            [
+                (2, 10),
+                (3, 11),
+                (4, 12),
+                (5, 13),
+                (6, 14),
+                (15, 23),
+                (18, 24)
+            ]
+        );
+        assert_eq!(counts, [5, 2]);
+        let err = pair_groups(
+            "r",
+            groups(&[1, 2, 3, 4], &[4]),
+            groups(&[10, 11], &[2]),
+            LOCAL_DOUBLE,
+            Some(20),
+            (1, 1),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("KV cache group 0: num_tokens 20 fill 2 remote block ids of 16 tokens and 1 local ones of 32 tokens, the load names 2 and 4"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn kernel_blocks_past_the_prompt_are_not_read() {
+        // Remote block ids of 2 kernel blocks of 16 tokens, 40 tokens: ids 4 and 6 are
+        // kernel blocks 8, 9, 12 (13 holds no token); local blocks of 16.
+        let (pairs, counts) = pair_groups(
+            "r",
+            groups(&[1, 2, 3, 5, 7], &[3, 2]),
+            groups(&[8, 9, 12, 13, 12, 13], &[4, 2]),
+            SAME,
+            Some(40),
+            (1, 2),
+        )
+        .unwrap();
+        assert_eq!(pairs, [(1, 8), (2, 9), (3, 12), (7, 12)]);
+        assert_eq!(counts, [3, 1]);
+        // With local blocks of two kernel blocks: units of 16 tokens.
+        let (pairs, _) = pair_groups(
+            "r",
+            groups(&[4, 5], &[2]),
+            groups(&[8, 9, 12, 13], &[4]),
+            LOCAL_DOUBLE,
+            Some(40),
+            (1, 2),
+        )
+        .unwrap();
+        assert_eq!(pairs, [(8, 8), (9, 9), (10, 12)]);
+    }
+
+    #[test]
+    fn a_decodes_block_ids_of_several_kernel_blocks_are_read_to_the_prompts_end() {
+        // Local ids of 2 kernel blocks of 16 tokens (ids 3 and 5: kernel blocks 6 7 10 11),
+        // remote blocks of 16 tokens, 40 tokens: kernel block 11 holds no token.
+        let (pairs, counts) = pair_groups(
+            "r",
+            groups(&[6, 7, 10, 11, 10, 11], &[4, 2]),
+            groups(&[1, 2, 3, 3], &[3, 1]),
+            SAME,
+            Some(40),
+            (2, 1),
+        )
+        .unwrap();
+        assert_eq!(pairs, [(6, 1), (7, 2), (10, 3), (10, 3)]);
+        assert_eq!(counts, [3, 1]);
+        // A peer's token count past any prompt pairs at most the blocks named, or is
+        // refused: no panic, nothing sized by it.
+        for (tokens, sizes) in [(usize::MAX, SAME), (usize::MAX - 1, LOCAL_DOUBLE)] {
+            let far = pair_groups(
+                "r",
+                groups(&[6, 7], &[2]),
+                groups(&[1, 2], &[2]),
+                sizes,
+                Some(tokens),
+                (2, 2),
+            );
+            assert!(far.map_or(true, |(pairs, _)| pairs.len() <= 2));
+        }
+    }
+
+    #[test]
+    #[cfg(feature = "vllm")]
+    fn a_logical_block_is_a_whole_number_of_kernel_blocks() {
+        assert_eq!(kernel_blocks_per_block(32, 16).unwrap(), 2);
+        assert_eq!(kernel_blocks_per_block(1, 16).unwrap(), 1);
+        let err = kernel_blocks_per_block(24, 16).unwrap_err().to_string();
+        assert!(err.contains("block_size 24 is not a multiple"), "{err}");
     }
 
     #[test]

@@ -78,9 +78,21 @@ impl std::fmt::Display for KvCacheGroupKind {
 /// ([`with_region_groups`](Self::with_region_groups), vLLM's `region_group_ids`): a group's
 /// blocks are then read only in its regions and the shared ones.
 ///
+/// Blocks of different sizes on the two engines are read as vLLM 0.33's pull connector
+/// reads them, in both protocols: a decode block may hold several of the prefill's (vLLM's
+/// `block_size_ratio`), and in vLLM's protocol an engine's block id may be several kernel
+/// blocks (its `physical_blocks_per_logical_kv_block`, the kernel's block smaller than the
+/// logical one): a vLLM-mode rank whose [`block_size`](Self::block_size) is a multiple of
+/// its registered blocks' publishes that many and reads its own block ids as that many
+/// registered blocks each. Each engine clips a window group in its own blocks, and each
+/// group's lists pair at their tokens of the prompt, which the prompt's
+/// `remote_num_tokens` says (see
+/// [`LoadSpec::local_group_lens`](crate::LoadSpec::local_group_lens)).
+///
 /// SSM (Mamba) groups ([`KvCacheGroupKind::Ssm`], with the [`SsmState`] of their blocks,
 /// [`with_ssm_state`](Self::with_ssm_state)) are read in vLLM's protocol as vLLM 0.33 reads
-/// them: each request's one state-bearing block (vLLM's `clip_ssm_state_blocks`), in every
+/// them: each request's one state-bearing block (vLLM's `clip_ssm_state_blocks`, on both
+/// engines), which pairs with the prefill's one whatever its token position, in every
 /// region its conv sub-projections and temporal state as descriptors of their own after
 /// every attention descriptor (vLLM's `_build_mamba_local` and `[descs_fa | descs_ssm]`),
 /// each rank holding a TP-th of each part: a decode of a larger TP takes its slice of each
@@ -89,11 +101,15 @@ impl std::fmt::Display for KvCacheGroupKind {
 /// The prefill's `ssm_sizes` must be this engine's scaled by the TP sizes.
 ///
 /// Not supported, refused by name: groups with regions of their own in the native
-/// protocol, blocks of different sizes on the two engines of a load of several groups, and,
-/// for SSM groups: the native protocol (its handshake does not say the state), a larger
-/// prefill TP with MLA or replicated KV heads (the attention is read from one prefill rank
-/// of a group, the state is on all of them), kernel blocks smaller than the
-/// logical ones (`physical_blocks_per_logical_kv_block` above 1), regions of their own, and
+/// protocol; a native worker whose groups' block size is larger than its registered
+/// blocks' (its handshake cannot say kernel blocks per id); a prefill's (kernel) blocks
+/// larger than the decode's in a load of several groups (vLLM 0.33's
+/// `TransferTopology.block_size_ratio` asserts that the decode's block size is a multiple
+/// of the prefill's); and, for SSM groups: the native protocol (its handshake does not say
+/// the state), blocks of different sizes on the two engines or block ids of several kernel
+/// blocks on either (vLLM moves a state block whole, never split or expanded to kernel
+/// blocks), a larger prefill TP with MLA or replicated KV heads (the attention is read from
+/// one prefill rank of a group, the state is on all of them), regions of their own, and
 /// models of SSM groups only.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(try_from = "GroupsJson", into = "GroupsJson")]

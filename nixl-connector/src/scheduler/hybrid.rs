@@ -27,17 +27,23 @@ impl KvConnectorScheduler {
     /// empty lists, for a full prefix hit).
     ///
     /// Each list is clipped to what its group needs (vLLM's `get_exchange_clipped_blocks`:
-    /// a sliding-window group keeps its last blocks), and pairs with the tail of the same
-    /// group's remote blocks (vLLM's `_apply_prefix_caching`, group by group). With one
-    /// full-attention group this is `update_state_after_alloc`. With several groups, both
-    /// engines' blocks must hold as many tokens (the workers check it); each group's
-    /// remote list is trimmed here to as many blocks as its local one.
+    /// a sliding-window group keeps its last blocks, in this engine's blocks; an SSM group
+    /// its state block, which the workers pair with the prefill's), and the workers pair it
+    /// with the same group's remote blocks by token (vLLM's `_apply_prefix_caching` group
+    /// by group; see
+    /// [`LoadSpec::local_group_lens`](crate::LoadSpec::local_group_lens)): the decode's
+    /// blocks may hold a multiple of the prefill's kernel blocks (vLLM's
+    /// `block_size_ratio`), and the prefill's block ids several kernel blocks each (its
+    /// `physical_blocks_per_logical_kv_block`), which needs the prompt's token count
+    /// (`remote_num_tokens`, which vLLM and this crate's prefills send). With one
+    /// full-attention group this is `update_state_after_alloc`.
     ///
     /// # Errors
     /// Those of `update_state_after_alloc`, and [`Error::InvalidArgument`] when the lists
-    /// are not one per group, when the params hold another number of groups (or counts
-    /// that do not add up to their block ids), or when a group has more local blocks than
-    /// remote ones; nothing is scheduled then.
+    /// are not one per group, or when the params hold another number of groups (or counts
+    /// that do not add up to their block ids); nothing is scheduled then. What depends on
+    /// the prefill's blocks (a group with more local blocks than the prompt fills, a
+    /// prefill whose blocks are larger than this engine's) fails the load in the workers.
     pub fn update_state_after_alloc_groups<G: AsRef<[usize]>>(
         &mut self,
         request_id: &str,
@@ -61,19 +67,10 @@ impl KvConnectorScheduler {
         if self.groups.is_single_full_attention() {
             return self.update_state_after_alloc(request_id, local[0], params);
         }
-        let (local_ids, _) = flatten(&local);
+        let (local_ids, local_lens) = flatten(&local);
         if local_ids.is_empty() {
             // A full prefix hit: the prefill is only notified.
             return self.schedule_load(request_id, &[], params);
-        }
-        if local.len() == 1 {
-            // One sliding-window group: the prefill's list ends with the prompt as the
-            // local one does; the prompt's token count no longer spans the list.
-            let params = KvTransferParams {
-                remote_num_tokens: None,
-                ..params.clone()
-            };
-            return self.update_state_after_alloc(request_id, local[0], &params);
         }
         let remote = split(&params.remote_block_ids, &params.remote_block_group_lens)
             .map_err(|err| Error::invalid(OP, format!("request {request_id:?}: {err}")))?;
@@ -87,29 +84,11 @@ impl KvConnectorScheduler {
                 ),
             ));
         }
-        let mut trimmed = Vec::with_capacity(remote.len());
-        for (group, (l, r)) in local.iter().zip(&remote).enumerate() {
-            let Some(skipped) = r.len().checked_sub(l.len()) else {
-                return Err(Error::invalid(
-                    OP,
-                    format!(
-                        "request {request_id:?}: KV cache group {group} ({}): {} local blocks for {} remote blocks",
-                        self.groups.kinds()[group],
-                        l.len(),
-                        r.len()
-                    ),
-                ));
-            };
-            trimmed.push(&r[skipped..]);
+        self.schedule_load(request_id, &local_ids, params)?;
+        if let Some(load) = self.loads.get_mut(request_id) {
+            load.local_group_lens = local_lens;
         }
-        let (remote_block_ids, remote_block_group_lens) = flatten(&trimmed);
-        let params = KvTransferParams {
-            remote_block_ids,
-            remote_block_group_lens,
-            remote_num_tokens: None,
-            ..params.clone()
-        };
-        self.schedule_load(request_id, &local_ids, &params)
+        Ok(())
     }
 
     /// [`request_finished`](Self::request_finished) for a hybrid model (vLLM's
@@ -310,13 +289,15 @@ mod tests {
         vllm.update_state_after_alloc_groups("r", &local, &params)
             .unwrap();
         let load = &vllm.build_connector_meta().loads[0];
+        // Each group's state block clipped on both sides; the workers pair them.
         assert_eq!(load.local_block_ids, [11, 12, 31]);
-        assert_eq!(load.remote.block_ids, [2, 3, 21]);
-        assert_eq!(load.remote.group_lens, [2, 1]);
+        assert_eq!(load.local_group_lens, [2, 1]);
+        assert_eq!(load.remote.block_ids, [1, 2, 3, 21]);
+        assert_eq!(load.remote.group_lens, [3, 1]);
     }
 
     #[test]
-    fn one_sliding_window_group_clips_its_blocks_and_drops_the_token_count() {
+    fn one_sliding_window_group_clips_its_blocks_and_keeps_the_token_count() {
         let groups = KvCacheGroups::new(
             8,
             vec![KvCacheGroupKind::SlidingWindow { window_tokens: 12 }],
@@ -347,12 +328,14 @@ mod tests {
             .unwrap();
         let load = &decode.build_connector_meta().loads[0];
         assert_eq!(load.local_block_ids, [13, 14, 15]);
+        assert_eq!(load.local_group_lens, [3]);
         assert_eq!(load.remote.block_ids, [3, 4, 5]);
-        assert_eq!(load.remote.num_tokens, None);
+        // Where the window's blocks are in the prompt, for blocks of other sizes.
+        assert_eq!(load.remote.num_tokens, Some(40));
     }
 
     #[test]
-    fn a_decode_pairs_each_group_with_the_tail_of_its_remote_blocks() {
+    fn a_decode_hands_its_workers_each_groups_blocks_and_the_prompts_tokens() {
         let params = KvTransferParams {
             do_remote_prefill: true,
             do_remote_decode: false,
@@ -367,12 +350,14 @@ mod tests {
         let meta = s.build_connector_meta();
         let load = &meta.loads[0];
         assert_eq!(load.local_block_ids, [23, 24, 25, 26, 32, 33, 34]);
-        assert_eq!(load.remote.block_ids, [3, 4, 5, 6, 14, 15, 16]);
-        assert_eq!(load.remote.group_lens, [4, 3]);
-        assert_eq!(load.remote.num_tokens, None);
+        assert_eq!(load.local_group_lens, [4, 3]);
+        // The workers pair them with the prefill's by token (geometry::block_map).
+        assert_eq!(load.remote.block_ids, [1, 2, 3, 4, 5, 6, 14, 15, 16]);
+        assert_eq!(load.remote.group_lens, [6, 3]);
+        assert_eq!(load.remote.num_tokens, Some(44));
 
-        // The one-group API refuses params of several groups; so does a group with more
-        // local blocks than remote ones, or a count of lists that is not the groups'.
+        // The one-group API refuses params of several groups; so does a count of lists
+        // that is not the groups'.
         let mut s = hybrid("d", Protocol::Native);
         s.on_new_request("r", Some(&params));
         let err = s
@@ -380,15 +365,6 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("update_state_after_alloc_groups"), "{err}");
-        let too_many = [(1..=7).collect::<Vec<usize>>(), vec![1]];
-        let err = s
-            .update_state_after_alloc_groups("r", &too_many, &params)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains("KV cache group 0 (full attention): 7 local blocks for 6 remote blocks"),
-            "{err}"
-        );
         let err = s
             .update_state_after_alloc_groups("r", &[vec![1]], &params)
             .unwrap_err()

@@ -16,6 +16,13 @@ pub struct LoadSpec {
     /// Local blocks, paired in token order with the last of `remote.block_ids`; empty: nothing
     /// is read, the prefill is only notified (a full prefix hit, or an aborted request).
     pub local_block_ids: Vec<usize>,
+    /// For a hybrid model, how many of `local_block_ids` each KV cache group has, in the
+    /// groups' order (the scheduler's
+    /// [`update_state_after_alloc_groups`](crate::KvConnectorScheduler::update_state_after_alloc_groups)):
+    /// each group's local blocks then pair with its remote ones by token (see
+    /// [`RemoteBlocks::group_lens`]). Empty: one group, paired as above.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub local_group_lens: Vec<usize>,
     /// Where to read.
     pub remote: RemoteBlocks,
 }

@@ -109,6 +109,7 @@ mod tests {
             loads: vec![LoadSpec {
                 request_id: "d".into(),
                 local_block_ids: vec![7, 1],
+                local_group_lens: vec![1, 1],
                 remote,
             }],
             sends: vec![

@@ -47,7 +47,8 @@ pub struct KvTransferParams {
     pub remote_tp_size: Option<usize>,
     /// Tokens the prefill computed (vLLM's `remote_num_tokens`): needed to pair a decode's
     /// blocks with a prefill's larger ones when the decode's prefix cache holds part of the
-    /// prompt or the prompt ends inside a block (see [`RemoteBlocks::num_tokens`]).
+    /// prompt or the prompt ends inside a block, and a hybrid model's blocks of different
+    /// sizes (see [`RemoteBlocks::num_tokens`]).
     #[serde(default)]
     pub remote_num_tokens: Option<usize>,
     /// The prefill engine's decode context parallel size (vLLM's `dcp_size`; only 1 is
@@ -88,11 +89,12 @@ pub struct RemoteBlocks {
     /// Its block ids, paired in order with the local ones.
     pub block_ids: Vec<usize>,
     /// For several KV cache groups, how many of `block_ids` each has (see
-    /// [`KvTransferParams::remote_block_group_lens`]); more than one: each local block
-    /// pairs with the remote one at its place, group by group (the scheduler's
-    /// [`update_state_after_alloc_groups`](crate::KvConnectorScheduler::update_state_after_alloc_groups)
-    /// trims each group's remote blocks to the local ones), both engines' blocks holding
-    /// as many tokens. Empty: one group.
+    /// [`KvTransferParams::remote_block_group_lens`]). A load whose
+    /// [`LoadSpec::local_group_lens`](crate::LoadSpec::local_group_lens) are given pairs
+    /// each group's local blocks with its remote ones at their tokens of the prompt (the
+    /// scheduler's
+    /// [`update_state_after_alloc_groups`](crate::KvConnectorScheduler::update_state_after_alloc_groups)).
+    /// Empty: one group.
     #[serde(default)]
     pub group_lens: Vec<usize>,
     /// The request's id there.
@@ -101,7 +103,9 @@ pub struct RemoteBlocks {
     pub tp_size: usize,
     /// Tokens it computed, if known. Only a decode whose blocks are smaller than the
     /// prefill's needs it, to know which of the prefill's tokens its blocks start at; without
-    /// it, such a load must cover every token of the prefill's blocks.
+    /// it, such a load must cover every token of the prefill's blocks. A load of several KV
+    /// cache groups needs it when the blocks differ in size or a block id is several kernel
+    /// blocks: it says where each group's lists are in the prompt.
     pub num_tokens: Option<usize>,
     /// When it frees the blocks, on its clock (see
     /// [`KvTransferParams::remote_blocks_expiry_time`]; vLLM mode).

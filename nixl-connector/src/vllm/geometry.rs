@@ -181,6 +181,9 @@ pub(crate) struct RankRegistration<'a> {
     /// Each region's KV cache group, as vLLM's `region_group_ids`
     /// ([`KvCacheGroups`](crate::KvCacheGroups)).
     pub region_group_ids: Vec<i64>,
+    /// Kernel blocks (the registered ones) per block id of the engine's scheduler (vLLM's
+    /// `physical_blocks_per_logical_kv_block`).
+    pub blocks_per_logical: usize,
 }
 
 impl NixlAgentMetadata {
@@ -190,8 +193,8 @@ impl NixlAgentMetadata {
     /// `_SHARED_REGION_GROUP_ID`, -1, as its `register_kv_caches` marks a tensor that layers
     /// of several groups use), unpadded
     /// (`block_strides` = `block_lens`), the layout by vLLM's name (`"LBHNC"` for HND,
-    /// `"LBNHC"` for NHD), one kernel block per logical block, no Mamba state (the registration
-    /// adds the `ssm_sizes` of SSM groups), no context
+    /// `"LBNHC"` for NHD), the kernel blocks per block id it gives, no Mamba state (the
+    /// registration adds the `ssm_sizes` of SSM groups), no context
     /// parallelism, and no region names (a vLLM decode compares them with its layer names
     /// only when they are given).
     ///
@@ -228,7 +231,7 @@ impl NixlAgentMetadata {
             block_size: spec.block_size as u64,
             ssm_sizes: (0, 0),
             attn_backend_name: rank.attn_backend_name,
-            physical_blocks_per_logical_kv_block: 1,
+            physical_blocks_per_logical_kv_block: rank.blocks_per_logical as u64,
             region_num_blocks: Some(vec![spec.num_blocks as u64; regions]),
             region_group_ids: Some(rank.region_group_ids),
             region_names: None,
@@ -286,6 +289,7 @@ mod tests {
                 mem_type: "DRAM".into(),
                 attn_backend_name: "FLASH_ATTN".into(),
                 region_group_ids: vec![group_id; 3],
+                blocks_per_logical: 1,
             })
             .unwrap();
             assert_eq!(meta.kv_cache_spec(heads).unwrap(), spec);
@@ -308,6 +312,7 @@ mod tests {
             mem_type: "DRAM".into(),
             attn_backend_name: String::new(),
             region_group_ids: vec![0],
+            blocks_per_logical: 1,
         })
         .unwrap_err();
         assert!(err.to_string().contains("K and V halves"), "{err}");

@@ -155,6 +155,20 @@ impl VllmWorker {
         }
     }
 
+    /// Kernel blocks per block id of this engine, whose registered blocks hold
+    /// `kernel_block_size` tokens and whose KV cache groups count blocks of their
+    /// [`block_size`](KvCacheGroups::block_size) (vLLM's
+    /// `physical_blocks_per_logical_kv_block`, which its metadata publishes).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the groups' block size is larger and not a multiple.
+    pub(crate) fn blocks_per_id(&self, kernel_block_size: usize) -> Result<usize> {
+        crate::geometry::block_map::kernel_blocks_per_block(
+            self.groups.block_size(),
+            kernel_block_size,
+        )
+    }
+
     /// Keeps the clock offset to `engine` of the handshake with the smallest round trip,
     /// as vLLM does.
     fn clock_sample(&self, engine: &str, rtt: f64, offset: f64) {

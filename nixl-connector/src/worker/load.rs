@@ -18,7 +18,7 @@ use tracing::Instrument;
 use crate::config::Protocol;
 use crate::error::{Error, Result};
 use crate::failure::{FailedBlock, FailureKind};
-use crate::geometry::block_map::{pair_groups, pair_units};
+use crate::geometry::block_map::{pair_groups, pair_units, GroupBlocks};
 use crate::geometry::groups::pairs_by_region;
 use crate::geometry::ssm::split_state_pairs;
 use crate::geometry::tp_mapping::TpMapping;
@@ -36,6 +36,9 @@ use crate::worker::shared::Shared;
 pub(crate) struct Load {
     pub(crate) request_id: String,
     pub(crate) local_block_ids: Vec<usize>,
+    /// How many of `local_block_ids` each KV cache group has (see
+    /// [`LoadSpec::local_group_lens`](crate::LoadSpec::local_group_lens)); empty: one group.
+    pub(crate) local_group_lens: Vec<usize>,
     pub(crate) remote: RemoteBlocks,
     /// The remote ranks holding the request, each with its side-channel port.
     pub(crate) ranks: Vec<(usize, u16)>,
@@ -398,30 +401,52 @@ fn post_one(
             format!("remote block {bad} of {} blocks", plan.remote_num_blocks),
         ));
     }
-    let pairs = if load.remote.group_lens.len() > 1 {
-        if remote.blocks_per_id != 1 {
+    let local_per_id = local_blocks_per_id(shared, &caches.spec)?;
+    // One group pairs unit by unit from the prompt's first token, but not when a block id
+    // is several kernel blocks (the last of which may hold no token): then as a group, at
+    // the units' tokens of the prompt.
+    let sizes = plan.block_sizes();
+    let kernel_ids = local_per_id > 1 || (remote.blocks_per_id > 1 && sizes.remote <= sizes.local);
+    let (pairs, group_pairs) = if load.local_group_lens.is_empty() && !kernel_ids {
+        let pairs = pair_units(
+            &load.request_id,
+            &load.local_block_ids,
+            &remote_ids,
+            sizes,
+            load.remote.num_tokens,
+        )?;
+        (pairs, Vec::new())
+    } else {
+        let remote_lens = kernel_group_lens(
+            &load.remote.block_ids,
+            &load.remote.group_lens,
+            remote.blocks_per_id,
+        )?;
+        let local_lens =
+            kernel_group_lens(&load.local_block_ids, &load.local_group_lens, local_per_id)?;
+        let local_ids = blocks_of_ids(&load.local_block_ids, local_per_id)?;
+        if let Some(bad) = local_ids.iter().find(|&&b| b >= caches.spec.num_blocks) {
             return Err(Error::invalid(
                 OP,
                 format!(
-                    "{} kernel blocks per block id with several KV cache groups are not supported",
-                    remote.blocks_per_id
+                    "local kernel block {bad} of {} blocks ({local_per_id} per block id)",
+                    caches.spec.num_blocks
                 ),
             ));
         }
         pair_groups(
             &load.request_id,
-            &load.local_block_ids,
-            &remote_ids,
-            &load.remote.group_lens,
-            plan.block_sizes(),
-        )?
-    } else {
-        pair_units(
-            &load.request_id,
-            &load.local_block_ids,
-            &remote_ids,
-            plan.block_sizes(),
+            GroupBlocks {
+                ids: &local_ids,
+                lens: &local_lens,
+            },
+            GroupBlocks {
+                ids: &remote_ids,
+                lens: &remote_lens,
+            },
+            sizes,
             load.remote.num_tokens,
+            (local_per_id, remote.blocks_per_id),
         )?
     };
     let own = own_region_groups(shared);
@@ -429,16 +454,16 @@ fn post_one(
         // vLLM's `[descs_fa | descs_ssm]`: the attention groups' blocks in every region,
         // then the SSM groups' state.
         let (attention, state) =
-            split_state_pairs(&pairs, &load.remote.group_lens, |g| is_ssm_group(shared, g))?;
+            split_state_pairs(&pairs, &group_pairs, |g| is_ssm_group(shared, g))?;
         let (mut local, mut far, bytes) = plan.descriptor_ids(caches.spec.num_blocks, &attention);
         let (state_local, state_far, state_bytes) = ssm.descriptor_ids(&state);
         local.extend(state_local);
         far.extend(state_far);
         (local, far, bytes + state_bytes)
-    } else if own.is_empty() || load.remote.group_lens.len() < 2 {
+    } else if own.is_empty() || group_pairs.len() < 2 {
         plan.descriptor_ids(caches.spec.num_blocks, &pairs)
     } else {
-        let by_region = pairs_by_region(&pairs, &load.remote.group_lens, own)?;
+        let by_region = pairs_by_region(&pairs, &group_pairs, own)?;
         plan.descriptor_ids_in(caches.spec.num_blocks, |region| {
             by_region.get(region).copied().unwrap_or(&pairs)
         })
@@ -489,6 +514,32 @@ fn own_region_groups(_shared: &Shared) -> &[i64] {
     &[]
 }
 
+/// Kernel blocks per block id of this engine's own blocks: vLLM mode, its KV cache groups'
+/// block size over its registered blocks' (vLLM's `physical_blocks_per_logical_kv_block`);
+/// 1 in the native protocol.
+///
+/// # Errors
+/// Those of [`kernel_blocks_per_block`](crate::geometry::block_map::kernel_blocks_per_block).
+#[cfg(feature = "vllm")]
+fn local_blocks_per_id(
+    shared: &Shared,
+    spec: &crate::geometry::spec::KvCacheSpec,
+) -> Result<usize> {
+    shared
+        .vllm
+        .as_ref()
+        .map_or(Ok(1), |vllm| vllm.blocks_per_id(spec.block_size))
+}
+
+/// Without vLLM's protocol an engine's block ids are its registered blocks.
+#[cfg(not(feature = "vllm"))]
+fn local_blocks_per_id(
+    _shared: &Shared,
+    _spec: &crate::geometry::spec::KvCacheSpec,
+) -> Result<usize> {
+    Ok(1)
+}
+
 /// The remote rank's blocks of the transfer params' block `ids`, `per_id` blocks each
 /// (vLLM's `_logical_to_kernel_block_ids`: logical block `b` is kernel blocks
 /// `b * per_id .. (b + 1) * per_id`).
@@ -513,6 +564,30 @@ fn blocks_of_ids(ids: &[usize], per_id: usize) -> Result<Cow<'_, [usize]>> {
         blocks.extend(end - per_id..end);
     }
     Ok(Cow::Owned(blocks))
+}
+
+/// How many kernel blocks each KV cache group of block `ids` has, `group_lens` of the ids
+/// each (none: one group of every id), `per_id` kernel blocks per id.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for a count whose blocks overflow.
+fn kernel_group_lens(ids: &[usize], group_lens: &[usize], per_id: usize) -> Result<Vec<usize>> {
+    let one = [ids.len()];
+    let lens = if group_lens.is_empty() {
+        &one[..]
+    } else {
+        group_lens
+    };
+    lens.iter()
+        .map(|&n| {
+            n.checked_mul(per_id).ok_or_else(|| {
+                Error::invalid(
+                    "load remote blocks",
+                    format!("{n} remote block ids of {per_id} kernel blocks each overflow"),
+                )
+            })
+        })
+        .collect()
 }
 
 /// Awaits posted READs, forgets the remotes whose READ failed, and records the outcome:

@@ -109,6 +109,15 @@ impl KvConnectorWorker {
                 ),
             ));
         }
+        if self.shared.protocol == Protocol::Native {
+            let groups = crate::geometry::groups::KvCacheGroups::from_kv_transfer_config(
+                &self.shared.config.kv_transfer_config,
+            )?;
+            crate::geometry::block_map::check_native_block_size(
+                groups.block_size(),
+                spec.block_size,
+            )?;
+        }
         let mut list = nixl::LocalDescList::with_capacity(
             registration.mem_type(),
             spec.num_regions() * spec.num_blocks,
@@ -263,6 +272,7 @@ impl KvConnectorWorker {
                 .vllm()?
                 .groups
                 .region_group_ids(ours.spec.num_regions())?,
+            blocks_per_logical: self.vllm()?.blocks_per_id(ours.spec.block_size)?,
         })?;
         // vLLM's `_mamba_ssm_size`: (0, 0) without SSM groups.
         if let Some(state) = self.vllm()?.groups.checked_ssm_state()? {

@@ -10,11 +10,10 @@ use std::net::SocketAddr;
 use std::ops::Range;
 use std::sync::Arc;
 
-use nixl::kv_config::KvTransferConfig;
 use nixl_connector::vllm::{MetadataServer, VllmChannelLimits};
 use nixl_connector::{
-    KvAttention, KvCacheSpec, KvConnectorWorker, KvLayout, KvRegion, KvRegionKind, Protocol,
-    RemoteBlocks, WorkerConfig,
+    KvAttention, KvCacheGroups, KvCacheSpec, KvConnectorWorker, KvLayout, KvRegion, KvRegionKind,
+    Protocol, RemoteBlocks, WorkerConfig, KV_CACHE_GROUPS_KEY,
 };
 
 use super::{cpu_config, vllm_config, vllm_factors, SERVER_DEADLINE};
@@ -48,13 +47,18 @@ pub struct Side {
 pub struct Request {
     /// The request id on both engines.
     pub id: String,
-    /// Prefill block ids, from the prompt's first token.
+    /// Prefill block ids, from the prompt's first token; [`NOT_LISTED`] for a block the
+    /// load does not name (a KV cache group that needs only the prompt's last blocks).
     pub remote: Vec<usize>,
     /// Decode block ids the load fills.
     pub local: Vec<usize>,
     /// Tokens in the prompt, if the load is told.
     pub num_tokens: Option<usize>,
 }
+
+/// A [`Request::remote`] entry for a prefill block the load does not name: its tokens are
+/// not read.
+pub const NOT_LISTED: usize = usize::MAX;
 
 fn parts(kind: KvRegionKind) -> usize {
     match kind {
@@ -243,6 +247,9 @@ impl Model {
                         continue;
                     }
                     let far = request.remote[position / prefill.block_size];
+                    if far == NOT_LISTED {
+                        continue;
+                    }
                     out[block * len + self.offset(region, decode, rank, at)] =
                         value(region, part, head, far, position % prefill.block_size, byte);
                 }
@@ -262,7 +269,9 @@ impl Model {
     ) -> usize {
         let moved = Self::moved_tokens(request, prefill, decode);
         let first = moved.div_ceil(decode.block_size) - request.local.len();
-        let tokens = moved - first * decode.block_size;
+        let tokens = (first * decode.block_size..moved)
+            .filter(|&p| request.remote[p / prefill.block_size] != NOT_LISTED)
+            .count();
         (0..self.regions.len())
             .map(|r| {
                 let (kind, token_bytes) = self.regions[r];
@@ -339,17 +348,17 @@ pub fn engine_speaking(
     if protocol == Protocol::Native {
         return engine(engine_id, model, side);
     }
-    vllm_engine(engine_id, model, side, &vllm_config(vllm_factors()))
+    engine_speaking_vllm(engine_id, model, side, None)
 }
 
-/// The ranks of an engine of TP `side.tp` in this process speaking vLLM's protocol with
-/// `kv` (e.g. its KV cache groups), each with `model`'s cache, every rank publishing to
-/// one side channel (the engine's ROUTER) shared in its config.
-pub fn vllm_engine(
+/// The ranks of an engine of TP `side.tp` in this process speaking vLLM's protocol (see
+/// [`engine_speaking`]), their config naming `groups` when given (a vLLM-mode rank
+/// publishes its `region_group_ids` and kernel blocks per block id from them).
+pub fn engine_speaking_vllm(
     engine_id: &str,
     model: &Model,
     side: &Side,
-    kv: &KvTransferConfig,
+    groups: Option<&KvCacheGroups>,
 ) -> Vec<KvConnectorWorker> {
     let spec = model.spec(side);
     let server = Arc::new(
@@ -362,7 +371,13 @@ pub fn vllm_engine(
     (0..side.tp)
         .map(|rank| {
             let mut config = rank_config(engine_id, rank, side.tp, 0);
-            config.kv_transfer_config = kv.clone();
+            config.kv_transfer_config = vllm_config(vllm_factors());
+            if let Some(groups) = groups {
+                config.kv_transfer_config.kv_connector_extra_config.insert(
+                    KV_CACHE_GROUPS_KEY.into(),
+                    serde_json::to_value(groups).unwrap(),
+                );
+            }
             config.vllm_side_channel = Some(server.clone());
             let worker = KvConnectorWorker::new(config).unwrap();
             worker.register_host_kv_caches(spec.clone()).unwrap();

@@ -9,12 +9,13 @@ use nixl_connector::{
     Protocol, SchedulerConfig,
 };
 
-use super::geometry::{Model, Request, Side};
-use super::matrix::{attention_label, await_freed, filled_engines, run_each, RankEnd};
+use super::geometry::{engine_speaking_vllm, Model, Request, Side, NOT_LISTED};
+use super::matrix::{attention_label, await_freed, fill, filled_engines, run_each, RankEnd};
 use super::{cpu_config, for_decode, vllm_config, vllm_factors};
 
-/// Blocks per region of the hybrid cases: room for two groups of two requests.
-pub const HYBRID_BLOCKS: usize = 40;
+/// Blocks per region of the hybrid cases: room for two groups of two requests of up to 15
+/// blocks.
+pub const HYBRID_BLOCKS: usize = 64;
 
 /// The sliding window's tokens: with blocks of `block_size` tokens the group needs the last
 /// `window / block_size` blocks that hold it whole, and one more for a window that begins
@@ -65,42 +66,100 @@ fn scheduler(
 }
 
 /// One request of the case: each group's prefill blocks for the whole prompt, and each
-/// group's decode blocks (the tail the decode lacks).
+/// group's decode blocks (the tail the decode lacks), for a prompt of `tokens`.
 struct HybridRequest {
     id: String,
+    tokens: usize,
     remote: [Vec<usize>; 2],
     local: [Vec<usize>; 2],
 }
 
-/// The two requests of a case: the whole prompt of 7 blocks, then the same prompt with the
-/// decode's first block in its prefix cache; each group's blocks apart from the other's
-/// (one block pool).
-fn requests(tag: &str) -> [HybridRequest; 2] {
+/// Kernel blocks per block id of each engine (vLLM's `physical_blocks_per_logical_kv_block`:
+/// an engine's scheduler counts blocks of that many of its registered ones).
+#[derive(Debug, Clone, Copy)]
+pub struct PerId {
+    /// The prefill's.
+    pub prefill: usize,
+    /// The decode's.
+    pub decode: usize,
+}
+
+/// One kernel block per block id on both engines.
+const WHOLE: PerId = PerId {
+    prefill: 1,
+    decode: 1,
+};
+
+/// The two requests of a case, a prompt of 7 prefill block ids ending one token short of
+/// the last's end: the whole prompt, then the same prompt with the decode's first block id
+/// in its prefix cache; each group's blocks apart from the other's (one block pool).
+fn requests(tag: &str, prefill: &Side, decode: &Side, per_id: PerId) -> [HybridRequest; 2] {
     let ids = |first: usize, n: usize| (first..first + n).collect::<Vec<usize>>();
+    let tokens = 7 * prefill.block_size * per_id.prefill - 1;
+    let local = tokens.div_ceil(decode.block_size * per_id.decode);
     let remote = [ids(1, 7), ids(11, 7)];
     [
         HybridRequest {
             id: format!("{tag}-whole"),
+            tokens,
             remote: remote.clone(),
-            local: [ids(2, 7), ids(12, 7)],
+            local: [ids(1, local), ids(1 + local, local)],
         },
         HybridRequest {
             id: format!("{tag}-hit"),
+            tokens,
             remote,
-            local: [ids(22, 6), ids(31, 6)],
+            local: [ids(1 + 2 * local, local - 1), ids(3 * local, local - 1)],
         },
     ]
 }
 
-/// What the model reads for `request`: per group, the blocks each side needs, the decode's
-/// paired with the last of the prefill's.
-fn model_loads(request: &HybridRequest, block_size: usize) -> Vec<Request> {
+/// The kernel blocks of block `ids`, `per_id` each.
+fn kernel_blocks(ids: &[usize], per_id: usize) -> Vec<usize> {
+    ids.iter()
+        .flat_map(|&id| (0..per_id).map(move |k| id * per_id + k))
+        .collect()
+}
+
+/// What the model reads for `request`: per group, the blocks each side needs (each clipped
+/// in its own block ids), as kernel blocks, the prefill's others not named, at their tokens
+/// of the prompt; a decode kernel block past the prompt's last token holds nothing of it.
+fn model_loads(
+    request: &HybridRequest,
+    prefill: &Side,
+    decode: &Side,
+    per_id: PerId,
+) -> Vec<Request> {
+    let unit = prefill.block_size.min(decode.block_size);
+    let moved = request.tokens.div_ceil(unit) * unit;
+    let decode_blocks = moved.div_ceil(decode.block_size);
+    let dead = decode_blocks.div_ceil(per_id.decode) * per_id.decode - decode_blocks;
     (0..2)
-        .map(|group| Request {
-            id: request.id.clone(),
-            remote: needed(group, &request.remote[group], block_size),
-            local: needed(group, &request.local[group], block_size),
-            num_tokens: None,
+        .map(|group| {
+            let all = &request.remote[group];
+            let listed = needed(group, all, prefill.block_size * per_id.prefill);
+            let remote = all
+                .iter()
+                .flat_map(|b| {
+                    let kept = listed.contains(b);
+                    kernel_blocks(&[*b], per_id.prefill)
+                        .into_iter()
+                        .map(move |k| if kept { k } else { NOT_LISTED })
+                })
+                .collect();
+            let needed_local = needed(
+                group,
+                &request.local[group],
+                decode.block_size * per_id.decode,
+            );
+            let mut local = kernel_blocks(&needed_local, per_id.decode);
+            local.truncate(local.len() - dead);
+            Request {
+                id: request.id.clone(),
+                remote,
+                local,
+                num_tokens: Some(request.tokens),
+            }
         })
         .collect()
 }
@@ -109,28 +168,50 @@ fn model_loads(request: &HybridRequest, block_size: usize) -> Vec<Request> {
 /// decode's by every decode rank, every byte checked, every prefill rank freeing both.
 async fn hybrid_case(
     model: &Model,
-    prefill: Side,
-    decode: Side,
+    (prefill, decode): (Side, Side),
     protocol: Protocol,
+    per_id: PerId,
 ) -> Result<(), String> {
     let tag = format!(
-        "hybrid-{protocol}-{}-p{}-d{}",
+        "hybrid-{protocol}-{}-p{}-d{}-b{}x{}-{}x{}",
         attention_label(model),
         prefill.tp,
         decode.tp,
+        prefill.block_size,
+        per_id.prefill,
+        decode.block_size,
+        per_id.decode,
     );
-    let (engine_id, prefills, decodes) = filled_engines(&tag, model, &prefill, &decode, protocol);
+    let (prefill_size, decode_size) = (
+        prefill.block_size * per_id.prefill,
+        decode.block_size * per_id.decode,
+    );
+    let (engine_id, prefills, decodes) = if protocol == Protocol::Vllm {
+        // Each rank publishes its kernel blocks per block id from its groups' block size.
+        let engine_id = format!("pf-{tag}");
+        let prefills =
+            engine_speaking_vllm(&engine_id, model, &prefill, Some(&groups(prefill_size)));
+        let decodes = engine_speaking_vllm(
+            &format!("dc-{tag}"),
+            model,
+            &decode,
+            Some(&groups(decode_size)),
+        );
+        fill(model, (&prefill, &prefills), (&decode, &decodes));
+        (engine_id, prefills, decodes)
+    } else {
+        filled_engines(&tag, model, &prefill, &decode, protocol)
+    };
     let port = prefills[0].side_channel_addr().unwrap().port();
-    let block_size = prefill.block_size;
-    let mut prefill_scheduler = scheduler(&engine_id, port, prefill.tp, block_size, protocol);
-    let mut decode_scheduler = scheduler("dc", 0, decode.tp, decode.block_size, protocol);
-    let requests = requests(&tag);
+    let mut prefill_scheduler = scheduler(&engine_id, port, prefill.tp, prefill_size, protocol);
+    let mut decode_scheduler = scheduler("dc", 0, decode.tp, decode_size, protocol);
+    let requests = requests(&tag, &prefill, &decode, per_id);
     for request in &requests {
         let done = prefill_scheduler
             .request_finished_all_groups(
                 &request.id,
                 &request.remote,
-                7 * block_size - 1,
+                request.tokens,
                 Some(&for_decode()),
                 FinishStatus::LengthCapped,
             )
@@ -155,11 +236,11 @@ async fn hybrid_case(
     }
     let model_requests: Vec<Request> = requests
         .iter()
-        .flat_map(|r| model_loads(r, block_size))
+        .flat_map(|r| model_loads(r, &prefill, &decode, per_id))
         .collect();
     for (rank, worker) in decodes.iter().enumerate() {
         let end = RankEnd::of(worker, rank, requests.len()).await;
-        if prefill.block_size != decode.block_size {
+        if refused(&prefill, &decode) {
             // Refused by name before any READ: every block failed, nothing moved.
             let RankEnd {
                 recving,
@@ -172,9 +253,7 @@ async fn hybrid_case(
                     .iter()
                     .all(|r| errors.iter().any(|e| e.request_id == r.id))
                 && errors.iter().all(|e| {
-                    e.reason.contains(
-                        "a hybrid model's blocks must hold as many tokens on both engines",
-                    )
+                    e.reason.contains("vLLM 0.33 reads a hybrid model's blocks only when the decode's block size is a multiple of the prefill's")
                 });
             let refused = refused && metrics.iter().all(|m| m.bytes == 0);
             if !refused {
@@ -194,7 +273,7 @@ async fn hybrid_case(
             &model_requests,
         )?;
     }
-    if prefill.block_size != decode.block_size {
+    if refused(&prefill, &decode) {
         // Nothing read, nothing notified: the prefill's lease frees the blocks.
         return Ok(());
     }
@@ -202,18 +281,39 @@ async fn hybrid_case(
     await_freed(&prefills, &ids, &tag).await
 }
 
+/// Whether a load of the hybrid model from `prefill` into `decode` is refused: vLLM 0.33
+/// reads several KV cache groups only into blocks of a multiple of the prefill's
+/// (`TransferTopology.block_size_ratio`).
+fn refused(prefill: &Side, decode: &Side) -> bool {
+    prefill.block_size > decode.block_size
+}
+
 /// Runs every case of `cases` (prefill and decode sides) for `model` as a hybrid model of
-/// two groups, both engines speaking `protocol`: sides whose blocks hold as many tokens
-/// move every byte the model says; others are refused by name and move nothing. Fails
-/// naming each case that failed.
+/// two groups, both engines speaking `protocol`: sides whose decode blocks hold a multiple
+/// of the prefill's tokens move every byte the model says; others are refused by name and
+/// move nothing. Fails naming each case that failed.
 pub async fn run_hybrid_cases(model: &Model, cases: &[(Side, Side)], protocol: Protocol) {
+    run_hybrid_cases_per_id(model, cases, protocol, WHOLE).await
+}
+
+/// [`run_hybrid_cases`] with engines whose block ids are `per_id` of their registered
+/// (kernel) blocks each (vLLM's protocol only: the native handshake does not say it).
+pub async fn run_hybrid_cases_per_id(
+    model: &Model,
+    cases: &[(Side, Side)],
+    protocol: Protocol,
+    per_id: PerId,
+) {
     run_each(cases, ", two KV cache groups", |prefill, decode| {
-        let outcome = if prefill.block_size == decode.block_size {
-            "every byte as the model says"
-        } else {
+        let outcome = if refused(&prefill, &decode) {
             "refused by name, nothing read"
+        } else {
+            "every byte as the model says"
         };
-        (outcome, hybrid_case(model, prefill, decode, protocol))
+        (
+            outcome,
+            hybrid_case(model, (prefill, decode), protocol, per_id),
+        )
     })
     .await
 }

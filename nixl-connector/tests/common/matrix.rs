@@ -238,11 +238,21 @@ pub fn filled_engines(
     let engine_id = format!("pf-{tag}");
     let prefills = engine_speaking(&engine_id, model, prefill, protocol);
     let decodes = engine_speaking(&format!("dc-{tag}"), model, decode, protocol);
+    fill(model, (prefill, &prefills), (decode, &decodes));
+    (engine_id, prefills, decodes)
+}
+
+/// Fills each prefill rank's cache as `model` says, and each decode rank's with the
+/// sentinel.
+pub fn fill(
+    model: &Model,
+    (prefill, prefills): (&Side, &[KvConnectorWorker]),
+    (decode, decodes): (&Side, &[KvConnectorWorker]),
+) {
     for (rank, worker) in prefills.iter().enumerate() {
         model.fill_prefill(worker, prefill, rank);
     }
-    for worker in &decodes {
+    for worker in decodes {
         model.fill_sentinel(worker, decode);
     }
-    (engine_id, prefills, decodes)
 }

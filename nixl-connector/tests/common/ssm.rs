@@ -12,8 +12,8 @@ use nixl_connector::{
     KvTransferParams, SchedulerConfig, KV_CACHE_GROUPS_KEY,
 };
 
-use super::geometry::{vllm_engine, Model, Request, Side};
-use super::matrix::{attention_label, await_freed, run_each, RankEnd};
+use super::geometry::{engine_speaking_vllm, Model, Request, Side};
+use super::matrix::{attention_label, await_freed, fill, run_each, RankEnd};
 use super::{for_decode, vllm_config, vllm_factors};
 
 /// Blocks per region: room for both groups of two requests.
@@ -74,12 +74,17 @@ fn config(tp: usize, block_size: usize) -> nixl::kv_config::KvTransferConfig {
     kv
 }
 
+/// The model's groups at TP `tp` over blocks of `block_size` tokens, as [`config`] names
+/// them.
+fn groups(tp: usize, block_size: usize) -> KvCacheGroups {
+    KvCacheGroups::from_kv_transfer_config(&config(tp, block_size)).unwrap()
+}
+
 /// A scheduler of an engine of TP `tp` reached at `port`, with the model's groups.
 fn scheduler(engine: &str, port: u16, tp: usize, block_size: usize) -> KvConnectorScheduler {
     let kv = config(tp, block_size);
     let config = SchedulerConfig::new(engine, "127.0.0.1", port, tp, &kv).unwrap();
-    KvConnectorScheduler::new(config)
-        .with_kv_cache_groups(KvCacheGroups::from_kv_transfer_config(&kv).unwrap())
+    KvConnectorScheduler::new(config).with_kv_cache_groups(groups(tp, block_size))
 }
 
 /// One request: each group's prefill blocks and decode blocks.
@@ -208,19 +213,19 @@ async fn ssm_case(model: &Model, prefill: Side, decode: Side) -> Result<(), Stri
     );
     let engine_id = format!("pf-{tag}");
     let block_size = prefill.block_size;
-    let prefills = vllm_engine(&engine_id, model, &prefill, &config(prefill.tp, block_size));
-    let decodes = vllm_engine(
+    let prefills = engine_speaking_vllm(
+        &engine_id,
+        model,
+        &prefill,
+        Some(&groups(prefill.tp, block_size)),
+    );
+    let decodes = engine_speaking_vllm(
         &format!("dc-{tag}"),
         model,
         &decode,
-        &config(decode.tp, decode.block_size),
+        Some(&groups(decode.tp, decode.block_size)),
     );
-    for (rank, worker) in prefills.iter().enumerate() {
-        model.fill_prefill(worker, &prefill, rank);
-    }
-    for worker in &decodes {
-        model.fill_sentinel(worker, &decode);
-    }
+    fill(model, (&prefill, &prefills), (&decode, &decodes));
     let port = prefills[0].side_channel_addr().unwrap().port();
     let mut prefill_scheduler = scheduler(&engine_id, port, prefill.tp, block_size);
     let mut decode_scheduler = scheduler("dc", 0, decode.tp, decode.block_size);
