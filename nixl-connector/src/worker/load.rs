@@ -447,6 +447,7 @@ fn post_one(
             sizes,
             load.remote.num_tokens,
             (local_per_id, remote.blocks_per_id),
+            |g| is_ssm_group(shared, g),
         )?
     };
     let own = own_region_groups(shared);
