@@ -210,6 +210,42 @@ impl KvCacheGroups {
         Ok(self.ssm_state.as_ref())
     }
 
+    /// Refuses SSM groups unless both engines' blocks hold as many tokens, each block id one
+    /// registered (kernel) block: `local` is this engine's (tokens per registered block,
+    /// registered blocks per block id), `remote` the prefill's when known.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming both geometries and vLLM's rule.
+    pub(crate) fn refuse_ssm_with_kernel_blocks(
+        &self,
+        local: (usize, usize),
+        remote: Option<(usize, usize)>,
+    ) -> Result<()> {
+        const RULE: &str = "vLLM 0.33 moves a Mamba state block whole, never split into another engine's block size nor expanded into kernel blocks (its _logical_to_kernel_block_ids leaves SSM groups alone), and refuses Mamba models whose engines differ in physical_blocks_per_logical_kv_block under prefix caching";
+        if !self.has_ssm_groups() {
+            return Ok(());
+        }
+        let (tokens, per_id) = local;
+        let what = match remote {
+            Some((far_tokens, far_per_id))
+                if (far_tokens, far_per_id) != (tokens, 1) || per_id != 1 =>
+            {
+                format!(
+                    "blocks of {tokens} tokens here ({per_id} kernel blocks per block id) and of {far_tokens} on the prefill ({far_per_id} per block id)"
+                )
+            }
+            None if per_id != 1 => format!(
+                "block ids of {per_id} registered blocks of {tokens} tokens each (kv_cache_groups.block_size {})",
+                self.block_size()
+            ),
+            _ => return Ok(()),
+        };
+        Err(Error::invalid(
+            OP,
+            format!("SSM (Mamba) KV cache groups with {what} are not supported: {RULE}; give both engines blocks of the same size, kv_cache_groups.block_size the registered blocks'"),
+        ))
+    }
+
     /// Refuses SSM groups when `region_groups` (regions of their own) are given.
     pub(super) fn refuse_ssm_with_region_groups(&self, region_groups: bool) -> Result<()> {
         if region_groups && self.has_ssm_groups() {
@@ -470,6 +506,57 @@ mod tests {
             let err = SsmState::new(conv, temporal).unwrap_err().to_string();
             assert!(err.contains(want), "{err}");
         }
+    }
+
+    #[test]
+    fn ssm_groups_are_read_only_between_blocks_of_as_many_tokens_one_per_id() {
+        let kinds = vec![
+            KvCacheGroupKind::FullAttention,
+            KvCacheGroupKind::Ssm {
+                speculative_blocks: 0,
+            },
+        ];
+        let ssm = KvCacheGroups::new(32, kinds).unwrap();
+        assert!(ssm.refuse_ssm_with_kernel_blocks((32, 1), None).is_ok());
+        assert!(ssm
+            .refuse_ssm_with_kernel_blocks((32, 1), Some((32, 1)))
+            .is_ok());
+        for (local, remote, want) in [
+            (
+                (16, 2),
+                None,
+                "block ids of 2 registered blocks of 16 tokens each",
+            ),
+            (
+                (32, 1),
+                Some((16, 1)),
+                "of 16 on the prefill (1 per block id)",
+            ),
+            (
+                (32, 1),
+                Some((16, 2)),
+                "of 16 on the prefill (2 per block id)",
+            ),
+            (
+                (16, 2),
+                Some((16, 1)),
+                "16 tokens here (2 kernel blocks per block id)",
+            ),
+        ] {
+            let err = ssm
+                .refuse_ssm_with_kernel_blocks(local, remote)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains(want) && err.contains("_logical_to_kernel_block_ids"),
+                "{err}"
+            );
+        }
+        // Attention groups alone are read between such blocks.
+        let attention = KvCacheGroups::new(32, vec![KvCacheGroupKind::FullAttention]).unwrap();
+        assert!(attention
+            .refuse_ssm_with_kernel_blocks((16, 2), Some((8, 4)))
+            .is_ok());
     }
 
     #[test]

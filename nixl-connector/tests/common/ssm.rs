@@ -44,18 +44,23 @@ fn state_byte(part: usize, j: usize, tp: usize) -> (usize, usize) {
     (j / per_rank, before + j % per_rank)
 }
 
-/// Whether a decode of `decode` reads the state from a prefill of `prefill` of `model`:
-/// when the prefill's TP divides the decode's, or, from a larger prefill TP, when every
-/// prefill rank of a decode rank's group is read from (MHA whose heads are not replicated;
-/// MLA reads its latent from one rank only).
-fn reads_state(model: &Model, prefill: &Side, decode: &Side) -> bool {
-    match model.attention {
+/// Why a decode of `decode` does not read the state from a prefill of `prefill` of `model`,
+/// as its refusal says; `None` when it reads it: blocks of as many tokens on both engines,
+/// and the prefill's TP dividing the decode's, or, from a larger prefill TP, every prefill
+/// rank of a decode rank's group read from (MHA whose heads are not replicated; MLA reads
+/// its latent from one rank only).
+fn refusal(model: &Model, prefill: &Side, decode: &Side) -> Option<&'static str> {
+    if prefill.block_size != decode.block_size {
+        return Some("SSM (Mamba) KV cache groups with blocks of");
+    }
+    let reads = match model.attention {
         _ if decode.tp % prefill.tp == 0 => true,
         KvAttention::Mha { total_kv_heads } => {
             prefill.tp % decode.tp == 0 && prefill.tp <= total_kv_heads
         }
         KvAttention::Mla => false,
-    }
+    };
+    (!reads).then_some("SSM (Mamba) state")
 }
 
 /// The vLLM-mode config of an engine of TP `tp` over blocks of `block_size` tokens: its
@@ -202,7 +207,7 @@ fn check_rank(
 
 /// One case: both requests handed over by the prefill's scheduler and loaded through the
 /// decode's by every decode rank, every byte checked, every prefill rank freeing both; with
-/// a prefill TP whose state is not read (see [`reads_state`]), refused by name before any
+/// a case whose state is not read (see [`refusal`]), refused by name before any
 /// READ.
 async fn ssm_case(model: &Model, prefill: Side, decode: Side) -> Result<(), String> {
     let tag = format!(
@@ -264,12 +269,10 @@ async fn ssm_case(model: &Model, prefill: Side, decode: Side) -> Result<(), Stri
             errors,
             ..
         } = RankEnd::of(worker, rank, requests.len()).await;
-        if !reads_state(model, &prefill, &decode) {
+        if let Some(reason) = refusal(model, &prefill, &decode) {
             let refused = recving.len() == requests.len()
                 && errors.len() >= requests.len()
-                && errors
-                    .iter()
-                    .all(|e| e.reason.contains("SSM (Mamba) state"))
+                && errors.iter().all(|e| e.reason.contains(reason))
                 && metrics.iter().all(|m| m.bytes == 0);
             if !refused {
                 return Err(format!("{tag}: decode rank {rank} was not refused: ended {recving:?}; errors {errors:?}; {metrics:?}"));
@@ -288,7 +291,7 @@ async fn ssm_case(model: &Model, prefill: Side, decode: Side) -> Result<(), Stri
         check_rank(model, worker, (&prefill, &decode), rank, &requests, read)
             .map_err(|err| format!("{tag}: {err}"))?;
     }
-    if !reads_state(model, &prefill, &decode) {
+    if refusal(model, &prefill, &decode).is_some() {
         // Nothing read, nothing notified: the prefill's lease frees the blocks.
         return Ok(());
     }
@@ -298,17 +301,16 @@ async fn ssm_case(model: &Model, prefill: Side, decode: Side) -> Result<(), Stri
 
 /// Runs every case of `cases` (prefill and decode sides) for `model` as a hybrid model of a
 /// full-attention and an SSM group, both engines speaking vLLM's protocol: cases whose state
-/// is read ([`reads_state`]) move every byte the models say; others are refused by name and
+/// is read (no [`refusal`]) move every byte the models say; others are refused by name and
 /// move nothing.
 pub async fn run_ssm_cases(model: &Model, cases: &[(Side, Side)]) {
     run_each(
         cases,
         ", full attention and SSM groups",
         |prefill, decode| {
-            let outcome = if reads_state(model, &prefill, &decode) {
-                "every byte as the model says"
-            } else {
-                "refused by name, nothing read"
+            let outcome = match refusal(model, &prefill, &decode) {
+                None => "every byte as the model says",
+                Some(_) => "refused by name, nothing read",
             };
             (outcome, ssm_case(model, prefill, decode))
         },
