@@ -216,6 +216,7 @@ impl KvCacheGroups {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] naming both geometries and vLLM's rule.
+    #[cfg(feature = "vllm")]
     pub(crate) fn refuse_ssm_with_kernel_blocks(
         &self,
         local: (usize, usize),
@@ -508,6 +509,7 @@ mod tests {
         }
     }
 
+    #[cfg(feature = "vllm")]
     #[test]
     fn ssm_groups_are_read_only_between_blocks_of_as_many_tokens_one_per_id() {
         let kinds = vec![
