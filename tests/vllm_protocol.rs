@@ -781,14 +781,9 @@ async fn a_python_decode_reads_every_byte_from_a_rust_prefill_whose_notification
     assert_eq!(prefill.send_stats().freed_on_notification, 1);
 }
 
-/// vLLM 0.33's hybrid models: a Python prefill of two KV cache groups sharing every region
-/// (`region_group_ids` -1) hands one list of block ids per group, its sliding-window group
-/// clipped to the blocks of the window; a Rust decode of the same groups clips its own
-/// lists, pairs each group with the tail of the prefill's, and reads every byte of both,
-/// leaving its blocks out of the window untouched.
 /// Loads a Python prefill's request of several KV cache groups into `local` (one list per
 /// group, before the decode's clipping) through the decode's scheduler and worker, from
-/// vLLM's JSON `params`; the outcome, no load error allowed.
+/// vLLM's JSON `params`: the outcome (a refused load's says why).
 async fn load_groups_from_python(
     (decode, scheduler): (&KvConnectorWorker, &mut KvConnectorScheduler),
     request: &str,
@@ -803,9 +798,9 @@ async fn load_groups_from_python(
     decode.start_load_kv(&scheduler.build_connector_meta());
     let start = Instant::now();
     loop {
-        let output = decode.output();
-        assert!(output.load_errors.is_empty(), "{:?}", output.load_errors);
-        let mut step = scheduler.update_connector_output(&[output]).unwrap();
+        let mut step = scheduler
+            .update_connector_output(&[decode.output()])
+            .unwrap();
         if let Some(outcome) = step.load_outcomes.pop() {
             return outcome;
         }
@@ -814,6 +809,11 @@ async fn load_groups_from_python(
     }
 }
 
+/// vLLM 0.33's hybrid models: a Python prefill of two KV cache groups sharing every region
+/// (`region_group_ids` -1) hands one list of block ids per group, its sliding-window group
+/// clipped to the blocks of the window; a Rust decode of the same groups clips its own
+/// lists, pairs each group with the tail of the prefill's, and reads every byte of both,
+/// leaving its blocks out of the window untouched.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rust_decode_of_two_kv_cache_groups_reads_each_groups_blocks_from_a_python_prefill() {
     let mut peer = VllmPeer::start();
@@ -1146,6 +1146,249 @@ async fn a_python_decode_reads_both_kv_cache_groups_of_a_rust_prefill() {
         .await
         .expect("the Python decode's notification");
     assert_eq!(prefill.finished().sending, ["rs-hybrid-1"]);
+}
+
+/// The conv sub-projections (Mamba2's x, B, C) and temporal state of the SSM engines'
+/// Mamba page, in bytes, as the Python peer takes them: 104 bytes of a 1 KiB page, the rest
+/// padding.
+const SSM_CONV: [usize; 3] = [24, 8, 8];
+const SSM_TEMPORAL: usize = 64;
+const SSM_ARG: &str = "24,8,8/64";
+
+/// [`vllm_kv`] for a hybrid model of a full-attention KV cache group and a Mamba group of
+/// one speculative block, sharing every region (vLLM's Nemotron-H-style registration), at
+/// TP `tp`: a rank holds a `tp`-th of each part of the state.
+fn ssm_kv(factors: &CompatibilityFactors, tp: usize) -> KvTransferConfig {
+    let mut kv = vllm_kv(factors);
+    let conv: Vec<usize> = SSM_CONV.iter().map(|c| c / tp).collect();
+    kv.kv_connector_extra_config.insert(
+        KV_CACHE_GROUPS_KEY.into(),
+        json!({"block_size": 16, "groups": ["full_attention", {"ssm": {"speculative_blocks": 1}}],
+            "ssm_state": {"conv_bytes": conv, "temporal_bytes": SSM_TEMPORAL / tp}}),
+    );
+    kv
+}
+
+/// vLLM 0.33's hybrid Mamba models: a Python prefill of a full-attention group and a Mamba
+/// group sharing every region publishes its `ssm_sizes` and hands the Mamba group's
+/// state-bearing block only (vLLM's `clip_ssm_state_blocks`); a Rust decode of the same
+/// groups clips its own list, reads the attention blocks whole in every region and, of the
+/// state block, only the conv sub-projections and the temporal state, leaving the page's
+/// padding and every other block untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rust_decode_of_attention_and_ssm_groups_reads_the_state_block_from_a_python_prefill() {
+    let mut peer = VllmPeer::start();
+    let hash = factors().hash();
+    peer.json(&format!(
+        "kv_prefill {hash} 0 0 py-ssm {REGIONS} {BLOCKS} {BLOCK_LEN} 16 -1,-1 1 {SSM_ARG}"
+    ));
+    let (decode, mut scheduler) = vllm_engine_with("rs-decode-ssm", ssm_kv(&factors(), 1));
+    let cache = decode.kv_caches().unwrap();
+    let untouched = vec![0xEEu8; BLOCKS * BLOCK_LEN];
+    for region in 0..REGIONS {
+        cache.write(region, 0, &untouched).unwrap();
+    }
+    // The Mamba group's list: a null block, the state, a speculative scratch block.
+    let json = peer.call(&format!("kv_finish {} 1,3,9;0,6,7 ssm:1", hex(b"py-ssm-1")));
+    let vllm: Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(vllm["remote_block_ids"], json!([[1, 3, 9], [6]]));
+    let local = [vec![0, 8, 10], vec![11, 12, 13]];
+    let outcome =
+        load_groups_from_python((&decode, &mut scheduler), "py-ssm-1", &json, &local).await;
+    assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
+    let state: usize = SSM_CONV.iter().sum::<usize>() + SSM_TEMPORAL;
+    for region in 0..REGIONS {
+        for block in 0..BLOCKS {
+            let mut got = vec![0u8; BLOCK_LEN];
+            cache.read(region, block * BLOCK_LEN, &mut got).unwrap();
+            let python = |r: usize, o: usize| python_byte(region, r * BLOCK_LEN + o);
+            let want: Vec<u8> = match block {
+                0 | 8 | 10 => {
+                    let r = [1, 3, 9][[0, 8, 10].iter().position(|&b| b == block).unwrap()];
+                    (0..BLOCK_LEN).map(|o| python(r, o)).collect()
+                }
+                // The state block (the one before the scratch block 13): its state only.
+                12 => (0..BLOCK_LEN)
+                    .map(|o| if o < state { python(6, o) } else { 0xEE })
+                    .collect(),
+                _ => vec![0xEE; BLOCK_LEN],
+            };
+            assert!(got == want, "region {region} block {block}");
+        }
+    }
+    let notes = peer.json("kv_notifs 1 10");
+    assert_eq!(notes[0]["vllm"], json!({"id": "py-ssm-1", "consumers": 1}));
+    let metrics = decode.metrics();
+    let attention = 3 * REGIONS * BLOCK_LEN;
+    assert_eq!(
+        metrics.iter().map(|m| m.bytes).sum::<u64>(),
+        (attention + REGIONS * state) as u64,
+        "{metrics:?}"
+    );
+}
+
+/// vLLM moves a Mamba state block whole, never expanded into kernel blocks: a Rust decode
+/// of a full-attention group and a Mamba group refuses, in the handshake, a Python prefill
+/// whose block ids are two kernel blocks each (`physical_blocks_per_logical_kv_block` 2),
+/// naming vLLM's rule, and reads nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rust_decode_of_ssm_groups_refuses_a_python_prefill_of_two_kernel_blocks_per_id() {
+    let mut peer = VllmPeer::start();
+    let hash = factors().hash();
+    peer.json(&format!(
+        "kv_prefill {hash} 0 0 py-ssm-ppl {REGIONS} {BLOCKS} {BLOCK_LEN} 16 -1,-1 2 {SSM_ARG}"
+    ));
+    let (decode, mut scheduler) = vllm_engine_with("rs-decode-ssm-ppl", ssm_kv(&factors(), 1));
+    let cache = decode.kv_caches().unwrap();
+    let untouched = vec![0xEEu8; BLOCKS * BLOCK_LEN];
+    for region in 0..REGIONS {
+        cache.write(region, 0, &untouched).unwrap();
+    }
+    let json = peer.call(&format!("kv_finish {} 1,3;0,6,7 ssm:1", hex(b"py-ssm-ppl")));
+    let local = [vec![0, 8], vec![11, 12, 13]];
+    let outcome =
+        load_groups_from_python((&decode, &mut scheduler), "py-ssm-ppl", &json, &local).await;
+    let LoadOutcome::Failed { reason, .. } = outcome else {
+        panic!("{outcome:?}")
+    };
+    assert!(
+        reason.contains("SSM (Mamba) KV cache groups with blocks of 16 tokens here (1 kernel blocks per block id) and of 16 on the prefill (2 per block id)")
+            && reason.contains("_logical_to_kernel_block_ids"),
+        "{reason}"
+    );
+    for region in 0..REGIONS {
+        let mut got = vec![0u8; BLOCKS * BLOCK_LEN];
+        cache.read(region, 0, &mut got).unwrap();
+        assert!(got == untouched, "region {region}: a byte was written");
+    }
+    assert_eq!(decode.metrics().iter().map(|m| m.bytes).sum::<u64>(), 0);
+}
+
+/// A Rust decode of TP 2 from a Python prefill of TP 1 of a full-attention group and a
+/// Mamba group: each rank reads its half of every conv sub-projection and of the temporal
+/// state (vLLM's `_build_mamba_remote` with a TP ratio of 2) into its own page, whose
+/// padding stays untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rust_decode_of_tp2_reads_its_half_of_the_ssm_state_from_a_python_prefill() {
+    let mut peer = VllmPeer::start();
+    let hash = factors().hash();
+    peer.json(&format!(
+        "kv_prefill {hash} 0 0 py-ssm-tp {REGIONS} {BLOCKS} {BLOCK_LEN} 16 -1,-1 1 {SSM_ARG}"
+    ));
+    let spec = KvCacheSpec::lbhnc(REGIONS, BLOCKS, 16, 8, 2, HEAD_BYTES);
+    let kv = ssm_kv(&factors(), 2);
+    let len = spec.block_len(0);
+    let ranks: Vec<KvConnectorWorker> = (0..2)
+        .map(|rank| {
+            let mut config = WorkerConfig::new("rs-decode-ssm-tp2", rank, 2, kv.clone());
+            config.platform = Arc::new(BuiltinPlatform::CPU);
+            let worker = KvConnectorWorker::new(config).unwrap();
+            worker.register_host_kv_caches(spec.clone()).unwrap();
+            let cache = worker.kv_caches().unwrap();
+            for region in 0..REGIONS {
+                cache.write(region, 0, &vec![0xEE; BLOCKS * len]).unwrap();
+            }
+            worker
+        })
+        .collect();
+    let mut scheduler = KvConnectorScheduler::new(
+        SchedulerConfig::new("rs-decode-ssm-tp2", "127.0.0.1", 0, 2, &kv).unwrap(),
+    )
+    .with_kv_cache_groups(KvCacheGroups::from_kv_transfer_config(&kv).unwrap());
+    let json = peer.call(&format!("kv_finish {} 1,3;0,6,7 ssm:1", hex(b"py-ssm-tp2")));
+    let params = KvTransferParams::from_vllm_json(&json).unwrap();
+    scheduler.on_new_request("py-ssm-tp2", Some(&params));
+    scheduler
+        .update_state_after_alloc_groups("py-ssm-tp2", &[vec![7, 2], vec![9, 10, 11]], &params)
+        .unwrap();
+    let meta = scheduler.build_connector_meta();
+    for rank in &ranks {
+        rank.start_load_kv(&meta);
+    }
+    let start = Instant::now();
+    let outcomes = loop {
+        let outputs: Vec<WorkerOutput> = ranks.iter().map(KvConnectorWorker::output).collect();
+        for output in &outputs {
+            assert!(output.load_errors.is_empty(), "{:?}", output.load_errors);
+        }
+        let step = scheduler.update_connector_output(&outputs).unwrap();
+        if !step.load_outcomes.is_empty() {
+            break step.load_outcomes;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "no load ended");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    assert!(
+        matches!(&outcomes[..], [LoadOutcome::Loaded { .. }]),
+        "{outcomes:?}"
+    );
+    // Part k of the model's state holds its bytes j in order; the Python rank all of them
+    // from its page's start, rank r of TP 2 its half (j from r * size / 2) from its own.
+    let parts: Vec<usize> = SSM_CONV.iter().copied().chain([SSM_TEMPORAL]).collect();
+    for (r, rank) in ranks.iter().enumerate() {
+        let cache = rank.kv_caches().unwrap();
+        for region in 0..REGIONS {
+            let mut want = vec![0xEEu8; len];
+            for (k, &size) in parts.iter().enumerate() {
+                let before: usize = parts[..k].iter().sum();
+                for j in r * size / 2..(r + 1) * size / 2 {
+                    let local = before / 2 + j - r * size / 2;
+                    want[local] = python_byte(region, 6 * BLOCK_LEN + before + j);
+                }
+            }
+            let mut got = vec![0u8; len];
+            cache.read(region, 10 * len, &mut got).unwrap();
+            assert!(got == want, "rank {r} region {region}: the state block");
+        }
+    }
+}
+
+/// A Rust prefill of a full-attention group and a Mamba group publishes the `ssm_sizes` of
+/// its state and hands the Mamba group's state-bearing block only; a Python decode reads
+/// the attention blocks and, of the state block, each conv sub-projection and the temporal
+/// state as vLLM's decode lays out its descriptors, and its notification frees the request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_python_decode_reads_the_ssm_state_of_a_rust_prefill() {
+    let mut peer = VllmPeer::start();
+    let (prefill, mut scheduler) = vllm_engine_with("rs-prefill-ssm", ssm_kv(&factors(), 1));
+    fill_rust_prefill(&prefill, 0);
+    let for_decode = KvTransferParams {
+        do_remote_decode: true,
+        ..Default::default()
+    };
+    let finished = scheduler
+        .request_finished_all_groups(
+            "rs-ssm-1",
+            &[vec![5, 2, 11], vec![0, 7, 8]],
+            47,
+            Some(&for_decode),
+            FinishStatus::LengthCapped,
+        )
+        .unwrap();
+    assert!(finished.delay_free_blocks);
+    prefill.start_load_kv(&scheduler.build_connector_meta());
+    let params: Value =
+        serde_json::from_str(&finished.kv_transfer_params.unwrap().to_vllm_json()).unwrap();
+    assert_eq!(params["remote_block_ids"], json!([[5, 2, 11], [7]]));
+    let port = params["remote_port"].as_u64().unwrap();
+    let hash = factors().hash();
+    let got = peer.json(&format!(
+        "kv_decode {port} {hash} 1 rs-prefill-ssm 5,2,11 {} 1 {SSM_ARG}:7",
+        hex(b"rs-ssm-1")
+    ));
+    assert_eq!(got["meta"]["ssm_sizes"], json!([40, 64]), "{got}");
+    assert_eq!(got["meta"]["region_group_ids"], json!([-1, -1]), "{got}");
+    let data = unhex(got["data"].as_str().expect("the blocks read"));
+    let mut want = rust_blocks_of(0, &[5, 2, 11]);
+    let state: usize = SSM_CONV.iter().sum::<usize>() + SSM_TEMPORAL;
+    for region in 0..REGIONS {
+        want.extend((0..state).map(|o| rust_byte_of(0, region, 7 * BLOCK_LEN + o)));
+    }
+    assert!(data == want, "the Python decode read other bytes");
+    tokio::time::timeout(Duration::from_secs(10), prefill.notified())
+        .await
+        .expect("the Python decode's notification");
+    assert_eq!(prefill.finished().sending, ["rs-ssm-1"]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -172,7 +172,9 @@
 //! - step 4 calls [`KvConnectorScheduler::request_finished_all_groups`] with every group's
 //!   blocks.
 //!
-//! Both clip a sliding-window group's list to the blocks of its window, and the params carry
+//! Both clip a sliding-window group's list to the blocks of its window (and, in vLLM's
+//! protocol, an SSM (Mamba) group's to its state-bearing block; its engine's prefill then
+//! stops [`KvCacheGroups::prefill_backoff_tokens`] short of the prompt), and the params carry
 //! each group's blocks ([`KvTransferParams::remote_block_group_lens`]; in vLLM's JSON, one
 //! list per group):
 //! ```
@@ -281,6 +283,7 @@ pub use failure::{FailedBlock, FailureKind};
 pub use geometry::groups::{KvCacheGroupKind, KvCacheGroups, KV_CACHE_GROUPS_KEY, SHARED_REGION};
 pub use geometry::read_plan::{Piece, ReadPlan, RegionPlan};
 pub use geometry::spec::{KvAttention, KvCacheSpec, KvLayout, KvRegion, KvRegionKind};
+pub use geometry::ssm::SsmState;
 pub use geometry::tp_mapping::{RankShare, Share, TpMapping, MAX_TP_SIZE};
 pub use lease::{Lease, DEFAULT_KV_LEASE_DURATION, LEASE_KEY, MAX_HOLD_KEY, MAX_LEASE};
 pub use metrics::{open_fds, RemoteStats, SendStats, TransferMetrics};

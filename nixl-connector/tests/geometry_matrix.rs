@@ -15,7 +15,8 @@
 //! A hybrid model of two KV cache groups (full attention and a sliding window sharing every
 //! region) runs through the same model, each group's blocks as the model's own reading of
 //! the window says, with blocks of as many tokens on both engines or decode blocks of a
-//! multiple of the prefill's.
+//! multiple of the prefill's; so does one of full attention and an SSM (Mamba) group, its
+//! state blocks checked against the test's own reading of vLLM's state page.
 //!
 //! The ranks of both engines run in this process, on one runtime (the two-process cases
 //! are in hetero_tp.rs); the caches are small, so the whole matrix runs in seconds.
@@ -28,6 +29,7 @@ use common::geometry::{engine, Model, Request, Side};
 use common::hybrid::{run_hybrid_cases, HYBRID_BLOCKS};
 use common::matrix::{run_cases_speaking, BLOCKS, WAIT};
 use common::poll_until;
+use common::ssm::{run_ssm_cases, SSM_BLOCKS};
 
 /// MHA, 4 KV heads, HND: K with 16-byte head tokens, V with 8-byte ones (separate regions
 /// of different lengths), and a layer with K and V halves in each block.
@@ -139,6 +141,48 @@ async fn two_kv_cache_groups_move_every_byte_where_the_model_says() {
     run_hybrid_cases(&mha(4), &cases, Protocol::Native).await;
     let mla_cases = [cases[0], cases[1], cases[4], cases[7]];
     run_hybrid_cases(&mla(), &mla_cases, Protocol::Native).await;
+}
+
+/// A hybrid model of a full-attention group and an SSM (Mamba) group sharing every region,
+/// in vLLM's protocol (vLLM 0.33's Mamba2-style models: three conv sub-projections and a
+/// temporal state, padded to the attention page): the SSM group reads only its
+/// state-bearing block, in every region only the state's bytes, each part where vLLM's
+/// `_build_mamba_local` puts it, a decode of a larger TP its slice of each part, one of a
+/// smaller TP each prefill rank's whole parts as its slices; over TP 1, 2 and 4, MHA with
+/// regions of two lengths, and MLA. MLA from a larger prefill TP is refused by name (its
+/// latent is read from one prefill rank, the state is on all of them), and so are blocks of
+/// different sizes on the two engines (vLLM moves a state block whole).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attention_and_ssm_model_moves_every_byte_where_the_model_says() {
+    common::init_tracing();
+    let side = |tp, block_size| Side {
+        tp,
+        block_size,
+        num_blocks: SSM_BLOCKS,
+    };
+    let model = Model {
+        attention: KvAttention::Mha { total_kv_heads: 4 },
+        layout: KvLayout::Hnd,
+        regions: vec![(KvRegionKind::Tensor, 16), (KvRegionKind::Tensor, 8)],
+    };
+    let cases = [
+        (side(1, 4), side(1, 4)),
+        (side(2, 4), side(2, 4)),
+        (side(1, 4), side(2, 4)),
+        (side(2, 4), side(4, 4)),
+        (side(2, 4), side(1, 4)),
+        (side(4, 4), side(2, 4)),
+        (side(1, 4), side(1, 8)),
+        (side(2, 8), side(2, 4)),
+    ];
+    run_ssm_cases(&model, &cases).await;
+    // MLA's replicated latent beside the state split across the ranks.
+    let mla = Model {
+        attention: KvAttention::Mla,
+        layout: KvLayout::Hnd,
+        regions: vec![(KvRegionKind::Tensor, 24), (KvRegionKind::Tensor, 16)],
+    };
+    run_ssm_cases(&mla, &cases[..5]).await;
 }
 
 /// A geometry the decode cannot read: the load is refused naming `reason`, before any READ

@@ -55,3 +55,40 @@ async fn native_kv_cache_groups_of_larger_blocks_than_the_registered_ones_are_re
         "{err}"
     );
 }
+
+/// vLLM moves an SSM (Mamba) group's state block whole, never expanded into kernel blocks: a
+/// vLLM-mode worker with SSM groups whose `kv_cache_groups` count larger blocks than it
+/// registers (block ids of several kernel blocks) is refused by name when it registers.
+#[cfg(feature = "vllm")]
+#[tokio::test]
+async fn vllm_ssm_groups_of_larger_blocks_than_the_registered_ones_are_refused() {
+    let spec = common::spec(2);
+    let mut config = nixl_connector::WorkerConfig::new(
+        "vllm-ssm-groups",
+        0,
+        1,
+        common::vllm_config(common::vllm_factors()),
+    );
+    config.platform = std::sync::Arc::new(nixl::platform::BuiltinPlatform::CPU);
+    config.kv_transfer_config.kv_connector_extra_config.insert(
+        nixl_connector::KV_CACHE_GROUPS_KEY.into(),
+        serde_json::json!({
+            "block_size": 2 * spec.block_size,
+            "groups": ["full_attention", {"ssm": {"speculative_blocks": 0}}],
+            "ssm_state": {"conv_bytes": [8], "temporal_bytes": 8},
+        }),
+    );
+    let worker = nixl_connector::KvConnectorWorker::new(config).unwrap();
+    let err = worker
+        .register_host_kv_caches(spec.clone())
+        .unwrap_err()
+        .to_string();
+    let want = format!(
+        "SSM (Mamba) KV cache groups with block ids of 2 registered blocks of {} tokens each",
+        spec.block_size
+    );
+    assert!(
+        err.contains(&want) && err.contains("_logical_to_kernel_block_ids"),
+        "{err}"
+    );
+}

@@ -17,7 +17,7 @@ Arguments are hex where they could hold spaces.
   parse_notif HEX              vLLM's reading of a notification -> JSON
 
 A prefill and a decode with NIXL's Python agent (DRAM, UCX), as vLLM's run them:
-  kv_prefill HASH EXTRA LIE ENGINE REGIONS BLOCKS BLOCK_LEN BLOCK_SIZE [REGION_GROUPS [PPL]]
+  kv_prefill HASH EXTRA LIE ENGINE REGIONS BLOCKS BLOCK_LEN BLOCK_SIZE [REGION_GROUPS [PPL [SSM]]]
                                an agent registering REGIONS buffers of BLOCKS blocks of
                                BLOCK_LEN bytes (byte i of region r: kv_byte(r, i)) and a
                                ROUTER serving rank (0, 0)'s NixlAgentMetadata under HASH;
@@ -27,15 +27,19 @@ A prefill and a decode with NIXL's Python agent (DRAM, UCX), as vLLM's run them:
                                for one that several groups share; PPL (default 1) kernel
                                blocks per logical block (vLLM's
                                physical_blocks_per_logical_kv_block: BLOCKS and BLOCK_SIZE
-                               are the kernel's, block ids logical) -> JSON {port, agent}
+                               are the kernel's, block ids logical); SSM ("24,8,8/64") the
+                               conv sub-projections' and temporal state's bytes of a Mamba
+                               layer's page in every region, published as ssm_sizes
+                               -> JSON {port, agent}
   kv_finish HEXREQ BLOCKS [WINDOW [TOKENS]]
                                vLLM's request_finished params for the prefill's (logical)
                                blocks BLOCKS of request HEXREQ: one group ("3,4"), or one
                                list per group ("3,4;7,8,9"), the last a sliding window of
-                               WINDOW tokens (0: none) clipped to the blocks it needs; TOKENS
-                               the prompt's (default: every token of the first list's
-                               blocks); they carry the prefill's registration generation
-                               -> JSON
+                               WINDOW tokens (0: none) clipped to the blocks it needs, or,
+                               for WINDOW "ssm:N", a Mamba group of N speculative blocks
+                               clipped to its state-bearing block; TOKENS the prompt's
+                               (default: every token of the first list's blocks); they
+                               carry the prefill's registration generation -> JSON
   kv_reregister                the prefill registers its KV cache again, as vLLM's sleep mode
                                (unregister_kv_caches, restore_kv_caches, then the engine
                                core's _set_kv_connector_handshake_metadata): its memory
@@ -46,11 +50,16 @@ A prefill and a decode with NIXL's Python agent (DRAM, UCX), as vLLM's run them:
   kv_served                    how many get_meta_msg requests the prefill's ROUTER answered
   kv_notifs N SECONDS          the prefill agent's next N notifications, waiting at most
                                SECONDS -> JSON [{from, hex, vllm}] in arrival order
-  kv_decode PORT HASH ENFORCE ENGINE BLOCKS HEXREQ CONSUMERS
+  kv_decode PORT HASH ENFORCE ENGINE BLOCKS HEXREQ CONSUMERS [SSM]
                                a decode: get_meta_msg for rank (0, 0), the hash checked
                                before the metadata is decoded into vLLM's layout, the
                                remote agent added, BLOCKS READ from every region into a
-                               registered buffer with the notification "REQ:CONSUMERS"
+                               registered buffer with the notification "REQ:CONSUMERS";
+                               with SSM ("24,8,8/64:21"), then a Mamba state block (21)
+                               read as vLLM's decode reads it: in every region each conv
+                               sub-projection, then the temporal state after the conv
+                               state, each a descriptor of its own, after the attention
+                               ones; refused unless the metadata's ssm_sizes are these
                                -> JSON {data: HEX of the buffer, agent, meta} or the refusal
   kv_load HEXPARAMS HASH CONSUMERS
                                vLLM's pull decode (one agent for its life) reading the request
@@ -305,6 +314,23 @@ def kv_byte(region, size, salt=0):
     return ((i * 7 + (i >> 8) * 13 + region * 131 + salt * 89 + 3) % 256).astype(np.uint8)
 
 
+def parse_ssm(arg):
+    """"24,8,8/64" -> ([24, 8, 8], 64): a Mamba page's conv sub-projections and temporal
+    state, in bytes, per rank."""
+    conv, temporal = arg.split("/")
+    return [int(x) for x in conv.split(",")], int(temporal)
+
+
+def ssm_parts(conv, temporal):
+    """The (offset, bytes) of each part of a Mamba page as vLLM's DS conv layout has them:
+    the conv sub-projections one after the other, then the temporal state."""
+    parts, offset = [], 0
+    for size in conv:
+        parts.append((offset, size))
+        offset += size
+    return parts + [(sum(conv), temporal)]
+
+
 def publish(payload):
     """vLLM's set_xfer_handshake_metadata for rank (0, 0): a payload that differs from the
     one served starts a new registration generation."""
@@ -314,7 +340,7 @@ def publish(payload):
 
 
 def kv_prefill(hash_, extra, lie, engine, regions, blocks, block_len, block_size, region_groups,
-               ppl):
+               ppl, ssm):
     from nixl_cu12 import nixl_agent
 
     name = f"py-prefill-{os.getpid()}"
@@ -332,7 +358,7 @@ def kv_prefill(hash_, extra, lie, engine, regions, blocks, block_len, block_size
         block_strides=[block_len] * regions,
         kv_cache_layout="LBHNC",
         block_size=block_size,
-        ssm_sizes=(0, 0),
+        ssm_sizes=(sum(ssm[0]), ssm[1]) if ssm else (0, 0),
         attn_backend_name="FLASH_ATTN",
         physical_blocks_per_logical_kv_block=ppl,
         region_num_blocks=[blocks] * regions,
@@ -401,7 +427,13 @@ def kv_finish(req_id, groups, window, tokens):
     # vLLM 0.33's request_finished on a prefill (pull mode), one list per KV cache group; a
     # sliding window needs the blocks its tokens span, plus one for a window that starts
     # inside a block.
-    if window:
+    if isinstance(window, str) and window.startswith("ssm:"):
+        # A Mamba group keeps its running state's block: the last one before its
+        # speculative scratch blocks (of which at least that one is left).
+        scratch = min(int(window[4:]), max(len(groups[-1]) - 1, 0))
+        kept = groups[-1][: len(groups[-1]) - scratch]
+        groups[-1] = kept[-1:]
+    elif window:
         keep = -(-window // kv["block_size"]) + 1
         groups[-1] = groups[-1][-keep:]
     blocks = groups[0]
@@ -494,11 +526,22 @@ def kv_heartbeat(port, local_hash, enforce, engine, count, prefix):
     return {"bytes": len(hb_msg)}
 
 
-def read_blocks(agent, remote, meta, blocks, notif):
+def read_blocks(agent, remote, meta, blocks, notif, ssm=None):
     """READs BLOCKS of every region of REMOTE (its metadata META) into a buffer AGENT
-    registers, notifying NOTIF -> the buffer's bytes, or a dict saying why not."""
+    registers, notifying NOTIF, and with SSM ((conv, temporal), block) then a Mamba state
+    block as vLLM's decode reads it -> the buffer's bytes, or a dict saying why not."""
     lens = meta.block_lens
     size = sum(lens) * len(blocks)
+    ssm_descs = []
+    if ssm:
+        (conv, temporal), block = ssm
+        if tuple(meta.ssm_sizes) != (sum(conv), temporal):
+            return {"error": f"ssm_sizes {meta.ssm_sizes}, expected {(sum(conv), temporal)}"}
+        # vLLM's [descs_fa | descs_ssm]: region by region, part by part.
+        for region, base in enumerate(meta.kv_caches_base_addr):
+            for offset, length in ssm_parts(conv, temporal):
+                ssm_descs.append((base + block * meta.block_strides[region] + offset, length))
+        size += sum(length for _, length in ssm_descs)
     buf = np.zeros(size, dtype=np.uint8)
     agent.register_memory(agent.get_reg_descs([(buf.ctypes.data, size, 0, "")], "DRAM"))
     local_descs, remote_descs, at = [], [], buf.ctypes.data
@@ -507,6 +550,10 @@ def read_blocks(agent, remote, meta, blocks, notif):
             remote_descs.append((base + b * meta.block_strides[region], lens[region], meta.device_id))
             local_descs.append((at, lens[region], 0))
             at += lens[region]
+    for address, length in ssm_descs:
+        remote_descs.append((address, length, meta.device_id))
+        local_descs.append((at, length, 0))
+        at += length
     handle = agent.initialize_xfer(
         "READ",
         agent.get_xfer_descs(local_descs, "DRAM"),
@@ -525,12 +572,12 @@ def read_blocks(agent, remote, meta, blocks, notif):
     return buf.tobytes()
 
 
-def kv_decode(port, local_hash, enforce, engine, blocks, req_id, consumers):
+def kv_decode(port, local_hash, enforce, engine, blocks, req_id, consumers, ssm=None):
     got = decode_agent(port, local_hash, enforce, engine)
     if isinstance(got, dict):
         return got
     agent, remote, meta, parts = got
-    data = read_blocks(agent, remote, meta, blocks, f"{req_id}:{consumers}".encode())
+    data = read_blocks(agent, remote, meta, blocks, f"{req_id}:{consumers}".encode(), ssm)
     if isinstance(data, dict):
         return data
     return {
@@ -544,6 +591,7 @@ def kv_decode(port, local_hash, enforce, engine, blocks, req_id, consumers):
             "region_names": meta.region_names,
             "region_group_ids": meta.region_group_ids,
             "region_mem_types": meta.region_mem_types,
+            "ssm_sizes": list(meta.ssm_sizes),
         },
         "remote_perf_is_float": isinstance(msgspec.msgpack.decode(parts[1]), float),
     }
@@ -627,11 +675,12 @@ def main():
             if len(args) > 8 and args[8] != "-":
                 groups = [int(x) for x in args[8].split(",")]
             ppl = int(args[9]) if len(args) > 9 else 1
+            ssm = parse_ssm(args[10]) if len(args) > 10 else None
             answer(json.dumps(kv_prefill(hash_, args[1] == "1", args[2] == "1", args[3], *nums,
-                                         groups, ppl)))
+                                         groups, ppl, ssm)))
         elif cmd == "kv_finish":
             groups = [[int(x) for x in g.split(",") if x] for g in args[1].split(";")]
-            window = int(args[2]) if len(args) > 2 else 0
+            window = 0 if len(args) < 3 else args[2] if args[2].startswith("ssm:") else int(args[2])
             tokens = int(args[3]) if len(args) > 3 else 0
             answer(json.dumps(kv_finish(bytes.fromhex(args[0]).decode(), groups, window, tokens)))
         elif cmd == "kv_reregister":
@@ -646,7 +695,11 @@ def main():
         elif cmd == "kv_decode":
             blocks = [int(x) for x in args[4].split(",")]
             req_id = bytes.fromhex(args[5]).decode()
-            got = kv_decode(int(args[0]), args[1], args[2] == "1", args[3], blocks, req_id, int(args[6]))
+            ssm = None
+            if len(args) > 7:
+                sizes, block = args[7].split(":")
+                ssm = (parse_ssm(sizes), int(block))
+            got = kv_decode(int(args[0]), args[1], args[2] == "1", args[3], blocks, req_id, int(args[6]), ssm)
             answer(json.dumps(got))
         elif cmd == "kv_heartbeat":
             got = kv_heartbeat(int(args[0]), args[1], args[2] == "1", args[3], int(args[4]), args[5])

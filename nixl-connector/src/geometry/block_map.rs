@@ -194,12 +194,19 @@ pub(crate) type GroupPairs = (Vec<(usize, usize)>, Vec<usize>);
 ///   holding tokens end the prompt, each side's ids end with its block id holding the last
 ///   token (kernel blocks past it are not read).
 ///
+/// An SSM group (`is_state(group)`) holds the running state in one block on each side
+/// (vLLM's `clip_ssm_state_blocks`, by each engine), whatever its token position: its
+/// local block pairs with its remote block, as blocks rather than units (the workers read
+/// SSM groups only between blocks of as many tokens, one kernel block per id).
+///
 /// # Errors
 /// [`Error::InvalidArgument`] when the prefill's kernel blocks are larger than the decode's
 /// (vLLM 0.33 reads blocks of different sizes only into a multiple of them:
 /// `TransferTopology.block_size_ratio` asserts it), when the counts do not add up to the
 /// ids or the groups differ in number, when a group has more local blocks than remote ones
-/// (same sizes) or more than the prompt fills, and when `num_tokens` is needed but absent.
+/// (same sizes) or more than the prompt fills, when an SSM group has more than one block on
+/// a side or a local block without a remote one, and when `num_tokens` is needed but
+/// absent.
 pub(crate) fn pair_groups(
     request_id: &str,
     local: GroupBlocks<'_>,
@@ -207,6 +214,7 @@ pub(crate) fn pair_groups(
     sizes: BlockSizes,
     num_tokens: Option<usize>,
     (local_per_id, per_id): (usize, usize),
+    is_state: impl Fn(usize) -> bool,
 ) -> Result<GroupPairs> {
     const OP: &str = "pair the blocks of a load";
     let invalid = |why: String| Error::invalid(OP, format!("request {request_id:?}: {why}"));
@@ -259,6 +267,18 @@ pub(crate) fn pair_groups(
     let mut counts = Vec::with_capacity(groups);
     for (group, (l, r)) in locals.iter().zip(&remotes).enumerate() {
         let before = pairs.len();
+        if is_state(group) {
+            if l.len() > 1 || r.len() > 1 || l.len() > r.len() {
+                return Err(invalid(format!(
+                    "KV cache group {group} (SSM state): {} local blocks for {} remote blocks, where each engine hands over its one state-bearing block (vLLM's clip_ssm_state_blocks)",
+                    l.len(),
+                    r.len()
+                )));
+            }
+            pairs.extend(l.iter().copied().zip(r.iter().copied()));
+            counts.push(pairs.len() - before);
+            continue;
+        }
         match ends {
             None => {
                 let Some(skipped) = r.len().checked_sub(l.len()) else {
@@ -365,6 +385,7 @@ mod tests {
                 sizes,
                 None,
                 (1, 1),
+                |_| false,
             )
         };
         let (pairs, counts) = pair(&[1, 2, 3], &[2, 1], SAME).unwrap();
@@ -411,6 +432,7 @@ mod tests {
             LOCAL_DOUBLE,
             Some(20),
             (1, 1),
+            |_| false,
         )
         .unwrap();
         assert_eq!(pairs, [(10, 3), (11, 8), (13, 12)]);
@@ -426,6 +448,7 @@ mod tests {
             LOCAL_DOUBLE,
             Some(70),
             (1, 1),
+            |_| false,
         )
         .unwrap();
         assert_eq!(
@@ -448,6 +471,7 @@ mod tests {
             LOCAL_DOUBLE,
             Some(20),
             (1, 1),
+            |_| false,
         )
         .unwrap_err()
         .to_string();
@@ -468,6 +492,7 @@ mod tests {
             SAME,
             Some(40),
             (1, 2),
+            |_| false,
         )
         .unwrap();
         assert_eq!(pairs, [(1, 8), (2, 9), (3, 12), (7, 12)]);
@@ -480,6 +505,7 @@ mod tests {
             LOCAL_DOUBLE,
             Some(40),
             (1, 2),
+            |_| false,
         )
         .unwrap();
         assert_eq!(pairs, [(8, 8), (9, 9), (10, 12)]);
@@ -496,6 +522,7 @@ mod tests {
             SAME,
             Some(40),
             (2, 1),
+            |_| false,
         )
         .unwrap();
         assert_eq!(pairs, [(6, 1), (7, 2), (10, 3), (10, 3)]);
@@ -510,6 +537,7 @@ mod tests {
                 sizes,
                 Some(tokens),
                 (2, 2),
+                |_| false,
             );
             assert!(far.map_or(true, |(pairs, _)| pairs.len() <= 2));
         }
@@ -545,5 +573,39 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("3 local blocks for 2 remote blocks"), "{err}");
+    }
+
+    #[test]
+    fn an_ssm_group_pairs_its_one_state_block_with_the_prefills() {
+        let pair = |local: &[usize], lens: &[usize], remote: &[usize], remote_lens: &[usize]| {
+            pair_groups(
+                "r",
+                groups(local, lens),
+                groups(remote, remote_lens),
+                SAME,
+                Some(40),
+                (1, 1),
+                |g| g == 1,
+            )
+        };
+        // The attention group by its tail, the state block with the prefill's (not the
+        // block at its token position).
+        let (pairs, counts) = pair(&[5, 6, 31], &[2, 1], &[1, 2, 3, 21], &[3, 1]).unwrap();
+        assert_eq!(pairs, [(5, 2), (6, 3), (31, 21)]);
+        assert_eq!(counts, [2, 1]);
+        for (local, lens, remote, remote_lens) in [
+            (&[5, 31, 32][..], &[1, 2][..], &[3, 21][..], &[1, 1][..]),
+            (&[5, 31], &[1, 1], &[3, 21, 22], &[1, 2]),
+            (&[5, 31], &[1, 1], &[3], &[1, 0]),
+        ] {
+            let err = pair(local, lens, remote, remote_lens)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("KV cache group 1 (SSM state)")
+                    && err.contains("clip_ssm_state_blocks"),
+                "{err}"
+            );
+        }
     }
 }

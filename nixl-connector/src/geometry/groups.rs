@@ -6,10 +6,13 @@ use serde::{Deserialize, Serialize};
 use nixl::kv_config::KvTransferConfig;
 
 use crate::error::{Error, Result};
+use crate::geometry::ssm::{state_block, SsmState};
 
 /// The `kv_connector_extra_config` key holding an engine's [`KvCacheGroups`] as JSON, e.g.
 /// `{"block_size": 16, "groups": ["full_attention", {"sliding_window": {"window_tokens":
-/// 4096}}]}`. Absent: one full-attention group.
+/// 4096}}]}`, or with an SSM (Mamba) group `{"block_size": 16, "groups": ["full_attention",
+/// {"ssm": {"speculative_blocks": 0}}], "ssm_state": {"conv_bytes": [4096, 256, 256],
+/// "temporal_bytes": 65536}}` (see [`SsmState`]). Absent: one full-attention group.
 pub const KV_CACHE_GROUPS_KEY: &str = "kv_cache_groups";
 
 /// What a KV cache group's layers attend to (vLLM's `kv_cache_spec` of the group).
@@ -25,6 +28,17 @@ pub enum KvCacheGroupKind {
         /// The window, in tokens (vLLM's `sliding_window`).
         window_tokens: usize,
     },
+    /// The recurrent state of SSM (Mamba) layers (vLLM's `MambaSpec`): a request's state is
+    /// one block, the only one read (vLLM's `clip_ssm_state_blocks`); its bytes are the
+    /// groups' [`SsmState`] ([`KvCacheGroups::with_ssm_state`]). The state handed over is
+    /// the one before the prompt's last token, which the decode computes itself
+    /// ([`KvCacheGroups::prefill_backoff_tokens`]).
+    Ssm {
+        /// Speculative-decoding scratch blocks at the end of each request's list (vLLM's
+        /// `num_speculative_blocks`), never read; 0 when absent from the JSON.
+        #[serde(default)]
+        speculative_blocks: usize,
+    },
 }
 
 impl std::fmt::Display for KvCacheGroupKind {
@@ -34,6 +48,7 @@ impl std::fmt::Display for KvCacheGroupKind {
             KvCacheGroupKind::SlidingWindow { window_tokens } => {
                 write!(f, "sliding window of {window_tokens} tokens")
             }
+            KvCacheGroupKind::Ssm { .. } => f.write_str("SSM (Mamba) state"),
         }
     }
 }
@@ -74,11 +89,28 @@ impl std::fmt::Display for KvCacheGroupKind {
 /// `remote_num_tokens` says (see
 /// [`LoadSpec::local_group_lens`](crate::LoadSpec::local_group_lens)).
 ///
-/// Not supported, refused by name: SSM (Mamba) groups, groups with regions of their own in
-/// the native protocol, a native worker whose groups' block size is larger than its
-/// registered blocks' (its handshake cannot say kernel blocks per id), and a prefill's
-/// (kernel) blocks larger than the decode's in a load of several groups (vLLM 0.33's `TransferTopology.block_size_ratio` asserts that the
-/// decode's block size is a multiple of the prefill's).
+/// SSM (Mamba) groups ([`KvCacheGroupKind::Ssm`], with the [`SsmState`] of their blocks,
+/// [`with_ssm_state`](Self::with_ssm_state)) are read in vLLM's protocol as vLLM 0.33 reads
+/// them: each request's one state-bearing block (vLLM's `clip_ssm_state_blocks`, on both
+/// engines), which pairs with the prefill's one whatever its token position, in every
+/// region its conv sub-projections and temporal state as descriptors of their own after
+/// every attention descriptor (vLLM's `_build_mamba_local` and `[descs_fa | descs_ssm]`),
+/// each rank holding a TP-th of each part: a decode of a larger TP takes its slice of each
+/// (`_build_mamba_remote`), one of a smaller TP takes each prefill rank's parts as its
+/// slices (`_build_local_splits_from_plan`); the attention groups' blocks in every region.
+/// The prefill's `ssm_sizes` must be this engine's scaled by the TP sizes.
+///
+/// Not supported, refused by name: groups with regions of their own in the native
+/// protocol; a native worker whose groups' block size is larger than its registered
+/// blocks' (its handshake cannot say kernel blocks per id); a prefill's (kernel) blocks
+/// larger than the decode's in a load of several groups (vLLM 0.33's
+/// `TransferTopology.block_size_ratio` asserts that the decode's block size is a multiple
+/// of the prefill's); and, for SSM groups: the native protocol (its handshake does not say
+/// the state), blocks of different sizes on the two engines or block ids of several kernel
+/// blocks on either (vLLM moves a state block whole, never split or expanded to kernel
+/// blocks), a larger prefill TP with MLA or replicated KV heads (the attention is read from
+/// one prefill rank of a group, the state is on all of them), regions of their own, and
+/// models of SSM groups only.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(try_from = "GroupsJson", into = "GroupsJson")]
 pub struct KvCacheGroups {
@@ -86,6 +118,8 @@ pub struct KvCacheGroups {
     kinds: Vec<KvCacheGroupKind>,
     /// Each region's group, or [`SHARED_REGION`]; empty: every region shared.
     region_groups: Vec<i64>,
+    /// What a block of the SSM groups holds; `None` without SSM groups.
+    pub(super) ssm_state: Option<SsmState>,
 }
 
 /// vLLM's `_SHARED_REGION_GROUP_ID`: the [`KvCacheGroups::region_groups`] entry of a region
@@ -100,13 +134,23 @@ struct GroupsJson {
     groups: Vec<KvCacheGroupKind>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     region_groups: Vec<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    ssm_state: Option<SsmState>,
 }
 
 impl TryFrom<GroupsJson> for KvCacheGroups {
     type Error = Error;
 
     fn try_from(json: GroupsJson) -> Result<Self> {
-        KvCacheGroups::new(json.block_size, json.groups)?.with_region_groups(json.region_groups)
+        let groups = KvCacheGroups::new(json.block_size, json.groups)?
+            .with_region_groups(json.region_groups)?;
+        match json.ssm_state {
+            Some(state) => groups.with_ssm_state(state),
+            None => {
+                groups.checked_ssm_state()?;
+                Ok(groups)
+            }
+        }
     }
 }
 
@@ -116,6 +160,7 @@ impl From<KvCacheGroups> for GroupsJson {
             block_size: groups.block_size,
             groups: groups.kinds,
             region_groups: groups.region_groups,
+            ssm_state: groups.ssm_state,
         }
     }
 }
@@ -126,6 +171,7 @@ impl Default for KvCacheGroups {
             block_size: 1,
             kinds: vec![KvCacheGroupKind::FullAttention],
             region_groups: Vec::new(),
+            ssm_state: None,
         }
     }
 }
@@ -153,10 +199,20 @@ impl KvCacheGroups {
                 format!("group {group}: a sliding window must hold at least 1 token"),
             ));
         }
+        if kinds
+            .iter()
+            .all(|k| matches!(k, KvCacheGroupKind::Ssm { .. }))
+        {
+            return Err(Error::invalid(
+                OP,
+                "a model of SSM (Mamba) groups only is not supported: an SSM group is read beside an attention group",
+            ));
+        }
         Ok(KvCacheGroups {
             block_size,
             kinds,
             region_groups: Vec::new(),
+            ssm_state: None,
         })
     }
 
@@ -172,6 +228,7 @@ impl KvCacheGroups {
     /// [`SHARED_REGION`].
     pub fn with_region_groups(mut self, region_groups: Vec<i64>) -> Result<Self> {
         let groups = self.len();
+        self.refuse_ssm_with_region_groups(!region_groups.is_empty())?;
         if let Some(region) = region_groups
             .iter()
             .position(|&g| g != SHARED_REGION && usize::try_from(g).map_or(true, |g| g >= groups))
@@ -238,8 +295,8 @@ impl KvCacheGroups {
                     OP,
                     format!(
                         "kv_connector_extra_config.{KV_CACHE_GROUPS_KEY}: {err}; only \
-                         full_attention and sliding_window groups are supported (SSM/Mamba \
-                         groups are not)"
+                         full_attention, sliding_window and ssm groups are supported (ssm with \
+                         an ssm_state)"
                     ),
                 )
             }),
@@ -274,19 +331,23 @@ impl KvCacheGroups {
 
     /// Blocks group `group` needs of a request, from its last (vLLM's `blocks_per_sw`:
     /// `ceil(window / block_size) + 1`, the window seldom starting on a block's first
-    /// token); `None`: every block.
+    /// token), or 1 for an SSM group (its state block, before its speculative ones);
+    /// `None`: every block.
     pub fn blocks_needed(&self, group: usize) -> Option<usize> {
         match self.kinds.get(group)? {
             KvCacheGroupKind::FullAttention => None,
             KvCacheGroupKind::SlidingWindow { window_tokens } => {
                 Some(window_tokens.div_ceil(self.block_size).saturating_add(1))
             }
+            // The state-bearing block, not always the last (see `clip`).
+            KvCacheGroupKind::Ssm { .. } => Some(1),
         }
     }
 
     /// A request's block ids, one list per group, clipped to what each group needs (vLLM's
     /// `get_exchange_clipped_blocks`): a sliding-window group keeps its last
-    /// [`blocks_needed`](Self::blocks_needed). No list at all (vLLM's empty tuple, a full
+    /// [`blocks_needed`](Self::blocks_needed), an SSM group the block holding its running
+    /// state, the last before its speculative scratch blocks. No list at all (vLLM's empty tuple, a full
     /// prefix hit) is every group empty.
     ///
     /// # Errors
@@ -315,6 +376,9 @@ impl KvCacheGroups {
             .enumerate()
             .map(|(group, ids)| {
                 let ids = ids.as_ref();
+                if let KvCacheGroupKind::Ssm { speculative_blocks } = self.kinds[group] {
+                    return state_block(ids, speculative_blocks);
+                }
                 match self.blocks_needed(group) {
                     Some(n) if ids.len() > n => &ids[ids.len() - n..],
                     _ => ids,
@@ -491,7 +555,10 @@ mod tests {
                 .unwrap_err()
                 .to_string();
             assert!(err.contains(want), "{err}");
-            assert!(err.contains("SSM/Mamba groups are not"), "{err}");
+            assert!(
+                err.contains("only full_attention, sliding_window and ssm groups are supported"),
+                "{err}"
+            );
         }
     }
 

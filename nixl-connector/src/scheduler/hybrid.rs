@@ -27,9 +27,10 @@ impl KvConnectorScheduler {
     /// empty lists, for a full prefix hit).
     ///
     /// Each list is clipped to what its group needs (vLLM's `get_exchange_clipped_blocks`:
-    /// a sliding-window group keeps its last blocks, in this engine's blocks), and the
-    /// workers pair it with the same group's remote blocks by token (vLLM's
-    /// `_apply_prefix_caching` group by group; see
+    /// a sliding-window group keeps its last blocks, in this engine's blocks; an SSM group
+    /// its state block, which the workers pair with the prefill's), and the workers pair it
+    /// with the same group's remote blocks by token (vLLM's `_apply_prefix_caching` group
+    /// by group; see
     /// [`LoadSpec::local_group_lens`](crate::LoadSpec::local_group_lens)): the decode's
     /// blocks may hold a multiple of the prefill's kernel blocks (vLLM's
     /// `block_size_ratio`), and the prefill's block ids several kernel blocks each (its
@@ -54,6 +55,12 @@ impl KvConnectorScheduler {
             return Err(Error::invalid(
                 OP,
                 "KV cache groups with regions of their own are read in vLLM's protocol only, whose handshake says each region's group; share every region between the groups, or speak vLLM's protocol",
+            ));
+        }
+        if self.groups.has_ssm_groups() && self.config.protocol == Protocol::Native {
+            return Err(Error::invalid(
+                OP,
+                "SSM (Mamba) KV cache groups are read in vLLM's protocol only, whose workers know the groups' state (kv_connector_extra_config.kv_cache_groups) and whose handshake says its sizes (ssm_sizes); speak vLLM's protocol",
             ));
         }
         let local = self.groups.clip(request_id, local_block_ids)?;
@@ -237,6 +244,56 @@ mod tests {
         vllm.on_new_request("r", Some(&params));
         vllm.update_state_after_alloc_groups("r", &local, &params)
             .unwrap();
+    }
+
+    #[test]
+    fn an_ssm_group_hands_over_its_state_block_and_is_read_in_vllms_protocol_only() {
+        let groups = KvCacheGroups::new(
+            8,
+            vec![
+                KvCacheGroupKind::FullAttention,
+                KvCacheGroupKind::Ssm {
+                    speculative_blocks: 1,
+                },
+            ],
+        )
+        .unwrap();
+        let mut prefill = hybrid("p", Protocol::Native).with_kv_cache_groups(groups.clone());
+        let done = prefill
+            .request_finished_all_groups(
+                "r",
+                &[vec![1, 2, 3], vec![0, 21, 22]],
+                23,
+                Some(&for_decode()),
+                FinishStatus::LengthCapped,
+            )
+            .unwrap();
+        let params = KvTransferParams {
+            do_remote_prefill: true,
+            do_remote_decode: false,
+            ..done.kv_transfer_params.unwrap()
+        };
+        // The running state's block, not the scratch block after it.
+        assert_eq!(params.remote_block_ids, [1, 2, 3, 21]);
+        assert_eq!(params.remote_block_group_lens, [3, 1]);
+        let local = [vec![11, 12], vec![31, 32]];
+        let mut native = hybrid("d", Protocol::Native).with_kv_cache_groups(groups.clone());
+        native.on_new_request("r", Some(&params));
+        let err = native
+            .update_state_after_alloc_groups("r", &local, &params)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("read in vLLM's protocol only"), "{err}");
+        let mut vllm = hybrid("d", Protocol::Vllm).with_kv_cache_groups(groups);
+        vllm.on_new_request("r", Some(&params));
+        vllm.update_state_after_alloc_groups("r", &local, &params)
+            .unwrap();
+        let load = &vllm.build_connector_meta().loads[0];
+        // Each group's state block clipped on both sides; the workers pair them.
+        assert_eq!(load.local_block_ids, [11, 12, 31]);
+        assert_eq!(load.local_group_lens, [2, 1]);
+        assert_eq!(load.remote.block_ids, [1, 2, 3, 21]);
+        assert_eq!(load.remote.group_lens, [3, 1]);
     }
 
     #[test]

@@ -7,6 +7,7 @@ use super::payload::NixlAgentMetadata;
 use crate::error::{Error, Result};
 use crate::geometry::groups::SHARED_REGION;
 use crate::geometry::spec::{KvAttention, KvCacheSpec, KvLayout, KvRegion, KvRegionKind};
+use crate::geometry::ssm::SsmState;
 
 const OP: &str = "convert vLLM's NixlAgentMetadata";
 
@@ -25,32 +26,53 @@ impl NixlAgentMetadata {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for what the connector does not read: Mamba state
-    /// (`ssm_sizes`), PLE state (`ple_block_len`), regions packing several layers
+    /// (`ssm_sizes`; read for KV cache groups with an SSM group), PLE state (`ple_block_len`), regions packing several layers
     /// (`packed_member_layouts`), decode or prefill context parallelism, regions of different block
     /// counts, padded blocks (a stride other than the length), a layout other than HND or
     /// NHD (`"HND"`, `"LBHNC"`; `"NHD"`, `"LBNHC"`), regions of different KV cache groups
     /// (`region_group_ids` that differ: groups sharing every region are read, see
     /// [`crate::KvCacheGroups`]), or counts that do not fit.
     pub fn kv_cache_spec(&self, attention: KvAttention) -> Result<KvCacheSpec> {
-        self.kv_cache_spec_for(attention, &[])
+        self.kv_cache_spec_for(attention, &[], None)
     }
 
     /// [`kv_cache_spec`](Self::kv_cache_spec) for a reader whose KV cache groups have
     /// regions of their own, `ours` each region's group
     /// ([`KvCacheGroups::region_groups`](crate::KvCacheGroups::region_groups); empty: none):
     /// the rank's `region_group_ids` must be the same (vLLM's `_read_blocks_for_req` reads
-    /// region-mapped groups only between equal layouts).
+    /// region-mapped groups only between equal layouts). With SSM groups, `ssm` is this
+    /// engine's state ([`KvCacheGroups::ssm_state`](crate::KvCacheGroups::ssm_state)), its
+    /// TP size and the rank's: the rank's `ssm_sizes` must be the state scaled from one TP
+    /// to the other (every rank holds a TP-th of each part; vLLM's reads of each rank's
+    /// slice); without, the rank must have no Mamba state.
     pub(crate) fn kv_cache_spec_for(
         &self,
         attention: KvAttention,
         ours: &[i64],
+        ssm: Option<(&SsmState, usize, usize)>,
     ) -> Result<KvCacheSpec> {
         let refuse = |why: String| Error::invalid(OP, why);
-        if self.ssm_sizes != (0, 0) {
-            return Err(refuse(format!(
-                "Mamba state (ssm_sizes {:?}) is not supported",
-                self.ssm_sizes
-            )));
+        let scaled = |bytes: usize, (reader_tp, source_tp): (usize, usize)| {
+            let total = bytes.checked_mul(reader_tp)?;
+            (source_tp > 0 && total % source_tp == 0).then(|| (total / source_tp) as u64)
+        };
+        let expected = ssm.map_or(Some((0, 0)), |(state, reader_tp, source_tp)| {
+            let (conv, temporal) = state.ssm_sizes();
+            let tp = (reader_tp, source_tp);
+            Some((scaled(conv, tp)?, scaled(temporal, tp)?))
+        });
+        if expected != Some(self.ssm_sizes) {
+            return Err(refuse(match ssm {
+                None => format!(
+                    "Mamba state (ssm_sizes {:?}) needs KV cache groups with an ssm group and its ssm_state here",
+                    self.ssm_sizes
+                ),
+                Some((state, reader_tp, source_tp)) => format!(
+                    "ssm_sizes {:?} (source, TP {source_tp}) vs the reader's {:?} at TP {reader_tp}: every rank holds a TP-th of the state, so both engines must serve the same model",
+                    self.ssm_sizes,
+                    state.ssm_sizes()
+                ),
+            }));
         }
         if let Some(len) = self.ple_block_len {
             return Err(refuse(format!(
@@ -171,7 +193,8 @@ impl NixlAgentMetadata {
     /// `_SHARED_REGION_GROUP_ID`, -1, as its `register_kv_caches` marks a tensor that layers
     /// of several groups use), unpadded
     /// (`block_strides` = `block_lens`), the layout by vLLM's name (`"LBHNC"` for HND,
-    /// `"LBNHC"` for NHD), the kernel blocks per block id it gives, no Mamba state, no context
+    /// `"LBNHC"` for NHD), the kernel blocks per block id it gives, no Mamba state (the
+    /// registration adds the `ssm_sizes` of SSM groups), no context
     /// parallelism, and no region names (a vLLM decode compares them with its layer names
     /// only when they are given).
     ///
@@ -301,9 +324,11 @@ mod tests {
             region_group_ids: Some(vec![0, 1]),
             ..metadata()
         };
-        assert!(own.kv_cache_spec_for(KvAttention::Mla, &[0, 1]).is_ok());
+        assert!(own
+            .kv_cache_spec_for(KvAttention::Mla, &[0, 1], None)
+            .is_ok());
         let err = own
-            .kv_cache_spec_for(KvAttention::Mla, &[1, 0])
+            .kv_cache_spec_for(KvAttention::Mla, &[1, 0], None)
             .unwrap_err()
             .to_string();
         assert!(
@@ -320,12 +345,63 @@ mod tests {
             ..metadata()
         };
         assert!(shared.kv_cache_spec(KvAttention::Mla).is_ok());
-        assert!(shared.kv_cache_spec_for(KvAttention::Mla, &[0, 1]).is_err());
+        assert!(shared
+            .kv_cache_spec_for(KvAttention::Mla, &[0, 1], None)
+            .is_err());
         let err = metadata()
-            .kv_cache_spec_for(KvAttention::Mla, &[0, 1])
+            .kv_cache_spec_for(KvAttention::Mla, &[0, 1], None)
             .unwrap_err()
             .to_string();
         assert!(err.contains("no region_group_ids"), "{err}");
+    }
+
+    #[test]
+    fn mamba_state_is_read_only_with_the_same_ssm_sizes() {
+        let state = SsmState::new(vec![24, 8, 8], 64).unwrap();
+        let mamba = NixlAgentMetadata {
+            ssm_sizes: (40, 64),
+            ..metadata()
+        };
+        assert!(mamba
+            .kv_cache_spec_for(KvAttention::Mla, &[], Some((&state, 1, 1)))
+            .is_ok());
+        // A decode of twice the TP reads half of each part.
+        let half = SsmState::new(vec![12, 4, 4], 32).unwrap();
+        assert!(mamba
+            .kv_cache_spec_for(KvAttention::Mla, &[], Some((&half, 2, 1)))
+            .is_ok());
+        // A decode of half the TP reads twice each part, from two ranks.
+        let double = SsmState::new(vec![48, 16, 16], 128).unwrap();
+        assert!(mamba
+            .kv_cache_spec_for(KvAttention::Mla, &[], Some((&double, 1, 2)))
+            .is_ok());
+        // Parts that do not split over the TP sizes.
+        let odd = SsmState::new(vec![49, 16, 16], 128).unwrap();
+        assert!(mamba
+            .kv_cache_spec_for(KvAttention::Mla, &[], Some((&odd, 1, 2)))
+            .is_err());
+        let err = mamba
+            .kv_cache_spec(KvAttention::Mla)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("needs KV cache groups with an ssm group"),
+            "{err}"
+        );
+        let other = SsmState::new(vec![12, 4, 4], 32).unwrap();
+        let err = mamba
+            .kv_cache_spec_for(KvAttention::Mla, &[], Some((&other, 1, 1)))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("ssm_sizes (40, 64) (source, TP 1) vs the reader's (20, 32) at TP 1"),
+            "{err}"
+        );
+        let err = metadata()
+            .kv_cache_spec_for(KvAttention::Mla, &[], Some((&state, 1, 1)))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("ssm_sizes (0, 0) (source, TP 1)"), "{err}");
     }
 
     #[test]

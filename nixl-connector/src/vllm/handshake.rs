@@ -82,8 +82,9 @@ impl VllmWorker {
     /// The side channel's errors ([`Error::Refused`] for a rank the engine lacks);
     /// [`Error::CompatibilityMismatch`] naming both hashes; [`Error::Protocol`] for metadata
     /// that does not decode; [`Error::InvalidArgument`] for geometry the connector does not
-    /// read (see [`NixlAgentMetadata::kv_cache_spec`](super::NixlAgentMetadata::kv_cache_spec))
-    /// or agent metadata that is not NIXL's.
+    /// read (see [`NixlAgentMetadata::kv_cache_spec`](super::NixlAgentMetadata::kv_cache_spec);
+    /// with SSM groups, blocks of another size or several kernel blocks per id) or agent
+    /// metadata that is not NIXL's.
     pub(crate) async fn fetch(
         &self,
         ours: &HandshakeMessage,
@@ -98,7 +99,12 @@ impl VllmWorker {
         let peer = format!("{host}:{port}");
         let meta = self.compat.check(&reply.payload, &peer)?;
         self.clock_sample(&meta.engine_id, reply.rtt(), reply.clock_offset());
-        let spec = meta.kv_cache_spec_for(ours.spec.attention, self.own_region_groups())?;
+        let reader_tp = usize::try_from(ours.tp_size).unwrap_or(usize::MAX);
+        let ssm = self
+            .groups
+            .checked_ssm_state()?
+            .map(|state| (state, reader_tp, tp_size));
+        let spec = meta.kv_cache_spec_for(ours.spec.attention, self.own_region_groups(), ssm)?;
         if let Some(types) = meta.region_mem_types.as_ref() {
             if types.len() != spec.num_regions() {
                 return Err(Error::invalid(
@@ -122,6 +128,13 @@ impl VllmWorker {
                 ))
             }
         };
+        self.groups.refuse_ssm_with_kernel_blocks(
+            (
+                ours.spec.block_size,
+                self.blocks_per_id(ours.spec.block_size)?,
+            ),
+            Some((spec.block_size, blocks_per_logical)),
+        )?;
         let agent_name = nixl::metadata_agent_name(&meta.agent_metadata)?;
         Ok(Fetched {
             message: HandshakeMessage {
@@ -156,12 +169,17 @@ impl VllmWorker {
     /// `physical_blocks_per_logical_kv_block`, which its metadata publishes).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when the groups' block size is larger and not a multiple.
+    /// [`Error::InvalidArgument`] when the groups' block size is larger and not a multiple,
+    /// or larger with SSM groups (see
+    /// [`refuse_ssm_with_kernel_blocks`](KvCacheGroups::refuse_ssm_with_kernel_blocks)).
     pub(crate) fn blocks_per_id(&self, kernel_block_size: usize) -> Result<usize> {
-        crate::geometry::block_map::kernel_blocks_per_block(
+        let per_id = crate::geometry::block_map::kernel_blocks_per_block(
             self.groups.block_size(),
             kernel_block_size,
-        )
+        )?;
+        self.groups
+            .refuse_ssm_with_kernel_blocks((kernel_block_size, per_id), None)?;
+        Ok(per_id)
     }
 
     /// Keeps the clock offset to `engine` of the handshake with the smallest round trip,

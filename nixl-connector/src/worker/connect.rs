@@ -14,7 +14,9 @@ use futures::FutureExt;
 use nixl::{LocalDescList, RemoteDescList};
 
 use crate::error::{Error, Result};
-use crate::transport::handshake::check_compatible;
+use crate::geometry::read_plan::ReadPlan;
+use crate::geometry::ssm::SsmReads;
+use crate::transport::handshake::{check_compatible, HandshakeMessage, MAX_REMOTE_DESCRIPTORS};
 use crate::transport::side_channel::fetch_handshake_with;
 use crate::worker::remotes::{ReadLists, Remote};
 use crate::worker::shared::Shared;
@@ -106,6 +108,7 @@ async fn connect(
     };
     let engine = engine.id;
     let plan = check_compatible(ours, &theirs, Some(engine), Some(rank))?;
+    let ssm = ssm_reads(shared, ours, &theirs, &plan)?;
     let agent = shared.setup.agent();
     let source = (engine.to_string(), rank);
     let name = match &shared.etcd {
@@ -147,19 +150,26 @@ async fn connect(
     let lists = if plan.share.reads() {
         let backends: Vec<&nixl::Backend> = shared.setup.backends().iter().collect();
         let mem_type = caches.registration.mem_type();
-        let descs = plan.remote_descs(&theirs.region_base_addrs, theirs.device_id);
+        let mut descs = plan.remote_descs(&theirs.region_base_addrs, theirs.device_id);
+        if let Some(ssm) = &ssm {
+            descs.extend(ssm.remote_descs(&theirs.region_base_addrs, theirs.device_id));
+        }
         let remote = agent.prepare_remote(
             &name,
             &RemoteDescList::from_vec(mem_type, descs)?,
             &backends,
         )?;
-        let local = if plan.reads_whole_local_blocks() {
+        let local = if plan.reads_whole_local_blocks() && ssm.is_none() {
             None
         } else {
             let num_blocks = caches.spec.num_blocks;
-            let mut list =
-                LocalDescList::with_capacity(mem_type, plan.local_descriptors(num_blocks))?;
-            for (region, offset, len) in plan.local_descs(num_blocks) {
+            let ssm_descs = ssm.as_ref().map_or(0, SsmReads::local_descriptors);
+            let mut list = LocalDescList::with_capacity(
+                mem_type,
+                plan.local_descriptors(num_blocks) + ssm_descs,
+            )?;
+            let ssm_local = ssm.iter().flat_map(SsmReads::local_descs);
+            for (region, offset, len) in plan.local_descs(num_blocks).chain(ssm_local) {
                 list.push(&caches.registration, region, offset, len)?;
             }
             Some(agent.prepare_local(&list, &backends)?)
@@ -172,10 +182,71 @@ async fn connect(
     Ok(Arc::new(Remote {
         agent: name,
         plan,
+        ssm,
         lists,
         blocks_per_id,
         local_generation: caches.generation,
     }))
+}
+
+/// How the SSM state of this engine's SSM groups is read from the remote rank `theirs`
+/// (vLLM mode; `None` without SSM groups), after the attention descriptors of `plan`;
+/// every rank of a larger prefill TP holds part of it, so each is read from.
+///
+/// # Errors
+/// [`Error::Incompatible`] when it cannot be read (see [`SsmReads::new`]), or its
+/// descriptors pass the cap; [`Error::InvalidArgument`] for SSM groups without a state.
+fn ssm_reads(
+    shared: &Shared,
+    ours: &HandshakeMessage,
+    theirs: &HandshakeMessage,
+    plan: &ReadPlan,
+) -> Result<Option<SsmReads>> {
+    #[cfg(feature = "vllm")]
+    let state = match &shared.vllm {
+        Some(vllm) => vllm.groups.checked_ssm_state()?,
+        None => None,
+    };
+    #[cfg(not(feature = "vllm"))]
+    let state: Option<&crate::SsmState> = {
+        let _ = shared;
+        None
+    };
+    let Some(state) = state else {
+        return Ok(None);
+    };
+    let refuse = |reason: String| Error::Incompatible {
+        reader: format!("engine {:?} rank {}", ours.engine_id, ours.tp_rank),
+        source_rank: format!("engine {:?} rank {}", theirs.engine_id, theirs.tp_rank),
+        reason,
+    };
+    if !plan.share.reads() {
+        // Only with a larger prefill TP, whose every rank holds a part of the state.
+        return Err(refuse(
+            "it holds part of this rank's SSM (Mamba) state, but its attention is read from another of its TP group only (MLA's latent, or replicated KV heads): SSM groups from a larger prefill TP are read with MHA whose heads are not replicated only".to_string(),
+        ));
+    }
+    let tp = |m: &HandshakeMessage| usize::try_from(m.tp_size).unwrap_or(usize::MAX);
+    let rank = usize::try_from(ours.tp_rank).unwrap_or(usize::MAX);
+    let theirs_rank = usize::try_from(theirs.tp_rank).unwrap_or(usize::MAX);
+    let first = (
+        plan.local_descriptors(ours.spec.num_blocks),
+        plan.remote_descriptors(),
+    );
+    let reads = SsmReads::new(
+        state,
+        (&ours.spec, (rank, tp(ours))),
+        (&theirs.spec, (theirs_rank, tp(theirs))),
+        first,
+    )
+    .map_err(refuse)?;
+    let remote = reads.remote_descriptors().saturating_add(first.1);
+    if remote > MAX_REMOTE_DESCRIPTORS {
+        return Err(refuse(format!(
+            "{remote} descriptors with the SSM state's; at most {MAX_REMOTE_DESCRIPTORS} are accepted"
+        )));
+    }
+    Ok(Some(reads))
 }
 
 async fn resolve(host: &str, port: u16) -> Result<SocketAddr> {

@@ -20,6 +20,7 @@ use crate::error::{Error, Result};
 use crate::failure::{FailedBlock, FailureKind};
 use crate::geometry::block_map::{pair_groups, pair_units, GroupBlocks};
 use crate::geometry::groups::pairs_by_region;
+use crate::geometry::ssm::split_state_pairs;
 use crate::geometry::tp_mapping::TpMapping;
 use crate::metrics::TransferMetrics;
 use crate::scheduler::outcomes::OverdueLoad;
@@ -446,10 +447,21 @@ fn post_one(
             sizes,
             load.remote.num_tokens,
             (local_per_id, remote.blocks_per_id),
+            |g| is_ssm_group(shared, g),
         )?
     };
     let own = own_region_groups(shared);
-    let (local, far, bytes) = if own.is_empty() || group_pairs.len() < 2 {
+    let (local, far, bytes) = if let Some(ssm) = &remote.ssm {
+        // vLLM's `[descs_fa | descs_ssm]`: the attention groups' blocks in every region,
+        // then the SSM groups' state.
+        let (attention, state) =
+            split_state_pairs(&pairs, &group_pairs, |g| is_ssm_group(shared, g))?;
+        let (mut local, mut far, bytes) = plan.descriptor_ids(caches.spec.num_blocks, &attention);
+        let (state_local, state_far, state_bytes) = ssm.descriptor_ids(&state);
+        local.extend(state_local);
+        far.extend(state_far);
+        (local, far, bytes + state_bytes)
+    } else if own.is_empty() || group_pairs.len() < 2 {
         plan.descriptor_ids(caches.spec.num_blocks, &pairs)
     } else {
         let by_region = pairs_by_region(&pairs, &group_pairs, own)?;
@@ -480,6 +492,21 @@ fn own_region_groups(shared: &Shared) -> &[i64] {
         .vllm
         .as_ref()
         .map_or(&[], |vllm| vllm.own_region_groups())
+}
+
+/// Whether this engine's KV cache group `group` is an SSM group (vLLM mode).
+#[cfg(feature = "vllm")]
+fn is_ssm_group(shared: &Shared, group: usize) -> bool {
+    shared
+        .vllm
+        .as_ref()
+        .is_some_and(|vllm| vllm.groups.is_ssm(group))
+}
+
+/// Without vLLM's protocol no group is an SSM group.
+#[cfg(not(feature = "vllm"))]
+fn is_ssm_group(_shared: &Shared, _group: usize) -> bool {
+    false
 }
 
 /// Without vLLM's protocol every region is read for every group.

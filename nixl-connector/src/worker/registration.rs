@@ -256,7 +256,7 @@ impl KvConnectorWorker {
     ) -> Result<(Arc<MetadataServer>, NixlHandshakePayload)> {
         let config = &self.shared.config;
         let compat = &self.vllm()?.compat;
-        let metadata = NixlAgentMetadata::of_rank(RankRegistration {
+        let mut metadata = NixlAgentMetadata::of_rank(RankRegistration {
             engine_id: &config.engine_id,
             agent_metadata: ours.agent_metadata.clone(),
             base_addrs: ours.region_base_addrs.clone(),
@@ -274,6 +274,11 @@ impl KvConnectorWorker {
                 .region_group_ids(ours.spec.num_regions())?,
             blocks_per_logical: self.vllm()?.blocks_per_id(ours.spec.block_size)?,
         })?;
+        // vLLM's `_mamba_ssm_size`: (0, 0) without SSM groups.
+        if let Some(state) = self.vllm()?.groups.checked_ssm_state()? {
+            let (conv, temporal) = state.ssm_sizes();
+            metadata.ssm_sizes = (conv as u64, temporal as u64);
+        }
         let payload = NixlHandshakePayload::new(&compat.hash, &metadata);
         let server = match kept.as_ref().or(config.vllm_side_channel.as_ref()) {
             Some(server) => server.clone(),

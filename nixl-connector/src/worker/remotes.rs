@@ -22,6 +22,7 @@ use nixl::{Agent, PreparedLocal, PreparedRemote};
 
 use crate::error::{Error, Result};
 use crate::geometry::read_plan::ReadPlan;
+use crate::geometry::ssm::SsmReads;
 use crate::metrics::RemoteStats;
 use crate::worker::engines::Engines;
 
@@ -35,6 +36,9 @@ pub(crate) struct Remote {
     pub(crate) agent: String,
     /// How its blocks are read.
     pub(crate) plan: ReadPlan,
+    /// How its SSM state is read, after the attention descriptors; `None` without SSM
+    /// groups.
+    pub(crate) ssm: Option<SsmReads>,
     /// The lists its READs use; `None` when it is only notified.
     pub(crate) lists: Option<ReadLists>,
     /// Its blocks per block id of the transfer params (vLLM's

@@ -11,6 +11,8 @@ pub mod hybrid;
 pub mod loads;
 #[cfg(feature = "vllm")]
 pub mod matrix;
+#[cfg(feature = "vllm")]
+pub mod ssm;
 
 use std::process::Child;
 #[path = "../../../tests/common/role.rs"]

@@ -1,0 +1,768 @@
+//! SSM (Mamba) KV cache groups (vLLM's `MambaSpec`): the state a block of such a group
+//! holds ([`SsmState`]), the one block of a request that bears it, and how a reader rank
+//! reads it from a source rank ([`SsmReads`]).
+//!
+//! A block of an SSM group is not tokens but a layer's whole recurrent state after the
+//! request's tokens: the conv state, whose sub-projections (Mamba1's `x`; Mamba2's `x`,
+//! `B`, `C`; GDN's `Q`, `K`, `V`) lie one after the other in vLLM's DS conv layout, then the
+//! temporal (SSM) state; the page may be padded past them to the attention page size.
+//! vLLM 0.33 reads each sub-projection and the temporal state as regions of their own
+//! (`_build_mamba_local`, `_build_mamba_remote`), their descriptors after every attention
+//! descriptor (`[descs_fa | descs_ssm]` in `_compute_desc_ids`), each block read whole,
+//! whatever the attention geometry; every rank holds a TP-th of each part, so a decode of
+//! a larger TP reads its slice of each from the prefill rank it reads from, and one of a
+//! smaller TP each of its prefill ranks' parts as its slices. Only the state-bearing block
+//! of a request moves (`clip_ssm_state_blocks`).
+
+use nixl::XferDesc;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::geometry::groups::{KvCacheGroupKind, KvCacheGroups};
+use crate::geometry::spec::KvCacheSpec;
+
+const OP: &str = "SSM state of KV cache groups";
+
+/// The per-rank state one block of an SSM (Mamba) group holds in each region that
+/// registers an SSM layer (vLLM's `MambaConvSplitInfo`): the conv state's sub-projections,
+/// in bytes and in order, then the temporal state. Their sums are vLLM's `ssm_sizes`
+/// (`(conv_state_bytes, ssm_state_bytes)`), which its metadata carries.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(try_from = "SsmStateJson", into = "SsmStateJson")]
+pub struct SsmState {
+    conv_bytes: Vec<usize>,
+    temporal_bytes: usize,
+}
+
+/// The JSON shape of [`SsmState`], checked on the way in.
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SsmStateJson {
+    conv_bytes: Vec<usize>,
+    temporal_bytes: usize,
+}
+
+impl TryFrom<SsmStateJson> for SsmState {
+    type Error = Error;
+
+    fn try_from(json: SsmStateJson) -> Result<Self> {
+        SsmState::new(json.conv_bytes, json.temporal_bytes)
+    }
+}
+
+impl From<SsmState> for SsmStateJson {
+    fn from(state: SsmState) -> Self {
+        SsmStateJson {
+            conv_bytes: state.conv_bytes,
+            temporal_bytes: state.temporal_bytes,
+        }
+    }
+}
+
+impl SsmState {
+    /// A state of `conv_bytes` sub-projections (one for Mamba1, three for Mamba2 and GDN,
+    /// as vLLM's `derive_mamba_conv_split` decomposes them: columns × `conv_kernel - 1`
+    /// rows × element size, per rank) followed by `temporal_bytes` of temporal state.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for no sub-projection, a part of 0 bytes, or sizes whose
+    /// sum overflows.
+    pub fn new(conv_bytes: Vec<usize>, temporal_bytes: usize) -> Result<Self> {
+        if conv_bytes.is_empty() {
+            return Err(Error::invalid(
+                OP,
+                "ssm_state.conv_bytes: at least one conv sub-projection is needed",
+            ));
+        }
+        if conv_bytes.contains(&0) || temporal_bytes == 0 {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "ssm_state: conv sub-projections {conv_bytes:?} and temporal state {temporal_bytes} must each hold at least 1 byte"
+                ),
+            ));
+        }
+        let total = conv_bytes
+            .iter()
+            .try_fold(temporal_bytes, |sum, &n| sum.checked_add(n));
+        if total.is_none() {
+            return Err(Error::invalid(OP, "ssm_state: the sizes overflow"));
+        }
+        Ok(SsmState {
+            conv_bytes,
+            temporal_bytes,
+        })
+    }
+
+    /// The conv sub-projections' bytes, in order.
+    pub fn conv_bytes(&self) -> &[usize] {
+        &self.conv_bytes
+    }
+
+    /// The temporal state's bytes.
+    pub fn temporal_bytes(&self) -> usize {
+        self.temporal_bytes
+    }
+
+    /// vLLM's `ssm_sizes`: the conv state's bytes and the temporal state's.
+    pub fn ssm_sizes(&self) -> (usize, usize) {
+        (self.conv_bytes.iter().sum(), self.temporal_bytes)
+    }
+
+    /// Bytes of a block the state occupies, from its start (the rest is padding).
+    pub fn state_bytes(&self) -> usize {
+        let (conv, temporal) = self.ssm_sizes();
+        conv + temporal
+    }
+
+    /// Each part read as one descriptor, as (offset in the block, bytes): the conv
+    /// sub-projections in turn, then the temporal state right after the conv state.
+    pub(crate) fn parts(&self) -> Vec<(usize, usize)> {
+        let mut offset = 0;
+        let mut parts: Vec<(usize, usize)> = self
+            .conv_bytes
+            .iter()
+            .map(|&len| {
+                let part = (offset, len);
+                offset += len;
+                part
+            })
+            .collect();
+        parts.push((offset, self.temporal_bytes));
+        parts
+    }
+}
+
+impl KvCacheGroups {
+    /// The groups with `state`, what a block of their SSM groups holds in each region (see
+    /// [`SsmState`]); every region holds SSM state (vLLM's registration with each KV cache
+    /// tensor shared by a layer of every group), per rank of this engine's TP. A vLLM-mode
+    /// decode checks it against the prefill's `ssm_sizes` (times the TP ratio).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when no group is an SSM group, or when regions have groups
+    /// of their own ([`with_region_groups`](Self::with_region_groups)), which is not
+    /// supported with SSM groups.
+    pub fn with_ssm_state(mut self, state: SsmState) -> Result<Self> {
+        if !self.has_ssm_groups() {
+            return Err(Error::invalid(
+                OP,
+                "ssm_state is given, but no KV cache group is an ssm group",
+            ));
+        }
+        self.ssm_state = Some(state);
+        self.refuse_ssm_with_region_groups(!self.region_groups().is_empty())?;
+        Ok(self)
+    }
+
+    /// What a block of the SSM groups holds; `None` without it.
+    pub fn ssm_state(&self) -> Option<&SsmState> {
+        self.ssm_state.as_ref()
+    }
+
+    /// Whether some group is an SSM (Mamba) group.
+    pub fn has_ssm_groups(&self) -> bool {
+        self.kinds()
+            .iter()
+            .any(|k| matches!(k, KvCacheGroupKind::Ssm { .. }))
+    }
+
+    /// Trailing prompt tokens the prefill must not compute, which the decode computes
+    /// itself (vLLM's `_prefill_backoff` for Mamba): 1 with SSM groups, so that the state
+    /// handed over is the one before the prompt's last token (vLLM's h(N-1)) and the
+    /// decode's first step, running that token, yields the state after it; 0 without. The
+    /// engine applies it: its prefill schedules `num_prompt_tokens - backoff` tokens
+    /// (vLLM's `_truncate_request_for_prefill`), its decode loads
+    /// [`remote_prefill_tokens`](Self::remote_prefill_tokens).
+    pub fn prefill_backoff_tokens(&self) -> usize {
+        usize::from(self.has_ssm_groups())
+    }
+
+    /// The prompt tokens a decode loads from the prefill of a prompt of `num_prompt_tokens`
+    /// (vLLM's `_get_remote_prefill_token_count`): all but the
+    /// [`prefill_backoff_tokens`](Self::prefill_backoff_tokens), or all of a prompt no
+    /// longer than those.
+    pub fn remote_prefill_tokens(&self, num_prompt_tokens: usize) -> usize {
+        let backoff = self.prefill_backoff_tokens();
+        if backoff > 0 && num_prompt_tokens > backoff {
+            num_prompt_tokens - backoff
+        } else {
+            num_prompt_tokens
+        }
+    }
+
+    /// Whether group `group` is an SSM group.
+    pub fn is_ssm(&self, group: usize) -> bool {
+        matches!(self.kinds().get(group), Some(KvCacheGroupKind::Ssm { .. }))
+    }
+
+    /// The SSM state, which groups with SSM groups must have to be read.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for SSM groups without an [`SsmState`].
+    pub(crate) fn checked_ssm_state(&self) -> Result<Option<&SsmState>> {
+        if self.has_ssm_groups() && self.ssm_state.is_none() {
+            return Err(Error::invalid(
+                OP,
+                "ssm groups need an ssm_state ({\"conv_bytes\": [..], \"temporal_bytes\": n}): the bytes of each conv sub-projection and of the temporal state per rank, vLLM's ssm_sizes",
+            ));
+        }
+        Ok(self.ssm_state.as_ref())
+    }
+
+    /// Refuses SSM groups unless both engines' blocks hold as many tokens, each block id one
+    /// registered (kernel) block: `local` is this engine's (tokens per registered block,
+    /// registered blocks per block id), `remote` the prefill's when known.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming both geometries and vLLM's rule.
+    #[cfg(feature = "vllm")]
+    pub(crate) fn refuse_ssm_with_kernel_blocks(
+        &self,
+        local: (usize, usize),
+        remote: Option<(usize, usize)>,
+    ) -> Result<()> {
+        const RULE: &str = "vLLM 0.33 moves a Mamba state block whole, never split into another engine's block size nor expanded into kernel blocks (its _logical_to_kernel_block_ids leaves SSM groups alone), and refuses Mamba models whose engines differ in physical_blocks_per_logical_kv_block under prefix caching";
+        if !self.has_ssm_groups() {
+            return Ok(());
+        }
+        let (tokens, per_id) = local;
+        let what = match remote {
+            Some((far_tokens, far_per_id))
+                if (far_tokens, far_per_id) != (tokens, 1) || per_id != 1 =>
+            {
+                format!(
+                    "blocks of {tokens} tokens here ({per_id} kernel blocks per block id) and of {far_tokens} on the prefill ({far_per_id} per block id)"
+                )
+            }
+            None if per_id != 1 => format!(
+                "block ids of {per_id} registered blocks of {tokens} tokens each (kv_cache_groups.block_size {})",
+                self.block_size()
+            ),
+            _ => return Ok(()),
+        };
+        Err(Error::invalid(
+            OP,
+            format!("SSM (Mamba) KV cache groups with {what} are not supported: {RULE}; give both engines blocks of the same size, kv_cache_groups.block_size the registered blocks'"),
+        ))
+    }
+
+    /// Refuses SSM groups when `region_groups` (regions of their own) are given.
+    pub(super) fn refuse_ssm_with_region_groups(&self, region_groups: bool) -> Result<()> {
+        if region_groups && self.has_ssm_groups() {
+            return Err(Error::invalid(
+                OP,
+                "SSM (Mamba) groups with region_groups are not supported: every region is read for every group, its SSM state in each region",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The block of `ids` (one SSM group's blocks of a request, in order) that bears the
+/// running state, as a list of at most one (vLLM's `clip_ssm_state_blocks`): the trailing
+/// `speculative_blocks` scratch slots go (all but one block at most), then everything
+/// before the last block left.
+pub(crate) fn state_block(ids: &[usize], speculative_blocks: usize) -> &[usize] {
+    let scratch = speculative_blocks.min(ids.len().saturating_sub(1));
+    let kept = &ids[..ids.len() - scratch];
+    &kept[kept.len().saturating_sub(1)..]
+}
+
+/// How a reader rank reads the SSM state from one source rank: one descriptor per region,
+/// part ([`SsmState::parts`]) and block, region by region, part by part, block by block,
+/// appended to the lists after the attention descriptors (vLLM's `[descs_fa | descs_ssm]`).
+/// Every rank holds a TP-th of each part. From a source TP `ratio` times smaller, each
+/// source part is `ratio` reader parts, and the reader takes its slice of each, the
+/// `reader_rank % ratio`-th (vLLM's `_build_mamba_remote` and `remote_conv_offsets` with
+/// `tp_ratio` of 1 or more); from a source TP `ratio` times larger, each of the `ratio`
+/// source ranks of the reader's group gives its whole parts, which land as the
+/// `source_rank % ratio`-th slice of the reader's (vLLM's `remote_conv_offsets` with a
+/// negative `tp_ratio` and `_build_local_splits_from_plan`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct SsmReads {
+    /// Each part's offset in a local block, offset in a remote block, and bytes.
+    parts: Vec<(usize, usize, usize)>,
+    /// Each region's block length (local, remote): every region holds SSM state.
+    block_lens: Vec<(usize, usize)>,
+    /// Blocks per region (local, remote).
+    num_blocks: (usize, usize),
+    /// The attention descriptors before the SSM ones (local, remote).
+    first: (usize, usize),
+}
+
+impl SsmReads {
+    /// The reads of `state` (the reader's, per rank) in every region of the reader's cache
+    /// (`reader`: its spec, and its rank and TP size) from the source's (`source`: its spec,
+    /// and its rank and TP size), whose lists hold `first` attention descriptors (local,
+    /// remote) before.
+    ///
+    /// # Errors
+    /// Why the state cannot be read: TP sizes neither of which divides the other, parts of
+    /// the reader's state that do not split over a larger source TP, or a region whose
+    /// blocks cannot hold the state.
+    pub(crate) fn new(
+        state: &SsmState,
+        reader: (&KvCacheSpec, (usize, usize)),
+        source: (&KvCacheSpec, (usize, usize)),
+        first: (usize, usize),
+    ) -> std::result::Result<Self, String> {
+        let ((reader, (reader_rank, reader_tp)), (source, (source_rank, source_tp))) =
+            (reader, source);
+        let divides = |a: usize, b: usize| a > 0 && b > 0 && b % a == 0;
+        let parts: Vec<(usize, usize, usize)> = if divides(source_tp, reader_tp) {
+            // Each source part holds `ratio` readers' slices; ours is the rank's place
+            // among the readers of that source rank.
+            let ratio = reader_tp / source_tp;
+            let slice = reader_rank % ratio;
+            state
+                .parts()
+                .into_iter()
+                .map(|(offset, len)| (offset, offset * ratio + slice * len, len))
+                .collect()
+        } else if divides(reader_tp, source_tp) {
+            // Each of our parts is `ratio` source ranks' whole parts, in rank order.
+            let ratio = source_tp / reader_tp;
+            let piece = source_rank % ratio;
+            if let Some(&len) = state
+                .parts()
+                .iter()
+                .map(|(_, len)| len)
+                .find(|&&l| l % ratio != 0)
+            {
+                return Err(format!(
+                    "a part of {len} bytes of the SSM state (ssm_sizes {:?}) does not split over the source's {ratio} ranks per reader rank",
+                    state.ssm_sizes()
+                ));
+            }
+            state
+                .parts()
+                .into_iter()
+                .map(|(offset, len)| (offset + piece * len / ratio, offset / ratio, len / ratio))
+                .collect()
+        } else {
+            return Err(format!(
+                "SSM (Mamba) state between a prefill of TP {source_tp} and a decode of TP {reader_tp}: one TP size must divide the other"
+            ));
+        };
+        let (local_end, remote_end) = parts.iter().fold((0, 0), |(l, r), &(lo, ro, len)| {
+            (l.max(lo + len), r.max(ro + len))
+        });
+        let mut block_lens = Vec::with_capacity(reader.regions.len());
+        for (index, (local, remote)) in reader.regions.iter().zip(&source.regions).enumerate() {
+            if local.block_len < local_end || remote.block_len < remote_end {
+                return Err(format!(
+                    "region {index}: blocks of {} bytes (reader) and {} (source of TP {source_tp}) cannot hold the SSM state read, up to byte {local_end} and {remote_end} (ssm_sizes {:?} per reader rank)",
+                    local.block_len,
+                    remote.block_len,
+                    state.ssm_sizes()
+                ));
+            }
+            block_lens.push((local.block_len, remote.block_len));
+        }
+        Ok(SsmReads {
+            parts,
+            block_lens,
+            num_blocks: (reader.num_blocks, source.num_blocks),
+            first,
+        })
+    }
+
+    /// Descriptors per block: one per region and part.
+    fn per_block(&self) -> usize {
+        self.block_lens.len() * self.parts.len()
+    }
+
+    /// The local descriptors, as (region, offset in the region, length).
+    pub(crate) fn local_descs(&self) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
+        let blocks = self.num_blocks.0;
+        self.block_lens
+            .iter()
+            .enumerate()
+            .flat_map(move |(region, &(block_len, _))| {
+                self.parts.iter().flat_map(move |&(offset, _, len)| {
+                    (0..blocks).map(move |block| (region, block * block_len + offset, len))
+                })
+            })
+    }
+
+    /// Local descriptors.
+    pub(crate) fn local_descriptors(&self) -> usize {
+        self.per_block().saturating_mul(self.num_blocks.0)
+    }
+
+    /// Remote descriptors.
+    pub(crate) fn remote_descriptors(&self) -> usize {
+        self.per_block().saturating_mul(self.num_blocks.1)
+    }
+
+    /// The remote descriptors, from the source's region base addresses.
+    pub(crate) fn remote_descs(&self, bases: &[u64], device_id: u64) -> Vec<XferDesc> {
+        let blocks = self.num_blocks.1;
+        let mut descs = Vec::with_capacity(self.per_block().saturating_mul(blocks));
+        for (&(_, block_len), &base) in self.block_lens.iter().zip(bases) {
+            for &(_, offset, len) in &self.parts {
+                descs.extend((0..blocks).map(|block| {
+                    XferDesc::new(base as usize + block * block_len + offset, len, device_id)
+                }));
+            }
+        }
+        descs
+    }
+
+    /// The descriptor indices of a READ of block pairs `pairs` (local block, remote block)
+    /// of SSM groups, and the bytes it moves.
+    pub(crate) fn descriptor_ids(
+        &self,
+        pairs: &[(usize, usize)],
+    ) -> (Vec<usize>, Vec<usize>, usize) {
+        let n = self.per_block() * pairs.len();
+        let (mut local, mut remote) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        let mut bytes = 0;
+        for slot in 0..self.per_block() {
+            let len = self.parts[slot % self.parts.len()].2;
+            for &(l, r) in pairs {
+                local.push(self.first.0 + slot * self.num_blocks.0 + l);
+                remote.push(self.first.1 + slot * self.num_blocks.1 + r);
+                bytes += len;
+            }
+        }
+        (local, remote, bytes)
+    }
+}
+
+/// Block pairs (local, remote) of a READ.
+type Pairs = Vec<(usize, usize)>;
+
+/// `pairs` of a load of several KV cache groups (each group's in turn, `group_lens` of
+/// them) as those of the attention groups and those of the SSM groups (`is_ssm(group)`).
+///
+/// # Errors
+/// [`Error::InvalidArgument`] when the counts do not add up to the pairs.
+pub(crate) fn split_state_pairs(
+    pairs: &[(usize, usize)],
+    group_lens: &[usize],
+    is_ssm: impl Fn(usize) -> bool,
+) -> Result<(Pairs, Pairs)> {
+    let total = group_lens
+        .iter()
+        .try_fold(0usize, |sum, &n| sum.checked_add(n));
+    if total != Some(pairs.len()) {
+        return Err(Error::invalid(
+            "read the blocks of KV cache groups",
+            format!("group counts {group_lens:?} for {} pairs", pairs.len()),
+        ));
+    }
+    let (mut attention, mut ssm) = (Vec::new(), Vec::new());
+    let mut rest = pairs;
+    for (group, &n) in group_lens.iter().enumerate() {
+        let (these, tail) = rest.split_at(n);
+        rest = tail;
+        if is_ssm(group) {
+            ssm.extend_from_slice(these);
+        } else {
+            attention.extend_from_slice(these);
+        }
+    }
+    Ok((attention, ssm))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::geometry::spec::{KvAttention, KvLayout, KvRegion, KvRegionKind};
+
+    fn mamba2() -> SsmState {
+        SsmState::new(vec![24, 8, 8], 64).unwrap()
+    }
+
+    fn spec(block_len: usize, regions: usize) -> KvCacheSpec {
+        KvCacheSpec {
+            num_blocks: 4,
+            block_size: 16,
+            attention: KvAttention::Mha { total_kv_heads: 2 },
+            layout: KvLayout::Hnd,
+            regions: vec![
+                KvRegion {
+                    block_len,
+                    kind: KvRegionKind::Tensor,
+                };
+                regions
+            ],
+        }
+    }
+
+    #[test]
+    fn the_state_is_its_conv_parts_then_the_temporal_state() {
+        let state = mamba2();
+        assert_eq!(state.ssm_sizes(), (40, 64));
+        assert_eq!(state.state_bytes(), 104);
+        assert_eq!(state.parts(), [(0, 24), (24, 8), (32, 8), (40, 64)]);
+        for (conv, temporal, want) in [
+            (vec![], 1, "at least one conv sub-projection"),
+            (vec![1, 0], 1, "must each hold at least 1 byte"),
+            (vec![1], 0, "must each hold at least 1 byte"),
+            (vec![usize::MAX], 1, "overflow"),
+        ] {
+            let err = SsmState::new(conv, temporal).unwrap_err().to_string();
+            assert!(err.contains(want), "{err}");
+        }
+    }
+
+    #[cfg(feature = "vllm")]
+    #[test]
+    fn ssm_groups_are_read_only_between_blocks_of_as_many_tokens_one_per_id() {
+        let kinds = vec![
+            KvCacheGroupKind::FullAttention,
+            KvCacheGroupKind::Ssm {
+                speculative_blocks: 0,
+            },
+        ];
+        let ssm = KvCacheGroups::new(32, kinds).unwrap();
+        assert!(ssm.refuse_ssm_with_kernel_blocks((32, 1), None).is_ok());
+        assert!(ssm
+            .refuse_ssm_with_kernel_blocks((32, 1), Some((32, 1)))
+            .is_ok());
+        for (local, remote, want) in [
+            (
+                (16, 2),
+                None,
+                "block ids of 2 registered blocks of 16 tokens each",
+            ),
+            (
+                (32, 1),
+                Some((16, 1)),
+                "of 16 on the prefill (1 per block id)",
+            ),
+            (
+                (32, 1),
+                Some((16, 2)),
+                "of 16 on the prefill (2 per block id)",
+            ),
+            (
+                (16, 2),
+                Some((16, 1)),
+                "16 tokens here (2 kernel blocks per block id)",
+            ),
+        ] {
+            let err = ssm
+                .refuse_ssm_with_kernel_blocks(local, remote)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains(want) && err.contains("_logical_to_kernel_block_ids"),
+                "{err}"
+            );
+        }
+        // Attention groups alone are read between such blocks.
+        let attention = KvCacheGroups::new(32, vec![KvCacheGroupKind::FullAttention]).unwrap();
+        assert!(attention
+            .refuse_ssm_with_kernel_blocks((16, 2), Some((8, 4)))
+            .is_ok());
+    }
+
+    #[test]
+    fn only_the_state_bearing_block_is_kept() {
+        assert_eq!(state_block(&[1, 2, 3], 0), [3]);
+        // Two speculative scratch slots at the end.
+        assert_eq!(state_block(&[1, 2, 3, 4], 2), [2]);
+        // Never fewer than the running slot.
+        assert_eq!(state_block(&[5], 3), [5]);
+        assert_eq!(state_block(&[5, 6], 3), [5]);
+        assert!(state_block(&[], 1).is_empty());
+    }
+
+    #[test]
+    fn reads_follow_the_attention_descriptors_part_by_part() {
+        let reads = SsmReads::new(
+            &mamba2(),
+            (&spec(128, 2), (1, 2)),
+            (&spec(128, 2), (1, 2)),
+            (8, 10),
+        )
+        .unwrap();
+        assert_eq!(reads.local_descriptors(), 2 * 4 * 4);
+        let local: Vec<_> = reads.local_descs().collect();
+        assert_eq!(local.len(), 32);
+        // Region 0, part 1 (B), block 2: 2 × 128 + 24.
+        assert_eq!(local[4 + 2], (0, 280, 8));
+        // Region 1, temporal state, block 3.
+        assert_eq!(local[31], (1, 3 * 128 + 40, 64));
+        let remote = reads.remote_descs(&[1000, 5000], 0);
+        assert_eq!(remote.len(), 32);
+        let (l, r, bytes) = reads.descriptor_ids(&[(1, 3)]);
+        assert_eq!(l, [9, 13, 17, 21, 25, 29, 33, 37]);
+        assert_eq!(r, [13, 17, 21, 25, 29, 33, 37, 41]);
+        assert_eq!(bytes, 2 * 104);
+    }
+
+    #[test]
+    fn a_decode_of_a_larger_tp_reads_its_slice_of_each_part() {
+        // Decode rank 3 of TP 4 from a prefill of TP 2: the second half of each part.
+        let reads = SsmReads::new(
+            &mamba2(),
+            (&spec(128, 1), (3, 4)),
+            (&spec(256, 1), (1, 2)),
+            (0, 0),
+        )
+        .unwrap();
+        assert_eq!(
+            reads.parts,
+            [(0, 24, 24), (24, 56, 8), (32, 72, 8), (40, 144, 64)]
+        );
+        let remote = reads.remote_descs(&[1 << 20], 0);
+        // Block 1 of the source, its temporal state's second half.
+        assert_eq!(
+            remote[3 * 4 + 1],
+            XferDesc::new((1 << 20) + 256 + 144, 64, 0)
+        );
+    }
+
+    #[test]
+    fn a_decode_of_a_smaller_tp_takes_whole_parts_from_each_source_rank() {
+        // Decode rank 0 of TP 1 from prefill rank 1 of TP 2: the second half of each of its
+        // parts, from the start of the source's.
+        let reads = SsmReads::new(
+            &mamba2(),
+            (&spec(128, 1), (0, 1)),
+            (&spec(64, 1), (1, 2)),
+            (0, 0),
+        )
+        .unwrap();
+        assert_eq!(
+            reads.parts,
+            [(12, 0, 12), (28, 12, 4), (36, 16, 4), (72, 20, 32)]
+        );
+        assert_eq!(reads.descriptor_ids(&[(0, 0)]).2, 52);
+    }
+
+    #[test]
+    fn other_tp_sizes_and_small_blocks_are_refused_by_name() {
+        for (reader, source) in [((0, 3), (0, 2)), ((0, 2), (0, 0))] {
+            let err = SsmReads::new(
+                &mamba2(),
+                (&spec(128, 1), reader),
+                (&spec(128, 1), source),
+                (0, 0),
+            )
+            .unwrap_err();
+            assert!(err.contains("one TP size must divide the other"), "{err}");
+        }
+        // 8 bytes do not split over 16 source ranks per reader rank.
+        let err = SsmReads::new(
+            &mamba2(),
+            (&spec(128, 1), (0, 1)),
+            (&spec(128, 1), (0, 16)),
+            (0, 0),
+        )
+        .unwrap_err();
+        assert!(
+            err.contains("does not split over the source's 16 ranks"),
+            "{err}"
+        );
+        let err = SsmReads::new(
+            &mamba2(),
+            (&spec(128, 1), (0, 1)),
+            (&spec(64, 1), (0, 1)),
+            (0, 0),
+        )
+        .unwrap_err();
+        assert!(err.contains("cannot hold the SSM state read"), "{err}");
+        // A source of half the TP holds twice the state per block.
+        let err = SsmReads::new(
+            &mamba2(),
+            (&spec(128, 1), (0, 2)),
+            (&spec(128, 1), (0, 1)),
+            (0, 0),
+        )
+        .unwrap_err();
+        assert!(err.contains("up to byte 104 and 144"), "{err}");
+    }
+
+    /// `kv_connector_extra_config.kv_cache_groups` holding `json`, parsed.
+    fn parsed(json: serde_json::Value) -> Result<KvCacheGroups> {
+        let mut kv = nixl::kv_config::KvTransferConfig::default();
+        kv.kv_connector_extra_config
+            .insert(crate::KV_CACHE_GROUPS_KEY.into(), json);
+        KvCacheGroups::from_kv_transfer_config(&kv)
+    }
+
+    #[test]
+    fn ssm_groups_parse_with_their_state_and_keep_the_state_bearing_block() {
+        let groups = parsed(serde_json::json!({
+            "block_size": 16,
+            "groups": ["full_attention", {"ssm": {"speculative_blocks": 2}}, {"ssm": {}}],
+            "ssm_state": {"conv_bytes": [24, 8, 8], "temporal_bytes": 64},
+        }))
+        .unwrap();
+        assert!(groups.has_ssm_groups());
+        assert!(!groups.is_ssm(0) && groups.is_ssm(1) && groups.is_ssm(2));
+        assert_eq!(groups.ssm_state(), Some(&mamba2()));
+        assert_eq!(
+            groups.kinds()[1],
+            KvCacheGroupKind::Ssm {
+                speculative_blocks: 2
+            }
+        );
+        assert_eq!(groups.kinds()[1].to_string(), "SSM (Mamba) state");
+        // The decode recomputes the prompt's last token (vLLM's h(N-1) hand-over).
+        assert_eq!(groups.prefill_backoff_tokens(), 1);
+        assert_eq!(groups.remote_prefill_tokens(100), 99);
+        assert_eq!(groups.remote_prefill_tokens(1), 1);
+        assert_eq!(KvCacheGroups::default().remote_prefill_tokens(100), 100);
+        let ids = [vec![1, 2, 3], vec![0, 7, 8, 9], vec![0, 0, 5]];
+        assert_eq!(
+            groups.clip("r", &ids).unwrap(),
+            [&[1, 2, 3][..], &[7][..], &[5][..]]
+        );
+        // Round trip through JSON.
+        let json = serde_json::to_value(&groups).unwrap();
+        assert_eq!(
+            serde_json::from_value::<KvCacheGroups>(json).unwrap(),
+            groups
+        );
+    }
+
+    #[test]
+    fn ssm_groups_without_what_they_need_are_refused_by_name() {
+        for (json, want) in [
+            (
+                serde_json::json!({"block_size": 16, "groups": ["full_attention", {"ssm": {}}]}),
+                "ssm groups need an ssm_state",
+            ),
+            (
+                serde_json::json!({"block_size": 16, "groups": ["full_attention"],
+                    "ssm_state": {"conv_bytes": [8], "temporal_bytes": 8}}),
+                "no KV cache group is an ssm group",
+            ),
+            (
+                serde_json::json!({"block_size": 16, "groups": [{"ssm": {}}],
+                    "ssm_state": {"conv_bytes": [8], "temporal_bytes": 8}}),
+                "SSM (Mamba) groups only is not supported",
+            ),
+            (
+                serde_json::json!({"block_size": 16, "groups": ["full_attention", {"ssm": {}}],
+                    "region_groups": [0, 1],
+                    "ssm_state": {"conv_bytes": [8], "temporal_bytes": 8}}),
+                "SSM (Mamba) groups with region_groups are not supported",
+            ),
+            (
+                serde_json::json!({"block_size": 16, "groups": ["full_attention", {"ssm": {}}],
+                    "ssm_state": {"conv_bytes": [], "temporal_bytes": 8}}),
+                "at least one conv sub-projection",
+            ),
+        ] {
+            let err = parsed(json).unwrap_err().to_string();
+            assert!(err.contains(want), "{err}");
+        }
+    }
+
+    #[test]
+    fn pairs_split_into_attention_and_state() {
+        let pairs = [(1, 7), (2, 8), (3, 9), (4, 10)];
+        let (attention, ssm) = split_state_pairs(&pairs, &[2, 1, 1], |g| g == 1).unwrap();
+        assert_eq!(attention, [(1, 7), (2, 8), (4, 10)]);
+        assert_eq!(ssm, [(3, 9)]);
+        assert!(split_state_pairs(&pairs, &[2, 1], |_| false).is_err());
+    }
+}

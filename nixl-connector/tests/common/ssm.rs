@@ -1,0 +1,319 @@
+//! The geometry matrix for a hybrid model of a full-attention group and an SSM (Mamba)
+//! group sharing every region, in vLLM's protocol (vLLM 0.33's Nemotron-H/Qwen3-Next-style
+//! models): both engines' schedulers hand the blocks over one list per group, the SSM
+//! group's only its state-bearing block, and every byte of every decode rank is checked
+//! against the model of [`super::geometry`] for the attention group, and, for the SSM
+//! group, against this file's own reading of vLLM's state page: in each region, the
+//! block's first `conv + temporal` bytes (the conv sub-projections, then the temporal state,
+//! per rank) are the prefill's, its padding keeps what it held.
+
+use nixl_connector::{
+    FinishStatus, KvAttention, KvCacheGroups, KvConnectorScheduler, KvConnectorWorker,
+    KvTransferParams, SchedulerConfig, KV_CACHE_GROUPS_KEY,
+};
+
+use super::geometry::{engine_speaking_vllm, Model, Request, Side};
+use super::matrix::{attention_label, await_freed, fill, run_each, RankEnd};
+use super::{for_decode, vllm_config, vllm_factors};
+
+/// Blocks per region: room for both groups of two requests.
+pub const SSM_BLOCKS: usize = 40;
+
+/// Speculative scratch blocks at the end of each SSM list (vLLM's
+/// `num_speculative_blocks`), never read.
+const SPECULATIVE: usize = 1;
+
+/// The model-wide SSM state of a layer: the conv sub-projections (Mamba2's x, B, C) and the
+/// temporal state, in bytes; a rank of TP `tp` holds a `tp`-th of each.
+const CONV: [usize; 3] = [16, 4, 4];
+const TEMPORAL: usize = 32;
+
+/// A rank's (conv sub-projections, temporal state) bytes at TP `tp`.
+fn rank_state(tp: usize) -> (Vec<usize>, usize) {
+    (CONV.iter().map(|c| c / tp).collect(), TEMPORAL / tp)
+}
+
+/// Where byte `j` of the model-wide part `part` of the state (the conv sub-projections in
+/// turn, then the temporal state) sits at TP `tp`: each rank holds a `tp`-th of every
+/// part, in rank order, its parts one after the other from its page's start. The rank
+/// holding it, and the offset in that rank's page.
+fn state_byte(part: usize, j: usize, tp: usize) -> (usize, usize) {
+    let sizes: Vec<usize> = CONV.iter().copied().chain([TEMPORAL]).collect();
+    let per_rank = sizes[part] / tp;
+    let before: usize = sizes[..part].iter().map(|s| s / tp).sum();
+    (j / per_rank, before + j % per_rank)
+}
+
+/// Why a decode of `decode` does not read the state from a prefill of `prefill` of `model`,
+/// as its refusal says; `None` when it reads it: blocks of as many tokens on both engines,
+/// and the prefill's TP dividing the decode's, or, from a larger prefill TP, every prefill
+/// rank of a decode rank's group read from (MHA whose heads are not replicated; MLA reads
+/// its latent from one rank only).
+fn refusal(model: &Model, prefill: &Side, decode: &Side) -> Option<&'static str> {
+    if prefill.block_size != decode.block_size {
+        return Some("SSM (Mamba) KV cache groups with blocks of");
+    }
+    let reads = match model.attention {
+        _ if decode.tp % prefill.tp == 0 => true,
+        KvAttention::Mha { total_kv_heads } => {
+            prefill.tp % decode.tp == 0 && prefill.tp <= total_kv_heads
+        }
+        KvAttention::Mla => false,
+    };
+    (!reads).then_some("SSM (Mamba) state")
+}
+
+/// The vLLM-mode config of an engine of TP `tp` over blocks of `block_size` tokens: its
+/// groups and their state in `kv_connector_extra_config`.
+fn config(tp: usize, block_size: usize) -> nixl::kv_config::KvTransferConfig {
+    let (conv, temporal) = rank_state(tp);
+    let mut kv = vllm_config(vllm_factors());
+    kv.kv_connector_extra_config.insert(
+        KV_CACHE_GROUPS_KEY.into(),
+        serde_json::json!({
+            "block_size": block_size,
+            "groups": ["full_attention", {"ssm": {"speculative_blocks": SPECULATIVE}}],
+            "ssm_state": {"conv_bytes": conv, "temporal_bytes": temporal},
+        }),
+    );
+    kv
+}
+
+/// The model's groups at TP `tp` over blocks of `block_size` tokens, as [`config`] names
+/// them.
+fn groups(tp: usize, block_size: usize) -> KvCacheGroups {
+    KvCacheGroups::from_kv_transfer_config(&config(tp, block_size)).unwrap()
+}
+
+/// A scheduler of an engine of TP `tp` reached at `port`, with the model's groups.
+fn scheduler(engine: &str, port: u16, tp: usize, block_size: usize) -> KvConnectorScheduler {
+    let kv = config(tp, block_size);
+    let config = SchedulerConfig::new(engine, "127.0.0.1", port, tp, &kv).unwrap();
+    KvConnectorScheduler::new(config).with_kv_cache_groups(groups(tp, block_size))
+}
+
+/// One request: each group's prefill blocks and decode blocks.
+struct SsmRequest {
+    id: String,
+    remote: [Vec<usize>; 2],
+    local: [Vec<usize>; 2],
+}
+
+/// The whole prompt of 7 blocks, then the same prompt with the decode's first block in its
+/// prefix cache; the SSM lists of each side end with a scratch block, and begin with a
+/// null block (0) on the prefill, as vLLM's Mamba manager leaves them.
+fn requests(tag: &str) -> [SsmRequest; 2] {
+    let ids = |first: usize, n: usize| (first..first + n).collect::<Vec<usize>>();
+    let remote = [ids(1, 7), vec![0, 20, 21, 22]];
+    [
+        SsmRequest {
+            id: format!("{tag}-whole"),
+            remote: remote.clone(),
+            local: [ids(2, 7), vec![35, 36, 37]],
+        },
+        SsmRequest {
+            id: format!("{tag}-hit"),
+            remote,
+            local: [ids(22, 6), vec![38, 39]],
+        },
+    ]
+}
+
+/// The one block of an SSM list that holds the running state: the last before the
+/// scratch blocks.
+fn state_block(ids: &[usize]) -> usize {
+    ids[ids.len() - 1 - SPECULATIVE.min(ids.len() - 1)]
+}
+
+/// The attention group's load of `request`, for the model: every decode block paired with
+/// the last of the prefill's.
+fn attention_load(request: &SsmRequest) -> Request {
+    Request {
+        id: request.id.clone(),
+        remote: request.remote[0].clone(),
+        local: request.local[0].clone(),
+        num_tokens: None,
+    }
+}
+
+/// Checks every byte of decode rank `rank`: the attention group's as the model says, each
+/// byte of the rank's share of the SSM state in every region the prefill's (from the
+/// prefill rank holding it, see [`state_byte`]), the state page's padding and every other
+/// byte as it was; and the bytes read, each once.
+fn check_rank(
+    model: &Model,
+    worker: &KvConnectorWorker,
+    (prefill, decode): (&Side, &Side),
+    rank: usize,
+    requests: &[SsmRequest],
+    read: u64,
+) -> Result<(), String> {
+    let (conv, temporal) = rank_state(decode.tp);
+    let state: usize = conv.iter().sum::<usize>() + temporal;
+    let loads: Vec<Request> = requests.iter().map(attention_load).collect();
+    let refs: Vec<&Request> = loads.iter().collect();
+    let cache = worker.kv_caches().unwrap();
+    for region in 0..model.regions.len() {
+        let mut want = model.expected_decode_region(region, prefill, decode, rank, &refs);
+        let sources: Vec<Vec<u8>> = (0..prefill.tp)
+            .map(|p| model.prefill_region(region, prefill, p))
+            .collect();
+        let (len, far_len) = (
+            model.block_len(region, decode),
+            model.block_len(region, prefill),
+        );
+        assert!(state < len, "the state leaves padding to check");
+        for request in requests {
+            let (l, r) = (
+                state_block(&request.local[1]),
+                state_block(&request.remote[1]),
+            );
+            let sizes = CONV.iter().copied().chain([TEMPORAL]);
+            for (part, size) in sizes.enumerate() {
+                for j in 0..size {
+                    let (holder, local) = state_byte(part, j, decode.tp);
+                    if holder != rank {
+                        continue;
+                    }
+                    let (p, far) = state_byte(part, j, prefill.tp);
+                    want[l * len + local] = sources[p][r * far_len + far];
+                }
+            }
+        }
+        let mut got = vec![0u8; want.len()];
+        cache.read(region, 0, &mut got).unwrap();
+        if let Some(at) = (0..want.len()).find(|&i| got[i] != want[i]) {
+            return Err(format!(
+                "decode rank {rank} region {region}: byte {} of block {} is {:#04x}, the model wants {:#04x}",
+                at % len,
+                at / len,
+                got[at],
+                want[at]
+            ));
+        }
+    }
+    let moved: usize = loads
+        .iter()
+        .map(|r| model.moved_bytes(prefill, decode, rank, r))
+        .sum::<usize>()
+        + requests.len() * model.regions.len() * state;
+    if read != moved as u64 {
+        return Err(format!(
+            "decode rank {rank} read {read} bytes, the model moves {moved} (each byte once)"
+        ));
+    }
+    Ok(())
+}
+
+/// One case: both requests handed over by the prefill's scheduler and loaded through the
+/// decode's by every decode rank, every byte checked, every prefill rank freeing both; with
+/// a case whose state is not read (see [`refusal`]), refused by name before any
+/// READ.
+async fn ssm_case(model: &Model, prefill: Side, decode: Side) -> Result<(), String> {
+    let tag = format!(
+        "ssm-{}-p{}-d{}",
+        attention_label(model),
+        prefill.tp,
+        decode.tp
+    );
+    let engine_id = format!("pf-{tag}");
+    let block_size = prefill.block_size;
+    let prefills = engine_speaking_vllm(
+        &engine_id,
+        model,
+        &prefill,
+        Some(&groups(prefill.tp, block_size)),
+    );
+    let decodes = engine_speaking_vllm(
+        &format!("dc-{tag}"),
+        model,
+        &decode,
+        Some(&groups(decode.tp, decode.block_size)),
+    );
+    fill(model, (&prefill, &prefills), (&decode, &decodes));
+    let port = prefills[0].side_channel_addr().unwrap().port();
+    let mut prefill_scheduler = scheduler(&engine_id, port, prefill.tp, block_size);
+    let mut decode_scheduler = scheduler("dc", 0, decode.tp, decode.block_size);
+    let requests = requests(&tag);
+    for request in &requests {
+        let done = prefill_scheduler
+            .request_finished_all_groups(
+                &request.id,
+                &request.remote,
+                7 * block_size - 1,
+                Some(&for_decode()),
+                FinishStatus::LengthCapped,
+            )
+            .map_err(|err| format!("{tag}: {err}"))?;
+        // Through a proxy, as vLLM's JSON.
+        let params =
+            KvTransferParams::from_vllm_json(&done.kv_transfer_params.unwrap().to_vllm_json())
+                .unwrap();
+        decode_scheduler.on_new_request(&request.id, Some(&params));
+        decode_scheduler
+            .update_state_after_alloc_groups(&request.id, &request.local, &params)
+            .map_err(|err| format!("{tag}: {err}"))?;
+    }
+    let held = prefill_scheduler.build_connector_meta();
+    for worker in &prefills {
+        worker.start_load_kv(&held);
+    }
+    let loads = decode_scheduler.build_connector_meta();
+    for worker in &decodes {
+        worker.start_load_kv(&loads);
+    }
+    for (rank, worker) in decodes.iter().enumerate() {
+        let RankEnd {
+            recving,
+            metrics,
+            errors,
+            ..
+        } = RankEnd::of(worker, rank, requests.len()).await;
+        if let Some(reason) = refusal(model, &prefill, &decode) {
+            let refused = recving.len() == requests.len()
+                && errors.len() >= requests.len()
+                && errors.iter().all(|e| e.reason.contains(reason))
+                && metrics.iter().all(|m| m.bytes == 0);
+            if !refused {
+                return Err(format!("{tag}: decode rank {rank} was not refused: ended {recving:?}; errors {errors:?}; {metrics:?}"));
+            }
+            model
+                .check_decode(worker, &prefill, &decode, rank, &[])
+                .map_err(|err| format!("{tag}: {err}"))?;
+            continue;
+        }
+        if recving.len() != requests.len() || !errors.is_empty() {
+            return Err(format!(
+                "{tag}: decode rank {rank} ended {recving:?}; errors {errors:?}; {metrics:?}"
+            ));
+        }
+        let read = metrics.iter().map(|m| m.bytes).sum();
+        check_rank(model, worker, (&prefill, &decode), rank, &requests, read)
+            .map_err(|err| format!("{tag}: {err}"))?;
+    }
+    if refusal(model, &prefill, &decode).is_some() {
+        // Nothing read, nothing notified: the prefill's lease frees the blocks.
+        return Ok(());
+    }
+    let ids: Vec<&str> = requests.iter().map(|r| r.id.as_str()).collect();
+    await_freed(&prefills, &ids, &tag).await
+}
+
+/// Runs every case of `cases` (prefill and decode sides) for `model` as a hybrid model of a
+/// full-attention and an SSM group, both engines speaking vLLM's protocol: cases whose state
+/// is read (no [`refusal`]) move every byte the models say; others are refused by name and
+/// move nothing.
+pub async fn run_ssm_cases(model: &Model, cases: &[(Side, Side)]) {
+    run_each(
+        cases,
+        ", full attention and SSM groups",
+        |prefill, decode| {
+            let outcome = match refusal(model, &prefill, &decode) {
+                None => "every byte as the model says",
+                Some(_) => "refused by name, nothing read",
+            };
+            (outcome, ssm_case(model, prefill, decode))
+        },
+    )
+    .await
+}
