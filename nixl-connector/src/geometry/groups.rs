@@ -15,9 +15,11 @@ use crate::geometry::ssm::{state_block, SsmState};
 /// "temporal_bytes": 65536}}` (see [`SsmState`]). Absent: one full-attention group.
 pub const KV_CACHE_GROUPS_KEY: &str = "kv_cache_groups";
 
-/// What a KV cache group's layers attend to (vLLM's `kv_cache_spec` of the group).
+/// What a KV cache group's layers attend to (vLLM's `kv_cache_spec` of the group). Non-exhaustive:
+/// vLLM adds kinds of groups over time, and so may this crate.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
+#[non_exhaustive]
 pub enum KvCacheGroupKind {
     /// Every token of the sequence (vLLM's `FullAttentionSpec`, `MLAAttentionSpec`): every
     /// block is read.
