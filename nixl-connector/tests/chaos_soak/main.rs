@@ -22,6 +22,12 @@
 //!
 //! In CI it runs 300 requests in about 14 s; `NIXL_CONNECTOR_SOAK_SECONDS=600` runs it for
 //! ten minutes, the prefill killed and restarted every 150 requests.
+//!
+//! Without faults (`NIXL_CONNECTOR_SOAK_FAULTS=0` for a long run, and a second test in CI of
+//! 4,000 requests, about 30 s) the same engines run with no prefill killed or stopped, no
+//! decode stalled, no transfer timeout and no engine evicted (prefix hits, aborts, floods
+//! and requests nobody reads stay): no request is leaked, and the heap after warm-up must
+//! stay flat.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -47,8 +53,9 @@ use prefill_child::{start_prefill, Line};
 use report::Report;
 use rng::Rng;
 use settings::{
-    kv, scheduler, soak_seconds, spec, DECODE_TP, ENGINE_TTL_S, FLOOD_EVERY, HOSTILE_ENGINE_TTL_S,
-    KILL_AFTER, LONG_STALL_MS, PREFILL, SHORT_STALL_MS, STALL_EVERY, TCP_ONLY, UCX_TLS,
+    kv, scheduler, soak_faults, soak_seconds, spec, DECODE_TP, ENGINE_TTL_S, FAULT_FREE_REQUESTS,
+    FLOOD_EVERY, HOSTILE_ENGINE_TTL_S, KILL_AFTER, LONG_STALL_MS, PREFILL, SHORT_STALL_MS,
+    STALL_EVERY, TCP_ONLY, UCX_TLS,
 };
 
 /// The soak's prefill, in a child process: see [`prefill_role::serve`].
@@ -58,14 +65,38 @@ async fn soak_prefill_role() {
     prefill_role::serve().await;
 }
 
+/// One soak at a time: they share the process's heap, which each measures, and its signals.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    soak(soak_faults(), 300).await;
+}
+
+/// Without faults nothing is leaked or evicted, and the heap stays flat (a long run is the
+/// other test's, with `NIXL_CONNECTOR_SOAK_FAULTS=0`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_decode_heap_stays_flat_without_faults() {
+    if soak_seconds().is_some() {
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().await;
+    soak(false, FAULT_FREE_REQUESTS).await;
+}
+
+/// The soak, with its faults or without, of `ci_target` requests in CI.
+async fn soak(faults: bool, ci_target: u64) {
     common::init_tracing();
     let seconds = soak_seconds();
     // A long run: requests until its time is up, the prefill restarted again and again.
-    let target = seconds.map_or(300, |_| u64::MAX);
-    let max_restarts = seconds.map_or(1, |_| u64::MAX);
-    let limit = Duration::from_secs(seconds.map_or(50, |s| s + 60));
+    let target = seconds.map_or(ci_target, |_| u64::MAX);
+    let max_restarts = match (faults, seconds) {
+        (false, _) => 0,
+        (true, None) => 1,
+        (true, Some(_)) => u64::MAX,
+    };
+    let limit = Duration::from_secs(seconds.map_or(if faults { 50 } else { 150 }, |s| s + 60));
     let seconds_left =
         |started: Instant| seconds.map(|s| s.saturating_sub(started.elapsed().as_secs()));
     // Over TCP a READ's bytes need the prefill to send them: a stopped prefill holds them
@@ -81,6 +112,9 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
         .map(|rank| {
             worker_with("dc-soak", rank, DECODE_TP, &spec, |c| {
                 c.kv_transfer_config = kv.clone();
+                if !faults {
+                    return;
+                }
                 // A killed prefill's engine is evicted within the run (a live one may be
                 // too, between loads, and is handshaken again).
                 c.kv_transfer_config
@@ -95,9 +129,11 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
     // the live one in use with heartbeats of no request; longer than a decode stall.
     let hostile = worker_with("hb-soak", 0, 1, &self::spec(1), |c| {
         c.kv_transfer_config = kv.clone();
-        c.kv_transfer_config
-            .kv_connector_extra_config
-            .insert("engine_ttl".into(), HOSTILE_ENGINE_TTL_S.into());
+        if faults {
+            c.kv_transfer_config
+                .kv_connector_extra_config
+                .insert("engine_ttl".into(), HOSTILE_ENGINE_TTL_S.into());
+        }
     });
     handshake(&hostile, PREFILL, prefill.port).await;
     let mut d = DecodeEngine {
@@ -145,7 +181,11 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
                 common::signal(&prefill.child, libc::SIGCONT);
                 stopped_until = None;
             }
-            None if step >= next_prefill_stop && d.loads_due(step) && prefill_end.is_none() => {
+            None if faults
+                && step >= next_prefill_stop
+                && d.loads_due(step)
+                && prefill_end.is_none() =>
+            {
                 common::signal(&prefill.child, libc::SIGSTOP);
                 stopped_until = Some(Instant::now() + Duration::from_millis(250));
                 next_prefill_stop = step + if d.r.overdue > 0 { 100 } else { 20 };
@@ -189,7 +229,7 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
             prefill.go();
         }
         // The decode stops: alternately past the heartbeats only, and past whole leases.
-        if next_decode_stall <= Instant::now() && prefill_end.is_none() {
+        if faults && next_decode_stall <= Instant::now() && prefill_end.is_none() {
             if stopped_until.take().is_some() {
                 common::signal(&prefill.child, libc::SIGCONT);
             }
@@ -323,12 +363,14 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
                 stats.evicted >= d.r.prefill_restarts && stats.engines <= 1
             })
     };
-    common::wait_for(
-        "the dead prefills' engines evicted",
-        Duration::from_secs(10),
-        || evicted(&d),
-    )
-    .await;
+    if faults {
+        common::wait_for(
+            "the dead prefills' engines evicted",
+            Duration::from_secs(10),
+            || evicted(&d),
+        )
+        .await;
+    }
     let (fds_after, rss_after) = (open_fds().unwrap(), common::status_kib("VmRSS"));
     let heap_after = common::heap_in_use_kib();
     let workers: Vec<_> = d.ranks.iter().chain([&hostile]).collect();
@@ -346,7 +388,7 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
         started.elapsed().as_secs_f64(),
         prefill.engine,
     );
-    memory.report_and_check();
+    memory.report_and_check(faults);
     assert_eq!((prefill_freed_twice, prefill_late_writes), (0, 0));
     assert_eq!(
         (
@@ -360,6 +402,20 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
     );
     assert!(r.loaded > 0 && r.blocks_verified > 0, "{r:?}");
     assert_eq!(d.pool.free.len(), BLOCKS, "every block back");
+    assert!(
+        fds_after <= fds_before + 4,
+        "fds {fds_before} -> {fds_after}"
+    );
+    if !faults {
+        assert_eq!(
+            (r.overdue, r.decode_stalls, r.prefill_restarts, r.failed),
+            (0, 0, 0, 0),
+            "no fault: {r:?}"
+        );
+        let evicted: u64 = workers.iter().map(|w| w.remote_stats().evicted).sum();
+        assert_eq!(evicted, 0, "no engine evicted");
+        return;
+    }
     assert!(r.overdue > 0, "some READs passed the timeout: {r:?}");
     assert!(
         r.decode_stalls_past_lease > 0 && r.decode_stalls > r.decode_stalls_past_lease,
@@ -372,9 +428,5 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
     assert!(
         r.prefill_restarts > 0 && r.dead_failed > 0 && r.loaded_after_restart > 0,
         "a prefill died with loads from it, and its successor served: {r:?}"
-    );
-    assert!(
-        fds_after <= fds_before + 4,
-        "fds {fds_before} -> {fds_after}"
     );
 }

@@ -33,6 +33,10 @@ pub const TARGET_ENV: &str = "NIXL_CONNECTOR_SOAK_REQUESTS";
 pub const ENGINE_ENV: &str = "NIXL_CONNECTOR_SOAK_ENGINE";
 /// The long run's length, in whole seconds (the prefill process gets what is left of it).
 pub const SECONDS_ENV: &str = "NIXL_CONNECTOR_SOAK_SECONDS";
+/// `0` runs the soak without faults (no prefill killed or stopped, no decode stalled, no
+/// transfer timeout, no engine evicted: no request leaked), to show the decode's memory flat;
+/// unset or `1`, with them.
+pub const FAULTS_ENV: &str = "NIXL_CONNECTOR_SOAK_FAULTS";
 /// The first prefill's engine id.
 pub const PREFILL: &str = "pf-soak";
 /// UCX's transport selection, and the soak's: TCP only (with UCX's own self transport).
@@ -73,6 +77,19 @@ pub fn soak_seconds() -> Option<u64> {
             .expect("NIXL_CONNECTOR_SOAK_SECONDS: whole seconds")
     })
 }
+
+/// `NIXL_CONNECTOR_SOAK_FAULTS`: whether the soak's run has its faults (the default).
+pub fn soak_faults() -> bool {
+    match std::env::var(FAULTS_ENV).as_deref() {
+        Err(_) | Ok("1") => true,
+        Ok("0") => false,
+        Ok(other) => panic!("NIXL_CONNECTOR_SOAK_FAULTS: 0 or 1, not {other:?}"),
+    }
+}
+
+/// The requests of a CI run without faults: enough after warm-up for a leak of a few hundred
+/// bytes a request to pass the bound of [`crate::memory`].
+pub const FAULT_FREE_REQUESTS: u64 = 4000;
 
 /// The `kv_transfer_config` of both engines: DRAM, a 1.5 s lease.
 pub fn kv() -> nixl::kv_config::KvTransferConfig {
