@@ -12,7 +12,7 @@ use nixl_connector::{
     KvTransferParams, SchedulerConfig, KV_CACHE_GROUPS_KEY,
 };
 
-use super::geometry::{engine_speaking_vllm, Model, Request, Side};
+use super::geometry::{compare_region, engine_speaking_vllm, Model, Request, Side};
 use super::matrix::{attention_label, await_freed, fill, run_each, RankEnd};
 use super::{for_decode, vllm_config, vllm_factors};
 
@@ -152,7 +152,6 @@ fn check_rank(
     let state: usize = conv.iter().sum::<usize>() + temporal;
     let loads: Vec<Request> = requests.iter().map(attention_load).collect();
     let refs: Vec<&Request> = loads.iter().collect();
-    let cache = worker.kv_caches().unwrap();
     for region in 0..model.regions.len() {
         let mut want = model.expected_decode_region(region, prefill, decode, rank, &refs);
         let sources: Vec<Vec<u8>> = (0..prefill.tp)
@@ -180,17 +179,7 @@ fn check_rank(
                 }
             }
         }
-        let mut got = vec![0u8; want.len()];
-        cache.read(region, 0, &mut got).unwrap();
-        if let Some(at) = (0..want.len()).find(|&i| got[i] != want[i]) {
-            return Err(format!(
-                "decode rank {rank} region {region}: byte {} of block {} is {:#04x}, the model wants {:#04x}",
-                at % len,
-                at / len,
-                got[at],
-                want[at]
-            ));
-        }
+        compare_region(worker, rank, region, len, &want)?;
     }
     let moved: usize = loads
         .iter()
