@@ -764,10 +764,7 @@ async fn a_python_decode_reads_every_byte_from_a_rust_prefill_whose_notification
     );
 
     // The READ's notification "rs-req-1:1" frees the request.
-    tokio::time::timeout(Duration::from_secs(10), prefill.notified())
-        .await
-        .expect("the Python decode's notification");
-    assert_eq!(prefill.finished().sending, ["rs-req-1"]);
+    freed_by_notification(&prefill, "rs-req-1").await;
     assert_eq!(prefill.send_stats().freed_on_notification, 1);
 }
 
@@ -1120,24 +1117,8 @@ async fn a_python_decode_reads_both_kv_cache_groups_of_a_rust_prefill() {
     let mut peer = VllmPeer::start();
     let (prefill, mut scheduler) = vllm_engine_with("rs-prefill-hybrid", hybrid_kv(&factors()));
     fill_rust_prefill(&prefill, 0);
-    let for_decode = KvTransferParams {
-        do_remote_decode: true,
-        ..Default::default()
-    };
     let blocks = [vec![5, 2, 11, 3], vec![0, 0, 7, 8, 9]];
-    let finished = scheduler
-        .request_finished_all_groups(
-            "rs-hybrid-1",
-            &blocks,
-            60,
-            Some(&for_decode),
-            FinishStatus::LengthCapped,
-        )
-        .unwrap();
-    assert!(finished.delay_free_blocks);
-    prefill.start_load_kv(&scheduler.build_connector_meta());
-    let params: Value =
-        serde_json::from_str(&finished.kv_transfer_params.unwrap().to_vllm_json()).unwrap();
+    let params = finish_groups_for_decode((&prefill, &mut scheduler), "rs-hybrid-1", &blocks, 60);
     assert_eq!(
         params["remote_block_ids"],
         json!([[5, 2, 11, 3], [7, 8, 9]])
@@ -1154,10 +1135,7 @@ async fn a_python_decode_reads_both_kv_cache_groups_of_a_rust_prefill() {
         data == rust_blocks_of(0, &[5, 2, 11, 3, 7, 8, 9]),
         "the Python decode read other bytes"
     );
-    tokio::time::timeout(Duration::from_secs(10), prefill.notified())
-        .await
-        .expect("the Python decode's notification");
-    assert_eq!(prefill.finished().sending, ["rs-hybrid-1"]);
+    freed_by_notification(&prefill, "rs-hybrid-1").await;
 }
 
 /// The conv sub-projections (Mamba2's x, B, C) and temporal state of the SSM engines'
@@ -1339,23 +1317,12 @@ async fn a_python_decode_reads_the_ssm_state_of_a_rust_prefill() {
     let mut peer = VllmPeer::start();
     let (prefill, mut scheduler) = vllm_engine_with("rs-prefill-ssm", ssm_kv(&factors(), 1));
     fill_rust_prefill(&prefill, 0);
-    let for_decode = KvTransferParams {
-        do_remote_decode: true,
-        ..Default::default()
-    };
-    let finished = scheduler
-        .request_finished_all_groups(
-            "rs-ssm-1",
-            &[vec![5, 2, 11], vec![0, 7, 8]],
-            47,
-            Some(&for_decode),
-            FinishStatus::LengthCapped,
-        )
-        .unwrap();
-    assert!(finished.delay_free_blocks);
-    prefill.start_load_kv(&scheduler.build_connector_meta());
-    let params: Value =
-        serde_json::from_str(&finished.kv_transfer_params.unwrap().to_vllm_json()).unwrap();
+    let params = finish_groups_for_decode(
+        (&prefill, &mut scheduler),
+        "rs-ssm-1",
+        &[vec![5, 2, 11], vec![0, 7, 8]],
+        47,
+    );
     assert_eq!(params["remote_block_ids"], json!([[5, 2, 11], [7]]));
     let port = params["remote_port"].as_u64().unwrap();
     let hash = factors().hash();
@@ -1372,10 +1339,7 @@ async fn a_python_decode_reads_the_ssm_state_of_a_rust_prefill() {
         want.extend((0..state).map(|o| rust_byte_of(0, region, 7 * BLOCK_LEN + o)));
     }
     assert!(data == want, "the Python decode read other bytes");
-    tokio::time::timeout(Duration::from_secs(10), prefill.notified())
-        .await
-        .expect("the Python decode's notification");
-    assert_eq!(prefill.finished().sending, ["rs-ssm-1"]);
+    freed_by_notification(&prefill, "rs-ssm-1").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1479,6 +1443,42 @@ fn fill_rust_prefill(prefill: &KvConnectorWorker, salt: usize) {
     }
 }
 
+/// Finishes `request` of `blocks` (one list per KV cache group) and `tokens` computed tokens on
+/// a Rust prefill for a decode, checks that it holds the blocks for it and starts the hold:
+/// the params, as vLLM's JSON.
+fn finish_groups_for_decode(
+    (prefill, scheduler): (&KvConnectorWorker, &mut KvConnectorScheduler),
+    request: &str,
+    blocks: &[Vec<usize>],
+    tokens: usize,
+) -> Value {
+    let for_decode = KvTransferParams {
+        do_remote_decode: true,
+        ..Default::default()
+    };
+    let finished = scheduler
+        .request_finished_all_groups(
+            request,
+            blocks,
+            tokens,
+            Some(&for_decode),
+            FinishStatus::LengthCapped,
+        )
+        .unwrap();
+    assert!(finished.delay_free_blocks);
+    prefill.start_load_kv(&scheduler.build_connector_meta());
+    serde_json::from_str(&finished.kv_transfer_params.unwrap().to_vllm_json()).unwrap()
+}
+
+/// Waits (at most 10 s) for the Python decode's notification to a Rust `prefill`, and checks
+/// that it freed `request`.
+async fn freed_by_notification(prefill: &KvConnectorWorker, request: &str) {
+    tokio::time::timeout(Duration::from_secs(10), prefill.notified())
+        .await
+        .expect("the Python decode's notification");
+    assert_eq!(prefill.finished().sending, [request]);
+}
+
 /// Finishes `request` in `remote` blocks on a Rust prefill for a decode, and has the Python
 /// peer's vLLM decode (`kv_load`) read it from the params: what it answered, once the
 /// prefill reported the request sent (freed by the decode's notification), and the
@@ -1509,10 +1509,7 @@ async fn python_load_from_rust(
         factors().hash()
     ));
     assert!(got["data"].is_string(), "{request}: nothing read: {got}");
-    tokio::time::timeout(Duration::from_secs(10), prefill.notified())
-        .await
-        .expect("the Python decode's notification");
-    assert_eq!(prefill.finished().sending, [request]);
+    freed_by_notification(prefill, request).await;
     let generation = params["remote_registration_generation"].as_u64().unwrap();
     (got, generation)
 }
