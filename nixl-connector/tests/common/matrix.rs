@@ -50,17 +50,14 @@ impl RankEnd {
         (prefill, decode): (&Side, &Side),
         named: bool,
     ) -> Result<(), String> {
-        let RankEnd {
-            rank,
-            recving,
-            metrics,
-            errors,
-        } = self;
-        if !(named && metrics.iter().all(|m| m.bytes == 0)) {
-            return Err(format!("{tag}: decode rank {rank} was not refused: ended {recving:?}; errors {errors:?}; {metrics:?}"));
+        if !(named && self.metrics.iter().all(|m| m.bytes == 0)) {
+            return Err(format!(
+                "{tag}: decode rank {} was not refused: ended {:?}; errors {:?}; {:?}",
+                self.rank, self.recving, self.errors, self.metrics
+            ));
         }
         model
-            .check_decode(worker, prefill, decode, *rank, &[])
+            .check_decode(worker, prefill, decode, self.rank, &[])
             .map_err(|err| format!("{tag}: {err}"))
     }
 
