@@ -561,6 +561,15 @@ async fn load_from_python(
     }
 }
 
+/// Writes 0xEE over every region of `decode`'s cache of [`BLOCKS`] blocks of `len` bytes,
+/// where a load leaves blocks untouched.
+fn fill_untouched(decode: &KvConnectorWorker, len: usize) {
+    let cache = decode.kv_caches().unwrap();
+    for region in 0..REGIONS {
+        cache.write(region, 0, &vec![0xEE; BLOCKS * len]).unwrap();
+    }
+}
+
 /// Checks that `local` blocks of `decode` hold the Python prefill's `remote` blocks.
 fn holds_python_blocks(decode: &KvConnectorWorker, local: &[usize], remote: &[usize]) {
     holds_python_blocks_of(decode, 0, local, remote);
@@ -652,15 +661,7 @@ async fn a_rust_decode_of_tp2_reads_each_heads_packed_k_and_v_from_a_python_pref
     );
     let spec = KvCacheSpec::lbhnc(REGIONS, BLOCKS, 16, 8, 2, HEAD_BYTES);
     let kv = vllm_kv(&factors());
-    let ranks: Vec<KvConnectorWorker> = (0..2)
-        .map(|rank| {
-            let mut config = WorkerConfig::new("rs-decode-tp2", rank, 2, kv.clone());
-            config.platform = Arc::new(BuiltinPlatform::CPU);
-            let worker = KvConnectorWorker::new(config).unwrap();
-            worker.register_host_kv_caches(spec.clone()).unwrap();
-            worker
-        })
-        .collect();
+    let ranks = rust_decode_ranks("rs-decode-tp2", 2, &kv, &spec);
     let mut scheduler = KvConnectorScheduler::new(
         SchedulerConfig::new("rs-decode-tp2", "127.0.0.1", 0, 2, &kv).unwrap(),
     );
@@ -671,23 +672,12 @@ async fn a_rust_decode_of_tp2_reads_each_heads_packed_k_and_v_from_a_python_pref
     scheduler
         .update_state_after_alloc("py-req-tp2", &local, &params)
         .unwrap();
-    let meta = scheduler.build_connector_meta();
-    for rank in &ranks {
-        rank.start_load_kv(&meta);
-    }
-    let start = Instant::now();
-    let outcomes = loop {
-        let outputs: Vec<WorkerOutput> = ranks.iter().map(KvConnectorWorker::output).collect();
-        for output in &outputs {
+    let outcomes = load_on_ranks(&ranks, &mut scheduler, |outputs| {
+        for output in outputs {
             assert!(output.load_errors.is_empty(), "{:?}", output.load_errors);
         }
-        let step = scheduler.update_connector_output(&outputs).unwrap();
-        if !step.load_outcomes.is_empty() {
-            break step.load_outcomes;
-        }
-        assert!(start.elapsed() < Duration::from_secs(10), "no load ended");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    };
+    })
+    .await;
     assert!(
         matches!(&outcomes[..], [LoadOutcome::Loaded { .. }]),
         "{outcomes:?}"
@@ -774,10 +764,7 @@ async fn a_python_decode_reads_every_byte_from_a_rust_prefill_whose_notification
     );
 
     // The READ's notification "rs-req-1:1" frees the request.
-    tokio::time::timeout(Duration::from_secs(10), prefill.notified())
-        .await
-        .expect("the Python decode's notification");
-    assert_eq!(prefill.finished().sending, ["rs-req-1"]);
+    freed_by_notification(&prefill, "rs-req-1").await;
     assert_eq!(prefill.send_stats().freed_on_notification, 1);
 }
 
@@ -795,14 +782,48 @@ async fn load_groups_from_python(
     scheduler
         .update_state_after_alloc_groups(request, local, &params)
         .unwrap();
-    decode.start_load_kv(&scheduler.build_connector_meta());
+    let mut outcomes = load_on_ranks(std::slice::from_ref(decode), scheduler, |_| {}).await;
+    outcomes.pop().unwrap()
+}
+
+/// The ranks `0..tp` of a Rust decode engine speaking vLLM's protocol with `kv`, each
+/// registering a host cache of `spec`.
+fn rust_decode_ranks(
+    engine: &str,
+    tp: usize,
+    kv: &KvTransferConfig,
+    spec: &KvCacheSpec,
+) -> Vec<KvConnectorWorker> {
+    (0..tp)
+        .map(|rank| {
+            let mut config = WorkerConfig::new(engine, rank, tp, kv.clone());
+            config.platform = Arc::new(BuiltinPlatform::CPU);
+            let worker = KvConnectorWorker::new(config).unwrap();
+            worker.register_host_kv_caches(spec.clone()).unwrap();
+            worker
+        })
+        .collect()
+}
+
+/// Starts the loads `scheduler` schedules on every one of a decode's `ranks`, then steps it
+/// with every rank's output (each step's seen first by `inspect`) until loads end: their
+/// outcomes.
+async fn load_on_ranks(
+    ranks: &[KvConnectorWorker],
+    scheduler: &mut KvConnectorScheduler,
+    mut inspect: impl FnMut(&[WorkerOutput]),
+) -> Vec<LoadOutcome> {
+    let meta = scheduler.build_connector_meta();
+    for rank in ranks {
+        rank.start_load_kv(&meta);
+    }
     let start = Instant::now();
     loop {
-        let mut step = scheduler
-            .update_connector_output(&[decode.output()])
-            .unwrap();
-        if let Some(outcome) = step.load_outcomes.pop() {
-            return outcome;
+        let outputs: Vec<WorkerOutput> = ranks.iter().map(KvConnectorWorker::output).collect();
+        inspect(&outputs);
+        let step = scheduler.update_connector_output(&outputs).unwrap();
+        if !step.load_outcomes.is_empty() {
+            return step.load_outcomes;
         }
         assert!(start.elapsed() < Duration::from_secs(10), "no load ended");
         tokio::time::sleep(Duration::from_millis(5)).await;
@@ -884,11 +905,8 @@ async fn a_rust_decode_reads_each_groups_blocks_only_in_its_own_regions() {
         json!({"block_size": 16, "groups": ["full_attention", {"sliding_window": {"window_tokens": WINDOW_TOKENS}}], "region_groups": [0, 1]}),
     );
     let (decode, mut scheduler) = vllm_engine_with("rs-decode-own", kv);
+    fill_untouched(&decode, BLOCK_LEN);
     let cache = decode.kv_caches().unwrap();
-    let untouched = vec![0xEEu8; BLOCKS * BLOCK_LEN];
-    for region in 0..REGIONS {
-        cache.write(region, 0, &untouched).unwrap();
-    }
     let json = peer.call(&format!(
         "kv_finish {} 1,3,9,14;2,4,5,6,7 {WINDOW_TOKENS}",
         hex(b"py-own-1")
@@ -983,10 +1001,7 @@ async fn a_rust_decode_of_two_kv_cache_groups_reads_the_kernel_blocks_of_larger_
         "kv_prefill {hash} 0 0 py-ppl {REGIONS} {BLOCKS} {BLOCK_LEN} 16 -1,-1 2"
     ));
     let (decode, mut scheduler) = vllm_engine_with("rs-decode-ppl", hybrid_kv(&factors()));
-    let cache = decode.kv_caches().unwrap();
-    for region in 0..REGIONS {
-        cache.write(region, 0, &[0xEE; BLOCKS * BLOCK_LEN]).unwrap();
-    }
+    fill_untouched(&decode, BLOCK_LEN);
     let json = peer.call(&format!(
         "kv_finish {} 1,4,6;2,5,7 {WINDOW_TOKENS} 70",
         hex(b"py-ppl-1")
@@ -1029,10 +1044,7 @@ async fn a_rust_decode_reads_the_kernel_blocks_of_a_python_prompt_ending_inside_
         "kv_prefill {hash} 0 0 py-ppl-one {REGIONS} {BLOCKS} {BLOCK_LEN} 16 - 2"
     ));
     let (decode, mut scheduler) = vllm_engine("rs-decode-ppl-one", &factors());
-    let cache = decode.kv_caches().unwrap();
-    for region in 0..REGIONS {
-        cache.write(region, 0, &[0xEE; BLOCKS * BLOCK_LEN]).unwrap();
-    }
+    fill_untouched(&decode, BLOCK_LEN);
     let json = peer.call(&format!("kv_finish {} 2,5 0 40", hex(b"py-ppl-one-1")));
     let outcome = load_groups_from_python(
         (&decode, &mut scheduler),
@@ -1060,10 +1072,7 @@ async fn a_rust_decode_of_two_kv_cache_groups_reads_smaller_python_blocks_into_i
         "kv_prefill {hash} 0 0 py-ratio {REGIONS} {small_blocks} {small_len} 8 -1,-1"
     ));
     let (decode, mut scheduler) = vllm_engine_with("rs-decode-ratio", hybrid_kv(&factors()));
-    let cache = decode.kv_caches().unwrap();
-    for region in 0..REGIONS {
-        cache.write(region, 0, &[0xEE; BLOCKS * BLOCK_LEN]).unwrap();
-    }
+    fill_untouched(&decode, BLOCK_LEN);
     let json = peer.call(&format!(
         "kv_finish {} 3,5,7,9,11,13,15,17;20,21,22,23,24,25,26,27 {WINDOW_TOKENS} 60",
         hex(b"py-ratio-1")
@@ -1108,24 +1117,8 @@ async fn a_python_decode_reads_both_kv_cache_groups_of_a_rust_prefill() {
     let mut peer = VllmPeer::start();
     let (prefill, mut scheduler) = vllm_engine_with("rs-prefill-hybrid", hybrid_kv(&factors()));
     fill_rust_prefill(&prefill, 0);
-    let for_decode = KvTransferParams {
-        do_remote_decode: true,
-        ..Default::default()
-    };
     let blocks = [vec![5, 2, 11, 3], vec![0, 0, 7, 8, 9]];
-    let finished = scheduler
-        .request_finished_all_groups(
-            "rs-hybrid-1",
-            &blocks,
-            60,
-            Some(&for_decode),
-            FinishStatus::LengthCapped,
-        )
-        .unwrap();
-    assert!(finished.delay_free_blocks);
-    prefill.start_load_kv(&scheduler.build_connector_meta());
-    let params: Value =
-        serde_json::from_str(&finished.kv_transfer_params.unwrap().to_vllm_json()).unwrap();
+    let params = finish_groups_for_decode((&prefill, &mut scheduler), "rs-hybrid-1", &blocks, 60);
     assert_eq!(
         params["remote_block_ids"],
         json!([[5, 2, 11, 3], [7, 8, 9]])
@@ -1142,10 +1135,7 @@ async fn a_python_decode_reads_both_kv_cache_groups_of_a_rust_prefill() {
         data == rust_blocks_of(0, &[5, 2, 11, 3, 7, 8, 9]),
         "the Python decode read other bytes"
     );
-    tokio::time::timeout(Duration::from_secs(10), prefill.notified())
-        .await
-        .expect("the Python decode's notification");
-    assert_eq!(prefill.finished().sending, ["rs-hybrid-1"]);
+    freed_by_notification(&prefill, "rs-hybrid-1").await;
 }
 
 /// The conv sub-projections (Mamba2's x, B, C) and temporal state of the SSM engines'
@@ -1183,11 +1173,8 @@ async fn a_rust_decode_of_attention_and_ssm_groups_reads_the_state_block_from_a_
         "kv_prefill {hash} 0 0 py-ssm {REGIONS} {BLOCKS} {BLOCK_LEN} 16 -1,-1 1 {SSM_ARG}"
     ));
     let (decode, mut scheduler) = vllm_engine_with("rs-decode-ssm", ssm_kv(&factors(), 1));
+    fill_untouched(&decode, BLOCK_LEN);
     let cache = decode.kv_caches().unwrap();
-    let untouched = vec![0xEEu8; BLOCKS * BLOCK_LEN];
-    for region in 0..REGIONS {
-        cache.write(region, 0, &untouched).unwrap();
-    }
     // The Mamba group's list: a null block, the state, a speculative scratch block.
     let json = peer.call(&format!("kv_finish {} 1,3,9;0,6,7 ssm:1", hex(b"py-ssm-1")));
     let vllm: Value = serde_json::from_str(&json).unwrap();
@@ -1239,11 +1226,9 @@ async fn a_rust_decode_of_ssm_groups_refuses_a_python_prefill_of_two_kernel_bloc
         "kv_prefill {hash} 0 0 py-ssm-ppl {REGIONS} {BLOCKS} {BLOCK_LEN} 16 -1,-1 2 {SSM_ARG}"
     ));
     let (decode, mut scheduler) = vllm_engine_with("rs-decode-ssm-ppl", ssm_kv(&factors(), 1));
+    fill_untouched(&decode, BLOCK_LEN);
     let cache = decode.kv_caches().unwrap();
     let untouched = vec![0xEEu8; BLOCKS * BLOCK_LEN];
-    for region in 0..REGIONS {
-        cache.write(region, 0, &untouched).unwrap();
-    }
     let json = peer.call(&format!("kv_finish {} 1,3;0,6,7 ssm:1", hex(b"py-ssm-ppl")));
     let local = [vec![0, 8], vec![11, 12, 13]];
     let outcome =
@@ -1278,19 +1263,10 @@ async fn a_rust_decode_of_tp2_reads_its_half_of_the_ssm_state_from_a_python_pref
     let spec = KvCacheSpec::lbhnc(REGIONS, BLOCKS, 16, 8, 2, HEAD_BYTES);
     let kv = ssm_kv(&factors(), 2);
     let len = spec.block_len(0);
-    let ranks: Vec<KvConnectorWorker> = (0..2)
-        .map(|rank| {
-            let mut config = WorkerConfig::new("rs-decode-ssm-tp2", rank, 2, kv.clone());
-            config.platform = Arc::new(BuiltinPlatform::CPU);
-            let worker = KvConnectorWorker::new(config).unwrap();
-            worker.register_host_kv_caches(spec.clone()).unwrap();
-            let cache = worker.kv_caches().unwrap();
-            for region in 0..REGIONS {
-                cache.write(region, 0, &vec![0xEE; BLOCKS * len]).unwrap();
-            }
-            worker
-        })
-        .collect();
+    let ranks = rust_decode_ranks("rs-decode-ssm-tp2", 2, &kv, &spec);
+    for rank in &ranks {
+        fill_untouched(rank, len);
+    }
     let mut scheduler = KvConnectorScheduler::new(
         SchedulerConfig::new("rs-decode-ssm-tp2", "127.0.0.1", 0, 2, &kv).unwrap(),
     )
@@ -1301,23 +1277,12 @@ async fn a_rust_decode_of_tp2_reads_its_half_of_the_ssm_state_from_a_python_pref
     scheduler
         .update_state_after_alloc_groups("py-ssm-tp2", &[vec![7, 2], vec![9, 10, 11]], &params)
         .unwrap();
-    let meta = scheduler.build_connector_meta();
-    for rank in &ranks {
-        rank.start_load_kv(&meta);
-    }
-    let start = Instant::now();
-    let outcomes = loop {
-        let outputs: Vec<WorkerOutput> = ranks.iter().map(KvConnectorWorker::output).collect();
-        for output in &outputs {
+    let outcomes = load_on_ranks(&ranks, &mut scheduler, |outputs| {
+        for output in outputs {
             assert!(output.load_errors.is_empty(), "{:?}", output.load_errors);
         }
-        let step = scheduler.update_connector_output(&outputs).unwrap();
-        if !step.load_outcomes.is_empty() {
-            break step.load_outcomes;
-        }
-        assert!(start.elapsed() < Duration::from_secs(10), "no load ended");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    };
+    })
+    .await;
     assert!(
         matches!(&outcomes[..], [LoadOutcome::Loaded { .. }]),
         "{outcomes:?}"
@@ -1352,23 +1317,12 @@ async fn a_python_decode_reads_the_ssm_state_of_a_rust_prefill() {
     let mut peer = VllmPeer::start();
     let (prefill, mut scheduler) = vllm_engine_with("rs-prefill-ssm", ssm_kv(&factors(), 1));
     fill_rust_prefill(&prefill, 0);
-    let for_decode = KvTransferParams {
-        do_remote_decode: true,
-        ..Default::default()
-    };
-    let finished = scheduler
-        .request_finished_all_groups(
-            "rs-ssm-1",
-            &[vec![5, 2, 11], vec![0, 7, 8]],
-            47,
-            Some(&for_decode),
-            FinishStatus::LengthCapped,
-        )
-        .unwrap();
-    assert!(finished.delay_free_blocks);
-    prefill.start_load_kv(&scheduler.build_connector_meta());
-    let params: Value =
-        serde_json::from_str(&finished.kv_transfer_params.unwrap().to_vllm_json()).unwrap();
+    let params = finish_groups_for_decode(
+        (&prefill, &mut scheduler),
+        "rs-ssm-1",
+        &[vec![5, 2, 11], vec![0, 7, 8]],
+        47,
+    );
     assert_eq!(params["remote_block_ids"], json!([[5, 2, 11], [7]]));
     let port = params["remote_port"].as_u64().unwrap();
     let hash = factors().hash();
@@ -1385,10 +1339,7 @@ async fn a_python_decode_reads_the_ssm_state_of_a_rust_prefill() {
         want.extend((0..state).map(|o| rust_byte_of(0, region, 7 * BLOCK_LEN + o)));
     }
     assert!(data == want, "the Python decode read other bytes");
-    tokio::time::timeout(Duration::from_secs(10), prefill.notified())
-        .await
-        .expect("the Python decode's notification");
-    assert_eq!(prefill.finished().sending, ["rs-ssm-1"]);
+    freed_by_notification(&prefill, "rs-ssm-1").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1492,6 +1443,42 @@ fn fill_rust_prefill(prefill: &KvConnectorWorker, salt: usize) {
     }
 }
 
+/// Finishes `request` of `blocks` (one list per KV cache group) and `tokens` computed tokens on
+/// a Rust prefill for a decode, checks that it holds the blocks for it and starts the hold:
+/// the params, as vLLM's JSON.
+fn finish_groups_for_decode(
+    (prefill, scheduler): (&KvConnectorWorker, &mut KvConnectorScheduler),
+    request: &str,
+    blocks: &[Vec<usize>],
+    tokens: usize,
+) -> Value {
+    let for_decode = KvTransferParams {
+        do_remote_decode: true,
+        ..Default::default()
+    };
+    let finished = scheduler
+        .request_finished_all_groups(
+            request,
+            blocks,
+            tokens,
+            Some(&for_decode),
+            FinishStatus::LengthCapped,
+        )
+        .unwrap();
+    assert!(finished.delay_free_blocks);
+    prefill.start_load_kv(&scheduler.build_connector_meta());
+    serde_json::from_str(&finished.kv_transfer_params.unwrap().to_vllm_json()).unwrap()
+}
+
+/// Waits (at most 10 s) for the Python decode's notification to a Rust `prefill`, and checks
+/// that it freed `request`.
+async fn freed_by_notification(prefill: &KvConnectorWorker, request: &str) {
+    tokio::time::timeout(Duration::from_secs(10), prefill.notified())
+        .await
+        .expect("the Python decode's notification");
+    assert_eq!(prefill.finished().sending, [request]);
+}
+
 /// Finishes `request` in `remote` blocks on a Rust prefill for a decode, and has the Python
 /// peer's vLLM decode (`kv_load`) read it from the params: what it answered, once the
 /// prefill reported the request sent (freed by the decode's notification), and the
@@ -1522,10 +1509,7 @@ async fn python_load_from_rust(
         factors().hash()
     ));
     assert!(got["data"].is_string(), "{request}: nothing read: {got}");
-    tokio::time::timeout(Duration::from_secs(10), prefill.notified())
-        .await
-        .expect("the Python decode's notification");
-    assert_eq!(prefill.finished().sending, [request]);
+    freed_by_notification(prefill, request).await;
     let generation = params["remote_registration_generation"].as_u64().unwrap();
     (got, generation)
 }

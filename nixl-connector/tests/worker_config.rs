@@ -35,17 +35,12 @@ async fn refuse_same_host_transports_comes_from_the_extra_config() {
 async fn native_kv_cache_groups_of_larger_blocks_than_the_registered_ones_are_refused() {
     let spec = common::spec(2);
     let logical = 2 * spec.block_size;
-    let mut config = nixl_connector::WorkerConfig::new("native-groups", 0, 1, common::cpu_config());
-    config.platform = std::sync::Arc::new(nixl::platform::BuiltinPlatform::CPU);
-    config.kv_transfer_config.kv_connector_extra_config.insert(
-        nixl_connector::KV_CACHE_GROUPS_KEY.into(),
+    let config = nixl_connector::WorkerConfig::new("native-groups", 0, 1, common::cpu_config());
+    let err = registration_error(
+        config,
         serde_json::json!({"block_size": logical, "groups": ["full_attention", {"sliding_window": {"window_tokens": 64}}]}),
+        &spec,
     );
-    let worker = nixl_connector::KvConnectorWorker::new(config).unwrap();
-    let err = worker
-        .register_host_kv_caches(spec.clone())
-        .unwrap_err()
-        .to_string();
     let want = format!(
         "kv_cache_groups.block_size {logical} is larger than the registered blocks' {} tokens",
         spec.block_size
@@ -63,26 +58,21 @@ async fn native_kv_cache_groups_of_larger_blocks_than_the_registered_ones_are_re
 #[tokio::test]
 async fn vllm_ssm_groups_of_larger_blocks_than_the_registered_ones_are_refused() {
     let spec = common::spec(2);
-    let mut config = nixl_connector::WorkerConfig::new(
+    let config = nixl_connector::WorkerConfig::new(
         "vllm-ssm-groups",
         0,
         1,
         common::vllm_config(common::vllm_factors()),
     );
-    config.platform = std::sync::Arc::new(nixl::platform::BuiltinPlatform::CPU);
-    config.kv_transfer_config.kv_connector_extra_config.insert(
-        nixl_connector::KV_CACHE_GROUPS_KEY.into(),
+    let err = registration_error(
+        config,
         serde_json::json!({
             "block_size": 2 * spec.block_size,
             "groups": ["full_attention", {"ssm": {"speculative_blocks": 0}}],
             "ssm_state": {"conv_bytes": [8], "temporal_bytes": 8},
         }),
+        &spec,
     );
-    let worker = nixl_connector::KvConnectorWorker::new(config).unwrap();
-    let err = worker
-        .register_host_kv_caches(spec.clone())
-        .unwrap_err()
-        .to_string();
     let want = format!(
         "SSM (Mamba) KV cache groups with block ids of 2 registered blocks of {} tokens each",
         spec.block_size
@@ -91,4 +81,23 @@ async fn vllm_ssm_groups_of_larger_blocks_than_the_registered_ones_are_refused()
         err.contains(&want) && err.contains("_logical_to_kernel_block_ids"),
         "{err}"
     );
+}
+
+/// The error a CPU worker made from `config` with `kv_cache_groups` set to `groups` returns when
+/// it registers `spec`'s blocks.
+fn registration_error(
+    mut config: nixl_connector::WorkerConfig,
+    groups: serde_json::Value,
+    spec: &nixl_connector::KvCacheSpec,
+) -> String {
+    config.platform = std::sync::Arc::new(nixl::platform::BuiltinPlatform::CPU);
+    config
+        .kv_transfer_config
+        .kv_connector_extra_config
+        .insert(nixl_connector::KV_CACHE_GROUPS_KEY.into(), groups);
+    let worker = nixl_connector::KvConnectorWorker::new(config).unwrap();
+    worker
+        .register_host_kv_caches(spec.clone())
+        .unwrap_err()
+        .to_string()
 }

@@ -289,21 +289,9 @@ impl Model {
         rank: usize,
         requests: &[&Request],
     ) -> Result<(), String> {
-        let cache = worker.kv_caches().unwrap();
         for region in 0..self.regions.len() {
             let want = self.expected_decode_region(region, prefill, decode, rank, requests);
-            let mut got = vec![0u8; want.len()];
-            cache.read(region, 0, &mut got).unwrap();
-            if let Some(at) = (0..want.len()).find(|&i| got[i] != want[i]) {
-                let len = self.block_len(region, decode);
-                return Err(format!(
-                    "decode rank {rank} region {region}: byte {} of block {} is {:#04x}, the model wants {:#04x}",
-                    at % len,
-                    at / len,
-                    got[at],
-                    want[at]
-                ));
-            }
+            compare_region(worker, rank, region, self.block_len(region, decode), &want)?;
         }
         Ok(())
     }
@@ -324,6 +312,33 @@ impl Model {
             registration_generation: None,
         }
     }
+}
+
+/// Reads decode rank `rank`'s region `region` from `worker` and compares it with `want`, in
+/// blocks of `len` bytes: the first byte that differs, by block and offset.
+pub fn compare_region(
+    worker: &KvConnectorWorker,
+    rank: usize,
+    region: usize,
+    len: usize,
+    want: &[u8],
+) -> Result<(), String> {
+    let mut got = vec![0u8; want.len()];
+    worker
+        .kv_caches()
+        .unwrap()
+        .read(region, 0, &mut got)
+        .unwrap();
+    if let Some(at) = (0..want.len()).find(|&i| got[i] != want[i]) {
+        return Err(format!(
+            "decode rank {rank} region {region}: byte {} of block {} is {:#04x}, the model wants {:#04x}",
+            at % len,
+            at / len,
+            got[at],
+            want[at]
+        ));
+    }
+    Ok(())
 }
 
 /// The config of rank `rank` of TP `tp` of engine `engine`, its side channel on `port` (0:

@@ -5,13 +5,15 @@
 //! as computed here from the window's definition.
 
 use nixl_connector::{
-    FinishStatus, KvCacheGroupKind, KvCacheGroups, KvConnectorScheduler, KvTransferParams,
-    Protocol, SchedulerConfig,
+    KvCacheGroupKind, KvCacheGroups, KvConnectorScheduler, Protocol, SchedulerConfig,
 };
 
 use super::geometry::{engine_speaking_vllm, Model, Request, Side, NOT_LISTED};
-use super::matrix::{attention_label, await_freed, fill, filled_engines, run_each, RankEnd};
-use super::{cpu_config, for_decode, vllm_config, vllm_factors};
+use super::matrix::{
+    attention_label, await_freed, fill, filled_engines, hand_over, run_each, GroupsHandover,
+    RankEnd,
+};
+use super::{cpu_config, vllm_config, vllm_factors};
 
 /// Blocks per region of the hybrid cases: room for two groups of two requests of up to 15
 /// blocks.
@@ -206,34 +208,19 @@ async fn hybrid_case(
     let mut prefill_scheduler = scheduler(&engine_id, port, prefill.tp, prefill_size, protocol);
     let mut decode_scheduler = scheduler("dc", 0, decode.tp, decode_size, protocol);
     let requests = requests(&tag, &prefill, &decode, per_id);
-    for request in &requests {
-        let done = prefill_scheduler
-            .request_finished_all_groups(
-                &request.id,
-                &request.remote,
-                request.tokens,
-                Some(&for_decode()),
-                FinishStatus::LengthCapped,
-            )
-            .map_err(|err| format!("{tag}: {err}"))?;
-        let mut params = done.kv_transfer_params.unwrap();
-        if protocol == Protocol::Vllm {
-            // Through a proxy, as vLLM's JSON.
-            params = KvTransferParams::from_vllm_json(&params.to_vllm_json()).unwrap();
-        }
-        decode_scheduler.on_new_request(&request.id, Some(&params));
-        decode_scheduler
-            .update_state_after_alloc_groups(&request.id, &request.local, &params)
-            .map_err(|err| format!("{tag}: {err}"))?;
-    }
-    let held = prefill_scheduler.build_connector_meta();
-    for worker in &prefills {
-        worker.start_load_kv(&held);
-    }
-    let loads = decode_scheduler.build_connector_meta();
-    for worker in &decodes {
-        worker.start_load_kv(&loads);
-    }
+    let handovers = requests.iter().map(|r| GroupsHandover {
+        id: &r.id,
+        tokens: r.tokens,
+        remote: &r.remote,
+        local: &r.local,
+    });
+    hand_over(
+        &tag,
+        protocol,
+        (&mut prefill_scheduler, &mut decode_scheduler),
+        handovers,
+        (&prefills, &decodes),
+    )?;
     let model_requests: Vec<Request> = requests
         .iter()
         .flat_map(|r| model_loads(r, &prefill, &decode, per_id))
@@ -243,25 +230,16 @@ async fn hybrid_case(
         if refused(&prefill, &decode) {
             // Refused by name before any READ: every block failed, nothing moved.
             let RankEnd {
-                recving,
-                metrics,
-                errors,
-                ..
+                recving, errors, ..
             } = &end;
-            let refused = recving.len() == requests.len()
+            let named = recving.len() == requests.len()
                 && requests
                     .iter()
                     .all(|r| errors.iter().any(|e| e.request_id == r.id))
                 && errors.iter().all(|e| {
                     e.reason.contains("vLLM 0.33 reads a hybrid model's blocks only when the decode's block size is a multiple of the prefill's")
                 });
-            let refused = refused && metrics.iter().all(|m| m.bytes == 0);
-            if !refused {
-                return Err(format!("{tag}: decode rank {rank} was not refused: ended {recving:?}; errors {errors:?}; {metrics:?}"));
-            }
-            model
-                .check_decode(worker, &prefill, &decode, rank, &[])
-                .map_err(|err| format!("{tag}: {err}"))?;
+            end.check_refused(&tag, model, worker, (&prefill, &decode), named)?;
             continue;
         }
         end.check_moved(

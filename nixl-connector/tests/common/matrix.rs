@@ -5,10 +5,13 @@
 
 use std::time::{Duration, Instant};
 
-use nixl_connector::{FailedBlock, KvAttention, KvConnectorWorker, Protocol, TransferMetrics};
+use nixl_connector::{
+    FailedBlock, FinishStatus, KvAttention, KvConnectorScheduler, KvConnectorWorker,
+    KvTransferParams, Protocol, TransferMetrics,
+};
 
 use super::geometry::{engine_speaking, Model, Request, Side};
-use super::poll_until;
+use super::{for_decode, poll_until};
 
 /// How one decode rank's loads ended: the requests it reported received, what it read and
 /// the blocks that failed.
@@ -34,6 +37,28 @@ impl RankEnd {
             metrics: worker.metrics(),
             errors: worker.load_errors(),
         }
+    }
+
+    /// Checks that the loads were refused before any READ (`named`: each ended failed, as the
+    /// refusal says), read nothing and left every byte of the decode's cache as it was
+    /// (prefill and decode `sides` of `model`).
+    pub fn check_refused(
+        &self,
+        tag: &str,
+        model: &Model,
+        worker: &KvConnectorWorker,
+        (prefill, decode): (&Side, &Side),
+        named: bool,
+    ) -> Result<(), String> {
+        if !(named && self.metrics.iter().all(|m| m.bytes == 0)) {
+            return Err(format!(
+                "{tag}: decode rank {} was not refused: ended {:?}; errors {:?}; {:?}",
+                self.rank, self.recving, self.errors, self.metrics
+            ));
+        }
+        model
+            .check_decode(worker, prefill, decode, self.rank, &[])
+            .map_err(|err| format!("{tag}: {err}"))
     }
 
     /// Checks that `loads` loads ended without a failed block, and that they moved every
@@ -255,4 +280,57 @@ pub fn fill(
     for worker in decodes {
         model.fill_sentinel(worker, decode);
     }
+}
+
+/// A request a case hands over one block list per KV cache group.
+pub struct GroupsHandover<'a> {
+    /// The request's id.
+    pub id: &'a str,
+    /// The prompt's tokens the prefill computed.
+    pub tokens: usize,
+    /// Each group's prefill blocks.
+    pub remote: &'a [Vec<usize>],
+    /// Each group's decode blocks.
+    pub local: &'a [Vec<usize>],
+}
+
+/// Hands `requests` from `prefill_scheduler` over to `decode_scheduler` (through vLLM's JSON,
+/// as a proxy does, when `protocol` is vLLM's), then starts the loads of both engines'
+/// ranks: the prefill's `prefills` hold the blocks, the decode's `decodes` read them.
+pub fn hand_over<'a>(
+    tag: &str,
+    protocol: Protocol,
+    (prefill_scheduler, decode_scheduler): (&mut KvConnectorScheduler, &mut KvConnectorScheduler),
+    requests: impl IntoIterator<Item = GroupsHandover<'a>>,
+    (prefills, decodes): (&[KvConnectorWorker], &[KvConnectorWorker]),
+) -> Result<(), String> {
+    for request in requests {
+        let done = prefill_scheduler
+            .request_finished_all_groups(
+                request.id,
+                request.remote,
+                request.tokens,
+                Some(&for_decode()),
+                FinishStatus::LengthCapped,
+            )
+            .map_err(|err| format!("{tag}: {err}"))?;
+        let mut params = done.kv_transfer_params.unwrap();
+        if protocol == Protocol::Vllm {
+            // Through a proxy, as vLLM's JSON.
+            params = KvTransferParams::from_vllm_json(&params.to_vllm_json()).unwrap();
+        }
+        decode_scheduler.on_new_request(request.id, Some(&params));
+        decode_scheduler
+            .update_state_after_alloc_groups(request.id, request.local, &params)
+            .map_err(|err| format!("{tag}: {err}"))?;
+    }
+    let held = prefill_scheduler.build_connector_meta();
+    for worker in prefills {
+        worker.start_load_kv(&held);
+    }
+    let loads = decode_scheduler.build_connector_meta();
+    for worker in decodes {
+        worker.start_load_kv(&loads);
+    }
+    Ok(())
 }

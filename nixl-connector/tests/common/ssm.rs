@@ -8,13 +8,15 @@
 //! per rank) are the prefill's, its padding keeps what it held.
 
 use nixl_connector::{
-    FinishStatus, KvAttention, KvCacheGroups, KvConnectorScheduler, KvConnectorWorker,
-    KvTransferParams, SchedulerConfig, KV_CACHE_GROUPS_KEY,
+    KvAttention, KvCacheGroups, KvConnectorScheduler, KvConnectorWorker, Protocol, SchedulerConfig,
+    KV_CACHE_GROUPS_KEY,
 };
 
-use super::geometry::{engine_speaking_vllm, Model, Request, Side};
-use super::matrix::{attention_label, await_freed, fill, run_each, RankEnd};
-use super::{for_decode, vllm_config, vllm_factors};
+use super::geometry::{compare_region, engine_speaking_vllm, Model, Request, Side};
+use super::matrix::{
+    attention_label, await_freed, fill, hand_over, run_each, GroupsHandover, RankEnd,
+};
+use super::{vllm_config, vllm_factors};
 
 /// Blocks per region: room for both groups of two requests.
 pub const SSM_BLOCKS: usize = 40;
@@ -152,7 +154,6 @@ fn check_rank(
     let state: usize = conv.iter().sum::<usize>() + temporal;
     let loads: Vec<Request> = requests.iter().map(attention_load).collect();
     let refs: Vec<&Request> = loads.iter().collect();
-    let cache = worker.kv_caches().unwrap();
     for region in 0..model.regions.len() {
         let mut want = model.expected_decode_region(region, prefill, decode, rank, &refs);
         let sources: Vec<Vec<u8>> = (0..prefill.tp)
@@ -180,17 +181,7 @@ fn check_rank(
                 }
             }
         }
-        let mut got = vec![0u8; want.len()];
-        cache.read(region, 0, &mut got).unwrap();
-        if let Some(at) = (0..want.len()).find(|&i| got[i] != want[i]) {
-            return Err(format!(
-                "decode rank {rank} region {region}: byte {} of block {} is {:#04x}, the model wants {:#04x}",
-                at % len,
-                at / len,
-                got[at],
-                want[at]
-            ));
-        }
+        compare_region(worker, rank, region, len, &want)?;
     }
     let moved: usize = loads
         .iter()
@@ -235,53 +226,34 @@ async fn ssm_case(model: &Model, prefill: Side, decode: Side) -> Result<(), Stri
     let mut prefill_scheduler = scheduler(&engine_id, port, prefill.tp, block_size);
     let mut decode_scheduler = scheduler("dc", 0, decode.tp, decode.block_size);
     let requests = requests(&tag);
-    for request in &requests {
-        let done = prefill_scheduler
-            .request_finished_all_groups(
-                &request.id,
-                &request.remote,
-                7 * block_size - 1,
-                Some(&for_decode()),
-                FinishStatus::LengthCapped,
-            )
-            .map_err(|err| format!("{tag}: {err}"))?;
-        // Through a proxy, as vLLM's JSON.
-        let params =
-            KvTransferParams::from_vllm_json(&done.kv_transfer_params.unwrap().to_vllm_json())
-                .unwrap();
-        decode_scheduler.on_new_request(&request.id, Some(&params));
-        decode_scheduler
-            .update_state_after_alloc_groups(&request.id, &request.local, &params)
-            .map_err(|err| format!("{tag}: {err}"))?;
-    }
-    let held = prefill_scheduler.build_connector_meta();
-    for worker in &prefills {
-        worker.start_load_kv(&held);
-    }
-    let loads = decode_scheduler.build_connector_meta();
-    for worker in &decodes {
-        worker.start_load_kv(&loads);
-    }
+    let handovers = requests.iter().map(|r| GroupsHandover {
+        id: &r.id,
+        tokens: 7 * block_size - 1,
+        remote: &r.remote,
+        local: &r.local,
+    });
+    hand_over(
+        &tag,
+        Protocol::Vllm,
+        (&mut prefill_scheduler, &mut decode_scheduler),
+        handovers,
+        (&prefills, &decodes),
+    )?;
     for (rank, worker) in decodes.iter().enumerate() {
+        let end = RankEnd::of(worker, rank, requests.len()).await;
+        if let Some(reason) = refusal(model, &prefill, &decode) {
+            let named = end.recving.len() == requests.len()
+                && end.errors.len() >= requests.len()
+                && end.errors.iter().all(|e| e.reason.contains(reason));
+            end.check_refused(&tag, model, worker, (&prefill, &decode), named)?;
+            continue;
+        }
         let RankEnd {
             recving,
             metrics,
             errors,
             ..
-        } = RankEnd::of(worker, rank, requests.len()).await;
-        if let Some(reason) = refusal(model, &prefill, &decode) {
-            let refused = recving.len() == requests.len()
-                && errors.len() >= requests.len()
-                && errors.iter().all(|e| e.reason.contains(reason))
-                && metrics.iter().all(|m| m.bytes == 0);
-            if !refused {
-                return Err(format!("{tag}: decode rank {rank} was not refused: ended {recving:?}; errors {errors:?}; {metrics:?}"));
-            }
-            model
-                .check_decode(worker, &prefill, &decode, rank, &[])
-                .map_err(|err| format!("{tag}: {err}"))?;
-            continue;
-        }
+        } = end;
         if recving.len() != requests.len() || !errors.is_empty() {
             return Err(format!(
                 "{tag}: decode rank {rank} ended {recving:?}; errors {errors:?}; {metrics:?}"
