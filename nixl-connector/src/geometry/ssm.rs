@@ -20,6 +20,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::geometry::groups::{KvCacheGroupKind, KvCacheGroups};
 use crate::geometry::spec::KvCacheSpec;
+use crate::geometry::tp_mapping::MAX_TP_SIZE;
 
 const OP: &str = "SSM state of KV cache groups";
 
@@ -66,7 +67,7 @@ impl SsmState {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for no sub-projection, a part of 0 bytes, or sizes whose
-    /// sum overflows.
+    /// sum times [`MAX_TP_SIZE`](crate::MAX_TP_SIZE) overflows.
     pub fn new(conv_bytes: Vec<usize>, temporal_bytes: usize) -> Result<Self> {
         if conv_bytes.is_empty() {
             return Err(Error::invalid(
@@ -82,11 +83,16 @@ impl SsmState {
                 ),
             ));
         }
+        // Reads from another TP place slices at up to the state times the TP ratio.
         let total = conv_bytes
             .iter()
-            .try_fold(temporal_bytes, |sum, &n| sum.checked_add(n));
+            .try_fold(temporal_bytes, |sum, &n| sum.checked_add(n))
+            .and_then(|sum| sum.checked_mul(MAX_TP_SIZE));
         if total.is_none() {
-            return Err(Error::invalid(OP, "ssm_state: the sizes overflow"));
+            return Err(Error::invalid(
+                OP,
+                format!("ssm_state: the sizes overflow (their sum times the largest TP, {MAX_TP_SIZE}, must fit in memory)"),
+            ));
         }
         Ok(SsmState {
             conv_bytes,
@@ -506,6 +512,31 @@ mod tests {
         ] {
             let err = SsmState::new(conv, temporal).unwrap_err().to_string();
             assert!(err.contains(want), "{err}");
+        }
+    }
+
+    #[test]
+    fn a_state_too_large_to_scale_over_the_largest_tp_is_refused() {
+        // Parts of 2^62 bytes: a decode of TP 2 reading a prefill of TP 1 (whose ssm_sizes
+        // a peer can claim) would place the temporal state's slice past usize::MAX.
+        let err = SsmState::new(vec![1 << 62], 1 << 62)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("times the largest TP"), "{err}");
+        // The largest state accepted is read from any TP without overflowing: refused by
+        // name, its blocks too small.
+        let part = (usize::MAX / MAX_TP_SIZE / 2) & !(MAX_TP_SIZE - 1);
+        let state = SsmState::new(vec![part], part).unwrap();
+        let largest = (MAX_TP_SIZE - 1, MAX_TP_SIZE);
+        for (reader, source) in [(largest, (0, 1)), ((0, 1), largest)] {
+            let err = SsmReads::new(
+                &state,
+                (&spec(128, 1), reader),
+                (&spec(128, 1), source),
+                (0, 0),
+            )
+            .unwrap_err();
+            assert!(err.contains("cannot hold the SSM state"), "{err}");
         }
     }
 

@@ -394,7 +394,14 @@ fn post_one(
         .as_ref()
         .ok_or(Error::NotRegistered { operation: OP })?;
     let plan = &remote.plan;
-    let remote_ids = blocks_of_ids(&load.remote.block_ids, remote.blocks_per_id)?;
+    // Each group names a block once: at most the remote rank's blocks per group.
+    let remote_ids = blocks_of_ids(
+        &load.remote.block_ids,
+        remote.blocks_per_id,
+        plan.remote_num_blocks
+            .saturating_mul(load.remote.group_lens.len().max(1)),
+        "remote_block_ids",
+    )?;
     if let Some(bad) = remote_ids.iter().find(|&&b| b >= plan.remote_num_blocks) {
         return Err(Error::invalid(
             OP,
@@ -424,7 +431,12 @@ fn post_one(
         )?;
         let local_lens =
             kernel_group_lens(&load.local_block_ids, &load.local_group_lens, local_per_id)?;
-        let local_ids = blocks_of_ids(&load.local_block_ids, local_per_id)?;
+        let local_ids = blocks_of_ids(
+            &load.local_block_ids,
+            local_per_id,
+            caches.spec.num_blocks.saturating_mul(local_lens.len()),
+            "local block ids",
+        )?;
         if let Some(bad) = local_ids.iter().find(|&&b| b >= caches.spec.num_blocks) {
             return Err(Error::invalid(
                 OP,
@@ -545,21 +557,40 @@ fn local_blocks_per_id(
 /// (vLLM's `_logical_to_kernel_block_ids`: logical block `b` is kernel blocks
 /// `b * per_id .. (b + 1) * per_id`).
 ///
+/// The ids are a peer's (`what` names them): more kernel blocks than `max_blocks` (each
+/// group's list names a block once) are refused before a list of them is made.
+///
 /// # Errors
-/// [`Error::InvalidArgument`] for an id whose blocks overflow.
-fn blocks_of_ids(ids: &[usize], per_id: usize) -> Result<Cow<'_, [usize]>> {
+/// [`Error::InvalidArgument`] for an id whose blocks overflow, or more than `max_blocks`.
+fn blocks_of_ids<'a>(
+    ids: &'a [usize],
+    per_id: usize,
+    max_blocks: usize,
+    what: &str,
+) -> Result<Cow<'a, [usize]>> {
+    const OP: &str = "load remote blocks";
     if per_id == 1 {
         return Ok(Cow::Borrowed(ids));
     }
-    let mut blocks = Vec::with_capacity(ids.len().saturating_mul(per_id));
+    let total = ids.len().checked_mul(per_id).filter(|&n| n <= max_blocks);
+    let Some(total) = total else {
+        return Err(Error::invalid(
+            OP,
+            format!(
+                "{what}: {} block ids of {per_id} kernel blocks each name more than the {max_blocks} blocks of the KV caches' groups",
+                ids.len()
+            ),
+        ));
+    };
+    let mut blocks = Vec::with_capacity(total);
     for &id in ids {
         let end = id
             .checked_add(1)
             .and_then(|n| n.checked_mul(per_id))
             .ok_or_else(|| {
                 Error::invalid(
-                    "load remote blocks",
-                    format!("remote block id {id} of {per_id} kernel blocks each overflows"),
+                    OP,
+                    format!("{what}: block id {id} of {per_id} kernel blocks each overflows"),
                 )
             })?;
         blocks.extend(end - per_id..end);
@@ -674,4 +705,31 @@ fn report_overdue(shared: &Shared, load: &Load, deadline: Duration) {
         block_ids: load.local_block_ids.clone(),
         deadline,
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn block_ids_name_no_more_kernel_blocks_than_the_cache_holds() {
+        assert_eq!(
+            blocks_of_ids(&[0, 3], 2, 8, "remote_block_ids").unwrap()[..],
+            [0, 1, 6, 7]
+        );
+        // A peer's list of 4,096 ids of 1,024 kernel blocks each (its
+        // physical_blocks_per_logical_kv_block) names 4 Mi blocks of a cache of 2,048: refused
+        // before any list of that size is made.
+        let err = blocks_of_ids(&[0; 1 << 12], 1 << 10, 2048, "remote_block_ids")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("remote_block_ids: 4096 block ids of 1024 kernel blocks each name more than the 2048 blocks"),
+            "{err}"
+        );
+        let err = blocks_of_ids(&[usize::MAX], 2, usize::MAX, "remote_block_ids")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("remote_block_ids: block id"), "{err}");
+    }
 }
