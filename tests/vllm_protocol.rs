@@ -1264,6 +1264,61 @@ async fn a_rust_decode_of_ssm_groups_refuses_a_python_prefill_of_two_kernel_bloc
     assert_eq!(decode.metrics().iter().map(|m| m.bytes).sum::<u64>(), 0);
 }
 
+/// vLLM moves a Mamba state page whole whatever the attention blocks' sizes (its
+/// `_map_block_ids_for_block_size_ratio` leaves SSM groups alone): a Rust decode of 16-token
+/// blocks reads from a Python prefill of 8-token blocks (`block_size_ratio` 2) each
+/// attention block as two prefill blocks, a head at a time, and the Mamba group's state
+/// block, its conv sub-projections and temporal state only, from the prefill's smaller
+/// page; every other byte untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rust_decode_of_ssm_groups_reads_the_state_block_of_a_python_prefill_of_smaller_blocks() {
+    let mut peer = VllmPeer::start();
+    let hash = factors().hash();
+    let (small_blocks, small_len) = (2 * BLOCKS, BLOCK_LEN / 2);
+    peer.json(&format!(
+        "kv_prefill {hash} 0 0 py-ssm-ratio {REGIONS} {small_blocks} {small_len} 8 -1,-1 1 {SSM_ARG}"
+    ));
+    let (decode, mut scheduler) = vllm_engine_with("rs-decode-ssm-ratio", ssm_kv(&factors(), 1));
+    let cache = decode.kv_caches().unwrap();
+    for region in 0..REGIONS {
+        cache.write(region, 0, &[0xEE; BLOCKS * BLOCK_LEN]).unwrap();
+    }
+    // A 31-token prompt: four 8-token prefill blocks, two 16-token decode blocks.
+    let json = peer.call(&format!(
+        "kv_finish {} 3,5,7,9;0,6,7 ssm:1 31",
+        hex(b"py-ssm-ratio-1")
+    ));
+    let local = [vec![0, 2], vec![11, 12, 13]];
+    let outcome =
+        load_groups_from_python((&decode, &mut scheduler), "py-ssm-ratio-1", &json, &local).await;
+    assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
+    let units = [(0, 0, 3), (0, 1, 5), (2, 0, 7), (2, 1, 9)];
+    let state: usize = SSM_CONV.iter().sum::<usize>() + SSM_TEMPORAL;
+    for region in 0..REGIONS {
+        let mut want = decode_after(region, &units, 8);
+        // The state block (the one before the scratch block 13): its state only.
+        for o in 0..state {
+            want[12 * BLOCK_LEN + o] = python_byte(region, 6 * small_len + o);
+        }
+        let mut got = vec![0u8; want.len()];
+        cache.read(region, 0, &mut got).unwrap();
+        if let Some(at) = (0..want.len()).find(|&i| got[i] != want[i]) {
+            panic!(
+                "region {region}: byte {} of block {} is {:#04x}, want {:#04x}",
+                at % BLOCK_LEN,
+                at / BLOCK_LEN,
+                got[at],
+                want[at]
+            );
+        }
+    }
+    let attention = 2 * REGIONS * BLOCK_LEN;
+    assert_eq!(
+        decode.metrics().iter().map(|m| m.bytes).sum::<u64>(),
+        (attention + REGIONS * state) as u64
+    );
+}
+
 /// A Rust decode of TP 2 from a Python prefill of TP 1 of a full-attention group and a
 /// Mamba group: each rank reads its half of every conv sub-projection and of the temporal
 /// state (vLLM's `_build_mamba_remote` with a TP ratio of 2) into its own page, whose

@@ -172,8 +172,11 @@ async fn an_attention_and_ssm_model_moves_every_byte_where_the_model_says() {
         (side(2, 4), side(4, 4)),
         (side(2, 4), side(1, 4)),
         (side(4, 4), side(2, 4)),
-        (side(1, 4), side(1, 8)),
         (side(2, 8), side(2, 4)),
+        // Decode blocks of 2 and 4 times the prefill's tokens: the state block whole.
+        (side(1, 4), side(1, 8)),
+        (side(1, 4), side(2, 8)),
+        (side(2, 4), side(1, 16)),
     ];
     run_ssm_cases(&model, &cases).await;
     // MLA's replicated latent beside the state split across the ranks.
@@ -182,7 +185,8 @@ async fn an_attention_and_ssm_model_moves_every_byte_where_the_model_says() {
         layout: KvLayout::Hnd,
         regions: vec![(KvRegionKind::Tensor, 24), (KvRegionKind::Tensor, 16)],
     };
-    run_ssm_cases(&mla, &cases[..5]).await;
+    let mla_cases: Vec<(Side, Side)> = cases[..5].iter().chain(&cases[7..8]).copied().collect();
+    run_ssm_cases(&mla, &mla_cases).await;
 }
 
 /// A geometry the decode cannot read: the load is refused naming `reason`, before any READ

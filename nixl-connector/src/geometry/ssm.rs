@@ -210,27 +210,27 @@ impl KvCacheGroups {
         Ok(self.ssm_state.as_ref())
     }
 
-    /// Refuses SSM groups unless both engines' blocks hold as many tokens, each block id one
-    /// registered (kernel) block: `local` is this engine's (tokens per registered block,
-    /// registered blocks per block id), `remote` the prefill's when known.
+    /// Refuses SSM groups unless each block id is one registered (kernel) block on both
+    /// engines: `local` is this engine's (tokens per registered block, registered blocks
+    /// per block id), `remote` the prefill's when known. Blocks of different sizes pass: a
+    /// state block moves whole whatever the attention blocks' sizes (vLLM's
+    /// `_map_block_ids_for_block_size_ratio` leaves SSM groups alone).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] naming both geometries and vLLM's rule.
+    /// [`Error::InvalidArgument`] naming both geometries.
     #[cfg(feature = "vllm")]
     pub(crate) fn refuse_ssm_with_kernel_blocks(
         &self,
         local: (usize, usize),
         remote: Option<(usize, usize)>,
     ) -> Result<()> {
-        const RULE: &str = "vLLM 0.33 moves a Mamba state block whole, never split into another engine's block size nor expanded into kernel blocks (its _logical_to_kernel_block_ids leaves SSM groups alone), and refuses Mamba models whose engines differ in physical_blocks_per_logical_kv_block under prefix caching";
+        const RULE: &str = "a Mamba state block is a whole block id, never expanded into kernel blocks (vLLM 0.33's _logical_to_kernel_block_ids leaves SSM groups alone), and this connector reads it only where a block id is one registered block";
         if !self.has_ssm_groups() {
             return Ok(());
         }
         let (tokens, per_id) = local;
         let what = match remote {
-            Some((far_tokens, far_per_id))
-                if (far_tokens, far_per_id) != (tokens, 1) || per_id != 1 =>
-            {
+            Some((far_tokens, far_per_id)) if far_per_id != 1 || per_id != 1 => {
                 format!(
                     "blocks of {tokens} tokens here ({per_id} kernel blocks per block id) and of {far_tokens} on the prefill ({far_per_id} per block id)"
                 )
@@ -243,7 +243,7 @@ impl KvCacheGroups {
         };
         Err(Error::invalid(
             OP,
-            format!("SSM (Mamba) KV cache groups with {what} are not supported: {RULE}; give both engines blocks of the same size, kv_cache_groups.block_size the registered blocks'"),
+            format!("SSM (Mamba) KV cache groups with {what} are not supported: {RULE}; give both engines kv_cache_groups.block_size the registered blocks'"),
         ))
     }
 
@@ -511,7 +511,7 @@ mod tests {
 
     #[cfg(feature = "vllm")]
     #[test]
-    fn ssm_groups_are_read_only_between_blocks_of_as_many_tokens_one_per_id() {
+    fn ssm_groups_are_read_only_with_one_kernel_block_per_id() {
         let kinds = vec![
             KvCacheGroupKind::FullAttention,
             KvCacheGroupKind::Ssm {
@@ -523,16 +523,15 @@ mod tests {
         assert!(ssm
             .refuse_ssm_with_kernel_blocks((32, 1), Some((32, 1)))
             .is_ok());
+        // Blocks of different sizes: the state block moves whole.
+        assert!(ssm
+            .refuse_ssm_with_kernel_blocks((32, 1), Some((16, 1)))
+            .is_ok());
         for (local, remote, want) in [
             (
                 (16, 2),
                 None,
                 "block ids of 2 registered blocks of 16 tokens each",
-            ),
-            (
-                (32, 1),
-                Some((16, 1)),
-                "of 16 on the prefill (1 per block id)",
             ),
             (
                 (32, 1),

@@ -83,7 +83,7 @@ impl VllmWorker {
     /// [`Error::CompatibilityMismatch`] naming both hashes; [`Error::Protocol`] for metadata
     /// that does not decode; [`Error::InvalidArgument`] for geometry the connector does not
     /// read (see [`NixlAgentMetadata::kv_cache_spec`](super::NixlAgentMetadata::kv_cache_spec);
-    /// with SSM groups, blocks of another size or several kernel blocks per id) or agent
+    /// with SSM groups, several kernel blocks per id) or agent
     /// metadata that is not NIXL's.
     pub(crate) async fn fetch(
         &self,

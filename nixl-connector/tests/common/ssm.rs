@@ -45,13 +45,14 @@ fn state_byte(part: usize, j: usize, tp: usize) -> (usize, usize) {
 }
 
 /// Why a decode of `decode` does not read the state from a prefill of `prefill` of `model`,
-/// as its refusal says; `None` when it reads it: blocks of as many tokens on both engines,
-/// and the prefill's TP dividing the decode's, or, from a larger prefill TP, every prefill
+/// as its refusal says; `None` when it reads it: decode blocks of a multiple of the
+/// prefill's tokens (the state block moves whole whatever their sizes), and the prefill's
+/// TP dividing the decode's, or, from a larger prefill TP, every prefill
 /// rank of a decode rank's group read from (MHA whose heads are not replicated; MLA reads
 /// its latent from one rank only).
 fn refusal(model: &Model, prefill: &Side, decode: &Side) -> Option<&'static str> {
-    if prefill.block_size != decode.block_size {
-        return Some("SSM (Mamba) KV cache groups with blocks of");
+    if prefill.block_size > decode.block_size {
+        return Some("block_size_ratio");
     }
     let reads = match model.attention {
         _ if decode.tp % prefill.tp == 0 => true,
@@ -99,22 +100,33 @@ struct SsmRequest {
     local: [Vec<usize>; 2],
 }
 
-/// The whole prompt of 7 blocks, then the same prompt with the decode's first block in its
-/// prefix cache; the SSM lists of each side end with a scratch block, and begin with a
-/// null block (0) on the prefill, as vLLM's Mamba manager leaves them.
-fn requests(tag: &str) -> [SsmRequest; 2] {
+/// The prompt of a prefill of blocks of `block_size` tokens: 7 blocks but the last token
+/// (which the decode computes, vLLM's `_prefill_backoff`).
+fn prompt_tokens(block_size: usize) -> usize {
+    PROMPT_BLOCKS * block_size - 1
+}
+
+/// The prefill blocks of a prompt.
+const PROMPT_BLOCKS: usize = 7;
+
+/// The whole prompt of 7 prefill blocks, then the same prompt with the decode's first block
+/// in its prefix cache, on a decode whose blocks hold `ratio` prefill blocks each; the SSM
+/// lists of each side end with a scratch block, and begin with a null block (0) on the
+/// prefill, as vLLM's Mamba manager leaves them.
+fn requests(tag: &str, ratio: usize) -> [SsmRequest; 2] {
     let ids = |first: usize, n: usize| (first..first + n).collect::<Vec<usize>>();
-    let remote = [ids(1, 7), vec![0, 20, 21, 22]];
+    let remote = [ids(1, PROMPT_BLOCKS), vec![0, 20, 21, 22]];
+    let local = PROMPT_BLOCKS.div_ceil(ratio);
     [
         SsmRequest {
             id: format!("{tag}-whole"),
             remote: remote.clone(),
-            local: [ids(2, 7), vec![35, 36, 37]],
+            local: [ids(2, local), vec![35, 36, 37]],
         },
         SsmRequest {
             id: format!("{tag}-hit"),
             remote,
-            local: [ids(22, 6), vec![38, 39]],
+            local: [ids(22, local - 1), vec![38, 39]],
         },
     ]
 }
@@ -125,14 +137,14 @@ fn state_block(ids: &[usize]) -> usize {
     ids[ids.len() - 1 - SPECULATIVE.min(ids.len() - 1)]
 }
 
-/// The attention group's load of `request`, for the model: every decode block paired with
-/// the last of the prefill's.
-fn attention_load(request: &SsmRequest) -> Request {
+/// The attention group's load of `request` from a prefill of blocks of `block_size`
+/// tokens, for the model: the decode's blocks filled with the prompt's last tokens.
+fn attention_load(request: &SsmRequest, block_size: usize) -> Request {
     Request {
         id: request.id.clone(),
         remote: request.remote[0].clone(),
         local: request.local[0].clone(),
-        num_tokens: None,
+        num_tokens: Some(prompt_tokens(block_size)),
     }
 }
 
@@ -150,7 +162,10 @@ fn check_rank(
 ) -> Result<(), String> {
     let (conv, temporal) = rank_state(decode.tp);
     let state: usize = conv.iter().sum::<usize>() + temporal;
-    let loads: Vec<Request> = requests.iter().map(attention_load).collect();
+    let loads: Vec<Request> = requests
+        .iter()
+        .map(|r| attention_load(r, prefill.block_size))
+        .collect();
     let refs: Vec<&Request> = loads.iter().collect();
     let cache = worker.kv_caches().unwrap();
     for region in 0..model.regions.len() {
@@ -211,10 +226,12 @@ fn check_rank(
 /// READ.
 async fn ssm_case(model: &Model, prefill: Side, decode: Side) -> Result<(), String> {
     let tag = format!(
-        "ssm-{}-p{}-d{}",
+        "ssm-{}-p{}b{}-d{}b{}",
         attention_label(model),
         prefill.tp,
-        decode.tp
+        prefill.block_size,
+        decode.tp,
+        decode.block_size
     );
     let engine_id = format!("pf-{tag}");
     let block_size = prefill.block_size;
@@ -234,13 +251,13 @@ async fn ssm_case(model: &Model, prefill: Side, decode: Side) -> Result<(), Stri
     let port = prefills[0].side_channel_addr().unwrap().port();
     let mut prefill_scheduler = scheduler(&engine_id, port, prefill.tp, block_size);
     let mut decode_scheduler = scheduler("dc", 0, decode.tp, decode.block_size);
-    let requests = requests(&tag);
+    let requests = requests(&tag, (decode.block_size / block_size).max(1));
     for request in &requests {
         let done = prefill_scheduler
             .request_finished_all_groups(
                 &request.id,
                 &request.remote,
-                7 * block_size - 1,
+                prompt_tokens(block_size),
                 Some(&for_decode()),
                 FinishStatus::LengthCapped,
             )
