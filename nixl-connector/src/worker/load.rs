@@ -394,7 +394,12 @@ fn post_one(
         .as_ref()
         .ok_or(Error::NotRegistered { operation: OP })?;
     let plan = &remote.plan;
-    let remote_ids = blocks_of_ids(&load.remote.block_ids, remote.blocks_per_id)?;
+    let is_state = |g| is_ssm_group(shared, g);
+    let remote_ids = blocks_of_ids(
+        (&load.remote.block_ids, &load.remote.group_lens),
+        remote.blocks_per_id,
+        is_state,
+    )?;
     if let Some(bad) = remote_ids.iter().find(|&&b| b >= plan.remote_num_blocks) {
         return Err(Error::invalid(
             OP,
@@ -421,10 +426,19 @@ fn post_one(
             &load.remote.block_ids,
             &load.remote.group_lens,
             remote.blocks_per_id,
+            is_state,
         )?;
-        let local_lens =
-            kernel_group_lens(&load.local_block_ids, &load.local_group_lens, local_per_id)?;
-        let local_ids = blocks_of_ids(&load.local_block_ids, local_per_id)?;
+        let local_lens = kernel_group_lens(
+            &load.local_block_ids,
+            &load.local_group_lens,
+            local_per_id,
+            is_state,
+        )?;
+        let local_ids = blocks_of_ids(
+            (&load.local_block_ids, &load.local_group_lens),
+            local_per_id,
+            is_state,
+        )?;
         if let Some(bad) = local_ids.iter().find(|&&b| b >= caches.spec.num_blocks) {
             return Err(Error::invalid(
                 OP,
@@ -447,7 +461,7 @@ fn post_one(
             sizes,
             load.remote.num_tokens,
             (local_per_id, remote.blocks_per_id),
-            |g| is_ssm_group(shared, g),
+            is_state,
         )?
     };
     let own = own_region_groups(shared);
@@ -457,7 +471,9 @@ fn post_one(
         let (attention, state) =
             split_state_pairs(&pairs, &group_pairs, |g| is_ssm_group(shared, g))?;
         let (mut local, mut far, bytes) = plan.descriptor_ids(caches.spec.num_blocks, &attention);
-        let (state_local, state_far, state_bytes) = ssm.descriptor_ids(&state);
+        let (state_local, state_far, state_bytes) = ssm
+            .descriptor_ids(&state)
+            .map_err(|why| Error::invalid(OP, why))?;
         local.extend(state_local);
         far.extend(state_far);
         (local, far, bytes + state_bytes)
@@ -541,17 +557,57 @@ fn local_blocks_per_id(
     Ok(1)
 }
 
-/// The remote rank's blocks of the transfer params' block `ids`, `per_id` blocks each
-/// (vLLM's `_logical_to_kernel_block_ids`: logical block `b` is kernel blocks
-/// `b * per_id .. (b + 1) * per_id`).
+/// The registered (kernel) blocks of block `ids` (`group_lens` of them per KV cache group;
+/// none: one group), `per_id` blocks each (vLLM's `_logical_to_kernel_block_ids`: logical
+/// block `b` is kernel blocks `b * per_id .. (b + 1) * per_id`), but the ids of the groups
+/// that are `is_state` (SSM), which stay block ids: a state page is a whole id.
 ///
 /// # Errors
-/// [`Error::InvalidArgument`] for an id whose blocks overflow.
-fn blocks_of_ids(ids: &[usize], per_id: usize) -> Result<Cow<'_, [usize]>> {
+/// [`Error::InvalidArgument`] for an id whose blocks overflow, or group counts past the ids.
+fn blocks_of_ids<'a>(
+    (ids, group_lens): (&'a [usize], &[usize]),
+    per_id: usize,
+    is_state: impl Fn(usize) -> bool,
+) -> Result<Cow<'a, [usize]>> {
     if per_id == 1 {
         return Ok(Cow::Borrowed(ids));
     }
     let mut blocks = Vec::with_capacity(ids.len().saturating_mul(per_id));
+    let miscounted = || {
+        Error::invalid(
+            "load remote blocks",
+            format!("group counts {group_lens:?} for {} block ids", ids.len()),
+        )
+    };
+    let mut rest = ids;
+    let one = [ids.len()];
+    let lens = if group_lens.is_empty() {
+        &one[..]
+    } else {
+        group_lens
+    };
+    for (group, &n) in lens.iter().enumerate() {
+        let Some((these, tail)) = rest.split_at_checked(n) else {
+            return Err(miscounted());
+        };
+        rest = tail;
+        if is_state(group) {
+            blocks.extend_from_slice(these);
+            continue;
+        }
+        expand_ids(these, per_id, &mut blocks)?;
+    }
+    if !rest.is_empty() {
+        return Err(miscounted());
+    }
+    Ok(Cow::Owned(blocks))
+}
+
+/// Appends to `blocks` the `per_id` kernel blocks of each of `ids`.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for an id whose blocks overflow.
+fn expand_ids(ids: &[usize], per_id: usize, blocks: &mut Vec<usize>) -> Result<()> {
     for &id in ids {
         let end = id
             .checked_add(1)
@@ -564,15 +620,21 @@ fn blocks_of_ids(ids: &[usize], per_id: usize) -> Result<Cow<'_, [usize]>> {
             })?;
         blocks.extend(end - per_id..end);
     }
-    Ok(Cow::Owned(blocks))
+    Ok(())
 }
 
 /// How many kernel blocks each KV cache group of block `ids` has, `group_lens` of the ids
-/// each (none: one group of every id), `per_id` kernel blocks per id.
+/// each (none: one group of every id), `per_id` kernel blocks per id; an `is_state` (SSM)
+/// group's ids stay block ids.
 ///
 /// # Errors
 /// [`Error::InvalidArgument`] for a count whose blocks overflow.
-fn kernel_group_lens(ids: &[usize], group_lens: &[usize], per_id: usize) -> Result<Vec<usize>> {
+fn kernel_group_lens(
+    ids: &[usize],
+    group_lens: &[usize],
+    per_id: usize,
+    is_state: impl Fn(usize) -> bool,
+) -> Result<Vec<usize>> {
     let one = [ids.len()];
     let lens = if group_lens.is_empty() {
         &one[..]
@@ -580,7 +642,9 @@ fn kernel_group_lens(ids: &[usize], group_lens: &[usize], per_id: usize) -> Resu
         group_lens
     };
     lens.iter()
-        .map(|&n| {
+        .enumerate()
+        .map(|(group, &n)| {
+            let per_id = if is_state(group) { 1 } else { per_id };
             n.checked_mul(per_id).ok_or_else(|| {
                 Error::invalid(
                     "load remote blocks",
