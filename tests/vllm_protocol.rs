@@ -1214,10 +1214,11 @@ async fn a_rust_decode_of_attention_and_ssm_groups_reads_the_state_block_from_a_
     );
 }
 
-/// vLLM moves a Mamba state block whole, never expanded into kernel blocks: a Rust decode
-/// of a full-attention group and a Mamba group refuses, in the handshake, a Python prefill
-/// whose block ids are two kernel blocks each (`physical_blocks_per_logical_kv_block` 2),
-/// naming vLLM's rule, and reads nothing.
+/// vLLM 0.33 refuses Mamba models whose engines differ in
+/// `physical_blocks_per_logical_kv_block` under prefix caching: a Rust decode of a
+/// full-attention group and a Mamba group, one kernel block per id, refuses in the
+/// handshake a Python prefill whose block ids are two kernel blocks each, naming vLLM's
+/// rule, and reads nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rust_decode_of_ssm_groups_refuses_a_python_prefill_of_two_kernel_blocks_per_id() {
     let mut peer = VllmPeer::start();
@@ -1237,8 +1238,8 @@ async fn a_rust_decode_of_ssm_groups_refuses_a_python_prefill_of_two_kernel_bloc
         panic!("{outcome:?}")
     };
     assert!(
-        reason.contains("SSM (Mamba) KV cache groups with blocks of 16 tokens here (1 kernel blocks per block id) and of 16 on the prefill (2 per block id)")
-            && reason.contains("_logical_to_kernel_block_ids"),
+        reason.contains("SSM (Mamba) KV cache groups with block ids of 1 kernel blocks of 16 tokens here and of 2 of 16 on the prefill")
+            && reason.contains("under prefix caching"),
         "{reason}"
     );
     for region in 0..REGIONS {
@@ -1247,6 +1248,121 @@ async fn a_rust_decode_of_ssm_groups_refuses_a_python_prefill_of_two_kernel_bloc
         assert!(got == untouched, "region {region}: a byte was written");
     }
     assert_eq!(decode.metrics().iter().map(|m| m.bytes).sum::<u64>(), 0);
+}
+
+/// vLLM's hybrid Mamba models with block ids of two kernel blocks on both engines
+/// (`physical_blocks_per_logical_kv_block` 2, the attention kernel's block half the
+/// logical one): a Rust decode reads each attention id as its two kernel blocks, and the
+/// Mamba group's state block as one page of its id's two kernel blocks (vLLM's
+/// `_logical_to_kernel_block_ids` leaves SSM groups alone; `_build_mamba_local` strides by
+/// the page), its state from the prefill's page of its id; every other byte untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rust_decode_of_ssm_groups_reads_the_state_page_of_two_kernel_blocks_per_id() {
+    let mut peer = VllmPeer::start();
+    let hash = factors().hash();
+    peer.json(&format!(
+        "kv_prefill {hash} 0 0 py-ssm-ppl2 {REGIONS} {BLOCKS} {BLOCK_LEN} 16 -1,-1 2 {SSM_ARG}"
+    ));
+    let mut kv = ssm_kv(&factors(), 1);
+    kv.kv_connector_extra_config
+        .get_mut(KV_CACHE_GROUPS_KEY)
+        .unwrap()["block_size"] = json!(32);
+    let (decode, mut scheduler) = vllm_engine_with("rs-decode-ssm-ppl2", kv);
+    let cache = decode.kv_caches().unwrap();
+    for region in 0..REGIONS {
+        cache.write(region, 0, &[0xEE; BLOCKS * BLOCK_LEN]).unwrap();
+    }
+    // A 60-token prompt: ids 1 and 4 (kernel blocks 2, 3, 8, 9); the state in id 3.
+    let json = peer.call(&format!(
+        "kv_finish {} 1,4;0,3,7 ssm:1 60",
+        hex(b"py-ssm-ppl2-1")
+    ));
+    let vllm: Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(vllm["remote_block_ids"], json!([[1, 4], [3]]));
+    // Ids 2 and 5 (kernel blocks 4, 5, 10, 11); the state in id 6 (before scratch 7).
+    let local = [vec![2, 5], vec![4, 6, 7]];
+    let outcome =
+        load_groups_from_python((&decode, &mut scheduler), "py-ssm-ppl2-1", &json, &local).await;
+    assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
+    let units = [(4, 0, 2), (5, 0, 3), (10, 0, 8), (11, 0, 9)];
+    let state: usize = SSM_CONV.iter().sum::<usize>() + SSM_TEMPORAL;
+    for region in 0..REGIONS {
+        let mut want = decode_after(region, &units, 16);
+        // Id 6's page starts at kernel block 12; the prefill's id 3 at its kernel block 6.
+        for o in 0..state {
+            want[12 * BLOCK_LEN + o] = python_byte(region, 6 * BLOCK_LEN + o);
+        }
+        let mut got = vec![0u8; want.len()];
+        cache.read(region, 0, &mut got).unwrap();
+        if let Some(at) = (0..want.len()).find(|&i| got[i] != want[i]) {
+            panic!(
+                "region {region}: byte {} of block {} is {:#04x}, want {:#04x}",
+                at % BLOCK_LEN,
+                at / BLOCK_LEN,
+                got[at],
+                want[at]
+            );
+        }
+    }
+    assert_eq!(
+        decode.metrics().iter().map(|m| m.bytes).sum::<u64>(),
+        (4 * REGIONS * BLOCK_LEN + REGIONS * state) as u64
+    );
+}
+
+/// vLLM moves a Mamba state page whole whatever the attention blocks' sizes (its
+/// `_map_block_ids_for_block_size_ratio` leaves SSM groups alone): a Rust decode of 16-token
+/// blocks reads from a Python prefill of 8-token blocks (`block_size_ratio` 2) each
+/// attention block as two prefill blocks, a head at a time, and the Mamba group's state
+/// block, its conv sub-projections and temporal state only, from the prefill's smaller
+/// page; every other byte untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rust_decode_of_ssm_groups_reads_the_state_block_of_a_python_prefill_of_smaller_blocks() {
+    let mut peer = VllmPeer::start();
+    let hash = factors().hash();
+    let (small_blocks, small_len) = (2 * BLOCKS, BLOCK_LEN / 2);
+    peer.json(&format!(
+        "kv_prefill {hash} 0 0 py-ssm-ratio {REGIONS} {small_blocks} {small_len} 8 -1,-1 1 {SSM_ARG}"
+    ));
+    let (decode, mut scheduler) = vllm_engine_with("rs-decode-ssm-ratio", ssm_kv(&factors(), 1));
+    let cache = decode.kv_caches().unwrap();
+    for region in 0..REGIONS {
+        cache.write(region, 0, &[0xEE; BLOCKS * BLOCK_LEN]).unwrap();
+    }
+    // A 31-token prompt: four 8-token prefill blocks, two 16-token decode blocks.
+    let json = peer.call(&format!(
+        "kv_finish {} 3,5,7,9;0,6,7 ssm:1 31",
+        hex(b"py-ssm-ratio-1")
+    ));
+    let local = [vec![0, 2], vec![11, 12, 13]];
+    let outcome =
+        load_groups_from_python((&decode, &mut scheduler), "py-ssm-ratio-1", &json, &local).await;
+    assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
+    let units = [(0, 0, 3), (0, 1, 5), (2, 0, 7), (2, 1, 9)];
+    let state: usize = SSM_CONV.iter().sum::<usize>() + SSM_TEMPORAL;
+    for region in 0..REGIONS {
+        let mut want = decode_after(region, &units, 8);
+        // The state block (the one before the scratch block 13): its state only.
+        for o in 0..state {
+            want[12 * BLOCK_LEN + o] = python_byte(region, 6 * small_len + o);
+        }
+        let mut got = vec![0u8; want.len()];
+        cache.read(region, 0, &mut got).unwrap();
+        if let Some(at) = (0..want.len()).find(|&i| got[i] != want[i]) {
+            panic!(
+                "region {region}: byte {} of block {} is {:#04x}, want {:#04x}",
+                at % BLOCK_LEN,
+                at / BLOCK_LEN,
+                got[at],
+                want[at]
+            );
+        }
+    }
+    let attention = 2 * REGIONS * BLOCK_LEN;
+    assert_eq!(
+        decode.metrics().iter().map(|m| m.bytes).sum::<u64>(),
+        (attention + REGIONS * state) as u64
+    );
 }
 
 /// A Rust decode of TP 2 from a Python prefill of TP 1 of a full-attention group and a

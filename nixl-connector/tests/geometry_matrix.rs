@@ -26,10 +26,10 @@ mod common;
 use nixl_connector::{Error, KvAttention, KvConnectorWorker, KvLayout, KvRegionKind, Protocol};
 
 use common::geometry::{engine, Model, Request, Side};
-use common::hybrid::{run_hybrid_cases, HYBRID_BLOCKS};
+use common::hybrid::{run_hybrid_cases, PerId, HYBRID_BLOCKS};
 use common::matrix::{run_cases_speaking, BLOCKS, WAIT};
 use common::poll_until;
-use common::ssm::{run_ssm_cases, SSM_BLOCKS};
+use common::ssm::{run_ssm_cases, run_ssm_cases_per_id, SSM_BLOCKS};
 
 /// MHA, 4 KV heads, HND: K with 16-byte head tokens, V with 8-byte ones (separate regions
 /// of different lengths), and a layer with K and V halves in each block.
@@ -172,8 +172,11 @@ async fn an_attention_and_ssm_model_moves_every_byte_where_the_model_says() {
         (side(2, 4), side(4, 4)),
         (side(2, 4), side(1, 4)),
         (side(4, 4), side(2, 4)),
-        (side(1, 4), side(1, 8)),
         (side(2, 8), side(2, 4)),
+        // Decode blocks of 2 and 4 times the prefill's tokens: the state block whole.
+        (side(1, 4), side(1, 8)),
+        (side(1, 4), side(2, 8)),
+        (side(2, 4), side(1, 16)),
     ];
     run_ssm_cases(&model, &cases).await;
     // MLA's replicated latent beside the state split across the ranks.
@@ -182,7 +185,26 @@ async fn an_attention_and_ssm_model_moves_every_byte_where_the_model_says() {
         layout: KvLayout::Hnd,
         regions: vec![(KvRegionKind::Tensor, 24), (KvRegionKind::Tensor, 16)],
     };
-    run_ssm_cases(&mla, &cases[..5]).await;
+    let mla_cases: Vec<(Side, Side)> = cases[..5].iter().chain(&cases[7..8]).copied().collect();
+    run_ssm_cases(&mla, &mla_cases).await;
+    // Block ids of two kernel blocks each on both engines: a state page is an id's two.
+    let paired = |tp, block_size| Side {
+        tp,
+        block_size,
+        num_blocks: 2 * SSM_BLOCKS,
+    };
+    let per_id = |prefill, decode| PerId { prefill, decode };
+    let two = [
+        (paired(1, 4), paired(1, 4)),
+        (paired(1, 4), paired(2, 8)),
+        (paired(2, 4), paired(1, 4)),
+    ];
+    run_ssm_cases_per_id(&model, &two, per_id(2, 2)).await;
+    run_ssm_cases_per_id(&mla, &two[..1], per_id(2, 2)).await;
+    // Other counts on the two engines are refused (vLLM's rule under prefix caching).
+    for other in [per_id(2, 1), per_id(1, 2)] {
+        run_ssm_cases_per_id(&model, &two[..1], other).await;
+    }
 }
 
 /// A geometry the decode cannot read: the load is refused naming `reason`, before any READ

@@ -94,8 +94,11 @@ impl std::fmt::Display for KvCacheGroupKind {
 /// SSM (Mamba) groups ([`KvCacheGroupKind::Ssm`], with the [`SsmState`] of their blocks,
 /// [`with_ssm_state`](Self::with_ssm_state)) are read in vLLM's protocol as vLLM 0.33 reads
 /// them: each request's one state-bearing block (vLLM's `clip_ssm_state_blocks`, on both
-/// engines), which pairs with the prefill's one whatever its token position, in every
-/// region its conv sub-projections and temporal state as descriptors of their own after
+/// engines), which pairs with the prefill's one whatever its token position and whatever
+/// the engines' block sizes (a state block moves whole: vLLM's
+/// `_map_block_ids_for_block_size_ratio` leaves SSM groups alone), its page a block id's
+/// registered blocks when they are several (`_logical_to_kernel_block_ids` leaves SSM
+/// groups alone too), in every region its conv sub-projections and temporal state as descriptors of their own after
 /// every attention descriptor (vLLM's `_build_mamba_local` and `[descs_fa | descs_ssm]`),
 /// each rank holding a TP-th of each part: a decode of a larger TP takes its slice of each
 /// (`_build_mamba_remote`), one of a smaller TP takes each prefill rank's parts as its
@@ -108,9 +111,9 @@ impl std::fmt::Display for KvCacheGroupKind {
 /// larger than the decode's in a load of several groups (vLLM 0.33's
 /// `TransferTopology.block_size_ratio` asserts that the decode's block size is a multiple
 /// of the prefill's); and, for SSM groups: the native protocol (its handshake does not say
-/// the state), blocks of different sizes on the two engines or block ids of several kernel
-/// blocks on either (vLLM moves a state block whole, never split or expanded to kernel
-/// blocks), a larger prefill TP with MLA or replicated KV heads (the attention is read from
+/// the state), engines of different kernel blocks per block id (vLLM 0.33 refuses them
+/// with Mamba groups under prefix caching, and a decode here may always start past a
+/// prefix hit), a larger prefill TP with MLA or replicated KV heads (the attention is read from
 /// one prefill rank of a group, the state is on all of them), regions of their own, and
 /// models of SSM groups only.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -216,40 +216,29 @@ impl KvCacheGroups {
         Ok(self.ssm_state.as_ref())
     }
 
-    /// Refuses SSM groups unless both engines' blocks hold as many tokens, each block id one
-    /// registered (kernel) block: `local` is this engine's (tokens per registered block,
-    /// registered blocks per block id), `remote` the prefill's when known.
+    /// Refuses SSM groups unless both engines' block ids are as many registered (kernel)
+    /// blocks each: `local` is this engine's (tokens per registered block, registered blocks
+    /// per block id), `remote` the prefill's. A state block is a whole block id, its page
+    /// all of the id's kernel blocks (vLLM's `_logical_to_kernel_block_ids` leaves SSM
+    /// groups alone), whatever the blocks' sizes (its `_map_block_ids_for_block_size_ratio`
+    /// too); vLLM 0.33 refuses engines of different `physical_blocks_per_logical_kv_block`
+    /// with Mamba groups under prefix caching, and a decode here may always start past a
+    /// prefix hit.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] naming both geometries and vLLM's rule.
     #[cfg(feature = "vllm")]
     pub(crate) fn refuse_ssm_with_kernel_blocks(
         &self,
-        local: (usize, usize),
-        remote: Option<(usize, usize)>,
+        (tokens, per_id): (usize, usize),
+        (far_tokens, far_per_id): (usize, usize),
     ) -> Result<()> {
-        const RULE: &str = "vLLM 0.33 moves a Mamba state block whole, never split into another engine's block size nor expanded into kernel blocks (its _logical_to_kernel_block_ids leaves SSM groups alone), and refuses Mamba models whose engines differ in physical_blocks_per_logical_kv_block under prefix caching";
-        if !self.has_ssm_groups() {
+        if !self.has_ssm_groups() || per_id == far_per_id {
             return Ok(());
         }
-        let (tokens, per_id) = local;
-        let what = match remote {
-            Some((far_tokens, far_per_id))
-                if (far_tokens, far_per_id) != (tokens, 1) || per_id != 1 =>
-            {
-                format!(
-                    "blocks of {tokens} tokens here ({per_id} kernel blocks per block id) and of {far_tokens} on the prefill ({far_per_id} per block id)"
-                )
-            }
-            None if per_id != 1 => format!(
-                "block ids of {per_id} registered blocks of {tokens} tokens each (kv_cache_groups.block_size {})",
-                self.block_size()
-            ),
-            _ => return Ok(()),
-        };
         Err(Error::invalid(
             OP,
-            format!("SSM (Mamba) KV cache groups with {what} are not supported: {RULE}; give both engines blocks of the same size, kv_cache_groups.block_size the registered blocks'"),
+            format!("SSM (Mamba) KV cache groups with block ids of {per_id} kernel blocks of {tokens} tokens here and of {far_per_id} of {far_tokens} on the prefill are not supported: vLLM 0.33 refuses Mamba models whose engines differ in physical_blocks_per_logical_kv_block under prefix caching, and a decode here may always read past a prefix hit; give both engines as many kernel blocks per block id (kv_cache_groups.block_size over the registered blocks')"),
         ))
     }
 
@@ -289,9 +278,11 @@ pub(crate) fn state_block(ids: &[usize], speculative_blocks: usize) -> &[usize] 
 pub(crate) struct SsmReads {
     /// Each part's offset in a local block, offset in a remote block, and bytes.
     parts: Vec<(usize, usize, usize)>,
-    /// Each region's block length (local, remote): every region holds SSM state.
+    /// Each region's state page length (local, remote): a block id's registered blocks
+    /// (vLLM's page of `physical_blocks_per_logical_kv_block` kernel blocks); every region
+    /// holds SSM state.
     block_lens: Vec<(usize, usize)>,
-    /// Blocks per region (local, remote).
+    /// Block ids per region (local, remote).
     num_blocks: (usize, usize),
     /// The attention descriptors before the SSM ones (local, remote).
     first: (usize, usize),
@@ -300,8 +291,9 @@ pub(crate) struct SsmReads {
 impl SsmReads {
     /// The reads of `state` (the reader's, per rank) in every region of the reader's cache
     /// (`reader`: its spec, and its rank and TP size) from the source's (`source`: its spec,
-    /// and its rank and TP size), whose lists hold `first` attention descriptors (local,
-    /// remote) before.
+    /// and its rank and TP size), a block id `blocks_per_id` registered blocks (local,
+    /// remote) whose first bytes hold the state, whose lists hold `first` attention
+    /// descriptors (local, remote) before.
     ///
     /// # Errors
     /// Why the state cannot be read: TP sizes neither of which divides the other, parts of
@@ -311,6 +303,7 @@ impl SsmReads {
         state: &SsmState,
         reader: (&KvCacheSpec, (usize, usize)),
         source: (&KvCacheSpec, (usize, usize)),
+        blocks_per_id: (usize, usize),
         first: (usize, usize),
     ) -> std::result::Result<Self, String> {
         let ((reader, (reader_rank, reader_tp)), (source, (source_rank, source_tp))) =
@@ -354,22 +347,30 @@ impl SsmReads {
         let (local_end, remote_end) = parts.iter().fold((0, 0), |(l, r), &(lo, ro, len)| {
             (l.max(lo + len), r.max(ro + len))
         });
+        let (local_per_id, remote_per_id) = blocks_per_id;
         let mut block_lens = Vec::with_capacity(reader.regions.len());
         for (index, (local, remote)) in reader.regions.iter().zip(&source.regions).enumerate() {
-            if local.block_len < local_end || remote.block_len < remote_end {
+            let pages = (
+                local.block_len.saturating_mul(local_per_id),
+                remote.block_len.saturating_mul(remote_per_id),
+            );
+            if pages.0 < local_end || pages.1 < remote_end {
                 return Err(format!(
-                    "region {index}: blocks of {} bytes (reader) and {} (source of TP {source_tp}) cannot hold the SSM state read, up to byte {local_end} and {remote_end} (ssm_sizes {:?} per reader rank)",
-                    local.block_len,
-                    remote.block_len,
+                    "region {index}: state pages of {} bytes (reader) and {} (source of TP {source_tp}) cannot hold the SSM state read, up to byte {local_end} and {remote_end} (ssm_sizes {:?} per reader rank)",
+                    pages.0,
+                    pages.1,
                     state.ssm_sizes()
                 ));
             }
-            block_lens.push((local.block_len, remote.block_len));
+            block_lens.push(pages);
         }
         Ok(SsmReads {
             parts,
             block_lens,
-            num_blocks: (reader.num_blocks, source.num_blocks),
+            num_blocks: (
+                reader.num_blocks / local_per_id.max(1),
+                source.num_blocks / remote_per_id.max(1),
+            ),
             first,
         })
     }
@@ -416,12 +417,21 @@ impl SsmReads {
         descs
     }
 
-    /// The descriptor indices of a READ of block pairs `pairs` (local block, remote block)
-    /// of SSM groups, and the bytes it moves.
+    /// The descriptor indices of a READ of block pairs `pairs` (local block id, remote
+    /// block id) of SSM groups, and the bytes it moves.
+    ///
+    /// # Errors
+    /// A block id past either engine's.
     pub(crate) fn descriptor_ids(
         &self,
         pairs: &[(usize, usize)],
-    ) -> (Vec<usize>, Vec<usize>, usize) {
+    ) -> std::result::Result<(Vec<usize>, Vec<usize>, usize), String> {
+        let (blocks, far_blocks) = self.num_blocks;
+        if let Some((l, r)) = pairs.iter().find(|&&(l, r)| l >= blocks || r >= far_blocks) {
+            return Err(format!(
+                "SSM state block {l} of {blocks} (local) or {r} of {far_blocks} (remote) is past the cache"
+            ));
+        }
         let n = self.per_block() * pairs.len();
         let (mut local, mut remote) = (Vec::with_capacity(n), Vec::with_capacity(n));
         let mut bytes = 0;
@@ -433,7 +443,7 @@ impl SsmReads {
                 bytes += len;
             }
         }
-        (local, remote, bytes)
+        Ok((local, remote, bytes))
     }
 }
 
@@ -533,6 +543,7 @@ mod tests {
                 &state,
                 (&spec(128, 1), reader),
                 (&spec(128, 1), source),
+                (1, 1),
                 (0, 0),
             )
             .unwrap_err();
@@ -542,7 +553,7 @@ mod tests {
 
     #[cfg(feature = "vllm")]
     #[test]
-    fn ssm_groups_are_read_only_between_blocks_of_as_many_tokens_one_per_id() {
+    fn ssm_groups_are_read_only_between_as_many_kernel_blocks_per_id() {
         let kinds = vec![
             KvCacheGroupKind::FullAttention,
             KvCacheGroupKind::Ssm {
@@ -550,30 +561,20 @@ mod tests {
             },
         ];
         let ssm = KvCacheGroups::new(32, kinds).unwrap();
-        assert!(ssm.refuse_ssm_with_kernel_blocks((32, 1), None).is_ok());
-        assert!(ssm
-            .refuse_ssm_with_kernel_blocks((32, 1), Some((32, 1)))
-            .is_ok());
+        // Blocks of different sizes, as many kernel blocks per id: the state block whole.
+        for (local, remote) in [((32, 1), (32, 1)), ((32, 1), (16, 1)), ((16, 2), (8, 2))] {
+            assert!(ssm.refuse_ssm_with_kernel_blocks(local, remote).is_ok());
+        }
         for (local, remote, want) in [
             (
                 (16, 2),
-                None,
-                "block ids of 2 registered blocks of 16 tokens each",
+                (16, 1),
+                "block ids of 2 kernel blocks of 16 tokens here and of 1 of 16 on the prefill",
             ),
             (
                 (32, 1),
-                Some((16, 1)),
-                "of 16 on the prefill (1 per block id)",
-            ),
-            (
-                (32, 1),
-                Some((16, 2)),
-                "of 16 on the prefill (2 per block id)",
-            ),
-            (
                 (16, 2),
-                Some((16, 1)),
-                "16 tokens here (2 kernel blocks per block id)",
+                "block ids of 1 kernel blocks of 32 tokens here and of 2 of 16 on the prefill",
             ),
         ] {
             let err = ssm
@@ -581,15 +582,35 @@ mod tests {
                 .unwrap_err()
                 .to_string();
             assert!(
-                err.contains(want) && err.contains("_logical_to_kernel_block_ids"),
+                err.contains(want) && err.contains("under prefix caching"),
                 "{err}"
             );
         }
         // Attention groups alone are read between such blocks.
         let attention = KvCacheGroups::new(32, vec![KvCacheGroupKind::FullAttention]).unwrap();
         assert!(attention
-            .refuse_ssm_with_kernel_blocks((16, 2), Some((8, 4)))
+            .refuse_ssm_with_kernel_blocks((16, 2), (8, 4))
             .is_ok());
+    }
+
+    #[test]
+    fn a_state_page_is_a_block_ids_registered_blocks() {
+        // Two registered blocks of 64 bytes per id: pages of 128, half as many.
+        let reads = SsmReads::new(
+            &mamba2(),
+            (&spec(64, 2), (0, 1)),
+            (&spec(64, 2), (0, 1)),
+            (2, 2),
+            (0, 0),
+        )
+        .unwrap();
+        let local: Vec<_> = reads.local_descs().collect();
+        assert_eq!(local.len(), 2 * 4 * 2);
+        // Region 0, temporal state, block id 1: 128 + 40.
+        assert_eq!(local[3 * 2 + 1], (0, 168, 64));
+        assert!(reads.descriptor_ids(&[(1, 1)]).is_ok());
+        let err = reads.descriptor_ids(&[(2, 0)]).unwrap_err();
+        assert!(err.contains("state block 2 of 2"), "{err}");
     }
 
     #[test]
@@ -609,6 +630,7 @@ mod tests {
             &mamba2(),
             (&spec(128, 2), (1, 2)),
             (&spec(128, 2), (1, 2)),
+            (1, 1),
             (8, 10),
         )
         .unwrap();
@@ -621,7 +643,7 @@ mod tests {
         assert_eq!(local[31], (1, 3 * 128 + 40, 64));
         let remote = reads.remote_descs(&[1000, 5000], 0);
         assert_eq!(remote.len(), 32);
-        let (l, r, bytes) = reads.descriptor_ids(&[(1, 3)]);
+        let (l, r, bytes) = reads.descriptor_ids(&[(1, 3)]).unwrap();
         assert_eq!(l, [9, 13, 17, 21, 25, 29, 33, 37]);
         assert_eq!(r, [13, 17, 21, 25, 29, 33, 37, 41]);
         assert_eq!(bytes, 2 * 104);
@@ -634,6 +656,7 @@ mod tests {
             &mamba2(),
             (&spec(128, 1), (3, 4)),
             (&spec(256, 1), (1, 2)),
+            (1, 1),
             (0, 0),
         )
         .unwrap();
@@ -657,6 +680,7 @@ mod tests {
             &mamba2(),
             (&spec(128, 1), (0, 1)),
             (&spec(64, 1), (1, 2)),
+            (1, 1),
             (0, 0),
         )
         .unwrap();
@@ -664,7 +688,7 @@ mod tests {
             reads.parts,
             [(12, 0, 12), (28, 12, 4), (36, 16, 4), (72, 20, 32)]
         );
-        assert_eq!(reads.descriptor_ids(&[(0, 0)]).2, 52);
+        assert_eq!(reads.descriptor_ids(&[(0, 0)]).unwrap().2, 52);
     }
 
     #[test]
@@ -674,6 +698,7 @@ mod tests {
                 &mamba2(),
                 (&spec(128, 1), reader),
                 (&spec(128, 1), source),
+                (1, 1),
                 (0, 0),
             )
             .unwrap_err();
@@ -684,6 +709,7 @@ mod tests {
             &mamba2(),
             (&spec(128, 1), (0, 1)),
             (&spec(128, 1), (0, 16)),
+            (1, 1),
             (0, 0),
         )
         .unwrap_err();
@@ -695,6 +721,7 @@ mod tests {
             &mamba2(),
             (&spec(128, 1), (0, 1)),
             (&spec(64, 1), (0, 1)),
+            (1, 1),
             (0, 0),
         )
         .unwrap_err();
@@ -704,6 +731,7 @@ mod tests {
             &mamba2(),
             (&spec(128, 1), (0, 2)),
             (&spec(128, 1), (0, 1)),
+            (1, 1),
             (0, 0),
         )
         .unwrap_err();

@@ -83,7 +83,7 @@ impl VllmWorker {
     /// [`Error::CompatibilityMismatch`] naming both hashes; [`Error::Protocol`] for metadata
     /// that does not decode; [`Error::InvalidArgument`] for geometry the connector does not
     /// read (see [`NixlAgentMetadata::kv_cache_spec`](super::NixlAgentMetadata::kv_cache_spec);
-    /// with SSM groups, blocks of another size or several kernel blocks per id) or agent
+    /// with SSM groups, another count of kernel blocks per id) or agent
     /// metadata that is not NIXL's.
     pub(crate) async fn fetch(
         &self,
@@ -133,7 +133,7 @@ impl VllmWorker {
                 ours.spec.block_size,
                 self.blocks_per_id(ours.spec.block_size)?,
             ),
-            Some((spec.block_size, blocks_per_logical)),
+            (spec.block_size, blocks_per_logical),
         )?;
         let agent_name = nixl::metadata_agent_name(&meta.agent_metadata)?;
         Ok(Fetched {
@@ -169,17 +169,12 @@ impl VllmWorker {
     /// `physical_blocks_per_logical_kv_block`, which its metadata publishes).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when the groups' block size is larger and not a multiple,
-    /// or larger with SSM groups (see
-    /// [`refuse_ssm_with_kernel_blocks`](KvCacheGroups::refuse_ssm_with_kernel_blocks)).
+    /// [`Error::InvalidArgument`] when the groups' block size is larger and not a multiple.
     pub(crate) fn blocks_per_id(&self, kernel_block_size: usize) -> Result<usize> {
-        let per_id = crate::geometry::block_map::kernel_blocks_per_block(
+        crate::geometry::block_map::kernel_blocks_per_block(
             self.groups.block_size(),
             kernel_block_size,
-        )?;
-        self.groups
-            .refuse_ssm_with_kernel_blocks((kernel_block_size, per_id), None)?;
-        Ok(per_id)
+        )
     }
 
     /// Keeps the clock offset to `engine` of the handshake with the smallest round trip,

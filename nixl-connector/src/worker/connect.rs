@@ -108,7 +108,7 @@ async fn connect(
     };
     let engine = engine.id;
     let plan = check_compatible(ours, &theirs, Some(engine), Some(rank))?;
-    let ssm = ssm_reads(shared, ours, &theirs, &plan)?;
+    let ssm = ssm_reads(shared, (ours, &theirs), &plan, blocks_per_id)?;
     let agent = shared.setup.agent();
     let source = (engine.to_string(), rank);
     let name = match &shared.etcd {
@@ -190,29 +190,34 @@ async fn connect(
 }
 
 /// How the SSM state of this engine's SSM groups is read from the remote rank `theirs`
-/// (vLLM mode; `None` without SSM groups), after the attention descriptors of `plan`;
-/// every rank of a larger prefill TP holds part of it, so each is read from.
+/// (vLLM mode; `None` without SSM groups), whose block ids are `blocks_per_id` registered
+/// blocks each, after the attention descriptors of `plan`; every rank of a larger prefill
+/// TP holds part of it, so each is read from.
 ///
 /// # Errors
 /// [`Error::Incompatible`] when it cannot be read (see [`SsmReads::new`]), or its
 /// descriptors pass the cap; [`Error::InvalidArgument`] for SSM groups without a state.
 fn ssm_reads(
     shared: &Shared,
-    ours: &HandshakeMessage,
-    theirs: &HandshakeMessage,
+    (ours, theirs): (&HandshakeMessage, &HandshakeMessage),
     plan: &ReadPlan,
+    blocks_per_id: usize,
 ) -> Result<Option<SsmReads>> {
     #[cfg(feature = "vllm")]
     let state = match &shared.vllm {
-        Some(vllm) => vllm.groups.checked_ssm_state()?,
+        Some(vllm) => vllm
+            .groups
+            .checked_ssm_state()?
+            .map(|state| Ok::<_, Error>((state, vllm.blocks_per_id(ours.spec.block_size)?)))
+            .transpose()?,
         None => None,
     };
     #[cfg(not(feature = "vllm"))]
-    let state: Option<&crate::SsmState> = {
+    let state: Option<(&crate::SsmState, usize)> = {
         let _ = shared;
         None
     };
-    let Some(state) = state else {
+    let Some((state, local_per_id)) = state else {
         return Ok(None);
     };
     let refuse = |reason: String| Error::Incompatible {
@@ -237,6 +242,7 @@ fn ssm_reads(
         state,
         (&ours.spec, (rank, tp(ours))),
         (&theirs.spec, (theirs_rank, tp(theirs))),
+        (local_per_id, blocks_per_id),
         first,
     )
     .map_err(refuse)?;

@@ -394,10 +394,12 @@ fn post_one(
         .as_ref()
         .ok_or(Error::NotRegistered { operation: OP })?;
     let plan = &remote.plan;
+    let is_state = |g| is_ssm_group(shared, g);
     // Each group names a block once: at most the remote rank's blocks per group.
     let remote_ids = blocks_of_ids(
-        &load.remote.block_ids,
+        (&load.remote.block_ids, &load.remote.group_lens),
         remote.blocks_per_id,
+        is_state,
         plan.remote_num_blocks
             .saturating_mul(load.remote.group_lens.len().max(1)),
         "remote_block_ids",
@@ -428,12 +430,18 @@ fn post_one(
             &load.remote.block_ids,
             &load.remote.group_lens,
             remote.blocks_per_id,
+            is_state,
         )?;
-        let local_lens =
-            kernel_group_lens(&load.local_block_ids, &load.local_group_lens, local_per_id)?;
-        let local_ids = blocks_of_ids(
+        let local_lens = kernel_group_lens(
             &load.local_block_ids,
+            &load.local_group_lens,
             local_per_id,
+            is_state,
+        )?;
+        let local_ids = blocks_of_ids(
+            (&load.local_block_ids, &load.local_group_lens),
+            local_per_id,
+            is_state,
             caches.spec.num_blocks.saturating_mul(local_lens.len()),
             "local block ids",
         )?;
@@ -459,7 +467,7 @@ fn post_one(
             sizes,
             load.remote.num_tokens,
             (local_per_id, remote.blocks_per_id),
-            |g| is_ssm_group(shared, g),
+            is_state,
         )?
     };
     let own = own_region_groups(shared);
@@ -469,7 +477,9 @@ fn post_one(
         let (attention, state) =
             split_state_pairs(&pairs, &group_pairs, |g| is_ssm_group(shared, g))?;
         let (mut local, mut far, bytes) = plan.descriptor_ids(caches.spec.num_blocks, &attention);
-        let (state_local, state_far, state_bytes) = ssm.descriptor_ids(&state);
+        let (state_local, state_far, state_bytes) = ssm
+            .descriptor_ids(&state)
+            .map_err(|why| Error::invalid(OP, why))?;
         local.extend(state_local);
         far.extend(state_far);
         (local, far, bytes + state_bytes)
@@ -553,18 +563,21 @@ fn local_blocks_per_id(
     Ok(1)
 }
 
-/// The remote rank's blocks of the transfer params' block `ids`, `per_id` blocks each
-/// (vLLM's `_logical_to_kernel_block_ids`: logical block `b` is kernel blocks
-/// `b * per_id .. (b + 1) * per_id`).
+/// The registered (kernel) blocks of block `ids` (`group_lens` of them per KV cache group;
+/// none: one group), `per_id` blocks each (vLLM's `_logical_to_kernel_block_ids`: logical
+/// block `b` is kernel blocks `b * per_id .. (b + 1) * per_id`), but the ids of the groups
+/// that are `is_state` (SSM), which stay block ids: a state page is a whole id.
 ///
 /// The ids are a peer's (`what` names them): more kernel blocks than `max_blocks` (each
 /// group's list names a block once) are refused before a list of them is made.
 ///
 /// # Errors
-/// [`Error::InvalidArgument`] for an id whose blocks overflow, or more than `max_blocks`.
+/// [`Error::InvalidArgument`] for an id whose blocks overflow, more than `max_blocks`, or
+/// group counts past the ids.
 fn blocks_of_ids<'a>(
-    ids: &'a [usize],
+    (ids, group_lens): (&'a [usize], &[usize]),
     per_id: usize,
+    is_state: impl Fn(usize) -> bool,
     max_blocks: usize,
     what: &str,
 ) -> Result<Cow<'a, [usize]>> {
@@ -572,6 +585,7 @@ fn blocks_of_ids<'a>(
     if per_id == 1 {
         return Ok(Cow::Borrowed(ids));
     }
+    // At most this many (state groups' ids stay one block each).
     let total = ids.len().checked_mul(per_id).filter(|&n| n <= max_blocks);
     let Some(total) = total else {
         return Err(Error::invalid(
@@ -583,6 +597,45 @@ fn blocks_of_ids<'a>(
         ));
     };
     let mut blocks = Vec::with_capacity(total);
+    let miscounted = || {
+        Error::invalid(
+            OP,
+            format!(
+                "{what}: group counts {group_lens:?} for {} block ids",
+                ids.len()
+            ),
+        )
+    };
+    let mut rest = ids;
+    let one = [ids.len()];
+    let lens = if group_lens.is_empty() {
+        &one[..]
+    } else {
+        group_lens
+    };
+    for (group, &n) in lens.iter().enumerate() {
+        let Some((these, tail)) = rest.split_at_checked(n) else {
+            return Err(miscounted());
+        };
+        rest = tail;
+        if is_state(group) {
+            blocks.extend_from_slice(these);
+            continue;
+        }
+        expand_ids(these, per_id, &mut blocks, what)?;
+    }
+    if !rest.is_empty() {
+        return Err(miscounted());
+    }
+    Ok(Cow::Owned(blocks))
+}
+
+/// Appends to `blocks` the `per_id` kernel blocks of each of `ids` (`what` names them).
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for an id whose blocks overflow.
+fn expand_ids(ids: &[usize], per_id: usize, blocks: &mut Vec<usize>, what: &str) -> Result<()> {
+    const OP: &str = "load remote blocks";
     for &id in ids {
         let end = id
             .checked_add(1)
@@ -595,15 +648,21 @@ fn blocks_of_ids<'a>(
             })?;
         blocks.extend(end - per_id..end);
     }
-    Ok(Cow::Owned(blocks))
+    Ok(())
 }
 
 /// How many kernel blocks each KV cache group of block `ids` has, `group_lens` of the ids
-/// each (none: one group of every id), `per_id` kernel blocks per id.
+/// each (none: one group of every id), `per_id` kernel blocks per id; an `is_state` (SSM)
+/// group's ids stay block ids.
 ///
 /// # Errors
 /// [`Error::InvalidArgument`] for a count whose blocks overflow.
-fn kernel_group_lens(ids: &[usize], group_lens: &[usize], per_id: usize) -> Result<Vec<usize>> {
+fn kernel_group_lens(
+    ids: &[usize],
+    group_lens: &[usize],
+    per_id: usize,
+    is_state: impl Fn(usize) -> bool,
+) -> Result<Vec<usize>> {
     let one = [ids.len()];
     let lens = if group_lens.is_empty() {
         &one[..]
@@ -611,7 +670,9 @@ fn kernel_group_lens(ids: &[usize], group_lens: &[usize], per_id: usize) -> Resu
         group_lens
     };
     lens.iter()
-        .map(|&n| {
+        .enumerate()
+        .map(|(group, &n)| {
+            let per_id = if is_state(group) { 1 } else { per_id };
             n.checked_mul(per_id).ok_or_else(|| {
                 Error::invalid(
                     "load remote blocks",
@@ -714,22 +775,34 @@ mod tests {
     #[test]
     fn block_ids_name_no_more_kernel_blocks_than_the_cache_holds() {
         assert_eq!(
-            blocks_of_ids(&[0, 3], 2, 8, "remote_block_ids").unwrap()[..],
+            blocks_of_ids((&[0, 3], &[]), 2, |_| false, 8, "remote_block_ids").unwrap()[..],
             [0, 1, 6, 7]
         );
         // A peer's list of 4,096 ids of 1,024 kernel blocks each (its
         // physical_blocks_per_logical_kv_block) names 4 Mi blocks of a cache of 2,048: refused
         // before any list of that size is made.
-        let err = blocks_of_ids(&[0; 1 << 12], 1 << 10, 2048, "remote_block_ids")
-            .unwrap_err()
-            .to_string();
+        let err = blocks_of_ids(
+            (&[0; 1 << 12], &[]),
+            1 << 10,
+            |_| false,
+            2048,
+            "remote_block_ids",
+        )
+        .unwrap_err()
+        .to_string();
         assert!(
             err.contains("remote_block_ids: 4096 block ids of 1024 kernel blocks each name more than the 2048 blocks"),
             "{err}"
         );
-        let err = blocks_of_ids(&[usize::MAX], 2, usize::MAX, "remote_block_ids")
-            .unwrap_err()
-            .to_string();
+        let err = blocks_of_ids(
+            (&[usize::MAX], &[]),
+            2,
+            |_| false,
+            usize::MAX,
+            "remote_block_ids",
+        )
+        .unwrap_err()
+        .to_string();
         assert!(err.contains("remote_block_ids: block id"), "{err}");
     }
 }

@@ -117,7 +117,7 @@ fn requests(tag: &str, prefill: &Side, decode: &Side, per_id: PerId) -> [HybridR
 }
 
 /// The kernel blocks of block `ids`, `per_id` each.
-fn kernel_blocks(ids: &[usize], per_id: usize) -> Vec<usize> {
+pub fn kernel_blocks(ids: &[usize], per_id: usize) -> Vec<usize> {
     ids.iter()
         .flat_map(|&id| (0..per_id).map(move |k| id * per_id + k))
         .collect()

@@ -13,6 +13,7 @@ use nixl_connector::{
 };
 
 use super::geometry::{compare_region, engine_speaking_vllm, Model, Request, Side};
+use super::hybrid::{kernel_blocks, PerId};
 use super::matrix::{
     attention_label, await_freed, fill, hand_over, run_each, GroupsHandover, RankEnd,
 };
@@ -47,13 +48,18 @@ fn state_byte(part: usize, j: usize, tp: usize) -> (usize, usize) {
 }
 
 /// Why a decode of `decode` does not read the state from a prefill of `prefill` of `model`,
-/// as its refusal says; `None` when it reads it: blocks of as many tokens on both engines,
-/// and the prefill's TP dividing the decode's, or, from a larger prefill TP, every prefill
+/// as its refusal says; `None` when it reads it: decode blocks of a multiple of the
+/// prefill's tokens (the state block moves whole whatever their sizes), and the prefill's
+/// TP dividing the decode's, or, from a larger prefill TP, every prefill
 /// rank of a decode rank's group read from (MHA whose heads are not replicated; MLA reads
-/// its latent from one rank only).
-fn refusal(model: &Model, prefill: &Side, decode: &Side) -> Option<&'static str> {
-    if prefill.block_size != decode.block_size {
-        return Some("SSM (Mamba) KV cache groups with blocks of");
+/// its latent from one rank only); as many kernel blocks per block id on both engines
+/// (vLLM 0.33 refuses others with Mamba groups under prefix caching).
+fn refusal(model: &Model, prefill: &Side, decode: &Side, per_id: PerId) -> Option<&'static str> {
+    if per_id.prefill != per_id.decode {
+        return Some("under prefix caching");
+    }
+    if prefill.block_size > decode.block_size {
+        return Some("block_size_ratio");
     }
     let reads = match model.attention {
         _ if decode.tp % prefill.tp == 0 => true,
@@ -101,22 +107,32 @@ struct SsmRequest {
     local: [Vec<usize>; 2],
 }
 
-/// The whole prompt of 7 blocks, then the same prompt with the decode's first block in its
-/// prefix cache; the SSM lists of each side end with a scratch block, and begin with a
-/// null block (0) on the prefill, as vLLM's Mamba manager leaves them.
-fn requests(tag: &str) -> [SsmRequest; 2] {
+/// The prompt of a prefill of block ids of `block_size` tokens: 7 blocks but the last
+/// token (which the decode computes, vLLM's `_prefill_backoff`).
+fn prompt_tokens(block_size: usize) -> usize {
+    PROMPT_BLOCKS * block_size - 1
+}
+
+/// The prefill blocks of a prompt.
+const PROMPT_BLOCKS: usize = 7;
+
+/// The whole prompt of 7 prefill block ids, then the same prompt with the decode's first
+/// block id in its prefix cache, on a decode that needs `local` block ids for it; the SSM
+/// lists of each side end with a scratch block, and begin with a null block (0) on the
+/// prefill, as vLLM's Mamba manager leaves them.
+fn requests(tag: &str, local: usize) -> [SsmRequest; 2] {
     let ids = |first: usize, n: usize| (first..first + n).collect::<Vec<usize>>();
-    let remote = [ids(1, 7), vec![0, 20, 21, 22]];
+    let remote = [ids(1, PROMPT_BLOCKS), vec![0, 20, 21, 22]];
     [
         SsmRequest {
             id: format!("{tag}-whole"),
             remote: remote.clone(),
-            local: [ids(2, 7), vec![35, 36, 37]],
+            local: [ids(2, local), vec![35, 36, 37]],
         },
         SsmRequest {
             id: format!("{tag}-hit"),
             remote,
-            local: [ids(22, 6), vec![38, 39]],
+            local: [ids(22, local - 1), vec![38, 39]],
         },
     ]
 }
@@ -127,32 +143,48 @@ fn state_block(ids: &[usize]) -> usize {
     ids[ids.len() - 1 - SPECULATIVE.min(ids.len() - 1)]
 }
 
-/// The attention group's load of `request`, for the model: every decode block paired with
-/// the last of the prefill's.
-fn attention_load(request: &SsmRequest) -> Request {
+/// The attention group's load of `request` from a prefill of `prefill` into a decode of
+/// `decode`, `per_id` kernel blocks per block id each, for the model: as kernel blocks, the
+/// decode's filled with the prompt's last tokens, one past the prompt's last token holding
+/// nothing of it.
+fn attention_load(
+    request: &SsmRequest,
+    (prefill, decode): (&Side, &Side),
+    per_id: PerId,
+) -> Request {
+    let tokens = prompt_tokens(prefill.block_size * per_id.prefill);
+    let unit = prefill.block_size.min(decode.block_size);
+    let decode_blocks = (tokens.div_ceil(unit) * unit).div_ceil(decode.block_size);
+    let dead = decode_blocks.div_ceil(per_id.decode) * per_id.decode - decode_blocks;
+    let mut local = kernel_blocks(&request.local[0], per_id.decode);
+    local.truncate(local.len() - dead);
     Request {
         id: request.id.clone(),
-        remote: request.remote[0].clone(),
-        local: request.local[0].clone(),
-        num_tokens: None,
+        remote: kernel_blocks(&request.remote[0], per_id.prefill),
+        local,
+        num_tokens: Some(tokens),
     }
 }
 
 /// Checks every byte of decode rank `rank`: the attention group's as the model says, each
 /// byte of the rank's share of the SSM state in every region the prefill's (from the
-/// prefill rank holding it, see [`state_byte`]), the state page's padding and every other
-/// byte as it was; and the bytes read, each once.
+/// prefill rank holding it, see [`state_byte`]), the state page (a block id's `per_id`
+/// kernel blocks) past the state and every other byte as it was; and the bytes read, each
+/// once.
 fn check_rank(
     model: &Model,
     worker: &KvConnectorWorker,
     (prefill, decode): (&Side, &Side),
-    rank: usize,
+    (rank, per_id): (usize, PerId),
     requests: &[SsmRequest],
     read: u64,
 ) -> Result<(), String> {
     let (conv, temporal) = rank_state(decode.tp);
     let state: usize = conv.iter().sum::<usize>() + temporal;
-    let loads: Vec<Request> = requests.iter().map(attention_load).collect();
+    let loads: Vec<Request> = requests
+        .iter()
+        .map(|r| attention_load(r, (prefill, decode), per_id))
+        .collect();
     let refs: Vec<&Request> = loads.iter().collect();
     for region in 0..model.regions.len() {
         let mut want = model.expected_decode_region(region, prefill, decode, rank, &refs);
@@ -177,7 +209,8 @@ fn check_rank(
                         continue;
                     }
                     let (p, far) = state_byte(part, j, prefill.tp);
-                    want[l * len + local] = sources[p][r * far_len + far];
+                    want[l * per_id.decode * len + local] =
+                        sources[p][r * per_id.prefill * far_len + far];
                 }
             }
         }
@@ -200,15 +233,25 @@ fn check_rank(
 /// decode's by every decode rank, every byte checked, every prefill rank freeing both; with
 /// a case whose state is not read (see [`refusal`]), refused by name before any
 /// READ.
-async fn ssm_case(model: &Model, prefill: Side, decode: Side) -> Result<(), String> {
+async fn ssm_case(
+    model: &Model,
+    (prefill, decode): (Side, Side),
+    per_id: PerId,
+) -> Result<(), String> {
     let tag = format!(
-        "ssm-{}-p{}-d{}",
+        "ssm-{}-p{}b{}x{}-d{}b{}x{}",
         attention_label(model),
         prefill.tp,
-        decode.tp
+        prefill.block_size,
+        per_id.prefill,
+        decode.tp,
+        decode.block_size,
+        per_id.decode
     );
     let engine_id = format!("pf-{tag}");
-    let block_size = prefill.block_size;
+    // The schedulers' block ids, of `per_id` registered blocks each.
+    let block_size = prefill.block_size * per_id.prefill;
+    let decode_size = decode.block_size * per_id.decode;
     let prefills = engine_speaking_vllm(
         &engine_id,
         model,
@@ -219,16 +262,16 @@ async fn ssm_case(model: &Model, prefill: Side, decode: Side) -> Result<(), Stri
         &format!("dc-{tag}"),
         model,
         &decode,
-        Some(&groups(decode.tp, decode.block_size)),
+        Some(&groups(decode.tp, decode_size)),
     );
     fill(model, (&prefill, &prefills), (&decode, &decodes));
     let port = prefills[0].side_channel_addr().unwrap().port();
     let mut prefill_scheduler = scheduler(&engine_id, port, prefill.tp, block_size);
-    let mut decode_scheduler = scheduler("dc", 0, decode.tp, decode.block_size);
-    let requests = requests(&tag);
+    let mut decode_scheduler = scheduler("dc", 0, decode.tp, decode_size);
+    let requests = requests(&tag, prompt_tokens(block_size).div_ceil(decode_size));
     let handovers = requests.iter().map(|r| GroupsHandover {
         id: &r.id,
-        tokens: 7 * block_size - 1,
+        tokens: prompt_tokens(block_size),
         remote: &r.remote,
         local: &r.local,
     });
@@ -241,7 +284,7 @@ async fn ssm_case(model: &Model, prefill: Side, decode: Side) -> Result<(), Stri
     )?;
     for (rank, worker) in decodes.iter().enumerate() {
         let end = RankEnd::of(worker, rank, requests.len()).await;
-        if let Some(reason) = refusal(model, &prefill, &decode) {
+        if let Some(reason) = refusal(model, &prefill, &decode, per_id) {
             let named = end.recving.len() == requests.len()
                 && end.errors.len() >= requests.len()
                 && end.errors.iter().all(|e| e.reason.contains(reason));
@@ -260,10 +303,17 @@ async fn ssm_case(model: &Model, prefill: Side, decode: Side) -> Result<(), Stri
             ));
         }
         let read = metrics.iter().map(|m| m.bytes).sum();
-        check_rank(model, worker, (&prefill, &decode), rank, &requests, read)
-            .map_err(|err| format!("{tag}: {err}"))?;
+        check_rank(
+            model,
+            worker,
+            (&prefill, &decode),
+            (rank, per_id),
+            &requests,
+            read,
+        )
+        .map_err(|err| format!("{tag}: {err}"))?;
     }
-    if refusal(model, &prefill, &decode).is_some() {
+    if refusal(model, &prefill, &decode, per_id).is_some() {
         // Nothing read, nothing notified: the prefill's lease frees the blocks.
         return Ok(());
     }
@@ -276,16 +326,26 @@ async fn ssm_case(model: &Model, prefill: Side, decode: Side) -> Result<(), Stri
 /// is read (no [`refusal`]) move every byte the models say; others are refused by name and
 /// move nothing.
 pub async fn run_ssm_cases(model: &Model, cases: &[(Side, Side)]) {
-    run_each(
-        cases,
-        ", full attention and SSM groups",
-        |prefill, decode| {
-            let outcome = match refusal(model, &prefill, &decode) {
-                None => "every byte as the model says",
-                Some(_) => "refused by name, nothing read",
-            };
-            (outcome, ssm_case(model, prefill, decode))
-        },
-    )
+    let whole = PerId {
+        prefill: 1,
+        decode: 1,
+    };
+    run_ssm_cases_per_id(model, cases, whole).await
+}
+
+/// [`run_ssm_cases`] with block ids of `per_id` registered (kernel) blocks each, on each
+/// engine.
+pub async fn run_ssm_cases_per_id(model: &Model, cases: &[(Side, Side)], per_id: PerId) {
+    let what = format!(
+        ", full attention and SSM groups, {} and {} kernel blocks per id",
+        per_id.prefill, per_id.decode
+    );
+    run_each(cases, &what, |prefill, decode| {
+        let outcome = match refusal(model, &prefill, &decode, per_id) {
+            None => "every byte as the model says",
+            Some(_) => "refused by name, nothing read",
+        };
+        (outcome, ssm_case(model, (prefill, decode), per_id))
+    })
     .await
 }
