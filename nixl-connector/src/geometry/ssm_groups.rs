@@ -1,0 +1,254 @@
+//! The SSM (Mamba) side of [`KvCacheGroups`]: the state its SSM groups' blocks hold
+//! ([`SsmState`], given with [`KvCacheGroups::with_ssm_state`]), which of its groups are SSM
+//! groups, the prompt tokens a prefill backs off for them (vLLM's `_prefill_backoff`), and
+//! the geometries they are refused between. What a state block is and how it is read is
+//! `ssm.rs`'s, which knows nothing of groups.
+
+use crate::error::{Error, Result};
+use crate::geometry::groups::{KvCacheGroupKind, KvCacheGroups};
+use crate::geometry::ssm::SsmState;
+
+const OP: &str = "SSM state of KV cache groups";
+
+impl KvCacheGroups {
+    /// The groups with `state`, what a block of their SSM groups holds in each region (see
+    /// [`SsmState`]); every region holds SSM state (vLLM's registration with each KV cache
+    /// tensor shared by a layer of every group), per rank of this engine's TP. A vLLM-mode
+    /// decode checks it against the prefill's `ssm_sizes` (times the TP ratio).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when no group is an SSM group, or when regions have groups
+    /// of their own ([`with_region_groups`](Self::with_region_groups)), which is not
+    /// supported with SSM groups.
+    pub fn with_ssm_state(mut self, state: SsmState) -> Result<Self> {
+        if !self.has_ssm_groups() {
+            return Err(Error::invalid(
+                OP,
+                "ssm_state is given, but no KV cache group is an ssm group",
+            ));
+        }
+        self.ssm_state = Some(state);
+        self.refuse_ssm_with_region_groups(!self.region_groups().is_empty())?;
+        Ok(self)
+    }
+
+    /// What a block of the SSM groups holds; `None` without it.
+    pub fn ssm_state(&self) -> Option<&SsmState> {
+        self.ssm_state.as_ref()
+    }
+
+    /// Whether some group is an SSM (Mamba) group.
+    pub fn has_ssm_groups(&self) -> bool {
+        self.kinds()
+            .iter()
+            .any(|k| matches!(k, KvCacheGroupKind::Ssm { .. }))
+    }
+
+    /// Trailing prompt tokens the prefill must not compute, which the decode computes
+    /// itself (vLLM's `_prefill_backoff` for Mamba): 1 with SSM groups, so that the state
+    /// handed over is the one before the prompt's last token (vLLM's h(N-1)) and the
+    /// decode's first step, running that token, yields the state after it; 0 without. The
+    /// engine applies it: its prefill schedules `num_prompt_tokens - backoff` tokens
+    /// (vLLM's `_truncate_request_for_prefill`), its decode loads
+    /// [`remote_prefill_tokens`](Self::remote_prefill_tokens).
+    pub fn prefill_backoff_tokens(&self) -> usize {
+        usize::from(self.has_ssm_groups())
+    }
+
+    /// The prompt tokens a decode loads from the prefill of a prompt of `num_prompt_tokens`
+    /// (vLLM's `_get_remote_prefill_token_count`): all but the
+    /// [`prefill_backoff_tokens`](Self::prefill_backoff_tokens), or all of a prompt no
+    /// longer than those.
+    pub fn remote_prefill_tokens(&self, num_prompt_tokens: usize) -> usize {
+        let backoff = self.prefill_backoff_tokens();
+        if backoff > 0 && num_prompt_tokens > backoff {
+            num_prompt_tokens - backoff
+        } else {
+            num_prompt_tokens
+        }
+    }
+
+    /// Whether group `group` is an SSM group.
+    pub fn is_ssm(&self, group: usize) -> bool {
+        matches!(self.kinds().get(group), Some(KvCacheGroupKind::Ssm { .. }))
+    }
+
+    /// The SSM state, which groups with SSM groups must have to be read.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for SSM groups without an [`SsmState`].
+    pub(crate) fn checked_ssm_state(&self) -> Result<Option<&SsmState>> {
+        if self.has_ssm_groups() && self.ssm_state.is_none() {
+            return Err(Error::invalid(
+                OP,
+                "ssm groups need an ssm_state ({\"conv_bytes\": [..], \"temporal_bytes\": n}): the bytes of each conv sub-projection and of the temporal state per rank, vLLM's ssm_sizes",
+            ));
+        }
+        Ok(self.ssm_state.as_ref())
+    }
+
+    /// Refuses SSM groups unless both engines' block ids are as many registered (kernel)
+    /// blocks each: `local` is this engine's (tokens per registered block, registered blocks
+    /// per block id), `remote` the prefill's. A state block is a whole block id, its page
+    /// all of the id's kernel blocks (vLLM's `_logical_to_kernel_block_ids` leaves SSM
+    /// groups alone), whatever the blocks' sizes (its `_map_block_ids_for_block_size_ratio`
+    /// too); vLLM 0.33 refuses engines of different `physical_blocks_per_logical_kv_block`
+    /// with Mamba groups under prefix caching, and a decode here may always start past a
+    /// prefix hit.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming both geometries and vLLM's rule.
+    #[cfg(feature = "vllm")]
+    pub(crate) fn refuse_ssm_with_kernel_blocks(
+        &self,
+        (tokens, per_id): (usize, usize),
+        (far_tokens, far_per_id): (usize, usize),
+    ) -> Result<()> {
+        if !self.has_ssm_groups() || per_id == far_per_id {
+            return Ok(());
+        }
+        Err(Error::invalid(
+            OP,
+            format!("SSM (Mamba) KV cache groups with block ids of {per_id} kernel blocks of {tokens} tokens here and of {far_per_id} of {far_tokens} on the prefill are not supported: vLLM 0.33 refuses Mamba models whose engines differ in physical_blocks_per_logical_kv_block under prefix caching, and a decode here may always read past a prefix hit; give both engines as many kernel blocks per block id (kv_cache_groups.block_size over the registered blocks')"),
+        ))
+    }
+
+    /// Refuses SSM groups when `region_groups` (regions of their own) are given.
+    pub(super) fn refuse_ssm_with_region_groups(&self, region_groups: bool) -> Result<()> {
+        if region_groups && self.has_ssm_groups() {
+            return Err(Error::invalid(
+                OP,
+                "SSM (Mamba) groups with region_groups are not supported: every region is read for every group, its SSM state in each region",
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[cfg(feature = "vllm")]
+    #[test]
+    fn ssm_groups_are_read_only_between_as_many_kernel_blocks_per_id() {
+        let kinds = vec![
+            KvCacheGroupKind::FullAttention,
+            KvCacheGroupKind::Ssm {
+                speculative_blocks: 0,
+            },
+        ];
+        let ssm = KvCacheGroups::new(32, kinds).unwrap();
+        // Blocks of different sizes, as many kernel blocks per id: the state block whole.
+        for (local, remote) in [((32, 1), (32, 1)), ((32, 1), (16, 1)), ((16, 2), (8, 2))] {
+            assert!(ssm.refuse_ssm_with_kernel_blocks(local, remote).is_ok());
+        }
+        for (local, remote, want) in [
+            (
+                (16, 2),
+                (16, 1),
+                "block ids of 2 kernel blocks of 16 tokens here and of 1 of 16 on the prefill",
+            ),
+            (
+                (32, 1),
+                (16, 2),
+                "block ids of 1 kernel blocks of 32 tokens here and of 2 of 16 on the prefill",
+            ),
+        ] {
+            let err = ssm
+                .refuse_ssm_with_kernel_blocks(local, remote)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains(want) && err.contains("under prefix caching"),
+                "{err}"
+            );
+        }
+        // Attention groups alone are read between such blocks.
+        let attention = KvCacheGroups::new(32, vec![KvCacheGroupKind::FullAttention]).unwrap();
+        assert!(attention
+            .refuse_ssm_with_kernel_blocks((16, 2), (8, 4))
+            .is_ok());
+    }
+
+    /// `kv_connector_extra_config.kv_cache_groups` holding `json`, parsed.
+    fn parsed(json: serde_json::Value) -> Result<KvCacheGroups> {
+        let mut kv = nixl::kv_config::KvTransferConfig::default();
+        kv.kv_connector_extra_config
+            .insert(crate::KV_CACHE_GROUPS_KEY.into(), json);
+        KvCacheGroups::from_kv_transfer_config(&kv)
+    }
+
+    #[test]
+    fn ssm_groups_parse_with_their_state_and_keep_the_state_bearing_block() {
+        let groups = parsed(serde_json::json!({
+            "block_size": 16,
+            "groups": ["full_attention", {"ssm": {"speculative_blocks": 2}}, {"ssm": {}}],
+            "ssm_state": {"conv_bytes": [24, 8, 8], "temporal_bytes": 64},
+        }))
+        .unwrap();
+        assert!(groups.has_ssm_groups());
+        assert!(!groups.is_ssm(0) && groups.is_ssm(1) && groups.is_ssm(2));
+        assert_eq!(
+            groups.ssm_state(),
+            Some(&SsmState::new(vec![24, 8, 8], 64).unwrap())
+        );
+        assert_eq!(
+            groups.kinds()[1],
+            KvCacheGroupKind::Ssm {
+                speculative_blocks: 2
+            }
+        );
+        assert_eq!(groups.kinds()[1].to_string(), "SSM (Mamba) state");
+        // The decode recomputes the prompt's last token (vLLM's h(N-1) hand-over).
+        assert_eq!(groups.prefill_backoff_tokens(), 1);
+        assert_eq!(groups.remote_prefill_tokens(100), 99);
+        assert_eq!(groups.remote_prefill_tokens(1), 1);
+        assert_eq!(KvCacheGroups::default().remote_prefill_tokens(100), 100);
+        let ids = [vec![1, 2, 3], vec![0, 7, 8, 9], vec![0, 0, 5]];
+        assert_eq!(
+            groups.clip("r", &ids).unwrap(),
+            [&[1, 2, 3][..], &[7][..], &[5][..]]
+        );
+        // Round trip through JSON.
+        let json = serde_json::to_value(&groups).unwrap();
+        assert_eq!(
+            serde_json::from_value::<KvCacheGroups>(json).unwrap(),
+            groups
+        );
+    }
+
+    #[test]
+    fn ssm_groups_without_what_they_need_are_refused_by_name() {
+        for (json, want) in [
+            (
+                serde_json::json!({"block_size": 16, "groups": ["full_attention", {"ssm": {}}]}),
+                "ssm groups need an ssm_state",
+            ),
+            (
+                serde_json::json!({"block_size": 16, "groups": ["full_attention"],
+                    "ssm_state": {"conv_bytes": [8], "temporal_bytes": 8}}),
+                "no KV cache group is an ssm group",
+            ),
+            (
+                serde_json::json!({"block_size": 16, "groups": [{"ssm": {}}],
+                    "ssm_state": {"conv_bytes": [8], "temporal_bytes": 8}}),
+                "SSM (Mamba) groups only is not supported",
+            ),
+            (
+                serde_json::json!({"block_size": 16, "groups": ["full_attention", {"ssm": {}}],
+                    "region_groups": [0, 1],
+                    "ssm_state": {"conv_bytes": [8], "temporal_bytes": 8}}),
+                "SSM (Mamba) groups with region_groups are not supported",
+            ),
+            (
+                serde_json::json!({"block_size": 16, "groups": ["full_attention", {"ssm": {}}],
+                    "ssm_state": {"conv_bytes": [], "temporal_bytes": 8}}),
+                "at least one conv sub-projection",
+            ),
+        ] {
+            let err = parsed(json).unwrap_err().to_string();
+            assert!(err.contains(want), "{err}");
+        }
+    }
+}
