@@ -969,9 +969,21 @@ fn holds_python_units(
     units: &[(usize, usize, usize)],
     remote_tokens: usize,
 ) {
+    holds_python_units_and(decode, units, remote_tokens, |_, _| {});
+}
+
+/// [`holds_python_units`], with what else each region must hold (a state block's bytes)
+/// written into its expected bytes by `and(region, want)`.
+fn holds_python_units_and(
+    decode: &KvConnectorWorker,
+    units: &[(usize, usize, usize)],
+    remote_tokens: usize,
+    and: impl Fn(usize, &mut [u8]),
+) {
     let cache = decode.kv_caches().unwrap();
     for region in 0..REGIONS {
-        let want = decode_after(region, units, remote_tokens);
+        let mut want = decode_after(region, units, remote_tokens);
+        and(region, &mut want);
         let mut got = vec![0u8; want.len()];
         cache.read(region, 0, &mut got).unwrap();
         if let Some(at) = (0..want.len()).find(|&i| got[i] != want[i]) {
@@ -1268,10 +1280,7 @@ async fn a_rust_decode_of_ssm_groups_reads_the_state_page_of_two_kernel_blocks_p
         .get_mut(KV_CACHE_GROUPS_KEY)
         .unwrap()["block_size"] = json!(32);
     let (decode, mut scheduler) = vllm_engine_with("rs-decode-ssm-ppl2", kv);
-    let cache = decode.kv_caches().unwrap();
-    for region in 0..REGIONS {
-        cache.write(region, 0, &[0xEE; BLOCKS * BLOCK_LEN]).unwrap();
-    }
+    fill_untouched(&decode, BLOCK_LEN);
     // A 60-token prompt: ids 1 and 4 (kernel blocks 2, 3, 8, 9); the state in id 3.
     let json = peer.call(&format!(
         "kv_finish {} 1,4;0,3,7 ssm:1 60",
@@ -1286,24 +1295,12 @@ async fn a_rust_decode_of_ssm_groups_reads_the_state_page_of_two_kernel_blocks_p
     assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
     let units = [(4, 0, 2), (5, 0, 3), (10, 0, 8), (11, 0, 9)];
     let state: usize = SSM_CONV.iter().sum::<usize>() + SSM_TEMPORAL;
-    for region in 0..REGIONS {
-        let mut want = decode_after(region, &units, 16);
+    holds_python_units_and(&decode, &units, 16, |region, want| {
         // Id 6's page starts at kernel block 12; the prefill's id 3 at its kernel block 6.
         for o in 0..state {
             want[12 * BLOCK_LEN + o] = python_byte(region, 6 * BLOCK_LEN + o);
         }
-        let mut got = vec![0u8; want.len()];
-        cache.read(region, 0, &mut got).unwrap();
-        if let Some(at) = (0..want.len()).find(|&i| got[i] != want[i]) {
-            panic!(
-                "region {region}: byte {} of block {} is {:#04x}, want {:#04x}",
-                at % BLOCK_LEN,
-                at / BLOCK_LEN,
-                got[at],
-                want[at]
-            );
-        }
-    }
+    });
     assert_eq!(
         decode.metrics().iter().map(|m| m.bytes).sum::<u64>(),
         (4 * REGIONS * BLOCK_LEN + REGIONS * state) as u64
@@ -1325,10 +1322,7 @@ async fn a_rust_decode_of_ssm_groups_reads_the_state_block_of_a_python_prefill_o
         "kv_prefill {hash} 0 0 py-ssm-ratio {REGIONS} {small_blocks} {small_len} 8 -1,-1 1 {SSM_ARG}"
     ));
     let (decode, mut scheduler) = vllm_engine_with("rs-decode-ssm-ratio", ssm_kv(&factors(), 1));
-    let cache = decode.kv_caches().unwrap();
-    for region in 0..REGIONS {
-        cache.write(region, 0, &[0xEE; BLOCKS * BLOCK_LEN]).unwrap();
-    }
+    fill_untouched(&decode, BLOCK_LEN);
     // A 31-token prompt: four 8-token prefill blocks, two 16-token decode blocks.
     let json = peer.call(&format!(
         "kv_finish {} 3,5,7,9;0,6,7 ssm:1 31",
@@ -1340,24 +1334,12 @@ async fn a_rust_decode_of_ssm_groups_reads_the_state_block_of_a_python_prefill_o
     assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
     let units = [(0, 0, 3), (0, 1, 5), (2, 0, 7), (2, 1, 9)];
     let state: usize = SSM_CONV.iter().sum::<usize>() + SSM_TEMPORAL;
-    for region in 0..REGIONS {
-        let mut want = decode_after(region, &units, 8);
+    holds_python_units_and(&decode, &units, 8, |region, want| {
         // The state block (the one before the scratch block 13): its state only.
         for o in 0..state {
             want[12 * BLOCK_LEN + o] = python_byte(region, 6 * small_len + o);
         }
-        let mut got = vec![0u8; want.len()];
-        cache.read(region, 0, &mut got).unwrap();
-        if let Some(at) = (0..want.len()).find(|&i| got[i] != want[i]) {
-            panic!(
-                "region {region}: byte {} of block {} is {:#04x}, want {:#04x}",
-                at % BLOCK_LEN,
-                at / BLOCK_LEN,
-                got[at],
-                want[at]
-            );
-        }
-    }
+    });
     let attention = 2 * REGIONS * BLOCK_LEN;
     assert_eq!(
         decode.metrics().iter().map(|m| m.bytes).sum::<u64>(),
