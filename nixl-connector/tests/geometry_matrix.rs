@@ -150,8 +150,10 @@ async fn two_kv_cache_groups_move_every_byte_where_the_model_says() {
 /// `_build_mamba_local` puts it, a decode of a larger TP its slice of each part, one of a
 /// smaller TP each prefill rank's whole parts as its slices; over TP 1, 2 and 4, MHA with
 /// regions of two lengths, and MLA. MLA from a larger prefill TP is refused by name (its
-/// latent is read from one prefill rank, the state is on all of them), and so are blocks of
-/// different sizes on the two engines (vLLM moves a state block whole).
+/// latent is read from one prefill rank, the state is on all of them). Decode blocks of 2
+/// and 4 times the prefill's, and block ids of two kernel blocks on both engines, move the
+/// state block whole (vLLM's Mamba pages move 1:1); other kernel block counts on the two
+/// engines are refused by name.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_attention_and_ssm_model_moves_every_byte_where_the_model_says() {
     common::init_tracing();

@@ -248,55 +248,27 @@ async fn soak(faults: bool, ci_target: u64) {
             // Stopped by the prefill until it prints RESUMED; what it made meanwhile may
             // outlive its lease too.
             loop {
-                match prefill
+                let line = prefill
                     .lines
                     .recv()
                     .await
-                    .expect("the prefill resumes the decode")
-                {
-                    Line::Resumed => {
-                        // (Sooner after a long one, so that both kinds come in CI.)
-                        let wait = if past_lease {
-                            STALL_EVERY / 2
-                        } else {
-                            STALL_EVERY
-                        };
-                        next_decode_stall = Instant::now() + wait;
-                        break;
-                    }
-                    Line::End {
-                        freed_twice,
-                        late_writes,
-                    } => prefill_end = Some((freed_twice, late_writes)),
-                    Line::Request {
-                        seed,
-                        blocks,
-                        made,
-                        params,
-                    } => {
-                        from_current += 1;
-                        d.receive(step, generation, past_lease, (seed, blocks, made, params));
-                    }
+                    .expect("the prefill resumes the decode");
+                let at = (step, generation, past_lease);
+                if take_line(line, &mut d, at, &mut from_current, &mut prefill_end) {
+                    // (Sooner after a long one, so that both kinds come in CI.)
+                    let wait = if past_lease {
+                        STALL_EVERY / 2
+                    } else {
+                        STALL_EVERY
+                    };
+                    next_decode_stall = Instant::now() + wait;
+                    break;
                 }
             }
         }
         while let Ok(line) = prefill.lines.try_recv() {
-            match line {
-                Line::End {
-                    freed_twice,
-                    late_writes,
-                } => prefill_end = Some((freed_twice, late_writes)),
-                Line::Resumed => {}
-                Line::Request {
-                    seed,
-                    blocks,
-                    made,
-                    params,
-                } => {
-                    from_current += 1;
-                    d.receive(step, generation, false, (seed, blocks, made, params));
-                }
-            }
+            let at = (step, generation, false);
+            take_line(line, &mut d, at, &mut from_current, &mut prefill_end);
         }
         // The third agent's heartbeat flood with malformed notifications, every 250 ms (more
         // often than a heartbeat's 1 s extension): one heartbeat naming the requests it
@@ -429,4 +401,34 @@ async fn soak(faults: bool, ci_target: u64) {
         r.prefill_restarts > 0 && r.dead_failed > 0 && r.loaded_after_restart > 0,
         "a prefill died with loads from it, and its successor served: {r:?}"
     );
+}
+
+/// Takes a line of the current prefill process: a request it made (at `step`, of prefill
+/// `generation`; `past_lease` if made while the decode stalled past its lease) goes to the
+/// decode and counts in `from_current`, its end's counts go to `prefill_end`. Whether the
+/// line was `RESUMED` (the end of a decode stall).
+fn take_line(
+    line: Line,
+    d: &mut DecodeEngine,
+    (step, generation, past_lease): (u64, u64, bool),
+    from_current: &mut u64,
+    prefill_end: &mut Option<(u64, u64)>,
+) -> bool {
+    match line {
+        Line::Resumed => return true,
+        Line::End {
+            freed_twice,
+            late_writes,
+        } => *prefill_end = Some((freed_twice, late_writes)),
+        Line::Request {
+            seed,
+            blocks,
+            made,
+            params,
+        } => {
+            *from_current += 1;
+            d.receive(step, generation, past_lease, (seed, blocks, made, params));
+        }
+    }
+    false
 }
