@@ -196,8 +196,8 @@ pub(crate) type GroupPairs = (Vec<(usize, usize)>, Vec<usize>);
 ///
 /// An SSM group (`is_state(group)`) holds the running state in one block on each side
 /// (vLLM's `clip_ssm_state_blocks`, by each engine), whatever its token position: its
-/// local block pairs with its remote block, as blocks rather than units (the workers read
-/// SSM groups only between blocks of as many tokens, one kernel block per id).
+/// local block pairs with its remote block, as block ids rather than units (a state page is
+/// a whole id, whatever the block sizes or kernel blocks per id: vLLM moves it 1:1).
 ///
 /// # Errors
 /// [`Error::InvalidArgument`] when the prefill's kernel blocks are larger than the decode's

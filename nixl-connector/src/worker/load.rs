@@ -474,8 +474,7 @@ fn post_one(
     let (local, far, bytes) = if let Some(ssm) = &remote.ssm {
         // vLLM's `[descs_fa | descs_ssm]`: the attention groups' blocks in every region,
         // then the SSM groups' state.
-        let (attention, state) =
-            split_state_pairs(&pairs, &group_pairs, |g| is_ssm_group(shared, g))?;
+        let (attention, state) = split_state_pairs(&pairs, &group_pairs, is_state)?;
         let (mut local, mut far, bytes) = plan.descriptor_ids(caches.spec.num_blocks, &attention);
         let (state_local, state_far, state_bytes) = ssm
             .descriptor_ids(&state)
