@@ -628,7 +628,10 @@ impl KvConnectorWorker {
     /// Tells the ranks of a remote engine this rank reads from (or notifies) that its
     /// requests are still wanted (vLLM's `_send_heartbeats`): `HB:` and their ids. Before the
     /// handshake with a rank is done it starts the handshake instead, so that the next
-    /// heartbeat goes.
+    /// heartbeat goes. A rank handshaken again (its READs failed or passed the transfer
+    /// timeout) still gets the heartbeat, at the agent its last handshake loaded: a
+    /// prefill too slow or stopped to answer a new handshake at once must not end the
+    /// leases its waiting requests are kept by.
     fn send_heartbeat(&self, heartbeat: &HeartbeatSpec) {
         const OP: &str = "send a heartbeat";
         let ranks = match self.remote_ranks(OP, heartbeat.port, heartbeat.tp_size) {
@@ -640,7 +643,9 @@ impl KvConnectorWorker {
         };
         let messages = heartbeat_messages(heartbeat.request_ids.iter().map(String::as_str));
         for (rank, port) in ranks {
-            let Some(remote) = self.shared.remotes.ready(&heartbeat.engine_id, rank) else {
+            let remotes = &self.shared.remotes;
+            let ready = remotes.ready(&heartbeat.engine_id, rank);
+            if ready.is_none() {
                 let (shared, id, host, tp_size) = (
                     self.shared.clone(),
                     heartbeat.engine_id.clone(),
@@ -657,10 +662,16 @@ impl KvConnectorWorker {
                         tracing::debug!(engine = %id, rank, %err, "handshake for heartbeats failed");
                     }
                 });
-                continue;
+            }
+            let agent = match ready {
+                Some(remote) => remote.agent.clone(),
+                None => match remotes.known_agent(&heartbeat.engine_id, rank) {
+                    Some(agent) => agent,
+                    None => continue,
+                },
             };
             for message in &messages {
-                match self.agent().send_notification(&remote.agent, message) {
+                match self.agent().send_notification(&agent, message) {
                     Ok(()) => self.shared.series.heartbeat_sent(),
                     Err(err) => {
                         self.shared.series.failed_notification();

@@ -1,20 +1,21 @@
 //! `transfer_timeout`: a load whose READ is still in flight when it passes is reported
 //! overdue at once (`overdue_loads`, its blocks still the connector's), and fails with
 //! `Error::TransferTimeout`, exactly its blocks in `load_errors`, only once NIXL has ended
-//! the READ: until then NIXL may still write the blocks (#30 item 2). The source is an
+//! the READ: until then NIXL may still write the blocks (#30 item 2). Meanwhile the
+//! engine's other requests keep their leases: heartbeats still reach it. The source is an
 //! in-process prefill whose agent makes no progress until polled, or a prefill process
 //! stopped (SIGSTOP) mid-READ and resumed.
 
 mod common;
 mod prefill_process;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::{
     all_threads_stopped, block, fill, handshake, pattern, poll_until, progress_until, remote,
     signal, spec, stalled_worker, wait_for, worker_with, WAIT,
 };
-use nixl_connector::{Error, KvConnectorWorker, OverdueLoad};
+use nixl_connector::{ConnectorMetadata, Error, HeartbeatSpec, KvConnectorWorker, OverdueLoad};
 
 /// Waits until `decode` reports overdue loads, and returns them.
 async fn overdue(decode: &KvConnectorWorker) -> Vec<OverdueLoad> {
@@ -93,6 +94,59 @@ async fn a_read_past_the_transfer_timeout_fails_its_load_once_it_ends() {
     assert!(metrics[0].duration >= TIMEOUT, "{:?}", metrics[0].duration);
     assert_eq!(agent.leak_stats(), nixl::LeakStats::default());
     assert!(decode.overdue_loads().is_empty(), "reported once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heartbeats_still_reach_an_engine_whose_read_passed_the_timeout() {
+    // Found by the chaos soak: a READ past the timeout has its remote rank handshaken again,
+    // and the heartbeats of the engine's waiting requests were dropped until that handshake
+    // ended; a prefill slow to answer it (stopped, here making no progress) then ended
+    // their leases and reused their blocks before the decode read them.
+    common::init_tracing();
+    const ENGINE: &str = "pf-hb-overdue";
+    const TIMEOUT: Duration = Duration::from_millis(200);
+    let spec = spec(2);
+    let prefill = stalled_worker(ENGINE, 0, 1, &spec);
+    fill(&prefill, &spec);
+    let decode = worker_with("dc-hb-overdue", 0, 1, &spec, |c| {
+        c.transfer_timeout = TIMEOUT
+    });
+    let port = prefill.side_channel_addr().unwrap().port();
+    handshake(&decode, ENGINE, port).await;
+    let late = remote(&prefill, ENGINE, "late", vec![5, 6], 1);
+    decode.start_load("late", &[1, 2], &late).unwrap();
+    overdue(&decode).await;
+    // A request that a decode request still waits for (no blocks for it yet). From now on
+    // the prefill's agent progresses, as it takes notifications.
+    prefill.hold_for_decode("p-waiting", Instant::now() + Duration::from_secs(60));
+
+    // One step's heartbeat for the waiting request: it goes at once, to the agent the last
+    // handshake loaded, while the rank is handshaken again.
+    decode.start_load_kv(&ConnectorMetadata {
+        heartbeats: vec![HeartbeatSpec {
+            engine_id: ENGINE.into(),
+            host: "127.0.0.1".into(),
+            port,
+            tp_size: 1,
+            request_ids: vec!["p-waiting".into()],
+        }],
+        ..ConnectorMetadata::default()
+    });
+    progress_until(
+        &prefill,
+        "the heartbeat to extend the waiting lease",
+        || prefill.notification_stats().leases_extended == 1,
+    )
+    .await;
+    // The overdue READ ends, and with it the load (its blocks handed back only then).
+    let mut done = Vec::new();
+    progress_until(&prefill, "the overdue load to end", || {
+        done.extend(decode.finished().recving);
+        !done.is_empty()
+    })
+    .await;
+    assert_eq!(done, ["late"]);
+    assert_eq!(decode.load_errors(), [1, 2]);
 }
 
 const ROLE_ENV: &str = "NIXL_CONNECTOR_TEST_OVERDUE_PREFILL";

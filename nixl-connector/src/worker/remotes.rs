@@ -89,10 +89,14 @@ struct EngineBook {
     evicted: u64,
 }
 
-/// The metadata each remote agent was loaded from, by agent name, and the counts.
+/// The metadata each remote agent was loaded from, by agent name, the agent each remote
+/// rank's latest handshake loaded, and the counts.
 #[derive(Default)]
 struct LoadedAgents {
     by_name: HashMap<String, LoadedAgent>,
+    /// By engine id and rank: the agent their latest handshake named (a key of `by_name`
+    /// while its metadata stays loaded).
+    latest: HashMap<(String, usize), String>,
     stats: RemoteStats,
 }
 
@@ -267,6 +271,7 @@ impl Remotes {
             .filter(|(_, l)| l.source.0 == engine)
             .map(|(name, _)| name.clone())
             .collect();
+        loaded.latest.retain(|(e, _), _| e != engine);
         for name in names {
             loaded.by_name.remove(&name);
             if let Err(err) = agent.invalidate_remote_metadata(&name) {
@@ -380,6 +385,9 @@ impl Remotes {
         let known = agent.has_remote_metadata(name)?;
         match loaded.by_name.get(name).filter(|_| known) {
             Some(last) if last.metadata == metadata => {
+                if last.source == *source {
+                    loaded.latest.insert(source.clone(), name.to_string());
+                }
                 loaded.stats.reused += 1;
                 return Ok(name.to_string());
             }
@@ -409,7 +417,27 @@ impl Remotes {
             source: source.clone(),
         };
         loaded.by_name.insert(declared.clone(), entry);
+        loaded.latest.insert(source.clone(), declared.clone());
         Ok(declared)
+    }
+
+    /// The agent that the latest handshake with rank `rank` of `engine` loaded, while its
+    /// metadata stays loaded (until the engine is evicted), whether or not the rank is
+    /// handshaken again now (after a failed or overdue transfer); a use of the engine, for
+    /// its TTL. Heartbeats go to it while a new handshake is under way, as vLLM's
+    /// `_send_heartbeats` sends them to every agent of an engine it has not evicted.
+    pub(crate) fn known_agent(&self, engine: &str, rank: usize) -> Option<String> {
+        let agent = {
+            let loaded = self.loaded.lock().unwrap_or_else(|p| p.into_inner());
+            let name = loaded.latest.get(&(engine.to_string(), rank))?;
+            loaded
+                .by_name
+                .get(name)
+                .filter(|l| l.source.0 == engine && l.source.1 == rank)?;
+            name.clone()
+        };
+        self.book().engines.touch(engine, Instant::now());
+        Some(agent)
     }
 
     /// The counts so far, with the engines known and the process's open file descriptors
