@@ -716,7 +716,9 @@ async fn finish_posted(shared: &Shared, load: &Load, posted: Posted) {
         Ok(ended) => (ended, false),
         Err(_) => {
             for (rank, remote) in &read {
-                shared.remotes.forget(&load.remote.engine_id, *rank, remote);
+                shared
+                    .remotes
+                    .forget_after_failure(&load.remote.engine_id, *rank, remote);
             }
             report_overdue(shared, load, deadline);
             (all.await, true)

@@ -89,14 +89,14 @@ struct EngineBook {
     evicted: u64,
 }
 
-/// The metadata each remote agent was loaded from, by agent name, the agent each remote
-/// rank's latest handshake loaded, and the counts.
+/// The metadata each remote agent was loaded from, by agent name, the agents of the remote
+/// ranks handshaken again after a failed or overdue READ, and the counts.
 #[derive(Default)]
 struct LoadedAgents {
     by_name: HashMap<String, LoadedAgent>,
-    /// By engine id and rank: the agent their latest handshake named (a key of `by_name`
-    /// while its metadata stays loaded).
-    latest: HashMap<(String, usize), String>,
+    /// By engine id and rank: the agent of a rank forgotten after a failed or overdue READ,
+    /// until its next handshake ends (a key of `by_name` while its metadata stays loaded).
+    after_failure: HashMap<(String, usize), String>,
     stats: RemoteStats,
 }
 
@@ -165,6 +165,8 @@ impl Remotes {
                     made.push(weak);
                     book.marked.remove(engine);
                 }
+                drop(book);
+                self.loaded().after_failure.remove(&key);
                 Ok(remote)
             }
             Err(reason) => {
@@ -264,20 +266,24 @@ impl Remotes {
 
     /// Invalidates, in `agent`, the metadata of the agents `engine`'s handshakes loaded.
     fn release_agents(&self, agent: &Agent, engine: &str) {
-        let mut loaded = self.loaded.lock().unwrap_or_else(|p| p.into_inner());
+        let mut loaded = self.loaded();
         let names: Vec<String> = loaded
             .by_name
             .iter()
             .filter(|(_, l)| l.source.0 == engine)
             .map(|(name, _)| name.clone())
             .collect();
-        loaded.latest.retain(|(e, _), _| e != engine);
+        loaded.after_failure.retain(|(e, _), _| e != engine);
         for name in names {
             loaded.by_name.remove(&name);
             if let Err(err) = agent.invalidate_remote_metadata(&name) {
                 tracing::debug!(%engine, remote = %name, %err, "invalidating an evicted engine's agent failed");
             }
         }
+    }
+
+    fn loaded(&self) -> MutexGuard<'_, LoadedAgents> {
+        self.loaded.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn book(&self) -> MutexGuard<'_, EngineBook> {
@@ -300,8 +306,27 @@ impl Remotes {
         same
     }
 
+    /// Forgets `remote`, rank `rank` of `engine`, after a READ from it failed or passed the
+    /// transfer timeout (as [`forget`](Self::forget)), keeping its agent for the heartbeats
+    /// until the next handshake with the rank ends ([`known_agent`](Self::known_agent)).
+    /// Whether `remote` was the current handshake (and is now forgotten).
+    pub(crate) fn forget_after_failure(
+        &self,
+        engine: &str,
+        rank: usize,
+        remote: &Arc<Remote>,
+    ) -> bool {
+        if !self.forget(engine, rank, remote) {
+            return false;
+        }
+        self.loaded()
+            .after_failure
+            .insert((engine.to_string(), rank), remote.agent.clone());
+        true
+    }
+
     /// Forgets `remote` after a load from it failed with `error` (as
-    /// [`forget`](Self::forget)); a failure in NIXL itself (at the post or in the status
+    /// [`forget_after_failure`](Self::forget_after_failure)); a failure in NIXL itself (at the post or in the status
     /// poll) also marks `engine` as a failed handshake does, so that an engine whose
     /// transfers keep failing is backed off from (vLLM's `_handle_failed_transfer` and
     /// `_mark_remote_engine_invalid`). vLLM marks an engine whose agent NIXL dropped on the
@@ -317,7 +342,7 @@ impl Remotes {
         remote: &Arc<Remote>,
         error: &Error,
     ) {
-        if !self.forget(engine, rank, remote) || !matches!(error, Error::Nixl(_)) {
+        if !self.forget_after_failure(engine, rank, remote) || !matches!(error, Error::Nixl(_)) {
             return;
         }
         let mut book = self.book();
@@ -380,14 +405,11 @@ impl Remotes {
         name: &str,
         metadata: &[u8],
     ) -> Result<String> {
-        let mut loaded = self.loaded.lock().unwrap_or_else(|p| p.into_inner());
+        let mut loaded = self.loaded();
         loaded.stats.handshakes += 1;
         let known = agent.has_remote_metadata(name)?;
         match loaded.by_name.get(name).filter(|_| known) {
             Some(last) if last.metadata == metadata => {
-                if last.source == *source {
-                    loaded.latest.insert(source.clone(), name.to_string());
-                }
                 loaded.stats.reused += 1;
                 return Ok(name.to_string());
             }
@@ -417,19 +439,22 @@ impl Remotes {
             source: source.clone(),
         };
         loaded.by_name.insert(declared.clone(), entry);
-        loaded.latest.insert(source.clone(), declared.clone());
         Ok(declared)
     }
 
-    /// The agent that the latest handshake with rank `rank` of `engine` loaded, while its
-    /// metadata stays loaded (until the engine is evicted), whether or not the rank is
-    /// handshaken again now (after a failed or overdue transfer); a use of the engine, for
-    /// its TTL. Heartbeats go to it while a new handshake is under way, as vLLM's
-    /// `_send_heartbeats` sends them to every agent of an engine it has not evicted.
+    /// The agent of rank `rank` of `engine` while the rank is handshaken again after a failed
+    /// or overdue READ ([`forget_after_failure`](Self::forget_after_failure)) and its metadata
+    /// stays loaded (until the engine is evicted); a use of the engine, for its TTL.
+    /// Heartbeats go to it meanwhile: vLLM keeps an engine whose READs failed or ran long (it
+    /// has no read timeout) and sends its heartbeats on (`_send_heartbeats`), and a prefill
+    /// too slow or stopped to answer a new handshake at once must not end the leases of the
+    /// requests that wait for it. `None` for a rank never handshaken, or handshaken again for
+    /// another reason (a new registration generation): its heartbeats wait for the handshake,
+    /// as vLLM's (`_ensure_handshake`).
     pub(crate) fn known_agent(&self, engine: &str, rank: usize) -> Option<String> {
         let agent = {
-            let loaded = self.loaded.lock().unwrap_or_else(|p| p.into_inner());
-            let name = loaded.latest.get(&(engine.to_string(), rank))?;
+            let loaded = self.loaded();
+            let name = loaded.after_failure.get(&(engine.to_string(), rank))?;
             loaded
                 .by_name
                 .get(name)
@@ -447,7 +472,7 @@ impl Remotes {
             let book = self.book();
             (book.engines.known() as u64, book.evicted)
         };
-        let loaded = self.loaded.lock().unwrap_or_else(|p| p.into_inner());
+        let loaded = self.loaded();
         RemoteStats {
             engines,
             evicted,
