@@ -644,31 +644,15 @@ impl KvConnectorWorker {
         let messages = heartbeat_messages(heartbeat.request_ids.iter().map(String::as_str));
         for (rank, port) in ranks {
             let remotes = &self.shared.remotes;
-            let ready = remotes.ready(&heartbeat.engine_id, rank);
-            if ready.is_none() {
-                let (shared, id, host, tp_size) = (
-                    self.shared.clone(),
-                    heartbeat.engine_id.clone(),
-                    heartbeat.host.clone(),
-                    heartbeat.tp_size,
-                );
-                self.runtime.spawn(async move {
-                    let engine = Engine {
-                        id: &id,
-                        host: &host,
-                        tp_size,
-                    };
-                    if let Err(err) = connect::remote(&shared, engine, rank, port).await {
-                        tracing::debug!(engine = %id, rank, %err, "handshake for heartbeats failed");
-                    }
-                });
-            }
-            let agent = match ready {
+            let agent = match remotes.ready(&heartbeat.engine_id, rank) {
                 Some(remote) => remote.agent.clone(),
-                None => match remotes.known_agent(&heartbeat.engine_id, rank) {
-                    Some(agent) => agent,
-                    None => continue,
-                },
+                None => {
+                    self.handshake_for_heartbeats(heartbeat, rank, port);
+                    match remotes.known_agent(&heartbeat.engine_id, rank) {
+                        Some(agent) => agent,
+                        None => continue,
+                    }
+                }
             };
             for message in &messages {
                 match self.agent().send_notification(&agent, message) {
@@ -680,6 +664,27 @@ impl KvConnectorWorker {
                 }
             }
         }
+    }
+
+    /// Starts, in a task, the handshake with rank `rank` of `heartbeat`'s engine (its side
+    /// channel at `port`), so that the next heartbeat to it goes.
+    fn handshake_for_heartbeats(&self, heartbeat: &HeartbeatSpec, rank: usize, port: u16) {
+        let (shared, id, host, tp_size) = (
+            self.shared.clone(),
+            heartbeat.engine_id.clone(),
+            heartbeat.host.clone(),
+            heartbeat.tp_size,
+        );
+        self.runtime.spawn(async move {
+            let engine = Engine {
+                id: &id,
+                host: &host,
+                tp_size,
+            };
+            if let Err(err) = connect::remote(&shared, engine, rank, port).await {
+                tracing::debug!(engine = %id, rank, %err, "handshake for heartbeats failed");
+            }
+        });
     }
 
     /// Holds a finished prefill request's blocks until the decode notifications arrive

@@ -326,11 +326,11 @@ impl Remotes {
     }
 
     /// Forgets `remote` after a load from it failed with `error` (as
-    /// [`forget_after_failure`](Self::forget_after_failure)); a failure in NIXL itself (at the post or in the status
-    /// poll) also marks `engine` as a failed handshake does, so that an engine whose
-    /// transfers keep failing is backed off from (vLLM's `_handle_failed_transfer` and
-    /// `_mark_remote_engine_invalid`). vLLM marks an engine whose agent NIXL dropped on the
-    /// failure; NIXL 1.5.1 keeps the agent's metadata after a peer's disconnection and its
+    /// [`forget_after_failure`](Self::forget_after_failure)); a failure in NIXL itself (at
+    /// the post or in the status poll) also marks `engine` as a failed handshake does, so
+    /// that an engine whose transfers keep failing is backed off from (vLLM's
+    /// `_handle_failed_transfer` and `_mark_remote_engine_invalid`). vLLM marks an engine
+    /// whose agent NIXL dropped on the failure; NIXL 1.5.1 keeps the agent's metadata after a peer's disconnection and its
     /// C API folds the disconnection into a backend error, so every NIXL failure counts.
     /// An engine is marked once until a new handshake with it: the other loads and ranks
     /// failing with it add nothing, as vLLM marks an engine once until it is handshaken
