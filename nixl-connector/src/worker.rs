@@ -14,6 +14,7 @@ use tokio::task::JoinHandle;
 use crate::config::{MetadataExchange, Protocol, WorkerConfig};
 use crate::error::{Error, Result};
 use crate::failure::{FailedBlock, FailureKind};
+use crate::geometry::groups::KvCacheGroups;
 use crate::geometry::tp_mapping::TpMapping;
 use crate::lease::Lease;
 use crate::metrics::series::Series;
@@ -117,6 +118,7 @@ impl KvConnectorWorker {
             .clone()
             .unwrap_or_else(|| agent_name(&config));
         let engine_ttl = crate::worker::engines::engine_ttl(&config.kv_transfer_config)?;
+        let groups = KvCacheGroups::from_kv_transfer_config(&config.kv_transfer_config)?;
         let lease = match config.lease {
             Some(lease) => lease,
             None => Lease::from_kv_transfer_config(&config.kv_transfer_config)?,
@@ -141,7 +143,6 @@ impl KvConnectorWorker {
             Protocol::Vllm => Some(VllmWorker::new(
                 Compatibility::from_kv_transfer_config(&config.kv_transfer_config)?,
                 config.vllm_limits,
-                crate::geometry::groups::KvCacheGroups::from_kv_transfer_config(&config.kv_transfer_config)?,
             )),
         };
         // Telemetry on: each READ's post and transfer durations feed the exported series.
@@ -186,6 +187,7 @@ impl KvConnectorWorker {
             protocol,
             #[cfg(feature = "vllm")]
             vllm,
+            groups,
             setup,
             caches: Mutex::new(None),
             outcomes: Mutex::new(Outcomes::default()),

@@ -144,7 +144,7 @@ async fn two_kv_cache_groups_move_every_byte_where_the_model_says() {
 }
 
 /// A hybrid model of a full-attention group and an SSM (Mamba) group sharing every region,
-/// in vLLM's protocol (vLLM 0.33's Mamba2-style models: three conv sub-projections and a
+/// in both protocols (vLLM 0.33's Mamba2-style models: three conv sub-projections and a
 /// temporal state, padded to the attention page): the SSM group reads only its
 /// state-bearing block, in every region only the state's bytes, each part where vLLM's
 /// `_build_mamba_local` puts it, a decode of a larger TP its slice of each part, one of a
@@ -153,7 +153,8 @@ async fn two_kv_cache_groups_move_every_byte_where_the_model_says() {
 /// latent is read from one prefill rank, the state is on all of them). Decode blocks of 2
 /// and 4 times the prefill's, and block ids of two kernel blocks on both engines, move the
 /// state block whole (vLLM's Mamba pages move 1:1); other kernel block counts on the two
-/// engines are refused by name.
+/// engines are refused by name (vLLM's protocol only: the native handshake has one kernel
+/// block per id).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_attention_and_ssm_model_moves_every_byte_where_the_model_says() {
     common::init_tracing();
@@ -180,7 +181,9 @@ async fn an_attention_and_ssm_model_moves_every_byte_where_the_model_says() {
         (side(1, 4), side(2, 8)),
         (side(2, 4), side(1, 16)),
     ];
-    run_ssm_cases(&model, &cases).await;
+    for protocol in [Protocol::Vllm, Protocol::Native] {
+        run_ssm_cases(&model, &cases, protocol).await;
+    }
     // MLA's replicated latent beside the state split across the ranks.
     let mla = Model {
         attention: KvAttention::Mla,
@@ -188,7 +191,9 @@ async fn an_attention_and_ssm_model_moves_every_byte_where_the_model_says() {
         regions: vec![(KvRegionKind::Tensor, 24), (KvRegionKind::Tensor, 16)],
     };
     let mla_cases: Vec<(Side, Side)> = cases[..5].iter().chain(&cases[7..8]).copied().collect();
-    run_ssm_cases(&mla, &mla_cases).await;
+    for protocol in [Protocol::Vllm, Protocol::Native] {
+        run_ssm_cases(&mla, &mla_cases, protocol).await;
+    }
     // Block ids of two kernel blocks each on both engines: a state page is an id's two.
     let paired = |tp, block_size| Side {
         tp,

@@ -92,7 +92,7 @@ impl std::fmt::Display for KvCacheGroupKind {
 /// [`LoadSpec::local_group_lens`](crate::LoadSpec::local_group_lens)).
 ///
 /// SSM (Mamba) groups ([`KvCacheGroupKind::Ssm`], with the [`SsmState`] of their blocks,
-/// [`with_ssm_state`](Self::with_ssm_state)) are read in vLLM's protocol as vLLM 0.33 reads
+/// [`with_ssm_state`](Self::with_ssm_state)) are read in both protocols as vLLM 0.33 reads
 /// them: each request's one state-bearing block (vLLM's `clip_ssm_state_blocks`, on both
 /// engines), which pairs with the prefill's one whatever its token position and whatever
 /// the engines' block sizes (a state block moves whole: vLLM's
@@ -103,15 +103,16 @@ impl std::fmt::Display for KvCacheGroupKind {
 /// each rank holding a TP-th of each part: a decode of a larger TP takes its slice of each
 /// (`_build_mamba_remote`), one of a smaller TP takes each prefill rank's parts as its
 /// slices (`_build_local_splits_from_plan`); the attention groups' blocks in every region.
-/// The prefill's `ssm_sizes` must be this engine's scaled by the TP sizes.
+/// The prefill's state (vLLM's `ssm_sizes`; the native handshake's
+/// [`ssm_state`](crate::HandshakeMessage::ssm_state), part by part) must be this engine's
+/// scaled by the TP sizes.
 ///
 /// Not supported, refused by name: groups with regions of their own in the native
 /// protocol; a native worker whose groups' block size is larger than its registered
 /// blocks' (its handshake cannot say kernel blocks per id); a prefill's (kernel) blocks
 /// larger than the decode's in a load of several groups (vLLM 0.33's
 /// `TransferTopology.block_size_ratio` asserts that the decode's block size is a multiple
-/// of the prefill's); and, for SSM groups: the native protocol (its handshake does not say
-/// the state), engines of different kernel blocks per block id (vLLM 0.33 refuses them
+/// of the prefill's); and, for SSM groups: engines of different kernel blocks per block id (vLLM 0.33 refuses them
 /// with Mamba groups under prefix caching, and a decode here may always start past a
 /// prefix hit), a larger prefill TP with MLA or replicated KV heads (the attention is read from
 /// one prefill rank of a group, the state is on all of them), regions of their own, and
@@ -262,6 +263,27 @@ impl KvCacheGroups {
         self.region_groups.iter().any(|&g| g != SHARED_REGION) && self.len() > 1
     }
 
+    /// [`region_groups`](Self::region_groups) when some region is one group's only (then a
+    /// group's blocks are read in its regions and the shared ones); empty otherwise.
+    pub(crate) fn own_region_groups(&self) -> &[i64] {
+        if self.has_regions_of_their_own() {
+            &self.region_groups
+        } else {
+            &[]
+        }
+    }
+
+    /// Registered (kernel) blocks per block id of an engine whose registered blocks hold
+    /// `kernel_block_size` tokens: the groups' [`block_size`](Self::block_size) over it
+    /// (vLLM's `physical_blocks_per_logical_kv_block`, which its metadata publishes), 1
+    /// when not larger.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the groups' block size is larger and not a multiple.
+    pub(crate) fn kernel_blocks_per_id(&self, kernel_block_size: usize) -> Result<usize> {
+        crate::geometry::block_map::kernel_blocks_per_block(self.block_size, kernel_block_size)
+    }
+
     /// The `region_group_ids` a rank of `regions` regions publishes in vLLM's metadata:
     /// [`region_groups`](Self::region_groups) when given, else every region the one group's
     /// (0) or shared ([`SHARED_REGION`]) by several.
@@ -291,7 +313,7 @@ impl KvCacheGroups {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] naming what is wrong, e.g. a kind of group that is not
-    /// supported (SSM/Mamba groups are not).
+    /// supported, or SSM groups without their state.
     pub fn from_kv_transfer_config(config: &KvTransferConfig) -> Result<Self> {
         match config.kv_connector_extra_config.get(KV_CACHE_GROUPS_KEY) {
             None => Ok(KvCacheGroups::default()),

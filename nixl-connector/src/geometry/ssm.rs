@@ -120,6 +120,25 @@ impl SsmState {
         conv + temporal
     }
 
+    /// The state a rank of TP `to` holds of the model whose rank of TP `from` holds this
+    /// one: each part times `from / to`, every rank holding a TP-th of each part; `None`
+    /// when a part does not split so, or for a TP size of 0.
+    pub(crate) fn scaled(&self, from: usize, to: usize) -> Option<SsmState> {
+        let scale = |bytes: usize| {
+            let total = bytes as u128 * from as u128;
+            let to = to as u128;
+            (to > 0 && total % to == 0)
+                .then(|| usize::try_from(total / to).ok())
+                .flatten()
+        };
+        let conv = self
+            .conv_bytes
+            .iter()
+            .map(|&bytes| scale(bytes))
+            .collect::<Option<Vec<usize>>>()?;
+        SsmState::new(conv, scale(self.temporal_bytes)?).ok()
+    }
+
     /// Each part read as one descriptor, as (offset in the block, bytes): the conv
     /// sub-projections in turn, then the temporal state right after the conv state.
     pub(crate) fn parts(&self) -> Vec<(usize, usize)> {
@@ -135,6 +154,16 @@ impl SsmState {
             .collect();
         parts.push((offset, self.temporal_bytes));
         parts
+    }
+}
+
+impl std::fmt::Display for SsmState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "conv_bytes {:?} and temporal_bytes {}",
+            self.conv_bytes, self.temporal_bytes
+        )
     }
 }
 
@@ -407,6 +436,23 @@ mod tests {
             let err = SsmState::new(conv, temporal).unwrap_err().to_string();
             assert!(err.contains(want), "{err}");
         }
+    }
+
+    #[test]
+    fn a_state_scales_part_by_part_between_tp_sizes() {
+        let state = mamba2();
+        let halves = state.scaled(1, 2).unwrap();
+        assert_eq!(halves.scaled(2, 1), Some(state.clone()));
+        assert_eq!(
+            halves.ssm_sizes(),
+            (state.ssm_sizes().0 / 2, state.ssm_sizes().1 / 2)
+        );
+        assert_eq!(state.scaled(4, 4), Some(state.clone()));
+        // A part of an odd count of bytes does not split in two; no TP is 0.
+        let odd = SsmState::new(vec![3, 4], 8).unwrap();
+        assert_eq!(odd.scaled(1, 2), None);
+        assert_eq!(odd.scaled(1, 0), None);
+        assert_eq!(odd.scaled(usize::MAX, 1), None);
     }
 
     #[test]

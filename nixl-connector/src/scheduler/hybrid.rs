@@ -57,12 +57,6 @@ impl KvConnectorScheduler {
                 "KV cache groups with regions of their own are read in vLLM's protocol only, whose handshake says each region's group; share every region between the groups, or speak vLLM's protocol",
             ));
         }
-        if self.groups.has_ssm_groups() && self.config.protocol == Protocol::Native {
-            return Err(Error::invalid(
-                OP,
-                "SSM (Mamba) KV cache groups are read in vLLM's protocol only, whose workers know the groups' state (kv_connector_extra_config.kv_cache_groups) and whose handshake says its sizes (ssm_sizes); speak vLLM's protocol",
-            ));
-        }
         let local = self.groups.clip(request_id, local_block_ids)?;
         if self.groups.is_single_full_attention() {
             return self.update_state_after_alloc(request_id, local[0], params);
@@ -247,7 +241,7 @@ mod tests {
     }
 
     #[test]
-    fn an_ssm_group_hands_over_its_state_block_and_is_read_in_vllms_protocol_only() {
+    fn an_ssm_group_hands_over_its_state_block_in_either_protocol() {
         let groups = KvCacheGroups::new(
             8,
             vec![
@@ -277,23 +271,19 @@ mod tests {
         assert_eq!(params.remote_block_ids, [1, 2, 3, 21]);
         assert_eq!(params.remote_block_group_lens, [3, 1]);
         let local = [vec![11, 12], vec![31, 32]];
-        let mut native = hybrid("d", Protocol::Native).with_kv_cache_groups(groups.clone());
-        native.on_new_request("r", Some(&params));
-        let err = native
-            .update_state_after_alloc_groups("r", &local, &params)
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("read in vLLM's protocol only"), "{err}");
-        let mut vllm = hybrid("d", Protocol::Vllm).with_kv_cache_groups(groups);
-        vllm.on_new_request("r", Some(&params));
-        vllm.update_state_after_alloc_groups("r", &local, &params)
-            .unwrap();
-        let load = &vllm.build_connector_meta().loads[0];
-        // Each group's state block clipped on both sides; the workers pair them.
-        assert_eq!(load.local_block_ids, [11, 12, 31]);
-        assert_eq!(load.local_group_lens, [2, 1]);
-        assert_eq!(load.remote.block_ids, [1, 2, 3, 21]);
-        assert_eq!(load.remote.group_lens, [3, 1]);
+        for protocol in [Protocol::Native, Protocol::Vllm] {
+            let mut decode = hybrid("d", protocol).with_kv_cache_groups(groups.clone());
+            decode.on_new_request("r", Some(&params));
+            decode
+                .update_state_after_alloc_groups("r", &local, &params)
+                .unwrap();
+            let load = &decode.build_connector_meta().loads[0];
+            // Each group's state block clipped on both sides; the workers pair them.
+            assert_eq!(load.local_block_ids, [11, 12, 31]);
+            assert_eq!(load.local_group_lens, [2, 1]);
+            assert_eq!(load.remote.block_ids, [1, 2, 3, 21]);
+            assert_eq!(load.remote.group_lens, [3, 1]);
+        }
     }
 
     #[test]

@@ -6,9 +6,11 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::geometry::read_plan::ReadPlan;
 use crate::geometry::spec::KvCacheSpec;
+use crate::geometry::ssm::SsmState;
 
 /// Version of the side-channel protocol and handshake; peers of another version are refused.
-pub const PROTOCOL_VERSION: u32 = 2;
+/// 3: the handshake says the rank's SSM (Mamba) state ([`HandshakeMessage::ssm_state`]).
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// Most descriptors either list of a READ plan may have (regions × blocks × pieces of a
 /// block, on the peer's side or, split to the peer's block size, on ours); a peer whose
@@ -38,13 +40,19 @@ pub struct HandshakeMessage {
     pub tp_rank: u64,
     /// The sender's TP size.
     pub tp_size: u64,
+    /// What a block of the sender's SSM (Mamba) KV cache groups holds per rank, its
+    /// [`KvCacheGroups::ssm_state`](crate::KvCacheGroups::ssm_state); `None` without SSM
+    /// groups. A reader's must be the source's scaled by the TP sizes.
+    #[serde(default)]
+    pub ssm_state: Option<SsmState>,
 }
 
 /// Checks that `local` (the reader) can read `remote`'s blocks, and says how.
 ///
 /// Refused, with both values in the message: another protocol version; a different engine
 /// or rank than expected; a spec that is not valid; another attention, region count or
-/// layout; block sizes or TP sizes of which neither divides the other; a source rank the
+/// layout; SSM (Mamba) state on one side only, or a source's that is not the reader's scaled
+/// by the TP sizes; block sizes or TP sizes of which neither divides the other; a source rank the
 /// reader's [`TpMapping`](crate::TpMapping) does not name; the first region whose content
 /// or bytes per token and head differ (see [`ReadPlan`]); NHD when heads must be split; a
 /// cache needing more than [`MAX_REMOTE_DESCRIPTORS`] or whose addresses overflow.
@@ -100,6 +108,9 @@ pub fn check_compatible(
             usize::try_from(m.tp_size).unwrap_or(usize::MAX),
         )
     };
+    if let Some(why) = ssm_mismatch(local, remote) {
+        return Err(refuse(why));
+    }
     let plan = ReadPlan::new(&local.spec, tp(local), &remote.spec, tp(remote)).map_err(refuse)?;
     let spec = &remote.spec;
     let blocks = (spec.regions.len() as u64).checked_mul(spec.num_blocks as u64);
@@ -138,6 +149,33 @@ pub fn check_compatible(
     Ok(plan)
 }
 
+/// Why the SSM state of `remote` is not that of `local` (the same model's, every rank
+/// holding a TP-th of each part), if it is not.
+fn ssm_mismatch(local: &HandshakeMessage, remote: &HandshakeMessage) -> Option<String> {
+    let tp = |m: &HandshakeMessage| usize::try_from(m.tp_size).unwrap_or(usize::MAX);
+    let (ours, theirs) = match (&local.ssm_state, &remote.ssm_state) {
+        (None, None) => return None,
+        (Some(ours), Some(theirs)) => (ours, theirs),
+        (ours, _) => {
+            let (with, without) = if ours.is_some() {
+                ("reader", "source")
+            } else {
+                ("source", "reader")
+            };
+            return Some(format!(
+                "the {with}'s KV cache groups have SSM (Mamba) state, the {without}'s none: both engines must serve the same model with the same kv_cache_groups"
+            ));
+        }
+    };
+    let expected = ours.scaled(tp(local), tp(remote));
+    (expected.as_ref() != Some(theirs)).then(|| {
+        format!(
+            "SSM (Mamba) state of {theirs} per rank at TP {} (source) vs {ours} at TP {} (reader): every rank holds a TP-th of each part, so both engines must serve the same model with the same kv_cache_groups.ssm_state, its parts split over the larger TP",
+            remote.tp_size, local.tp_size
+        )
+    })
+}
+
 /// `engine "e" rank r`, for messages.
 fn rank_name(message: &HandshakeMessage) -> String {
     format!("engine {:?} rank {}", message.engine_id, message.tp_rank)
@@ -153,6 +191,7 @@ impl HandshakeMessage {
         spec: &KvCacheSpec,
         tp: (usize, usize),
         device_id: u64,
+        ssm_state: Option<&SsmState>,
     ) -> Self {
         HandshakeMessage {
             protocol_version: PROTOCOL_VERSION,
@@ -164,6 +203,7 @@ impl HandshakeMessage {
             device_id,
             tp_rank: tp.0 as u64,
             tp_size: tp.1 as u64,
+            ssm_state: ssm_state.cloned(),
         }
     }
 }
@@ -187,6 +227,7 @@ mod tests {
             device_id: 0,
             tp_rank: tp.0,
             tp_size: tp.1,
+            ssm_state: None,
         }
     }
 
@@ -255,5 +296,38 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("local descriptors"), "{err}");
+    }
+
+    #[test]
+    fn ssm_state_must_be_on_both_sides_and_the_same_models_at_each_tp() {
+        let mamba = SsmState::new(vec![24, 8, 8], 64).unwrap();
+        let (mut reader, mut source) = (message((1, 2)), message((0, 1)));
+        reader.ssm_state = Some(mamba.clone());
+        let err = check_compatible(&reader, &source, None, None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("the reader's KV cache groups have SSM (Mamba) state, the source's none"),
+            "{err}"
+        );
+        // The source of a smaller TP holds twice the reader's parts.
+        source.ssm_state = mamba.scaled(2, 1);
+        assert!(check_compatible(&reader, &source, None, None).is_ok());
+        source.ssm_state = Some(mamba.clone());
+        let err = check_compatible(&reader, &source, None, None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("SSM (Mamba) state of conv_bytes [24, 8, 8] and temporal_bytes 64 per rank at TP 1 (source) vs conv_bytes [24, 8, 8] and temporal_bytes 64 at TP 2 (reader)"),
+            "{err}"
+        );
+        reader.ssm_state = None;
+        let err = check_compatible(&reader, &source, None, None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("the source's KV cache groups have SSM (Mamba) state, the reader's none"),
+            "{err}"
+        );
     }
 }

@@ -31,8 +31,6 @@ pub(crate) struct VllmWorker {
     pub(crate) compat: Compatibility,
     /// The side channel's caps and deadlines.
     pub(crate) limits: VllmChannelLimits,
-    /// The engine's KV cache groups (`kv_connector_extra_config.kv_cache_groups`).
-    pub(crate) groups: KvCacheGroups,
     engines: Mutex<HashMap<String, EngineClock>>,
 }
 
@@ -56,15 +54,10 @@ pub(crate) struct Fetched {
 }
 
 impl VllmWorker {
-    pub(crate) fn new(
-        compat: Compatibility,
-        limits: VllmChannelLimits,
-        groups: KvCacheGroups,
-    ) -> Self {
+    pub(crate) fn new(compat: Compatibility, limits: VllmChannelLimits) -> Self {
         VllmWorker {
             compat,
             limits,
-            groups,
             engines: Mutex::new(HashMap::new()),
         }
     }
@@ -87,7 +80,7 @@ impl VllmWorker {
     /// metadata that is not NIXL's.
     pub(crate) async fn fetch(
         &self,
-        ours: &HandshakeMessage,
+        (ours, groups): (&HandshakeMessage, &KvCacheGroups),
         rank: usize,
         tp_size: usize,
         host: &str,
@@ -100,11 +93,10 @@ impl VllmWorker {
         let meta = self.compat.check(&reply.payload, &peer)?;
         self.clock_sample(&meta.engine_id, reply.rtt(), reply.clock_offset());
         let reader_tp = usize::try_from(ours.tp_size).unwrap_or(usize::MAX);
-        let ssm = self
-            .groups
+        let ssm = groups
             .checked_ssm_state()?
             .map(|state| (state, reader_tp, tp_size));
-        let spec = meta.kv_cache_spec_for(ours.spec.attention, self.own_region_groups(), ssm)?;
+        let spec = meta.kv_cache_spec_for(ours.spec.attention, groups.own_region_groups(), ssm)?;
         if let Some(types) = meta.region_mem_types.as_ref() {
             if types.len() != spec.num_regions() {
                 return Err(Error::invalid(
@@ -128,10 +120,10 @@ impl VllmWorker {
                 ))
             }
         };
-        self.groups.refuse_ssm_with_kernel_blocks(
+        groups.refuse_ssm_with_kernel_blocks(
             (
                 ours.spec.block_size,
-                self.blocks_per_id(ours.spec.block_size)?,
+                groups.kernel_blocks_per_id(ours.spec.block_size)?,
             ),
             (spec.block_size, blocks_per_logical),
         )?;
@@ -147,34 +139,13 @@ impl VllmWorker {
                 device_id: meta.device_id,
                 tp_rank: rank as u64,
                 tp_size: tp_size as u64,
+                // vLLM's metadata says the state's sums only (`ssm_sizes`), which match
+                // ours scaled: its parts are taken to be ours scaled too (the same model).
+                ssm_state: ssm
+                    .and_then(|(state, reader_tp, tp_size)| state.scaled(reader_tp, tp_size)),
             },
             blocks_per_logical,
         })
-    }
-
-    /// The region groups of this engine's KV cache groups when some region is one group's
-    /// only (then a group's blocks are read only in its regions and the shared ones); empty
-    /// otherwise.
-    pub(crate) fn own_region_groups(&self) -> &[i64] {
-        if self.groups.has_regions_of_their_own() {
-            self.groups.region_groups()
-        } else {
-            &[]
-        }
-    }
-
-    /// Kernel blocks per block id of this engine, whose registered blocks hold
-    /// `kernel_block_size` tokens and whose KV cache groups count blocks of their
-    /// [`block_size`](KvCacheGroups::block_size) (vLLM's
-    /// `physical_blocks_per_logical_kv_block`, which its metadata publishes).
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] when the groups' block size is larger and not a multiple.
-    pub(crate) fn blocks_per_id(&self, kernel_block_size: usize) -> Result<usize> {
-        crate::geometry::block_map::kernel_blocks_per_block(
-            self.groups.block_size(),
-            kernel_block_size,
-        )
     }
 
     /// Keeps the clock offset to `engine` of the handshake with the smallest round trip,
@@ -248,11 +219,7 @@ mod tests {
             enforce: false,
             factors: None,
         };
-        VllmWorker::new(
-            compat,
-            VllmChannelLimits::default(),
-            KvCacheGroups::default(),
-        )
+        VllmWorker::new(compat, VllmChannelLimits::default())
     }
 
     fn remote(expiry: Option<f64>, generation: Option<u64>) -> RemoteBlocks {

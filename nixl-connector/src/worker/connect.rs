@@ -95,7 +95,13 @@ async fn connect(
         #[cfg(feature = "vllm")]
         if let Some(vllm) = &shared.vllm {
             let fetched = vllm
-                .fetch(ours, rank, engine.tp_size, engine.host, port)
+                .fetch(
+                    (ours, &shared.groups),
+                    rank,
+                    engine.tp_size,
+                    engine.host,
+                    port,
+                )
                 .await?;
             break 'fetched (fetched.message, fetched.blocks_per_logical);
         }
@@ -190,9 +196,9 @@ async fn connect(
 }
 
 /// How the SSM state of this engine's SSM groups is read from the remote rank `theirs`
-/// (vLLM mode; `None` without SSM groups), whose block ids are `blocks_per_id` registered
-/// blocks each, after the attention descriptors of `plan`; every rank of a larger prefill
-/// TP holds part of it, so each is read from.
+/// (`None` without SSM groups), whose block ids are `blocks_per_id` registered blocks each,
+/// after the attention descriptors of `plan`; every rank of a larger prefill TP holds part
+/// of it, so each is read from.
 ///
 /// # Errors
 /// [`Error::Incompatible`] when it cannot be read (see [`SsmReads::new`]), or its
@@ -203,23 +209,10 @@ fn ssm_reads(
     plan: &ReadPlan,
     blocks_per_id: usize,
 ) -> Result<Option<SsmReads>> {
-    #[cfg(feature = "vllm")]
-    let state = match &shared.vllm {
-        Some(vllm) => vllm
-            .groups
-            .checked_ssm_state()?
-            .map(|state| Ok::<_, Error>((state, vllm.blocks_per_id(ours.spec.block_size)?)))
-            .transpose()?,
-        None => None,
-    };
-    #[cfg(not(feature = "vllm"))]
-    let state: Option<(&crate::SsmState, usize)> = {
-        let _ = shared;
-        None
-    };
-    let Some((state, local_per_id)) = state else {
+    let Some(state) = shared.groups.checked_ssm_state()? else {
         return Ok(None);
     };
+    let local_per_id = shared.groups.kernel_blocks_per_id(ours.spec.block_size)?;
     let refuse = |reason: String| Error::Incompatible {
         reader: format!("engine {:?} rank {}", ours.engine_id, ours.tp_rank),
         source_rank: format!("engine {:?} rank {}", theirs.engine_id, theirs.tp_rank),

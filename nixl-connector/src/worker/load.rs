@@ -394,7 +394,7 @@ fn post_one(
         .as_ref()
         .ok_or(Error::NotRegistered { operation: OP })?;
     let plan = &remote.plan;
-    let is_state = |g| is_ssm_group(shared, g);
+    let is_state = |g| shared.groups.is_ssm(g);
     // Each group names a block once: at most the remote rank's blocks per group.
     let remote_ids = blocks_of_ids(
         (&load.remote.block_ids, &load.remote.group_lens),
@@ -506,60 +506,26 @@ fn post_one(
 }
 
 /// The region groups of this engine's KV cache groups when some region is one group's only
-/// (vLLM mode); empty otherwise (every region read for every group).
-#[cfg(feature = "vllm")]
+/// (vLLM mode, whose handshake says each region's group); empty otherwise (every region read
+/// for every group).
 fn own_region_groups(shared: &Shared) -> &[i64] {
-    shared
-        .vllm
-        .as_ref()
-        .map_or(&[], |vllm| vllm.own_region_groups())
+    match shared.protocol {
+        Protocol::Vllm => shared.groups.own_region_groups(),
+        Protocol::Native => &[],
+    }
 }
 
-/// Whether this engine's KV cache group `group` is an SSM group (vLLM mode).
-#[cfg(feature = "vllm")]
-fn is_ssm_group(shared: &Shared, group: usize) -> bool {
-    shared
-        .vllm
-        .as_ref()
-        .is_some_and(|vllm| vllm.groups.is_ssm(group))
-}
-
-/// Without vLLM's protocol no group is an SSM group.
-#[cfg(not(feature = "vllm"))]
-fn is_ssm_group(_shared: &Shared, _group: usize) -> bool {
-    false
-}
-
-/// Without vLLM's protocol every region is read for every group.
-#[cfg(not(feature = "vllm"))]
-fn own_region_groups(_shared: &Shared) -> &[i64] {
-    &[]
-}
-
-/// Kernel blocks per block id of this engine's own blocks: vLLM mode, its KV cache groups'
-/// block size over its registered blocks' (vLLM's `physical_blocks_per_logical_kv_block`);
-/// 1 in the native protocol.
+/// Kernel blocks per block id of this engine's own blocks: its KV cache groups' block size
+/// over its registered blocks' (vLLM's `physical_blocks_per_logical_kv_block`; 1 in the
+/// native protocol, whose registration refuses more).
 ///
 /// # Errors
 /// Those of [`kernel_blocks_per_block`](crate::geometry::block_map::kernel_blocks_per_block).
-#[cfg(feature = "vllm")]
 fn local_blocks_per_id(
     shared: &Shared,
     spec: &crate::geometry::spec::KvCacheSpec,
 ) -> Result<usize> {
-    shared
-        .vllm
-        .as_ref()
-        .map_or(Ok(1), |vllm| vllm.blocks_per_id(spec.block_size))
-}
-
-/// Without vLLM's protocol an engine's block ids are its registered blocks.
-#[cfg(not(feature = "vllm"))]
-fn local_blocks_per_id(
-    _shared: &Shared,
-    _spec: &crate::geometry::spec::KvCacheSpec,
-) -> Result<usize> {
-    Ok(1)
+    shared.groups.kernel_blocks_per_id(spec.block_size)
 }
 
 /// The registered (kernel) blocks of block `ids` (`group_lens` of them per KV cache group;

@@ -109,10 +109,8 @@ impl KvConnectorWorker {
                 ),
             ));
         }
+        let groups = &self.shared.groups;
         if self.shared.protocol == Protocol::Native {
-            let groups = crate::geometry::groups::KvCacheGroups::from_kv_transfer_config(
-                &self.shared.config.kv_transfer_config,
-            )?;
             crate::geometry::block_map::check_native_block_size(
                 groups.block_size(),
                 spec.block_size,
@@ -148,6 +146,7 @@ impl KvConnectorWorker {
             &spec,
             (config.tp_rank, config.tp_size),
             config.device_id,
+            groups.checked_ssm_state()?,
         ));
         let generation = kept.as_ref().map_or(1, |k| k.generation + 1);
         let (served, side_channel_pending, kept_at) = match kept {
@@ -255,6 +254,7 @@ impl KvConnectorWorker {
         kept: Option<Arc<MetadataServer>>,
     ) -> Result<(Arc<MetadataServer>, NixlHandshakePayload)> {
         let config = &self.shared.config;
+        let groups = &self.shared.groups;
         let compat = &self.vllm()?.compat;
         let mut metadata = NixlAgentMetadata::of_rank(RankRegistration {
             engine_id: &config.engine_id,
@@ -268,14 +268,11 @@ impl KvConnectorWorker {
                 .as_ref()
                 .map(|f| f.attn_backend_name.clone())
                 .unwrap_or_default(),
-            region_group_ids: self
-                .vllm()?
-                .groups
-                .region_group_ids(ours.spec.num_regions())?,
-            blocks_per_logical: self.vllm()?.blocks_per_id(ours.spec.block_size)?,
+            region_group_ids: groups.region_group_ids(ours.spec.num_regions())?,
+            blocks_per_logical: groups.kernel_blocks_per_id(ours.spec.block_size)?,
         })?;
         // vLLM's `_mamba_ssm_size`: (0, 0) without SSM groups.
-        if let Some(state) = self.vllm()?.groups.checked_ssm_state()? {
+        if let Some(state) = &ours.ssm_state {
             let (conv, temporal) = state.ssm_sizes();
             metadata.ssm_sizes = (conv as u64, temporal as u64);
         }

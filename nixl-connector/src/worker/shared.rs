@@ -8,6 +8,7 @@ use nixl::kv_config::NixlSetup;
 use nixl::{PreparedLocal, Registration};
 
 use crate::config::{Protocol, WorkerConfig};
+use crate::geometry::groups::KvCacheGroups;
 use crate::geometry::spec::KvCacheSpec;
 use crate::metrics::series::Series;
 use crate::scheduler::outcomes::Outcomes;
@@ -50,6 +51,10 @@ pub(crate) struct Shared {
     /// learned of remote engines.
     #[cfg(feature = "vllm")]
     pub(crate) vllm: Option<VllmWorker>,
+    /// The engine's KV cache groups (`kv_connector_extra_config.kv_cache_groups`): which
+    /// are SSM groups and their state, the groups' block size, and, in vLLM's protocol,
+    /// the regions of each.
+    pub(crate) groups: KvCacheGroups,
     pub(crate) setup: NixlSetup,
     /// The registered caches: loads and handshakes take the current ones and keep them
     /// (and NIXL's lists keep their memory) until they end, even past a re-registration.

@@ -352,18 +352,32 @@ pub fn rank_config(engine: &str, rank: usize, tp: usize, port: u16) -> WorkerCon
 }
 
 /// The ranks of an engine of TP `side.tp` in this process speaking `protocol`, each with
-/// `model`'s cache: see [`engine`], and in vLLM's protocol every rank publishing to one
-/// side channel (the engine's ROUTER) shared in its config.
+/// `model`'s cache and its config naming `groups` when given: see [`engine`], and in vLLM's
+/// protocol every rank publishing to one side channel (the engine's ROUTER) shared in its
+/// config.
 pub fn engine_speaking(
     engine_id: &str,
     model: &Model,
     side: &Side,
     protocol: Protocol,
+    groups: Option<&KvCacheGroups>,
 ) -> Vec<KvConnectorWorker> {
     if protocol == Protocol::Native {
-        return engine(engine_id, model, side);
+        return engine_with(engine_id, model, side, |config| {
+            if let Some(groups) = groups {
+                with_groups(config, groups);
+            }
+        });
     }
-    engine_speaking_vllm(engine_id, model, side, None)
+    engine_speaking_vllm(engine_id, model, side, groups)
+}
+
+/// `config` naming `groups` in its `kv_connector_extra_config`.
+fn with_groups(config: &mut WorkerConfig, groups: &KvCacheGroups) {
+    config.kv_transfer_config.kv_connector_extra_config.insert(
+        KV_CACHE_GROUPS_KEY.into(),
+        serde_json::to_value(groups).unwrap(),
+    );
 }
 
 /// The ranks of an engine of TP `side.tp` in this process speaking vLLM's protocol (see
@@ -388,10 +402,7 @@ pub fn engine_speaking_vllm(
             let mut config = rank_config(engine_id, rank, side.tp, 0);
             config.kv_transfer_config = vllm_config(vllm_factors());
             if let Some(groups) = groups {
-                config.kv_transfer_config.kv_connector_extra_config.insert(
-                    KV_CACHE_GROUPS_KEY.into(),
-                    serde_json::to_value(groups).unwrap(),
-                );
+                with_groups(&mut config, groups);
             }
             config.vllm_side_channel = Some(server.clone());
             let worker = KvConnectorWorker::new(config).unwrap();
@@ -404,9 +415,24 @@ pub fn engine_speaking_vllm(
 /// The ranks of an engine of TP `side.tp` in this process, rank `r` listening on rank 0's
 /// port + `r` (tried again on other ports when one is taken), each with `model`'s cache.
 pub fn engine(engine: &str, model: &Model, side: &Side) -> Vec<KvConnectorWorker> {
+    engine_with(engine, model, side, |_| {})
+}
+
+/// [`engine`], with `adjust` applied to each rank's config.
+fn engine_with(
+    engine: &str,
+    model: &Model,
+    side: &Side,
+    adjust: impl Fn(&mut WorkerConfig),
+) -> Vec<KvConnectorWorker> {
     let spec = model.spec(side);
+    let config = |rank, port| {
+        let mut config = rank_config(engine, rank, side.tp, port);
+        adjust(&mut config);
+        config
+    };
     for _ in 0..20 {
-        let rank0 = KvConnectorWorker::new(rank_config(engine, 0, side.tp, 0)).unwrap();
+        let rank0 = KvConnectorWorker::new(config(0, 0)).unwrap();
         rank0.register_host_kv_caches(spec.clone()).unwrap();
         let port = rank0.side_channel_addr().unwrap().port();
         let mut ranks = vec![rank0];
@@ -414,7 +440,7 @@ pub fn engine(engine: &str, model: &Model, side: &Side) -> Vec<KvConnectorWorker
             let Some(at) = port.checked_add(rank as u16) else {
                 break;
             };
-            let worker = KvConnectorWorker::new(rank_config(engine, rank, side.tp, at)).unwrap();
+            let worker = KvConnectorWorker::new(config(rank, at)).unwrap();
             // The port may be taken: then try another run of ports.
             if worker.register_host_kv_caches(spec.clone()).is_err() {
                 break;

@@ -261,8 +261,8 @@ pub fn filled_engines(
     protocol: Protocol,
 ) -> (String, Vec<KvConnectorWorker>, Vec<KvConnectorWorker>) {
     let engine_id = format!("pf-{tag}");
-    let prefills = engine_speaking(&engine_id, model, prefill, protocol);
-    let decodes = engine_speaking(&format!("dc-{tag}"), model, decode, protocol);
+    let prefills = engine_speaking(&engine_id, model, prefill, protocol, None);
+    let decodes = engine_speaking(&format!("dc-{tag}"), model, decode, protocol, None);
     fill(model, (prefill, &prefills), (decode, &decodes));
     (engine_id, prefills, decodes)
 }

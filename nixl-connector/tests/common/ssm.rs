@@ -1,5 +1,5 @@
 //! The geometry matrix for a hybrid model of a full-attention group and an SSM (Mamba)
-//! group sharing every region, in vLLM's protocol (vLLM 0.33's Nemotron-H/Qwen3-Next-style
+//! group sharing every region, in either protocol (vLLM 0.33's Nemotron-H/Qwen3-Next-style
 //! models): both engines' schedulers hand the blocks over one list per group, the SSM
 //! group's only its state-bearing block, and every byte of every decode rank is checked
 //! against the model of [`super::geometry`] for the attention group, and, for the SSM
@@ -12,12 +12,12 @@ use nixl_connector::{
     KV_CACHE_GROUPS_KEY,
 };
 
-use super::geometry::{compare_region, engine_speaking_vllm, Model, Request, Side};
+use super::geometry::{compare_region, engine_speaking, Model, Request, Side};
 use super::hybrid::{kernel_blocks, PerId};
 use super::matrix::{
     attention_label, await_freed, fill, hand_over, run_each, GroupsHandover, RankEnd,
 };
-use super::{vllm_config, vllm_factors};
+use super::{cpu_config, vllm_config, vllm_factors};
 
 /// Blocks per region: room for both groups of two requests.
 pub const SSM_BLOCKS: usize = 40;
@@ -71,11 +71,14 @@ fn refusal(model: &Model, prefill: &Side, decode: &Side, per_id: PerId) -> Optio
     (!reads).then_some("SSM (Mamba) state")
 }
 
-/// The vLLM-mode config of an engine of TP `tp` over blocks of `block_size` tokens: its
-/// groups and their state in `kv_connector_extra_config`.
-fn config(tp: usize, block_size: usize) -> nixl::kv_config::KvTransferConfig {
+/// The config of an engine of TP `tp` over blocks of `block_size` tokens speaking
+/// `protocol`: its groups and their state in `kv_connector_extra_config`.
+fn config(tp: usize, block_size: usize, protocol: Protocol) -> nixl::kv_config::KvTransferConfig {
     let (conv, temporal) = rank_state(tp);
-    let mut kv = vllm_config(vllm_factors());
+    let mut kv = match protocol {
+        Protocol::Vllm => vllm_config(vllm_factors()),
+        _ => cpu_config(),
+    };
     kv.kv_connector_extra_config.insert(
         KV_CACHE_GROUPS_KEY.into(),
         serde_json::json!({
@@ -90,12 +93,18 @@ fn config(tp: usize, block_size: usize) -> nixl::kv_config::KvTransferConfig {
 /// The model's groups at TP `tp` over blocks of `block_size` tokens, as [`config`] names
 /// them.
 fn groups(tp: usize, block_size: usize) -> KvCacheGroups {
-    KvCacheGroups::from_kv_transfer_config(&config(tp, block_size)).unwrap()
+    KvCacheGroups::from_kv_transfer_config(&config(tp, block_size, Protocol::Native)).unwrap()
 }
 
-/// A scheduler of an engine of TP `tp` reached at `port`, with the model's groups.
-fn scheduler(engine: &str, port: u16, tp: usize, block_size: usize) -> KvConnectorScheduler {
-    let kv = config(tp, block_size);
+/// A scheduler of an engine of TP `tp` reached at `port` speaking `protocol`, with the
+/// model's groups.
+fn scheduler(
+    engine: &str,
+    port: u16,
+    (tp, block_size): (usize, usize),
+    protocol: Protocol,
+) -> KvConnectorScheduler {
+    let kv = config(tp, block_size, protocol);
     let config = SchedulerConfig::new(engine, "127.0.0.1", port, tp, &kv).unwrap();
     KvConnectorScheduler::new(config).with_kv_cache_groups(groups(tp, block_size))
 }
@@ -237,9 +246,10 @@ async fn ssm_case(
     model: &Model,
     (prefill, decode): (Side, Side),
     per_id: PerId,
+    protocol: Protocol,
 ) -> Result<(), String> {
     let tag = format!(
-        "ssm-{}-p{}b{}x{}-d{}b{}x{}",
+        "ssm-{protocol:?}-{}-p{}b{}x{}-d{}b{}x{}",
         attention_label(model),
         prefill.tp,
         prefill.block_size,
@@ -252,22 +262,24 @@ async fn ssm_case(
     // The schedulers' block ids, of `per_id` registered blocks each.
     let block_size = prefill.block_size * per_id.prefill;
     let decode_size = decode.block_size * per_id.decode;
-    let prefills = engine_speaking_vllm(
+    let prefills = engine_speaking(
         &engine_id,
         model,
         &prefill,
+        protocol,
         Some(&groups(prefill.tp, block_size)),
     );
-    let decodes = engine_speaking_vllm(
+    let decodes = engine_speaking(
         &format!("dc-{tag}"),
         model,
         &decode,
+        protocol,
         Some(&groups(decode.tp, decode_size)),
     );
     fill(model, (&prefill, &prefills), (&decode, &decodes));
     let port = prefills[0].side_channel_addr().unwrap().port();
-    let mut prefill_scheduler = scheduler(&engine_id, port, prefill.tp, block_size);
-    let mut decode_scheduler = scheduler("dc", 0, decode.tp, decode_size);
+    let mut prefill_scheduler = scheduler(&engine_id, port, (prefill.tp, block_size), protocol);
+    let mut decode_scheduler = scheduler("dc", 0, (decode.tp, decode_size), protocol);
     let requests = requests(&tag, prompt_tokens(block_size).div_ceil(decode_size));
     let handovers = requests.iter().map(|r| GroupsHandover {
         id: &r.id,
@@ -277,7 +289,7 @@ async fn ssm_case(
     });
     hand_over(
         &tag,
-        Protocol::Vllm,
+        protocol,
         (&mut prefill_scheduler, &mut decode_scheduler),
         handovers,
         (&prefills, &decodes),
@@ -322,22 +334,32 @@ async fn ssm_case(
 }
 
 /// Runs every case of `cases` (prefill and decode sides) for `model` as a hybrid model of a
-/// full-attention and an SSM group, both engines speaking vLLM's protocol: cases whose state
-/// is read (no [`refusal`]) move every byte the models say; others are refused by name and
+/// full-attention and an SSM group, both engines speaking `protocol`: cases whose state is
+/// read (no [`refusal`]) move every byte the models say; others are refused by name and
 /// move nothing.
-pub async fn run_ssm_cases(model: &Model, cases: &[(Side, Side)]) {
+pub async fn run_ssm_cases(model: &Model, cases: &[(Side, Side)], protocol: Protocol) {
     let whole = PerId {
         prefill: 1,
         decode: 1,
     };
-    run_ssm_cases_per_id(model, cases, whole).await
+    run_ssm_cases_speaking(model, cases, whole, protocol).await
 }
 
-/// [`run_ssm_cases`] with block ids of `per_id` registered (kernel) blocks each, on each
-/// engine.
+/// [`run_ssm_cases`] in vLLM's protocol with block ids of `per_id` registered (kernel)
+/// blocks each, on each engine (the native handshake does not say it).
 pub async fn run_ssm_cases_per_id(model: &Model, cases: &[(Side, Side)], per_id: PerId) {
+    run_ssm_cases_speaking(model, cases, per_id, Protocol::Vllm).await
+}
+
+/// The cases of [`run_ssm_cases`] speaking `protocol`, `per_id` kernel blocks per block id.
+async fn run_ssm_cases_speaking(
+    model: &Model,
+    cases: &[(Side, Side)],
+    per_id: PerId,
+    protocol: Protocol,
+) {
     let what = format!(
-        ", full attention and SSM groups, {} and {} kernel blocks per id",
+        ", full attention and SSM groups, {} and {} kernel blocks per id, {protocol:?} protocol",
         per_id.prefill, per_id.decode
     );
     run_each(cases, &what, |prefill, decode| {
@@ -345,7 +367,10 @@ pub async fn run_ssm_cases_per_id(model: &Model, cases: &[(Side, Side)], per_id:
             None => "every byte as the model says",
             Some(_) => "refused by name, nothing read",
         };
-        (outcome, ssm_case(model, (prefill, decode), per_id))
+        (
+            outcome,
+            ssm_case(model, (prefill, decode), per_id, protocol),
+        )
     })
     .await
 }
