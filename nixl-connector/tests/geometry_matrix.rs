@@ -149,8 +149,10 @@ async fn two_kv_cache_groups_move_every_byte_where_the_model_says() {
 /// state-bearing block, in every region only the state's bytes, each part where vLLM's
 /// `_build_mamba_local` puts it, a decode of a larger TP its slice of each part, one of a
 /// smaller TP each prefill rank's whole parts as its slices; over TP 1, 2 and 4, MHA with
-/// regions of two lengths, and MLA. MLA from a larger prefill TP is refused by name (its
-/// latent is read from one prefill rank, the state is on all of them). Decode blocks of 2
+/// regions of two lengths, MLA, and MHA of heads replicated over the prefill's ranks: from a
+/// larger prefill TP, the state is read from every prefill rank of a decode rank's group,
+/// the attention from the ranks vLLM reads it from (MLA's latent from one, each replicated
+/// head from its first rank), as vLLM's `source_ranks_per_group`. Decode blocks of 2
 /// and 4 times the prefill's, and block ids of two kernel blocks on both engines, move the
 /// state block whole (vLLM's Mamba pages move 1:1); other kernel block counts on the two
 /// engines are refused by name (vLLM's protocol only: the native handshake has one kernel
@@ -190,9 +192,19 @@ async fn an_attention_and_ssm_model_moves_every_byte_where_the_model_says() {
         layout: KvLayout::Hnd,
         regions: vec![(KvRegionKind::Tensor, 24), (KvRegionKind::Tensor, 16)],
     };
-    let mla_cases: Vec<(Side, Side)> = cases[..5].iter().chain(&cases[7..8]).copied().collect();
+    let mla_cases: Vec<(Side, Side)> = cases[..6].iter().chain(&cases[7..8]).copied().collect();
     for protocol in [Protocol::Vllm, Protocol::Native] {
         run_ssm_cases(&mla, &mla_cases, protocol).await;
+    }
+    // KV heads replicated over a prefill TP larger than their count: the attention read
+    // from one prefill rank of each head, the state from every rank.
+    let replicated = Model {
+        attention: KvAttention::Mha { total_kv_heads: 2 },
+        ..model.clone()
+    };
+    let replicated_cases = [(side(4, 4), side(1, 4)), (side(4, 4), side(2, 4))];
+    for protocol in [Protocol::Vllm, Protocol::Native] {
+        run_ssm_cases(&replicated, &replicated_cases, protocol).await;
     }
     // Block ids of two kernel blocks each on both engines: a state page is an id's two.
     let paired = |tp, block_size| Side {

@@ -102,7 +102,9 @@ impl std::fmt::Display for KvCacheGroupKind {
 /// every attention descriptor (vLLM's `_build_mamba_local` and `[descs_fa | descs_ssm]`),
 /// each rank holding a TP-th of each part: a decode of a larger TP takes its slice of each
 /// (`_build_mamba_remote`), one of a smaller TP takes each prefill rank's parts as its
-/// slices (`_build_local_splits_from_plan`); the attention groups' blocks in every region.
+/// slices (`_build_local_splits_from_plan`), every one of them, also those whose attention
+/// is read from another rank of their group (MLA's latent, replicated KV heads: vLLM's
+/// `source_ranks_per_group`); the attention groups' blocks in every region.
 /// The prefill's state (vLLM's `ssm_sizes`; the native handshake's
 /// [`ssm_state`](crate::HandshakeMessage::ssm_state), part by part) must be this engine's
 /// scaled by the TP sizes.
@@ -114,8 +116,7 @@ impl std::fmt::Display for KvCacheGroupKind {
 /// `TransferTopology.block_size_ratio` asserts that the decode's block size is a multiple
 /// of the prefill's); and, for SSM groups: engines of different kernel blocks per block id (vLLM 0.33 refuses them
 /// with Mamba groups under prefix caching, and a decode here may always start past a
-/// prefix hit), a larger prefill TP with MLA or replicated KV heads (the attention is read from
-/// one prefill rank of a group, the state is on all of them), regions of their own, and
+/// prefix hit), regions of their own, and
 /// models of SSM groups only.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(try_from = "GroupsJson", into = "GroupsJson")]

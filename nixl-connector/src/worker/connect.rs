@@ -153,10 +153,15 @@ async fn connect(
             ),
         });
     }
-    let lists = if plan.share.reads() {
+    let attention = plan.share.reads();
+    let lists = if attention || ssm.is_some() {
         let backends: Vec<&nixl::Backend> = shared.setup.backends().iter().collect();
         let mem_type = caches.registration.mem_type();
-        let mut descs = plan.remote_descs(&theirs.region_base_addrs, theirs.device_id);
+        let mut descs = if attention {
+            plan.remote_descs(&theirs.region_base_addrs, theirs.device_id)
+        } else {
+            Vec::new()
+        };
         if let Some(ssm) = &ssm {
             descs.extend(ssm.remote_descs(&theirs.region_base_addrs, theirs.device_id));
         }
@@ -169,13 +174,16 @@ async fn connect(
             None
         } else {
             let num_blocks = caches.spec.num_blocks;
+            let attention_descs = if attention {
+                plan.local_descriptors(num_blocks)
+            } else {
+                0
+            };
             let ssm_descs = ssm.as_ref().map_or(0, SsmReads::local_descriptors);
-            let mut list = LocalDescList::with_capacity(
-                mem_type,
-                plan.local_descriptors(num_blocks) + ssm_descs,
-            )?;
+            let mut list = LocalDescList::with_capacity(mem_type, attention_descs + ssm_descs)?;
+            let attention_local = plan.local_descs(num_blocks).take(attention_descs);
             let ssm_local = ssm.iter().flat_map(SsmReads::local_descs);
-            for (region, offset, len) in plan.local_descs(num_blocks).chain(ssm_local) {
+            for (region, offset, len) in attention_local.chain(ssm_local) {
                 list.push(&caches.registration, region, offset, len)?;
             }
             Some(agent.prepare_local(&list, &backends)?)
@@ -197,8 +205,8 @@ async fn connect(
 
 /// How the SSM state of this engine's SSM groups is read from the remote rank `theirs`
 /// (`None` without SSM groups), whose block ids are `blocks_per_id` registered blocks each,
-/// after the attention descriptors of `plan`; every rank of a larger prefill TP holds part
-/// of it, so each is read from.
+/// after the attention descriptors of `plan` if it reads them; every rank of a larger
+/// prefill TP holds part of it, so each is read from, its attention or not.
 ///
 /// # Errors
 /// [`Error::Incompatible`] when it cannot be read (see [`SsmReads::new`]), or its
@@ -218,19 +226,20 @@ fn ssm_reads(
         source_rank: format!("engine {:?} rank {}", theirs.engine_id, theirs.tp_rank),
         reason,
     };
-    if !plan.share.reads() {
-        // Only with a larger prefill TP, whose every rank holds a part of the state.
-        return Err(refuse(
-            "it holds part of this rank's SSM (Mamba) state, but its attention is read from another of its TP group only (MLA's latent, or replicated KV heads): SSM groups from a larger prefill TP are read with MHA whose heads are not replicated only".to_string(),
-        ));
-    }
     let tp = |m: &HandshakeMessage| usize::try_from(m.tp_size).unwrap_or(usize::MAX);
     let rank = usize::try_from(ours.tp_rank).unwrap_or(usize::MAX);
     let theirs_rank = usize::try_from(theirs.tp_rank).unwrap_or(usize::MAX);
-    let first = (
-        plan.local_descriptors(ours.spec.num_blocks),
-        plan.remote_descriptors(),
-    );
+    // A rank whose attention is read from another of its TP group (MLA's latent,
+    // replicated KV heads) still holds its part of the state: its lists hold the state's
+    // descriptors only (vLLM's `source_ranks_per_group`, SSM groups read from every rank).
+    let first = if plan.share.reads() {
+        (
+            plan.local_descriptors(ours.spec.num_blocks),
+            plan.remote_descriptors(),
+        )
+    } else {
+        (0, 0)
+    };
     let reads = SsmReads::new(
         state,
         (&ours.spec, (rank, tp(ours))),

@@ -343,7 +343,7 @@ fn post(shared: &Shared, load: &Load, remotes: &[Arc<Remote>]) -> Posted {
         return posted;
     }
     for (&(rank, _), remote) in load.ranks.iter().zip(remotes) {
-        if !remote.plan.share.reads() {
+        if !remote.is_read() {
             continue;
         }
         match post_one(shared, load, remote, &mut posted) {
@@ -361,7 +361,7 @@ fn post(shared: &Shared, load: &Load, remotes: &[Arc<Remote>]) -> Posted {
             }
         }
     }
-    let unread = remotes.iter().filter(|r| !r.plan.share.reads());
+    let unread = remotes.iter().filter(|r| !r.is_read());
     notify(
         shared,
         load,
@@ -475,7 +475,12 @@ fn post_one(
         // vLLM's `[descs_fa | descs_ssm]`: the attention groups' blocks in every region,
         // then the SSM groups' state.
         let (attention, state) = split_state_pairs(&pairs, &group_pairs, is_state)?;
-        let (mut local, mut far, bytes) = plan.descriptor_ids(caches.spec.num_blocks, &attention);
+        let (mut local, mut far, bytes) = if remote.reads_attention() {
+            plan.descriptor_ids(caches.spec.num_blocks, &attention)
+        } else {
+            // Its attention is read from another rank of its TP group: its state only.
+            (Vec::new(), Vec::new(), 0)
+        };
         let (state_local, state_far, state_bytes) = ssm
             .descriptor_ids(&state)
             .map_err(|why| Error::invalid(OP, why))?;

@@ -36,10 +36,11 @@ pub(crate) struct Remote {
     pub(crate) agent: String,
     /// How its blocks are read.
     pub(crate) plan: ReadPlan,
-    /// How its SSM state is read, after the attention descriptors; `None` without SSM
-    /// groups.
+    /// How its SSM state is read, after the attention descriptors (alone when its
+    /// attention is read from another rank of its TP group); `None` without SSM groups.
     pub(crate) ssm: Option<SsmReads>,
-    /// The lists its READs use; `None` when it is only notified.
+    /// The lists its READs use; `None` when it is only notified (see
+    /// [`is_read`](Self::is_read)).
     pub(crate) lists: Option<ReadLists>,
     /// Its blocks per block id of the transfer params (vLLM's
     /// `physical_blocks_per_logical_kv_block`; 1 in the native protocol).
@@ -48,6 +49,21 @@ pub(crate) struct Remote {
     /// [`Caches::generation`](crate::worker::shared::Caches)): a remote of an older one is handshaken
     /// with again.
     pub(crate) local_generation: u64,
+}
+
+impl Remote {
+    /// Whether a load reads from it: its attention blocks ([`ReadPlan::share`]), its SSM
+    /// state, or both (vLLM's `all_source_ranks`); a rank that is not read is only
+    /// notified.
+    pub(crate) fn is_read(&self) -> bool {
+        self.lists.is_some()
+    }
+
+    /// Whether its attention blocks are read (its SSM state, if any, is read whenever it
+    /// [`is_read`](Self::is_read)).
+    pub(crate) fn reads_attention(&self) -> bool {
+        self.plan.share.reads()
+    }
 }
 
 /// The prepared lists of the READs from one remote rank (see

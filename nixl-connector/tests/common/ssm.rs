@@ -8,7 +8,7 @@
 //! per rank) are the prefill's, its padding keeps what it held.
 
 use nixl_connector::{
-    KvAttention, KvCacheGroups, KvConnectorScheduler, KvConnectorWorker, Protocol, SchedulerConfig,
+    KvCacheGroups, KvConnectorScheduler, KvConnectorWorker, Protocol, SchedulerConfig,
     KV_CACHE_GROUPS_KEY,
 };
 
@@ -47,28 +47,18 @@ fn state_byte(part: usize, j: usize, tp: usize) -> (usize, usize) {
     (j / per_rank, before + j % per_rank)
 }
 
-/// Why a decode of `decode` does not read the state from a prefill of `prefill` of `model`,
-/// as its refusal says; `None` when it reads it: decode blocks of a multiple of the
-/// prefill's tokens (the state block moves whole whatever their sizes), and the prefill's
-/// TP dividing the decode's, or, from a larger prefill TP, every prefill
-/// rank of a decode rank's group read from (MHA whose heads are not replicated; MLA reads
-/// its latent from one rank only); as many kernel blocks per block id on both engines
-/// (vLLM 0.33 refuses others with Mamba groups under prefix caching).
-fn refusal(model: &Model, prefill: &Side, decode: &Side, per_id: PerId) -> Option<&'static str> {
+/// Why a decode of `decode` does not read the state from a prefill of `prefill`, as its
+/// refusal says; `None` when it reads it: decode blocks of a multiple of the prefill's
+/// tokens (the state block moves whole whatever their sizes), and as many kernel blocks per
+/// block id on both engines (vLLM 0.33 refuses others with Mamba groups under prefix
+/// caching). From a larger prefill TP the state is read from every prefill rank of a decode
+/// rank's group, whichever of them its attention is read from (MLA's latent, replicated KV
+/// heads: vLLM's `source_ranks_per_group`).
+fn refusal(prefill: &Side, decode: &Side, per_id: PerId) -> Option<&'static str> {
     if per_id.prefill != per_id.decode {
         return Some("under prefix caching");
     }
-    if prefill.block_size > decode.block_size {
-        return Some("block_size_ratio");
-    }
-    let reads = match model.attention {
-        _ if decode.tp % prefill.tp == 0 => true,
-        KvAttention::Mha { total_kv_heads } => {
-            prefill.tp % decode.tp == 0 && prefill.tp <= total_kv_heads
-        }
-        KvAttention::Mla => false,
-    };
-    (!reads).then_some("SSM (Mamba) state")
+    (prefill.block_size > decode.block_size).then_some("block_size_ratio")
 }
 
 /// The config of an engine of TP `tp` over blocks of `block_size` tokens speaking
@@ -296,7 +286,7 @@ async fn ssm_case(
     )?;
     for (rank, worker) in decodes.iter().enumerate() {
         let end = RankEnd::of(worker, rank, requests.len()).await;
-        if let Some(reason) = refusal(model, &prefill, &decode, per_id) {
+        if let Some(reason) = refusal(&prefill, &decode, per_id) {
             let named = end.recving.len() == requests.len()
                 && end.errors.len() >= requests.len()
                 && end.errors.iter().all(|e| e.reason.contains(reason));
@@ -325,7 +315,7 @@ async fn ssm_case(
         )
         .map_err(|err| format!("{tag}: {err}"))?;
     }
-    if refusal(model, &prefill, &decode, per_id).is_some() {
+    if refusal(&prefill, &decode, per_id).is_some() {
         // Nothing read, nothing notified: the prefill's lease frees the blocks.
         return Ok(());
     }
@@ -363,7 +353,7 @@ async fn run_ssm_cases_speaking(
         per_id.prefill, per_id.decode
     );
     run_each(cases, &what, |prefill, decode| {
-        let outcome = match refusal(model, &prefill, &decode, per_id) {
+        let outcome = match refusal(&prefill, &decode, per_id) {
             None => "every byte as the model says",
             Some(_) => "refused by name, nothing read",
         };
