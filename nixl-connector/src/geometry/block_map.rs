@@ -124,7 +124,6 @@ pub(crate) fn pair_units(
 /// # Errors
 /// [`Error::InvalidArgument`] when `logical` is larger than `kernel` and not a multiple of
 /// it.
-#[cfg(feature = "vllm")]
 pub(crate) fn kernel_blocks_per_block(logical: usize, kernel: usize) -> Result<usize> {
     if logical <= kernel {
         return Ok(1);

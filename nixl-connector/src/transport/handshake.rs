@@ -182,16 +182,16 @@ fn rank_name(message: &HandshakeMessage) -> String {
 }
 
 impl HandshakeMessage {
-    /// The message of a rank holding `spec`, with base addresses and metadata.
+    /// The message of a rank holding `spec` and, with SSM groups, `ssm_state`, with base
+    /// addresses and metadata.
     pub(crate) fn describe(
         engine_id: &str,
         agent_name: &str,
         agent_metadata: Vec<u8>,
         region_base_addrs: Vec<u64>,
-        spec: &KvCacheSpec,
+        (spec, ssm_state): (&KvCacheSpec, Option<&SsmState>),
         tp: (usize, usize),
         device_id: u64,
-        ssm_state: Option<&SsmState>,
     ) -> Self {
         HandshakeMessage {
             protocol_version: PROTOCOL_VERSION,

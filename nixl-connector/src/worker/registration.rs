@@ -143,10 +143,9 @@ impl KvConnectorWorker {
             self.agent().name(),
             metadata,
             regions.iter().map(|r| r.addr as u64).collect(),
-            &spec,
+            (&spec, groups.checked_ssm_state()?),
             (config.tp_rank, config.tp_size),
             config.device_id,
-            groups.checked_ssm_state()?,
         ));
         let generation = kept.as_ref().map_or(1, |k| k.generation + 1);
         let (served, side_channel_pending, kept_at) = match kept {
