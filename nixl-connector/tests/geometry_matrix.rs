@@ -153,10 +153,10 @@ async fn two_kv_cache_groups_move_every_byte_where_the_model_says() {
 /// larger prefill TP, the state is read from every prefill rank of a decode rank's group,
 /// the attention from the ranks vLLM reads it from (MLA's latent from one, each replicated
 /// head from its first rank), as vLLM's `source_ranks_per_group`. Decode blocks of 2
-/// and 4 times the prefill's, and block ids of two kernel blocks on both engines, move the
-/// state block whole (vLLM's Mamba pages move 1:1); other kernel block counts on the two
-/// engines are refused by name (vLLM's protocol only: the native handshake has one kernel
-/// block per id).
+/// and 4 times the prefill's, and block ids of one or two kernel blocks on either engine,
+/// move the state block whole (vLLM's Mamba pages move 1:1), each engine's page its block
+/// id's kernel blocks (vLLM's protocol only: the native handshake has one kernel block per
+/// id).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_attention_and_ssm_model_moves_every_byte_where_the_model_says() {
     common::init_tracing();
@@ -220,9 +220,12 @@ async fn an_attention_and_ssm_model_moves_every_byte_where_the_model_says() {
     ];
     run_ssm_cases_per_id(&model, &two, per_id(2, 2)).await;
     run_ssm_cases_per_id(&mla, &two[..1], per_id(2, 2)).await;
-    // Other counts on the two engines are refused (vLLM's rule under prefix caching).
+    // Other counts on the two engines: the state page is each engine's block id, the
+    // attention paired at its tokens, past a prefix hit too (vLLM 0.33 reads these only
+    // without prefix caching, from the prompt's first block).
     for other in [per_id(2, 1), per_id(1, 2)] {
-        run_ssm_cases_per_id(&model, &two[..1], other).await;
+        run_ssm_cases_per_id(&model, &two, other).await;
+        run_ssm_cases_per_id(&mla, &two[..1], other).await;
     }
 }
 

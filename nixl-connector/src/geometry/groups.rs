@@ -114,10 +114,10 @@ impl std::fmt::Display for KvCacheGroupKind {
 /// blocks' (its handshake cannot say kernel blocks per id); a prefill's (kernel) blocks
 /// larger than the decode's in a load of several groups (vLLM 0.33's
 /// `TransferTopology.block_size_ratio` asserts that the decode's block size is a multiple
-/// of the prefill's); and, for SSM groups: engines of different kernel blocks per block id (vLLM 0.33 refuses them
-/// with Mamba groups under prefix caching, and a decode here may always start past a
-/// prefix hit), regions of their own, and
-/// models of SSM groups only.
+/// of the prefill's); and, for SSM groups: regions of their own, and models of SSM groups
+/// only. Engines of different kernel blocks per block id are read with SSM groups, each
+/// engine's state page its block id's kernel blocks and the attention paired at its tokens,
+/// past a decode's prefix hit too (vLLM 0.33 reads them only without prefix caching).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(try_from = "GroupsJson", into = "GroupsJson")]
 pub struct KvCacheGroups {

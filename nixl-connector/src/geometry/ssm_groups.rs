@@ -1,7 +1,7 @@
 //! The SSM (Mamba) side of [`KvCacheGroups`]: the state its SSM groups' blocks hold
 //! ([`SsmState`], given with [`KvCacheGroups::with_ssm_state`]), which of its groups are SSM
 //! groups, the prompt tokens a prefill backs off for them (vLLM's `_prefill_backoff`), and
-//! the geometries they are refused between. What a state block is and how it is read is
+//! the groups they are refused with. What a state block is and how it is read is
 //! `ssm.rs`'s, which knows nothing of groups.
 
 use crate::error::{Error, Result};
@@ -87,32 +87,6 @@ impl KvCacheGroups {
         Ok(self.ssm_state.as_ref())
     }
 
-    /// Refuses SSM groups unless both engines' block ids are as many registered (kernel)
-    /// blocks each: `local` is this engine's (tokens per registered block, registered blocks
-    /// per block id), `remote` the prefill's. A state block is a whole block id, its page
-    /// all of the id's kernel blocks (vLLM's `_logical_to_kernel_block_ids` leaves SSM
-    /// groups alone), whatever the blocks' sizes (its `_map_block_ids_for_block_size_ratio`
-    /// too); vLLM 0.33 refuses engines of different `physical_blocks_per_logical_kv_block`
-    /// with Mamba groups under prefix caching, and a decode here may always start past a
-    /// prefix hit.
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] naming both geometries and vLLM's rule.
-    #[cfg(feature = "vllm")]
-    pub(crate) fn refuse_ssm_with_kernel_blocks(
-        &self,
-        (tokens, per_id): (usize, usize),
-        (far_tokens, far_per_id): (usize, usize),
-    ) -> Result<()> {
-        if !self.has_ssm_groups() || per_id == far_per_id {
-            return Ok(());
-        }
-        Err(Error::invalid(
-            OP,
-            format!("SSM (Mamba) KV cache groups with block ids of {per_id} kernel blocks of {tokens} tokens here and of {far_per_id} of {far_tokens} on the prefill are not supported: vLLM 0.33 refuses Mamba models whose engines differ in physical_blocks_per_logical_kv_block under prefix caching, and a decode here may always read past a prefix hit; give both engines as many kernel blocks per block id (kv_cache_groups.block_size over the registered blocks')"),
-        ))
-    }
-
     /// Refuses SSM groups when `region_groups` (regions of their own) are given.
     pub(super) fn refuse_ssm_with_region_groups(&self, region_groups: bool) -> Result<()> {
         if region_groups && self.has_ssm_groups() {
@@ -128,48 +102,6 @@ impl KvCacheGroups {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[cfg(feature = "vllm")]
-    #[test]
-    fn ssm_groups_are_read_only_between_as_many_kernel_blocks_per_id() {
-        let kinds = vec![
-            KvCacheGroupKind::FullAttention,
-            KvCacheGroupKind::Ssm {
-                speculative_blocks: 0,
-            },
-        ];
-        let ssm = KvCacheGroups::new(32, kinds).unwrap();
-        // Blocks of different sizes, as many kernel blocks per id: the state block whole.
-        for (local, remote) in [((32, 1), (32, 1)), ((32, 1), (16, 1)), ((16, 2), (8, 2))] {
-            assert!(ssm.refuse_ssm_with_kernel_blocks(local, remote).is_ok());
-        }
-        for (local, remote, want) in [
-            (
-                (16, 2),
-                (16, 1),
-                "block ids of 2 kernel blocks of 16 tokens here and of 1 of 16 on the prefill",
-            ),
-            (
-                (32, 1),
-                (16, 2),
-                "block ids of 1 kernel blocks of 32 tokens here and of 2 of 16 on the prefill",
-            ),
-        ] {
-            let err = ssm
-                .refuse_ssm_with_kernel_blocks(local, remote)
-                .unwrap_err()
-                .to_string();
-            assert!(
-                err.contains(want) && err.contains("under prefix caching"),
-                "{err}"
-            );
-        }
-        // Attention groups alone are read between such blocks.
-        let attention = KvCacheGroups::new(32, vec![KvCacheGroupKind::FullAttention]).unwrap();
-        assert!(attention
-            .refuse_ssm_with_kernel_blocks((16, 2), (8, 4))
-            .is_ok());
-    }
 
     /// `kv_connector_extra_config.kv_cache_groups` holding `json`, parsed.
     fn parsed(json: serde_json::Value) -> Result<KvCacheGroups> {

@@ -75,9 +75,8 @@ impl VllmWorker {
     /// The side channel's errors ([`Error::Refused`] for a rank the engine lacks);
     /// [`Error::CompatibilityMismatch`] naming both hashes; [`Error::Protocol`] for metadata
     /// that does not decode; [`Error::InvalidArgument`] for geometry the connector does not
-    /// read (see [`NixlAgentMetadata::kv_cache_spec`](super::NixlAgentMetadata::kv_cache_spec);
-    /// with SSM groups, another count of kernel blocks per id) or agent
-    /// metadata that is not NIXL's.
+    /// read (see [`NixlAgentMetadata::kv_cache_spec`](super::NixlAgentMetadata::kv_cache_spec))
+    /// or agent metadata that is not NIXL's.
     pub(crate) async fn fetch(
         &self,
         (ours, groups): (&HandshakeMessage, &KvCacheGroups),
@@ -120,13 +119,6 @@ impl VllmWorker {
                 ))
             }
         };
-        groups.refuse_ssm_with_kernel_blocks(
-            (
-                ours.spec.block_size,
-                groups.kernel_blocks_per_id(ours.spec.block_size)?,
-            ),
-            (spec.block_size, blocks_per_logical),
-        )?;
         let agent_name = nixl::metadata_agent_name(&meta.agent_metadata)?;
         Ok(Fetched {
             message: HandshakeMessage {

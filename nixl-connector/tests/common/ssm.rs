@@ -49,15 +49,11 @@ fn state_byte(part: usize, j: usize, tp: usize) -> (usize, usize) {
 
 /// Why a decode of `decode` does not read the state from a prefill of `prefill`, as its
 /// refusal says; `None` when it reads it: decode blocks of a multiple of the prefill's
-/// tokens (the state block moves whole whatever their sizes), and as many kernel blocks per
-/// block id on both engines (vLLM 0.33 refuses others with Mamba groups under prefix
-/// caching). From a larger prefill TP the state is read from every prefill rank of a decode
+/// tokens (the state block moves whole whatever their sizes, and whatever the kernel
+/// blocks per block id on either engine). From a larger prefill TP the state is read from every prefill rank of a decode
 /// rank's group, whichever of them its attention is read from (MLA's latent, replicated KV
 /// heads: vLLM's `source_ranks_per_group`).
-fn refusal(prefill: &Side, decode: &Side, per_id: PerId) -> Option<&'static str> {
-    if per_id.prefill != per_id.decode {
-        return Some("under prefix caching");
-    }
+fn refusal(prefill: &Side, decode: &Side) -> Option<&'static str> {
     (prefill.block_size > decode.block_size).then_some("block_size_ratio")
 }
 
@@ -286,7 +282,7 @@ async fn ssm_case(
     )?;
     for (rank, worker) in decodes.iter().enumerate() {
         let end = RankEnd::of(worker, rank, requests.len()).await;
-        if let Some(reason) = refusal(&prefill, &decode, per_id) {
+        if let Some(reason) = refusal(&prefill, &decode) {
             let named = end.recving.len() == requests.len()
                 && end.errors.len() >= requests.len()
                 && end.errors.iter().all(|e| e.reason.contains(reason));
@@ -315,7 +311,7 @@ async fn ssm_case(
         )
         .map_err(|err| format!("{tag}: {err}"))?;
     }
-    if refusal(&prefill, &decode, per_id).is_some() {
+    if refusal(&prefill, &decode).is_some() {
         // Nothing read, nothing notified: the prefill's lease frees the blocks.
         return Ok(());
     }
@@ -353,7 +349,7 @@ async fn run_ssm_cases_speaking(
         per_id.prefill, per_id.decode
     );
     run_each(cases, &what, |prefill, decode| {
-        let outcome = match refusal(&prefill, &decode, per_id) {
+        let outcome = match refusal(&prefill, &decode) {
             None => "every byte as the model says",
             Some(_) => "refused by name, nothing read",
         };
