@@ -29,7 +29,7 @@ use common::geometry::{engine, Model, Request, Side};
 use common::hybrid::{run_hybrid_cases, PerId, HYBRID_BLOCKS};
 use common::matrix::{run_cases_speaking, BLOCKS, WAIT};
 use common::poll_until;
-use common::ssm::{run_ssm_cases, run_ssm_cases_per_id, SSM_BLOCKS};
+use common::ssm::{another_state_is_refused, run_ssm_cases, run_ssm_cases_per_id, SSM_BLOCKS};
 
 /// MHA, 4 KV heads, HND: K with 16-byte head tokens, V with 8-byte ones (separate regions
 /// of different lengths), and a layer with K and V halves in each block.
@@ -226,6 +226,29 @@ async fn an_attention_and_ssm_model_moves_every_byte_where_the_model_says() {
     for other in [per_id(2, 1), per_id(1, 2)] {
         run_ssm_cases_per_id(&model, &two, other).await;
         run_ssm_cases_per_id(&mla, &two[..1], other).await;
+    }
+}
+
+/// A decode whose SSM state is not the prefill's is refused in the handshake by name, and
+/// reads nothing: in vLLM's protocol by the state's sums (`ssm_sizes`, all its metadata
+/// says), in the native one part by part, so also a state of the same sums split otherwise.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_of_another_ssm_state_is_refused_by_name() {
+    common::init_tracing();
+    let model = Model {
+        attention: KvAttention::Mha { total_kv_heads: 4 },
+        layout: KvLayout::Hnd,
+        regions: vec![(KvRegionKind::Tensor, 16), (KvRegionKind::Tensor, 8)],
+    };
+    let cases: [(Protocol, (&[usize], usize), &str); 3] = [
+        (Protocol::Vllm, (&[16, 4, 4], 16), "ssm_sizes (24, 32) (source, TP 1) vs the reader's (24, 16)"),
+        (Protocol::Native, (&[16, 4, 4], 16), "SSM (Mamba) state of conv_bytes [16, 4, 4] and temporal_bytes 32 per rank at TP 1 (source) vs conv_bytes [16, 4, 4] and temporal_bytes 16"),
+        (Protocol::Native, (&[8, 8, 8], 32), "vs conv_bytes [8, 8, 8] and temporal_bytes 32 at TP 1 (reader)"),
+    ];
+    for (protocol, state, reason) in cases {
+        another_state_is_refused(&model, protocol, state, reason)
+            .await
+            .unwrap();
     }
 }
 

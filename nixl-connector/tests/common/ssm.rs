@@ -50,9 +50,9 @@ fn state_byte(part: usize, j: usize, tp: usize) -> (usize, usize) {
 /// Why a decode of `decode` does not read the state from a prefill of `prefill`, as its
 /// refusal says; `None` when it reads it: decode blocks of a multiple of the prefill's
 /// tokens (the state block moves whole whatever their sizes, and whatever the kernel
-/// blocks per block id on either engine). From a larger prefill TP the state is read from every prefill rank of a decode
-/// rank's group, whichever of them its attention is read from (MLA's latent, replicated KV
-/// heads: vLLM's `source_ranks_per_group`).
+/// blocks per block id on either engine). From a larger prefill TP the state is read from
+/// every prefill rank of a decode rank's group, whichever of them its attention is read
+/// from (MLA's latent, replicated KV heads: vLLM's `source_ranks_per_group`).
 fn refusal(prefill: &Side, decode: &Side) -> Option<&'static str> {
     (prefill.block_size > decode.block_size).then_some("block_size_ratio")
 }
@@ -67,13 +67,19 @@ fn config(tp: usize, block_size: usize, protocol: Protocol) -> nixl::kv_config::
     };
     kv.kv_connector_extra_config.insert(
         KV_CACHE_GROUPS_KEY.into(),
-        serde_json::json!({
-            "block_size": block_size,
-            "groups": ["full_attention", {"ssm": {"speculative_blocks": SPECULATIVE}}],
-            "ssm_state": {"conv_bytes": conv, "temporal_bytes": temporal},
-        }),
+        groups_json(block_size, (&conv, temporal)),
     );
     kv
+}
+
+/// `kv_cache_groups` of a full-attention and an SSM group over blocks of `block_size`
+/// tokens whose state per rank is `(conv, temporal)` bytes.
+fn groups_json(block_size: usize, (conv, temporal): (&[usize], usize)) -> serde_json::Value {
+    serde_json::json!({
+        "block_size": block_size,
+        "groups": ["full_attention", {"ssm": {"speculative_blocks": SPECULATIVE}}],
+        "ssm_state": {"conv_bytes": conv, "temporal_bytes": temporal},
+    })
 }
 
 /// The model's groups at TP `tp` over blocks of `block_size` tokens, as [`config`] names
@@ -359,4 +365,52 @@ async fn run_ssm_cases_speaking(
         )
     })
     .await
+}
+
+/// A decode of TP 1 whose SSM state per rank is `state` (conv sub-projections, temporal
+/// bytes), not the prefill's, both speaking `protocol`: both requests' loads are refused in
+/// the handshake naming `reason`, nothing is read, and every byte of its cache is as it
+/// was.
+pub async fn another_state_is_refused(
+    model: &Model,
+    protocol: Protocol,
+    state: (&[usize], usize),
+    reason: &str,
+) -> Result<(), String> {
+    let side = Side {
+        tp: 1,
+        block_size: 4,
+        num_blocks: SSM_BLOCKS,
+    };
+    let tag = format!("ssm-other-{protocol:?}-{state:?}");
+    let engine_id = format!("pf-{tag}");
+    let prefills = engine_speaking(&engine_id, model, &side, protocol, Some(&groups(1, 4)));
+    let theirs: KvCacheGroups = serde_json::from_value(groups_json(4, state)).unwrap();
+    let decodes = engine_speaking(&format!("dc-{tag}"), model, &side, protocol, Some(&theirs));
+    fill(model, (&side, &prefills), (&side, &decodes));
+    let port = prefills[0].side_channel_addr().unwrap().port();
+    let mut prefill_scheduler = scheduler(&engine_id, port, (1, 4), protocol);
+    let mut decode_scheduler = scheduler("dc", 0, (1, 4), protocol);
+    let requests = requests(&tag, prompt_tokens(4).div_ceil(4));
+    let handovers = requests.iter().map(|r| GroupsHandover {
+        id: &r.id,
+        tokens: prompt_tokens(4),
+        remote: &r.remote,
+        local: &r.local,
+    });
+    hand_over(
+        &tag,
+        protocol,
+        (&mut prefill_scheduler, &mut decode_scheduler),
+        handovers,
+        (&prefills, &decodes),
+    )?;
+    let end = RankEnd::of(&decodes[0], 0, requests.len()).await;
+    let named = end.recving.len() == requests.len()
+        && !end.errors.is_empty()
+        && end.errors.iter().all(|e| e.reason.contains(reason));
+    if !named {
+        return Err(format!("{tag}: {:?}", end.errors));
+    }
+    end.check_refused(&tag, model, &decodes[0], (&side, &side), named)
 }
