@@ -230,6 +230,54 @@ fn check_rank(
     Ok(())
 }
 
+/// The engines of case `tag` speaking `protocol`, prefill and decode `sides` of `model`,
+/// their KV cache groups `groups` over block ids of `sizes` tokens (prefill, decode): both
+/// requests handed over by the prefill's scheduler to the decode's, and every rank's loads
+/// started. The prefill's ranks, the decode's, and the requests.
+fn start(
+    tag: &str,
+    model: &Model,
+    (prefill, decode): (&Side, &Side),
+    (groups, sizes): (&(KvCacheGroups, KvCacheGroups), (usize, usize)),
+    protocol: Protocol,
+) -> Result<
+    (
+        Vec<KvConnectorWorker>,
+        Vec<KvConnectorWorker>,
+        [SsmRequest; 2],
+    ),
+    String,
+> {
+    let engine_id = format!("pf-{tag}");
+    let prefills = engine_speaking(&engine_id, model, prefill, protocol, Some(&groups.0));
+    let decodes = engine_speaking(
+        &format!("dc-{tag}"),
+        model,
+        decode,
+        protocol,
+        Some(&groups.1),
+    );
+    fill(model, (prefill, &prefills), (decode, &decodes));
+    let port = prefills[0].side_channel_addr().unwrap().port();
+    let mut prefill_scheduler = scheduler(&engine_id, port, (prefill.tp, sizes.0), protocol);
+    let mut decode_scheduler = scheduler("dc", 0, (decode.tp, sizes.1), protocol);
+    let requests = requests(tag, prompt_tokens(sizes.0).div_ceil(sizes.1));
+    let handovers = requests.iter().map(|r| GroupsHandover {
+        id: &r.id,
+        tokens: prompt_tokens(sizes.0),
+        remote: &r.remote,
+        local: &r.local,
+    });
+    hand_over(
+        tag,
+        protocol,
+        (&mut prefill_scheduler, &mut decode_scheduler),
+        handovers,
+        (&prefills, &decodes),
+    )?;
+    Ok((prefills, decodes, requests))
+}
+
 /// One case: both requests handed over by the prefill's scheduler and loaded through the
 /// decode's by every decode rank, every byte checked, every prefill rank freeing both; with
 /// a case whose state is not read (see [`refusal`]), refused by name before any
@@ -250,42 +298,14 @@ async fn ssm_case(
         decode.block_size,
         per_id.decode
     );
-    let engine_id = format!("pf-{tag}");
     // The schedulers' block ids, of `per_id` registered blocks each.
-    let block_size = prefill.block_size * per_id.prefill;
-    let decode_size = decode.block_size * per_id.decode;
-    let prefills = engine_speaking(
-        &engine_id,
-        model,
-        &prefill,
-        protocol,
-        Some(&groups(prefill.tp, block_size)),
+    let sizes = (
+        prefill.block_size * per_id.prefill,
+        decode.block_size * per_id.decode,
     );
-    let decodes = engine_speaking(
-        &format!("dc-{tag}"),
-        model,
-        &decode,
-        protocol,
-        Some(&groups(decode.tp, decode_size)),
-    );
-    fill(model, (&prefill, &prefills), (&decode, &decodes));
-    let port = prefills[0].side_channel_addr().unwrap().port();
-    let mut prefill_scheduler = scheduler(&engine_id, port, (prefill.tp, block_size), protocol);
-    let mut decode_scheduler = scheduler("dc", 0, (decode.tp, decode_size), protocol);
-    let requests = requests(&tag, prompt_tokens(block_size).div_ceil(decode_size));
-    let handovers = requests.iter().map(|r| GroupsHandover {
-        id: &r.id,
-        tokens: prompt_tokens(block_size),
-        remote: &r.remote,
-        local: &r.local,
-    });
-    hand_over(
-        &tag,
-        protocol,
-        (&mut prefill_scheduler, &mut decode_scheduler),
-        handovers,
-        (&prefills, &decodes),
-    )?;
+    let groups = (groups(prefill.tp, sizes.0), groups(decode.tp, sizes.1));
+    let (prefills, decodes, requests) =
+        start(&tag, model, (&prefill, &decode), (&groups, sizes), protocol)?;
     for (rank, worker) in decodes.iter().enumerate() {
         let end = RankEnd::of(worker, rank, requests.len()).await;
         if let Some(reason) = refusal(&prefill, &decode) {
@@ -383,28 +403,10 @@ pub async fn another_state_is_refused(
         num_blocks: SSM_BLOCKS,
     };
     let tag = format!("ssm-other-{protocol:?}-{state:?}");
-    let engine_id = format!("pf-{tag}");
-    let prefills = engine_speaking(&engine_id, model, &side, protocol, Some(&groups(1, 4)));
     let theirs: KvCacheGroups = serde_json::from_value(groups_json(4, state)).unwrap();
-    let decodes = engine_speaking(&format!("dc-{tag}"), model, &side, protocol, Some(&theirs));
-    fill(model, (&side, &prefills), (&side, &decodes));
-    let port = prefills[0].side_channel_addr().unwrap().port();
-    let mut prefill_scheduler = scheduler(&engine_id, port, (1, 4), protocol);
-    let mut decode_scheduler = scheduler("dc", 0, (1, 4), protocol);
-    let requests = requests(&tag, prompt_tokens(4).div_ceil(4));
-    let handovers = requests.iter().map(|r| GroupsHandover {
-        id: &r.id,
-        tokens: prompt_tokens(4),
-        remote: &r.remote,
-        local: &r.local,
-    });
-    hand_over(
-        &tag,
-        protocol,
-        (&mut prefill_scheduler, &mut decode_scheduler),
-        handovers,
-        (&prefills, &decodes),
-    )?;
+    let groups = (groups(1, 4), theirs);
+    let (_prefills, decodes, requests) =
+        start(&tag, model, (&side, &side), (&groups, (4, 4)), protocol)?;
     let end = RankEnd::of(&decodes[0], 0, requests.len()).await;
     let named = end.recving.len() == requests.len()
         && !end.errors.is_empty()
