@@ -230,6 +230,13 @@ fn check_rank(
     Ok(())
 }
 
+/// A case's prefill ranks, decode ranks and requests, their loads started.
+type Started = (
+    Vec<KvConnectorWorker>,
+    Vec<KvConnectorWorker>,
+    [SsmRequest; 2],
+);
+
 /// The engines of case `tag` speaking `protocol`, prefill and decode `sides` of `model`,
 /// their KV cache groups `groups` over block ids of `sizes` tokens (prefill, decode): both
 /// requests handed over by the prefill's scheduler to the decode's, and every rank's loads
@@ -240,14 +247,7 @@ fn start(
     (prefill, decode): (&Side, &Side),
     (groups, sizes): (&(KvCacheGroups, KvCacheGroups), (usize, usize)),
     protocol: Protocol,
-) -> Result<
-    (
-        Vec<KvConnectorWorker>,
-        Vec<KvConnectorWorker>,
-        [SsmRequest; 2],
-    ),
-    String,
-> {
+) -> Result<Started, String> {
     let engine_id = format!("pf-{tag}");
     let prefills = engine_speaking(&engine_id, model, prefill, protocol, Some(&groups.0));
     let decodes = engine_speaking(
