@@ -1233,35 +1233,10 @@ async fn a_rust_decode_of_attention_and_ssm_groups_reads_the_state_block_from_a_
 /// its own one-block page; every other byte untouched.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rust_decode_of_ssm_groups_reads_a_python_prefill_of_two_kernel_blocks_per_id() {
-    let mut peer = VllmPeer::start();
-    let hash = factors().hash();
-    peer.json(&format!(
-        "kv_prefill {hash} 0 0 py-ssm-ppl {REGIONS} {BLOCKS} {BLOCK_LEN} 16 -1,-1 2 {SSM_ARG}"
-    ));
-    let (decode, mut scheduler) = vllm_engine_with("rs-decode-ssm-ppl", ssm_kv(&factors(), 1));
-    fill_untouched(&decode, BLOCK_LEN);
-    // A 60-token prompt: ids 1 and 4 (kernel blocks 2, 3, 8, 9); the state in id 3.
-    let json = peer.call(&format!(
-        "kv_finish {} 1,4;0,3,7 ssm:1 60",
-        hex(b"py-ssm-ppl-1")
-    ));
     // Four 16-token blocks; the state in block 6 (before scratch 7).
     let local = [vec![2, 5, 10, 11], vec![4, 6, 7]];
-    let outcome =
-        load_groups_from_python((&decode, &mut scheduler), "py-ssm-ppl-1", &json, &local).await;
-    assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
     let units = [(2, 0, 2), (5, 0, 3), (10, 0, 8), (11, 0, 9)];
-    let state: usize = SSM_CONV.iter().sum::<usize>() + SSM_TEMPORAL;
-    holds_python_units_and(&decode, &units, 16, |region, want| {
-        // The prefill's id 3 starts at its kernel block 6; the decode's page is block 6.
-        for o in 0..state {
-            want[6 * BLOCK_LEN + o] = python_byte(region, 6 * BLOCK_LEN + o);
-        }
-    });
-    assert_eq!(
-        decode.metrics().iter().map(|m| m.bytes).sum::<u64>(),
-        (4 * REGIONS * BLOCK_LEN + REGIONS * state) as u64
-    );
+    reads_python_ssm_of_two_kernel_blocks_per_id("py-ssm-ppl", (16, &local), &units, 6).await;
 }
 
 /// vLLM's hybrid Mamba models with block ids of two kernel blocks on both engines
@@ -1272,40 +1247,54 @@ async fn a_rust_decode_of_ssm_groups_reads_a_python_prefill_of_two_kernel_blocks
 /// the page), its state from the prefill's page of its id; every other byte untouched.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rust_decode_of_ssm_groups_reads_the_state_page_of_two_kernel_blocks_per_id() {
+    // Ids 2 and 5 (kernel blocks 4, 5, 10, 11); the state in id 6 (before scratch 7), its
+    // page from kernel block 12.
+    let local = [vec![2, 5], vec![4, 6, 7]];
+    let units = [(4, 0, 2), (5, 0, 3), (10, 0, 8), (11, 0, 9)];
+    reads_python_ssm_of_two_kernel_blocks_per_id("py-ssm-ppl2", (32, &local), &units, 12).await;
+}
+
+/// A Rust decode whose KV cache groups count blocks of `block_size` tokens over its
+/// 16-token registered blocks loads a 60-token prompt's `local` blocks (one list per group)
+/// from a Python prefill of block ids of two 16-token kernel blocks (ids 1 and 4, kernel
+/// blocks 2, 3, 8, 9; the state in id 3, its page from kernel block 6), the request
+/// `tag`-1: the attention as `units` (local kernel block, unit, remote kernel block), the
+/// state into the page from kernel block `state_page`, nothing else.
+async fn reads_python_ssm_of_two_kernel_blocks_per_id(
+    tag: &str,
+    (block_size, local): (usize, &[Vec<usize>; 2]),
+    units: &[(usize, usize, usize)],
+    state_page: usize,
+) {
     let mut peer = VllmPeer::start();
     let hash = factors().hash();
     peer.json(&format!(
-        "kv_prefill {hash} 0 0 py-ssm-ppl2 {REGIONS} {BLOCKS} {BLOCK_LEN} 16 -1,-1 2 {SSM_ARG}"
+        "kv_prefill {hash} 0 0 {tag} {REGIONS} {BLOCKS} {BLOCK_LEN} 16 -1,-1 2 {SSM_ARG}"
     ));
     let mut kv = ssm_kv(&factors(), 1);
     kv.kv_connector_extra_config
         .get_mut(KV_CACHE_GROUPS_KEY)
-        .unwrap()["block_size"] = json!(32);
-    let (decode, mut scheduler) = vllm_engine_with("rs-decode-ssm-ppl2", kv);
+        .unwrap()["block_size"] = json!(block_size);
+    let (decode, mut scheduler) = vllm_engine_with(&format!("rs-decode-{tag}"), kv);
     fill_untouched(&decode, BLOCK_LEN);
-    // A 60-token prompt: ids 1 and 4 (kernel blocks 2, 3, 8, 9); the state in id 3.
+    let request = format!("{tag}-1");
     let json = peer.call(&format!(
         "kv_finish {} 1,4;0,3,7 ssm:1 60",
-        hex(b"py-ssm-ppl2-1")
+        hex(request.as_bytes())
     ));
     let vllm: Value = serde_json::from_str(&json).unwrap();
     assert_eq!(vllm["remote_block_ids"], json!([[1, 4], [3]]));
-    // Ids 2 and 5 (kernel blocks 4, 5, 10, 11); the state in id 6 (before scratch 7).
-    let local = [vec![2, 5], vec![4, 6, 7]];
-    let outcome =
-        load_groups_from_python((&decode, &mut scheduler), "py-ssm-ppl2-1", &json, &local).await;
+    let outcome = load_groups_from_python((&decode, &mut scheduler), &request, &json, local).await;
     assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
-    let units = [(4, 0, 2), (5, 0, 3), (10, 0, 8), (11, 0, 9)];
     let state: usize = SSM_CONV.iter().sum::<usize>() + SSM_TEMPORAL;
-    holds_python_units_and(&decode, &units, 16, |region, want| {
-        // Id 6's page starts at kernel block 12; the prefill's id 3 at its kernel block 6.
+    holds_python_units_and(&decode, units, 16, |region, want| {
         for o in 0..state {
-            want[12 * BLOCK_LEN + o] = python_byte(region, 6 * BLOCK_LEN + o);
+            want[state_page * BLOCK_LEN + o] = python_byte(region, 6 * BLOCK_LEN + o);
         }
     });
     assert_eq!(
         decode.metrics().iter().map(|m| m.bytes).sum::<u64>(),
-        (4 * REGIONS * BLOCK_LEN + REGIONS * state) as u64
+        (units.len() * REGIONS * BLOCK_LEN + REGIONS * state) as u64
     );
 }
 
