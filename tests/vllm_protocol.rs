@@ -1179,23 +1179,52 @@ fn ssm_kv(factors: &CompatibilityFactors, tp: usize) -> KvTransferConfig {
 /// padding and every other block untouched.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rust_decode_of_attention_and_ssm_groups_reads_the_state_block_from_a_python_prefill() {
+    reads_attention_and_ssm_from_python("py-ssm", [-1, -1]).await;
+}
+
+/// Regions of their own with a Mamba group (vLLM's `region_group_ids` 1 and 0: the Mamba
+/// group's region, the attention's): a Rust decode of the same region groups reads the
+/// attention blocks in both regions and the state only in the Mamba group's, as vLLM's
+/// `_compute_desc_ids` with Mamba groups and its `_ssm_region_indices` read them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rust_decode_reads_the_ssm_state_only_in_the_mamba_groups_regions() {
+    reads_attention_and_ssm_from_python("py-ssm-own", [1, 0]).await;
+}
+
+/// A Rust decode of a full-attention and a Mamba group whose regions' groups are
+/// `region_groups` (vLLM's `region_group_ids`, the same on the Python prefill) loads request
+/// `tag`-1 from a Python prefill: the attention blocks whole in every region, the state
+/// block's conv sub-projections and temporal state in the regions of the Mamba group (1)
+/// and the shared ones (-1), nothing else.
+async fn reads_attention_and_ssm_from_python(tag: &str, region_groups: [i64; 2]) {
     let mut peer = VllmPeer::start();
     let hash = factors().hash();
+    let groups = format!("{},{}", region_groups[0], region_groups[1]);
     peer.json(&format!(
-        "kv_prefill {hash} 0 0 py-ssm {REGIONS} {BLOCKS} {BLOCK_LEN} 16 -1,-1 1 {SSM_ARG}"
+        "kv_prefill {hash} 0 0 {tag} {REGIONS} {BLOCKS} {BLOCK_LEN} 16 {groups} 1 {SSM_ARG}"
     ));
-    let (decode, mut scheduler) = vllm_engine_with("rs-decode-ssm", ssm_kv(&factors(), 1));
+    let mut kv = ssm_kv(&factors(), 1);
+    kv.kv_connector_extra_config
+        .get_mut(KV_CACHE_GROUPS_KEY)
+        .unwrap()["region_groups"] = json!(region_groups);
+    let (decode, mut scheduler) = vllm_engine_with(&format!("rs-decode-{tag}"), kv);
     fill_untouched(&decode, BLOCK_LEN);
     let cache = decode.kv_caches().unwrap();
     // The Mamba group's list: a null block, the state, a speculative scratch block.
-    let json = peer.call(&format!("kv_finish {} 1,3,9;0,6,7 ssm:1", hex(b"py-ssm-1")));
+    let request = format!("{tag}-1");
+    let json = peer.call(&format!(
+        "kv_finish {} 1,3,9;0,6,7 ssm:1",
+        hex(request.as_bytes())
+    ));
     let vllm: Value = serde_json::from_str(&json).unwrap();
     assert_eq!(vllm["remote_block_ids"], json!([[1, 3, 9], [6]]));
     let local = [vec![0, 8, 10], vec![11, 12, 13]];
-    let outcome =
-        load_groups_from_python((&decode, &mut scheduler), "py-ssm-1", &json, &local).await;
+    let outcome = load_groups_from_python((&decode, &mut scheduler), &request, &json, &local).await;
     assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
     let state: usize = SSM_CONV.iter().sum::<usize>() + SSM_TEMPORAL;
+    let state_regions: Vec<usize> = (0..REGIONS)
+        .filter(|&r| matches!(region_groups[r], -1 | 1))
+        .collect();
     for region in 0..REGIONS {
         for block in 0..BLOCKS {
             let mut got = vec![0u8; BLOCK_LEN];
@@ -1207,7 +1236,7 @@ async fn a_rust_decode_of_attention_and_ssm_groups_reads_the_state_block_from_a_
                     (0..BLOCK_LEN).map(|o| python(r, o)).collect()
                 }
                 // The state block (the one before the scratch block 13): its state only.
-                12 => (0..BLOCK_LEN)
+                12 if state_regions.contains(&region) => (0..BLOCK_LEN)
                     .map(|o| if o < state { python(6, o) } else { 0xEE })
                     .collect(),
                 _ => vec![0xEE; BLOCK_LEN],
@@ -1216,12 +1245,12 @@ async fn a_rust_decode_of_attention_and_ssm_groups_reads_the_state_block_from_a_
         }
     }
     let notes = peer.json("kv_notifs 1 10");
-    assert_eq!(notes[0]["vllm"], json!({"id": "py-ssm-1", "consumers": 1}));
+    assert_eq!(notes[0]["vllm"], json!({"id": request, "consumers": 1}));
     let metrics = decode.metrics();
     let attention = 3 * REGIONS * BLOCK_LEN;
     assert_eq!(
         metrics.iter().map(|m| m.bytes).sum::<u64>(),
-        (attention + REGIONS * state) as u64,
+        (attention + state_regions.len() * state) as u64,
         "{metrics:?}"
     );
 }

@@ -29,7 +29,10 @@ use common::geometry::{engine, Model, Request, Side};
 use common::hybrid::{run_hybrid_cases, PerId, HYBRID_BLOCKS};
 use common::matrix::{run_cases_speaking, BLOCKS, WAIT};
 use common::poll_until;
-use common::ssm::{another_state_is_refused, run_ssm_cases, run_ssm_cases_per_id, SSM_BLOCKS};
+use common::ssm::{
+    another_state_is_refused, run_ssm_cases, run_ssm_cases_per_id,
+    run_ssm_cases_with_region_groups, SSM_BLOCKS,
+};
 
 /// MHA, 4 KV heads, HND: K with 16-byte head tokens, V with 8-byte ones (separate regions
 /// of different lengths), and a layer with K and V halves in each block.
@@ -206,6 +209,18 @@ async fn an_attention_and_ssm_model_moves_every_byte_where_the_model_says() {
     for protocol in [Protocol::Vllm, Protocol::Native] {
         run_ssm_cases(&replicated, &replicated_cases, protocol).await;
     }
+    // Regions of their own (vLLM's protocol: its handshake says each region's group): one
+    // shared, one the SSM group's, one the attention's; the state only where Mamba layers
+    // are, the attention in every region.
+    let three = Model {
+        regions: vec![
+            (KvRegionKind::Tensor, 16),
+            (KvRegionKind::Tensor, 8),
+            (KvRegionKind::Tensor, 12),
+        ],
+        ..model.clone()
+    };
+    run_ssm_cases_with_region_groups(&three, &cases[..6], &[-1, 1, 0]).await;
     // Block ids of two kernel blocks each on both engines: a state page is an id's two.
     let paired = |tp, block_size| Side {
         tp,

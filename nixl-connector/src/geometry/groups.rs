@@ -114,8 +114,7 @@ impl std::fmt::Display for KvCacheGroupKind {
 /// blocks' (its handshake cannot say kernel blocks per id); a prefill's (kernel) blocks
 /// larger than the decode's in a load of several groups (vLLM 0.33's
 /// `TransferTopology.block_size_ratio` asserts that the decode's block size is a multiple
-/// of the prefill's); and, for SSM groups: regions of their own, and models of SSM groups
-/// only. Engines of different kernel blocks per block id are read with SSM groups, each
+/// of the prefill's); and models of SSM groups only (vLLM 0.33's handshake fails on them). Engines of different kernel blocks per block id are read with SSM groups, each
 /// engine's state page its block id's kernel blocks and the attention paired at its tokens,
 /// past a decode's prefix hit too (vLLM 0.33 reads them only without prefix caching).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -226,16 +225,18 @@ impl KvCacheGroups {
     /// The groups with the group of each registered region, in registration order (vLLM's
     /// `region_group_ids`): a group's number, or [`SHARED_REGION`] for a region that layers
     /// of several groups share. A group's blocks are read only in its regions and the shared
-    /// ones (vLLM's `_compute_desc_ids` with region group mapping); both engines must have
-    /// the same, which a vLLM-mode decode checks in the handshake. Empty: every region is
-    /// shared. Only vLLM's protocol reads groups with regions of their own.
+    /// ones (vLLM's `_compute_desc_ids` with region group mapping); with SSM groups, the
+    /// attention groups' in every region and the SSM state in the SSM groups' regions and
+    /// the shared ones (vLLM's `_compute_desc_ids` with Mamba groups, reading the state in
+    /// its `_ssm_region_indices`). Both engines must have the same, which a vLLM-mode decode
+    /// checks in the handshake. Empty: every region is shared. Only vLLM's protocol reads
+    /// groups with regions of their own.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for an entry that is neither a group nor
     /// [`SHARED_REGION`].
     pub fn with_region_groups(mut self, region_groups: Vec<i64>) -> Result<Self> {
         let groups = self.len();
-        self.refuse_ssm_with_region_groups(!region_groups.is_empty())?;
         if let Some(region) = region_groups
             .iter()
             .position(|&g| g != SHARED_REGION && usize::try_from(g).map_or(true, |g| g >= groups))

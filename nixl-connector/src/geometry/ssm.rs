@@ -191,10 +191,10 @@ pub(crate) fn state_block(ids: &[usize], speculative_blocks: usize) -> &[usize] 
 pub(crate) struct SsmReads {
     /// Each part's offset in a local block, offset in a remote block, and bytes.
     parts: Vec<(usize, usize, usize)>,
-    /// Each region's state page length (local, remote): a block id's registered blocks
-    /// (vLLM's page of `physical_blocks_per_logical_kv_block` kernel blocks); every region
-    /// holds SSM state.
-    block_lens: Vec<(usize, usize)>,
+    /// Each region holding SSM state, with its state page length (local, remote): a block
+    /// id's registered blocks (vLLM's page of `physical_blocks_per_logical_kv_block` kernel
+    /// blocks).
+    block_lens: Vec<(usize, (usize, usize))>,
     /// Block ids per region (local, remote).
     num_blocks: (usize, usize),
     /// The attention descriptors before the SSM ones (local, remote).
@@ -202,18 +202,18 @@ pub(crate) struct SsmReads {
 }
 
 impl SsmReads {
-    /// The reads of `state` (the reader's, per rank) in every region of the reader's cache
-    /// (`reader`: its spec, and its rank and TP size) from the source's (`source`: its spec,
-    /// and its rank and TP size), a block id `blocks_per_id` registered blocks (local,
+    /// The reads of `state` (the reader's, per rank) in regions `regions` of the reader's
+    /// cache (`reader`: its spec, and its rank and TP size) from the source's (`source`: its
+    /// spec, and its rank and TP size), a block id `blocks_per_id` registered blocks (local,
     /// remote) whose first bytes hold the state, whose lists hold `first` attention
     /// descriptors (local, remote) before.
     ///
     /// # Errors
     /// Why the state cannot be read: TP sizes neither of which divides the other, parts of
-    /// the reader's state that do not split over a larger source TP, or a region whose
-    /// blocks cannot hold the state.
+    /// the reader's state that do not split over a larger source TP, a region past either
+    /// cache's, or a region whose blocks cannot hold the state.
     pub(crate) fn new(
-        state: &SsmState,
+        (state, regions): (&SsmState, &[usize]),
         reader: (&KvCacheSpec, (usize, usize)),
         source: (&KvCacheSpec, (usize, usize)),
         blocks_per_id: (usize, usize),
@@ -261,8 +261,17 @@ impl SsmReads {
             (l.max(lo + len), r.max(ro + len))
         });
         let (local_per_id, remote_per_id) = blocks_per_id;
-        let mut block_lens = Vec::with_capacity(reader.regions.len());
-        for (index, (local, remote)) in reader.regions.iter().zip(&source.regions).enumerate() {
+        let mut block_lens = Vec::with_capacity(regions.len());
+        for &index in regions {
+            let (Some(local), Some(remote)) =
+                (reader.regions.get(index), source.regions.get(index))
+            else {
+                return Err(format!(
+                    "SSM state in region {index}, of {} regions (reader) and {} (source)",
+                    reader.regions.len(),
+                    source.regions.len()
+                ));
+            };
             let pages = (
                 local.block_len.saturating_mul(local_per_id),
                 remote.block_len.saturating_mul(remote_per_id),
@@ -275,7 +284,7 @@ impl SsmReads {
                     state.ssm_sizes()
                 ));
             }
-            block_lens.push(pages);
+            block_lens.push((index, pages));
         }
         Ok(SsmReads {
             parts,
@@ -298,8 +307,7 @@ impl SsmReads {
         let blocks = self.num_blocks.0;
         self.block_lens
             .iter()
-            .enumerate()
-            .flat_map(move |(region, &(block_len, _))| {
+            .flat_map(move |&(region, (block_len, _))| {
                 self.parts.iter().flat_map(move |&(offset, _, len)| {
                     (0..blocks).map(move |block| (region, block * block_len + offset, len))
                 })
@@ -320,7 +328,11 @@ impl SsmReads {
     pub(crate) fn remote_descs(&self, bases: &[u64], device_id: u64) -> Vec<XferDesc> {
         let blocks = self.num_blocks.1;
         let mut descs = Vec::with_capacity(self.per_block().saturating_mul(blocks));
-        for (&(_, block_len), &base) in self.block_lens.iter().zip(bases) {
+        for &(region, (_, block_len)) in &self.block_lens {
+            // As many bases as the source's regions, checked in the handshake.
+            let Some(&base) = bases.get(region) else {
+                continue;
+            };
             for &(_, offset, len) in &self.parts {
                 descs.extend((0..blocks).map(|block| {
                     XferDesc::new(base as usize + block * block_len + offset, len, device_id)
@@ -470,7 +482,7 @@ mod tests {
         let largest = (MAX_TP_SIZE - 1, MAX_TP_SIZE);
         for (reader, source) in [(largest, (0, 1)), ((0, 1), largest)] {
             let err = SsmReads::new(
-                &state,
+                (&state, &[0]),
                 (&spec(128, 1), reader),
                 (&spec(128, 1), source),
                 (1, 1),
@@ -485,7 +497,7 @@ mod tests {
     fn a_state_page_is_a_block_ids_registered_blocks() {
         // Two registered blocks of 64 bytes per id: pages of 128, half as many.
         let reads = SsmReads::new(
-            &mamba2(),
+            (&mamba2(), &[0, 1]),
             (&spec(64, 2), (0, 1)),
             (&spec(64, 2), (0, 1)),
             (2, 2),
@@ -515,7 +527,7 @@ mod tests {
     #[test]
     fn reads_follow_the_attention_descriptors_part_by_part() {
         let reads = SsmReads::new(
-            &mamba2(),
+            (&mamba2(), &[0, 1]),
             (&spec(128, 2), (1, 2)),
             (&spec(128, 2), (1, 2)),
             (1, 1),
@@ -541,7 +553,7 @@ mod tests {
     fn a_decode_of_a_larger_tp_reads_its_slice_of_each_part() {
         // Decode rank 3 of TP 4 from a prefill of TP 2: the second half of each part.
         let reads = SsmReads::new(
-            &mamba2(),
+            (&mamba2(), &[0]),
             (&spec(128, 1), (3, 4)),
             (&spec(256, 1), (1, 2)),
             (1, 1),
@@ -565,7 +577,7 @@ mod tests {
         // Decode rank 0 of TP 1 from prefill rank 1 of TP 2: the second half of each of its
         // parts, from the start of the source's.
         let reads = SsmReads::new(
-            &mamba2(),
+            (&mamba2(), &[0]),
             (&spec(128, 1), (0, 1)),
             (&spec(64, 1), (1, 2)),
             (1, 1),
@@ -583,7 +595,7 @@ mod tests {
     fn other_tp_sizes_and_small_blocks_are_refused_by_name() {
         for (reader, source) in [((0, 3), (0, 2)), ((0, 2), (0, 0))] {
             let err = SsmReads::new(
-                &mamba2(),
+                (&mamba2(), &[0]),
                 (&spec(128, 1), reader),
                 (&spec(128, 1), source),
                 (1, 1),
@@ -594,7 +606,7 @@ mod tests {
         }
         // 8 bytes do not split over 16 source ranks per reader rank.
         let err = SsmReads::new(
-            &mamba2(),
+            (&mamba2(), &[0]),
             (&spec(128, 1), (0, 1)),
             (&spec(128, 1), (0, 16)),
             (1, 1),
@@ -606,7 +618,7 @@ mod tests {
             "{err}"
         );
         let err = SsmReads::new(
-            &mamba2(),
+            (&mamba2(), &[0]),
             (&spec(128, 1), (0, 1)),
             (&spec(64, 1), (0, 1)),
             (1, 1),
@@ -616,7 +628,7 @@ mod tests {
         assert!(err.contains("cannot hold the SSM state read"), "{err}");
         // A source of half the TP holds twice the state per block.
         let err = SsmReads::new(
-            &mamba2(),
+            (&mamba2(), &[0]),
             (&spec(128, 1), (0, 2)),
             (&spec(128, 1), (0, 1)),
             (1, 1),

@@ -12,14 +12,14 @@ const OP: &str = "SSM state of KV cache groups";
 
 impl KvCacheGroups {
     /// The groups with `state`, what a block of their SSM groups holds in each region (see
-    /// [`SsmState`]); every region holds SSM state (vLLM's registration with each KV cache
-    /// tensor shared by a layer of every group), per rank of this engine's TP. A vLLM-mode
-    /// decode checks it against the prefill's `ssm_sizes` (times the TP ratio).
+    /// [`SsmState`]) in each region that holds SSM state (every region, vLLM's registration
+    /// with each KV cache tensor shared by a layer of every group; with
+    /// [`region_groups`](Self::region_groups), those of SSM groups and the shared ones), per
+    /// rank of this engine's TP. A decode checks it against the prefill's (vLLM's
+    /// `ssm_sizes`), scaled by the TP sizes.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when no group is an SSM group, or when regions have groups
-    /// of their own ([`with_region_groups`](Self::with_region_groups)), which is not
-    /// supported with SSM groups.
+    /// [`Error::InvalidArgument`] when no group is an SSM group.
     pub fn with_ssm_state(mut self, state: SsmState) -> Result<Self> {
         if !self.has_ssm_groups() {
             return Err(Error::invalid(
@@ -28,7 +28,6 @@ impl KvCacheGroups {
             ));
         }
         self.ssm_state = Some(state);
-        self.refuse_ssm_with_region_groups(!self.region_groups().is_empty())?;
         Ok(self)
     }
 
@@ -87,15 +86,26 @@ impl KvCacheGroups {
         Ok(self.ssm_state.as_ref())
     }
 
-    /// Refuses SSM groups when `region_groups` (regions of their own) are given.
-    pub(super) fn refuse_ssm_with_region_groups(&self, region_groups: bool) -> Result<()> {
-        if region_groups && self.has_ssm_groups() {
-            return Err(Error::invalid(
-                OP,
-                "SSM (Mamba) groups with region_groups are not supported: every region is read for every group, its SSM state in each region",
-            ));
+    /// The regions of `regions` that hold SSM state (vLLM's `_ssm_region_indices`, the
+    /// regions its Mamba layers registered): every region, or with
+    /// [`region_groups`](Self::region_groups) each whose group is an SSM group and each
+    /// shared one ([`SHARED_REGION`](crate::SHARED_REGION): as vLLM's hybrid allocator shares
+    /// a tensor, a layer of every group); none without SSM groups.
+    pub(crate) fn ssm_regions(&self, regions: usize) -> Vec<usize> {
+        if !self.has_ssm_groups() {
+            return Vec::new();
         }
-        Ok(())
+        let groups = self.region_groups();
+        if groups.is_empty() {
+            return (0..regions).collect();
+        }
+        (0..regions)
+            .filter(|&r| {
+                groups.get(r).is_some_and(|&g| {
+                    g == crate::SHARED_REGION || usize::try_from(g).is_ok_and(|g| self.is_ssm(g))
+                })
+            })
+            .collect()
     }
 }
 
@@ -151,6 +161,21 @@ mod tests {
     }
 
     #[test]
+    fn the_state_is_in_every_region_or_those_of_ssm_groups_and_the_shared_ones() {
+        let groups = parsed(serde_json::json!({
+            "block_size": 16,
+            "groups": ["full_attention", {"ssm": {}}],
+            "ssm_state": {"conv_bytes": [8], "temporal_bytes": 8},
+        }))
+        .unwrap();
+        assert_eq!(groups.ssm_regions(3), [0, 1, 2]);
+        let own = groups.with_region_groups(vec![-1, 1, 0]).unwrap();
+        assert_eq!(own.ssm_regions(3), [0, 1]);
+        // Attention groups alone hold no state.
+        assert!(KvCacheGroups::default().ssm_regions(3).is_empty());
+    }
+
+    #[test]
     fn ssm_groups_without_what_they_need_are_refused_by_name() {
         for (json, want) in [
             (
@@ -166,12 +191,6 @@ mod tests {
                 serde_json::json!({"block_size": 16, "groups": [{"ssm": {}}],
                     "ssm_state": {"conv_bytes": [8], "temporal_bytes": 8}}),
                 "SSM (Mamba) groups only is not supported",
-            ),
-            (
-                serde_json::json!({"block_size": 16, "groups": ["full_attention", {"ssm": {}}],
-                    "region_groups": [0, 1],
-                    "ssm_state": {"conv_bytes": [8], "temporal_bytes": 8}}),
-                "SSM (Mamba) groups with region_groups are not supported",
             ),
             (
                 serde_json::json!({"block_size": 16, "groups": ["full_attention", {"ssm": {}}],

@@ -240,8 +240,9 @@ fn ssm_reads(
     } else {
         (0, 0)
     };
+    let regions = shared.groups.ssm_regions(ours.spec.regions.len());
     let reads = SsmReads::new(
-        state,
+        (state, &regions),
         (&ours.spec, (rank, tp(ours))),
         (&theirs.spec, (theirs_rank, tp(theirs))),
         (local_per_id, blocks_per_id),

@@ -83,9 +83,31 @@ fn groups_json(block_size: usize, (conv, temporal): (&[usize], usize)) -> serde_
 }
 
 /// The model's groups at TP `tp` over blocks of `block_size` tokens, as [`config`] names
-/// them.
-fn groups(tp: usize, block_size: usize) -> KvCacheGroups {
-    KvCacheGroups::from_kv_transfer_config(&config(tp, block_size, Protocol::Native)).unwrap()
+/// them, each region's group `region_groups` (none: every region shared).
+fn groups(tp: usize, block_size: usize, region_groups: &[i64]) -> KvCacheGroups {
+    KvCacheGroups::from_kv_transfer_config(&config(tp, block_size, Protocol::Native))
+        .unwrap()
+        .with_region_groups(region_groups.to_vec())
+        .unwrap()
+}
+
+/// The regions of `regions` holding SSM state: every one, or with `region_groups` the SSM
+/// group's (1) and the shared ones (-1), as vLLM's Mamba layers register them.
+fn ssm_regions(region_groups: &[i64], regions: usize) -> Vec<usize> {
+    (0..regions)
+        .filter(|&r| region_groups.is_empty() || matches!(region_groups[r], -1 | 1))
+        .collect()
+}
+
+/// How a case's engines are set up beyond their sides.
+#[derive(Clone, Copy)]
+struct Setting {
+    /// Kernel blocks per block id, each engine.
+    per_id: PerId,
+    /// The protocol both speak.
+    protocol: Protocol,
+    /// Each region's KV cache group (vLLM's `region_group_ids`); empty: every region shared.
+    region_groups: &'static [i64],
 }
 
 /// A scheduler of an engine of TP `tp` reached at `port` speaking `protocol`, with the
@@ -98,7 +120,7 @@ fn scheduler(
 ) -> KvConnectorScheduler {
     let kv = config(tp, block_size, protocol);
     let config = SchedulerConfig::new(engine, "127.0.0.1", port, tp, &kv).unwrap();
-    KvConnectorScheduler::new(config).with_kv_cache_groups(groups(tp, block_size))
+    KvConnectorScheduler::new(config).with_kv_cache_groups(groups(tp, block_size, &[]))
 }
 
 /// One request: each group's prefill blocks and decode blocks.
@@ -168,7 +190,7 @@ fn attention_load(
 }
 
 /// Checks every byte of decode rank `rank`: the attention group's as the model says, each
-/// byte of the rank's share of the SSM state in every region the prefill's (from the
+/// byte of the rank's share of the SSM state in each of `ssm_regions` the prefill's (from the
 /// prefill rank holding it, see [`state_byte`]), the state page (a block id's `per_id`
 /// kernel blocks) past the state and every other byte as it was; and the bytes read, each
 /// once.
@@ -177,7 +199,7 @@ fn check_rank(
     worker: &KvConnectorWorker,
     (prefill, decode): (&Side, &Side),
     (rank, per_id): (usize, PerId),
-    requests: &[SsmRequest],
+    (requests, ssm_regions): (&[SsmRequest], &[usize]),
     read: u64,
 ) -> Result<(), String> {
     let (conv, temporal) = rank_state(decode.tp);
@@ -197,7 +219,12 @@ fn check_rank(
             model.block_len(region, prefill),
         );
         assert!(state < len, "the state leaves padding to check");
-        for request in requests {
+        let state_here = if ssm_regions.contains(&region) {
+            requests
+        } else {
+            &[]
+        };
+        for request in state_here {
             let (l, r) = (
                 state_block(&request.local[1]),
                 state_block(&request.remote[1]),
@@ -221,7 +248,7 @@ fn check_rank(
         .iter()
         .map(|r| model.moved_bytes(prefill, decode, rank, r))
         .sum::<usize>()
-        + requests.len() * model.regions.len() * state;
+        + requests.len() * ssm_regions.len() * state;
     if read != moved as u64 {
         return Err(format!(
             "decode rank {rank} read {read} bytes, the model moves {moved} (each byte once)"
@@ -285,11 +312,15 @@ fn start(
 async fn ssm_case(
     model: &Model,
     (prefill, decode): (Side, Side),
-    per_id: PerId,
-    protocol: Protocol,
+    setting: Setting,
 ) -> Result<(), String> {
+    let Setting {
+        per_id,
+        protocol,
+        region_groups,
+    } = setting;
     let tag = format!(
-        "ssm-{protocol:?}-{}-p{}b{}x{}-d{}b{}x{}",
+        "ssm-{protocol:?}-{}-p{}b{}x{}-d{}b{}x{}-rg{region_groups:?}",
         attention_label(model),
         prefill.tp,
         prefill.block_size,
@@ -303,9 +334,13 @@ async fn ssm_case(
         prefill.block_size * per_id.prefill,
         decode.block_size * per_id.decode,
     );
-    let groups = (groups(prefill.tp, sizes.0), groups(decode.tp, sizes.1));
+    let groups = (
+        groups(prefill.tp, sizes.0, region_groups),
+        groups(decode.tp, sizes.1, region_groups),
+    );
     let (prefills, decodes, requests) =
         start(&tag, model, (&prefill, &decode), (&groups, sizes), protocol)?;
+    let ssm_regions = ssm_regions(region_groups, model.regions.len());
     for (rank, worker) in decodes.iter().enumerate() {
         let end = RankEnd::of(worker, rank, requests.len()).await;
         if let Some(reason) = refusal(&prefill, &decode) {
@@ -332,7 +367,7 @@ async fn ssm_case(
             worker,
             (&prefill, &decode),
             (rank, per_id),
-            &requests,
+            (&requests, &ssm_regions),
             read,
         )
         .map_err(|err| format!("{tag}: {err}"))?;
@@ -354,24 +389,55 @@ pub async fn run_ssm_cases(model: &Model, cases: &[(Side, Side)], protocol: Prot
         prefill: 1,
         decode: 1,
     };
-    run_ssm_cases_speaking(model, cases, whole, protocol).await
+    let setting = Setting {
+        per_id: whole,
+        protocol,
+        region_groups: &[],
+    };
+    run_ssm_cases_speaking(model, cases, setting).await
+}
+
+/// [`run_ssm_cases`] in vLLM's protocol with regions of their own, each region's group
+/// `region_groups` (the full-attention group 0, the SSM group 1, or -1 shared; the same on
+/// both engines): the state read only in the SSM group's and the shared regions, the
+/// attention in every region (vLLM's `_compute_desc_ids` with Mamba groups, its
+/// `_ssm_region_indices`).
+pub async fn run_ssm_cases_with_region_groups(
+    model: &Model,
+    cases: &[(Side, Side)],
+    region_groups: &'static [i64],
+) {
+    let setting = Setting {
+        per_id: PerId {
+            prefill: 1,
+            decode: 1,
+        },
+        protocol: Protocol::Vllm,
+        region_groups,
+    };
+    run_ssm_cases_speaking(model, cases, setting).await
 }
 
 /// [`run_ssm_cases`] in vLLM's protocol with block ids of `per_id` registered (kernel)
 /// blocks each, on each engine (the native handshake does not say it).
 pub async fn run_ssm_cases_per_id(model: &Model, cases: &[(Side, Side)], per_id: PerId) {
-    run_ssm_cases_speaking(model, cases, per_id, Protocol::Vllm).await
+    let setting = Setting {
+        per_id,
+        protocol: Protocol::Vllm,
+        region_groups: &[],
+    };
+    run_ssm_cases_speaking(model, cases, setting).await
 }
 
-/// The cases of [`run_ssm_cases`] speaking `protocol`, `per_id` kernel blocks per block id.
-async fn run_ssm_cases_speaking(
-    model: &Model,
-    cases: &[(Side, Side)],
-    per_id: PerId,
-    protocol: Protocol,
-) {
+/// The cases of [`run_ssm_cases`] set up as `setting` says.
+async fn run_ssm_cases_speaking(model: &Model, cases: &[(Side, Side)], setting: Setting) {
+    let Setting {
+        per_id,
+        protocol,
+        region_groups,
+    } = setting;
     let what = format!(
-        ", full attention and SSM groups, {} and {} kernel blocks per id, {protocol:?} protocol",
+        ", full attention and SSM groups, {} and {} kernel blocks per id, {protocol:?} protocol, region groups {region_groups:?}",
         per_id.prefill, per_id.decode
     );
     run_each(cases, &what, |prefill, decode| {
@@ -379,10 +445,7 @@ async fn run_ssm_cases_speaking(
             None => "every byte as the model says",
             Some(_) => "refused by name, nothing read",
         };
-        (
-            outcome,
-            ssm_case(model, (prefill, decode), per_id, protocol),
-        )
+        (outcome, ssm_case(model, (prefill, decode), setting))
     })
     .await
 }
@@ -404,7 +467,7 @@ pub async fn another_state_is_refused(
     };
     let tag = format!("ssm-other-{protocol:?}-{state:?}");
     let theirs: KvCacheGroups = serde_json::from_value(groups_json(4, state)).unwrap();
-    let groups = (groups(1, 4), theirs);
+    let groups = (groups(1, 4, &[]), theirs);
     let (_prefills, decodes, requests) =
         start(&tag, model, (&side, &side), (&groups, (4, 4)), protocol)?;
     let end = RankEnd::of(&decodes[0], 0, requests.len()).await;
