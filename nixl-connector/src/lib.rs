@@ -172,9 +172,10 @@
 //! - step 4 calls [`KvConnectorScheduler::request_finished_all_groups`] with every group's
 //!   blocks.
 //!
-//! Both clip a sliding-window group's list to the blocks of its window (and, in vLLM's
-//! protocol, an SSM (Mamba) group's to its state-bearing block; its engine's prefill then
-//! stops [`KvCacheGroups::prefill_backoff_tokens`] short of the prompt), and the params carry
+//! Both clip a sliding-window group's list to the blocks of its window (and an SSM (Mamba)
+//! group's to its state-bearing block, in either protocol; its engine's prefill then stops
+//! [`KvCacheGroups::prefill_backoff_tokens`] short of the prompt, and its decode loads
+//! [`KvCacheGroups::remote_prefill_tokens`]), and the params carry
 //! each group's blocks ([`KvTransferParams::remote_block_group_lens`]; in vLLM's JSON, one
 //! list per group):
 //! ```
