@@ -119,6 +119,17 @@ impl VllmWorker {
                 ))
             }
         };
+        // vLLM's metadata says the state's sums only (`ssm_sizes`), which match ours scaled:
+        // its parts are taken to be ours scaled too (the same model).
+        let ssm_state = match ssm {
+            None => None,
+            Some((state, reader_tp, tp_size)) => Some(state.scaled(reader_tp, tp_size).ok_or_else(|| {
+                Error::invalid(
+                    "convert vLLM's NixlAgentMetadata",
+                    format!("the SSM state's parts ({state}) do not split over the prefill's TP {tp_size} from this engine's {reader_tp}"),
+                )
+            })?),
+        };
         let agent_name = nixl::metadata_agent_name(&meta.agent_metadata)?;
         Ok(Fetched {
             message: HandshakeMessage {
@@ -131,10 +142,7 @@ impl VllmWorker {
                 device_id: meta.device_id,
                 tp_rank: rank as u64,
                 tp_size: tp_size as u64,
-                // vLLM's metadata says the state's sums only (`ssm_sizes`), which match
-                // ours scaled: its parts are taken to be ours scaled too (the same model).
-                ssm_state: ssm
-                    .and_then(|(state, reader_tp, tp_size)| state.scaled(reader_tp, tp_size)),
+                ssm_state,
             },
             blocks_per_logical,
         })

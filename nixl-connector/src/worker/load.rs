@@ -410,7 +410,9 @@ fn post_one(
             format!("remote block {bad} of {} blocks", plan.remote_num_blocks),
         ));
     }
-    let local_per_id = local_blocks_per_id(shared, &caches.spec)?;
+    // Kernel blocks per block id of this engine (vLLM's `physical_blocks_per_logical_kv_block`;
+    // 1 in the native protocol, whose registration refuses more).
+    let local_per_id = shared.groups.kernel_blocks_per_id(caches.spec.block_size)?;
     // One group pairs unit by unit from the prompt's first token, but not when a block id
     // is several kernel blocks (the last of which may hold no token): then as a group, at
     // the units' tokens of the prompt.
@@ -518,19 +520,6 @@ fn own_region_groups(shared: &Shared) -> &[i64] {
         Protocol::Vllm => shared.groups.own_region_groups(),
         Protocol::Native => &[],
     }
-}
-
-/// Kernel blocks per block id of this engine's own blocks: its KV cache groups' block size
-/// over its registered blocks' (vLLM's `physical_blocks_per_logical_kv_block`; 1 in the
-/// native protocol, whose registration refuses more).
-///
-/// # Errors
-/// Those of [`kernel_blocks_per_block`](crate::geometry::block_map::kernel_blocks_per_block).
-fn local_blocks_per_id(
-    shared: &Shared,
-    spec: &crate::geometry::spec::KvCacheSpec,
-) -> Result<usize> {
-    shared.groups.kernel_blocks_per_id(spec.block_size)
 }
 
 /// The registered (kernel) blocks of block `ids` (`group_lens` of them per KV cache group;
