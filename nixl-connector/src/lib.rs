@@ -295,7 +295,9 @@ pub use scheduler::{
     LoadOutcome, LoadSpec, RequestFinished, SchedulerConfig, SendSpec,
 };
 pub use transport::auth::SharedSecret;
-pub use transport::handshake::{check_compatible, HandshakeMessage, PROTOCOL_VERSION};
+pub use transport::handshake::{
+    check_compatible, HandshakeMessage, MAX_BLOCKS_PER_ID, PROTOCOL_VERSION,
+};
 pub use transport::params::{KvTransferParams, RemoteBlocks};
 pub use transport::peer_networks::{PeerNetwork, PeerNetworks};
 pub use transport::pending::{PendingHandshakes, PendingSlot, PendingStats};

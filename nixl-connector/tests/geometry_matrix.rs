@@ -26,7 +26,10 @@ mod common;
 use nixl_connector::{Error, KvAttention, KvConnectorWorker, KvLayout, KvRegionKind, Protocol};
 
 use common::geometry::{engine, Model, Request, Side};
-use common::hybrid::{run_hybrid_cases, PerId, HYBRID_BLOCKS};
+use common::hybrid::{
+    run_hybrid_cases, run_hybrid_cases_per_id, run_hybrid_cases_with_region_groups, PerId,
+    HYBRID_BLOCKS,
+};
 use common::matrix::{run_cases_speaking, BLOCKS, WAIT};
 use common::poll_until;
 use common::ssm::{
@@ -124,8 +127,12 @@ async fn replicated_kv_heads_are_read_once_each() {
 /// of different lengths, K and V halves) and MLA, with blocks of as many tokens or decode
 /// blocks of twice the prefill's (vLLM's `block_size_ratio`: each group's blocks read a
 /// prefill block at a time, the window clipped by each engine in its own blocks; vLLM's
-/// protocol in vllm_mode.rs); a prefill of larger blocks than the decode's is refused by name (vLLM 0.33
-/// asserts the decode's block size is a multiple of the prefill's).
+/// protocol in vllm_mode.rs); a prefill of larger blocks than the decode's is refused by
+/// name (vLLM 0.33 asserts the decode's block size is a multiple of the prefill's). The
+/// native handshake says each rank's kernel blocks per block id and each region's group, as
+/// vLLM's metadata does: block ids of two kernel blocks on either engine, and regions of
+/// each group's own (a group's blocks read only in its regions and the shared ones, vLLM's
+/// `_compute_desc_ids` with region group mapping).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_kv_cache_groups_move_every_byte_where_the_model_says() {
     common::init_tracing();
@@ -144,6 +151,23 @@ async fn two_kv_cache_groups_move_every_byte_where_the_model_says() {
     run_hybrid_cases(&mha(4), &cases, Protocol::Native).await;
     let mla_cases = [cases[0], cases[1], cases[4], cases[7]];
     run_hybrid_cases(&mla(), &mla_cases, Protocol::Native).await;
+    let per_id = |prefill, decode| PerId { prefill, decode };
+    let kernel = [(side(1, 4), side(2, 4)), (side(2, 4), side(1, 8))];
+    for ids in [per_id(2, 1), per_id(1, 2), per_id(2, 2)] {
+        run_hybrid_cases_per_id(&mha(4), &kernel, Protocol::Native, ids).await;
+    }
+    // Three regions: the window's, a shared one, the full attention's.
+    let three = Model {
+        regions: vec![
+            (KvRegionKind::Tensor, 16),
+            (KvRegionKind::Tensor, 8),
+            (KvRegionKind::Tensor, 12),
+        ],
+        ..mha(4)
+    };
+    for protocol in [Protocol::Native, Protocol::Vllm] {
+        run_hybrid_cases_with_region_groups(&three, &cases[..5], protocol, &[1, -1, 0]).await;
+    }
 }
 
 /// A hybrid model of a full-attention group and an SSM (Mamba) group sharing every region,
@@ -209,9 +233,9 @@ async fn an_attention_and_ssm_model_moves_every_byte_where_the_model_says() {
     for protocol in [Protocol::Vllm, Protocol::Native] {
         run_ssm_cases(&replicated, &replicated_cases, protocol).await;
     }
-    // Regions of their own (vLLM's protocol: its handshake says each region's group): one
-    // shared, one the SSM group's, one the attention's; the state only where Mamba layers
-    // are, the attention in every region.
+    // Regions of their own (each handshake says each region's group): one shared, one the
+    // SSM group's, one the attention's; the state only where Mamba layers are, the
+    // attention in every region.
     let three = Model {
         regions: vec![
             (KvRegionKind::Tensor, 16),
@@ -220,7 +244,9 @@ async fn an_attention_and_ssm_model_moves_every_byte_where_the_model_says() {
         ],
         ..model.clone()
     };
-    run_ssm_cases_with_region_groups(&three, &cases[..6], &[-1, 1, 0]).await;
+    for protocol in [Protocol::Vllm, Protocol::Native] {
+        run_ssm_cases_with_region_groups(&three, &cases[..6], protocol, &[-1, 1, 0]).await;
+    }
     // Block ids of two kernel blocks each on both engines: a state page is an id's two.
     let paired = |tp, block_size| Side {
         tp,
@@ -233,14 +259,14 @@ async fn an_attention_and_ssm_model_moves_every_byte_where_the_model_says() {
         (paired(1, 4), paired(2, 8)),
         (paired(2, 4), paired(1, 4)),
     ];
-    run_ssm_cases_per_id(&model, &two, per_id(2, 2)).await;
-    run_ssm_cases_per_id(&mla, &two[..1], per_id(2, 2)).await;
-    // Other counts on the two engines: the state page is each engine's block id, the
+    // Other counts on the two engines too: the state page is each engine's block id, the
     // attention paired at its tokens, past a prefix hit too (vLLM 0.33 reads these only
     // without prefix caching, from the prompt's first block).
-    for other in [per_id(2, 1), per_id(1, 2)] {
-        run_ssm_cases_per_id(&model, &two, other).await;
-        run_ssm_cases_per_id(&mla, &two[..1], other).await;
+    for protocol in [Protocol::Vllm, Protocol::Native] {
+        for ids in [per_id(2, 2), per_id(2, 1), per_id(1, 2)] {
+            run_ssm_cases_per_id(&model, &two, protocol, ids).await;
+            run_ssm_cases_per_id(&mla, &two[..1], protocol, ids).await;
+        }
     }
 }
 

@@ -28,29 +28,24 @@ async fn refuse_same_host_transports_comes_from_the_extra_config() {
     assert!(strict.agent().config().refuse_same_host_transports);
 }
 
-/// The native handshake cannot say that a block id is several registered blocks (vLLM's
-/// `physical_blocks_per_logical_kv_block`): a native worker whose `kv_cache_groups` count
-/// larger blocks than it registers is refused by name, before any peer reads it.
+/// A native worker whose `kv_cache_groups` count larger blocks than it registers (block ids
+/// of several registered blocks, vLLM's `physical_blocks_per_logical_kv_block`) says so in
+/// its handshake, as a vLLM-mode rank does in its metadata, with each region's group.
 #[tokio::test]
-async fn native_kv_cache_groups_of_larger_blocks_than_the_registered_ones_are_refused() {
+async fn a_native_handshake_says_kernel_blocks_per_id_and_region_groups() {
     let spec = common::spec(2);
-    let logical = 2 * spec.block_size;
     let config = nixl_connector::WorkerConfig::new("native-groups", 0, 1, common::cpu_config());
-    let err = register_with_groups(
+    let worker = register_with_groups(
         config,
-        serde_json::json!({"block_size": logical, "groups": ["full_attention", {"sliding_window": {"window_tokens": 64}}]}),
+        serde_json::json!({"block_size": 2 * spec.block_size,
+            "groups": ["full_attention", {"sliding_window": {"window_tokens": 64}}],
+            "region_groups": vec![-1; spec.num_regions()]}),
         &spec,
     )
-    .expect_err("native groups of larger blocks than the registered ones")
-    .to_string();
-    let want = format!(
-        "kv_cache_groups.block_size {logical} is larger than the registered blocks' {} tokens",
-        spec.block_size
-    );
-    assert!(
-        err.contains(&want) && err.contains("vLLM's protocol only"),
-        "{err}"
-    );
+    .expect("native groups of larger blocks than the registered ones");
+    let handshake = worker.handshake().unwrap();
+    assert_eq!(handshake.blocks_per_id, 2);
+    assert_eq!(handshake.region_groups, vec![-1; spec.num_regions()]);
 }
 
 /// vLLM moves an SSM (Mamba) group's state block whole, never expanded into kernel blocks: a
@@ -81,18 +76,19 @@ async fn vllm_ssm_groups_of_larger_blocks_than_the_registered_ones_register() {
     }
 }
 
-/// What a CPU worker made from `config` with `kv_cache_groups` set to `groups` returns when
-/// it registers `spec`'s blocks.
+/// A CPU worker made from `config` with `kv_cache_groups` set to `groups`, once it registered
+/// `spec`'s blocks, or why it could not.
 fn register_with_groups(
     mut config: nixl_connector::WorkerConfig,
     groups: serde_json::Value,
     spec: &nixl_connector::KvCacheSpec,
-) -> nixl_connector::Result<()> {
+) -> nixl_connector::Result<nixl_connector::KvConnectorWorker> {
     config.platform = std::sync::Arc::new(nixl::platform::BuiltinPlatform::CPU);
     config
         .kv_transfer_config
         .kv_connector_extra_config
         .insert(nixl_connector::KV_CACHE_GROUPS_KEY.into(), groups);
     let worker = nixl_connector::KvConnectorWorker::new(config).unwrap();
-    worker.register_host_kv_caches(spec.clone())
+    worker.register_host_kv_caches(spec.clone())?;
+    Ok(worker)
 }

@@ -115,49 +115,6 @@ pub(crate) fn pair_units(
         .collect())
 }
 
-/// Kernel blocks per block id of an engine whose scheduler counts blocks of `logical`
-/// tokens (its [`KvCacheGroups::block_size`](crate::KvCacheGroups::block_size)) and whose
-/// registered blocks hold `kernel` tokens (vLLM's `physical_blocks_per_logical_kv_block`:
-/// the attention kernel's block smaller than the logical one, as vLLM's hybrid KV cache
-/// manager allows): `logical / kernel`, or 1 when the logical blocks are no larger.
-///
-/// # Errors
-/// [`Error::InvalidArgument`] when `logical` is larger than `kernel` and not a multiple of
-/// it.
-pub(crate) fn kernel_blocks_per_block(logical: usize, kernel: usize) -> Result<usize> {
-    if logical <= kernel {
-        return Ok(1);
-    }
-    if kernel == 0 || logical % kernel != 0 {
-        return Err(Error::invalid(
-            "describe the KV cache's blocks",
-            format!(
-                "kv_cache_groups.block_size {logical} is not a multiple of the registered blocks' {kernel} tokens (vLLM's physical_blocks_per_logical_kv_block is a whole number)"
-            ),
-        ));
-    }
-    Ok(logical / kernel)
-}
-
-/// Native protocol: refuses KV cache groups counting blocks of `logical` tokens larger than
-/// the registered blocks' `kernel` (block ids of several kernel blocks each, vLLM's
-/// `physical_blocks_per_logical_kv_block`), which the native handshake cannot say: a
-/// decode would read each id as one block.
-///
-/// # Errors
-/// [`Error::InvalidArgument`] naming both sizes.
-pub(crate) fn check_native_block_size(logical: usize, kernel: usize) -> Result<()> {
-    if logical > kernel {
-        return Err(Error::invalid(
-            "register the KV caches",
-            format!(
-                "kv_cache_groups.block_size {logical} is larger than the registered blocks' {kernel} tokens: block ids of several kernel blocks each (vLLM's physical_blocks_per_logical_kv_block) are read in vLLM's protocol only, whose handshake says it; give kv_cache_groups the registered block size, or speak vLLM's protocol"
-            ),
-        ));
-    }
-    Ok(())
-}
-
 /// One side's block ids of a load of several KV cache groups: each group's in turn, `lens`
 /// of them.
 #[derive(Debug, Clone, Copy)]
@@ -540,15 +497,6 @@ mod tests {
             );
             assert!(far.map_or(true, |(pairs, _)| pairs.len() <= 2));
         }
-    }
-
-    #[test]
-    #[cfg(feature = "vllm")]
-    fn a_logical_block_is_a_whole_number_of_kernel_blocks() {
-        assert_eq!(kernel_blocks_per_block(32, 16).unwrap(), 2);
-        assert_eq!(kernel_blocks_per_block(1, 16).unwrap(), 1);
-        let err = kernel_blocks_per_block(24, 16).unwrap_err().to_string();
-        assert!(err.contains("block_size 24 is not a multiple"), "{err}");
     }
 
     #[test]

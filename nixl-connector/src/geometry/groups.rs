@@ -76,16 +76,16 @@ impl std::fmt::Display for KvCacheGroupKind {
 /// and each group's local blocks pair with the tail of its remote ones (vLLM's
 /// `_apply_prefix_caching`, group by group).
 ///
-/// In vLLM's protocol, groups may also have regions of their own
+/// Groups may also have regions of their own
 /// ([`with_region_groups`](Self::with_region_groups), vLLM's `region_group_ids`): a group's
 /// blocks are then read only in its regions and the shared ones.
 ///
 /// Blocks of different sizes on the two engines are read as vLLM 0.33's pull connector
 /// reads them, in both protocols: a decode block may hold several of the prefill's (vLLM's
-/// `block_size_ratio`), and in vLLM's protocol an engine's block id may be several kernel
-/// blocks (its `physical_blocks_per_logical_kv_block`, the kernel's block smaller than the
-/// logical one): a vLLM-mode rank whose [`block_size`](Self::block_size) is a multiple of
-/// its registered blocks' publishes that many and reads its own block ids as that many
+/// `block_size_ratio`), and an engine's block id may be several kernel blocks (its
+/// `physical_blocks_per_logical_kv_block`, the kernel's block smaller than the logical
+/// one): a rank whose [`block_size`](Self::block_size) is a multiple of its registered
+/// blocks' says that many in its handshake and reads its own block ids as that many
 /// registered blocks each. Each engine clips a window group in its own blocks, and each
 /// group's lists pair at their tokens of the prompt, which the prompt's
 /// `remote_num_tokens` says (see
@@ -109,14 +109,19 @@ impl std::fmt::Display for KvCacheGroupKind {
 /// [`ssm_state`](crate::HandshakeMessage::ssm_state), part by part) must be this engine's
 /// scaled by the TP sizes.
 ///
-/// Not supported, refused by name: groups with regions of their own in the native
-/// protocol; a native worker whose groups' block size is larger than its registered
-/// blocks' (its handshake cannot say kernel blocks per id); a prefill's (kernel) blocks
-/// larger than the decode's in a load of several groups (vLLM 0.33's
-/// `TransferTopology.block_size_ratio` asserts that the decode's block size is a multiple
-/// of the prefill's); and models of SSM groups only (vLLM 0.33's handshake fails on them). Engines of different kernel blocks per block id are read with SSM groups, each
-/// engine's state page its block id's kernel blocks and the attention paired at its tokens,
-/// past a decode's prefix hit too (vLLM 0.33 reads them only without prefix caching).
+/// Both protocols' handshakes say each rank's kernel blocks per block id and each region's
+/// group (vLLM's `physical_blocks_per_logical_kv_block` and `region_group_ids`; the native
+/// [`HandshakeMessage::blocks_per_id`](crate::HandshakeMessage::blocks_per_id) and
+/// [`region_groups`](crate::HandshakeMessage::region_groups)), so all of this is read in
+/// either. Engines of different kernel blocks per block id are read with SSM groups too,
+/// each engine's state page its block id's kernel blocks and the attention paired at its
+/// tokens, past a decode's prefix hit too (vLLM 0.33 reads them only without prefix
+/// caching).
+///
+/// Not supported, refused by name: a prefill's (kernel) blocks larger than the decode's in
+/// a load of several groups (vLLM 0.33's `TransferTopology.block_size_ratio` asserts that
+/// the decode's block size is a multiple of the prefill's); and models of SSM groups only
+/// (vLLM 0.33's handshake fails on them).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(try_from = "GroupsJson", into = "GroupsJson")]
 pub struct KvCacheGroups {
@@ -228,9 +233,8 @@ impl KvCacheGroups {
     /// ones (vLLM's `_compute_desc_ids` with region group mapping); with SSM groups, the
     /// attention groups' in every region and the SSM state in the SSM groups' regions and
     /// the shared ones (vLLM's `_compute_desc_ids` with Mamba groups, reading the state in
-    /// its `_ssm_region_indices`). Both engines must have the same, which a vLLM-mode decode
-    /// checks in the handshake. Empty: every region is shared. Only vLLM's protocol reads
-    /// groups with regions of their own.
+    /// its `_ssm_region_indices`). Both engines must have the same, which a decode checks in
+    /// the handshake (either protocol's says them). Empty: every region is shared.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for an entry that is neither a group nor
@@ -277,22 +281,35 @@ impl KvCacheGroups {
 
     /// Registered (kernel) blocks per block id of an engine whose registered blocks hold
     /// `kernel_block_size` tokens: the groups' [`block_size`](Self::block_size) over it
-    /// (vLLM's `physical_blocks_per_logical_kv_block`, which its metadata publishes), 1
-    /// when not larger.
+    /// (vLLM's `physical_blocks_per_logical_kv_block`, the attention kernel's block smaller
+    /// than the logical one, as vLLM's hybrid KV cache manager allows; the handshake says
+    /// it), 1 when not larger.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] when the groups' block size is larger and not a multiple.
     pub(crate) fn kernel_blocks_per_id(&self, kernel_block_size: usize) -> Result<usize> {
-        crate::geometry::block_map::kernel_blocks_per_block(self.block_size, kernel_block_size)
+        let (logical, kernel) = (self.block_size, kernel_block_size);
+        if logical <= kernel {
+            return Ok(1);
+        }
+        if kernel == 0 || logical % kernel != 0 {
+            return Err(Error::invalid(
+                "describe the KV cache's blocks",
+                format!(
+                    "kv_cache_groups.block_size {logical} is not a multiple of the registered blocks' {kernel} tokens (vLLM's physical_blocks_per_logical_kv_block is a whole number)"
+                ),
+            ));
+        }
+        Ok(logical / kernel)
     }
 
-    /// The `region_group_ids` a rank of `regions` regions publishes in vLLM's metadata:
+    /// The `region_group_ids` a rank of `regions` regions publishes in vLLM's metadata (and
+    /// the native handshake's [`region_groups`](crate::HandshakeMessage::region_groups)):
     /// [`region_groups`](Self::region_groups) when given, else every region the one group's
     /// (0) or shared ([`SHARED_REGION`]) by several.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] when the region groups are not one per region.
-    #[cfg(feature = "vllm")]
     pub(crate) fn region_group_ids(&self, regions: usize) -> Result<Vec<i64>> {
         if self.region_groups.is_empty() {
             let id = if self.len() > 1 { SHARED_REGION } else { 0 };
@@ -525,6 +542,17 @@ mod tests {
             ],
         )
         .unwrap()
+    }
+
+    #[test]
+    fn a_block_id_is_a_whole_number_of_kernel_blocks() {
+        let groups = |block_size| {
+            KvCacheGroups::new(block_size, vec![KvCacheGroupKind::FullAttention]).unwrap()
+        };
+        assert_eq!(groups(32).kernel_blocks_per_id(16).unwrap(), 2);
+        assert_eq!(groups(1).kernel_blocks_per_id(16).unwrap(), 1);
+        let err = groups(24).kernel_blocks_per_id(16).unwrap_err().to_string();
+        assert!(err.contains("block_size 24 is not a multiple"), "{err}");
     }
 
     #[test]

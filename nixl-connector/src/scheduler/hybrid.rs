@@ -2,7 +2,6 @@
 //! list per KV cache group, clipped to what each group needs (see [`KvCacheGroups`](crate::KvCacheGroups)).
 
 use super::{KvConnectorScheduler, RequestFinished};
-use crate::config::Protocol;
 use crate::error::{Error, Result};
 use crate::geometry::groups::{flatten, split, KvCacheGroups};
 use crate::scheduler::FinishStatus;
@@ -51,12 +50,6 @@ impl KvConnectorScheduler {
         params: &KvTransferParams,
     ) -> Result<()> {
         const OP: &str = "schedule a remote prefill";
-        if self.groups.has_regions_of_their_own() && self.config.protocol == Protocol::Native {
-            return Err(Error::invalid(
-                OP,
-                "KV cache groups with regions of their own are read in vLLM's protocol only, whose handshake says each region's group; share every region between the groups, or speak vLLM's protocol",
-            ));
-        }
         let local = self.groups.clip(request_id, local_block_ids)?;
         if self.groups.is_single_full_attention() {
             return self.update_state_after_alloc(request_id, local[0], params);
@@ -125,7 +118,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::config::LoadFailurePolicy;
+    use crate::config::{LoadFailurePolicy, Protocol};
     use crate::geometry::groups::KvCacheGroupKind;
     use crate::lease::Lease;
     use crate::scheduler::SchedulerConfig;
@@ -207,37 +200,6 @@ mod tests {
             err.contains("1 lists of block ids for 2 KV cache groups"),
             "{err}"
         );
-    }
-
-    #[test]
-    fn groups_with_regions_of_their_own_are_read_in_vllms_protocol_only() {
-        let own = KvCacheGroups::new(
-            8,
-            vec![
-                KvCacheGroupKind::FullAttention,
-                KvCacheGroupKind::SlidingWindow { window_tokens: 12 },
-            ],
-        )
-        .unwrap()
-        .with_region_groups(vec![0, 1])
-        .unwrap();
-        let params = KvTransferParams {
-            do_remote_prefill: true,
-            do_remote_decode: false,
-            ..handed(Protocol::Native)
-        };
-        let local = [vec![23, 24], vec![33]];
-        let mut native = hybrid("d", Protocol::Native).with_kv_cache_groups(own.clone());
-        native.on_new_request("r", Some(&params));
-        let err = native
-            .update_state_after_alloc_groups("r", &local, &params)
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("in vLLM's protocol only"), "{err}");
-        let mut vllm = hybrid("d", Protocol::Vllm).with_kv_cache_groups(own);
-        vllm.on_new_request("r", Some(&params));
-        vllm.update_state_after_alloc_groups("r", &local, &params)
-            .unwrap();
     }
 
     #[test]

@@ -4,13 +4,20 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use crate::geometry::groups::KvCacheGroups;
 use crate::geometry::read_plan::ReadPlan;
 use crate::geometry::spec::KvCacheSpec;
 use crate::geometry::ssm::SsmState;
 
 /// Version of the side-channel protocol and handshake; peers of another version are refused.
-/// 3: the handshake says the rank's SSM (Mamba) state ([`HandshakeMessage::ssm_state`]).
+/// 3: the handshake says the rank's SSM (Mamba) state, each region's KV cache group and its
+/// kernel blocks per block id ([`HandshakeMessage::ssm_state`], `region_groups`,
+/// `blocks_per_id`).
 pub const PROTOCOL_VERSION: u32 = 3;
+
+/// Most registered (kernel) blocks per block id a peer may declare (its
+/// [`HandshakeMessage::blocks_per_id`], vLLM's `physical_blocks_per_logical_kv_block`).
+pub const MAX_BLOCKS_PER_ID: u64 = 1 << 10;
 
 /// Most descriptors either list of a READ plan may have (regions × blocks × pieces of a
 /// block, on the peer's side or, split to the peer's block size, on ours); a peer whose
@@ -45,6 +52,22 @@ pub struct HandshakeMessage {
     /// groups. A reader's must be the source's scaled by the TP sizes.
     #[serde(default)]
     pub ssm_state: Option<SsmState>,
+    /// Each region's KV cache group (vLLM's `region_group_ids`: a group's number, or
+    /// [`SHARED_REGION`](crate::SHARED_REGION) for a region that layers of several groups
+    /// share); every region the same when no region is one group's only. When either side's
+    /// differ between regions, both sides' must be the same.
+    #[serde(default)]
+    pub region_groups: Vec<i64>,
+    /// Registered (kernel) blocks per block id of the sender's transfer params (vLLM's
+    /// `physical_blocks_per_logical_kv_block`: its KV cache groups' block size over its
+    /// registered blocks'), 1 to [`MAX_BLOCKS_PER_ID`].
+    #[serde(default = "one_block_per_id")]
+    pub blocks_per_id: u64,
+}
+
+/// [`HandshakeMessage::blocks_per_id`] of a message that does not say it.
+fn one_block_per_id() -> u64 {
+    1
 }
 
 /// Checks that `local` (the reader) can read `remote`'s blocks, and says how.
@@ -52,7 +75,9 @@ pub struct HandshakeMessage {
 /// Refused, with both values in the message: another protocol version; a different engine
 /// or rank than expected; a spec that is not valid; another attention, region count or
 /// layout; SSM (Mamba) state on one side only, or a source's that is not the reader's scaled
-/// by the TP sizes; block sizes or TP sizes of which neither divides the other; a source rank the
+/// by the TP sizes; region groups not one per region, or different on the two sides when
+/// either has regions of their own; kernel blocks per block id outside 1 to
+/// `MAX_BLOCKS_PER_ID`; block sizes or TP sizes of which neither divides the other; a source rank the
 /// reader's [`TpMapping`](crate::TpMapping) does not name; the first region whose content
 /// or bytes per token and head differ (see [`ReadPlan`]); NHD when heads must be split; a
 /// cache needing more than [`MAX_REMOTE_DESCRIPTORS`] or whose addresses overflow.
@@ -109,6 +134,9 @@ pub fn check_compatible(
         )
     };
     if let Some(why) = ssm_mismatch(local, remote) {
+        return Err(refuse(why));
+    }
+    if let Some(why) = groups_mismatch(local, remote) {
         return Err(refuse(why));
     }
     let plan = ReadPlan::new(&local.spec, tp(local), &remote.spec, tp(remote)).map_err(refuse)?;
@@ -176,24 +204,58 @@ fn ssm_mismatch(local: &HandshakeMessage, remote: &HandshakeMessage) -> Option<S
     })
 }
 
+/// Why the KV cache groups of `local` and `remote` cannot be read between, if they cannot:
+/// region groups not one per region, or that differ while either side's differ between
+/// regions (vLLM reads a group's blocks in its regions, which must be the same on both
+/// engines), or kernel blocks per block id outside 1 to [`MAX_BLOCKS_PER_ID`].
+fn groups_mismatch(local: &HandshakeMessage, remote: &HandshakeMessage) -> Option<String> {
+    for (whose, message) in [("reader", local), ("source", remote)] {
+        if !(1..=MAX_BLOCKS_PER_ID).contains(&message.blocks_per_id) {
+            return Some(format!(
+                "the {whose}'s kernel blocks per block id {} (1 to {MAX_BLOCKS_PER_ID})",
+                message.blocks_per_id
+            ));
+        }
+        let regions = message.spec.regions.len();
+        if !message.region_groups.is_empty() && message.region_groups.len() != regions {
+            return Some(format!(
+                "the {whose}'s {} region groups for {regions} regions",
+                message.region_groups.len()
+            ));
+        }
+    }
+    let own = |m: &HandshakeMessage| m.region_groups.windows(2).any(|w| w[0] != w[1]);
+    ((own(local) || own(remote)) && local.region_groups != remote.region_groups).then(|| {
+        format!(
+            "region groups {:?} (source) vs {:?} (reader): both engines must register the same layers per KV cache group (kv_cache_groups.region_groups)",
+            remote.region_groups, local.region_groups
+        )
+    })
+}
+
 /// `engine "e" rank r`, for messages.
 fn rank_name(message: &HandshakeMessage) -> String {
     format!("engine {:?} rank {}", message.engine_id, message.tp_rank)
 }
 
 impl HandshakeMessage {
-    /// The message of a rank holding `spec` and, with SSM groups, `ssm_state`, with base
-    /// addresses and metadata.
+    /// The message of a rank holding `spec` for KV cache groups `groups` (their SSM state,
+    /// each region's group, the kernel blocks of a block id), with base addresses and
+    /// metadata.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for SSM groups without a state, region groups not one per
+    /// region, or a groups' block size that is not a multiple of the registered blocks'.
     pub(crate) fn describe(
         engine_id: &str,
         agent_name: &str,
         agent_metadata: Vec<u8>,
         region_base_addrs: Vec<u64>,
-        (spec, ssm_state): (&KvCacheSpec, Option<&SsmState>),
+        (spec, groups): (&KvCacheSpec, &KvCacheGroups),
         tp: (usize, usize),
         device_id: u64,
-    ) -> Self {
-        HandshakeMessage {
+    ) -> Result<Self> {
+        Ok(HandshakeMessage {
             protocol_version: PROTOCOL_VERSION,
             engine_id: engine_id.to_string(),
             agent_name: agent_name.to_string(),
@@ -203,8 +265,10 @@ impl HandshakeMessage {
             device_id,
             tp_rank: tp.0 as u64,
             tp_size: tp.1 as u64,
-            ssm_state: ssm_state.cloned(),
-        }
+            ssm_state: groups.checked_ssm_state()?.cloned(),
+            region_groups: groups.region_group_ids(spec.regions.len())?,
+            blocks_per_id: groups.kernel_blocks_per_id(spec.block_size)? as u64,
+        })
     }
 }
 
@@ -228,6 +292,8 @@ mod tests {
             tp_rank: tp.0,
             tp_size: tp.1,
             ssm_state: None,
+            region_groups: Vec::new(),
+            blocks_per_id: 1,
         }
     }
 
@@ -237,7 +303,7 @@ mod tests {
     fn hostile_geometry_claims_are_refused_or_planned_without_a_panic() {
         const EXTREMES: [usize; 6] = [0, 1, 3, 1 << 20, 1 << 40, usize::MAX];
         type Mutation = fn(&mut HandshakeMessage, usize);
-        let mutations: [Mutation; 9] = [
+        let mutations: [Mutation; 11] = [
             |m, v| m.spec.num_blocks = v,
             |m, v| m.spec.block_size = v,
             |m, v| m.spec.regions[0].block_len = v,
@@ -254,6 +320,8 @@ mod tests {
                     v.min(1 << 12)
                 ]
             },
+            |m, v| m.blocks_per_id = v as u64,
+            |m, v| m.region_groups = vec![v as i64; v.min(3)],
             |m, v| {
                 m.spec.attention = if v % 2 == 0 {
                     KvAttention::Mla
@@ -329,5 +397,45 @@ mod tests {
             err.contains("the source's KV cache groups have SSM (Mamba) state, the reader's none"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn region_groups_and_kernel_blocks_per_id_are_checked() {
+        let (mut reader, mut source) = (message((0, 1)), message((0, 1)));
+        reader.region_groups = vec![-1, -1];
+        source.region_groups = vec![0, 0];
+        // Every region the same on each side: each group is read in every region.
+        assert!(check_compatible(&reader, &source, None, None).is_ok());
+        source.region_groups = vec![0, 1];
+        let err = check_compatible(&reader, &source, None, None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("region groups [0, 1] (source) vs [-1, -1] (reader)"),
+            "{err}"
+        );
+        reader.region_groups = vec![0, 1];
+        assert!(check_compatible(&reader, &source, None, None).is_ok());
+        source.region_groups = vec![0, 1, 1];
+        let err = check_compatible(&reader, &source, None, None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("the source's 3 region groups for 2 regions"),
+            "{err}"
+        );
+        source.region_groups = vec![0, 1];
+        for bad in [0, MAX_BLOCKS_PER_ID + 1] {
+            source.blocks_per_id = bad;
+            let err = check_compatible(&reader, &source, None, None)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains(&format!(
+                    "the source's kernel blocks per block id {bad} (1 to 1024)"
+                )),
+                "{err}"
+            );
+        }
     }
 }

@@ -14,15 +14,12 @@ use super::compat::Compatibility;
 use super::limits::VllmChannelLimits;
 use crate::error::{Error, Result};
 use crate::geometry::groups::KvCacheGroups;
-use crate::transport::handshake::{HandshakeMessage, PROTOCOL_VERSION};
+use crate::transport::handshake::{HandshakeMessage, MAX_BLOCKS_PER_ID, PROTOCOL_VERSION};
 use crate::transport::params::RemoteBlocks;
 
 /// How long before a prefill's block expiry time a read is declined (vLLM's
 /// `_KV_BLOCKS_EXPIRY_SAFETY_MARGIN`): it absorbs the clock offset's error and the read.
 pub const EXPIRY_SAFETY_MARGIN: Duration = Duration::from_secs(5);
-
-/// Most kernel blocks per logical block a remote rank may declare.
-const MAX_BLOCKS_PER_LOGICAL: u64 = 1 << 10;
 
 /// A worker's vLLM-mode settings, and what its handshakes learned of remote engines.
 #[derive(Debug)]
@@ -41,16 +38,6 @@ struct EngineClock {
     best: Option<(f64, f64)>,
     /// The registration generation its ranks were loaded at.
     generation: u64,
-}
-
-/// One remote rank's handshake, in the connector's terms.
-#[derive(Debug)]
-pub(crate) struct Fetched {
-    /// Its metadata as a handshake message: its geometry, base addresses and agent.
-    pub(crate) message: HandshakeMessage,
-    /// Kernel blocks per logical block (vLLM's `physical_blocks_per_logical_kv_block`): the
-    /// block ids of its transfer params are logical.
-    pub(crate) blocks_per_logical: usize,
 }
 
 impl VllmWorker {
@@ -84,7 +71,7 @@ impl VllmWorker {
         tp_size: usize,
         host: &str,
         port: u16,
-    ) -> Result<Fetched> {
+    ) -> Result<HandshakeMessage> {
         let tp_rank = u32::try_from(rank)
             .map_err(|_| Error::invalid("ask for a vLLM rank", format!("rank {rank}")))?;
         let reply = fetch_meta(host, port, 0, tp_rank, self.limits).await?;
@@ -108,14 +95,12 @@ impl VllmWorker {
                 ));
             }
         }
-        let blocks_per_logical = match meta.physical_blocks_per_logical_kv_block {
-            n @ 1..=MAX_BLOCKS_PER_LOGICAL => n as usize,
+        let blocks_per_id = match meta.physical_blocks_per_logical_kv_block {
+            n @ 1..=MAX_BLOCKS_PER_ID => n,
             n => {
                 return Err(Error::invalid(
                     "convert vLLM's NixlAgentMetadata",
-                    format!(
-                        "physical_blocks_per_logical_kv_block {n} (1 to {MAX_BLOCKS_PER_LOGICAL})"
-                    ),
+                    format!("physical_blocks_per_logical_kv_block {n} (1 to {MAX_BLOCKS_PER_ID})"),
                 ))
             }
         };
@@ -131,20 +116,21 @@ impl VllmWorker {
             })?),
         };
         let agent_name = nixl::metadata_agent_name(&meta.agent_metadata)?;
-        Ok(Fetched {
-            message: HandshakeMessage {
-                protocol_version: PROTOCOL_VERSION,
-                engine_id: meta.engine_id,
-                agent_name,
-                agent_metadata: meta.agent_metadata,
-                region_base_addrs: meta.kv_caches_base_addr,
-                spec,
-                device_id: meta.device_id,
-                tp_rank: rank as u64,
-                tp_size: tp_size as u64,
-                ssm_state,
-            },
-            blocks_per_logical,
+        Ok(HandshakeMessage {
+            protocol_version: PROTOCOL_VERSION,
+            engine_id: meta.engine_id,
+            agent_name,
+            agent_metadata: meta.agent_metadata,
+            region_base_addrs: meta.kv_caches_base_addr,
+            spec,
+            device_id: meta.device_id,
+            tp_rank: rank as u64,
+            tp_size: tp_size as u64,
+            ssm_state,
+            // Checked against ours in the conversion: one per region.
+            region_groups: meta.region_group_ids.unwrap_or_default(),
+            // The block ids of its transfer params are logical.
+            blocks_per_id,
         })
     }
 

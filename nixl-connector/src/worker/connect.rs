@@ -91,7 +91,7 @@ async fn connect(
     let started = std::time::Instant::now();
     let ours = &caches.handshake;
     #[cfg_attr(not(feature = "vllm"), allow(unused_labels))]
-    let (theirs, blocks_per_id) = 'fetched: {
+    let theirs = 'fetched: {
         #[cfg(feature = "vllm")]
         if let Some(vllm) = &shared.vllm {
             let fetched = vllm
@@ -103,17 +103,16 @@ async fn connect(
                     port,
                 )
                 .await?;
-            break 'fetched (fetched.message, fetched.blocks_per_logical);
+            break 'fetched fetched;
         }
         let addr = resolve(engine.host, port).await?;
         let secret = shared.guard.secret.as_ref();
-        (
-            fetch_handshake_with(addr, ours, shared.config.limits, secret).await?,
-            1,
-        )
+        fetch_handshake_with(addr, ours, shared.config.limits, secret).await?
     };
     let engine = engine.id;
     let plan = check_compatible(ours, &theirs, Some(engine), Some(rank))?;
+    // Checked: 1 to MAX_BLOCKS_PER_ID.
+    let blocks_per_id = theirs.blocks_per_id as usize;
     let ssm = ssm_reads(shared, (ours, &theirs), &plan, blocks_per_id)?;
     let agent = shared.setup.agent();
     let source = (engine.to_string(), rank);

@@ -410,8 +410,7 @@ fn post_one(
             format!("remote block {bad} of {} blocks", plan.remote_num_blocks),
         ));
     }
-    // Kernel blocks per block id of this engine (vLLM's `physical_blocks_per_logical_kv_block`;
-    // 1 in the native protocol, whose registration refuses more).
+    // Kernel blocks per block id of this engine (vLLM's `physical_blocks_per_logical_kv_block`).
     let local_per_id = shared.groups.kernel_blocks_per_id(caches.spec.block_size)?;
     // One group pairs unit by unit from the prompt's first token, but not when a block id
     // is several kernel blocks (the last of which may hold no token): then as a group, at
@@ -472,7 +471,7 @@ fn post_one(
             is_state,
         )?
     };
-    let own = own_region_groups(shared);
+    let own = shared.groups.own_region_groups();
     let (local, far, bytes) = if let Some(ssm) = &remote.ssm {
         // vLLM's `[descs_fa | descs_ssm]`: the attention groups' blocks in every region,
         // then the SSM groups' state.
@@ -510,16 +509,6 @@ fn post_one(
     posted.descriptors += local.len();
     let done = request.post()? == XferStatus::Done;
     Ok((request, done))
-}
-
-/// The region groups of this engine's KV cache groups when some region is one group's only
-/// (vLLM mode, whose handshake says each region's group); empty otherwise (every region read
-/// for every group).
-fn own_region_groups(shared: &Shared) -> &[i64] {
-    match shared.protocol {
-        Protocol::Vllm => shared.groups.own_region_groups(),
-        Protocol::Native => &[],
-    }
 }
 
 /// The registered (kernel) blocks of block `ids` (`group_lens` of them per KV cache group;

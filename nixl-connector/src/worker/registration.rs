@@ -110,12 +110,6 @@ impl KvConnectorWorker {
             ));
         }
         let groups = &self.shared.groups;
-        if self.shared.protocol == Protocol::Native {
-            crate::geometry::block_map::check_native_block_size(
-                groups.block_size(),
-                spec.block_size,
-            )?;
-        }
         let mut list = nixl::LocalDescList::with_capacity(
             registration.mem_type(),
             spec.num_regions() * spec.num_blocks,
@@ -143,10 +137,10 @@ impl KvConnectorWorker {
             self.agent().name(),
             metadata,
             regions.iter().map(|r| r.addr as u64).collect(),
-            (&spec, groups.checked_ssm_state()?),
+            (&spec, groups),
             (config.tp_rank, config.tp_size),
             config.device_id,
-        ));
+        )?);
         let generation = kept.as_ref().map_or(1, |k| k.generation + 1);
         let (served, side_channel_pending, kept_at) = match kept {
             Some(kept) => {
@@ -253,7 +247,6 @@ impl KvConnectorWorker {
         kept: Option<Arc<MetadataServer>>,
     ) -> Result<(Arc<MetadataServer>, NixlHandshakePayload)> {
         let config = &self.shared.config;
-        let groups = &self.shared.groups;
         let compat = &self.vllm()?.compat;
         let mut metadata = NixlAgentMetadata::of_rank(RankRegistration {
             engine_id: &config.engine_id,
@@ -267,8 +260,8 @@ impl KvConnectorWorker {
                 .as_ref()
                 .map(|f| f.attn_backend_name.clone())
                 .unwrap_or_default(),
-            region_group_ids: groups.region_group_ids(ours.spec.num_regions())?,
-            blocks_per_logical: groups.kernel_blocks_per_id(ours.spec.block_size)?,
+            region_group_ids: ours.region_groups.clone(),
+            blocks_per_logical: ours.blocks_per_id as usize,
         })?;
         // vLLM's `_mamba_ssm_size`: (0, 0) without SSM groups.
         if let Some(state) = &ours.ssm_state {

@@ -43,7 +43,7 @@ pub(crate) struct Remote {
     /// [`is_read`](Self::is_read)).
     pub(crate) lists: Option<ReadLists>,
     /// Its blocks per block id of the transfer params (vLLM's
-    /// `physical_blocks_per_logical_kv_block`; 1 in the native protocol).
+    /// `physical_blocks_per_logical_kv_block`, which its handshake says).
     pub(crate) blocks_per_id: usize,
     /// The generation of the local registration its lists were prepared over (see
     /// [`Caches::generation`](crate::worker::shared::Caches)): a remote of an older one is handshaken

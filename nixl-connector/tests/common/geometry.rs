@@ -267,17 +267,26 @@ impl Model {
         rank: usize,
         request: &Request,
     ) -> usize {
+        (0..self.regions.len())
+            .map(|r| self.moved_bytes_in(r, (prefill, decode), rank, request))
+            .sum()
+    }
+
+    /// [`moved_bytes`](Self::moved_bytes) in region `region` alone.
+    pub fn moved_bytes_in(
+        &self,
+        region: usize,
+        (prefill, decode): (&Side, &Side),
+        rank: usize,
+        request: &Request,
+    ) -> usize {
         let moved = Self::moved_tokens(request, prefill, decode);
         let first = moved.div_ceil(decode.block_size) - request.local.len();
         let tokens = (first * decode.block_size..moved)
             .filter(|&p| request.remote[p / prefill.block_size] != NOT_LISTED)
             .count();
-        (0..self.regions.len())
-            .map(|r| {
-                let (kind, token_bytes) = self.regions[r];
-                tokens * parts(kind) * self.heads(rank, decode.tp).len() * token_bytes
-            })
-            .sum()
+        let (kind, token_bytes) = self.regions[region];
+        tokens * parts(kind) * self.heads(rank, decode.tp).len() * token_bytes
     }
 
     /// Checks every byte of decode rank `rank`'s cache against [`expected_decode_region`].

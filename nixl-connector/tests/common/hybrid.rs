@@ -8,10 +8,9 @@ use nixl_connector::{
     KvCacheGroupKind, KvCacheGroups, KvConnectorScheduler, Protocol, SchedulerConfig,
 };
 
-use super::geometry::{engine_speaking_vllm, Model, Request, Side, NOT_LISTED};
+use super::geometry::{engine_speaking, Model, Request, Side, NOT_LISTED};
 use super::matrix::{
-    attention_label, await_freed, fill, filled_engines, hand_over, run_each, GroupsHandover,
-    RankEnd,
+    attention_label, await_freed, fill, hand_over, run_each, GroupsHandover, RankEnd,
 };
 use super::{cpu_config, vllm_config, vllm_factors};
 
@@ -24,8 +23,9 @@ pub const HYBRID_BLOCKS: usize = 64;
 /// inside a block.
 const WINDOW_TOKENS: usize = 6;
 
-/// The groups of the hybrid model over blocks of `block_size` tokens.
-fn groups(block_size: usize) -> KvCacheGroups {
+/// The groups of the hybrid model over blocks of `block_size` tokens, each region's group
+/// `region_groups` (none: every region shared).
+fn groups(block_size: usize, region_groups: &[i64]) -> KvCacheGroups {
     KvCacheGroups::new(
         block_size,
         vec![
@@ -35,6 +35,8 @@ fn groups(block_size: usize) -> KvCacheGroups {
             },
         ],
     )
+    .unwrap()
+    .with_region_groups(region_groups.to_vec())
     .unwrap()
 }
 
@@ -64,7 +66,7 @@ fn scheduler(
         Protocol::Vllm => vllm_config(vllm_factors()),
     };
     let config = SchedulerConfig::new(engine, "127.0.0.1", port, tp, &kv).unwrap();
-    KvConnectorScheduler::new(config).with_kv_cache_groups(groups(block_size))
+    KvConnectorScheduler::new(config).with_kv_cache_groups(groups(block_size, &[]))
 }
 
 /// One request of the case: each group's prefill blocks for the whole prompt, and each
@@ -167,15 +169,16 @@ fn model_loads(
 }
 
 /// One case: both requests handed over by the prefill's scheduler and loaded through the
-/// decode's by every decode rank, every byte checked, every prefill rank freeing both.
+/// decode's by every decode rank, every byte checked (each group's in its regions, of
+/// `region_groups`, and the shared ones), every prefill rank freeing both.
 async fn hybrid_case(
     model: &Model,
     (prefill, decode): (Side, Side),
     protocol: Protocol,
-    per_id: PerId,
+    (per_id, region_groups): (PerId, &[i64]),
 ) -> Result<(), String> {
     let tag = format!(
-        "hybrid-{protocol}-{}-p{}-d{}-b{}x{}-{}x{}",
+        "hybrid-{protocol}-{}-p{}-d{}-b{}x{}-{}x{}-rg{region_groups:?}",
         attention_label(model),
         prefill.tp,
         decode.tp,
@@ -188,22 +191,24 @@ async fn hybrid_case(
         prefill.block_size * per_id.prefill,
         decode.block_size * per_id.decode,
     );
-    let (engine_id, prefills, decodes) = if protocol == Protocol::Vllm {
-        // Each rank publishes its kernel blocks per block id from its groups' block size.
-        let engine_id = format!("pf-{tag}");
-        let prefills =
-            engine_speaking_vllm(&engine_id, model, &prefill, Some(&groups(prefill_size)));
-        let decodes = engine_speaking_vllm(
-            &format!("dc-{tag}"),
-            model,
-            &decode,
-            Some(&groups(decode_size)),
-        );
-        fill(model, (&prefill, &prefills), (&decode, &decodes));
-        (engine_id, prefills, decodes)
-    } else {
-        filled_engines(&tag, model, &prefill, &decode, protocol)
-    };
+    // Each rank says its kernel blocks per block id (from its groups' block size) and its
+    // regions' groups in its handshake.
+    let engine_id = format!("pf-{tag}");
+    let prefills = engine_speaking(
+        &engine_id,
+        model,
+        &prefill,
+        protocol,
+        Some(&groups(prefill_size, region_groups)),
+    );
+    let decodes = engine_speaking(
+        &format!("dc-{tag}"),
+        model,
+        &decode,
+        protocol,
+        Some(&groups(decode_size, region_groups)),
+    );
+    fill(model, (&prefill, &prefills), (&decode, &decodes));
     let port = prefills[0].side_channel_addr().unwrap().port();
     let mut prefill_scheduler = scheduler(&engine_id, port, prefill.tp, prefill_size, protocol);
     let mut decode_scheduler = scheduler("dc", 0, decode.tp, decode_size, protocol);
@@ -225,6 +230,20 @@ async fn hybrid_case(
         .iter()
         .flat_map(|r| model_loads(r, &prefill, &decode, per_id))
         .collect();
+    // Group `i % 2`'s loads in each region of that group, and in the shared ones.
+    let by_region: Vec<Vec<&Request>> = (0..model.regions.len())
+        .map(|region| {
+            model_requests
+                .iter()
+                .enumerate()
+                .filter(|&(i, _)| {
+                    region_groups.is_empty()
+                        || [-1, (i % 2) as i64].contains(&region_groups[region])
+                })
+                .map(|(_, r)| r)
+                .collect()
+        })
+        .collect();
     for (rank, worker) in decodes.iter().enumerate() {
         let end = RankEnd::of(worker, rank, requests.len()).await;
         if refused(&prefill, &decode) {
@@ -242,13 +261,13 @@ async fn hybrid_case(
             end.check_refused(&tag, model, worker, (&prefill, &decode), named)?;
             continue;
         }
-        end.check_moved(
+        end.check_moved_by_region(
             &tag,
             model,
             worker,
             (&prefill, &decode),
             requests.len(),
-            &model_requests,
+            &by_region,
         )?;
     }
     if refused(&prefill, &decode) {
@@ -275,14 +294,37 @@ pub async fn run_hybrid_cases(model: &Model, cases: &[(Side, Side)], protocol: P
 }
 
 /// [`run_hybrid_cases`] with engines whose block ids are `per_id` of their registered
-/// (kernel) blocks each (vLLM's protocol only: the native handshake does not say it).
+/// (kernel) blocks each.
 pub async fn run_hybrid_cases_per_id(
     model: &Model,
     cases: &[(Side, Side)],
     protocol: Protocol,
     per_id: PerId,
 ) {
-    run_each(cases, ", two KV cache groups", |prefill, decode| {
+    run_hybrid(model, cases, protocol, (per_id, &[])).await
+}
+
+/// [`run_hybrid_cases`] with regions of their own: each region's group `region_groups`
+/// (the full-attention group 0, the window's 1, or -1 shared), the same on both engines.
+pub async fn run_hybrid_cases_with_region_groups(
+    model: &Model,
+    cases: &[(Side, Side)],
+    protocol: Protocol,
+    region_groups: &'static [i64],
+) {
+    run_hybrid(model, cases, protocol, (WHOLE, region_groups)).await
+}
+
+/// The cases of [`run_hybrid_cases`] with `per_id` kernel blocks per block id and regions of
+/// the groups `region_groups`.
+async fn run_hybrid(
+    model: &Model,
+    cases: &[(Side, Side)],
+    protocol: Protocol,
+    (per_id, region_groups): (PerId, &'static [i64]),
+) {
+    let what = format!(", two KV cache groups, region groups {region_groups:?}");
+    run_each(cases, &what, |prefill, decode| {
         let outcome = if refused(&prefill, &decode) {
             "refused by name, nothing read"
         } else {
@@ -290,7 +332,7 @@ pub async fn run_hybrid_cases_per_id(
         };
         (
             outcome,
-            hybrid_case(model, (prefill, decode), protocol, per_id),
+            hybrid_case(model, (prefill, decode), protocol, (per_id, region_groups)),
         )
     })
     .await

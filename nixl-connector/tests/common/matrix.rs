@@ -10,7 +10,7 @@ use nixl_connector::{
     KvTransferParams, Protocol, TransferMetrics,
 };
 
-use super::geometry::{engine_speaking, Model, Request, Side};
+use super::geometry::{compare_region, engine_speaking, Model, Request, Side};
 use super::{for_decode, poll_until};
 
 /// How one decode rank's loads ended: the requests it reported received, what it read and
@@ -68,9 +68,25 @@ impl RankEnd {
         tag: &str,
         model: &Model,
         worker: &KvConnectorWorker,
-        (prefill, decode): (&Side, &Side),
+        sides: (&Side, &Side),
         loads: usize,
         requests: &[Request],
+    ) -> Result<(), String> {
+        let refs: Vec<&Request> = requests.iter().collect();
+        let by_region = vec![refs; model.regions.len()];
+        self.check_moved_by_region(tag, model, worker, sides, loads, &by_region)
+    }
+
+    /// [`check_moved`](Self::check_moved) with each region's own requests, `by_region`
+    /// (regions of KV cache groups of their own: a group's blocks read only in its regions).
+    pub fn check_moved_by_region(
+        &self,
+        tag: &str,
+        model: &Model,
+        worker: &KvConnectorWorker,
+        (prefill, decode): (&Side, &Side),
+        loads: usize,
+        by_region: &[Vec<&Request>],
     ) -> Result<(), String> {
         let RankEnd {
             rank,
@@ -83,14 +99,17 @@ impl RankEnd {
                 "{tag}: decode rank {rank} ended {recving:?}; errors {errors:?}; {metrics:?}"
             ));
         }
-        let refs: Vec<&Request> = requests.iter().collect();
-        model
-            .check_decode(worker, prefill, decode, *rank, &refs)
-            .map_err(|err| format!("{tag}: {err}"))?;
-        let moved: usize = requests
-            .iter()
-            .map(|r| model.moved_bytes(prefill, decode, *rank, r))
-            .sum();
+        let mut moved = 0;
+        for (region, requests) in by_region.iter().enumerate() {
+            let want = model.expected_decode_region(region, prefill, decode, *rank, requests);
+            let len = model.block_len(region, decode);
+            compare_region(worker, *rank, region, len, &want)
+                .map_err(|err| format!("{tag}: {err}"))?;
+            moved += requests
+                .iter()
+                .map(|r| model.moved_bytes_in(region, (prefill, decode), *rank, r))
+                .sum::<usize>();
+        }
         let read: u64 = metrics.iter().map(|m| m.bytes).sum();
         if read != moved as u64 {
             return Err(format!("{tag}: decode rank {rank} read {read} bytes, the model moves {moved} (each byte once)"));

@@ -397,14 +397,14 @@ pub async fn run_ssm_cases(model: &Model, cases: &[(Side, Side)], protocol: Prot
     run_ssm_cases_speaking(model, cases, setting).await
 }
 
-/// [`run_ssm_cases`] in vLLM's protocol with regions of their own, each region's group
-/// `region_groups` (the full-attention group 0, the SSM group 1, or -1 shared; the same on
-/// both engines): the state read only in the SSM group's and the shared regions, the
-/// attention in every region (vLLM's `_compute_desc_ids` with Mamba groups, its
-/// `_ssm_region_indices`).
+/// [`run_ssm_cases`] with regions of their own, each region's group `region_groups` (the
+/// full-attention group 0, the SSM group 1, or -1 shared; the same on both engines): the
+/// state read only in the SSM group's and the shared regions, the attention in every region
+/// (vLLM's `_compute_desc_ids` with Mamba groups, its `_ssm_region_indices`).
 pub async fn run_ssm_cases_with_region_groups(
     model: &Model,
     cases: &[(Side, Side)],
+    protocol: Protocol,
     region_groups: &'static [i64],
 ) {
     let setting = Setting {
@@ -412,18 +412,23 @@ pub async fn run_ssm_cases_with_region_groups(
             prefill: 1,
             decode: 1,
         },
-        protocol: Protocol::Vllm,
+        protocol,
         region_groups,
     };
     run_ssm_cases_speaking(model, cases, setting).await
 }
 
-/// [`run_ssm_cases`] in vLLM's protocol with block ids of `per_id` registered (kernel)
-/// blocks each, on each engine (the native handshake does not say it).
-pub async fn run_ssm_cases_per_id(model: &Model, cases: &[(Side, Side)], per_id: PerId) {
+/// [`run_ssm_cases`] with block ids of `per_id` registered (kernel) blocks each, on each
+/// engine.
+pub async fn run_ssm_cases_per_id(
+    model: &Model,
+    cases: &[(Side, Side)],
+    protocol: Protocol,
+    per_id: PerId,
+) {
     let setting = Setting {
         per_id,
-        protocol: Protocol::Vllm,
+        protocol,
         region_groups: &[],
     };
     run_ssm_cases_speaking(model, cases, setting).await
