@@ -182,8 +182,8 @@ async fn two_kv_cache_groups_move_every_byte_where_the_model_says() {
 /// head from its first rank), as vLLM's `source_ranks_per_group`. Decode blocks of 2
 /// and 4 times the prefill's, and block ids of one or two kernel blocks on either engine,
 /// move the state block whole (vLLM's Mamba pages move 1:1), each engine's page its block
-/// id's kernel blocks (vLLM's protocol only: the native handshake has one kernel block per
-/// id).
+/// id's kernel blocks; and regions of their own, the state only in the SSM group's and the
+/// shared ones. Each in both protocols.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_attention_and_ssm_model_moves_every_byte_where_the_model_says() {
     common::init_tracing();
