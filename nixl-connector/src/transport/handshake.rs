@@ -297,6 +297,14 @@ mod tests {
         }
     }
 
+    /// Asserts that `reader` refuses to read `source`, naming `want`.
+    fn assert_refused(reader: &HandshakeMessage, source: &HandshakeMessage, want: &str) {
+        let err = check_compatible(reader, source, None, None)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(want), "{err}");
+    }
+
     /// Every extreme a peer may claim, on either side of the check, gives an answer and never
     /// a panic, an overflow or an allocation sized by the claim.
     #[test]
@@ -371,31 +379,21 @@ mod tests {
         let mamba = SsmState::new(vec![24, 8, 8], 64).unwrap();
         let (mut reader, mut source) = (message((1, 2)), message((0, 1)));
         reader.ssm_state = Some(mamba.clone());
-        let err = check_compatible(&reader, &source, None, None)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains("the reader's KV cache groups have SSM (Mamba) state, the source's none"),
-            "{err}"
+        assert_refused(
+            &reader,
+            &source,
+            "the reader's KV cache groups have SSM (Mamba) state, the source's none",
         );
         // The source of a smaller TP holds twice the reader's parts.
         source.ssm_state = mamba.scaled(2, 1);
         assert!(check_compatible(&reader, &source, None, None).is_ok());
         source.ssm_state = Some(mamba.clone());
-        let err = check_compatible(&reader, &source, None, None)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains("SSM (Mamba) state of conv_bytes [24, 8, 8] and temporal_bytes 64 per rank at TP 1 (source) vs conv_bytes [24, 8, 8] and temporal_bytes 64 at TP 2 (reader)"),
-            "{err}"
-        );
+        assert_refused(&reader, &source, "SSM (Mamba) state of conv_bytes [24, 8, 8] and temporal_bytes 64 per rank at TP 1 (source) vs conv_bytes [24, 8, 8] and temporal_bytes 64 at TP 2 (reader)");
         reader.ssm_state = None;
-        let err = check_compatible(&reader, &source, None, None)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains("the source's KV cache groups have SSM (Mamba) state, the reader's none"),
-            "{err}"
+        assert_refused(
+            &reader,
+            &source,
+            "the source's KV cache groups have SSM (Mamba) state, the reader's none",
         );
     }
 
@@ -407,34 +405,26 @@ mod tests {
         // Every region the same on each side: each group is read in every region.
         assert!(check_compatible(&reader, &source, None, None).is_ok());
         source.region_groups = vec![0, 1];
-        let err = check_compatible(&reader, &source, None, None)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains("region groups [0, 1] (source) vs [-1, -1] (reader)"),
-            "{err}"
+        assert_refused(
+            &reader,
+            &source,
+            "region groups [0, 1] (source) vs [-1, -1] (reader)",
         );
         reader.region_groups = vec![0, 1];
         assert!(check_compatible(&reader, &source, None, None).is_ok());
         source.region_groups = vec![0, 1, 1];
-        let err = check_compatible(&reader, &source, None, None)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains("the source's 3 region groups for 2 regions"),
-            "{err}"
+        assert_refused(
+            &reader,
+            &source,
+            "the source's 3 region groups for 2 regions",
         );
         source.region_groups = vec![0, 1];
         for bad in [0, MAX_BLOCKS_PER_ID + 1] {
             source.blocks_per_id = bad;
-            let err = check_compatible(&reader, &source, None, None)
-                .unwrap_err()
-                .to_string();
-            assert!(
-                err.contains(&format!(
-                    "the source's kernel blocks per block id {bad} (1 to 1024)"
-                )),
-                "{err}"
+            assert_refused(
+                &reader,
+                &source,
+                &format!("the source's kernel blocks per block id {bad} (1 to 1024)"),
             );
         }
     }
