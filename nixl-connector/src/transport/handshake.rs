@@ -428,4 +428,39 @@ mod tests {
             );
         }
     }
+
+    /// A version-2 peer's message (before the SSM state, region groups and kernel blocks per
+    /// id) still decodes, and is refused for its version, naming both.
+    #[test]
+    fn a_message_of_version_2_is_refused_for_its_version() {
+        #[derive(Serialize)]
+        struct Version2 {
+            protocol_version: u32,
+            engine_id: String,
+            agent_name: String,
+            #[serde(with = "serde_bytes")]
+            agent_metadata: Vec<u8>,
+            region_base_addrs: Vec<u64>,
+            spec: KvCacheSpec,
+            device_id: u64,
+            tp_rank: u64,
+            tp_size: u64,
+        }
+        let now = message((0, 1));
+        let old = Version2 {
+            protocol_version: 2,
+            engine_id: now.engine_id.clone(),
+            agent_name: now.agent_name.clone(),
+            agent_metadata: now.agent_metadata.clone(),
+            region_base_addrs: now.region_base_addrs.clone(),
+            spec: now.spec.clone(),
+            device_id: now.device_id,
+            tp_rank: now.tp_rank,
+            tp_size: now.tp_size,
+        };
+        let bytes = rmp_serde::to_vec_named(&old).unwrap();
+        let decoded: HandshakeMessage = rmp_serde::from_slice(&bytes).unwrap();
+        assert_eq!((&decoded.ssm_state, decoded.blocks_per_id), (&None, 1));
+        assert_refused(&now, &decoded, "protocol version 3 (reader) vs 2 (source)");
+    }
 }
