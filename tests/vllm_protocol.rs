@@ -1171,6 +1171,15 @@ fn ssm_kv(factors: &CompatibilityFactors, tp: usize) -> KvTransferConfig {
     kv
 }
 
+/// [`ssm_kv`] at TP 1 with `kv_cache_groups.{key}` set to `value`.
+fn ssm_kv_with(key: &str, value: Value) -> KvTransferConfig {
+    let mut kv = ssm_kv(&factors(), 1);
+    kv.kv_connector_extra_config
+        .get_mut(KV_CACHE_GROUPS_KEY)
+        .unwrap()[key] = value;
+    kv
+}
+
 /// vLLM 0.33's hybrid Mamba models: a Python prefill of a full-attention group and a Mamba
 /// group sharing every region publishes its `ssm_sizes` and hands the Mamba group's
 /// state-bearing block only (vLLM's `clip_ssm_state_blocks`); a Rust decode of the same
@@ -1203,10 +1212,7 @@ async fn reads_attention_and_ssm_from_python(tag: &str, region_groups: [i64; 2])
     peer.json(&format!(
         "kv_prefill {hash} 0 0 {tag} {REGIONS} {BLOCKS} {BLOCK_LEN} 16 {groups} 1 {SSM_ARG}"
     ));
-    let mut kv = ssm_kv(&factors(), 1);
-    kv.kv_connector_extra_config
-        .get_mut(KV_CACHE_GROUPS_KEY)
-        .unwrap()["region_groups"] = json!(region_groups);
+    let kv = ssm_kv_with("region_groups", json!(region_groups));
     let (decode, mut scheduler) = vllm_engine_with(&format!("rs-decode-{tag}"), kv);
     fill_untouched(&decode, BLOCK_LEN);
     let cache = decode.kv_caches().unwrap();
@@ -1300,10 +1306,7 @@ async fn reads_python_ssm_of_two_kernel_blocks_per_id(
     peer.json(&format!(
         "kv_prefill {hash} 0 0 {tag} {REGIONS} {BLOCKS} {BLOCK_LEN} 16 -1,-1 2 {SSM_ARG}"
     ));
-    let mut kv = ssm_kv(&factors(), 1);
-    kv.kv_connector_extra_config
-        .get_mut(KV_CACHE_GROUPS_KEY)
-        .unwrap()["block_size"] = json!(block_size);
+    let kv = ssm_kv_with("block_size", json!(block_size));
     let (decode, mut scheduler) = vllm_engine_with(&format!("rs-decode-{tag}"), kv);
     fill_untouched(&decode, BLOCK_LEN);
     let request = format!("{tag}-1");
