@@ -104,8 +104,9 @@ async fn the_connectors_series_move_in_a_scrape() {
         num_tokens: None,
         blocks_expiry_time: None,
         registration_generation: None,
+        capability: None,
     };
-    prefill.hold_for_decode("expires", Instant::now() + Duration::from_millis(300));
+    prefill.hold_for_decode("expires", Instant::now() + Duration::from_millis(300), None);
     for (i, blocks) in [vec![1, 2], vec![3], vec![4, 5, 6]].into_iter().enumerate() {
         let local: Vec<usize> = (0..blocks.len()).collect();
         decode

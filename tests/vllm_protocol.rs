@@ -1472,7 +1472,7 @@ async fn one_vllm_heartbeat_for_5000_requests_extends_every_lease_of_a_rust_pref
     let (prefill, _) = vllm_engine("rs-prefill-hb", &factors());
     let far = Instant::now() + Duration::from_secs(600);
     for i in 0..N {
-        prefill.hold_for_decode(&format!("{:x>48}", format!("rs-hb-{i}")), far);
+        prefill.hold_for_decode(&format!("{:x>48}", format!("rs-hb-{i}")), far, None);
     }
     let port = prefill.side_channel_addr().unwrap().port();
     let got = peer.json(&format!(

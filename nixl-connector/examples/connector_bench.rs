@@ -158,6 +158,8 @@ async fn measure(a: &Args, port: u16) -> nixl_connector::Result<()> {
         num_tokens: None,
         blocks_expiry_time: None,
         registration_generation: None,
+        // The bench's prefill holds nothing: nothing for a notification to free.
+        capability: None,
     };
 
     // Warm-up: the handshake and the first connection are not timed.

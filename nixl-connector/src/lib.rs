@@ -274,7 +274,9 @@ mod engine_step;
 #[doc(inline)]
 pub use metrics::series;
 #[doc(inline)]
-pub use transport::{auth, etcd, handshake, peer_networks, pending, side_channel};
+pub use transport::{
+    auth, capability, etcd, handshake, peer_networks, pending, refusals, side_channel,
+};
 #[doc(inline)]
 pub use worker::host_buffer;
 
@@ -295,12 +297,14 @@ pub use scheduler::{
     LoadOutcome, LoadSpec, RequestFinished, SchedulerConfig, SendSpec,
 };
 pub use transport::auth::SharedSecret;
+pub use transport::capability::Capability;
 pub use transport::handshake::{
     check_compatible, HandshakeMessage, MAX_BLOCKS_PER_ID, PROTOCOL_VERSION,
 };
 pub use transport::params::{KvTransferParams, RemoteBlocks};
 pub use transport::peer_networks::{PeerNetwork, PeerNetworks};
 pub use transport::pending::{PendingHandshakes, PendingSlot, PendingStats};
+pub use transport::refusals::{Refusal, RefusalCounts};
 pub use transport::wire::{Channel, ChannelLimits};
 pub use worker::engines::{DEFAULT_ENGINE_TTL, ENGINE_TTL_KEY};
 pub use worker::sending::NotificationStats;

@@ -44,6 +44,7 @@ use crate::failure::FailedBlock;
 use crate::geometry::groups::KvCacheGroups;
 use crate::lease::Lease;
 use crate::scheduler::aggregate::{KvOutputAggregator, WorkerOutput};
+use crate::transport::capability::Capability;
 use crate::transport::params::{KvTransferParams, RemoteBlocks};
 #[cfg(feature = "vllm")]
 use crate::vllm::MetadataServer;
@@ -444,6 +445,16 @@ impl KvConnectorScheduler {
         if !params.is_some_and(|p| p.do_remote_decode) || !status.is_complete() {
             return keep(false);
         }
+        let capability = match self.config.protocol {
+            Protocol::Native => match Capability::random() {
+                Ok(capability) => Some(capability),
+                Err(err) => {
+                    tracing::error!(request = request_id, %err, "no capability for the request; its blocks are freed and no decode can read them");
+                    return keep(false);
+                }
+            },
+            Protocol::Vllm => None,
+        };
         let delay_free_blocks = !block_ids.is_empty();
         if delay_free_blocks {
             self.sends.insert(
@@ -451,16 +462,18 @@ impl KvConnectorScheduler {
                 SendSpec {
                     request_id: request_id.to_string(),
                     deadline: Instant::now() + self.config.lease.duration(),
+                    capability: capability.clone(),
                 },
             );
         }
+        let num_tokens = delay_free_blocks.then_some(num_computed_tokens);
+        let params = self.params_for_decode(request_id, block_ids, num_tokens);
         RequestFinished {
             delay_free_blocks,
-            kv_transfer_params: Some(self.params_for_decode(
-                request_id,
-                block_ids,
-                delay_free_blocks.then_some(num_computed_tokens),
-            )),
+            kv_transfer_params: Some(KvTransferParams {
+                remote_capability: capability,
+                ..params
+            }),
         }
     }
 
@@ -571,7 +584,7 @@ impl KvConnectorScheduler {
         });
         for decode in waiting {
             let remote = &decode.remote;
-            by_engine
+            let heartbeat = by_engine
                 .entry(&remote.engine_id)
                 .or_insert_with(|| HeartbeatSpec {
                     engine_id: remote.engine_id.clone(),
@@ -579,9 +592,10 @@ impl KvConnectorScheduler {
                     port: remote.port,
                     tp_size: remote.tp_size,
                     request_ids: Vec::new(),
-                })
-                .request_ids
-                .push(remote.request_id.clone());
+                    capabilities: Vec::new(),
+                });
+            heartbeat.request_ids.push(remote.request_id.clone());
+            heartbeat.capabilities.push(remote.capability.clone());
         }
         by_engine.into_values().collect()
     }

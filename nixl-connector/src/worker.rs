@@ -23,19 +23,22 @@ use crate::scheduler::aggregate::WorkerOutput;
 use crate::scheduler::outcomes::{Finished, Outcomes, OverdueLoad};
 use crate::scheduler::{ConnectorMetadata, HeartbeatSpec};
 use crate::transport::auth::SharedSecret;
+use crate::transport::capability::Capability;
 use crate::transport::etcd::EtcdSource;
 use crate::transport::handshake::HandshakeMessage;
 use crate::transport::params::RemoteBlocks;
 use crate::transport::peer_networks::PeerNetworks;
 use crate::transport::pending::PendingStats;
+use crate::transport::refusals::{RefusalCounts, Refusals};
 use crate::transport::side_channel::Guard;
 #[cfg(feature = "vllm")]
 use crate::vllm::{Compatibility, MetadataServer, NixlHandshakePayload, VllmWorker};
 use crate::worker::connect::Engine;
 use crate::worker::decode_notes::DecodeNotes;
 use crate::worker::host_buffer::Staging;
+use crate::worker::notification_format::{heartbeat_entries, heartbeat_messages};
 use crate::worker::remotes::Remotes;
-use crate::worker::sending::{heartbeat_messages, NotificationStats, Sends};
+use crate::worker::sending::{NotificationStats, Sends};
 use crate::worker::shared::{Caches, Shared};
 
 pub(crate) mod connect;
@@ -43,6 +46,7 @@ mod decode_notes;
 pub(crate) mod engines;
 pub mod host_buffer;
 pub(crate) mod load;
+pub(crate) mod notification_format;
 mod registration;
 pub(crate) mod remotes;
 mod reregister;
@@ -170,8 +174,10 @@ impl KvConnectorWorker {
                 Some(peers) => peers.clone(),
                 None => PeerNetworks::from_kv_transfer_config(&config.kv_transfer_config)?,
             },
+            refusals: Refusals::new(&config.engine_id, config.tp_rank),
             ..Guard::default()
         });
+        let etcd = etcd.map(|source| source.sealed_with(guard.secret.clone()));
         let sends = Sends::new(
             config.tp_size,
             protocol,
@@ -620,7 +626,7 @@ impl KvConnectorWorker {
             self.abort_load(request_id);
         }
         for send in &meta.sends {
-            self.hold_for_decode(&send.request_id, send.deadline);
+            self.hold_for_decode(&send.request_id, send.deadline, send.capability.as_ref());
         }
         for heartbeat in &meta.heartbeats {
             self.send_heartbeat(heartbeat);
@@ -643,7 +649,12 @@ impl KvConnectorWorker {
                 return;
             }
         };
-        let messages = heartbeat_messages(heartbeat.request_ids.iter().map(String::as_str));
+        let ids = heartbeat.request_ids.iter().map(String::as_str);
+        let proofs = match self.shared.protocol {
+            Protocol::Native => Some((&heartbeat.capabilities[..], self.agent().name())),
+            Protocol::Vllm => None,
+        };
+        let messages = heartbeat_messages(&heartbeat_entries(ids, proofs));
         for (rank, port) in ranks {
             let remotes = &self.shared.remotes;
             let agent = match remotes.ready(&heartbeat.engine_id, rank) {
@@ -694,11 +705,26 @@ impl KvConnectorWorker {
     /// [`TpMapping::consumers`]) or its KV lease ends at `deadline`
     /// (heartbeats extend it; see [the scheduler's docs](crate::scheduler)). A request id
     /// must not start with `HB:` (a heartbeat's prefix) or hold a comma.
-    pub fn hold_for_decode(&self, request_id: &str, deadline: Instant) {
+    ///
+    /// In the native protocol only finish notifications and heartbeats tagged under
+    /// `capability` count: draw one per request ([`Capability::random`]), hold the request
+    /// with it on every rank, and hand it to the decode in the request's params
+    /// ([`KvTransferParams::remote_capability`](crate::KvTransferParams::remote_capability),
+    /// [`RemoteBlocks::capability`]), as the scheduler does. Held without one, a request
+    /// is freed by its lease only. vLLM's protocol has none (pass `None`).
+    pub fn hold_for_decode(
+        &self,
+        request_id: &str,
+        deadline: Instant,
+        capability: Option<&Capability>,
+    ) {
         self.listen_for_notifications();
-        self.shared
-            .sends()
-            .hold(request_id.to_string(), deadline, Instant::now());
+        self.shared.sends().hold(
+            request_id.to_string(),
+            deadline,
+            capability.cloned(),
+            Instant::now(),
+        );
     }
 
     /// Requests done sending (every decode rank notified, or their lease ended) and done
@@ -793,6 +819,13 @@ impl KvConnectorWorker {
             .get()
             .map(|c| c.side_channel_pending.stats())
             .unwrap_or_default()
+    }
+
+    /// The connections this rank's native side channel refused so far, by kind (each kind
+    /// is logged at its 1st, 2nd, 4th, 8th... refusal only). In vLLM mode see
+    /// [`MetadataServer::refusals`](crate::vllm::MetadataServer::refusals).
+    pub fn side_channel_refusals(&self) -> RefusalCounts {
+        self.shared.guard.refusals.counts()
     }
 
     /// What this rank's decode notifications did so far besides releasing requests

@@ -149,7 +149,11 @@ async fn decode_tp2_reads_each_head_slice_from_prefill_tp1() {
     let prefill_side = side(1, 4);
     let prefill = engine("pf-tp1", &model(), &prefill_side).remove(0);
     model().fill_prefill(&prefill, &prefill_side, 0);
-    prefill.hold_for_decode("req-tp", Instant::now() + Duration::from_secs(600));
+    prefill.hold_for_decode(
+        "req-tp",
+        Instant::now() + Duration::from_secs(600),
+        Some(&common::capability()),
+    );
     let port = prefill.side_channel_addr().unwrap().port();
 
     // Rank 0 reads and notifies: the request stays held, for rank 1.
@@ -188,7 +192,11 @@ async fn prefill_rank_role() {
         return;
     }
     model().fill_prefill(&worker, &side, rank);
-    worker.hold_for_decode("req-many", Instant::now() + Duration::from_secs(600));
+    worker.hold_for_decode(
+        "req-many",
+        Instant::now() + Duration::from_secs(600),
+        Some(&common::capability()),
+    );
     println!("PORT {}", worker.side_channel_addr().unwrap().port());
     let freed = poll_until(&worker, Duration::from_secs(60), |f| !f.sending.is_empty()).await;
     assert_eq!(freed.sending, ["req-many"]);

@@ -19,7 +19,7 @@ async fn eight_decodes_against_one_prefill() {
         .collect();
     for (i, decode) in decodes.iter().enumerate() {
         let request = format!("req-{i}");
-        prefill.hold_for_decode(&request, deadline);
+        prefill.hold_for_decode(&request, deadline, Some(&common::capability()));
         let blocks = vec![2 * i, 2 * i + 1];
         decode
             .start_load(

@@ -18,7 +18,11 @@ async fn decode_reads_every_byte_and_prefill_frees_on_the_notification() {
 
     let abort_timeout = Duration::from_secs(30);
     let held_at = Instant::now();
-    prefill.hold_for_decode("req-7", held_at + abort_timeout);
+    prefill.hold_for_decode(
+        "req-7",
+        held_at + abort_timeout,
+        Some(&common::capability()),
+    );
     let remote_blocks = vec![5, 2, 9, 15];
     let local_blocks = [0, 1, 2, 3];
     decode
@@ -81,7 +85,7 @@ async fn a_decode_dropped_before_reading_lets_prefill_free_after_the_timeout() {
 
     let timeout = Duration::from_millis(800);
     let held_at = Instant::now();
-    prefill.hold_for_decode("req-1", held_at + timeout);
+    prefill.hold_for_decode("req-1", held_at + timeout, Some(&common::capability()));
     assert!(
         prefill.finished().sending.is_empty(),
         "not freed before the timeout"

@@ -24,7 +24,11 @@ async fn only_a_reader_with_its_tp_frees_a_held_request() {
         prefill.side_channel_addr().unwrap().port(),
     )
     .await;
-    prefill.hold_for_decode("req", Instant::now() + Duration::from_secs(60));
+    prefill.hold_for_decode(
+        "req",
+        Instant::now() + Duration::from_secs(60),
+        Some(&common::capability()),
+    );
     let to = prefill.agent().name().to_string();
 
     // A third agent with the prefill's metadata (from wherever), never a reader.

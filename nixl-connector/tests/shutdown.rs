@@ -37,7 +37,11 @@ async fn end_and_exit_role() {
     let (spec, prefill, decode) = filled_prefill_and_decode("pf-end", "dc-end");
     // The prefill listens for the decode's notification: a task of the runtime holds its
     // agent, so that dropping the worker leaves the agent's end to that task.
-    prefill.hold_for_decode("r", Instant::now() + Duration::from_secs(60));
+    prefill.hold_for_decode(
+        "r",
+        Instant::now() + Duration::from_secs(60),
+        Some(&common::capability()),
+    );
     load(&decode, &prefill, &spec, "pf-end", "r", (&[0, 1], &[2, 3]))
         .await
         .unwrap();

@@ -118,7 +118,11 @@ async fn heartbeats_still_reach_an_engine_whose_read_passed_the_timeout() {
     overdue(&decode).await;
     // A request that a decode request still waits for (no blocks for it yet). From now on
     // the prefill's agent progresses, as it takes notifications.
-    prefill.hold_for_decode("p-waiting", Instant::now() + Duration::from_secs(60));
+    prefill.hold_for_decode(
+        "p-waiting",
+        Instant::now() + Duration::from_secs(60),
+        Some(&common::capability()),
+    );
 
     // One step's heartbeat for the waiting request: it goes at once, to the agent the last
     // handshake loaded, while the rank is handshaken again.
@@ -129,6 +133,7 @@ async fn heartbeats_still_reach_an_engine_whose_read_passed_the_timeout() {
             port,
             tp_size: 1,
             request_ids: vec!["p-waiting".into()],
+            capabilities: vec![Some(common::capability())],
         }],
         ..ConnectorMetadata::default()
     });

@@ -151,7 +151,7 @@ async fn notifications_before_hold_for_decode_release_the_request_when_held() {
     // the message, and holding the request takes it.
     read("before-listening", 0);
     poll_until(&decode, WAIT, |f| !f.recving.is_empty()).await;
-    prefill.hold_for_decode("before-listening", far);
+    prefill.hold_for_decode("before-listening", far, Some(&common::capability()));
     tokio::time::timeout(WAIT, prefill.notified())
         .await
         .unwrap();
@@ -164,7 +164,7 @@ async fn notifications_before_hold_for_decode_release_the_request_when_held() {
         .await
         .unwrap();
     assert!(prefill.finished().sending.is_empty(), "nothing held yet");
-    prefill.hold_for_decode("before-held", far);
+    prefill.hold_for_decode("before-held", far, Some(&common::capability()));
     assert_eq!(prefill.finished().sending, ["before-held"]);
 
     let stats = prefill.send_stats();

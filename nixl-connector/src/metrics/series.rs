@@ -87,6 +87,11 @@ pub const LEAKED_REQUESTS: &str = "vllm:nixl_leaked_requests";
 /// Counter: finish notifications refused because their sender or count is not one of this
 /// engine's readers' (prefill side; not a vLLM series).
 pub const NUM_REFUSED_NOTIFICATIONS: &str = "vllm:nixl_num_refused_notifications";
+/// Counter: connections a side channel refused (label `kind`: `network`, `busy`,
+/// `unauthenticated`, `version`, `incompatible`, `malformed`, `deadline`; see
+/// [`Refusal`](crate::transport::refusals::Refusal)), both protocols' (prefill side; not a
+/// vLLM series).
+pub const NUM_SIDE_CHANNEL_REFUSALS: &str = "vllm:nixl_num_side_channel_refusals";
 /// Counter: loads whose READs were still in flight at the transfer timeout; their blocks
 /// stay with the connector until NIXL ends the READs (decode side; not a vLLM series).
 pub const NUM_OVERDUE_TRANSFERS: &str = "vllm:nixl_num_overdue_transfers";
@@ -200,7 +205,12 @@ pub fn describe() {
     describe_counter!(
         NUM_REFUSED_NOTIFICATIONS,
         Unit::Count,
-        "Finish notifications refused: not from a reader of this engine, or a count beyond its TP (prefill side)."
+        "Finish notifications and heartbeats refused: without the request's capability, not from a reader of this engine, or a count beyond its TP (prefill side)."
+    );
+    describe_counter!(
+        NUM_SIDE_CHANNEL_REFUSALS,
+        Unit::Count,
+        "Connections a side channel refused, by kind (prefill side)."
     );
     describe_counter!(
         NUM_HEARTBEATS_REFUSED,
@@ -468,6 +478,14 @@ impl Series {
     pub(crate) fn refused_notification(&self) {
         self.refused_notifications.increment(1);
     }
+}
+
+/// A side channel with metric labels `labels` refused a connection for `kind` (registered at
+/// its first use).
+pub(crate) fn side_channel_refusal(labels: &[metrics::Label], kind: &'static str) {
+    let mut labels = labels.to_vec();
+    labels.push(metrics::Label::new("kind", kind));
+    metrics::counter!(NUM_SIDE_CHANNEL_REFUSALS, labels).increment(1);
 }
 
 /// A decode request of engine `engine` finished before its load ended (the scheduler's

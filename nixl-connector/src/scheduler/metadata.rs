@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
+use crate::transport::capability::Capability;
 use crate::transport::params::RemoteBlocks;
 
 /// One load for the workers: read `remote` into `local_block_ids`.
@@ -37,6 +38,11 @@ pub struct SendSpec {
     /// when it was sent, from its arrival; see [`ConnectorMetadata::to_msgpack`]).
     #[serde(with = "crate::scheduler::step_wire::deadline")]
     pub deadline: Instant,
+    /// The capability handed out in the request's params (native protocol): a finish
+    /// notification or heartbeat counts only with a tag made under it. `None` in vLLM's
+    /// protocol; in the native one, `None` lets only the lease free the request.
+    #[serde(default)]
+    pub capability: Option<Capability>,
 }
 
 /// A heartbeat for one remote engine: its requests that loads here still wait for.
@@ -52,6 +58,11 @@ pub struct HeartbeatSpec {
     pub tp_size: usize,
     /// Its request ids (the remote ones) whose leases to extend.
     pub request_ids: Vec<String>,
+    /// The capability of each of `request_ids`, in the same order (native protocol: a
+    /// heartbeat counts only with a tag made under it; an id without one is not sent).
+    /// Empty in vLLM's protocol.
+    #[serde(default)]
+    pub capabilities: Vec<Option<Capability>>,
 }
 
 /// What the scheduler hands its workers each step (vLLM's `NixlConnectorMetadata`); it

@@ -86,6 +86,7 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
+    use crate::transport::capability::Capability;
     use crate::{
         ConnectorMetadata, FailedBlock, FailureKind, Finished, HeartbeatSpec, LoadSpec,
         RemoteBlocks, SendSpec, WorkerOutput,
@@ -104,6 +105,7 @@ mod tests {
             num_tokens: Some(30),
             blocks_expiry_time: Some(12.5),
             registration_generation: Some(2),
+            capability: Some(Capability::random().unwrap()),
         };
         let sent = ConnectorMetadata {
             loads: vec![LoadSpec {
@@ -116,10 +118,12 @@ mod tests {
                 SendSpec {
                     request_id: "held".into(),
                     deadline: Instant::now() + Duration::from_secs(30),
+                    capability: Some(Capability::random().unwrap()),
                 },
                 SendSpec {
                     request_id: "past".into(),
                     deadline: Instant::now() - Duration::from_secs(1),
+                    capability: None,
                 },
             ],
             aborted: vec!["a".into()],
@@ -129,6 +133,7 @@ mod tests {
                 port: 5600,
                 tp_size: 2,
                 request_ids: vec!["rp".into()],
+                capabilities: vec![Some(Capability::random().unwrap())],
             }],
         };
         let before = Instant::now();
@@ -145,6 +150,10 @@ mod tests {
         );
         assert!(left >= Duration::from_secs(29), "{left:?}");
         assert!(got.sends[1].deadline <= after, "a past deadline stays past");
+        let capabilities = |m: &ConnectorMetadata| -> Vec<Option<Capability>> {
+            m.sends.iter().map(|s| s.capability.clone()).collect()
+        };
+        assert_eq!(capabilities(&got), capabilities(&sent));
     }
 
     #[test]

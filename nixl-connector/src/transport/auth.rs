@@ -1,21 +1,22 @@
-//! Mutual authentication of the native side channel with a shared secret: a challenge and
-//! response both ways with HMAC-SHA256.
+//! The shared secret that authenticates the native side channel, where it is read from, and
+//! the checks on a file holding it.
 //!
-//! The exchange (see [`side_channel`](crate::side_channel)): the reader sends a fresh
-//! nonce; the server answers with its own fresh nonce; the reader sends its handshake
-//! message with the MAC of both nonces, its role and the message's bytes; only when that
-//! MAC checks does the server answer with its handshake message and the MAC of both
-//! nonces, its role and its message's bytes, which the reader checks before it reads the
-//! message. A peer without the secret learns nothing but the refusal; a recorded exchange
-//! replayed fails, since the other side's nonce is new; a MAC of one role is never accepted
-//! for the other.
+//! The exchange it authenticates (see [`side_channel`](crate::side_channel)): the reader
+//! sends a fresh nonce; the server answers with its own fresh nonce; both derive the
+//! exchange's two keys from the secret and both nonces
+//! ([`sealing`](crate::transport::sealing)); the reader sends its handshake message sealed
+//! under its key; only when that opens does the server answer with its message sealed under
+//! its own key, which the reader opens before it reads it. A peer without the secret learns
+//! nothing but the refusal, and a relay between two engines sees only sealed bytes; a
+//! recorded exchange replayed fails, since the other side's nonce is new; a message of one
+//! role never opens as the other's.
 
 use std::path::Path;
 
-use hmac::{Hmac, Mac};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+
 use nixl::kv_config::KvTransferConfig;
 use serde_json::Value;
-use sha2::Sha256;
 
 use crate::error::{Error, Result};
 
@@ -41,14 +42,13 @@ pub const MAX_SECRET_BYTES: usize = 4096;
 /// Bytes of each side's nonce.
 pub const NONCE_BYTES: usize = 32;
 
-/// Bytes of a MAC.
-pub const MAC_BYTES: usize = 32;
+/// The `kv_connector_extra_config` key that, set to `true`, lets a secret file be readable
+/// by its group or others (refused otherwise).
+pub const SECRET_FILE_READABLE_KEY: &str = "auth_secret_file_readable_by_others";
 
-/// What the reader's MAC covers first: its role and the protocol.
-const READER_ROLE: &[u8] = b"nixl-connector side channel v1: reader";
-
-/// What the server's MAC covers first: its role and the protocol.
-const SERVER_ROLE: &[u8] = b"nixl-connector side channel v1: server";
+/// The environment variable that, set to `1`, lets a secret file be readable by its group
+/// or others, as [`SECRET_FILE_READABLE_KEY`] does.
+pub const SECRET_FILE_READABLE_ENV: &str = "NIXL_CONNECTOR_SECRET_FILE_READABLE_BY_OTHERS";
 
 /// A fresh nonce.
 pub(crate) type Nonce = [u8; NONCE_BYTES];
@@ -84,42 +84,69 @@ impl SharedSecret {
         Ok(SharedSecret(bytes))
     }
 
-    /// The secret in the file at `path`, without its trailing line ends.
+    /// The secret in the file at `path`, without its trailing line ends. The file must be
+    /// readable by its owner only (mode `0600` or `0400`) and, when `path` is a symlink,
+    /// the link must be this process's user's: see [`from_file_with`](Self::from_file_with).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] naming the file when it cannot be read or holds a secret
-    /// [`new`](Self::new) refuses.
+    /// As [`from_file_with`](Self::from_file_with).
     pub fn from_file(path: &Path) -> Result<Self> {
+        SharedSecret::from_file_with(path, false)
+    }
+
+    /// The secret in the file at `path`, without its trailing line ends; a file readable by
+    /// its group or others is refused unless `readable_by_others` (a deployment that shares
+    /// the file through a group on purpose), and a symlink owned by a user other than this
+    /// process's and root always is (whoever owns the link chooses the secret; root-owned
+    /// links are what e.g. Kubernetes' secret volumes mount).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming the file when it cannot be read, is readable by
+    /// others (the message says `chmod 600`), is a symlink of another user, or holds a
+    /// secret [`new`](Self::new) refuses.
+    pub fn from_file_with(path: &Path, readable_by_others: bool) -> Result<Self> {
         const OP: &str = "read the shared secret file";
-        let len = std::fs::metadata(path)
-            .map_err(|err| Error::invalid(OP, format!("{}: {err}", path.display())))?
-            .len();
-        if len > MAX_SECRET_BYTES as u64 + 2 {
-            return Err(Error::invalid(
-                OP,
-                format!(
-                    "{} has {len} bytes; a secret has at most {MAX_SECRET_BYTES}",
-                    path.display()
-                ),
-            ));
+        let named = |reason: String| Error::invalid(OP, format!("{}: {reason}", path.display()));
+        let link = std::fs::symlink_metadata(path).map_err(|err| named(err.to_string()))?;
+        let user = rustix::process::geteuid().as_raw();
+        if link.file_type().is_symlink() && link.uid() != user && link.uid() != 0 {
+            return Err(named(format!(
+                "a symlink owned by user {}, not this process's user {user}; point the setting at the file itself, or at a link of yours",
+                link.uid()
+            )));
         }
-        let mut bytes = std::fs::read(path)
-            .map_err(|err| Error::invalid(OP, format!("{}: {err}", path.display())))?;
+        let file = std::fs::metadata(path).map_err(|err| named(err.to_string()))?;
+        let mode = file.permissions().mode() & 0o777;
+        if mode & 0o077 != 0 && !readable_by_others {
+            return Err(named(format!(
+                "mode {mode:04o} lets its group or others read the secret; run `chmod 600 {}` (or set {SECRET_FILE_READABLE_KEY}: true, or {SECRET_FILE_READABLE_ENV}=1, to allow it)",
+                path.display()
+            )));
+        }
+        let len = file.len();
+        if len > MAX_SECRET_BYTES as u64 + 2 {
+            return Err(named(format!(
+                "{len} bytes; a secret has at most {MAX_SECRET_BYTES}"
+            )));
+        }
+        let mut bytes = std::fs::read(path).map_err(|err| named(err.to_string()))?;
         while matches!(bytes.last(), Some(b'\n' | b'\r')) {
             bytes.pop();
         }
-        SharedSecret::new(bytes)
-            .map_err(|err| Error::invalid(OP, format!("{}: {err}", path.display())))
+        SharedSecret::new(bytes).map_err(|err| named(err.to_string()))
     }
 
     /// The secret of a deployment: `kv_connector_extra_config.auth_secret_file` (a path) or
     /// `.auth_secret` (the secret), else the environment's [`SECRET_ENV`] or
     /// [`SECRET_FILE_ENV`]; `None` when none is set (the side channel is then not
-    /// authenticated).
+    /// authenticated). A file must be its owner's alone unless
+    /// [`SECRET_FILE_READABLE_KEY`] or [`SECRET_FILE_READABLE_ENV`] allows more (see
+    /// [`from_file_with`](Self::from_file_with)).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for a value that is not a string, both keys set, or a
-    /// secret that [`new`](Self::new) or [`from_file`](Self::from_file) refuses.
+    /// [`Error::InvalidArgument`] for a value that is not a string (or, for
+    /// [`SECRET_FILE_READABLE_KEY`], not a boolean), both keys set, or a secret that
+    /// [`new`](Self::new) or [`from_file_with`](Self::from_file_with) refuses.
     pub fn from_kv_transfer_config(config: &KvTransferConfig) -> Result<Option<Self>> {
         const OP: &str = "read the shared secret";
         let extra = &config.kv_connector_extra_config;
@@ -131,76 +158,41 @@ impl SharedSecret {
                 format!("kv_connector_extra_config.{key} is not a string"),
             )),
         };
+        let readable_by_others = match extra.get(SECRET_FILE_READABLE_KEY) {
+            None => std::env::var_os(SECRET_FILE_READABLE_ENV).is_some_and(|v| v == "1"),
+            Some(Value::Bool(allowed)) => *allowed,
+            Some(_) => {
+                return Err(Error::invalid(
+                    OP,
+                    format!(
+                        "kv_connector_extra_config.{SECRET_FILE_READABLE_KEY} is not a boolean"
+                    ),
+                ))
+            }
+        };
+        let from_file = |path: &Path| SharedSecret::from_file_with(path, readable_by_others);
         match (string(SECRET_KEY)?, string(SECRET_FILE_KEY)?) {
             (Some(_), Some(_)) => Err(Error::invalid(
                 OP,
                 format!("kv_connector_extra_config sets both {SECRET_KEY} and {SECRET_FILE_KEY}; keep one (a file keeps the secret out of the config)"),
             )),
             (Some(secret), None) => SharedSecret::new(secret).map(Some),
-            (None, Some(path)) => SharedSecret::from_file(Path::new(&path)).map(Some),
+            (None, Some(path)) => from_file(Path::new(&path)).map(Some),
             (None, None) => {
                 if let Some(secret) = std::env::var_os(SECRET_ENV) {
                     return SharedSecret::new(secret.into_encoded_bytes()).map(Some);
                 }
                 match std::env::var_os(SECRET_FILE_ENV) {
-                    Some(path) => SharedSecret::from_file(Path::new(&path)).map(Some),
+                    Some(path) => from_file(Path::new(&path)).map(Some),
                     None => Ok(None),
                 }
             }
         }
     }
 
-    fn mac(&self, role: &[u8], reader: &Nonce, server: &Nonce, message: &[u8]) -> Hmac<Sha256> {
-        let mut mac =
-            <Hmac<Sha256> as Mac>::new_from_slice(&self.0).expect("HMAC takes a key of any length");
-        for part in [role, reader, server] {
-            mac.update(&(part.len() as u64).to_be_bytes());
-            mac.update(part);
-        }
-        mac.update(message);
-        mac
-    }
-
-    /// The MAC of a reader's `message` in the exchange of nonces `reader` and `server`.
-    pub(crate) fn reader_mac(&self, reader: &Nonce, server: &Nonce, message: &[u8]) -> Vec<u8> {
-        self.mac(READER_ROLE, reader, server, message)
-            .finalize()
-            .into_bytes()
-            .to_vec()
-    }
-
-    /// The MAC of a server's `message` in the exchange of nonces `reader` and `server`.
-    pub(crate) fn server_mac(&self, reader: &Nonce, server: &Nonce, message: &[u8]) -> Vec<u8> {
-        self.mac(SERVER_ROLE, reader, server, message)
-            .finalize()
-            .into_bytes()
-            .to_vec()
-    }
-
-    /// Whether `mac` is the reader's MAC of `message` (compared in constant time).
-    pub(crate) fn verify_reader(
-        &self,
-        reader: &Nonce,
-        server: &Nonce,
-        message: &[u8],
-        mac: &[u8],
-    ) -> bool {
-        self.mac(READER_ROLE, reader, server, message)
-            .verify_slice(mac)
-            .is_ok()
-    }
-
-    /// Whether `mac` is the server's MAC of `message` (compared in constant time).
-    pub(crate) fn verify_server(
-        &self,
-        reader: &Nonce,
-        server: &Nonce,
-        message: &[u8],
-        mac: &[u8],
-    ) -> bool {
-        self.mac(SERVER_ROLE, reader, server, message)
-            .verify_slice(mac)
-            .is_ok()
+    /// The secret's bytes, for deriving keys ([`sealing`](crate::transport::sealing)).
+    pub(crate) fn expose(&self) -> &[u8] {
+        &self.0
     }
 }
 
@@ -225,18 +217,37 @@ mod tests {
     use super::*;
 
     #[test]
-    fn macs_bind_the_roles_both_nonces_and_the_message() {
-        let secret = SharedSecret::new(*b"0123456789abcdef").unwrap();
-        let (r, s) = (nonce().unwrap(), nonce().unwrap());
-        let mac = secret.reader_mac(&r, &s, b"m");
-        assert!(secret.verify_reader(&r, &s, b"m", &mac));
-        assert!(!secret.verify_server(&r, &s, b"m", &mac), "roles differ");
-        assert!(!secret.verify_reader(&s, &r, b"m", &mac), "nonces swapped");
-        assert!(!secret.verify_reader(&r, &nonce().unwrap(), b"m", &mac));
-        assert!(!secret.verify_reader(&r, &s, b"n", &mac));
-        let other = SharedSecret::new(*b"0123456789abcdeF").unwrap();
-        assert!(!other.verify_reader(&r, &s, b"m", &mac));
-        assert!(!secret.verify_reader(&r, &s, b"m", &mac[..16]));
+    fn a_secret_file_must_be_its_owners_alone() {
+        let dir = std::env::temp_dir().join(format!("nixl-secret-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("secret");
+        std::fs::write(&file, "0123456789abcdef0123\n").unwrap();
+        let chmod =
+            |mode| std::fs::set_permissions(&file, std::fs::Permissions::from_mode(mode)).unwrap();
+        for mode in [0o600, 0o400] {
+            chmod(mode);
+            assert!(SharedSecret::from_file(&file).is_ok(), "{mode:o}");
+        }
+        for mode in [0o644, 0o640, 0o604, 0o660] {
+            chmod(mode);
+            let err = SharedSecret::from_file(&file).unwrap_err().to_string();
+            assert!(err.contains("chmod 600"), "{err}");
+            assert!(err.contains(&format!("{mode:04o}")), "{err}");
+            assert!(SharedSecret::from_file_with(&file, true).is_ok());
+        }
+        // A link of this process's user is followed.
+        chmod(0o600);
+        let link = dir.join("link");
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(&file, &link).unwrap();
+        assert!(SharedSecret::from_file(&link).is_ok());
+        // Another user's link is refused, whatever it points at (root can make one).
+        if rustix::process::geteuid().is_root() {
+            std::os::unix::fs::lchown(&link, Some(54321), None).unwrap();
+            let err = SharedSecret::from_file(&link).unwrap_err().to_string();
+            assert!(err.contains("symlink owned by user 54321"), "{err}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

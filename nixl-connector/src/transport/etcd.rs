@@ -18,6 +18,13 @@
 //! `https://` endpoint the connector publishes and withdraws the metadata itself too, NIXL's
 //! client speaking no TLS.
 //!
+//! With a [`SharedSecret`] the connector publishes the metadata itself too, sealed under a
+//! key derived from the secret and bound to its etcd key
+//! ([`sealing`](crate::transport::sealing)), and a fetched value must open under the same
+//! secret: whoever reads etcd without it learns nothing of the agent's addresses or the
+//! registered memory's keys, and an engine without the secret refuses a sealed value by
+//! name.
+//!
 //! NIXL stores the metadata from a background thread and only logs a failure, so
 //! [`publish`] first checks that etcd answers, and fails at once, naming the endpoint, when
 //! it does not. A fetch may come before NIXL's store has landed, so a key that is not there
@@ -32,16 +39,17 @@ use nixl::{Agent, MetadataPeer};
 use serde::Deserialize;
 
 use crate::error::{Error, Result};
+use crate::transport::auth::SharedSecret;
 use crate::transport::etcd_auth::{authenticate, delete_at_first, put_at_first};
-use crate::transport::etcd_tls::Endpoint;
-use crate::transport::side_channel::RetryBackoff;
-
 pub use crate::transport::etcd_auth::{
     EtcdCredentials, ETCD_PASSWORD_ENV, ETCD_PASSWORD_FILE_ENV, ETCD_USER_ENV,
 };
+use crate::transport::etcd_tls::Endpoint;
 pub use crate::transport::etcd_tls::{
     EtcdTls, ETCD_CA_FILE_ENV, ETCD_CERT_FILE_ENV, ETCD_KEY_FILE_ENV,
 };
+use crate::transport::sealing::{is_sealed_at_rest, open_at_rest, seal_at_rest};
+use crate::transport::side_channel::RetryBackoff;
 
 /// The environment variable NIXL reads its etcd endpoints from when an agent is created.
 pub const ETCD_ENDPOINTS_ENV: &str = "NIXL_ETCD_ENDPOINTS";
@@ -63,21 +71,29 @@ pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(2);
 pub const UNHEALTHY_PAUSE: Duration = Duration::from_millis(100);
 
 /// Checks that etcd answers at one of `NIXL_ETCD_ENDPOINTS`, then publishes the agent's
-/// metadata there: through NIXL, or, with [`EtcdCredentials::from_env`], by the connector,
-/// authenticated, under NIXL's key ([`metadata_key`]).
+/// metadata there: through NIXL, or, with [`EtcdCredentials::from_env`], an `https://`
+/// endpoint or a `secret`, by the connector, under NIXL's key ([`metadata_key`]). With a
+/// `secret` the value is sealed under a key derived from it, bound to its etcd key:
+/// whoever reads etcd without the secret learns nothing of the metadata (its agent's
+/// addresses and the registered memory's keys), and a value changed or moved to another
+/// key does not open.
 ///
 /// # Errors
 /// [`Error::InvalidArgument`] without `NIXL_ETCD_ENDPOINTS` or for incomplete credentials;
 /// [`check_reachable`]'s errors; NIXL's error when the publication cannot start;
-/// [`Error::EtcdPublish`] when no endpoint took the authenticated publication.
-pub fn publish(agent: &Agent) -> Result<()> {
-    let source = EtcdSource::from_env()?;
+/// [`Error::EtcdPublish`] when no endpoint took the connector's publication.
+pub fn publish(agent: &Agent, secret: Option<&SharedSecret>) -> Result<()> {
+    let source = EtcdSource::from_env()?.sealed_with(secret.cloned());
     check_reachable(&source.endpoints, HEALTH_TIMEOUT)?;
     if source.nixl_publishes() {
         agent.send_local_metadata(&MetadataPeer::Etcd)?;
     } else {
         let key = metadata_key(&source.namespace, agent.name());
         let value = agent.local_metadata()?;
+        let value = match &source.secret {
+            Some(secret) => seal_at_rest(secret, &key, &value)?,
+            None => value,
+        };
         put_at_first(
             &source.spoken(),
             &key,
@@ -271,13 +287,16 @@ fn ask_health(
 }
 
 /// Where a worker fetches its peers' metadata: etcd's endpoints and NIXL's namespace, as
-/// the environment gave them when the worker (and its agent) was created.
+/// the environment gave them when the worker (and its agent) was created, and the secret
+/// the values are sealed under, if any.
 #[derive(Debug, Clone)]
 pub(crate) struct EtcdSource {
     pub(crate) endpoints: String,
     pub(crate) namespace: String,
     pub(crate) credentials: Option<EtcdCredentials>,
     pub(crate) tls: Option<EtcdTls>,
+    /// The shared secret: values are published sealed under it and must open under it.
+    pub(crate) secret: Option<SharedSecret>,
 }
 
 impl EtcdSource {
@@ -293,13 +312,58 @@ impl EtcdSource {
             namespace: namespace(),
             credentials: EtcdCredentials::from_env()?,
             tls: EtcdTls::from_env()?,
+            secret: None,
         })
     }
 
-    /// Whether NIXL publishes and withdraws the metadata: neither credentials nor an
-    /// `https://` endpoint, which NIXL's own etcd client cannot speak to.
+    /// The same source, its values sealed under `secret` when there is one.
+    pub(crate) fn sealed_with(self, secret: Option<SharedSecret>) -> Self {
+        EtcdSource { secret, ..self }
+    }
+
+    /// Whether NIXL publishes and withdraws the metadata: no secret to seal it under (NIXL
+    /// publishes it as it is), no credentials and no `https://` endpoint, which NIXL's own
+    /// etcd client cannot speak to.
     fn nixl_publishes(&self) -> bool {
-        self.credentials.is_none() && !each_endpoint(&self.endpoints).any(is_https)
+        self.secret.is_none()
+            && self.credentials.is_none()
+            && !each_endpoint(&self.endpoints).any(is_https)
+    }
+
+    /// The metadata a peer published at `key`, fetched within `deadline` and at most
+    /// `max_bytes`, opened under the secret when there is one.
+    ///
+    /// # Errors
+    /// [`fetch_metadata_with`]'s; [`Error::EtcdFetch`] for a value that is not sealed
+    /// under this secret (with a secret), or that is sealed (without one).
+    pub(crate) async fn fetch(
+        &self,
+        key: &str,
+        max_bytes: usize,
+        deadline: Duration,
+    ) -> Result<Vec<u8>> {
+        let value = fetch_metadata_with(
+            &self.endpoints,
+            key,
+            max_bytes,
+            deadline,
+            self.credentials.as_ref(),
+            self.tls.as_ref(),
+        )
+        .await?;
+        let refused = |reason: &str| Error::EtcdFetch {
+            key: key.to_string(),
+            reason: reason.to_string(),
+        };
+        match &self.secret {
+            Some(secret) => open_at_rest(secret, key, &value).map_err(|why| {
+                refused(&format!("{why}; configure the same shared secret on both engines"))
+            }),
+            None if is_sealed_at_rest(&value) => Err(refused(
+                "the value is sealed under a shared secret, which this engine has none of; configure the same secret on both engines",
+            )),
+            None => Ok(value),
+        }
     }
 
     /// Each endpoint as the connector speaks to it, or why it cannot.

@@ -12,8 +12,10 @@ use crate::geometry::ssm::SsmState;
 /// Version of the side-channel protocol and handshake; peers of another version are refused.
 /// 3: the handshake says the rank's SSM (Mamba) state, each region's KV cache group and its
 /// kernel blocks per block id ([`HandshakeMessage::ssm_state`], `region_groups`,
-/// `blocks_per_id`).
-pub const PROTOCOL_VERSION: u32 = 3;
+/// `blocks_per_id`). 4: finish notifications and heartbeats carry a tag of the request's
+/// [`Capability`](crate::Capability), which a version-3 prefill would not parse and a
+/// version-4 one requires.
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// Most registered (kernel) blocks per block id a peer may declare (its
 /// [`HandshakeMessage::blocks_per_id`], vLLM's `physical_blocks_per_logical_kv_block`).

@@ -4,6 +4,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use crate::error::{Error, Result};
+use crate::transport::capability::Capability;
 
 /// vLLM's `kv_transfer_params`: on a request sent to prefill, `do_remote_decode`; on the
 /// prefill's answer (handed to decode), where and which blocks to read.
@@ -71,6 +72,12 @@ pub struct KvTransferParams {
     /// `"pull"` (the decode READs) or `"push"` (not supported).
     #[serde(default)]
     pub transfer_mode: Option<String>,
+    /// The request's capability (native protocol): the decode's finish notifications and
+    /// heartbeats for the request count only with tags made under it, so only whoever got
+    /// these params can free the prefill's blocks or extend their lease. Keep the params as
+    /// private as the KV they lead to. vLLM's protocol has none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote_capability: Option<Capability>,
     /// Keys of vLLM's JSON this type has no field for, and known keys whose value was
     /// `null`, as they came.
     #[serde(default, skip_serializing_if = "Map::is_empty")]
@@ -113,6 +120,10 @@ pub struct RemoteBlocks {
     /// Its registration generation (see
     /// [`KvTransferParams::remote_registration_generation`]; vLLM mode).
     pub registration_generation: Option<u64>,
+    /// The request's capability (see [`KvTransferParams::remote_capability`]; native
+    /// protocol).
+    #[serde(default)]
+    pub capability: Option<Capability>,
 }
 
 impl KvTransferParams {
@@ -129,6 +140,7 @@ impl KvTransferParams {
             num_tokens: self.remote_num_tokens,
             blocks_expiry_time: self.remote_blocks_expiry_time,
             registration_generation: self.remote_registration_generation,
+            capability: self.remote_capability.clone(),
         })
     }
 

@@ -8,12 +8,17 @@
 //! answer to make room for the newest, and the client retries a busy answer with backoff
 //! within its deadline, so connections held open without a word cannot lock readers out.
 //!
-//! With a [`SharedSecret`] both sides authenticate each other before any metadata leaves
-//! (see [`auth`](crate::auth)): the reader opens with a nonce instead of its message, the
-//! server answers with its own, the reader sends its message with its MAC, and only then
-//! does the server answer with its message and MAC. A server with a secret answers a reader
-//! without one with an [`Error::Unauthenticated`] refusal and nothing else. Connections from
-//! outside the allowed [`PeerNetworks`] are closed as they are accepted.
+//! With a [`SharedSecret`] both sides authenticate each other before any metadata leaves,
+//! and the metadata travels sealed (see [`auth`](crate::auth)): the reader opens with a
+//! nonce and the exchange's version instead of its message, the server answers with its
+//! own, the reader sends its message sealed under the exchange's reader key, and only once
+//! that opens does the server answer, its message (or refusal) sealed under its own key. A
+//! relay between the two sees sealed bytes only, and a byte it changes makes the exchange
+//! fail. A server with a secret answers a reader without one with an
+//! [`Error::Unauthenticated`] refusal and nothing else, and a reader of another version of
+//! the exchange with a refusal naming both. Every refusal is counted by kind and logged at
+//! the 1st, 2nd, 4th, 8th... of its kind ([`Refusal`]). Connections from outside the
+//! allowed [`PeerNetworks`] are closed as they are accepted.
 
 use std::collections::hash_map::RandomState;
 use std::hash::{BuildHasher, Hasher};
@@ -33,6 +38,8 @@ use crate::transport::handshake::{check_compatible, HandshakeMessage};
 use crate::transport::peer_networks::PeerNetworks;
 use crate::transport::pending::{PendingHandshakes, PendingSlot};
 use crate::transport::readers::{Reader, Readers};
+use crate::transport::refusals::{refused, Refusal, Refusals};
+use crate::transport::sealing::{Role, SessionKeys, SIDE_CHANNEL_AUTH_VERSION};
 use crate::transport::wire::{within, Channel, ChannelLimits};
 
 /// How long a new connection waits for the place of the handshake evicted for it; past it,
@@ -51,20 +58,24 @@ pub const MAX_RETRY_PAUSE: Duration = Duration::from_millis(320);
 enum Request {
     /// The reader's own handshake, for the server's check (no shared secret).
     Handshake(Box<HandshakeMessage>),
-    /// The opening of an authenticated exchange: the reader's nonce.
+    /// The opening of an authenticated exchange: the reader's nonce and version of the
+    /// exchange.
     Hello {
         /// The reader's fresh nonce.
         #[serde(with = "serde_bytes")]
         nonce: Vec<u8>,
+        /// The reader's [`SIDE_CHANNEL_AUTH_VERSION`] (absent, 0, from a reader of
+        /// version 1).
+        #[serde(default)]
+        version: u32,
     },
-    /// The reader's handshake in an authenticated exchange, answering a [`Response::Challenge`].
+    /// The reader's handshake in an authenticated exchange, answering a
+    /// [`Response::Challenge`].
     Proof {
-        /// The reader's [`HandshakeMessage`], encoded.
+        /// The reader's [`HandshakeMessage`], encoded and sealed under the exchange's
+        /// reader key.
         #[serde(with = "serde_bytes")]
-        message: Vec<u8>,
-        /// The reader's MAC of both nonces and `message`.
-        #[serde(with = "serde_bytes")]
-        mac: Vec<u8>,
+        sealed: Vec<u8>,
     },
 }
 
@@ -83,24 +94,37 @@ enum Response {
         /// A message for a person.
         reason: String,
     },
-    /// The server's nonce, answering a [`Request::Hello`].
+    /// The server's nonce and version of the exchange, answering a [`Request::Hello`].
     Challenge {
         /// The server's fresh nonce.
         #[serde(with = "serde_bytes")]
         nonce: Vec<u8>,
+        /// The server's [`SIDE_CHANNEL_AUTH_VERSION`] (absent, 0, from a server of
+        /// version 1).
+        #[serde(default)]
+        version: u32,
     },
-    /// The server's handshake in an authenticated exchange, once the reader's proof checked.
+    /// The server's answer in an authenticated exchange, once the reader's proof opened.
     Proven {
-        /// The server's [`HandshakeMessage`], encoded.
+        /// A [`Sealed`] answer, encoded and sealed under the exchange's server key.
         #[serde(with = "serde_bytes")]
-        message: Vec<u8>,
-        /// The server's MAC of both nonces and `message`.
-        #[serde(with = "serde_bytes")]
-        mac: Vec<u8>,
+        sealed: Vec<u8>,
     },
     /// The reader did not prove the shared secret (or the server has none, and was asked to
     /// prove one).
     Unauthenticated {
+        /// A message for a person.
+        reason: String,
+    },
+}
+
+/// What a server's [`Response::Proven`] holds.
+#[derive(Debug, Serialize, Deserialize)]
+enum Sealed {
+    /// The server's handshake.
+    Accepted(Box<HandshakeMessage>),
+    /// Why the server refuses the (authenticated) reader.
+    Refused {
         /// A message for a person.
         reason: String,
     },
@@ -116,8 +140,8 @@ pub(crate) struct Guard {
     pub(crate) peers: PeerNetworks,
     /// The readers accepted.
     pub(crate) readers: std::sync::Arc<Readers>,
-    /// Connections closed at accept because of their network.
-    pub(crate) refused_networks: std::sync::atomic::AtomicU64,
+    /// The connections refused, by kind.
+    pub(crate) refusals: Refusals,
 }
 
 /// Accepts connections on `listener` and answers each with the message `ours` holds when it
@@ -142,11 +166,7 @@ pub(crate) fn serve(
                 }
             };
             if !guard.peers.allows(peer.ip()) {
-                let refused = guard.refused_networks.fetch_add(1, Ordering::Relaxed) + 1;
-                // Logged at the 1st, 2nd, 4th, 8th... so that a flood cannot flood the log.
-                if refused.is_power_of_two() {
-                    tracing::warn!(%peer, refused, "side channel: a connection from outside the allowed peer networks closed");
-                }
+                refused!(guard.refusals, Refusal::Network, %peer, "side channel: a connection from outside the allowed peer networks closed");
                 drop(stream);
                 continue;
             }
@@ -156,7 +176,7 @@ pub(crate) fn serve(
                 continue;
             };
             let Some(slot) = pending.admit(EVICTION_GRACE).await else {
-                tracing::warn!(%peer, max = limits.max_sessions, "side channel: no handshake place came free; connection refused as busy");
+                refused!(guard.refusals, Refusal::Busy, %peer, max = limits.max_sessions, "side channel: no handshake place came free; connection refused as busy");
                 let reason = format!(
                     "{} handshakes are under way, the most this side channel runs at once",
                     limits.max_sessions
@@ -179,7 +199,11 @@ pub(crate) fn serve(
                 )
                 .await;
                 if let Err(err) = outcome {
-                    tracing::warn!(%err, "side channel: handshake failed");
+                    let kind = match err {
+                        Error::Deadline { .. } => Refusal::Deadline,
+                        _ => Refusal::Malformed,
+                    };
+                    refused!(guard.refusals, kind, %err, "side channel: handshake failed");
                 }
                 drop(slot);
             });
@@ -208,58 +232,41 @@ async fn answer(
     let exchange = async {
         let response = match (channel.recv().await?, &guard.secret) {
             (Request::Handshake(theirs), None) => check(peer, &theirs, ours, guard)
-                .map(|()| Response::Accepted(Box::new(ours.clone()))),
-            (Request::Hello { nonce: reader }, Some(secret)) => {
-                let reader = nonce_of(&channel, &reader)?;
-                let server = nonce()?;
-                channel
-                    .send(&Response::Challenge {
-                        nonce: server.to_vec(),
-                    })
-                    .await?;
-                let Request::Proof { message, mac } = channel.recv().await? else {
-                    return Err(
-                        channel.protocol("the reader sent no proof after the challenge".into())
-                    );
-                };
-                if secret.verify_reader(&reader, &server, &message, &mac) {
-                    let theirs: HandshakeMessage = decode(&channel, &message)?;
-                    match check(peer, &theirs, ours, guard) {
-                        Ok(()) => {
-                            let message = encode(&channel, ours)?;
-                            let mac = secret.server_mac(&reader, &server, &message);
-                            Ok(Response::Proven { message, mac })
-                        }
-                        Err(reason) => Err(reason),
+                .map(|()| Response::Accepted(Box::new(ours.clone())))
+                .unwrap_or_else(|reason| Response::Refused { reason }),
+            (Request::Hello { nonce, version }, Some(secret)) => {
+                if version != SIDE_CHANNEL_AUTH_VERSION {
+                    refused!(guard.refusals, Refusal::Version, %peer, version, "side channel: a reader of another version of the authenticated exchange refused");
+                    Response::Refused {
+                        reason: format!(
+                            "the reader speaks version {version} of the authenticated side channel, this engine {SIDE_CHANNEL_AUTH_VERSION}; run the same connector version on both engines"
+                        ),
                     }
                 } else {
-                    tracing::warn!(%peer, "side channel: a reader without the shared secret refused");
-                    Ok(Response::Unauthenticated {
-                        reason: "the reader did not prove the shared secret; configure the same secret on both engines".into(),
-                    })
+                    let reader = nonce_of(&channel, &nonce)?;
+                    prove(&mut channel, peer, ours, guard, secret, reader).await?
                 }
             }
             (Request::Handshake(_) | Request::Proof { .. }, Some(_)) => {
-                tracing::warn!(%peer, "side channel: a reader without the shared secret refused");
-                Ok(Response::Unauthenticated {
+                refused!(guard.refusals, Refusal::Unauthenticated, %peer, "side channel: a reader without the shared secret refused");
+                Response::Unauthenticated {
                     reason: "this side channel requires the shared secret; configure the same secret on both engines".into(),
-                })
+                }
             }
             (Request::Hello { .. } | Request::Proof { .. }, None) => {
-                tracing::warn!(%peer, "side channel: a reader asked for authentication, which this side channel has no secret for");
-                Ok(Response::Unauthenticated {
+                refused!(guard.refusals, Refusal::Unauthenticated, %peer, "side channel: a reader asked for authentication, which this side channel has no secret for");
+                Response::Unauthenticated {
                     reason: "this side channel has no shared secret; configure the same secret on both engines".into(),
-                })
+                }
             }
         };
-        let response = response.unwrap_or_else(|reason| Response::Refused { reason });
         answering.store(true, Ordering::Relaxed);
         channel.send(&response).await
     };
     tokio::select! {
         done = exchange => done,
         () = evicted => {
-            tracing::warn!(%peer, max = limits.max_sessions, "side channel: closed the oldest handshake under way to make room for a newer one");
+            refused!(guard.refusals, Refusal::Busy, %peer, max = limits.max_sessions, "side channel: closed the oldest handshake under way to make room for a newer one");
             let reason = format!(
                 "this handshake was the oldest of the {} under way, the most this side channel runs at once, and was closed for a newer one",
                 limits.max_sessions
@@ -270,6 +277,46 @@ async fn answer(
             Ok(())
         }
     }
+}
+
+/// The rest of an authenticated exchange that opened with the reader's nonce `reader`: the
+/// server's challenge, the reader's sealed proof, and the answer to send, sealed when the
+/// proof opened.
+async fn prove(
+    channel: &mut Channel,
+    peer: SocketAddr,
+    ours: &HandshakeMessage,
+    guard: &Guard,
+    secret: &SharedSecret,
+    reader: Nonce,
+) -> Result<Response> {
+    let server = nonce()?;
+    channel
+        .send(&Response::Challenge {
+            nonce: server.to_vec(),
+            version: SIDE_CHANNEL_AUTH_VERSION,
+        })
+        .await?;
+    let Request::Proof { sealed } = channel.recv().await? else {
+        return Err(channel.protocol("the reader sent no proof after the challenge".into()));
+    };
+    let keys = SessionKeys::derive(secret, &reader, &server);
+    let Some(message) = keys.open(Role::Reader, &sealed) else {
+        refused!(guard.refusals, Refusal::Unauthenticated, %peer, "side channel: a reader without the shared secret refused");
+        return Ok(Response::Unauthenticated {
+            reason: "the reader did not prove the shared secret; configure the same secret on both engines".into(),
+        });
+    };
+    let theirs: HandshakeMessage = decode(channel, &message)?;
+    let answer = match check(peer, &theirs, ours, guard) {
+        Ok(()) => Sealed::Accepted(Box::new(ours.clone())),
+        Err(reason) => Sealed::Refused { reason },
+    };
+    let answer = rmp_serde::to_vec_named(&answer)
+        .map_err(|err| channel.protocol(format!("cannot encode an answer: {err}")))?;
+    Ok(Response::Proven {
+        sealed: keys.seal(Role::Server, &answer),
+    })
 }
 
 /// Checks a reader's message, and notes the reader when it is accepted; the reason when not.
@@ -290,7 +337,7 @@ fn check(
             Ok(())
         }
         Err(err) => {
-            tracing::warn!(%peer, %err, "side channel: handshake refused");
+            refused!(guard.refusals, Refusal::Incompatible, %peer, %err, "side channel: handshake refused");
             Err(err.to_string())
         }
     }
@@ -306,17 +353,17 @@ fn nonce_of(channel: &Channel, bytes: &[u8]) -> Result<Nonce> {
     })
 }
 
-/// `message` as MessagePack, as it is MACed and sent.
+/// `message` as MessagePack, as it is sealed and sent.
 fn encode(channel: &Channel, message: &HandshakeMessage) -> Result<Vec<u8>> {
     rmp_serde::to_vec_named(message)
         .map_err(|err| channel.protocol(format!("cannot encode a handshake: {err}")))
 }
 
-/// The handshake message in the (authenticated) bytes `message`.
-fn decode(channel: &Channel, message: &[u8]) -> Result<HandshakeMessage> {
+/// The message in the (authenticated) bytes `message`.
+fn decode<T: serde::de::DeserializeOwned>(channel: &Channel, message: &[u8]) -> Result<T> {
     rmp_serde::from_slice(message).map_err(|err| {
         channel.protocol(format!(
-            "undecodable handshake of {} bytes: {err}",
+            "undecodable sealed message of {} bytes: {err}",
             message.len()
         ))
     })
@@ -337,8 +384,9 @@ pub async fn fetch_handshake(
     fetch_handshake_with(addr, ours, limits, None).await
 }
 
-/// As [`fetch_handshake`], authenticating both sides with `secret` when one is given (the
-/// server's message is returned only once its MAC checked).
+/// As [`fetch_handshake`], authenticating both sides with `secret` when one is given (both
+/// messages travel sealed under the exchange's keys, and the server's is returned only once
+/// it opened).
 ///
 /// # Errors
 /// [`Error::Busy`] when the server was still busy at the deadline; [`Error::Deadline`],
@@ -412,24 +460,45 @@ async fn ask(
     channel
         .send(&Request::Hello {
             nonce: reader.to_vec(),
+            version: SIDE_CHANNEL_AUTH_VERSION,
         })
         .await?;
     let server = match channel.recv().await? {
-        Response::Challenge { nonce } => nonce_of(&channel, &nonce)?,
+        Response::Challenge { nonce, version } if version == SIDE_CHANNEL_AUTH_VERSION => {
+            nonce_of(&channel, &nonce)?
+        }
+        Response::Challenge { version, .. } => {
+            return Err(Error::Refused {
+                peer: peer.to_string(),
+                reason: format!(
+                    "the server speaks version {version} of the authenticated side channel, this engine {SIDE_CHANNEL_AUTH_VERSION}; run the same connector version on both engines"
+                ),
+            })
+        }
         other => return answer_of(&channel, other),
     };
+    let keys = SessionKeys::derive(secret, &reader, &server);
     let message = encode(&channel, ours)?;
-    let mac = secret.reader_mac(&reader, &server, &message);
-    channel.send(&Request::Proof { message, mac }).await?;
+    channel
+        .send(&Request::Proof {
+            sealed: keys.seal(Role::Reader, &message),
+        })
+        .await?;
     match channel.recv().await? {
-        Response::Proven { message, mac } => {
-            if !secret.verify_server(&reader, &server, &message, &mac) {
+        Response::Proven { sealed } => {
+            let Some(answer) = keys.open(Role::Server, &sealed) else {
                 return Err(Error::Unauthenticated {
                     peer: peer.to_string(),
-                    reason: "the server did not prove the shared secret; configure the same secret on both engines".into(),
+                    reason: "the server's answer did not open under the exchange's key: it does not hold the shared secret, or the answer was changed on the way; configure the same secret on both engines".into(),
                 });
+            };
+            match decode(&channel, &answer)? {
+                Sealed::Accepted(theirs) => Ok(Ok(*theirs)),
+                Sealed::Refused { reason } => Err(Error::Refused {
+                    peer: peer.to_string(),
+                    reason,
+                }),
             }
-            decode(&channel, &message).map(Ok)
         }
         other => answer_of(&channel, other),
     }

@@ -220,6 +220,7 @@ mod tests {
             num_tokens: None,
             blocks_expiry_time: expiry,
             registration_generation: generation,
+            capability: None,
         }
     }
 

@@ -233,6 +233,8 @@ impl TryFrom<&VllmKvTransferParams> for KvTransferParams {
             remote_blocks_expiry_time: params.remote_blocks_expiry_time,
             remote_registration_generation: params.remote_registration_generation,
             transfer_mode: params.transfer_mode.clone(),
+            // vLLM's protocol has no capabilities.
+            remote_capability: None,
             vllm_extra: params.other.clone(),
         };
         native.check_supported()?;
@@ -408,6 +410,7 @@ mod tests {
             remote_blocks_expiry_time: Some(0.1 + 0.2),
             remote_registration_generation: Some(u64::MAX),
             transfer_mode: Some("pull".into()),
+            remote_capability: None,
             vllm_extra: Map::from_iter([("k".to_string(), Value::from(vec![1.5, -2.0]))]),
         };
         let hybrid = KvTransferParams {

@@ -23,6 +23,7 @@ use super::payload::{decode_request, encode_clock, encode_error, NixlHandshakePa
 use super::zmtp::{Connection, SocketType};
 use crate::error::{Error, Result};
 use crate::transport::peer_networks::PeerNetworks;
+use crate::transport::refusals::{refused, Refusal, RefusalCounts, Refusals};
 use crate::transport::wire::within;
 
 /// Most ranks an error reply lists.
@@ -50,14 +51,14 @@ impl std::fmt::Debug for MetadataServer {
 struct Shared {
     limits: VllmChannelLimits,
     state: Mutex<State>,
+    /// The connections refused, by kind.
+    refusals: Refusals,
 }
 
 #[derive(Default)]
 struct State {
     /// The networks answered.
     peers: PeerNetworks,
-    /// Connections closed at accept because of their network.
-    refused_networks: u64,
     /// Encoded payloads by (pp_rank, tp_rank).
     payloads: BTreeMap<(u32, u32), Arc<[u8]>>,
     generation: u64,
@@ -120,6 +121,10 @@ impl MetadataServer {
         let shared = Arc::new(Shared {
             limits,
             state: Mutex::new(State::default()),
+            refusals: Refusals::labelled(vec![metrics::Label::new(
+                "listener",
+                local_addr.to_string(),
+            )]),
         });
         let accept = tokio::spawn(accept_loop(listener, shared.clone()));
         tracing::info!(%local_addr, "vLLM side channel listening");
@@ -174,7 +179,15 @@ impl MetadataServer {
 
     /// Connections closed at accept because they came from outside the allowed networks.
     pub fn refused_networks(&self) -> u64 {
-        self.shared.lock().refused_networks
+        self.shared.refusals.counts().network
+    }
+
+    /// The connections refused so far, by kind: from outside the allowed networks, or at
+    /// the connection cap while every connection was being answered (each kind is logged
+    /// at its 1st, 2nd, 4th, 8th... refusal only; the metric series carry the label
+    /// `listener`).
+    pub fn refusals(&self) -> RefusalCounts {
+        self.shared.refusals.counts()
     }
 
     /// Connections open now.
@@ -217,11 +230,7 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
 fn admit(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
     let mut state = shared.lock();
     if !state.peers.allows(peer.ip()) {
-        state.refused_networks += 1;
-        // Logged at the 1st, 2nd, 4th, 8th... so that a flood cannot flood the log.
-        if state.refused_networks.is_power_of_two() {
-            tracing::warn!(%peer, refused = state.refused_networks, "vLLM side channel: a connection from outside the allowed peer networks closed");
-        }
+        refused!(shared.refusals, Refusal::Network, %peer, "vLLM side channel: a connection from outside the allowed peer networks closed");
         return;
     }
     let mut displaced = None;
@@ -233,7 +242,7 @@ fn admit(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
             .min_by_key(|(_, slot)| slot.last_active)
             .map(|(&id, _)| id);
         let Some(slot) = idlest.and_then(|id| state.connections.remove(&id)) else {
-            tracing::warn!(%peer, max = shared.limits.max_connections, "vLLM side channel: every connection is being answered; new connection closed");
+            refused!(shared.refusals, Refusal::Busy, %peer, max = shared.limits.max_connections, "vLLM side channel: every connection is being answered; new connection closed");
             return;
         };
         displaced = Some(slot.abort);

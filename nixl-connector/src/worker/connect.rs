@@ -128,15 +128,7 @@ async fn connect(
             let limits = shared.config.limits;
             let left = limits.deadline.saturating_sub(started.elapsed());
             let key = crate::transport::etcd::metadata_key(&etcd.namespace, &theirs.agent_name);
-            let metadata = crate::transport::etcd::fetch_metadata_with(
-                &etcd.endpoints,
-                &key,
-                limits.max_frame,
-                left,
-                etcd.credentials.as_ref(),
-                etcd.tls.as_ref(),
-            )
-            .await?;
+            let metadata = etcd.fetch(&key, limits.max_frame, left).await?;
             shared
                 .remotes
                 .load_metadata(agent, &source, &theirs.agent_name, &metadata)?

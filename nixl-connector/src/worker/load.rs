@@ -28,8 +28,8 @@ use crate::transport::params::RemoteBlocks;
 #[cfg(feature = "vllm")]
 use crate::vllm::clock::perf_counter;
 use crate::worker::connect::{self, Engine};
+use crate::worker::notification_format::notification_message;
 use crate::worker::remotes::Remote;
-use crate::worker::sending::notification_message;
 use crate::worker::shared::Shared;
 
 /// What [`crate::KvConnectorWorker::start_load`] checked and hands the task.
@@ -59,16 +59,19 @@ impl Load {
     }
 
     /// The notification each remote rank gets: the remote request id and, in the native
-    /// protocol, this engine's TP size (the prefill works out how many ranks read it), in
-    /// vLLM's, how many ranks of this engine notify each remote rank (vLLM's
-    /// `local_consumers`).
+    /// protocol, this engine's TP size (the prefill works out how many ranks read it) and
+    /// the tag of the request's capability for this rank's agent, in vLLM's, how many ranks
+    /// of this engine notify each remote rank (vLLM's `local_consumers`). A native load
+    /// whose params had no capability notifies without a tag, which a prefill refuses (its
+    /// lease frees the blocks).
     fn notification(&self, shared: &Shared) -> Vec<u8> {
         let own_tp = shared.config.tp_size;
-        let count = match shared.protocol {
-            Protocol::Native => own_tp,
-            Protocol::Vllm => TpMapping::consumers(own_tp, self.remote.tp_size),
+        let agent = shared.setup.agent().name();
+        let (count, proof) = match shared.protocol {
+            Protocol::Native => (own_tp, self.remote.capability.as_ref().map(|c| (c, agent))),
+            Protocol::Vllm => (TpMapping::consumers(own_tp, self.remote.tp_size), None),
         };
-        notification_message(&self.remote.request_id, count)
+        notification_message(&self.remote.request_id, count, proof)
     }
 
     /// The remote engine as a handshake needs it.

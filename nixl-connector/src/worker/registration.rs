@@ -128,7 +128,7 @@ impl KvConnectorWorker {
         let metadata = match config.metadata_exchange {
             MetadataExchange::SideChannel => self.agent().local_metadata()?,
             MetadataExchange::Etcd => {
-                crate::transport::etcd::publish(self.agent())?;
+                crate::transport::etcd::publish(self.agent(), self.shared.guard.secret.as_ref())?;
                 Vec::new()
             }
         };

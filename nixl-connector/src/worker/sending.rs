@@ -3,7 +3,10 @@
 //!
 //! Every notification is peer input: parsed strictly, and whatever it says, memory stays
 //! bounded ([`MAX_EARLY`] early notifications, [`MAX_RELEASED`] remembered releases) and no
-//! request is released twice.
+//! request is released twice. In the native protocol a finish notification or a heartbeat
+//! counts only with a tag made under the request's [`Capability`], and from an agent that
+//! handshook as a reader; vLLM's protocol has neither, and its guard is the side channel's
+//! allowlist of peer networks.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -14,7 +17,9 @@ use crate::geometry::tp_mapping::{TpMapping, MAX_TP_SIZE};
 use crate::lease::Lease;
 use crate::metrics::series::Series;
 use crate::metrics::SendStats;
+use crate::transport::capability::Capability;
 use crate::transport::readers::Readers;
+use crate::worker::notification_format::{parse, split_tag, Note, TAG_SEPARATOR};
 
 /// Most notifications kept for requests not (yet) held, e.g. ones that arrive before the
 /// engine's step hands the request over; more are dropped, and each is dropped after a
@@ -24,104 +29,6 @@ const MAX_EARLY: usize = 1 << 16;
 /// Most released request ids remembered, to tell a late or repeated notification from an
 /// early one.
 const MAX_RELEASED: usize = 1 << 14;
-
-/// Largest reader TP a notification may claim.
-const MAX_READER_TP: usize = 1 << 12;
-
-/// Heartbeat messages start with this (vLLM's format: `HB:` and comma-separated remote
-/// request ids).
-const HEARTBEAT_PREFIX: &str = "HB:";
-
-/// Longest heartbeat message this connector sends; a decode splits longer lists. Heartbeats
-/// taken have no such bound: vLLM's `_send_heartbeats` sends one message per engine naming
-/// every request it waits for, so they are bounded only by what NIXL delivers (its UCX
-/// notifications have no size limit; the agent's notification hub holds at most 64 MiB).
-pub(crate) const MAX_HEARTBEAT_BYTES: usize = 16 << 10;
-
-/// Longest request id a heartbeat may name (that of vLLM's
-/// [`NotificationLimits`](crate::vllm::NotificationLimits)); a heartbeat naming a longer
-/// one is refused whole.
-const MAX_HEARTBEAT_ID_BYTES: usize = 4096;
-
-/// The notification message a reader sends for `request_id`: `request:count`, `count` its
-/// TP size (native protocol) or how many of its ranks notify each prefill rank (vLLM's
-/// `local_consumers`).
-pub(crate) fn notification_message(request_id: &str, count: usize) -> Vec<u8> {
-    format!("{request_id}:{count}").into_bytes()
-}
-
-/// The heartbeat messages for remote requests `ids` (vLLM's `_send_heartbeats`): `HB:` and
-/// the ids separated by commas, split so that none is longer than [`MAX_HEARTBEAT_BYTES`].
-/// An id that is empty, holds a comma or is longer than a heartbeat's ids may be is left
-/// out (it could not be parsed).
-pub(crate) fn heartbeat_messages<'a>(ids: impl IntoIterator<Item = &'a str>) -> Vec<Vec<u8>> {
-    let mut messages = Vec::new();
-    let mut current = String::from(HEARTBEAT_PREFIX);
-    for id in ids {
-        if id.is_empty() || id.contains(',') || id.len() > MAX_HEARTBEAT_ID_BYTES {
-            tracing::warn!(
-                request = id,
-                "a remote request id that a heartbeat cannot carry; its lease is not extended"
-            );
-            continue;
-        }
-        let separator = usize::from(current.len() > HEARTBEAT_PREFIX.len());
-        if current.len() + separator + id.len() > MAX_HEARTBEAT_BYTES {
-            messages
-                .push(std::mem::replace(&mut current, String::from(HEARTBEAT_PREFIX)).into_bytes());
-        }
-        if current.len() > HEARTBEAT_PREFIX.len() {
-            current.push(',');
-        }
-        current.push_str(id);
-    }
-    if current.len() > HEARTBEAT_PREFIX.len() {
-        messages.push(current.into_bytes());
-    }
-    messages
-}
-
-/// A notification as parsed.
-#[derive(Debug, PartialEq, Eq)]
-enum Note<'a> {
-    /// A reader is done with `request` (it read it, or never will); `count` is its TP
-    /// size (native protocol) or how many readers notify (vLLM's).
-    Done { request: &'a str, count: usize },
-    /// A decode still waits for these requests: their ids, comma-separated, each checked
-    /// (non-empty, at most [`MAX_HEARTBEAT_ID_BYTES`]).
-    Heartbeat(&'a str),
-}
-
-/// Parses a notification strictly: `HB:` and non-empty comma-separated ids of at most
-/// [`MAX_HEARTBEAT_ID_BYTES`] each (vLLM's `_handle_heartbeat` format, of any length), or
-/// `request:count` with a non-empty request and a count of 1 to [`MAX_READER_TP`]; why not,
-/// otherwise. It allocates nothing: a heartbeat's ids are read from the message.
-fn parse(message: &[u8]) -> Result<Note<'_>, &'static str> {
-    let text = std::str::from_utf8(message).map_err(|_| "not UTF-8")?;
-    if let Some(ids) = text.strip_prefix(HEARTBEAT_PREFIX) {
-        for id in ids.split(',') {
-            if id.is_empty() {
-                return Err("heartbeat with an empty request id");
-            }
-            if id.len() > MAX_HEARTBEAT_ID_BYTES {
-                return Err("heartbeat with a request id over 4096 bytes");
-            }
-        }
-        return Ok(Note::Heartbeat(ids));
-    }
-    let (request, tp) = text
-        .rsplit_once(':')
-        .ok_or("neither `request:tp` nor `HB:ids`")?;
-    let count = tp
-        .parse::<usize>()
-        .ok()
-        .filter(|tp| (1..=MAX_READER_TP).contains(tp))
-        .ok_or("the reader count is not a number from 1 to 4096")?;
-    if request.is_empty() {
-        return Err("empty request id");
-    }
-    Ok(Note::Done { request, count })
-}
 
 /// What the prefill's notifications did, besides releasing requests.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -139,7 +46,8 @@ pub struct NotificationStats {
     pub duplicate_notifications: u64,
     /// Notifications that are neither `request:tp` nor a well-formed heartbeat (ignored).
     pub malformed: u64,
-    /// Finish notifications refused (ignored): in the native protocol, from an agent that no
+    /// Finish notifications and heartbeat entries refused (ignored): in the native
+    /// protocol, without a tag of the request's capability, from an agent that no
     /// handshake with this rank named as a reader, or with a count other than that
     /// reader's TP size; in vLLM's, with more readers than a decode can have.
     pub refused: u64,
@@ -154,13 +62,25 @@ struct Held {
     /// The agents that notified (each counts once).
     readers: Vec<Vec<u8>>,
     needed: usize,
+    /// The capability of its params (native protocol; without one only the lease frees it).
+    capability: Option<Capability>,
+}
+
+/// Finish notifications for a request not held yet: checked against its capability when it
+/// is.
+#[derive(Debug)]
+struct Early {
+    /// Each reader that notified, with its tag (native protocol) and count.
+    readers: Vec<EarlyReader>,
+    arrived: Instant,
 }
 
 #[derive(Debug)]
-struct Early {
-    readers: Vec<Vec<u8>>,
+struct EarlyReader {
+    sender: Vec<u8>,
+    tag: Option<String>,
+    count: usize,
     needed: usize,
-    arrived: Instant,
 }
 
 /// Held requests and early notifications of one rank.
@@ -205,9 +125,16 @@ impl Sends {
     }
 
     /// Holds `request_id` until its notifications arrive or its lease ends at `deadline`
-    /// (at most [`Lease::max_hold`] from `now`, if capped). A request already held keeps its
-    /// lease.
-    pub(crate) fn hold(&mut self, request_id: String, deadline: Instant, now: Instant) {
+    /// (at most [`Lease::max_hold`] from `now`, if capped); in the native protocol only
+    /// notifications and heartbeats tagged under `capability` count. A request already held
+    /// keeps its lease.
+    pub(crate) fn hold(
+        &mut self,
+        request_id: String,
+        deadline: Instant,
+        capability: Option<Capability>,
+        now: Instant,
+    ) {
         if self.held.contains_key(&request_id) {
             tracing::warn!(request = %request_id, "request is already held; its lease is kept");
             return;
@@ -216,11 +143,32 @@ impl Sends {
             self.released_order.retain(|id| *id != request_id);
         }
         let limit = self.lease.max_hold().map(|cap| now + cap);
-        let (readers, needed) = self
+        let mut readers = Vec::new();
+        let mut needed = 1;
+        for early in self
             .early
             .remove(&request_id)
-            .map_or((Vec::new(), 1), |e| (e.readers, e.needed));
-        if readers.len() >= needed {
+            .map_or(Vec::new(), |e| e.readers)
+        {
+            let tag = early.tag.as_deref();
+            if !self.proves_finish(
+                capability.as_ref(),
+                &early.sender,
+                &request_id,
+                early.count,
+                tag,
+            ) {
+                self.refuse(
+                    &early.sender,
+                    &request_id,
+                    "an early finish notification without a tag of the request's capability",
+                );
+                continue;
+            }
+            readers.push(early.sender);
+            needed = needed.max(early.needed);
+        }
+        if !readers.is_empty() && readers.len() >= needed {
             self.release(request_id, true);
             return;
         }
@@ -229,6 +177,7 @@ impl Sends {
             limit,
             readers,
             needed,
+            capability,
         };
         self.held.insert(request_id, held);
         self.series.held(self.held.len());
@@ -241,23 +190,22 @@ impl Sends {
 
     /// Takes one notification from agent `sender`.
     pub(crate) fn notified(&mut self, sender: &[u8], message: &[u8], now: Instant) {
-        match parse(message) {
-            Ok(Note::Heartbeat(ids)) => self.heartbeat(ids, now),
-            Ok(Note::Done { request, count }) => {
+        match parse(message, self.protocol) {
+            Ok(Note::Heartbeat(ids)) => self.heartbeat(sender, ids, now),
+            Ok(Note::Done {
+                request,
+                count,
+                tag,
+            }) => {
                 if let Err(why) = self.admit(sender, count) {
-                    self.notes.refused += 1;
-                    self.series.refused_notification();
-                    // Logged at the 1st, 2nd, 4th, 8th... so that a flood cannot flood the log.
-                    if self.notes.refused.is_power_of_two() {
-                        tracing::warn!(sender = %String::from_utf8_lossy(sender), request, count, why, refused = self.notes.refused, "finish notification refused");
-                    }
+                    self.refuse(sender, request, why);
                     return;
                 }
                 let needed = match self.protocol {
                     Protocol::Native => TpMapping::consumers(count, self.own_tp),
                     Protocol::Vllm => count,
                 };
-                self.done_reading(sender, request, needed, now);
+                self.done_reading(sender, request, (count, needed), tag, now);
             }
             Err(why) => {
                 self.notes.malformed += 1;
@@ -295,34 +243,106 @@ impl Sends {
         }
     }
 
-    /// Extends the lease of every held request in `ids` (comma-separated) to
+    /// Counts one refused finish notification or heartbeat entry from `sender` for
+    /// `request`, logged at the 1st, 2nd, 4th, 8th... so that a flood cannot flood the log.
+    fn refuse(&mut self, sender: &[u8], request: &str, why: &str) {
+        self.notes.refused += 1;
+        self.series.refused_notification();
+        if self.notes.refused.is_power_of_two() {
+            tracing::warn!(sender = %String::from_utf8_lossy(sender), request, why, refused = self.notes.refused, "notification refused");
+        }
+    }
+
+    /// Whether a finish notification from `sender` for `request` saying `count` with `tag`
+    /// may count for a request of `capability`: always in vLLM's protocol; in the native one
+    /// only with the capability's tag.
+    fn proves_finish(
+        &self,
+        capability: Option<&Capability>,
+        sender: &[u8],
+        request: &str,
+        count: usize,
+        tag: Option<&str>,
+    ) -> bool {
+        match self.protocol {
+            Protocol::Vllm => true,
+            Protocol::Native => capability
+                .zip(tag)
+                .is_some_and(|(cap, tag)| cap.verify_finish(sender, request, count, tag)),
+        }
+    }
+
+    /// Extends the lease of every held request in `entries` (comma-separated; in the native
+    /// protocol only those whose tag is of the request's capability, from `sender`) to
     /// [`Lease::extension`] from now (never shortening it, never past its limit); follows
     /// vLLM's `_handle_heartbeat`.
-    fn heartbeat(&mut self, ids: &str, now: Instant) {
+    fn heartbeat(&mut self, sender: &[u8], entries: &str, now: Instant) {
         self.notes.heartbeats += 1;
         self.series.heartbeat();
         let until = now + self.lease.extension();
         let mut any_held = false;
-        for id in ids.split(',') {
-            match self.held.get_mut(id) {
-                Some(held) => {
-                    let extended = held.deadline.max(until);
-                    held.deadline = held.limit.map_or(extended, |limit| extended.min(limit));
-                    self.notes.leases_extended += 1;
-                    any_held = true;
-                }
-                None => self.notes.unknown_heartbeat_ids += 1,
+        for entry in entries.split(',') {
+            let (id, tag) = match self.protocol {
+                // Parsed: every entry has its tag.
+                Protocol::Native => split_tag(entry, TAG_SEPARATOR)
+                    .map_or((entry, None), |(id, tag)| (id, Some(tag))),
+                Protocol::Vllm => (entry, None),
+            };
+            let protocol = self.protocol;
+            let Some(held) = self.held.get_mut(id) else {
+                self.notes.unknown_heartbeat_ids += 1;
+                continue;
+            };
+            let proven = match protocol {
+                Protocol::Vllm => true,
+                Protocol::Native => held
+                    .capability
+                    .as_ref()
+                    .zip(tag)
+                    .is_some_and(|(cap, tag)| cap.verify_heartbeat(sender, id, tag)),
+            };
+            if !proven {
+                self.refuse(
+                    sender,
+                    id,
+                    "a heartbeat without a tag of the request's capability",
+                );
+                continue;
             }
+            let extended = held.deadline.max(until);
+            held.deadline = held.limit.map_or(extended, |limit| extended.min(limit));
+            self.notes.leases_extended += 1;
+            any_held = true;
         }
         if !any_held {
             self.series.heartbeat_refused();
         }
     }
 
-    /// Counts a reader's notification that it is done with `request` (vLLM's
-    /// `_get_new_notifs`; here each reader agent counts once).
-    fn done_reading(&mut self, sender: &[u8], request: &str, needed: usize, now: Instant) {
-        if let Some(held) = self.held.get_mut(request) {
+    /// Counts a reader's notification that it is done with `request`, saying `count`
+    /// readers of which `needed` notify this rank, with `tag` (vLLM's `_get_new_notifs`;
+    /// here each reader agent counts once, and in the native protocol only with the tag of
+    /// the request's capability).
+    fn done_reading(
+        &mut self,
+        sender: &[u8],
+        request: &str,
+        (count, needed): (usize, usize),
+        tag: Option<&str>,
+        now: Instant,
+    ) {
+        if let Some(held) = self.held.get(request) {
+            if !self.proves_finish(held.capability.as_ref(), sender, request, count, tag) {
+                self.refuse(
+                    sender,
+                    request,
+                    "a finish notification without a tag of the request's capability",
+                );
+                return;
+            }
+            let Some(held) = self.held.get_mut(request) else {
+                return;
+            };
             if held.readers.iter().any(|r| r == sender) {
                 self.notes.duplicate_notifications += 1;
                 return;
@@ -348,14 +368,17 @@ impl Sends {
         }
         let early = self.early.entry(request.to_string()).or_insert(Early {
             readers: Vec::new(),
-            needed,
             arrived: now,
         });
-        if early.readers.iter().any(|r| r == sender) {
+        if early.readers.iter().any(|r| r.sender == sender) {
             self.notes.duplicate_notifications += 1;
         } else {
-            early.readers.push(sender.to_vec());
-            early.needed = early.needed.max(needed);
+            early.readers.push(EarlyReader {
+                sender: sender.to_vec(),
+                tag: tag.map(str::to_string),
+                count,
+                needed,
+            });
         }
     }
 
@@ -434,6 +457,9 @@ mod tests {
 
     use super::*;
     use crate::transport::readers::Reader;
+    use crate::worker::notification_format::{
+        heartbeat_entries, heartbeat_messages, notification_message,
+    };
 
     /// Readers that handshook: `d` and `solo` of TP 1, `d0` and `d1` of TP `tp`.
     fn readers(tp: usize) -> Arc<Readers> {
@@ -458,72 +484,39 @@ mod tests {
         )
     }
 
-    #[test]
-    fn notifications_are_parsed_strictly() {
-        assert_eq!(
-            parse(b"req-1:2"),
-            Ok(Note::Done {
-                request: "req-1",
-                count: 2
-            })
-        );
-        assert_eq!(
-            parse(b"a:b:1"),
-            Ok(Note::Done {
-                request: "a:b",
-                count: 1
-            })
-        );
-        assert_eq!(parse(b"HB:a,b"), Ok(Note::Heartbeat("a,b")));
-        for bad in [
-            &b"HB:"[..],
-            b"HB:a,,b",
-            b"HB:a,",
-            b"req",
-            b":1",
-            b"r:0",
-            b"r:-1",
-            b"r:4097",
-            b"r:99999999999999999999999",
-            b"\xff:1",
-        ] {
-            assert!(parse(bad).is_err(), "{:?}", String::from_utf8_lossy(bad));
-        }
-        // vLLM sends one heartbeat of any length; each id has a cap.
-        let ids = vec!["r".repeat(48); 5000].join(",");
-        let long = format!("HB:{ids}");
-        assert_eq!(parse(long.as_bytes()), Ok(Note::Heartbeat(ids.as_str())));
-        let id = "x".repeat(MAX_HEARTBEAT_ID_BYTES);
-        assert!(parse(format!("HB:a,{id}").as_bytes()).is_ok());
-        assert!(parse(format!("HB:a,{id}x").as_bytes()).is_err());
+    /// The capability every request of these tests is held with.
+    fn cap() -> Capability {
+        Capability::from_hex("000102030405060708090a0b0c0d0e0f").unwrap()
     }
 
-    #[test]
-    fn heartbeats_are_split_and_parse_back() {
-        let ids: Vec<String> = (0..5000).map(|i| format!("request-{i}")).collect();
-        let messages = heartbeat_messages(ids.iter().map(String::as_str).chain(["", "a,b"]));
-        assert!(messages.len() > 1);
-        let mut back = Vec::new();
-        for m in &messages {
-            assert!(m.len() <= MAX_HEARTBEAT_BYTES);
-            match parse(m).unwrap() {
-                Note::Heartbeat(got) => back.extend(got.split(',').map(String::from)),
-                other => panic!("{other:?}"),
-            }
-        }
-        assert_eq!(
-            back, ids,
-            "every id once, in order; the unsendable ones left out"
-        );
-        assert!(heartbeat_messages([]).is_empty());
+    /// A native finish notification of `sender` for `request` saying `count`, tagged
+    /// under `capability`.
+    fn fin_with(capability: &Capability, sender: &str, request: &str, count: usize) -> Vec<u8> {
+        notification_message(request, count, Some((capability, sender)))
+    }
+
+    /// As [`fin_with`], under [`cap`].
+    fn fin(sender: &str, request: &str, count: usize) -> Vec<u8> {
+        fin_with(&cap(), sender, request, count)
+    }
+
+    /// A native heartbeat of `sender` for `ids`, tagged under `capability`.
+    fn hb_with(capability: &Capability, sender: &str, ids: &[&str]) -> Vec<u8> {
+        let capabilities = vec![Some(capability.clone()); ids.len()];
+        let entries = heartbeat_entries(ids.iter().copied(), Some((&capabilities, sender)));
+        heartbeat_messages(&entries).remove(0)
     }
 
     #[test]
     fn a_heartbeat_extends_the_lease_by_two_thirds_up_to_its_limit() {
         let mut s = sends(1);
         let t0 = Instant::now();
-        s.hold("r".into(), t0 + Duration::from_secs(30), t0);
-        s.notified(b"d", b"HB:r,unknown", t0 + Duration::from_secs(25));
+        s.hold("r".into(), t0 + Duration::from_secs(30), Some(cap()), t0);
+        s.notified(
+            b"d",
+            &hb_with(&cap(), "d", &["r", "unknown"]),
+            t0 + Duration::from_secs(25),
+        );
         s.expire(t0 + Duration::from_secs(44));
         assert!(s.take_done().is_empty(), "extended to 25 + 20 s");
         s.expire(t0 + Duration::from_secs(45));
@@ -540,9 +533,13 @@ mod tests {
         assert_eq!(s.stats().freed_on_timeout, 1);
 
         // Heartbeats never keep a request past max_hold.
-        s.hold("q".into(), t0 + Duration::from_secs(30), t0);
+        s.hold("q".into(), t0 + Duration::from_secs(30), Some(cap()), t0);
         for at in (20..200).step_by(10) {
-            s.notified(b"d", b"HB:q", t0 + Duration::from_secs(at));
+            s.notified(
+                b"d",
+                &hb_with(&cap(), "d", &["q"]),
+                t0 + Duration::from_secs(at),
+            );
         }
         s.expire(t0 + Duration::from_secs(100));
         assert_eq!(s.take_done(), ["q"]);
@@ -560,7 +557,7 @@ mod tests {
             readers(1),
         );
         let t0 = Instant::now();
-        s.hold("r".into(), t0 + Duration::from_secs(30), t0);
+        s.hold("r".into(), t0 + Duration::from_secs(30), None, t0);
         for at in (20..2000).step_by(10) {
             s.notified(b"d", b"HB:r", t0 + Duration::from_secs(at));
             s.expire(t0 + Duration::from_secs(at));
@@ -578,11 +575,13 @@ mod tests {
         let series = || Arc::new(Series::new("t", 0, None));
         let mut vllm = Sends::new(2, Protocol::Vllm, lease, series(), readers(4));
         let mut native = Sends::new(2, Protocol::Native, lease, series(), readers(4));
-        for (s, message) in [(&mut vllm, &b"r:2"[..]), (&mut native, b"r:4")] {
-            s.hold("r".into(), t0 + Duration::from_secs(30), t0);
-            s.notified(b"d0", message, t0);
+        let vllm_messages = [b"r:2".to_vec(), b"r:2".to_vec()];
+        let native_messages = [fin("d0", "r", 4), fin("d1", "r", 4)];
+        for (s, messages) in [(&mut vllm, vllm_messages), (&mut native, native_messages)] {
+            s.hold("r".into(), t0 + Duration::from_secs(30), Some(cap()), t0);
+            s.notified(b"d0", &messages[0], t0);
             assert!(s.take_done().is_empty());
-            s.notified(b"d1", message, t0);
+            s.notified(b"d1", &messages[1], t0);
             assert_eq!(s.take_done(), ["r"]);
         }
     }
@@ -591,16 +590,16 @@ mod tests {
     fn each_reader_counts_once_and_nothing_is_released_twice() {
         let mut s = sends(1);
         let t0 = Instant::now();
-        s.hold("r".into(), t0 + Duration::from_secs(30), t0);
-        s.notified(b"d0", b"r:2", t0);
-        s.notified(b"d0", b"r:2", t0);
+        s.hold("r".into(), t0 + Duration::from_secs(30), Some(cap()), t0);
+        s.notified(b"d0", &fin("d0", "r", 2), t0);
+        s.notified(b"d0", &fin("d0", "r", 2), t0);
         assert!(
             s.take_done().is_empty(),
             "a repeat from the same reader counts once"
         );
-        s.notified(b"d1", b"r:2", t0);
+        s.notified(b"d1", &fin("d1", "r", 2), t0);
         assert_eq!(s.take_done(), ["r"]);
-        s.notified(b"d1", b"r:2", t0);
+        s.notified(b"d1", &fin("d1", "r", 2), t0);
         s.expire(t0 + Duration::from_secs(60));
         assert!(s.take_done().is_empty());
         let notes = s.notification_stats();
@@ -610,10 +609,10 @@ mod tests {
         );
 
         // Early notifications release at the hold, and go stale after a lease.
-        s.notified(b"solo", b"e:1", t0);
-        s.hold("e".into(), t0 + Duration::from_secs(30), t0);
+        s.notified(b"solo", &fin("solo", "e", 1), t0);
+        s.hold("e".into(), t0 + Duration::from_secs(30), Some(cap()), t0);
         assert_eq!(s.take_done(), ["e"]);
-        s.notified(b"solo", b"never:1", t0);
+        s.notified(b"solo", &fin("solo", "never", 1), t0);
         s.expire(t0 + Duration::from_secs(31));
         assert!(s.early.is_empty());
         assert_eq!(s.notification_stats().late_notifications, 2);
@@ -623,26 +622,84 @@ mod tests {
     fn only_readers_count_and_only_with_their_tp() {
         let mut s = sends(1);
         let t0 = Instant::now();
-        s.hold("r".into(), t0 + Duration::from_secs(30), t0);
-        s.notified(b"third", b"r:1", t0);
-        s.notified(b"d0", b"r:4096", t0);
-        s.notified(b"d0", b"r:1", t0);
-        s.notified(b"d", b"r:4294967295", t0);
+        s.hold("r".into(), t0 + Duration::from_secs(30), Some(cap()), t0);
+        s.notified(b"third", &fin("third", "r", 1), t0);
+        s.notified(b"d0", &fin("d0", "r", 4096), t0);
+        s.notified(b"d0", &fin("d0", "r", 1), t0);
+        s.notified(b"d", &fin("d", "r", 4294967295), t0);
         assert!(s.take_done().is_empty(), "the request is still held");
         let notes = s.notification_stats();
         assert_eq!((notes.refused, notes.malformed), (3, 1));
-        s.notified(b"d0", b"r:2", t0);
-        s.notified(b"d1", b"r:2", t0);
+        s.notified(b"d0", &fin("d0", "r", 2), t0);
+        s.notified(b"d1", &fin("d1", "r", 2), t0);
         assert_eq!(s.take_done(), ["r"]);
 
         // vLLM: a count no decode can have is refused.
         let lease = Lease::default();
         let series = Arc::new(Series::new("t", 0, None));
         let mut vllm = Sends::new(2, Protocol::Vllm, lease, series, readers(1));
-        vllm.hold("r".into(), t0 + Duration::from_secs(30), t0);
+        vllm.hold("r".into(), t0 + Duration::from_secs(30), None, t0);
         vllm.notified(b"anyone", b"r:4096", t0);
         assert_eq!(vllm.notification_stats().refused, 1);
         vllm.notified(b"anyone", b"r:1", t0);
         assert_eq!(vllm.take_done(), ["r"]);
+    }
+
+    #[test]
+    fn only_the_requests_capability_frees_it_or_extends_its_lease() {
+        let mut s = sends(1);
+        let t0 = Instant::now();
+        let other = Capability::random().unwrap();
+        s.hold("r".into(), t0 + Duration::from_secs(30), Some(cap()), t0);
+        // A reader that handshook but never got the params: another capability's tags.
+        s.notified(b"d", &fin_with(&other, "d", "r", 1), t0);
+        // An agent that took a reader's name, replaying a tag made for another reader.
+        s.notified(b"d1", &fin("d0", "r", 2), t0);
+        // Untagged, as before capabilities: not even parsed.
+        s.notified(b"d", b"r:1", t0);
+        s.notified(b"d", b"HB:r", t0);
+        // A heartbeat's tag frees nothing, and another capability's extends nothing.
+        let beat = hb_with(&cap(), "d", &["r"]);
+        let tag = std::str::from_utf8(&beat)
+            .unwrap()
+            .rsplit_once('#')
+            .unwrap()
+            .1;
+        s.notified(b"d", format!("r:1:{tag}").as_bytes(), t0);
+        s.notified(
+            b"d",
+            &hb_with(&other, "d", &["r"]),
+            t0 + Duration::from_secs(25),
+        );
+        let notes = s.notification_stats();
+        assert_eq!(
+            (notes.refused, notes.malformed, notes.leases_extended),
+            (4, 2, 0)
+        );
+        s.expire(t0 + Duration::from_secs(30));
+        assert_eq!(s.take_done(), ["r"], "freed by its lease, not extended");
+        assert_eq!(s.stats().freed_on_timeout, 1);
+
+        // Early notifications are checked when the request is held.
+        s.notified(b"d", &fin_with(&other, "d", "e", 1), t0);
+        s.notified(b"solo", &fin("solo", "e", 1), t0);
+        s.hold("e".into(), t0 + Duration::from_secs(30), Some(cap()), t0);
+        assert_eq!(
+            s.take_done(),
+            ["e"],
+            "the reader with the capability frees it"
+        );
+        assert_eq!(s.notification_stats().refused, 5);
+        s.notified(b"d", &fin_with(&other, "d", "f", 1), t0);
+        s.hold("f".into(), t0 + Duration::from_secs(30), Some(cap()), t0);
+        assert!(
+            s.take_done().is_empty(),
+            "a forged early notification frees nothing"
+        );
+
+        // Held without a capability: only the lease frees it.
+        s.hold("n".into(), t0 + Duration::from_secs(30), None, t0);
+        s.notified(b"d", &fin("d", "n", 1), t0);
+        assert!(s.take_done().is_empty());
     }
 }

@@ -319,6 +319,7 @@ impl Model {
             num_tokens: request.num_tokens,
             blocks_expiry_time: None,
             registration_generation: None,
+            capability: Some(super::capability()),
         }
     }
 }

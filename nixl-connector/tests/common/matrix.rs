@@ -5,9 +5,10 @@
 
 use std::time::{Duration, Instant};
 
+use nixl_connector::capability::Capability;
 use nixl_connector::{
     FailedBlock, FinishStatus, KvAttention, KvConnectorScheduler, KvConnectorWorker,
-    KvTransferParams, Protocol, TransferMetrics,
+    KvTransferParams, Protocol, RemoteBlocks, TransferMetrics,
 };
 
 use super::geometry::{compare_region, engine_speaking, Model, Request, Side};
@@ -193,15 +194,24 @@ async fn supported(
     );
     let (engine_id, prefills, decodes) = filled_engines(&tag, model, &prefill, &decode, protocol);
     let requests = requests(&tag, &prefill, &decode);
+    // One capability per request, as the scheduler draws it: every rank holds with it.
+    let capabilities: Vec<Capability> = requests
+        .iter()
+        .map(|_| Capability::random().unwrap())
+        .collect();
     for worker in &prefills {
-        for request in &requests {
-            worker.hold_for_decode(&request.id, Instant::now() + Duration::from_secs(600));
+        for (request, capability) in requests.iter().zip(&capabilities) {
+            let deadline = Instant::now() + Duration::from_secs(600);
+            worker.hold_for_decode(&request.id, deadline, Some(capability));
         }
     }
     let port = prefills[0].side_channel_addr().unwrap().port();
     for worker in &decodes {
-        for request in &requests {
-            let from = Model::remote(request, &engine_id, port, prefill.tp);
+        for (request, capability) in requests.iter().zip(&capabilities) {
+            let from = RemoteBlocks {
+                capability: Some(capability.clone()),
+                ..Model::remote(request, &engine_id, port, prefill.tp)
+            };
             worker
                 .start_load(&request.id, &request.local, &from)
                 .map_err(|err| format!("{tag}: {err}"))?;

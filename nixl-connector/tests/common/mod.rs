@@ -39,8 +39,8 @@ use std::time::{Duration, Instant};
 
 use nixl::kv_config::KvTransferConfig;
 use nixl_connector::{
-    FinishStatus, Finished, KvAttention, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker,
-    KvLayout, KvTransferParams, RemoteBlocks, WorkerConfig,
+    Capability, FinishStatus, Finished, KvAttention, KvCacheSpec, KvConnectorScheduler,
+    KvConnectorWorker, KvLayout, KvTransferParams, RemoteBlocks, WorkerConfig,
 };
 
 /// The total deadline of the test workers' side channels.
@@ -213,7 +213,14 @@ pub fn remote(
         num_tokens: None,
         blocks_expiry_time: None,
         registration_generation: None,
+        capability: Some(capability()),
     }
+}
+
+/// The capability the tests' requests are held and read with (see
+/// [`KvConnectorWorker::hold_for_decode`]).
+pub fn capability() -> Capability {
+    Capability::from_hex("7e57ca9ab1117e57ca9ab1117e57ca9a").unwrap()
 }
 
 /// The params of a prefill request that a remote decode will read.
