@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prints the path of a Python venv holding NIXL's official Python API (the vendored
-# nixl_cu12 1.5.1 wheel, --no-deps, plus numpy) and the pinned msgspec and pyzmq that the
-# vLLM-protocol tests' Python peer uses, creating it (or adding what it lacks) first if needed.
+# nixl_cu12 1.5.1 wheel, --no-deps, plus numpy), the pinned msgspec and pyzmq that the
+# vLLM-protocol tests' Python peer uses, and the pinned cryptography of the side-channel
+# attacker's client, creating it (or adding what it lacks) first if needed.
 # Location: $NIXL_PY_VENV, else $CARGO_TARGET_DIR/bench-venv (the venv scripts/bench.sh
 # uses), else target/bench-venv. Everything but the final path goes to stderr.
 set -euo pipefail
@@ -33,5 +34,12 @@ if ! "$venv/bin/python" -c 'import msgspec, zmq, sys
 sys.exit((msgspec.__version__, zmq.__version__) != ("0.23.0", "27.3.0"))' 2>/dev/null; then
     echo "python-venv: installing ${vllm_pins[*]} into $venv" >&2
     "$venv/bin/python" -m pip install --quiet "${vllm_pins[@]}" >&2
+fi
+# The side-channel attacker's client (tests/py/attacker.py): its own HKDF and AEAD, pinned.
+crypto_pin=cryptography==46.0.3
+if ! "$venv/bin/python" -c 'import cryptography, sys
+sys.exit(cryptography.__version__ != "46.0.3")' 2>/dev/null; then
+    echo "python-venv: installing $crypto_pin into $venv" >&2
+    "$venv/bin/python" -m pip install --quiet "$crypto_pin" >&2
 fi
 echo "$venv"

@@ -463,6 +463,6 @@ mod tests {
         let bytes = rmp_serde::to_vec_named(&old).unwrap();
         let decoded: HandshakeMessage = rmp_serde::from_slice(&bytes).unwrap();
         assert_eq!((&decoded.ssm_state, decoded.blocks_per_id), (&None, 1));
-        assert_refused(&now, &decoded, "protocol version 3 (reader) vs 2 (source)");
+        assert_refused(&now, &decoded, "protocol version 4 (reader) vs 2 (source)");
     }
 }
