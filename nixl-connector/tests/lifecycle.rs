@@ -432,9 +432,13 @@ async fn hostile_heartbeats_and_repeated_or_late_notifications_stay_bounded() {
     let to = prefill.agent().name().to_string();
     let send = |message: &[u8]| decode.agent().send_notification(&to, message).unwrap();
 
-    finish_for_decode(&prefill, &mut prefill_scheduler, "held", &[1]);
+    let params = finish_for_decode(&prefill, &mut prefill_scheduler, "held", &[1]);
+    let capability = params.remote_capability.clone().unwrap();
+    let agent = decode.agent().name().to_string();
+    let entry = |id: &str| format!("{id}#{}", capability.heartbeat_tag(agent.as_bytes(), id));
+    let held = finish(&params, &agent, "held", 2);
     // Heartbeats for requests not held, and malformed notifications: ignored, counted.
-    send(b"HB:nobody,nothing");
+    send(format!("HB:{},{}", entry("nobody"), entry("nothing")).as_bytes());
     for bad in [
         &b"HB:"[..],
         b"HB:a,,b",
@@ -447,8 +451,8 @@ async fn hostile_heartbeats_and_repeated_or_late_notifications_stay_bounded() {
     }
     send(format!("HB:{}", "y".repeat(20 << 10)).as_bytes());
     // One reader of a TP-2 decode, twice: counted once, so the request stays held.
-    send(b"held:2");
-    send(b"held:2");
+    send(&held);
+    send(&held);
     // Wait for the effect of the last message sent (the repeated reader), not only the
     // malformed ones before it: the prefill's task may take them in more than one batch.
     wait_for("the malformed and the repeated notifications", WAIT, || {
@@ -467,8 +471,8 @@ async fn hostile_heartbeats_and_repeated_or_late_notifications_stay_bounded() {
 
     // The lease ends (2 s) before the second reader; its notification comes late.
     assert_eq!(released(&prefill, 1, WAIT).await, ["held"]);
-    send(b"held:2");
-    send(b"held:2");
+    send(&held);
+    send(&held);
     wait_for("the late notifications", WAIT, || {
         prefill.notification_stats().late_notifications >= 2
     })
@@ -476,6 +480,14 @@ async fn hostile_heartbeats_and_repeated_or_late_notifications_stay_bounded() {
     assert_eq!(prefill.notification_stats().late_notifications, 2);
     assert_nothing_more_freed(&prefill, "never freed twice").await;
     assert_eq!(prefill.send_stats(), freed(0, 1));
+}
+
+/// The native finish notification of agent `sender` for `request` of `params`, saying
+/// `count` readers, tagged under the params' capability.
+fn finish(params: &KvTransferParams, sender: &str, request: &str, count: usize) -> Vec<u8> {
+    let capability = params.remote_capability.as_ref().expect("native params");
+    let tag = capability.finish_tag(sender.as_bytes(), request, count);
+    format!("{request}:{count}:{tag}").into_bytes()
 }
 
 /// The decode role's environment: its load's params, as JSON.
@@ -675,9 +687,10 @@ async fn a_starved_prefill_counts_the_notification_nixl_holds_before_ending_the_
         prefill.side_channel_addr().unwrap().port(),
     )
     .await;
-    finish_for_decode(&prefill, &mut prefill_scheduler, "timely", &[1]);
+    let params = finish_for_decode(&prefill, &mut prefill_scheduler, "timely", &[1]);
     let to = prefill.agent().name().to_string();
-    decode.agent().send_notification(&to, b"timely:1").unwrap();
+    let message = finish(&params, decode.agent().name(), "timely", 1);
+    decode.agent().send_notification(&to, &message).unwrap();
     // The runtime's only thread sleeps past the lease: nothing on it runs meanwhile, while
     // NIXL's progress threads deliver the notification.
     std::thread::sleep(lease + Duration::from_millis(300));

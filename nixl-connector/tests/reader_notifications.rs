@@ -36,12 +36,19 @@ async fn only_a_reader_with_its_tp_frees_a_held_request() {
     third.create_backend("UCX").unwrap();
     let metadata = prefill.handshake().unwrap().agent_metadata;
     third.load_remote_metadata(&metadata).unwrap();
-    third.send_notification(&to, b"req:1").unwrap();
+    let third_name = "third-agent-of-pf-readers";
+    // Even with the request's capability, it is not a reader.
+    let message = common::finish_message(third_name, "req", 1);
+    third.send_notification(&to, &message).unwrap();
     // The reader, with counts beyond its TP (1): a huge one that does not parse, and the
     // largest that does.
-    let send = |message: &[u8]| decode.agent().send_notification(&to, message).unwrap();
-    send(b"req:4294967295");
-    send(b"req:4096");
+    let name = decode.agent().name().to_string();
+    let send = |count: usize| {
+        let message = common::finish_message(&name, "req", count);
+        decode.agent().send_notification(&to, &message).unwrap()
+    };
+    send(4294967295);
+    send(4096);
     wait_for("the refused notifications", WAIT, || {
         let notes = prefill.notification_stats();
         notes.refused >= 2 && notes.malformed >= 1
@@ -53,7 +60,7 @@ async fn only_a_reader_with_its_tp_frees_a_held_request() {
     assert!(prefill.finished().sending.is_empty(), "the request is held");
     assert_eq!(prefill.send_stats().freed_on_notification, 0);
 
-    send(b"req:1");
+    send(1);
     let freed = common::poll_until(&prefill, WAIT, |f| !f.sending.is_empty()).await;
     assert_eq!(
         freed.sending,

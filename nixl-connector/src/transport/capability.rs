@@ -83,8 +83,9 @@ impl Capability {
     }
 
     /// The tag, in hex, of a finish notification from agent `sender` for `request` saying
-    /// `count` readers.
-    pub(crate) fn finish_tag(&self, sender: &[u8], request: &str, count: usize) -> String {
+    /// `count` readers: the native finish notification is `request:count:tag` (what a
+    /// worker sends when its load ends; for engines that notify by themselves).
+    pub fn finish_tag(&self, sender: &[u8], request: &str, count: usize) -> String {
         let input = finish_input(sender, request, count);
         hex(hmac::sign(&self.key(), &input).as_ref())
     }
@@ -102,8 +103,10 @@ impl Capability {
         unhex(tag).is_some_and(|tag| hmac::verify(&self.key(), &input, &tag).is_ok())
     }
 
-    /// The tag, in hex, of a heartbeat from agent `sender` for `request`.
-    pub(crate) fn heartbeat_tag(&self, sender: &[u8], request: &str) -> String {
+    /// The tag, in hex, of a heartbeat from agent `sender` for `request`: a native
+    /// heartbeat is `HB:` and comma-separated `request#tag` entries (what a worker sends for
+    /// its waiting loads; for engines that send heartbeats by themselves).
+    pub fn heartbeat_tag(&self, sender: &[u8], request: &str) -> String {
         let input = heartbeat_input(sender, request);
         hex(hmac::sign(&self.key(), &input).as_ref())
     }

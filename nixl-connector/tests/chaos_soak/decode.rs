@@ -5,8 +5,8 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use nixl_connector::{
-    FinishStatus, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker, KvTransferParams,
-    LoadOutcome,
+    Capability, FinishStatus, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker,
+    KvTransferParams, LoadOutcome,
 };
 
 use crate::pool::{byte, Pool, POISON};
@@ -56,7 +56,7 @@ pub struct DecodeEngine {
     pub loading: HashMap<String, Loading>,
     pub aborted: HashSet<String>,
     /// The prefill's ids of the requests the third agent heartbeats (as a vLLM decode).
-    pub vllm_waiting: HashSet<String>,
+    pub vllm_waiting: HashMap<String, Capability>,
     pub r: Report,
 }
 
@@ -98,7 +98,8 @@ impl DecodeEngine {
         if vllm_heartbeats {
             self.r.waited_on_vllm_heartbeats += 1;
             let remote = params.remote_request_id.clone().unwrap();
-            self.vllm_waiting.insert(remote);
+            let capability = params.remote_capability.clone().unwrap();
+            self.vllm_waiting.insert(remote, capability);
         } else {
             self.scheduler.on_new_request(&id, Some(&params));
         }

@@ -44,7 +44,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use common::{handshake, worker_with};
-use nixl_connector::{open_fds, ConnectorMetadata, HeartbeatSpec, KvConnectorWorker};
+use nixl_connector::{open_fds, Capability, ConnectorMetadata, HeartbeatSpec, KvConnectorWorker};
 
 use decode::DecodeEngine;
 use memory::{MemoryTrace, Sample};
@@ -127,6 +127,7 @@ async fn soak(faults: bool, ci_target: u64) {
         .collect();
     // It evicts the killed prefills as an engine does (their metadata invalidated), keeping
     // the live one in use with heartbeats of no request; longer than a decode stall.
+    let padding_capability = Capability::random().unwrap();
     let hostile = worker_with("hb-soak", 0, 1, &self::spec(1), |c| {
         c.kv_transfer_config = kv.clone();
         if faults {
@@ -145,7 +146,7 @@ async fn soak(faults: bool, ci_target: u64) {
         queued: Vec::new(),
         loading: HashMap::new(),
         aborted: HashSet::new(),
-        vllm_waiting: HashSet::new(),
+        vllm_waiting: HashMap::new(),
         r: Report::default(),
     };
     let fds_before = open_fds().unwrap();
@@ -289,8 +290,15 @@ async fn soak(faults: bool, ci_target: u64) {
                 }],
                 ..ConnectorMetadata::default()
             });
-            let padding = (0..5000).map(|i| format!("{:x>48}", i));
-            let ids: Vec<String> = d.vllm_waiting.iter().cloned().chain(padding).collect();
+            // Native heartbeats carry each request's capability tag: the waiting requests'
+            // from their params (this agent stands for the decode that got them), the
+            // padding's under another capability (they name no held request).
+            let sender = hostile.agent().name().as_bytes();
+            let entry =
+                |id: &str, cap: &Capability| format!("{id}#{}", cap.heartbeat_tag(sender, id));
+            let padding = (0..5000).map(|i| entry(&format!("{:x>48}", i), &padding_capability));
+            let waiting = d.vllm_waiting.iter().map(|(id, cap)| entry(id, cap));
+            let ids: Vec<String> = waiting.chain(padding).collect();
             for message in [
                 format!("HB:{}", ids.join(",")).into_bytes(),
                 b"HB:a,,b".to_vec(),

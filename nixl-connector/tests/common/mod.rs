@@ -217,6 +217,13 @@ pub fn remote(
     }
 }
 
+/// The native finish notification of agent `sender` for `request` saying `count` readers,
+/// tagged under [`capability`].
+pub fn finish_message(sender: &str, request: &str, count: usize) -> Vec<u8> {
+    let tag = capability().finish_tag(sender.as_bytes(), request, count);
+    format!("{request}:{count}:{tag}").into_bytes()
+}
+
 /// The capability the tests' requests are held and read with (see
 /// [`KvConnectorWorker::hold_for_decode`]).
 pub fn capability() -> Capability {
