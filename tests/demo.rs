@@ -262,6 +262,11 @@ fn a_decode_without_the_prefills_secret_is_refused() {
     let (ours, other) = (dir.join("secret"), dir.join("other"));
     std::fs::write(&ours, "0123456789abcdef0123456789abcdef\n").unwrap();
     std::fs::write(&other, "fedcba9876543210fedcba9876543210\n").unwrap();
+    // Secret files are their owner's alone (the connector refuses others).
+    for file in [&ours, &other] {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    }
     let secret = ["--secret-file", ours.to_str().unwrap()];
     let mut args = vec!["--sessions", "3"];
     args.extend(secret);

@@ -121,8 +121,9 @@ pub enum MetadataExchange {
     /// Inside the side channel's handshake message.
     #[default]
     SideChannel,
-    /// Through etcd: published with NIXL's own etcd support when the KV caches are
-    /// registered (after checking that etcd answers); a peer's fetched by the connector from
+    /// Through etcd: published when the KV caches are registered (after checking that etcd
+    /// answers), with NIXL's own etcd support, or by the connector with etcd credentials, an
+    /// `https://` endpoint or a shared secret (sealed under it); a peer's fetched by the connector from
     /// NIXL's key for its agent name during a handshake (bounded in size and time) and
     /// validated as it is loaded. `NIXL_ETCD_ENDPOINTS` (and `NIXL_ETCD_NAMESPACE`, if used)
     /// must be set before the worker is created; see [`etcd`](crate::etcd).

@@ -26,12 +26,12 @@ enum Request {
     Hello {
         #[serde(with = "serde_bytes")]
         nonce: Vec<u8>,
+        #[serde(default)]
+        version: u32,
     },
     Proof {
         #[serde(with = "serde_bytes")]
-        message: Vec<u8>,
-        #[serde(with = "serde_bytes")]
-        mac: Vec<u8>,
+        sealed: Vec<u8>,
     },
 }
 
@@ -48,12 +48,12 @@ enum Response {
     Challenge {
         #[serde(with = "serde_bytes")]
         nonce: Vec<u8>,
+        #[serde(default)]
+        version: u32,
     },
     Proven {
         #[serde(with = "serde_bytes")]
-        message: Vec<u8>,
-        #[serde(with = "serde_bytes")]
-        mac: Vec<u8>,
+        sealed: Vec<u8>,
     },
     Unauthenticated {
         reason: String,
@@ -123,8 +123,7 @@ async fn engines_sharing_the_secret_handshake_and_others_are_refused_with_nothin
     for first in [
         Request::Handshake(Box::new(ours.clone())),
         Request::Proof {
-            message: vec![1; 8],
-            mac: vec![2; 32],
+            sealed: vec![1; 40],
         },
     ] {
         let mut c = channel(addr(&prefill)).await;
@@ -137,23 +136,23 @@ async fn engines_sharing_the_secret_handshake_and_others_are_refused_with_nothin
         let next = c.recv::<Response>().await.unwrap_err();
         assert!(matches!(next, Error::Closed { .. }), "then the end: {next}");
     }
-    // By hand: a proof with a MAC made without the secret gets the refusal alone.
+    // By hand: a proof not sealed under the exchange's key (the message in the clear, with
+    // bytes where a tag would be) gets the refusal alone.
     let mut c = channel(addr(&prefill)).await;
-    c.send(&Request::Hello { nonce: vec![7; 32] })
-        .await
-        .unwrap();
+    c.send(&Request::Hello {
+        nonce: vec![7; 32],
+        version: 2,
+    })
+    .await
+    .unwrap();
     let challenge: Response = c.recv().await.unwrap();
     assert!(
         matches!(challenge, Response::Challenge { .. }),
         "{challenge:?}"
     );
-    let message = rmp_serde::to_vec_named(&ours).unwrap();
-    c.send(&Request::Proof {
-        message,
-        mac: vec![3; 32],
-    })
-    .await
-    .unwrap();
+    let mut sealed = rmp_serde::to_vec_named(&ours).unwrap();
+    sealed.extend([3; 16]);
+    c.send(&Request::Proof { sealed }).await.unwrap();
     let answer: Response = c.recv().await.unwrap();
     assert!(
         matches!(answer, Response::Unauthenticated { .. }),
@@ -161,6 +160,21 @@ async fn engines_sharing_the_secret_handshake_and_others_are_refused_with_nothin
     );
     let next = c.recv::<Response>().await.unwrap_err();
     assert!(matches!(next, Error::Closed { .. }), "then the end: {next}");
+    // A reader of version 1 of the exchange (no version in its hello) is refused by name.
+    let mut c = channel(addr(&prefill)).await;
+    c.send(&Request::Hello {
+        nonce: vec![7; 32],
+        version: 0,
+    })
+    .await
+    .unwrap();
+    match c.recv::<Response>().await.unwrap() {
+        Response::Refused { reason } => assert!(
+            reason.contains("version 0") && reason.contains("this engine 2"),
+            "{reason}"
+        ),
+        other => panic!("{other:?}"),
+    }
     // A decode engine without the secret: its handshake fails, naming why.
     let open = engine("dc-open", None);
     let err = open
@@ -217,7 +231,7 @@ async fn a_recorded_exchange_replayed_to_either_side_fails() {
     let mut c = channel(addr(&prefill)).await;
     c.send(&requests[0]).await.unwrap();
     let challenge: Response = c.recv().await.unwrap();
-    let (Response::Challenge { nonce: fresh }, Response::Challenge { nonce: recorded }) =
+    let (Response::Challenge { nonce: fresh, .. }, Response::Challenge { nonce: recorded, .. }) =
         (&challenge, &responses[0])
     else {
         panic!("{challenge:?}");
@@ -230,7 +244,8 @@ async fn a_recorded_exchange_replayed_to_either_side_fails() {
         "{answer:?}"
     );
 
-    // The server's frames replayed to a reader: its nonce is new, the server's MAC fails.
+    // The server's frames replayed to a reader: its nonce is new, the server's sealed answer
+    // does not open.
     let fake = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let fake_addr = fake.local_addr().unwrap();
     let replayed = responses.clone();
@@ -307,8 +322,8 @@ impl Rng {
 }
 
 /// Bounded fuzz of the authenticated exchange (run by scripts/test.sh, so by .ci/run):
-/// random requests (nonces of any length, proofs with random or replayed parts, frames of
-/// random bytes) at a server with a secret. Every exchange ends, within the deadline, with
+/// random requests (nonces of any length, proofs of random or unsealed bytes, frames of
+/// random bytes, other versions of the exchange) at a server with a secret. Every exchange ends, within the deadline, with
 /// a refusal, a closed connection or a protocol error, never a handshake message; the
 /// server answers a genuine reader afterwards.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -335,18 +350,20 @@ async fn fuzzed_authenticated_exchanges_get_nothing_and_the_server_goes_on() {
             } else {
                 (0..32).map(|_| rng.next() as u8).collect()
             };
-            c.send(&Request::Hello { nonce }).await.ok()?;
+            // Mostly this version of the exchange; now and then another.
+            let version = if rng.next() % 8 == 0 { rng.next() as u32 % 4 } else { 2 };
+            c.send(&Request::Hello { nonce, version }).await.ok()?;
             let answer: Response = c.recv().await.ok()?;
             let Response::Challenge { .. } = answer else {
                 return Some(answer);
             };
-            let message = if rng.next() % 2 == 0 {
+            // The message in the clear, or random bytes: neither opens under the exchange's key.
+            let sealed = if rng.next() % 2 == 0 {
                 rmp_serde::to_vec_named(&ours).unwrap()
             } else {
                 rng.bytes(256)
             };
-            let mac = rng.bytes(40);
-            c.send(&Request::Proof { message, mac }).await.ok()?;
+            c.send(&Request::Proof { sealed }).await.ok()?;
             c.recv::<Response>().await.ok()
         })
         .await

@@ -24,7 +24,9 @@
 //!
 //! Prefill side: gauge [`REQUESTS_HELD`]; counters [`NUM_RELEASED_REQS`] (label `by`:
 //! `notification`, `lease`), [`NUM_KV_EXPIRED_REQS`], [`NUM_NOTIFICATIONS_AFTER_EXPIRY`],
-//! [`NUM_HEARTBEATS`] (received) and [`NUM_HEARTBEATS_REFUSED`].
+//! [`NUM_HEARTBEATS`] (received), [`NUM_HEARTBEATS_REFUSED`], [`NUM_REFUSED_NOTIFICATIONS`]
+//! and [`NUM_SIDE_CHANNEL_REFUSALS`] (label `kind`). Decode side also
+//! [`NUM_OVERDUE_TRANSFERS`].
 
 use std::time::Duration;
 
@@ -55,8 +57,8 @@ pub const NUM_NOTIFICATIONS_AFTER_EXPIRY: &str = "vllm:nixl_num_notifications_af
 pub const HANDSHAKE_TIME_SECONDS: &str = "vllm:nixl_handshake_time_seconds";
 /// Counter: heartbeat messages received (prefill side; not a vLLM series).
 pub const NUM_HEARTBEATS: &str = "vllm:nixl_num_heartbeats";
-/// Counter: heartbeats received that named no request held here, so extended no lease
-/// (prefill side; not a vLLM series).
+/// Counter: heartbeats received that extended no lease: they named no request held here,
+/// or (native protocol) none with a tag of its capability (prefill side; not a vLLM series).
 pub const NUM_HEARTBEATS_REFUSED: &str = "vllm:nixl_num_heartbeats_refused";
 /// Counter: heartbeat messages sent (decode side; not a vLLM series).
 pub const NUM_HEARTBEATS_SENT: &str = "vllm:nixl_num_heartbeats_sent";
@@ -84,7 +86,8 @@ pub const NUM_PREFIX_HITS: &str = "vllm:nixl_num_prefix_hits";
 /// flight, their memory kept for the process's life ([`nixl::LeakStats::requests`]; both
 /// sides; not a vLLM series).
 pub const LEAKED_REQUESTS: &str = "vllm:nixl_leaked_requests";
-/// Counter: finish notifications refused because their sender or count is not one of this
+/// Counter: finish notifications and heartbeat entries refused: without a tag of the
+/// request's capability (native protocol), or whose sender or count is not one of this
 /// engine's readers' (prefill side; not a vLLM series).
 pub const NUM_REFUSED_NOTIFICATIONS: &str = "vllm:nixl_num_refused_notifications";
 /// Counter: connections a side channel refused (label `kind`: `network`, `busy`,
