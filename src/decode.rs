@@ -532,7 +532,7 @@ impl RunState<'_> {
     fn handle(&mut self, message: Message) -> Result<()> {
         let total = self.options.requests;
         match message {
-            Message::Announce(params) => self.announce(params),
+            Message::Announce(params) => self.announce(*params),
             Message::AnnounceVllm(json) => {
                 let params = KvTransferParams::from_vllm_json(&json).map_err(|err| {
                     Error::Protocol(format!("prefill's vLLM kv_transfer_params: {err}"))

@@ -651,7 +651,7 @@ impl Session<'_> {
         params.remote_host = Some(self.local_ip.to_string());
         let announce = match self.shared.worker.connector.protocol() {
             Protocol::Vllm => Message::AnnounceVllm(params.to_vllm_json()),
-            _ => Message::Announce(params),
+            _ => Message::Announce(Box::new(params)),
         };
         self.channel.send(&announce).await?;
         Ok(true)

@@ -71,7 +71,7 @@ pub enum Message {
     Welcome(Welcome),
     /// A request is ready: where to read it (its request id is a number, which the demo's
     /// block pattern depends on).
-    Announce(KvTransferParams),
+    Announce(Box<KvTransferParams>),
     /// [`Message::Announce`] when the connectors speak vLLM's protocol: the params as vLLM's
     /// JSON `kv_transfer_params` (what vLLM's `request_finished` returns and a proxy hands
     /// to the decode).
@@ -140,12 +140,12 @@ mod tests {
                 in_flight: 4,
                 connector_protocol: "vllm".into(),
             }),
-            Message::Announce(KvTransferParams {
+            Message::Announce(Box::new(KvTransferParams {
                 do_remote_prefill: true,
                 remote_block_ids: vec![1, 5, 7],
                 remote_request_id: Some("9".into()),
                 ..Default::default()
-            }),
+            })),
             Message::AnnounceVllm(r#"{"remote_block_ids": [[1, 5]]}"#.into()),
             Message::Complete { requests: 100 },
         ];

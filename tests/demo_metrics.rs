@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use demo_support::{Prefill, Proc};
 use nixl::kv_config::KvTransferConfig;
 use nixl_connector::{
-    KvAttention, KvCacheSpec, KvConnectorWorker, KvLayout, RemoteBlocks, WorkerConfig,
+    Capability, KvAttention, KvCacheSpec, KvConnectorWorker, KvLayout, RemoteBlocks, WorkerConfig,
 };
 
 /// `GET /metrics` on `addr`: the response's body (panics on anything but 200).
@@ -104,7 +104,8 @@ async fn the_connectors_series_move_in_a_scrape() {
         num_tokens: None,
         blocks_expiry_time: None,
         registration_generation: None,
-        capability: None,
+        // Requests the prefill never holds: their (tagged) notifications come after expiry.
+        capability: Some(Capability::random().unwrap()),
     };
     prefill.hold_for_decode("expires", Instant::now() + Duration::from_millis(300), None);
     for (i, blocks) in [vec![1, 2], vec![3], vec![4, 5, 6]].into_iter().enumerate() {

@@ -231,8 +231,12 @@ async fn a_recorded_exchange_replayed_to_either_side_fails() {
     let mut c = channel(addr(&prefill)).await;
     c.send(&requests[0]).await.unwrap();
     let challenge: Response = c.recv().await.unwrap();
-    let (Response::Challenge { nonce: fresh, .. }, Response::Challenge { nonce: recorded, .. }) =
-        (&challenge, &responses[0])
+    let (
+        Response::Challenge { nonce: fresh, .. },
+        Response::Challenge {
+            nonce: recorded, ..
+        },
+    ) = (&challenge, &responses[0])
     else {
         panic!("{challenge:?}");
     };
@@ -351,7 +355,11 @@ async fn fuzzed_authenticated_exchanges_get_nothing_and_the_server_goes_on() {
                 (0..32).map(|_| rng.next() as u8).collect()
             };
             // Mostly this version of the exchange; now and then another.
-            let version = if rng.next() % 8 == 0 { rng.next() as u32 % 4 } else { 2 };
+            let version = if rng.next() % 8 == 0 {
+                rng.next() as u32 % 4
+            } else {
+                2
+            };
             c.send(&Request::Hello { nonce, version }).await.ok()?;
             let answer: Response = c.recv().await.ok()?;
             let Response::Challenge { .. } = answer else {

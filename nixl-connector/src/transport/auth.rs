@@ -4,7 +4,7 @@
 //! The exchange it authenticates (see [`side_channel`](crate::side_channel)): the reader
 //! sends a fresh nonce; the server answers with its own fresh nonce; both derive the
 //! exchange's two keys from the secret and both nonces
-//! ([`sealing`](crate::transport::sealing)); the reader sends its handshake message sealed
+//! (`transport/sealing.rs`); the reader sends its handshake message sealed
 //! under its key; only when that opens does the server answer with its message sealed under
 //! its own key, which the reader opens before it reads it. A peer without the secret learns
 //! nothing but the refusal, and a relay between two engines sees only sealed bytes; a

@@ -20,7 +20,7 @@
 //!
 //! With a [`SharedSecret`] the connector publishes the metadata itself too, sealed under a
 //! key derived from the secret and bound to its etcd key
-//! ([`sealing`](crate::transport::sealing)), and a fetched value must open under the same
+//! (`transport/sealing.rs`), and a fetched value must open under the same
 //! secret: whoever reads etcd without it learns nothing of the agent's addresses or the
 //! registered memory's keys, and an engine without the secret refuses a sealed value by
 //! name.
