@@ -20,7 +20,7 @@ use crate::lease::Lease;
 use crate::metrics::series::Series;
 use crate::metrics::{RemoteStats, SendStats, TransferMetrics};
 use crate::scheduler::aggregate::WorkerOutput;
-use crate::scheduler::outcomes::{Finished, Outcomes, OverdueLoad};
+use crate::scheduler::outcomes::{Finished, OverdueLoad};
 use crate::scheduler::{ConnectorMetadata, HeartbeatSpec};
 use crate::transport::auth::SharedSecret;
 use crate::transport::capability::Capability;
@@ -34,18 +34,24 @@ use crate::transport::side_channel::Guard;
 #[cfg(feature = "vllm")]
 use crate::vllm::{Compatibility, MetadataServer, NixlHandshakePayload, VllmWorker};
 use crate::worker::connect::Engine;
+use crate::worker::current_caches::{Caches, CurrentCaches};
 use crate::worker::decode_notes::DecodeNotes;
+use crate::worker::held_sends::HeldSends;
 use crate::worker::host_buffer::Staging;
+use crate::worker::load_outcomes::LoadOutcomes;
 use crate::worker::notification_format::{heartbeat_entries, heartbeat_messages};
 use crate::worker::remotes::Remotes;
 use crate::worker::sending::{NotificationStats, Sends};
-use crate::worker::shared::{Caches, Shared};
+use crate::worker::shared::{Context, Shared};
 
 pub(crate) mod connect;
+pub(crate) mod current_caches;
 mod decode_notes;
 pub(crate) mod engines;
+pub(crate) mod held_sends;
 pub mod host_buffer;
 pub(crate) mod load;
+pub(crate) mod load_outcomes;
 pub(crate) mod notification_format;
 mod registration;
 pub(crate) mod remotes;
@@ -113,94 +119,21 @@ impl KvConnectorWorker {
                 format!("TP rank {} of TP size {}", config.tp_rank, config.tp_size),
             ));
         }
-        let etcd = match config.metadata_exchange {
-            MetadataExchange::Etcd => Some(EtcdSource::from_env()?),
-            MetadataExchange::SideChannel => None,
-        };
-        let name = config
-            .agent_name
-            .clone()
-            .unwrap_or_else(|| agent_name(&config));
-        let engine_ttl = crate::worker::engines::engine_ttl(&config.kv_transfer_config)?;
-        let groups = KvCacheGroups::from_kv_transfer_config(&config.kv_transfer_config)?;
-        let lease = match config.lease {
-            Some(lease) => lease,
-            None => Lease::from_kv_transfer_config(&config.kv_transfer_config)?,
-        };
-        let protocol = match config.protocol {
-            Some(protocol) => protocol,
-            None => Protocol::from_kv_transfer_config(&config.kv_transfer_config)?,
-        };
-        #[cfg(not(feature = "vllm"))]
-        if protocol == Protocol::Vllm {
-            return Err(vllm_not_built(OP));
-        }
-        #[cfg(feature = "vllm")]
-        let vllm = match protocol {
-            Protocol::Native => None,
-            Protocol::Vllm if etcd.is_some() => {
-                return Err(Error::invalid(
-                    OP,
-                    "vLLM's protocol carries the agent metadata in its handshake: use MetadataExchange::SideChannel",
-                ))
-            }
-            Protocol::Vllm => Some(VllmWorker::new(
-                Compatibility::from_kv_transfer_config(&config.kv_transfer_config)?,
-                config.vllm_limits,
-            )),
-        };
-        // Telemetry on: each READ's post and transfer durations feed the exported series.
-        let setup = NixlSetup::with_global_registry(
-            Agent::builder(&name)
-                .config(config.agent_config.clone())
-                .telemetry(true),
-            &config.kv_transfer_config,
-            config.platform.as_ref(),
-        )?;
-        let role = config.kv_transfer_config.kv_role;
-        let series = Arc::new(Series::new(&config.engine_id, config.tp_rank, role));
-        if protocol == Protocol::Vllm && config.secret.is_some() {
-            tracing::warn!("vLLM's protocol has no credential: the shared secret is not used; set kv_connector_extra_config.allowed_peer_networks");
-        }
-        let guard = Arc::new(Guard {
-            secret: match (&config.secret, protocol) {
-                (_, Protocol::Vllm) => None,
-                (Some(secret), Protocol::Native) => Some(secret.clone()),
-                (None, Protocol::Native) => {
-                    SharedSecret::from_kv_transfer_config(&config.kv_transfer_config)?
-                }
-            },
-            peers: match &config.allowed_peers {
-                Some(peers) => peers.clone(),
-                None => PeerNetworks::from_kv_transfer_config(&config.kv_transfer_config)?,
-            },
-            refusals: Refusals::new(&config.engine_id, config.tp_rank),
-            ..Guard::default()
-        });
-        let etcd = etcd.map(|source| source.sealed_with(guard.secret.clone()));
+        let settings = Settings::of(&config)?;
+        let context = context(config, &settings)?;
         let sends = Sends::new(
-            config.tp_size,
-            protocol,
-            lease,
-            series.clone(),
-            guard.readers.clone(),
+            context.config.tp_size,
+            context.protocol,
+            settings.lease,
+            context.series.clone(),
+            context.guard.readers.clone(),
         );
         let shared = Arc::new(Shared {
-            sends: Mutex::new(sends),
-            guard,
-            series,
-            config,
-            protocol,
-            #[cfg(feature = "vllm")]
-            vllm,
-            groups,
-            setup,
-            caches: Mutex::new(None),
-            outcomes: Mutex::new(Outcomes::default()),
-            remotes: Remotes::with_engine_ttl(engine_ttl),
-            etcd,
-            load_ended: tokio::sync::Notify::new(),
-            notified: tokio::sync::Notify::new(),
+            context,
+            caches: CurrentCaches::default(),
+            remotes: Remotes::with_engine_ttl(settings.engine_ttl),
+            outcomes: LoadOutcomes::default(),
+            sends: HeldSends::new(sends),
         });
         Ok(KvConnectorWorker {
             shared,
@@ -235,9 +168,10 @@ impl KvConnectorWorker {
                 loop {
                     let note = decode_notes.next().await;
                     shared
-                        .sends()
+                        .sends
+                        .lock()
                         .notified(&note.sender, &note.message, Instant::now());
-                    shared.notified.notify_one();
+                    shared.sends.notify_arrived();
                 }
             });
             self.tasks
@@ -433,38 +367,15 @@ impl KvConnectorWorker {
         remote: &RemoteBlocks,
     ) -> Result<()> {
         const OP: &str = "start a load";
-        let caches = self.caches(OP)?;
-        if let Some(bad) = local_block_ids
-            .iter()
-            .find(|&&b| b >= caches.spec.num_blocks)
-        {
+        let num_blocks = self.caches(OP)?.spec.num_blocks;
+        if let Some(bad) = local_block_ids.iter().find(|&&b| b >= num_blocks) {
             return Err(Error::invalid(
                 OP,
-                format!(
-                    "request {request_id:?}: local block {bad} of {} blocks",
-                    caches.spec.num_blocks
-                ),
+                format!("request {request_id:?}: local block {bad} of {num_blocks} blocks"),
             ));
         }
         let ranks = self.remote_ranks(OP, remote.port, remote.tp_size)?;
-        #[cfg(feature = "vllm")]
-        if self
-            .shared
-            .vllm
-            .as_ref()
-            .is_some_and(|v| v.newer_generation(remote))
-        {
-            tracing::info!(engine = %remote.engine_id, generation = remote.registration_generation, "the remote engine registered its KV cache again; handshaking with it again");
-            self.shared.remotes.forget_engine(&remote.engine_id);
-        }
-        if self.shared.protocol == Protocol::Native {
-            let generation = remote.registration_generation;
-            if generation
-                .is_some_and(|g| self.shared.remotes.newer_generation(&remote.engine_id, g))
-            {
-                tracing::info!(engine = %remote.engine_id, generation, "the remote engine registered its KV cache again; handshaking with it again");
-            }
-        }
+        self.forget_older_registration(remote);
         let load = crate::worker::load::Load {
             request_id: request_id.to_string(),
             local_block_ids: local_block_ids.to_vec(),
@@ -483,15 +394,45 @@ impl KvConnectorWorker {
                 .spawn(crate::worker::load::notify_only(self.shared.clone(), load));
             return Ok(());
         }
-        if !self.shared.outcomes().start(request_id) {
+        if !self.shared.outcomes.lock().start(request_id) {
             return Err(Error::invalid(
                 OP,
                 format!("request {request_id:?}: a load for it is already under way"),
             ));
         }
         self.shared.series.load_started();
-        // After the handshakes, the READs are posted here and now (most finish within the
-        // post); only what is left to wait for runs as a task.
+        self.post_or_spawn(load);
+        Ok(())
+    }
+
+    /// Forgets what the handshakes with `remote`'s engine learned when its params say it
+    /// registered its KV cache again since (a newer registration generation), so that the
+    /// load handshakes again.
+    fn forget_older_registration(&self, remote: &RemoteBlocks) {
+        #[cfg(feature = "vllm")]
+        if self
+            .shared
+            .vllm
+            .as_ref()
+            .is_some_and(|v| v.newer_generation(remote))
+        {
+            tracing::info!(engine = %remote.engine_id, generation = remote.registration_generation, "the remote engine registered its KV cache again; handshaking with it again");
+            self.shared.remotes.forget_engine(&remote.engine_id);
+        }
+        if self.shared.protocol == Protocol::Native {
+            let generation = remote.registration_generation;
+            if generation
+                .is_some_and(|g| self.shared.remotes.newer_generation(&remote.engine_id, g))
+            {
+                tracing::info!(engine = %remote.engine_id, generation, "the remote engine registered its KV cache again; handshaking with it again");
+            }
+        }
+    }
+
+    /// Posts `load`'s READs here and now when its handshakes are done (most finish within
+    /// the post), and leaves only what is left to wait for to a task; else runs it all in a
+    /// task.
+    fn post_or_spawn(&self, load: crate::worker::load::Load) {
         match crate::worker::load::try_now(&self.shared, load) {
             None => {}
             Some((load, Some(posted))) => {
@@ -506,7 +447,6 @@ impl KvConnectorWorker {
                     .spawn(crate::worker::load::run(self.shared.clone(), load));
             }
         }
-        Ok(())
     }
 
     /// The request of a load under way was aborted (vLLM: a decode request finished before
@@ -518,7 +458,7 @@ impl KvConnectorWorker {
     ///
     /// Returns whether a load of `request_id` was under way.
     pub fn abort_load(&self, request_id: &str) -> bool {
-        self.shared.outcomes().abort(request_id)
+        self.shared.outcomes.lock().abort(request_id)
     }
 
     /// Runs the handshakes with the ranks of a remote engine this rank reads from (or
@@ -610,7 +550,7 @@ impl KvConnectorWorker {
                 tracing::warn!(request = %load.request_id, %err, "load not started");
                 self.shared.series.failed(FailureKind::of(&err));
                 let reason: Arc<str> = err.to_string().into();
-                let mut outcomes = self.shared.outcomes();
+                let mut outcomes = self.shared.outcomes.lock();
                 outcomes
                     .load_errors
                     .extend(load.local_block_ids.iter().map(|&block_id| FailedBlock {
@@ -719,7 +659,7 @@ impl KvConnectorWorker {
         capability: Option<&Capability>,
     ) {
         self.listen_for_notifications();
-        self.shared.sends().hold(
+        self.shared.sends.lock().hold(
             request_id.to_string(),
             deadline,
             capability.cloned(),
@@ -736,7 +676,7 @@ impl KvConnectorWorker {
     pub fn finished(&self) -> Finished {
         let arrived = self.decode_notes.take_arrived();
         let sending = {
-            let mut sends = self.shared.sends();
+            let mut sends = self.shared.sends.lock();
             // What NIXL holds counts before any lease ends (vLLM's `get_finished`).
             let now = Instant::now();
             for note in &arrived {
@@ -745,7 +685,7 @@ impl KvConnectorWorker {
             sends.expire(now);
             sends.take_done()
         };
-        let recving = std::mem::take(&mut self.shared.outcomes().recving);
+        let recving = std::mem::take(&mut self.shared.outcomes.lock().recving);
         self.shared.series.leaks(&self.agent().leak_stats());
         Finished { sending, recving }
     }
@@ -765,7 +705,7 @@ impl KvConnectorWorker {
     /// Resolves once a load has ended since the previous call (or immediately if one ended
     /// before it), so an engine loop can sleep until [`finished`](Self::finished) has news.
     pub async fn load_ended(&self) {
-        self.shared.load_ended.notified().await;
+        self.shared.outcomes.ended().await;
     }
 
     /// Resolves once a decode notification has arrived since the previous call (or
@@ -773,7 +713,7 @@ impl KvConnectorWorker {
     /// [`finished`](Self::finished)`.sending` may have news. Requests released by the end
     /// of their lease wake nobody: call [`finished`](Self::finished) now and then as well.
     pub async fn notified(&self) {
-        self.shared.notified.notified().await;
+        self.shared.sends.arrived().await;
     }
 
     /// The local blocks whose load failed since the last call, each with its request and
@@ -781,7 +721,7 @@ impl KvConnectorWorker {
     /// [`KvConnectorScheduler::update_connector_output`](crate::KvConnectorScheduler::update_connector_output)
     /// for the failure policy.
     pub fn load_errors(&self) -> Vec<FailedBlock> {
-        let mut failed = std::mem::take(&mut self.shared.outcomes().load_errors);
+        let mut failed = std::mem::take(&mut self.shared.outcomes.lock().load_errors);
         failed.sort_by_key(|f| f.block_id);
         failed
     }
@@ -792,17 +732,17 @@ impl KvConnectorWorker {
     /// (in [`finished`](Self::finished) and [`load_errors`](Self::load_errors)) follows once
     /// NIXL has ended its every READ; a READ stuck forever keeps its blocks forever.
     pub fn overdue_loads(&self) -> Vec<OverdueLoad> {
-        std::mem::take(&mut self.shared.outcomes().overdue)
+        std::mem::take(&mut self.shared.outcomes.lock().overdue)
     }
 
     /// Metrics of the loads that ended since the last call.
     pub fn metrics(&self) -> Vec<TransferMetrics> {
-        std::mem::take(&mut self.shared.outcomes().metrics)
+        std::mem::take(&mut self.shared.outcomes.lock().metrics)
     }
 
     /// How held requests were released so far.
     pub fn send_stats(&self) -> SendStats {
-        self.shared.sends().stats()
+        self.shared.sends.lock().stats()
     }
 
     /// The metadata of the remote agents this rank handshook with so far (loaded, reused,
@@ -831,7 +771,7 @@ impl KvConnectorWorker {
     /// What this rank's decode notifications did so far besides releasing requests
     /// (heartbeats, late, repeated and malformed notifications).
     pub fn notification_stats(&self) -> NotificationStats {
-        self.shared.sends().notification_stats()
+        self.shared.sends.lock().notification_stats()
     }
 }
 
@@ -853,6 +793,118 @@ impl Drop for KvConnectorWorker {
             crate::transport::etcd::withdraw(self.agent(), source);
         }
     }
+}
+
+/// What a worker's config settles besides its context: the lease of held requests, the
+/// engine TTL of its remotes, its protocol and where it exchanges metadata.
+struct Settings {
+    lease: Lease,
+    engine_ttl: Option<std::time::Duration>,
+    protocol: Protocol,
+    etcd: Option<EtcdSource>,
+}
+
+impl Settings {
+    /// The settings of `config`, each from its field or else its `kv_transfer_config`.
+    fn of(config: &WorkerConfig) -> Result<Self> {
+        const OP: &str = "create the connector worker";
+        let protocol = match config.protocol {
+            Some(protocol) => protocol,
+            None => Protocol::from_kv_transfer_config(&config.kv_transfer_config)?,
+        };
+        #[cfg(not(feature = "vllm"))]
+        if protocol == Protocol::Vllm {
+            return Err(vllm_not_built(OP));
+        }
+        let etcd = match config.metadata_exchange {
+            MetadataExchange::Etcd if protocol == Protocol::Vllm => {
+                return Err(Error::invalid(
+                    OP,
+                    "vLLM's protocol carries the agent metadata in its handshake: use MetadataExchange::SideChannel",
+                ))
+            }
+            MetadataExchange::Etcd => Some(EtcdSource::from_env()?),
+            MetadataExchange::SideChannel => None,
+        };
+        Ok(Settings {
+            lease: match config.lease {
+                Some(lease) => lease,
+                None => Lease::from_kv_transfer_config(&config.kv_transfer_config)?,
+            },
+            engine_ttl: crate::worker::engines::engine_ttl(&config.kv_transfer_config)?,
+            protocol,
+            etcd,
+        })
+    }
+}
+
+/// The context of a worker of `config` and `settings`: its KV cache groups, its NIXL
+/// agent with telemetry on (each READ's post and transfer durations feed the exported
+/// series), its side channel's guard, its metrics and, in vLLM mode, its vLLM side.
+fn context(config: WorkerConfig, settings: &Settings) -> Result<Context> {
+    let protocol = settings.protocol;
+    let groups = KvCacheGroups::from_kv_transfer_config(&config.kv_transfer_config)?;
+    #[cfg(feature = "vllm")]
+    let vllm = match protocol {
+        Protocol::Native => None,
+        Protocol::Vllm => Some(VllmWorker::new(
+            Compatibility::from_kv_transfer_config(&config.kv_transfer_config)?,
+            config.vllm_limits,
+        )),
+    };
+    let name = config
+        .agent_name
+        .clone()
+        .unwrap_or_else(|| agent_name(&config));
+    let setup = NixlSetup::with_global_registry(
+        Agent::builder(&name)
+            .config(config.agent_config.clone())
+            .telemetry(true),
+        &config.kv_transfer_config,
+        config.platform.as_ref(),
+    )?;
+    let role = config.kv_transfer_config.kv_role;
+    let series = Arc::new(Series::new(&config.engine_id, config.tp_rank, role));
+    let guard = Arc::new(guard(&config, protocol)?);
+    let etcd = settings
+        .etcd
+        .clone()
+        .map(|source| source.sealed_with(guard.secret.clone()));
+    Ok(Context {
+        config,
+        protocol,
+        #[cfg(feature = "vllm")]
+        vllm,
+        groups,
+        setup,
+        guard,
+        etcd,
+        series,
+    })
+}
+
+/// The side channel's guard of a worker of `config` speaking `protocol`: its secret (native
+/// protocol only: vLLM's has no credential), its allowed peer networks, and its refusal
+/// counters.
+fn guard(config: &WorkerConfig, protocol: Protocol) -> Result<Guard> {
+    if protocol == Protocol::Vllm && config.secret.is_some() {
+        tracing::warn!("vLLM's protocol has no credential: the shared secret is not used; set kv_connector_extra_config.allowed_peer_networks");
+    }
+    Ok(Guard {
+        secret: match (&config.secret, protocol) {
+            (_, Protocol::Vllm) => None,
+            (Some(secret), Protocol::Native) => Some(secret.clone()),
+            (None, Protocol::Native) => {
+                SharedSecret::from_kv_transfer_config(&config.kv_transfer_config)?
+            }
+        },
+        peers: match &config.allowed_peers {
+            Some(peers) => peers.clone(),
+            None => PeerNetworks::from_kv_transfer_config(&config.kv_transfer_config)?,
+        },
+        refusals: Refusals::new(&config.engine_id, config.tp_rank),
+        ..Guard::default()
+    })
 }
 
 /// The refusal of a second registration through a method that registers once.

@@ -1,11 +1,14 @@
 //! The KV geometry: the shape of a worker's KV cache (`spec`), its KV cache groups
 //! (`groups`), the state a block of an SSM group holds and how it is read (`ssm`) and the
 //! groups' side of it (`ssm_groups`), which remote ranks a rank reads from (`tp_mapping`),
-//! how a block takes its bytes from one remote rank (`read_plan`), and which remote blocks a
-//! load reads into which local ones (`block_map`).
+//! how a block takes its bytes from one remote rank (`read_plan`), which remote blocks a
+//! load reads into which local ones (`block_map`), and, from all of these, the descriptors
+//! of one load's READ from one remote rank (`load_reads`, the planner the worker posts
+//! from).
 
 pub(crate) mod block_map;
 pub(crate) mod groups;
+pub(crate) mod load_reads;
 pub(crate) mod read_plan;
 pub(crate) mod spec;
 pub(crate) mod ssm;

@@ -18,6 +18,7 @@ use crate::geometry::read_plan::ReadPlan;
 use crate::geometry::ssm::SsmReads;
 use crate::transport::handshake::{check_compatible, HandshakeMessage, MAX_REMOTE_DESCRIPTORS};
 use crate::transport::side_channel::fetch_handshake_with;
+use crate::worker::current_caches::Caches;
 use crate::worker::remotes::{ReadLists, Remote};
 use crate::worker::shared::Shared;
 
@@ -69,7 +70,7 @@ pub(crate) async fn remote(
     };
     shared.remotes.serves(engine.host, port, engine.id);
     let remote = shared.remotes.get(engine.id, rank, start).await?;
-    let generation = shared.current_caches().map(|c| c.generation);
+    let generation = shared.caches.get().map(|c| c.generation);
     if generation.is_some_and(|g| g != remote.local_generation) {
         // Prepared over a registration this worker has replaced since (a handshake that
         // was under way when the caches were registered again): handshake again.
@@ -79,111 +80,42 @@ pub(crate) async fn remote(
     Ok(remote)
 }
 
+/// The handshake with rank `rank` of `engine` (its side channel at `port`): its message
+/// fetched and checked, its agent's metadata loaded, and the lists its READs use prepared.
 async fn connect(
     shared: &Shared,
     engine: Engine<'_>,
     rank: usize,
     port: u16,
 ) -> Result<Arc<Remote>> {
-    let caches = shared.current_caches().ok_or(Error::NotRegistered {
+    let caches = shared.caches.get().ok_or(Error::NotRegistered {
         operation: "handshake",
     })?;
     let started = std::time::Instant::now();
     let ours = &caches.handshake;
-    #[cfg_attr(not(feature = "vllm"), allow(unused_labels))]
-    let theirs = 'fetched: {
-        #[cfg(feature = "vllm")]
-        if let Some(vllm) = &shared.vllm {
-            let fetched = vllm
-                .fetch(
-                    (ours, &shared.groups),
-                    rank,
-                    engine.tp_size,
-                    engine.host,
-                    port,
-                )
-                .await?;
-            break 'fetched fetched;
-        }
-        let addr = resolve(engine.host, port).await?;
-        let secret = shared.guard.secret.as_ref();
-        fetch_handshake_with(addr, ours, shared.config.limits, secret).await?
-    };
-    let engine = engine.id;
-    let plan = check_compatible(ours, &theirs, Some(engine), Some(rank))?;
+    let theirs = fetch(shared, ours, engine, rank, port).await?;
+    let plan = check_compatible(ours, &theirs, Some(engine.id), Some(rank))?;
     // Checked: 1 to MAX_BLOCKS_PER_ID.
     let blocks_per_id = theirs.blocks_per_id as usize;
     let ssm = ssm_reads(shared, (ours, &theirs), &plan, blocks_per_id)?;
-    let agent = shared.setup.agent();
-    let source = (engine.to_string(), rank);
-    let name = match &shared.etcd {
-        None => shared.remotes.load_metadata(
-            agent,
-            &source,
-            &theirs.agent_name,
-            &theirs.agent_metadata,
-        )?,
-        Some(etcd) => {
-            // What is left of the handshake's deadline: one total for the whole of it.
-            let limits = shared.config.limits;
-            let left = limits.deadline.saturating_sub(started.elapsed());
-            let key = crate::transport::etcd::metadata_key(&etcd.namespace, &theirs.agent_name);
-            let metadata = etcd.fetch(&key, limits.max_frame, left).await?;
-            shared
-                .remotes
-                .load_metadata(agent, &source, &theirs.agent_name, &metadata)?
-        }
-    };
+    let source = (engine.id.to_string(), rank);
+    let name = load_metadata(shared, &theirs, &source, started).await?;
     if name != theirs.agent_name {
         return Err(Error::Incompatible {
             reader: format!("engine {:?} rank {}", ours.engine_id, ours.tp_rank),
-            source_rank: format!("engine {engine:?} rank {rank}"),
+            source_rank: format!("engine {:?} rank {rank}", engine.id),
             reason: format!(
                 "its metadata names agent {name:?}, its handshake {:?}",
                 theirs.agent_name
             ),
         });
     }
-    let attention = plan.share.reads();
-    let lists = if attention || ssm.is_some() {
-        let backends: Vec<&nixl::Backend> = shared.setup.backends().iter().collect();
-        let mem_type = caches.registration.mem_type();
-        let mut descs = if attention {
-            plan.remote_descs(&theirs.region_base_addrs, theirs.device_id)
-        } else {
-            Vec::new()
-        };
-        if let Some(ssm) = &ssm {
-            descs.extend(ssm.remote_descs(&theirs.region_base_addrs, theirs.device_id));
-        }
-        let remote = agent.prepare_remote(
-            &name,
-            &RemoteDescList::from_vec(mem_type, descs)?,
-            &backends,
-        )?;
-        let local = if plan.reads_whole_local_blocks() && ssm.is_none() {
-            None
-        } else {
-            let num_blocks = caches.spec.num_blocks;
-            let attention_descs = if attention {
-                plan.local_descriptors(num_blocks)
-            } else {
-                0
-            };
-            let ssm_descs = ssm.as_ref().map_or(0, SsmReads::local_descriptors);
-            let mut list = LocalDescList::with_capacity(mem_type, attention_descs + ssm_descs)?;
-            let attention_local = plan.local_descs(num_blocks).take(attention_descs);
-            let ssm_local = ssm.iter().flat_map(SsmReads::local_descs);
-            for (region, offset, len) in attention_local.chain(ssm_local) {
-                list.push(&caches.registration, region, offset, len)?;
-            }
-            Some(agent.prepare_local(&list, &backends)?)
-        };
-        Some(ReadLists { remote, local })
-    } else {
-        None
+    let reads = Reads {
+        plan: &plan,
+        ssm: ssm.as_ref(),
     };
-    tracing::info!(engine, rank, agent = %name, share = ?plan.share, blocks = plan.remote_num_blocks, "handshake done");
+    let lists = prepare_lists(shared, &caches, &theirs, &name, reads)?;
+    tracing::info!(engine = engine.id, rank, agent = %name, share = ?plan.share, blocks = plan.remote_num_blocks, "handshake done");
     Ok(Arc::new(Remote {
         agent: name,
         plan,
@@ -192,6 +124,110 @@ async fn connect(
         blocks_per_id,
         local_generation: caches.generation,
     }))
+}
+
+/// The handshake message of rank `rank` of `engine`, from its side channel at `port`:
+/// vLLM's `get_meta_msg` converted in vLLM mode, else the native exchange (sealed with a
+/// secret).
+async fn fetch(
+    shared: &Shared,
+    ours: &HandshakeMessage,
+    engine: Engine<'_>,
+    rank: usize,
+    port: u16,
+) -> Result<HandshakeMessage> {
+    #[cfg(feature = "vllm")]
+    if let Some(vllm) = &shared.vllm {
+        let groups = &shared.groups;
+        let (tp_size, host) = (engine.tp_size, engine.host);
+        return vllm.fetch((ours, groups), rank, tp_size, host, port).await;
+    }
+    let addr = resolve(engine.host, port).await?;
+    let secret = shared.guard.secret.as_ref();
+    fetch_handshake_with(addr, ours, shared.config.limits, secret).await
+}
+
+/// Loads the agent metadata of the remote rank `source` whose handshake is `theirs`: the
+/// handshake's own, or (etcd mode) fetched from etcd within what is left of the
+/// handshake's deadline (one total, from `started`); the name of the agent loaded.
+async fn load_metadata(
+    shared: &Shared,
+    theirs: &HandshakeMessage,
+    source: &(String, usize),
+    started: std::time::Instant,
+) -> Result<String> {
+    let agent = shared.setup.agent();
+    let metadata = match &shared.etcd {
+        None => std::borrow::Cow::Borrowed(&theirs.agent_metadata[..]),
+        Some(etcd) => {
+            let limits = shared.config.limits;
+            let left = limits.deadline.saturating_sub(started.elapsed());
+            let key = crate::transport::etcd::metadata_key(&etcd.namespace, &theirs.agent_name);
+            std::borrow::Cow::Owned(etcd.fetch(&key, limits.max_frame, left).await?)
+        }
+    };
+    shared
+        .remotes
+        .load_metadata(agent, source, &theirs.agent_name, &metadata)
+}
+
+/// What a remote rank's READs read: its attention as `plan` says, and its SSM state.
+#[derive(Clone, Copy)]
+struct Reads<'a> {
+    plan: &'a ReadPlan,
+    ssm: Option<&'a SsmReads>,
+}
+
+/// The prepared lists the READs from the rank `theirs` (agent `name`) use, as `reads`
+/// says: its blocks' pieces, and the local blocks' pieces unless whole local blocks take
+/// them (the caches' own list); `None` when nothing of it is read (it is only notified).
+fn prepare_lists(
+    shared: &Shared,
+    caches: &Caches,
+    theirs: &HandshakeMessage,
+    name: &str,
+    reads: Reads<'_>,
+) -> Result<Option<ReadLists>> {
+    let (plan, ssm) = (reads.plan, reads.ssm);
+    let attention = plan.share.reads();
+    if !attention && ssm.is_none() {
+        return Ok(None);
+    }
+    let agent = shared.setup.agent();
+    let backends: Vec<&nixl::Backend> = shared.setup.backends().iter().collect();
+    let mem_type = caches.registration.mem_type();
+    let (addrs, device) = (&theirs.region_base_addrs, theirs.device_id);
+    let mut descs = if attention {
+        plan.remote_descs(addrs, device)
+    } else {
+        Vec::new()
+    };
+    if let Some(ssm) = ssm {
+        descs.extend(ssm.remote_descs(addrs, device));
+    }
+    let remote_list = RemoteDescList::from_vec(mem_type, descs)?;
+    let remote = agent.prepare_remote(name, &remote_list, &backends)?;
+    if plan.reads_whole_local_blocks() && ssm.is_none() {
+        return Ok(Some(ReadLists {
+            remote,
+            local: None,
+        }));
+    }
+    let num_blocks = caches.spec.num_blocks;
+    let attention_descs = if attention {
+        plan.local_descriptors(num_blocks)
+    } else {
+        0
+    };
+    let ssm_descs = ssm.map_or(0, SsmReads::local_descriptors);
+    let mut list = LocalDescList::with_capacity(mem_type, attention_descs + ssm_descs)?;
+    let attention_local = plan.local_descs(num_blocks).take(attention_descs);
+    let ssm_local = ssm.into_iter().flat_map(SsmReads::local_descs);
+    for (region, offset, len) in attention_local.chain(ssm_local) {
+        list.push(&caches.registration, region, offset, len)?;
+    }
+    let local = Some(agent.prepare_local(&list, &backends)?);
+    Ok(Some(ReadLists { remote, local }))
 }
 
 /// How the SSM state of this engine's SSM groups is read from the remote rank `theirs`

@@ -7,7 +7,6 @@
 //! alone once every READ is posted (vLLM's `_read_blocks_for_req`). If a READ cannot be
 //! posted, none after it is, and the load ends only once those already posted have.
 
-use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -18,9 +17,7 @@ use tracing::Instrument;
 use crate::config::Protocol;
 use crate::error::{Error, Result};
 use crate::failure::{FailedBlock, FailureKind};
-use crate::geometry::block_map::{pair_groups, pair_units, GroupBlocks};
-use crate::geometry::groups::pairs_by_region;
-use crate::geometry::ssm::split_state_pairs;
+use crate::geometry::load_reads::{plan_read, ReadInputs, SideBlocks};
 use crate::geometry::tp_mapping::TpMapping;
 use crate::metrics::TransferMetrics;
 use crate::scheduler::outcomes::OverdueLoad;
@@ -121,7 +118,7 @@ pub(crate) async fn run(shared: Arc<Shared>, load: Load) {
     async move {
         match handshakes(&shared, &load).await {
             Err(err) => record(&shared, &load, None, Err(err)),
-            Ok(remotes) if shared.outcomes().is_aborted(&load.request_id) => {
+            Ok(remotes) if shared.outcomes.lock().is_aborted(&load.request_id) => {
                 notify(
                     &shared,
                     &load,
@@ -148,7 +145,7 @@ pub(crate) async fn run(shared: Arc<Shared>, load: Load) {
 /// posted READs if there are some, for a task to finish.
 pub(crate) fn try_now(shared: &Arc<Shared>, load: Load) -> Option<(Load, Option<Posted>)> {
     // A remote prepared over a registration replaced since is handshaken with again first.
-    let generation = shared.current_caches().map(|c| c.generation);
+    let generation = shared.caches.get().map(|c| c.generation);
     let remotes: Option<Vec<Arc<Remote>>> = load
         .ranks
         .iter()
@@ -284,7 +281,7 @@ fn record(
     let failure = outcome
         .err()
         .map(|err| (FailureKind::of(&err), err.to_string()));
-    let mut outcomes = shared.outcomes();
+    let mut outcomes = shared.outcomes.lock();
     let aborted = outcomes.end(&load.request_id);
     let ended = match (&failure, aborted) {
         (_, true) => "aborted",
@@ -321,7 +318,7 @@ fn record(
         failure: failure.map(|(_, reason)| reason),
     });
     drop(outcomes);
-    shared.load_ended.notify_one();
+    shared.outcomes.notify_ended();
 }
 
 /// Makes and posts one READ per remote rank read from, in rank order, stopping at the first
@@ -375,7 +372,8 @@ fn post(shared: &Shared, load: &Load, remotes: &[Arc<Remote>]) -> Posted {
 }
 
 /// Makes the READ from one remote rank over the prepared lists and posts it, adding its
-/// bytes and descriptors to `posted`; the request and whether NIXL finished it.
+/// bytes and descriptors to `posted`; the request and whether NIXL finished it. Which
+/// descriptors it reads is [`plan_read`]'s.
 fn post_one(
     shared: &Shared,
     load: &Load,
@@ -384,7 +382,8 @@ fn post_one(
 ) -> Result<(nixl::XferRequest, bool)> {
     const OP: &str = "load remote blocks";
     let caches = shared
-        .current_caches()
+        .caches
+        .get()
         .ok_or(Error::NotRegistered { operation: OP })?;
     if caches.generation != remote.local_generation {
         return Err(Error::invalid(
@@ -396,242 +395,40 @@ fn post_one(
         .lists
         .as_ref()
         .ok_or(Error::NotRegistered { operation: OP })?;
-    let plan = &remote.plan;
-    let is_state = |g| shared.groups.is_ssm(g);
-    // Each group names a block once: at most the remote rank's blocks per group.
-    let remote_ids = blocks_of_ids(
-        (&load.remote.block_ids, &load.remote.group_lens),
-        remote.blocks_per_id,
-        is_state,
-        plan.remote_num_blocks
-            .saturating_mul(load.remote.group_lens.len().max(1)),
-        "remote_block_ids",
-    )?;
-    if let Some(bad) = remote_ids.iter().find(|&&b| b >= plan.remote_num_blocks) {
-        return Err(Error::invalid(
-            OP,
-            format!("remote block {bad} of {} blocks", plan.remote_num_blocks),
-        ));
-    }
-    // Kernel blocks per block id of this engine (vLLM's `physical_blocks_per_logical_kv_block`).
-    let local_per_id = shared.groups.kernel_blocks_per_id(caches.spec.block_size)?;
-    // One group pairs unit by unit from the prompt's first token, but not when a block id
-    // is several kernel blocks (the last of which may hold no token): then as a group, at
-    // the units' tokens of the prompt.
-    let sizes = plan.block_sizes();
-    let kernel_ids = local_per_id > 1 || (remote.blocks_per_id > 1 && sizes.remote <= sizes.local);
-    let (pairs, group_pairs) = if load.local_group_lens.is_empty() && !kernel_ids {
-        let pairs = pair_units(
-            &load.request_id,
-            &load.local_block_ids,
-            &remote_ids,
-            sizes,
-            load.remote.num_tokens,
-        )?;
-        (pairs, Vec::new())
-    } else {
-        let remote_lens = kernel_group_lens(
-            &load.remote.block_ids,
-            &load.remote.group_lens,
-            remote.blocks_per_id,
-            is_state,
-        )?;
-        let local_lens = kernel_group_lens(
-            &load.local_block_ids,
-            &load.local_group_lens,
-            local_per_id,
-            is_state,
-        )?;
-        let local_ids = blocks_of_ids(
-            (&load.local_block_ids, &load.local_group_lens),
-            local_per_id,
-            is_state,
-            caches.spec.num_blocks.saturating_mul(local_lens.len()),
-            "local block ids",
-        )?;
-        if let Some(bad) = local_ids.iter().find(|&&b| b >= caches.spec.num_blocks) {
-            return Err(Error::invalid(
-                OP,
-                format!(
-                    "local kernel block {bad} of {} blocks ({local_per_id} per block id)",
-                    caches.spec.num_blocks
-                ),
-            ));
-        }
-        pair_groups(
-            &load.request_id,
-            GroupBlocks {
-                ids: &local_ids,
-                lens: &local_lens,
-            },
-            GroupBlocks {
-                ids: &remote_ids,
-                lens: &remote_lens,
-            },
-            sizes,
-            load.remote.num_tokens,
-            (local_per_id, remote.blocks_per_id),
-            is_state,
-        )?
-    };
-    let own = shared.groups.own_region_groups();
-    let (local, far, bytes) = if let Some(ssm) = &remote.ssm {
-        // vLLM's `[descs_fa | descs_ssm]`: the attention groups' blocks in every region,
-        // then the SSM groups' state.
-        let (attention, state) = split_state_pairs(&pairs, &group_pairs, is_state)?;
-        let (mut local, mut far, bytes) = if remote.reads_attention() {
-            plan.descriptor_ids(caches.spec.num_blocks, &attention)
-        } else {
-            // Its attention is read from another rank of its TP group: its state only.
-            (Vec::new(), Vec::new(), 0)
-        };
-        let (state_local, state_far, state_bytes) = ssm
-            .descriptor_ids(&state)
-            .map_err(|why| Error::invalid(OP, why))?;
-        local.extend(state_local);
-        far.extend(state_far);
-        (local, far, bytes + state_bytes)
-    } else if own.is_empty() || group_pairs.len() < 2 {
-        plan.descriptor_ids(caches.spec.num_blocks, &pairs)
-    } else {
-        let by_region = pairs_by_region(&pairs, &group_pairs, own)?;
-        plan.descriptor_ids_in(caches.spec.num_blocks, |region| {
-            by_region.get(region).copied().unwrap_or(&pairs)
-        })
-    };
+    let reads = plan_read(&ReadInputs {
+        request_id: &load.request_id,
+        local: SideBlocks {
+            ids: &load.local_block_ids,
+            group_lens: &load.local_group_lens,
+            // Kernel blocks per block id of this engine (vLLM's
+            // `physical_blocks_per_logical_kv_block`).
+            per_id: shared.groups.kernel_blocks_per_id(caches.spec.block_size)?,
+        },
+        remote: SideBlocks {
+            ids: &load.remote.block_ids,
+            group_lens: &load.remote.group_lens,
+            per_id: remote.blocks_per_id,
+        },
+        num_tokens: load.remote.num_tokens,
+        local_num_blocks: caches.spec.num_blocks,
+        plan: &remote.plan,
+        groups: &shared.groups,
+        ssm: remote.ssm.as_ref(),
+        reads_attention: remote.reads_attention(),
+    })?;
     let options = XferOptions::new().notification(load.notification(shared));
     let mut request = shared.setup.agent().make_xfer_req(
         XferOp::Read,
         lists.local.as_ref().unwrap_or(&caches.local),
-        &local,
+        &reads.local,
         &lists.remote,
-        &far,
+        &reads.remote,
         &options,
     )?;
-    posted.bytes += bytes;
-    posted.descriptors += local.len();
+    posted.bytes += reads.bytes;
+    posted.descriptors += reads.local.len();
     let done = request.post()? == XferStatus::Done;
     Ok((request, done))
-}
-
-/// The registered (kernel) blocks of block `ids` (`group_lens` of them per KV cache group;
-/// none: one group), `per_id` blocks each (vLLM's `_logical_to_kernel_block_ids`: logical
-/// block `b` is kernel blocks `b * per_id .. (b + 1) * per_id`), but the ids of the groups
-/// that are `is_state` (SSM), which stay block ids: a state page is a whole id.
-///
-/// The ids are a peer's (`what` names them): more kernel blocks than `max_blocks` (each
-/// group's list names a block once) are refused before a list of them is made.
-///
-/// # Errors
-/// [`Error::InvalidArgument`] for an id whose blocks overflow, more than `max_blocks`, or
-/// group counts past the ids.
-fn blocks_of_ids<'a>(
-    (ids, group_lens): (&'a [usize], &[usize]),
-    per_id: usize,
-    is_state: impl Fn(usize) -> bool,
-    max_blocks: usize,
-    what: &str,
-) -> Result<Cow<'a, [usize]>> {
-    const OP: &str = "load remote blocks";
-    if per_id == 1 {
-        return Ok(Cow::Borrowed(ids));
-    }
-    // At most this many (state groups' ids stay one block each).
-    let total = ids.len().checked_mul(per_id).filter(|&n| n <= max_blocks);
-    let Some(total) = total else {
-        return Err(Error::invalid(
-            OP,
-            format!(
-                "{what}: {} block ids of {per_id} kernel blocks each name more than the {max_blocks} blocks of the KV caches' groups",
-                ids.len()
-            ),
-        ));
-    };
-    let mut blocks = Vec::with_capacity(total);
-    let miscounted = || {
-        Error::invalid(
-            OP,
-            format!(
-                "{what}: group counts {group_lens:?} for {} block ids",
-                ids.len()
-            ),
-        )
-    };
-    let mut rest = ids;
-    let one = [ids.len()];
-    let lens = if group_lens.is_empty() {
-        &one[..]
-    } else {
-        group_lens
-    };
-    for (group, &n) in lens.iter().enumerate() {
-        let Some((these, tail)) = rest.split_at_checked(n) else {
-            return Err(miscounted());
-        };
-        rest = tail;
-        if is_state(group) {
-            blocks.extend_from_slice(these);
-            continue;
-        }
-        expand_ids(these, per_id, &mut blocks, what)?;
-    }
-    if !rest.is_empty() {
-        return Err(miscounted());
-    }
-    Ok(Cow::Owned(blocks))
-}
-
-/// Appends to `blocks` the `per_id` kernel blocks of each of `ids` (`what` names them).
-///
-/// # Errors
-/// [`Error::InvalidArgument`] for an id whose blocks overflow.
-fn expand_ids(ids: &[usize], per_id: usize, blocks: &mut Vec<usize>, what: &str) -> Result<()> {
-    const OP: &str = "load remote blocks";
-    for &id in ids {
-        let end = id
-            .checked_add(1)
-            .and_then(|n| n.checked_mul(per_id))
-            .ok_or_else(|| {
-                Error::invalid(
-                    OP,
-                    format!("{what}: block id {id} of {per_id} kernel blocks each overflows"),
-                )
-            })?;
-        blocks.extend(end - per_id..end);
-    }
-    Ok(())
-}
-
-/// How many kernel blocks each KV cache group of block `ids` has, `group_lens` of the ids
-/// each (none: one group of every id), `per_id` kernel blocks per id; an `is_state` (SSM)
-/// group's ids stay block ids.
-///
-/// # Errors
-/// [`Error::InvalidArgument`] for a count whose blocks overflow.
-fn kernel_group_lens(
-    ids: &[usize],
-    group_lens: &[usize],
-    per_id: usize,
-    is_state: impl Fn(usize) -> bool,
-) -> Result<Vec<usize>> {
-    let one = [ids.len()];
-    let lens = if group_lens.is_empty() {
-        &one[..]
-    } else {
-        group_lens
-    };
-    lens.iter()
-        .enumerate()
-        .map(|(group, &n)| {
-            let per_id = if is_state(group) { 1 } else { per_id };
-            n.checked_mul(per_id).ok_or_else(|| {
-                Error::invalid(
-                    "load remote blocks",
-                    format!("{n} remote block ids of {per_id} kernel blocks each overflow"),
-                )
-            })
-        })
-        .collect()
 }
 
 /// Awaits posted READs, forgets the remotes whose READ failed, and records the outcome:
@@ -713,49 +510,10 @@ async fn finish_posted(shared: &Shared, load: &Load, posted: Posted) {
 fn report_overdue(shared: &Shared, load: &Load, deadline: Duration) {
     shared.series.overdue();
     tracing::warn!(request = %load.request_id, remote = %load.remote.engine_id, ?deadline, blocks = load.local_block_ids.len(), "a load's READs are still in flight past the transfer timeout; its blocks stay with the connector until NIXL ends them");
-    shared.outcomes().overdue.push(OverdueLoad {
+    shared.outcomes.lock().overdue.push(OverdueLoad {
         request_id: load.request_id.clone(),
         remote_engine: load.remote.engine_id.clone(),
         block_ids: load.local_block_ids.clone(),
         deadline,
     });
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn block_ids_name_no_more_kernel_blocks_than_the_cache_holds() {
-        assert_eq!(
-            blocks_of_ids((&[0, 3], &[]), 2, |_| false, 8, "remote_block_ids").unwrap()[..],
-            [0, 1, 6, 7]
-        );
-        // A peer's list of 4,096 ids of 1,024 kernel blocks each (its
-        // physical_blocks_per_logical_kv_block) names 4 Mi blocks of a cache of 2,048: refused
-        // before any list of that size is made.
-        let err = blocks_of_ids(
-            (&[0; 1 << 12], &[]),
-            1 << 10,
-            |_| false,
-            2048,
-            "remote_block_ids",
-        )
-        .unwrap_err()
-        .to_string();
-        assert!(
-            err.contains("remote_block_ids: 4096 block ids of 1024 kernel blocks each name more than the 2048 blocks"),
-            "{err}"
-        );
-        let err = blocks_of_ids(
-            (&[usize::MAX], &[]),
-            2,
-            |_| false,
-            usize::MAX,
-            "remote_block_ids",
-        )
-        .unwrap_err()
-        .to_string();
-        assert!(err.contains("remote_block_ids: block id"), "{err}");
-    }
 }

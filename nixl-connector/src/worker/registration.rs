@@ -15,8 +15,8 @@ use crate::transport::peer_networks::warn_if_open;
 use crate::transport::pending::PendingHandshakes;
 #[cfg(feature = "vllm")]
 use crate::vllm::{MetadataServer, NixlAgentMetadata, NixlHandshakePayload, RankRegistration};
+use crate::worker::current_caches::Caches;
 use crate::worker::host_buffer::Staging;
-use crate::worker::shared::Caches;
 
 use super::reregister::KeptChannel;
 #[cfg(not(feature = "vllm"))]
@@ -84,124 +84,136 @@ impl KvConnectorWorker {
         kept: Option<KeptChannel>,
     ) -> Result<()> {
         const OP: &str = "register the KV caches";
-        let regions = registration.regions();
-        if regions.len() != spec.num_regions() {
-            return Err(Error::invalid(
-                OP,
-                format!(
-                    "{} regions for a spec of {}; pass one region per entry of spec.regions",
-                    regions.len(),
-                    spec.num_regions()
-                ),
-            ));
+        check_regions(&registration, &spec)?;
+        let local = self.prepare_blocks(&registration, &spec)?;
+        let handshake = self.describe(&registration, &spec)?;
+        let generation = kept.as_ref().map_or(1, |k| k.generation + 1);
+        let serving = self.serve(&handshake, kept)?;
+        let caches = Arc::new(Caches {
+            generation,
+            served: serving.served,
+            registration,
+            spec,
+            local,
+            handshake,
+            side_channel: serving.side_channel,
+            side_channel_pending: serving.pending,
+            #[cfg(feature = "vllm")]
+            vllm: serving.vllm,
+        });
+        if self.registered.set(caches.clone()).is_err() {
+            return Err(already_registered(OP));
         }
-        if let Some((index, region)) = regions
-            .iter()
-            .enumerate()
-            .find(|(r, region)| region.len < spec.region_len(*r))
-        {
-            return Err(Error::invalid(
-                OP,
-                format!(
-                    "region {index} has {} bytes, the spec needs {}",
-                    region.len,
-                    spec.region_len(index)
-                ),
-            ));
+        self.shared.caches.set(caches);
+        let caches = self.caches(OP)?;
+        let config = &self.shared.config;
+        #[cfg(feature = "vllm")]
+        if let Some((server, payload)) = &caches.vllm {
+            server.publish(0, vllm_rank(config.tp_rank), payload);
         }
-        let groups = &self.shared.groups;
+        let spec = &caches.spec;
+        tracing::info!(engine = %config.engine_id, rank = config.tp_rank, side_channel = %caches.side_channel, generation, regions = spec.num_regions(), blocks = spec.num_blocks, block_size = spec.block_size, block_len = spec.block_len(0), attention = %spec.attention, "KV caches registered");
+        Ok(())
+    }
+
+    /// Every block of every region of `registration`, as `spec` lays them out, in a list
+    /// prepared for the backends.
+    fn prepare_blocks(
+        &self,
+        registration: &Registration,
+        spec: &KvCacheSpec,
+    ) -> Result<nixl::PreparedLocal> {
         let mut list = nixl::LocalDescList::with_capacity(
             registration.mem_type(),
             spec.num_regions() * spec.num_blocks,
         )?;
         for index in 0..spec.num_regions() {
             list.push_blocks(
-                &registration,
+                registration,
                 index,
                 spec.block_len(index),
                 0..spec.num_blocks,
             )?;
         }
         let backends: Vec<&nixl::Backend> = self.shared.setup.backends().iter().collect();
-        let local = self.agent().prepare_local(&list, &backends)?;
+        Ok(self.agent().prepare_local(&list, &backends)?)
+    }
+
+    /// This rank's handshake message for `registration` laid out as `spec`: its agent's
+    /// metadata in it, or (etcd) published there instead.
+    fn describe(
+        &self,
+        registration: &Registration,
+        spec: &KvCacheSpec,
+    ) -> Result<Arc<HandshakeMessage>> {
         let config = &self.shared.config;
         let metadata = match config.metadata_exchange {
             MetadataExchange::SideChannel => self.agent().local_metadata()?,
             MetadataExchange::Etcd => {
-                crate::transport::etcd::publish(self.agent(), self.shared.guard.secret.as_ref())?;
+                let secret = self.shared.guard.secret.as_ref();
+                crate::transport::etcd::publish(self.agent(), secret)?;
                 Vec::new()
             }
         };
-        let handshake = Arc::new(HandshakeMessage::describe(
+        Ok(Arc::new(HandshakeMessage::describe(
             &config.engine_id,
             self.agent().name(),
             metadata,
-            regions.iter().map(|r| r.addr as u64).collect(),
-            (&spec, groups),
+            registration
+                .regions()
+                .iter()
+                .map(|r| r.addr as u64)
+                .collect(),
+            (spec, &self.shared.groups),
             (config.tp_rank, config.tp_size),
             config.device_id,
-        )?);
-        let generation = kept.as_ref().map_or(1, |k| k.generation + 1);
-        let (served, side_channel_pending, kept_at) = match kept {
+        )?))
+    }
+
+    /// The side channel that answers with `handshake`: the one `kept` from the registration
+    /// replaced, now answering with it, or a new one.
+    fn serve(
+        &self,
+        handshake: &Arc<HandshakeMessage>,
+        kept: Option<KeptChannel>,
+    ) -> Result<Serving> {
+        let (served, pending, kept_at) = match kept {
             Some(kept) => {
                 kept.served.send_replace(Some(handshake.clone()));
-                (
-                    kept.served,
-                    kept.pending,
-                    Some((kept.side_channel, kept.vllm)),
-                )
+                let at = (kept.side_channel, kept.vllm);
+                (kept.served, kept.pending, Some(at))
             }
             None => (
                 Arc::new(tokio::sync::watch::channel(Some(handshake.clone())).0),
-                PendingHandshakes::new(config.limits.max_sessions),
+                PendingHandshakes::new(self.shared.config.limits.max_sessions),
                 None,
             ),
         };
         #[cfg(feature = "vllm")]
         let (side_channel, vllm) = match (self.shared.protocol, kept_at) {
             (Protocol::Native, Some((at, _))) => (at, None),
-            (Protocol::Native, None) => {
-                let at = self.serve_native(served.subscribe(), side_channel_pending.clone())?;
-                (at, None)
-            }
+            (Protocol::Native, None) => (
+                self.serve_native(served.subscribe(), pending.clone())?,
+                None,
+            ),
             (Protocol::Vllm, kept) => {
-                let vllm = self.vllm_side_channel_for(&handshake, kept.and_then(|k| k.1))?;
+                let vllm = self.vllm_side_channel_for(handshake, kept.and_then(|k| k.1))?;
                 (vllm.0.local_addr(), Some(vllm))
             }
         };
         #[cfg(not(feature = "vllm"))]
         let side_channel = match (self.shared.protocol, kept_at) {
             (Protocol::Native, Some((at, ()))) => at,
-            (Protocol::Native, None) => {
-                self.serve_native(served.subscribe(), side_channel_pending.clone())?
-            }
-            (Protocol::Vllm, _) => return Err(vllm_not_built(OP)),
+            (Protocol::Native, None) => self.serve_native(served.subscribe(), pending.clone())?,
+            (Protocol::Vllm, _) => return Err(vllm_not_built("register the KV caches")),
         };
-        let caches = Caches {
-            generation,
+        Ok(Serving {
             served,
-            registration,
-            spec,
-            local,
-            handshake,
+            pending,
             side_channel,
-            side_channel_pending,
             #[cfg(feature = "vllm")]
             vllm,
-        };
-        let caches = Arc::new(caches);
-        if self.registered.set(caches.clone()).is_err() {
-            return Err(already_registered(OP));
-        }
-        *self.shared.caches.lock().unwrap_or_else(|p| p.into_inner()) = Some(caches);
-        let caches = self.caches(OP)?;
-        #[cfg(feature = "vllm")]
-        if let Some((server, payload)) = &caches.vllm {
-            server.publish(0, vllm_rank(config.tp_rank), payload);
-        }
-        let spec = &caches.spec;
-        tracing::info!(engine = %config.engine_id, rank = config.tp_rank, %side_channel, generation, regions = spec.num_regions(), blocks = spec.num_blocks, block_size = spec.block_size, block_len = spec.block_len(0), attention = %spec.attention, "KV caches registered");
-        Ok(())
+        })
     }
 
     /// Starts the native side channel at the config's address, answering with `ours`; where
@@ -317,4 +329,53 @@ impl KvConnectorWorker {
         }
         Ok(())
     }
+}
+
+/// The side channel a registration answers from.
+struct Serving {
+    /// What the native side channel answers with.
+    served: Arc<tokio::sync::watch::Sender<Option<Arc<HandshakeMessage>>>>,
+    /// The places of its handshakes under way.
+    pending: Arc<PendingHandshakes>,
+    /// Where it listens.
+    side_channel: SocketAddr,
+    /// vLLM mode: the engine's side channel this rank's payload is published to, and the
+    /// payload.
+    #[cfg(feature = "vllm")]
+    vllm: Option<(Arc<MetadataServer>, NixlHandshakePayload)>,
+}
+
+/// Refuses a `registration` of other regions than `spec` has, or a region shorter than
+/// its blocks.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming the count or the region.
+fn check_regions(registration: &Registration, spec: &KvCacheSpec) -> Result<()> {
+    const OP: &str = "register the KV caches";
+    let regions = registration.regions();
+    if regions.len() != spec.num_regions() {
+        return Err(Error::invalid(
+            OP,
+            format!(
+                "{} regions for a spec of {}; pass one region per entry of spec.regions",
+                regions.len(),
+                spec.num_regions()
+            ),
+        ));
+    }
+    if let Some((index, region)) = regions
+        .iter()
+        .enumerate()
+        .find(|(r, region)| region.len < spec.region_len(*r))
+    {
+        return Err(Error::invalid(
+            OP,
+            format!(
+                "region {index} has {} bytes, the spec needs {}",
+                region.len,
+                spec.region_len(index)
+            ),
+        ));
+    }
+    Ok(())
 }

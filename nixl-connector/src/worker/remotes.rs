@@ -46,7 +46,7 @@ pub(crate) struct Remote {
     /// `physical_blocks_per_logical_kv_block`, which its handshake says).
     pub(crate) blocks_per_id: usize,
     /// The generation of the local registration its lists were prepared over (see
-    /// [`Caches::generation`](crate::worker::shared::Caches)): a remote of an older one is handshaken
+    /// [`Caches::generation`](crate::worker::current_caches::Caches)): a remote of an older one is handshaken
     /// with again.
     pub(crate) local_generation: u64,
 }

@@ -121,8 +121,8 @@ impl KvConnectorWorker {
         let Some(old) = self.registered.get() else {
             return Err(Error::NotRegistered { operation });
         };
-        let loads = self.shared.outcomes().under_way();
-        let held = self.shared.sends().held_count();
+        let loads = self.shared.outcomes.lock().under_way();
+        let held = self.shared.sends.lock().held_count();
         if loads > 0 || held > 0 {
             return Err(Error::invalid(
                 operation,
@@ -136,7 +136,7 @@ impl KvConnectorWorker {
         if let Some((server, _)) = &old.vllm {
             server.withdraw(0, super::vllm_rank(self.shared.config.tp_rank));
         }
-        *self.shared.caches.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        self.shared.caches.clear();
         self.shared.remotes.forget_all();
         let old = self
             .registered

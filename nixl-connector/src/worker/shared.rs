@@ -1,49 +1,38 @@
-//! The state a worker shares with its background tasks: the loads, the handshakes with
-//! remote ranks and the host-buffer staging all work on it, and none of them on the worker.
+//! What a worker shares with its background tasks (the loads, the handshakes with remote
+//! ranks, the decode notifications and the host-buffer staging): its parts, each owning its
+//! state behind its own lock and changing it only through its own methods, and the context
+//! every part reads and none writes.
+//!
+//! | part | owns | written by |
+//! | --- | --- | --- |
+//! | [`CurrentCaches`] | the registered caches and what is derived from them | registration (`registration.rs`, `reregister.rs`) |
+//! | [`Remotes`] | the remote ranks handshaken, their prepared lists, engine TTLs | handshakes (`connect.rs`), loads' failures, eviction (`engines.rs`) |
+//! | [`LoadOutcomes`] | what the loads came to, and the signal that one ended | loads (`load.rs`); taken by the step (`worker.rs`) |
+//! | [`HeldSends`] | the requests held for decodes, and the signal a notification arrived | the step and the decode notifications (`worker.rs`, `sending.rs`) |
+//! | [`Context`] | config, protocol, groups, the NIXL setup, the side channel's guard, etcd, metrics | nobody after creation (the guard, the vLLM worker and the metrics count through atomics and locks of their own) |
+//!
+//! Lock order: no part's lock is held while another part's is taken, or across an await;
+//! each part's methods take and release their own. ([`Remotes`] keeps its table's lock and
+//! each handshake's state apart; see `remotes.rs`.)
 
-use std::net::SocketAddr;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::ops::Deref;
 
 use nixl::kv_config::NixlSetup;
-use nixl::{PreparedLocal, Registration};
 
 use crate::config::{Protocol, WorkerConfig};
 use crate::geometry::groups::KvCacheGroups;
-use crate::geometry::spec::KvCacheSpec;
 use crate::metrics::series::Series;
-use crate::scheduler::outcomes::Outcomes;
 use crate::transport::etcd::EtcdSource;
-use crate::transport::handshake::HandshakeMessage;
-use crate::transport::pending::PendingHandshakes;
 use crate::transport::side_channel::Guard;
 #[cfg(feature = "vllm")]
-use crate::vllm::{MetadataServer, NixlHandshakePayload, VllmWorker};
+use crate::vllm::VllmWorker;
+use crate::worker::current_caches::CurrentCaches;
+use crate::worker::held_sends::HeldSends;
+use crate::worker::load_outcomes::LoadOutcomes;
 use crate::worker::remotes::Remotes;
-use crate::worker::sending::Sends;
 
-/// The registered cache and what is derived from it.
-pub(crate) struct Caches {
-    /// How many times this worker registered its caches, this one included (1 for the
-    /// first registration; see [`KvConnectorWorker::register_kv_caches_again`](crate::KvConnectorWorker::register_kv_caches_again)).
-    pub(crate) generation: u64,
-    pub(crate) registration: Registration,
-    pub(crate) spec: KvCacheSpec,
-    pub(crate) local: PreparedLocal,
-    pub(crate) handshake: Arc<HandshakeMessage>,
-    pub(crate) side_channel: SocketAddr,
-    /// What the native side channel answers with (`None` while the caches are registered
-    /// again); the vLLM side channel serves the payload of [`vllm`](Self::vllm).
-    pub(crate) served: Arc<tokio::sync::watch::Sender<Option<Arc<HandshakeMessage>>>>,
-    /// The places of the side channel's handshakes under way (native protocol).
-    pub(crate) side_channel_pending: Arc<PendingHandshakes>,
-    /// vLLM mode: the engine's side channel this rank's payload is published to, and the
-    /// payload.
-    #[cfg(feature = "vllm")]
-    pub(crate) vllm: Option<(Arc<MetadataServer>, NixlHandshakePayload)>,
-}
-
-/// State shared with the background tasks.
-pub(crate) struct Shared {
+/// What every part reads and none writes, set when the worker is created.
+pub(crate) struct Context {
     pub(crate) config: WorkerConfig,
     /// The protocol spoken (the config's, resolved).
     pub(crate) protocol: Protocol,
@@ -56,38 +45,32 @@ pub(crate) struct Shared {
     /// the regions of each.
     pub(crate) groups: KvCacheGroups,
     pub(crate) setup: NixlSetup,
-    /// The registered caches: loads and handshakes take the current ones and keep them
-    /// (and NIXL's lists keep their memory) until they end, even past a re-registration.
-    pub(crate) caches: Mutex<Option<Arc<Caches>>>,
-    pub(crate) outcomes: Mutex<Outcomes>,
-    pub(crate) sends: Mutex<Sends>,
-    /// The secret, allowed networks and accepted readers of the side channel.
-    pub(crate) guard: Arc<Guard>,
-    pub(crate) remotes: Remotes,
+    /// The secret, allowed networks, accepted readers and refusals of the side channel.
+    pub(crate) guard: std::sync::Arc<Guard>,
     /// Where peers' metadata is fetched from, in etcd mode.
     pub(crate) etcd: Option<EtcdSource>,
     /// The exported metrics.
-    pub(crate) series: Arc<Series>,
-    /// Signalled whenever a load ends.
-    pub(crate) load_ended: tokio::sync::Notify,
-    /// Signalled whenever a decode notification arrives for this rank.
-    pub(crate) notified: tokio::sync::Notify,
+    pub(crate) series: std::sync::Arc<Series>,
 }
 
-impl Shared {
-    pub(crate) fn outcomes(&self) -> MutexGuard<'_, Outcomes> {
-        self.outcomes.lock().unwrap_or_else(|p| p.into_inner())
-    }
+/// The worker's parts and their context, shared with its background tasks.
+pub(crate) struct Shared {
+    /// What every part reads (also reached through `Deref`).
+    pub(crate) context: Context,
+    /// The registered caches.
+    pub(crate) caches: CurrentCaches,
+    /// The remote ranks.
+    pub(crate) remotes: Remotes,
+    /// The loads' outcomes.
+    pub(crate) outcomes: LoadOutcomes,
+    /// The requests held for decodes.
+    pub(crate) sends: HeldSends,
+}
 
-    /// The registered caches now, if any.
-    pub(crate) fn current_caches(&self) -> Option<Arc<Caches>> {
-        self.caches
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
-    }
+impl Deref for Shared {
+    type Target = Context;
 
-    pub(crate) fn sends(&self) -> MutexGuard<'_, Sends> {
-        self.sends.lock().unwrap_or_else(|p| p.into_inner())
+    fn deref(&self) -> &Context {
+        &self.context
     }
 }
