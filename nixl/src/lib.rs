@@ -84,7 +84,7 @@
 //! `Vec<u8>`, [`HostBuffer`], [`FileRegion`], `&'static mut [u8]`, ...) and is held by every
 //! [`LocalDescList`], prepared list and [`XferRequest`] made from it; it deregisters when
 //! the last of them is dropped, or explicitly with [`Registration::deregister`], which
-//! reports failures.
+//! reports failures (it takes the registration, so deregistering twice does not compile).
 //!
 //! The model, exactly:
 //! - **Leaks are safe.** Memory NIXL may still write is freed only after NIXL reported the
@@ -101,13 +101,9 @@
 //!   registration of it, which the request holds; a descriptor of memory that agent no
 //!   longer has registered is refused even if NIXL's copy of its metadata still lists it.
 //! - **Metadata never leads into this process under another name.** Agents of this process
-//!   are recognised by their UCX worker, never by name alone: metadata whose worker is one of
-//!   this process's (its UUID, or any transport address that reaches this process: cma or
-//!   POSIX `/proc` access to this pid or to the id of any of its threads, XPMEM, a live
-//!   agent's worker's shared-memory FIFO or TCP listener, a System V segment this process
-//!   created; compared by what UCX would reach) loads only under that agent's exact name,
-//!   and is then
-//!   held to that agent's live registrations as above; under any other name
+//!   are recognised by their UCX worker, never by name alone. Metadata whose worker is one of
+//!   this process's loads only under that agent's exact name, and is then held to that
+//!   agent's live registrations as above; under any other name
 //!   [`Agent::load_remote_metadata`] refuses it with [`Error::MetadataLeadsIntoThisProcess`].
 //!   A peer can therefore not make NIXL read or write this process's own memory, not even by
 //!   sending back this process's own worker address. Once this process's UCX workers
@@ -116,6 +112,16 @@
 //!   leads into this process. Under `UCX_UNIFIED_MODE=y` a worker
 //!   address carries no lengths and can be neither bounded nor compared, so UCX connection
 //!   info is refused ([`Error::InvalidMetadata`]).
+//!   A worker is this process's when the metadata names its UUID or any transport address
+//!   that reaches this process, compared by what UCX would reach, not byte for byte, against
+//!   every live agent's worker:
+//!   - cma or POSIX `/proc` access to this pid or to any thread id of this process (by the
+//!     `Tgid` in `/proc/<id>/status`, within this process's pid namespace; an id no live
+//!     thread has is refused, since a later thread could take it);
+//!   - XPMEM, or a live agent's worker's shared-memory FIFO, loopback interface or TCP
+//!     listener;
+//!   - a System V segment this process created (looked up in `/proc/sysvipc`; ids compared
+//!     as the C `int` UCX passes to `shmat`, and ids that do not fit one are refused).
 //! - **Agents of other processes.** A request to an agent in another process may name only
 //!   memory its loaded metadata advertised; any other remote descriptor is refused before
 //!   NIXL sees it, with its index, address and length.
@@ -123,21 +129,45 @@
 //!   atomics, each byte of a region always with one access size (its whole aligned words as
 //!   8-byte words, the bytes at its unaligned ends one by one), so racing transfers or
 //!   threads make them torn, never undefined (the copies' tests run under Miri).
+//! - **This process as a deputy.** A peer's same-host transports (cma, posix, sysv, xpmem)
+//!   can name a *third* process on this host: a READ from the peer then copies that
+//!   process's memory into this process's registered memory, which the peer can READ in
+//!   turn (a WRITE goes the other way). UCX checks nothing beyond the OS's own rules (cma
+//!   needs ptrace rights over the target, usually the same user).
+//!   [`AgentBuilder::refuse_same_host_transports`] (`AgentConfig::refuse_same_host_transports`;
+//!   in `nixl-connector`, `kv_connector_extra_config.refuse_same_host_transports: true`)
+//!   refuses another process's metadata offering one of them on this host
+//!   ([`Error::SameHostTransportRefused`]). Cross-host deployments never need them and
+//!   should turn it on; a same-host peer then runs with `UCX_TLS=^cma,posix,sysv,xpmem` and
+//!   is reached over TCP or the NIC. It is off by default because single-machine
+//!   deployments (vLLM's one-node prefill/decode, the nixl-rs demo and tests) exchange
+//!   metadata with UCX's default transports, which include them; there, run unrelated
+//!   processes as other users, so that the OS refuses cma to them.
 //! - **Unsafe opt-ins.** UCX worker threads (`num_threads`), which crash NIXL 1.5.1, and
 //!   further UCX workers (`num_workers` above 1), whose TCP listeners no metadata shows, only
 //!   through [`Agent::create_backend_with_unchecked`]; memory that is not `'static` only
 //!   through [`Agent::register_raw`].
-//! - **Not protected:** a peer in *another* process that holds stale metadata after this
-//!   agent deregistered memory. UCX may still reach that memory (e.g. over CMA); only a
-//!   protocol between the two sides (deregister after the peer confirms) prevents it. The
-//!   same holds for memory registered with `register_raw`, whose contract is the caller's.
-//!   Metadata NIXL loads itself ([`MetadataPeer`]: its socket listener and etcd modes) is
-//!   neither validated nor checked for where it leads: NIXL offers no hook before it loads
-//!   it; requests to such an agent are held to the registrations of an agent of this
-//!   process of that name, if any. Addresses of transports not interpreted here
-//!   (InfiniBand, ...) are compared byte for byte (their NICs check memory keys), and the
-//!   TCP listeners of the further workers of a backend made by
-//!   [`Agent::create_backend_with_unchecked`], which no metadata shows, are not recognised.
+//! - **Not protected:**
+//!   - a peer in *another* process that holds stale metadata after this agent deregistered
+//!     memory. UCX may still reach that memory while it stays mapped (over cma, a peer that
+//!     kept this process's old metadata still READs the old addresses); only a NIC's memory
+//!     keys end with the registration, and only a protocol between the two sides (deregister
+//!     after the peer confirms, or a registration generation that makes the peer handshake
+//!     again, as `nixl-connector` has) keeps peers off old memory. The same holds for
+//!     memory registered with `register_raw`, whose contract is the caller's;
+//!   - metadata NIXL loads itself ([`MetadataPeer`]: its socket listener and etcd modes) is
+//!     neither validated nor checked for where it leads: NIXL offers no hook before it loads
+//!     it. Use those modes with trusted peers only; requests to such an agent are held to
+//!     the registrations of an agent of this process of that name, if any;
+//!   - addresses of transports not interpreted here (InfiniBand, ...) are compared byte for
+//!     byte with this process's workers' (their NICs check memory keys, so they reach
+//!     registered memory only), and POSIX shared memory named by id
+//!     (`UCX_POSIX_USE_PROC_LINK=n`) is compared with live agents' workers only;
+//!   - the TCP listeners of a UCX backend's further workers, which no metadata shows and
+//!     which this process cannot tell from listening sockets its parent leaked to it, are
+//!     not recognised: the safe API refuses further workers (`num_workers` above 1,
+//!     [`Error::RefusedBackendParam`]), and only [`Agent::create_backend_with_unchecked`]
+//!     makes them.
 //!
 //! # Async
 //! A posted [`XferRequest`] can be awaited (`request.await`, see [`Completion`]), and
