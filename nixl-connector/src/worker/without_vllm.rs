@@ -3,7 +3,9 @@
 
 use nixl::kv_config::KvTransferConfig;
 
-use crate::{Error, KvConnectorWorker, Protocol, WorkerConfig};
+use crate::config::{Protocol, WorkerConfig};
+use crate::error::Error;
+use crate::worker::KvConnectorWorker;
 
 /// The reason a worker for `config` was refused; panics if it was not.
 fn refusal(config: WorkerConfig) -> String {
