@@ -16,6 +16,12 @@ const ROLE_ENV: &str = "NIXL_CONNECTOR_TEST_PREFILL_ROLE";
 /// The engine of the prefill process.
 const PREFILL: &str = "pf-killed";
 
+/// The tests here run one at a time: an agent another test creates meanwhile changes this
+/// process's UCX workers, and the `nixl` crate then checks the dead prefill's loaded
+/// metadata again at the next request, refusing it (its process is gone) before NIXL's
+/// own post can fail it, which is what these tests assert.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// The prefill, run in a child process: fills its cache, prints its port, waits to be killed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "the prefill of the tests here, which start it"]
@@ -43,6 +49,7 @@ fn decode_of(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_load_from_a_killed_prefill_reports_exactly_its_blocks() {
+    let _alone = ONE_AT_A_TIME.lock().await;
     let (mut child, port) = prefill_process::start("prefill_role", ROLE_ENV);
     let (spec, decode, mut from) = decode_of("dc-killed", port, "first");
 
@@ -91,6 +98,7 @@ fn assert_failed_in_nixl(failure: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_read_in_flight_when_its_prefill_dies_fails_in_nixl() {
+    let _alone = ONE_AT_A_TIME.lock().await;
     // The prefill's agent never progresses, so the READ stays in flight until it dies.
     let (mut child, port) = prefill_process::start_stalled("prefill_role", ROLE_ENV);
     let (_, decode, from) = decode_of("dc-killed-mid", port, "mid");
