@@ -208,11 +208,14 @@ fn check_group_block_sizes(groups: usize, sizes: BlockSizes) -> std::result::Res
     Ok(())
 }
 
+/// One side's block ids of a load, one list per KV cache group.
+type GroupLists<'a> = Vec<&'a [usize]>;
+
 /// Each side's ids split into its groups' lists, as many groups on both sides.
 fn split_groups<'a>(
     local: GroupBlocks<'a>,
     remote: GroupBlocks<'a>,
-) -> std::result::Result<(Vec<&'a [usize]>, Vec<&'a [usize]>), String> {
+) -> std::result::Result<(GroupLists<'a>, GroupLists<'a>), String> {
     let split = |side: GroupBlocks<'a>| {
         crate::geometry::groups::split(side.ids, side.lens).map_err(|err| err.to_string())
     };

@@ -227,6 +227,10 @@ fn part_offsets(
         .collect())
 }
 
+/// Each region holding SSM state, with its state page length (local, remote): a block id's
+/// registered blocks (vLLM's page of `physical_blocks_per_logical_kv_block` kernel blocks).
+type StatePages = Vec<(usize, (usize, usize))>;
+
 /// Each region of `regions` with its state page length (local, remote): a block id's
 /// registered blocks, `blocks_per_id` (local, remote) of them, in the reader's and the
 /// source's (of TP `source_tp`) caches, which must hold every part read (`parts`, as
@@ -240,7 +244,7 @@ fn state_pages(
     parts: &[(usize, usize, usize)],
     (local_per_id, remote_per_id): (usize, usize),
     source_tp: usize,
-) -> std::result::Result<Vec<(usize, (usize, usize))>, String> {
+) -> std::result::Result<StatePages, String> {
     let (local_end, remote_end) = parts.iter().fold((0, 0), |(l, r), &(lo, ro, len)| {
         (l.max(lo + len), r.max(ro + len))
     });
@@ -285,10 +289,8 @@ fn state_pages(
 pub(crate) struct SsmReads {
     /// Each part's offset in a local block, offset in a remote block, and bytes.
     parts: Vec<(usize, usize, usize)>,
-    /// Each region holding SSM state, with its state page length (local, remote): a block
-    /// id's registered blocks (vLLM's page of `physical_blocks_per_logical_kv_block` kernel
-    /// blocks).
-    block_lens: Vec<(usize, (usize, usize))>,
+    /// Each region holding SSM state, with its state page length (local, remote).
+    block_lens: StatePages,
     /// Block ids per region (local, remote).
     num_blocks: (usize, usize),
     /// The attention descriptors before the SSM ones (local, remote).
