@@ -56,14 +56,14 @@ impl<'de> Deserialize<'de> for VllmBlockIds {
 }
 
 /// Declares [`VllmKvTransferParams`] from one list of vLLM's known keys, each a field named
-/// as its key, of type `Option<_>`. The same list gives [`KNOWN_KEYS`], the
+/// as its key, of type `Option<_>`, and `other` after them. The same list gives [`KNOWN_KEYS`], the
 /// deserialization's reads (`take_known`) and the serialization's writes (`put_known`), so
 /// the three cannot disagree: a key is added in one place.
 macro_rules! vllm_kv_transfer_params {
     (
         $(#[$struct_attr:meta])*
         pub struct VllmKvTransferParams {
-            $( $(#[$field_attr:meta])* $key:ident: $ty:ty, )+
+            $( $(#[$field_attr:meta])* pub $key:ident: $ty:ty, )+
         }
     ) => {
         $(#[$struct_attr])*
@@ -104,34 +104,34 @@ vllm_kv_transfer_params! {
     #[derive(Debug, Clone, Default, PartialEq)]
     pub struct VllmKvTransferParams {
         /// The KV is computed elsewhere and must be read (decode side).
-        do_remote_prefill: Option<bool>,
+        pub do_remote_prefill: Option<bool>,
         /// The KV will be read by a remote decode (prefill side).
-        do_remote_decode: Option<bool>,
+        pub do_remote_decode: Option<bool>,
         /// The remote engine's blocks holding the request's KV.
-        remote_block_ids: Option<VllmBlockIds>,
+        pub remote_block_ids: Option<VllmBlockIds>,
         /// The remote engine's id.
-        remote_engine_id: Option<String>,
+        pub remote_engine_id: Option<String>,
         /// The request's id on the remote engine (notifications name it).
-        remote_request_id: Option<String>,
+        pub remote_request_id: Option<String>,
         /// The remote engine's side-channel host.
-        remote_host: Option<String>,
+        pub remote_host: Option<String>,
         /// The remote engine's side-channel port (one per engine; ranks are asked by number).
-        remote_port: Option<u16>,
+        pub remote_port: Option<u16>,
         /// The remote engine's TP size.
-        tp_size: Option<u32>,
+        pub tp_size: Option<u32>,
         /// The remote engine's decode context parallel size.
-        dcp_size: Option<u32>,
+        pub dcp_size: Option<u32>,
         /// The remote engine's pipeline parallel size.
-        pp_size: Option<u32>,
+        pub pp_size: Option<u32>,
         /// Tokens whose KV the remote engine holds.
-        remote_num_tokens: Option<u64>,
+        pub remote_num_tokens: Option<u64>,
         /// When the remote engine frees the blocks, on its clock (see
         /// [`MetaReply::clock_offset`](super::MetaReply::clock_offset)).
-        remote_blocks_expiry_time: Option<f64>,
+        pub remote_blocks_expiry_time: Option<f64>,
         /// The remote registration's generation (a newer one needs a new handshake).
-        remote_registration_generation: Option<u64>,
+        pub remote_registration_generation: Option<u64>,
         /// `"pull"` or `"push"`.
-        transfer_mode: Option<String>,
+        pub transfer_mode: Option<String>,
     }
 }
 
