@@ -343,58 +343,18 @@ async fn pull_all(
     let scheduler_config =
         SchedulerConfig::new(&worker.name, "", 0, 1, &worker.kv_transfer_config)?;
     let heartbeat_interval = scheduler_config.lease.heartbeat_interval();
-    let mut state = RunState {
-        options,
-        cache: worker.cache()?,
-        scheduler: KvConnectorScheduler::new(scheduler_config),
-        remote_blocks: welcome.blocks,
-        source: (
-            welcome.engine.clone(),
-            options.prefill.ip().to_string(),
-            welcome.side_channel_port,
-        ),
-        pool: BlockPool::new(u32::try_from(worker.layout.blocks).unwrap_or(u32::MAX)),
-        pending: VecDeque::new(),
-        in_flight: HashMap::new(),
-        ended: VecDeque::new(),
-        seen: HashSet::new(),
-        complete: false,
-        latencies: Vec::new(),
-        mismatches: Vec::new(),
-        lifecycle: Lifecycle::default(),
-        progress: Progress {
-            requests_done: 0,
-            requests_total: options.requests,
-            blocks: 0,
-            bytes: 0,
-            elapsed: Duration::ZERO,
-        },
-        step_due: false,
-        outcomes: Vec::new(),
-    };
+    let scheduler = KvConnectorScheduler::new(scheduler_config);
+    let mut state = RunState::new(worker, options, welcome, scheduler)?;
     let connector = &worker.connector;
     let start = Instant::now();
-    let mut report =
-        tokio::time::interval_at(after(options.progress_interval), options.progress_interval);
-    report.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut report = ticks_every(options.progress_interval);
     // Engine steps without news still carry the scheduler's heartbeats to prefill.
-    let mut step = tokio::time::interval_at(after(heartbeat_interval), heartbeat_interval);
-    step.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut step = ticks_every(heartbeat_interval);
     let mut channel_open = true;
     let idle = tokio::time::sleep(options.idle_timeout);
     tokio::pin!(idle);
     loop {
-        state.start_loads(worker)?;
-        if state.step_due {
-            state.step(connector)?;
-        }
-        let outcomes = std::mem::take(&mut state.outcomes);
-        if let Err(failed) = state.loads_ended(outcomes) {
-            if !channel_open {
-                return Err(failed);
-            }
-            return Err(blame(failed, channel, &state.progress).await);
-        }
+        state.advance(worker, channel, channel_open).await?;
         state.progress.elapsed = start.elapsed();
         if state.finished() {
             break;
@@ -431,13 +391,15 @@ async fn pull_all(
             ))),
         }
     }
-    Ok(DecodeSummary {
-        prefill_agent: welcome.engine.clone(),
-        progress: state.progress,
-        latencies: state.latencies,
-        mismatches: state.mismatches,
-        lifecycle: state.lifecycle,
-    })
+    Ok(state.summary(welcome))
+}
+
+/// A timer that first ticks `period` from now and then every `period`, a late tick
+/// delaying the ones after it.
+fn ticks_every(period: Duration) -> tokio::time::Interval {
+    let mut ticks = tokio::time::interval_at(after(period), period);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    ticks
 }
 
 /// How long a decode whose load failed watches prefill's control channel before it blames
@@ -513,7 +475,81 @@ struct RunState<'w> {
     outcomes: Vec<LoadOutcome>,
 }
 
-impl RunState<'_> {
+impl<'w> RunState<'w> {
+    /// A run of `options` into `worker`'s cache from the prefill that sent `welcome`,
+    /// with `scheduler` (this engine's), before any announcement.
+    fn new(
+        worker: &'w Worker,
+        options: &'w DecodeOptions,
+        welcome: &Welcome,
+        scheduler: KvConnectorScheduler,
+    ) -> Result<Self> {
+        Ok(RunState {
+            options,
+            cache: worker.cache()?,
+            scheduler,
+            remote_blocks: welcome.blocks,
+            source: (
+                welcome.engine.clone(),
+                options.prefill.ip().to_string(),
+                welcome.side_channel_port,
+            ),
+            pool: BlockPool::new(u32::try_from(worker.layout.blocks).unwrap_or(u32::MAX)),
+            pending: VecDeque::new(),
+            in_flight: HashMap::new(),
+            ended: VecDeque::new(),
+            seen: HashSet::new(),
+            complete: false,
+            latencies: Vec::new(),
+            mismatches: Vec::new(),
+            lifecycle: Lifecycle::default(),
+            progress: Progress {
+                requests_done: 0,
+                requests_total: options.requests,
+                blocks: 0,
+                bytes: 0,
+                elapsed: Duration::ZERO,
+            },
+            step_due: false,
+            outcomes: Vec::new(),
+        })
+    }
+
+    /// What the run did, reading from the prefill that sent `welcome`.
+    fn summary(self, welcome: &Welcome) -> DecodeSummary {
+        DecodeSummary {
+            prefill_agent: welcome.engine.clone(),
+            progress: self.progress,
+            latencies: self.latencies,
+            mismatches: self.mismatches,
+            lifecycle: self.lifecycle,
+        }
+    }
+
+    /// The loop's work before it waits: starts the loads that have free blocks, runs the
+    /// engine step when one is due, and handles how loads ended. A load that failed ends
+    /// the run, blamed on prefill if its control channel (still `channel_open`) fails
+    /// within [`DEATH_GRACE`] (see [`blame`]).
+    async fn advance(
+        &mut self,
+        worker: &Worker,
+        channel: &mut Channel<Metered>,
+        channel_open: bool,
+    ) -> Result<()> {
+        self.start_loads(worker)?;
+        if self.step_due {
+            self.step(&worker.connector)?;
+        }
+        let outcomes = std::mem::take(&mut self.outcomes);
+        if let Err(failed) = self.loads_ended(outcomes) {
+            if !channel_open {
+                return Err(failed);
+            }
+            return Err(blame(failed, channel, &self.progress).await);
+        }
+        Ok(())
+    }
+
     /// One engine step of the connector, exactly as the crate runs it
     /// ([`KvConnectorScheduler::step`]: the scheduler's metadata to the worker, the worker's
     /// output aggregated back); the load outcomes wait in `outcomes` for the loop.

@@ -378,6 +378,29 @@ async fn run_session(
         .local_addr()
         .map_or(IpAddr::from([127, 0, 0, 1]), |a| a.ip());
     let _ = stream.set_nodelay(true);
+    let Some((channel, hello)) = handshake(&shared, stream, peer, ticket, events).await else {
+        return;
+    };
+    let _ = events.send(PrefillEvent::SessionStarted {
+        peer,
+        decode_agent: hello.agent.clone(),
+        requests: hello.requests,
+    });
+    let report = serve_session(&shared, peer, local_ip, channel, hello).await;
+    let _ = events.send(PrefillEvent::SessionEnded(report));
+}
+
+/// The connection's handshake, within the handshake timeout, holding `ticket`'s place
+/// among the pending handshakes until the Hello is accepted: the channel and the decode's
+/// Hello, or `None` once the peer was refused (its refusal sent if it reads, and reported
+/// to `events`).
+async fn handshake(
+    shared: &Shared,
+    stream: TcpStream,
+    peer: SocketAddr,
+    ticket: Ticket,
+    events: &mpsc::UnboundedSender<PrefillEvent>,
+) -> Option<(Channel<Metered>, Hello)> {
     // The handshake gives its place to a newer one when evicted: it waits only for the
     // Hello (the check and the Welcome finish in the poll the Hello arrives in), and its
     // refusal does not wait for a peer that does not read.
@@ -391,19 +414,22 @@ async fn run_session(
     let limit = shared.options.handshake_timeout;
     let accepted = tokio::select! {
         biased;
-        accepted = tokio::time::timeout(limit, accept(&shared, &mut channel)) => {
+        accepted = tokio::time::timeout(limit, accept(shared, &mut channel)) => {
             accepted.unwrap_or_else(|_| Err(handshake_timeout(channel.get_ref(), limit)))
         }
         () = &mut evicted => {
-            let error = evicted_error(&shared);
+            let error = evicted_error(shared);
             tracing::warn!(%peer, "closed a pending control-channel handshake to make room: {error}");
             refuse_now(&mut channel, &error);
             let _ = events.send(PrefillEvent::Rejected { peer, error });
-            return;
+            return None;
         }
     };
-    let hello = match accepted {
-        Ok(hello) => hello,
+    match accepted {
+        Ok(hello) => {
+            channel.get_mut().release();
+            Some((channel, hello))
+        }
         Err(error) => {
             if let Error::Busy(reason) = &error {
                 tracing::warn!(%peer, "refused a control-channel connection: {reason}");
@@ -414,18 +440,24 @@ async fn run_session(
                 () = evicted => {}
             }
             let _ = events.send(PrefillEvent::Rejected { peer, error });
-            return;
+            None
         }
-    };
-    channel.get_mut().release();
-    let _ = events.send(PrefillEvent::SessionStarted {
-        peer,
-        decode_agent: hello.agent.clone(),
-        requests: hello.requests,
-    });
+    }
+}
+
+/// Serves the session `hello` opened on `channel` (from `peer`, which reached us at
+/// `local_ip`) to its end, then closes the channel, with the refusal of the error that
+/// ended it if one did; and what the session did.
+async fn serve_session(
+    shared: &Shared,
+    peer: SocketAddr,
+    local_ip: IpAddr,
+    channel: Channel<Metered>,
+    hello: Hello,
+) -> SessionReport {
     let start = Instant::now();
     let mut session = Session {
-        shared: &shared,
+        shared,
         hello,
         local_ip,
         channel,
@@ -449,7 +481,7 @@ async fn run_session(
         }
         Err(err) => refuse(session.channel, refusal(err)).await,
     }
-    let _ = events.send(PrefillEvent::SessionEnded(report));
+    report
 }
 
 /// Why a pending handshake was closed for a newer one.

@@ -169,45 +169,107 @@ pub(crate) fn pair_groups(
     remote: GroupBlocks<'_>,
     sizes: BlockSizes,
     num_tokens: Option<usize>,
-    (local_per_id, per_id): (usize, usize),
+    per_id: (usize, usize),
     is_state: impl Fn(usize) -> bool,
 ) -> Result<GroupPairs> {
     const OP: &str = "pair the blocks of a load";
     let invalid = |why: String| Error::invalid(OP, format!("request {request_id:?}: {why}"));
     let groups = local.lens.len();
+    check_group_block_sizes(groups, sizes).map_err(invalid)?;
+    let (locals, remotes) = split_groups(local, remote).map_err(invalid)?;
+    let end = PromptEnd::of(groups, sizes, num_tokens, per_id).map_err(invalid)?;
+    let lu = sizes.local_units();
+    let mut pairs = Vec::with_capacity(local.ids.len().saturating_mul(lu));
+    let mut counts = Vec::with_capacity(groups);
+    for (group, (l, r)) in locals.iter().zip(&remotes).enumerate() {
+        let before = pairs.len();
+        let paired = if is_state(group) {
+            pair_state_blocks(group, l, r, &mut pairs)
+        } else if let Some(end) = &end {
+            end.pair_by_tokens(group, l, r, &mut pairs)
+        } else {
+            pair_tails(group, l, r, &mut pairs)
+        };
+        paired.map_err(invalid)?;
+        counts.push(pairs.len() - before);
+    }
+    Ok((pairs, counts))
+}
+
+/// Refuses a load of `groups` KV cache groups whose remote blocks are larger than the local
+/// ones (vLLM 0.33's `TransferTopology.block_size_ratio` asserts the opposite).
+fn check_group_block_sizes(groups: usize, sizes: BlockSizes) -> std::result::Result<(), String> {
     if sizes.remote > sizes.local {
-        return Err(invalid(format!(
+        return Err(format!(
             "{groups} KV cache groups with blocks of {} tokens (local) and {} (remote): vLLM 0.33 reads a hybrid model's blocks only when the decode's block size is a multiple of the prefill's (its TransferTopology.block_size_ratio asserts it); give the decode blocks of a multiple of {} tokens",
             sizes.local, sizes.remote, sizes.remote
-        )));
+        ));
     }
-    let split = |ids, lens| {
-        crate::geometry::groups::split(ids, lens).map_err(|err| invalid(err.to_string()))
+    Ok(())
+}
+
+/// One side's block ids of a load, one list per KV cache group.
+type GroupLists<'a> = Vec<&'a [usize]>;
+
+/// Each side's ids split into its groups' lists, as many groups on both sides.
+fn split_groups<'a>(
+    local: GroupBlocks<'a>,
+    remote: GroupBlocks<'a>,
+) -> std::result::Result<(GroupLists<'a>, GroupLists<'a>), String> {
+    let split = |side: GroupBlocks<'a>| {
+        crate::geometry::groups::split(side.ids, side.lens).map_err(|err| err.to_string())
     };
-    let (locals, remotes) = (
-        split(local.ids, local.lens)?,
-        split(remote.ids, remote.lens)?,
-    );
+    let (locals, remotes) = (split(local)?, split(remote)?);
     if locals.len() != remotes.len() {
-        return Err(invalid(format!(
+        return Err(format!(
             "{} local KV cache groups for {} remote ones",
             locals.len(),
             remotes.len()
-        )));
+        ));
     }
-    let lu = sizes.local_units();
-    // Where the prompt ends, in units, prefill blocks and decode blocks.
-    let ends = if lu == 1 && per_id == 1 && local_per_id == 1 {
-        None
-    } else {
+    Ok((locals, remotes))
+}
+
+/// Where the prompt ends, for a load whose groups' lists meet at the prompt's tokens: in
+/// units, and in each side's kernel blocks up to the end of the block id holding its last
+/// token.
+#[derive(Debug, Clone, Copy)]
+struct PromptEnd {
+    /// The prompt's tokens (vLLM's `remote_num_tokens`).
+    tokens: usize,
+    /// The units holding them.
+    filled: usize,
+    /// Remote kernel blocks up to the end of the remote block id holding the last token.
+    remote_end: usize,
+    /// Local kernel blocks up to the end of the local block id holding the last token.
+    local_end: usize,
+    /// Both sides' block sizes.
+    sizes: BlockSizes,
+    /// Kernel blocks per block id (local, remote).
+    per_id: (usize, usize),
+}
+
+impl PromptEnd {
+    /// Where the prompt of `num_tokens` ends for a load of `groups` groups, or `None` when
+    /// the lists end together (blocks of as many tokens, one kernel block per id).
+    fn of(
+        groups: usize,
+        sizes: BlockSizes,
+        num_tokens: Option<usize>,
+        (local_per_id, per_id): (usize, usize),
+    ) -> std::result::Result<Option<Self>, String> {
+        let lu = sizes.local_units();
+        if lu == 1 && per_id == 1 && local_per_id == 1 {
+            return Ok(None);
+        }
         let Some(tokens) = num_tokens else {
-            return Err(invalid(format!(
+            return Err(format!(
                 "{groups} KV cache groups with blocks of {} tokens (local, {local_per_id} per block id) and {} (remote, {per_id} per block id): which tokens each group's blocks hold depends on the prompt's length; pass num_tokens (vLLM's remote_num_tokens)",
                 sizes.local, sizes.remote
-            )));
+            ));
         };
         let filled = tokens.div_ceil(sizes.unit());
-        let overflows = || invalid(format!("num_tokens {tokens} overflows"));
+        let overflows = || format!("num_tokens {tokens} overflows");
         let remote_end = filled
             .div_ceil(per_id)
             .checked_mul(per_id)
@@ -217,58 +279,85 @@ pub(crate) fn pair_groups(
             .div_ceil(local_per_id)
             .checked_mul(local_per_id)
             .ok_or_else(overflows)?;
-        Some((tokens, filled, remote_end, local_end))
-    };
-    let mut pairs = Vec::with_capacity(local.ids.len().saturating_mul(lu));
-    let mut counts = Vec::with_capacity(groups);
-    for (group, (l, r)) in locals.iter().zip(&remotes).enumerate() {
-        let before = pairs.len();
-        if is_state(group) {
-            if l.len() > 1 || r.len() > 1 || l.len() > r.len() {
-                return Err(invalid(format!(
-                    "KV cache group {group} (SSM state): {} local blocks for {} remote blocks, where each engine hands over its one state-bearing block (vLLM's clip_ssm_state_blocks)",
-                    l.len(),
-                    r.len()
-                )));
-            }
-            pairs.extend(l.iter().copied().zip(r.iter().copied()));
-            counts.push(pairs.len() - before);
-            continue;
-        }
-        match ends {
-            None => {
-                let Some(skipped) = r.len().checked_sub(l.len()) else {
-                    return Err(invalid(format!(
-                        "KV cache group {group}: {} local blocks for {} remote blocks",
-                        l.len(),
-                        r.len()
-                    )));
-                };
-                pairs.extend(l.iter().copied().zip(r[skipped..].iter().copied()));
-            }
-            Some((tokens, filled, remote_end, local_end)) => {
-                if r.len() > remote_end || l.len() > local_end {
-                    return Err(invalid(format!(
-                        "KV cache group {group}: num_tokens {tokens} fill {} remote block ids of {} tokens and {} local ones of {} tokens, the load names {} and {}",
-                        remote_end / per_id,
-                        sizes.remote * per_id,
-                        local_end / local_per_id,
-                        sizes.local * local_per_id,
-                        r.len() / per_id,
-                        l.len() / local_per_id
-                    )));
-                }
-                let remote_first = remote_end - r.len();
-                let skipped = local_end - l.len();
-                for unit in remote_first.max(skipped.saturating_mul(lu))..filled {
-                    let block = l[unit / lu - skipped];
-                    pairs.push((block * lu + unit % lu, r[unit - remote_first]));
-                }
-            }
-        }
-        counts.push(pairs.len() - before);
+        Ok(Some(PromptEnd {
+            tokens,
+            filled,
+            remote_end,
+            local_end,
+            sizes,
+            per_id: (local_per_id, per_id),
+        }))
     }
-    Ok((pairs, counts))
+
+    /// Appends to `pairs` the units of `group` whose lists `l` (local) and `r` (remote) both
+    /// hold, each list ending at the prompt's end.
+    fn pair_by_tokens(
+        &self,
+        group: usize,
+        l: &[usize],
+        r: &[usize],
+        pairs: &mut Vec<(usize, usize)>,
+    ) -> std::result::Result<(), String> {
+        let (local_per_id, per_id) = self.per_id;
+        if r.len() > self.remote_end || l.len() > self.local_end {
+            return Err(format!(
+                "KV cache group {group}: num_tokens {} fill {} remote block ids of {} tokens and {} local ones of {} tokens, the load names {} and {}",
+                self.tokens,
+                self.remote_end / per_id,
+                self.sizes.remote * per_id,
+                self.local_end / local_per_id,
+                self.sizes.local * local_per_id,
+                r.len() / per_id,
+                l.len() / local_per_id
+            ));
+        }
+        let lu = self.sizes.local_units();
+        let remote_first = self.remote_end - r.len();
+        let skipped = self.local_end - l.len();
+        for unit in remote_first.max(skipped.saturating_mul(lu))..self.filled {
+            let block = l[unit / lu - skipped];
+            pairs.push((block * lu + unit % lu, r[unit - remote_first]));
+        }
+        Ok(())
+    }
+}
+
+/// Appends to `pairs` the one state-bearing block of SSM group `group` on each side (`l`
+/// local, `r` remote), as block ids.
+fn pair_state_blocks(
+    group: usize,
+    l: &[usize],
+    r: &[usize],
+    pairs: &mut Vec<(usize, usize)>,
+) -> std::result::Result<(), String> {
+    if l.len() > 1 || r.len() > 1 || l.len() > r.len() {
+        return Err(format!(
+            "KV cache group {group} (SSM state): {} local blocks for {} remote blocks, where each engine hands over its one state-bearing block (vLLM's clip_ssm_state_blocks)",
+            l.len(),
+            r.len()
+        ));
+    }
+    pairs.extend(l.iter().copied().zip(r.iter().copied()));
+    Ok(())
+}
+
+/// Appends to `pairs` group `group`'s blocks of lists that end together: local block `i`
+/// from the last with remote block `i` from the last.
+fn pair_tails(
+    group: usize,
+    l: &[usize],
+    r: &[usize],
+    pairs: &mut Vec<(usize, usize)>,
+) -> std::result::Result<(), String> {
+    let Some(skipped) = r.len().checked_sub(l.len()) else {
+        return Err(format!(
+            "KV cache group {group}: {} local blocks for {} remote blocks",
+            l.len(),
+            r.len()
+        ));
+    };
+    pairs.extend(l.iter().copied().zip(r[skipped..].iter().copied()));
+    Ok(())
 }
 
 #[cfg(test)]

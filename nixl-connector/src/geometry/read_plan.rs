@@ -76,86 +76,16 @@ impl ReadPlan {
         source: &KvCacheSpec,
         source_tp: (usize, usize),
     ) -> std::result::Result<ReadPlan, String> {
-        let same = "both engines must serve the same model";
-        if reader.attention != source.attention {
-            return Err(format!(
-                "attention: {} (reader) vs {} (source); {same}",
-                reader.attention, source.attention
-            ));
-        }
-        if reader.regions.len() != source.regions.len() {
-            return Err(format!(
-                "regions: {} (reader) vs {} (source); {same} with the same registration",
-                reader.regions.len(),
-                source.regions.len()
-            ));
-        }
-        let sizes = BlockSizes {
-            local: reader.block_size,
-            remote: source.block_size,
-        };
-        if sizes.local.max(sizes.remote) % sizes.unit().max(1) != 0 {
-            return Err(format!(
-                "block size {} (reader) vs {} (source): one must divide the other",
-                sizes.local, sizes.remote
-            ));
-        }
-        let mha = matches!(reader.attention, KvAttention::Mha { .. });
-        if mha && reader.layout != source.layout {
-            return Err(format!(
-                "layout {} (reader) vs {} (source); use the same on both engines",
-                reader.layout, source.layout
-            ));
-        }
-        let mapping = TpMapping::new(reader_tp.0, reader_tp.1, source_tp.1, reader.attention)
-            .map_err(|err| err.to_string())?;
-        let share = mapping.share_of(source_tp.0).ok_or_else(|| {
-            format!(
-                "rank {} of TP {} reads from remote ranks {:?}, not from rank {}",
-                reader_tp.0,
-                reader_tp.1,
-                mapping.ranks.iter().map(|r| r.rank).collect::<Vec<_>>(),
-                source_tp.0
-            )
-        })?;
-        let mut regions = Vec::with_capacity(reader.regions.len());
-        for (index, (local, remote)) in reader.regions.iter().zip(&source.regions).enumerate() {
-            if local.kind != remote.kind {
-                return Err(format!(
-                    "region {index}: {} (reader) vs {} (source); {same} with the same registration",
-                    local.kind, remote.kind
-                ));
-            }
-            let token_bytes = (
-                reader.token_bytes(index, reader_tp.1),
-                source.token_bytes(index, source_tp.1),
-            );
-            let token = match token_bytes {
-                (Some(l), Some(r)) if l == r => l,
-                _ => {
-                    let what = if mha { "head" } else { "latent" };
-                    return Err(format!(
-                        "region {index}: block length {} (reader, TP {}, {} tokens) vs {} (source, TP {}, {} tokens): \
-                         a {what}'s token holds {} vs {} bytes; {same}",
-                        local.block_len,
-                        reader_tp.1,
-                        reader.block_size,
-                        remote.block_len,
-                        source_tp.1,
-                        source.block_size,
-                        shown(token_bytes.0),
-                        shown(token_bytes.1),
-                    ));
-                }
-            };
-            let region = Region {
-                index,
-                parts: local.kind.parts(),
-                lens: (local.block_len, remote.block_len),
-                token,
-            };
-            regions.push(region.plan(share, reader, source, sizes)?);
-        }
+        check_same_model(reader, source)?;
+        let sizes = checked_block_sizes(reader, source)?;
+        check_layouts(reader, source)?;
+        let share = share_of_source(reader, reader_tp, source_tp)?;
+        let mut regions = (0..reader.regions.len())
+            .map(|index| {
+                let region = Region::checked(index, (reader, reader_tp.1), (source, source_tp.1))?;
+                region.plan(share, reader, source, sizes)
+            })
+            .collect::<std::result::Result<Vec<_>, String>>()?;
         if !share.reads() {
             regions.clear();
         }
@@ -299,6 +229,79 @@ impl ReadPlan {
     }
 }
 
+/// What a refusal of two engines that do not serve the same model adds.
+const SAME_MODEL: &str = "both engines must serve the same model";
+
+/// Refuses a source of another attention or region count than the reader's.
+fn check_same_model(reader: &KvCacheSpec, source: &KvCacheSpec) -> std::result::Result<(), String> {
+    if reader.attention != source.attention {
+        return Err(format!(
+            "attention: {} (reader) vs {} (source); {SAME_MODEL}",
+            reader.attention, source.attention
+        ));
+    }
+    if reader.regions.len() != source.regions.len() {
+        return Err(format!(
+            "regions: {} (reader) vs {} (source); {SAME_MODEL} with the same registration",
+            reader.regions.len(),
+            source.regions.len()
+        ));
+    }
+    Ok(())
+}
+
+/// The two sides' block sizes, one of which must divide the other.
+fn checked_block_sizes(
+    reader: &KvCacheSpec,
+    source: &KvCacheSpec,
+) -> std::result::Result<BlockSizes, String> {
+    let sizes = BlockSizes {
+        local: reader.block_size,
+        remote: source.block_size,
+    };
+    if sizes.local.max(sizes.remote) % sizes.unit().max(1) != 0 {
+        return Err(format!(
+            "block size {} (reader) vs {} (source): one must divide the other",
+            sizes.local, sizes.remote
+        ));
+    }
+    Ok(sizes)
+}
+
+/// Refuses MHA caches of different layouts (MLA has one latent per token: its layout does
+/// not matter).
+fn check_layouts(reader: &KvCacheSpec, source: &KvCacheSpec) -> std::result::Result<(), String> {
+    let mha = matches!(reader.attention, KvAttention::Mha { .. });
+    if mha && reader.layout != source.layout {
+        return Err(format!(
+            "layout {} (reader) vs {} (source); use the same on both engines",
+            reader.layout, source.layout
+        ));
+    }
+    Ok(())
+}
+
+/// What reader rank `reader_tp.0` of TP `reader_tp.1` takes from source rank `source_tp.0`
+/// of TP `source_tp.1`, by the [`TpMapping`] of the two TP sizes; refused when the mapping
+/// does not name the source rank.
+fn share_of_source(
+    reader: &KvCacheSpec,
+    reader_tp: (usize, usize),
+    source_tp: (usize, usize),
+) -> std::result::Result<Share, String> {
+    let mapping = TpMapping::new(reader_tp.0, reader_tp.1, source_tp.1, reader.attention)
+        .map_err(|err| err.to_string())?;
+    mapping.share_of(source_tp.0).ok_or_else(|| {
+        format!(
+            "rank {} of TP {} reads from remote ranks {:?}, not from rank {}",
+            reader_tp.0,
+            reader_tp.1,
+            mapping.ranks.iter().map(|r| r.rank).collect::<Vec<_>>(),
+            source_tp.0
+        )
+    })
+}
+
 /// `n` for a message, or "a fraction of".
 fn shown(bytes: Option<usize>) -> String {
     bytes.map_or_else(|| "no whole number of".to_string(), |b| b.to_string())
@@ -316,6 +319,50 @@ struct Region {
 }
 
 impl Region {
+    /// Region `index` of the reader's cache (`reader`: its spec and TP size) and the
+    /// source's (`source`: likewise), refused when the two hold different content or
+    /// different bytes per token of a head (or of the latent).
+    fn checked(
+        index: usize,
+        (reader, reader_tp): (&KvCacheSpec, usize),
+        (source, source_tp): (&KvCacheSpec, usize),
+    ) -> std::result::Result<Region, String> {
+        let (local, remote) = (&reader.regions[index], &source.regions[index]);
+        if local.kind != remote.kind {
+            return Err(format!(
+                "region {index}: {} (reader) vs {} (source); {SAME_MODEL} with the same registration",
+                local.kind, remote.kind
+            ));
+        }
+        let token_bytes = (
+            reader.token_bytes(index, reader_tp),
+            source.token_bytes(index, source_tp),
+        );
+        let token = match token_bytes {
+            (Some(l), Some(r)) if l == r => l,
+            _ => {
+                let mha = matches!(reader.attention, KvAttention::Mha { .. });
+                let what = if mha { "head" } else { "latent" };
+                return Err(format!(
+                    "region {index}: block length {} (reader, TP {reader_tp}, {} tokens) vs {} (source, TP {source_tp}, {} tokens): \
+                     a {what}'s token holds {} vs {} bytes; {SAME_MODEL}",
+                    local.block_len,
+                    reader.block_size,
+                    remote.block_len,
+                    source.block_size,
+                    shown(token_bytes.0),
+                    shown(token_bytes.1),
+                ));
+            }
+        };
+        Ok(Region {
+            index,
+            parts: local.kind.parts(),
+            lens: (local.block_len, remote.block_len),
+            token,
+        })
+    }
+
     /// The pieces of a unit for `share`.
     fn plan(
         &self,

@@ -177,6 +177,104 @@ pub(crate) fn state_block(ids: &[usize], speculative_blocks: usize) -> &[usize] 
     &kept[kept.len().saturating_sub(1)..]
 }
 
+/// Each part of `state` (the reader's, per rank) as (offset in a local block, offset in a
+/// remote block, bytes), for reader rank `reader_tp.0` of TP `reader_tp.1` reading source
+/// rank `source_tp.0` of TP `source_tp.1` (see [`SsmReads`]).
+///
+/// # Errors
+/// TP sizes neither of which divides the other, or parts of the state that do not split
+/// over a larger source TP.
+fn part_offsets(
+    state: &SsmState,
+    (reader_rank, reader_tp): (usize, usize),
+    (source_rank, source_tp): (usize, usize),
+) -> std::result::Result<Vec<(usize, usize, usize)>, String> {
+    let divides = |a: usize, b: usize| a > 0 && b > 0 && b % a == 0;
+    if divides(source_tp, reader_tp) {
+        // Each source part holds `ratio` readers' slices; ours is the rank's place among
+        // the readers of that source rank.
+        let ratio = reader_tp / source_tp;
+        let slice = reader_rank % ratio;
+        return Ok(state
+            .parts()
+            .into_iter()
+            .map(|(offset, len)| (offset, offset * ratio + slice * len, len))
+            .collect());
+    }
+    if !divides(reader_tp, source_tp) {
+        return Err(format!(
+            "SSM (Mamba) state between a prefill of TP {source_tp} and a decode of TP {reader_tp}: one TP size must divide the other"
+        ));
+    }
+    // Each of our parts is `ratio` source ranks' whole parts, in rank order.
+    let ratio = source_tp / reader_tp;
+    let piece = source_rank % ratio;
+    if let Some(&len) = state
+        .parts()
+        .iter()
+        .map(|(_, len)| len)
+        .find(|&&l| l % ratio != 0)
+    {
+        return Err(format!(
+            "a part of {len} bytes of the SSM state (ssm_sizes {:?}) does not split over the source's {ratio} ranks per reader rank",
+            state.ssm_sizes()
+        ));
+    }
+    Ok(state
+        .parts()
+        .into_iter()
+        .map(|(offset, len)| (offset + piece * len / ratio, offset / ratio, len / ratio))
+        .collect())
+}
+
+/// Each region holding SSM state, with its state page length (local, remote): a block id's
+/// registered blocks (vLLM's page of `physical_blocks_per_logical_kv_block` kernel blocks).
+type StatePages = Vec<(usize, (usize, usize))>;
+
+/// Each region of `regions` with its state page length (local, remote): a block id's
+/// registered blocks, `blocks_per_id` (local, remote) of them, in the reader's and the
+/// source's (of TP `source_tp`) caches, which must hold every part read (`parts`, as
+/// [`part_offsets`] gives them) of `state`.
+///
+/// # Errors
+/// A region past either cache's, or a region whose pages cannot hold the state read.
+fn state_pages(
+    (state, regions): (&SsmState, &[usize]),
+    (reader, source): (&KvCacheSpec, &KvCacheSpec),
+    parts: &[(usize, usize, usize)],
+    (local_per_id, remote_per_id): (usize, usize),
+    source_tp: usize,
+) -> std::result::Result<StatePages, String> {
+    let (local_end, remote_end) = parts.iter().fold((0, 0), |(l, r), &(lo, ro, len)| {
+        (l.max(lo + len), r.max(ro + len))
+    });
+    let mut block_lens = Vec::with_capacity(regions.len());
+    for &index in regions {
+        let (Some(local), Some(remote)) = (reader.regions.get(index), source.regions.get(index))
+        else {
+            return Err(format!(
+                "SSM state in region {index}, of {} regions (reader) and {} (source)",
+                reader.regions.len(),
+                source.regions.len()
+            ));
+        };
+        let pages = (
+            local.block_len.saturating_mul(local_per_id),
+            remote.block_len.saturating_mul(remote_per_id),
+        );
+        if pages.0 < local_end || pages.1 < remote_end {
+            return Err(format!(
+                "region {index}: state pages of {} bytes (reader) and {} (source of TP {source_tp}) cannot hold the SSM state read, up to byte {local_end} and {remote_end} (ssm_sizes {:?} per reader rank)",
+                pages.0,
+                pages.1,
+                state.ssm_sizes()
+            ));
+        }
+        block_lens.push((index, pages));
+    }
+    Ok(block_lens)
+}
+
 /// How a reader rank reads the SSM state from one source rank: one descriptor per region,
 /// part ([`SsmState::parts`]) and block, region by region, part by part, block by block,
 /// appended to the lists after the attention descriptors (vLLM's `[descs_fa | descs_ssm]`).
@@ -191,10 +289,8 @@ pub(crate) fn state_block(ids: &[usize], speculative_blocks: usize) -> &[usize] 
 pub(crate) struct SsmReads {
     /// Each part's offset in a local block, offset in a remote block, and bytes.
     parts: Vec<(usize, usize, usize)>,
-    /// Each region holding SSM state, with its state page length (local, remote): a block
-    /// id's registered blocks (vLLM's page of `physical_blocks_per_logical_kv_block` kernel
-    /// blocks).
-    block_lens: Vec<(usize, (usize, usize))>,
+    /// Each region holding SSM state, with its state page length (local, remote).
+    block_lens: StatePages,
     /// Block ids per region (local, remote).
     num_blocks: (usize, usize),
     /// The attention descriptors before the SSM ones (local, remote).
@@ -219,73 +315,16 @@ impl SsmReads {
         blocks_per_id: (usize, usize),
         first: (usize, usize),
     ) -> std::result::Result<Self, String> {
-        let ((reader, (reader_rank, reader_tp)), (source, (source_rank, source_tp))) =
-            (reader, source);
-        let divides = |a: usize, b: usize| a > 0 && b > 0 && b % a == 0;
-        let parts: Vec<(usize, usize, usize)> = if divides(source_tp, reader_tp) {
-            // Each source part holds `ratio` readers' slices; ours is the rank's place
-            // among the readers of that source rank.
-            let ratio = reader_tp / source_tp;
-            let slice = reader_rank % ratio;
-            state
-                .parts()
-                .into_iter()
-                .map(|(offset, len)| (offset, offset * ratio + slice * len, len))
-                .collect()
-        } else if divides(reader_tp, source_tp) {
-            // Each of our parts is `ratio` source ranks' whole parts, in rank order.
-            let ratio = source_tp / reader_tp;
-            let piece = source_rank % ratio;
-            if let Some(&len) = state
-                .parts()
-                .iter()
-                .map(|(_, len)| len)
-                .find(|&&l| l % ratio != 0)
-            {
-                return Err(format!(
-                    "a part of {len} bytes of the SSM state (ssm_sizes {:?}) does not split over the source's {ratio} ranks per reader rank",
-                    state.ssm_sizes()
-                ));
-            }
-            state
-                .parts()
-                .into_iter()
-                .map(|(offset, len)| (offset + piece * len / ratio, offset / ratio, len / ratio))
-                .collect()
-        } else {
-            return Err(format!(
-                "SSM (Mamba) state between a prefill of TP {source_tp} and a decode of TP {reader_tp}: one TP size must divide the other"
-            ));
-        };
-        let (local_end, remote_end) = parts.iter().fold((0, 0), |(l, r), &(lo, ro, len)| {
-            (l.max(lo + len), r.max(ro + len))
-        });
+        let ((reader, reader_tp), (source, source_tp)) = (reader, source);
+        let parts = part_offsets(state, reader_tp, source_tp)?;
+        let block_lens = state_pages(
+            (state, regions),
+            (reader, source),
+            &parts,
+            blocks_per_id,
+            source_tp.1,
+        )?;
         let (local_per_id, remote_per_id) = blocks_per_id;
-        let mut block_lens = Vec::with_capacity(regions.len());
-        for &index in regions {
-            let (Some(local), Some(remote)) =
-                (reader.regions.get(index), source.regions.get(index))
-            else {
-                return Err(format!(
-                    "SSM state in region {index}, of {} regions (reader) and {} (source)",
-                    reader.regions.len(),
-                    source.regions.len()
-                ));
-            };
-            let pages = (
-                local.block_len.saturating_mul(local_per_id),
-                remote.block_len.saturating_mul(remote_per_id),
-            );
-            if pages.0 < local_end || pages.1 < remote_end {
-                return Err(format!(
-                    "region {index}: state pages of {} bytes (reader) and {} (source of TP {source_tp}) cannot hold the SSM state read, up to byte {local_end} and {remote_end} (ssm_sizes {:?} per reader rank)",
-                    pages.0,
-                    pages.1,
-                    state.ssm_sizes()
-                ));
-            }
-            block_lens.push((index, pages));
-        }
         Ok(SsmReads {
             parts,
             block_lens,

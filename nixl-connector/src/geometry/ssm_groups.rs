@@ -5,7 +5,7 @@
 //! `ssm.rs`'s, which knows nothing of groups.
 
 use crate::error::{Error, Result};
-use crate::geometry::groups::{KvCacheGroupKind, KvCacheGroups};
+use crate::geometry::groups::{KvCacheGroupKind, KvCacheGroups, SHARED_REGION};
 use crate::geometry::ssm::SsmState;
 
 const OP: &str = "SSM state of KV cache groups";
@@ -89,8 +89,8 @@ impl KvCacheGroups {
     /// The regions of `regions` that hold SSM state (vLLM's `_ssm_region_indices`, the
     /// regions its Mamba layers registered): every region, or with
     /// [`region_groups`](Self::region_groups) each whose group is an SSM group and each
-    /// shared one ([`SHARED_REGION`](crate::SHARED_REGION): as vLLM's hybrid allocator shares
-    /// a tensor, a layer of every group); none without SSM groups.
+    /// shared one ([`SHARED_REGION`]: as vLLM's hybrid allocator shares a tensor, a layer
+    /// of every group); none without SSM groups.
     pub(crate) fn ssm_regions(&self, regions: usize) -> Vec<usize> {
         if !self.has_ssm_groups() {
             return Vec::new();
@@ -102,7 +102,7 @@ impl KvCacheGroups {
         (0..regions)
             .filter(|&r| {
                 groups.get(r).is_some_and(|&g| {
-                    g == crate::SHARED_REGION || usize::try_from(g).is_ok_and(|g| self.is_ssm(g))
+                    g == SHARED_REGION || usize::try_from(g).is_ok_and(|g| self.is_ssm(g))
                 })
             })
             .collect()
@@ -117,7 +117,7 @@ mod tests {
     fn parsed(json: serde_json::Value) -> Result<KvCacheGroups> {
         let mut kv = nixl::kv_config::KvTransferConfig::default();
         kv.kv_connector_extra_config
-            .insert(crate::KV_CACHE_GROUPS_KEY.into(), json);
+            .insert(crate::geometry::groups::KV_CACHE_GROUPS_KEY.into(), json);
         KvCacheGroups::from_kv_transfer_config(&kv)
     }
 

@@ -146,125 +146,166 @@ pub const HISTOGRAMS: [&str; 5] = [
     HANDSHAKE_TIME_SECONDS,
 ];
 
+/// What kind of series a name is, as the recorder is told it.
+#[derive(Debug, Clone, Copy)]
+enum SeriesKind {
+    Histogram,
+    Counter,
+    Gauge,
+}
+
+/// Every series' kind, name, unit and description, in the order [`describe`] gives them.
+const DESCRIPTIONS: [(SeriesKind, &str, Unit, &str); 23] = [
+    (
+        SeriesKind::Histogram,
+        XFER_TIME_SECONDS,
+        Unit::Seconds,
+        "Transfer duration of NIXL KV cache loads (NIXL telemetry).",
+    ),
+    (
+        SeriesKind::Histogram,
+        POST_TIME_SECONDS,
+        Unit::Seconds,
+        "Post duration of NIXL KV cache loads (NIXL telemetry).",
+    ),
+    (
+        SeriesKind::Histogram,
+        BYTES_TRANSFERRED,
+        Unit::Bytes,
+        "Bytes per NIXL KV cache load.",
+    ),
+    (
+        SeriesKind::Histogram,
+        NUM_DESCRIPTORS,
+        Unit::Count,
+        "Descriptors per NIXL KV cache load.",
+    ),
+    (
+        SeriesKind::Histogram,
+        HANDSHAKE_TIME_SECONDS,
+        Unit::Seconds,
+        "Duration of side-channel handshakes with remote ranks.",
+    ),
+    (
+        SeriesKind::Counter,
+        NUM_FAILED_TRANSFERS,
+        Unit::Count,
+        "Failed NIXL KV cache loads by kind, notification failures included.",
+    ),
+    (
+        SeriesKind::Counter,
+        NUM_FAILED_NOTIFICATIONS,
+        Unit::Count,
+        "NIXL notifications that could not be sent.",
+    ),
+    (
+        SeriesKind::Counter,
+        NUM_KV_EXPIRED_REQS,
+        Unit::Count,
+        "Held requests freed because their KV lease ended (prefill side).",
+    ),
+    (
+        SeriesKind::Counter,
+        NUM_NOTIFICATIONS_AFTER_EXPIRY,
+        Unit::Count,
+        "Notifications for requests no longer held, e.g. after their lease ended (prefill side).",
+    ),
+    (
+        SeriesKind::Counter,
+        NUM_HEARTBEATS,
+        Unit::Count,
+        "Heartbeat notifications received (prefill side).",
+    ),
+    (
+        SeriesKind::Counter,
+        NUM_OVERDUE_TRANSFERS,
+        Unit::Count,
+        "Loads whose READs were in flight at the transfer timeout; their blocks are held until the READs end.",
+    ),
+    (
+        SeriesKind::Counter,
+        NUM_REFUSED_NOTIFICATIONS,
+        Unit::Count,
+        "Finish notifications and heartbeats refused: without the request's capability, not from a reader of this engine, or a count beyond its TP (prefill side).",
+    ),
+    (
+        SeriesKind::Counter,
+        NUM_SIDE_CHANNEL_REFUSALS,
+        Unit::Count,
+        "Connections a side channel refused, by kind (prefill side).",
+    ),
+    (
+        SeriesKind::Counter,
+        NUM_HEARTBEATS_REFUSED,
+        Unit::Count,
+        "Heartbeats received that named no held request (prefill side).",
+    ),
+    (
+        SeriesKind::Counter,
+        NUM_HEARTBEATS_SENT,
+        Unit::Count,
+        "Heartbeat notifications sent (decode side).",
+    ),
+    (
+        SeriesKind::Counter,
+        NUM_RELEASED_REQS,
+        Unit::Count,
+        "Held requests released, by notification or by the end of their lease (prefill side).",
+    ),
+    (
+        SeriesKind::Counter,
+        NUM_LOADS,
+        Unit::Count,
+        "KV cache loads ended, by outcome (decode side).",
+    ),
+    (
+        SeriesKind::Counter,
+        NUM_ABORTED_REQS,
+        Unit::Count,
+        "Decode requests finished before their load ended (decode side).",
+    ),
+    (
+        SeriesKind::Counter,
+        NUM_PREFIX_HITS,
+        Unit::Count,
+        "Decode requests whose blocks the prefix cache held entirely (decode side).",
+    ),
+    (
+        SeriesKind::Gauge,
+        REQUESTS_HELD,
+        Unit::Count,
+        "Requests held for decodes, blocks not yet released (prefill side).",
+    ),
+    (
+        SeriesKind::Gauge,
+        LOADS_IN_FLIGHT,
+        Unit::Count,
+        "KV cache loads started and not yet ended (decode side).",
+    ),
+    (
+        SeriesKind::Gauge,
+        HANDSHAKES_PENDING,
+        Unit::Count,
+        "Handshakes with remote ranks under way (decode side).",
+    ),
+    (
+        SeriesKind::Gauge,
+        LEAKED_REQUESTS,
+        Unit::Count,
+        "Transfer requests given up while possibly in flight, memory kept (NIXL leak_stats).",
+    ),
+];
+
 /// Gives the installed recorder each series' description and unit (workers do it when
 /// they are created; call it again after installing a recorder later).
 pub fn describe() {
-    use metrics::{describe_counter, describe_histogram};
-    describe_histogram!(
-        XFER_TIME_SECONDS,
-        Unit::Seconds,
-        "Transfer duration of NIXL KV cache loads (NIXL telemetry)."
-    );
-    describe_histogram!(
-        POST_TIME_SECONDS,
-        Unit::Seconds,
-        "Post duration of NIXL KV cache loads (NIXL telemetry)."
-    );
-    describe_histogram!(
-        BYTES_TRANSFERRED,
-        Unit::Bytes,
-        "Bytes per NIXL KV cache load."
-    );
-    describe_histogram!(
-        NUM_DESCRIPTORS,
-        Unit::Count,
-        "Descriptors per NIXL KV cache load."
-    );
-    describe_histogram!(
-        HANDSHAKE_TIME_SECONDS,
-        Unit::Seconds,
-        "Duration of side-channel handshakes with remote ranks."
-    );
-    describe_counter!(
-        NUM_FAILED_TRANSFERS,
-        Unit::Count,
-        "Failed NIXL KV cache loads by kind, notification failures included."
-    );
-    describe_counter!(
-        NUM_FAILED_NOTIFICATIONS,
-        Unit::Count,
-        "NIXL notifications that could not be sent."
-    );
-    describe_counter!(
-        NUM_KV_EXPIRED_REQS,
-        Unit::Count,
-        "Held requests freed because their KV lease ended (prefill side)."
-    );
-    describe_counter!(
-        NUM_NOTIFICATIONS_AFTER_EXPIRY,
-        Unit::Count,
-        "Notifications for requests no longer held, e.g. after their lease ended (prefill side)."
-    );
-    describe_counter!(
-        NUM_HEARTBEATS,
-        Unit::Count,
-        "Heartbeat notifications received (prefill side)."
-    );
-    describe_counter!(
-        NUM_OVERDUE_TRANSFERS,
-        Unit::Count,
-        "Loads whose READs were in flight at the transfer timeout; their blocks are held until the READs end."
-    );
-    describe_counter!(
-        NUM_REFUSED_NOTIFICATIONS,
-        Unit::Count,
-        "Finish notifications and heartbeats refused: without the request's capability, not from a reader of this engine, or a count beyond its TP (prefill side)."
-    );
-    describe_counter!(
-        NUM_SIDE_CHANNEL_REFUSALS,
-        Unit::Count,
-        "Connections a side channel refused, by kind (prefill side)."
-    );
-    describe_counter!(
-        NUM_HEARTBEATS_REFUSED,
-        Unit::Count,
-        "Heartbeats received that named no held request (prefill side)."
-    );
-    describe_counter!(
-        NUM_HEARTBEATS_SENT,
-        Unit::Count,
-        "Heartbeat notifications sent (decode side)."
-    );
-    describe_counter!(
-        NUM_RELEASED_REQS,
-        Unit::Count,
-        "Held requests released, by notification or by the end of their lease (prefill side)."
-    );
-    describe_counter!(
-        NUM_LOADS,
-        Unit::Count,
-        "KV cache loads ended, by outcome (decode side)."
-    );
-    describe_counter!(
-        NUM_ABORTED_REQS,
-        Unit::Count,
-        "Decode requests finished before their load ended (decode side)."
-    );
-    describe_counter!(
-        NUM_PREFIX_HITS,
-        Unit::Count,
-        "Decode requests whose blocks the prefix cache held entirely (decode side)."
-    );
-    metrics::describe_gauge!(
-        REQUESTS_HELD,
-        Unit::Count,
-        "Requests held for decodes, blocks not yet released (prefill side)."
-    );
-    metrics::describe_gauge!(
-        LOADS_IN_FLIGHT,
-        Unit::Count,
-        "KV cache loads started and not yet ended (decode side)."
-    );
-    metrics::describe_gauge!(
-        HANDSHAKES_PENDING,
-        Unit::Count,
-        "Handshakes with remote ranks under way (decode side)."
-    );
-    metrics::describe_gauge!(
-        LEAKED_REQUESTS,
-        Unit::Count,
-        "Transfer requests given up while possibly in flight, memory kept (NIXL leak_stats)."
-    );
+    for (kind, name, unit, description) in DESCRIPTIONS {
+        match kind {
+            SeriesKind::Histogram => metrics::describe_histogram!(name, unit, description),
+            SeriesKind::Counter => metrics::describe_counter!(name, unit, description),
+            SeriesKind::Gauge => metrics::describe_gauge!(name, unit, description),
+        }
+    }
 }
 
 /// Which sides' series a worker of `role` exports: (decode's, prefill's).
@@ -501,4 +542,24 @@ pub(crate) fn aborted_request(engine: &str) {
 /// scheduler's count; registered at its first use, so a prefill never exports it).
 pub(crate) fn prefix_hit(engine: &str) {
     metrics::counter!(NUM_PREFIX_HITS, "engine" => engine.to_string()).increment(1);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_series_is_described_once_and_the_histograms_are_those_listed() {
+        let mut names: Vec<&str> = DESCRIPTIONS.iter().map(|&(_, name, _, _)| name).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), DESCRIPTIONS.len(), "a series described twice");
+        let histograms: Vec<&str> = DESCRIPTIONS
+            .iter()
+            .filter(|(kind, ..)| matches!(kind, SeriesKind::Histogram))
+            .map(|&(_, name, _, _)| name)
+            .collect();
+        assert_eq!(histograms, HISTOGRAMS);
+        assert!(HISTOGRAMS.iter().all(|name| buckets(name).is_some()));
+    }
 }

@@ -167,7 +167,10 @@ fn count(
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
     use super::*;
+    use crate::failure::FailureKind;
 
     fn output(tp_rank: usize, sending: &[&str], recving: &[&str]) -> WorkerOutput {
         WorkerOutput {
@@ -213,5 +216,26 @@ mod tests {
             assert!(err.contains(expect), "{err}");
         }
         assert!(a.sending.is_empty(), "nothing counted");
+    }
+
+    #[test]
+    fn a_worker_output_crosses_and_garbage_is_refused() {
+        let sent = WorkerOutput {
+            tp_rank: 1,
+            finished: Finished {
+                sending: vec!["s".into()],
+                recving: vec!["r".into()],
+            },
+            load_errors: vec![FailedBlock {
+                block_id: 4,
+                request_id: "r".into(),
+                kind: FailureKind::Timeout,
+                reason: Arc::from("too slow"),
+            }],
+        };
+        let got = WorkerOutput::from_msgpack(&sent.to_msgpack().unwrap()).unwrap();
+        assert_eq!(got, sent);
+        let err = WorkerOutput::from_msgpack(b"\xc1garbage").unwrap_err();
+        assert!(err.to_string().contains("decode a worker output"), "{err}");
     }
 }

@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
+use crate::error::Result;
 use crate::transport::capability::Capability;
 use crate::transport::params::RemoteBlocks;
 
@@ -78,4 +79,98 @@ pub struct ConnectorMetadata {
     /// Heartbeats to send (at most one step in
     /// [`Lease::heartbeat_interval`](crate::Lease::heartbeat_interval) has them).
     pub heartbeats: Vec<HeartbeatSpec>,
+}
+
+impl ConnectorMetadata {
+    /// This step's metadata as MessagePack, for worker processes (vLLM serializes its
+    /// `NixlConnectorMetadata` to each worker every step). Each [`SendSpec::deadline`]
+    /// crosses as the time left until it.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`](crate::error::Error::InvalidArgument) if it cannot be
+    /// encoded.
+    pub fn to_msgpack(&self) -> Result<Vec<u8>> {
+        crate::scheduler::step_wire::encode("encode the connector metadata", self)
+    }
+
+    /// Metadata from the MessagePack of [`to_msgpack`](Self::to_msgpack), its deadlines on
+    /// this process's clock.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`](crate::error::Error::InvalidArgument) naming what does
+    /// not decode.
+    pub fn from_msgpack(bytes: &[u8]) -> Result<Self> {
+        crate::scheduler::step_wire::decode("decode the connector metadata", bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[test]
+    fn the_metadata_crosses_with_its_deadlines_rebased() {
+        let remote = RemoteBlocks {
+            engine_id: "p".into(),
+            host: "10.0.0.1".into(),
+            port: 5600,
+            block_ids: vec![3, 4],
+            group_lens: vec![1, 1],
+            request_id: "rp".into(),
+            tp_size: 2,
+            num_tokens: Some(30),
+            blocks_expiry_time: Some(12.5),
+            registration_generation: Some(2),
+            capability: Some(Capability::random().unwrap()),
+        };
+        let sent = ConnectorMetadata {
+            loads: vec![LoadSpec {
+                request_id: "d".into(),
+                local_block_ids: vec![7, 1],
+                local_group_lens: vec![1, 1],
+                remote,
+            }],
+            sends: vec![
+                SendSpec {
+                    request_id: "held".into(),
+                    deadline: Instant::now() + Duration::from_secs(30),
+                    capability: Some(Capability::random().unwrap()),
+                },
+                SendSpec {
+                    request_id: "past".into(),
+                    deadline: Instant::now() - Duration::from_secs(1),
+                    capability: None,
+                },
+            ],
+            aborted: vec!["a".into()],
+            heartbeats: vec![HeartbeatSpec {
+                engine_id: "p".into(),
+                host: "10.0.0.1".into(),
+                port: 5600,
+                tp_size: 2,
+                request_ids: vec!["rp".into()],
+                capabilities: vec![Some(Capability::random().unwrap())],
+            }],
+        };
+        let before = Instant::now();
+        let got = ConnectorMetadata::from_msgpack(&sent.to_msgpack().unwrap()).unwrap();
+        let after = Instant::now();
+        assert_eq!(
+            (&got.loads, &got.aborted, &got.heartbeats),
+            (&sent.loads, &sent.aborted, &sent.heartbeats)
+        );
+        let left = got.sends[0].deadline - before;
+        assert!(
+            left <= Duration::from_secs(30) + (after - before),
+            "{left:?}"
+        );
+        assert!(left >= Duration::from_secs(29), "{left:?}");
+        assert!(got.sends[1].deadline <= after, "a past deadline stays past");
+        let capabilities = |m: &ConnectorMetadata| -> Vec<Option<Capability>> {
+            m.sends.iter().map(|s| s.capability.clone()).collect()
+        };
+        assert_eq!(capabilities(&got), capabilities(&sent));
+    }
 }

@@ -97,69 +97,99 @@ pub fn check_compatible(
         source_rank: rank_name(remote),
         reason,
     };
-    if remote.protocol_version != local.protocol_version {
-        return Err(refuse(format!(
-            "protocol version {} (reader) vs {} (source); run the same connector version on both engines",
-            local.protocol_version, remote.protocol_version
-        )));
-    }
-    if let Some(engine) = expected_engine {
-        if remote.engine_id != engine {
-            return Err(refuse(format!(
-                "the transfer params name engine {engine:?}"
-            )));
-        }
-    }
-    if let Some(rank) = expected_rank {
-        if remote.tp_rank != rank as u64 {
-            return Err(refuse(format!("the reader expected TP rank {rank}")));
-        }
-    }
-    // Either side may be the peer: the server checks a reader's message, a reader a server's.
-    for (whose, message) in [("reader", local), ("source", remote)] {
-        message
-            .spec
-            .validate()
-            .map_err(|err| refuse(format!("the {whose}'s {err}")))?;
-    }
-    if remote.region_base_addrs.len() != remote.spec.regions.len() {
-        return Err(refuse(format!(
-            "the source sends {} base addresses for {} regions",
-            remote.region_base_addrs.len(),
-            remote.spec.regions.len()
-        )));
-    }
-    let tp = |m: &HandshakeMessage| {
-        (
-            usize::try_from(m.tp_rank).unwrap_or(usize::MAX),
-            usize::try_from(m.tp_size).unwrap_or(usize::MAX),
-        )
-    };
-    if let Some(why) = ssm_mismatch(local, remote) {
-        return Err(refuse(why));
-    }
-    if let Some(why) = groups_mismatch(local, remote) {
+    let mismatch = peer_mismatch(local, remote, expected_engine, expected_rank)
+        .or_else(|| message_mismatch(local, remote))
+        .or_else(|| ssm_mismatch(local, remote))
+        .or_else(|| groups_mismatch(local, remote));
+    if let Some(why) = mismatch {
         return Err(refuse(why));
     }
     let plan = ReadPlan::new(&local.spec, tp(local), &remote.spec, tp(remote)).map_err(refuse)?;
+    if let Some(why) = size_mismatch(local, remote, &plan).or_else(|| address_mismatch(remote)) {
+        return Err(refuse(why));
+    }
+    Ok(plan)
+}
+
+/// A message's TP rank and size.
+fn tp(message: &HandshakeMessage) -> (usize, usize) {
+    (
+        usize::try_from(message.tp_rank).unwrap_or(usize::MAX),
+        usize::try_from(message.tp_size).unwrap_or(usize::MAX),
+    )
+}
+
+/// Why `remote` is not the peer `local` expects, if it is not: another protocol version, or
+/// not the engine or rank expected.
+fn peer_mismatch(
+    local: &HandshakeMessage,
+    remote: &HandshakeMessage,
+    expected_engine: Option<&str>,
+    expected_rank: Option<usize>,
+) -> Option<String> {
+    if remote.protocol_version != local.protocol_version {
+        return Some(format!(
+            "protocol version {} (reader) vs {} (source); run the same connector version on both engines",
+            local.protocol_version, remote.protocol_version
+        ));
+    }
+    if let Some(engine) = expected_engine.filter(|&engine| remote.engine_id != engine) {
+        return Some(format!("the transfer params name engine {engine:?}"));
+    }
+    expected_rank
+        .filter(|&rank| remote.tp_rank != rank as u64)
+        .map(|rank| format!("the reader expected TP rank {rank}"))
+}
+
+/// Why either message does not describe a cache, if one does not: a spec that is not
+/// valid, or the source's base addresses not one per region.
+fn message_mismatch(local: &HandshakeMessage, remote: &HandshakeMessage) -> Option<String> {
+    // Either side may be the peer: the server checks a reader's message, a reader a server's.
+    for (whose, message) in [("reader", local), ("source", remote)] {
+        if let Err(err) = message.spec.validate() {
+            return Some(format!("the {whose}'s {err}"));
+        }
+    }
+    (remote.region_base_addrs.len() != remote.spec.regions.len()).then(|| {
+        format!(
+            "the source sends {} base addresses for {} regions",
+            remote.region_base_addrs.len(),
+            remote.spec.regions.len()
+        )
+    })
+}
+
+/// Why reading `remote` by `plan` would take too many descriptors, on either side, if it
+/// would: more than [`MAX_REMOTE_DESCRIPTORS`] in either list.
+fn size_mismatch(
+    local: &HandshakeMessage,
+    remote: &HandshakeMessage,
+    plan: &ReadPlan,
+) -> Option<String> {
     let spec = &remote.spec;
     let blocks = (spec.regions.len() as u64).checked_mul(spec.num_blocks as u64);
     if blocks.map_or(true, |d| d > MAX_REMOTE_DESCRIPTORS as u64)
         || plan.remote_descriptors() > MAX_REMOTE_DESCRIPTORS
     {
-        return Err(refuse(format!(
+        return Some(format!(
             "the source declares {} blocks × {} regions; at most {MAX_REMOTE_DESCRIPTORS} descriptors are accepted",
             spec.num_blocks,
             spec.regions.len()
-        )));
+        ));
     }
     let local_descriptors = plan.local_descriptors(local.spec.num_blocks);
-    if local_descriptors > MAX_REMOTE_DESCRIPTORS {
-        return Err(refuse(format!(
+    (local_descriptors > MAX_REMOTE_DESCRIPTORS).then(|| {
+        format!(
             "reading blocks of {} tokens into blocks of {} takes {local_descriptors} local descriptors; at most {MAX_REMOTE_DESCRIPTORS} are accepted",
             spec.block_size, local.spec.block_size
-        )));
-    }
+        )
+    })
+}
+
+/// Why `remote`'s regions cannot be addressed, if one cannot: a null base address, or a
+/// region whose end overflows the address space.
+fn address_mismatch(remote: &HandshakeMessage) -> Option<String> {
+    let spec = &remote.spec;
     let overflows = remote
         .region_base_addrs
         .iter()
@@ -171,12 +201,7 @@ pub fn check_compatible(
                     .and_then(|len| base.checked_add(len))
                     .map_or(true, |end| usize::try_from(end).is_err())
         });
-    if overflows {
-        return Err(refuse(
-            "a region is null or overflows the address space".to_string(),
-        ));
-    }
-    Ok(plan)
+    overflows.then(|| "a region is null or overflows the address space".to_string())
 }
 
 /// Why the SSM state of `remote` is not that of `local` (the same model's, every rank

@@ -171,3 +171,40 @@ impl KvTransferParams {
         Ok(())
     }
 }
+
+/// Whether `generation`, the registration generation a remote engine's transfer params
+/// carry ([`RemoteBlocks::registration_generation`]), is newer than `seen`, the one its
+/// ranks were handshaken with, 0 before any: vLLM's rule
+/// (`_remote_registration_generations.get(engine_id, 0) < generation` in its
+/// `_start_load_kv`), in both protocols. The first generation above 0 counts too: ranks
+/// handshaken before it (for heartbeats, or a load that carried none) may hold the metadata
+/// of a registration since replaced. A newer one becomes `seen`, and the caller forgets the
+/// engine's ranks, so that the next loads handshake again and never read the addresses of
+/// the registration it replaced.
+// Without the `vllm` feature its one caller would be the worker's remotes
+// (`worker/remotes.rs`, `Remotes::newer_generation`), which still spell the same rule out
+// themselves.
+#[cfg_attr(not(feature = "vllm"), allow(dead_code))]
+pub(crate) fn newer_generation(seen: &mut u64, generation: u64) -> bool {
+    if generation <= *seen {
+        return false;
+    }
+    *seen = generation;
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_generation_above_the_one_seen_is_newer() {
+        let mut seen = 0;
+        assert!(!newer_generation(&mut seen, 0), "0 is vLLM's default");
+        assert!(newer_generation(&mut seen, 1), "the first one above 0");
+        assert!(!newer_generation(&mut seen, 1), "the same one");
+        assert!(newer_generation(&mut seen, 3));
+        assert!(!newer_generation(&mut seen, 2), "an older one");
+        assert_eq!(seen, 3);
+    }
+}

@@ -51,96 +51,12 @@ impl NixlAgentMetadata {
         ours: &[i64],
         ssm: Option<(&SsmState, usize, usize)>,
     ) -> Result<KvCacheSpec> {
-        let refuse = |why: String| Error::invalid(OP, why);
-        let scaled = |bytes: usize, (reader_tp, source_tp): (usize, usize)| {
-            let total = bytes.checked_mul(reader_tp)?;
-            (source_tp > 0 && total % source_tp == 0).then(|| (total / source_tp) as u64)
-        };
-        let expected = ssm.map_or(Some((0, 0)), |(state, reader_tp, source_tp)| {
-            let (conv, temporal) = state.ssm_sizes();
-            let tp = (reader_tp, source_tp);
-            Some((scaled(conv, tp)?, scaled(temporal, tp)?))
-        });
-        if expected != Some(self.ssm_sizes) {
-            return Err(refuse(match ssm {
-                None => format!(
-                    "Mamba state (ssm_sizes {:?}) needs KV cache groups with an ssm group and its ssm_state here",
-                    self.ssm_sizes
-                ),
-                Some((state, reader_tp, source_tp)) => format!(
-                    "ssm_sizes {:?} (source, TP {source_tp}) vs the reader's {:?} at TP {reader_tp}: every rank holds a TP-th of the state, so both engines must serve the same model",
-                    self.ssm_sizes,
-                    state.ssm_sizes()
-                ),
-            }));
-        }
-        if let Some(len) = self.ple_block_len {
-            return Err(refuse(format!(
-                "PLE short-conv state (ple_block_len {len}) is not supported"
-            )));
-        }
-        if !self.packed_member_layouts.is_empty() {
-            return Err(refuse(format!(
-                "regions packing several layers ({} packed members) are not supported",
-                self.packed_member_layouts.len()
-            )));
-        }
-        if self.dcp_size != 1 || self.pcp_size != 1 {
-            return Err(refuse(format!(
-                "context parallelism (dcp_size {}, pcp_size {}) is not supported",
-                self.dcp_size, self.pcp_size
-            )));
-        }
-        let regions = self.kv_caches_base_addr.len();
-        if self.block_lens.len() != regions || self.block_strides.len() != regions {
-            return Err(refuse(format!(
-                "{} block lengths and {} strides for {regions} regions",
-                self.block_lens.len(),
-                self.block_strides.len()
-            )));
-        }
-        if let Some(groups) = &self.region_group_ids {
-            let uniform = groups.windows(2).all(|w| w[0] == w[1]);
-            if groups.len() != regions || (ours.is_empty() && !uniform) {
-                return Err(refuse(format!(
-                    "regions of different KV cache groups (region_group_ids {groups:?}) need the same groups here: give kv_cache_groups the region_groups of the prefill's layers (without them, only one group, or groups sharing every region, {SHARED_REGION} for each, are read)"
-                )));
-            }
-            if !ours.is_empty() && groups != ours {
-                return Err(refuse(format!(
-                    "region_group_ids {groups:?} (source) vs {ours:?} (reader): both engines must register the same layers per KV cache group"
-                )));
-            }
-        } else if !ours.is_empty() {
-            return Err(refuse(format!(
-                "no region_group_ids, while this engine's KV cache groups have regions of their own ({ours:?})"
-            )));
-        }
-        if let Some(counts) = &self.region_num_blocks {
-            if counts.iter().any(|&n| n != self.num_blocks) || counts.len() != regions {
-                return Err(refuse(format!(
-                    "regions of different block counts ({counts:?}) are not supported"
-                )));
-            }
-        }
-        if let Some(region) = (0..regions).find(|&r| self.block_strides[r] != self.block_lens[r]) {
-            return Err(refuse(format!(
-                "region {region}: blocks {} bytes apart holding {} bytes (padded blocks) are not supported",
-                self.block_strides[region], self.block_lens[region]
-            )));
-        }
-        let layout = match self.kv_cache_layout.as_str() {
-            "HND" | "LBHNC" => KvLayout::Hnd,
-            "NHD" | "LBNHC" => KvLayout::Nhd,
-            other => {
-                return Err(refuse(format!(
-                    "kv_cache_layout {other:?} is not supported (HND or NHD)"
-                )))
-            }
-        };
-        let size = |what: &str, n: u64| {
-            usize::try_from(n).map_err(|_| refuse(format!("{what} {n} does not fit")))
-        };
+        self.check_ssm_sizes(ssm)?;
+        self.check_no_other_state()?;
+        let regions = self.checked_regions()?;
+        self.check_region_groups(regions, ours)?;
+        self.check_region_blocks(regions)?;
+        let layout = self.layout()?;
         let spec = KvCacheSpec {
             num_blocks: size("num_blocks", self.num_blocks)?,
             block_size: size("block_size", self.block_size)?,
@@ -160,6 +76,138 @@ impl NixlAgentMetadata {
         spec.validate()?;
         Ok(spec)
     }
+
+    /// Refuses `ssm_sizes` that are not `ssm`'s state scaled from the reader's TP to the
+    /// rank's (`ssm`: the reader's state, its TP size and the rank's), or any Mamba state
+    /// without `ssm`.
+    fn check_ssm_sizes(&self, ssm: Option<(&SsmState, usize, usize)>) -> Result<()> {
+        let scaled = |bytes: usize, (reader_tp, source_tp): (usize, usize)| {
+            let total = bytes.checked_mul(reader_tp)?;
+            (source_tp > 0 && total % source_tp == 0).then(|| (total / source_tp) as u64)
+        };
+        let expected = ssm.map_or(Some((0, 0)), |(state, reader_tp, source_tp)| {
+            let (conv, temporal) = state.ssm_sizes();
+            let tp = (reader_tp, source_tp);
+            Some((scaled(conv, tp)?, scaled(temporal, tp)?))
+        });
+        if expected == Some(self.ssm_sizes) {
+            return Ok(());
+        }
+        Err(refuse(match ssm {
+            None => format!(
+                "Mamba state (ssm_sizes {:?}) needs KV cache groups with an ssm group and its ssm_state here",
+                self.ssm_sizes
+            ),
+            Some((state, reader_tp, source_tp)) => format!(
+                "ssm_sizes {:?} (source, TP {source_tp}) vs the reader's {:?} at TP {reader_tp}: every rank holds a TP-th of the state, so both engines must serve the same model",
+                self.ssm_sizes,
+                state.ssm_sizes()
+            ),
+        }))
+    }
+
+    /// Refuses the state and parallelism the connector does not read: PLE state, regions
+    /// packing several layers, decode or prefill context parallelism.
+    fn check_no_other_state(&self) -> Result<()> {
+        if let Some(len) = self.ple_block_len {
+            return Err(refuse(format!(
+                "PLE short-conv state (ple_block_len {len}) is not supported"
+            )));
+        }
+        if !self.packed_member_layouts.is_empty() {
+            return Err(refuse(format!(
+                "regions packing several layers ({} packed members) are not supported",
+                self.packed_member_layouts.len()
+            )));
+        }
+        if self.dcp_size != 1 || self.pcp_size != 1 {
+            return Err(refuse(format!(
+                "context parallelism (dcp_size {}, pcp_size {}) is not supported",
+                self.dcp_size, self.pcp_size
+            )));
+        }
+        Ok(())
+    }
+
+    /// The number of regions (base addresses), once every region has a block length and a
+    /// stride.
+    fn checked_regions(&self) -> Result<usize> {
+        let regions = self.kv_caches_base_addr.len();
+        if self.block_lens.len() != regions || self.block_strides.len() != regions {
+            return Err(refuse(format!(
+                "{} block lengths and {} strides for {regions} regions",
+                self.block_lens.len(),
+                self.block_strides.len()
+            )));
+        }
+        Ok(regions)
+    }
+
+    /// Refuses `region_group_ids` that are not one per region of `regions`, or that differ
+    /// from `ours` (the reader's, empty when its groups share every region): without
+    /// `ours`, the rank's must all be the same.
+    fn check_region_groups(&self, regions: usize, ours: &[i64]) -> Result<()> {
+        let Some(groups) = &self.region_group_ids else {
+            if ours.is_empty() {
+                return Ok(());
+            }
+            return Err(refuse(format!(
+                "no region_group_ids, while this engine's KV cache groups have regions of their own ({ours:?})"
+            )));
+        };
+        let uniform = groups.windows(2).all(|w| w[0] == w[1]);
+        if groups.len() != regions || (ours.is_empty() && !uniform) {
+            return Err(refuse(format!(
+                "regions of different KV cache groups (region_group_ids {groups:?}) need the same groups here: give kv_cache_groups the region_groups of the prefill's layers (without them, only one group, or groups sharing every region, {SHARED_REGION} for each, are read)"
+            )));
+        }
+        if !ours.is_empty() && groups != ours {
+            return Err(refuse(format!(
+                "region_group_ids {groups:?} (source) vs {ours:?} (reader): both engines must register the same layers per KV cache group"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Refuses regions of different block counts, and padded blocks (a stride other than
+    /// the block length).
+    fn check_region_blocks(&self, regions: usize) -> Result<()> {
+        if let Some(counts) = &self.region_num_blocks {
+            if counts.iter().any(|&n| n != self.num_blocks) || counts.len() != regions {
+                return Err(refuse(format!(
+                    "regions of different block counts ({counts:?}) are not supported"
+                )));
+            }
+        }
+        if let Some(region) = (0..regions).find(|&r| self.block_strides[r] != self.block_lens[r]) {
+            return Err(refuse(format!(
+                "region {region}: blocks {} bytes apart holding {} bytes (padded blocks) are not supported",
+                self.block_strides[region], self.block_lens[region]
+            )));
+        }
+        Ok(())
+    }
+
+    /// The layout `kv_cache_layout` names (`"HND"`, `"LBHNC"`; `"NHD"`, `"LBNHC"`).
+    fn layout(&self) -> Result<KvLayout> {
+        match self.kv_cache_layout.as_str() {
+            "HND" | "LBHNC" => Ok(KvLayout::Hnd),
+            "NHD" | "LBNHC" => Ok(KvLayout::Nhd),
+            other => Err(refuse(format!(
+                "kv_cache_layout {other:?} is not supported (HND or NHD)"
+            ))),
+        }
+    }
+}
+
+/// The refusal of metadata the connector does not read, saying `why`.
+fn refuse(why: String) -> Error {
+    Error::invalid(OP, why)
+}
+
+/// `n`, a count named `what`, as a `usize`.
+fn size(what: &str, n: u64) -> Result<usize> {
+    usize::try_from(n).map_err(|_| refuse(format!("{what} {n} does not fit")))
 }
 
 /// What a rank of this connector tells vLLM decodes about its KV cache.

@@ -15,7 +15,7 @@ use super::limits::VllmChannelLimits;
 use crate::error::{Error, Result};
 use crate::geometry::groups::KvCacheGroups;
 use crate::transport::handshake::{HandshakeMessage, MAX_BLOCKS_PER_ID, PROTOCOL_VERSION};
-use crate::transport::params::RemoteBlocks;
+use crate::transport::params::{newer_generation, RemoteBlocks};
 
 /// How long before a prefill's block expiry time a read is declined (vLLM's
 /// `_KV_BLOCKS_EXPIRY_SAFETY_MARGIN`): it absorbs the clock offset's error and the read.
@@ -153,23 +153,16 @@ impl VllmWorker {
     }
 
     /// Whether `remote`'s registration generation is newer than the one its engine's ranks
-    /// were loaded at, 0 before any (the engine registered its KV cache again): then it is
-    /// remembered, and the caller forgets the engine's ranks so that they are handshaken
-    /// with again. The first generation seen counts too, as in vLLM's `_start_load_kv`
-    /// (`_remote_registration_generations.get(engine_id, 0) < generation`): ranks loaded
-    /// before it (for heartbeats, or a load that carried none) may hold the metadata of a
-    /// registration since replaced.
+    /// were loaded at (the engine registered its KV cache again; the rule is
+    /// [`newer_generation`]'s): then it is remembered, and the caller forgets the engine's
+    /// ranks so that they are handshaken with again. Params without a generation are not.
     pub(crate) fn newer_generation(&self, remote: &RemoteBlocks) -> bool {
         let Some(generation) = remote.registration_generation else {
             return false;
         };
         let mut engines = self.engines();
         let clock = engines.entry(remote.engine_id.clone()).or_default();
-        if generation <= clock.generation {
-            return false;
-        }
-        clock.generation = generation;
-        true
+        newer_generation(&mut clock.generation, generation)
     }
 
     /// Forgets what the handshakes with `engine` learned (it was evicted).

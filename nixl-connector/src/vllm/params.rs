@@ -3,7 +3,12 @@
 //! [`KvTransferParams`].
 //!
 //! The conversion to and from JSON is lossless: absent keys stay absent, a `null` stays
-//! `null`, and keys this type does not know are kept as they came.
+//! `null`, and keys this type does not know are kept as they came (each unknown key name is
+//! logged once per process). The known keys are declared once, as the fields of
+//! [`VllmKvTransferParams`], which give both directions of the conversion.
+
+use std::collections::BTreeSet;
+use std::sync::Mutex;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_json::{Map, Value};
@@ -50,43 +55,84 @@ impl<'de> Deserialize<'de> for VllmBlockIds {
     }
 }
 
-/// vLLM's `kv_transfer_params`. Every field is optional, as in vLLM's dict; [`other`]
-/// holds unknown keys and `null` values, so nothing is lost on the way back to JSON.
-///
-/// [`other`]: VllmKvTransferParams::other
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct VllmKvTransferParams {
-    /// The KV is computed elsewhere and must be read (decode side).
-    pub do_remote_prefill: Option<bool>,
-    /// The KV will be read by a remote decode (prefill side).
-    pub do_remote_decode: Option<bool>,
-    /// The remote engine's blocks holding the request's KV.
-    pub remote_block_ids: Option<VllmBlockIds>,
-    /// The remote engine's id.
-    pub remote_engine_id: Option<String>,
-    /// The request's id on the remote engine (notifications name it).
-    pub remote_request_id: Option<String>,
-    /// The remote engine's side-channel host.
-    pub remote_host: Option<String>,
-    /// The remote engine's side-channel port (one per engine; ranks are asked by number).
-    pub remote_port: Option<u16>,
-    /// The remote engine's TP size.
-    pub tp_size: Option<u32>,
-    /// The remote engine's decode context parallel size.
-    pub dcp_size: Option<u32>,
-    /// The remote engine's pipeline parallel size.
-    pub pp_size: Option<u32>,
-    /// Tokens whose KV the remote engine holds.
-    pub remote_num_tokens: Option<u64>,
-    /// When the remote engine frees the blocks, on its clock (see
-    /// [`MetaReply::clock_offset`](super::MetaReply::clock_offset)).
-    pub remote_blocks_expiry_time: Option<f64>,
-    /// The remote registration's generation (a newer one needs a new handshake).
-    pub remote_registration_generation: Option<u64>,
-    /// `"pull"` or `"push"`.
-    pub transfer_mode: Option<String>,
-    /// Unknown keys, and known keys whose value is `null`, as they came.
-    pub other: Map<String, Value>,
+/// Declares [`VllmKvTransferParams`] from one list of vLLM's known keys, each a field named
+/// as its key, of type `Option<_>`, and `other` after them. The same list gives [`KNOWN_KEYS`], the
+/// deserialization's reads (`take_known`) and the serialization's writes (`put_known`), so
+/// the three cannot disagree: a key is added in one place.
+macro_rules! vllm_kv_transfer_params {
+    (
+        $(#[$struct_attr:meta])*
+        pub struct VllmKvTransferParams {
+            $( $(#[$field_attr:meta])* pub $key:ident: $ty:ty, )+
+        }
+    ) => {
+        $(#[$struct_attr])*
+        pub struct VllmKvTransferParams {
+            $( $(#[$field_attr])* pub $key: $ty, )+
+            /// Unknown keys, and known keys whose value is `null`, as they came.
+            pub other: Map<String, Value>,
+        }
+
+        /// The keys of vLLM's `kv_transfer_params` that [`VllmKvTransferParams`] has a field
+        /// for, in the order of its fields.
+        pub(crate) const KNOWN_KEYS: &[&str] = &[$(stringify!($key)),+];
+
+        impl VllmKvTransferParams {
+            /// Takes every known key out of `map` (see [`take`]); `other` is left empty.
+            fn take_known<E: serde::de::Error>(
+                map: &mut Map<String, Value>,
+            ) -> std::result::Result<Self, E> {
+                Ok(VllmKvTransferParams {
+                    $( $key: take(map, stringify!($key))?, )+
+                    other: Map::new(),
+                })
+            }
+
+            /// Puts every known key that has a value into `map` (see [`put`]).
+            fn put_known(&self, map: &mut Map<String, Value>) {
+                $( put(map, stringify!($key), &self.$key); )+
+            }
+        }
+    };
+}
+
+vllm_kv_transfer_params! {
+    /// vLLM's `kv_transfer_params`. Every field is optional, as in vLLM's dict; [`other`]
+    /// holds unknown keys and `null` values, so nothing is lost on the way back to JSON.
+    ///
+    /// [`other`]: VllmKvTransferParams::other
+    #[derive(Debug, Clone, Default, PartialEq)]
+    pub struct VllmKvTransferParams {
+        /// The KV is computed elsewhere and must be read (decode side).
+        pub do_remote_prefill: Option<bool>,
+        /// The KV will be read by a remote decode (prefill side).
+        pub do_remote_decode: Option<bool>,
+        /// The remote engine's blocks holding the request's KV.
+        pub remote_block_ids: Option<VllmBlockIds>,
+        /// The remote engine's id.
+        pub remote_engine_id: Option<String>,
+        /// The request's id on the remote engine (notifications name it).
+        pub remote_request_id: Option<String>,
+        /// The remote engine's side-channel host.
+        pub remote_host: Option<String>,
+        /// The remote engine's side-channel port (one per engine; ranks are asked by number).
+        pub remote_port: Option<u16>,
+        /// The remote engine's TP size.
+        pub tp_size: Option<u32>,
+        /// The remote engine's decode context parallel size.
+        pub dcp_size: Option<u32>,
+        /// The remote engine's pipeline parallel size.
+        pub pp_size: Option<u32>,
+        /// Tokens whose KV the remote engine holds.
+        pub remote_num_tokens: Option<u64>,
+        /// When the remote engine frees the blocks, on its clock (see
+        /// [`MetaReply::clock_offset`](super::MetaReply::clock_offset)).
+        pub remote_blocks_expiry_time: Option<f64>,
+        /// The remote registration's generation (a newer one needs a new handshake).
+        pub remote_registration_generation: Option<u64>,
+        /// `"pull"` or `"push"`.
+        pub transfer_mode: Option<String>,
+    }
 }
 
 /// Takes `key` out of `map` as a `T`, leaving a `null` in place.
@@ -105,6 +151,7 @@ fn take<T: serde::de::DeserializeOwned, E: serde::de::Error>(
     }
 }
 
+/// Puts `value` into `map` under `key`, unless it is `None`.
 fn put<T: Serialize>(map: &mut Map<String, Value>, key: &str, value: &Option<T>) {
     if let Some(value) = value {
         let value = serde_json::to_value(value).expect("plain data encodes as JSON");
@@ -112,25 +159,48 @@ fn put<T: Serialize>(map: &mut Map<String, Value>, key: &str, value: &Option<T>)
     }
 }
 
+/// The keys of `other` (what is left once the known keys are taken) that are not in
+/// [`KNOWN_KEYS`]: the known keys whose value is `null` stay there too.
+fn unknown_keys(other: &Map<String, Value>) -> impl Iterator<Item = &str> {
+    other
+        .keys()
+        .map(String::as_str)
+        .filter(|key| !KNOWN_KEYS.contains(key))
+}
+
+/// Most unknown key names remembered, so that each is logged once per process; names past
+/// them are kept in the params as any other but not logged, so a peer inventing new names
+/// costs no memory.
+const MAX_UNKNOWN_KEYS_LOGGED: usize = 64;
+
+/// The unknown key names logged so far in this process.
+static UNKNOWN_KEYS_LOGGED: Mutex<BTreeSet<String>> = Mutex::new(BTreeSet::new());
+
+/// Logs `key`, an unknown key of vLLM's `kv_transfer_params`, at warning level the first
+/// time this process sees it (up to [`MAX_UNKNOWN_KEYS_LOGGED`] names): it is kept and
+/// passed on as it came, but nothing here reads it, so a newer vLLM's key shows in the log.
+fn log_unknown_key_once(key: &str) {
+    let mut logged = UNKNOWN_KEYS_LOGGED
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    if logged.len() >= MAX_UNKNOWN_KEYS_LOGGED || logged.contains(key) {
+        return;
+    }
+    logged.insert(key.to_string());
+    tracing::warn!(
+        key,
+        "vLLM kv_transfer_params hold a key the connector does not know; it is kept as it came and not read (logged once per key)"
+    );
+}
+
 impl<'de> Deserialize<'de> for VllmKvTransferParams {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
         let mut map = Map::deserialize(deserializer)?;
+        let known = VllmKvTransferParams::take_known(&mut map)?;
+        unknown_keys(&map).for_each(log_unknown_key_once);
         Ok(VllmKvTransferParams {
-            do_remote_prefill: take(&mut map, "do_remote_prefill")?,
-            do_remote_decode: take(&mut map, "do_remote_decode")?,
-            remote_block_ids: take(&mut map, "remote_block_ids")?,
-            remote_engine_id: take(&mut map, "remote_engine_id")?,
-            remote_request_id: take(&mut map, "remote_request_id")?,
-            remote_host: take(&mut map, "remote_host")?,
-            remote_port: take(&mut map, "remote_port")?,
-            tp_size: take(&mut map, "tp_size")?,
-            dcp_size: take(&mut map, "dcp_size")?,
-            pp_size: take(&mut map, "pp_size")?,
-            remote_num_tokens: take(&mut map, "remote_num_tokens")?,
-            remote_blocks_expiry_time: take(&mut map, "remote_blocks_expiry_time")?,
-            remote_registration_generation: take(&mut map, "remote_registration_generation")?,
-            transfer_mode: take(&mut map, "transfer_mode")?,
             other: map,
+            ..known
         })
     }
 }
@@ -138,28 +208,7 @@ impl<'de> Deserialize<'de> for VllmKvTransferParams {
 impl Serialize for VllmKvTransferParams {
     fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
         let mut map = self.other.clone();
-        put(&mut map, "do_remote_prefill", &self.do_remote_prefill);
-        put(&mut map, "do_remote_decode", &self.do_remote_decode);
-        put(&mut map, "remote_block_ids", &self.remote_block_ids);
-        put(&mut map, "remote_engine_id", &self.remote_engine_id);
-        put(&mut map, "remote_request_id", &self.remote_request_id);
-        put(&mut map, "remote_host", &self.remote_host);
-        put(&mut map, "remote_port", &self.remote_port);
-        put(&mut map, "tp_size", &self.tp_size);
-        put(&mut map, "dcp_size", &self.dcp_size);
-        put(&mut map, "pp_size", &self.pp_size);
-        put(&mut map, "remote_num_tokens", &self.remote_num_tokens);
-        put(
-            &mut map,
-            "remote_blocks_expiry_time",
-            &self.remote_blocks_expiry_time,
-        );
-        put(
-            &mut map,
-            "remote_registration_generation",
-            &self.remote_registration_generation,
-        );
-        put(&mut map, "transfer_mode", &self.transfer_mode);
+        self.put_known(&mut map);
         map.serialize(serializer)
     }
 }
@@ -344,6 +393,46 @@ mod tests {
             Some(&Value::Null)
         );
         assert_eq!(params.remote_port, Some(5600));
+    }
+
+    #[test]
+    fn every_known_key_is_read_and_written_by_its_field() {
+        let every_key = r#"{"do_remote_prefill": true, "do_remote_decode": false, "remote_block_ids": [[3]], "remote_engine_id": "e", "remote_request_id": "r", "remote_host": "h", "remote_port": 1, "tp_size": 2, "dcp_size": 1, "pp_size": 1, "remote_num_tokens": 4, "remote_blocks_expiry_time": 5.5, "remote_registration_generation": 6, "transfer_mode": "pull"}"#;
+        let every = value(every_key);
+        let keys: Vec<&str> = every
+            .as_object()
+            .unwrap()
+            .keys()
+            .map(String::as_str)
+            .collect();
+        let mut known = KNOWN_KEYS.to_vec();
+        known.sort_unstable();
+        let mut named = keys.clone();
+        named.sort_unstable();
+        assert_eq!(named, known, "the JSON above names every known key once");
+        let params = VllmKvTransferParams::from_json(every_key).unwrap();
+        assert!(params.other.is_empty(), "{:?}", params.other);
+        assert_eq!(value(&params.to_json()), every);
+        for key in KNOWN_KEYS {
+            let json = format!(r#"{{"{key}": null}}"#);
+            let params = VllmKvTransferParams::from_json(&json).unwrap();
+            assert_eq!(params.other.get(*key), Some(&Value::Null), "{key}");
+            assert_eq!(unknown_keys(&params.other).count(), 0, "{key} is known");
+        }
+    }
+
+    #[test]
+    fn unknown_keys_are_kept_and_logged_once() {
+        let json = r#"{"remote_port": null, "a_key_for_this_test": 1, "tp_size": 2}"#;
+        let params = VllmKvTransferParams::from_json(json).unwrap();
+        assert_eq!(
+            unknown_keys(&params.other).collect::<Vec<_>>(),
+            ["a_key_for_this_test"]
+        );
+        assert_eq!(value(&params.to_json()), value(json));
+        let logged = UNKNOWN_KEYS_LOGGED.lock().unwrap();
+        assert!(logged.contains("a_key_for_this_test"));
+        assert!(!logged.contains("remote_port") && !logged.contains("tp_size"));
     }
 
     #[test]
