@@ -13,8 +13,8 @@
 //!
 //! The same holds for `nixl-connector`'s files and folders ([`CONNECTOR_FLOORS`]), where
 //! only `lib.rs` and the engine's step reach the worker, and where no file names an item
-//! through `lib.rs`'s re-exports (but those of [`CONNECTOR_FILES_THROUGH_LIB_RS`]): each
-//! names the module that defines it, so that the floors see every import.
+//! through `lib.rs`'s re-exports: each names the module that defines it, so that the floors
+//! see every import.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -420,11 +420,6 @@ fn no_connector_file_reaches_back_to_itself_and_its_folders_import_only_the_floo
     }
 }
 
-/// The connector's files that still name items through `lib.rs`'s re-exports
-/// (`crate::KvConnectorWorker`), each as its module: the worker's, which its own refactor
-/// of `worker/` takes up.
-const CONNECTOR_FILES_THROUGH_LIB_RS: &[&str] = &["worker::without_vllm"];
-
 /// Each path of `sources` that names no module of the crate (`crate::Foo`, an item
 /// `lib.rs` re-exports), as `module: path`: an import the floors cannot see.
 fn paths_through_lib_rs(sources: &BTreeMap<String, String>) -> Vec<String> {
@@ -446,27 +441,10 @@ fn paths_through_lib_rs(sources: &BTreeMap<String, String>) -> Vec<String> {
 #[test]
 fn connector_files_name_items_by_the_module_that_defines_them() {
     let found = paths_through_lib_rs(&sources_in("nixl-connector/src"));
-    let (known, new): (Vec<&String>, Vec<&String>) = found.iter().partition(|line| {
-        CONNECTOR_FILES_THROUGH_LIB_RS
-            .iter()
-            .any(|module| line.starts_with(&format!("{module}: ")))
-    });
     assert!(
-        new.is_empty(),
+        found.is_empty(),
         "nixl-connector files name items through lib.rs's re-exports, which the floors cannot \
          see; name them by the module that defines them (crate::geometry::spec::KvCacheSpec):\n{}",
-        new.iter()
-            .map(|s| s.as_str())
-            .collect::<Vec<_>>()
-            .join("\n")
+        found.join("\n")
     );
-    for module in CONNECTOR_FILES_THROUGH_LIB_RS {
-        assert!(
-            known
-                .iter()
-                .any(|line| line.starts_with(&format!("{module}: "))),
-            "{module} names no item through lib.rs any more: take it off \
-             CONNECTOR_FILES_THROUGH_LIB_RS"
-        );
-    }
 }

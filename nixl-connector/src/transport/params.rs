@@ -181,10 +181,6 @@ impl KvTransferParams {
 /// of a registration since replaced. A newer one becomes `seen`, and the caller forgets the
 /// engine's ranks, so that the next loads handshake again and never read the addresses of
 /// the registration it replaced.
-// Without the `vllm` feature its one caller would be the worker's remotes
-// (`worker/remotes.rs`, `Remotes::newer_generation`), which still spell the same rule out
-// themselves.
-#[cfg_attr(not(feature = "vllm"), allow(dead_code))]
 pub(crate) fn newer_generation(seen: &mut u64, generation: u64) -> bool {
     if generation <= *seen {
         return false;

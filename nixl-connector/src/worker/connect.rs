@@ -133,7 +133,8 @@ async fn fetch(
     shared: &Shared,
     ours: &HandshakeMessage,
     engine: Engine<'_>,
-    rank: usize,
+    // The native exchange reaches the rank through its port alone.
+    #[cfg_attr(not(feature = "vllm"), allow(unused_variables))] rank: usize,
     port: u16,
 ) -> Result<HandshakeMessage> {
     #[cfg(feature = "vllm")]

@@ -390,15 +390,15 @@ impl Remotes {
     /// rank of `engine` forgotten, so that the next loads handshake again and never read the
     /// addresses of the registration it replaced.
     pub(crate) fn newer_generation(&self, engine: &str, generation: u64) -> bool {
-        {
+        let newer = {
             let mut generations = self.generations();
-            if generations.get(engine).copied().unwrap_or(0) >= generation {
-                return false;
-            }
-            generations.insert(engine.to_string(), generation);
+            let seen = generations.entry(engine.to_string()).or_default();
+            crate::transport::params::newer_generation(seen, generation)
+        };
+        if newer {
+            self.forget_engine(engine);
         }
-        self.forget_engine(engine);
-        true
+        newer
     }
 
     fn generations(&self) -> MutexGuard<'_, HashMap<String, u64>> {
