@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::Scenario;
 use nixl::kv_config::KvTransferConfig;
 use nixl_connector::vllm::{MetadataServer, VllmChannelLimits};
 use nixl_connector::{
@@ -15,8 +16,9 @@ use nixl_connector::{
 /// The total deadline of the workers' side channels.
 const SERVER_DEADLINE: Duration = Duration::from_secs(5);
 
-/// A host-memory `kv_transfer_config` speaking `protocol`.
-fn transfer_config(protocol: Protocol) -> KvTransferConfig {
+/// A host-memory `kv_transfer_config` speaking the scenario's protocol.
+fn transfer_config(scenario: &Scenario) -> KvTransferConfig {
+    let protocol = scenario.protocol();
     let mut config = KvTransferConfig {
         kv_buffer_device: "cpu".to_string(),
         ..Default::default()
@@ -24,7 +26,7 @@ fn transfer_config(protocol: Protocol) -> KvTransferConfig {
     if protocol == Protocol::Vllm {
         let extra = &mut config.kv_connector_extra_config;
         extra.insert("protocol".into(), "vllm".into());
-        let model = super::model();
+        let model = super::model(scenario);
         let c = model.config();
         extra.insert(
             "vllm_compat_factors".into(),
@@ -41,13 +43,13 @@ fn transfer_config(protocol: Protocol) -> KvTransferConfig {
 
 /// Rank `rank`'s config of engine `engine` (TP `tp`), its side channel on `port` (0: any).
 fn rank_config(
+    scenario: &Scenario,
     engine: &str,
-    protocol: Protocol,
     rank: usize,
     tp: usize,
     port: u16,
 ) -> WorkerConfig {
-    let mut config = WorkerConfig::new(engine, rank, tp, transfer_config(protocol));
+    let mut config = WorkerConfig::new(engine, rank, tp, transfer_config(scenario));
     config.platform = Arc::new(nixl::platform::BuiltinPlatform::CPU);
     config.limits.deadline = SERVER_DEADLINE;
     config.side_channel.set_port(port);
@@ -58,12 +60,12 @@ fn rank_config(
 /// rank `r` listens on rank 0's port + `r` (another run of ports is tried when one is
 /// taken); vLLM: every rank publishes to the engine's one side channel.
 pub fn engine(
+    scenario: &Scenario,
     engine: &str,
-    protocol: Protocol,
     spec: &KvCacheSpec,
     tp: usize,
 ) -> Vec<KvConnectorWorker> {
-    if protocol == Protocol::Vllm {
+    if scenario.vllm {
         let server = Arc::new(
             MetadataServer::bind_now(
                 SocketAddr::from(([127, 0, 0, 1], 0)),
@@ -73,7 +75,7 @@ pub fn engine(
         );
         return (0..tp)
             .map(|rank| {
-                let mut config = rank_config(engine, protocol, rank, tp, 0);
+                let mut config = rank_config(scenario, engine, rank, tp, 0);
                 config.vllm_side_channel = Some(server.clone());
                 let worker = KvConnectorWorker::new(config).unwrap();
                 worker.register_host_kv_caches(spec.clone()).unwrap();
@@ -82,7 +84,7 @@ pub fn engine(
             .collect();
     }
     for _ in 0..20 {
-        let rank0 = KvConnectorWorker::new(rank_config(engine, protocol, 0, tp, 0)).unwrap();
+        let rank0 = KvConnectorWorker::new(rank_config(scenario, engine, 0, tp, 0)).unwrap();
         rank0.register_host_kv_caches(spec.clone()).unwrap();
         let port = rank0.side_channel_addr().unwrap().port();
         let mut ranks = vec![rank0];
@@ -91,7 +93,7 @@ pub fn engine(
                 break;
             };
             let worker =
-                KvConnectorWorker::new(rank_config(engine, protocol, rank, tp, at)).unwrap();
+                KvConnectorWorker::new(rank_config(scenario, engine, rank, tp, at)).unwrap();
             if worker.register_host_kv_caches(spec.clone()).is_err() {
                 break;
             }
@@ -106,16 +108,17 @@ pub fn engine(
 
 /// The scheduler of engine `engine`, whose ranks are `ranks`.
 pub fn scheduler(
+    scenario: &Scenario,
     engine: &str,
-    protocol: Protocol,
     ranks: &[KvConnectorWorker],
 ) -> KvConnectorScheduler {
+    let protocol = scenario.protocol();
     let mut config = SchedulerConfig::new(
         engine,
         "127.0.0.1",
         ranks[0].side_channel_addr().unwrap().port(),
         ranks.len(),
-        &transfer_config(protocol),
+        &transfer_config(scenario),
     )
     .unwrap();
     assert_eq!(config.protocol, protocol);

@@ -51,6 +51,8 @@ pub struct Scenario {
     pub prompt_len: usize,
     /// Decode blocks of the prompt the decode computes itself (its prefix cache hit).
     pub prefix_blocks: usize,
+    /// The model's KV heads (of 8 query heads).
+    pub kv_heads: usize,
 }
 
 /// [`KvPacking`], serialisable.
@@ -75,7 +77,7 @@ pub enum Layout {
 
 impl Scenario {
     /// TP 1 → 1 in blocks of 16 tokens, packed K and V in HND, a 53-token prompt, no prefix
-    /// hit, speaking the native protocol.
+    /// hit, 4 KV heads, speaking vLLM's protocol or (`vllm` false) the native one.
     pub fn tp1(vllm: bool) -> Self {
         Scenario {
             vllm,
@@ -91,7 +93,22 @@ impl Scenario {
             },
             prompt_len: 53,
             prefix_blocks: 0,
+            kv_heads: 4,
         }
+    }
+
+    /// This scenario with the prefill's and the decode's TP sizes.
+    pub fn tp(mut self, prefill: usize, decode: usize) -> Self {
+        self.prefill.tp = prefill;
+        self.decode.tp = decode;
+        self
+    }
+
+    /// This scenario with the prefill's and the decode's tokens per block.
+    pub fn block_sizes(mut self, prefill: usize, decode: usize) -> Self {
+        self.prefill.block_size = prefill;
+        self.decode.block_size = decode;
+        self
     }
 
     fn protocol(&self) -> Protocol {
@@ -125,9 +142,16 @@ impl Scenario {
     }
 }
 
-/// The model of every case: 2 layers, 8 query heads over 4 KV heads of 16 elements.
-pub fn model() -> Model {
-    Model::seeded(ModelConfig::small(), SEED)
+/// The model of a case: 2 layers, 8 query heads over the scenario's KV heads of 16
+/// elements.
+pub fn model(scenario: &Scenario) -> Model {
+    Model::seeded(
+        ModelConfig {
+            kv_heads: scenario.kv_heads,
+            ..ModelConfig::small()
+        },
+        SEED,
+    )
 }
 
 /// `count` distinct block ids of `num_blocks`, scattered (`i * 7 + 3` modulo a count 7
@@ -149,7 +173,7 @@ fn num_blocks(scenario: &Scenario, block_size: usize) -> usize {
 
 /// One process's run: the prompt's last logits, then [`STEPS`] tokens from its argmax.
 pub fn reference(scenario: &Scenario) -> (Vec<f32>, kv_model::Generation) {
-    let model = model();
+    let model = model(scenario);
     let c = model.config();
     let mut cache = [ContiguousKv::new(c.layers, 0..c.kv_heads, c.head_dim)];
     let logits = model.prefill(&scenario.prompt(c.vocab), &mut cache);

@@ -23,7 +23,7 @@ const DECODE_REQUEST: &str = "model-decode-req";
 
 /// The spec every rank of `side` registers.
 fn spec(scenario: &Scenario, side: &Side) -> KvCacheSpec {
-    let model = model();
+    let model = model(scenario);
     PagedLayout::spec(
         model.config(),
         scenario.packing(),
@@ -41,7 +41,7 @@ fn paged<'a>(
     ranks: &'a [KvConnectorWorker],
     block_table: &[usize],
 ) -> Vec<PagedKv<&'a nixl::Registration>> {
-    let model = model();
+    let model = model(scenario);
     ranks
         .iter()
         .enumerate()
@@ -60,10 +60,10 @@ fn paged<'a>(
 pub async fn prefill_role() {
     let scenario: Scenario =
         serde_json::from_str(&std::env::var(SCENARIO_ENV).expect("run by a model test")).unwrap();
-    let model = model();
+    let model = model(&scenario);
     let side = scenario.prefill;
     let spec = spec(&scenario, &side);
-    let ranks = engine("model-prefill", scenario.protocol(), &spec, side.tp);
+    let ranks = engine(&scenario, "model-prefill", &spec, side.tp);
     let blocks = scattered(
         scenario.prompt_len.div_ceil(side.block_size),
         spec.num_blocks,
@@ -72,7 +72,7 @@ pub async fn prefill_role() {
     let logits = model.prefill(&scenario.prompt(model.config().vocab), &mut caches);
     drop(caches);
 
-    let mut scheduler = scheduler("model-prefill", scenario.protocol(), &ranks);
+    let mut scheduler = scheduler(&scenario, "model-prefill", &ranks);
     let asked = KvTransferParams {
         do_remote_decode: true,
         ..Default::default()
@@ -148,10 +148,10 @@ pub async fn decode_against_prefill(scenario: &Scenario, role: &str) {
     let first = argmax(&prefill_logits);
     assert_eq!(first, argmax(&want_logits), "the prefill's token");
 
-    let model = model();
+    let model = model(scenario);
     let side = scenario.decode;
     let spec = spec(scenario, &side);
-    let ranks = engine("model-decode", scenario.protocol(), &spec, side.tp);
+    let ranks = engine(scenario, "model-decode", &spec, side.tp);
     let table = scattered(
         (scenario.prompt_len + STEPS).div_ceil(side.block_size),
         spec.num_blocks,
@@ -167,7 +167,7 @@ pub async fn decode_against_prefill(scenario: &Scenario, role: &str) {
         model.forward(token, position, &mut caches);
     }
     let local = &table[scenario.prefix_blocks..scenario.prompt_len.div_ceil(side.block_size)];
-    let mut decode_scheduler = scheduler("model-decode", scenario.protocol(), &ranks);
+    let mut decode_scheduler = scheduler(scenario, "model-decode", &ranks);
     decode_scheduler.on_new_request(DECODE_REQUEST, Some(&params));
     decode_scheduler
         .update_state_after_alloc(DECODE_REQUEST, local, &params)
