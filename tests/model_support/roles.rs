@@ -122,6 +122,7 @@ impl Drop for KillOnDrop {
 /// loads its blocks into this process's decode engine, generates [`STEPS`] tokens and
 /// compares every token and logit with one process's run.
 pub async fn decode_against_prefill(scenario: &Scenario, role: &str) {
+    println!("case: {scenario:?}");
     let json = serde_json::to_string(scenario).unwrap();
     let mut child = KillOnDrop(role_process(
         role,
