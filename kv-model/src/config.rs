@@ -1,0 +1,52 @@
+//! The model's dimensions.
+
+/// The dimensions of a [`Model`](crate::Model).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ModelConfig {
+    /// Tokens in the vocabulary.
+    pub vocab: usize,
+    /// Width of the residual stream.
+    pub hidden: usize,
+    /// Decoder layers.
+    pub layers: usize,
+    /// Query heads.
+    pub q_heads: usize,
+    /// KV heads (a divisor of `q_heads`: each serves `q_heads / kv_heads` query heads).
+    pub kv_heads: usize,
+    /// Elements of one head's query, key or value.
+    pub head_dim: usize,
+    /// Width of the SwiGLU MLP's inner layer.
+    pub ffn: usize,
+    /// Base of the rotary position embedding's frequencies.
+    pub rope_theta: f32,
+    /// RMSNorm's epsilon.
+    pub norm_eps: f32,
+}
+
+impl ModelConfig {
+    /// A model small enough for a debug-build test to run in seconds: 2 layers, 8 query
+    /// heads over 4 KV heads of 16 elements, hidden 64, vocabulary 128.
+    pub fn small() -> Self {
+        ModelConfig {
+            vocab: 128,
+            hidden: 64,
+            layers: 2,
+            q_heads: 8,
+            kv_heads: 4,
+            head_dim: 16,
+            ffn: 128,
+            rope_theta: 10_000.0,
+            norm_eps: 1e-5,
+        }
+    }
+
+    /// Bytes of one head's K (or V) of one token: `head_dim` f32 elements.
+    pub fn head_bytes(&self) -> usize {
+        self.head_dim * std::mem::size_of::<f32>()
+    }
+
+    /// Query heads that share one KV head.
+    pub fn group_size(&self) -> usize {
+        self.q_heads / self.kv_heads
+    }
+}

@@ -1,0 +1,135 @@
+//! The forward pass of one token: attention split over an engine's TP ranks, each reading
+//! its own KV cache, their outputs summed; the MLP and output head whole.
+
+use std::ops::Range;
+
+use crate::config::ModelConfig;
+use crate::kv_cache::{kv_heads_of_rank, KvCache};
+use crate::ops::{dot, matvec, matvec_cols, matvec_rows, rms_norm, rope, silu, softmax};
+use crate::weights::{LayerWeights, Weights};
+
+/// A transformer: its dimensions and weights.
+#[derive(Debug, Clone)]
+pub struct Model {
+    config: ModelConfig,
+    weights: Weights,
+}
+
+impl Model {
+    /// The model of `config` with the weights drawn from `seed`.
+    pub fn seeded(config: ModelConfig, seed: u64) -> Self {
+        Model {
+            weights: Weights::seeded(&config, seed),
+            config,
+        }
+    }
+
+    /// Its dimensions.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// Runs `token` at `position` through the model, storing its K and V in `ranks` (rank
+    /// `r` of TP `ranks.len()` holding the KV heads [`kv_heads_of_rank`] gives it), and
+    /// returns the logits of the next token. Positions before `position` must be in the
+    /// caches.
+    ///
+    /// # Panics
+    /// If a rank's cache holds other heads than its rank's, or TP does not split the query
+    /// heads evenly.
+    pub fn forward<C: KvCache>(&self, token: usize, position: usize, ranks: &mut [C]) -> Vec<f32> {
+        let c = &self.config;
+        let tp = ranks.len();
+        assert!(
+            tp > 0 && c.q_heads % tp == 0,
+            "TP {tp} must split {} query heads evenly",
+            c.q_heads
+        );
+        for (rank, cache) in ranks.iter().enumerate() {
+            assert_eq!(
+                cache.heads(),
+                kv_heads_of_rank(c.kv_heads, rank, tp),
+                "KV heads of rank {rank} of TP {tp}"
+            );
+        }
+        let mut x = self.weights.embedding.row(token).to_vec();
+        for (layer, w) in self.weights.layers.iter().enumerate() {
+            let normed = rms_norm(&x, &w.attention_norm, c.norm_eps);
+            for (rank, cache) in ranks.iter_mut().enumerate() {
+                let q_heads = rank * c.q_heads / tp..(rank + 1) * c.q_heads / tp;
+                let out = self.attention(w, layer, position, &normed, q_heads, cache);
+                for (xi, oi) in x.iter_mut().zip(out) {
+                    *xi += oi;
+                }
+            }
+            let normed = rms_norm(&x, &w.mlp_norm, c.norm_eps);
+            let gate = matvec(&w.w_gate, &normed);
+            let up = matvec(&w.w_up, &normed);
+            let inner: Vec<f32> = gate.iter().zip(&up).map(|(g, u)| silu(*g) * u).collect();
+            for (xi, oi) in x.iter_mut().zip(matvec(&w.w_down, &inner)) {
+                *xi += oi;
+            }
+        }
+        let normed = rms_norm(&x, &self.weights.final_norm, c.norm_eps);
+        matvec(&self.weights.lm_head, &normed)
+    }
+
+    /// Runs every token of `prompt` from position 0 ([`forward`](Self::forward)) and returns
+    /// the logits after its last.
+    ///
+    /// # Panics
+    /// If `prompt` is empty, or as [`forward`](Self::forward).
+    pub fn prefill<C: KvCache>(&self, prompt: &[usize], ranks: &mut [C]) -> Vec<f32> {
+        assert!(!prompt.is_empty(), "an empty prompt has no logits");
+        let mut logits = Vec::new();
+        for (position, &token) in prompt.iter().enumerate() {
+            logits = self.forward(token, position, ranks);
+        }
+        logits
+    }
+
+    /// One rank's attention output (its query heads `q_heads`, projected by their columns
+    /// of the output matrix): stores the token's K and V of the rank's KV heads, then
+    /// attends over positions `0..=position`.
+    fn attention<C: KvCache>(
+        &self,
+        w: &LayerWeights,
+        layer: usize,
+        position: usize,
+        normed: &[f32],
+        q_heads: Range<usize>,
+        cache: &mut C,
+    ) -> Vec<f32> {
+        let c = &self.config;
+        let dh = c.head_dim;
+        for head in cache.heads() {
+            let mut key = matvec_rows(&w.wk, head * dh..(head + 1) * dh, normed);
+            rope(&mut key, position, c.rope_theta);
+            let value = matvec_rows(&w.wv, head * dh..(head + 1) * dh, normed);
+            cache.store(layer, head, position, &key, &value);
+        }
+        let scale = 1.0 / (dh as f32).sqrt();
+        let mut heads_out = vec![0.0; q_heads.len() * dh];
+        let (mut keys, mut values) = (vec![0.0; dh], vec![0.0; dh]);
+        for (slot, q_head) in q_heads.clone().enumerate() {
+            let mut query = matvec_rows(&w.wq, q_head * dh..(q_head + 1) * dh, normed);
+            rope(&mut query, position, c.rope_theta);
+            let kv_head = q_head / c.group_size();
+            let mut scores = Vec::with_capacity(position + 1);
+            let mut seen_values = Vec::with_capacity((position + 1) * dh);
+            for p in 0..=position {
+                cache.load(layer, kv_head, p, &mut keys, &mut values);
+                scores.push(dot(&query, &keys) * scale);
+                seen_values.extend_from_slice(&values);
+            }
+            softmax(&mut scores);
+            let out = &mut heads_out[slot * dh..(slot + 1) * dh];
+            for (weight, value) in scores.iter().zip(seen_values.chunks_exact(dh)) {
+                for (o, v) in out.iter_mut().zip(value) {
+                    *o += weight * v;
+                }
+            }
+        }
+        matvec_cols(&w.wo, q_heads.start * dh..q_heads.end * dh, &heads_out)
+    }
+}
