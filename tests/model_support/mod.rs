@@ -7,6 +7,7 @@
 //! within [`TOLERANCE`] of it.
 
 pub mod engine;
+mod prefill_child;
 mod roles;
 
 pub use roles::{decode_against_prefill, prefill_role};

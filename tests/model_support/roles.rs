@@ -1,15 +1,15 @@
 //! The two engines of a case: the prefill (a child process running the role test) and the
 //! decode (the test itself).
 
-use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use kv_model::{argmax, greedy, PagedKv, PagedLayout};
 use nixl_connector::{FinishStatus, KvCacheSpec, KvConnectorWorker, KvTransferParams, LoadOutcome};
 
 use super::engine::{engine, scheduler};
+use super::prefill_child::PrefillChild;
 use super::{assert_logits_close, model, num_blocks, reference, scattered, Scenario, Side, STEPS};
-use crate::common::{after_tag, role_process, stdout_lines};
+use crate::common::after_tag;
 
 /// The variable that hands the prefill role its [`Scenario`] (JSON).
 const SCENARIO_ENV: &str = "KV_MODEL_SCENARIO";
@@ -108,35 +108,23 @@ pub async fn prefill_role() {
     println!("RELEASED");
 }
 
-/// Kills the prefill child if the decode fails before it ends.
-struct KillOnDrop(Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// Runs the prefill role `role` of this test binary for `scenario` in a child process,
 /// loads its blocks into this process's decode engine, generates [`STEPS`] tokens and
 /// compares every token and logit with one process's run.
 pub async fn decode_against_prefill(scenario: &Scenario, role: &str) {
     println!("case: {scenario:?}");
     let json = serde_json::to_string(scenario).unwrap();
-    let mut child = KillOnDrop(role_process(
-        role,
-        &[(SCENARIO_ENV, &json)],
-        Stdio::inherit(),
-    ));
-    let mut lines = stdout_lines(&mut child.0);
-    let (prefill_logits, params, mut lines) = tokio::task::spawn_blocking(move || {
-        let logits = after_tag(&mut lines, "LOGITS ").expect("the prefill prints its logits");
-        let params = after_tag(&mut lines, "PARAMS ").expect("the prefill prints its params");
-        (logits, params, lines)
+    let (mut child, mut lines) = PrefillChild::start(role, &[(SCENARIO_ENV, &json)]);
+    let (printed, mut lines) = tokio::task::spawn_blocking(move || {
+        let logits = after_tag(&mut lines, "LOGITS ");
+        let params = after_tag(&mut lines, "PARAMS ");
+        (logits.zip(params), lines)
     })
     .await
     .unwrap();
+    let Some((prefill_logits, params)) = printed else {
+        child.fail("the prefill did not print its logits and params");
+    };
     let prefill_logits: Vec<f32> = serde_json::from_str(&prefill_logits).unwrap();
     let params = if scenario.vllm {
         KvTransferParams::from_vllm_json(&params).unwrap()
@@ -190,10 +178,16 @@ pub async fn decode_against_prefill(scenario: &Scenario, role: &str) {
         assert_logits_close(&format!("decode step {step}"), g, w);
     }
 
-    let released = tokio::task::spawn_blocking(move || after_tag(&mut lines, "RELEASED"))
-        .await
-        .unwrap();
-    assert!(released.is_some(), "the prefill released the request");
-    let status = child.0.wait().unwrap();
-    assert!(status.success(), "the prefill exited with {status}");
+    // Read to the end: the child's last lines (libtest's) must not meet a closed pipe.
+    let released = tokio::task::spawn_blocking(move || {
+        let released = after_tag(&mut lines, "RELEASED");
+        lines.for_each(drop);
+        released
+    })
+    .await
+    .unwrap();
+    if released.is_none() {
+        child.fail("the prefill did not release the request");
+    }
+    child.wait_success();
 }
