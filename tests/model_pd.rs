@@ -90,3 +90,21 @@ async fn replicated_kv_heads() {
         decode_against_prefill(&scenario, "prefill_role").await;
     }
 }
+
+/// Case 7: a hybrid model, its second layer attending to a sliding window of 12 tokens (two
+/// KV cache groups, vLLM's hybrid KV cache manager): the window group hands over only the
+/// last two of the prompt's four blocks, in regions of the groups' own and in regions the
+/// groups share; both protocols.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hybrid_sliding_window() {
+    for vllm in [false, true] {
+        for shared_regions in [false, true] {
+            let scenario = Scenario {
+                sliding_window: Some(12),
+                shared_regions,
+                ..Scenario::tp1(vllm)
+            };
+            decode_against_prefill(&scenario, "prefill_role").await;
+        }
+    }
+}

@@ -21,6 +21,11 @@ pub struct ModelConfig {
     pub rope_theta: f32,
     /// RMSNorm's epsilon.
     pub norm_eps: f32,
+    /// Sliding-window attention: `Some(w)` makes every odd layer attend to its last `w`
+    /// positions only (the current one among them), as Gemma's alternating layers do. Those
+    /// layers form KV cache group 1, the others group 0 (vLLM's hybrid KV cache manager).
+    /// `None`: every layer attends to every position, in one group.
+    pub sliding_window: Option<usize>,
 }
 
 impl ModelConfig {
@@ -37,6 +42,7 @@ impl ModelConfig {
             ffn: 128,
             rope_theta: 10_000.0,
             norm_eps: 1e-5,
+            sliding_window: None,
         }
     }
 
@@ -48,5 +54,29 @@ impl ModelConfig {
     /// Query heads that share one KV head.
     pub fn group_size(&self) -> usize {
         self.q_heads / self.kv_heads
+    }
+
+    /// KV cache groups: 2 with a sliding window, else 1.
+    pub fn kv_cache_groups(&self) -> usize {
+        if self.sliding_window.is_some() {
+            2
+        } else {
+            1
+        }
+    }
+
+    /// The KV cache group of layer `layer`: 1 for a sliding-window layer, else 0.
+    pub fn group_of_layer(&self, layer: usize) -> usize {
+        layer % self.kv_cache_groups()
+    }
+
+    /// The first position that layer `layer`'s attention at `position` reads.
+    pub fn first_attended(&self, layer: usize, position: usize) -> usize {
+        match self.sliding_window {
+            Some(window) if self.group_of_layer(layer) == 1 => {
+                (position + 1).saturating_sub(window)
+            }
+            _ => 0,
+        }
     }
 }

@@ -9,10 +9,15 @@
 //!
 //! An engine of TP `tp` runs one [`KvCache`] per rank: each rank computes the query heads
 //! of its KV heads, and the ranks' attention outputs are summed (the all-reduce).
+//!
+//! A model with a sliding window ([`ModelConfig::sliding_window`]) is hybrid: its window
+//! layers form a second KV cache group, with a block table of its own, whose regions are
+//! the layers' own or shared with the full-attention layers ([`GroupRegions`]).
 
 mod config;
 mod contiguous;
 mod generate;
+mod group_regions;
 mod kv_cache;
 mod memory;
 mod model;
@@ -24,6 +29,7 @@ mod weights;
 pub use config::ModelConfig;
 pub use contiguous::ContiguousKv;
 pub use generate::{argmax, greedy, Generation};
+pub use group_regions::GroupRegions;
 pub use kv_cache::{kv_heads_of_rank, KvCache};
 pub use memory::KvMemory;
 pub use model::Model;

@@ -90,7 +90,7 @@ impl Model {
 
     /// One rank's attention output (its query heads `q_heads`, projected by their columns
     /// of the output matrix): stores the token's K and V of the rank's KV heads, then
-    /// attends over positions `0..=position`.
+    /// attends over positions `first..=position` ([`ModelConfig::first_attended`]).
     fn attention<C: KvCache>(
         &self,
         w: &LayerWeights,
@@ -115,9 +115,10 @@ impl Model {
             let mut query = matvec_rows(&w.wq, q_head * dh..(q_head + 1) * dh, normed);
             rope(&mut query, position, c.rope_theta);
             let kv_head = q_head / c.group_size();
-            let mut scores = Vec::with_capacity(position + 1);
-            let mut seen_values = Vec::with_capacity((position + 1) * dh);
-            for p in 0..=position {
+            let first = c.first_attended(layer, position);
+            let mut scores = Vec::with_capacity(position + 1 - first);
+            let mut seen_values = Vec::with_capacity((position + 1 - first) * dh);
+            for p in first..=position {
                 cache.load(layer, kv_head, p, &mut keys, &mut values);
                 scores.push(dot(&query, &keys) * scale);
                 seen_values.extend_from_slice(&values);

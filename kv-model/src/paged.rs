@@ -6,6 +6,7 @@ use std::ops::Range;
 use nixl_connector::{KvAttention, KvCacheSpec, KvLayout, KvRegion, KvRegionKind};
 
 use crate::config::ModelConfig;
+use crate::group_regions::GroupRegions;
 use crate::kv_cache::{kv_heads_of_rank, KvCache};
 use crate::memory::KvMemory;
 
@@ -25,7 +26,7 @@ pub enum KvPacking {
 
 impl KvPacking {
     /// Regions per layer.
-    fn regions_per_layer(self) -> usize {
+    pub(crate) fn regions_per_layer(self) -> usize {
         match self {
             KvPacking::Separate => 2,
             KvPacking::Packed | KvPacking::Halves => 1,
@@ -43,10 +44,14 @@ impl KvPacking {
 }
 
 /// Where a rank's K and V bytes sit in its regions: the spec's layout and block size, the
-/// packing and the rank's KV heads.
+/// packing, the rank's KV heads, and each layer's regions and KV cache group.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PagedLayout {
     packing: KvPacking,
+    /// Each layer's region slot (its regions are those of a layer of that index).
+    slots: Vec<usize>,
+    /// Each layer's KV cache group (the block table it reads).
+    groups: Vec<usize>,
     layout: KvLayout,
     block_size: usize,
     heads: Range<usize>,
@@ -57,10 +62,15 @@ pub struct PagedLayout {
 
 impl PagedLayout {
     /// The spec rank caches of TP `tp` register for `config`: `num_blocks` blocks of
-    /// `block_size` tokens per region, the regions as `packing` says, in `layout` order.
+    /// `block_size` tokens per region, the regions as `packing` and `regions` say, in
+    /// `layout` order.
+    ///
+    /// # Panics
+    /// As [`GroupRegions::slots`].
     pub fn spec(
         config: &ModelConfig,
         packing: KvPacking,
+        regions: GroupRegions,
         layout: KvLayout,
         block_size: usize,
         num_blocks: usize,
@@ -69,6 +79,7 @@ impl PagedLayout {
         let heads = kv_heads_of_rank(config.kv_heads, 0, tp).len();
         let (kind, unit) = packing.region(config.head_bytes());
         let block_len = kind_parts(kind) * heads * block_size * unit;
+        let slots = regions.slots(config).last().map_or(0, |last| last + 1);
         KvCacheSpec {
             num_blocks,
             block_size,
@@ -76,29 +87,31 @@ impl PagedLayout {
                 total_kv_heads: config.kv_heads,
             },
             layout,
-            regions: vec![
-                KvRegion { block_len, kind };
-                config.layers * packing.regions_per_layer()
-            ],
+            regions: vec![KvRegion { block_len, kind }; slots * packing.regions_per_layer()],
         }
     }
 
     /// The layout of rank `rank` of TP `tp` of `config` in a cache of `spec`, whose regions
-    /// `packing` describes.
+    /// `packing` and `regions` describe.
     ///
     /// # Errors
     /// A description of the first thing in `spec` that does not fit: its attention, its
     /// region count, or a region's kind or block length.
+    ///
+    /// # Panics
+    /// As [`GroupRegions::slots`].
     pub fn new(
         config: &ModelConfig,
         spec: &KvCacheSpec,
         packing: KvPacking,
+        regions: GroupRegions,
         rank: usize,
         tp: usize,
     ) -> Result<Self, String> {
         let want = Self::spec(
             config,
             packing,
+            regions,
             spec.layout,
             spec.block_size,
             spec.num_blocks,
@@ -112,7 +125,7 @@ impl PagedLayout {
         }
         if spec.regions.len() != want.regions.len() {
             return Err(format!(
-                "{} regions instead of {} ({packing:?} packing of {} layers)",
+                "{} regions instead of {} ({packing:?} packing of {} layers, {regions:?} regions)",
                 spec.regions.len(),
                 want.regions.len(),
                 config.layers
@@ -131,6 +144,10 @@ impl PagedLayout {
         }
         Ok(PagedLayout {
             packing,
+            slots: regions.slots(config),
+            groups: (0..config.layers)
+                .map(|layer| config.group_of_layer(layer))
+                .collect(),
             layout: spec.layout,
             block_size: spec.block_size,
             heads: kv_heads_of_rank(config.kv_heads, rank, tp),
@@ -158,10 +175,14 @@ impl PagedLayout {
             KvLayout::Hnd => local_head * self.block_size + token,
             KvLayout::Nhd => token * heads + local_head,
         };
+        let layer_slot = self.slots[layer];
         let (region, within) = match self.packing {
-            KvPacking::Packed => (layer, slot * unit + half * self.head_bytes),
-            KvPacking::Halves => (layer, half * self.block_lens[layer] / 2 + slot * unit),
-            KvPacking::Separate => (2 * layer + half, slot * unit),
+            KvPacking::Packed => (layer_slot, slot * unit + half * self.head_bytes),
+            KvPacking::Halves => (
+                layer_slot,
+                half * self.block_lens[layer_slot] / 2 + slot * unit,
+            ),
+            KvPacking::Separate => (2 * layer_slot + half, slot * unit),
         };
         (region, block * self.block_lens[region] + within)
     }
@@ -174,32 +195,42 @@ fn kind_parts(kind: KvRegionKind) -> usize {
     }
 }
 
-/// A rank's KV cache in `memory`, laid out as its [`PagedLayout`] says, position `p` in
-/// block `block_table[p / block_size]`.
+/// A rank's KV cache in `memory`, laid out as its [`PagedLayout`] says, position `p` of a
+/// layer of KV cache group `g` in block `block_tables[g][p / block_size]`.
 #[derive(Debug, Clone)]
 pub struct PagedKv<M> {
     layout: PagedLayout,
     memory: M,
-    block_table: Vec<usize>,
+    block_tables: Vec<Vec<usize>>,
 }
 
 impl<M: KvMemory> PagedKv<M> {
-    /// The cache of `layout` in `memory`, through `block_table`.
-    pub fn new(layout: PagedLayout, memory: M, block_table: Vec<usize>) -> Self {
+    /// The cache of `layout` in `memory`, through `block_tables`, one per KV cache group.
+    ///
+    /// # Panics
+    /// If some layer's group has no block table.
+    pub fn new(layout: PagedLayout, memory: M, block_tables: Vec<Vec<usize>>) -> Self {
+        let groups = layout.groups.iter().max().map_or(0, |last| last + 1);
+        assert!(
+            block_tables.len() >= groups,
+            "{} block tables for {groups} KV cache groups",
+            block_tables.len()
+        );
         PagedKv {
             layout,
             memory,
-            block_table,
+            block_tables,
         }
     }
 
     /// Region and offset of `head`'s K or V (`half`) at `position` of `layer`.
     fn locate(&self, layer: usize, half: usize, head: usize, position: usize) -> (usize, usize) {
         let size = self.layout.block_size;
-        let block = *self.block_table.get(position / size).unwrap_or_else(|| {
+        let table = &self.block_tables[self.layout.groups[layer]];
+        let block = *table.get(position / size).unwrap_or_else(|| {
             panic!(
-                "position {position} lies past the block table's {} blocks",
-                self.block_table.len()
+                "position {position} of layer {layer} lies past its block table's {} blocks",
+                table.len()
             )
         });
         self.layout

@@ -1,10 +1,11 @@
 //! Attention over a paged cache (every packing, HND and NHD, two block sizes, blocks out
-//! of order, TP 1 and 2) gives bit for bit the tokens and logits of the same model over a
-//! plain contiguous cache.
+//! of order, TP 1 and 2; a hybrid model's two KV cache groups in regions of their own or
+//! shared) gives bit for bit the tokens and logits of the same model over a plain
+//! contiguous cache.
 
 use kv_model::{
-    argmax, greedy, kv_heads_of_rank, ContiguousKv, KvPacking, Model, ModelConfig, PagedKv,
-    PagedLayout,
+    argmax, greedy, kv_heads_of_rank, ContiguousKv, GroupRegions, KvPacking, Model, ModelConfig,
+    PagedKv, PagedLayout,
 };
 use nixl_connector::KvLayout;
 
@@ -29,24 +30,31 @@ fn contiguous_run(model: &Model, tp: usize) -> (Vec<f32>, kv_model::Generation) 
 
 fn paged_run(
     model: &Model,
-    packing: KvPacking,
+    (packing, regions): (KvPacking, GroupRegions),
     layout: KvLayout,
     block_size: usize,
     tp: usize,
 ) -> (Vec<f32>, kv_model::Generation) {
     let c = model.config();
     let blocks = (PROMPT + STEPS).div_ceil(block_size);
-    let num_blocks = blocks + 3;
-    let spec = PagedLayout::spec(c, packing, layout, block_size, num_blocks, tp);
-    // Blocks out of order, skipping some.
-    let table: Vec<usize> = (0..blocks).map(|i| (i * 5 + 2) % num_blocks).collect();
+    let groups = c.kv_cache_groups();
+    let num_blocks = blocks * groups + 3;
+    let spec = PagedLayout::spec(c, packing, regions, layout, block_size, num_blocks, tp);
+    // Blocks out of order, skipping some; each group's blocks its own (one block pool).
+    let tables: Vec<Vec<usize>> = (0..groups)
+        .map(|g| {
+            (0..blocks)
+                .map(|i| ((i * groups + g) * 5 + 2) % num_blocks)
+                .collect()
+        })
+        .collect();
     let mut ranks: Vec<PagedKv<Vec<Vec<u8>>>> = (0..tp)
         .map(|r| {
-            let layout = PagedLayout::new(c, &spec, packing, r, tp).unwrap();
+            let layout = PagedLayout::new(c, &spec, packing, regions, r, tp).unwrap();
             let memory = (0..spec.num_regions())
                 .map(|region| vec![0u8; spec.region_len(region)])
                 .collect();
-            PagedKv::new(layout, memory, table.clone())
+            PagedKv::new(layout, memory, tables.clone())
         })
         .collect();
     let logits = model.prefill(&prompt(c.vocab), &mut ranks);
@@ -62,12 +70,36 @@ fn paged_attention_equals_contiguous_attention() {
         for packing in [KvPacking::Packed, KvPacking::Halves, KvPacking::Separate] {
             for layout in [KvLayout::Hnd, KvLayout::Nhd] {
                 for block_size in [4, 16] {
-                    let got = paged_run(&model, packing, layout, block_size, tp);
+                    let got =
+                        paged_run(&model, (packing, GroupRegions::Own), layout, block_size, tp);
                     assert!(
                         got == want,
                         "TP {tp}, {packing:?} {layout} blocks of {block_size}"
                     );
                 }
+            }
+        }
+    }
+}
+
+#[test]
+fn hybrid_paged_attention_equals_contiguous_attention() {
+    let config = ModelConfig {
+        sliding_window: Some(6),
+        ..ModelConfig::small()
+    };
+    let model = Model::seeded(config, 44);
+    // The window changes what the model computes.
+    assert_ne!(
+        contiguous_run(&model, 1),
+        contiguous_run(&Model::seeded(ModelConfig::small(), 44), 1)
+    );
+    for tp in [1, 2] {
+        let want = contiguous_run(&model, tp);
+        for packing in [KvPacking::Packed, KvPacking::Separate] {
+            for regions in [GroupRegions::Own, GroupRegions::Shared] {
+                let got = paged_run(&model, (packing, regions), KvLayout::Hnd, 4, tp);
+                assert!(got == want, "TP {tp}, {packing:?}, {regions:?} regions");
             }
         }
     }

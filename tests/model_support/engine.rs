@@ -10,19 +10,37 @@ use super::Scenario;
 use nixl::kv_config::KvTransferConfig;
 use nixl_connector::vllm::{MetadataServer, VllmChannelLimits};
 use nixl_connector::{
-    KvCacheSpec, KvConnectorScheduler, KvConnectorWorker, Protocol, SchedulerConfig, WorkerConfig,
+    KvCacheGroups, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker, Protocol, SchedulerConfig,
+    WorkerConfig, KV_CACHE_GROUPS_KEY,
 };
 
 /// The total deadline of the workers' side channels.
 const SERVER_DEADLINE: Duration = Duration::from_secs(5);
 
-/// A host-memory `kv_transfer_config` speaking the scenario's protocol.
-fn transfer_config(scenario: &Scenario) -> KvTransferConfig {
+/// The KV cache groups of the scenario's model over blocks of `block_size` tokens.
+pub fn kv_cache_groups(scenario: &Scenario, block_size: usize) -> KvCacheGroups {
+    let model = super::model(scenario);
+    scenario
+        .group_regions()
+        .kv_cache_groups(model.config(), scenario.packing(), block_size)
+}
+
+/// A host-memory `kv_transfer_config` speaking the scenario's protocol, with the model's KV
+/// cache groups over blocks of `block_size` tokens when it has several.
+fn transfer_config(scenario: &Scenario, block_size: usize) -> KvTransferConfig {
     let protocol = scenario.protocol();
     let mut config = KvTransferConfig {
         kv_buffer_device: "cpu".to_string(),
         ..Default::default()
     };
+    let groups = kv_cache_groups(scenario, block_size);
+    let hybrid = groups.len() > 1;
+    if hybrid {
+        config.kv_connector_extra_config.insert(
+            KV_CACHE_GROUPS_KEY.into(),
+            serde_json::to_value(groups).unwrap(),
+        );
+    }
     if protocol == Protocol::Vllm {
         let extra = &mut config.kv_connector_extra_config;
         extra.insert("protocol".into(), "vllm".into());
@@ -34,22 +52,24 @@ fn transfer_config(scenario: &Scenario) -> KvTransferConfig {
                 "vllm_version": "0.33.0", "model": "nixl-rs/kv-model", "dtype": "torch.float32",
                 "num_kv_heads": c.kv_heads, "head_size": c.head_dim,
                 "num_hidden_layers": c.layers, "attn_backend_name": "FLASH_ATTN",
-                "cache_dtype": "auto", "is_hma_enabled": false,
+                "cache_dtype": "auto", "is_hma_enabled": hybrid,
             }),
         );
     }
     config
 }
 
-/// Rank `rank`'s config of engine `engine` (TP `tp`), its side channel on `port` (0: any).
+/// Rank `rank`'s config of engine `engine` (TP `tp`, blocks of `block_size` tokens), its
+/// side channel on `port` (0: any).
 fn rank_config(
     scenario: &Scenario,
     engine: &str,
-    rank: usize,
-    tp: usize,
+    (rank, tp): (usize, usize),
+    block_size: usize,
     port: u16,
 ) -> WorkerConfig {
-    let mut config = WorkerConfig::new(engine, rank, tp, transfer_config(scenario));
+    let transfer = transfer_config(scenario, block_size);
+    let mut config = WorkerConfig::new(engine, rank, tp, transfer);
     config.platform = Arc::new(nixl::platform::BuiltinPlatform::CPU);
     config.limits.deadline = SERVER_DEADLINE;
     config.side_channel.set_port(port);
@@ -75,7 +95,7 @@ pub fn engine(
         );
         return (0..tp)
             .map(|rank| {
-                let mut config = rank_config(scenario, engine, rank, tp, 0);
+                let mut config = rank_config(scenario, engine, (rank, tp), spec.block_size, 0);
                 config.vllm_side_channel = Some(server.clone());
                 let worker = KvConnectorWorker::new(config).unwrap();
                 worker.register_host_kv_caches(spec.clone()).unwrap();
@@ -84,7 +104,9 @@ pub fn engine(
             .collect();
     }
     for _ in 0..20 {
-        let rank0 = KvConnectorWorker::new(rank_config(scenario, engine, 0, tp, 0)).unwrap();
+        let rank0 =
+            KvConnectorWorker::new(rank_config(scenario, engine, (0, tp), spec.block_size, 0))
+                .unwrap();
         rank0.register_host_kv_caches(spec.clone()).unwrap();
         let port = rank0.side_channel_addr().unwrap().port();
         let mut ranks = vec![rank0];
@@ -92,8 +114,8 @@ pub fn engine(
             let Some(at) = port.checked_add(rank as u16) else {
                 break;
             };
-            let worker =
-                KvConnectorWorker::new(rank_config(scenario, engine, rank, tp, at)).unwrap();
+            let config = rank_config(scenario, engine, (rank, tp), spec.block_size, at);
+            let worker = KvConnectorWorker::new(config).unwrap();
             if worker.register_host_kv_caches(spec.clone()).is_err() {
                 break;
             }
@@ -106,10 +128,12 @@ pub fn engine(
     panic!("no run of {tp} free ports for engine {engine}");
 }
 
-/// The scheduler of engine `engine`, whose ranks are `ranks`.
+/// The scheduler of engine `engine` (blocks of `block_size` tokens), whose ranks are
+/// `ranks`.
 pub fn scheduler(
     scenario: &Scenario,
     engine: &str,
+    block_size: usize,
     ranks: &[KvConnectorWorker],
 ) -> KvConnectorScheduler {
     let protocol = scenario.protocol();
@@ -118,12 +142,12 @@ pub fn scheduler(
         "127.0.0.1",
         ranks[0].side_channel_addr().unwrap().port(),
         ranks.len(),
-        &transfer_config(scenario),
+        &transfer_config(scenario, block_size),
     )
     .unwrap();
     assert_eq!(config.protocol, protocol);
     if protocol == Protocol::Vllm {
         config.vllm_side_channel = Some(ranks[0].vllm_side_channel().unwrap());
     }
-    KvConnectorScheduler::new(config)
+    KvConnectorScheduler::new(config).with_kv_cache_groups(kv_cache_groups(scenario, block_size))
 }

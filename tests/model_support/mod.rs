@@ -12,7 +12,7 @@ mod roles;
 
 pub use roles::{decode_against_prefill, prefill_role};
 
-use kv_model::{ContiguousKv, KvPacking, Model, ModelConfig};
+use kv_model::{ContiguousKv, GroupRegions, KvPacking, Model, ModelConfig};
 use nixl_connector::{KvLayout, Protocol};
 use serde::{Deserialize, Serialize};
 
@@ -54,6 +54,12 @@ pub struct Scenario {
     pub prefix_blocks: usize,
     /// The model's KV heads (of 8 query heads).
     pub kv_heads: usize,
+    /// The model's sliding window ([`ModelConfig::sliding_window`]): with it, two KV cache
+    /// groups.
+    pub sliding_window: Option<usize>,
+    /// Whether the groups' layers share regions ([`GroupRegions::Shared`]) or have their
+    /// own ([`GroupRegions::Own`]).
+    pub shared_regions: bool,
 }
 
 /// [`KvPacking`], serialisable.
@@ -95,6 +101,8 @@ impl Scenario {
             prompt_len: 53,
             prefix_blocks: 0,
             kv_heads: 4,
+            sliding_window: None,
+            shared_regions: false,
         }
     }
 
@@ -128,6 +136,14 @@ impl Scenario {
         }
     }
 
+    fn group_regions(&self) -> GroupRegions {
+        if self.shared_regions {
+            GroupRegions::Shared
+        } else {
+            GroupRegions::Own
+        }
+    }
+
     fn layout(&self) -> KvLayout {
         match self.layout {
             Layout::Hnd => KvLayout::Hnd,
@@ -144,28 +160,33 @@ impl Scenario {
 }
 
 /// The model of a case: 2 layers, 8 query heads over the scenario's KV heads of 16
-/// elements.
+/// elements, the second layer of the scenario's sliding window if any.
 pub fn model(scenario: &Scenario) -> Model {
     Model::seeded(
         ModelConfig {
             kv_heads: scenario.kv_heads,
+            sliding_window: scenario.sliding_window,
             ..ModelConfig::small()
         },
         SEED,
     )
 }
 
-/// `count` distinct block ids of `num_blocks`, scattered (`i * 7 + 3` modulo a count 7
-/// does not divide).
-fn scattered(count: usize, num_blocks: usize) -> Vec<usize> {
-    assert!(num_blocks % 7 != 0 && count <= num_blocks);
-    (0..count).map(|i| (i * 7 + 3) % num_blocks).collect()
+/// A block table of `count` blocks for each of `groups` KV cache groups: distinct block ids
+/// of `num_blocks` (one pool), scattered (`i * 7 + 3` modulo a count 7 does not divide).
+fn scattered(groups: usize, count: usize, num_blocks: usize) -> Vec<Vec<usize>> {
+    assert!(num_blocks % 7 != 0 && groups * count <= num_blocks);
+    let ids: Vec<usize> = (0..groups * count)
+        .map(|i| (i * 7 + 3) % num_blocks)
+        .collect();
+    ids.chunks(count.max(1)).map(<[usize]>::to_vec).collect()
 }
 
 /// Blocks per region of an engine with `block_size` tokens per block: room for the prompt
-/// and the generation, and some to spare (not a multiple of 7).
+/// and the generation of each KV cache group, and some to spare (not a multiple of 7).
 fn num_blocks(scenario: &Scenario, block_size: usize) -> usize {
-    let mut blocks = (scenario.prompt_len + STEPS).div_ceil(block_size) + 5;
+    let groups = model(scenario).config().kv_cache_groups();
+    let mut blocks = (scenario.prompt_len + STEPS).div_ceil(block_size) * groups + 5;
     if blocks % 7 == 0 {
         blocks += 1;
     }

@@ -27,6 +27,7 @@ fn spec(scenario: &Scenario, side: &Side) -> KvCacheSpec {
     PagedLayout::spec(
         model.config(),
         scenario.packing(),
+        scenario.group_regions(),
         scenario.layout(),
         side.block_size,
         num_blocks(scenario, side.block_size),
@@ -34,22 +35,29 @@ fn spec(scenario: &Scenario, side: &Side) -> KvCacheSpec {
     )
 }
 
-/// Each rank's paged view of its own registered regions, through `block_table`.
+/// Each rank's paged view of its own registered regions, through `block_tables` (one per
+/// KV cache group).
 fn paged<'a>(
     scenario: &Scenario,
     spec: &KvCacheSpec,
     ranks: &'a [KvConnectorWorker],
-    block_table: &[usize],
+    block_tables: &[Vec<usize>],
 ) -> Vec<PagedKv<&'a nixl::Registration>> {
     let model = model(scenario);
     ranks
         .iter()
         .enumerate()
         .map(|(rank, worker)| {
-            let layout =
-                PagedLayout::new(model.config(), spec, scenario.packing(), rank, ranks.len())
-                    .unwrap();
-            PagedKv::new(layout, worker.kv_caches().unwrap(), block_table.to_vec())
+            let layout = PagedLayout::new(
+                model.config(),
+                spec,
+                scenario.packing(),
+                scenario.group_regions(),
+                rank,
+                ranks.len(),
+            )
+            .unwrap();
+            PagedKv::new(layout, worker.kv_caches().unwrap(), block_tables.to_vec())
         })
         .collect()
 }
@@ -65,6 +73,7 @@ pub async fn prefill_role() {
     let spec = spec(&scenario, &side);
     let ranks = engine(&scenario, "model-prefill", &spec, side.tp);
     let blocks = scattered(
+        model.config().kv_cache_groups(),
         scenario.prompt_len.div_ceil(side.block_size),
         spec.num_blocks,
     );
@@ -72,18 +81,21 @@ pub async fn prefill_role() {
     let logits = model.prefill(&scenario.prompt(model.config().vocab), &mut caches);
     drop(caches);
 
-    let mut scheduler = scheduler(&scenario, "model-prefill", &ranks);
+    let mut scheduler = scheduler(&scenario, "model-prefill", side.block_size, &ranks);
     let asked = KvTransferParams {
         do_remote_decode: true,
         ..Default::default()
     };
-    let finished = scheduler.request_finished(
-        PREFILL_REQUEST,
-        &blocks,
-        scenario.prompt_len,
-        Some(&asked),
-        FinishStatus::LengthCapped,
-    );
+    // Each group's blocks, a sliding window's clipped to its last.
+    let finished = scheduler
+        .request_finished_all_groups(
+            PREFILL_REQUEST,
+            &blocks,
+            scenario.prompt_len,
+            Some(&asked),
+            FinishStatus::LengthCapped,
+        )
+        .unwrap();
     scheduler.step(&ranks).unwrap();
     let params = finished.kv_transfer_params.expect("params for the decode");
     let params = if scenario.vllm {
@@ -141,11 +153,12 @@ pub async fn decode_against_prefill(scenario: &Scenario, role: &str) {
     let side = scenario.decode;
     let spec = spec(scenario, &side);
     let ranks = engine(scenario, "model-decode", &spec, side.tp);
-    let table = scattered(
+    let tables = scattered(
+        model.config().kv_cache_groups(),
         (scenario.prompt_len + STEPS).div_ceil(side.block_size),
         spec.num_blocks,
     );
-    let mut caches = paged(scenario, &spec, &ranks, &table);
+    let mut caches = paged(scenario, &spec, &ranks, &tables);
     let prompt = scenario.prompt(model.config().vocab);
     // The prefix cache's blocks: computed here.
     for (position, &token) in prompt
@@ -155,11 +168,14 @@ pub async fn decode_against_prefill(scenario: &Scenario, role: &str) {
     {
         model.forward(token, position, &mut caches);
     }
-    let local = &table[scenario.prefix_blocks..scenario.prompt_len.div_ceil(side.block_size)];
-    let mut decode_scheduler = scheduler(scenario, "model-decode", &ranks);
+    // Each group's blocks the prompt fills past the prefix hit (a sliding window's clipped
+    // to its last by the scheduler).
+    let prompt_blocks = scenario.prefix_blocks..scenario.prompt_len.div_ceil(side.block_size);
+    let local: Vec<&[usize]> = tables.iter().map(|t| &t[prompt_blocks.clone()]).collect();
+    let mut decode_scheduler = scheduler(scenario, "model-decode", side.block_size, &ranks);
     decode_scheduler.on_new_request(DECODE_REQUEST, Some(&params));
     decode_scheduler
-        .update_state_after_alloc(DECODE_REQUEST, local, &params)
+        .update_state_after_alloc_groups(DECODE_REQUEST, &local, &params)
         .unwrap();
     let start = Instant::now();
     loop {
