@@ -42,6 +42,24 @@ async fn tp1_to_tp1_other_layouts() {
     decode_against_prefill(&separate, "prefill_role").await;
 }
 
+/// Case 3's MLA-like model: one latent of 24 elements per token and layer, replicated on
+/// every rank (K and V its up-projections), TP 1 → 1 and prefill TP 2 → decode TP 1, both
+/// protocols.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mla_like_latent() {
+    for vllm in [false, true] {
+        for (prefill, decode) in [(1, 1), (2, 1)] {
+            let scenario = Scenario {
+                packing: model_support::Packing::Latent,
+                kv_heads: 1,
+                latent_dim: Some(24),
+                ..Scenario::tp1(vllm).tp(prefill, decode)
+            };
+            decode_against_prefill(&scenario, "prefill_role").await;
+        }
+    }
+}
+
 /// Case 5: the decode computes its first two blocks (32 tokens) itself and loads the rest
 /// of the 53-token prompt.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

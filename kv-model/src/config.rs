@@ -26,6 +26,11 @@ pub struct ModelConfig {
     /// layers form KV cache group 1, the others group 0 (vLLM's hybrid KV cache manager).
     /// `None`: every layer attends to every position, in one group.
     pub sliding_window: Option<usize>,
+    /// MLA-like attention: `Some(n)` caches one latent vector of `n` elements per token and
+    /// layer instead of K and V heads, replicated on every TP rank (then `kv_heads` must be
+    /// 1: the latent is the one cached head); each query head's K (rotated) and V are
+    /// up-projections of it. `None`: K and V heads are cached.
+    pub latent_dim: Option<usize>,
 }
 
 impl ModelConfig {
@@ -43,12 +48,19 @@ impl ModelConfig {
             rope_theta: 10_000.0,
             norm_eps: 1e-5,
             sliding_window: None,
+            latent_dim: None,
         }
     }
 
-    /// Bytes of one head's K (or V) of one token: `head_dim` f32 elements.
+    /// Elements of one cached head's K (or V) of one token, or of its latent.
+    pub fn cached_dim(&self) -> usize {
+        self.latent_dim.unwrap_or(self.head_dim)
+    }
+
+    /// Bytes of one cached head's K (or V) of one token, or of its latent:
+    /// [`cached_dim`](Self::cached_dim) f32 elements.
     pub fn head_bytes(&self) -> usize {
-        self.head_dim * std::mem::size_of::<f32>()
+        self.cached_dim() * std::mem::size_of::<f32>()
     }
 
     /// Query heads that share one KV head.

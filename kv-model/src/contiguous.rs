@@ -14,7 +14,8 @@ pub struct ContiguousKv {
 }
 
 impl ContiguousKv {
-    /// An empty cache of `layers` layers holding KV heads `heads` of `head_dim` elements.
+    /// An empty cache of `layers` layers holding KV heads `heads` of `head_dim` elements (a
+    /// latent is stored as a head's K, with an empty V).
     pub fn new(layers: usize, heads: Range<usize>, head_dim: usize) -> Self {
         ContiguousKv {
             heads,
@@ -43,7 +44,7 @@ impl KvCache for ContiguousKv {
             data.resize(needed, 0.0);
         }
         data[at..at + dim].copy_from_slice(key);
-        data[at + dim..at + 2 * dim].copy_from_slice(value);
+        data[at + dim..at + dim + value.len()].copy_from_slice(value);
     }
 
     fn load(&self, layer: usize, head: usize, position: usize, key: &mut [f32], value: &mut [f32]) {
@@ -51,6 +52,6 @@ impl KvCache for ContiguousKv {
         let dim = self.head_dim;
         let data = &self.layers[layer];
         key.copy_from_slice(&data[at..at + dim]);
-        value.copy_from_slice(&data[at + dim..at + 2 * dim]);
+        value.copy_from_slice(&data[at + dim..at + dim + value.len()]);
     }
 }

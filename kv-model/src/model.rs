@@ -17,7 +17,14 @@ pub struct Model {
 
 impl Model {
     /// The model of `config` with the weights drawn from `seed`.
+    ///
+    /// # Panics
+    /// If `config` has a latent and more than one KV head.
     pub fn seeded(config: ModelConfig, seed: u64) -> Self {
+        assert!(
+            config.latent_dim.is_none() || config.kv_heads == 1,
+            "an MLA-like model caches its latent as its one KV head"
+        );
         Model {
             weights: Weights::seeded(&config, seed),
             config,
@@ -102,15 +109,18 @@ impl Model {
     ) -> Vec<f32> {
         let c = &self.config;
         let dh = c.head_dim;
-        for head in cache.heads() {
-            let mut key = matvec_rows(&w.wk, head * dh..(head + 1) * dh, normed);
-            rope(&mut key, position, c.rope_theta);
-            let value = matvec_rows(&w.wv, head * dh..(head + 1) * dh, normed);
-            cache.store(layer, head, position, &key, &value);
+        if w.latent_up.is_some() {
+            cache.store(layer, 0, position, &matvec(&w.wk, normed), &[]);
+        } else {
+            for head in cache.heads() {
+                let mut key = matvec_rows(&w.wk, head * dh..(head + 1) * dh, normed);
+                rope(&mut key, position, c.rope_theta);
+                let value = matvec_rows(&w.wv, head * dh..(head + 1) * dh, normed);
+                cache.store(layer, head, position, &key, &value);
+            }
         }
         let scale = 1.0 / (dh as f32).sqrt();
         let mut heads_out = vec![0.0; q_heads.len() * dh];
-        let (mut keys, mut values) = (vec![0.0; dh], vec![0.0; dh]);
         for (slot, q_head) in q_heads.clone().enumerate() {
             let mut query = matvec_rows(&w.wq, q_head * dh..(q_head + 1) * dh, normed);
             rope(&mut query, position, c.rope_theta);
@@ -119,9 +129,9 @@ impl Model {
             let mut scores = Vec::with_capacity(position + 1 - first);
             let mut seen_values = Vec::with_capacity((position + 1 - first) * dh);
             for p in first..=position {
-                cache.load(layer, kv_head, p, &mut keys, &mut values);
-                scores.push(dot(&query, &keys) * scale);
-                seen_values.extend_from_slice(&values);
+                let (key, value) = self.key_value(w, cache, layer, (q_head, kv_head), p);
+                scores.push(dot(&query, &key) * scale);
+                seen_values.extend_from_slice(&value);
             }
             softmax(&mut scores);
             let out = &mut heads_out[slot * dh..(slot + 1) * dh];
@@ -132,5 +142,30 @@ impl Model {
             }
         }
         matvec_cols(&w.wo, q_heads.start * dh..q_heads.end * dh, &heads_out)
+    }
+
+    /// The K and V that query head `q_head` (of KV head `kv_head`) reads at `position`: the
+    /// cached ones, or with a latent the up-projections of the cached latent, K rotated.
+    fn key_value<C: KvCache>(
+        &self,
+        w: &LayerWeights,
+        cache: &C,
+        layer: usize,
+        (q_head, kv_head): (usize, usize),
+        position: usize,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let c = &self.config;
+        let dh = c.head_dim;
+        let mut cached = vec![0.0; c.cached_dim()];
+        let Some(up) = &w.latent_up else {
+            let mut value = vec![0.0; dh];
+            cache.load(layer, kv_head, position, &mut cached, &mut value);
+            return (cached, value);
+        };
+        cache.load(layer, 0, position, &mut cached, &mut []);
+        let rows = q_head * dh..(q_head + 1) * dh;
+        let mut key = matvec_rows(&up.k, rows.clone(), &cached);
+        rope(&mut key, position, c.rope_theta);
+        (key, matvec_rows(&up.v, rows, &cached))
     }
 }

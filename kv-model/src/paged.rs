@@ -22,6 +22,10 @@ pub enum KvPacking {
     /// Two regions per layer ([`KvRegionKind::Tensor`]): region `2l` holds layer `l`'s K,
     /// region `2l + 1` its V.
     Separate,
+    /// One region per layer ([`KvRegionKind::Tensor`]) of one latent per token
+    /// ([`KvAttention::Mla`], the model's [`ModelConfig::latent_dim`]), stored as the one
+    /// head's K with an empty V.
+    Latent,
 }
 
 impl KvPacking {
@@ -29,7 +33,7 @@ impl KvPacking {
     pub(crate) fn regions_per_layer(self) -> usize {
         match self {
             KvPacking::Separate => 2,
-            KvPacking::Packed | KvPacking::Halves => 1,
+            KvPacking::Packed | KvPacking::Halves | KvPacking::Latent => 1,
         }
     }
 
@@ -38,7 +42,7 @@ impl KvPacking {
         match self {
             KvPacking::Packed => (KvRegionKind::Tensor, 2 * head_bytes),
             KvPacking::Halves => (KvRegionKind::KvHalves, head_bytes),
-            KvPacking::Separate => (KvRegionKind::Tensor, head_bytes),
+            KvPacking::Separate | KvPacking::Latent => (KvRegionKind::Tensor, head_bytes),
         }
     }
 }
@@ -83,8 +87,11 @@ impl PagedLayout {
         KvCacheSpec {
             num_blocks,
             block_size,
-            attention: KvAttention::Mha {
-                total_kv_heads: config.kv_heads,
+            attention: match packing {
+                KvPacking::Latent => KvAttention::Mla,
+                _ => KvAttention::Mha {
+                    total_kv_heads: config.kv_heads,
+                },
             },
             layout,
             regions: vec![KvRegion { block_len, kind }; slots * packing.regions_per_layer()],
@@ -108,6 +115,12 @@ impl PagedLayout {
         rank: usize,
         tp: usize,
     ) -> Result<Self, String> {
+        if (packing == KvPacking::Latent) != config.latent_dim.is_some() {
+            return Err(format!(
+                "{packing:?} packing for a model with latent {:?}",
+                config.latent_dim
+            ));
+        }
         let want = Self::spec(
             config,
             packing,
@@ -169,7 +182,7 @@ impl PagedLayout {
         let (heads, local_head) = (self.heads.len(), head - self.heads.start);
         let unit = match self.packing {
             KvPacking::Packed => 2 * self.head_bytes,
-            KvPacking::Halves | KvPacking::Separate => self.head_bytes,
+            KvPacking::Halves | KvPacking::Separate | KvPacking::Latent => self.head_bytes,
         };
         let slot = match self.layout {
             KvLayout::Hnd => local_head * self.block_size + token,
@@ -183,6 +196,7 @@ impl PagedLayout {
                 half * self.block_lens[layer_slot] / 2 + slot * unit,
             ),
             KvPacking::Separate => (2 * layer_slot + half, slot * unit),
+            KvPacking::Latent => (layer_slot, slot * unit),
         };
         (region, block * self.block_lens[region] + within)
     }
@@ -238,12 +252,18 @@ impl<M: KvMemory> PagedKv<M> {
     }
 
     fn store_half(&mut self, layer: usize, half: usize, head: usize, position: usize, x: &[f32]) {
+        if x.is_empty() {
+            return;
+        }
         let (region, offset) = self.locate(layer, half, head, position);
         let bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
         self.memory.write(region, offset, &bytes);
     }
 
     fn load_half(&self, layer: usize, half: usize, head: usize, position: usize, x: &mut [f32]) {
+        if x.is_empty() {
+            return;
+        }
         let (region, offset) = self.locate(layer, half, head, position);
         let mut bytes = vec![0u8; std::mem::size_of_val(x)];
         self.memory.read(region, offset, &mut bytes);

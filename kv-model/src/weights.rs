@@ -40,16 +40,26 @@ pub(crate) struct LayerWeights {
     pub(crate) attention_norm: Vec<f32>,
     /// `q_heads × head_dim` rows.
     pub(crate) wq: Matrix,
-    /// `kv_heads × head_dim` rows.
+    /// `kv_heads × head_dim` rows; with a latent, its `latent_dim` rows (the down-projection).
     pub(crate) wk: Matrix,
-    /// `kv_heads × head_dim` rows.
+    /// `kv_heads × head_dim` rows; none with a latent.
     pub(crate) wv: Matrix,
+    /// With a latent: the up-projections of K and V.
+    pub(crate) latent_up: Option<LatentUp>,
     /// `hidden` rows of `q_heads × head_dim`.
     pub(crate) wo: Matrix,
     pub(crate) mlp_norm: Vec<f32>,
     pub(crate) w_gate: Matrix,
     pub(crate) w_up: Matrix,
     pub(crate) w_down: Matrix,
+}
+
+/// The up-projections of an MLA-like layer's latent: `q_heads × head_dim` rows of
+/// `latent_dim` each.
+#[derive(Debug, Clone)]
+pub(crate) struct LatentUp {
+    pub(crate) k: Matrix,
+    pub(crate) v: Matrix,
 }
 
 /// Every weight of a model (untied embedding and output head).
@@ -76,8 +86,20 @@ impl Weights {
             .map(|_| LayerWeights {
                 attention_norm: norm_gains(d, rng),
                 wq: Matrix::seeded(config.q_heads * dh, d, rng),
-                wk: Matrix::seeded(config.kv_heads * dh, d, rng),
-                wv: Matrix::seeded(config.kv_heads * dh, d, rng),
+                wk: Matrix::seeded(config.latent_dim.unwrap_or(config.kv_heads * dh), d, rng),
+                wv: Matrix::seeded(
+                    if config.latent_dim.is_some() {
+                        0
+                    } else {
+                        config.kv_heads * dh
+                    },
+                    d,
+                    rng,
+                ),
+                latent_up: config.latent_dim.map(|latent| LatentUp {
+                    k: Matrix::seeded(config.q_heads * dh, latent, rng),
+                    v: Matrix::seeded(config.q_heads * dh, latent, rng),
+                }),
                 wo: Matrix::seeded(d, config.q_heads * dh, rng),
                 mlp_norm: norm_gains(d, rng),
                 w_gate: Matrix::seeded(config.ffn, d, rng),

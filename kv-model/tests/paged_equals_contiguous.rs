@@ -21,7 +21,13 @@ fn prompt(vocab: usize) -> Vec<usize> {
 fn contiguous_run(model: &Model, tp: usize) -> (Vec<f32>, kv_model::Generation) {
     let c = model.config();
     let mut ranks: Vec<ContiguousKv> = (0..tp)
-        .map(|r| ContiguousKv::new(c.layers, kv_heads_of_rank(c.kv_heads, r, tp), c.head_dim))
+        .map(|r| {
+            ContiguousKv::new(
+                c.layers,
+                kv_heads_of_rank(c.kv_heads, r, tp),
+                c.cached_dim(),
+            )
+        })
         .collect();
     let logits = model.prefill(&prompt(c.vocab), &mut ranks);
     let generation = greedy(model, argmax(&logits), PROMPT, STEPS, &mut ranks);
@@ -106,6 +112,26 @@ fn hybrid_paged_attention_equals_contiguous_attention() {
 }
 
 #[test]
+fn mla_like_paged_attention_equals_contiguous_attention() {
+    let config = ModelConfig {
+        kv_heads: 1,
+        latent_dim: Some(24),
+        ..ModelConfig::small()
+    };
+    let model = Model::seeded(config, 44);
+    for tp in [1, 2] {
+        let want = contiguous_run(&model, tp);
+        for layout in [KvLayout::Hnd, KvLayout::Nhd] {
+            for block_size in [4, 16] {
+                let packing = (KvPacking::Latent, GroupRegions::Own);
+                let got = paged_run(&model, packing, layout, block_size, tp);
+                assert!(got == want, "TP {tp}, {layout} blocks of {block_size}");
+            }
+        }
+    }
+}
+
+#[test]
 fn tp_ranks_summed_match_one_rank() {
     let model = Model::seeded(ModelConfig::small(), 44);
     let (one_logits, one) = contiguous_run(&model, 1);
@@ -127,7 +153,7 @@ fn the_generation_depends_on_the_cache() {
     let model = Model::seeded(ModelConfig::small(), 44);
     let c = model.config();
     let (_, want) = contiguous_run(&model, 1);
-    let mut cache = vec![ContiguousKv::new(c.layers, 0..c.kv_heads, c.head_dim)];
+    let mut cache = vec![ContiguousKv::new(c.layers, 0..c.kv_heads, c.cached_dim())];
     let logits = model.prefill(&prompt(c.vocab), &mut cache);
     let (mut key, mut value) = (vec![0.0; c.head_dim], vec![0.0; c.head_dim]);
     kv_model::KvCache::load(&cache[0], 0, 1, 5, &mut key, &mut value);

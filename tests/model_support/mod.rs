@@ -57,6 +57,9 @@ pub struct Scenario {
     /// The model's sliding window ([`ModelConfig::sliding_window`]): with it, two KV cache
     /// groups.
     pub sliding_window: Option<usize>,
+    /// The model's latent ([`ModelConfig::latent_dim`]): MLA-like, with 1 KV head and
+    /// [`Packing::Latent`].
+    pub latent_dim: Option<usize>,
     /// Whether the groups' layers share regions ([`GroupRegions::Shared`]) or have their
     /// own ([`GroupRegions::Own`]).
     pub shared_regions: bool,
@@ -71,6 +74,8 @@ pub enum Packing {
     Halves,
     /// [`KvPacking::Separate`].
     Separate,
+    /// [`KvPacking::Latent`].
+    Latent,
 }
 
 /// [`KvLayout`], serialisable.
@@ -102,6 +107,7 @@ impl Scenario {
             prefix_blocks: 0,
             kv_heads: 4,
             sliding_window: None,
+            latent_dim: None,
             shared_regions: false,
         }
     }
@@ -133,6 +139,7 @@ impl Scenario {
             Packing::Packed => KvPacking::Packed,
             Packing::Halves => KvPacking::Halves,
             Packing::Separate => KvPacking::Separate,
+            Packing::Latent => KvPacking::Latent,
         }
     }
 
@@ -166,6 +173,7 @@ pub fn model(scenario: &Scenario) -> Model {
         ModelConfig {
             kv_heads: scenario.kv_heads,
             sliding_window: scenario.sliding_window,
+            latent_dim: scenario.latent_dim,
             ..ModelConfig::small()
         },
         SEED,
@@ -197,7 +205,7 @@ fn num_blocks(scenario: &Scenario, block_size: usize) -> usize {
 pub fn reference(scenario: &Scenario) -> (Vec<f32>, kv_model::Generation) {
     let model = model(scenario);
     let c = model.config();
-    let mut cache = [ContiguousKv::new(c.layers, 0..c.kv_heads, c.head_dim)];
+    let mut cache = [ContiguousKv::new(c.layers, 0..c.kv_heads, c.cached_dim())];
     let logits = model.prefill(&scenario.prompt(c.vocab), &mut cache);
     let first = kv_model::argmax(&logits);
     let generation = kv_model::greedy(&model, first, scenario.prompt_len, STEPS, &mut cache);
