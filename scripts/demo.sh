@@ -11,6 +11,14 @@
 #   scripts/demo.sh --etcd                     # metadata through a private etcd on loopback
 #   scripts/demo.sh --protocol vllm            # the connectors speak vLLM's NixlConnector protocol
 #   scripts/demo.sh -- --requests 32 --in-flight 8   # flags after -- go to decode
+#   scripts/demo.sh --model                    # a real model's KV instead of a byte pattern
+#   scripts/demo.sh --model -- --layers 16 --prompt-len 2048   # flags after -- go to both
+#
+# --model runs the `model_prefill` and `model_decode` examples: the prefill computes a
+# prompt's KV with a seeded transformer (kv-model) into its registered blocks, the decode
+# loads them through the connector, generates 32 tokens and compares them with one process
+# serving the same prompt; it prints the prompt, both runs' tokens and the time to first
+# token in parts, and exits non-zero if the runs differ.
 #
 # Environment:
 #   CARGO_TARGET_DIR        where to build (default: target/)
@@ -25,12 +33,14 @@ cd "$root"
 scripts/setup.sh
 
 use_etcd=0
+model_mode=0
 decode_args=(--requests 256)
 protocol_args=()
-usage="usage: $0 [--etcd] [--protocol native|vllm] [-- decode flags...]"
+usage="usage: $0 [--etcd | --model] [--protocol native|vllm] [-- decode flags...]"
 while [[ $# -gt 0 ]]; do
     case $1 in
         --etcd) use_etcd=1 ;;
+        --model) model_mode=1 ;;
         --protocol)
             [[ $# -ge 2 ]] || { echo "$usage" >&2; exit 2; }
             protocol_args=(--protocol "$2")
@@ -42,11 +52,40 @@ while [[ $# -gt 0 ]]; do
     shift
 done
 
+[[ $use_etcd == 1 && $model_mode == 1 ]] && { echo "$usage" >&2; exit 2; }
+
 if [[ -n ${NIXL_DEMO_BIN_DIR:-} ]]; then
     bin=$NIXL_DEMO_BIN_DIR
+elif [[ $model_mode == 1 ]]; then
+    cargo build --release --locked -p nixl-rs --example model_prefill --example model_decode
+    bin=${CARGO_TARGET_DIR:-$root/target}/release/examples
 else
     cargo build --release --locked -p nixl-rs --example prefill --example decode
     bin=${CARGO_TARGET_DIR:-$root/target}/release/examples
+fi
+
+if [[ $model_mode == 1 ]]; then
+    # The byte-pattern mode's --requests default is not a model flag.
+    model_args=("${decode_args[@]:2}" "${protocol_args[@]}")
+    work=$(mktemp -d)
+    "$bin/model_prefill" --handoff "$work/handoff.json" "${model_args[@]}" >"$work/prefill.log" 2>&1 &
+    prefill_pid=$!
+    trap 'kill "$prefill_pid" 2>/dev/null || true; rm -rf "$work"' EXIT
+    decode_rc=0
+    "$bin/model_decode" --handoff "$work/handoff.json" "${model_args[@]}" || decode_rc=$?
+    # A decode that failed may never have read the blocks the prefill waits on.
+    [[ $decode_rc == 0 ]] || kill "$prefill_pid" 2>/dev/null || true
+    prefill_rc=0
+    wait "$prefill_pid" || prefill_rc=$?
+    echo "--- model_prefill output"
+    cat "$work/prefill.log"
+    echo "---"
+    if [[ $decode_rc == 0 && $prefill_rc == 0 ]]; then
+        echo "demo: PASSED (model mode: prefill/decode tokens equal one process's)"
+        exit 0
+    fi
+    echo "demo: FAILED (model_decode exit $decode_rc, model_prefill exit $prefill_rc)" >&2
+    exit 1
 fi
 
 read -r -a cache_args <<<"${NIXL_DEMO_CACHE_ARGS:-}"

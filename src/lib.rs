@@ -18,7 +18,10 @@
 //!   notification naming the request), verifies every byte, and prefill frees the blocks
 //!   when the connector reports the notification;
 //! - [`stats`] turns the run into a summary (requests, bytes, GB/s, latency percentiles);
-//! - [`prometheus`] serves the connector's `vllm:nixl_*` metrics to Prometheus.
+//! - [`prometheus`] serves the connector's `vllm:nixl_*` metrics to Prometheus;
+//! - `model_serving` serves a real model (`kv-model`) prefill → decode through the
+//!   connector, for the model tests and the demo's model mode (`model_prefill`,
+//!   `model_decode`).
 //!
 //! The libraries themselves are `nixl-capi-sys` (raw bindings, folder `nixl-sys/`), `nixl`
 //! (the safe API) and `nixl-connector` (the KV connector).
@@ -33,6 +36,9 @@ pub mod decode;
 pub mod error;
 pub mod kv_cache;
 pub mod metered;
+// The model's engines speak vLLM's protocol as well as the native one.
+#[cfg(feature = "vllm")]
+pub mod model_serving;
 pub mod not_a_prefill;
 pub mod pattern;
 pub mod prefill;

@@ -20,8 +20,9 @@ pub const WAIT: Duration = Duration::from_secs(120);
 /// Small caches, so that many runs fit on two cores at once (also in debug builds).
 pub const CACHE_ARGS: [&str; 6] = ["--layers", "4", "--blocks", "64", "--block-size", "4KiB"];
 
-/// The directory holding the `prefill` and `decode` examples of this test's profile, built
-/// once per test process (`cargo test --test X` does not build examples by itself).
+/// The directory holding the demo's examples of this test's profile (`prefill` and
+/// `decode`, and the model mode's `model_prefill` and `model_decode`), built once per test
+/// process (`cargo test --test X` does not build examples by itself).
 pub fn examples_dir() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
@@ -36,6 +37,7 @@ pub fn examples_dir() -> &'static Path {
         build
             .args(["build", "-p", "nixl-rs", "--example", "prefill"])
             .args(["--example", "decode"])
+            .args(["--example", "model_prefill", "--example", "model_decode"])
             .current_dir(env!("CARGO_MANIFEST_DIR"))
             .env("CARGO_TARGET_DIR", target_dir);
         if profile_dir.file_name().is_some_and(|n| n == "release") {

@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::Scenario;
+use super::scenario::{model, Scenario};
 use nixl::kv_config::KvTransferConfig;
 use nixl_connector::vllm::{MetadataServer, VllmChannelLimits};
 use nixl_connector::{
@@ -18,8 +18,8 @@ use nixl_connector::{
 const SERVER_DEADLINE: Duration = Duration::from_secs(5);
 
 /// The KV cache groups of the scenario's model over blocks of `block_size` tokens.
-pub fn kv_cache_groups(scenario: &Scenario, block_size: usize) -> KvCacheGroups {
-    let model = super::model(scenario);
+fn kv_cache_groups(scenario: &Scenario, block_size: usize) -> KvCacheGroups {
+    let model = model(scenario);
     scenario
         .group_regions()
         .kv_cache_groups(model.config(), scenario.packing(), block_size)
@@ -44,7 +44,7 @@ fn transfer_config(scenario: &Scenario, block_size: usize) -> KvTransferConfig {
     if protocol == Protocol::Vllm {
         let extra = &mut config.kv_connector_extra_config;
         extra.insert("protocol".into(), "vllm".into());
-        let model = super::model(scenario);
+        let model = model(scenario);
         let c = model.config();
         extra.insert(
             "vllm_compat_factors".into(),
@@ -79,6 +79,9 @@ fn rank_config(
 /// The `tp` ranks of engine `engine`, each with a zeroed registered cache of `spec`. Native:
 /// rank `r` listens on rank 0's port + `r` (another run of ports is tried when one is
 /// taken); vLLM: every rank publishes to the engine's one side channel.
+///
+/// # Panics
+/// If NIXL or the connector refuses a rank's setup, or no run of free ports is found.
 pub fn engine(
     scenario: &Scenario,
     engine: &str,
@@ -130,6 +133,9 @@ pub fn engine(
 
 /// The scheduler of engine `engine` (blocks of `block_size` tokens), whose ranks are
 /// `ranks`.
+///
+/// # Panics
+/// If the connector refuses the scheduler's config.
 pub fn scheduler(
     scenario: &Scenario,
     engine: &str,
