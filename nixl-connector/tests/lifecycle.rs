@@ -222,8 +222,16 @@ async fn a_decode_aborted_before_or_during_its_load_tells_the_prefill_and_writes
     let (spec, prefill, mut prefill_scheduler, decode, mut decode_scheduler) =
         engines("dabort", 30.0);
 
+    // Both requests' handshakes pass a gate that opens only once the abort is handed over,
+    // so that the abort always comes while the handshake runs.
+    let (open, gate_port) = gated_relay(prefill.side_channel_addr().unwrap()).await;
+    let through_gate = |mut params: KvTransferParams| {
+        params.remote_port = Some(gate_port);
+        params
+    };
     // Aborted while it waited for blocks: notification only.
     let waiting = finish_for_decode(&prefill, &mut prefill_scheduler, "p-wait", &[1, 2]);
+    let waiting = through_gate(waiting);
     decode_scheduler.on_new_request("d-wait", Some(&waiting));
     let done =
         decode_scheduler.request_finished("d-wait", &[], 0, Some(&waiting), FinishStatus::Aborted);
@@ -231,6 +239,7 @@ async fn a_decode_aborted_before_or_during_its_load_tells_the_prefill_and_writes
     // Aborted right after its load went to the worker, while the handshake runs: the READ
     // is never posted.
     let running = finish_for_decode(&prefill, &mut prefill_scheduler, "p-run", &[3, 4]);
+    let running = through_gate(running);
     decode_scheduler.on_new_request("d-run", Some(&running));
     decode_scheduler
         .update_state_after_alloc("d-run", &[6, 7], &running)
@@ -250,6 +259,7 @@ async fn a_decode_aborted_before_or_during_its_load_tells_the_prefill_and_writes
     let meta = decode_scheduler.build_connector_meta();
     assert_eq!(meta.aborted, ["d-run"]);
     decode.start_load_kv(&meta);
+    open.send_replace(true);
 
     let got = outcomes(&decode, &mut decode_scheduler, 1, WAIT).await;
     assert_eq!(
@@ -488,6 +498,26 @@ fn finish(params: &KvTransferParams, sender: &str, request: &str, count: usize) 
     let capability = params.remote_capability.as_ref().expect("native params");
     let tag = capability.finish_tag(sender.as_bytes(), request, count);
     format!("{request}:{count}:{tag}").into_bytes()
+}
+
+/// A relay to `to` that takes connections at once but passes no byte until `true` is sent
+/// on the returned sender; the port it listens on.
+async fn gated_relay(to: std::net::SocketAddr) -> (tokio::sync::watch::Sender<bool>, u16) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (open, gate) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        while let Ok((mut inbound, _)) = listener.accept().await {
+            let mut gate = gate.clone();
+            tokio::spawn(async move {
+                let _ = gate.wait_for(|open| *open).await;
+                if let Ok(mut outbound) = tokio::net::TcpStream::connect(to).await {
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                }
+            });
+        }
+    });
+    (open, port)
 }
 
 /// The decode role's environment: its load's params, as JSON.
