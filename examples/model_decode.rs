@@ -132,13 +132,7 @@ fn ms(seconds: f64) -> String {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    // The connector's workers run their side channels on the runtime they are created in.
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("a tokio runtime");
-    runtime.block_on(run(&args))
+    model_args::block_on(run(&args))
 }
 
 async fn run(args: &Args) -> ExitCode {

@@ -10,23 +10,16 @@
 #[path = "../nixl-connector/tests/common/mod.rs"]
 mod connector;
 mod demo_support;
+mod etcd_loads;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use base64::prelude::{Engine, BASE64_STANDARD};
 use connector::{fill, spec, worker_with};
 use demo_support::Etcd;
+use etcd_loads::{load, put};
 use nixl_connector::etcd::{fetch_metadata, metadata_key};
 use nixl_connector::{KvConnectorWorker, MetadataExchange};
-
-fn put(etcd: &Etcd, key: &str, value: &[u8]) {
-    let body = format!(
-        r#"{{"key":"{}","value":"{}"}}"#,
-        BASE64_STANDARD.encode(key),
-        BASE64_STANDARD.encode(value)
-    );
-    etcd.request("/v3/kv/put", &body);
-}
 
 fn delete(etcd: &Etcd, key: &str) {
     let body = format!(r#"{{"key":"{}"}}"#, BASE64_STANDARD.encode(key));
@@ -41,30 +34,6 @@ fn etcd_worker(engine: &str) -> KvConnectorWorker {
         config.metadata_exchange = MetadataExchange::Etcd;
         config.limits.max_frame = MAX_FRAME;
     })
-}
-
-/// Loads blocks 1 and 2 of `prefill` into the decode's 4 and 5: every byte checked, or why
-/// it failed.
-async fn load(
-    decode: &KvConnectorWorker,
-    prefill: &KvConnectorWorker,
-    request: &str,
-) -> Result<(), String> {
-    let engine = prefill.handshake().unwrap().engine_id;
-    let blocks: (&[usize], &[usize]) = (&[4, 5], &[1, 2]);
-    // An engine whose handshakes failed twice in a row is backed off from for a second,
-    // doubling (as vLLM's worker does): wait that out, so each load reaches etcd.
-    let give_up = Instant::now() + Duration::from_secs(30);
-    loop {
-        let result =
-            connector::loads::load(decode, prefill, &spec(2), &engine, request, blocks).await;
-        match result {
-            Err(reason) if reason.contains("not tried for another") && Instant::now() < give_up => {
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            result => return result,
-        }
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

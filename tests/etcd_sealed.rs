@@ -12,54 +12,24 @@
 #[path = "../nixl-connector/tests/common/mod.rs"]
 mod connector;
 mod demo_support;
+mod etcd_loads;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use base64::prelude::{Engine, BASE64_STANDARD};
 use connector::{fill, spec, worker_with};
 use demo_support::Etcd;
+use etcd_loads::{load, put};
 use nixl::Agent;
 use nixl_connector::etcd::{fetch_metadata, metadata_key};
 use nixl_connector::{KvConnectorWorker, MetadataExchange, SharedSecret};
 
 const SECRET: &str = "the etcd deployment's shared secret";
 
-fn put(etcd: &Etcd, key: &str, value: &[u8]) {
-    let body = format!(
-        r#"{{"key":"{}","value":"{}"}}"#,
-        BASE64_STANDARD.encode(key),
-        BASE64_STANDARD.encode(value)
-    );
-    etcd.request("/v3/kv/put", &body);
-}
-
 fn sealed_worker(engine: &str) -> KvConnectorWorker {
     worker_with(engine, 0, 1, &spec(2), |config| {
         config.metadata_exchange = MetadataExchange::Etcd;
         config.secret = Some(SharedSecret::new(SECRET.as_bytes()).unwrap());
     })
-}
-
-/// Loads blocks 1 and 2 of `prefill` into the decode's 4 and 5: every byte checked, or why
-/// it failed (waiting out the backoff after failed handshakes).
-async fn load(
-    decode: &KvConnectorWorker,
-    prefill: &KvConnectorWorker,
-    request: &str,
-) -> Result<(), String> {
-    let engine = prefill.handshake().unwrap().engine_id;
-    let blocks: (&[usize], &[usize]) = (&[4, 5], &[1, 2]);
-    let give_up = Instant::now() + Duration::from_secs(30);
-    loop {
-        let result =
-            connector::loads::load(decode, prefill, &spec(2), &engine, request, blocks).await;
-        match result {
-            Err(reason) if reason.contains("not tried for another") && Instant::now() < give_up => {
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            result => return result,
-        }
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -34,3 +34,14 @@ impl ModelArgs {
         }
     }
 }
+
+/// Runs `work` to its end on a multi-thread tokio runtime of two workers: the connector's
+/// workers run their side channels on the runtime they are created in.
+pub fn block_on<F: std::future::Future>(work: F) -> F::Output {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a tokio runtime")
+        .block_on(work)
+}
