@@ -529,3 +529,33 @@ fn no_line_is_longer_than_the_limit() {
     }
     assert!(long.is_empty(), "{}", long.join("\n"));
 }
+
+/// The root README's connector example is the code `nixl-connector/examples/readme_connector.rs`
+/// compiles, word for word (the lines between its `README BEGIN` and `README END` markers,
+/// less their indent), so that the example in the front page builds against the API.
+#[test]
+fn the_front_pages_connector_example_is_the_one_that_compiles() {
+    let readme = read("README.md");
+    let section = readme
+        .find("## Using the connector")
+        .expect("README.md has a \"Using the connector\" section");
+    let start = readme[section..]
+        .find("```rust\n")
+        .map(|at| section + at + "```rust\n".len())
+        .expect("the section has a Rust code block");
+    let end = start + readme[start..].find("```\n").expect("the code block ends");
+    let example = read("nixl-connector/examples/readme_connector.rs");
+    let compiled: Vec<&str> = example
+        .lines()
+        .skip_while(|line| !line.contains("// README BEGIN"))
+        .skip(1)
+        .take_while(|line| !line.contains("// README END"))
+        .map(|line| line.strip_prefix("    ").unwrap_or(line))
+        .collect();
+    let shown: Vec<&str> = readme[start..end].lines().collect();
+    assert_eq!(
+        shown, compiled,
+        "README.md's connector example differs from nixl-connector/examples/readme_connector.rs \
+         between its README markers: change both"
+    );
+}
