@@ -145,19 +145,16 @@ impl Sends {
         let limit = self.lease.max_hold().map(|cap| now + cap);
         let mut readers = Vec::new();
         let mut needed = 1;
-        for early in self
+        let early = self
             .early
             .remove(&request_id)
-            .map_or(Vec::new(), |e| e.readers)
-        {
+            .map_or(Vec::new(), |e| e.readers);
+        for early in early {
             let tag = early.tag.as_deref();
-            if !self.proves_finish(
-                capability.as_ref(),
-                &early.sender,
-                &request_id,
-                early.count,
-                tag,
-            ) {
+            let finished = |cap: &Capability, tag: &str| {
+                cap.verify_finish(&early.sender, &request_id, early.count, tag)
+            };
+            if !proven(self.protocol, capability.as_ref(), tag, finished) {
                 self.refuse(
                     &early.sender,
                     &request_id,
@@ -168,7 +165,7 @@ impl Sends {
             readers.push(early.sender);
             needed = needed.max(early.needed);
         }
-        if !readers.is_empty() && readers.len() >= needed {
+        if readers.len() >= needed {
             self.release(request_id, true);
             return;
         }
@@ -253,25 +250,6 @@ impl Sends {
         }
     }
 
-    /// Whether a finish notification from `sender` for `request` saying `count` with `tag`
-    /// may count for a request of `capability`: always in vLLM's protocol; in the native one
-    /// only with the capability's tag.
-    fn proves_finish(
-        &self,
-        capability: Option<&Capability>,
-        sender: &[u8],
-        request: &str,
-        count: usize,
-        tag: Option<&str>,
-    ) -> bool {
-        match self.protocol {
-            Protocol::Vllm => true,
-            Protocol::Native => capability
-                .zip(tag)
-                .is_some_and(|(cap, tag)| cap.verify_finish(sender, request, count, tag)),
-        }
-    }
-
     /// Extends the lease of every held request in `entries` (comma-separated; in the native
     /// protocol only those whose tag is of the request's capability, from `sender`) to
     /// [`Lease::extension`] from now (never shortening it, never past its limit); follows
@@ -281,27 +259,20 @@ impl Sends {
         self.series.heartbeat();
         let until = now + self.lease.extension();
         let mut any_held = false;
+        let protocol = self.protocol;
         for entry in entries.split(',') {
-            let (id, tag) = match self.protocol {
+            let (id, tag) = match protocol {
                 // Parsed: every entry has its tag.
                 Protocol::Native => split_tag(entry, TAG_SEPARATOR)
                     .map_or((entry, None), |(id, tag)| (id, Some(tag))),
                 Protocol::Vllm => (entry, None),
             };
-            let protocol = self.protocol;
             let Some(held) = self.held.get_mut(id) else {
                 self.notes.unknown_heartbeat_ids += 1;
                 continue;
             };
-            let proven = match protocol {
-                Protocol::Vllm => true,
-                Protocol::Native => held
-                    .capability
-                    .as_ref()
-                    .zip(tag)
-                    .is_some_and(|(cap, tag)| cap.verify_heartbeat(sender, id, tag)),
-            };
-            if !proven {
+            let beat = |cap: &Capability, tag: &str| cap.verify_heartbeat(sender, id, tag);
+            if !proven(protocol, held.capability.as_ref(), tag, beat) {
                 self.refuse(
                     sender,
                     id,
@@ -331,8 +302,10 @@ impl Sends {
         tag: Option<&str>,
         now: Instant,
     ) {
-        if let Some(held) = self.held.get(request) {
-            if !self.proves_finish(held.capability.as_ref(), sender, request, count, tag) {
+        if let Some(held) = self.held.get_mut(request) {
+            let finished =
+                |cap: &Capability, tag: &str| cap.verify_finish(sender, request, count, tag);
+            if !proven(self.protocol, held.capability.as_ref(), tag, finished) {
                 self.refuse(
                     sender,
                     request,
@@ -340,9 +313,6 @@ impl Sends {
                 );
                 return;
             }
-            let Some(held) = self.held.get_mut(request) else {
-                return;
-            };
             if held.readers.iter().any(|r| r == sender) {
                 self.notes.duplicate_notifications += 1;
                 return;
@@ -382,10 +352,14 @@ impl Sends {
         }
     }
 
+    /// Counts a late notification for `request`, logged at the 1st, 2nd, 4th, 8th... so that
+    /// a flood of notifications for released requests cannot flood the log.
     fn late(&mut self, request: &str, why: &str) {
         self.notes.late_notifications += 1;
         self.series.after_expiry();
-        tracing::warn!(request, "{why}");
+        if self.notes.late_notifications.is_power_of_two() {
+            tracing::warn!(request, late = self.notes.late_notifications, "{why}");
+        }
     }
 
     /// Releases every held request whose lease has ended (vLLM's
@@ -448,6 +422,23 @@ impl Sends {
 
     pub(crate) fn notification_stats(&self) -> NotificationStats {
         self.notes
+    }
+}
+
+/// Whether a finish notification or heartbeat with `tag` may count for a request held with
+/// `capability`: always in vLLM's protocol (it has no capabilities); in the native one only
+/// when `verify` holds for the capability and the tag.
+fn proven(
+    protocol: Protocol,
+    capability: Option<&Capability>,
+    tag: Option<&str>,
+    verify: impl FnOnce(&Capability, &str) -> bool,
+) -> bool {
+    match protocol {
+        Protocol::Vllm => true,
+        Protocol::Native => capability
+            .zip(tag)
+            .is_some_and(|(capability, tag)| verify(capability, tag)),
     }
 }
 
