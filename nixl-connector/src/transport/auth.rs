@@ -201,15 +201,23 @@ impl SharedSecret {
 /// # Errors
 /// [`Error::Io`] when the operating system gives no randomness.
 pub(crate) fn nonce() -> Result<Nonce> {
-    let mut nonce = [0; NONCE_BYTES];
-    getrandom::fill(&mut nonce).map_err(|err| {
+    random_bytes("draw a nonce")
+}
+
+/// `N` fresh random bytes from the operating system, for `operation` (named in the error).
+///
+/// # Errors
+/// [`Error::Io`] when the operating system gives no randomness.
+pub(crate) fn random_bytes<const N: usize>(operation: &'static str) -> Result<[u8; N]> {
+    let mut bytes = [0; N];
+    getrandom::fill(&mut bytes).map_err(|err| {
         Error::io(
-            "draw a nonce",
+            operation,
             "this host",
             std::io::Error::other(err.to_string()),
         )
     })?;
-    Ok(nonce)
+    Ok(bytes)
 }
 
 #[cfg(test)]

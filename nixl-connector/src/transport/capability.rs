@@ -13,6 +13,7 @@ use ring::hmac;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::error::{Error, Result};
+use crate::transport::auth::random_bytes;
 
 /// Bytes of a capability.
 pub const CAPABILITY_BYTES: usize = 16;
@@ -42,15 +43,7 @@ impl Capability {
     /// # Errors
     /// [`Error::Io`] when the operating system gives no randomness.
     pub fn random() -> Result<Self> {
-        let mut bytes = [0; CAPABILITY_BYTES];
-        getrandom::fill(&mut bytes).map_err(|err| {
-            Error::io(
-                "draw a request capability",
-                "this host",
-                std::io::Error::other(err.to_string()),
-            )
-        })?;
-        Ok(Capability(bytes))
+        random_bytes("draw a request capability").map(Capability)
     }
 
     /// The capability in its text form (32 lowercase hex digits), as the params carry it.

@@ -15,8 +15,8 @@
 use ring::aead::{Aad, LessSafeKey, Nonce as AeadNonce, UnboundKey, CHACHA20_POLY1305};
 use ring::hkdf::{Salt, HKDF_SHA256};
 
-use crate::error::{Error, Result};
-use crate::transport::auth::{Nonce, SharedSecret};
+use crate::error::Result;
+use crate::transport::auth::{random_bytes, Nonce, SharedSecret};
 
 /// Version of the authenticated side-channel exchange: 2 seals both handshakes under keys
 /// of the exchange (1 sent them in the clear with a MAC). Peers of another version are
@@ -151,16 +151,9 @@ pub(crate) fn is_sealed_at_rest(value: &[u8]) -> bool {
 /// may read it: a fresh salt, then the sealed bytes.
 ///
 /// # Errors
-/// [`Error::Io`] when the operating system gives no randomness.
+/// [`Error::Io`](crate::Error::Io) when the operating system gives no randomness.
 pub(crate) fn seal_at_rest(secret: &SharedSecret, place: &str, value: &[u8]) -> Result<Vec<u8>> {
-    let mut salt = [0; AT_REST_SALT_BYTES];
-    getrandom::fill(&mut salt).map_err(|err| {
-        Error::io(
-            "draw a salt",
-            "this host",
-            std::io::Error::other(err.to_string()),
-        )
-    })?;
+    let salt: [u8; AT_REST_SALT_BYTES] = random_bytes("draw a salt")?;
     let sealed = seal_with(&at_rest_key(secret, &salt), place.as_bytes(), value);
     let mut stored = Vec::with_capacity(AT_REST_MAGIC.len() + salt.len() + sealed.len());
     stored.extend_from_slice(AT_REST_MAGIC);
