@@ -312,8 +312,7 @@ async fn prove(
         Ok(()) => Sealed::Accepted(Box::new(ours.clone())),
         Err(reason) => Sealed::Refused { reason },
     };
-    let answer = rmp_serde::to_vec_named(&answer)
-        .map_err(|err| channel.protocol(format!("cannot encode an answer: {err}")))?;
+    let answer = encode(channel, &answer)?;
     Ok(Response::Proven {
         sealed: keys.seal(Role::Server, &answer),
     })
@@ -353,10 +352,10 @@ fn nonce_of(channel: &Channel, bytes: &[u8]) -> Result<Nonce> {
     })
 }
 
-/// `message` as MessagePack, as it is sealed and sent.
-fn encode(channel: &Channel, message: &HandshakeMessage) -> Result<Vec<u8>> {
+/// `message` (a handshake, or a server's answer) as MessagePack, as it is sealed and sent.
+fn encode<T: Serialize>(channel: &Channel, message: &T) -> Result<Vec<u8>> {
     rmp_serde::to_vec_named(message)
-        .map_err(|err| channel.protocol(format!("cannot encode a handshake: {err}")))
+        .map_err(|err| channel.protocol(format!("cannot encode a sealed message: {err}")))
 }
 
 /// The message in the (authenticated) bytes `message`.
