@@ -28,8 +28,20 @@ const FINISH_LABEL: &[u8] = b"nixl-connector finish v1";
 const HEARTBEAT_LABEL: &[u8] = b"nixl-connector heartbeat v1";
 
 /// A request's capability. Its `Debug` shows no byte of it; it travels as 32 hex digits.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Capability([u8; CAPABILITY_BYTES]);
+#[derive(Clone)]
+pub struct Capability {
+    bytes: [u8; CAPABILITY_BYTES],
+    /// The HMAC key of `bytes`, made once: every tag made or checked uses it.
+    key: hmac::Key,
+}
+
+impl PartialEq for Capability {
+    fn eq(&self, other: &Self) -> bool {
+        self.bytes == other.bytes
+    }
+}
+
+impl Eq for Capability {}
 
 impl std::fmt::Debug for Capability {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -43,12 +55,12 @@ impl Capability {
     /// # Errors
     /// [`Error::Io`] when the operating system gives no randomness.
     pub fn random() -> Result<Self> {
-        random_bytes("draw a request capability").map(Capability)
+        random_bytes("draw a request capability").map(Capability::of)
     }
 
     /// The capability in its text form (32 lowercase hex digits), as the params carry it.
     pub fn to_hex(&self) -> String {
-        hex(&self.0)
+        hex(&self.bytes)
     }
 
     /// The capability of the text `text` (32 hex digits).
@@ -58,7 +70,7 @@ impl Capability {
     pub fn from_hex(text: &str) -> Result<Self> {
         unhex(text)
             .and_then(|bytes| bytes.try_into().ok())
-            .map(Capability)
+            .map(Capability::of)
             .ok_or_else(|| {
                 Error::invalid(
                     "read a request capability",
@@ -71,8 +83,12 @@ impl Capability {
             })
     }
 
-    fn key(&self) -> hmac::Key {
-        hmac::Key::new(hmac::HMAC_SHA256, &self.0)
+    /// The capability of `bytes`.
+    fn of(bytes: [u8; CAPABILITY_BYTES]) -> Self {
+        Capability {
+            bytes,
+            key: hmac::Key::new(hmac::HMAC_SHA256, &bytes),
+        }
     }
 
     /// The tag, in hex, of a finish notification from agent `sender` for `request` saying
@@ -80,7 +96,7 @@ impl Capability {
     /// worker sends when its load ends; for engines that notify by themselves).
     pub fn finish_tag(&self, sender: &[u8], request: &str, count: usize) -> String {
         let input = finish_input(sender, request, count);
-        hex(hmac::sign(&self.key(), &input).as_ref())
+        hex(hmac::sign(&self.key, &input).as_ref())
     }
 
     /// Whether `tag` (hex) is the tag of a finish notification from `sender` for `request`
@@ -93,7 +109,7 @@ impl Capability {
         tag: &str,
     ) -> bool {
         let input = finish_input(sender, request, count);
-        unhex(tag).is_some_and(|tag| hmac::verify(&self.key(), &input, &tag).is_ok())
+        unhex(tag).is_some_and(|tag| hmac::verify(&self.key, &input, &tag).is_ok())
     }
 
     /// The tag, in hex, of a heartbeat from agent `sender` for `request`: a native
@@ -101,14 +117,14 @@ impl Capability {
     /// its waiting loads; for engines that send heartbeats by themselves).
     pub fn heartbeat_tag(&self, sender: &[u8], request: &str) -> String {
         let input = heartbeat_input(sender, request);
-        hex(hmac::sign(&self.key(), &input).as_ref())
+        hex(hmac::sign(&self.key, &input).as_ref())
     }
 
     /// Whether `tag` (hex) is the tag of a heartbeat from `sender` for `request` (compared
     /// in constant time).
     pub(crate) fn verify_heartbeat(&self, sender: &[u8], request: &str, tag: &str) -> bool {
         let input = heartbeat_input(sender, request);
-        unhex(tag).is_some_and(|tag| hmac::verify(&self.key(), &input, &tag).is_ok())
+        unhex(tag).is_some_and(|tag| hmac::verify(&self.key, &input, &tag).is_ok())
     }
 }
 
