@@ -61,7 +61,8 @@ pub struct HeartbeatSpec {
     pub request_ids: Vec<String>,
     /// The capability of each of `request_ids`, in the same order (native protocol: a
     /// heartbeat counts only with a tag made under it; an id without one is not sent).
-    /// Empty in vLLM's protocol.
+    /// In vLLM's protocol, which has none, the workers send the ids alone whatever it holds
+    /// (the scheduler gives `None` for each).
     #[serde(default)]
     pub capabilities: Vec<Option<Capability>>,
 }
