@@ -261,6 +261,7 @@ mod transport;
 pub mod vllm;
 
 mod lease;
+mod multi_turn;
 
 mod config;
 
@@ -290,11 +291,15 @@ pub use geometry::ssm::SsmState;
 pub use geometry::tp_mapping::{RankShare, Share, TpMapping, MAX_TP_SIZE};
 pub use lease::{Lease, DEFAULT_KV_LEASE_DURATION, LEASE_KEY, MAX_HOLD_KEY, MAX_LEASE};
 pub use metrics::{open_fds, RemoteStats, SendStats, TransferMetrics};
+pub use multi_turn::{
+    MultiTurn, BIDIRECTIONAL_KEY, DEFAULT_KEPT_TTL, DEFAULT_RECOMPUTE_THRESHOLD,
+    KEPT_BLOCKS_CAP_KEY, KEPT_TTL_KEY, RECOMPUTE_THRESHOLD_KEY,
+};
 pub use scheduler::aggregate::{AggregatedOutput, KvOutputAggregator, WorkerOutput};
 pub use scheduler::outcomes::{Finished, OverdueLoad};
 pub use scheduler::{
     ConnectorMetadata, ConnectorOutput, FinishStatus, HeartbeatSpec, KvConnectorScheduler,
-    LoadOutcome, LoadSpec, RequestFinished, SchedulerConfig, SendSpec,
+    LoadOutcome, LoadSpec, MultiTurnStats, RequestFinished, SchedulerConfig, SendSpec,
 };
 pub use transport::auth::SharedSecret;
 pub use transport::capability::Capability;

@@ -31,6 +31,9 @@ pub struct SendStats {
     pub freed_on_notification: u64,
     /// Released because the KV lease ended first.
     pub freed_on_timeout: u64,
+    /// Kept for a read-back and released early, unclaimed, because the kept blocks passed
+    /// their cap ([`ConnectorMetadata::evict`](crate::ConnectorMetadata::evict)).
+    pub freed_on_eviction: u64,
 }
 
 /// What a worker did with the agent metadata of the remote ranks it handshook with, and the

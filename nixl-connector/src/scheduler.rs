@@ -43,6 +43,7 @@ use crate::error::{Error, Result};
 use crate::failure::FailedBlock;
 use crate::geometry::groups::KvCacheGroups;
 use crate::lease::Lease;
+use crate::multi_turn::MultiTurn;
 use crate::scheduler::aggregate::{KvOutputAggregator, WorkerOutput};
 use crate::transport::capability::Capability;
 use crate::transport::params::{KvTransferParams, RemoteBlocks};
@@ -51,10 +52,12 @@ use crate::vllm::MetadataServer;
 
 pub(crate) mod aggregate;
 pub(crate) mod metadata;
+pub(crate) mod multi_turn;
 pub(crate) mod outcomes;
 pub(crate) mod step_wire;
 
 pub use metadata::{ConnectorMetadata, HeartbeatSpec, LoadSpec, SendSpec};
+pub use multi_turn::MultiTurnStats;
 mod hybrid;
 
 /// How a request finished (vLLM's `RequestStatus.FINISHED_*`).
@@ -96,6 +99,9 @@ pub struct SchedulerConfig {
     pub lease: Lease,
     /// What happens to a request whose load failed.
     pub load_failure_policy: LoadFailurePolicy,
+    /// Multi-turn conversations: whether a decode keeps finished requests' blocks for the
+    /// next turn's prefill to read back, and when a read is not worth making.
+    pub multi_turn: MultiTurn,
     /// The protocol its workers speak: in vLLM's, the params of
     /// [`request_finished`](KvConnectorScheduler::request_finished) carry every key vLLM's
     /// do.
@@ -114,8 +120,8 @@ impl SchedulerConfig {
     ///
     /// # Errors
     /// Those of [`Lease::from_kv_transfer_config`],
-    /// [`LoadFailurePolicy::from_kv_transfer_config`] and
-    /// [`Protocol::from_kv_transfer_config`].
+    /// [`LoadFailurePolicy::from_kv_transfer_config`],
+    /// [`MultiTurn::from_kv_transfer_config`] and [`Protocol::from_kv_transfer_config`].
     pub fn new(
         engine_id: &str,
         host: &str,
@@ -130,6 +136,7 @@ impl SchedulerConfig {
             tp_size,
             lease: Lease::from_kv_transfer_config(kv_transfer_config)?,
             load_failure_policy: LoadFailurePolicy::from_kv_transfer_config(kv_transfer_config)?,
+            multi_turn: MultiTurn::from_kv_transfer_config(kv_transfer_config)?,
             protocol: Protocol::from_kv_transfer_config(kv_transfer_config)?,
             #[cfg(feature = "vllm")]
             vllm_side_channel: None,
@@ -210,6 +217,9 @@ enum DecodeState {
 struct DecodeRequest {
     remote: RemoteBlocks,
     state: DecodeState,
+    /// A prefill's request reading back a decode's kept blocks (multi-turn), not a decode's
+    /// load from its prefill.
+    read_back: bool,
 }
 
 /// The scheduler half of the connector.
@@ -235,6 +245,10 @@ pub struct KvConnectorScheduler {
     /// Native protocol: how many times the engine's ranks registered their KV caches again
     /// (the registration generation its params carry once above 0).
     registered_again: u64,
+    /// Decode side: requests kept for the next turn's prefill.
+    kept: multi_turn::Kept,
+    /// What multi-turn conversations did so far.
+    multi_turn: MultiTurnStats,
 }
 
 impl KvConnectorScheduler {
@@ -248,6 +262,8 @@ impl KvConnectorScheduler {
             failed: HashMap::new(),
             last_heartbeat: None,
             registered_again: 0,
+            kept: multi_turn::Kept::default(),
+            multi_turn: MultiTurnStats::default(),
             aggregator: KvOutputAggregator::new(config.tp_size),
             groups: KvCacheGroups::default(),
             config,
@@ -267,11 +283,20 @@ impl KvConnectorScheduler {
     /// [`update_state_after_alloc`](Self::update_state_after_alloc), which refuses a request
     /// it was not told of: without it, nothing would heartbeat while the request waits in
     /// the engine's queue, and the prefill's lease could end before the load.
+    ///
+    /// With read-backs on ([`MultiTurn::bidirectional`]), a prefill request whose params name
+    /// a decode's kept blocks is taken the same way: its load reads them back (see
+    /// [`read_back_tokens`](Self::read_back_tokens)); in the native protocol the decode
+    /// gets heartbeats for it meanwhile (vLLM's prefill sends none for read-backs).
     pub fn on_new_request(&mut self, request_id: &str, params: Option<&KvTransferParams>) {
-        let Some(remote) = params
-            .filter(|p| p.do_remote_prefill)
-            .and_then(KvTransferParams::remote_blocks)
-        else {
+        let Some(params) = params else {
+            return;
+        };
+        let read_back = self.is_read_back(params);
+        if !params.do_remote_prefill && !read_back {
+            return;
+        }
+        let Some(remote) = params.remote_blocks() else {
             return;
         };
         self.decodes
@@ -279,6 +304,7 @@ impl KvConnectorScheduler {
             .or_insert(DecodeRequest {
                 remote,
                 state: DecodeState::Waiting,
+                read_back,
             });
     }
 
@@ -338,6 +364,7 @@ impl KvConnectorScheduler {
                 format!("request {request_id:?} is unknown: call on_new_request first, when the request arrives, so that its remote prefill's lease is kept while it waits"),
             ));
         };
+        let read_back = decode.read_back;
         if decode.state != DecodeState::Waiting {
             return Err(Error::invalid(
                 OP,
@@ -353,9 +380,14 @@ impl KvConnectorScheduler {
         }
         // A prefill that holds no block is not waiting for a notification.
         let state = if local_block_ids.is_empty() {
-            crate::metrics::series::prefix_hit(&self.config.engine_id);
+            if !read_back {
+                crate::metrics::series::prefix_hit(&self.config.engine_id);
+            }
             DecodeState::Done
         } else {
+            if read_back {
+                self.read_back_scheduled();
+            }
             DecodeState::Scheduled
         };
         if !remote.block_ids.is_empty() {
@@ -369,8 +401,14 @@ impl KvConnectorScheduler {
                 },
             );
         }
-        self.decodes
-            .insert(request_id.to_string(), DecodeRequest { remote, state });
+        self.decodes.insert(
+            request_id.to_string(),
+            DecodeRequest {
+                remote,
+                state,
+                read_back,
+            },
+        );
         Ok(())
     }
 
@@ -398,6 +436,13 @@ impl KvConnectorScheduler {
     ///   the prefill frees at once. One whose load the workers have keeps its blocks
     ///   (`delay_free_blocks`) until [`LoadOutcome::AbortedLoadEnded`]: a READ already
     ///   posted cannot be recalled, and must not land in reused blocks.
+    /// - With read-backs on ([`MultiTurn::bidirectional`]), a decode request whose load
+    ///   ended (or that the prefix cache held whole) and that is length-capped or stopped
+    ///   keeps its `block_ids` for the next turn's prefill, under
+    ///   [`MultiTurn::kept_ttl`], and the params that name them are returned
+    ///   (`do_remote_decode`, `num_computed_tokens` as `remote_num_tokens`). A prefill
+    ///   request that read back (or was to) is then a prefill request as above; one that
+    ///   never started its read-back tells the decode, which frees at once.
     pub fn request_finished(
         &mut self,
         request_id: &str,
@@ -411,12 +456,14 @@ impl KvConnectorScheduler {
             kv_transfer_params: None,
         };
         if let Some(decode) = self.decodes.remove(request_id) {
-            return match decode.state {
+            match decode.state {
                 DecodeState::Waiting | DecodeState::Scheduled => {
-                    crate::metrics::series::aborted_request(&self.config.engine_id);
                     self.loads.remove(request_id);
                     self.notify_only(request_id, decode.remote);
-                    keep(false)
+                    if !decode.read_back {
+                        crate::metrics::series::aborted_request(&self.config.engine_id);
+                        return keep(false);
+                    }
                 }
                 DecodeState::Loading { .. } => {
                     crate::metrics::series::aborted_request(&self.config.engine_id);
@@ -426,12 +473,31 @@ impl KvConnectorScheduler {
                         DecodeRequest {
                             remote: decode.remote,
                             state: DecodeState::Loading { aborted: true },
+                            read_back: decode.read_back,
                         },
                     );
-                    keep(true)
+                    return keep(true);
                 }
-                DecodeState::Done => keep(false),
-            };
+                DecodeState::Done if decode.read_back => {}
+                DecodeState::Done => {
+                    let kept = status
+                        .is_complete()
+                        .then(|| {
+                            self.keep_for_read_back(request_id, block_ids, num_computed_tokens)
+                        })
+                        .flatten();
+                    return RequestFinished {
+                        delay_free_blocks: kept.is_some(),
+                        kv_transfer_params: kept,
+                    };
+                }
+            }
+        } else if let Some(remote) = params
+            .filter(|p| self.is_read_back(p))
+            .and_then(KvTransferParams::remote_blocks)
+        {
+            // A read-back the engine never started: the decode frees at once.
+            self.notify_only(request_id, remote);
         }
         if let Some(remote) = params
             .filter(|p| p.do_remote_prefill)
@@ -563,24 +629,29 @@ impl KvConnectorScheduler {
         if !heartbeats.is_empty() {
             self.last_heartbeat = Some(now);
         }
-        ConnectorMetadata {
+        let mut meta = ConnectorMetadata {
             loads,
             sends: self.sends.drain().map(|(_, send)| send).collect(),
             aborted: std::mem::take(&mut self.aborted),
             heartbeats,
-        }
+            evict: Vec::new(),
+        };
+        self.evict_over_cap(&mut meta);
+        meta
     }
 
     /// One heartbeat per remote engine, naming its requests that loads here still wait for.
     fn heartbeats(&self) -> Vec<HeartbeatSpec> {
         let mut by_engine: HashMap<&str, HeartbeatSpec> = HashMap::new();
+        // vLLM's prefill sends no heartbeat for a read-back.
+        let vllm = self.config.protocol == Protocol::Vllm;
         let waiting = self.decodes.values().filter(|d| {
             matches!(
                 d.state,
                 DecodeState::Waiting
                     | DecodeState::Scheduled
                     | DecodeState::Loading { aborted: false }
-            )
+            ) && !(vllm && d.read_back)
         });
         for decode in waiting {
             let remote = &decode.remote;
@@ -614,6 +685,7 @@ impl KvConnectorScheduler {
     /// below [`SchedulerConfig::tp_size`] (nothing is taken then).
     pub fn update_connector_output(&mut self, outputs: &[WorkerOutput]) -> Result<ConnectorOutput> {
         let step = self.aggregator.aggregate(outputs)?;
+        self.kept_released(&step.finished.sending);
         Ok(ConnectorOutput {
             load_outcomes: self.loads_ended(&step.finished.recving, &step.load_errors),
             finished_sending: step.finished.sending,
@@ -642,6 +714,7 @@ impl KvConnectorScheduler {
             };
             let failed = self.failed.remove(request_id);
             let request_id = request_id.clone();
+            let read_back = decode.read_back;
             match decode.state {
                 DecodeState::Loading { aborted: true } => {
                     self.decodes.remove(&request_id);
@@ -651,7 +724,7 @@ impl KvConnectorScheduler {
                     decode.state = DecodeState::Done;
                     outcomes.push(match failed {
                         None => LoadOutcome::Loaded { request_id },
-                        Some(failed) => self.on_failure(request_id, failed),
+                        Some(failed) => self.on_failure(request_id, failed, read_back),
                     });
                 }
                 _ => {}
@@ -661,23 +734,26 @@ impl KvConnectorScheduler {
     }
 
     /// The outcome of a load with `failed` blocks under the configured policy (vLLM's
-    /// `_handle_invalid_blocks`).
-    fn on_failure(&self, request_id: String, failed: Vec<FailedBlock>) -> LoadOutcome {
+    /// `_handle_invalid_blocks`); a read-back's blocks are always recomputed.
+    fn on_failure(
+        &self,
+        request_id: String,
+        failed: Vec<FailedBlock>,
+        read_back: bool,
+    ) -> LoadOutcome {
         let reason = failed
             .first()
             .map_or_else(String::new, |f| format!("{} failure: {}", f.kind, f.reason));
-        match self.config.load_failure_policy {
-            LoadFailurePolicy::Recompute => {
-                let mut block_ids: Vec<usize> = failed.iter().map(|f| f.block_id).collect();
-                block_ids.sort_unstable();
-                block_ids.dedup();
-                LoadOutcome::Recompute {
-                    request_id,
-                    block_ids,
-                    reason,
-                }
-            }
-            LoadFailurePolicy::Fail => LoadOutcome::Failed { request_id, reason },
+        if self.config.load_failure_policy == LoadFailurePolicy::Fail && !read_back {
+            return LoadOutcome::Failed { request_id, reason };
+        }
+        let mut block_ids: Vec<usize> = failed.iter().map(|f| f.block_id).collect();
+        block_ids.sort_unstable();
+        block_ids.dedup();
+        LoadOutcome::Recompute {
+            request_id,
+            block_ids,
+            reason,
         }
     }
 }
@@ -714,6 +790,7 @@ mod tests {
             tp_size: 2,
             lease: Lease::new(Duration::from_secs(3)).unwrap(),
             load_failure_policy: policy,
+            multi_turn: MultiTurn::default(),
             protocol: Protocol::Native,
             #[cfg(feature = "vllm")]
             vllm_side_channel: None,

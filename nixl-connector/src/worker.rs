@@ -568,6 +568,14 @@ impl KvConnectorWorker {
         for send in &meta.sends {
             self.hold_for_decode(&send.request_id, send.deadline, send.capability.as_ref());
         }
+        if !meta.evict.is_empty() {
+            let mut sends = self.shared.sends.lock();
+            for request_id in &meta.evict {
+                sends.evict(request_id);
+            }
+            drop(sends);
+            self.shared.sends.notify_arrived();
+        }
         for heartbeat in &meta.heartbeats {
             self.send_heartbeat(heartbeat);
         }

@@ -119,6 +119,7 @@ async fn assert_nothing_more_freed(prefill: &KvConnectorWorker, why: &str) {
 /// by the end of their lease.
 fn freed(on_notification: u64, on_timeout: u64) -> SendStats {
     SendStats {
+        freed_on_eviction: 0,
         freed_on_notification: on_notification,
         freed_on_timeout: on_timeout,
     }

@@ -48,6 +48,7 @@ pub fn scheduler_config(
         // Longer than WAIT: kv_prefill's blocks are freed by the decode's notification.
         lease: Lease::new(2 * WAIT)?,
         load_failure_policy: LoadFailurePolicy::default(),
+        multi_turn: nixl_connector::MultiTurn::default(),
         protocol: Protocol::Native,
         #[cfg(feature = "vllm")]
         vllm_side_channel: None,

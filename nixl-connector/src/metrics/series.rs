@@ -20,12 +20,14 @@
 //! handshake: [`HANDSHAKE_TIME_SECONDS`]. Gauges [`LOADS_IN_FLIGHT`], [`HANDSHAKES_PENDING`];
 //! counters [`NUM_LOADS`] (label `outcome`: `loaded`, `failed`, `aborted`),
 //! [`NUM_HEARTBEATS_SENT`], and, from the scheduler (label `engine` only, exported once they
-//! first move), [`NUM_ABORTED_REQS`] and [`NUM_PREFIX_HITS`].
+//! first move), [`NUM_ABORTED_REQS`] and [`NUM_PREFIX_HITS`], and for multi-turn
+//! conversations the gauge [`KEPT_BLOCKS`] and the counter [`NUM_KEPT_EVICTIONS`].
 //!
 //! Prefill side: gauge [`REQUESTS_HELD`]; counters [`NUM_RELEASED_REQS`] (label `by`:
 //! `notification`, `lease`), [`NUM_KV_EXPIRED_REQS`], [`NUM_NOTIFICATIONS_AFTER_EXPIRY`],
 //! [`NUM_HEARTBEATS`] (received), [`NUM_HEARTBEATS_REFUSED`], [`NUM_REFUSED_NOTIFICATIONS`]
-//! and [`NUM_SIDE_CHANNEL_REFUSALS`] (label `kind`). Decode side also
+//! and [`NUM_SIDE_CHANNEL_REFUSALS`] (label `kind`); from the scheduler, for read-backs,
+//! [`NUM_READ_BACKS`] and [`NUM_BELOW_RECOMPUTE_THRESHOLD`]. Decode side also
 //! [`NUM_OVERDUE_TRANSFERS`].
 
 use std::time::Duration;
@@ -65,8 +67,9 @@ pub const NUM_HEARTBEATS_SENT: &str = "vllm:nixl_num_heartbeats_sent";
 /// Gauge: requests held for decodes, their blocks not yet released (prefill side; not a
 /// vLLM series).
 pub const REQUESTS_HELD: &str = "vllm:nixl_requests_held";
-/// Counter: held requests released, by `by`: `notification` (every decode rank notified)
-/// or `lease` (the lease ended first) (prefill side; not a vLLM series).
+/// Counter: held requests released, by `by`: `notification` (every decode rank notified),
+/// `lease` (the lease ended first) or `eviction` (a decode's kept request released early,
+/// past the cap on kept blocks) (prefill side; not a vLLM series).
 pub const NUM_RELEASED_REQS: &str = "vllm:nixl_num_released_reqs";
 /// Gauge: loads started and not yet ended, READs or handshakes under way (decode side; not
 /// a vLLM series).
@@ -82,6 +85,18 @@ pub const NUM_ABORTED_REQS: &str = "vllm:nixl_num_aborted_reqs";
 /// Counter: decode requests whose blocks the prefix cache held entirely, so nothing was
 /// read, from the scheduler (decode side; not a vLLM series).
 pub const NUM_PREFIX_HITS: &str = "vllm:nixl_num_prefix_hits";
+/// Gauge: blocks a decode keeps for read-backs by the next turn's prefill, from the
+/// scheduler (decode side; not a vLLM series).
+pub const KEPT_BLOCKS: &str = "vllm:nixl_kept_blocks";
+/// Counter: kept requests the scheduler asked its workers to release early, oldest first,
+/// because the kept blocks passed their cap (decode side; not a vLLM series).
+pub const NUM_KEPT_EVICTIONS: &str = "vllm:nixl_num_kept_evictions";
+/// Counter: read-backs scheduled: requests loading a decode's kept blocks, from the
+/// scheduler (prefill side; not a vLLM series).
+pub const NUM_READ_BACKS: &str = "vllm:nixl_num_read_backs";
+/// Counter: read-backs not made because fewer tokens than `kv_recompute_threshold` would be
+/// read; the prefill computes them (prefill side; not a vLLM series).
+pub const NUM_BELOW_RECOMPUTE_THRESHOLD: &str = "vllm:nixl_num_below_recompute_threshold";
 /// Gauge: transfer requests this worker's agent gave up while they may still have been in
 /// flight, their memory kept for the process's life ([`nixl::LeakStats::requests`]; both
 /// sides; not a vLLM series).
@@ -155,7 +170,7 @@ enum SeriesKind {
 }
 
 /// Every series' kind, name, unit and description, in the order [`describe`] gives them.
-const DESCRIPTIONS: [(SeriesKind, &str, Unit, &str); 23] = [
+const DESCRIPTIONS: [(SeriesKind, &str, Unit, &str); 27] = [
     (
         SeriesKind::Histogram,
         XFER_TIME_SECONDS,
@@ -250,7 +265,7 @@ const DESCRIPTIONS: [(SeriesKind, &str, Unit, &str); 23] = [
         SeriesKind::Counter,
         NUM_RELEASED_REQS,
         Unit::Count,
-        "Held requests released, by notification or by the end of their lease (prefill side).",
+        "Held requests released, by notification, lease end or eviction (prefill side).",
     ),
     (
         SeriesKind::Counter,
@@ -293,6 +308,30 @@ const DESCRIPTIONS: [(SeriesKind, &str, Unit, &str); 23] = [
         LEAKED_REQUESTS,
         Unit::Count,
         "Transfer requests given up while possibly in flight, memory kept (NIXL leak_stats).",
+    ),
+    (
+        SeriesKind::Gauge,
+        KEPT_BLOCKS,
+        Unit::Count,
+        "Blocks a decode keeps for read-backs by the next turn's prefill (decode side).",
+    ),
+    (
+        SeriesKind::Counter,
+        NUM_KEPT_EVICTIONS,
+        Unit::Count,
+        "Kept requests released early because the kept blocks passed their cap (decode side).",
+    ),
+    (
+        SeriesKind::Counter,
+        NUM_READ_BACKS,
+        Unit::Count,
+        "Read-backs of a decode's kept blocks scheduled (prefill side).",
+    ),
+    (
+        SeriesKind::Counter,
+        NUM_BELOW_RECOMPUTE_THRESHOLD,
+        Unit::Count,
+        "Read-backs not made because fewer tokens than kv_recompute_threshold (prefill side).",
     ),
 ];
 
@@ -341,8 +380,8 @@ pub(crate) struct Series {
     heartbeats_refused: Counter,
     heartbeats_sent: Counter,
     held: Gauge,
-    /// Released by notification, by lease.
-    released: [Counter; 2],
+    /// Released by notification, by lease, by eviction.
+    released: [Counter; 3],
     in_flight: Gauge,
     /// Loads ended: loaded, failed, aborted.
     loads: [Counter; 3],
@@ -410,7 +449,7 @@ impl Series {
             heartbeats_refused: counter(prefill, NUM_HEARTBEATS_REFUSED, labels.clone()),
             heartbeats_sent: counter(decode, NUM_HEARTBEATS_SENT, labels.clone()),
             held: gauge(prefill, REQUESTS_HELD),
-            released: ["notification", "lease"]
+            released: ["notification", "lease", "eviction"]
                 .map(|by| counter(prefill, NUM_RELEASED_REQS, with(&labels, "by", by))),
             in_flight: gauge(decode, LOADS_IN_FLIGHT),
             loads: OUTCOMES.map(|o| counter(decode, NUM_LOADS, with(&labels, "outcome", o))),
@@ -459,9 +498,9 @@ impl Series {
         self.held.set(held as f64);
     }
 
-    /// A held request released, by notification (`true`) or by its lease's end.
-    pub(crate) fn released(&self, notified: bool) {
-        self.released[usize::from(!notified)].increment(1);
+    /// A held request released: by notification (0), its lease's end (1) or eviction (2).
+    pub(crate) fn released(&self, by: usize) {
+        self.released[by].increment(1);
     }
 
     /// The agent's leaks so far.
@@ -536,6 +575,30 @@ pub(crate) fn side_channel_refusal(labels: &[metrics::Label], kind: &'static str
 /// count; registered at its first use, so a prefill never exports it).
 pub(crate) fn aborted_request(engine: &str) {
     metrics::counter!(NUM_ABORTED_REQS, "engine" => engine.to_string()).increment(1);
+}
+
+/// Engine `engine`'s decode keeps `blocks` blocks for read-backs now (the scheduler's
+/// gauge; registered at its first use).
+pub(crate) fn kept_blocks(engine: &str, blocks: usize) {
+    metrics::gauge!(KEPT_BLOCKS, "engine" => engine.to_string()).set(blocks as f64);
+}
+
+/// Engine `engine`'s decode asked its workers to release a kept request early (the
+/// scheduler's count; registered at its first use).
+pub(crate) fn kept_eviction(engine: &str) {
+    metrics::counter!(NUM_KEPT_EVICTIONS, "engine" => engine.to_string()).increment(1);
+}
+
+/// Engine `engine`'s prefill scheduled a read-back (the scheduler's count; registered at
+/// its first use).
+pub(crate) fn read_back(engine: &str) {
+    metrics::counter!(NUM_READ_BACKS, "engine" => engine.to_string()).increment(1);
+}
+
+/// Engine `engine`'s prefill recomputes a read-back's tokens, fewer than the threshold (the
+/// scheduler's count; registered at its first use).
+pub(crate) fn below_recompute_threshold(engine: &str) {
+    metrics::counter!(NUM_BELOW_RECOMPUTE_THRESHOLD, "engine" => engine.to_string()).increment(1);
 }
 
 /// A decode request of engine `engine` whose blocks the prefix cache held entirely (the

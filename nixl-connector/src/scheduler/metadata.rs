@@ -80,6 +80,12 @@ pub struct ConnectorMetadata {
     /// Heartbeats to send (at most one step in
     /// [`Lease::heartbeat_interval`](crate::Lease::heartbeat_interval) has them).
     pub heartbeats: Vec<HeartbeatSpec>,
+    /// Requests kept for a read-back to release now, unless a reader has claimed them
+    /// (native protocol; the kept blocks passed
+    /// [`MultiTurn::kept_blocks_cap`](crate::MultiTurn::kept_blocks_cap)): each rank
+    /// reports them in [`Finished::sending`](crate::Finished::sending) once released.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub evict: Vec<String>,
 }
 
 impl ConnectorMetadata {
@@ -154,13 +160,14 @@ mod tests {
                 request_ids: vec!["rp".into()],
                 capabilities: vec![Some(Capability::random().unwrap())],
             }],
+            evict: vec!["kept".into()],
         };
         let before = Instant::now();
         let got = ConnectorMetadata::from_msgpack(&sent.to_msgpack().unwrap()).unwrap();
         let after = Instant::now();
         assert_eq!(
-            (&got.loads, &got.aborted, &got.heartbeats),
-            (&sent.loads, &sent.aborted, &sent.heartbeats)
+            (&got.loads, &got.aborted, &got.heartbeats, &got.evict),
+            (&sent.loads, &sent.aborted, &sent.heartbeats, &sent.evict)
         );
         let left = got.sends[0].deadline - before;
         assert!(

@@ -53,6 +53,17 @@ pub struct NotificationStats {
     pub refused: u64,
 }
 
+/// Why a held request was released.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Released {
+    /// Every reader notified.
+    Notification = 0,
+    /// Its lease ended first.
+    Lease = 1,
+    /// Kept for a read-back, unclaimed, past the cap on kept blocks.
+    Eviction = 2,
+}
+
 #[derive(Debug)]
 struct Held {
     /// When the lease ends.
@@ -64,6 +75,9 @@ struct Held {
     needed: usize,
     /// The capability of its params (native protocol; without one only the lease frees it).
     capability: Option<Capability>,
+    /// Whether a reader has shown itself (a heartbeat or a finish notification that
+    /// counted): then it may be reading, and an eviction leaves it held.
+    claimed: bool,
 }
 
 /// Finish notifications for a request not held yet: checked against its capability when it
@@ -166,12 +180,13 @@ impl Sends {
             needed = needed.max(early.needed);
         }
         if readers.len() >= needed {
-            self.release(request_id, true);
+            self.release(request_id, Released::Notification);
             return;
         }
         let held = Held {
             deadline: limit.map_or(deadline, |limit| deadline.min(limit)),
             limit,
+            claimed: !readers.is_empty(),
             readers,
             needed,
             capability,
@@ -282,6 +297,7 @@ impl Sends {
             }
             let extended = held.deadline.max(until);
             held.deadline = held.limit.map_or(extended, |limit| extended.min(limit));
+            held.claimed = true;
             self.notes.leases_extended += 1;
             any_held = true;
         }
@@ -319,9 +335,10 @@ impl Sends {
             }
             held.readers.push(sender.to_vec());
             held.needed = held.needed.max(needed);
+            held.claimed = true;
             if held.readers.len() >= held.needed {
                 self.held.remove(request);
-                self.release(request.to_string(), true);
+                self.release(request.to_string(), Released::Notification);
             }
             return;
         }
@@ -375,7 +392,7 @@ impl Sends {
         for id in expired {
             let readers = self.held.remove(&id).map_or(0, |h| h.readers.len());
             tracing::warn!(request = %id, readers, "the request's KV lease ended before every decode rank notified; blocks freed");
-            self.release(id, false);
+            self.release(id, Released::Lease);
         }
         let lease = self.lease.duration();
         let stale: Vec<String> = self
@@ -393,15 +410,36 @@ impl Sends {
         }
     }
 
-    fn release(&mut self, request_id: String, notified: bool) {
-        if notified {
-            self.stats.freed_on_notification += 1;
-        } else {
-            self.stats.freed_on_timeout += 1;
+    /// Releases a request kept for a read-back now, unless a reader has claimed it (a
+    /// heartbeat or a finish notification of it counted): that reader may be reading, and
+    /// the request then stays until its readers notify or its lease ends. Whether it was.
+    pub(crate) fn evict(&mut self, request_id: &str) -> bool {
+        match self.held.get(request_id) {
+            Some(held) if !held.claimed => {
+                self.held.remove(request_id);
+                self.release(request_id.to_string(), Released::Eviction);
+                true
+            }
+            Some(_) => {
+                tracing::debug!(
+                    request = request_id,
+                    "a reader claimed the kept request; it is not evicted"
+                );
+                false
+            }
+            None => false,
         }
-        self.series.released(notified);
+    }
+
+    fn release(&mut self, request_id: String, by: Released) {
+        match by {
+            Released::Notification => self.stats.freed_on_notification += 1,
+            Released::Lease => self.stats.freed_on_timeout += 1,
+            Released::Eviction => self.stats.freed_on_eviction += 1,
+        }
+        self.series.released(by as usize);
         self.series.held(self.held.len());
-        tracing::debug!(request = %request_id, by = if notified { "notification" } else { "lease" }, "request released");
+        tracing::debug!(request = %request_id, by = ?by, "request released");
         if self.released_order.len() >= MAX_RELEASED {
             if let Some(oldest) = self.released_order.pop_front() {
                 self.released.remove(&oldest);
