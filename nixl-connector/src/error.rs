@@ -177,6 +177,18 @@ pub enum Error {
         /// The engine's clock minus ours.
         clock_offset: f64,
     },
+    /// A read-back's kept blocks are no longer held by the decode that kept them (their TTL
+    /// ended, or they were released past the cap on kept blocks), so they are not read
+    /// (native protocol: the load's claim was not granted).
+    #[error("request {request_id:?}: engine {engine:?} rank {rank} no longer keeps its blocks for a read-back (their TTL ended, or they were evicted past the cap on kept blocks); nothing read, the tokens are recomputed")]
+    KeptBlocksGone {
+        /// The request on the keeping engine.
+        request_id: String,
+        /// The keeping engine.
+        engine: String,
+        /// Its rank that did not grant the claim.
+        rank: usize,
+    },
     /// A NIXL notification in vLLM's format could not be parsed or made.
     #[error("vLLM notification: {reason}")]
     Notification {

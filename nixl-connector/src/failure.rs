@@ -33,7 +33,7 @@ impl FailureKind {
             Error::Handshake { .. } => FailureKind::Handshake,
             Error::TransferTimeout { .. } => FailureKind::Timeout,
             Error::InvalidArgument { .. } | Error::NotRegistered { .. } => FailureKind::Invalid,
-            Error::BlocksExpired { .. } => FailureKind::Expired,
+            Error::BlocksExpired { .. } | Error::KeptBlocksGone { .. } => FailureKind::Expired,
             _ => FailureKind::Transfer,
         }
     }

@@ -36,7 +36,7 @@ use crate::vllm::{Compatibility, MetadataServer, NixlHandshakePayload, VllmWorke
 use crate::worker::connect::Engine;
 use crate::worker::current_caches::{Caches, CurrentCaches};
 use crate::worker::decode_notes::DecodeNotes;
-use crate::worker::held_sends::HeldSends;
+use crate::worker::held_sends::{ClaimsOf, HeldSends};
 use crate::worker::host_buffer::Staging;
 use crate::worker::load_outcomes::LoadOutcomes;
 use crate::worker::notification_format::{heartbeat_entries, heartbeat_messages};
@@ -44,6 +44,7 @@ use crate::worker::remotes::Remotes;
 use crate::worker::sending::{NotificationStats, Sends};
 use crate::worker::shared::{Context, Shared};
 
+mod claim;
 pub(crate) mod connect;
 pub(crate) mod current_caches;
 mod decode_notes;
@@ -135,6 +136,8 @@ impl KvConnectorWorker {
             outcomes: LoadOutcomes::default(),
             sends: HeldSends::new(sends),
         });
+        let claims = ClaimsOf(Arc::downgrade(&shared));
+        shared.guard.kept.set(Arc::new(claims));
         Ok(KvConnectorWorker {
             shared,
             registered: OnceLock::new(),
@@ -906,6 +909,7 @@ fn guard(config: &WorkerConfig, protocol: Protocol) -> Result<Guard> {
                 SharedSecret::from_kv_transfer_config(&config.kv_transfer_config)?
             }
         },
+        kept: Default::default(),
         peers: match &config.allowed_peers {
             Some(peers) => peers.clone(),
             None => PeerNetworks::from_kv_transfer_config(&config.kv_transfer_config)?,

@@ -131,6 +131,7 @@ mod tests {
             blocks_expiry_time: Some(12.5),
             registration_generation: Some(2),
             capability: Some(Capability::random().unwrap()),
+            kept: false,
         };
         let sent = ConnectorMetadata {
             loads: vec![LoadSpec {

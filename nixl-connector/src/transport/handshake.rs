@@ -65,6 +65,28 @@ pub struct HandshakeMessage {
     /// registered blocks'), 1 to [`MAX_BLOCKS_PER_ID`].
     #[serde(default = "one_block_per_id")]
     pub blocks_per_id: u64,
+    /// A reader's claims on requests the sender keeps for a read-back (multi-turn, native
+    /// protocol): each must be answered in [`claimed`](Self::claimed) before the reader
+    /// reads, so that the sender never releases early a request that may be read. Empty in
+    /// a plain handshake.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub claims: Vec<KeptClaim>,
+    /// The answer to a reader's [`claims`](Self::claims): the request ids the sender still
+    /// holds and now keeps for that reader until its finish notification or the end of a
+    /// lease its heartbeats extend. A claimed id missing here is gone (its TTL ended, or it
+    /// was evicted or never kept): the reader must not read it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub claimed: Vec<String>,
+}
+
+/// A reader's claim on a request kept for a read-back: its id on the keeping engine, and the
+/// heartbeat tag of the request's [`Capability`](crate::Capability) for the reader's agent.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeptClaim {
+    /// The request id on the keeping engine.
+    pub request_id: String,
+    /// The tag that proves the reader got the request's params.
+    pub tag: String,
 }
 
 /// [`HandshakeMessage::blocks_per_id`] of a message that does not say it.
@@ -295,6 +317,8 @@ impl HandshakeMessage {
             ssm_state: groups.checked_ssm_state()?.cloned(),
             region_groups: groups.region_group_ids(spec.regions.len())?,
             blocks_per_id: groups.kernel_blocks_per_id(spec.block_size)? as u64,
+            claims: Vec::new(),
+            claimed: Vec::new(),
         })
     }
 }
@@ -321,6 +345,8 @@ mod tests {
             ssm_state: None,
             region_groups: Vec::new(),
             blocks_per_id: 1,
+            claims: Vec::new(),
+            claimed: Vec::new(),
         }
     }
 

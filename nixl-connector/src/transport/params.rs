@@ -124,6 +124,11 @@ pub struct RemoteBlocks {
     /// protocol).
     #[serde(default)]
     pub capability: Option<Capability>,
+    /// The blocks are a decode's, kept for a read-back (multi-turn: the params'
+    /// `do_remote_decode`). In the native protocol a load claims them in a handshake before
+    /// it reads, and reads nothing if they are gone.
+    #[serde(default)]
+    pub kept: bool,
 }
 
 impl KvTransferParams {
@@ -141,6 +146,7 @@ impl KvTransferParams {
             blocks_expiry_time: self.remote_blocks_expiry_time,
             registration_generation: self.remote_registration_generation,
             capability: self.remote_capability.clone(),
+            kept: self.do_remote_decode,
         })
     }
 

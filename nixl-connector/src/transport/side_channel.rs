@@ -34,7 +34,7 @@ use tokio::task::JoinHandle;
 
 use crate::error::{Error, Result};
 use crate::transport::auth::{nonce, Nonce, SharedSecret, NONCE_BYTES};
-use crate::transport::handshake::{check_compatible, HandshakeMessage};
+use crate::transport::handshake::{check_compatible, HandshakeMessage, KeptClaim};
 use crate::transport::peer_networks::PeerNetworks;
 use crate::transport::pending::{PendingHandshakes, PendingSlot};
 use crate::transport::readers::{Reader, Readers};
@@ -130,6 +130,45 @@ enum Sealed {
     },
 }
 
+/// Most claims on kept requests one handshake may make; past them the rest go unanswered
+/// (gone, to the reader).
+pub(crate) const MAX_CLAIMS: usize = 1024;
+
+/// What answers readers' claims on requests kept for a read-back: the worker's held
+/// requests.
+pub(crate) trait KeptRequests: Send + Sync {
+    /// Claims for agent `reader` each of `claims` still held, whose tag is of its request's
+    /// capability; the ids claimed.
+    fn claim(&self, reader: &[u8], claims: &[KeptClaim]) -> Vec<String>;
+}
+
+/// The worker's [`KeptRequests`], set once the worker's parts exist.
+#[derive(Default)]
+pub(crate) struct KeptHook(std::sync::OnceLock<Arc<dyn KeptRequests>>);
+
+impl KeptHook {
+    /// Sets what answers claims (once).
+    pub(crate) fn set(&self, kept: Arc<dyn KeptRequests>) {
+        let _ = self.0.set(kept);
+    }
+
+    /// The ids of `claims` that `reader` now holds (none before the worker set its hook).
+    fn claim(&self, reader: &str, claims: &[KeptClaim]) -> Vec<String> {
+        match self.0.get() {
+            Some(kept) if !claims.is_empty() => {
+                kept.claim(reader.as_bytes(), &claims[..claims.len().min(MAX_CLAIMS)])
+            }
+            _ => Vec::new(),
+        }
+    }
+}
+
+impl std::fmt::Debug for KeptHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("KeptHook")
+    }
+}
+
 /// What a side-channel server checks of its peers, besides their handshakes: the shared
 /// secret, the networks it answers, and where it notes the readers it accepted.
 #[derive(Debug, Default)]
@@ -142,6 +181,8 @@ pub(crate) struct Guard {
     pub(crate) readers: std::sync::Arc<Readers>,
     /// The connections refused, by kind.
     pub(crate) refusals: Refusals,
+    /// What answers readers' claims on kept requests.
+    pub(crate) kept: KeptHook,
 }
 
 /// Accepts connections on `listener` and answers each with the message `ours` holds when it
@@ -232,7 +273,7 @@ async fn answer(
     let exchange = async {
         let response = match (channel.recv().await?, &guard.secret) {
             (Request::Handshake(theirs), None) => check(peer, &theirs, ours, guard)
-                .map(|()| Response::Accepted(Box::new(ours.clone())))
+                .map(|answer| Response::Accepted(Box::new(answer)))
                 .unwrap_or_else(|reason| Response::Refused { reason }),
             (Request::Hello { nonce, version }, Some(secret)) => {
                 if version != SIDE_CHANNEL_AUTH_VERSION {
@@ -309,7 +350,7 @@ async fn prove(
     };
     let theirs: HandshakeMessage = decode(channel, &message)?;
     let answer = match check(peer, &theirs, ours, guard) {
-        Ok(()) => Sealed::Accepted(Box::new(ours.clone())),
+        Ok(answer) => Sealed::Accepted(Box::new(answer)),
         Err(reason) => Sealed::Refused { reason },
     };
     let answer = encode(channel, &answer)?;
@@ -318,13 +359,14 @@ async fn prove(
     })
 }
 
-/// Checks a reader's message, and notes the reader when it is accepted; the reason when not.
+/// Checks a reader's message, and notes the reader when it is accepted, answering its claims
+/// on kept requests: our message to send back, or the reason it is refused.
 fn check(
     peer: SocketAddr,
     theirs: &HandshakeMessage,
     ours: &HandshakeMessage,
     guard: &Guard,
-) -> std::result::Result<(), String> {
+) -> std::result::Result<HandshakeMessage, String> {
     match check_compatible(theirs, ours, None, None) {
         Ok(_) => {
             tracing::info!(%peer, engine = %theirs.engine_id, rank = theirs.tp_rank, "side channel: handshake accepted");
@@ -333,7 +375,10 @@ fn check(
                 tp_size: usize::try_from(theirs.tp_size).unwrap_or(usize::MAX),
             };
             guard.readers.accept(&theirs.agent_name, reader);
-            Ok(())
+            Ok(HandshakeMessage {
+                claimed: guard.kept.claim(&theirs.agent_name, &theirs.claims),
+                ..ours.clone()
+            })
         }
         Err(err) => {
             refused!(guard.refusals, Refusal::Incompatible, %peer, %err, "side channel: handshake refused");

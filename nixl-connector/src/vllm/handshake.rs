@@ -131,6 +131,9 @@ impl VllmWorker {
             region_groups: meta.region_group_ids.unwrap_or_default(),
             // The block ids of its transfer params are logical.
             blocks_per_id,
+            // vLLM's readers do not claim.
+            claims: Vec::new(),
+            claimed: Vec::new(),
         })
     }
 
@@ -214,6 +217,7 @@ mod tests {
             blocks_expiry_time: expiry,
             registration_generation: generation,
             capability: None,
+            kept: false,
         }
     }
 

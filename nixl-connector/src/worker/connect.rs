@@ -129,7 +129,7 @@ async fn connect(
 /// The handshake message of rank `rank` of `engine`, from its side channel at `port`:
 /// vLLM's `get_meta_msg` converted in vLLM mode, else the native exchange (sealed with a
 /// secret).
-async fn fetch(
+pub(crate) async fn fetch(
     shared: &Shared,
     ours: &HandshakeMessage,
     engine: Engine<'_>,

@@ -24,6 +24,7 @@ use crate::scheduler::outcomes::OverdueLoad;
 use crate::transport::params::RemoteBlocks;
 #[cfg(feature = "vllm")]
 use crate::vllm::clock::perf_counter;
+use crate::worker::claim;
 use crate::worker::connect::{self, Engine};
 use crate::worker::notification_format::notification_message;
 use crate::worker::remotes::Remote;
@@ -72,7 +73,7 @@ impl Load {
     }
 
     /// The remote engine as a handshake needs it.
-    fn engine(&self) -> Engine<'_> {
+    pub(crate) fn engine(&self) -> Engine<'_> {
         Engine {
             id: &self.remote.engine_id,
             host: &self.remote.host,
@@ -128,6 +129,18 @@ pub(crate) async fn run(shared: Arc<Shared>, load: Load) {
                 record(&shared, &load, None, Ok(()));
             }
             Ok(remotes) => {
+                if claim::needs_claim(&shared, &load) {
+                    if let Err(err) = claim::claim(&shared, &load).await {
+                        notify(
+                            &shared,
+                            &load,
+                            remotes.iter(),
+                            "its kept blocks are not read",
+                        );
+                        record(&shared, &load, None, Err(err));
+                        return;
+                    }
+                }
                 let posted = {
                     let _entered = load.span.enter();
                     post(&shared, &load, &remotes)
@@ -144,6 +157,10 @@ pub(crate) async fn run(shared: Arc<Shared>, load: Load) {
 /// it if NIXL finished it within the posts; `None` when it is done, else the load, with its
 /// posted READs if there are some, for a task to finish.
 pub(crate) fn try_now(shared: &Arc<Shared>, load: Load) -> Option<(Load, Option<Posted>)> {
+    // Kept blocks are claimed first, over the side channel.
+    if claim::needs_claim(shared, &load) {
+        return Some((load, None));
+    }
     // A remote prepared over a registration replaced since is handshaken with again first.
     let generation = shared.caches.get().map(|c| c.generation);
     let remotes: Option<Vec<Arc<Remote>>> = load

@@ -18,6 +18,7 @@ use crate::lease::Lease;
 use crate::metrics::series::Series;
 use crate::metrics::SendStats;
 use crate::transport::capability::Capability;
+use crate::transport::handshake::KeptClaim;
 use crate::transport::readers::Readers;
 use crate::worker::notification_format::{parse, split_tag, Note, TAG_SEPARATOR};
 
@@ -408,6 +409,47 @@ impl Sends {
                 "notification for a request that was not held within a lease; dropped",
             );
         }
+    }
+
+    /// Claims each of `claims` for agent `reader` (a handshake's claims on requests kept for a
+    /// read-back, native protocol): a held request whose claim carries the heartbeat tag of
+    /// its capability for `reader` is claimed (never evicted from now on) and its lease
+    /// extended as a heartbeat would; the ids claimed. Others are refused and counted.
+    pub(crate) fn claim(
+        &mut self,
+        reader: &[u8],
+        claims: &[KeptClaim],
+        now: Instant,
+    ) -> Vec<String> {
+        let until = now + self.lease.extension();
+        let mut claimed = Vec::new();
+        for claim in claims {
+            let id = claim.request_id.as_str();
+            let Some(held) = self.held.get_mut(id) else {
+                continue;
+            };
+            let beat = |cap: &Capability, tag: &str| cap.verify_heartbeat(reader, id, tag);
+            if self.protocol != Protocol::Native
+                || !proven(
+                    self.protocol,
+                    held.capability.as_ref(),
+                    Some(&claim.tag),
+                    beat,
+                )
+            {
+                self.refuse(
+                    reader,
+                    id,
+                    "a claim without a tag of the request's capability",
+                );
+                continue;
+            }
+            let extended = held.deadline.max(until);
+            held.deadline = held.limit.map_or(extended, |limit| extended.min(limit));
+            held.claimed = true;
+            claimed.push(claim.request_id.clone());
+        }
+        claimed
     }
 
     /// Releases a request kept for a read-back now, unless a reader has claimed it (a

@@ -214,6 +214,7 @@ pub fn remote(
         blocks_expiry_time: None,
         registration_generation: None,
         capability: Some(capability()),
+        kept: false,
     }
 }
 
