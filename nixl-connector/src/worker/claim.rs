@@ -49,7 +49,7 @@ pub(crate) async fn claim(shared: &Shared, load: &Load) -> Result<()> {
         let ours = &ours;
         async move {
             let theirs = fetch(shared, ours, load.engine(), rank, port).await?;
-            if theirs.claimed.iter().any(|id| *id == remote.request_id) {
+            if theirs.claimed.contains(&remote.request_id) {
                 Ok(())
             } else {
                 Err(gone(rank))
