@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use nixl_connector::{FinishStatus, KvTransferParams};
 
-use crate::engine::{Setup, BLOCK};
+use crate::engine::{Engine, Setup, BLOCK};
 
 /// How long the prefill waits for the decode's last notifications once its stdin closed.
 const RELEASE_DEADLINE: Duration = Duration::from_secs(30);
@@ -67,11 +67,7 @@ pub async fn serve(setup: &Setup) -> Result<(), String> {
 
 /// Finishes the request `line` names (`<id> <N>`): its blocks of the prefix and N tokens
 /// held for a decode; the params that name them.
-fn finish(
-    setup: &Setup,
-    prefill: &mut crate::engine::Engine,
-    line: &str,
-) -> Result<KvTransferParams, String> {
+fn finish(setup: &Setup, prefill: &mut Engine, line: &str) -> Result<KvTransferParams, String> {
     let (id, n) = line
         .split_once(' ')
         .and_then(|(id, n)| Some((id, n.parse::<usize>().ok()?)))
