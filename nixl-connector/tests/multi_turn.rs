@@ -455,3 +455,141 @@ async fn the_cap_evicts_the_oldest_kept_never_one_being_read_back() {
         "the cap and at most one claimed: {stats:?}"
     );
 }
+
+/// An engine of TP `side.tp` in this process (native protocol), read-backs on.
+#[cfg(feature = "vllm")]
+struct Ranks {
+    workers: Vec<KvConnectorWorker>,
+    scheduler: KvConnectorScheduler,
+    released: Vec<String>,
+    outcomes: Vec<LoadOutcome>,
+}
+
+#[cfg(feature = "vllm")]
+impl Ranks {
+    fn new(id: &str, model: &common::geometry::Model, side: &common::geometry::Side) -> Ranks {
+        let workers = common::geometry::engine(id, model, side);
+        let port = workers[0].side_channel_addr().unwrap().port();
+        let kv = config(
+            Protocol::Native,
+            serde_json::json!({"kv_recompute_threshold": 0}),
+        );
+        let config = SchedulerConfig::new(id, "127.0.0.1", port, side.tp, &kv).unwrap();
+        Ranks {
+            workers,
+            scheduler: KvConnectorScheduler::new(config),
+            released: Vec::new(),
+            outcomes: Vec::new(),
+        }
+    }
+
+    fn step(&mut self) {
+        let meta = self.scheduler.build_connector_meta();
+        for worker in &self.workers {
+            worker.start_load_kv(&meta);
+        }
+        let outputs: Vec<_> = self.workers.iter().map(KvConnectorWorker::output).collect();
+        let out = self.scheduler.update_connector_output(&outputs).unwrap();
+        self.released.extend(out.finished_sending);
+        self.outcomes.extend(out.load_outcomes);
+    }
+
+    /// Steps until `done` holds.
+    async fn until(&mut self, what: &str, done: impl Fn(&Ranks) -> bool) {
+        let start = Instant::now();
+        while !done(self) {
+            self.step();
+            assert!(start.elapsed() < WAIT, "waited in vain for {what}");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+
+    /// Every rank's bytes of `block`, region 0.
+    fn block(&self, spec: &KvCacheSpec, block: usize) -> Vec<Vec<u8>> {
+        let workers = self.workers.iter();
+        workers.map(|w| common::block(w, spec, 0, block)).collect()
+    }
+}
+
+/// Turn 1 from a prefill of TP `p_tp` to a decode of TP `d_tp`, kept there; turn 2's
+/// read-back brings the same bytes back into other prefill blocks, each prefill rank its
+/// heads from the decode ranks holding them.
+#[cfg(feature = "vllm")]
+async fn read_back_across_tp(p_tp: usize, d_tp: usize) {
+    use common::geometry::{Model, Side};
+    let model = Model {
+        attention: KvAttention::Mha { total_kv_heads: 4 },
+        layout: KvLayout::Hnd,
+        regions: vec![(nixl_connector::KvRegionKind::Tensor, 16)],
+    };
+    let side = |tp| Side {
+        tp,
+        block_size: 4,
+        num_blocks: 16,
+    };
+    let (p_side, d_side) = (side(p_tp), side(d_tp));
+    let mut p = Ranks::new(&format!("mt-tp-p{p_tp}{d_tp}"), &model, &p_side);
+    for (rank, worker) in p.workers.iter().enumerate() {
+        model.fill_prefill(worker, &p_side, rank);
+    }
+    let mut d = Ranks::new(&format!("mt-tp-d{p_tp}{d_tp}"), &model, &d_side);
+    let for_decode = for_decode();
+    let done = p.scheduler.request_finished(
+        "c",
+        &[1, 2, 3],
+        12,
+        Some(&for_decode),
+        FinishStatus::Stopped,
+    );
+    p.step();
+    let params = done.kv_transfer_params.unwrap();
+    d.scheduler.on_new_request("c", Some(&params));
+    d.scheduler
+        .update_state_after_alloc("c", &[5, 6, 7], &params)
+        .unwrap();
+    d.until("turn 1 loaded", |d| !d.outcomes.is_empty()).await;
+    assert_eq!(
+        d.outcomes,
+        [LoadOutcome::Loaded {
+            request_id: "c".into()
+        }]
+    );
+    p.until("turn 1 released", |p| p.released == ["c"]).await;
+    let kept = d
+        .scheduler
+        .request_finished("c", &[5, 6, 7], 12, None, FinishStatus::Stopped)
+        .kv_transfer_params
+        .unwrap();
+    d.step();
+    assert_eq!(kept.remote_tp_size, Some(d_tp));
+    p.scheduler.on_new_request("c-2", Some(&kept));
+    p.scheduler
+        .update_state_after_alloc("c-2", &[9, 10, 11], &kept)
+        .unwrap();
+    p.until("the read-back", |p| !p.outcomes.is_empty()).await;
+    assert_eq!(
+        p.outcomes,
+        [LoadOutcome::Loaded {
+            request_id: "c-2".into()
+        }]
+    );
+    let spec = model.spec(&p_side);
+    for (back, first) in [(9, 1), (10, 2), (11, 3)] {
+        assert_eq!(
+            p.block(&spec, back),
+            p.block(&spec, first),
+            "TP {p_tp} <- {d_tp}"
+        );
+    }
+    d.until("the kept request released by its reader", |d| {
+        d.released == ["c"]
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg(feature = "vllm")]
+async fn a_read_back_crosses_tp_sizes_both_ways() {
+    read_back_across_tp(1, 2).await;
+    read_back_across_tp(2, 1).await;
+}
