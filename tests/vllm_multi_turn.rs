@@ -5,9 +5,11 @@
 //!   for turn 2 from the params the decode returned (the tokens counted as vLLM counts them,
 //!   the expiry read through the handshake's clock offset, the suffix its prefix cache
 //!   lacks), and the READ's notification frees them;
-//! - a Python decode keeps blocks as vLLM's does, and a Rust prefill reads them back;
+//! - a Python decode keeps blocks as vLLM's does, and a Rust prefill reads them back (with
+//!   no heartbeat while it waits, as vLLM's prefill sends none for read-backs);
 //! - in both directions, blocks that expire within vLLM's 5 s margin are declined: nothing
-//!   is read and nobody told, and the decode frees them at their TTL.
+//!   is read and nobody told, and the decode frees them at their TTL;
+//! - below vLLM's recompute threshold either prefill only tells the decode.
 
 mod py;
 mod vllm_peer_support;
@@ -316,6 +318,12 @@ async fn a_rust_prefill_reads_back_a_python_decodes_kept_blocks_and_notifies_it(
     // Turn 2 of 90 tokens; the prefill's prefix cache holds block 1 (16 tokens): 64 to read.
     assert_eq!(scheduler.read_back_tokens(Some(&params), 90, 16), 64);
     scheduler.on_new_request("conv-2", Some(&params));
+    // It waits a few heartbeat intervals (0.1 s) for blocks: vLLM's prefill sends no
+    // heartbeat for a read-back, nor does this one.
+    for _ in 0..3 {
+        prefill.start_load_kv(&scheduler.build_connector_meta());
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
     scheduler
         .update_state_after_alloc("conv-2", &[12, 13, 14, 15], &params)
         .unwrap();
@@ -342,6 +350,11 @@ async fn a_rust_prefill_reads_back_a_python_decodes_kept_blocks_and_notifies_it(
     assert_eq!(notes[0]["from"], prefill.agent().name(), "{notes}");
     assert_eq!(unhex(notes[0]["hex"].as_str().unwrap()), b"conv-1:1");
     assert_eq!(notes[0]["vllm"], json!({"id": "conv-1", "consumers": 1}));
+    assert_eq!(
+        peer.json("kv_notifs 1 0.3"),
+        json!([]),
+        "one notification, no heartbeat"
+    );
 }
 
 /// (c) A Python decode keeping blocks for 3 s: within vLLM's 5 s margin, the Rust prefill
@@ -371,4 +384,40 @@ async fn a_rust_prefill_declines_a_python_decodes_blocks_near_their_expiry() {
         "nothing read"
     );
     assert_eq!(peer.json("kv_notifs 1 1"), json!([]), "nobody told");
+}
+
+/// Below vLLM's recompute threshold (64 tokens) neither prefill reads back: each only
+/// tells the decode, which frees the kept blocks on that notification.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn below_the_recompute_threshold_either_prefill_only_tells_the_decode() {
+    // A Python prefill whose prefix cache holds 32 of the 80 kept tokens: 48 to read.
+    let mut peer = VllmPeer::start();
+    let (decode, mut scheduler, kept) = rust_decode_keeps(&mut peer, "few", 480.0).await;
+    let got = python_pull(&mut peer, &kept.to_string(), "10,11,12", "90 32 64");
+    assert_eq!(
+        (&got["tokens"], &got["notified"]),
+        (&json!(0), &json!(true)),
+        "{got}"
+    );
+    released((&decode, &mut scheduler), "conv-1").await;
+    assert_eq!(decode.send_stats().freed_on_notification, 1);
+
+    // A Rust prefill likewise, against a Python decode.
+    let mut peer = VllmPeer::start();
+    let (prefill, mut scheduler, kept) = python_decode_keeps(&mut peer, "few", 480.0).await;
+    let params = KvTransferParams::from_vllm_json(&kept).unwrap();
+    assert_eq!(scheduler.read_back_tokens(Some(&params), 90, 32), 0);
+    scheduler.on_new_request("conv-2", Some(&params));
+    scheduler
+        .update_state_after_alloc("conv-2", &[], &params)
+        .unwrap();
+    prefill.start_load_kv(&scheduler.build_connector_meta());
+    let notes = peer.json("kv_notifs 1 10");
+    assert_eq!(
+        notes[0]["vllm"],
+        json!({"id": "conv-1", "consumers": 1}),
+        "{notes}"
+    );
+    let stats = scheduler.kept_stats();
+    assert_eq!((stats.below_threshold, stats.read_backs), (1, 0));
 }
