@@ -109,16 +109,24 @@ async fn released((worker, scheduler): (&KvConnectorWorker, &mut KvConnectorSche
 /// Blocks `blocks` of every region of `worker`'s cache, region by region (the order of
 /// `kv_pull`'s data).
 fn rust_blocks(worker: &KvConnectorWorker, blocks: &[usize]) -> Vec<u8> {
-    let cache = worker.kv_caches().unwrap();
     let mut out = Vec::new();
     for region in 0..REGIONS {
         for &block in blocks {
-            let mut got = vec![0u8; BLOCK_LEN];
-            cache.read(region, block * BLOCK_LEN, &mut got).unwrap();
-            out.extend(got);
+            out.extend(rust_block(worker, region, block));
         }
     }
     out
+}
+
+/// Block `block` of region `region` of `worker`'s cache.
+fn rust_block(worker: &KvConnectorWorker, region: usize, block: usize) -> Vec<u8> {
+    let mut got = vec![0u8; BLOCK_LEN];
+    worker
+        .kv_caches()
+        .unwrap()
+        .read(region, block * BLOCK_LEN, &mut got)
+        .unwrap();
+    got
 }
 
 /// Block `block` of region `region` as `byte_of(region, i)` fills its region.
@@ -158,7 +166,7 @@ async fn rust_decode_keeps(
         for (local, remote) in [(5, 1), (6, 2), (7, 3), (8, 4)] {
             let want = block_of(|r, i| python_byte_of(0, r, i), region, remote);
             assert!(
-                rust_blocks_of_region(&decode, region, local) == want,
+                rust_block(&decode, region, local) == want,
                 "turn 1: block {local}"
             );
         }
@@ -173,17 +181,6 @@ async fn rust_decode_keeps(
     let kept: Value =
         serde_json::from_str(&done.kv_transfer_params.unwrap().to_vllm_json()).unwrap();
     (decode, scheduler, kept)
-}
-
-/// Block `block` of region `region` of `worker`'s cache.
-fn rust_blocks_of_region(worker: &KvConnectorWorker, region: usize, block: usize) -> Vec<u8> {
-    let mut got = vec![0u8; BLOCK_LEN];
-    worker
-        .kv_caches()
-        .unwrap()
-        .read(region, block * BLOCK_LEN, &mut got)
-        .unwrap();
-    got
 }
 
 /// (a) A Rust decode serving a vLLM prefill's turn 2: the Python prefill reads the suffix
@@ -333,14 +330,11 @@ async fn a_rust_prefill_reads_back_a_python_decodes_kept_blocks_and_notifies_it(
     for region in 0..REGIONS {
         for (local, remote) in [(12, 2), (13, 3), (14, 4)] {
             let want = block_of(|r, i| rust_byte_of(0, r, i), region, remote);
-            assert!(
-                rust_blocks_of_region(&prefill, region, local) == want,
-                "block {local}"
-            );
+            assert!(rust_block(&prefill, region, local) == want, "block {local}");
         }
         let want = block_of(|r, i| python_byte_of(0, r, i), region, 10);
         assert!(
-            rust_blocks_of_region(&prefill, region, 15) == want,
+            rust_block(&prefill, region, 15) == want,
             "block 15: the decode's"
         );
     }
