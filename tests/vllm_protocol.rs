@@ -8,14 +8,12 @@
 //! generation).
 
 mod py;
+mod vllm_peer_support;
 #[path = "../nixl-connector/tests/vllm_support/mod.rs"]
 mod vllm_support;
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
-use std::path::Path;
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -27,68 +25,17 @@ use nixl_connector::vllm::{
     NixlHandshakePayload, SpeculativeFactors, VllmChannelLimits, VllmNotification,
 };
 use nixl_connector::{
-    Error, FinishStatus, KvAttention, KvCacheGroups, KvCacheSpec, KvConnectorScheduler,
-    KvConnectorWorker, KvLayout, KvTransferParams, LoadOutcome, NotificationStats, SchedulerConfig,
-    WorkerConfig, WorkerOutput, KV_CACHE_GROUPS_KEY,
+    Error, FinishStatus, KvCacheGroups, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker,
+    KvTransferParams, LoadOutcome, NotificationStats, SchedulerConfig, WorkerConfig, WorkerOutput,
+    KV_CACHE_GROUPS_KEY,
 };
 use py::{hex, unhex};
 use serde_json::{json, Value};
+use vllm_peer_support::{
+    fill_rust_prefill, kv_spec, python_byte_of, rust_byte_of, vllm_engine_with, vllm_kv, VllmPeer,
+    BLOCKS, BLOCK_LEN, REGIONS,
+};
 use vllm_support::factors;
-
-/// A running tests/py/vllm_peer.py.
-struct VllmPeer {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
-}
-
-impl VllmPeer {
-    fn start() -> VllmPeer {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/py/vllm_peer.py");
-        let mut child = Command::new(py::python())
-            .arg(script)
-            .env("NIXL_LOG_LEVEL", "WARN")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("start tests/py/vllm_peer.py");
-        let stdin = child.stdin.take().unwrap();
-        let stdout = BufReader::new(child.stdout.take().unwrap());
-        VllmPeer {
-            child,
-            stdin,
-            stdout,
-        }
-    }
-
-    /// Sends one command and returns its answer (blocking: run it off the async workers).
-    fn call(&mut self, command: &str) -> String {
-        tokio::task::block_in_place(|| {
-            writeln!(self.stdin, "{command}").expect("write peer");
-            self.stdin.flush().unwrap();
-            loop {
-                let mut line = String::new();
-                let n = self.stdout.read_line(&mut line).expect("read peer");
-                assert!(n > 0, "the Python peer exited");
-                if let Some(rest) = line.strip_prefix("@@ ") {
-                    return rest.trim_end().to_string();
-                }
-            }
-        })
-    }
-
-    fn json(&mut self, command: &str) -> Value {
-        serde_json::from_str(&self.call(command)).expect("peer JSON")
-    }
-}
-
-impl Drop for VllmPeer {
-    fn drop(&mut self) {
-        let _ = writeln!(self.stdin, "quit");
-        let _ = self.stdin.flush();
-        let _ = self.child.wait();
-    }
-}
 
 /// What the Python prefill serves for `rank` (its `metadata()`).
 fn python_metadata(rank: u64) -> NixlAgentMetadata {
@@ -415,51 +362,6 @@ fn python_byte(region: usize, i: usize) -> u8 {
     python_byte_of(0, region, i)
 }
 
-/// [`python_byte`] of a Python prefill's registration after `salt` others (`kv_reregister`).
-fn python_byte_of(salt: usize, region: usize, i: usize) -> u8 {
-    ((i * 7 + (i >> 8) * 13 + region * 131 + salt * 89 + 3) % 256) as u8
-}
-
-/// The bytes of region `region` of a Rust prefill (byte `i` from the region's start), in
-/// its registration after `salt` others.
-fn rust_byte_of(salt: usize, region: usize, i: usize) -> u8 {
-    ((i * 11 + (i >> 8) * 5 + region * 71 + salt * 97 + 1) % 256) as u8
-}
-
-/// The geometry both engines of the Python tests share, vLLM 0.33's `LBHNC`: 2 layers of 16
-/// blocks of 16 tokens of 8 KV heads of 4 bytes of K and 4 of V (1 KiB blocks).
-const REGIONS: usize = 2;
-const BLOCKS: usize = 16;
-const BLOCK_LEN: usize = 1024;
-
-fn kv_spec() -> KvCacheSpec {
-    KvCacheSpec::uniform(
-        REGIONS,
-        BLOCKS,
-        16,
-        KvAttention::Mha { total_kv_heads: 8 },
-        KvLayout::Hnd,
-        BLOCK_LEN,
-    )
-}
-
-/// A host-memory `kv_transfer_config` speaking vLLM's protocol with `factors`, a lease of
-/// 0.6 s (heartbeats every 0.1 s).
-fn vllm_kv(factors: &CompatibilityFactors) -> KvTransferConfig {
-    let mut kv = KvTransferConfig {
-        kv_buffer_device: "cpu".into(),
-        ..Default::default()
-    };
-    let extra = &mut kv.kv_connector_extra_config;
-    extra.insert("protocol".into(), "vllm".into());
-    extra.insert(
-        "vllm_compat_factors".into(),
-        serde_json::to_value(factors).unwrap(),
-    );
-    extra.insert("kv_lease_duration".into(), 0.6.into());
-    kv
-}
-
 /// A vLLM-mode engine of TP 1: its worker (cache of [`kv_spec`], its own ROUTER) and its
 /// scheduler.
 fn vllm_engine(
@@ -467,26 +369,6 @@ fn vllm_engine(
     factors: &CompatibilityFactors,
 ) -> (KvConnectorWorker, KvConnectorScheduler) {
     vllm_engine_with(engine, vllm_kv(factors))
-}
-
-/// A vLLM-mode engine of TP 1 with `kv` (see [`vllm_engine`]), its scheduler knowing the KV
-/// cache groups `kv` names.
-fn vllm_engine_with(
-    engine: &str,
-    kv: KvTransferConfig,
-) -> (KvConnectorWorker, KvConnectorScheduler) {
-    let mut config = WorkerConfig::new(engine, 0, 1, kv.clone());
-    config.platform = Arc::new(BuiltinPlatform::CPU);
-    let worker = KvConnectorWorker::new(config).unwrap();
-    worker.register_host_kv_caches(kv_spec()).unwrap();
-    let port = worker.side_channel_addr().unwrap().port();
-    let mut config = SchedulerConfig::new(engine, "127.0.0.1", port, 1, &kv).unwrap();
-    config.vllm_side_channel = Some(worker.vllm_side_channel().unwrap());
-    let groups = KvCacheGroups::from_kv_transfer_config(&kv).unwrap();
-    (
-        worker,
-        KvConnectorScheduler::new(config).with_kv_cache_groups(groups),
-    )
 }
 
 /// The sliding window of the hybrid engines' second KV cache group, in tokens: with blocks
@@ -1551,17 +1433,6 @@ async fn a_rust_decode_ignores_new_keys_refuses_another_hash_and_false_addresses
         .read(0, 2 * BLOCK_LEN, &mut block)
         .unwrap();
     assert!(block.iter().all(|&b| b == 0));
-}
-
-/// Fills every region of a Rust prefill's cache with [`rust_byte_of`] `salt`.
-fn fill_rust_prefill(prefill: &KvConnectorWorker, salt: usize) {
-    let cache = prefill.kv_caches().unwrap();
-    for region in 0..REGIONS {
-        let bytes: Vec<u8> = (0..BLOCKS * BLOCK_LEN)
-            .map(|i| rust_byte_of(salt, region, i))
-            .collect();
-        cache.write(region, 0, &bytes).unwrap();
-    }
 }
 
 /// Finishes `request` of `blocks` (one list per KV cache group) and `tokens` computed tokens on

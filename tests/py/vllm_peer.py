@@ -1,8 +1,8 @@
 """A peer speaking vLLM 0.33's NixlConnector side-channel protocol with vLLM's own wire
 libraries (pyzmq, msgspec), written from the wire format, driven line by line over stdin.
 
-Used by tests/vllm_protocol.rs. Each command line gets one answer line starting "@@ ".
-Arguments are hex where they could hold spaces.
+Used by tests/vllm_protocol.rs and tests/vllm_multi_turn.rs. Each command line gets one
+answer line starting "@@ ". Arguments are hex where they could hold spaces.
 
   serve HASH RANKS EXTRA BIG   a ROUTER answering get_meta_msg as vLLM's listener does,
                                for RANKS ("0:0,0:1"), under HASH ("-" for empty); EXTRA 1
@@ -40,6 +40,27 @@ A prefill and a decode with NIXL's Python agent (DRAM, UCX), as vLLM's run them:
                                clipped to its state-bearing block; TOKENS the prompt's
                                (default: every token of the first list's blocks); they
                                carry the prefill's registration generation -> JSON
+  kv_keep HEXREQ BLOCKS TOKENS TTL
+                               the kv_prefill engine as vLLM's decode with
+                               bidirectional_kv_xfer finishing request HEXREQ of (logical)
+                               blocks BLOCKS ("6,7,8") after TOKENS computed tokens:
+                               request_finished's params with is_d_node (do_remote_decode,
+                               remote_num_tokens, and remote_blocks_expiry_time TTL seconds
+                               ahead on its perf_counter) -> JSON
+  kv_pull HEXPARAMS HASH LOCAL [PROMPT COMPUTED THRESHOLD]
+                               the kv_prefill engine reads, into its own blocks LOCAL ("-":
+                               none), the request of the JSON kv_transfer_params HEXPARAMS
+                               (one group) as vLLM's pull worker: a handshake (hash checked)
+                               once per engine, its clock offset kept, then a READ of the
+                               remote blocks' suffix with the notification "REQ:1", or the
+                               notification alone for no blocks. With PROMPT etc., a turn-2
+                               read-back of a decode's kept blocks: the tokens counted as
+                               get_num_new_matched_tokens does (PROMPT tokens, COMPUTED of
+                               them prefix-cached, THRESHOLD its kv_recompute_threshold),
+                               LOCAL cut to the blocks they need, and the read declined when
+                               the expiry time is within vLLM's 5 s margin -> JSON {tokens,
+                               clock_offset, left, remote_blocks, data: HEX of LOCAL region
+                               by region}, or with declined, notified or error
   kv_reregister                the prefill registers its KV cache again, as vLLM's sleep mode
                                (unregister_kv_caches, restore_kv_caches, then the engine
                                core's _set_kv_connector_handshake_metadata): its memory
@@ -90,6 +111,9 @@ import numpy as np
 import zmq
 
 GET_META_MSG = b"get_meta_msg"
+# vLLM's margin (seconds) before a decode's kept blocks expire within which a turn-2
+# read-back is declined.
+EXPIRY_SAFETY_MARGIN = 5.0
 NIXL_CONNECTOR_VERSION = 15
 
 
@@ -436,10 +460,18 @@ def kv_finish(req_id, groups, window, tokens):
     elif window:
         keep = -(-window // kv["block_size"]) + 1
         groups[-1] = groups[-1][-keep:]
-    blocks = groups[0]
+    return finished_params(req_id, groups, tokens or len(groups[0]) * kv["block_size"], None)
+
+
+def finished_params(req_id, groups, tokens, expiry):
+    """The params vLLM 0.33's pull request_finished returns for the kv engine's request
+    REQ_ID of block lists GROUPS and TOKENS computed tokens: a prefill's (EXPIRY None) or,
+    with bidirectional_kv_xfer, a decode's (is_d_node), whose blocks expire at EXPIRY on its
+    perf_counter."""
+    is_d_node = expiry is not None
     return dict(
-        do_remote_prefill=True,
-        do_remote_decode=False,
+        do_remote_prefill=not is_d_node,
+        do_remote_decode=is_d_node,
         remote_block_ids=groups,
         remote_engine_id=kv["engine"],
         remote_request_id=req_id,
@@ -448,11 +480,100 @@ def kv_finish(req_id, groups, window, tokens):
         tp_size=1,
         dcp_size=1,
         pp_size=1,
-        remote_num_tokens=tokens or len(blocks) * kv["block_size"],
-        remote_blocks_expiry_time=None,
+        remote_num_tokens=tokens,
+        remote_blocks_expiry_time=expiry,
         remote_registration_generation=kv["generation"],
         transfer_mode="pull",
     )
+
+
+def kv_keep(req_id, blocks, tokens, ttl):
+    # vLLM 0.33's request_finished on a decode with bidirectional_kv_xfer (is_d_node): the
+    # blocks stay pinned for decoder_kv_blocks_ttl seconds, a plain timeout rather than a
+    # lease, and that deadline on this process's perf_counter is handed out with them.
+    return finished_params(req_id, [blocks], tokens, time.perf_counter() + ttl)
+
+
+def kv_remote(engine, port, local_hash):
+    """The kv engine's handshake with ENGINE at PORT, once per engine as vLLM's
+    _background_nixl_handshake: its agent adds the remote one -> (remote agent name,
+    metadata, clock offset) or a dict saying why not."""
+    remotes = kv.setdefault("remotes", {})
+    if engine not in remotes:
+        got = fetch_meta(port, local_hash, True, engine)
+        if isinstance(got, dict):
+            return got
+        meta, _, offset = got
+        remote = kv["agent"].add_remote_agent(meta.agent_metadata)
+        remote = remote.decode() if isinstance(remote, bytes) else remote
+        remotes[engine] = (remote, meta, offset)
+    return remotes[engine]
+
+
+def matched_tokens(params, prompt, computed, threshold):
+    """vLLM 0.33's get_num_new_matched_tokens on a prefill for params naming a decode's kept
+    blocks: what the decode holds of the prompt past this engine's prefix cache, 0 below
+    the recompute threshold (THRESHOLD, 0: none)."""
+    count = min(params.get("remote_num_tokens") or 0, prompt) - computed
+    if count <= 0 or (threshold > 0 and count < threshold):
+        return 0
+    return count
+
+
+def kv_pull(params, local_hash, local, turn2):
+    # vLLM 0.33's pull path on the kv engine, into its own KV cache: a turn-1 load (a
+    # prefill's params) or, with TURN2 (prompt tokens, prefix-cached tokens, threshold), a
+    # turn-2 read-back of a decode's kept blocks (do_remote_decode). LOCAL are the blocks
+    # the scheduler allocated for the tokens counted; none (a full prefix hit, or below the
+    # threshold) only notifies. A read-back whose blocks expire within the safety margin,
+    # read on this clock through the handshake's offset, is declined: not read, nobody told
+    # (_is_turn2_read_expired). The remote blocks are trimmed to the last len(LOCAL), the
+    # uncached suffix (_apply_prefix_caching).
+    tokens = None
+    if turn2 is not None:
+        assert params["do_remote_decode"] and not params["do_remote_prefill"], params
+        prompt, computed, threshold = turn2
+        tokens = matched_tokens(params, prompt, computed, threshold)
+        bs = kv["block_size"]
+        need = -(-(computed + tokens) // bs) - computed // bs if tokens else 0
+        local = local[:need]
+        if len(local) != need:
+            return {"error": f"{need} blocks needed for {tokens} tokens"}
+    got = kv_remote(params["remote_engine_id"], params["remote_port"], local_hash)
+    if isinstance(got, dict):
+        return got
+    remote, meta, offset = got
+    agent = kv["agent"]
+    notif = f"{params['remote_request_id']}:1".encode()
+    out = {"tokens": tokens, "clock_offset": offset}
+    expiry = params.get("remote_blocks_expiry_time")
+    if expiry is not None and local:
+        deadline = expiry - offset
+        out["left"] = deadline - time.perf_counter()
+        if out["left"] <= EXPIRY_SAFETY_MARGIN:
+            return dict(out, declined="expired")
+    if not local:
+        agent.send_notif(remote, notif_msg=notif)
+        return dict(out, notified=True)
+    [remote_ids] = params["remote_block_ids"]
+    if len(local) > len(remote_ids):
+        return {"error": "more local blocks than the remote holds"}
+    remote_ids = remote_ids[-len(local):]
+    lens, local_descs, remote_descs = kv["meta"].block_lens, [], []
+    for region, buf in enumerate(kv["bufs"]):
+        for mine, theirs in zip(local, remote_ids):
+            at = meta.kv_caches_base_addr[region] + theirs * meta.block_strides[region]
+            remote_descs.append((at, lens[region], meta.device_id))
+            local_descs.append((buf.ctypes.data + mine * lens[region], lens[region], 0))
+    failed = post_read(agent, remote, local_descs, remote_descs, notif)
+    if failed:
+        return failed
+    data = b"".join(
+        buf[b * lens[r] : (b + 1) * lens[r]].tobytes()
+        for r, buf in enumerate(kv["bufs"])
+        for b in local
+    )
+    return dict(out, remote_blocks=remote_ids, data=data.hex())
 
 
 def kv_notifs(count, seconds):
@@ -475,12 +596,15 @@ def kv_notifs(count, seconds):
 
 def fetch_meta(port, local_hash, enforce, engine):
     """vLLM's decode handshake with rank (0, 0) of the ROUTER at PORT: get_meta_msg, the hash
-    checked before the metadata is decoded -> (metadata, reply frames) or a dict saying why
-    not."""
+    checked before the metadata is decoded -> (metadata, reply frames, clock offset) or a
+    dict saying why not. The clock offset is vLLM's estimate of the remote perf_counter
+    less ours: the remote's timestamp less the midpoint of the round trip."""
     sock = req(port, 5000)
     try:
+        start = time.perf_counter()
         sock.send(msgspec.msgpack.encode((GET_META_MSG, 0, 0)))
         parts = sock.recv_multipart()
+        offset = msgspec.msgpack.decode(parts[1]) - (start + time.perf_counter()) / 2
     except zmq.Again:
         return {"error": "timeout"}
     finally:
@@ -492,7 +616,7 @@ def fetch_meta(port, local_hash, enforce, engine):
     meta = msgspec.msgpack.Decoder(NixlAgentMetadata).decode(payload.agent_metadata_bytes)
     if meta.engine_id != engine:
         return {"error": f"engine id {meta.engine_id}, expected {engine}"}
-    return meta, parts
+    return meta, parts, offset
 
 
 def decode_agent(port, local_hash, enforce, engine):
@@ -503,7 +627,7 @@ def decode_agent(port, local_hash, enforce, engine):
     got = fetch_meta(port, local_hash, enforce, engine)
     if isinstance(got, dict):
         return got
-    meta, parts = got
+    meta, parts, _ = got
     decodes[0] += 1
     agent = nixl_agent(f"py-decode-{os.getpid()}-{decodes[0]}")
     remote = agent.add_remote_agent(meta.agent_metadata)
@@ -554,6 +678,13 @@ def read_blocks(agent, remote, meta, blocks, notif, ssm=None):
         remote_descs.append((address, length, meta.device_id))
         local_descs.append((at, length, 0))
         at += length
+    failed = post_read(agent, remote, local_descs, remote_descs, notif)
+    return failed or buf.tobytes()
+
+
+def post_read(agent, remote, local_descs, remote_descs, notif):
+    """One READ of REMOTE_DESCS into LOCAL_DESCS (DRAM) notifying NOTIF, waited for (at most
+    10 s) -> None once done, or a dict saying why not."""
     handle = agent.initialize_xfer(
         "READ",
         agent.get_xfer_descs(local_descs, "DRAM"),
@@ -569,7 +700,7 @@ def read_blocks(agent, remote, meta, blocks, notif, ssm=None):
     agent.release_xfer_handle(handle)
     if state != "DONE":
         return {"error": f"READ ended {state}"}
-    return buf.tobytes()
+    return None
 
 
 def kv_decode(port, local_hash, enforce, engine, blocks, req_id, consumers, ssm=None):
@@ -619,7 +750,7 @@ def kv_load(params, local_hash, consumers):
         got = fetch_meta(params["remote_port"], local_hash, True, engine)
         if isinstance(got, dict):
             return got
-        meta, _ = got
+        meta = got[0]
         remote = agent.add_remote_agent(meta.agent_metadata)
         remote = remote.decode() if isinstance(remote, bytes) else remote
         puller["engines"][engine] = (remote, meta)
@@ -683,6 +814,15 @@ def main():
             window = 0 if len(args) < 3 else args[2] if args[2].startswith("ssm:") else int(args[2])
             tokens = int(args[3]) if len(args) > 3 else 0
             answer(json.dumps(kv_finish(bytes.fromhex(args[0]).decode(), groups, window, tokens)))
+        elif cmd == "kv_keep":
+            blocks = [int(x) for x in args[1].split(",")]
+            got = kv_keep(bytes.fromhex(args[0]).decode(), blocks, int(args[2]), float(args[3]))
+            answer(json.dumps(got))
+        elif cmd == "kv_pull":
+            params = json.loads(bytes.fromhex(args[0]))
+            local = [] if args[2] == "-" else [int(x) for x in args[2].split(",")]
+            turn2 = tuple(int(x) for x in args[3:6]) if len(args) > 3 else None
+            answer(json.dumps(kv_pull(params, args[1], local, turn2)))
         elif cmd == "kv_reregister":
             answer(json.dumps(kv_reregister()))
         elif cmd == "kv_served":
