@@ -48,7 +48,8 @@ const NIXL_FLOORS: &[&[&str]] = &[
 /// - the transport between engines: the handshake message, the transfer params, the side
 ///   channel and what guards it, etcd;
 /// - vLLM's protocol (the `vllm` feature), which speaks with the same geometry and params;
-/// - the settings: the lease, then the configuration, which names both protocols;
+/// - the settings: the lease and the multi-turn settings (which share its bounds), then
+///   the configuration, which names both protocols;
 /// - the scheduler half (with the outcomes and outputs it aggregates, and their wire);
 /// - the worker half (loads, handshakes with remotes, sends, staging, the state they
 ///   share), which takes the scheduler's metadata;
@@ -60,7 +61,7 @@ const CONNECTOR_FLOORS: &[&[&str]] = &[
     &["geometry"],
     &["transport"],
     &["vllm"],
-    &["lease"],
+    &["lease", "multi_turn"],
     &["config"],
     &["scheduler"],
     &["worker"],

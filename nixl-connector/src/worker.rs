@@ -36,8 +36,9 @@ use crate::vllm::{Compatibility, MetadataServer, NixlHandshakePayload, VllmWorke
 use crate::worker::connect::Engine;
 use crate::worker::current_caches::{Caches, CurrentCaches};
 use crate::worker::decode_notes::DecodeNotes;
-use crate::worker::held_sends::{ClaimsOf, HeldSends};
+use crate::worker::held_sends::HeldSends;
 use crate::worker::host_buffer::Staging;
+use crate::worker::kept_claims::ClaimsOf;
 use crate::worker::load_outcomes::LoadOutcomes;
 use crate::worker::notification_format::{heartbeat_entries, heartbeat_messages};
 use crate::worker::remotes::Remotes;
@@ -51,6 +52,7 @@ mod decode_notes;
 pub(crate) mod engines;
 pub(crate) mod held_sends;
 pub mod host_buffer;
+mod kept_claims;
 pub(crate) mod load;
 pub(crate) mod load_outcomes;
 pub(crate) mod notification_format;

@@ -132,7 +132,7 @@ mod tests {
             tp_size: 1,
             lease: Lease::new(Duration::from_secs(3)).unwrap(),
             load_failure_policy: LoadFailurePolicy::Fail,
-            multi_turn: crate::MultiTurn::default(),
+            multi_turn: crate::multi_turn::MultiTurn::default(),
             protocol,
             #[cfg(feature = "vllm")]
             vllm_side_channel: None,

@@ -11,23 +11,29 @@ use futures::future::try_join_all;
 use crate::config::Protocol;
 use crate::error::{Error, Result};
 use crate::transport::handshake::{HandshakeMessage, KeptClaim};
-use crate::worker::connect::fetch;
-use crate::worker::load::Load;
+use crate::transport::params::RemoteBlocks;
+use crate::worker::connect::{fetch, Engine};
 use crate::worker::shared::Shared;
 
-/// Whether `load` must claim its blocks before it reads: kept blocks to read, in the native
-/// protocol (vLLM's readers read kept blocks until their expiry time instead).
-pub(crate) fn needs_claim(shared: &Shared, load: &Load) -> bool {
-    shared.protocol == Protocol::Native && load.remote.kept && !load.local_block_ids.is_empty()
+/// Whether a load from `remote` that reads (`reads`) must claim its blocks first: kept
+/// blocks, in the native protocol (vLLM's readers read kept blocks until their expiry time
+/// instead).
+pub(crate) fn needs_claim(shared: &Shared, remote: &RemoteBlocks, reads: bool) -> bool {
+    shared.protocol == Protocol::Native && remote.kept && reads
 }
 
-/// Claims `load`'s kept blocks on every remote rank holding them, together.
+/// Claims `remote`'s kept blocks on every rank of `engine` holding them (`ranks`, each with
+/// its side-channel port), together.
 ///
 /// # Errors
 /// [`Error::KeptBlocksGone`] for a rank that no longer holds them (or a load whose params
 /// have no capability to claim them with), and the errors of a handshake.
-pub(crate) async fn claim(shared: &Shared, load: &Load) -> Result<()> {
-    let remote = &load.remote;
+pub(crate) async fn claim(
+    shared: &Shared,
+    remote: &RemoteBlocks,
+    engine: Engine<'_>,
+    ranks: &[(usize, u16)],
+) -> Result<()> {
     let gone = |rank: usize| Error::KeptBlocksGone {
         request_id: remote.request_id.clone(),
         engine: remote.engine_id.clone(),
@@ -45,10 +51,10 @@ pub(crate) async fn claim(shared: &Shared, load: &Load) -> Result<()> {
         }],
         ..(*caches.handshake).clone()
     };
-    try_join_all(load.ranks.iter().map(|&(rank, port)| {
+    try_join_all(ranks.iter().map(|&(rank, port)| {
         let ours = &ours;
         async move {
-            let theirs = fetch(shared, ours, load.engine(), rank, port).await?;
+            let theirs = fetch(shared, ours, engine, rank, port).await?;
             if theirs.claimed.contains(&remote.request_id) {
                 Ok(())
             } else {

@@ -2,13 +2,9 @@
 //! ([`Sends`]), updated by the engine's step and by the decode notifications as they
 //! arrive, and the signal that one arrived.
 
-use std::sync::{Mutex, MutexGuard, Weak};
-use std::time::Instant;
+use std::sync::{Mutex, MutexGuard};
 
-use crate::transport::handshake::KeptClaim;
-use crate::transport::side_channel::KeptRequests;
 use crate::worker::sending::Sends;
-use crate::worker::shared::Shared;
 
 /// The held requests and their signal. Its lock is held for one update or one take, never
 /// across another lock or an await.
@@ -39,20 +35,5 @@ impl HeldSends {
     /// Waits until a decode notification arrives (one since the last wait counts).
     pub(crate) async fn arrived(&self) {
         self.notified.notified().await;
-    }
-}
-
-/// The worker's held requests as its side channel reaches them to answer claims: through a
-/// weak reference, so that the side channel (part of the worker) does not keep the worker's
-/// parts alive.
-pub(crate) struct ClaimsOf(pub(crate) Weak<Shared>);
-
-impl KeptRequests for ClaimsOf {
-    fn claim(&self, reader: &[u8], claims: &[KeptClaim]) -> Vec<String> {
-        let Some(shared) = self.0.upgrade() else {
-            return Vec::new();
-        };
-        let claimed = shared.sends.lock().claim(reader, claims, Instant::now());
-        claimed
     }
 }

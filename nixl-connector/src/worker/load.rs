@@ -72,6 +72,11 @@ impl Load {
         notification_message(&self.remote.request_id, count, proof)
     }
 
+    /// Whether it claims kept blocks before it reads (see [`claim::needs_claim`]).
+    fn needs_claim(&self, shared: &Shared) -> bool {
+        claim::needs_claim(shared, &self.remote, !self.local_block_ids.is_empty())
+    }
+
     /// The remote engine as a handshake needs it.
     pub(crate) fn engine(&self) -> Engine<'_> {
         Engine {
@@ -129,8 +134,9 @@ pub(crate) async fn run(shared: Arc<Shared>, load: Load) {
                 record(&shared, &load, None, Ok(()));
             }
             Ok(remotes) => {
-                if claim::needs_claim(&shared, &load) {
-                    if let Err(err) = claim::claim(&shared, &load).await {
+                if load.needs_claim(&shared) {
+                    let claimed = claim::claim(&shared, &load.remote, load.engine(), &load.ranks);
+                    if let Err(err) = claimed.await {
                         notify(
                             &shared,
                             &load,
@@ -158,7 +164,7 @@ pub(crate) async fn run(shared: Arc<Shared>, load: Load) {
 /// posted READs if there are some, for a task to finish.
 pub(crate) fn try_now(shared: &Arc<Shared>, load: Load) -> Option<(Load, Option<Posted>)> {
     // Kept blocks are claimed first, over the side channel.
-    if claim::needs_claim(shared, &load) {
+    if load.needs_claim(shared) {
         return Some((load, None));
     }
     // A remote prepared over a registration replaced since is handshaken with again first.

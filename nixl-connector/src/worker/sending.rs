@@ -81,6 +81,16 @@ struct Held {
     claimed: bool,
 }
 
+impl Held {
+    /// A reader showed itself (a heartbeat or a claim): the lease lasts until `until` at
+    /// least (never shortened, never past its limit), and the request is claimed.
+    fn extend_for_reader(&mut self, until: Instant) {
+        let extended = self.deadline.max(until);
+        self.deadline = self.limit.map_or(extended, |limit| extended.min(limit));
+        self.claimed = true;
+    }
+}
+
 /// Finish notifications for a request not held yet: checked against its capability when it
 /// is.
 #[derive(Debug)]
@@ -296,9 +306,7 @@ impl Sends {
                 );
                 continue;
             }
-            let extended = held.deadline.max(until);
-            held.deadline = held.limit.map_or(extended, |limit| extended.min(limit));
-            held.claimed = true;
+            held.extend_for_reader(until);
             self.notes.leases_extended += 1;
             any_held = true;
         }
@@ -444,9 +452,7 @@ impl Sends {
                 );
                 continue;
             }
-            let extended = held.deadline.max(until);
-            held.deadline = held.limit.map_or(extended, |limit| extended.min(limit));
-            held.claimed = true;
+            held.extend_for_reader(until);
             claimed.push(claim.request_id.clone());
         }
         claimed
