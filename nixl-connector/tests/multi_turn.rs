@@ -511,28 +511,32 @@ impl Ranks {
     }
 }
 
-/// Turn 1 from a prefill of TP `p_tp` to a decode of TP `d_tp`, kept there; turn 2's
-/// read-back brings the same bytes back into other prefill blocks, each prefill rank its
-/// heads from the decode ranks holding them.
+/// Turn 1 from a prefill of TP `p_tp` to a decode of TP `d_tp` whose blocks hold
+/// `d_block_size` tokens (the prefill's 4), kept there; turn 2's read-back brings the same
+/// bytes back into other prefill blocks, each prefill rank its heads from the decode ranks
+/// holding them.
 #[cfg(feature = "vllm")]
-async fn read_back_across_tp(p_tp: usize, d_tp: usize) {
+async fn read_back_across_tp(p_tp: usize, d_tp: usize, d_block_size: usize) {
     use common::geometry::{Model, Side};
     let model = Model {
         attention: KvAttention::Mha { total_kv_heads: 4 },
         layout: KvLayout::Hnd,
         regions: vec![(nixl_connector::KvRegionKind::Tensor, 16)],
     };
-    let side = |tp| Side {
+    let side = |tp, block_size| Side {
         tp,
-        block_size: 4,
+        block_size,
         num_blocks: 16,
     };
-    let (p_side, d_side) = (side(p_tp), side(d_tp));
-    let mut p = Ranks::new(&format!("mt-tp-p{p_tp}{d_tp}"), &model, &p_side);
+    let (p_side, d_side) = (side(p_tp, 4), side(d_tp, d_block_size));
+    let tag = format!("{p_tp}{d_tp}{d_block_size}");
+    let mut p = Ranks::new(&format!("mt-tp-p{tag}"), &model, &p_side);
     for (rank, worker) in p.workers.iter().enumerate() {
         model.fill_prefill(worker, &p_side, rank);
     }
-    let mut d = Ranks::new(&format!("mt-tp-d{p_tp}{d_tp}"), &model, &d_side);
+    let mut d = Ranks::new(&format!("mt-tp-d{tag}"), &model, &d_side);
+    // The decode's blocks for the prompt's 12 tokens.
+    let d_blocks: Vec<usize> = (5..).take(12_usize.div_ceil(d_block_size)).collect();
     let for_decode = for_decode();
     let done = p.scheduler.request_finished(
         "c",
@@ -545,7 +549,7 @@ async fn read_back_across_tp(p_tp: usize, d_tp: usize) {
     let params = done.kv_transfer_params.unwrap();
     d.scheduler.on_new_request("c", Some(&params));
     d.scheduler
-        .update_state_after_alloc("c", &[5, 6, 7], &params)
+        .update_state_after_alloc("c", &d_blocks, &params)
         .unwrap();
     d.until("turn 1 loaded", |d| !d.outcomes.is_empty()).await;
     assert_eq!(
@@ -557,7 +561,7 @@ async fn read_back_across_tp(p_tp: usize, d_tp: usize) {
     p.until("turn 1 released", |p| p.released == ["c"]).await;
     let kept = d
         .scheduler
-        .request_finished("c", &[5, 6, 7], 12, None, FinishStatus::Stopped)
+        .request_finished("c", &d_blocks, 12, None, FinishStatus::Stopped)
         .kv_transfer_params
         .unwrap();
     d.step();
@@ -578,7 +582,7 @@ async fn read_back_across_tp(p_tp: usize, d_tp: usize) {
         assert_eq!(
             p.block(&spec, back),
             p.block(&spec, first),
-            "TP {p_tp} <- {d_tp}"
+            "TP {p_tp} <- {d_tp}, blocks of {d_block_size} tokens"
         );
     }
     d.until("the kept request released by its reader", |d| {
@@ -589,7 +593,8 @@ async fn read_back_across_tp(p_tp: usize, d_tp: usize) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[cfg(feature = "vllm")]
-async fn a_read_back_crosses_tp_sizes_both_ways() {
-    read_back_across_tp(1, 2).await;
-    read_back_across_tp(2, 1).await;
+async fn a_read_back_crosses_tp_sizes_both_ways_and_block_sizes() {
+    read_back_across_tp(1, 2, 4).await;
+    read_back_across_tp(2, 1, 4).await;
+    read_back_across_tp(1, 1, 8).await;
 }
