@@ -156,7 +156,7 @@ mod tests {
     fn layers_split_as_vllms_get_pp_indices_splits_them() {
         // Worked by hand from vLLM's rule: the rest goes to the stages before the last,
         // from the second-to-last backwards.
-        assert_eq!(stages(32, 1), [0..32]);
+        assert_eq!(stages(32, 1), vec![Range { start: 0, end: 32 }]);
         assert_eq!(stages(32, 2), [0..16, 16..32]);
         assert_eq!(stages(5, 2), [0..3, 3..5]);
         assert_eq!(stages(7, 4), [0..2, 2..4, 4..6, 6..7]);
