@@ -10,6 +10,8 @@ pub(crate) mod block_map;
 pub(crate) mod groups;
 pub(crate) mod load_reads;
 pub(crate) mod read_plan;
+#[cfg(test)]
+mod read_runs_tests;
 pub(crate) mod spec;
 pub(crate) mod ssm;
 pub(crate) mod ssm_groups;
