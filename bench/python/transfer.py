@@ -314,8 +314,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--round", type=int, default=0, help="round number put in each record")
     parser.add_argument("--json", help="append JSON lines here instead of printing them")
+    parser.add_argument("--w4", action="store_true", help="run W4 alone (as the Rust bench's `w4`)")
     args = parser.parse_args()
 
+    if args.w4:
+        build(args, Pair())
+        return
     idle(args)
     pair = Pair()
     perm = splitmix64_permutation(KV_BLOCKS, 42)
