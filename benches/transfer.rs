@@ -21,7 +21,8 @@
 //! transfers against the same transfers one after another are in `transfer/concurrent.rs`
 //! (part of every round; `concurrent [--round N] [--json PATH]` runs them alone, and
 //! `report-concurrent JSONL OUT_MD` writes their table; `concurrent-peer SEED` is its child
-//! process).
+//! process). `w4 [--round N] [--json PATH]` runs W4 alone, with its floors through the bare C
+//! calls (`transfer/raw_w4.rs`).
 
 #[path = "transfer/awaiting.rs"]
 mod awaiting;
@@ -29,6 +30,8 @@ mod awaiting;
 mod concurrent;
 #[path = "transfer/cross_process.rs"]
 mod cross_process;
+#[path = "transfer/raw_w4.rs"]
+mod raw_w4;
 #[path = "transfer/report.rs"]
 mod report;
 
@@ -87,6 +90,17 @@ fn main() -> Res<()> {
     }
     if args.first().map(String::as_str) == Some("concurrent-profile") {
         return concurrent::profile(&args[1..]);
+    }
+    if args.first().map(String::as_str) == Some("w4") {
+        let mut out = Output::from_args(&args[1..])?;
+        let pair = Pair::new(&AgentConfig::default(), false)?;
+        w4(&mut out, &pair)?;
+        out.summary(&format!(
+            "w4 round {}: lists of 100,000 descriptors and a request, the crate's default agents \
+             and the bare C calls",
+            out.round
+        ));
+        return Ok(());
     }
     if args.first().map(String::as_str) == Some("concurrent") {
         let mut out = Output::from_args(&args[1..])?;
@@ -639,11 +653,50 @@ fn small_floors(pair: &Pair) -> Res<(f64, f64)> {
     Ok((repost, prepared))
 }
 
+/// W4 with the crate's default agents (`pair`), with lists made once and refilled, and its
+/// floors through the bare C calls: the lists alone, and the whole of W4 ([`raw_w4`]).
+fn w4(out: &mut Output, pair: &Pair) -> Res<()> {
+    let [total, local, remote_ms, create, cpu] = build(pair)?;
+    for (metric, value) in [
+        ("ms", total),
+        ("local_ms", local),
+        ("remote_ms", remote_ms),
+        ("create_ms", create),
+        ("cpu_ms", cpu),
+    ] {
+        out.emit("rust", "default", "w4_build", metric, value);
+    }
+    let [total, local, remote_ms, create, cpu] = build_reused(pair)?;
+    for (metric, value) in [
+        ("ms", total),
+        ("local_ms", local),
+        ("remote_ms", remote_ms),
+        ("create_ms", create),
+        ("cpu_ms", cpu),
+    ] {
+        out.emit("rust", "reused lists", "w4_build", metric, value);
+    }
+    let base = pair.b_build.regions()[0].addr;
+    for (reserve, config) in [(false, "raw C API floor"), (true, "raw C API + reserve")] {
+        let ms = median_of(BUILD_REPS, || raw_list_floor(base, reserve))?;
+        out.emit("rust", config, "w4_build", "local_ms", ms);
+    }
+    let [total, lists, create, cpu] = raw_w4::floor()?;
+    out.emit("rust", "raw C API W4", "w4_build", "ms", total);
+    out.emit("rust", "raw C API W4", "w4_build", "lists_ms", lists);
+    out.emit("rust", "raw C API W4", "w4_build", "create_ms", create);
+    out.emit("rust", "raw C API W4", "w4_build", "cpu_ms", cpu);
+    Ok(())
+}
+
 /// W4: local and remote lists of 100,000 descriptors of 64 B and a request (not posted).
-/// Returns the median run's (total, local list, remote list, create) in milliseconds.
-fn build(pair: &Pair) -> Res<[f64; 4]> {
+/// Returns the median run's (total, local list, remote list, create) in milliseconds, and
+/// the CPU time the measuring thread spent on the whole (insensitive to other processes on
+/// a shared machine: NIXL builds the lists and the request in the calling thread).
+fn build(pair: &Pair) -> Res<[f64; 5]> {
     let mut runs = Vec::with_capacity(BUILD_REPS);
     for _ in 0..BUILD_REPS {
+        let cpu0 = thread_cpu_ms();
         let t0 = Instant::now();
         let mut local = LocalDescList::with_capacity(MemType::Dram, BUILD_DESCS)?;
         for i in 0..BUILD_DESCS {
@@ -663,12 +716,62 @@ fn build(pair: &Pair) -> Res<[f64; 4]> {
             &XferOptions::new(),
         )?;
         let t3 = Instant::now();
+        let cpu = thread_cpu_ms() - cpu0;
         drop(req);
         let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
-        runs.push([ms(t0, t3), ms(t0, t1), ms(t1, t2), ms(t2, t3)]);
+        runs.push([ms(t0, t3), ms(t0, t1), ms(t1, t2), ms(t2, t3), cpu]);
     }
     runs.sort_by(|x, y| x[0].total_cmp(&y[0]));
     Ok(runs[runs.len() / 2])
+}
+
+/// W4 with the lists made once and refilled each run (`clear`, then the same pushes): the
+/// crate's cheapest correct way to build large lists again and again, since a cleared list
+/// keeps its storage on both sides (no allocation, no page touched for the first time).
+/// Returns what [`build`] returns.
+fn build_reused(pair: &Pair) -> Res<[f64; 5]> {
+    let mut local = LocalDescList::with_capacity(MemType::Dram, BUILD_DESCS)?;
+    let mut remote_list = RemoteDescList::from_vec(MemType::Dram, Vec::with_capacity(BUILD_DESCS))?;
+    let mut runs = Vec::with_capacity(BUILD_REPS);
+    for _ in 0..=BUILD_REPS {
+        let cpu0 = thread_cpu_ms();
+        let t0 = Instant::now();
+        local.clear()?;
+        for i in 0..BUILD_DESCS {
+            local.push(&pair.a_build, 0, i * BUILD_STRIDE, BUILD_DESC)?;
+        }
+        let t1 = Instant::now();
+        remote_list.clear()?;
+        for i in 0..BUILD_DESCS {
+            remote_list.push(remote(&pair.b_build, i * BUILD_STRIDE, BUILD_DESC))?;
+        }
+        let t2 = Instant::now();
+        let req = pair.a.create_xfer_req(
+            XferOp::Write,
+            &local,
+            &remote_list,
+            "B",
+            &XferOptions::new(),
+        )?;
+        let t3 = Instant::now();
+        let cpu = thread_cpu_ms() - cpu0;
+        drop(req);
+        let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
+        runs.push([ms(t0, t3), ms(t0, t1), ms(t1, t2), ms(t2, t3), cpu]);
+    }
+    // The first run touched the storage for the first time.
+    runs.remove(0);
+    runs.sort_by(|x, y| x[0].total_cmp(&y[0]));
+    Ok(runs[runs.len() / 2])
+}
+
+/// CPU time of the calling thread, in milliseconds.
+fn thread_cpu_ms() -> f64 {
+    // SAFETY: timespec is plain data, valid when zeroed.
+    let mut t: libc::timespec = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid clock id and out-pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) };
+    t.tv_sec as f64 * 1e3 + t.tv_nsec as f64 * 1e-6
 }
 
 /// Percent of a core one idle agent with a UCX backend burns.
@@ -906,20 +1009,7 @@ fn run_round(out: &mut Output) -> Res<()> {
                 "us_per_iter",
                 prepared,
             );
-            let [total, local, remote_ms, create] = build(&pair)?;
-            for (metric, value) in [
-                ("ms", total),
-                ("local_ms", local),
-                ("remote_ms", remote_ms),
-                ("create_ms", create),
-            ] {
-                out.emit("rust", name, "w4_build", metric, value);
-            }
-            let base = pair.b_build.regions()[0].addr;
-            for (reserve, config) in [(false, "raw C API floor"), (true, "raw C API + reserve")] {
-                let ms = median_of(BUILD_REPS, || raw_list_floor(base, reserve))?;
-                out.emit("rust", config, "w4_build", "local_ms", ms);
-            }
+            w4(out, &pair)?;
         }
     }
 

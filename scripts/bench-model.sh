@@ -3,7 +3,7 @@
 # the KV over UCX through the connector) against one process serving the same prompt, and
 # the KV transfer's share and GB/s, as medians of rounds. Each round runs model_prefill and
 # model_decode, whose decode then serves the prompt alone: the two kinds alternate. Each
-# round then measures the CMA limit of the same bytes (examples/cma_probe.rs: one process
+# round then measures the CMA limit of the same bytes (bench/cma_probe.rs: one process
 # reading another's memory with process_vm_readv, in blocks of CMA_BLOCK_BYTES, default the
 # demo model's 8 KiB block of a layer), so that the transfer's GB/s has its ceiling beside it.
 #

@@ -22,6 +22,10 @@
 #   latency.svg     p50/p99 of the 4 KiB round trip: .await, blocking wait, 5 ms sleep-poll, Python
 #   transfer.log    what each benchmark printed: its figures and the command reproducing them
 #   handshake-auth.log  the side-channel handshake with and without a shared secret, as a ratio
+#   descriptor-heavy.{jsonl,md}  READs of 128 regions x 148 blocks of 16 KiB (contiguous,
+#                   fragmented, half and half) against Python and the CMA limit, in their own
+#                   alternating rounds after the others (scripts/bench-descriptors.sh); the
+#                   table, with its goals met or missed, is appended to results.md
 # Honours an existing CARGO_TARGET_DIR; BENCH_VENV overrides the venv location.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -106,6 +110,13 @@ echo "bench: $rounds rounds in $((SECONDS - start)) s" >&2
 
 "$bin" report "$jsonl" "$results"
 
+# Descriptor-heavy READs: their own alternating rounds; their table joins results.md.
+BENCH_ROUNDS=$rounds BENCH_VENV=$venv scripts/bench-descriptors.sh
+{
+    echo
+    cat "$results/descriptor-heavy.md"
+} >>"$results/results.md"
+
 # What authentication costs a handshake: the side-channel exchange with and without a shared
 # secret, alternating, as a ratio (bench/results/handshake-auth.log).
 cargo build --release --locked -p nixl-connector --example handshake_bench
@@ -131,5 +142,6 @@ Reproduce everything:  scripts/bench.sh            (BENCH_ROUNDS=$rounds)
 One Rust round:        CARGO_TARGET_DIR=$CARGO_TARGET_DIR cargo bench -p nixl-rs --bench transfer
 One Python round:      $venv/bin/python bench/python/transfer.py
 Many tasks alone:      CARGO_TARGET_DIR=$CARGO_TARGET_DIR cargo bench -p nixl-rs --bench transfer -- concurrent   (ratios concurrent/sequential)
+Descriptor-heavy READs: scripts/bench-descriptors.sh   (Rust, Python and CMA, alternating rounds)
 One demo run:          CARGO_TARGET_DIR=$CARGO_TARGET_DIR scripts/demo.sh [-- --requests 200 --blocks-per-request 32]   (decode prints GB/s)
 EOF

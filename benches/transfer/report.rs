@@ -361,6 +361,7 @@ pub fn write(input: &Path, out_dir: &Path) -> Res<()> {
         ("remote list", "remote_ms"),
         ("create request", "create_ms"),
         ("total", "ms"),
+        ("total, the measuring thread's CPU time", "cpu_ms"),
     ] {
         let (r, p) = (rust("default", "w4_build", m), py("w4_build", m));
         writeln!(

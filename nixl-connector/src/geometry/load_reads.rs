@@ -12,6 +12,14 @@
 //!    own ([`pairs_by_region`]), and the SSM state blocks after the attention
 //!    ([`SsmReads::descriptor_ids`]).
 //!
+//! Runs of blocks contiguous on both sides are left to NIXL: its `makeXferReq` (1.5.1)
+//! merges consecutive indices whose descriptors are contiguous on both sides into one, so a
+//! READ of 148 blocks contiguous on both sides in 128 regions posts 128 descriptors, not
+//! 18,944 (`benches/descriptor_heavy.rs` records the count). The order above (region by
+//! region, the pairs in token order) keeps a run's indices consecutive so that it can;
+//! `read_runs_tests` checks the merged descriptors byte by byte, `tests/block_runs.rs` the
+//! real NIXL's.
+//!
 //! Everything here is a peer's claim checked against this side's cache: ids past either
 //! cache, lists longer than a cache, or group counts past the ids are refused before any
 //! list of that size is made.

@@ -13,6 +13,8 @@ pub(crate) mod groups;
 pub(crate) mod load_reads;
 pub(crate) mod pipeline;
 pub(crate) mod read_plan;
+#[cfg(test)]
+mod read_runs_tests;
 pub(crate) mod spec;
 pub(crate) mod ssm;
 pub(crate) mod ssm_groups;
