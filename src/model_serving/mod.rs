@@ -9,5 +9,7 @@
 
 pub mod engine;
 pub mod handoff;
+mod params;
 pub mod scenario;
 pub mod serving;
+mod steps;
