@@ -3,9 +3,11 @@
 //! tokens (the scenario's steps) must equal one process's run of the same model over a contiguous cache,
 //! and every logit must lie within `TOLERANCE` of it.
 
+mod conversation;
 mod prefill_child;
 mod roles;
 
+pub use conversation::two_turns;
 pub use nixl_rs::model_serving::scenario::{Layout, Packing, Scenario};
 pub use roles::{decode_against_prefill, prefill_role};
 
