@@ -1,6 +1,7 @@
 //! A small transformer served prefill → decode through the connector over real NIXL, the
-//! prefill in a child process: the decode's tokens equal one process's, and every logit
-//! lies within 1e-4 of it (see `model_support`).
+//! prefill in a child process (both engines in this one for the two-turn conversation):
+//! the decode's tokens equal one process's, and every logit lies within 1e-4 of it (see
+//! `model_support`).
 
 mod common;
 mod model_support;

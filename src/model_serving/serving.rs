@@ -67,7 +67,8 @@ pub struct PrefillEngine {
     pub(super) model: Model,
     pub(super) spec: KvCacheSpec,
     pub(super) ranks: Vec<KvConnectorWorker>,
-    /// Each KV cache group's blocks of the prompt.
+    /// Each KV cache group's blocks of the turn's prompt (the second turn's once
+    /// [`read_back`](Self::read_back) has read it).
     pub(super) blocks: Vec<Vec<usize>>,
 }
 

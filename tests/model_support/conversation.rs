@@ -62,6 +62,11 @@ pub async fn two_turns(scenario: &Scenario) {
         "turn 2: every token the decode computed past the prefill's hit is read back"
     );
     assert_logits_close("turn 2: the prefill's last logits", &logits, &want_logits);
+    assert_eq!(
+        scheduler.kept_stats().read_backs,
+        1,
+        "turn 2: one read-back"
+    );
     assert!(
         decode.kept_released(WAIT).await,
         "the read-back released turn 1"
