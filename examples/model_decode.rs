@@ -75,7 +75,7 @@ async fn prefill_decode(
     handoff_path: &Path,
     wait: Duration,
 ) -> Result<(Run, usize), String> {
-    let engine = DecodeEngine::new(scenario, "model-decode");
+    let mut engine = DecodeEngine::new(scenario, "model-decode");
     let start = Instant::now();
     while !handoff_path.exists() {
         if start.elapsed() > wait {

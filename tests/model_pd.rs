@@ -1,6 +1,7 @@
 //! A small transformer served prefill → decode through the connector over real NIXL, the
-//! prefill in a child process: the decode's tokens equal one process's, and every logit
-//! lies within 1e-4 of it (see `model_support`).
+//! prefill in a child process (both engines in this one for the two-turn conversation):
+//! the decode's tokens equal one process's, and every logit lies within 1e-4 of it (see
+//! `model_support`).
 
 mod common;
 mod model_support;
@@ -123,6 +124,26 @@ async fn hybrid_sliding_window() {
                 ..Scenario::tp1(vllm)
             };
             decode_against_prefill(&scenario, "prefill_role").await;
+        }
+    }
+}
+
+/// Issue #48 item 6: a two-turn conversation, both engines in this process. The decode
+/// keeps turn 1 (a 53-token prompt and 9 tokens of answer); turn 2 (those and 5 new tokens)
+/// reads 45 tokens back from it into the prefill, which holds turn 1's first block itself
+/// and computes only the last 6 tokens; the decode loads only turn 2's last 2 blocks. Both
+/// turns' tokens equal one process's, every logit within 1e-4; TP 1 → 1, 2 → 1 and 1 → 2
+/// (the read-back crossing TP sizes the other way), both protocols.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn second_turn_reads_back() {
+    for vllm in [false, true] {
+        for (prefill, decode) in [(1, 1), (2, 1), (1, 2)] {
+            let scenario = Scenario {
+                steps: 8,
+                second_turn: Some(5),
+                ..Scenario::tp1(vllm).tp(prefill, decode)
+            };
+            model_support::two_turns(&scenario).await;
         }
     }
 }

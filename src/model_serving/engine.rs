@@ -26,7 +26,8 @@ fn kv_cache_groups(scenario: &Scenario, block_size: usize) -> KvCacheGroups {
 }
 
 /// A host-memory `kv_transfer_config` speaking the scenario's protocol, with the model's KV
-/// cache groups over blocks of `block_size` tokens when it has several.
+/// cache groups over blocks of `block_size` tokens when it has several, and read-backs of
+/// any count of tokens when the scenario has a second turn.
 fn transfer_config(scenario: &Scenario, block_size: usize) -> KvTransferConfig {
     let protocol = scenario.protocol();
     let mut config = KvTransferConfig {
@@ -40,6 +41,11 @@ fn transfer_config(scenario: &Scenario, block_size: usize) -> KvTransferConfig {
             KV_CACHE_GROUPS_KEY.into(),
             serde_json::to_value(groups).unwrap(),
         );
+    }
+    if scenario.second_turn.is_some() {
+        let extra = &mut config.kv_connector_extra_config;
+        extra.insert("bidirectional_kv_xfer".into(), true.into());
+        extra.insert("kv_recompute_threshold".into(), 0.into());
     }
     if protocol == Protocol::Vllm {
         let extra = &mut config.kv_connector_extra_config;

@@ -53,6 +53,11 @@ pub struct Scenario {
     /// Whether the groups' layers share regions ([`GroupRegions::Shared`]) or have their
     /// own ([`GroupRegions::Own`]).
     pub shared_regions: bool,
+    /// The new tokens of a second turn (see [`read_back`](super::read_back)): when set, both
+    /// engines keep finished decodes' KV and read it back (`bidirectional_kv_xfer`, any
+    /// count of tokens read), and their pools have room for both turns.
+    #[serde(default)]
+    pub second_turn: Option<usize>,
 }
 
 /// [`KvPacking`], serialisable.
@@ -101,6 +106,7 @@ impl Scenario {
             sliding_window: None,
             latent_dim: None,
             shared_regions: false,
+            second_turn: None,
         }
     }
 
@@ -156,6 +162,26 @@ impl Scenario {
             .map(|i| (i * 37 + i * i * 11 + 5) % vocab)
             .collect()
     }
+
+    /// Tokens in the second turn's prompt ([`second_prompt`](Self::second_prompt)), if any.
+    pub fn second_prompt_len(&self) -> Option<usize> {
+        self.second_turn
+            .map(|new| self.prompt_len + 1 + self.steps + new)
+    }
+
+    /// The second turn's prompt: the first turn's, its `answer` (the prefill's token and the
+    /// decode's steps), and the second turn's new tokens.
+    ///
+    /// # Panics
+    /// If the scenario has no second turn, or `answer` is not one token more than its steps.
+    pub fn second_prompt(&self, vocab: usize, answer: &[usize]) -> Vec<usize> {
+        let new = self.second_turn.expect("a scenario with a second turn");
+        assert_eq!(answer.len(), self.steps + 1, "the first turn's answer");
+        let mut prompt = self.prompt(vocab);
+        prompt.extend_from_slice(answer);
+        prompt.extend((0..new).map(|i| (i * 13 + 7) % vocab));
+        prompt
+    }
 }
 
 /// The model of a scenario: its layers, 8 query heads over its KV heads of 16 elements,
@@ -183,11 +209,33 @@ pub(crate) fn scattered(groups: usize, count: usize, num_blocks: usize) -> Vec<V
     ids.chunks(count.max(1)).map(<[usize]>::to_vec).collect()
 }
 
+/// `count` block ids of a pool of `num_blocks` that `used` does not hold, scattered as
+/// [`scattered`]'s (the same order, past the used ones).
+///
+/// # Panics
+/// If the pool has fewer than `count` blocks more.
+pub(crate) fn fresh(used: &[usize], count: usize, num_blocks: usize) -> Vec<usize> {
+    let ids: Vec<usize> = (0..num_blocks)
+        .map(|i| (i * 7 + 3) % num_blocks)
+        .filter(|id| !used.contains(id))
+        .take(count)
+        .collect();
+    assert_eq!(ids.len(), count, "free blocks in a pool of {num_blocks}");
+    ids
+}
+
 /// Blocks per region of an engine with `block_size` tokens per block: room for the prompt
-/// and the generation of each KV cache group, and some to spare (not a multiple of 7).
+/// and the generation of each KV cache group (of both turns, with a second), and some to
+/// spare (not a multiple of 7).
 pub(crate) fn num_blocks(scenario: &Scenario, block_size: usize) -> usize {
     let groups = model(scenario).config().kv_cache_groups();
-    let mut blocks = (scenario.prompt_len + scenario.steps).div_ceil(block_size) * groups + 5;
+    let turns = [Some(scenario.prompt_len), scenario.second_prompt_len()];
+    let per_group: usize = turns
+        .into_iter()
+        .flatten()
+        .map(|prompt| (prompt + scenario.steps).div_ceil(block_size))
+        .sum();
+    let mut blocks = per_group * groups + 5;
     if blocks % 7 == 0 {
         blocks += 1;
     }
@@ -198,17 +246,18 @@ pub(crate) fn num_blocks(scenario: &Scenario, block_size: usize) -> usize {
 /// scenario's steps from its argmax.
 pub fn reference(scenario: &Scenario) -> (Vec<f32>, kv_model::Generation) {
     let model = model(scenario);
+    reference_over(scenario, &scenario.prompt(model.config().vocab))
+}
+
+/// One process's run of the scenario's model over `prompt` (a contiguous cache): its last
+/// logits, then the scenario's steps from their argmax.
+pub fn reference_over(scenario: &Scenario, prompt: &[usize]) -> (Vec<f32>, kv_model::Generation) {
+    let model = model(scenario);
     let c = model.config();
     let mut cache = [ContiguousKv::new(c.layers, 0..c.kv_heads, c.cached_dim())];
-    let logits = model.prefill(&scenario.prompt(c.vocab), &mut cache);
+    let logits = model.prefill(prompt, &mut cache);
     let first = kv_model::argmax(&logits);
-    let generation = kv_model::greedy(
-        &model,
-        first,
-        scenario.prompt_len,
-        scenario.steps,
-        &mut cache,
-    );
+    let generation = kv_model::greedy(&model, first, prompt.len(), scenario.steps, &mut cache);
     (logits, generation)
 }
 

@@ -1,21 +1,23 @@
 //! The two engines of a run, each a sequence of steps its caller times. One process
 //! serving the prompt alone is a decode engine that computes the whole prompt itself.
 
-use std::time::{Duration, Instant};
+use std::ops::Range;
+use std::time::Duration;
 
 use kv_model::{greedy, Generation, Model, PagedKv, PagedLayout};
 use nixl_connector::{
     FinishStatus, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker, KvTransferParams,
-    LoadOutcome,
 };
 
 use super::engine::{engine, scheduler};
+use super::params;
 use super::scenario::{model, num_blocks, scattered, Scenario, Side};
+use super::steps;
 
 /// The request's id on the prefill.
-const PREFILL_REQUEST: &str = "model-prefill-req";
+pub(super) const PREFILL_REQUEST: &str = "model-prefill-req";
 /// The request's id on the decode.
-const DECODE_REQUEST: &str = "model-decode-req";
+pub(super) const DECODE_REQUEST: &str = "model-decode-req";
 
 /// The spec every rank of `side` registers.
 fn spec(scenario: &Scenario, side: &Side) -> KvCacheSpec {
@@ -33,7 +35,7 @@ fn spec(scenario: &Scenario, side: &Side) -> KvCacheSpec {
 
 /// Each rank's paged view of its own registered regions, through `block_tables` (one per
 /// KV cache group).
-fn paged<'a>(
+pub(super) fn paged<'a>(
     scenario: &Scenario,
     spec: &KvCacheSpec,
     ranks: &'a [KvConnectorWorker],
@@ -61,12 +63,13 @@ fn paged<'a>(
 
 /// The prefill engine: its ranks, each with a registered cache, and its scheduler.
 pub struct PrefillEngine {
-    scenario: Scenario,
-    model: Model,
-    spec: KvCacheSpec,
-    ranks: Vec<KvConnectorWorker>,
-    /// Each KV cache group's blocks of the prompt.
-    blocks: Vec<Vec<usize>>,
+    pub(super) scenario: Scenario,
+    pub(super) model: Model,
+    pub(super) spec: KvCacheSpec,
+    pub(super) ranks: Vec<KvConnectorWorker>,
+    /// Each KV cache group's blocks of the turn's prompt (the second turn's once
+    /// [`read_back`](Self::read_back) has read it).
+    pub(super) blocks: Vec<Vec<usize>>,
 }
 
 impl PrefillEngine {
@@ -130,12 +133,7 @@ impl PrefillEngine {
             .expect("the connector finishes the request");
         scheduler.step(&self.ranks).expect("a scheduler step");
         let params = finished.kv_transfer_params.expect("params for the decode");
-        let params = if self.scenario.vllm {
-            params.to_vllm_json()
-        } else {
-            serde_json::to_string(&params).expect("params as JSON")
-        };
-        (params, scheduler)
+        (params::to_json(&self.scenario, &params), scheduler)
     }
 
     /// Steps `scheduler` until a decode's read released the request, or `wait` passed;
@@ -144,26 +142,19 @@ impl PrefillEngine {
     /// # Panics
     /// If a scheduler step fails.
     pub async fn released(&self, scheduler: &mut KvConnectorScheduler, wait: Duration) -> bool {
-        let start = Instant::now();
-        while start.elapsed() < wait {
-            let output = scheduler.step(&self.ranks).expect("a scheduler step");
-            if output.finished_sending.iter().any(|r| r == PREFILL_REQUEST) {
-                return true;
-            }
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-        false
+        steps::released(scheduler, &self.ranks, PREFILL_REQUEST, wait).await
     }
 }
 
-/// The decode engine: its ranks, each with a registered cache, and the request's block
-/// tables (the prompt's and the generation's blocks).
+/// The decode engine: its ranks, each with a registered cache, its scheduler, and the
+/// request's block tables (the prompt's and the generation's blocks).
 pub struct DecodeEngine {
-    scenario: Scenario,
-    model: Model,
-    spec: KvCacheSpec,
-    ranks: Vec<KvConnectorWorker>,
-    tables: Vec<Vec<usize>>,
+    pub(super) scenario: Scenario,
+    pub(super) model: Model,
+    pub(super) spec: KvCacheSpec,
+    pub(super) ranks: Vec<KvConnectorWorker>,
+    pub(super) scheduler: KvConnectorScheduler,
+    pub(super) tables: Vec<Vec<usize>>,
 }
 
 impl DecodeEngine {
@@ -176,6 +167,7 @@ impl DecodeEngine {
         let side = scenario.decode;
         let spec = spec(scenario, &side);
         let ranks = engine(scenario, name, &spec, side.tp);
+        let scheduler = scheduler(scenario, "model-decode", side.block_size, &ranks);
         let tables = scattered(
             model.config().kv_cache_groups(),
             (scenario.prompt_len + scenario.steps).div_ceil(side.block_size),
@@ -186,6 +178,7 @@ impl DecodeEngine {
             model,
             spec,
             ranks,
+            scheduler,
             tables,
         }
     }
@@ -207,37 +200,33 @@ impl DecodeEngine {
     ///
     /// # Errors
     /// Why the params were refused, or the load failed or did not end in time.
-    pub async fn load(&self, params: &str, wait: Duration) -> Result<(), String> {
-        let params = if self.scenario.vllm {
-            KvTransferParams::from_vllm_json(params).map_err(|err| err.to_string())?
-        } else {
-            serde_json::from_str(params).map_err(|err| err.to_string())?
-        };
-        let side = self.scenario.decode;
+    pub async fn load(&mut self, params: &str, wait: Duration) -> Result<(), String> {
+        let params = params::from_json(&self.scenario, params)?;
         // Each group's blocks the prompt fills past the prefix hit (a sliding window's
         // clipped to its last by the scheduler).
-        let prompt_blocks =
-            self.scenario.prefix_blocks..self.scenario.prompt_len.div_ceil(side.block_size);
-        let local: Vec<&[usize]> = self
-            .tables
-            .iter()
-            .map(|t| &t[prompt_blocks.clone()])
-            .collect();
-        let mut scheduler = scheduler(&self.scenario, "model-decode", side.block_size, &self.ranks);
-        scheduler.on_new_request(DECODE_REQUEST, Some(&params));
-        scheduler
-            .update_state_after_alloc_groups(DECODE_REQUEST, &local, &params)
-            .map_err(|err| err.to_string())?;
-        let start = Instant::now();
-        loop {
-            let mut output = scheduler.step(&self.ranks).map_err(|err| err.to_string())?;
-            match output.load_outcomes.pop() {
-                Some(LoadOutcome::Loaded { .. }) => return Ok(()),
-                Some(other) => return Err(format!("the load failed: {other:?}")),
-                None if start.elapsed() > wait => return Err("the load did not end".into()),
-                None => tokio::time::sleep(Duration::from_millis(1)).await,
-            }
-        }
+        let prompt_blocks = self.scenario.prefix_blocks
+            ..self
+                .scenario
+                .prompt_len
+                .div_ceil(self.scenario.decode.block_size);
+        self.load_blocks(DECODE_REQUEST, &params, prompt_blocks, wait)
+            .await
+    }
+
+    /// Loads the blocks at `blocks` of each KV cache group's table as request `id` from the
+    /// prefill of `params`, waiting at most `wait`.
+    ///
+    /// # Errors
+    /// As [`steps::load`].
+    pub(super) async fn load_blocks(
+        &mut self,
+        id: &str,
+        params: &KvTransferParams,
+        blocks: Range<usize>,
+        wait: Duration,
+    ) -> Result<(), String> {
+        let local: Vec<&[usize]> = self.tables.iter().map(|t| &t[blocks.clone()]).collect();
+        steps::load(&mut self.scheduler, &self.ranks, id, &local, params, wait).await
     }
 
     /// Generates `steps` tokens greedily ([`greedy`]), feeding `token` first at `position`

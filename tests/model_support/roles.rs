@@ -59,7 +59,7 @@ pub async fn decode_against_prefill(scenario: &Scenario, role: &str) {
     let first = argmax(&prefill_logits);
     assert_eq!(first, argmax(&want_logits), "the prefill's token");
 
-    let decode = DecodeEngine::new(scenario, "model-decode");
+    let mut decode = DecodeEngine::new(scenario, "model-decode");
     decode.compute_prompt(scenario.prefix_blocks * scenario.decode.block_size);
     if let Err(err) = decode.load(&params, WAIT).await {
         panic!("{err}");
