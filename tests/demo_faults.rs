@@ -200,6 +200,8 @@ fn bad_control_channel_input_is_rejected_without_harm() {
             layers: 4,
             block_bytes: 4096,
             requests: 1,
+            turns: 1,
+            answer_blocks: 0,
             blocks_per_request: 1,
             in_flight: 1,
             connector_protocol: protocol.into(),
