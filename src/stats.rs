@@ -154,8 +154,8 @@ impl fmt::Display for DecodeSummary {
             writeln!(
                 f,
                 "  turns:     {} conversations of {} turns: {} tokens (blocks) loaded from prefill, the \
-                 rest of each prompt held by decode's prefix cache; {} turns answered with {} tokens \
-                 of decode's own, kept for prefill to read back",
+                 rest of each prompt held by decode's prefix cache\n  answers:   {} turns \
+                 answered with {} tokens of decode's own, kept for prefill to read back",
                 t.conversations, t.turns, t.loaded_blocks, t.answers_kept, t.answer_blocks
             )?;
         }
