@@ -2,8 +2,9 @@
 //! control channel, and for every announced request hands the request's transfer params to
 //! the connector's scheduler and worker, which READ the request's blocks of every layer into
 //! free local blocks (the notification naming the request, so prefill frees it); then it
-//! checks every byte. With several turns per conversation ([`turns`]) it answers each
-//! turn but the last and keeps the answered conversation for prefill to read back.
+//! checks every byte. With several turns per
+//! [`conversation`](crate::conversation) it answers each turn but the last and keeps the
+//! answered conversation for prefill to read back.
 
 mod turns;
 

@@ -8,8 +8,8 @@
 //! decode worker that dies or misbehaves ends only its own session: its blocks go back to
 //! the pool.
 //!
-//! With several turns per conversation ([`turns`]) it also reads back, through the
-//! connector, the answers the decode keeps, and prefills each next turn.
+//! With several turns per [`conversation`](crate::conversation) it also reads back, through
+//! the connector, the answers the decode keeps, and prefills each next turn.
 
 mod turns;
 
