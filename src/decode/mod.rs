@@ -801,8 +801,12 @@ impl<'w> RunState<'w> {
     /// prefill's blocks, the worker reads them.
     fn start_loads(&mut self, worker: &Worker) -> Result<()> {
         let hits = self.options.prefix_hit_blocks as usize;
-        while !self.pending.is_empty() {
-            let Some(local) = self.pool.alloc(self.options.blocks_per_request as usize) else {
+        while let Some(next) = self.pending.front() {
+            let count = match (next.turn, &self.conversations) {
+                (Some(turn), Some(conversations)) => conversations.blocks_for(turn),
+                _ => self.options.blocks_per_request as usize,
+            };
+            let Some(local) = self.pool.alloc(count) else {
                 break;
             };
             let Some(pending) = self.pending.pop_front() else {

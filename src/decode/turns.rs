@@ -22,6 +22,8 @@ struct Conversation {
     context: Context,
     /// The local blocks holding the context, in order.
     blocks: Vec<u32>,
+    /// Blocks taken with the turn's load for its answer, so that answering never waits.
+    reserved: Vec<u32>,
     /// The last turn announced.
     turn: u32,
     /// Whether that turn was answered (the next one may come).
@@ -113,12 +115,26 @@ impl Conversations {
         Ok(())
     }
 
-    /// Turn `id`'s load into `new` fresh local blocks after the conversation's own, which
-    /// decode's prefix cache holds.
-    pub(super) fn load(&mut self, id: TurnId, new: &[u32]) -> TurnLoad {
+    /// The blocks turn `id`'s load takes: its new prompt blocks, and its answer's but on the
+    /// last turn.
+    pub(super) fn blocks_for(&self, id: TurnId) -> usize {
+        let answer = if id.turn < self.turns {
+            answer_blocks(id.conversation, id.turn, self.most_answer)
+        } else {
+            0
+        };
+        (self.blocks_per_request + answer) as usize
+    }
+
+    /// Turn `id`'s load into `taken`'s fresh local blocks ([`blocks_for`](Self::blocks_for)
+    /// of them) after the conversation's own, which decode's prefix cache holds; those past
+    /// the prompt wait for the answer.
+    pub(super) fn load(&mut self, id: TurnId, taken: &[u32]) -> TurnLoad {
         let conversation = self.live.entry(id.conversation).or_default();
         let held = conversation.blocks.len();
+        let (new, answer) = taken.split_at(taken.len().min(self.blocks_per_request as usize));
         conversation.blocks.extend_from_slice(new);
+        conversation.reserved = answer.to_vec();
         TurnLoad {
             local: conversation.blocks.clone(),
             keys: conversation.context.keys().to_vec(),
@@ -127,13 +143,13 @@ impl Conversations {
     }
 
     /// Turn `id` was loaded and checked. The last turn ends its conversation: its blocks go
-    /// back to `pool`, and `None`. Any other is answered: decode writes the answer's blocks
-    /// (from `pool`) into `cache` and finishes the request with `scheduler`, which keeps the
-    /// conversation's blocks for the read-back; the params that name them.
+    /// back to `pool`, and `None`. Any other is answered: decode writes the answer into the
+    /// blocks its load took for it, in `cache`, and finishes the request with `scheduler`,
+    /// which keeps the conversation's blocks for the read-back; the params that name them.
     ///
     /// # Errors
-    /// [`Error::Config`] when the pool lacks the answer's blocks or the connector keeps
-    /// nothing (read-backs off); the cache's errors.
+    /// [`Error::Config`] when the connector keeps nothing (read-backs off); the cache's
+    /// errors.
     pub(super) fn answered(
         &mut self,
         id: TurnId,
@@ -150,12 +166,8 @@ impl Conversations {
         let Some(conversation) = self.live.get_mut(&id.conversation) else {
             return Err(Error::Protocol(format!("{id} is not a live conversation")));
         };
-        let count = answer_blocks(id.conversation, id.turn, self.most_answer);
-        let blocks = pool.alloc(count as usize).ok_or_else(|| {
-            Error::Config(format!(
-                "no {count} free blocks for the answer of {id}: the decode cache is too small"
-            ))
-        })?;
+        let blocks = std::mem::take(&mut conversation.reserved);
+        let count = blocks.len() as u32;
         let start = conversation.context.len();
         conversation.context.add_answer(count);
         cache.compute_blocks(
