@@ -166,6 +166,9 @@ struct Shared {
     scheduler: Mutex<KvConnectorScheduler>,
     /// Which session each announced request belongs to.
     owners: Mutex<HashMap<String, mpsc::UnboundedSender<Routed>>>,
+    /// The blocks of read-backs still in flight when their session ended, freed when the
+    /// read ends (it may still write them).
+    orphans: Mutex<HashMap<String, Vec<u32>>>,
     admission: Arc<Admission>,
 }
 
@@ -228,6 +231,7 @@ impl PrefillServer {
                 next_request: AtomicU64::new(0),
                 scheduler: Mutex::new(scheduler),
                 owners: Mutex::new(HashMap::new()),
+                orphans: Mutex::new(HashMap::new()),
                 admission,
             }),
             listener,
@@ -342,6 +346,10 @@ fn engine_step(shared: &Shared, scheduler: &mut KvConnectorScheduler) {
         };
         if let Some(session) = lock(&shared.owners).get(&request) {
             let _ = session.send(Routed::LoadEnded(outcome));
+        } else if let Some(blocks) = lock(&shared.orphans).remove(&request) {
+            // Its session ended during the read: nothing writes the blocks any more.
+            lock(&shared.pool).free(&blocks);
+            shared.blocks_freed.notify_waiters();
         }
     }
     for request in output.finished_sending {
@@ -833,13 +841,31 @@ impl Session<'_> {
         }
     }
 
-    /// Gives back the blocks of every request still outstanding, and forgets them.
+    /// Gives back the blocks of every request still outstanding, and forgets them; a
+    /// read-back still in flight is aborted, and its blocks wait for its end.
     fn end(&mut self) {
+        let reading = self.turns.as_mut().map(|t| t.abandon()).unwrap_or_default();
+        let mut still_read = Vec::new();
+        {
+            let mut scheduler = lock(&self.shared.scheduler);
+            for request in reading {
+                let done =
+                    scheduler.request_finished(&request, &[], 0, None, FinishStatus::Aborted);
+                if done.delay_free_blocks {
+                    still_read.push(request);
+                }
+            }
+        }
         let mut owners = lock(&self.shared.owners);
+        let mut orphans = lock(&self.shared.orphans);
         let mut pool = lock(&self.shared.pool);
         for (request, blocks) in self.outstanding.drain() {
             owners.remove(&request);
-            pool.free(&blocks);
+            if still_read.contains(&request) {
+                orphans.insert(request, blocks);
+            } else {
+                pool.free(&blocks);
+            }
         }
         self.shared.blocks_freed.notify_waiters();
     }

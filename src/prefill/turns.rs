@@ -154,6 +154,12 @@ impl Turns {
         }
     }
 
+    /// The read-backs in flight, forgotten: the session ends.
+    pub(super) fn abandon(&mut self) -> Vec<String> {
+        self.waiting.clear();
+        self.reading.drain().map(|(id, _)| id).collect()
+    }
+
     /// Checks decode's params of an answered turn: the next turn and the answer's length.
     fn check_answered(&self, params: &KvTransferParams) -> Result<(TurnId, u32)> {
         let id = params.remote_request_id.as_deref().unwrap_or("");
