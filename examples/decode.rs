@@ -9,7 +9,7 @@
 
 mod common;
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -57,6 +57,21 @@ struct Args {
     /// told at once) and while its load runs (its blocks are freed when the load ends).
     #[arg(long, value_parser = parse_positive::<u64>)]
     abort_every: Option<u64>,
+    /// Turns per conversation: every request becomes a conversation of N turns. Decode
+    /// answers each turn but the last with blocks of its own and keeps them; the next turn's
+    /// prompt (the last one, its answer and --blocks-per-request new blocks) reads them back
+    /// on prefill, and decode loads only what its prefix cache lacks (read-backs turned on:
+    /// bidirectional_kv_xfer).
+    #[arg(long, default_value_t = 1, value_parser = parse_positive::<u32>)]
+    turns: u32,
+    /// With --turns: the most blocks decode answers a turn with (answers take 1 to N blocks,
+    /// varying by conversation and turn).
+    #[arg(long, default_value_t = 4, value_parser = parse_positive::<u32>)]
+    answer_blocks: u32,
+    /// Fault injection: corrupt one byte of the first answer of this conversation (its
+    /// number is turn 1's request id on prefill).
+    #[arg(long, hide = true)]
+    corrupt_answer: Option<u64>,
     /// Seconds to keep serving --metrics-addr after the run, so that Prometheus can take a
     /// last scrape of a run that ended.
     #[arg(long, default_value_t = 0)]
@@ -75,13 +90,17 @@ async fn run(args: &Args) -> nixl_rs::Result<ExitCode> {
     let layout = args.worker.layout();
     let connect_timeout = Duration::from_secs(args.connect_timeout_s);
     args.worker.serve_metrics("decode").await?;
-    let worker = args
-        .worker
-        .worker_config("decode", KvRole::Consumer)
-        .set_up(|config| {
-            config.limits.deadline = connect_timeout;
-            config.transfer_timeout = Duration::from_secs(args.xfer_timeout_s);
-        })?;
+    let turns = args.turns > 1;
+    let mut worker_config = args.worker.worker_config("decode", KvRole::Consumer);
+    worker_config.read_backs = turns.then_some(true);
+    let worker = worker_config.set_up(|config| {
+        config.limits.deadline = connect_timeout;
+        config.transfer_timeout = Duration::from_secs(args.xfer_timeout_s);
+        if turns {
+            // Prefill reads the kept answers back through this side channel.
+            config.side_channel = SocketAddr::new(local_ip_towards(args.prefill), 0);
+        }
+    })?;
     let options = DecodeOptions {
         prefill: args.prefill,
         requests: args.requests,
@@ -93,9 +112,17 @@ async fn run(args: &Args) -> nixl_rs::Result<ExitCode> {
         progress_interval: Duration::from_millis(args.progress_interval_ms),
         prefix_hit_blocks: args.prefix_hit_blocks,
         abort_every: args.abort_every,
+        turns: args.turns,
+        answer_blocks: args.answer_blocks,
+        corrupt_answer: args.corrupt_answer,
+    };
+    let conversations = if turns {
+        format!(" (conversations of {} turns)", args.turns)
+    } else {
+        String::new()
     };
     println!(
-        "decode: agent {} pulling {} requests of {} blocks x {} layers x {} bytes from {} \
+        "decode: agent {} pulling {} requests{conversations} of {} blocks x {} layers x {} bytes from {} \
          ({} in flight, metadata via {}, connector protocol {})",
         worker.name,
         args.requests,
@@ -130,4 +157,16 @@ async fn run(args: &Args) -> nixl_rs::Result<ExitCode> {
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// The address of this host that reaches `peer` (the route's source; no packet is sent), or
+/// loopback when there is no route.
+fn local_ip_towards(peer: SocketAddr) -> IpAddr {
+    let loopback = IpAddr::from([127, 0, 0, 1]);
+    std::net::UdpSocket::bind((std::net::Ipv4Addr::UNSPECIFIED, 0))
+        .and_then(|socket| {
+            socket.connect(peer)?;
+            socket.local_addr()
+        })
+        .map_or(loopback, |addr| addr.ip())
 }

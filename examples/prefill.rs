@@ -45,6 +45,11 @@ struct Args {
     /// (suffixes K/KiB, M/MiB); a handshake that would pass it is refused.
     #[arg(long, default_value = "64MiB", value_parser = parse_size)]
     max_pending_handshake_bytes: usize,
+    /// Decodes running conversations of several turns (decode --turns): the fewest answer
+    /// tokens worth reading back (a block is a token in this demo); fewer are computed here.
+    /// Default: the kv_transfer_config's kv_recompute_threshold, else vLLM's 64.
+    #[arg(long)]
+    recompute_threshold: Option<usize>,
     /// Fault injection: corrupt one byte of this request id after filling it.
     #[arg(long, hide = true)]
     corrupt_request: Option<u64>,
@@ -60,14 +65,16 @@ fn main() -> ExitCode {
 async fn run(args: &Args) -> nixl_rs::Result<ExitCode> {
     let layout = args.worker.layout();
     args.worker.serve_metrics("prefill").await?;
-    let worker = args
-        .worker
-        .worker_config("prefill", KvRole::Producer)
-        .set_up(|config| {
-            config.side_channel = SocketAddr::new(args.listen.ip(), 0);
-            config.limits.deadline = Duration::from_secs(args.handshake_timeout_s);
-            config.limits.max_sessions = args.max_pending_handshakes;
-        })?;
+    let mut worker_config = args.worker.worker_config("prefill", KvRole::Producer);
+    // Read-backs on, for decodes that run conversations of several turns; a single-turn
+    // session reads nothing back.
+    worker_config.read_backs = Some(true);
+    worker_config.recompute_threshold = args.recompute_threshold;
+    let worker = worker_config.set_up(|config| {
+        config.side_channel = SocketAddr::new(args.listen.ip(), 0);
+        config.limits.deadline = Duration::from_secs(args.handshake_timeout_s);
+        config.limits.max_sessions = args.max_pending_handshakes;
+    })?;
     let backends: Vec<_> = worker
         .connector
         .backends()
@@ -109,7 +116,11 @@ async fn run(args: &Args) -> nixl_rs::Result<ExitCode> {
                 requests,
             } => println!("prefill: session with {decode_agent} ({peer}): {requests} requests"),
             PrefillEvent::SessionEnded(report) => match &report.outcome {
-                Ok(()) => println!(
+                Ok(()) => {
+                    if let Some(read_backs) = &report.read_backs {
+                        println!("prefill: session with {}: {read_backs}", report.decode_agent);
+                    }
+                    println!(
                     "prefill: session with {} done: {}/{} requests, {:.1} MiB in {:.3} s ({:.2} GB/s)",
                     report.decode_agent,
                     report.requests_acked,
@@ -117,7 +128,8 @@ async fn run(args: &Args) -> nixl_rs::Result<ExitCode> {
                     report.bytes as f64 / (1 << 20) as f64,
                     report.duration.as_secs_f64(),
                     gb_per_s(report.bytes, report.duration),
-                ),
+                    )
+                }
                 Err(err) => eprintln!(
                     "prefill: session with {} ended early after {}/{} requests: {err}",
                     report.decode_agent, report.requests_acked, report.requests_wanted
@@ -132,9 +144,11 @@ async fn run(args: &Args) -> nixl_rs::Result<ExitCode> {
         "prefill summary: {} sessions ({} ended early), {} requests served ({} freed when their lease ended), {} connections rejected",
         stats.sessions, stats.failed_sessions, stats.requests, stats.freed_on_lease_end, stats.rejected
     );
-    Ok(if stats.failed_sessions == 0 {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    })
+    Ok(
+        if stats.failed_sessions == 0 && stats.read_back_mismatches == 0 {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        },
+    )
 }

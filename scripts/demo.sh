@@ -10,9 +10,18 @@
 #   scripts/demo.sh                            # metadata inside the connector's handshake
 #   scripts/demo.sh --etcd                     # metadata through a private etcd on loopback
 #   scripts/demo.sh --protocol vllm            # the connectors speak vLLM's NixlConnector protocol
+#   scripts/demo.sh --turns 3                  # conversations of 3 turns, answers read back
 #   scripts/demo.sh -- --requests 32 --in-flight 8   # flags after -- go to decode
 #   scripts/demo.sh --model                    # a real model's KV instead of a byte pattern
 #   scripts/demo.sh --model -- --layers 16 --prompt-len 2048   # flags after -- go to both
+#
+# --turns N makes every request a conversation of N turns (vLLM 0.33's bidirectional KV
+# transfer): decode answers each turn but the last with 1 to 4 blocks of its own (a block is a
+# token here; decode's --answer-blocks) and keeps them; the next turn's prompt is the last
+# prompt, its answer and 16 new blocks: prefill's prefix cache holds the last prompt, it reads
+# the answer back from decode (answers under its --recompute-threshold of 2 tokens it computes
+# itself) and checks every byte of it, and decode loads only the new blocks, its prefix cache
+# holding the rest. Both sides print the tokens read back, recomputed and loaded.
 #
 # --model runs the `model_prefill` and `model_decode` examples: the prefill computes a
 # prompt's KV with a seeded transformer (kv-model) into its registered blocks, the decode
@@ -36,7 +45,8 @@ use_etcd=0
 model_mode=0
 decode_args=(--requests 256)
 protocol_args=()
-usage="usage: $0 [--etcd | --model] [--protocol native|vllm] [-- decode flags...]"
+turns_args=()
+usage="usage: $0 [--etcd | --model] [--protocol native|vllm] [--turns N] [-- decode flags...]"
 while [[ $# -gt 0 ]]; do
     case $1 in
         --etcd) use_etcd=1 ;;
@@ -46,6 +56,11 @@ while [[ $# -gt 0 ]]; do
             protocol_args=(--protocol "$2")
             shift
             ;;
+        --turns)
+            [[ $# -ge 2 ]] || { echo "$usage" >&2; exit 2; }
+            turns_args=(--turns "$2")
+            shift
+            ;;
         --) shift; decode_args+=("$@"); break ;;
         *) echo "$usage" >&2; exit 2 ;;
     esac
@@ -53,6 +68,10 @@ while [[ $# -gt 0 ]]; do
 done
 
 [[ $use_etcd == 1 && $model_mode == 1 ]] && { echo "$usage" >&2; exit 2; }
+[[ $model_mode == 1 && ${#turns_args[@]} -gt 0 ]] && { echo "$usage" >&2; exit 2; }
+# Answers of one block fall under prefill's recompute threshold, longer ones are read back.
+prefill_turns_args=()
+[[ ${#turns_args[@]} -gt 0 ]] && prefill_turns_args=(--recompute-threshold 2)
 
 if [[ -n ${NIXL_DEMO_BIN_DIR:-} ]]; then
     bin=$NIXL_DEMO_BIN_DIR
@@ -140,7 +159,7 @@ fi
 : >"$work/prefill.log"
 "${prefill_wrap[@]}" "$bin/prefill" --listen "${NIXL_DEMO_LISTEN:-127.0.0.1:0}" --sessions 1 \
     "${cache_args[@]}" "${metadata_args[@]}" "${protocol_args[@]}" "${secret_args[@]}" \
-    >"$work/prefill.log" 2>&1 &
+    "${prefill_turns_args[@]}" >"$work/prefill.log" 2>&1 &
 prefill_pid=$!
 addr=''
 for _ in $(seq 300); do
@@ -158,7 +177,7 @@ fi
 start=$(date +%s.%N)
 decode_rc=0
 "${decode_wrap[@]}" "$bin/decode" --prefill "$addr" "${cache_args[@]}" "${metadata_args[@]}" \
-    "${protocol_args[@]}" "${secret_args[@]}" "${decode_args[@]}" || decode_rc=$?
+    "${protocol_args[@]}" "${secret_args[@]}" "${turns_args[@]}" "${decode_args[@]}" || decode_rc=$?
 
 prefill_rc=0
 for _ in $(seq 100); do

@@ -12,8 +12,8 @@ use nixl::MemType;
 use nixl_connector::etcd::ETCD_ENDPOINTS_ENV;
 use nixl_connector::vllm::compat::{ENFORCE_KEY, FACTORS_KEY};
 use nixl_connector::{
-    KvConnectorWorker, MetadataExchange, Protocol, SharedSecret, WorkerConfig as ConnectorConfig,
-    PROTOCOL_KEY,
+    KvConnectorWorker, MetadataExchange, MultiTurn, Protocol, SharedSecret,
+    WorkerConfig as ConnectorConfig, BIDIRECTIONAL_KEY, PROTOCOL_KEY, RECOMPUTE_THRESHOLD_KEY,
 };
 
 use crate::error::{Error, Result};
@@ -131,6 +131,13 @@ pub struct WorkerConfig<'a> {
     /// `--secret-file`, the file holding the secret both workers' side channels prove
     /// (native protocol; `None`: the `kv_transfer_config`'s or the environment's, if any).
     pub secret_file: Option<&'a Path>,
+    /// Multi-turn read-backs (see [`conversation`](crate::conversation)): `Some(true)` turns
+    /// vLLM's `bidirectional_kv_xfer` on unless the `kv_transfer_config` names it; `None`
+    /// leaves the `kv_transfer_config` as it is.
+    pub read_backs: Option<bool>,
+    /// `--recompute-threshold`, vLLM's `kv_recompute_threshold` (the fewest tokens worth
+    /// reading back; a block is a token in this demo), over the `kv_transfer_config`'s.
+    pub recompute_threshold: Option<usize>,
 }
 
 /// A worker's connector, with its agent and registered KV cache, as set up by
@@ -146,9 +153,11 @@ pub struct Worker {
     /// The agent's name, also the engine id.
     pub name: String,
     /// The parsed `--kv-transfer-config` (the scheduler's lease, failure policy and
-    /// protocol), with `--protocol` and, in vLLM's protocol, [`demo_factors`] unless it
-    /// gives factors itself.
+    /// protocol), with `--protocol`, the multi-turn settings and, in vLLM's protocol,
+    /// [`demo_factors`] unless it gives factors itself.
     pub kv_transfer_config: KvTransferConfig,
+    /// Its multi-turn settings (whether read-backs are on, the recompute threshold).
+    pub multi_turn: MultiTurn,
 }
 
 impl Worker {
@@ -178,7 +187,14 @@ impl WorkerConfig<'_> {
         if let Some(protocol) = self.protocol {
             extra.insert(PROTOCOL_KEY.into(), protocol.as_str().into());
         }
+        if let Some(on) = self.read_backs {
+            extra.entry(BIDIRECTIONAL_KEY).or_insert(on.into());
+        }
+        if let Some(threshold) = self.recompute_threshold {
+            extra.insert(RECOMPUTE_THRESHOLD_KEY.into(), threshold.into());
+        }
         let protocol = Protocol::from_kv_transfer_config(&kv_config)?;
+        let multi_turn = MultiTurn::from_kv_transfer_config(&kv_config)?;
         let extra = &mut kv_config.kv_connector_extra_config;
         let given = extra.contains_key(FACTORS_KEY) || extra.contains_key(ENFORCE_KEY);
         if protocol == Protocol::Vllm && !given {
@@ -212,6 +228,7 @@ impl WorkerConfig<'_> {
             platform,
             name,
             kv_transfer_config: kv_config,
+            multi_turn,
         })
     }
 }

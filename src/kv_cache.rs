@@ -5,6 +5,7 @@
 use nixl::Registration;
 use nixl_connector::{KvAttention, KvCacheSpec, KvConnectorWorker};
 
+use crate::conversation::ANSWER;
 use crate::error::{Error, Result};
 use crate::pattern;
 
@@ -162,7 +163,9 @@ pub struct Mismatch {
     pub request: u64,
     /// The layer.
     pub layer: u32,
-    /// The prefill block the data came from.
+    /// The prefill block the data came from; in conversations of several turns, the block's
+    /// pattern key ([`Context::keys`](crate::conversation::Context::keys): its position, with
+    /// [`ANSWER`] set on decode's answers).
     pub remote_block: u32,
     /// Offset of the first wrong byte in the block.
     pub offset: usize,
@@ -170,10 +173,16 @@ pub struct Mismatch {
 
 impl std::fmt::Display for Mismatch {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let block = self.remote_block;
+        let (whose, block) = if block & ANSWER == 0 {
+            ("prefill", block)
+        } else {
+            ("decode's answer", block & !ANSWER)
+        };
         write!(
             f,
-            "request {} layer {} prefill block {}: first wrong byte at offset {}",
-            self.request, self.layer, self.remote_block, self.offset
+            "request {} layer {} {whose} block {block}: first wrong byte at offset {}",
+            self.request, self.layer, self.offset
         )
     }
 }

@@ -17,6 +17,9 @@
 //!   [`decode`] loads them through its scheduler and worker (a prepared READ, the
 //!   notification naming the request), verifies every byte, and prefill frees the blocks
 //!   when the connector reports the notification;
+//! - with `decode --turns N`, requests are [`conversation`]s of N turns: decode keeps each
+//!   answered turn's blocks, and prefill reads back what its prefix cache lacks of them
+//!   (vLLM 0.33's bidirectional KV transfer), checking every byte;
 //! - [`stats`] turns the run into a summary (requests, bytes, GB/s, latency percentiles);
 //! - [`prometheus`] serves the connector's `vllm:nixl_*` metrics to Prometheus;
 //! - `model_serving` serves a real model (`kv-model`) prefill → decode through the
@@ -32,6 +35,7 @@ pub mod admission;
 pub mod block_pool;
 pub mod cli;
 pub mod config;
+pub mod conversation;
 pub mod decode;
 pub mod error;
 pub mod kv_cache;

@@ -12,13 +12,18 @@
 //!    prefill request ([`Message::AnnounceVllm`], vLLM's JSON of them, when the connectors
 //!    speak vLLM's protocol); decode loads it with the connector, whose notification frees
 //!    it;
-//! 4. prefill → decode [`Message::Complete`] once every request was acknowledged.
+//! 4. in conversations of several turns ([`Hello::turns`], see
+//!    [`conversation`](crate::conversation)), decode → prefill [`Message::Turn`] once a turn
+//!    is answered: the params naming the blocks decode keeps for the next turn
+//!    ([`Message::TurnVllm`] in vLLM's protocol); prefill reads back what its prefix cache
+//!    lacks and announces the next turn as in 3;
+//! 5. prefill → decode [`Message::Complete`] once every request was acknowledged.
 
 use nixl_connector::KvTransferParams;
 use serde::{Deserialize, Serialize};
 
 /// Version of the protocol; both sides must speak the same.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// Default largest control-channel frame (1 MiB; a Hello takes under 100 bytes, an
 /// announcement about 10 bytes per block).
@@ -35,8 +40,13 @@ pub struct Hello {
     pub layers: u32,
     /// Block size of the decode cache; must equal prefill's.
     pub block_bytes: u64,
-    /// Requests to serve in this session.
+    /// Requests to serve in this session (conversations of [`turns`](Self::turns) turns, each
+    /// turn a request).
     pub requests: u64,
+    /// Turns per conversation (1: every request stands alone).
+    pub turns: u32,
+    /// The most blocks decode answers a turn with (0 with one turn).
+    pub answer_blocks: u32,
     /// Blocks per request.
     pub blocks_per_request: u32,
     /// Most requests announced and not yet acknowledged at any time.
@@ -76,6 +86,12 @@ pub enum Message {
     /// JSON `kv_transfer_params` (what vLLM's `request_finished` returns and a proxy hands
     /// to the decode).
     AnnounceVllm(String),
+    /// decode → prefill: a turn was answered; the params (decode's, `do_remote_decode`) name
+    /// the blocks it keeps for the next turn, and their request id
+    /// ([`TurnId`](crate::conversation::TurnId)) the conversation and turn.
+    Turn(Box<KvTransferParams>),
+    /// [`Message::Turn`] when the connectors speak vLLM's protocol: vLLM's JSON of the params.
+    TurnVllm(String),
     /// Every request of the session was pulled and acknowledged.
     Complete {
         /// Requests served.
@@ -102,6 +118,8 @@ impl Message {
             Message::Welcome(_) => "Welcome",
             Message::Announce(_) => "Announce",
             Message::AnnounceVllm(_) => "AnnounceVllm",
+            Message::Turn(_) => "Turn",
+            Message::TurnVllm(_) => "TurnVllm",
             Message::Complete { .. } => "Complete",
             Message::Error { .. } => "Error",
             Message::Busy { .. } => "Busy",
@@ -136,6 +154,8 @@ mod tests {
                 layers: 32,
                 block_bytes: 16384,
                 requests: 100,
+                turns: 3,
+                answer_blocks: 4,
                 blocks_per_request: 16,
                 in_flight: 4,
                 connector_protocol: "vllm".into(),
@@ -147,6 +167,13 @@ mod tests {
                 ..Default::default()
             })),
             Message::AnnounceVllm(r#"{"remote_block_ids": [[1, 5]]}"#.into()),
+            Message::Turn(Box::new(KvTransferParams {
+                do_remote_decode: true,
+                remote_block_ids: vec![2, 3],
+                remote_request_id: Some("9.1".into()),
+                remote_num_tokens: Some(2),
+                ..Default::default()
+            })),
             Message::Complete { requests: 100 },
         ];
         for m in samples {

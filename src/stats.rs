@@ -80,6 +80,24 @@ pub struct Lifecycle {
     pub aborted_during_load: u64,
     /// Blocks computed locally after a failed load (`kv_load_failure_policy: recompute`).
     pub recomputed_blocks: u64,
+    /// With several turns per conversation, what decode answered and kept.
+    pub turns: Option<Turns>,
+}
+
+/// Decode's side of conversations of several turns (`--turns`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Turns {
+    /// Conversations.
+    pub conversations: u64,
+    /// Turns of each.
+    pub turns: u32,
+    /// Request blocks (tokens) loaded from prefill: each turn's new prompt blocks; decode's
+    /// prefix cache held the rest of each prompt.
+    pub loaded_blocks: u64,
+    /// Turns decode answered and kept for prefill to read back (all but the last of each).
+    pub answers_kept: u64,
+    /// Blocks (tokens) of those answers, which decode wrote with a pattern of its own.
+    pub answer_blocks: u64,
 }
 
 impl DecodeSummary {
@@ -130,6 +148,15 @@ impl fmt::Display for DecodeSummary {
                 f,
                 "  aborted:   {} before their load, {} during it (prefill told; not verified)",
                 l.aborted_before_load, l.aborted_during_load
+            )?;
+        }
+        if let Some(t) = l.turns {
+            writeln!(
+                f,
+                "  turns:     {} conversations of {} turns: {} tokens (blocks) loaded from prefill, the \
+                 rest of each prompt held by decode's prefix cache\n  answers:   {} turns \
+                 answered with {} tokens of decode's own, kept for prefill to read back",
+                t.conversations, t.turns, t.loaded_blocks, t.answers_kept, t.answer_blocks
             )?;
         }
         if l.recomputed_blocks > 0 {

@@ -1,6 +1,6 @@
 //! The prefill/decode demo as real processes on loopback: a full run with every byte
-//! checked, concurrent decode workers, detected corruption, refused geometry and
-//! configuration, and scripts/demo.sh itself.
+//! checked, conversations of three turns read back, concurrent decode workers, detected
+//! corruption, refused geometry and configuration, and scripts/demo.sh itself.
 
 mod demo_support;
 
@@ -250,6 +250,111 @@ fn demo_script_passes() {
     assert!(status.success(), "{text}");
     assert!(text.contains("connector protocol vllm"), "{text}");
     assert!(text.contains("demo: PASSED"), "{text}");
+}
+
+/// The number just before `unit` in the first line of `text` that contains `marker` and
+/// `unit`, e.g. `read back 30 tokens`.
+fn count_before(text: &str, marker: &str, unit: &str) -> u64 {
+    let line = text
+        .lines()
+        .find(|l| l.contains(marker) && l.contains(unit))
+        .unwrap_or_else(|| panic!("no line with {marker:?} and {unit:?}:\n{text}"));
+    let before = line.split(unit).next().unwrap_or("");
+    let number = before.split_whitespace().last().unwrap_or("");
+    number
+        .parse()
+        .unwrap_or_else(|_| panic!("no count before {unit:?} in {line:?}"))
+}
+
+/// `scripts/demo.sh --turns 3`, both protocols, at a small shape: 6 conversations of 3 turns
+/// of 4 new blocks each (blocks stand for tokens), answers of 1 to 4 blocks. Decode loads
+/// only each turn's new blocks (its prefix cache holds the rest, checked again), prefill
+/// reads the answers back but those under its threshold of 2 tokens, and both sides check
+/// every byte.
+#[test]
+fn demo_script_runs_conversations_of_three_turns() {
+    for protocol in ["native", "vllm"] {
+        let (status, text) = run_script(
+            "demo.sh",
+            &[
+                "--protocol",
+                protocol,
+                "--turns",
+                "3",
+                "--",
+                "--requests",
+                "6",
+                "--blocks-per-request",
+                "4",
+                "--in-flight",
+                "3",
+            ],
+        );
+        assert!(status.success(), "{protocol}: {text}");
+        assert!(
+            text.contains(&format!("connector protocol {protocol}")),
+            "{text}"
+        );
+        assert!(text.contains("requests:  18/18"), "{text}");
+        assert!(
+            text.contains("errors:    none, every byte verified"),
+            "{text}"
+        );
+        assert!(text.contains("every read-back byte verified"), "{text}");
+        // Decode loads 3 x 4 new blocks per conversation (x 4 layers).
+        assert!(
+            text.contains("6 conversations of 3 turns: 72 tokens (blocks) loaded from prefill"),
+            "{text}"
+        );
+        assert!(text.contains("blocks:    288 "), "{text}");
+        let answered = count_before(&text, "turns answered with", " tokens of decode's own");
+        let read = count_before(&text, "read back", " tokens from the decode");
+        let recomputed = count_before(&text, "read back", " (below the recompute threshold");
+        assert!(read > 0, "{text}");
+        // Conversations 0-5 answer turns 1 and 2 with 1 + (c + turn) % 4 blocks: 32, of
+        // which 2 answers of one block are under the threshold.
+        assert_eq!((answered, read + recomputed), (32, 32), "{text}");
+        assert!(recomputed >= 2, "{text}");
+        assert!(
+            text.contains("from prefill's own prefix cache, 48 new"),
+            "{text}"
+        );
+        assert!(text.contains("demo: PASSED"), "{text}");
+    }
+}
+
+/// A wrong byte in an answer decode keeps is caught on both sides: by prefill, which reads
+/// it back, and by decode, whose prefix cache holds it for the next turn.
+#[test]
+fn a_corrupted_answer_is_caught_where_it_is_read_back() {
+    let mut prefill = Prefill::start(&["--sessions", "1", "--recompute-threshold", "2"]);
+    let args = [
+        "--requests",
+        "2",
+        "--blocks-per-request",
+        "4",
+        "--turns",
+        "2",
+        "--corrupt-answer",
+        "0",
+    ];
+    let (status, out) = run_decode(prefill.addr, &args);
+    assert!(!status.success(), "decode must fail on a mismatch:\n{out}");
+    assert!(
+        out.contains("request 0 layer 0 decode's answer block 4: first wrong byte at offset 0"),
+        "{out}"
+    );
+    let status = prefill.proc.finish();
+    let pout = prefill.proc.output();
+    assert!(
+        !status.success(),
+        "prefill must fail on a mismatch:\n{pout}"
+    );
+    assert!(pout.contains("1 read-back blocks mismatch"), "{pout}");
+    assert!(
+        pout.contains("request 0 layer 0 decode's answer block 4: first wrong byte at offset 0"),
+        "{pout}"
+    );
 }
 
 /// With `--secret-file` the connectors' side channels authenticate each other: a decode with

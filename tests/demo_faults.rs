@@ -1,5 +1,5 @@
 //! Faults around the prefill/decode demo: a prefill that dies mid-run, a decode that dies
-//! mid-run, and garbage, truncated, oversized or silent clients on prefill's control channel.
+//! mid-run (also amid read-backs of conversations of several turns), and garbage, truncated, oversized or silent clients on prefill's control channel.
 
 mod demo_support;
 
@@ -135,6 +135,58 @@ fn killed_decode_leaves_prefill_serving() {
     assert!(prefill.proc.is_running());
 }
 
+/// A decode killed amid conversations of several turns, read-backs from it in flight, leaves
+/// prefill serving with every block back: the next decode's last turns take all 64 of them.
+#[test]
+fn killed_decode_amid_read_backs_leaves_every_block_free() {
+    let mut prefill = Prefill::start(&["--recompute-threshold", "1"]);
+    let mut doomed = decode(
+        prefill.addr,
+        &[
+            "--requests",
+            "100000000",
+            "--blocks-per-request",
+            "4",
+            "--in-flight",
+            "3",
+            "--turns",
+            "3",
+            "--progress-interval-ms",
+            "50",
+        ],
+    );
+    doomed.expect_line("progress", |l| requests_done(l) > 30);
+    doomed.kill();
+    prefill
+        .proc
+        .expect_line("the ended session", |l| l.contains("ended early"));
+    assert!(prefill.proc.is_running(), "{}", prefill.proc.output());
+
+    // Turn 3's prompt is 3 x 20 new blocks and 2 answers of 2: the whole cache, which a
+    // block the ended session kept would leave short.
+    let whole = [
+        "--requests",
+        "2",
+        "--blocks-per-request",
+        "20",
+        "--in-flight",
+        "1",
+        "--turns",
+        "3",
+        "--answer-blocks",
+        "2",
+        "--xfer-timeout-s",
+        "10",
+    ];
+    let (status, out) = run_decode(prefill.addr, &whole);
+    assert!(status.success(), "{out}");
+    assert!(out.contains("every byte verified"), "{out}");
+    prefill
+        .proc
+        .expect_line("the second session", |l| l.contains("done: 6/6 requests"));
+    assert!(prefill.proc.is_running());
+}
+
 /// Connects, sends `bytes`, optionally half-closes, and returns prefill's reply frames.
 fn poke(addr: SocketAddr, bytes: &[u8], close_write: bool) -> Vec<Message> {
     let mut s = TcpStream::connect(addr).expect("connect to prefill");
@@ -200,6 +252,8 @@ fn bad_control_channel_input_is_rejected_without_harm() {
             layers: 4,
             block_bytes: 4096,
             requests: 1,
+            turns: 1,
+            answer_blocks: 0,
             blocks_per_request: 1,
             in_flight: 1,
             connector_protocol: protocol.into(),

@@ -24,6 +24,8 @@ fn zero_counts_and_timeouts_are_refused_naming_the_flag() {
         "--xfer-timeout-s",
         "--progress-interval-ms",
         "--abort-every",
+        "--turns",
+        "--answer-blocks",
     ];
     let prefill_flags = [
         "--sessions",

@@ -112,6 +112,8 @@ impl WorkerArgs {
             layout: self.layout(),
             protocol: self.protocol,
             secret_file: self.secret_file.as_deref(),
+            read_backs: None,
+            recompute_threshold: None,
         }
     }
 }

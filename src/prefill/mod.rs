@@ -7,6 +7,13 @@
 //! It serves any number of decode workers at once, one task per connection on tokio. A
 //! decode worker that dies or misbehaves ends only its own session: its blocks go back to
 //! the pool.
+//!
+//! With several turns per [`conversation`](crate::conversation) it also reads back, through
+//! the connector, the answers the decode keeps, and prefills each next turn.
+
+mod turns;
+
+pub use turns::ReadBackStats;
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
@@ -16,7 +23,8 @@ use std::time::{Duration, Instant};
 
 use futures_util::FutureExt;
 use nixl_connector::{
-    Channel, FinishStatus, KvConnectorScheduler, KvTransferParams, Protocol, SchedulerConfig,
+    Channel, FinishStatus, KvConnectorScheduler, KvTransferParams, LoadOutcome, Protocol,
+    SchedulerConfig,
 };
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, Notify};
@@ -24,6 +32,7 @@ use tokio::sync::{mpsc, Notify};
 use crate::admission::{Admission, Ticket};
 use crate::block_pool::BlockPool;
 use crate::config::Worker;
+use crate::conversation::{longest_prompt, TurnId};
 use crate::error::{Error, Result};
 use crate::metered::Metered;
 use crate::protocol::{Hello, Message, Welcome, DEFAULT_MAX_FRAME, PROTOCOL_VERSION};
@@ -88,6 +97,8 @@ pub struct SessionReport {
     pub bytes: u64,
     /// How long the session lasted.
     pub duration: Duration,
+    /// With several turns per conversation, what prefill read back and computed.
+    pub read_backs: Option<ReadBackStats>,
     /// `Ok` when every request was served, else why the session ended early.
     pub outcome: Result<()>,
 }
@@ -130,6 +141,18 @@ pub struct ServeStats {
     /// Of those, requests released by the end of their lease rather than by the decode's
     /// notification.
     pub freed_on_lease_end: u64,
+    /// Blocks read back from decodes whose bytes were wrong.
+    pub read_back_mismatches: u64,
+}
+
+/// What the engine step hands a session about one of its requests.
+#[derive(Debug)]
+enum Routed {
+    /// The connector released the request (the decode's notification came, or its lease
+    /// ended): its blocks are free.
+    Released(String),
+    /// The request's read-back ended.
+    LoadEnded(LoadOutcome),
 }
 
 /// State shared by the accept loop, the release router and the sessions.
@@ -142,7 +165,10 @@ struct Shared {
     next_request: AtomicU64,
     scheduler: Mutex<KvConnectorScheduler>,
     /// Which session each announced request belongs to.
-    owners: Mutex<HashMap<String, mpsc::UnboundedSender<String>>>,
+    owners: Mutex<HashMap<String, mpsc::UnboundedSender<Routed>>>,
+    /// The blocks of read-backs still in flight when their session ended, freed when the
+    /// read ends (it may still write them).
+    orphans: Mutex<HashMap<String, Vec<u32>>>,
     admission: Arc<Admission>,
 }
 
@@ -205,6 +231,7 @@ impl PrefillServer {
                 next_request: AtomicU64::new(0),
                 scheduler: Mutex::new(scheduler),
                 owners: Mutex::new(HashMap::new()),
+                orphans: Mutex::new(HashMap::new()),
                 admission,
             }),
             listener,
@@ -264,6 +291,10 @@ impl PrefillServer {
                             ended += 1;
                             stats.requests += report.requests_acked;
                             stats.failed_sessions += u64::from(report.outcome.is_err());
+                            stats.read_back_mismatches += report
+                                .read_backs
+                                .as_ref()
+                                .map_or(0, |r| r.mismatches.len() as u64);
                         }
                         PrefillEvent::Rejected { .. } => stats.rejected += 1,
                     }
@@ -277,15 +308,16 @@ impl PrefillServer {
     }
 }
 
-/// Runs an engine step ([`engine_step`]) whenever a decode notification arrives, and now and
-/// then for the leases that end, so that every request the connector released reaches the
-/// session that announced it.
+/// Runs an engine step ([`engine_step`]) whenever a decode notification arrives or a
+/// read-back ends, and now and then for the leases that end, so that every request the
+/// connector released, and every read-back that ended, reaches the session it belongs to.
 async fn route_releases(shared: Arc<Shared>) {
     let connector = &shared.worker.connector;
     let mut expiry = tokio::time::interval(EXPIRY_CHECK);
     loop {
         tokio::select! {
             () = connector.notified() => {}
+            () = connector.load_ended() => {}
             _ = expiry.tick() => {}
         }
         engine_step(&shared, &mut lock(&shared.scheduler));
@@ -296,19 +328,34 @@ async fn route_releases(shared: Arc<Shared>) {
 /// ([`KvConnectorScheduler::step`]: the scheduler's metadata to the worker, which holds the
 /// requests just finished, and the worker's output aggregated back); hands every request
 /// released (the decode's notification arrived, or its lease ended) to the session that
-/// announced it.
+/// announced it, and every read-back that ended to the session that started it.
 fn engine_step(shared: &Shared, scheduler: &mut KvConnectorScheduler) {
-    let released = match scheduler.step(std::slice::from_ref(&shared.worker.connector)) {
-        Ok(output) => output.finished_sending,
+    let output = match scheduler.step(std::slice::from_ref(&shared.worker.connector)) {
+        Ok(output) => output,
         Err(err) => {
             tracing::error!(%err, "the connector's output was refused");
             return;
         }
     };
-    for request in released {
+    for outcome in output.load_outcomes {
+        let request = match &outcome {
+            LoadOutcome::Loaded { request_id }
+            | LoadOutcome::Recompute { request_id, .. }
+            | LoadOutcome::Failed { request_id, .. }
+            | LoadOutcome::AbortedLoadEnded { request_id } => request_id.clone(),
+        };
+        if let Some(session) = lock(&shared.owners).get(&request) {
+            let _ = session.send(Routed::LoadEnded(outcome));
+        } else if let Some(blocks) = lock(&shared.orphans).remove(&request) {
+            // Its session ended during the read: nothing writes the blocks any more.
+            lock(&shared.pool).free(&blocks);
+            shared.blocks_freed.notify_waiters();
+        }
+    }
+    for request in output.finished_sending {
         match lock(&shared.owners).remove(&request) {
             Some(session) => {
-                let _ = session.send(request);
+                let _ = session.send(Routed::Released(request));
             }
             None => tracing::debug!(
                 %request,
@@ -458,11 +505,14 @@ async fn serve_session(
     let start = Instant::now();
     let mut session = Session {
         shared,
+        turns: (hello.turns > 1).then(|| turns::Turns::new(&hello)),
         hello,
         local_ip,
+        peer_ip: peer.ip(),
         channel,
         outstanding: HashMap::new(),
         acked: 0,
+        acked_blocks: 0,
     };
     let outcome = session.serve().await;
     session.end();
@@ -473,6 +523,7 @@ async fn serve_session(
         requests_acked: session.acked,
         bytes: session.acked_bytes(),
         duration: start.elapsed(),
+        read_backs: session.turns.take().map(|t| t.stats),
         outcome,
     };
     match &report.outcome {
@@ -573,6 +624,29 @@ fn check_hello(shared: &Shared, hello: &Hello) -> Result<()> {
     if hello.in_flight == 0 {
         return refuse("in-flight limit of 0".into());
     }
+    if hello.turns == 0 {
+        return refuse("conversations of 0 turns".into());
+    }
+    if hello.turns > 1 {
+        if !shared.worker.multi_turn.bidirectional {
+            return refuse(
+                "conversations of several turns need read-backs, which prefill's kv_transfer_config turns off (bidirectional_kv_xfer)".into(),
+            );
+        }
+        if hello.answer_blocks == 0 || hello.requests % u64::from(hello.turns) != 0 {
+            return refuse(format!(
+                "{} requests in conversations of {} turns answered with at most {} blocks",
+                hello.requests, hello.turns, hello.answer_blocks
+            ));
+        }
+        let longest = longest_prompt(hello.turns, hello.blocks_per_request, hello.answer_blocks);
+        if longest > layout.blocks as u64 {
+            return refuse(format!(
+                "the last turn's prompt takes up to {longest} blocks; prefill has {}",
+                layout.blocks
+            ));
+        }
+    }
     Ok(())
 }
 
@@ -582,9 +656,16 @@ struct Session<'a> {
     hello: Hello,
     /// The address the decode reached us at: the host its transfer params name.
     local_ip: IpAddr,
+    /// The decode's address: the host of the blocks it keeps for read-backs.
+    peer_ip: IpAddr,
     channel: Channel<Metered>,
-    outstanding: HashMap<u64, Vec<u32>>,
+    /// The blocks of each request announced (or reading back) and not yet released.
+    outstanding: HashMap<String, Vec<u32>>,
     acked: u64,
+    /// Blocks of the acknowledged requests.
+    acked_blocks: u64,
+    /// With several turns per conversation: the conversations and read-backs.
+    turns: Option<turns::Turns>,
 }
 
 impl Session<'_> {
@@ -598,8 +679,8 @@ impl Session<'_> {
             let blocks_freed = self.shared.blocks_freed.notified();
             tokio::pin!(blocks_freed);
             blocks_freed.as_mut().enable();
-            let mut starved = false;
-            while self.outstanding.len() < self.hello.in_flight as usize && issued < requests {
+            let mut starved = !self.next_turns(&released_tx).await?;
+            while !starved && self.may_start(issued) {
                 if !self.announce(&released_tx).await? {
                     starved = true;
                     break;
@@ -614,10 +695,32 @@ impl Session<'_> {
                     .map_err(Error::from);
             }
             tokio::select! {
-                Some(request) = released.recv() => self.acknowledge(&request),
-                message = self.channel.recv::<Message>() => return Err(self.unexpected(message)),
+                Some(routed) = released.recv() => match routed {
+                    Routed::Released(request) => self.acknowledge(&request),
+                    Routed::LoadEnded(outcome) => self.read_back_ended(outcome, &released_tx).await?,
+                },
+                message = self.channel.recv::<Message>() => match message {
+                    Ok(Message::Turn(params)) if self.turns.is_some() => self.turn_answered(*params)?,
+                    Ok(Message::TurnVllm(json)) if self.turns.is_some() => {
+                        let params = KvTransferParams::from_vllm_json(&json).map_err(|err| {
+                            Error::Protocol(format!("decode's vLLM kv_transfer_params: {err}"))
+                        })?;
+                        self.turn_answered(params)?
+                    }
+                    other => return Err(self.unexpected(other)),
+                },
                 () = &mut blocks_freed, if starved => {}
             }
+        }
+    }
+
+    /// Whether a new request (a new conversation, with several turns) may be announced,
+    /// `issued` of them so far: the in-flight limit and the session's count allow it.
+    fn may_start(&self, issued: u64) -> bool {
+        let in_flight = self.hello.in_flight as usize;
+        match &self.turns {
+            Some(turns) => turns.may_start(issued, in_flight),
+            None => self.outstanding.len() < in_flight && issued < self.hello.requests,
         }
     }
 
@@ -644,15 +747,29 @@ impl Session<'_> {
     /// Fills free blocks for a new request, finishes it through the scheduler (the
     /// connector holds it for the decode) and announces its params; `false` when no blocks
     /// are free.
-    async fn announce(&mut self, released: &mpsc::UnboundedSender<String>) -> Result<bool> {
+    async fn announce(&mut self, released: &mpsc::UnboundedSender<Routed>) -> Result<bool> {
         let count = self.hello.blocks_per_request as usize;
         let Some(blocks) = lock(&self.shared.pool).alloc(count) else {
             return Ok(false);
         };
         let request = self.shared.next_request.fetch_add(1, Ordering::Relaxed);
-        self.outstanding.insert(request, blocks.clone());
         let cache = self.shared.worker.cache()?;
-        cache.fill_blocks(&blocks, request)?;
+        let id = match &mut self.turns {
+            Some(turns) => {
+                // The conversation's first turn; its number seeds the pattern of its blocks.
+                let keys = turns.started(request, self.hello.blocks_per_request);
+                cache.compute_blocks(&blocks, &keys, request)?;
+                TurnId {
+                    conversation: request,
+                    turn: 1,
+                }
+                .to_string()
+            }
+            None => {
+                cache.fill_blocks(&blocks, request)?;
+                request.to_string()
+            }
+        };
         if self.shared.options.corrupt_request == Some(request) {
             tracing::warn!(
                 request,
@@ -660,20 +777,35 @@ impl Session<'_> {
             );
             cache.corrupt_block(blocks[0])?;
         }
-        let id = request.to_string();
-        lock(&self.shared.owners).insert(id.clone(), released.clone());
-        let block_ids: Vec<usize> = blocks.iter().map(|&b| b as usize).collect();
         let decode = KvTransferParams {
             do_remote_decode: true,
             ..Default::default()
         };
+        self.finish_and_announce(id, blocks, &decode, released)
+            .await?;
+        Ok(true)
+    }
+
+    /// Finishes request `id`, prefilled in `blocks`, through the scheduler with `asked` (the
+    /// params it arrived with: `do_remote_decode`), so that the connector holds it for the
+    /// decode, and announces its params.
+    async fn finish_and_announce(
+        &mut self,
+        id: String,
+        blocks: Vec<u32>,
+        asked: &KvTransferParams,
+        released: &mpsc::UnboundedSender<Routed>,
+    ) -> Result<()> {
+        lock(&self.shared.owners).insert(id.clone(), released.clone());
+        let block_ids: Vec<usize> = blocks.iter().map(|&b| b as usize).collect();
+        self.outstanding.insert(id.clone(), blocks);
         let mut params = {
             let mut scheduler = lock(&self.shared.scheduler);
             let finished = scheduler.request_finished(
                 &id,
                 &block_ids,
                 block_ids.len(),
-                Some(&decode),
+                Some(asked),
                 FinishStatus::LengthCapped,
             );
             engine_step(self.shared, &mut scheduler);
@@ -686,20 +818,20 @@ impl Session<'_> {
             _ => Message::Announce(Box::new(params)),
         };
         self.channel.send(&announce).await?;
-        Ok(true)
+        Ok(())
     }
 
     /// Frees the blocks of a request the connector released.
     fn acknowledge(&mut self, request: &str) {
-        match request
-            .parse()
-            .ok()
-            .and_then(|r| self.outstanding.remove(&r))
-        {
+        match self.outstanding.remove(request) {
             Some(blocks) => {
                 lock(&self.shared.pool).free(&blocks);
                 self.shared.blocks_freed.notify_waiters();
                 self.acked += 1;
+                self.acked_blocks += blocks.len() as u64;
+                if let Some(turns) = &mut self.turns {
+                    turns.released(request);
+                }
             }
             None => tracing::warn!(
                 agent = %self.hello.agent,
@@ -709,21 +841,38 @@ impl Session<'_> {
         }
     }
 
-    /// Gives back the blocks of every request still outstanding, and forgets them.
+    /// Gives back the blocks of every request still outstanding, and forgets them; a
+    /// read-back still in flight is aborted, and its blocks wait for its end.
     fn end(&mut self) {
+        let reading = self.turns.as_mut().map(|t| t.abandon()).unwrap_or_default();
+        let mut still_read = Vec::new();
+        {
+            let mut scheduler = lock(&self.shared.scheduler);
+            for request in reading {
+                let done =
+                    scheduler.request_finished(&request, &[], 0, None, FinishStatus::Aborted);
+                if done.delay_free_blocks {
+                    still_read.push(request);
+                }
+            }
+        }
         let mut owners = lock(&self.shared.owners);
+        let mut orphans = lock(&self.shared.orphans);
         let mut pool = lock(&self.shared.pool);
         for (request, blocks) in self.outstanding.drain() {
-            owners.remove(&request.to_string());
-            pool.free(&blocks);
+            owners.remove(&request);
+            if still_read.contains(&request) {
+                orphans.insert(request, blocks);
+            } else {
+                pool.free(&blocks);
+            }
         }
         self.shared.blocks_freed.notify_waiters();
     }
 
     fn acked_bytes(&self) -> u64 {
         let l = self.shared.worker.layout;
-        self.acked
-            .saturating_mul(u64::from(self.hello.blocks_per_request))
+        self.acked_blocks
             .saturating_mul((l.layers * l.block_bytes) as u64)
     }
 }

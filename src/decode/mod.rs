@@ -2,7 +2,11 @@
 //! control channel, and for every announced request hands the request's transfer params to
 //! the connector's scheduler and worker, which READ the request's blocks of every layer into
 //! free local blocks (the notification naming the request, so prefill frees it); then it
-//! checks every byte.
+//! checks every byte. With several turns per
+//! [`conversation`](crate::conversation) it answers each turn but the last and keeps the
+//! answered conversation for prefill to read back.
+
+mod turns;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
@@ -11,13 +15,14 @@ use std::time::{Duration, Instant};
 use nixl_connector::side_channel::RetryBackoff;
 use nixl_connector::{
     Channel, FinishStatus, KvConnectorScheduler, KvConnectorWorker, KvTransferParams, LoadOutcome,
-    SchedulerConfig,
+    Protocol, SchedulerConfig,
 };
 use tokio::net::TcpStream;
 use tokio::time::Instant as Deadline;
 
 use crate::block_pool::BlockPool;
 use crate::config::Worker;
+use crate::conversation::{longest_prompt, TurnId};
 use crate::error::{Error, Result};
 use crate::kv_cache::{KvCache, KvLayout, Mismatch};
 use crate::metered::Metered;
@@ -53,6 +58,14 @@ pub struct DecodeOptions {
     /// only notified) and once its load is with the connector (its blocks are freed when
     /// the load ends).
     pub abort_every: Option<u64>,
+    /// Turns per conversation: each request is a conversation of this many turns (1: a
+    /// request stands alone; see [`conversation`](crate::conversation)).
+    pub turns: u32,
+    /// With several turns, the most blocks decode answers a turn with.
+    pub answer_blocks: u32,
+    /// Fault injection: corrupt one byte of the first answer of this conversation, which
+    /// prefill reads back.
+    pub corrupt_answer: Option<u64>,
 }
 
 impl DecodeOptions {
@@ -69,13 +82,33 @@ impl DecodeOptions {
             progress_interval: Duration::from_millis(500),
             prefix_hit_blocks: 0,
             abort_every: None,
+            turns: 1,
+            answer_blocks: 4,
+            corrupt_answer: None,
+        }
+    }
+
+    /// Requests of the run: every turn of every conversation.
+    pub fn total_requests(&self) -> u64 {
+        self.requests.saturating_mul(u64::from(self.turns))
+    }
+
+    /// The most blocks a request's prompt takes (its last turn's, with several turns).
+    fn longest_prompt(&self) -> u64 {
+        if self.turns > 1 {
+            longest_prompt(self.turns, self.blocks_per_request, self.answer_blocks)
+        } else {
+            u64::from(self.blocks_per_request)
         }
     }
 }
 
 /// An announced request waiting for free local blocks.
 struct Pending {
+    /// The request's number, the seed of its pattern (its conversation's, with turns).
     request: u64,
+    /// The turn, with several turns.
+    turn: Option<TurnId>,
     params: KvTransferParams,
     announced: Instant,
     /// Aborted once its load is with the connector (`--abort-every`).
@@ -85,8 +118,13 @@ struct Pending {
 /// A load in flight: what it moves.
 struct Pull {
     request: u64,
+    turn: Option<TurnId>,
     local: Vec<u32>,
+    /// The pattern key of each local block: prefill's block, or with turns its position in
+    /// the conversation.
     remote: Vec<u32>,
+    /// Local blocks decode computed or held itself (its prefix cache), not loaded.
+    held: usize,
     announced: Instant,
     /// The request was aborted: its blocks are freed, unchecked, when the load ends.
     aborted: bool,
@@ -141,11 +179,23 @@ fn check_options(options: &DecodeOptions, layout: KvLayout) -> Result<()> {
     if options.abort_every == Some(0) {
         return Err(Error::Config("--abort-every must be at least 1".into()));
     }
-    let needed = options.blocks_per_request as usize * options.in_flight as usize;
-    if needed > layout.blocks {
+    if options.turns == 0 {
+        return Err(Error::Config("--turns must be at least 1".into()));
+    }
+    if options.turns > 1 && (options.prefix_hit_blocks > 0 || options.abort_every.is_some()) {
+        return Err(Error::Config(
+            "--turns runs without --prefix-hit-blocks and --abort-every (its turns hit decode's prefix cache themselves)".into(),
+        ));
+    }
+    if options.turns > 1 && options.answer_blocks == 0 {
+        return Err(Error::Config("--answer-blocks must be at least 1".into()));
+    }
+    let prompt = options.longest_prompt();
+    let needed = prompt.saturating_mul(u64::from(options.in_flight));
+    if needed > layout.blocks as u64 {
         return Err(Error::Config(format!(
-            "{} requests in flight of {} blocks need {needed} blocks; the decode cache has {}",
-            options.in_flight, options.blocks_per_request, layout.blocks
+            "{} requests in flight of {prompt} blocks need {needed} blocks; the decode cache has {}",
+            options.in_flight, layout.blocks
         )));
     }
     Ok(())
@@ -231,7 +281,13 @@ async fn greet(worker: &Worker, options: &DecodeOptions, deadline: Deadline) -> 
         agent: worker.name.clone(),
         layers: u32::try_from(layout.layers).unwrap_or(u32::MAX),
         block_bytes: layout.block_bytes as u64,
-        requests: options.requests,
+        requests: options.total_requests(),
+        turns: options.turns,
+        answer_blocks: if options.turns > 1 {
+            options.answer_blocks
+        } else {
+            0
+        },
         blocks_per_request: options.blocks_per_request,
         in_flight: options.in_flight,
         connector_protocol: worker.connector.protocol().to_string(),
@@ -340,8 +396,18 @@ async fn pull_all(
     welcome: &Welcome,
     on_progress: &mut impl FnMut(&Progress),
 ) -> Result<DecodeSummary> {
-    let scheduler_config =
-        SchedulerConfig::new(&worker.name, "", 0, 1, &worker.kv_transfer_config)?;
+    // Where a prefill reads back the blocks this engine keeps (with several turns).
+    let side_channel = worker.connector.side_channel_addr()?;
+    let mut scheduler_config = SchedulerConfig::new(
+        &worker.name,
+        &side_channel.ip().to_string(),
+        side_channel.port(),
+        1,
+        &worker.kv_transfer_config,
+    )?;
+    if worker.connector.protocol() == Protocol::Vllm {
+        scheduler_config.vllm_side_channel = Some(worker.connector.vllm_side_channel()?);
+    }
     let heartbeat_interval = scheduler_config.lease.heartbeat_interval();
     let scheduler = KvConnectorScheduler::new(scheduler_config);
     let mut state = RunState::new(worker, options, welcome, scheduler)?;
@@ -370,7 +436,11 @@ async fn pull_all(
                 state.step_due = true;
             }
             () = std::future::ready(()), if !state.ended.is_empty() => {
-                state.check_one()?;
+                state.check_one(connector)?;
+                // Answered turns go to prefill for their next turn.
+                for message in state.outbox.drain(..) {
+                    channel.send(&message).await?;
+                }
                 // Let the connector's tasks (READs awaited past their post) run between checks.
                 tokio::task::yield_now().await;
             }
@@ -387,7 +457,7 @@ async fn pull_all(
             _ = step.tick() => state.step_due = true,
             () = &mut idle => return Err(Error::Timeout(format!(
                 "no announcement from prefill and no load ended for {:?}, with {}/{} requests done",
-                options.idle_timeout, state.progress.requests_done, options.requests
+                options.idle_timeout, state.progress.requests_done, options.total_requests()
             ))),
         }
     }
@@ -462,7 +532,8 @@ struct RunState<'w> {
     in_flight: HashMap<String, Pull>,
     /// Loads that ended, oldest first, waiting to be checked.
     ended: VecDeque<String>,
-    seen: HashSet<u64>,
+    /// Request ids announced so far.
+    seen: HashSet<String>,
     complete: bool,
     latencies: Vec<Duration>,
     mismatches: Vec<Mismatch>,
@@ -473,6 +544,10 @@ struct RunState<'w> {
     step_due: bool,
     /// How the loads the steps reported ended, for the loop to handle.
     outcomes: Vec<LoadOutcome>,
+    /// With several turns: the conversations.
+    conversations: Option<turns::Conversations>,
+    /// Messages for prefill: answered turns.
+    outbox: Vec<Message>,
 }
 
 impl<'w> RunState<'w> {
@@ -505,18 +580,36 @@ impl<'w> RunState<'w> {
             lifecycle: Lifecycle::default(),
             progress: Progress {
                 requests_done: 0,
-                requests_total: options.requests,
+                requests_total: options.total_requests(),
                 blocks: 0,
                 bytes: 0,
                 elapsed: Duration::ZERO,
             },
             step_due: false,
             outcomes: Vec::new(),
+            conversations: (options.turns > 1).then(|| {
+                turns::Conversations::new(
+                    options.turns,
+                    options.blocks_per_request,
+                    options.answer_blocks,
+                    options.corrupt_answer,
+                )
+            }),
+            outbox: Vec::new(),
         })
     }
 
     /// What the run did, reading from the prefill that sent `welcome`.
-    fn summary(self, welcome: &Welcome) -> DecodeSummary {
+    fn summary(mut self, welcome: &Welcome) -> DecodeSummary {
+        if let Some(conversations) = &self.conversations {
+            self.lifecycle.turns = Some(crate::stats::Turns {
+                conversations: self.options.requests,
+                turns: self.options.turns,
+                loaded_blocks: self.progress.blocks / self.cache.layout().layers.max(1) as u64,
+                answers_kept: conversations.answers,
+                answer_blocks: conversations.answer_blocks,
+            });
+        }
         DecodeSummary {
             prefill_agent: welcome.engine.clone(),
             progress: self.progress,
@@ -562,11 +655,11 @@ impl<'w> RunState<'w> {
     }
 
     fn finished(&self) -> bool {
-        self.complete && self.progress.requests_done == self.options.requests
+        self.complete && self.progress.requests_done == self.progress.requests_total
     }
 
     fn handle(&mut self, message: Message) -> Result<()> {
-        let total = self.options.requests;
+        let total = self.progress.requests_total;
         match message {
             Message::Announce(params) => self.announce(*params),
             Message::AnnounceVllm(json) => {
@@ -596,11 +689,11 @@ impl<'w> RunState<'w> {
     /// Takes an announced request: aborts it at once (`--abort-every`), or queues it for
     /// free blocks.
     fn announce(&mut self, mut params: KvTransferParams) -> Result<()> {
-        let request = self.check_announce(&params)?;
+        let (request, turn) = self.check_announce(&params)?;
         // Read from the prefill this run connected to, wherever the params point.
         params.remote_host = Some(self.source.1.clone());
         params.remote_port = Some(self.source.2);
-        let id = request.to_string();
+        let id = turn.map_or_else(|| request.to_string(), |turn| turn.to_string());
         // Heartbeats keep its lease while it waits for free blocks.
         self.scheduler.on_new_request(&id, Some(&params));
         let abort = self.abort_point();
@@ -617,6 +710,7 @@ impl<'w> RunState<'w> {
         }
         self.pending.push_back(Pending {
             request,
+            turn,
             params,
             announced: Instant::now(),
             abort_during_load: abort == Some(AbortPoint::DuringLoad),
@@ -624,16 +718,23 @@ impl<'w> RunState<'w> {
         Ok(())
     }
 
-    /// Checks an announcement and returns its request number.
-    fn check_announce(&mut self, params: &KvTransferParams) -> Result<u64> {
+    /// Checks an announcement and returns its request number (the seed of its pattern: its
+    /// conversation's, with several turns) and its turn.
+    fn check_announce(&mut self, params: &KvTransferParams) -> Result<(u64, Option<TurnId>)> {
         let id = params.remote_request_id.as_deref().unwrap_or("");
         let bad = |reason: String| {
             Err(Error::Protocol(format!(
                 "announcement of request {id:?}: {reason}"
             )))
         };
-        let Ok(request) = id.parse::<u64>() else {
-            return bad("the request id is not a number".into());
+        let (request, turn) = if self.conversations.is_some() {
+            let turn = TurnId::parse(id)?;
+            (turn.conversation, Some(turn))
+        } else {
+            let Ok(request) = id.parse::<u64>() else {
+                return bad("the request id is not a number".into());
+            };
+            (request, None)
         };
         let Some(from) = params.remote_blocks() else {
             return bad("the transfer params lack where to read".into());
@@ -645,7 +746,9 @@ impl<'w> RunState<'w> {
             ));
         }
         let blocks = &params.remote_block_ids;
-        if blocks.len() != self.options.blocks_per_request as usize {
+        if let (Some(turn), Some(conversations)) = (turn, self.conversations.as_mut()) {
+            conversations.announced(turn, blocks.len())?;
+        } else if blocks.len() != self.options.blocks_per_request as usize {
             return bad(format!(
                 "{} blocks, {} expected",
                 blocks.len(),
@@ -658,13 +761,13 @@ impl<'w> RunState<'w> {
                 self.remote_blocks
             ));
         }
-        if !self.seen.insert(request) {
+        if !self.seen.insert(id.to_string()) {
             return bad("announced twice".into());
         }
-        if self.seen.len() as u64 > self.options.requests {
+        if self.seen.len() as u64 > self.progress.requests_total {
             return bad(format!(
                 "more than the {} requests asked for",
-                self.options.requests
+                self.progress.requests_total
             ));
         }
         // Prefill may announce the next request as soon as a notification reaches it, a
@@ -675,7 +778,7 @@ impl<'w> RunState<'w> {
         if outstanding >= limit {
             return bad(format!("more than {limit} requests outstanding"));
         }
-        Ok(request)
+        Ok((request, turn))
     }
 
     /// Where the next announced request is aborted, if `--abort-every` picks it: every
@@ -698,31 +801,46 @@ impl<'w> RunState<'w> {
     /// prefill's blocks, the worker reads them.
     fn start_loads(&mut self, worker: &Worker) -> Result<()> {
         let hits = self.options.prefix_hit_blocks as usize;
-        while !self.pending.is_empty() {
-            let Some(local) = self.pool.alloc(self.options.blocks_per_request as usize) else {
+        while let Some(next) = self.pending.front() {
+            let count = match (next.turn, &self.conversations) {
+                (Some(turn), Some(conversations)) => conversations.blocks_for(turn),
+                _ => self.options.blocks_per_request as usize,
+            };
+            let Some(local) = self.pool.alloc(count) else {
                 break;
             };
             let Some(pending) = self.pending.pop_front() else {
                 break;
             };
-            let id = pending.request.to_string();
-            let remote: Vec<u32> = pending
-                .params
-                .remote_block_ids
-                .iter()
-                .map(|&b| b as u32)
-                .collect();
-            self.cache
-                .compute_blocks(&local[..hits], &remote[..hits], pending.request)?;
-            self.lifecycle.prefix_hit_blocks += hits as u64;
-            let missing: Vec<usize> = local[hits..].iter().map(|&b| b as usize).collect();
+            let (id, local, remote, held) = match (pending.turn, self.conversations.as_mut()) {
+                (Some(turn), Some(conversations)) => {
+                    // The conversation so far is in decode's cache: its prefix cache holds it.
+                    let load = conversations.load(turn, &local);
+                    (turn.to_string(), load.local, load.keys, load.held)
+                }
+                _ => {
+                    let remote: Vec<u32> = pending
+                        .params
+                        .remote_block_ids
+                        .iter()
+                        .map(|&b| b as u32)
+                        .collect();
+                    self.cache
+                        .compute_blocks(&local[..hits], &remote[..hits], pending.request)?;
+                    (pending.request.to_string(), local, remote, hits)
+                }
+            };
+            self.lifecycle.prefix_hit_blocks += held as u64;
+            let missing: Vec<usize> = local[held..].iter().map(|&b| b as usize).collect();
             self.scheduler
                 .update_state_after_alloc(&id, &missing, &pending.params)?;
             self.step_due = true;
             let mut pull = Pull {
                 request: pending.request,
+                turn: pending.turn,
                 local,
                 remote,
+                held,
                 announced: pending.announced,
                 aborted: false,
             };
@@ -802,8 +920,9 @@ impl<'w> RunState<'w> {
         Ok(())
     }
 
-    /// Checks the blocks of the oldest ended load and frees them.
-    fn check_one(&mut self) -> Result<()> {
+    /// Checks the blocks of the oldest ended load and frees them; with several turns, ends
+    /// the turn instead ([`answer`](Self::answer)).
+    fn check_one(&mut self, connector: &KvConnectorWorker) -> Result<()> {
         let Some(id) = self.ended.pop_front() else {
             return Ok(());
         };
@@ -817,12 +936,37 @@ impl<'w> RunState<'w> {
         self.mismatches.extend(bad);
         self.latencies.push(pull.announced.elapsed());
         let layout = self.cache.layout();
-        let pulled = pull.local.len() - self.options.prefix_hit_blocks as usize;
+        let pulled = pull.local.len() - pull.held;
         let blocks = (pulled * layout.layers) as u64;
         self.progress.requests_done += 1;
         self.progress.blocks += blocks;
         self.progress.bytes += blocks * layout.block_bytes as u64;
-        self.pool.free(&pull.local);
+        match pull.turn {
+            Some(turn) => self.answer(turn, connector),
+            None => {
+                self.pool.free(&pull.local);
+                Ok(())
+            }
+        }
+    }
+
+    /// Ends turn `turn`, loaded and checked: the last one frees its conversation; any other
+    /// is answered and kept, and a step hands the kept blocks to the worker before the
+    /// params that name them go to prefill.
+    fn answer(&mut self, turn: TurnId, connector: &KvConnectorWorker) -> Result<()> {
+        let Some(conversations) = self.conversations.as_mut() else {
+            return Ok(());
+        };
+        let Some(params) =
+            conversations.answered(turn, &self.cache, &mut self.pool, &mut self.scheduler)?
+        else {
+            return Ok(());
+        };
+        self.step(connector)?;
+        self.outbox.push(match connector.protocol() {
+            Protocol::Vllm => Message::TurnVllm(params.to_vllm_json()),
+            _ => Message::Turn(Box::new(params)),
+        });
         Ok(())
     }
 }
