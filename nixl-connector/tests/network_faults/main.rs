@@ -293,7 +293,8 @@ fn a_cut_side_channel_stops_only_new_handshakes() {
 }
 
 /// Measures, per fault, the time from its start to the end of the last load it caught in
-/// flight (each fault outlasting [`BOUND`]), `NF43_RUNS` times (default 10) for each of a
+/// flight and failed (each fault outlasting [`BOUND`]; loads whose last bytes had passed
+/// still complete), `NF43_RUNS` times (default 10) for each of a
 /// link down, a blackhole route and a cut data path, and prints a table. By hand:
 /// `cargo test -p nixl-connector --test network_faults -- --ignored --exact measure_fault_to_load_end --nocapture`.
 #[test]
@@ -312,7 +313,7 @@ fn measure_fault_to_load_end() {
     let port: u16 = at.rsplit_once(':').unwrap().1.parse().unwrap();
     let scenarios = [Fault::LinkDown, Fault::Blackhole, Fault::DataPathCut(port)];
     let mut table = String::from(
-        "| fault | runs | loads caught | fault to last load's end, min / median / max (ms) |\n| --- | --- | --- | --- |\n",
+        "| fault | runs | loads caught and failed | fault to the last one's end, min / median / max (ms) |\n| --- | --- | --- | --- |\n",
     );
     for fault in scenarios {
         let mut times = Vec::new();

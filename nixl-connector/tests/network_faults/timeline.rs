@@ -113,20 +113,26 @@ impl Timeline {
         }
     }
 
-    /// The loads in flight at `at` (started before, ended after) and, if every one has ended,
-    /// the time from `at` to the last one's end.
+    /// The loads in flight at `at` (started before, not ended) that then failed and, if
+    /// every load in flight then has ended, the time from `at` to the last failure's end.
     pub fn caught(&self, at: u64) -> (usize, Option<u64>) {
         let loads = self.loads();
         let caught: Vec<&Load> = loads
             .values()
             .filter(|l| l.start <= at && l.end.as_ref().map_or(true, |(end, _)| *end > at))
             .collect();
-        let last = caught
+        let ends = caught
             .iter()
-            .map(|l| l.end.as_ref().map(|(end, _)| end - at))
-            .collect::<Option<Vec<u64>>>()
-            .and_then(|ends| ends.into_iter().max());
-        (caught.len(), last)
+            .map(|l| l.end.as_ref())
+            .collect::<Option<Vec<_>>>();
+        let failed: Vec<u64> = ends
+            .iter()
+            .flatten()
+            .filter(|(_, how)| how != "loaded")
+            .map(|(end, _)| end - at)
+            .collect();
+        let last = ends.and(failed.iter().max().copied());
+        (failed.len(), last)
     }
 
     /// Every load the decode reported.
