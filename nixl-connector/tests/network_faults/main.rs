@@ -3,9 +3,10 @@
 //! in its own namespace; the decode keeps loads in flight and prints when each starts and
 //! ends, on the monotonic clock both namespaces share.
 //!
-//! - Partitions (link down, blackhole routes) longer and shorter than the bound: no engine
-//!   dies, every load ends within [`BOUND`] of its start, and loads flow again after every
-//!   heal with neither engine restarted.
+//! - Partitions (link down, blackhole routes, the data path dropped by port with the side
+//!   channel up) longer and shorter than the bound: no engine dies, every load ends within
+//!   [`BOUND`] of its start, and loads flow again after every heal with neither engine
+//!   restarted.
 //! - A decode killed behind a partition: the prefill lives (#43's abort), and serves a new
 //!   decode.
 //! - The side channel cut, the data path kept: loads from the known prefill go on, a new
@@ -139,22 +140,25 @@ const HEALTHY: Duration = Duration::from_millis(500);
 /// after repeated failures is at most 60 s.
 const HEAL_LIMIT: Duration = Duration::from_secs(90);
 
-/// Partitions longer and shorter than the bound, by link and by route: no engine dies,
-/// every load ends within [`BOUND`] of its start (loaded, or failed with the reason), and
-/// loads flow again after every heal with neither engine restarted.
+/// Partitions longer and shorter than the bound, by link and by route, and the data path
+/// cut with the side channel up: no engine dies, every load ends within [`BOUND`] of its
+/// start (loaded, or failed with the reason), and loads flow again after every heal with
+/// neither engine restarted.
 #[test]
 fn partitions_end_every_load_in_bounded_time_and_kill_no_engine() {
     if !hosts_available("partitions_end_every_load_in_bounded_time_and_kill_no_engine") {
         return;
     }
+    let hosts = Hosts::new();
+    let (mut prefill, at) = Engine::prefill(&hosts);
+    let port: u16 = at.rsplit_once(':').unwrap().1.parse().unwrap();
     let plan = [
         (Fault::LinkDown, Duration::from_secs(16)),
         (Fault::Blackhole, Duration::from_secs(16)),
+        (Fault::DataPathCut(port), Duration::from_secs(16)),
         (Fault::LinkDown, Duration::from_secs(3)),
         (Fault::Blackhole, Duration::from_secs(3)),
     ];
-    let hosts = Hosts::new();
-    let (mut prefill, at) = Engine::prefill(&hosts);
     let (mut decode, timeline) = Engine::decode(&hosts, &at);
     let mut faults = Vec::new();
     let mut flowing = Ok(());
