@@ -302,7 +302,7 @@ fn a_cut_side_channel_stops_only_new_handshakes() {
 /// link down, a blackhole route and a cut data path, and prints a table. By hand:
 /// `cargo test -p nixl-connector --test network_faults -- --ignored --exact measure_fault_to_load_end --nocapture`.
 #[test]
-#[ignore = "a measurement, by hand (about 12 minutes)"]
+#[ignore = "a measurement, by hand (about 30 minutes at 10 runs)"]
 fn measure_fault_to_load_end() {
     if !hosts_available("measure_fault_to_load_end") {
         return;
