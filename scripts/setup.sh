@@ -9,6 +9,8 @@
 #    etcd metadata mode and its tests start one on loopback.
 #  - openssl (Debian openssl), when no `openssl` binary is found: tests/etcd_tls.rs makes its
 #    CA and certificates with it.
+#  - nftables (Debian nftables), when no `nft` binary is found: the connector's network fault
+#    tests (nixl-connector/tests/network_faults/) cut the data path or the side channel by port.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
@@ -30,6 +32,7 @@ apt_install() {
 have_libclang || apt_install libclang-dev "the bindings drift test runs bindgen, which needs libclang"
 command -v etcd >/dev/null 2>&1 || apt_install etcd-server "etcd metadata exchange"
 command -v openssl >/dev/null 2>&1 || apt_install openssl "the etcd TLS test's certificates"
+command -v nft >/dev/null 2>&1 || [[ -x /usr/sbin/nft ]] || apt_install nftables "the network fault tests drop packets by port"
 
 if [[ -z ${NIXL_PREFIX:-}${NIXL_LIB_DIR:-} ]]; then
     "$root/vendor/install-nixl.sh"

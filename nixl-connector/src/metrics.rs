@@ -51,6 +51,10 @@ pub struct RemoteStats {
     /// Loaded agents invalidated because a handshake brought different metadata for them
     /// (a peer restarted under the same name).
     pub replaced: u64,
+    /// Loaded agents invalidated and loaded again from the same metadata because a transfer
+    /// from them failed in NIXL (UCX does not reconnect a failed endpoint: a partition or a
+    /// reset ends the connection, and only a new load connects again).
+    pub reconnected: u64,
     /// Remote engines known now: used by a load or a heartbeat and not evicted.
     pub engines: u64,
     /// Remote agents loaded now (one per remote rank handshaken with).

@@ -62,6 +62,7 @@ mod reregister;
 pub(crate) mod sending;
 pub(crate) mod shared;
 mod shutdown;
+mod ucx_defaults;
 
 #[cfg(all(test, not(feature = "vllm")))]
 mod without_vllm;
@@ -853,7 +854,9 @@ impl Settings {
 
 /// The context of a worker of `config` and `settings`: its KV cache groups, its NIXL
 /// agent with telemetry on (each READ's post and transfer durations feed the exported
-/// series), its side channel's guard, its metrics and, in vLLM mode, its vLLM side.
+/// series) and its UCX backend with the connector's defaults where the config sets none
+/// (see [`ucx_defaults`]), its side channel's guard, its metrics and, in vLLM mode, its
+/// vLLM side.
 fn context(config: WorkerConfig, settings: &Settings) -> Result<Context> {
     let protocol = settings.protocol;
     let groups = KvCacheGroups::from_kv_transfer_config(&config.kv_transfer_config)?;
@@ -873,7 +876,7 @@ fn context(config: WorkerConfig, settings: &Settings) -> Result<Context> {
         Agent::builder(&name)
             .config(config.agent_config.clone())
             .telemetry(true),
-        &config.kv_transfer_config,
+        &ucx_defaults::with_ucx_defaults(&config.kv_transfer_config)?,
         config.platform.as_ref(),
     )?;
     let role = config.kv_transfer_config.kv_role;

@@ -8,11 +8,17 @@
 //!     "kv_connector": "NixlConnector",
 //!     "kv_role": "kv_both",
 //!     "kv_buffer_device": "cpu",
-//!     "kv_connector_extra_config": {"backends": ["UCX", "POSIX"]}
+//!     "kv_connector_extra_config": {
+//!         "backends": ["UCX", "POSIX"],
+//!         "backend_params": {"UCX": {"engine_config": "TCP_USER_TIMEOUT=10s"}}
+//!     }
 //! }"#).unwrap();
 //! assert_eq!(config.kv_role, Some(KvRole::Both));
 //! assert_eq!(config.backends().unwrap(), ["UCX", "POSIX"]);
+//! assert_eq!(config.backend_params("UCX").unwrap()["engine_config"], "TCP_USER_TIMEOUT=10s");
 //! ```
+
+use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
@@ -85,12 +91,14 @@ impl KvTransferConfig {
     ///
     /// # Errors
     /// [`Error::Config`] for malformed JSON, a value of the wrong type, an unknown `kv_role`,
-    /// or a malformed `backends` list, with serde's line and column.
+    /// or a malformed `backends` list or `backend_params` map, with serde's line and column.
     pub fn from_json(json: &str) -> Result<Self> {
         let config: KvTransferConfig = serde_json::from_str(json).map_err(|err| Error::Config {
             reason: err.to_string(),
         })?;
-        config.backends()?;
+        for backend in config.backends()? {
+            config.backend_params(&backend)?;
+        }
         config.refuse_same_host_transports()?;
         Ok(config)
     }
@@ -155,6 +163,45 @@ impl KvTransferConfig {
             })
             .collect()
     }
+
+    /// The parameters to create backend `backend` with, over the plugin's defaults:
+    /// `kv_connector_extra_config.backend_params.<backend>`, an object of strings (e.g.
+    /// `{"UCX": {"engine_config": "TCP_USER_TIMEOUT=10s", "ucx_error_handling_mode":
+    /// "peer"}}`); empty when absent. The keys are checked when the backend is created
+    /// ([`Agent::create_backend_with`]).
+    ///
+    /// # Errors
+    /// [`Error::Config`] if `backend_params` is not an object of objects, or a value is not
+    /// a string.
+    pub fn backend_params(&self, backend: &str) -> Result<BTreeMap<String, String>> {
+        let Some(all) = self.kv_connector_extra_config.get("backend_params") else {
+            return Ok(BTreeMap::new());
+        };
+        let bad = |what: String| Error::Config {
+            reason: format!(
+                "kv_connector_extra_config.backend_params {what}, e.g. {{\"UCX\": \
+                 {{\"engine_config\": \"TCP_USER_TIMEOUT=10s\"}}}}; got {all}"
+            ),
+        };
+        let all = all
+            .as_object()
+            .ok_or_else(|| bad("must map backend names to their parameters".into()))?;
+        let Some(params) = all.get(backend) else {
+            return Ok(BTreeMap::new());
+        };
+        let params = params
+            .as_object()
+            .ok_or_else(|| bad(format!("must give {backend}'s parameters as an object")))?;
+        params
+            .iter()
+            .map(|(key, value)| match value.as_str() {
+                Some(value) => Ok((key.clone(), value.to_string())),
+                None => Err(bad(format!(
+                    "must give {backend}'s parameter {key:?} as a string"
+                ))),
+            })
+            .collect()
+    }
 }
 
 /// A NIXL agent set up from a [`KvTransferConfig`] and a platform: exactly the configured
@@ -170,13 +217,16 @@ impl NixlSetup {
     /// Resolves the memory type (see [`crate::platform`]), creates the agent (with
     /// [`refuse_same_host_transports`](KvTransferConfig::refuse_same_host_transports) from
     /// the config, when set), checks every configured backend against the available
-    /// plugins, and creates each one.
+    /// plugins, and creates each one with its
+    /// [`backend_params`](KvTransferConfig::backend_params).
     ///
     /// # Errors
     /// The platform errors of [`PlatformRegistry::nixl_memory_type`];
-    /// [`Error::Config`] for a bad backend list or `refuse_same_host_transports` value;
+    /// [`Error::Config`] for a bad backend list, `backend_params` map or
+    /// `refuse_same_host_transports` value;
     /// [`Error::UnknownPlugin`] (listing the available plugins) for a backend NIXL does not
-    /// have; agent and backend creation errors.
+    /// have; agent and backend creation errors (those of
+    /// [`Agent::create_backend_with`]).
     pub fn new(
         agent: AgentBuilder,
         config: &KvTransferConfig,
@@ -199,7 +249,7 @@ impl NixlSetup {
         }
         let backends = names
             .iter()
-            .map(|name| agent.create_backend(name))
+            .map(|name| agent.create_backend_with(name, config.backend_params(name)?))
             .collect::<Result<Vec<_>>>()?;
         tracing::info!(
             agent = agent.name(),

@@ -4,9 +4,12 @@
 //!
 //! A remote rank is handshaken with again after a transfer with it failed. Its agent's
 //! metadata is loaded into NIXL only when it differs, byte for byte, from what that agent
-//! was loaded from (then the old one is invalidated first): NIXL 1.5.1 keeps two file
-//! descriptors for every load and invalidation of a live peer, so reloading a flapping peer
-//! would grow the process's descriptors without bound.
+//! was loaded from, or when a transfer from that agent failed in NIXL (then the old one is
+//! invalidated first): NIXL 1.5.1 keeps two file descriptors for every load and
+//! invalidation of a live peer, so reloading a peer at every handshake would grow the
+//! process's descriptors without bound, but UCX never reconnects an endpoint that failed
+//! (a network partition, a reset): NIXL then fails every later post to that agent, and only
+//! a new load of its metadata connects again.
 //!
 //! Engines churn: a prefill that restarts is a new engine. An engine whose handshakes or
 //! transfers keep failing is backed off from, and engines idle past the TTL or replaced at
@@ -113,6 +116,9 @@ struct LoadedAgents {
     /// By engine id and rank: the agent of a rank forgotten after a failed or overdue READ,
     /// until its next handshake ends (a key of `by_name` while its metadata stays loaded).
     after_failure: HashMap<(String, usize), String>,
+    /// Agents a transfer failed with in NIXL since they were loaded: their connection may be
+    /// dead, so the next handshake loads their metadata again, even the same bytes.
+    failed_in_nixl: HashSet<String>,
     stats: RemoteStats,
 }
 
@@ -292,6 +298,7 @@ impl Remotes {
         loaded.after_failure.retain(|(e, _), _| e != engine);
         for name in names {
             loaded.by_name.remove(&name);
+            loaded.failed_in_nixl.remove(&name);
             if let Err(err) = agent.invalidate_remote_metadata(&name) {
                 tracing::debug!(%engine, remote = %name, %err, "invalidating an evicted engine's agent failed");
             }
@@ -343,7 +350,8 @@ impl Remotes {
 
     /// Forgets `remote` after a load from it failed with `error` (as
     /// [`forget_after_failure`](Self::forget_after_failure)); a failure in NIXL itself (at
-    /// the post or in the status poll) also marks `engine` as a failed handshake does, so
+    /// the post or in the status poll) makes the next handshake load the agent's metadata
+    /// again (see [`load_metadata`](Self::load_metadata)), and marks `engine` as a failed handshake does, so
     /// that an engine whose transfers keep failing is backed off from (vLLM's
     /// `_handle_failed_transfer` and `_mark_remote_engine_invalid`). vLLM marks an engine
     /// whose agent NIXL dropped on the failure; NIXL 1.5.1 keeps the agent's metadata after a peer's disconnection and its
@@ -358,7 +366,14 @@ impl Remotes {
         remote: &Arc<Remote>,
         error: &Error,
     ) {
-        if !self.forget_after_failure(engine, rank, remote) || !matches!(error, Error::Nixl(_)) {
+        let current = self.forget_after_failure(engine, rank, remote);
+        if !matches!(error, Error::Nixl(_)) {
+            return;
+        }
+        // Also when the READ passed the transfer timeout first (which forgot the rank): its
+        // agent's connection may be dead all the same.
+        self.loaded().failed_in_nixl.insert(remote.agent.clone());
+        if !current {
             return;
         }
         let mut book = self.book();
@@ -412,8 +427,10 @@ impl Remotes {
     /// Makes `agent` know the remote agent `name`, named in the handshake of `source`
     /// (engine id and rank), from `metadata` (validated by [`Agent::load_remote_metadata`])
     /// and returns the name the metadata declares. Metadata identical to what `name` was
-    /// loaded from reuses the loaded agent. Different metadata replaces it (invalidating the
-    /// old) only when `source` loaded it: a peer cannot take over another's agent by naming it.
+    /// loaded from reuses the loaded agent, unless a transfer from it failed in NIXL since
+    /// (its connection may be dead: it is loaded again, as different metadata is).
+    /// Different metadata replaces it (invalidating the old) only when `source` loaded it: a
+    /// peer cannot take over another's agent by naming it.
     pub(crate) fn load_metadata(
         &self,
         agent: &Agent,
@@ -424,8 +441,9 @@ impl Remotes {
         let mut loaded = self.loaded();
         loaded.stats.handshakes += 1;
         let known = agent.has_remote_metadata(name)?;
+        let failed = loaded.failed_in_nixl.contains(name);
         match loaded.by_name.get(name).filter(|_| known) {
-            Some(last) if last.metadata == metadata => {
+            Some(last) if last.metadata == metadata && !failed => {
                 loaded.stats.reused += 1;
                 return Ok(name.to_string());
             }
@@ -440,6 +458,12 @@ impl Remotes {
                     ),
                 })
             }
+            Some(last) if last.metadata == metadata => {
+                tracing::info!(remote = %name, "a transfer from the remote agent failed in NIXL; loading its metadata again to connect again");
+                agent.invalidate_remote_metadata(name)?;
+                loaded.by_name.remove(name);
+                loaded.stats.reconnected += 1;
+            }
             Some(_) => {
                 tracing::info!(remote = %name, "the remote agent's metadata changed; invalidating the old one");
                 agent.invalidate_remote_metadata(name)?;
@@ -448,6 +472,7 @@ impl Remotes {
             }
             None => {}
         }
+        loaded.failed_in_nixl.remove(name);
         let declared = agent.load_remote_metadata(metadata)?;
         loaded.stats.loaded += 1;
         let entry = LoadedAgent {

@@ -1,0 +1,231 @@
+//! Two "hosts" for the tests: network namespaces joined by a veth pair, the prefill at
+//! `10.43.<n>.1` and the decode at `10.43.<n>.2`, and the faults the kernel offers between
+//! them. Every namespace, and with it every device, route and rule, is removed when the
+//! [`Hosts`] is dropped, whatever happened.
+
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// Hosts made by this process so far: each pair gets its own names and subnet.
+static MADE: AtomicUsize = AtomicUsize::new(0);
+
+/// Why namespaces cannot be used here, if they cannot.
+pub fn netns_unavailable() -> Option<String> {
+    let uid = Command::new("id").arg("-u").output().ok()?;
+    if String::from_utf8_lossy(&uid.stdout).trim() != "0" {
+        return Some("not running as root".into());
+    }
+    let probe = format!("nf43-probe-{}", std::process::id());
+    match Command::new("ip").args(["netns", "add", &probe]).output() {
+        Ok(out) if out.status.success() => {
+            let _ = Command::new("ip").args(["netns", "del", &probe]).status();
+            None
+        }
+        Ok(out) => Some(format!(
+            "`ip netns add` failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )),
+        Err(err) => Some(format!("cannot run `ip`: {err}")),
+    }
+}
+
+/// Runs `args`; panics with its stderr if it fails.
+fn run(args: &[&str]) -> Output {
+    let out = Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .unwrap_or_else(|err| panic!("run {args:?}: {err}"));
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+    out
+}
+
+/// One side of the pair.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    /// The prefill's host.
+    Prefill,
+    /// The decode's host.
+    Decode,
+}
+
+/// A fault between the two hosts, made by [`Hosts::fault`] and undone by [`Hosts::heal`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// The prefill's end of the veth pair is down: nothing passes, both ways.
+    LinkDown,
+    /// Each host routes the other's address into a blackhole: packets vanish silently.
+    Blackhole,
+    /// The prefill's host drops every TCP packet from the decode's host but those to its
+    /// side channel's port (the field): handshakes pass, NIXL's data path does not.
+    DataPathCut(u16),
+    /// The prefill's host drops the TCP packets from the decode's host to its side channel's
+    /// port (the field): NIXL's data path passes, handshakes do not.
+    SideChannelCut(u16),
+}
+
+impl Fault {
+    /// The fault's name in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Fault::LinkDown => "link down",
+            Fault::Blackhole => "blackhole route",
+            Fault::DataPathCut(_) => "nft drop of the data path",
+            Fault::SideChannelCut(_) => "nft drop of the side channel",
+        }
+    }
+}
+
+/// Two namespaces joined by a veth pair, removed on drop.
+pub struct Hosts {
+    prefill_ns: String,
+    decode_ns: String,
+    prefill_dev: String,
+    decode_dev: String,
+    subnet: usize,
+}
+
+impl Hosts {
+    /// Makes the namespaces `nf43p<pid>x<n>` and `nf43d<pid>x<n>` and the veth pair between
+    /// them, both ends up.
+    pub fn new() -> Self {
+        let n = MADE.fetch_add(1, Ordering::SeqCst);
+        let pid = std::process::id();
+        let hosts = Hosts {
+            prefill_ns: format!("nf43p{pid}x{n}"),
+            decode_ns: format!("nf43d{pid}x{n}"),
+            // At most 15 bytes: "nf43p" and a pid of at most 7 digits, then the counter.
+            prefill_dev: format!("nf43p{pid}{n}"),
+            decode_dev: format!("nf43d{pid}{n}"),
+            subnet: n % 250,
+        };
+        run(&["ip", "netns", "add", &hosts.prefill_ns]);
+        run(&["ip", "netns", "add", &hosts.decode_ns]);
+        run(&[
+            "ip",
+            "link",
+            "add",
+            &hosts.prefill_dev,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            &hosts.decode_dev,
+        ]);
+        for side in [Side::Prefill, Side::Decode] {
+            let (ns, dev) = (hosts.ns(side), hosts.dev(side));
+            run(&["ip", "link", "set", dev, "netns", ns]);
+            run(&["ip", "-n", ns, "addr", "add", &hosts.cidr(side), "dev", dev]);
+            run(&["ip", "-n", ns, "link", "set", "lo", "up"]);
+            run(&["ip", "-n", ns, "link", "set", dev, "up"]);
+        }
+        hosts
+    }
+
+    fn ns(&self, side: Side) -> &str {
+        match side {
+            Side::Prefill => &self.prefill_ns,
+            Side::Decode => &self.decode_ns,
+        }
+    }
+
+    /// The veth device of `side`.
+    pub fn dev(&self, side: Side) -> &str {
+        match side {
+            Side::Prefill => &self.prefill_dev,
+            Side::Decode => &self.decode_dev,
+        }
+    }
+
+    /// The address of `side`.
+    pub fn addr(&self, side: Side) -> String {
+        let host = match side {
+            Side::Prefill => 1,
+            Side::Decode => 2,
+        };
+        format!("10.43.{}.{host}", self.subnet)
+    }
+
+    fn cidr(&self, side: Side) -> String {
+        format!("{}/24", self.addr(side))
+    }
+
+    /// Starts `program` with `args` and `env` in `side`'s namespace, UCX restricted to TCP
+    /// on that side's veth device; stdin and stdout piped, stderr inherited.
+    pub fn spawn(&self, side: Side, program: &str, args: &[&str], env: &[(&str, &str)]) -> Child {
+        Command::new("ip")
+            .args(["netns", "exec", self.ns(side), program])
+            .args(args)
+            .envs(env.iter().copied())
+            .env("UCX_TLS", "tcp,self")
+            .env("UCX_NET_DEVICES", self.dev(side))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap_or_else(|err| panic!("start {program} in {}: {err}", self.ns(side)))
+    }
+
+    /// Starts `fault` between the hosts.
+    pub fn fault(&self, fault: Fault) {
+        self.apply(fault, true);
+    }
+
+    /// Ends `fault`.
+    pub fn heal(&self, fault: Fault) {
+        self.apply(fault, false);
+    }
+
+    fn apply(&self, fault: Fault, on: bool) {
+        match fault {
+            Fault::LinkDown => {
+                let state = if on { "down" } else { "up" };
+                let (ns, dev) = (self.ns(Side::Prefill), self.dev(Side::Prefill));
+                run(&["ip", "-n", ns, "link", "set", dev, state]);
+            }
+            Fault::Blackhole => {
+                let verb = if on { "add" } else { "del" };
+                for (side, other) in [(Side::Prefill, Side::Decode), (Side::Decode, Side::Prefill)]
+                {
+                    let to = format!("{}/32", self.addr(other));
+                    run(&["ip", "-n", self.ns(side), "route", verb, "blackhole", &to]);
+                }
+            }
+            Fault::DataPathCut(port) => self.nft_drop(on, &format!("tcp dport != {port}")),
+            Fault::SideChannelCut(port) => self.nft_drop(on, &format!("tcp dport {port}")),
+        }
+    }
+
+    /// Drops (or stops dropping) the packets coming into the prefill's host from its veth
+    /// device that `matching` selects, with a table of nftables of its own.
+    fn nft_drop(&self, on: bool, matching: &str) {
+        let ns = self.ns(Side::Prefill);
+        let nft = |rule: &str| {
+            let mut args = vec!["ip", "netns", "exec", ns, "nft"];
+            args.extend(rule.split(' '));
+            run(&args)
+        };
+        if !on {
+            nft("delete table inet nf43");
+            return;
+        }
+        nft("add table inet nf43");
+        nft("add chain inet nf43 input { type filter hook input priority 0 ; policy accept ; }");
+        let dev = self.dev(Side::Prefill);
+        nft(&format!(
+            "add rule inet nf43 input iifname {dev} {matching} drop"
+        ));
+    }
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        // Deleting a namespace deletes its end of the veth pair, and so the pair.
+        for ns in [&self.prefill_ns, &self.decode_ns] {
+            let _ = Command::new("ip").args(["netns", "del", ns]).status();
+        }
+    }
+}

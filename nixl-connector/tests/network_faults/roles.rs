@@ -1,0 +1,240 @@
+//! The two engines, each run in a child process in its own namespace: a prefill that fills
+//! its cache and serves, and a decode that keeps loads from it in flight and prints when
+//! each starts and ends, on the machine's monotonic clock (the same in every namespace).
+
+use std::collections::HashMap;
+use std::io::BufRead;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::common::{fill, pattern, worker_with};
+use nixl_connector::{
+    FailedBlock, KvAttention, KvCacheSpec, KvConnectorWorker, KvLayout, RemoteBlocks,
+};
+
+/// The variable naming the prefill's side channel (`ip:port`) for the decode role.
+pub const PREFILL_ADDR: &str = "NF43_PREFILL_ADDR";
+/// The variable giving the address the prefill's side channel binds.
+pub const BIND_ADDR: &str = "NF43_BIND_ADDR";
+/// The prefill's engine id.
+pub const PREFILL: &str = "nf43-prefill";
+/// Loads the decode keeps in flight.
+pub const IN_FLIGHT: usize = 4;
+/// Blocks per load.
+pub const BLOCKS_PER_LOAD: usize = 8;
+/// The decode's transfer timeout: a load past it is overdue, and fails once NIXL ended it.
+pub const TRANSFER_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long the decode waits, after its last load started, for every load to end.
+pub const DRAIN: Duration = Duration::from_secs(150);
+
+/// The machine's monotonic clock in milliseconds (CLOCK_MONOTONIC: namespaces share it).
+pub fn now_ms() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes the timespec we own.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1000 + ts.tv_nsec as u64 / 1_000_000
+}
+
+/// Both engines' cache: 4 regions of 64 blocks of 64 KiB (2 MiB a load, 16 MiB in all).
+pub fn spec() -> KvCacheSpec {
+    KvCacheSpec::uniform(
+        4,
+        64,
+        16,
+        KvAttention::Mha { total_kv_heads: 2 },
+        KvLayout::Hnd,
+        64 * 1024,
+    )
+}
+
+/// The prefill: binds its side channel at `BIND_ADDR`, fills its cache, prints `PORT <port>`
+/// and serves until it is killed.
+pub async fn prefill() {
+    let bind = std::env::var(BIND_ADDR).expect("run by the parent test");
+    let spec = spec();
+    let prefill = worker_with(PREFILL, 0, 1, &spec, |c| {
+        c.side_channel = format!("{bind}:0").parse().unwrap();
+    });
+    fill(&prefill, &spec);
+    println!("PORT {}", prefill.side_channel_addr().unwrap().port());
+    tokio::time::sleep(Duration::from_secs(3600)).await;
+}
+
+/// A load in flight: its request and the remote blocks it reads.
+struct Slot {
+    request: String,
+    remote: Vec<usize>,
+}
+
+/// How long a slot waits after a failed load before it starts the next (as an engine that
+/// recomputes a failed request would not ask for it again at once).
+const AFTER_FAILURE: Duration = Duration::from_millis(100);
+
+/// The decode: until its stdin says `STOP` (or closes), keeps [`IN_FLIGHT`] loads of [`BLOCKS_PER_LOAD`] blocks
+/// from the prefill at `PREFILL_ADDR` in flight, printing `START <request> <ms>`,
+/// `OVERDUE <request> <ms>` and `END <request> <ms> <outcome>` (`loaded`, a bad byte's
+/// `mismatch`, or the failure's kind and reason); then waits at most [`DRAIN`] for the
+/// loads still in flight, prints `DRAINED <loads left>` and exits at once (a READ NIXL
+/// never ends would keep the worker from shutting down).
+pub async fn decode() {
+    let prefill = std::env::var(PREFILL_ADDR).expect("run by the parent test");
+    let stop = stop_on_stdin();
+    let (host, port) = prefill.rsplit_once(':').unwrap();
+    let spec = spec();
+    let decode = worker_with("nf43-decode", 0, 1, &spec, |c| {
+        c.transfer_timeout = TRANSFER_TIMEOUT;
+    });
+    let mut slots: Vec<Option<Slot>> = (0..IN_FLIGHT).map(|_| None).collect();
+    let mut resume = [tokio::time::Instant::now(); IN_FLIGHT];
+    let mut failed = HashMap::new();
+    let mut next = 0usize;
+    let mut stopped_at = None;
+    loop {
+        let starting = !stop.load(Ordering::SeqCst);
+        if !starting && stopped_at.is_none() {
+            stopped_at = Some(tokio::time::Instant::now());
+        }
+        for (slot, held) in slots.iter_mut().enumerate() {
+            if held.is_some() || !starting || tokio::time::Instant::now() < resume[slot] {
+                continue;
+            }
+            let request = format!("r{next}");
+            let remote: Vec<usize> = (0..BLOCKS_PER_LOAD)
+                .map(|i| (next * 7 + i * 5) % spec.num_blocks)
+                .collect();
+            next += 1;
+            let from = RemoteBlocks {
+                host: host.to_string(),
+                port: port.parse().unwrap(),
+                ..crate::common::remote(&decode, PREFILL, &request, remote.clone(), 1)
+            };
+            clear(&decode, &spec, slot);
+            println!("START {request} {}", now_ms());
+            decode
+                .start_load(&request, &local_blocks(slot), &from)
+                .unwrap();
+            *held = Some(Slot { request, remote });
+        }
+        if slots.iter().all(Option::is_none) && !starting {
+            println!("DRAINED 0");
+            break;
+        }
+        if stopped_at.is_some_and(|at| at.elapsed() > DRAIN) {
+            let left = slots.iter().filter(|s| s.is_some()).count();
+            println!("DRAINED {left}");
+            break;
+        }
+        let _ = tokio::time::timeout(Duration::from_millis(20), decode.load_ended()).await;
+        for slot in report(&decode, &spec, &mut slots, &mut failed) {
+            resume[slot] = tokio::time::Instant::now() + AFTER_FAILURE;
+        }
+    }
+    // A READ NIXL never ended would hold the worker's shutdown: leave at once.
+    std::process::exit(0);
+}
+
+/// A flag set once stdin says `STOP` or closes.
+fn stop_on_stdin() -> Arc<AtomicBool> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let set = stop.clone();
+    std::thread::spawn(move || {
+        for line in std::io::stdin().lock().lines().map_while(Result::ok) {
+            if line.trim() == "STOP" {
+                break;
+            }
+        }
+        set.store(true, Ordering::SeqCst);
+    });
+    stop
+}
+
+/// The local blocks of `slot`.
+fn local_blocks(slot: usize) -> Vec<usize> {
+    (slot * BLOCKS_PER_LOAD..(slot + 1) * BLOCKS_PER_LOAD).collect()
+}
+
+/// Zeroes the bytes of `slot`'s blocks that [`loaded_right`] checks.
+fn clear(decode: &KvConnectorWorker, spec: &KvCacheSpec, slot: usize) {
+    let caches = decode.kv_caches().unwrap();
+    let len = spec.block_len(0);
+    for local in local_blocks(slot) {
+        for region in 0..spec.num_regions() {
+            caches.write(region, local * len, &[0u8; 64]).unwrap();
+        }
+    }
+}
+
+/// Prints what ended and what is overdue since the last call, and frees the slots of the
+/// loads that ended; returns the slots whose load failed. `failed` keeps the failed blocks
+/// of loads not yet seen to end.
+fn report(
+    decode: &KvConnectorWorker,
+    spec: &KvCacheSpec,
+    slots: &mut [Option<Slot>],
+    failed: &mut HashMap<String, FailedBlock>,
+) -> Vec<usize> {
+    // Failed blocks come with the load's end or after it: take them after `finished`.
+    let finished = decode.finished();
+    for block in decode.load_errors() {
+        failed.entry(block.request_id.clone()).or_insert(block);
+    }
+    let mut failed_slots = Vec::new();
+    for overdue in decode.overdue_loads() {
+        println!("OVERDUE {} {}", overdue.request_id, now_ms());
+    }
+    for request in finished.recving {
+        let Some(slot) = slots
+            .iter()
+            .position(|s| s.as_ref().is_some_and(|s| s.request == request))
+        else {
+            continue;
+        };
+        let held = slots[slot].take().unwrap();
+        let outcome = match failed.remove(&request) {
+            Some(block) => {
+                failed_slots.push(slot);
+                format!(
+                    "{:?} {}",
+                    block.kind,
+                    block
+                        .reason
+                        .replace('\n', " ")
+                        .chars()
+                        .take(160)
+                        .collect::<String>()
+                )
+            }
+            None if loaded_right(decode, spec, slot, &held.remote) => "loaded".to_string(),
+            None => "mismatch".to_string(),
+        };
+        println!("END {request} {} {outcome}", now_ms());
+    }
+    failed_slots
+}
+
+/// Whether the first bytes of every block of `slot` hold the prefill's pattern of `remote`.
+fn loaded_right(
+    decode: &KvConnectorWorker,
+    spec: &KvCacheSpec,
+    slot: usize,
+    remote: &[usize],
+) -> bool {
+    let caches = decode.kv_caches().unwrap();
+    let len = spec.block_len(0);
+    local_blocks(slot)
+        .iter()
+        .zip(remote)
+        .all(|(&local, &source)| {
+            (0..spec.num_regions()).all(|region| {
+                let mut head = [0u8; 64];
+                caches.read(region, local * len, &mut head).unwrap();
+                head.iter()
+                    .enumerate()
+                    .all(|(o, &b)| b == pattern(region, source, o))
+            })
+        })
+}
