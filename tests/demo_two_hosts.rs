@@ -5,29 +5,8 @@
 mod common;
 mod demo_support;
 
-use std::process::Command;
-
+use common::netns_unavailable;
 use demo_support::run_script;
-
-/// Why namespaces cannot be used here, if they cannot.
-fn netns_unavailable() -> Option<String> {
-    let uid = Command::new("id").arg("-u").output().ok()?;
-    if String::from_utf8_lossy(&uid.stdout).trim() != "0" {
-        return Some("not running as root".into());
-    }
-    let probe = format!("nixl-probe-{}", std::process::id());
-    match Command::new("ip").args(["netns", "add", &probe]).output() {
-        Ok(out) if out.status.success() => {
-            let _ = Command::new("ip").args(["netns", "del", &probe]).status();
-            None
-        }
-        Ok(out) => Some(format!(
-            "`ip netns add` failed: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        )),
-        Err(err) => Some(format!("cannot run `ip`: {err}")),
-    }
-}
 
 #[test]
 fn prefill_and_decode_in_two_namespaces_over_tcp() {

@@ -6,11 +6,14 @@
 #![allow(dead_code)]
 
 pub mod executor;
+mod netns;
 mod role;
 mod skip;
 mod tracked;
 
 // Not every test binary uses each.
+#[allow(unused_imports)]
+pub use netns::netns_unavailable;
 #[allow(unused_imports)]
 pub use role::{after_tag, hex, role_process, stdout_lines, unhex, ChildLines};
 #[allow(unused_imports)]

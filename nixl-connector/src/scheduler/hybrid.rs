@@ -330,4 +330,53 @@ mod tests {
         assert!(load.local_block_ids.is_empty());
         assert_eq!(load.remote.block_ids, params.remote_block_ids);
     }
+
+    #[test]
+    fn a_hybrid_decode_keeps_each_groups_blocks_and_a_prefill_reads_them_back_by_group() {
+        let read_backs = crate::multi_turn::MultiTurn {
+            bidirectional: true,
+            recompute_threshold: 0,
+            ..Default::default()
+        };
+        let with_read_backs = |engine| {
+            let mut s = hybrid(engine, Protocol::Native);
+            s.config.multi_turn = read_backs;
+            s
+        };
+        // Turn 1 on the decode, a full prefix hit (its load only notifies).
+        let from_prefill = KvTransferParams {
+            do_remote_prefill: true,
+            do_remote_decode: false,
+            ..handed(Protocol::Native)
+        };
+        let mut d = with_read_backs("d");
+        d.on_new_request("r", Some(&from_prefill));
+        d.update_state_after_alloc_groups("r", &[Vec::<usize>::new(), Vec::new()], &from_prefill)
+            .unwrap();
+        // It answered: 7 blocks of 8 tokens, the window group's first four freed.
+        let blocks = [vec![1, 2, 3, 4, 5, 6, 7], vec![0, 0, 0, 0, 15, 16, 17]];
+        let done = d
+            .request_finished_all_groups("r", &blocks, 52, None, FinishStatus::Stopped)
+            .unwrap();
+        assert!(done.delay_free_blocks);
+        let kept = done.kv_transfer_params.unwrap();
+        assert!(kept.do_remote_decode && !kept.do_remote_prefill);
+        assert_eq!(kept.remote_block_ids, [1, 2, 3, 4, 5, 6, 7, 15, 16, 17]);
+        assert_eq!(kept.remote_block_group_lens, [7, 3]);
+        assert_eq!(kept.remote_num_tokens, Some(52));
+
+        // Turn 2 on the prefill: its prefix cache holds the first two blocks.
+        let mut p = with_read_backs("p");
+        assert_eq!(p.read_back_tokens(Some(&kept), 60, 16), 36);
+        p.on_new_request("t2", Some(&kept));
+        let local = [vec![43, 44, 45, 46, 47], vec![51, 52, 53, 54, 55]];
+        p.update_state_after_alloc_groups("t2", &local, &kept)
+            .unwrap();
+        let load = &p.build_connector_meta().loads[0];
+        assert_eq!(load.local_block_ids, [43, 44, 45, 46, 47, 53, 54, 55]);
+        assert_eq!(load.local_group_lens, [5, 3]);
+        assert!(load.remote.kept, "a read-back claims before it reads");
+        assert_eq!(load.remote.group_lens, [7, 3]);
+        assert_eq!(p.kept_stats().read_backs, 1);
+    }
 }

@@ -15,6 +15,8 @@ pub mod matrix;
 pub mod ssm;
 
 use std::process::Child;
+#[path = "../../../tests/common/netns.rs"]
+mod netns;
 #[path = "../../../tests/common/role.rs"]
 mod role;
 #[path = "../../../tests/common/skip.rs"]
@@ -23,6 +25,8 @@ mod skip;
 mod tracked;
 
 // Not every test binary uses each.
+#[allow(unused_imports)]
+pub use netns::netns_unavailable;
 #[allow(unused_imports)]
 pub use role::{
     after_tag, all_threads_stopped, hex, role_process, signal, stdout_lines, unhex, ChildLines,

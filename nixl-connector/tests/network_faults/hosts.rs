@@ -9,26 +9,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 /// Hosts made by this process so far: each pair gets its own names and subnet.
 static MADE: AtomicUsize = AtomicUsize::new(0);
 
-/// Why namespaces cannot be used here, if they cannot.
-pub fn netns_unavailable() -> Option<String> {
-    let uid = Command::new("id").arg("-u").output().ok()?;
-    if String::from_utf8_lossy(&uid.stdout).trim() != "0" {
-        return Some("not running as root".into());
-    }
-    let probe = format!("nf43-probe-{}", std::process::id());
-    match Command::new("ip").args(["netns", "add", &probe]).output() {
-        Ok(out) if out.status.success() => {
-            let _ = Command::new("ip").args(["netns", "del", &probe]).status();
-            None
-        }
-        Ok(out) => Some(format!(
-            "`ip netns add` failed: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        )),
-        Err(err) => Some(format!("cannot run `ip`: {err}")),
-    }
-}
-
 /// Runs `args`; panics with its stderr if it fails.
 fn run(args: &[&str]) -> Output {
     let out = Command::new(args[0])

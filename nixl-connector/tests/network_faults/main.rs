@@ -120,7 +120,7 @@ impl Drop for Engine {
 
 /// Whether the test can run; if not, it is skipped (a failure under CI) with the reason.
 fn hosts_available(test: &str) -> bool {
-    match hosts::netns_unavailable() {
+    match common::netns_unavailable() {
         Some(reason) => {
             common::skip(test, &reason);
             false

@@ -1,0 +1,24 @@
+//! Whether this process can make network namespaces (root and a working `ip netns`), for
+//! the tests that put engines on "hosts" of their own.
+
+use std::process::Command;
+
+/// Why namespaces cannot be used here, if they cannot.
+pub fn netns_unavailable() -> Option<String> {
+    let uid = Command::new("id").arg("-u").output().ok()?;
+    if String::from_utf8_lossy(&uid.stdout).trim() != "0" {
+        return Some("not running as root".into());
+    }
+    let probe = format!("nixl-probe-{}", std::process::id());
+    match Command::new("ip").args(["netns", "add", &probe]).output() {
+        Ok(out) if out.status.success() => {
+            let _ = Command::new("ip").args(["netns", "del", &probe]).status();
+            None
+        }
+        Ok(out) => Some(format!(
+            "`ip netns add` failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )),
+        Err(err) => Some(format!("cannot run `ip`: {err}")),
+    }
+}
