@@ -511,26 +511,13 @@ impl KvConnectorScheduler {
         if !params.is_some_and(|p| p.do_remote_decode) || !status.is_complete() {
             return keep(false);
         }
-        let capability = match self.config.protocol {
-            Protocol::Native => match Capability::random() {
-                Ok(capability) => Some(capability),
-                Err(err) => {
-                    tracing::error!(request = request_id, %err, "no capability for the request; its blocks are freed and no decode can read them");
-                    return keep(false);
-                }
-            },
-            Protocol::Vllm => None,
+        let Some(capability) = self.reader_capability(request_id) else {
+            return keep(false);
         };
         let delay_free_blocks = !block_ids.is_empty();
         if delay_free_blocks {
-            self.sends.insert(
-                request_id.to_string(),
-                SendSpec {
-                    request_id: request_id.to_string(),
-                    deadline: Instant::now() + self.config.lease.duration(),
-                    capability: capability.clone(),
-                },
-            );
+            let deadline = Instant::now() + self.config.lease.duration();
+            self.hold_for_readers(request_id, deadline, &capability);
         }
         let num_tokens = delay_free_blocks.then_some(num_computed_tokens);
         let params = self.params_for_decode(request_id, block_ids, num_tokens);
@@ -541,6 +528,40 @@ impl KvConnectorScheduler {
                 ..params
             }),
         }
+    }
+
+    /// The capability of `request_id`'s params for its readers: a fresh one in the native
+    /// protocol, none in vLLM's; `None` when none could be drawn (logged: the request's
+    /// blocks are then freed, for no reader could prove it read them).
+    fn reader_capability(&self, request_id: &str) -> Option<Option<Capability>> {
+        match self.config.protocol {
+            Protocol::Native => match Capability::random() {
+                Ok(capability) => Some(Some(capability)),
+                Err(err) => {
+                    tracing::error!(request = request_id, %err, "no capability for the request; its blocks are freed and no reader can read them");
+                    None
+                }
+            },
+            Protocol::Vllm => Some(None),
+        }
+    }
+
+    /// Has the workers hold `request_id`'s blocks for its readers until `deadline` (from the
+    /// next metadata on), their notifications and heartbeats counted under `capability`.
+    fn hold_for_readers(
+        &mut self,
+        request_id: &str,
+        deadline: Instant,
+        capability: &Option<Capability>,
+    ) {
+        self.sends.insert(
+            request_id.to_string(),
+            SendSpec {
+                request_id: request_id.to_string(),
+                deadline,
+                capability: capability.clone(),
+            },
+        );
     }
 
     /// The params a remote decode reads `block_ids` of `request_id` with, `num_tokens` its

@@ -22,8 +22,7 @@ use std::time::Instant;
 
 use crate::config::Protocol;
 use crate::multi_turn::MultiTurn;
-use crate::scheduler::{ConnectorMetadata, KvConnectorScheduler, SendSpec};
-use crate::transport::capability::Capability;
+use crate::scheduler::{ConnectorMetadata, KvConnectorScheduler};
 use crate::transport::params::KvTransferParams;
 
 /// What an engine's scheduler did with multi-turn conversations
@@ -185,25 +184,8 @@ impl KvConnectorScheduler {
             );
             return None;
         }
-        let capability = match self.config.protocol {
-            Protocol::Native => match Capability::random() {
-                Ok(capability) => Some(capability),
-                Err(err) => {
-                    tracing::error!(request = request_id, %err, "no capability for the request; its blocks are freed, not kept");
-                    return None;
-                }
-            },
-            Protocol::Vllm => None,
-        };
-        let now = Instant::now();
-        self.sends.insert(
-            request_id.to_string(),
-            SendSpec {
-                request_id: request_id.to_string(),
-                deadline: now + settings.kept_ttl,
-                capability: capability.clone(),
-            },
-        );
+        let capability = self.reader_capability(request_id)?;
+        self.hold_for_readers(request_id, Instant::now() + settings.kept_ttl, &capability);
         self.kept.keep(request_id, block_ids.len());
         self.multi_turn.kept_total += 1;
         crate::metrics::series::kept_blocks(&self.config.engine_id, self.kept.blocks);
