@@ -47,7 +47,8 @@ pub const DEFAULT_RECOMPUTE_THRESHOLD: usize = 64;
 pub struct MultiTurn {
     /// Whether read-backs are on (both roles).
     pub bidirectional: bool,
-    /// How long a decode keeps a finished request's blocks when no reader comes.
+    /// How long a decode keeps a finished request's blocks when no reader comes (at most
+    /// [`MAX_LEASE`]: a longer one is taken as that).
     pub kept_ttl: Duration,
     /// The fewest tokens read from a remote engine; fewer are recomputed (0: any count).
     pub recompute_threshold: usize,

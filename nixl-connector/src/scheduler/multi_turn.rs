@@ -1,7 +1,7 @@
 //! Multi-turn conversations (vLLM 0.33's bidirectional KV transfer), the scheduler's part.
 //!
 //! - **The decode keeps.** A request whose KV came from a remote prefill keeps its blocks
-//!   when it finishes ([`MultiTurn::kept_ttl`], or until a reader's finish notification),
+//!   when it finishes ([`MultiTurn::kept_ttl`](crate::multi_turn::MultiTurn::kept_ttl), or until a reader's finish notification),
 //!   and its params name them for the next turn: `do_remote_decode`, this engine, the block
 //!   ids, `remote_num_tokens` (its computed tokens) and, in vLLM mode,
 //!   `remote_blocks_expiry_time` on this process's clock.
@@ -9,19 +9,19 @@
 //!   its own prefix cache lacks ([`KvConnectorScheduler::read_back_tokens`]) through the
 //!   load path of a decode: [`on_new_request`](KvConnectorScheduler::on_new_request), then
 //!   [`update_state_after_alloc`](KvConnectorScheduler::update_state_after_alloc) with the
-//!   blocks allocated for them. Fewer than [`MultiTurn::recompute_threshold`] tokens are not
+//!   blocks allocated for them. Fewer than [`MultiTurn::recompute_threshold`](crate::multi_turn::MultiTurn::recompute_threshold) tokens are not
 //!   read: pass no blocks, and the decode is told at once. A read-back that fails is always
 //!   recomputed, whatever the load failure policy: the prefill holds the whole prompt.
-//! - **Bounded.** Past [`MultiTurn::kept_blocks_cap`] the oldest kept requests are released
+//! - **Bounded.** Past [`MultiTurn::kept_blocks_cap`](crate::multi_turn::MultiTurn::kept_blocks_cap) the oldest kept requests are released
 //!   first, in the native protocol, where a reader claims a request before it reads and a
 //!   claimed request is never released early ([`ConnectorMetadata::evict`]); vLLM's readers
 //!   do not claim, so in vLLM mode new requests are not kept past the cap.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::config::Protocol;
-use crate::multi_turn::MultiTurn;
+use crate::lease::MAX_LEASE;
 use crate::scheduler::{ConnectorMetadata, KvConnectorScheduler};
 use crate::transport::params::KvTransferParams;
 
@@ -108,7 +108,7 @@ impl KvConnectorScheduler {
     /// (vLLM's `get_num_new_matched_tokens` for params with `do_remote_decode`): the decode's
     /// `remote_num_tokens`, at most `num_prompt_tokens`, less the `num_computed_tokens` this
     /// engine's prefix cache holds. 0 when read-backs are off, the params name no kept
-    /// blocks, or the count is below [`MultiTurn::recompute_threshold`] (counted; the
+    /// blocks, or the count is below [`MultiTurn::recompute_threshold`](crate::multi_turn::MultiTurn::recompute_threshold) (counted; the
     /// engine computes those tokens, and passes no blocks to
     /// [`update_state_after_alloc`](Self::update_state_after_alloc) so that the decode is
     /// told at once).
@@ -185,7 +185,9 @@ impl KvConnectorScheduler {
             return None;
         }
         let capability = self.reader_capability(request_id)?;
-        self.hold_for_readers(request_id, Instant::now() + settings.kept_ttl, &capability);
+        // At most a day, as the config's key allows: a TTL set in code cannot overflow.
+        let ttl = settings.kept_ttl.min(MAX_LEASE);
+        self.hold_for_readers(request_id, Instant::now() + ttl, &capability);
         self.kept.keep(request_id, block_ids.len());
         self.multi_turn.kept_total += 1;
         crate::metrics::series::kept_blocks(&self.config.engine_id, self.kept.blocks);
@@ -194,7 +196,7 @@ impl KvConnectorScheduler {
             do_remote_prefill: false,
             do_remote_decode: true,
             remote_capability: capability,
-            remote_blocks_expiry_time: vllm.then(|| expiry_time(settings)),
+            remote_blocks_expiry_time: vllm.then(|| expiry_time(ttl)),
             vllm_extra: serde_json::Map::new(),
             ..params
         })
@@ -233,13 +235,13 @@ impl KvConnectorScheduler {
 /// `time.perf_counter()`), which the side channel sends with each handshake so that a
 /// reader reads it on its own.
 #[cfg(feature = "vllm")]
-fn expiry_time(settings: MultiTurn) -> f64 {
-    crate::vllm::clock::perf_counter() + settings.kept_ttl.as_secs_f64()
+fn expiry_time(ttl: Duration) -> f64 {
+    crate::vllm::clock::perf_counter() + ttl.as_secs_f64()
 }
 
 /// Without the `vllm` feature there is no vLLM mode.
 #[cfg(not(feature = "vllm"))]
-fn expiry_time(_settings: MultiTurn) -> f64 {
+fn expiry_time(_ttl: Duration) -> f64 {
     f64::INFINITY
 }
 
@@ -251,6 +253,7 @@ mod tests {
     use crate::config::LoadFailurePolicy;
     use crate::failure::{FailedBlock, FailureKind};
     use crate::lease::Lease;
+    use crate::multi_turn::MultiTurn;
     use crate::scheduler::aggregate::WorkerOutput;
     use crate::scheduler::outcomes::Finished;
     use crate::scheduler::{FinishStatus, LoadOutcome, SchedulerConfig};
