@@ -63,10 +63,24 @@ pub struct DecodeSummary {
     pub progress: Progress,
     /// Per-request latency: from the announcement to the last byte landing.
     pub latencies: Vec<Duration>,
+    /// The first transfer: from decode's first try to reach prefill to its handshake's end,
+    /// and to its first request loaded (`None` if none was).
+    pub first_load: FirstLoad,
     /// Every block that did not match the expected pattern.
     pub mismatches: Vec<Mismatch>,
     /// What the connector's request lifecycle did besides plain loads.
     pub lifecycle: Lifecycle,
+}
+
+/// How long a decode run took to connect and to load its first request, both from its first
+/// try to reach prefill.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FirstLoad {
+    /// To the end of the connector's handshake with prefill.
+    pub handshake: Duration,
+    /// To the first request loaded: the handshake, prefill's first announcement and the
+    /// first load (its READs, their first connection to prefill included).
+    pub loaded: Option<Duration>,
 }
 
 /// Prefix hits, aborts and recomputed blocks of a decode run.
@@ -134,6 +148,12 @@ impl fmt::Display for DecodeSummary {
             "  latency:   p50 {:.2} ms, p99 {:.2} ms (announce to data landed)",
             ms(percentile(&self.latencies, 50.0)),
             ms(percentile(&self.latencies, 99.0))
+        )?;
+        writeln!(
+            f,
+            "  first:     {:.2} ms to the first request loaded, {:.2} ms of it to the handshake's end (from the first try to reach prefill)",
+            ms(self.first_load.loaded),
+            ms(Some(self.first_load.handshake))
         )?;
         let l = &self.lifecycle;
         if l.prefix_hit_blocks > 0 {

@@ -28,7 +28,7 @@ use crate::kv_cache::{KvCache, KvLayout, Mismatch};
 use crate::metered::Metered;
 use crate::not_a_prefill::{not_a_prefill, Answer};
 use crate::protocol::{Hello, Message, Welcome, DEFAULT_MAX_FRAME, PROTOCOL_VERSION};
-use crate::stats::{DecodeSummary, Lifecycle, Progress};
+use crate::stats::{DecodeSummary, FirstLoad, Lifecycle, Progress};
 
 /// How the decode worker runs.
 #[derive(Debug, Clone)]
@@ -148,8 +148,20 @@ pub async fn run(
     mut on_progress: impl FnMut(&Progress),
 ) -> Result<DecodeSummary> {
     check_options(options, worker.layout)?;
+    let began = Instant::now();
     let (mut channel, welcome) = connect(worker, options).await?;
-    let result = pull_all(worker, options, &mut channel, &welcome, &mut on_progress).await;
+    let first = FirstLoad {
+        handshake: began.elapsed(),
+        loaded: None,
+    };
+    let result = pull_all(
+        worker,
+        options,
+        (&mut channel, &welcome),
+        (began, first),
+        &mut on_progress,
+    )
+    .await;
     if let Err(err) = &result {
         let _ = tokio::time::timeout(Duration::from_secs(1), async {
             channel
@@ -388,12 +400,12 @@ fn check_welcome(welcome: &Welcome, layout: KvLayout) -> Result<()> {
 /// local blocks are free, and check what landed as loads end. Nothing polls or naps here:
 /// the connector wakes the loop when a load has ended. If the run fails, loads still in
 /// flight are left to the connector, whose NIXL completion driver keeps their memory until
-/// NIXL is done with it.
+/// NIXL is done with it. `first` is when the run began and how long its connection took.
 async fn pull_all(
     worker: &Worker,
     options: &DecodeOptions,
-    channel: &mut Channel<Metered>,
-    welcome: &Welcome,
+    (channel, welcome): (&mut Channel<Metered>, &Welcome),
+    first: (Instant, FirstLoad),
     on_progress: &mut impl FnMut(&Progress),
 ) -> Result<DecodeSummary> {
     // Where a prefill reads back the blocks this engine keeps (with several turns).
@@ -410,7 +422,7 @@ async fn pull_all(
     }
     let heartbeat_interval = scheduler_config.lease.heartbeat_interval();
     let scheduler = KvConnectorScheduler::new(scheduler_config);
-    let mut state = RunState::new(worker, options, welcome, scheduler)?;
+    let mut state = RunState::new(worker, options, welcome, scheduler, first)?;
     let connector = &worker.connector;
     let start = Instant::now();
     let mut report = ticks_every(options.progress_interval);
@@ -536,6 +548,9 @@ struct RunState<'w> {
     seen: HashSet<String>,
     complete: bool,
     latencies: Vec<Duration>,
+    /// When the run began (its first try to reach prefill), for `first_load`.
+    began: Instant,
+    first_load: FirstLoad,
     mismatches: Vec<Mismatch>,
     lifecycle: Lifecycle,
     progress: Progress,
@@ -558,6 +573,7 @@ impl<'w> RunState<'w> {
         options: &'w DecodeOptions,
         welcome: &Welcome,
         scheduler: KvConnectorScheduler,
+        (began, first_load): (Instant, FirstLoad),
     ) -> Result<Self> {
         Ok(RunState {
             options,
@@ -576,6 +592,8 @@ impl<'w> RunState<'w> {
             seen: HashSet::new(),
             complete: false,
             latencies: Vec::new(),
+            began,
+            first_load,
             mismatches: Vec::new(),
             lifecycle: Lifecycle::default(),
             progress: Progress {
@@ -614,6 +632,7 @@ impl<'w> RunState<'w> {
             prefill_agent: welcome.engine.clone(),
             progress: self.progress,
             latencies: self.latencies,
+            first_load: self.first_load,
             mismatches: self.mismatches,
             lifecycle: self.lifecycle,
         }
@@ -882,7 +901,12 @@ impl<'w> RunState<'w> {
     fn loads_ended(&mut self, outcomes: Vec<LoadOutcome>) -> Result<()> {
         for outcome in outcomes {
             match outcome {
-                LoadOutcome::Loaded { request_id } => self.ended.push_back(request_id),
+                LoadOutcome::Loaded { request_id } => {
+                    if self.first_load.loaded.is_none() {
+                        self.first_load.loaded = Some(self.began.elapsed());
+                    }
+                    self.ended.push_back(request_id);
+                }
                 LoadOutcome::Recompute {
                     request_id,
                     block_ids,

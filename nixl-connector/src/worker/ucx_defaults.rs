@@ -1,6 +1,6 @@
 //! The UCX settings a worker's UCX backend gets unless the `kv_transfer_config` sets them:
-//! how fast a dead peer's operations end, and that a peer's failure is an error of its own
-//! endpoints rather than of the process.
+//! how fast a dead peer's operations end, that a peer's failure is an error of its own
+//! endpoints rather than of the process, and how large a piece of a READ over TCP is.
 //!
 //! Measured over TCP between network namespaces (`tests/network_faults/`, the figures in
 //! `bench/results/network-faults.md`), with UCX's own defaults:
@@ -18,6 +18,17 @@
 //! user timeout ends both sides' connection before the link returns (the prefill then has
 //! nothing left to answer). A decode that dies behind a partition shorter than the user
 //! timeout can still abort the prefill: no UCX setting reaches that path.
+//!
+//! UCX's TCP transport has no READ of its own: UCX emulates one with active messages (the
+//! decode asks; the prefill's UCX copies the data into messages of at most its TCP send
+//! segment and sends them; the decode's copies them out of its receive segments). UCX's
+//! 8 KiB send segment cuts a 256 KiB run of blocks into 32 messages; 64 KiB cuts it into 4,
+//! which doubled the demo's READs across network namespaces (`bench/results/cross-host.md`).
+//! It goes no higher because UCX trusts each message to fit the peer's receive segment, 64
+//! KiB unless the peer changed it (a vLLM engine's NIXL keeps it): a prefill sending 256
+//! KiB messages corrupted the heap of a decode with UCX's defaults, which then crashed
+//! (`tests/tcp_segments.rs`). Engines that all raise both segments may go further. The
+//! segment sizes only matter to the TCP transport: shared memory and RDMA do not use them.
 //!
 //! Each default is one `KEY=VALUE` of the UCX backend's `engine_config` (NIXL hands them to
 //! `ucp_config_modify`; an environment variable `UCX_<KEY>` still wins), plus NIXL's own
@@ -39,15 +50,21 @@ pub(crate) const TCP_USER_TIMEOUT: &str = "10s";
 /// end (UCX's default is 20 s).
 pub(crate) const KEEPALIVE_INTERVAL: &str = "5s";
 
+/// The TCP transport's send segment: the largest piece of a READ's data one message
+/// carries (UCX's default is 8 KiB), and the most a peer with UCX's default receive segment
+/// can take.
+pub(crate) const TCP_TX_SEG_SIZE: &str = "64k";
+
 /// NIXL's UCX error handling mode: `peer`, so that a peer's failure fails that peer's
 /// requests (NIXL 1.5.1's own default, set here so that another build's cannot change it).
 pub(crate) const ERROR_HANDLING_MODE: &str = "peer";
 
 /// The `engine_config` settings of the UCX backend, in order.
-fn engine_defaults() -> [(&'static str, &'static str); 2] {
+fn engine_defaults() -> [(&'static str, &'static str); 3] {
     [
         ("TCP_USER_TIMEOUT", TCP_USER_TIMEOUT),
         ("KEEPALIVE_INTERVAL", KEEPALIVE_INTERVAL),
+        ("TCP_TX_SEG_SIZE", TCP_TX_SEG_SIZE),
     ]
 }
 
@@ -120,17 +137,17 @@ mod tests {
         let params = ucx_params(serde_json::json!({}));
         assert_eq!(
             params["engine_config"],
-            "TCP_USER_TIMEOUT=10s,KEEPALIVE_INTERVAL=5s"
+            "TCP_USER_TIMEOUT=10s,KEEPALIVE_INTERVAL=5s,TCP_TX_SEG_SIZE=64k"
         );
         assert_eq!(params["ucx_error_handling_mode"], "peer");
 
         let params = ucx_params(serde_json::json!({"backend_params": {"UCX": {
-            "engine_config": "TLS=tcp, KEEPALIVE_INTERVAL=1s",
+            "engine_config": "TLS=tcp, KEEPALIVE_INTERVAL=1s,TCP_TX_SEG_SIZE=8k",
             "ucx_devices": "eth0",
         }}}));
         assert_eq!(
             params["engine_config"],
-            "TLS=tcp, KEEPALIVE_INTERVAL=1s,TCP_USER_TIMEOUT=10s"
+            "TLS=tcp, KEEPALIVE_INTERVAL=1s,TCP_TX_SEG_SIZE=8k,TCP_USER_TIMEOUT=10s"
         );
         assert_eq!(params["ucx_devices"], "eth0");
 
