@@ -65,13 +65,18 @@ fn main() {
         return;
     }
     assert!(
-        args.desc_bytes > 0 && args.in_flight > 0 && args.bytes % (args.desc_bytes * args.in_flight) == 0,
+        args.desc_bytes > 0
+            && args.in_flight > 0
+            && args.bytes % (args.desc_bytes * args.in_flight) == 0,
         "--bytes must be a multiple of --desc-bytes x --in-flight"
     );
     let (mut child, name, metadata, addr) = start_target(&args);
     let agent = Agent::new(&format!("tcp-probe-{}", std::process::id())).expect("agent");
     ucx_backend(&agent, &args.engine_config);
-    assert_eq!(agent.load_remote_metadata(&metadata).expect("metadata"), name);
+    assert_eq!(
+        agent.load_remote_metadata(&metadata).expect("metadata"),
+        name
+    );
     let local = agent
         .register_memory(vec![0u8; args.bytes], &[])
         .expect("register the local buffer");
@@ -82,7 +87,8 @@ fn main() {
                 let mut mine = LocalDescList::new(MemType::Dram).expect("list");
                 let mut theirs = RemoteDescList::new(MemType::Dram).expect("list");
                 for offset in (r * share..(r + 1) * share).step_by(args.desc_bytes) {
-                    mine.push(&local, 0, offset, args.desc_bytes).expect("local");
+                    mine.push(&local, 0, offset, args.desc_bytes)
+                        .expect("local");
                     theirs
                         .push(XferDesc::new(addr + offset, args.desc_bytes, 0))
                         .expect("remote");
@@ -107,7 +113,9 @@ fn main() {
         println!("tcp-probe {label} GB/s {gbps:.3}");
         if op == XferOp::Read {
             let mut probe = [0u8; 1];
-            local.read(0, args.bytes - 1, &mut probe).expect("read back");
+            local
+                .read(0, args.bytes - 1, &mut probe)
+                .expect("read back");
             assert_eq!(probe[0], fill(args.bytes - 1), "the target's last byte");
         }
     }

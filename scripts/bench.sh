@@ -26,6 +26,10 @@
 #                   fragmented, half and half) against Python and the CMA limit, in their own
 #                   alternating rounds after the others (scripts/bench-descriptors.sh); the
 #                   table, with its goals met or missed, is appended to results.md
+#   cross-host.{md,log}  prefill/decode across two network namespaces over UCX's TCP transport
+#                   against an iperf3 stream on the same link, and UCX alone (bench/tcp_probe.rs),
+#                   in their own rounds (scripts/bench-tcp.sh, as root only); the table joins
+#                   results.md
 # Honours an existing CARGO_TARGET_DIR; BENCH_VENV overrides the venv location.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -117,6 +121,17 @@ BENCH_ROUNDS=$rounds BENCH_VENV=$venv scripts/bench-descriptors.sh
     cat "$results/descriptor-heavy.md"
 } >>"$results/results.md"
 
+# Across hosts over TCP: namespaces need root; the table joins results.md.
+if [[ $(id -u) -eq 0 ]]; then
+    BENCH_ROUNDS=$rounds scripts/bench-tcp.sh
+    {
+        echo
+        cat "$results/cross-host.md"
+    } >>"$results/results.md"
+else
+    echo "bench: not root, so no cross-host rows (scripts/bench-tcp.sh needs ip netns)" >&2
+fi
+
 # What authentication costs a handshake: the side-channel exchange with and without a shared
 # secret, alternating, as a ratio (bench/results/handshake-auth.log).
 cargo build --release --locked -p nixl-connector --example handshake_bench
@@ -143,5 +158,6 @@ One Rust round:        CARGO_TARGET_DIR=$CARGO_TARGET_DIR cargo bench -p nixl-rs
 One Python round:      $venv/bin/python bench/python/transfer.py
 Many tasks alone:      CARGO_TARGET_DIR=$CARGO_TARGET_DIR cargo bench -p nixl-rs --bench transfer -- concurrent   (ratios concurrent/sequential)
 Descriptor-heavy READs: scripts/bench-descriptors.sh   (Rust, Python and CMA, alternating rounds)
+Across hosts over TCP:  scripts/bench-tcp.sh   (as root: P/D and UCX alone against iperf3, in namespaces)
 One demo run:          CARGO_TARGET_DIR=$CARGO_TARGET_DIR scripts/demo.sh [-- --requests 200 --blocks-per-request 32]   (decode prints GB/s)
 EOF
