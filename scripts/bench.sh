@@ -27,7 +27,7 @@
 #                   alternating rounds after the others (scripts/bench-descriptors.sh); the
 #                   table, with its goals met or missed, is appended to results.md
 #   cross-host.{md,log}  prefill/decode across two network namespaces over UCX's TCP transport
-#                   against an iperf3 stream on the same link, and UCX alone (bench/tcp_probe.rs),
+#                   against an iperf3 stream on the same link, and UCX alone (bench/tcp_probe/),
 #                   in their own rounds (scripts/bench-tcp.sh, as root only); the table joins
 #                   results.md
 # Honours an existing CARGO_TARGET_DIR; BENCH_VENV overrides the venv location.

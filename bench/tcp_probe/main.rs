@@ -1,33 +1,37 @@
-//! What NIXL's UCX backend carries between two network namespaces without the connector:
-//! the ceiling the prefill/decode demo is held to across hosts (scripts/bench-tcp.sh). A
-//! target process in `--target-netns` registers a buffer of `--bytes`; this process READs
-//! it whole (`--in-flight` requests at once, descriptors of `--desc-bytes` that NIXL does
-//! not merge), `--passes` times, then WRITEs it the same way, and prints both rates:
+//! What NIXL's UCX backend does between two network namespaces without the connector: a
+//! target process in `--target-netns` registers a filled buffer, and this process moves it.
+//! - By default ([`bulk`]): the ceiling the prefill/decode demo is held to across hosts
+//!   (scripts/bench-tcp.sh), READs and WRITEs of the whole buffer in GB/s.
+//! - With `--concurrent-reads N` ([`concurrent`]): N awaited 16 KiB READs at once on a
+//!   multi-thread tokio runtime against the same READs one after another, as a ratio of
+//!   their times: whether overlap hides the network's latency.
 //!
-//! ```text
-//! tcp-probe read GB/s 0.912
-//! tcp-probe write GB/s 1.801
-//! ```
-//!
-//! UCX's settings come from the environment (`UCX_TLS=tcp UCX_NET_DEVICES=...`, and any
-//! `UCX_TCP_*`), which the target inherits:
+//! UCX's settings come from the environment (`UCX_TLS=tcp UCX_NET_DEVICES=...`, which the
+//! target inherits) and from `--engine-config`, on both sides:
 //!
 //! ```sh
 //! ip netns exec NS_A env UCX_TLS=tcp cargo run --release --example tcp_probe -- \
 //!     --target-netns NS_B --bytes 268435456 --desc-bytes 262144
+//! ip netns exec NS_A env UCX_TLS=tcp cargo run --release --example tcp_probe -- \
+//!     --target-netns NS_B --concurrent-reads 1000 --workers 2
 //! ```
+
+mod bulk;
+mod concurrent;
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use clap::Parser;
-use nixl::{Agent, LocalDescList, MemType, RemoteDescList, XferDesc, XferOp, XferOptions};
+use nixl::Agent;
 
 /// The probe's settings.
 #[derive(Parser)]
 struct Args {
-    /// Bytes of the target's buffer (what one pass moves).
+    /// Bytes of the target's buffer (what one pass moves; with `--concurrent-reads`, at
+    /// least that many 16 KiB blocks).
     #[arg(long, default_value_t = 256 << 20)]
     bytes: usize,
     /// Bytes of each descriptor.
@@ -39,6 +43,15 @@ struct Args {
     /// Times the whole buffer is moved, per operation.
     #[arg(long, default_value_t = 4)]
     passes: usize,
+    /// Awaited 16 KiB READs at once, against the same one after another (0: the bulk rates).
+    #[arg(long, default_value_t = 0)]
+    concurrent_reads: usize,
+    /// The tokio runtime's worker threads, with `--concurrent-reads`.
+    #[arg(long, default_value_t = 2)]
+    workers: usize,
+    /// Timed repetitions of each, alternating, with `--concurrent-reads`.
+    #[arg(long, default_value_t = 7)]
+    reps: usize,
     /// The UCX backend's `engine_config` on both sides (`KEY=VALUE,...`, UCX's settings
     /// without their `UCX_` prefix).
     #[arg(long, default_value = "")]
@@ -55,7 +68,7 @@ struct Args {
 /// What starts the target's line of its agent name, metadata and address.
 const TAG: &str = "tcp-probe-target: ";
 
-/// How long one pass may take before the probe gives up.
+/// How long one pass or batch may take before the probe gives up.
 const PASS_LIMIT: Duration = Duration::from_secs(120);
 
 fn main() {
@@ -64,12 +77,6 @@ fn main() {
         serve(&args);
         return;
     }
-    assert!(
-        args.desc_bytes > 0
-            && args.in_flight > 0
-            && args.bytes % (args.desc_bytes * args.in_flight) == 0,
-        "--bytes must be a multiple of --desc-bytes x --in-flight"
-    );
     let (mut child, name, metadata, addr) = start_target(&args);
     let agent = Agent::new(&format!("tcp-probe-{}", std::process::id())).expect("agent");
     ucx_backend(&agent, &args.engine_config);
@@ -77,47 +84,14 @@ fn main() {
         agent.load_remote_metadata(&metadata).expect("metadata"),
         name
     );
-    let local = agent
-        .register_memory(vec![0u8; args.bytes], &[])
-        .expect("register the local buffer");
-    for op in [XferOp::Read, XferOp::Write] {
-        let share = args.bytes / args.in_flight;
-        let mut requests: Vec<_> = (0..args.in_flight)
-            .map(|r| {
-                let mut mine = LocalDescList::new(MemType::Dram).expect("list");
-                let mut theirs = RemoteDescList::new(MemType::Dram).expect("list");
-                for offset in (r * share..(r + 1) * share).step_by(args.desc_bytes) {
-                    mine.push(&local, 0, offset, args.desc_bytes)
-                        .expect("local");
-                    theirs
-                        .push(XferDesc::new(addr + offset, args.desc_bytes, 0))
-                        .expect("remote");
-                }
-                let options = XferOptions::new().skip_desc_merge(true);
-                agent
-                    .create_xfer_req(op, &mine, &theirs, &name, &options)
-                    .expect("request")
-            })
-            .collect();
-        let start = Instant::now();
-        for _ in 0..args.passes {
-            for request in &mut requests {
-                request.post().expect("post");
-            }
-            for request in &mut requests {
-                request.wait(PASS_LIMIT).expect("transfer");
-            }
-        }
-        let gbps = (args.passes * args.bytes) as f64 / start.elapsed().as_secs_f64() / 1e9;
-        let label = if op == XferOp::Read { "read" } else { "write" };
-        println!("tcp-probe {label} GB/s {gbps:.3}");
-        if op == XferOp::Read {
-            let mut probe = [0u8; 1];
-            local
-                .read(0, args.bytes - 1, &mut probe)
-                .expect("read back");
-            assert_eq!(probe[0], fill(args.bytes - 1), "the target's last byte");
-        }
+    let local = Arc::new(
+        agent
+            .register_memory(vec![0u8; args.bytes], &[])
+            .expect("register the local buffer"),
+    );
+    match args.concurrent_reads {
+        0 => bulk::rates(&args, &agent, &local, (&name, addr)),
+        reads => concurrent::ratio(&args, reads, &agent, &local, (&name, addr)),
     }
     drop(child.stdin.take());
     let _ = child.wait();
