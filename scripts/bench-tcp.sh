@@ -10,7 +10,9 @@
 #               requests one at a time, for the first load of a request alone on the link
 #   UCX alone   bench/tcp_probe/: READs and WRITEs of 256 MiB in 256 KiB descriptors (the
 #               runs the demo's READs merge into), 4 requests in flight, no connector, no
-#               checks, with the connector's send segment and with UCX's own
+#               checks, with the connector's send segment and with UCX's own; then 1000
+#               awaited 16 KiB READs at once on a multi-thread tokio runtime (1, 2 and 4
+#               workers) against the same READs one after another, every byte checked
 # and writes bench/results/cross-host.md (medians over rounds, each P/D rate as a ratio to
 # the same round's iperf3 stream, goals met or missed) and cross-host.log (every run's lines).
 # Needs root (ip netns); installs iperf3 where it is missing. Honours CARGO_TARGET_DIR.
@@ -95,6 +97,17 @@ probe() {
     echo "$round probe-write-$1 $(sed -n 's/^tcp-probe write GB\/s //p' "$work/probe.out")" >>"$records"
 }
 
+# Overlap: `overlap WORKERS`; records the median ratio concurrent/sequential of its reps.
+overlap() {
+    ip netns exec "$ns_d" env UCX_TLS=tcp UCX_NET_DEVICES="$veth_d,$veth_p" \
+        "$bin/tcp_probe" --target-netns "$ns_p" --bytes $((16 << 20)) --concurrent-reads 1000 \
+        --workers "$1" --reps 3 --engine-config "TCP_TX_SEG_SIZE=64k" >"$work/probe.out" 2>&1 ||
+        { cat "$work/probe.out" >&2; exit 1; }
+    echo "overlap, $1 tokio workers:" >>"$log"
+    grep '^tcp-probe' "$work/probe.out" >>"$log"
+    echo "$round overlap-$1 $(sed -n 's/^tcp-probe concurrent\/sequential //p' "$work/probe.out")" >>"$records"
+}
+
 iperf() {
     ip netns exec "$ns_p" iperf3 -s -1 -B "$addr_p" >/dev/null 2>&1 &
     local server=$! gbps=''
@@ -119,6 +132,7 @@ for ((round = 1; round <= rounds; round++)); do
     pd one-at-a-time -- --requests 4 --in-flight 1
     probe connector "TCP_TX_SEG_SIZE=64k"
     probe ucx ""
+    for workers in 1 2 4; do overlap "$workers"; done
 done
 echo "bench-tcp: $rounds rounds in $((SECONDS - start)) s; load average: $(cut -d' ' -f1-3 /proc/loadavg)" >&2
 
@@ -162,6 +176,10 @@ with open(out, "w") as md:
         for seg, what in (("connector", "64 KiB send segment"), ("ucx", "UCX's defaults")):
             name = f"probe-{op}-{seg}"
             md.write(f"| UCX alone (tcp_probe), {op.upper()}, {what} | {median(name):.2f} | {ratio(name):.2f} | | |\n")
+    md.write("\n| 1000 awaited 16 KiB READs at once / the same one after another | time ratio | goal |\n|---|---|---|\n")
+    for workers in (1, 2, 4):
+        r = median(f"overlap-{workers}")
+        md.write(f"| {workers} tokio worker{'s' if workers > 1 else ''} | {r:.2f} | ≤ 0.5x: {'met' if r <= 0.5 else 'missed'} |\n")
     md.write("\nFirst load: from decode's first try to reach prefill to its first request loaded "
              "(the handshake, prefill's first announcement and the READs of 16 (or 32) blocks x "
              "32 layers, 8 MiB (16 MiB), 4 requests in flight, or 1). UCX alone bounds P/D: over TCP, UCX emulates a READ "
