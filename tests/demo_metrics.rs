@@ -101,6 +101,7 @@ async fn the_connectors_series_move_in_a_scrape() {
         group_lens: Vec::new(),
         request_id: request.into(),
         tp_size: 1,
+        pp_size: 1,
         num_tokens: None,
         blocks_expiry_time: None,
         registration_generation: None,

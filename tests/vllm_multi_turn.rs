@@ -75,6 +75,7 @@ async fn load_ended(
     loop {
         let output = WorkerOutput {
             tp_rank: 0,
+            pp_rank: 0,
             finished: worker.finished(),
             load_errors: worker.load_errors(),
         };
@@ -93,6 +94,7 @@ async fn released((worker, scheduler): (&KvConnectorWorker, &mut KvConnectorSche
     loop {
         let output = WorkerOutput {
             tp_rank: 0,
+            pp_rank: 0,
             finished: worker.finished(),
             load_errors: worker.load_errors(),
         };

@@ -425,6 +425,7 @@ async fn load_from_python(
             let errors = decode.load_errors();
             let output = WorkerOutput {
                 tp_rank: 0,
+                pp_rank: 0,
                 finished,
                 load_errors: errors,
             };

@@ -155,6 +155,7 @@ async fn measure(a: &Args, port: u16) -> nixl_connector::Result<()> {
         group_lens: Vec::new(),
         request_id: format!("r{i}"),
         tp_size: 1,
+        pp_size: 1,
         num_tokens: None,
         blocks_expiry_time: None,
         registration_generation: None,

@@ -9,6 +9,7 @@ use nixl::platform::Platform;
 use serde_json::Value;
 
 use crate::error::{Error, Result};
+use crate::geometry::pipeline::PipelineRank;
 use crate::lease::Lease;
 use crate::transport::auth::SharedSecret;
 use crate::transport::peer_networks::PeerNetworks;
@@ -139,6 +140,11 @@ pub struct WorkerConfig {
     pub tp_rank: usize,
     /// The engine's TP size.
     pub tp_size: usize,
+    /// This worker's pipeline stage and its engine's stages (`None`: one stage, every layer
+    /// registered here). A rank of stage `s` registers the regions of its stage's layers
+    /// only; in the native protocol it listens at the engine's port + `s` × TP size + TP
+    /// rank. Native protocol only, and a model of one KV cache group (as vLLM's pull mode).
+    pub pipeline: Option<PipelineRank>,
     /// vLLM's `kv_transfer_config`: the kv-buffer device and the backends.
     pub kv_transfer_config: KvTransferConfig,
     /// The platform the memory type is resolved for (see [`nixl::platform`]).
@@ -195,7 +201,7 @@ pub struct WorkerConfig {
 }
 
 impl WorkerConfig {
-    /// Defaults: the current platform (or `cpu` when none is detected), side channel on
+    /// Defaults: one pipeline stage, the current platform (or `cpu` when none is detected), side channel on
     /// 127.0.0.1 port 0, [`ChannelLimits::default`], 30 s transfers, device 0, a generated
     /// agent name with [`nixl::AgentConfig::default`], metadata in the handshake, the lease
     /// and protocol of the `kv_transfer_config`, [`VllmChannelLimits::default`], no shared
@@ -207,6 +213,7 @@ impl WorkerConfig {
             engine_id: engine_id.to_string(),
             tp_rank,
             tp_size,
+            pipeline: None,
             kv_transfer_config: kv,
             platform,
             side_channel: SocketAddr::from(([127, 0, 0, 1], 0)),

@@ -286,7 +286,7 @@ pub use error::{Error, Result};
 pub use failure::{FailedBlock, FailureKind};
 pub use geometry::dcp::{DcpPair, MAX_DCP_SIZE};
 pub use geometry::groups::{KvCacheGroupKind, KvCacheGroups, KV_CACHE_GROUPS_KEY, SHARED_REGION};
-pub use geometry::pipeline::{PipelineStages, StageSource, MAX_PP_SIZE};
+pub use geometry::pipeline::{PipelineRank, PipelineStages, StageSource, MAX_PP_SIZE};
 pub use geometry::read_plan::{Piece, ReadPlan, RegionPlan};
 pub use geometry::spec::{KvAttention, KvCacheSpec, KvLayout, KvRegion, KvRegionKind};
 pub use geometry::ssm::SsmState;

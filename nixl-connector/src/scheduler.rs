@@ -95,6 +95,10 @@ pub struct SchedulerConfig {
     pub port: u16,
     /// This engine's TP size.
     pub tp_size: usize,
+    /// This engine's pipeline stages (1: none): every rank of every stage reports to
+    /// [`update_connector_output`](KvConnectorScheduler::update_connector_output), and the
+    /// params a decode gets say it (`pp_size`).
+    pub pp_size: usize,
     /// The KV lease of held requests, and the heartbeat interval of waiting loads.
     pub lease: Lease,
     /// What happens to a request whose load failed.
@@ -115,7 +119,7 @@ pub struct SchedulerConfig {
 
 impl SchedulerConfig {
     /// The settings of engine `engine_id` (reached at `host`, its side channel on `port`,
-    /// TP `tp_size`), with the lease, failure policy and protocol of `kv_transfer_config`,
+    /// TP `tp_size`, one pipeline stage), with the lease, failure policy and protocol of `kv_transfer_config`,
     /// and no vLLM side channel.
     ///
     /// # Errors
@@ -134,6 +138,7 @@ impl SchedulerConfig {
             host: host.to_string(),
             port,
             tp_size,
+            pp_size: 1,
             lease: Lease::from_kv_transfer_config(kv_transfer_config)?,
             load_failure_policy: LoadFailurePolicy::from_kv_transfer_config(kv_transfer_config)?,
             multi_turn: MultiTurn::from_kv_transfer_config(kv_transfer_config)?,
@@ -264,7 +269,7 @@ impl KvConnectorScheduler {
             registered_again: 0,
             kept: multi_turn::Kept::default(),
             multi_turn: MultiTurnStats::default(),
-            aggregator: KvOutputAggregator::new(config.tp_size),
+            aggregator: KvOutputAggregator::with_stages(config.pp_size, config.tp_size),
             groups: KvCacheGroups::default(),
             config,
         }
@@ -595,12 +600,13 @@ impl KvConnectorScheduler {
             Protocol::Native => KvTransferParams {
                 remote_registration_generation: (self.registered_again > 0)
                     .then_some(self.registered_again),
+                remote_pp_size: (config.pp_size > 1).then_some(config.pp_size),
                 ..params
             },
             Protocol::Vllm => KvTransferParams {
                 remote_num_tokens: Some(num_tokens.unwrap_or(0)),
                 remote_dcp_size: Some(1),
-                remote_pp_size: Some(1),
+                remote_pp_size: Some(config.pp_size),
                 remote_registration_generation: Some(registration_generation(config)),
                 transfer_mode: Some("pull".to_string()),
                 vllm_extra: serde_json::Map::from_iter([(
@@ -683,6 +689,7 @@ impl KvConnectorScheduler {
                     host: remote.host.clone(),
                     port: remote.port,
                     tp_size: remote.tp_size,
+                    pp_size: remote.pp_size,
                     request_ids: Vec::new(),
                     capabilities: Vec::new(),
                 });
@@ -809,6 +816,7 @@ mod tests {
             host: "10.0.0.1".into(),
             port: 5600,
             tp_size: 2,
+            pp_size: 1,
             lease: Lease::new(Duration::from_secs(3)).unwrap(),
             load_failure_policy: policy,
             multi_turn: MultiTurn::default(),
@@ -901,6 +909,7 @@ mod tests {
     ) -> Vec<LoadOutcome> {
         let outputs = [0, 1].map(|tp_rank| WorkerOutput {
             tp_rank,
+            pp_rank: 0,
             finished: finished.clone(),
             load_errors: if tp_rank == 0 {
                 load_errors.to_vec()

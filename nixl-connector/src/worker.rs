@@ -380,7 +380,7 @@ impl KvConnectorWorker {
                 format!("request {request_id:?}: local block {bad} of {num_blocks} blocks"),
             ));
         }
-        let ranks = self.remote_ranks(OP, remote.port, remote.tp_size)?;
+        let ranks = self.remote_ranks(OP, remote.port, (remote.pp_size, remote.tp_size))?;
         self.forget_older_registration(remote);
         let load = crate::worker::load::Load {
             request_id: request_id.to_string(),
@@ -486,7 +486,7 @@ impl KvConnectorWorker {
     ) -> Result<()> {
         const OP: &str = "handshake with a remote engine";
         self.caches(OP)?;
-        let ranks = self.remote_ranks(OP, port, tp_size)?;
+        let ranks = self.remote_ranks(OP, port, (1, tp_size))?;
         let engine = Engine {
             id: engine_id,
             host,
@@ -501,35 +501,45 @@ impl KvConnectorWorker {
             .try_for_each(|done| done.map(drop))
     }
 
-    /// The ranks of a remote engine of TP `tp_size` that hold this rank's share of a
-    /// request ([`TpMapping`](crate::TpMapping)), each with the port its side channel
-    /// listens on: rank 0's `port` + rank in the native protocol, the engine's `port` in
-    /// vLLM's.
+    /// The ranks of a remote engine of `pp_size` stages of TP `tp_size` that hold this
+    /// rank's share of a request: in every stage, the ranks of the
+    /// [`TpMapping`](crate::TpMapping) (a stage holding none of this rank's layers is only
+    /// notified). Each is numbered `pp_rank` × `tp_size` + `tp_rank` (its TP rank with one
+    /// stage), with the port its side channel listens on: rank 0's `port` + that number in
+    /// the native protocol, the engine's `port` in vLLM's.
     fn remote_ranks(
         &self,
         operation: &'static str,
         port: u16,
-        tp_size: usize,
+        (pp_size, tp_size): (usize, usize),
     ) -> Result<Vec<(usize, u16)>> {
         let config = &self.shared.config;
         let attention = self.caches(operation)?.spec.attention;
         let mapping = TpMapping::new(config.tp_rank, config.tp_size, tp_size, attention)?;
-        mapping
-            .ranks
-            .iter()
-            .map(|r| {
+        if pp_size != 1 && self.shared.protocol == Protocol::Vllm {
+            return Err(Error::invalid(
+                operation,
+                format!("pp_size {pp_size} is not supported in vLLM's protocol (only 1)"),
+            ));
+        }
+        let mut ranks = Vec::with_capacity(pp_size.saturating_mul(mapping.ranks.len()));
+        for stage in 0..pp_size {
+            for r in &mapping.ranks {
+                let rank = stage * tp_size + r.rank;
                 if self.shared.protocol == Protocol::Vllm {
-                    return Ok((r.rank, port));
+                    ranks.push((rank, port));
+                    continue;
                 }
-                let at = u16::try_from(usize::from(port) + r.rank).map_err(|_| {
+                let at = u16::try_from(usize::from(port) + rank).map_err(|_| {
                     Error::invalid(
                         operation,
-                        format!("port {port} + rank {} is past 65535", r.rank),
+                        format!("port {port} + rank {rank} is past 65535"),
                     )
                 })?;
-                Ok((r.rank, at))
-            })
-            .collect()
+                ranks.push((rank, at));
+            }
+        }
+        Ok(ranks)
     }
 
     /// Carries out one scheduler step's `meta` (vLLM's `start_load_kv`): starts every load,
@@ -596,7 +606,8 @@ impl KvConnectorWorker {
     /// leases its waiting requests are kept by.
     fn send_heartbeat(&self, heartbeat: &HeartbeatSpec) {
         const OP: &str = "send a heartbeat";
-        let ranks = match self.remote_ranks(OP, heartbeat.port, heartbeat.tp_size) {
+        let stages = (heartbeat.pp_size, heartbeat.tp_size);
+        let ranks = match self.remote_ranks(OP, heartbeat.port, stages) {
             Ok(ranks) => ranks,
             Err(err) => {
                 tracing::warn!(engine = %heartbeat.engine_id, %err, "no heartbeat sent");
@@ -711,6 +722,12 @@ impl KvConnectorWorker {
     pub fn output(&self) -> WorkerOutput {
         WorkerOutput {
             tp_rank: self.shared.config.tp_rank,
+            pp_rank: self
+                .shared
+                .config
+                .pipeline
+                .as_ref()
+                .map_or(0, |p| p.pp_rank()),
             finished: self.finished(),
             load_errors: self.load_errors(),
         }
@@ -860,6 +877,7 @@ impl Settings {
 fn context(config: WorkerConfig, settings: &Settings) -> Result<Context> {
     let protocol = settings.protocol;
     let groups = KvCacheGroups::from_kv_transfer_config(&config.kv_transfer_config)?;
+    check_pipeline(&config, protocol, &groups)?;
     #[cfg(feature = "vllm")]
     let vllm = match protocol {
         Protocol::Native => None,
@@ -897,6 +915,34 @@ fn context(config: WorkerConfig, settings: &Settings) -> Result<Context> {
         etcd,
         series,
     })
+}
+
+/// Refuses a pipeline of more than one stage where it is not supported: in vLLM's
+/// protocol (not yet), and with several KV cache groups (vLLM's pull mode refuses hybrid
+/// models under pipeline parallelism, as its `NixlConnector` worker does).
+fn check_pipeline(config: &WorkerConfig, protocol: Protocol, groups: &KvCacheGroups) -> Result<()> {
+    const OP: &str = "create the connector worker";
+    let Some(pp_size) = config
+        .pipeline
+        .as_ref()
+        .map(|p| p.stages().pp_size())
+        .filter(|&pp| pp > 1)
+    else {
+        return Ok(());
+    };
+    if protocol == Protocol::Vllm {
+        return Err(Error::invalid(
+            OP,
+            format!("pipeline_parallel_size {pp_size} is supported in the native protocol only"),
+        ));
+    }
+    if groups.len() > 1 {
+        return Err(Error::invalid(
+            OP,
+            "NixlConnector (pull) does not support pipeline_parallel_size > 1 with hybrid KV cache layouts (HMA): vLLM 0.33 refuses it, and so does this connector",
+        ));
+    }
+    Ok(())
 }
 
 /// The side channel's guard of a worker of `config` speaking `protocol`: its secret (native

@@ -132,6 +132,7 @@ async fn heartbeats_still_reach_an_engine_whose_read_passed_the_timeout() {
             host: "127.0.0.1".into(),
             port,
             tp_size: 1,
+            pp_size: 1,
             request_ids: vec!["p-waiting".into()],
             capabilities: vec![Some(common::capability())],
         }],

@@ -106,6 +106,7 @@ async fn load(
     let errors = decode.load_errors();
     let output = WorkerOutput {
         tp_rank: 0,
+        pp_rank: 0,
         finished: done,
         load_errors: errors,
     };

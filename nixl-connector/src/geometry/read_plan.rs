@@ -60,6 +60,12 @@ pub struct ReadPlan {
     pub remote_num_blocks: usize,
     /// Each region's pieces.
     pub regions: Vec<RegionPlan>,
+    /// The reader's region that `regions[0]` is (not 0 when the reader's pipeline stage
+    /// holds layers before those the source holds).
+    pub local_first_region: usize,
+    /// The source's region that `regions[0]` is (not 0 when the source's pipeline stage
+    /// holds layers before those the reader holds).
+    pub remote_first_region: usize,
 }
 
 impl ReadPlan {
@@ -95,6 +101,8 @@ impl ReadPlan {
             remote_block_size: sizes.remote,
             remote_num_blocks: source.num_blocks,
             regions,
+            local_first_region: 0,
+            remote_first_region: 0,
         })
     }
 
@@ -109,7 +117,8 @@ impl ReadPlan {
     /// Whether every local block is read whole in one piece per region: then the local
     /// list is the registration's own (descriptor `region * num_blocks + block`).
     pub(crate) fn reads_whole_local_blocks(&self) -> bool {
-        self.block_sizes().local_units() == 1
+        self.local_first_region == 0
+            && self.block_sizes().local_units() == 1
             && self.regions.iter().all(|r| {
                 r.pieces
                     == [Piece {
@@ -121,10 +130,12 @@ impl ReadPlan {
     }
 
     /// Descriptors of the remote list: region by region, block by block, unit by unit, piece
-    /// by piece, from the source's region base addresses.
+    /// by piece, from the source's region base addresses (every region's; those of the
+    /// plan's regions are read from `remote_first_region` on).
     pub(crate) fn remote_descs(&self, bases: &[u64], device_id: u64) -> Vec<XferDesc> {
         let units = self.block_sizes().remote_units();
         let mut descs = Vec::with_capacity(self.remote_descriptors());
+        let bases = bases.get(self.remote_first_region..).unwrap_or_default();
         for (region, &base) in self.regions.iter().zip(bases) {
             for block in 0..self.remote_num_blocks {
                 for unit in 0..units {
@@ -143,13 +154,15 @@ impl ReadPlan {
         descs
     }
 
-    /// Descriptors of the local list, as (region, offset in the region, length): region by
-    /// region, block by block, unit by unit, piece by piece, over `num_blocks` local blocks.
+    /// Descriptors of the local list, as (local region, offset in the region, length):
+    /// region by region, block by block, unit by unit, piece by piece, over `num_blocks`
+    /// local blocks, from `local_first_region` on.
     pub(crate) fn local_descs(
         &self,
         num_blocks: usize,
     ) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
         let units = self.block_sizes().local_units();
+        let first = self.local_first_region;
         self.regions
             .iter()
             .enumerate()
@@ -160,7 +173,7 @@ impl ReadPlan {
                     region
                         .pieces
                         .iter()
-                        .map(move |p| (index, start + p.local_offset, p.len))
+                        .map(move |p| (first + index, start + p.local_offset, p.len))
                 })
             })
     }

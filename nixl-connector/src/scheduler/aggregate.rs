@@ -25,6 +25,9 @@ use crate::scheduler::outcomes::Finished;
 pub struct WorkerOutput {
     /// The rank that reports.
     pub tp_rank: usize,
+    /// Its pipeline stage (0 without pipeline parallelism).
+    #[serde(default)]
+    pub pp_rank: usize,
     /// The requests this rank is done sending and receiving since its last output.
     pub finished: Finished,
     /// The blocks whose load failed on this rank since its last output.
@@ -59,11 +62,13 @@ pub struct AggregatedOutput {
     pub load_errors: Vec<FailedBlock>,
 }
 
-/// Aggregates the outputs of an engine's TP ranks (vLLM's `KVOutputAggregator`, with
-/// `get_finished_count` unset as in vLLM's NixlConnector: every rank must report).
+/// Aggregates the outputs of an engine's ranks, every TP rank of every pipeline stage
+/// (vLLM's `KVOutputAggregator` over the world size, with `get_finished_count` unset as in
+/// vLLM's NixlConnector: every rank must report).
 #[derive(Debug)]
 pub struct KvOutputAggregator {
     tp_size: usize,
+    pp_size: usize,
     /// Ranks still to report, by request id (vLLM's `_send_remaining_count`).
     sending: HashMap<String, usize>,
     /// Ranks still to report, by request id (vLLM's `_recv_remaining_count`).
@@ -73,8 +78,14 @@ pub struct KvOutputAggregator {
 impl KvOutputAggregator {
     /// An aggregator of `tp_size` ranks.
     pub fn new(tp_size: usize) -> Self {
+        Self::with_stages(1, tp_size)
+    }
+
+    /// An aggregator of `pp_size` pipeline stages of `tp_size` ranks each.
+    pub fn with_stages(pp_size: usize, tp_size: usize) -> Self {
         KvOutputAggregator {
             tp_size,
+            pp_size,
             sending: HashMap::new(),
             recving: HashMap::new(),
         }
@@ -86,30 +97,39 @@ impl KvOutputAggregator {
     }
 
     /// Takes one step's output of every rank (vLLM's `KVOutputAggregator.aggregate`):
-    /// a request is finished once each of the `tp_size` ranks has reported it, in this step
-    /// or an earlier one; failed blocks pass on at once.
+    /// a request is finished once each of the `pp_size` × `tp_size` ranks has reported it,
+    /// in this step or an earlier one; failed blocks pass on at once.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] unless `outputs` holds exactly one output of each rank
-    /// below the TP size (nothing is counted then).
+    /// [`Error::InvalidArgument`] unless `outputs` holds exactly one output of each TP rank
+    /// of each stage (nothing is counted then).
     pub fn aggregate(&mut self, outputs: &[WorkerOutput]) -> Result<AggregatedOutput> {
         const OP: &str = "aggregate the workers' outputs";
-        let mut seen = vec![false; self.tp_size];
+        let ranks = self.pp_size.saturating_mul(self.tp_size);
+        let name = |pp: usize, tp: usize| match self.pp_size {
+            1 => format!("TP rank {tp}"),
+            _ => format!("pp_rank {pp} TP rank {tp}"),
+        };
+        let mut seen = vec![false; ranks];
         for output in outputs {
-            match seen.get_mut(output.tp_rank) {
+            let (pp, tp) = (output.pp_rank, output.tp_rank);
+            let at = (pp < self.pp_size && tp < self.tp_size).then_some(pp * self.tp_size + tp);
+            match at.and_then(|at| seen.get_mut(at)) {
                 Some(seen) if !*seen => *seen = true,
                 Some(_) => {
                     return Err(Error::invalid(
                         OP,
-                        format!("two outputs of TP rank {}", output.tp_rank),
+                        format!("two outputs of {}", name(pp, tp)),
                     ))
                 }
                 None => {
                     return Err(Error::invalid(
                         OP,
                         format!(
-                            "an output of TP rank {} with TP size {}",
-                            output.tp_rank, self.tp_size
+                            "an output of {} with TP size {} and {} stages",
+                            name(pp, tp),
+                            self.tp_size,
+                            self.pp_size
                         ),
                     ))
                 }
@@ -119,7 +139,8 @@ impl KvOutputAggregator {
             return Err(Error::invalid(
                 OP,
                 format!(
-                    "no output of TP rank {missing}: pass every rank's output each step (TP size {})",
+                    "no output of {}: pass every rank's output each step (TP size {})",
+                    name(missing / self.tp_size, missing % self.tp_size),
                     self.tp_size
                 ),
             ));
@@ -129,13 +150,13 @@ impl KvOutputAggregator {
             count(
                 &output.finished.sending,
                 &mut self.sending,
-                self.tp_size,
+                ranks,
                 &mut aggregated.finished.sending,
             );
             count(
                 &output.finished.recving,
                 &mut self.recving,
-                self.tp_size,
+                ranks,
                 &mut aggregated.finished.recving,
             );
             aggregated
@@ -147,16 +168,16 @@ impl KvOutputAggregator {
     }
 }
 
-/// Counts one rank's report of each of `request_ids` in `remaining`; those that every rank
-/// has reported now go to `done` (vLLM's `update_finished_set`).
+/// Counts one rank's report of each of `request_ids` in `remaining`; those that every one
+/// of `ranks` has reported now go to `done` (vLLM's `update_finished_set`).
 fn count(
     request_ids: &[String],
     remaining: &mut HashMap<String, usize>,
-    tp_size: usize,
+    ranks: usize,
     done: &mut Vec<String>,
 ) {
     for request_id in request_ids {
-        let left = remaining.entry(request_id.clone()).or_insert(tp_size);
+        let left = remaining.entry(request_id.clone()).or_insert(ranks);
         *left = left.saturating_sub(1);
         if *left == 0 {
             remaining.remove(request_id);
@@ -175,6 +196,7 @@ mod tests {
     fn output(tp_rank: usize, sending: &[&str], recving: &[&str]) -> WorkerOutput {
         WorkerOutput {
             tp_rank,
+            pp_rank: 0,
             finished: Finished {
                 sending: sending.iter().map(|s| s.to_string()).collect(),
                 recving: recving.iter().map(|s| s.to_string()).collect(),
@@ -219,9 +241,25 @@ mod tests {
     }
 
     #[test]
+    fn every_rank_of_every_stage_must_report() {
+        let mut a = KvOutputAggregator::with_stages(2, 1);
+        let stage = |pp_rank, sending: &[&str]| WorkerOutput {
+            pp_rank,
+            ..output(0, sending, &[])
+        };
+        let err = a.aggregate(&[stage(0, &["p"])]).unwrap_err().to_string();
+        assert!(err.contains("no output of pp_rank 1 TP rank 0"), "{err}");
+        let step = a.aggregate(&[stage(0, &["p"]), stage(1, &[])]).unwrap();
+        assert!(step.finished.sending.is_empty(), "stage 1 still reads");
+        let step = a.aggregate(&[stage(1, &["p"]), stage(0, &[])]).unwrap();
+        assert_eq!(step.finished.sending, ["p"]);
+    }
+
+    #[test]
     fn a_worker_output_crosses_and_garbage_is_refused() {
         let sent = WorkerOutput {
             tp_rank: 1,
+            pp_rank: 0,
             finished: Finished {
                 sending: vec!["s".into()],
                 recving: vec!["r".into()],

@@ -130,6 +130,7 @@ mod tests {
             host: "10.0.0.1".into(),
             port: 5600,
             tp_size: 1,
+            pp_size: 1,
             lease: Lease::new(Duration::from_secs(3)).unwrap(),
             load_failure_policy: LoadFailurePolicy::Fail,
             multi_turn: crate::multi_turn::MultiTurn::default(),

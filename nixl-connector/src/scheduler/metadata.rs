@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::Result;
 use crate::transport::capability::Capability;
-use crate::transport::params::RemoteBlocks;
+use crate::transport::params::{one_stage, RemoteBlocks};
 
 /// One load for the workers: read `remote` into `local_block_ids`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -57,6 +57,9 @@ pub struct HeartbeatSpec {
     pub port: u16,
     /// Its TP size.
     pub tp_size: usize,
+    /// Its pipeline stages (1: none); every stage's ranks get the heartbeat.
+    #[serde(default = "one_stage")]
+    pub pp_size: usize,
     /// Its request ids (the remote ones) whose leases to extend.
     pub request_ids: Vec<String>,
     /// The capability of each of `request_ids`, in the same order (native protocol: a
@@ -127,6 +130,7 @@ mod tests {
             group_lens: vec![1, 1],
             request_id: "rp".into(),
             tp_size: 2,
+            pp_size: 1,
             num_tokens: Some(30),
             blocks_expiry_time: Some(12.5),
             registration_generation: Some(2),
@@ -158,6 +162,7 @@ mod tests {
                 host: "10.0.0.1".into(),
                 port: 5600,
                 tp_size: 2,
+                pp_size: 1,
                 request_ids: vec!["rp".into()],
                 capabilities: vec![Some(Capability::random().unwrap())],
             }],

@@ -264,6 +264,7 @@ mod tests {
             host: "10.0.0.1".into(),
             port: 5600,
             tp_size: 1,
+            pp_size: 1,
             lease: Lease::new(Duration::from_secs(30)).unwrap(),
             load_failure_policy: LoadFailurePolicy::Fail,
             multi_turn,
@@ -294,6 +295,7 @@ mod tests {
     ) -> Vec<LoadOutcome> {
         let output = WorkerOutput {
             tp_rank: 0,
+            pp_rank: 0,
             finished: Finished {
                 sending: sending.iter().map(|s| s.to_string()).collect(),
                 recving: recving.iter().map(|s| s.to_string()).collect(),

@@ -1,13 +1,17 @@
 //! The handshake message two engines exchange, and the check that refuses a peer whose KV
 //! cache cannot be transferred with ours.
 
+use std::ops::Range;
+
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::geometry::groups::KvCacheGroups;
+use crate::geometry::pipeline::{shared_regions, StageOfRank};
 use crate::geometry::read_plan::ReadPlan;
 use crate::geometry::spec::KvCacheSpec;
 use crate::geometry::ssm::SsmState;
+use crate::geometry::tp_mapping::Share;
 
 /// Version of the side-channel protocol and handshake; peers of another version are refused.
 /// 3: the handshake says the rank's SSM (Mamba) state, each region's KV cache group and its
@@ -65,6 +69,14 @@ pub struct HandshakeMessage {
     /// registered blocks'), 1 to [`MAX_BLOCKS_PER_ID`].
     #[serde(default = "one_block_per_id")]
     pub blocks_per_id: u64,
+    /// The sender's pipeline stage (vLLM's `pp_rank`; 0 without pipeline parallelism).
+    #[serde(default)]
+    pub pp_rank: u64,
+    /// Layers per pipeline stage of the sender's engine (see
+    /// [`PipelineStages`](crate::PipelineStages)); empty: one stage, holding every layer.
+    /// A reader reads from each stage the regions of the layers both hold.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pp_partition: Vec<u64>,
     /// A reader's claims on requests the sender keeps for a read-back (multi-turn, native
     /// protocol): each must be answered in [`claimed`](Self::claimed) before the reader
     /// reads, so that the sender never releases early a request that may be read. Empty in
@@ -96,8 +108,13 @@ fn one_block_per_id() -> u64 {
 
 /// Checks that `local` (the reader) can read `remote`'s blocks, and says how.
 ///
+/// With pipeline parallelism on either side, only the regions of the layers both ranks hold
+/// are compared and read ([`PipelineStages`](crate::PipelineStages)); a source holding none
+/// of the reader's layers is only notified ([`Share::NotifiedOnly`]).
+///
 /// Refused, with both values in the message: another protocol version; a different engine
-/// or rank than expected; a spec that is not valid; another attention, region count or
+/// or `(pp_rank, tp_rank)` than expected; stages that do not pair (different layer counts,
+/// regions not a whole number per layer, or a different number per layer); a spec that is not valid; another attention, region count or
 /// layout; SSM (Mamba) state on one side only, or a source's that is not the reader's scaled
 /// by the TP sizes; region groups not one per region, or different on the two sides when
 /// either has regions of their own; kernel blocks per block id outside 1 to
@@ -112,7 +129,7 @@ pub fn check_compatible(
     local: &HandshakeMessage,
     remote: &HandshakeMessage,
     expected_engine: Option<&str>,
-    expected_rank: Option<usize>,
+    expected_rank: Option<(usize, usize)>,
 ) -> Result<ReadPlan> {
     let refuse = |reason: String| Error::Incompatible {
         reader: rank_name(local),
@@ -126,11 +143,32 @@ pub fn check_compatible(
     if let Some(why) = mismatch {
         return Err(refuse(why));
     }
-    let plan = ReadPlan::new(&local.spec, tp(local), &remote.spec, tp(remote)).map_err(refuse)?;
-    if let Some(why) = size_mismatch(local, remote, &plan).or_else(|| address_mismatch(remote)) {
+    let shared = shared_regions(stage_of(local), stage_of(remote)).map_err(refuse)?;
+    let (local_view, remote_view) = (local.regions(&shared.local), remote.regions(&shared.remote));
+    let mut plan = ReadPlan::new(&local_view.spec, tp(local), &remote_view.spec, tp(remote))
+        .map_err(refuse)?;
+    if shared.local.is_empty() {
+        // No layer in common: the source is only notified.
+        plan.share = Share::NotifiedOnly;
+        plan.regions.clear();
+    }
+    plan.local_first_region = shared.local.start;
+    plan.remote_first_region = shared.remote.start;
+    if let Some(why) =
+        size_mismatch(&local_view, &remote_view, &plan).or_else(|| address_mismatch(remote))
+    {
         return Err(refuse(why));
     }
     Ok(plan)
+}
+
+/// A message's pipeline stage.
+fn stage_of(message: &HandshakeMessage) -> StageOfRank<'_> {
+    StageOfRank {
+        partition: &message.pp_partition,
+        pp_rank: message.pp_rank,
+        regions: message.spec.regions.len(),
+    }
 }
 
 /// A message's TP rank and size.
@@ -147,7 +185,7 @@ fn peer_mismatch(
     local: &HandshakeMessage,
     remote: &HandshakeMessage,
     expected_engine: Option<&str>,
-    expected_rank: Option<usize>,
+    expected_rank: Option<(usize, usize)>,
 ) -> Option<String> {
     if remote.protocol_version != local.protocol_version {
         return Some(format!(
@@ -159,8 +197,8 @@ fn peer_mismatch(
         return Some(format!("the transfer params name engine {engine:?}"));
     }
     expected_rank
-        .filter(|&rank| remote.tp_rank != rank as u64)
-        .map(|rank| format!("the reader expected TP rank {rank}"))
+        .filter(|&(pp, tp)| (remote.pp_rank, remote.tp_rank) != (pp as u64, tp as u64))
+        .map(|(pp, tp)| format!("the reader expected pp_rank {pp} tp_rank {tp}"))
 }
 
 /// Why either message does not describe a cache, if one does not: a spec that is not
@@ -284,10 +322,36 @@ fn groups_mismatch(local: &HandshakeMessage, remote: &HandshakeMessage) -> Optio
 
 /// `engine "e" rank r`, for messages.
 fn rank_name(message: &HandshakeMessage) -> String {
+    if message.pp_partition.len() > 1 {
+        return format!(
+            "engine {:?} pp_rank {} tp_rank {}",
+            message.engine_id, message.pp_rank, message.tp_rank
+        );
+    }
     format!("engine {:?} rank {}", message.engine_id, message.tp_rank)
 }
 
 impl HandshakeMessage {
+    /// This message with only the regions `regions` (those of the layers a peer shares
+    /// with it), their base addresses and KV cache groups with them.
+    fn regions(&self, regions: &Range<usize>) -> HandshakeMessage {
+        let mut view = self.clone();
+        let slice = |all: &[u64]| all.get(regions.clone()).unwrap_or_default().to_vec();
+        view.spec.regions = self
+            .spec
+            .regions
+            .get(regions.clone())
+            .unwrap_or_default()
+            .to_vec();
+        view.region_base_addrs = slice(&self.region_base_addrs);
+        view.region_groups = self
+            .region_groups
+            .get(regions.clone())
+            .unwrap_or_default()
+            .to_vec();
+        view
+    }
+
     /// The message of a rank holding `spec` for KV cache groups `groups` (their SSM state,
     /// each region's group, the kernel blocks of a block id), with base addresses and
     /// metadata.
@@ -317,6 +381,8 @@ impl HandshakeMessage {
             ssm_state: groups.checked_ssm_state()?.cloned(),
             region_groups: groups.region_group_ids(spec.regions.len())?,
             blocks_per_id: groups.kernel_blocks_per_id(spec.block_size)? as u64,
+            pp_rank: 0,
+            pp_partition: Vec::new(),
             claims: Vec::new(),
             claimed: Vec::new(),
         })
@@ -345,6 +411,8 @@ mod tests {
             ssm_state: None,
             region_groups: Vec::new(),
             blocks_per_id: 1,
+            pp_rank: 0,
+            pp_partition: Vec::new(),
             claims: Vec::new(),
             claimed: Vec::new(),
         }
@@ -409,6 +477,35 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_pipeline_stage_is_read_in_the_regions_of_the_layers_both_hold() {
+        // The reader holds both layers (one stage); the source is stage 1 of [1, 1] and
+        // holds the second: one region each, the reader's second.
+        let reader = message((0, 1));
+        let mut source = message((0, 1));
+        source.spec.regions.truncate(1);
+        source.region_base_addrs.truncate(1);
+        (source.pp_rank, source.pp_partition) = (1, vec![1, 1]);
+        let plan = check_compatible(&reader, &source, None, Some((1, 0))).unwrap();
+        assert_eq!((plan.regions.len(), plan.local_first_region), (1, 1));
+        assert_eq!(plan.remote_first_region, 0);
+        assert!(
+            !plan.reads_whole_local_blocks(),
+            "not the registration's own list"
+        );
+        // A reader of stage 0 of [1, 1] shares no layer with it: only notified.
+        let mut first = source.clone();
+        first.pp_rank = 0;
+        let plan = check_compatible(&first, &source, None, None).unwrap();
+        assert_eq!((plan.share, plan.regions.len()), (Share::NotifiedOnly, 0));
+        // The stage the reader expected, or a refusal naming it.
+        let err = check_compatible(&reader, &source, None, Some((0, 0)))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("expected pp_rank 0 tp_rank 0"), "{err}");
+        assert!(err.contains("pp_rank 1 tp_rank 0"), "{err}");
     }
 
     #[test]

@@ -4,6 +4,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use crate::error::{Error, Result};
+use crate::geometry::pipeline::MAX_PP_SIZE;
 use crate::transport::capability::Capability;
 
 /// vLLM's `kv_transfer_params`: on a request sent to prefill, `do_remote_decode`; on the
@@ -56,7 +57,9 @@ pub struct KvTransferParams {
     /// supported).
     #[serde(default)]
     pub remote_dcp_size: Option<usize>,
-    /// The prefill engine's pipeline parallel size (vLLM's `pp_size`; only 1 is supported).
+    /// The prefill engine's pipeline parallel size (vLLM's `pp_size`; `None`: 1). A decode
+    /// reads each of its layers from the prefill stage holding it (native protocol; vLLM's
+    /// supports 1 only).
     #[serde(default)]
     pub remote_pp_size: Option<usize>,
     /// When the prefill frees the blocks, on its own clock (vLLM's
@@ -108,6 +111,10 @@ pub struct RemoteBlocks {
     pub request_id: String,
     /// Its TP size.
     pub tp_size: usize,
+    /// Its pipeline stages (1: none). Its rank `(pp_rank, tp_rank)` listens at
+    /// [`port`](Self::port) + `pp_rank` × `tp_size` + `tp_rank` (native protocol).
+    #[serde(default = "one_stage")]
+    pub pp_size: usize,
     /// Tokens it computed, if known. Only a decode whose blocks are smaller than the
     /// prefill's needs it, to know which of the prefill's tokens its blocks start at; without
     /// it, such a load must cover every token of the prefill's blocks. A load of several KV
@@ -142,6 +149,7 @@ impl KvTransferParams {
             group_lens: self.remote_block_group_lens.clone(),
             request_id: self.remote_request_id.clone()?,
             tp_size: self.remote_tp_size?,
+            pp_size: self.remote_pp_size.unwrap_or(1),
             num_tokens: self.remote_num_tokens,
             blocks_expiry_time: self.remote_blocks_expiry_time,
             registration_generation: self.remote_registration_generation,
@@ -150,8 +158,8 @@ impl KvTransferParams {
         })
     }
 
-    /// Refuses what the connector cannot read: push mode, pipeline or decode context
-    /// parallelism on the prefill.
+    /// Refuses what the connector cannot read: push mode, decode context parallelism on the
+    /// prefill, and a pipeline of no stage or more than [`MAX_PP_SIZE`].
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] naming the key and its value.
@@ -163,19 +171,28 @@ impl KvTransferParams {
                 format!("transfer_mode {mode:?} is not supported: this connector reads (pull mode) only"),
             ));
         }
-        for (key, size) in [
-            ("pp_size", self.remote_pp_size),
-            ("dcp_size", self.remote_dcp_size),
-        ] {
-            if let Some(size) = size.filter(|&s| s != 1) {
-                return Err(Error::invalid(
-                    OP,
-                    format!("{key} {size} is not supported (only 1)"),
-                ));
-            }
+        if let Some(size) = self.remote_dcp_size.filter(|&s| s != 1) {
+            return Err(Error::invalid(
+                OP,
+                format!("dcp_size {size} is not supported (only 1)"),
+            ));
+        }
+        if let Some(size) = self
+            .remote_pp_size
+            .filter(|s| !(1..=MAX_PP_SIZE).contains(s))
+        {
+            return Err(Error::invalid(
+                OP,
+                format!("pp_size {size}: 1 to {MAX_PP_SIZE} stages"),
+            ));
         }
         Ok(())
     }
+}
+
+/// [`RemoteBlocks::pp_size`] of params that do not say it.
+pub(crate) fn one_stage() -> usize {
+    1
 }
 
 /// Whether `generation`, the registration generation a remote engine's transfer params

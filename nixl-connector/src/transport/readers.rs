@@ -1,6 +1,6 @@
 //! The readers a prefill rank's side channel accepted: the agents a handshake named, with
-//! their engine and TP size, so that a finish notification counts only from an agent that
-//! reads this engine, and only within that reader's TP (native protocol).
+//! their engine, TP size and pipeline stages, so that a finish notification counts only
+//! from an agent that reads this engine, and only within that reader's TP (native protocol).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
@@ -16,6 +16,8 @@ pub(crate) struct Reader {
     pub(crate) engine_id: String,
     /// Its engine's TP size.
     pub(crate) tp_size: usize,
+    /// Its engine's pipeline stages: each stage's ranks read (or notify) this rank.
+    pub(crate) pp_size: usize,
 }
 
 /// The readers accepted by one rank's side channel, by agent name.

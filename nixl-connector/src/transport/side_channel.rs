@@ -373,6 +373,8 @@ fn check(
             let reader = Reader {
                 engine_id: theirs.engine_id.clone(),
                 tp_size: usize::try_from(theirs.tp_size).unwrap_or(usize::MAX),
+                // Checked: at most MAX_PP_SIZE.
+                pp_size: theirs.pp_partition.len().max(1),
             };
             guard.readers.accept(&theirs.agent_name, reader);
             Ok(HandshakeMessage {

@@ -131,6 +131,9 @@ impl VllmWorker {
             region_groups: meta.region_group_ids.unwrap_or_default(),
             // The block ids of its transfer params are logical.
             blocks_per_id,
+            // Pipeline stages are not read in vLLM's protocol.
+            pp_rank: 0,
+            pp_partition: Vec::new(),
             // vLLM's readers do not claim.
             claims: Vec::new(),
             claimed: Vec::new(),
@@ -213,6 +216,7 @@ mod tests {
             group_lens: Vec::new(),
             request_id: "r".into(),
             tp_size: 1,
+            pp_size: 1,
             num_tokens: None,
             blocks_expiry_time: expiry,
             registration_generation: generation,

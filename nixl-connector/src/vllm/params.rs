@@ -287,6 +287,12 @@ impl TryFrom<&VllmKvTransferParams> for KvTransferParams {
             vllm_extra: params.other.clone(),
         };
         native.check_supported()?;
+        if let Some(size) = native.remote_pp_size.filter(|&s| s != 1) {
+            return Err(Error::invalid(
+                "read kv_transfer_params",
+                format!("pp_size {size} is not supported in vLLM's protocol (only 1)"),
+            ));
+        }
         Ok(native)
     }
 }

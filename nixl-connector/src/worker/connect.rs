@@ -94,7 +94,9 @@ async fn connect(
     let started = std::time::Instant::now();
     let ours = &caches.handshake;
     let theirs = fetch(shared, ours, engine, rank, port).await?;
-    let plan = check_compatible(ours, &theirs, Some(engine.id), Some(rank))?;
+    let tp_size = engine.tp_size.max(1);
+    let expected = (rank / tp_size, rank % tp_size);
+    let plan = check_compatible(ours, &theirs, Some(engine.id), Some(expected))?;
     // Checked: 1 to MAX_BLOCKS_PER_ID.
     let blocks_per_id = theirs.blocks_per_id as usize;
     let ssm = ssm_reads(shared, (ours, &theirs), &plan, blocks_per_id)?;

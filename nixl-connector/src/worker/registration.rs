@@ -155,7 +155,7 @@ impl KvConnectorWorker {
                 Vec::new()
             }
         };
-        Ok(Arc::new(HandshakeMessage::describe(
+        let message = HandshakeMessage::describe(
             &config.engine_id,
             self.agent().name(),
             metadata,
@@ -167,7 +167,15 @@ impl KvConnectorWorker {
             (spec, &self.shared.groups),
             (config.tp_rank, config.tp_size),
             config.device_id,
-        )?))
+        )?;
+        Ok(Arc::new(match &config.pipeline {
+            Some(pipeline) => HandshakeMessage {
+                pp_rank: pipeline.pp_rank() as u64,
+                pp_partition: pipeline.partition(),
+                ..message
+            },
+            None => message,
+        }))
     }
 
     /// The side channel that answers with `handshake`: the one `kept` from the registration

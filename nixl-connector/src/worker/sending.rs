@@ -220,12 +220,15 @@ impl Sends {
                 count,
                 tag,
             }) => {
-                if let Err(why) = self.admit(sender, count) {
-                    self.refuse(sender, request, why);
-                    return;
-                }
+                let stages = match self.admit(sender, count) {
+                    Ok(stages) => stages,
+                    Err(why) => {
+                        self.refuse(sender, request, why);
+                        return;
+                    }
+                };
                 let needed = match self.protocol {
-                    Protocol::Native => TpMapping::consumers(count, self.own_tp),
+                    Protocol::Native => TpMapping::consumers(count, self.own_tp) * stages,
                     Protocol::Vllm => count,
                 };
                 self.done_reading(sender, request, (count, needed), tag, now);
@@ -240,12 +243,14 @@ impl Sends {
         }
     }
 
-    /// Whether a finish notification from `sender` saying `count` may count. Native: only
-    /// from an agent a handshake with this rank named as a reader, and only with that
-    /// reader's TP size. vLLM: the prefill never learns its readers' agents (they load its
-    /// metadata, not it theirs), so only the count is checked: at most as many readers as
-    /// a decode of the largest TP has per rank of this engine.
-    fn admit(&self, sender: &[u8], count: usize) -> Result<(), &'static str> {
+    /// Whether a finish notification from `sender` saying `count` may count, and the
+    /// pipeline stages of its engine (each stage's ranks notify this rank, vLLM's
+    /// `pp_size` × producers per consumer). Native: only from an agent a handshake with
+    /// this rank named as a reader, and only with that reader's TP size. vLLM: the prefill
+    /// never learns its readers' agents (they load its metadata, not it theirs), so only
+    /// the count is checked: at most as many readers as a decode of the largest TP has per
+    /// rank of this engine; one stage.
+    fn admit(&self, sender: &[u8], count: usize) -> Result<usize, &'static str> {
         match self.protocol {
             Protocol::Native => {
                 let reader = self
@@ -255,13 +260,13 @@ impl Sends {
                 if count != reader.tp_size {
                     return Err("the count is not the reader's TP size");
                 }
-                Ok(())
+                Ok(reader.pp_size)
             }
             Protocol::Vllm => {
                 if count > (MAX_TP_SIZE / self.own_tp.max(1)).max(1) {
                     return Err("more readers than a decode can have per rank of this engine");
                 }
-                Ok(())
+                Ok(1)
             }
         }
     }
@@ -543,7 +548,14 @@ mod tests {
         let readers = Arc::new(Readers::default());
         for (agent, tp_size) in [("d", 1), ("solo", 1), ("d0", tp), ("d1", tp)] {
             let engine_id = "decode".to_string();
-            readers.accept(agent, Reader { engine_id, tp_size });
+            readers.accept(
+                agent,
+                Reader {
+                    engine_id,
+                    tp_size,
+                    pp_size: 1,
+                },
+            );
         }
         readers
     }
@@ -620,6 +632,32 @@ mod tests {
         }
         s.expire(t0 + Duration::from_secs(100));
         assert_eq!(s.take_done(), ["q"]);
+    }
+
+    #[test]
+    fn a_request_is_freed_once_every_stage_of_its_reader_notified() {
+        // A decode of two pipeline stages of TP 1: each stage's rank reads (or notifies)
+        // this TP 1 rank, so both must notify.
+        let mut s = sends(1);
+        for agent in ["s0", "s1"] {
+            let engine_id = "decode".to_string();
+            let reader = Reader {
+                engine_id,
+                tp_size: 1,
+                pp_size: 2,
+            };
+            s.readers.accept(agent, reader);
+        }
+        let t0 = Instant::now();
+        s.hold("r".into(), t0 + Duration::from_secs(30), Some(cap()), t0);
+        s.notified(b"s0", &fin("s0", "r", 1), t0);
+        s.notified(b"s0", &fin("s0", "r", 1), t0);
+        assert!(
+            s.take_done().is_empty(),
+            "stage 1's reader has not notified"
+        );
+        s.notified(b"s1", &fin("s1", "r", 1), t0);
+        assert_eq!(s.take_done(), ["r"]);
     }
 
     #[test]

@@ -285,6 +285,7 @@ async fn soak(faults: bool, ci_target: u64) {
                     host: "127.0.0.1".into(),
                     port: prefill.port,
                     tp_size: 1,
+                    pp_size: 1,
                     request_ids: Vec::new(),
                     capabilities: Vec::new(),
                 }],

@@ -316,6 +316,7 @@ impl Model {
             group_lens: Vec::new(),
             request_id: request.id.clone(),
             tp_size: tp,
+            pp_size: 1,
             num_tokens: request.num_tokens,
             blocks_expiry_time: None,
             registration_generation: None,

@@ -214,6 +214,7 @@ pub fn remote(
         group_lens: Vec::new(),
         request_id: request.to_string(),
         tp_size: tp,
+        pp_size: 1,
         num_tokens: None,
         blocks_expiry_time: None,
         registration_generation: None,
