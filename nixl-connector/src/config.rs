@@ -143,7 +143,8 @@ pub struct WorkerConfig {
     /// This worker's pipeline stage and its engine's stages (`None`: one stage, every layer
     /// registered here). A rank of stage `s` registers the regions of its stage's layers
     /// only; in the native protocol it listens at the engine's port + `s` × TP size + TP
-    /// rank. Native protocol only, and a model of one KV cache group (as vLLM's pull mode).
+    /// rank, in vLLM's the engine's side channel serves it as `(s, tp_rank)`. A model of
+    /// one KV cache group only (as vLLM's pull mode).
     pub pipeline: Option<PipelineRank>,
     /// vLLM's `kv_transfer_config`: the kv-buffer device and the backends.
     pub kv_transfer_config: KvTransferConfig,
@@ -181,7 +182,7 @@ pub struct WorkerConfig {
     pub vllm_limits: VllmChannelLimits,
     /// vLLM mode: the engine's side channel (one ROUTER per engine, as vLLM has it), shared
     /// by the engine's ranks in this process; this rank's handshake payload is published to
-    /// it as `(pp_rank 0, tp_rank)` when the KV caches are registered, and withdrawn when
+    /// it as `(pp_rank, tp_rank)` when the KV caches are registered, and withdrawn when
     /// the worker is dropped. `None`: the worker binds one at [`side_channel`](Self::side_channel),
     /// which [`KvConnectorWorker::vllm_side_channel`](crate::KvConnectorWorker::vllm_side_channel)
     /// gives, so that the engine's other ranks can publish to it (the payloads of ranks in

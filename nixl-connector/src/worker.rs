@@ -491,6 +491,7 @@ impl KvConnectorWorker {
             id: engine_id,
             host,
             tp_size,
+            pp_size: 1,
         };
         let handshakes = ranks
             .iter()
@@ -516,12 +517,6 @@ impl KvConnectorWorker {
         let config = &self.shared.config;
         let attention = self.caches(operation)?.spec.attention;
         let mapping = TpMapping::new(config.tp_rank, config.tp_size, tp_size, attention)?;
-        if pp_size != 1 && self.shared.protocol == Protocol::Vllm {
-            return Err(Error::invalid(
-                operation,
-                format!("pp_size {pp_size} is not supported in vLLM's protocol (only 1)"),
-            ));
-        }
         let mut ranks = Vec::with_capacity(pp_size.saturating_mul(mapping.ranks.len()));
         for stage in 0..pp_size {
             for r in &mapping.ranks {
@@ -647,17 +642,18 @@ impl KvConnectorWorker {
     /// Starts, in a task, the handshake with rank `rank` of `heartbeat`'s engine (its side
     /// channel at `port`), so that the next heartbeat to it goes.
     fn handshake_for_heartbeats(&self, heartbeat: &HeartbeatSpec, rank: usize, port: u16) {
-        let (shared, id, host, tp_size) = (
+        let (shared, id, host) = (
             self.shared.clone(),
             heartbeat.engine_id.clone(),
             heartbeat.host.clone(),
-            heartbeat.tp_size,
         );
+        let (tp_size, pp_size) = (heartbeat.tp_size, heartbeat.pp_size);
         self.runtime.spawn(async move {
             let engine = Engine {
                 id: &id,
                 host: &host,
                 tp_size,
+                pp_size,
             };
             if let Err(err) = connect::remote(&shared, engine, rank, port).await {
                 tracing::debug!(engine = %id, rank, %err, "handshake for heartbeats failed");
@@ -818,7 +814,8 @@ impl Drop for KvConnectorWorker {
         }
         #[cfg(feature = "vllm")]
         if let Some((server, _)) = self.registered.get().and_then(|c| c.vllm.as_ref()) {
-            server.withdraw(0, vllm_rank(self.shared.config.tp_rank));
+            let (pp_rank, tp_rank) = vllm_rank(&self.shared.config);
+            server.withdraw(pp_rank, tp_rank);
         }
         if let (Some(source), Some(_)) = (&self.shared.etcd, self.registered.get()) {
             crate::transport::etcd::withdraw(self.agent(), source);
@@ -877,7 +874,7 @@ impl Settings {
 fn context(config: WorkerConfig, settings: &Settings) -> Result<Context> {
     let protocol = settings.protocol;
     let groups = KvCacheGroups::from_kv_transfer_config(&config.kv_transfer_config)?;
-    check_pipeline(&config, protocol, &groups)?;
+    check_pipeline(&config, &groups)?;
     #[cfg(feature = "vllm")]
     let vllm = match protocol {
         Protocol::Native => None,
@@ -917,26 +914,12 @@ fn context(config: WorkerConfig, settings: &Settings) -> Result<Context> {
     })
 }
 
-/// Refuses a pipeline of more than one stage where it is not supported: in vLLM's
-/// protocol (not yet), and with several KV cache groups (vLLM's pull mode refuses hybrid
-/// models under pipeline parallelism, as its `NixlConnector` worker does).
-fn check_pipeline(config: &WorkerConfig, protocol: Protocol, groups: &KvCacheGroups) -> Result<()> {
+/// Refuses a pipeline of more than one stage with several KV cache groups, as vLLM's
+/// pull-mode `NixlConnector` worker refuses hybrid models under pipeline parallelism.
+fn check_pipeline(config: &WorkerConfig, groups: &KvCacheGroups) -> Result<()> {
     const OP: &str = "create the connector worker";
-    let Some(pp_size) = config
-        .pipeline
-        .as_ref()
-        .map(|p| p.stages().pp_size())
-        .filter(|&pp| pp > 1)
-    else {
-        return Ok(());
-    };
-    if protocol == Protocol::Vllm {
-        return Err(Error::invalid(
-            OP,
-            format!("pipeline_parallel_size {pp_size} is supported in the native protocol only"),
-        ));
-    }
-    if groups.len() > 1 {
+    let stages = config.pipeline.as_ref().map(|p| p.stages().pp_size());
+    if stages.is_some_and(|pp| pp > 1) && groups.len() > 1 {
         return Err(Error::invalid(
             OP,
             "NixlConnector (pull) does not support pipeline_parallel_size > 1 with hybrid KV cache layouts (HMA): vLLM 0.33 refuses it, and so does this connector",
@@ -996,10 +979,13 @@ fn vllm_not_built(operation: &'static str) -> Error {
     )
 }
 
-/// A TP rank as vLLM's side channel numbers it.
+/// The rank of a worker of `config` as vLLM's side channel numbers it: `(pp_rank,
+/// tp_rank)`.
 #[cfg(feature = "vllm")]
-fn vllm_rank(tp_rank: usize) -> u32 {
-    u32::try_from(tp_rank).unwrap_or(u32::MAX)
+fn vllm_rank(config: &WorkerConfig) -> (u32, u32) {
+    let number = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+    let pp_rank = config.pipeline.as_ref().map_or(0, |p| p.pp_rank());
+    (number(pp_rank), number(config.tp_rank))
 }
 
 /// A unique agent name: engine, rank, process and a counter.

@@ -1,50 +1,62 @@
-//! Pipeline parallelism, native protocol, over real NIXL/UCX: engines of PP × TP ranks in
-//! this process, each rank of stage `s` registering only its stage's layers (two regions a
-//! layer, K and V apart) and listening at the engine's port + `s` × TP + its TP rank. Both
-//! engines step through their schedulers, every rank's output aggregated over every stage:
-//! the prefill's params say its `pp_size`, each decode rank reads every layer it holds from
-//! the prefill stage holding it (and notifies the stages holding none of them), every byte
-//! of every decode rank is checked (the blocks read hold the prefill's, the others stay
-//! zero), and the prefill frees the request once every stage's reader has notified.
+//! Pipeline parallelism over real NIXL/UCX, in both protocols: engines of PP × TP ranks in
+//! this process, each rank of stage `s` registering only its stage's layers (native: two
+//! regions a layer, K and V apart, the rank listening at the engine's port + `s` × TP + its
+//! TP rank; vLLM's: one region a layer, every rank served by the engine's side channel as
+//! `(s, tp_rank)`). Both engines step through their schedulers, every rank's output
+//! aggregated over every stage: the prefill's params say its `pp_size`, each decode rank
+//! reads every layer it holds from the prefill stage holding it (and notifies the stages
+//! holding none of them), every byte of every decode rank is checked (the blocks read hold
+//! the prefill's, the others stay zero), and the prefill frees the request once every
+//! stage's reader has notified.
 //!
 //! Geometries (prefill → decode, `PP × TP`): 2×1 → 1×1, 1×1 → 2×1, 2×1 → 2×1, 2×2 → 1×1,
-//! 1×1 → 2×2, and an explicit partition (vLLM's `VLLM_PP_LAYER_PARTITION` "2,3") against
-//! vLLM's even split of 5 layers ([3, 2]) across TP 1 → 2. Engines of different layer
-//! counts, and what is refused at a worker's creation, are refused by name.
+//! 1×1 → 2×2 and 5 layers split unevenly, 2×1 → 1×2; natively also an explicit partition
+//! (vLLM's `VLLM_PP_LAYER_PARTITION` "2,3") against vLLM's even split of 5 layers ([3, 2])
+//! across TP 1 → 2. Engines of different layer counts, and a hybrid model's stages, are
+//! refused by name.
 
 mod common;
 
+use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Instant;
 
+use nixl_connector::vllm::{MetadataServer, VllmChannelLimits};
 use nixl_connector::{
-    KvAttention, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker, KvLayout, LoadOutcome,
-    PipelineRank, PipelineStages, Protocol, SchedulerConfig, WorkerConfig,
+    KvAttention, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker, KvLayout, KvTransferParams,
+    LoadOutcome, PipelineRank, PipelineStages, Protocol, SchedulerConfig, WorkerConfig,
 };
 
-use common::{cpu_config, finished_for_decode, WAIT};
+use common::{cpu_config, finished_for_decode, vllm_config, vllm_factors, WAIT};
 
 /// KV heads of the model, tokens per block, bytes of a head's token, blocks per region.
 const HEADS: usize = 2;
 const TOKENS: usize = 4;
 const TOKEN_BYTES: usize = 8;
 const BLOCKS: usize = 8;
-/// Regions a layer registers (K and V apart).
-const PER_LAYER: usize = 2;
 /// The request's blocks on the prefill, and the decode's they land in.
 const REMOTE: [usize; 3] = [5, 2, 7];
 const LOCAL: [usize; 3] = [1, 6, 3];
 
-/// One engine's parallel layout: its stages and its TP size.
+/// One engine's parallel layout: its stages, its TP size, and the regions a layer
+/// registers.
 #[derive(Clone)]
 struct Layout {
     stages: PipelineStages,
     tp: usize,
+    per_layer: usize,
 }
 
 impl Layout {
     fn even(layers: usize, pp: usize, tp: usize) -> Layout {
         let stages = PipelineStages::even(layers, pp).unwrap();
-        Layout { stages, tp }
+        // K and V apart.
+        let per_layer = 2;
+        Layout {
+            stages,
+            tp,
+            per_layer,
+        }
     }
 
     fn pp(&self) -> usize {
@@ -54,7 +66,7 @@ impl Layout {
     /// The spec of a rank of stage `stage`.
     fn spec(&self, stage: usize) -> KvCacheSpec {
         let heads = HEADS / self.tp;
-        let regions = self.stages.layers(stage).len() * PER_LAYER;
+        let regions = self.stages.layers(stage).len() * self.per_layer;
         let attention = KvAttention::Mha {
             total_kv_heads: HEADS,
         };
@@ -67,7 +79,7 @@ impl Layout {
     /// the token and the byte.
     fn block(&self, (stage, tp_rank): (usize, usize), region: usize, block: usize) -> Vec<u8> {
         let heads = HEADS / self.tp;
-        let global = self.stages.layers(stage).start * PER_LAYER + region;
+        let global = self.stages.layers(stage).start * self.per_layer + region;
         let mut out = Vec::with_capacity(TOKENS * heads * TOKEN_BYTES);
         for head in tp_rank * heads..(tp_rank + 1) * heads {
             for token in 0..TOKENS {
@@ -80,25 +92,37 @@ impl Layout {
     }
 }
 
-/// The ranks of an engine of `layout` (in `(stage, tp_rank)` order), each at rank 0's port
-/// + its number (tried again on other ports when one is taken); the prefill's filled.
-fn engine(id: &str, layout: &Layout, filled: bool) -> (Vec<KvConnectorWorker>, u16) {
+/// The ranks of an engine of `layout` (in `(stage, tp_rank)` order) speaking `protocol`:
+/// native, each at rank 0's port + its number (tried again on other ports when one is
+/// taken); vLLM's, all served by one side channel. The prefill's filled. Its port.
+fn engine(
+    id: &str,
+    layout: &Layout,
+    filled: bool,
+    protocol: Protocol,
+) -> (Vec<KvConnectorWorker>, u16) {
     let ranks: Vec<(usize, usize)> = (0..layout.pp())
         .flat_map(|s| (0..layout.tp).map(move |r| (s, r)))
         .collect();
+    let server = (protocol == Protocol::Vllm).then(|| {
+        let any = SocketAddr::from(([127, 0, 0, 1], 0));
+        Arc::new(MetadataServer::bind_now(any, VllmChannelLimits::default()).unwrap())
+    });
     'ports: for _ in 0..20 {
         let mut workers: Vec<KvConnectorWorker> = Vec::new();
-        let mut base: u16 = 0;
+        let mut base = server.as_ref().map_or(0, |s| s.local_addr().port());
         for (n, &(stage, tp_rank)) in ranks.iter().enumerate() {
             let mut config = WorkerConfig::new(id, tp_rank, layout.tp, cpu_config());
-            config.platform = std::sync::Arc::new(nixl::platform::BuiltinPlatform::CPU);
-            let port = if n == 0 {
-                Some(0)
-            } else {
-                base.checked_add(n as u16)
-            };
-            let Some(port) = port else { continue 'ports };
-            config.side_channel.set_port(port);
+            config.platform = Arc::new(nixl::platform::BuiltinPlatform::CPU);
+            if let Some(server) = &server {
+                config.kv_transfer_config = vllm_config(vllm_factors());
+                config.vllm_side_channel = Some(server.clone());
+            } else if n > 0 {
+                let Some(port) = base.checked_add(n as u16) else {
+                    continue 'ports;
+                };
+                config.side_channel.set_port(port);
+            }
             if layout.pp() > 1 {
                 config.pipeline = Some(PipelineRank::new(layout.stages.clone(), stage).unwrap());
             }
@@ -107,7 +131,7 @@ fn engine(id: &str, layout: &Layout, filled: bool) -> (Vec<KvConnectorWorker>, u
             if worker.register_host_kv_caches(spec.clone()).is_err() {
                 continue 'ports;
             }
-            if n == 0 {
+            if n == 0 && server.is_none() {
                 base = worker.side_channel_addr().unwrap().port();
             }
             if filled {
@@ -126,26 +150,35 @@ fn engine(id: &str, layout: &Layout, filled: bool) -> (Vec<KvConnectorWorker>, u
     panic!("no run of free ports for engine {id}");
 }
 
-fn scheduler(id: &str, port: u16, layout: &Layout) -> KvConnectorScheduler {
-    let mut config = SchedulerConfig::new(id, "127.0.0.1", port, layout.tp, &cpu_config()).unwrap();
+fn scheduler(id: &str, port: u16, layout: &Layout, protocol: Protocol) -> KvConnectorScheduler {
+    let kv = cpu_config();
+    let mut config = SchedulerConfig::new(id, "127.0.0.1", port, layout.tp, &kv).unwrap();
     config.pp_size = layout.pp();
+    config.protocol = protocol;
     KvConnectorScheduler::new(config)
 }
 
 /// Runs one request from a prefill of `prefill` to a decode of `decode` through both
-/// schedulers, and checks every byte of every decode rank.
-async fn pair(tag: &str, prefill: Layout, decode: Layout) {
+/// schedulers, both engines speaking `protocol`, and checks every byte of every decode rank.
+async fn pair(tag: &str, prefill: Layout, decode: Layout, protocol: Protocol) {
+    let tag = format!("{protocol}-{tag}");
     let (pf_id, dc_id) = (format!("pf-{tag}"), format!("dc-{tag}"));
-    let (prefills, pf_port) = engine(&pf_id, &prefill, true);
-    let (decodes, dc_port) = engine(&dc_id, &decode, false);
-    let mut pf = scheduler(&pf_id, pf_port, &prefill);
-    let mut dc = scheduler(&dc_id, dc_port, &decode);
+    let (prefills, pf_port) = engine(&pf_id, &prefill, true, protocol);
+    let (decodes, dc_port) = engine(&dc_id, &decode, false, protocol);
+    let mut pf = scheduler(&pf_id, pf_port, &prefill, protocol);
+    let mut dc = scheduler(&dc_id, dc_port, &decode, protocol);
     let params = finished_for_decode(&mut pf, "req", &REMOTE);
-    let expect_pp = (prefill.pp() > 1).then_some(prefill.pp());
+    let pp = prefill.pp();
+    let expect_pp = (pp > 1 || protocol == Protocol::Vllm).then_some(pp);
     assert_eq!(
         params.remote_pp_size, expect_pp,
         "{tag}: the params say the prefill's stages"
     );
+    // In vLLM's protocol the params cross as vLLM's JSON.
+    let params = match protocol {
+        Protocol::Native => params,
+        Protocol::Vllm => KvTransferParams::from_vllm_json(&params.to_vllm_json()).unwrap(),
+    };
     dc.on_new_request("req", Some(&params));
     dc.update_state_after_alloc("req", &LOCAL, &params).unwrap();
     let (mut loaded, mut freed) = (None, false);
@@ -192,34 +225,70 @@ async fn pair(tag: &str, prefill: Layout, decode: Layout) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn each_decode_layer_is_read_from_the_prefill_stage_holding_it() {
+/// The geometries of both protocols: equal PP, 2 → 1, 1 → 2, PP and TP mixed both ways,
+/// and an uneven split of 5 layers. In vLLM's protocol a layer is one region, as vLLM
+/// registers it (a reader of one stage takes each region for a layer).
+async fn every_geometry(protocol: Protocol) {
     for (tag, prefill, decode) in [
         ("p2-d1", Layout::even(4, 2, 1), Layout::even(4, 1, 1)),
         ("p1-d2", Layout::even(4, 1, 1), Layout::even(4, 2, 1)),
         ("p2-d2", Layout::even(4, 2, 1), Layout::even(4, 2, 1)),
         ("p2x2-d1", Layout::even(4, 2, 2), Layout::even(4, 1, 1)),
         ("p1-d2x2", Layout::even(4, 1, 1), Layout::even(4, 2, 2)),
+        ("uneven", Layout::even(5, 2, 1), Layout::even(5, 1, 2)),
     ] {
-        pair(tag, prefill, decode).await;
+        let per_layer = match protocol {
+            Protocol::Native => prefill.per_layer,
+            Protocol::Vllm => 1,
+        };
+        let (prefill, decode) = (
+            Layout {
+                per_layer,
+                ..prefill
+            },
+            Layout {
+                per_layer,
+                ..decode
+            },
+        );
+        pair(tag, prefill, decode, protocol).await;
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_decode_layer_is_read_from_the_prefill_stage_holding_it() {
+    every_geometry(Protocol::Native).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_vllms_protocol_each_decode_layer_is_read_from_its_prefill_stage() {
+    every_geometry(Protocol::Vllm).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_explicit_partition_pairs_with_an_even_split() {
+    // Native only: vLLM's metadata does not say a partition (its readers take the even
+    // rule), so there a prefill of another one is refused by its regions' count.
     let explicit = Layout {
         stages: PipelineStages::from_vllm_partition("2,3", 2, 5).unwrap(),
-        tp: 1,
+        ..Layout::even(5, 1, 1)
     };
-    pair("explicit", explicit, Layout::even(5, 2, 2)).await;
+    pair(
+        "explicit",
+        explicit,
+        Layout::even(5, 2, 2),
+        Protocol::Native,
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engines_of_different_layer_counts_are_refused_before_any_read() {
-    let (prefills, port) = engine("pf-layers", &Layout::even(4, 2, 1), true);
-    let (decodes, dc_port) = engine("dc-layers", &Layout::even(6, 2, 1), false);
-    let mut pf = scheduler("pf-layers", port, &Layout::even(4, 2, 1));
-    let mut dc = scheduler("dc-layers", dc_port, &Layout::even(6, 2, 1));
+    let native = Protocol::Native;
+    let (prefills, port) = engine("pf-layers", &Layout::even(4, 2, 1), true, native);
+    let (decodes, dc_port) = engine("dc-layers", &Layout::even(6, 2, 1), false, native);
+    let mut pf = scheduler("pf-layers", port, &Layout::even(4, 2, 1), native);
+    let mut dc = scheduler("dc-layers", dc_port, &Layout::even(6, 2, 1), native);
     let params = finished_for_decode(&mut pf, "req", &REMOTE);
     pf.step(&prefills).unwrap();
     dc.on_new_request("req", Some(&params));
@@ -245,22 +314,14 @@ async fn engines_of_different_layer_counts_are_refused_before_any_read() {
 }
 
 #[tokio::test]
-async fn stages_are_refused_where_they_are_not_supported() {
-    let stage = || PipelineRank::new(PipelineStages::even(4, 2).unwrap(), 1).unwrap();
-    let mut vllm = WorkerConfig::new("pp-vllm", 0, 1, cpu_config());
-    vllm.protocol = Some(Protocol::Vllm);
-    vllm.pipeline = Some(stage());
-    let err = KvConnectorWorker::new(vllm).unwrap_err().to_string();
-    assert!(
-        err.contains("pipeline_parallel_size 2 is supported in the native protocol only"),
-        "{err}"
-    );
+async fn stages_of_a_hybrid_model_are_refused_as_vllm_refuses_them() {
     let mut hybrid = WorkerConfig::new("pp-hybrid", 0, 1, cpu_config());
     hybrid.kv_transfer_config.kv_connector_extra_config.insert(
         nixl_connector::KV_CACHE_GROUPS_KEY.into(),
         serde_json::json!({"block_size": 4, "groups": ["full_attention", {"sliding_window": {"window_tokens": 8}}]}),
     );
-    hybrid.pipeline = Some(stage());
+    let stages = PipelineStages::even(4, 2).unwrap();
+    hybrid.pipeline = Some(PipelineRank::new(stages, 1).unwrap());
     let err = KvConnectorWorker::new(hybrid).unwrap_err().to_string();
     assert!(
         err.contains("does not support pipeline_parallel_size > 1 with hybrid KV cache layouts"),

@@ -14,6 +14,7 @@ use super::compat::Compatibility;
 use super::limits::VllmChannelLimits;
 use crate::error::{Error, Result};
 use crate::geometry::groups::KvCacheGroups;
+use crate::geometry::pipeline::{PipelineRank, PipelineStages};
 use crate::transport::handshake::{HandshakeMessage, MAX_BLOCKS_PER_ID, PROTOCOL_VERSION};
 use crate::transport::params::{newer_generation, RemoteBlocks};
 
@@ -53,10 +54,11 @@ impl VllmWorker {
         self.engines.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Asks the engine at `host:port` for rank `rank`'s payload (pp rank 0), checks its
-    /// hash and decodes its metadata as vLLM's decode does, and converts it for `ours`
-    /// (the engine serves the same model: its KV heads and attention are ours), with the TP
-    /// size of the transfer params.
+    /// Asks the engine at `host:port` for rank `(pp_rank, rank)`'s payload (vLLM's
+    /// `_nixl_handshake` over every `(remote_pp_rank, remote_tp_rank)`), checks its hash and
+    /// decodes its metadata as vLLM's decode does, and converts it for `ours` (the engine
+    /// serves the same model: its KV heads and attention are ours), with the TP and pipeline
+    /// sizes of the transfer params (its stages split our layers by vLLM's even rule).
     ///
     /// # Errors
     /// The side channel's errors ([`Error::Refused`] for a rank the engine lacks);
@@ -67,14 +69,15 @@ impl VllmWorker {
     pub(crate) async fn fetch(
         &self,
         (ours, groups): (&HandshakeMessage, &KvCacheGroups),
-        rank: usize,
-        tp_size: usize,
-        host: &str,
-        port: u16,
+        (pp_rank, rank): (usize, usize),
+        (pp_size, tp_size): (usize, usize),
+        (host, port): (&str, u16),
     ) -> Result<HandshakeMessage> {
-        let tp_rank = u32::try_from(rank)
-            .map_err(|_| Error::invalid("ask for a vLLM rank", format!("rank {rank}")))?;
-        let reply = fetch_meta(host, port, 0, tp_rank, self.limits).await?;
+        let asked = |rank: usize| {
+            u32::try_from(rank)
+                .map_err(|_| Error::invalid("ask for a vLLM rank", format!("rank {rank}")))
+        };
+        let reply = fetch_meta(host, port, asked(pp_rank)?, asked(rank)?, self.limits).await?;
         let peer = format!("{host}:{port}");
         let meta = self.compat.check(&reply.payload, &peer)?;
         self.clock_sample(&meta.engine_id, reply.rtt(), reply.clock_offset());
@@ -131,9 +134,9 @@ impl VllmWorker {
             region_groups: meta.region_group_ids.unwrap_or_default(),
             // The block ids of its transfer params are logical.
             blocks_per_id,
-            // Pipeline stages are not read in vLLM's protocol.
-            pp_rank: 0,
-            pp_partition: Vec::new(),
+            // vLLM's metadata does not say the stages: vLLM's even rule over our layers.
+            pp_rank: pp_rank as u64,
+            pp_partition: peer_partition(&ours.pp_partition, ours.spec.num_regions(), pp_size)?,
             // vLLM's readers do not claim.
             claims: Vec::new(),
             claimed: Vec::new(),
@@ -194,9 +197,47 @@ impl VllmWorker {
     }
 }
 
+/// The partition of a peer of `pp_size` stages whose handshake does not say it (vLLM's
+/// `NixlAgentMetadata` has no stages): vLLM's even rule over the reader's layers, those of
+/// its own partition, or one a region (as vLLM registers its layers) when it has none; empty
+/// for one stage.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] when the layers cannot be split over `pp_size` stages.
+fn peer_partition(
+    reader_partition: &[u64],
+    reader_regions: usize,
+    pp_size: usize,
+) -> Result<Vec<u64>> {
+    if pp_size <= 1 {
+        return Ok(Vec::new());
+    }
+    let layers = match reader_partition {
+        [] | [_] => reader_regions,
+        partition => partition.iter().map(|&n| n as usize).sum(),
+    };
+    Ok(PipelineRank::new(PipelineStages::even(layers, pp_size)?, 0)?.partition())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_peer_that_does_not_say_its_stages_is_split_by_vllms_rule() {
+        assert_eq!(
+            peer_partition(&[], 5, 2).unwrap(),
+            [3, 2],
+            "a region a layer"
+        );
+        assert_eq!(
+            peer_partition(&[2, 3], 6, 2).unwrap(),
+            [3, 2],
+            "the reader's layers"
+        );
+        assert!(peer_partition(&[], 32, 1).unwrap().is_empty());
+        assert!(peer_partition(&[], 1, 2).is_err());
+    }
 
     fn worker() -> VllmWorker {
         let compat = Compatibility {

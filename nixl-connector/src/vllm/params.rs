@@ -287,12 +287,6 @@ impl TryFrom<&VllmKvTransferParams> for KvTransferParams {
             vllm_extra: params.other.clone(),
         };
         native.check_supported()?;
-        if let Some(size) = native.remote_pp_size.filter(|&s| s != 1) {
-            return Err(Error::invalid(
-                "read kv_transfer_params",
-                format!("pp_size {size} is not supported in vLLM's protocol (only 1)"),
-            ));
-        }
         Ok(native)
     }
 }
@@ -543,7 +537,8 @@ mod tests {
     #[test]
     fn what_the_connector_cannot_do_is_refused() {
         for (json, expect) in [
-            (r#"{"pp_size": 2}"#, "pp_size 2"),
+            (r#"{"pp_size": 0}"#, "pp_size 0: 1 to 256 stages"),
+            (r#"{"pp_size": 257}"#, "pp_size 257"),
             (r#"{"dcp_size": 4}"#, "dcp_size 4"),
             (r#"{"transfer_mode": "push"}"#, "\"push\" is not supported"),
         ] {

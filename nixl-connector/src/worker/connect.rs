@@ -22,7 +22,7 @@ use crate::worker::current_caches::Caches;
 use crate::worker::remotes::{ReadLists, Remote};
 use crate::worker::shared::Shared;
 
-/// Where a remote engine's side channel is, and its TP size.
+/// Where a remote engine's side channel is, its TP size and its pipeline stages.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Engine<'a> {
     /// Its id.
@@ -31,6 +31,17 @@ pub(crate) struct Engine<'a> {
     pub(crate) host: &'a str,
     /// Its TP size.
     pub(crate) tp_size: usize,
+    /// Its pipeline stages (1: none).
+    pub(crate) pp_size: usize,
+}
+
+impl Engine<'_> {
+    /// Its rank numbered `rank` (see `KvConnectorWorker::remote_ranks`), as `(pp_rank,
+    /// tp_rank)`.
+    pub(crate) fn rank(&self, rank: usize) -> (usize, usize) {
+        let tp_size = self.tp_size.max(1);
+        (rank / tp_size, rank % tp_size)
+    }
 }
 
 /// The remote rank `rank` of `engine`, whose side channel is at `port`, handshaking first
@@ -46,16 +57,18 @@ pub(crate) async fn remote(
 ) -> Result<Arc<Remote>> {
     let start = || {
         let shared = shared.clone();
-        let (id, host, tp_size) = (
+        let (id, host, tp_size, pp_size) = (
             engine.id.to_string(),
             engine.host.to_string(),
             engine.tp_size,
+            engine.pp_size,
         );
         async move {
             let engine = Engine {
                 id: &id,
                 host: &host,
                 tp_size,
+                pp_size,
             };
             let started = std::time::Instant::now();
             shared.series.handshake_pending(true);
@@ -94,9 +107,7 @@ async fn connect(
     let started = std::time::Instant::now();
     let ours = &caches.handshake;
     let theirs = fetch(shared, ours, engine, rank, port).await?;
-    let tp_size = engine.tp_size.max(1);
-    let expected = (rank / tp_size, rank % tp_size);
-    let plan = check_compatible(ours, &theirs, Some(engine.id), Some(expected))?;
+    let plan = check_compatible(ours, &theirs, Some(engine.id), Some(engine.rank(rank)))?;
     // Checked: 1 to MAX_BLOCKS_PER_ID.
     let blocks_per_id = theirs.blocks_per_id as usize;
     let ssm = ssm_reads(shared, (ours, &theirs), &plan, blocks_per_id)?;
@@ -142,8 +153,11 @@ pub(crate) async fn fetch(
     #[cfg(feature = "vllm")]
     if let Some(vllm) = &shared.vllm {
         let groups = &shared.groups;
-        let (tp_size, host) = (engine.tp_size, engine.host);
-        return vllm.fetch((ours, groups), rank, tp_size, host, port).await;
+        let sizes = (engine.pp_size, engine.tp_size);
+        let at = (engine.host, port);
+        return vllm
+            .fetch((ours, groups), engine.rank(rank), sizes, at)
+            .await;
     }
     let addr = resolve(engine.host, port).await?;
     let secret = shared.guard.secret.as_ref();

@@ -59,7 +59,9 @@ impl Load {
     /// The notification each remote rank gets: the remote request id and, in the native
     /// protocol, this engine's TP size (the prefill works out how many ranks read it) and
     /// the tag of the request's capability for this rank's agent, in vLLM's, how many ranks
-    /// of this engine notify each remote rank (vLLM's `local_consumers`). A native load
+    /// of this engine notify each remote rank (vLLM's `local_consumers`, times this engine's
+    /// pipeline stages, each of which notifies: vLLM's `pp_size` × producers per consumer
+    /// of its push mode). A native load
     /// whose params had no capability notifies without a tag, which a prefill refuses (its
     /// lease frees the blocks).
     fn notification(&self, shared: &Shared) -> Vec<u8> {
@@ -67,7 +69,14 @@ impl Load {
         let agent = shared.setup.agent().name();
         let (count, proof) = match shared.protocol {
             Protocol::Native => (own_tp, self.remote.capability.as_ref().map(|c| (c, agent))),
-            Protocol::Vllm => (TpMapping::consumers(own_tp, self.remote.tp_size), None),
+            Protocol::Vllm => {
+                let stages = shared.config.pipeline.as_ref();
+                let own_pp = stages.map_or(1, |p| p.stages().pp_size());
+                (
+                    TpMapping::consumers(own_tp, self.remote.tp_size) * own_pp,
+                    None,
+                )
+            }
         };
         notification_message(&self.remote.request_id, count, proof)
     }
@@ -83,6 +92,7 @@ impl Load {
             id: &self.remote.engine_id,
             host: &self.remote.host,
             tp_size: self.remote.tp_size,
+            pp_size: self.remote.pp_size,
         }
     }
 }

@@ -109,7 +109,8 @@ impl KvConnectorWorker {
         let config = &self.shared.config;
         #[cfg(feature = "vllm")]
         if let Some((server, payload)) = &caches.vllm {
-            server.publish(0, vllm_rank(config.tp_rank), payload);
+            let (pp_rank, tp_rank) = vllm_rank(config);
+            server.publish(pp_rank, tp_rank, payload);
         }
         let spec = &caches.spec;
         tracing::info!(engine = %config.engine_id, rank = config.tp_rank, side_channel = %caches.side_channel, generation, regions = spec.num_regions(), blocks = spec.num_blocks, block_size = spec.block_size, block_len = spec.block_len(0), attention = %spec.attention, "KV caches registered");

@@ -134,7 +134,8 @@ impl KvConnectorWorker {
         old.served.send_replace(None);
         #[cfg(feature = "vllm")]
         if let Some((server, _)) = &old.vllm {
-            server.withdraw(0, super::vllm_rank(self.shared.config.tp_rank));
+            let (pp_rank, tp_rank) = super::vllm_rank(&self.shared.config);
+            server.withdraw(pp_rank, tp_rank);
         }
         self.shared.caches.clear();
         self.shared.remotes.forget_all();
