@@ -54,8 +54,8 @@ pub const PROTOCOL_KEY: &str = "protocol";
 /// must speak the same.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Protocol {
-    /// The connector's own (`"native"`): one side channel per TP rank (rank `r` at the
-    /// engine's port + `r`), length-prefixed MessagePack frames carrying a
+    /// The connector's own (`"native"`): one side channel per rank (TP rank `r` of
+    /// pipeline stage `s` at the engine's port + `s` × TP size + `r`), length-prefixed MessagePack frames carrying a
     /// [`HandshakeMessage`](crate::HandshakeMessage) both ways, each side checking the
     /// other; notifications `request:reader_tp`.
     #[default]

@@ -74,6 +74,11 @@
 //!   region per layer with K and V packed per head and token ([`KvCacheSpec::lbhnc`],
 //!   `LBHNC`), which reads as one tensor in HND. A region may also hold K and V
 //!   halves in one block (FlashInfer's blocks-first layout, [`KvRegionKind::KvHalves`]).
+//! - **Pipeline stages** ([`PipelineRank`], [`PipelineStages`]): each rank registers its
+//!   stage's layers; a decode of any PP size reads each of its layers from the prefill stage
+//!   holding it, TP mapped as above inside each stage, and notifies every stage, so that a
+//!   prefill rank frees once every stage's reader is done (the README's "Pipeline
+//!   parallelism").
 //!
 //! The [`ReadPlan`] of each remote rank says which bytes of a local block come from where;
 //! a vLLM handshake's `NixlAgentMetadata` (`block_lens`, `block_size`, `num_blocks`,

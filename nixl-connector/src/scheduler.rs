@@ -89,8 +89,8 @@ pub struct SchedulerConfig {
     pub engine_id: String,
     /// Host decodes reach this engine's side channel at.
     pub host: String,
-    /// Side-channel port: TP rank 0's in the native protocol (rank `r` listens on port +
-    /// `r`), the engine's one ROUTER in vLLM's
+    /// Side-channel port: TP rank 0's of stage 0 in the native protocol (rank `r` of stage
+    /// `s` listens on port + `s` × TP size + `r`), the engine's one ROUTER in vLLM's
     /// ([`KvConnectorWorker::side_channel_addr`](crate::KvConnectorWorker::side_channel_addr)).
     pub port: u16,
     /// This engine's TP size.

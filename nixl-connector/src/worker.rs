@@ -338,7 +338,10 @@ impl KvConnectorWorker {
     /// The remote ranks are those of the [`TpMapping`](crate::TpMapping) of the two TP
     /// sizes: the one rank holding this rank's heads (a decode TP that is a multiple of the
     /// prefill's), or the `remote.tp_size / tp_size` ranks holding its share of the request
-    /// (a smaller decode TP), rank `r` at the side-channel port + `r`. The handshake with each
+    /// (a smaller decode TP), rank `r` at the side-channel port + `r`; with pipeline stages
+    /// ([`RemoteBlocks::pp_size`]), those ranks of every stage (stage `s`'s at the port + `s`
+    /// × TP size + `r`), each read for the layers it shares with this rank, or only
+    /// notified when it holds none. The handshake with each
     /// (once per remote engine and rank) runs as a task, and so do the READs until every
     /// handshake is done; after that, they are posted within this call (posts that finish
     /// the transfers end the load at once) and only their completion is awaited in a task.
@@ -471,7 +474,9 @@ impl KvConnectorWorker {
     /// notifies; see [`start_load`](Self::start_load)), now rather than at the first load
     /// (e.g. when a decode learns of a prefill, so that the first load does not wait for
     /// them, and a peer that cannot be read from is known early). Loads reuse their
-    /// outcome; a failed handshake is forgotten, so a later one tries again.
+    /// outcome; a failed handshake is forgotten, so a later one tries again. The remote
+    /// engine is taken to have one pipeline stage: the loads from a prefill of several
+    /// handshake with its stages themselves.
     ///
     /// # Errors
     /// [`Error::NotRegistered`]; [`Error::InvalidArgument`] for a remote TP this rank cannot

@@ -27,8 +27,9 @@ pub struct KvTransferParams {
     /// The prefill engine's side-channel host.
     #[serde(default)]
     pub remote_host: Option<String>,
-    /// The prefill engine's side-channel port: TP rank 0's in the native protocol (rank `r`
-    /// listens on port + `r`), the engine's one ROUTER in vLLM's (ranks asked by number).
+    /// The prefill engine's side-channel port: TP rank 0's of stage 0 in the native protocol
+    /// (rank `r` of stage `s` listens on port + `s` × TP size + `r`), the engine's one ROUTER
+    /// in vLLM's (ranks asked by number).
     #[serde(default)]
     pub remote_port: Option<u16>,
     /// The prefill's block ids holding the request's KV, in token order; for a hybrid
