@@ -7,7 +7,9 @@
 //! reads every layer it holds from the prefill stage holding it (and notifies the stages
 //! holding none of them), every byte of every decode rank is checked (the blocks read hold
 //! the prefill's, the others stay zero), and the prefill frees the request once every
-//! stage's reader has notified.
+//! stage's reader has notified. Then the next turn (multi-turn read-backs on): the decode
+//! keeps the request and the prefill reads it back from the decode's stages, every byte
+//! checked, every decode stage releasing it on the readers' notifications.
 //!
 //! Geometries (prefill → decode, `PP × TP`): 2×1 → 1×1, 1×1 → 2×1, 2×1 → 2×1, 2×2 → 1×1,
 //! 1×1 → 2×2 and 5 layers split unevenly, 2×1 → 1×2; natively also an explicit partition
@@ -23,11 +25,13 @@ use std::time::Instant;
 
 use nixl_connector::vllm::{MetadataServer, VllmChannelLimits};
 use nixl_connector::{
-    KvAttention, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker, KvLayout, KvTransferParams,
-    LoadOutcome, PipelineRank, PipelineStages, Protocol, SchedulerConfig, WorkerConfig,
+    FinishStatus, KvAttention, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker, KvLayout,
+    KvTransferParams, LoadOutcome, PipelineRank, PipelineStages, Protocol, SchedulerConfig,
+    WorkerConfig,
 };
 
 use common::{cpu_config, finished_for_decode, vllm_config, vllm_factors, WAIT};
+use nixl::kv_config::KvTransferConfig;
 
 /// KV heads of the model, tokens per block, bytes of a head's token, blocks per region.
 const HEADS: usize = 2;
@@ -37,6 +41,8 @@ const BLOCKS: usize = 8;
 /// The request's blocks on the prefill, and the decode's they land in.
 const REMOTE: [usize; 3] = [5, 2, 7];
 const LOCAL: [usize; 3] = [1, 6, 3];
+/// The prefill's blocks the next turn reads the decode's kept ones back into.
+const READ_BACK: [usize; 3] = [0, 4, 6];
 
 /// One engine's parallel layout: its stages, its TP size, and the regions a layer
 /// registers.
@@ -112,10 +118,9 @@ fn engine(
         let mut workers: Vec<KvConnectorWorker> = Vec::new();
         let mut base = server.as_ref().map_or(0, |s| s.local_addr().port());
         for (n, &(stage, tp_rank)) in ranks.iter().enumerate() {
-            let mut config = WorkerConfig::new(id, tp_rank, layout.tp, cpu_config());
+            let mut config = WorkerConfig::new(id, tp_rank, layout.tp, kv(protocol));
             config.platform = Arc::new(nixl::platform::BuiltinPlatform::CPU);
             if let Some(server) = &server {
-                config.kv_transfer_config = vllm_config(vllm_factors());
                 config.vllm_side_channel = Some(server.clone());
             } else if n > 0 {
                 let Some(port) = base.checked_add(n as u16) else {
@@ -151,10 +156,9 @@ fn engine(
 }
 
 fn scheduler(id: &str, port: u16, layout: &Layout, protocol: Protocol) -> KvConnectorScheduler {
-    let kv = cpu_config();
+    let kv = kv(protocol);
     let mut config = SchedulerConfig::new(id, "127.0.0.1", port, layout.tp, &kv).unwrap();
     config.pp_size = layout.pp();
-    config.protocol = protocol;
     KvConnectorScheduler::new(config)
 }
 
@@ -223,6 +227,74 @@ async fn pair(tag: &str, prefill: Layout, decode: Layout, protocol: Protocol) {
             }
         }
     }
+    // The next turn: the decode keeps the request, and the prefill reads it back from the
+    // decode's stages into other blocks, which then hold what its first blocks hold.
+    let kept = dc
+        .request_finished(
+            "req",
+            &LOCAL,
+            TOKENS * LOCAL.len(),
+            None,
+            FinishStatus::Stopped,
+        )
+        .kv_transfer_params
+        .expect("kept for the next turn");
+    let kept = match protocol {
+        Protocol::Native => kept,
+        Protocol::Vllm => KvTransferParams::from_vllm_json(&kept.to_vllm_json()).unwrap(),
+    };
+    pf.on_new_request("turn-2", Some(&kept));
+    pf.update_state_after_alloc("turn-2", &READ_BACK, &kept)
+        .unwrap();
+    let (mut loaded, mut released) = (None, false);
+    while (loaded.is_none() || !released) && started.elapsed() < WAIT {
+        released |= dc
+            .step(&decodes)
+            .unwrap()
+            .finished_sending
+            .iter()
+            .any(|r| r == "req");
+        if let Some(outcome) = pf.step(&prefills).unwrap().load_outcomes.pop() {
+            loaded = Some(outcome);
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    let loaded_ok = LoadOutcome::Loaded {
+        request_id: "turn-2".into(),
+    };
+    assert_eq!(loaded, Some(loaded_ok), "{tag}: the read-back");
+    assert!(
+        released,
+        "{tag}: every decode stage released the kept request"
+    );
+    for (n, worker) in prefills.iter().enumerate() {
+        let rank = (n / prefill.tp, n % prefill.tp);
+        let spec = prefill.spec(rank.0);
+        let caches = worker.kv_caches().unwrap();
+        for region in 0..spec.num_regions() {
+            for (&back, &first) in READ_BACK.iter().zip(&REMOTE) {
+                let len = spec.block_len(region);
+                let mut got = vec![0u8; len];
+                caches.read(region, back * len, &mut got).unwrap();
+                let want = prefill.block(rank, region, first);
+                assert!(
+                    got == want,
+                    "{tag}: read back into prefill rank {rank:?} region {region} block {back}"
+                );
+            }
+        }
+    }
+}
+
+/// A DRAM config of `protocol`, multi-turn read-backs on.
+fn kv(protocol: Protocol) -> KvTransferConfig {
+    let mut kv = match protocol {
+        Protocol::Native => cpu_config(),
+        Protocol::Vllm => vllm_config(vllm_factors()),
+    };
+    let extra = &mut kv.kv_connector_extra_config;
+    extra.insert("bidirectional_kv_xfer".into(), true.into());
+    kv
 }
 
 /// The geometries of both protocols: equal PP, 2 → 1, 1 → 2, PP and TP mixed both ways,
