@@ -196,6 +196,19 @@ impl KvCacheSpec {
         }
     }
 
+    /// This cache with only the regions `regions` (those of the layers a peer's pipeline
+    /// stage shares with it); none past the last.
+    pub(crate) fn regions_in(&self, regions: &Range<usize>) -> KvCacheSpec {
+        KvCacheSpec {
+            regions: self
+                .regions
+                .get(regions.clone())
+                .unwrap_or_default()
+                .to_vec(),
+            ..self.clone()
+        }
+    }
+
     /// vLLM 0.33's non-MLA cache (`kv_cache_layout` `"LBHNC"`, what its NixlConnector
     /// asks attention backends for in `get_required_kvcache_layout`): one region per layer,
     /// each block `[heads, tokens, 2 × head_size]` (HND, K and V packed per head and token),

@@ -1,8 +1,6 @@
 //! The handshake message two engines exchange, and the check that refuses a peer whose KV
 //! cache cannot be transferred with ours.
 
-use std::ops::Range;
-
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
@@ -144,9 +142,11 @@ pub fn check_compatible(
         return Err(refuse(why));
     }
     let shared = shared_regions(stage_of(local), stage_of(remote)).map_err(refuse)?;
-    let (local_view, remote_view) = (local.regions(&shared.local), remote.regions(&shared.remote));
-    let mut plan = ReadPlan::new(&local_view.spec, tp(local), &remote_view.spec, tp(remote))
-        .map_err(refuse)?;
+    let (ours, theirs) = (
+        local.spec.regions_in(&shared.local),
+        remote.spec.regions_in(&shared.remote),
+    );
+    let mut plan = ReadPlan::new(&ours, tp(local), &theirs, tp(remote)).map_err(refuse)?;
     if shared.local.is_empty() {
         // No layer in common: the source is only notified.
         plan.share = Share::NotifiedOnly;
@@ -154,9 +154,7 @@ pub fn check_compatible(
     }
     plan.local_first_region = shared.local.start;
     plan.remote_first_region = shared.remote.start;
-    if let Some(why) =
-        size_mismatch(&local_view, &remote_view, &plan).or_else(|| address_mismatch(remote))
-    {
+    if let Some(why) = size_mismatch(&ours, &theirs, &plan).or_else(|| address_mismatch(remote)) {
         return Err(refuse(why));
     }
     Ok(plan)
@@ -219,14 +217,10 @@ fn message_mismatch(local: &HandshakeMessage, remote: &HandshakeMessage) -> Opti
     })
 }
 
-/// Why reading `remote` by `plan` would take too many descriptors, on either side, if it
-/// would: more than [`MAX_REMOTE_DESCRIPTORS`] in either list.
-fn size_mismatch(
-    local: &HandshakeMessage,
-    remote: &HandshakeMessage,
-    plan: &ReadPlan,
-) -> Option<String> {
-    let spec = &remote.spec;
+/// Why reading the source's regions `spec` into the reader's `local` by `plan` would take
+/// too many descriptors, on either side, if it would: more than [`MAX_REMOTE_DESCRIPTORS`]
+/// in either list.
+fn size_mismatch(local: &KvCacheSpec, spec: &KvCacheSpec, plan: &ReadPlan) -> Option<String> {
     let blocks = (spec.regions.len() as u64).checked_mul(spec.num_blocks as u64);
     if blocks.map_or(true, |d| d > MAX_REMOTE_DESCRIPTORS as u64)
         || plan.remote_descriptors() > MAX_REMOTE_DESCRIPTORS
@@ -237,11 +231,11 @@ fn size_mismatch(
             spec.regions.len()
         ));
     }
-    let local_descriptors = plan.local_descriptors(local.spec.num_blocks);
+    let local_descriptors = plan.local_descriptors(local.num_blocks);
     (local_descriptors > MAX_REMOTE_DESCRIPTORS).then(|| {
         format!(
             "reading blocks of {} tokens into blocks of {} takes {local_descriptors} local descriptors; at most {MAX_REMOTE_DESCRIPTORS} are accepted",
-            spec.block_size, local.spec.block_size
+            spec.block_size, local.block_size
         )
     })
 }
@@ -332,26 +326,6 @@ fn rank_name(message: &HandshakeMessage) -> String {
 }
 
 impl HandshakeMessage {
-    /// This message with only the regions `regions` (those of the layers a peer shares
-    /// with it), their base addresses and KV cache groups with them.
-    fn regions(&self, regions: &Range<usize>) -> HandshakeMessage {
-        let mut view = self.clone();
-        let slice = |all: &[u64]| all.get(regions.clone()).unwrap_or_default().to_vec();
-        view.spec.regions = self
-            .spec
-            .regions
-            .get(regions.clone())
-            .unwrap_or_default()
-            .to_vec();
-        view.region_base_addrs = slice(&self.region_base_addrs);
-        view.region_groups = self
-            .region_groups
-            .get(regions.clone())
-            .unwrap_or_default()
-            .to_vec();
-        view
-    }
-
     /// The message of a rank holding `spec` for KV cache groups `groups` (their SSM state,
     /// each region's group, the kernel blocks of a block id), with base addresses and
     /// metadata.
