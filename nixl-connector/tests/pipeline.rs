@@ -14,8 +14,8 @@
 //! Geometries (prefill → decode, `PP × TP`): 2×1 → 1×1, 1×1 → 2×1, 2×1 → 2×1, 2×2 → 1×1,
 //! 1×1 → 2×2 and 5 layers split unevenly, 2×1 → 1×2; natively also an explicit partition
 //! (vLLM's `VLLM_PP_LAYER_PARTITION` "2,3") against vLLM's even split of 5 layers ([3, 2])
-//! across TP 1 → 2. Engines of different layer counts, and a hybrid model's stages, are
-//! refused by name.
+//! across TP 1 → 2. Engines of different layer counts, a hybrid model's stages and a
+//! stage of regions that are not whole layers are refused by name.
 
 mod common;
 
@@ -397,6 +397,26 @@ async fn stages_of_a_hybrid_model_are_refused_as_vllm_refuses_them() {
     let err = KvConnectorWorker::new(hybrid).unwrap_err().to_string();
     assert!(
         err.contains("does not support pipeline_parallel_size > 1 with hybrid KV cache layouts"),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn a_stage_of_regions_that_are_not_whole_layers_is_refused_at_registration() {
+    let mut config = WorkerConfig::new("pp-regions", 0, 1, cpu_config());
+    config.platform = Arc::new(nixl::platform::BuiltinPlatform::CPU);
+    let stages = PipelineStages::even(4, 2).unwrap();
+    config.pipeline = Some(PipelineRank::new(stages, 1).unwrap());
+    let worker = KvConnectorWorker::new(config).unwrap();
+    // Stage 1 holds 2 layers: 3 regions are not a whole number a layer.
+    let three = Layout {
+        per_layer: 1,
+        ..Layout::even(3, 1, 1)
+    };
+    let err = worker.register_host_kv_caches(three.spec(0)).unwrap_err();
+    let err = err.to_string();
+    assert!(
+        err.contains("3 regions for the 2 layers of stage 1"),
         "{err}"
     );
 }

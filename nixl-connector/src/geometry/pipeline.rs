@@ -200,6 +200,22 @@ impl PipelineRank {
         self.pp_rank
     }
 
+    /// How many regions each layer of this rank's stage has, of `regions` registered
+    /// (vLLM's `regions_per_layer`, which it asserts is whole).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `regions` is not a whole number per layer.
+    pub fn regions_per_layer(&self, regions: usize) -> Result<usize> {
+        let layers = self.stages.layers(self.pp_rank).len();
+        if regions == 0 || regions % layers != 0 {
+            return Err(invalid(format!(
+                "{regions} regions for the {layers} layers of stage {}: give each layer as many regions",
+                self.pp_rank
+            )));
+        }
+        Ok(regions / layers)
+    }
+
     /// The layers per stage, as a handshake carries them.
     pub(crate) fn partition(&self) -> Vec<u64> {
         self.stages.partitions.iter().map(|&n| n as u64).collect()
@@ -522,6 +538,11 @@ mod tests {
         let stages = PipelineStages::even(5, 2).unwrap();
         let rank = PipelineRank::new(stages.clone(), 1).unwrap();
         assert_eq!((rank.pp_rank(), rank.partition()), (1, vec![3, 2]));
+        assert_eq!(rank.regions_per_layer(4).unwrap(), 2);
+        for bad in [0, 3] {
+            let err = rank.regions_per_layer(bad).unwrap_err().to_string();
+            assert!(err.contains("layers of stage 1"), "{err}");
+        }
         assert!(PipelineRank::new(stages, 2).is_err());
     }
 }

@@ -69,10 +69,15 @@ impl KvConnectorWorker {
         self.register_kv_caches(regions, spec)
     }
 
-    /// Checks `spec` on its own and against this rank's TP.
+    /// Checks `spec` on its own, against this rank's TP, and against its pipeline stage's
+    /// layers.
     pub(super) fn check_spec(&self, spec: &KvCacheSpec) -> Result<()> {
         spec.validate()?;
-        spec.check_rank(self.shared.config.tp_rank, self.shared.config.tp_size)
+        let config = &self.shared.config;
+        if let Some(pipeline) = &config.pipeline {
+            pipeline.regions_per_layer(spec.num_regions())?;
+        }
+        spec.check_rank(config.tp_rank, config.tp_size)
     }
 
     /// Builds the prepared list, the handshake and the side channel for a registration (or,
