@@ -17,7 +17,7 @@ use crate::failure::{FailedBlock, FailureKind};
 use crate::geometry::groups::KvCacheGroups;
 use crate::geometry::tp_mapping::TpMapping;
 use crate::lease::Lease;
-use crate::metrics::series::Series;
+use crate::metrics::series::{rank_labels, Series};
 use crate::metrics::{RemoteStats, SendStats, TransferMetrics};
 use crate::scheduler::aggregate::WorkerOutput;
 use crate::scheduler::outcomes::{Finished, OverdueLoad};
@@ -900,7 +900,7 @@ fn context(config: WorkerConfig, settings: &Settings) -> Result<Context> {
         config.platform.as_ref(),
     )?;
     let role = config.kv_transfer_config.kv_role;
-    let series = Arc::new(Series::new(&config.engine_id, config.tp_rank, role));
+    let series = Arc::new(Series::new(labels(&config), role));
     let guard = Arc::new(guard(&config, protocol)?);
     let etcd = settings
         .etcd
@@ -933,6 +933,20 @@ fn check_pipeline(config: &WorkerConfig, groups: &KvCacheGroups) -> Result<()> {
     Ok(())
 }
 
+/// The labels of the metric series of a worker of `config`: its engine, TP rank and, in an
+/// engine of several pipeline stages, its stage.
+fn labels(config: &WorkerConfig) -> Vec<metrics::Label> {
+    let stages = config
+        .pipeline
+        .as_ref()
+        .filter(|p| p.stages().pp_size() > 1);
+    rank_labels(
+        &config.engine_id,
+        config.tp_rank,
+        stages.map(|p| p.pp_rank()),
+    )
+}
+
 /// The side channel's guard of a worker of `config` speaking `protocol`: its secret (native
 /// protocol only: vLLM's has no credential), its allowed peer networks, and its refusal
 /// counters.
@@ -953,7 +967,7 @@ fn guard(config: &WorkerConfig, protocol: Protocol) -> Result<Guard> {
             Some(peers) => peers.clone(),
             None => PeerNetworks::from_kv_transfer_config(&config.kv_transfer_config)?,
         },
-        refusals: Refusals::new(&config.engine_id, config.tp_rank),
+        refusals: Refusals::labelled(labels(config)),
         ..Guard::default()
     })
 }

@@ -3,7 +3,8 @@
 //!
 //! The engine picks the exporter: install a recorder (e.g. `metrics-exporter-prometheus`)
 //! before creating workers, and set the histogram buckets from [`buckets`] (vLLM's). Every
-//! series carries the labels `engine` (the engine id) and `rank` (the TP rank). Without a
+//! series carries the labels `engine` (the engine id) and `rank` (the TP rank), and, for a
+//! rank of an engine of several pipeline stages, `pp_rank` (its stage). Without a
 //! recorder the facade drops everything, at the cost of an atomic load.
 //!
 //! Each role exports only its own series: a worker whose `kv_role` is `kv_consumer` (a
@@ -401,16 +402,23 @@ const KINDS: [FailureKind; 4] = [
     FailureKind::Invalid,
 ];
 
+/// The labels of the series of TP rank `rank` of `engine`, and of its pipeline stage
+/// `pp_rank` when the engine has several.
+pub(crate) fn rank_labels(engine: &str, rank: usize, pp_rank: Option<usize>) -> Vec<Label> {
+    let mut labels = vec![
+        Label::new("engine", engine.to_string()),
+        Label::new("rank", rank.to_string()),
+    ];
+    labels.extend(pp_rank.map(|stage| Label::new("pp_rank", stage.to_string())));
+    labels
+}
+
 impl Series {
-    /// The handles of engine `engine`, rank `rank`, a worker of `role`: the series of the
-    /// other side are not registered (their handles do nothing).
-    pub(crate) fn new(engine: &str, rank: usize, role: Option<KvRole>) -> Self {
+    /// The handles of a worker of `role` whose series carry `labels` ([`rank_labels`]): the
+    /// series of the other side are not registered (their handles do nothing).
+    pub(crate) fn new(labels: Vec<Label>, role: Option<KvRole>) -> Self {
         describe();
         let (decode, prefill) = sides(role);
-        let labels = vec![
-            Label::new("engine", engine.to_string()),
-            Label::new("rank", rank.to_string()),
-        ];
         let counter = |exported: bool, name: &'static str, labels: Vec<Label>| {
             if exported {
                 metrics::counter!(name, labels)
@@ -610,6 +618,19 @@ pub(crate) fn prefix_hit(engine: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_stage_of_several_is_labelled_with_its_pp_rank() {
+        let shown = |labels: Vec<Label>| {
+            let pairs = labels.iter().map(|l| format!("{}={}", l.key(), l.value()));
+            pairs.collect::<Vec<_>>().join(",")
+        };
+        assert_eq!(shown(rank_labels("e", 1, None)), "engine=e,rank=1");
+        assert_eq!(
+            shown(rank_labels("e", 1, Some(2))),
+            "engine=e,rank=1,pp_rank=2"
+        );
+    }
 
     #[test]
     fn every_series_is_described_once_and_the_histograms_are_those_listed() {

@@ -102,14 +102,6 @@ pub(crate) struct Refusals {
 }
 
 impl Refusals {
-    /// Counters for the side channel of TP rank `rank` of `engine`.
-    pub(crate) fn new(engine: &str, rank: usize) -> Self {
-        Refusals::labelled(vec![
-            metrics::Label::new("engine", engine.to_string()),
-            metrics::Label::new("rank", rank.to_string()),
-        ])
-    }
-
     /// Counters whose metric series carry `labels`.
     pub(crate) fn labelled(labels: Vec<metrics::Label>) -> Self {
         Refusals {

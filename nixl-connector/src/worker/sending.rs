@@ -538,6 +538,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+    use crate::metrics::series::rank_labels;
     use crate::transport::readers::Reader;
     use crate::worker::notification_format::{
         heartbeat_entries, heartbeat_messages, notification_message,
@@ -568,7 +569,7 @@ mod tests {
             own_tp,
             Protocol::Native,
             lease,
-            Arc::new(Series::new("test", 0, None)),
+            Arc::new(Series::new(rank_labels("test", 0, None), None)),
             readers(2),
         )
     }
@@ -668,7 +669,7 @@ mod tests {
             1,
             Protocol::Vllm,
             lease,
-            Arc::new(Series::new("t", 0, None)),
+            Arc::new(Series::new(rank_labels("t", 0, None), None)),
             readers(1),
         );
         let t0 = Instant::now();
@@ -687,7 +688,7 @@ mod tests {
         let t0 = Instant::now();
         let lease = Lease::default();
         // Prefill TP 2 read by decode TP 4: vLLM's decode says 2 consumers, ours 4 (its TP).
-        let series = || Arc::new(Series::new("t", 0, None));
+        let series = || Arc::new(Series::new(rank_labels("t", 0, None), None));
         let mut vllm = Sends::new(2, Protocol::Vllm, lease, series(), readers(4));
         let mut native = Sends::new(2, Protocol::Native, lease, series(), readers(4));
         let vllm_messages = [b"r:2".to_vec(), b"r:2".to_vec()];
@@ -751,7 +752,7 @@ mod tests {
 
         // vLLM: a count no decode can have is refused.
         let lease = Lease::default();
-        let series = Arc::new(Series::new("t", 0, None));
+        let series = Arc::new(Series::new(rank_labels("t", 0, None), None));
         let mut vllm = Sends::new(2, Protocol::Vllm, lease, series, readers(1));
         vllm.hold("r".into(), t0 + Duration::from_secs(30), None, t0);
         vllm.notified(b"anyone", b"r:4096", t0);
