@@ -109,6 +109,13 @@ async fn a_rust_decode_of_two_stages_reads_each_layer_from_a_python_prefill() {
     }
     let mut senders: Vec<&str> = done.iter().map(|n| n["from"].as_str().unwrap()).collect();
     senders.sort_unstable();
+    for (stage, decode) in decodes.iter().enumerate() {
+        let name = decode.agent().name();
+        assert!(
+            name.starts_with(&format!("rs-decode-pp-pp{stage}-rank0-")),
+            "{name}"
+        );
+    }
     let mut agents: Vec<&str> = decodes.iter().map(|d| d.agent().name()).collect();
     agents.sort_unstable();
     assert_eq!(senders, agents, "{done:?}");

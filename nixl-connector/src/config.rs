@@ -162,7 +162,8 @@ pub struct WorkerConfig {
     pub transfer_timeout: Duration,
     /// Device id of the KV cache memory, as NIXL describes it.
     pub device_id: u64,
-    /// The NIXL agent's name (`None`: `<engine>-rank<r>-<pid>-<n>`, unique in the process).
+    /// The NIXL agent's name (`None`: `<engine>-rank<r>-<pid>-<n>`, unique in the process;
+    /// `<engine>-pp<s>-rank<r>-<pid>-<n>` for stage `s` of several).
     pub agent_name: Option<String>,
     /// The NIXL agent's settings: its progress thread and that thread's delay, locking,
     /// telemetry.

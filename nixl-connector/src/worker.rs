@@ -1007,11 +1007,19 @@ fn vllm_rank(config: &WorkerConfig) -> (u32, u32) {
     (number(pp_rank), number(config.tp_rank))
 }
 
-/// A unique agent name: engine, rank, process and a counter.
+/// A unique agent name: engine, stage (of several), rank, process and a counter.
 fn agent_name(config: &WorkerConfig) -> String {
     static NEXT: AtomicU64 = AtomicU64::new(0);
+    let stage = match config
+        .pipeline
+        .as_ref()
+        .filter(|p| p.stages().pp_size() > 1)
+    {
+        Some(pipeline) => format!("-pp{}", pipeline.pp_rank()),
+        None => String::new(),
+    };
     format!(
-        "{}-rank{}-{}-{}",
+        "{}{stage}-rank{}-{}-{}",
         config.engine_id,
         config.tp_rank,
         std::process::id(),
