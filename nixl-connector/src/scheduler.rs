@@ -119,8 +119,8 @@ pub struct SchedulerConfig {
 
 impl SchedulerConfig {
     /// The settings of engine `engine_id` (reached at `host`, its side channel on `port`,
-    /// TP `tp_size`, one pipeline stage), with the lease, failure policy and protocol of `kv_transfer_config`,
-    /// and no vLLM side channel.
+    /// TP `tp_size`, one pipeline stage), with the lease, failure policy and protocol of
+    /// `kv_transfer_config`, and no vLLM side channel.
     ///
     /// # Errors
     /// Those of [`Lease::from_kv_transfer_config`],

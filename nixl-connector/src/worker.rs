@@ -15,6 +15,7 @@ use crate::config::{MetadataExchange, Protocol, WorkerConfig};
 use crate::error::{Error, Result};
 use crate::failure::{FailedBlock, FailureKind};
 use crate::geometry::groups::KvCacheGroups;
+use crate::geometry::pipeline::MAX_PP_SIZE;
 use crate::geometry::tp_mapping::TpMapping;
 use crate::lease::Lease;
 use crate::metrics::series::{rank_labels, Series};
@@ -522,6 +523,12 @@ impl KvConnectorWorker {
         let config = &self.shared.config;
         let attention = self.caches(operation)?.spec.attention;
         let mapping = TpMapping::new(config.tp_rank, config.tp_size, tp_size, attention)?;
+        if !(1..=MAX_PP_SIZE).contains(&pp_size) {
+            return Err(Error::invalid(
+                operation,
+                format!("a remote engine of {pp_size} pipeline stages (1 to {MAX_PP_SIZE})"),
+            ));
+        }
         let mut ranks = Vec::with_capacity(pp_size.saturating_mul(mapping.ranks.len()));
         for stage in 0..pp_size {
             for r in &mapping.ranks {

@@ -14,8 +14,9 @@
 //! Geometries (prefill → decode, `PP × TP`): 2×1 → 1×1, 1×1 → 2×1, 2×1 → 2×1, 2×2 → 1×1,
 //! 1×1 → 2×2 and 5 layers split unevenly, 2×1 → 1×2; natively also an explicit partition
 //! (vLLM's `VLLM_PP_LAYER_PARTITION` "2,3") against vLLM's even split of 5 layers ([3, 2])
-//! across TP 1 → 2. Engines of different layer counts, a hybrid model's stages and a
-//! stage of regions that are not whole layers are refused by name.
+//! across TP 1 → 2. Engines of different layer counts, a hybrid model's stages, a stage of
+//! regions that are not whole layers and a load from no stage or too many are refused by
+//! name.
 
 mod common;
 
@@ -26,8 +27,8 @@ use std::time::Instant;
 use nixl_connector::vllm::{MetadataServer, VllmChannelLimits};
 use nixl_connector::{
     FinishStatus, KvAttention, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker, KvLayout,
-    KvTransferParams, LoadOutcome, PipelineRank, PipelineStages, Protocol, SchedulerConfig,
-    WorkerConfig,
+    KvTransferParams, LoadOutcome, PipelineRank, PipelineStages, Protocol, RemoteBlocks,
+    SchedulerConfig, WorkerConfig,
 };
 
 use common::{cpu_config, finished_for_decode, vllm_config, vllm_factors, WAIT};
@@ -419,4 +420,19 @@ async fn a_stage_of_regions_that_are_not_whole_layers_is_refused_at_registration
         err.contains("3 regions for the 2 layers of stage 1"),
         "{err}"
     );
+}
+
+#[tokio::test]
+async fn a_load_from_no_stage_or_too_many_is_refused() {
+    let spec = Layout::even(2, 1, 1).spec(0);
+    let decode = common::worker("pp-none", 0, 1, &spec);
+    for pp_size in [0, nixl_connector::MAX_PP_SIZE + 1] {
+        let remote = RemoteBlocks {
+            pp_size,
+            ..common::remote(&decode, "pf", "req", vec![1], 1)
+        };
+        let err = decode.start_load("req", &[1], &remote).unwrap_err();
+        let named = format!("a remote engine of {pp_size} pipeline stages");
+        assert!(err.to_string().contains(&named), "{err}");
+    }
 }

@@ -112,9 +112,9 @@ fn one_block_per_id() -> u64 {
 ///
 /// Refused, with both values in the message: another protocol version; a different engine
 /// or `(pp_rank, tp_rank)` than expected; stages that do not pair (different layer counts,
-/// regions not a whole number per layer, or a different number per layer); a spec that is not valid; another attention, region count or
-/// layout; SSM (Mamba) state on one side only, or a source's that is not the reader's scaled
-/// by the TP sizes; region groups not one per region, or different on the two sides when
+/// regions not a whole number per layer, or a different number per layer); a spec that is
+/// not valid; another attention, region count or layout; SSM (Mamba) state on one side
+/// only, or a source's that is not the reader's scaled by the TP sizes; region groups not one per region, or different on the two sides when
 /// either has regions of their own; kernel blocks per block id outside 1 to
 /// `MAX_BLOCKS_PER_ID`; block sizes or TP sizes of which neither divides the other; a source rank the
 /// reader's [`TpMapping`](crate::TpMapping) does not name; the first region whose content

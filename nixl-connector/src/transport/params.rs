@@ -59,8 +59,7 @@ pub struct KvTransferParams {
     #[serde(default)]
     pub remote_dcp_size: Option<usize>,
     /// The prefill engine's pipeline parallel size (vLLM's `pp_size`; `None`: 1). A decode
-    /// reads each of its layers from the prefill stage holding it (native protocol; vLLM's
-    /// supports 1 only).
+    /// reads each of its layers from the prefill stage holding it.
     #[serde(default)]
     pub remote_pp_size: Option<usize>,
     /// When the prefill frees the blocks, on its own clock (vLLM's
