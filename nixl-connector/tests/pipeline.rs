@@ -186,58 +186,17 @@ async fn pair(tag: &str, prefill: Layout, decode: Layout, protocol: Protocol) {
     };
     dc.on_new_request("req", Some(&params));
     dc.update_state_after_alloc("req", &LOCAL, &params).unwrap();
-    let (mut loaded, mut freed) = (None, false);
-    let started = Instant::now();
-    while (loaded.is_none() || !freed) && started.elapsed() < WAIT {
-        freed |= pf
-            .step(&prefills)
-            .unwrap()
-            .finished_sending
-            .iter()
-            .any(|r| r == "req");
-        if let Some(outcome) = dc.step(&decodes).unwrap().load_outcomes.pop() {
-            loaded = Some(outcome);
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-    }
-    let loaded_ok = LoadOutcome::Loaded {
-        request_id: "req".into(),
-    };
-    assert_eq!(loaded, Some(loaded_ok), "{tag}: the decode's load");
-    assert!(
-        freed,
-        "{tag}: the prefill freed the request once every stage's reader notified"
-    );
-    for (n, worker) in decodes.iter().enumerate() {
-        let rank = (n / decode.tp, n % decode.tp);
-        let spec = decode.spec(rank.0);
-        let caches = worker.kv_caches().unwrap();
-        for region in 0..spec.num_regions() {
-            for block in 0..BLOCKS {
-                let len = spec.block_len(region);
-                let mut got = vec![0u8; len];
-                caches.read(region, block * len, &mut got).unwrap();
-                let want = match LOCAL.iter().position(|&b| b == block) {
-                    Some(i) => decode.block(rank, region, REMOTE[i]),
-                    None => vec![0; len],
-                };
-                assert!(
-                    got == want,
-                    "{tag}: decode rank {rank:?} region {region} block {block}"
-                );
-            }
-        }
-    }
+    let reader = (&mut dc, &decodes[..]);
+    let loaded = transfer(&tag, reader, (&mut pf, &prefills[..]), "req").await;
+    assert_eq!(loaded, "req", "{tag}: the decode's load");
+    // Every byte: the blocks read hold the prefill's, the others are untouched (zero).
+    let read: Vec<(usize, usize)> = LOCAL.into_iter().zip(REMOTE).collect();
+    holds(&tag, &decodes, &decode, &read, true);
     // The next turn: the decode keeps the request, and the prefill reads it back from the
     // decode's stages into other blocks, which then hold what its first blocks hold.
+    let tokens = TOKENS * LOCAL.len();
     let kept = dc
-        .request_finished(
-            "req",
-            &LOCAL,
-            TOKENS * LOCAL.len(),
-            None,
-            FinishStatus::Stopped,
-        )
+        .request_finished("req", &LOCAL, tokens, None, FinishStatus::Stopped)
         .kv_transfer_params
         .expect("kept for the next turn");
     let kept = match protocol {
@@ -247,40 +206,66 @@ async fn pair(tag: &str, prefill: Layout, decode: Layout, protocol: Protocol) {
     pf.on_new_request("turn-2", Some(&kept));
     pf.update_state_after_alloc("turn-2", &READ_BACK, &kept)
         .unwrap();
-    let (mut loaded, mut released) = (None, false);
-    while (loaded.is_none() || !released) && started.elapsed() < WAIT {
-        released |= dc
-            .step(&decodes)
-            .unwrap()
-            .finished_sending
-            .iter()
-            .any(|r| r == "req");
-        if let Some(outcome) = pf.step(&prefills).unwrap().load_outcomes.pop() {
+    let reader = (&mut pf, &prefills[..]);
+    let loaded = transfer(&tag, reader, (&mut dc, &decodes[..]), "req").await;
+    assert_eq!(loaded, "turn-2", "{tag}: the read-back");
+    let read_back: Vec<(usize, usize)> = READ_BACK.into_iter().zip(REMOTE).collect();
+    holds(&tag, &prefills, &prefill, &read_back, false);
+}
+
+/// An engine's scheduler and its ranks.
+type Engine<'a> = (&'a mut KvConnectorScheduler, &'a [KvConnectorWorker]);
+
+/// Steps both engines until the reader's one load ends and the source has released
+/// `released` (every stage's reader notified); the loaded request's id.
+async fn transfer(tag: &str, reader: Engine<'_>, source: Engine<'_>, released: &str) -> String {
+    let (mut loaded, mut freed) = (None, false);
+    let started = Instant::now();
+    while (loaded.is_none() || !freed) && started.elapsed() < WAIT {
+        let sent = source.0.step(source.1).unwrap().finished_sending;
+        freed |= sent.iter().any(|r| r == released);
+        if let Some(outcome) = reader.0.step(reader.1).unwrap().load_outcomes.pop() {
             loaded = Some(outcome);
         }
         tokio::time::sleep(std::time::Duration::from_millis(5)).await;
     }
-    let loaded_ok = LoadOutcome::Loaded {
-        request_id: "turn-2".into(),
-    };
-    assert_eq!(loaded, Some(loaded_ok), "{tag}: the read-back");
     assert!(
-        released,
-        "{tag}: every decode stage released the kept request"
+        freed,
+        "{tag}: {released} released once every stage's reader notified"
     );
-    for (n, worker) in prefills.iter().enumerate() {
-        let rank = (n / prefill.tp, n % prefill.tp);
-        let spec = prefill.spec(rank.0);
+    match loaded {
+        Some(LoadOutcome::Loaded { request_id }) => request_id,
+        other => panic!("{tag}: the load ended {other:?}"),
+    }
+}
+
+/// Checks that each rank of `workers` (an engine of `layout`) holds, in every region, at
+/// each `(block, from)` of `read` what the prefill holds at `from`, and (`untouched_zero`)
+/// zero in every other block.
+fn holds(
+    tag: &str,
+    workers: &[KvConnectorWorker],
+    layout: &Layout,
+    read: &[(usize, usize)],
+    untouched_zero: bool,
+) {
+    for (n, worker) in workers.iter().enumerate() {
+        let rank = (n / layout.tp, n % layout.tp);
+        let spec = layout.spec(rank.0);
         let caches = worker.kv_caches().unwrap();
         for region in 0..spec.num_regions() {
-            for (&back, &first) in READ_BACK.iter().zip(&REMOTE) {
-                let len = spec.block_len(region);
+            let len = spec.block_len(region);
+            for block in 0..BLOCKS {
+                let want = match read.iter().find(|&&(b, _)| b == block) {
+                    Some(&(_, from)) => layout.block(rank, region, from),
+                    None if untouched_zero => vec![0; len],
+                    None => continue,
+                };
                 let mut got = vec![0u8; len];
-                caches.read(region, back * len, &mut got).unwrap();
-                let want = prefill.block(rank, region, first);
+                caches.read(region, block * len, &mut got).unwrap();
                 assert!(
                     got == want,
-                    "{tag}: read back into prefill rank {rank:?} region {region} block {back}"
+                    "{tag}: rank {rank:?} region {region} block {block}"
                 );
             }
         }
