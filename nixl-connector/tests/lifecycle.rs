@@ -94,6 +94,16 @@ fn holds(decode: &KvConnectorWorker, spec: &KvCacheSpec, local: usize, far: usiz
     })
 }
 
+/// Writes another request's KV (bytes of 0xEE) into every layer of the prefill's block
+/// `block`, as an engine reusing it would.
+fn overwrite(prefill: &KvConnectorWorker, spec: &KvCacheSpec, block: usize) {
+    let reg = prefill.kv_caches().unwrap();
+    for layer in 0..spec.num_regions() {
+        let len = spec.block_len(layer);
+        reg.write(layer, block * len, &vec![0xEE; len]).unwrap();
+    }
+}
+
 /// Whether local block `local` is still zero in every layer.
 fn untouched(decode: &KvConnectorWorker, spec: &KvCacheSpec, local: usize) -> bool {
     (0..spec.num_regions()).all(|layer| block(decode, spec, layer, local).iter().all(|&b| b == 0))
@@ -530,11 +540,11 @@ const INTO: [usize; 2] = [0, 1];
 
 /// The decode of a_lease_that_ends_during_a_read_..., in a child process so that the test
 /// can stop it mid-READ: loads the params of `PARAMS_ENV` into [`INTO`], prints `IN FLIGHT`
-/// once its READ is posted and NIXL has not reported it done, then `LOADED` once the load
-/// ended with every block holding the prefill's pattern; exits when its stdin closes (its
-/// notification sent by then).
+/// once its READ is posted and NIXL has not reported it done, then `OUTLIVED` once the load
+/// failed, never loaded, for the release marks showed the prefill's release (whatever
+/// bytes landed); exits when its stdin closes (its notification sent by then).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "the decode of a_lease_that_ends_during_a_read_frees_once_and_counts_its_notification_late, which starts it"]
+#[ignore = "the decode of a_lease_that_ends_during_a_read_frees_once_and_fails_the_load_as_outlived, which starts it"]
 async fn stopped_decode_role() {
     let params: KvTransferParams =
         serde_json::from_str(&std::env::var(PARAMS_ENV).expect("run by the parent test")).unwrap();
@@ -557,20 +567,21 @@ async fn stopped_decode_role() {
     assert!(decode.finished().recving.is_empty());
     println!("IN FLIGHT");
 
-    // Stopped here until the prefill's lease has ended (the bound covers the stop).
+    // Stopped here until the prefill's lease has ended and it reused the blocks (the bound
+    // covers the stop). The READ then ends well in NIXL, but the load fails.
     let got = outcomes(&decode, &mut scheduler, 1, 3 * WAIT).await;
-    assert_eq!(
-        got,
-        [LoadOutcome::Loaded {
-            request_id: "d-inflight".into()
-        }]
-    );
-    assert!(decode.load_errors().is_empty());
-    assert!(INTO
-        .iter()
-        .zip(HELD)
-        .all(|(&b, far)| holds(&decode, &spec, b, far)));
-    println!("LOADED");
+    match &got[..] {
+        [LoadOutcome::Failed { request_id, reason }] => {
+            assert_eq!(request_id, "d-inflight");
+            assert!(
+                reason.contains("released its blocks before the READ"),
+                "{reason}"
+            );
+            assert!(reason.contains("lease epoch"), "{reason}");
+        }
+        other => panic!("the load must fail as outlived: {other:?}"),
+    }
+    println!("OUTLIVED");
     tokio::task::spawn_blocking(|| std::io::stdin().read_line(&mut String::new()))
         .await
         .unwrap()
@@ -651,10 +662,10 @@ impl Drop for DecodeProcess {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_lease_that_ends_during_a_read_frees_once_and_counts_its_notification_late() {
+async fn a_lease_that_ends_during_a_read_frees_once_and_fails_the_load_as_outlived() {
     // The prefill's agent runs no progress thread: the decode's READ cannot finish until the
     // prefill's worker polls NIXL, which it starts to do when it first holds a request.
-    let (_, prefill, mut prefill_scheduler) = prefill_engine("pf-inflight", 2.0, true);
+    let (spec, prefill, mut prefill_scheduler) = prefill_engine("pf-inflight", 2.0, true);
     let params = finished_for_decode(&mut prefill_scheduler, "p-inflight", &HELD);
     let meta = prefill_scheduler.build_connector_meta();
     let deadline = meta.sends[0].deadline;
@@ -681,10 +692,15 @@ async fn a_lease_that_ends_during_a_read_frees_once_and_counts_its_notification_
         "no notification yet"
     );
 
-    // The decode resumes: NIXL reports its READ done (the bytes of freed blocks), and it
-    // notifies, late.
+    // The engine reuses the freed blocks: another request's KV is written into them.
+    for &b in &HELD {
+        overwrite(&prefill, &spec, b);
+    }
+    // The decode resumes: NIXL reports its READ done (the bytes of freed blocks, maybe
+    // reused), it notifies, late, and its load fails: the release marks it READs after
+    // show the release.
     decode.resume();
-    decode.printed("LOADED").await;
+    decode.printed("OUTLIVED").await;
     wait_for("the decode's late notification", WAIT, || {
         prefill.notification_stats().late_notifications >= 1
     })

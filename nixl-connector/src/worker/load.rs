@@ -27,6 +27,7 @@ use crate::vllm::clock::perf_counter;
 use crate::worker::claim;
 use crate::worker::connect::{self, Engine};
 use crate::worker::notification_format::notification_message;
+use crate::worker::release_marks;
 use crate::worker::remotes::Remote;
 use crate::worker::shared::Shared;
 
@@ -70,6 +71,12 @@ impl Load {
             Protocol::Vllm => (TpMapping::consumers(own_tp, self.remote.tp_size), None),
         };
         notification_message(&self.remote.request_id, count, proof)
+    }
+
+    /// Whether its READs, once ended, are checked against the lease (see [`after_read`]):
+    /// its params carry a lease epoch (native protocol) or an expiry time (vLLM's).
+    fn checked_after_read(&self) -> bool {
+        self.remote.lease_epoch.is_some() || self.remote.blocks_expiry_time.is_some()
     }
 
     /// Whether it claims kept blocks before it reads (see [`claim::needs_claim`]).
@@ -186,7 +193,7 @@ pub(crate) fn try_now(shared: &Arc<Shared>, load: Load) -> Option<(Load, Option<
         let _entered = load.span.enter();
         post(shared, &load, &remotes)
     };
-    if posted.done() {
+    if posted.done() && !load.checked_after_read() {
         let counts: Vec<Option<usize>> = posted
             .reads
             .iter()
@@ -204,7 +211,8 @@ pub(crate) fn try_now(shared: &Arc<Shared>, load: Load) -> Option<(Load, Option<
     Some((load, Some(posted)))
 }
 
-/// Awaits the READs [`try_now`] posted, and records the outcome.
+/// Awaits the READs [`try_now`] posted (those it finished too, when they are checked after
+/// the read), and records the outcome.
 pub(crate) async fn finish(shared: Arc<Shared>, load: Load, posted: Posted) {
     let span = load.span.clone();
     finish_posted(&shared, &load, posted).instrument(span).await;
@@ -517,13 +525,32 @@ async fn finish_posted(shared: &Shared, load: &Load, posted: Posted) {
             }
         }
     }
-    let outcome = first_failure.unwrap_or(Ok(()));
+    let outcome = match first_failure {
+        Some(failed) => failed,
+        None => after_read(shared, load, &read).await,
+    };
     // NIXL's count when every READ completed with telemetry; else the descriptors asked for.
     let descriptors = match (&outcome, counted) {
         (Ok(()), Some(counted)) => counted,
         _ => descriptors,
     };
     record(shared, load, Some((at, bytes, descriptors)), outcome);
+}
+
+/// Checks, once every READ of a load ended well, that the prefill still held the blocks
+/// when they ended, so that a READ that outlived the lease never counts as loaded: in vLLM
+/// mode the blocks' expiry time, read again on this clock; in the native protocol the
+/// release marks of every rank read.
+async fn after_read(shared: &Shared, load: &Load, read: &[(usize, Arc<Remote>)]) -> Result<()> {
+    #[cfg(feature = "vllm")]
+    if let Some(err) = shared
+        .vllm
+        .as_ref()
+        .and_then(|vllm| vllm.outlived(&load.remote, perf_counter()))
+    {
+        return Err(err);
+    }
+    release_marks::check_after_read(shared, &load.remote, read).await
 }
 
 /// Reports a load whose READs outlived its transfer timeout: logged, counted

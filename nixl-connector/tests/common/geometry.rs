@@ -320,6 +320,7 @@ impl Model {
             blocks_expiry_time: None,
             registration_generation: None,
             capability: Some(super::capability()),
+            lease_epoch: None,
             kept: false,
         }
     }

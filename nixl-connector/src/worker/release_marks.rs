@@ -1,0 +1,177 @@
+//! Release marks, both ways (native protocol; see
+//! [`release_marks`](crate::transport::release_marks)): a rank's own marks, raised as its
+//! held requests are released, and a load's check of the marks of each rank it read from,
+//! once its data READs have ended.
+
+use std::sync::atomic::{fence, Ordering};
+use std::sync::{Arc, Mutex};
+
+use futures::future::try_join_all;
+use nixl::{
+    Agent, Backend, HostBuffer, LocalDescList, MemType, Registration, RemoteDescList, XferDesc,
+    XferOp, XferOptions, XferStatus,
+};
+
+use crate::error::{Error, Result};
+use crate::transport::params::RemoteBlocks;
+use crate::transport::release_marks::{first_released, runs, ReleaseMarks, MARK_LEN};
+use crate::worker::remotes::Remote;
+use crate::worker::sending::Marks;
+use crate::worker::shared::Shared;
+
+/// A rank's release marks: one word per block id in DRAM registered with its agent, which
+/// owns it as long as the registration lives (readers may READ it at any time).
+pub(crate) struct MarkWords {
+    registration: Registration,
+    count: usize,
+    /// Held while a raise reads and writes words, so that two raises never lose one.
+    raising: Mutex<()>,
+}
+
+impl MarkWords {
+    /// `count` marks, one per block id, each at `floor` (the largest epoch the rank marked
+    /// under an earlier registration), registered with `backends` of `agent`.
+    ///
+    /// # Errors
+    /// Allocation or registration errors.
+    pub(crate) fn register(
+        agent: &Agent,
+        backends: &[&Backend],
+        count: usize,
+        floor: u64,
+    ) -> Result<Self> {
+        let count = count.max(1);
+        let len = count
+            .checked_mul(MARK_LEN)
+            .ok_or_else(|| Error::invalid("register the release marks", "too many block ids"))?;
+        let registration = agent.register_memory(HostBuffer::zeroed(len)?, backends)?;
+        if floor > 0 {
+            let words: Vec<u8> = std::iter::repeat(floor.to_le_bytes())
+                .take(count)
+                .flatten()
+                .collect();
+            registration.write(0, 0, &words)?;
+        }
+        Ok(MarkWords {
+            registration,
+            count,
+            raising: Mutex::new(()),
+        })
+    }
+
+    /// Where the marks are, for the handshake.
+    pub(crate) fn describe(&self) -> Option<ReleaseMarks> {
+        let region = self.registration.regions().first()?;
+        Some(ReleaseMarks {
+            addr: region.addr as u64,
+            count: self.count as u64,
+        })
+    }
+
+    /// Raises the marks of each released request's blocks to its epoch (never lowering
+    /// one), visible to readers before this returns. A block id without a mark (past the
+    /// registered blocks) is skipped: no reader can read it either.
+    pub(crate) fn raise(&self, released: &[Marks]) {
+        let _raising = self.raising.lock().unwrap_or_else(|p| p.into_inner());
+        for marks in released {
+            for &block_id in &marks.block_ids {
+                if let Err(err) = self.raise_one(block_id, marks.epoch) {
+                    tracing::warn!(block_id, %err, "a released block's release mark was not raised");
+                }
+            }
+        }
+        // The engine hears of the release only after every mark is out.
+        fence(Ordering::SeqCst);
+    }
+
+    fn raise_one(&self, block_id: usize, epoch: u64) -> Result<()> {
+        let offset = block_id.checked_mul(MARK_LEN).unwrap_or(usize::MAX);
+        let mut word = [0u8; MARK_LEN];
+        self.registration.read(0, offset, &mut word)?;
+        if u64::from_le_bytes(word) < epoch {
+            self.registration.write(0, offset, &epoch.to_le_bytes())?;
+        }
+        Ok(())
+    }
+}
+
+/// Checks, after a load's data READs from `read` (each remote rank with its number) all
+/// ended, that none of those ranks released the blocks of `blocks` first: one READ of the
+/// ranks' release marks each, compared with the params' lease epoch. Params without an
+/// epoch are not checked.
+///
+/// # Errors
+/// [`Error::LeaseOutlived`] when a mark is at or past the epoch; [`Error::TransferTimeout`]
+/// when the marks' READ outlives the transfer timeout; [`Error::InvalidArgument`] when a
+/// rank names no marks or a block id has none; NIXL's errors.
+pub(crate) async fn check_after_read(
+    shared: &Shared,
+    blocks: &RemoteBlocks,
+    read: &[(usize, Arc<Remote>)],
+) -> Result<()> {
+    let Some(epoch) = blocks.lease_epoch else {
+        return Ok(());
+    };
+    let checks = read
+        .iter()
+        .filter(|(_, remote)| remote.is_read())
+        .map(|(rank, remote)| check_rank(shared, blocks, epoch, *rank, remote));
+    let deadline = shared.config.transfer_timeout;
+    match tokio::time::timeout(deadline, try_join_all(checks)).await {
+        Ok(checked) => checked.map(|_| ()),
+        Err(_) => Err(Error::TransferTimeout {
+            request_id: blocks.request_id.clone(),
+            deadline,
+        }),
+    }
+}
+
+/// [`check_after_read`] for remote rank `rank`.
+async fn check_rank(
+    shared: &Shared,
+    blocks: &RemoteBlocks,
+    epoch: u64,
+    rank: usize,
+    remote: &Remote,
+) -> Result<()> {
+    const OP: &str = "check the release marks";
+    let engine = &blocks.engine_id;
+    let marks = remote.release_marks.ok_or_else(|| {
+        Error::invalid(
+            OP,
+            format!("engine {engine:?} rank {rank} names no release marks, yet the params carry a lease epoch"),
+        )
+    })?;
+    let (runs, words) = runs(&blocks.block_ids, &marks)
+        .map_err(|why| Error::invalid(OP, format!("engine {engine:?} rank {rank}: {why}")))?;
+    let agent = shared.setup.agent();
+    let backends: Vec<&Backend> = shared.setup.backends().iter().collect();
+    let scratch = agent.register_memory(vec![0u8; words * MARK_LEN], &backends)?;
+    let mut local = LocalDescList::with_capacity(MemType::Dram, runs.len())?;
+    let mut theirs = RemoteDescList::new(MemType::Dram)?;
+    let mut at = 0;
+    for (first, len) in runs {
+        local.push(&scratch, 0, at * MARK_LEN, len * MARK_LEN)?;
+        // Within the marks: checked at the handshake and by `runs`.
+        let addr = marks.addr + (first * MARK_LEN) as u64;
+        let addr = usize::try_from(addr).map_err(|_| Error::invalid(OP, "a mark's address"))?;
+        theirs.push(XferDesc::new(addr, len * MARK_LEN, 0))?;
+        at += len;
+    }
+    let options = XferOptions::new();
+    let mut request =
+        agent.create_xfer_req(XferOp::Read, &local, &theirs, &remote.agent, &options)?;
+    if request.post()? != XferStatus::Done {
+        request.await?;
+    }
+    let mut read = vec![0u8; words * MARK_LEN];
+    scratch.read(0, 0, &mut read)?;
+    match first_released(&read, epoch) {
+        None => Ok(()),
+        Some((_, mark)) => Err(Error::LeaseOutlived {
+            request_id: blocks.request_id.clone(),
+            engine: engine.clone(),
+            detail: format!("rank {rank}: a block's release mark {mark} is at or past the request's lease epoch {epoch}"),
+        }),
+    }
+}
