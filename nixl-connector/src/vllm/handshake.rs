@@ -165,12 +165,12 @@ impl VllmWorker {
     pub(crate) fn outlived(&self, remote: &RemoteBlocks, now: f64) -> Option<Error> {
         let expiry = remote.blocks_expiry_time?;
         let (rtt, offset) = self.engines().get(&remote.engine_id)?.best?;
-        let left = expiry - offset - now;
-        (left <= rtt / 2.0).then(|| Error::LeaseOutlived {
+        let deadline = expiry - offset;
+        (deadline - now <= rtt / 2.0).then(|| Error::LeaseOutlived {
             request_id: remote.request_id.clone(),
             engine: remote.engine_id.clone(),
             detail: format!(
-                "the READ ended {left:.3} s before the blocks' expiry time on this clock, within the clock offset's error of {:.3} s (offset {offset:.3} s)",
+                "the READ ended at {now:.3} s on this clock, the blocks' expiry time is {deadline:.3} s on it (clock offset {offset:.3} s, its error up to {:.3} s)",
                 rtt / 2.0
             ),
         })
