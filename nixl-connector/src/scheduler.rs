@@ -252,7 +252,7 @@ pub struct KvConnectorScheduler {
     /// What multi-turn conversations did so far.
     multi_turn: MultiTurnStats,
     /// Native protocol: numbers each hold for readers (see
-    /// [`release_marks`](crate::transport::release_marks)).
+    /// [`ReleaseMarks`](crate::ReleaseMarks)).
     epochs: LeaseEpochs,
 }
 

@@ -1,5 +1,5 @@
 //! The lease epochs a scheduler numbers its holds for readers with (native protocol; see
-//! [`release_marks`](crate::transport::release_marks)).
+//! [`ReleaseMarks`](crate::ReleaseMarks)).
 
 use std::time::{SystemTime, UNIX_EPOCH};
 

@@ -80,7 +80,7 @@ pub struct HandshakeMessage {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub claimed: Vec<String>,
     /// Where the sender keeps its release marks (native protocol; see
-    /// [`release_marks`](crate::transport::release_marks)): a reader READs them after its
+    /// [`ReleaseMarks`](crate::ReleaseMarks)): a reader READs them after its
     /// data READ to know that the blocks it read were not released first. `None` in vLLM
     /// mode, or where a reader handshakes.
     #[serde(default)]

@@ -79,7 +79,7 @@ pub struct KvTransferParams {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remote_capability: Option<Capability>,
     /// The request's lease epoch (native protocol; see
-    /// [`release_marks`](crate::transport::release_marks)): after its READ, a decode fails
+    /// [`ReleaseMarks`](crate::ReleaseMarks)): after its READ, a decode fails
     /// the load if a release mark of a block it read is at or past it. vLLM's protocol has
     /// none.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -1,27 +1,5 @@
 //! Release marks (native protocol): how a decode knows, once its READ has ended, that the
-//! prefill did not release the blocks it read before that end.
-//!
-//! A lease can end while a READ is still to land (a partition, a stalled decode): the
-//! prefill then hands the blocks back to its engine, which may give them to another request
-//! before the READ reads them. The READ still succeeds in NIXL, and its bytes are another
-//! request's KV. Release marks turn that into a failed load:
-//!
-//! - the scheduler numbers every request it holds for readers with a *lease epoch*, larger
-//!   than any it gave before, and hands it to the readers in the params
-//!   ([`KvTransferParams::remote_lease_epoch`](crate::KvTransferParams::remote_lease_epoch));
-//! - each rank keeps one little-endian `u64` word per block id in registered DRAM, the
-//!   region its handshake names ([`ReleaseMarks`]); when it releases a held request before
-//!   every reader notified (its lease ended, or an eviction) it raises the word of each of
-//!   the request's blocks to the request's epoch, before the engine learns that they are
-//!   free (a release on every reader's notification raises none: each reader notifies once
-//!   its READ has ended, and may check its marks after that);
-//! - the reader, once its data READs from a rank have all ended, READs the words of the
-//!   blocks it read from that rank and fails the load if any is at or past the epoch.
-//!
-//! A block given to the request was released by its earlier holders before the request
-//! finished, so their epochs are smaller, and every later holder's epoch is larger: a word
-//! below the epoch proves that the request's blocks were not released early before the words
-//! were read, hence not before the data READ ended.
+//! prefill did not release the blocks it read before that end (see [`ReleaseMarks`]).
 
 use serde::{Deserialize, Serialize};
 
@@ -32,7 +10,31 @@ pub const MARK_LEN: usize = 8;
 pub const MAX_MARKS: u64 = 1 << 24;
 
 /// Where a rank keeps its release marks: `count` words of [`MARK_LEN`] bytes from `addr`,
-/// DRAM registered with its agent (device 0), word `b` that of block id `b`.
+/// DRAM registered with its agent (device 0), word `b` that of block id `b`; its handshake
+/// names them (native protocol).
+///
+/// They tell a decode, once its READ has ended, that the prefill did not release the blocks
+/// it read before that end. A lease can end while a READ is still to land (a partition, a stalled decode): the
+/// prefill then hands the blocks back to its engine, which may give them to another request
+/// before the READ reads them. The READ still succeeds in NIXL, and its bytes are another
+/// request's KV. Release marks turn that into a failed load:
+///
+/// - the scheduler numbers every request it holds for readers with a *lease epoch*, larger
+///   than any it gave before, and hands it to the readers in the params
+///   ([`KvTransferParams::remote_lease_epoch`](crate::KvTransferParams::remote_lease_epoch));
+/// - each rank keeps one little-endian `u64` word per block id in registered DRAM, the
+///   region its handshake names; when it releases a held request before
+///   every reader notified (its lease ended, or an eviction) it raises the word of each of
+///   the request's blocks to the request's epoch, before the engine learns that they are
+///   free (a release on every reader's notification raises none: each reader notifies once
+///   its READ has ended, and may check its marks after that);
+/// - the reader, once its data READs from a rank have all ended, READs the words of the
+///   blocks it read from that rank and fails the load if any is at or past the epoch.
+///
+/// A block given to the request was released by its earlier holders before the request
+/// finished, so their epochs are smaller, and every later holder's epoch is larger: a word
+/// below the epoch proves that the request's blocks were not released early before the words
+/// were read, hence not before the data READ ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ReleaseMarks {
     /// The address of the first word, in the rank's process.

@@ -13,7 +13,7 @@ use crate::transport::handshake::HandshakeMessage;
 use crate::transport::pending::PendingHandshakes;
 #[cfg(feature = "vllm")]
 use crate::vllm::{MetadataServer, NixlHandshakePayload};
-use crate::worker::release_marks::MarkWords;
+use crate::worker::mark_words::MarkWords;
 use crate::worker::sending::Marks;
 
 /// The registered cache and what is derived from it.

@@ -26,8 +26,8 @@ use crate::transport::params::RemoteBlocks;
 use crate::vllm::clock::perf_counter;
 use crate::worker::claim;
 use crate::worker::connect::{self, Engine};
+use crate::worker::marks_check;
 use crate::worker::notification_format::notification_message;
-use crate::worker::release_marks;
 use crate::worker::remotes::Remote;
 use crate::worker::shared::Shared;
 
@@ -550,7 +550,7 @@ async fn after_read(shared: &Shared, load: &Load, read: &[(usize, Arc<Remote>)])
     {
         return Err(err);
     }
-    release_marks::check_after_read(shared, &load.remote, read).await
+    marks_check::check_after_read(shared, &load.remote, read).await
 }
 
 /// Reports a load whose READs outlived its transfer timeout: logged, counted

@@ -17,7 +17,7 @@ use crate::transport::pending::PendingHandshakes;
 use crate::vllm::{MetadataServer, NixlAgentMetadata, NixlHandshakePayload, RankRegistration};
 use crate::worker::current_caches::Caches;
 use crate::worker::host_buffer::Staging;
-use crate::worker::release_marks::MarkWords;
+use crate::worker::mark_words::MarkWords;
 
 use super::reregister::KeptChannel;
 #[cfg(not(feature = "vllm"))]

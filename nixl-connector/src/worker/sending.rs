@@ -84,7 +84,7 @@ struct Held {
 }
 
 /// The release marks of one held request (see
-/// [`release_marks`](crate::transport::release_marks)): its blocks' marks are raised to its
+/// [`ReleaseMarks`](crate::ReleaseMarks)): its blocks' marks are raised to its
 /// lease epoch when it is released.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Marks {

@@ -5,7 +5,7 @@
 //!
 //! | part | owns | written by |
 //! | --- | --- | --- |
-//! | [`CurrentCaches`] | the registered caches and what is derived from them | registration (`registration.rs`, `reregister.rs`) |
+//! | [`CurrentCaches`] | the registered caches and what is derived from them, the release marks among them | registration (`registration.rs`, `reregister.rs`); the marks raised by the step (`worker.rs`, `mark_words.rs`) |
 //! | [`Remotes`] | the remote ranks handshaken, their prepared lists, engine TTLs | handshakes (`connect.rs`), loads' failures, eviction (`engines.rs`) |
 //! | [`LoadOutcomes`] | what the loads came to, and the signal that one ended | loads (`load.rs`); taken by the step (`worker.rs`) |
 //! | [`HeldSends`] | the requests held for decodes, and the signal a notification arrived | the step and the decode notifications (`worker.rs`, `sending.rs`) |
