@@ -42,6 +42,7 @@ use crate::worker::kept_claims::ClaimsOf;
 use crate::worker::load_outcomes::LoadOutcomes;
 use crate::worker::notification_format::{heartbeat_entries, heartbeat_messages};
 use crate::worker::remotes::Remotes;
+use crate::worker::scratch_words::ScratchWords;
 use crate::worker::sending::{Marks, NotificationStats, Sends};
 use crate::worker::shared::{Context, Shared};
 
@@ -61,6 +62,7 @@ pub(crate) mod notification_format;
 mod registration;
 pub(crate) mod remotes;
 mod reregister;
+pub(crate) mod scratch_words;
 pub(crate) mod sending;
 pub(crate) mod shared;
 mod shutdown;
@@ -140,6 +142,7 @@ impl KvConnectorWorker {
             remotes: Remotes::with_engine_ttl(settings.engine_ttl),
             outcomes: LoadOutcomes::default(),
             sends: HeldSends::new(sends),
+            scratch: ScratchWords::default(),
         });
         let claims = ClaimsOf(Arc::downgrade(&shared));
         shared.guard.kept.set(Arc::new(claims));

@@ -65,7 +65,7 @@ async fn check_rank(
         .map_err(|why| Error::invalid(OP, format!("engine {engine:?} rank {rank}: {why}")))?;
     let agent = shared.setup.agent();
     let backends: Vec<&Backend> = shared.setup.backends().iter().collect();
-    let scratch = agent.register_memory(vec![0u8; words * MARK_LEN], &backends)?;
+    let scratch = shared.scratch.take(agent, &backends, words)?;
     let mut local = LocalDescList::with_capacity(MemType::Dram, runs.len())?;
     let mut theirs = RemoteDescList::new(MemType::Dram)?;
     let mut at = 0;
@@ -85,6 +85,9 @@ async fn check_rank(
     }
     let mut read = vec![0u8; words * MARK_LEN];
     scratch.read(0, 0, &mut read)?;
+    // The READ ended: nothing writes the words any more.
+    drop(local);
+    shared.scratch.give(scratch);
     match first_released(&read, epoch) {
         None => Ok(()),
         Some((_, mark)) => Err(Error::LeaseOutlived {
