@@ -1,8 +1,10 @@
 //! A request's lifecycle through both schedulers and workers, over real NIXL/UCX: prefix-cache
 //! hits on the decode, aborts on both sides, KV leases with heartbeats, and hostile or racing
-//! notifications, in one process; and a lease that ends while a decode's READ is in flight,
-//! with that decode in a child process that the test stops and resumes. Every test checks
-//! that no request is freed twice and none is left held.
+//! notifications, in one process; loads of blocks released first (a lease ended and the
+//! blocks reused, or params loaded again) failing as outlived; and a lease that ends while a
+//! decode's READ is in flight, with that decode in a child process that the test stops and
+//! resumes, whose load fails as outlived. Every test checks that no request is freed twice
+//! and none is left held.
 
 mod common;
 
@@ -150,6 +152,88 @@ async fn outcomes(
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     all
+}
+
+/// Schedules and starts the decode's load of `params` into `local` as `request`, and
+/// returns its outcome.
+async fn load_outcome(
+    decode: &KvConnectorWorker,
+    scheduler: &mut KvConnectorScheduler,
+    request: &str,
+    local: &[usize],
+    params: &KvTransferParams,
+) -> LoadOutcome {
+    scheduler.on_new_request(request, Some(params));
+    scheduler
+        .update_state_after_alloc(request, local, params)
+        .unwrap();
+    decode.start_load_kv(&scheduler.build_connector_meta());
+    let mut got = outcomes(decode, scheduler, 1, WAIT).await;
+    assert_eq!(got.len(), 1, "{got:?}");
+    got.remove(0)
+}
+
+/// Asserts that `outcome` is a load failed because the prefill's release marks showed its
+/// blocks released before the READ ended.
+fn assert_outlived(outcome: &LoadOutcome) {
+    match outcome {
+        LoadOutcome::Failed { reason, .. } => {
+            assert!(
+                reason.contains("at or past the request's lease epoch"),
+                "{reason}"
+            )
+        }
+        other => panic!("the load must fail as outlived: {other:?}"),
+    }
+}
+
+/// A load posted after the prefill's lease ended and its engine reused the blocks reads
+/// the other request's KV, and fails as outlived, never loaded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_of_blocks_released_and_reused_before_its_read_fails_as_outlived() {
+    let (spec, prefill, mut prefill_scheduler, decode, mut decode_scheduler) =
+        engines("reused", 0.3);
+    let params = finish_for_decode(&prefill, &mut prefill_scheduler, "p-reused", &HELD);
+    assert_eq!(
+        released(&prefill, 1, WAIT).await,
+        ["p-reused"],
+        "its lease ended"
+    );
+    for &b in &HELD {
+        overwrite(&prefill, &spec, b);
+    }
+    let outcome = load_outcome(&decode, &mut decode_scheduler, "d-reused", &INTO, &params).await;
+    assert_outlived(&outcome);
+    let reused = |b: usize| {
+        (0..spec.num_regions()).all(|l| block(&decode, &spec, l, b).iter().all(|&x| x == 0xEE))
+    };
+    assert!(
+        INTO.iter().all(|&b| reused(b)),
+        "the READ read the reused blocks"
+    );
+}
+
+/// Params loaded again once their request was released on the first load's notification
+/// fail as outlived: the release raised the marks of its blocks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn params_loaded_again_after_their_release_fail_as_outlived() {
+    let (spec, prefill, mut prefill_scheduler, decode, mut decode_scheduler) =
+        engines("twice", 30.0);
+    let params = finish_for_decode(&prefill, &mut prefill_scheduler, "p-twice", &HELD);
+    let first = load_outcome(&decode, &mut decode_scheduler, "d-first", &INTO, &params).await;
+    assert!(matches!(first, LoadOutcome::Loaded { .. }), "{first:?}");
+    assert!(INTO
+        .iter()
+        .zip(HELD)
+        .all(|(&b, far)| holds(&decode, &spec, b, far)));
+    assert_eq!(
+        released(&prefill, 1, WAIT).await,
+        ["p-twice"],
+        "on the notification"
+    );
+    assert_eq!(prefill.send_stats(), freed(1, 0));
+    let again = load_outcome(&decode, &mut decode_scheduler, "d-again", &[2, 3], &params).await;
+    assert_outlived(&again);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

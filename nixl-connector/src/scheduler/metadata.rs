@@ -44,9 +44,8 @@ pub struct SendSpec {
     /// protocol; in the native one, `None` lets only the lease free the request.
     #[serde(default)]
     pub capability: Option<Capability>,
-    /// The request's blocks (native protocol): when it is released before every reader
-    /// notified (its lease ended, or an eviction), each rank raises their release marks to
-    /// [`lease_epoch`](Self::lease_epoch) before the engine hears of it (see
+    /// The request's blocks (native protocol): when it is released, each rank raises their
+    /// release marks to [`lease_epoch`](Self::lease_epoch) before the engine hears of it (see
     /// [`ReleaseMarks`](crate::ReleaseMarks)). Empty in vLLM's protocol.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub block_ids: Vec<usize>,

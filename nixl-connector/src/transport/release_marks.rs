@@ -23,18 +23,18 @@ pub const MAX_MARKS: u64 = 1 << 24;
 ///   than any it gave before, and hands it to the readers in the params
 ///   ([`KvTransferParams::remote_lease_epoch`](crate::KvTransferParams::remote_lease_epoch));
 /// - each rank keeps one little-endian `u64` word per block id in registered DRAM, the
-///   region its handshake names; when it releases a held request before
-///   every reader notified (its lease ended, or an eviction) it raises the word of each of
-///   the request's blocks to the request's epoch, before the engine learns that they are
-///   free (a release on every reader's notification raises none: each reader notifies once
-///   its READ has ended, and may check its marks after that);
+///   region its handshake names; when it releases a held request (every reader notified,
+///   its lease ended, or an eviction) it raises the word of each of the request's blocks
+///   to the request's epoch, before the engine learns that they are free;
 /// - the reader, once its data READs from a rank have all ended, READs the words of the
-///   blocks it read from that rank and fails the load if any is at or past the epoch.
+///   blocks it read from that rank and fails the load if any is at or past the epoch. That
+///   READ, not the data READ, carries its finish notification, so that its own release
+///   never fails its check.
 ///
 /// A block given to the request was released by its earlier holders before the request
 /// finished, so their epochs are smaller, and every later holder's epoch is larger: a word
-/// below the epoch proves that the request's blocks were not released early before the words
-/// were read, hence not before the data READ ended.
+/// below the epoch proves that the request's blocks were not released before the words were
+/// read, hence not before the data READ ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ReleaseMarks {
     /// The address of the first word, in the rank's process.

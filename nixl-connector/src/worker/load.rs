@@ -79,6 +79,12 @@ impl Load {
         self.remote.lease_epoch.is_some() || self.remote.blocks_expiry_time.is_some()
     }
 
+    /// Whether the ranks it reads are notified by the READs of their release marks rather
+    /// than by the data READs (see [`marks_check::applies`]).
+    fn notifies_after_marks(&self, shared: &Shared) -> bool {
+        marks_check::applies(shared, &self.remote)
+    }
+
     /// Whether it claims kept blocks before it reads (see [`claim::needs_claim`]).
     fn needs_claim(&self, shared: &Shared) -> bool {
         claim::needs_claim(shared, &self.remote, !self.local_block_ids.is_empty())
@@ -447,7 +453,12 @@ fn post_one(
         ssm: remote.ssm.as_ref(),
         reads_attention: remote.reads_attention(),
     })?;
-    let options = XferOptions::new().notification(load.notification(shared));
+    // With release marks, the READ of the marks notifies, after the check: a rank released
+    // on every reader's notification raises its marks too, which must not fail the check.
+    let options = match load.notifies_after_marks(shared) {
+        true => XferOptions::new(),
+        false => XferOptions::new().notification(load.notification(shared)),
+    };
     let mut request = shared.setup.agent().make_xfer_req(
         XferOp::Read,
         lists.local.as_ref().unwrap_or(&caches.local),
@@ -512,11 +523,13 @@ async fn finish_posted(shared: &Shared, load: &Load, posted: Posted) {
         }));
     }
     let mut counted = Some(0);
+    let mut whole = Vec::with_capacity(ended.len());
     for (rank, remote, outcome) in ended {
         match outcome {
             Ok(request) => {
                 let count = record_telemetry(shared, &request);
                 counted = counted.zip(count).map(|(sum, more)| sum + more);
+                whole.push(remote);
             }
             Err(err) => {
                 let engine = &load.remote.engine_id;
@@ -526,7 +539,14 @@ async fn finish_posted(shared: &Shared, load: &Load, posted: Posted) {
         }
     }
     let outcome = match first_failure {
-        Some(failed) => failed,
+        Some(failed) => {
+            // The ranks whose READ ended well hear of it, as their READ's notification
+            // would have told them.
+            if load.notifies_after_marks(shared) {
+                notify(shared, load, whole.iter(), "its READ ended");
+            }
+            failed
+        }
         None => after_read(shared, load, &read).await,
     };
     // NIXL's count when every READ completed with telemetry; else the descriptors asked for.
@@ -550,7 +570,8 @@ async fn after_read(shared: &Shared, load: &Load, read: &[(usize, Arc<Remote>)])
     {
         return Err(err);
     }
-    marks_check::check_after_read(shared, &load.remote, read).await
+    let notification = load.notification(shared);
+    marks_check::check_after_read(shared, &load.remote, read, &notification).await
 }
 
 /// Reports a load whose READs outlived its transfer timeout: logged, counted

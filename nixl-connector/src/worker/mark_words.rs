@@ -1,6 +1,6 @@
 //! A rank's own release marks (native protocol; see
 //! [`ReleaseMarks`](crate::ReleaseMarks)): one word per block id in DRAM
-//! registered with its agent, raised as its held requests' leases end.
+//! registered with its agent, raised as its held requests are released.
 
 use std::sync::atomic::{fence, Ordering};
 use std::sync::Mutex;

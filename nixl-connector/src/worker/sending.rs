@@ -500,8 +500,7 @@ impl Sends {
         }
     }
 
-    /// Releases `request_id`, released `by`; unless every reader notified, its `marks` are
-    /// raised before the engine hears.
+    /// Releases `request_id`, released `by`, its `marks` to raise before the engine hears.
     fn release(&mut self, request_id: String, by: Released, marks: Option<Marks>) {
         match by {
             Released::Notification => self.stats.freed_on_notification += 1,
@@ -519,9 +518,7 @@ impl Sends {
         self.released.insert(request_id.clone());
         self.released_order.push_back(request_id.clone());
         self.done.push(request_id);
-        // Every reader notified once its READ had ended: nothing can still read the blocks,
-        // and a mark would fail a reader that checks its marks after notifying.
-        if let Some(marks) = marks.filter(|_| by != Released::Notification) {
+        if let Some(marks) = marks {
             self.marked_up_to = self.marked_up_to.max(marks.epoch);
             self.to_mark.push(marks);
         }
@@ -866,7 +863,7 @@ mod tests {
     }
 
     #[test]
-    fn a_release_by_lease_raises_the_marks_of_the_requests_blocks_once() {
+    fn a_release_raises_the_marks_of_the_requests_blocks_once() {
         let mut s = sends(1);
         let t0 = Instant::now();
         let marks = |epoch, block_ids: &[usize]| {
@@ -880,14 +877,14 @@ mod tests {
         s.hold("read".into(), lease, Some(cap()), marks(9, &[3]));
         s.hold("unmarked".into(), lease, Some(cap()), None);
         assert_eq!(s.take_done().1, [], "nothing released, nothing marked");
-        // Every reader notified: its READs ended, nothing to mark.
         s.notified(b"solo", &fin("solo", "read", 1), t0);
-        assert_eq!(s.take_done(), (vec!["read".to_string()], vec![]));
+        let read = (vec!["read".to_string()], vec![marks(9, &[3]).unwrap()]);
+        assert_eq!(s.take_done(), read);
         s.expire(t0 + Duration::from_secs(30));
         let (mut done, marked) = s.take_done();
         done.sort();
         assert_eq!(done, ["by-lease", "unmarked"]);
         assert_eq!(marked, [marks(7, &[1, 2]).unwrap()]);
-        assert_eq!(s.marked_up_to(), 7);
+        assert_eq!(s.marked_up_to(), 9);
     }
 }

@@ -404,10 +404,6 @@ async fn soak(faults: bool, ci_target: u64) {
         "the decode stalled, past a lease and not: {r:?}"
     );
     assert!(
-        r.lease_outlived > 0,
-        "loads outlived their lease in the stall past it, and failed: {r:?}"
-    );
-    assert!(
         r.waited_on_vllm_heartbeats > 0,
         "some requests waited for blocks past a lease, kept by vLLM heartbeats: {r:?}"
     );
