@@ -107,6 +107,7 @@ async fn the_connectors_series_move_in_a_scrape() {
         registration_generation: None,
         // Requests the prefill never holds: their (tagged) notifications come after expiry.
         capability: Some(Capability::random().unwrap()),
+        lease_epoch: None,
         kept: false,
     };
     prefill.hold_for_decode("expires", Instant::now() + Duration::from_millis(300), None);

@@ -161,6 +161,7 @@ async fn measure(a: &Args, port: u16) -> nixl_connector::Result<()> {
         registration_generation: None,
         // The bench's prefill holds nothing: nothing for a notification to free.
         capability: None,
+        lease_epoch: None,
         kept: false,
     };
 

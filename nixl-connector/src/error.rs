@@ -189,6 +189,20 @@ pub enum Error {
         /// Its rank that did not grant the claim.
         rank: usize,
     },
+    /// A load's READ may have outlived the prefill's hold on the blocks it read: the prefill
+    /// released them (its lease ended) before the READ was known to have ended, so it may
+    /// have read blocks already reused. The load fails, never counted loaded (native
+    /// protocol: a release mark of a block read was at or past the request's lease epoch;
+    /// vLLM mode: the READ ended past the blocks' expiry time).
+    #[error("request {request_id:?}: engine {engine:?} released its blocks before the READ was known to have ended ({detail}); what was read may be another request's KV, so the load failed")]
+    LeaseOutlived {
+        /// The remote request.
+        request_id: String,
+        /// The remote engine.
+        engine: String,
+        /// What showed it.
+        detail: String,
+    },
     /// A NIXL notification in vLLM's format could not be parsed or made.
     #[error("vLLM notification: {reason}")]
     Notification {

@@ -24,6 +24,11 @@ pub enum FailureKind {
     /// The prefill's blocks expire before they could be read (vLLM mode: its
     /// `remote_blocks_expiry_time`); nothing was read.
     Expired,
+    /// The READ ended, but the prefill may have released its blocks first (its lease
+    /// ended): what was read may be another request's KV, so the load is not taken as
+    /// loaded.
+    #[serde(rename = "lease_outlived")]
+    LeaseOutlived,
 }
 
 impl FailureKind {
@@ -34,12 +39,13 @@ impl FailureKind {
             Error::TransferTimeout { .. } => FailureKind::Timeout,
             Error::InvalidArgument { .. } | Error::NotRegistered { .. } => FailureKind::Invalid,
             Error::BlocksExpired { .. } | Error::KeptBlocksGone { .. } => FailureKind::Expired,
+            Error::LeaseOutlived { .. } => FailureKind::LeaseOutlived,
             _ => FailureKind::Transfer,
         }
     }
 
     /// Its name in metric labels and logs: `handshake`, `transfer`, `timeout`, `invalid`,
-    /// `expired`.
+    /// `expired`, `lease_outlived`.
     pub fn as_str(self) -> &'static str {
         match self {
             FailureKind::Handshake => "handshake",
@@ -47,6 +53,7 @@ impl FailureKind {
             FailureKind::Timeout => "timeout",
             FailureKind::Invalid => "invalid",
             FailureKind::Expired => "expired",
+            FailureKind::LeaseOutlived => "lease_outlived",
         }
     }
 }

@@ -317,6 +317,7 @@ pub use transport::params::{KvTransferParams, RemoteBlocks};
 pub use transport::peer_networks::{PeerNetwork, PeerNetworks};
 pub use transport::pending::{PendingHandshakes, PendingSlot, PendingStats};
 pub use transport::refusals::{Refusal, RefusalCounts};
+pub use transport::release_marks::{ReleaseMarks, MARK_LEN, MAX_MARKS};
 pub use transport::wire::{Channel, ChannelLimits};
 pub use worker::engines::{DEFAULT_ENGINE_TTL, ENGINE_TTL_KEY};
 pub use worker::sending::NotificationStats;

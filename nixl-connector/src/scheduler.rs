@@ -45,12 +45,14 @@ use crate::geometry::groups::KvCacheGroups;
 use crate::lease::Lease;
 use crate::multi_turn::MultiTurn;
 use crate::scheduler::aggregate::{KvOutputAggregator, WorkerOutput};
+use crate::scheduler::lease_epochs::LeaseEpochs;
 use crate::transport::capability::Capability;
 use crate::transport::params::{KvTransferParams, RemoteBlocks};
 #[cfg(feature = "vllm")]
 use crate::vllm::MetadataServer;
 
 pub(crate) mod aggregate;
+mod lease_epochs;
 pub(crate) mod metadata;
 pub(crate) mod multi_turn;
 pub(crate) mod outcomes;
@@ -254,6 +256,9 @@ pub struct KvConnectorScheduler {
     kept: multi_turn::Kept,
     /// What multi-turn conversations did so far.
     multi_turn: MultiTurnStats,
+    /// Native protocol: numbers each hold for readers (see
+    /// [`ReleaseMarks`](crate::ReleaseMarks)).
+    epochs: LeaseEpochs,
 }
 
 impl KvConnectorScheduler {
@@ -269,6 +274,7 @@ impl KvConnectorScheduler {
             registered_again: 0,
             kept: multi_turn::Kept::default(),
             multi_turn: MultiTurnStats::default(),
+            epochs: LeaseEpochs::default(),
             aggregator: KvOutputAggregator::with_stages(config.pp_size, config.tp_size),
             groups: KvCacheGroups::default(),
             config,
@@ -520,16 +526,19 @@ impl KvConnectorScheduler {
             return keep(false);
         };
         let delay_free_blocks = !block_ids.is_empty();
-        if delay_free_blocks {
-            let deadline = Instant::now() + self.config.lease.duration();
-            self.hold_for_readers(request_id, deadline, &capability);
-        }
+        let lease_epoch = delay_free_blocks
+            .then(|| {
+                let deadline = Instant::now() + self.config.lease.duration();
+                self.hold_for_readers(request_id, block_ids, deadline, &capability)
+            })
+            .flatten();
         let num_tokens = delay_free_blocks.then_some(num_computed_tokens);
         let params = self.params_for_decode(request_id, block_ids, num_tokens);
         RequestFinished {
             delay_free_blocks,
             kv_transfer_params: Some(KvTransferParams {
                 remote_capability: capability,
+                remote_lease_epoch: lease_epoch,
                 ..params
             }),
         }
@@ -551,22 +560,32 @@ impl KvConnectorScheduler {
         }
     }
 
-    /// Has the workers hold `request_id`'s blocks for its readers until `deadline` (from the
-    /// next metadata on), their notifications and heartbeats counted under `capability`.
+    /// Has the workers hold `request_id`'s blocks `block_ids` for its readers until
+    /// `deadline` (from the next metadata on), their notifications and heartbeats counted
+    /// under `capability`; in the native protocol the hold's lease epoch, for the params
+    /// (the workers raise the blocks' release marks to it when they release the request).
     fn hold_for_readers(
         &mut self,
         request_id: &str,
+        block_ids: &[usize],
         deadline: Instant,
         capability: &Option<Capability>,
-    ) {
+    ) -> Option<u64> {
+        let lease_epoch = match self.config.protocol {
+            Protocol::Native => Some(self.epochs.next()),
+            Protocol::Vllm => None,
+        };
         self.sends.insert(
             request_id.to_string(),
             SendSpec {
                 request_id: request_id.to_string(),
                 deadline,
                 capability: capability.clone(),
+                block_ids: lease_epoch.map_or(Vec::new(), |_| block_ids.to_vec()),
+                lease_epoch,
             },
         );
+        lease_epoch
     }
 
     /// The params a remote decode reads `block_ids` of `request_id` with, `num_tokens` its

@@ -43,7 +43,8 @@ use crate::worker::kept_claims::ClaimsOf;
 use crate::worker::load_outcomes::LoadOutcomes;
 use crate::worker::notification_format::{heartbeat_entries, heartbeat_messages};
 use crate::worker::remotes::Remotes;
-use crate::worker::sending::{NotificationStats, Sends};
+use crate::worker::scratch_words::ScratchWords;
+use crate::worker::sending::{Marks, NotificationStats, Sends};
 use crate::worker::shared::{Context, Shared};
 
 mod claim;
@@ -56,10 +57,13 @@ pub mod host_buffer;
 mod kept_claims;
 pub(crate) mod load;
 pub(crate) mod load_outcomes;
+pub(crate) mod mark_words;
+pub(crate) mod marks_check;
 pub(crate) mod notification_format;
 mod registration;
 pub(crate) mod remotes;
 mod reregister;
+pub(crate) mod scratch_words;
 pub(crate) mod sending;
 pub(crate) mod shared;
 mod shutdown;
@@ -139,6 +143,7 @@ impl KvConnectorWorker {
             remotes: Remotes::with_engine_ttl(settings.engine_ttl),
             outcomes: LoadOutcomes::default(),
             sends: HeldSends::new(sends),
+            scratch: ScratchWords::default(),
         });
         let claims = ClaimsOf(Arc::downgrade(&shared));
         shared.guard.kept.set(Arc::new(claims));
@@ -589,7 +594,12 @@ impl KvConnectorWorker {
             self.abort_load(request_id);
         }
         for send in &meta.sends {
-            self.hold_for_decode(&send.request_id, send.deadline, send.capability.as_ref());
+            let marks = send.lease_epoch.map(|epoch| Marks {
+                epoch,
+                block_ids: send.block_ids.clone(),
+            });
+            let capability = send.capability.clone();
+            self.hold(&send.request_id, send.deadline, capability, marks);
         }
         if !meta.evict.is_empty() {
             let mut sends = self.shared.sends.lock();
@@ -685,19 +695,32 @@ impl KvConnectorWorker {
     /// ([`KvTransferParams::remote_capability`](crate::KvTransferParams::remote_capability),
     /// [`RemoteBlocks::capability`]), as the scheduler does. Held without one, a request
     /// is freed by its lease only. vLLM's protocol has none (pass `None`).
+    ///
+    /// Held so, the request raises no release marks when it is released: a decode reading
+    /// it cannot tell whether its READ outlived the lease. The step
+    /// ([`start_load_kv`](Self::start_load_kv)) holds what the scheduler's
+    /// [`SendSpec`](crate::SendSpec)s say, marks included.
     pub fn hold_for_decode(
         &self,
         request_id: &str,
         deadline: Instant,
         capability: Option<&Capability>,
     ) {
+        self.hold(request_id, deadline, capability.cloned(), None);
+    }
+
+    /// [`hold_for_decode`](Self::hold_for_decode), raising `marks` at the release.
+    fn hold(
+        &self,
+        request_id: &str,
+        deadline: Instant,
+        capability: Option<Capability>,
+        marks: Option<Marks>,
+    ) {
         self.listen_for_notifications();
-        self.shared.sends.lock().hold(
-            request_id.to_string(),
-            deadline,
-            capability.cloned(),
-            Instant::now(),
-        );
+        let lease = (deadline, Instant::now());
+        let mut sends = self.shared.sends.lock();
+        sends.hold(request_id.to_string(), lease, capability, marks);
     }
 
     /// Requests done sending (every decode rank notified, or their lease ended) and done
@@ -708,7 +731,7 @@ impl KvConnectorWorker {
     /// blocks must not be freed (nor a load taken as landed) on one rank's word.
     pub fn finished(&self) -> Finished {
         let arrived = self.decode_notes.take_arrived();
-        let sending = {
+        let (sending, marks) = {
             let mut sends = self.shared.sends.lock();
             // What NIXL holds counts before any lease ends (vLLM's `get_finished`).
             let now = Instant::now();
@@ -718,6 +741,16 @@ impl KvConnectorWorker {
             sends.expire(now);
             sends.take_done()
         };
+        // Readers must see a release before the engine can reuse the blocks.
+        if !marks.is_empty() {
+            match self.shared.caches.get() {
+                Some(caches) => caches.raise_marks(&marks),
+                None => tracing::warn!(
+                    released = marks.len(),
+                    "released requests' marks not raised: no KV caches registered"
+                ),
+            }
+        }
         let recving = std::mem::take(&mut self.shared.outcomes.lock().recving);
         self.shared.series.leaks(&self.agent().leak_stats());
         Finished { sending, recving }

@@ -1,8 +1,10 @@
 //! A request's lifecycle through both schedulers and workers, over real NIXL/UCX: prefix-cache
 //! hits on the decode, aborts on both sides, KV leases with heartbeats, and hostile or racing
-//! notifications, in one process; and a lease that ends while a decode's READ is in flight,
-//! with that decode in a child process that the test stops and resumes. Every test checks
-//! that no request is freed twice and none is left held.
+//! notifications, in one process; loads of blocks released first (a lease ended and the
+//! blocks reused, or params loaded again) failing as outlived; and a lease that ends while a
+//! decode's READ is in flight, with that decode in a child process that the test stops and
+//! resumes, whose load fails as outlived. Every test checks that no request is freed twice
+//! and none is left held.
 
 mod common;
 
@@ -94,6 +96,16 @@ fn holds(decode: &KvConnectorWorker, spec: &KvCacheSpec, local: usize, far: usiz
     })
 }
 
+/// Writes another request's KV (bytes of 0xEE) into every layer of the prefill's block
+/// `block`, as an engine reusing it would.
+fn overwrite(prefill: &KvConnectorWorker, spec: &KvCacheSpec, block: usize) {
+    let reg = prefill.kv_caches().unwrap();
+    for layer in 0..spec.num_regions() {
+        let len = spec.block_len(layer);
+        reg.write(layer, block * len, &vec![0xEE; len]).unwrap();
+    }
+}
+
 /// Whether local block `local` is still zero in every layer.
 fn untouched(decode: &KvConnectorWorker, spec: &KvCacheSpec, local: usize) -> bool {
     (0..spec.num_regions()).all(|layer| block(decode, spec, layer, local).iter().all(|&b| b == 0))
@@ -140,6 +152,88 @@ async fn outcomes(
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     all
+}
+
+/// Schedules and starts the decode's load of `params` into `local` as `request`, and
+/// returns its outcome.
+async fn load_outcome(
+    decode: &KvConnectorWorker,
+    scheduler: &mut KvConnectorScheduler,
+    request: &str,
+    local: &[usize],
+    params: &KvTransferParams,
+) -> LoadOutcome {
+    scheduler.on_new_request(request, Some(params));
+    scheduler
+        .update_state_after_alloc(request, local, params)
+        .unwrap();
+    decode.start_load_kv(&scheduler.build_connector_meta());
+    let mut got = outcomes(decode, scheduler, 1, WAIT).await;
+    assert_eq!(got.len(), 1, "{got:?}");
+    got.remove(0)
+}
+
+/// Asserts that `outcome` is a load failed because the prefill's release marks showed its
+/// blocks released before the READ ended.
+fn assert_outlived(outcome: &LoadOutcome) {
+    match outcome {
+        LoadOutcome::Failed { reason, .. } => {
+            assert!(
+                reason.contains("at or past the request's lease epoch"),
+                "{reason}"
+            )
+        }
+        other => panic!("the load must fail as outlived: {other:?}"),
+    }
+}
+
+/// A load posted after the prefill's lease ended and its engine reused the blocks reads
+/// the other request's KV, and fails as outlived, never loaded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_of_blocks_released_and_reused_before_its_read_fails_as_outlived() {
+    let (spec, prefill, mut prefill_scheduler, decode, mut decode_scheduler) =
+        engines("reused", 0.3);
+    let params = finish_for_decode(&prefill, &mut prefill_scheduler, "p-reused", &HELD);
+    assert_eq!(
+        released(&prefill, 1, WAIT).await,
+        ["p-reused"],
+        "its lease ended"
+    );
+    for &b in &HELD {
+        overwrite(&prefill, &spec, b);
+    }
+    let outcome = load_outcome(&decode, &mut decode_scheduler, "d-reused", &INTO, &params).await;
+    assert_outlived(&outcome);
+    let reused = |b: usize| {
+        (0..spec.num_regions()).all(|l| block(&decode, &spec, l, b).iter().all(|&x| x == 0xEE))
+    };
+    assert!(
+        INTO.iter().all(|&b| reused(b)),
+        "the READ read the reused blocks"
+    );
+}
+
+/// Params loaded again once their request was released on the first load's notification
+/// fail as outlived: the release raised the marks of its blocks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn params_loaded_again_after_their_release_fail_as_outlived() {
+    let (spec, prefill, mut prefill_scheduler, decode, mut decode_scheduler) =
+        engines("twice", 30.0);
+    let params = finish_for_decode(&prefill, &mut prefill_scheduler, "p-twice", &HELD);
+    let first = load_outcome(&decode, &mut decode_scheduler, "d-first", &INTO, &params).await;
+    assert!(matches!(first, LoadOutcome::Loaded { .. }), "{first:?}");
+    assert!(INTO
+        .iter()
+        .zip(HELD)
+        .all(|(&b, far)| holds(&decode, &spec, b, far)));
+    assert_eq!(
+        released(&prefill, 1, WAIT).await,
+        ["p-twice"],
+        "on the notification"
+    );
+    assert_eq!(prefill.send_stats(), freed(1, 0));
+    let again = load_outcome(&decode, &mut decode_scheduler, "d-again", &[2, 3], &params).await;
+    assert_outlived(&again);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -530,11 +624,11 @@ const INTO: [usize; 2] = [0, 1];
 
 /// The decode of a_lease_that_ends_during_a_read_..., in a child process so that the test
 /// can stop it mid-READ: loads the params of `PARAMS_ENV` into [`INTO`], prints `IN FLIGHT`
-/// once its READ is posted and NIXL has not reported it done, then `LOADED` once the load
-/// ended with every block holding the prefill's pattern; exits when its stdin closes (its
-/// notification sent by then).
+/// once its READ is posted and NIXL has not reported it done, then `OUTLIVED` once the load
+/// failed, never loaded, for the release marks showed the prefill's release (whatever
+/// bytes landed); exits when its stdin closes (its notification sent by then).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "the decode of a_lease_that_ends_during_a_read_frees_once_and_counts_its_notification_late, which starts it"]
+#[ignore = "the decode of a_lease_that_ends_during_a_read_frees_once_and_fails_the_load_as_outlived, which starts it"]
 async fn stopped_decode_role() {
     let params: KvTransferParams =
         serde_json::from_str(&std::env::var(PARAMS_ENV).expect("run by the parent test")).unwrap();
@@ -557,20 +651,21 @@ async fn stopped_decode_role() {
     assert!(decode.finished().recving.is_empty());
     println!("IN FLIGHT");
 
-    // Stopped here until the prefill's lease has ended (the bound covers the stop).
+    // Stopped here until the prefill's lease has ended and it reused the blocks (the bound
+    // covers the stop). The READ then ends well in NIXL, but the load fails.
     let got = outcomes(&decode, &mut scheduler, 1, 3 * WAIT).await;
-    assert_eq!(
-        got,
-        [LoadOutcome::Loaded {
-            request_id: "d-inflight".into()
-        }]
-    );
-    assert!(decode.load_errors().is_empty());
-    assert!(INTO
-        .iter()
-        .zip(HELD)
-        .all(|(&b, far)| holds(&decode, &spec, b, far)));
-    println!("LOADED");
+    match &got[..] {
+        [LoadOutcome::Failed { request_id, reason }] => {
+            assert_eq!(request_id, "d-inflight");
+            assert!(
+                reason.contains("released its blocks before the READ"),
+                "{reason}"
+            );
+            assert!(reason.contains("lease epoch"), "{reason}");
+        }
+        other => panic!("the load must fail as outlived: {other:?}"),
+    }
+    println!("OUTLIVED");
     tokio::task::spawn_blocking(|| std::io::stdin().read_line(&mut String::new()))
         .await
         .unwrap()
@@ -651,10 +746,10 @@ impl Drop for DecodeProcess {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_lease_that_ends_during_a_read_frees_once_and_counts_its_notification_late() {
+async fn a_lease_that_ends_during_a_read_frees_once_and_fails_the_load_as_outlived() {
     // The prefill's agent runs no progress thread: the decode's READ cannot finish until the
     // prefill's worker polls NIXL, which it starts to do when it first holds a request.
-    let (_, prefill, mut prefill_scheduler) = prefill_engine("pf-inflight", 2.0, true);
+    let (spec, prefill, mut prefill_scheduler) = prefill_engine("pf-inflight", 2.0, true);
     let params = finished_for_decode(&mut prefill_scheduler, "p-inflight", &HELD);
     let meta = prefill_scheduler.build_connector_meta();
     let deadline = meta.sends[0].deadline;
@@ -681,10 +776,15 @@ async fn a_lease_that_ends_during_a_read_frees_once_and_counts_its_notification_
         "no notification yet"
     );
 
-    // The decode resumes: NIXL reports its READ done (the bytes of freed blocks), and it
-    // notifies, late.
+    // The engine reuses the freed blocks: another request's KV is written into them.
+    for &b in &HELD {
+        overwrite(&prefill, &spec, b);
+    }
+    // The decode resumes: NIXL reports its READ done (the bytes of freed blocks, maybe
+    // reused), it notifies, late, and its load fails: the release marks it READs after
+    // show the release.
     decode.resume();
-    decode.printed("LOADED").await;
+    decode.printed("OUTLIVED").await;
     wait_for("the decode's late notification", WAIT, || {
         prefill.notification_stats().late_notifications >= 1
     })

@@ -1,7 +1,8 @@
 //! Workers and schedulers speaking vLLM's protocol, both engines in this process over real
 //! NIXL/UCX: the params handed as vLLM's JSON, every byte checked, the prefill freed by the
 //! `request:consumers` notification; a mismatched hash, a rank the engine lacks and a
-//! prefill's blocks past their expiry time refused with the reason; a re-registered prefill
+//! prefill's blocks past their expiry time refused with the reason, and a READ that ends past
+//! it failed as outlived; a re-registered prefill
 //! (a new worker, or the same one registering again) handshaken with again when its
 //! registration generation grows; TP and block sizes both ways through the geometry matrix's
 //! model, and a hybrid model of two KV cache groups. (The Python peers
@@ -251,6 +252,64 @@ async fn blocks_past_their_expiry_time_are_not_read() {
     let failed = decode.load_errors();
     assert_eq!(failed.len(), 1);
     assert_eq!(failed[0].kind, FailureKind::Expired);
+}
+
+/// A READ posted well before the blocks' expiry time but ending past it (the prefill's
+/// agent does not progress, so the first READ from it stays in flight) fails as outlived,
+/// never loaded: the expiry time is checked again once the READ has ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_that_ends_past_the_blocks_expiry_time_fails_as_outlived() {
+    common::init_tracing();
+    let spec = spec(4);
+    let prefill = worker_with("vm-pf-late", 0, 1, &spec, |c| {
+        c.kv_transfer_config = vllm_config(vllm_factors());
+        c.agent_config.progress_thread = false;
+    });
+    fill(&prefill, &spec);
+    let mut prefill_scheduler = vllm_scheduler("vm-pf-late", &prefill);
+    let decode = vllm_worker("vm-dc-late", &spec, vllm_factors(), None);
+    let mut decode_scheduler = vllm_scheduler("vm-dc-late", &decode);
+    let json = common::finished_for_decode(&mut prefill_scheduler, "r-late", &[2]).to_vllm_json();
+    let mut params = KvTransferParams::from_vllm_json(&json).unwrap();
+    // Past the 5 s safety margin when posted, not when the READ ends.
+    let expiry = perf_counter() + 5.5;
+    params.remote_blocks_expiry_time = Some(expiry);
+    decode_scheduler.on_new_request("d-late", Some(&params));
+    decode_scheduler
+        .update_state_after_alloc("d-late", &[1], &params)
+        .unwrap();
+    decode.start_load_kv(&decode_scheduler.build_connector_meta());
+    let in_flight = || decode.agent().driver_stats().held == 1;
+    common::wait_for("the READ to be posted", WAIT, in_flight).await;
+    while perf_counter() < expiry + 0.2 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(decode.finished().recving.is_empty(), "still in flight");
+    // The prefill's agent progresses: the READ ends, past the expiry time.
+    common::progress_until(&prefill, "the READ's end", || {
+        decode.agent().driver_stats().held == 0
+    })
+    .await;
+    let done = poll_until(&decode, WAIT, |f| !f.recving.is_empty()).await;
+    assert_eq!(done.recving, ["d-late"]);
+    let failed = decode.load_errors();
+    assert_eq!(failed.len(), 1, "{failed:?}");
+    assert_eq!(failed[0].kind, FailureKind::LeaseOutlived, "{}", failed[0]);
+    assert!(failed[0].reason.contains("expiry time"), "{}", failed[0]);
+    let output = WorkerOutput {
+        tp_rank: 0,
+        pp_rank: 0,
+        finished: done,
+        load_errors: failed,
+    };
+    let outcomes = decode_scheduler
+        .update_connector_output(&[output])
+        .unwrap()
+        .load_outcomes;
+    assert!(
+        matches!(&outcomes[..], [LoadOutcome::Failed { request_id, .. }] if request_id == "d-late"),
+        "{outcomes:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

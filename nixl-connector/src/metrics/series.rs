@@ -17,7 +17,7 @@
 //! [`BYTES_TRANSFERRED`], [`NUM_DESCRIPTORS`] (NIXL's count, after it joins descriptors
 //! contiguous on both sides; [`TransferMetrics::descriptors`](crate::TransferMetrics) is
 //! the same count). Failures by kind: [`NUM_FAILED_TRANSFERS`] (label `kind`: `handshake`,
-//! `transfer`, `timeout`, `invalid`, `notification`), and [`NUM_FAILED_NOTIFICATIONS`]. Per
+//! `transfer`, `timeout`, `invalid`, `lease_outlived`, `notification`), and [`NUM_FAILED_NOTIFICATIONS`]. Per
 //! handshake: [`HANDSHAKE_TIME_SECONDS`]. Gauges [`LOADS_IN_FLIGHT`], [`HANDSHAKES_PENDING`];
 //! counters [`NUM_LOADS`] (label `outcome`: `loaded`, `failed`, `aborted`),
 //! [`NUM_HEARTBEATS_SENT`], and, from the scheduler (label `engine` only, exported once they
@@ -372,7 +372,7 @@ pub(crate) struct Series {
     bytes: Histogram,
     descriptors: Histogram,
     handshake_time: Histogram,
-    failed: [Counter; 4],
+    failed: [Counter; 5],
     failed_notifications: Counter,
     failed_notifications_kind: Counter,
     expired: Counter,
@@ -395,11 +395,12 @@ pub(crate) struct Series {
 /// The `outcome` labels of [`NUM_LOADS`], in `Series::loads` order.
 const OUTCOMES: [&str; 3] = ["loaded", "failed", "aborted"];
 
-const KINDS: [FailureKind; 4] = [
+const KINDS: [FailureKind; 5] = [
     FailureKind::Handshake,
     FailureKind::Transfer,
     FailureKind::Timeout,
     FailureKind::Invalid,
+    FailureKind::LeaseOutlived,
 ];
 
 /// The labels of the series of TP rank `rank` of `engine`, and of its pipeline stage

@@ -44,6 +44,14 @@ pub struct SendSpec {
     /// protocol; in the native one, `None` lets only the lease free the request.
     #[serde(default)]
     pub capability: Option<Capability>,
+    /// The request's blocks (native protocol): when it is released, each rank raises their
+    /// release marks to [`lease_epoch`](Self::lease_epoch) before the engine hears of it (see
+    /// [`ReleaseMarks`](crate::ReleaseMarks)). Empty in vLLM's protocol.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub block_ids: Vec<usize>,
+    /// The lease epoch of the request's params (native protocol; `None`: no marks raised).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease_epoch: Option<u64>,
 }
 
 /// A heartbeat for one remote engine: its requests that loads here still wait for.
@@ -135,6 +143,7 @@ mod tests {
             blocks_expiry_time: Some(12.5),
             registration_generation: Some(2),
             capability: Some(Capability::random().unwrap()),
+            lease_epoch: Some(9),
             kept: false,
         };
         let sent = ConnectorMetadata {
@@ -149,11 +158,15 @@ mod tests {
                     request_id: "held".into(),
                     deadline: Instant::now() + Duration::from_secs(30),
                     capability: Some(Capability::random().unwrap()),
+                    block_ids: vec![3, 4],
+                    lease_epoch: Some(7),
                 },
                 SendSpec {
                     request_id: "past".into(),
                     deadline: Instant::now() - Duration::from_secs(1),
                     capability: None,
+                    block_ids: Vec::new(),
+                    lease_epoch: None,
                 },
             ],
             aborted: vec!["a".into()],
@@ -182,8 +195,9 @@ mod tests {
         );
         assert!(left >= Duration::from_secs(29), "{left:?}");
         assert!(got.sends[1].deadline <= after, "a past deadline stays past");
-        let capabilities = |m: &ConnectorMetadata| -> Vec<Option<Capability>> {
-            m.sends.iter().map(|s| s.capability.clone()).collect()
+        let capabilities = |m: &ConnectorMetadata| -> Vec<_> {
+            let send = |s: &SendSpec| (s.capability.clone(), s.block_ids.clone(), s.lease_epoch);
+            m.sends.iter().map(send).collect()
         };
         assert_eq!(capabilities(&got), capabilities(&sent));
     }

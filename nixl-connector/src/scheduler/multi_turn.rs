@@ -187,7 +187,8 @@ impl KvConnectorScheduler {
         let capability = self.reader_capability(request_id)?;
         // At most a day, as the config's key allows: a TTL set in code cannot overflow.
         let ttl = settings.kept_ttl.min(MAX_LEASE);
-        self.hold_for_readers(request_id, Instant::now() + ttl, &capability);
+        let lease_epoch =
+            self.hold_for_readers(request_id, block_ids, Instant::now() + ttl, &capability);
         self.kept.keep(request_id, block_ids.len());
         self.multi_turn.kept_total += 1;
         crate::metrics::series::kept_blocks(&self.config.engine_id, self.kept.blocks);
@@ -196,6 +197,7 @@ impl KvConnectorScheduler {
             do_remote_prefill: false,
             do_remote_decode: true,
             remote_capability: capability,
+            remote_lease_epoch: lease_epoch,
             remote_blocks_expiry_time: vllm.then(|| expiry_time(ttl)),
             vllm_extra: serde_json::Map::new(),
             ..params

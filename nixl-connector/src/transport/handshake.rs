@@ -10,14 +10,16 @@ use crate::geometry::read_plan::ReadPlan;
 use crate::geometry::spec::KvCacheSpec;
 use crate::geometry::ssm::SsmState;
 use crate::geometry::tp_mapping::Share;
+use crate::transport::release_marks::ReleaseMarks;
 
 /// Version of the side-channel protocol and handshake; peers of another version are refused.
 /// 3: the handshake says the rank's SSM (Mamba) state, each region's KV cache group and its
 /// kernel blocks per block id ([`HandshakeMessage::ssm_state`], `region_groups`,
 /// `blocks_per_id`). 4: finish notifications and heartbeats carry a tag of the request's
 /// [`Capability`](crate::Capability), which a version-3 prefill would not parse and a
-/// version-4 one requires.
-pub const PROTOCOL_VERSION: u32 = 4;
+/// version-4 one requires. 5: the handshake names the rank's [`ReleaseMarks`] and the params
+/// a request's lease epoch, which a reader checks after its READ.
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// Most registered (kernel) blocks per block id a peer may declare (its
 /// [`HandshakeMessage::blocks_per_id`], vLLM's `physical_blocks_per_logical_kv_block`).
@@ -87,6 +89,12 @@ pub struct HandshakeMessage {
     /// was evicted or never kept): the reader must not read it.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub claimed: Vec<String>,
+    /// Where the sender keeps its release marks (native protocol; see
+    /// [`ReleaseMarks`](crate::ReleaseMarks)): a reader READs them after its
+    /// data READ to know that the blocks it read were not released first. `None` in vLLM
+    /// mode, or where a reader handshakes.
+    #[serde(default)]
+    pub release_marks: Option<ReleaseMarks>,
 }
 
 /// A reader's claim on a request kept for a read-back: its id on the keeping engine, and the
@@ -119,7 +127,8 @@ fn one_block_per_id() -> u64 {
 /// `MAX_BLOCKS_PER_ID`; block sizes or TP sizes of which neither divides the other; a source rank the
 /// reader's [`TpMapping`](crate::TpMapping) does not name; the first region whose content
 /// or bytes per token and head differ (see [`ReadPlan`]); NHD when heads must be split; a
-/// cache needing more than [`MAX_REMOTE_DESCRIPTORS`] or whose addresses overflow.
+/// cache needing more than [`MAX_REMOTE_DESCRIPTORS`] or whose addresses overflow; release
+/// marks that are empty, too many or overflow ([`ReleaseMarks`]).
 ///
 /// # Errors
 /// [`Error::Incompatible`].
@@ -154,7 +163,14 @@ pub fn check_compatible(
     }
     plan.local_first_region = shared.local.start;
     plan.remote_first_region = shared.remote.start;
-    if let Some(why) = size_mismatch(&ours, &theirs, &plan).or_else(|| address_mismatch(remote)) {
+    let marks = remote
+        .release_marks
+        .as_ref()
+        .and_then(ReleaseMarks::invalid);
+    if let Some(why) = size_mismatch(&ours, &theirs, &plan)
+        .or_else(|| address_mismatch(remote))
+        .or(marks)
+    {
         return Err(refuse(why));
     }
     Ok(plan)
@@ -359,6 +375,7 @@ impl HandshakeMessage {
             pp_partition: Vec::new(),
             claims: Vec::new(),
             claimed: Vec::new(),
+            release_marks: None,
         })
     }
 }
@@ -389,6 +406,7 @@ mod tests {
             pp_partition: Vec::new(),
             claims: Vec::new(),
             claimed: Vec::new(),
+            release_marks: None,
         }
     }
 
@@ -585,6 +603,6 @@ mod tests {
         let bytes = rmp_serde::to_vec_named(&old).unwrap();
         let decoded: HandshakeMessage = rmp_serde::from_slice(&bytes).unwrap();
         assert_eq!((&decoded.ssm_state, decoded.blocks_per_id), (&None, 1));
-        assert_refused(&now, &decoded, "protocol version 4 (reader) vs 2 (source)");
+        assert_refused(&now, &decoded, "protocol version 5 (reader) vs 2 (source)");
     }
 }

@@ -1,7 +1,8 @@
 //! What crosses between engines, and how, in the connector's native protocol: the
 //! handshake message and the transfer params; framed MessagePack (`wire`); the side channel
 //! with its shared-secret authentication and sealing, network allowlist, cap on handshakes
-//! in progress, accepted readers and counted refusals; and agent metadata through etcd, with
+//! in progress, accepted readers and counted refusals; the release marks that tell a reader
+//! whether its READ outlived the lease; and agent metadata through etcd, with
 //! etcd's authentication and TLS, sealed under the shared secret when there is one.
 
 pub mod auth;
@@ -15,6 +16,7 @@ pub mod peer_networks;
 pub mod pending;
 pub(crate) mod readers;
 pub mod refusals;
+pub mod release_marks;
 pub(crate) mod sealing;
 pub mod side_channel;
 pub(crate) mod wire;

@@ -81,6 +81,12 @@ pub struct KvTransferParams {
     /// private as the KV they lead to. vLLM's protocol has none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remote_capability: Option<Capability>,
+    /// The request's lease epoch (native protocol; see
+    /// [`ReleaseMarks`](crate::ReleaseMarks)): after its READ, a decode fails
+    /// the load if a release mark of a block it read is at or past it. vLLM's protocol has
+    /// none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote_lease_epoch: Option<u64>,
     /// Keys of vLLM's JSON this type has no field for, and known keys whose value was
     /// `null`, as they came.
     #[serde(default, skip_serializing_if = "Map::is_empty")]
@@ -131,6 +137,10 @@ pub struct RemoteBlocks {
     /// protocol).
     #[serde(default)]
     pub capability: Option<Capability>,
+    /// The request's lease epoch (see [`KvTransferParams::remote_lease_epoch`]; native
+    /// protocol): without one the load is not checked against release marks.
+    #[serde(default)]
+    pub lease_epoch: Option<u64>,
     /// The blocks are a decode's, kept for a read-back (multi-turn: the params'
     /// `do_remote_decode`). In the native protocol a load claims them in a handshake before
     /// it reads, and reads nothing if they are gone.
@@ -154,6 +164,7 @@ impl KvTransferParams {
             blocks_expiry_time: self.remote_blocks_expiry_time,
             registration_generation: self.remote_registration_generation,
             capability: self.remote_capability.clone(),
+            lease_epoch: self.remote_lease_epoch,
             kept: self.do_remote_decode,
         })
     }

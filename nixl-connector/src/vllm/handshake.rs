@@ -140,6 +140,8 @@ impl VllmWorker {
             // vLLM's readers do not claim.
             claims: Vec::new(),
             claimed: Vec::new(),
+            // vLLM's protocol has no release marks.
+            release_marks: None,
         })
     }
 
@@ -159,6 +161,25 @@ impl VllmWorker {
             .get(engine)
             .and_then(|c| c.best)
             .map(|(_, offset)| offset)
+    }
+
+    /// Why a READ of `remote`'s blocks that ended at `now` (our [`perf_counter`](super::clock::perf_counter))
+    /// may have outlived them: their expiry time, on our clock through the clock offset, is
+    /// not ahead of `now` by more than the offset's error (half the handshake's round trip),
+    /// so the prefill may have freed them before the READ ended. `None` without an expiry
+    /// time or before any handshake with the engine.
+    pub(crate) fn outlived(&self, remote: &RemoteBlocks, now: f64) -> Option<Error> {
+        let expiry = remote.blocks_expiry_time?;
+        let (rtt, offset) = self.engines().get(&remote.engine_id)?.best?;
+        let deadline = expiry - offset;
+        (deadline - now <= rtt / 2.0).then(|| Error::LeaseOutlived {
+            request_id: remote.request_id.clone(),
+            engine: remote.engine_id.clone(),
+            detail: format!(
+                "the READ ended at {now:.3} s on this clock, the blocks' expiry time is {deadline:.3} s on it (clock offset {offset:.3} s, its error up to {:.3} s)",
+                rtt / 2.0
+            ),
+        })
     }
 
     /// Whether `remote`'s registration generation is newer than the one its engine's ranks
@@ -262,6 +283,7 @@ mod tests {
             blocks_expiry_time: expiry,
             registration_generation: generation,
             capability: None,
+            lease_epoch: None,
             kept: false,
         }
     }
@@ -282,6 +304,12 @@ mod tests {
         assert!(matches!(err, Error::BlocksExpired { .. }), "{err}");
         assert!(err.to_string().contains("1000"), "{err}");
         assert!(w.expired(&remote(None, None), 1e9).is_none());
+        // After the READ: outlived once the expiry is within the offset's error (1 ms).
+        assert!(w.outlived(&remote(Some(1110.0), None), 109.0).is_none());
+        let err = w.outlived(&remote(Some(1110.0), None), 109.9999).unwrap();
+        assert!(matches!(err, Error::LeaseOutlived { .. }), "{err}");
+        assert!(w.outlived(&remote(Some(1110.0), None), 111.0).is_some());
+        assert!(w.outlived(&remote(None, None), 1e9).is_none());
     }
 
     #[test]

@@ -284,6 +284,7 @@ impl TryFrom<&VllmKvTransferParams> for KvTransferParams {
             transfer_mode: params.transfer_mode.clone(),
             // vLLM's protocol has no capabilities.
             remote_capability: None,
+            remote_lease_epoch: None,
             vllm_extra: params.other.clone(),
         };
         native.check_supported()?;
@@ -500,6 +501,7 @@ mod tests {
             remote_registration_generation: Some(u64::MAX),
             transfer_mode: Some("pull".into()),
             remote_capability: None,
+            remote_lease_epoch: None,
             vllm_extra: Map::from_iter([("k".to_string(), Value::from(vec![1.5, -2.0]))]),
         };
         let hybrid = KvTransferParams {

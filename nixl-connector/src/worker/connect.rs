@@ -136,6 +136,7 @@ async fn connect(
         lists,
         blocks_per_id,
         local_generation: caches.generation,
+        release_marks: theirs.release_marks,
     }))
 }
 

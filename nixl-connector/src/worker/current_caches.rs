@@ -13,6 +13,8 @@ use crate::transport::handshake::HandshakeMessage;
 use crate::transport::pending::PendingHandshakes;
 #[cfg(feature = "vllm")]
 use crate::vllm::{MetadataServer, NixlHandshakePayload};
+use crate::worker::mark_words::MarkWords;
+use crate::worker::sending::Marks;
 
 /// The registered cache and what is derived from it.
 pub(crate) struct Caches {
@@ -23,6 +25,8 @@ pub(crate) struct Caches {
     pub(crate) spec: KvCacheSpec,
     pub(crate) local: PreparedLocal,
     pub(crate) handshake: Arc<HandshakeMessage>,
+    /// The rank's release marks (native protocol), named in `handshake`.
+    pub(crate) marks: Option<MarkWords>,
     pub(crate) side_channel: SocketAddr,
     /// What the native side channel answers with (`None` while the caches are registered
     /// again); the vLLM side channel serves the payload of [`vllm`](Self::vllm).
@@ -33,6 +37,16 @@ pub(crate) struct Caches {
     /// payload.
     #[cfg(feature = "vllm")]
     pub(crate) vllm: Option<(Arc<MetadataServer>, NixlHandshakePayload)>,
+}
+
+impl Caches {
+    /// Raises the release marks of `released` requests (see [`MarkWords::raise`]); no-op
+    /// without marks (vLLM mode).
+    pub(crate) fn raise_marks(&self, released: &[Marks]) {
+        if let Some(marks) = &self.marks {
+            marks.raise(released);
+        }
+    }
 }
 
 /// The caches registered now, if any. Its lock is held only to take or replace the `Arc`,

@@ -26,6 +26,7 @@ use crate::transport::params::RemoteBlocks;
 use crate::vllm::clock::perf_counter;
 use crate::worker::claim;
 use crate::worker::connect::{self, Engine};
+use crate::worker::marks_check;
 use crate::worker::notification_format::notification_message;
 use crate::worker::remotes::Remote;
 use crate::worker::shared::Shared;
@@ -79,6 +80,18 @@ impl Load {
             }
         };
         notification_message(&self.remote.request_id, count, proof)
+    }
+
+    /// Whether its READs, once ended, are checked against the lease (see [`after_read`]):
+    /// its params carry a lease epoch (native protocol) or an expiry time (vLLM's).
+    fn checked_after_read(&self) -> bool {
+        self.remote.lease_epoch.is_some() || self.remote.blocks_expiry_time.is_some()
+    }
+
+    /// Whether the ranks it reads are notified by the READs of their release marks rather
+    /// than by the data READs (see [`marks_check::applies`]).
+    fn notifies_after_marks(&self, shared: &Shared) -> bool {
+        marks_check::applies(shared, &self.remote)
     }
 
     /// Whether it claims kept blocks before it reads (see [`claim::needs_claim`]).
@@ -196,7 +209,7 @@ pub(crate) fn try_now(shared: &Arc<Shared>, load: Load) -> Option<(Load, Option<
         let _entered = load.span.enter();
         post(shared, &load, &remotes)
     };
-    if posted.done() {
+    if posted.done() && !load.checked_after_read() {
         let counts: Vec<Option<usize>> = posted
             .reads
             .iter()
@@ -214,7 +227,8 @@ pub(crate) fn try_now(shared: &Arc<Shared>, load: Load) -> Option<(Load, Option<
     Some((load, Some(posted)))
 }
 
-/// Awaits the READs [`try_now`] posted, and records the outcome.
+/// Awaits the READs [`try_now`] posted (those it finished too, when they are checked after
+/// the read), and records the outcome.
 pub(crate) async fn finish(shared: Arc<Shared>, load: Load, posted: Posted) {
     let span = load.span.clone();
     finish_posted(&shared, &load, posted).instrument(span).await;
@@ -449,7 +463,12 @@ fn post_one(
         ssm: remote.ssm.as_ref(),
         reads_attention: remote.reads_attention(),
     })?;
-    let options = XferOptions::new().notification(load.notification(shared));
+    // With release marks, the READ of the marks notifies, after the check: a rank released
+    // on every reader's notification raises its marks too, which must not fail the check.
+    let options = match load.notifies_after_marks(shared) {
+        true => XferOptions::new(),
+        false => XferOptions::new().notification(load.notification(shared)),
+    };
     let mut request = shared.setup.agent().make_xfer_req(
         XferOp::Read,
         lists.local.as_ref().unwrap_or(&caches.local),
@@ -514,11 +533,13 @@ async fn finish_posted(shared: &Shared, load: &Load, posted: Posted) {
         }));
     }
     let mut counted = Some(0);
+    let mut whole = Vec::with_capacity(ended.len());
     for (rank, remote, outcome) in ended {
         match outcome {
             Ok(request) => {
                 let count = record_telemetry(shared, &request);
                 counted = counted.zip(count).map(|(sum, more)| sum + more);
+                whole.push(remote);
             }
             Err(err) => {
                 let engine = &load.remote.engine_id;
@@ -527,13 +548,40 @@ async fn finish_posted(shared: &Shared, load: &Load, posted: Posted) {
             }
         }
     }
-    let outcome = first_failure.unwrap_or(Ok(()));
+    let outcome = match first_failure {
+        Some(failed) => {
+            // The ranks whose READ ended well hear of it, as their READ's notification
+            // would have told them.
+            if load.notifies_after_marks(shared) {
+                notify(shared, load, whole.iter(), "its READ ended");
+            }
+            failed
+        }
+        None => after_read(shared, load, &read).await,
+    };
     // NIXL's count when every READ completed with telemetry; else the descriptors asked for.
     let descriptors = match (&outcome, counted) {
         (Ok(()), Some(counted)) => counted,
         _ => descriptors,
     };
     record(shared, load, Some((at, bytes, descriptors)), outcome);
+}
+
+/// Checks, once every READ of a load ended well, that the prefill still held the blocks
+/// when they ended, so that a READ that outlived the lease never counts as loaded: in vLLM
+/// mode the blocks' expiry time, read again on this clock; in the native protocol the
+/// release marks of every rank read.
+async fn after_read(shared: &Shared, load: &Load, read: &[(usize, Arc<Remote>)]) -> Result<()> {
+    #[cfg(feature = "vllm")]
+    if let Some(err) = shared
+        .vllm
+        .as_ref()
+        .and_then(|vllm| vllm.outlived(&load.remote, perf_counter()))
+    {
+        return Err(err);
+    }
+    let notification = load.notification(shared);
+    marks_check::check_after_read(shared, &load.remote, read, &notification).await
 }
 
 /// Reports a load whose READs outlived its transfer timeout: logged, counted

@@ -17,6 +17,7 @@ use crate::transport::pending::PendingHandshakes;
 use crate::vllm::{MetadataServer, NixlAgentMetadata, NixlHandshakePayload, RankRegistration};
 use crate::worker::current_caches::Caches;
 use crate::worker::host_buffer::Staging;
+use crate::worker::mark_words::MarkWords;
 
 use super::reregister::KeptChannel;
 #[cfg(not(feature = "vllm"))]
@@ -91,7 +92,8 @@ impl KvConnectorWorker {
         const OP: &str = "register the KV caches";
         check_regions(&registration, &spec)?;
         let local = self.prepare_blocks(&registration, &spec)?;
-        let handshake = self.describe(&registration, &spec)?;
+        let marks = self.release_marks(&spec)?;
+        let handshake = self.describe(&registration, &spec, marks.as_ref())?;
         let generation = kept.as_ref().map_or(1, |k| k.generation + 1);
         let serving = self.serve(&handshake, kept)?;
         let caches = Arc::new(Caches {
@@ -101,6 +103,7 @@ impl KvConnectorWorker {
             spec,
             local,
             handshake,
+            marks,
             side_channel: serving.side_channel,
             side_channel_pending: serving.pending,
             #[cfg(feature = "vllm")]
@@ -145,12 +148,26 @@ impl KvConnectorWorker {
         Ok(self.agent().prepare_local(&list, &backends)?)
     }
 
-    /// This rank's handshake message for `registration` laid out as `spec`: its agent's
-    /// metadata in it, or (etcd) published there instead.
+    /// The release marks of a registration of `spec` (native protocol): one per block,
+    /// registered before the agent's metadata is taken, so that the metadata covers them,
+    /// each starting at the largest epoch marked under an earlier registration.
+    fn release_marks(&self, spec: &KvCacheSpec) -> Result<Option<MarkWords>> {
+        if self.shared.protocol != Protocol::Native {
+            return Ok(None);
+        }
+        let floor = self.shared.sends.lock().marked_up_to();
+        let backends: Vec<&nixl::Backend> = self.shared.setup.backends().iter().collect();
+        let marks = MarkWords::register(self.agent(), &backends, spec.num_blocks, floor)?;
+        Ok(Some(marks))
+    }
+
+    /// This rank's handshake message for `registration` laid out as `spec`, naming `marks`:
+    /// its agent's metadata in it, or (etcd) published there instead.
     fn describe(
         &self,
         registration: &Registration,
         spec: &KvCacheSpec,
+        marks: Option<&MarkWords>,
     ) -> Result<Arc<HandshakeMessage>> {
         let config = &self.shared.config;
         let metadata = match config.metadata_exchange {
@@ -161,7 +178,7 @@ impl KvConnectorWorker {
                 Vec::new()
             }
         };
-        let message = HandshakeMessage::describe(
+        let described = HandshakeMessage::describe(
             &config.engine_id,
             self.agent().name(),
             metadata,
@@ -174,6 +191,10 @@ impl KvConnectorWorker {
             (config.tp_rank, config.tp_size),
             config.device_id,
         )?;
+        let message = HandshakeMessage {
+            release_marks: marks.and_then(MarkWords::describe),
+            ..described
+        };
         Ok(Arc::new(match &config.pipeline {
             Some(pipeline) => HandshakeMessage {
                 pp_rank: pipeline.pp_rank() as u64,

@@ -27,6 +27,7 @@ use crate::error::{Error, Result};
 use crate::geometry::read_plan::ReadPlan;
 use crate::geometry::ssm::SsmReads;
 use crate::metrics::RemoteStats;
+use crate::transport::release_marks::ReleaseMarks;
 use crate::worker::engines::Engines;
 
 /// The least time between two sweeps for engines to evict.
@@ -52,6 +53,8 @@ pub(crate) struct Remote {
     /// [`Caches::generation`](crate::worker::current_caches::Caches)): a remote of an older one is handshaken
     /// with again.
     pub(crate) local_generation: u64,
+    /// Where it keeps its release marks (native protocol), checked after a READ from it.
+    pub(crate) release_marks: Option<ReleaseMarks>,
 }
 
 impl Remote {

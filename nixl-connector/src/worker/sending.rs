@@ -79,6 +79,19 @@ struct Held {
     /// Whether a reader has shown itself (a heartbeat or a finish notification that
     /// counted): then it may be reading, and an eviction leaves it held.
     claimed: bool,
+    /// The release marks to raise when it is released, if its params carry a lease epoch.
+    marks: Option<Marks>,
+}
+
+/// The release marks of one held request (see
+/// [`ReleaseMarks`](crate::ReleaseMarks)): its blocks' marks are raised to its
+/// lease epoch when it is released.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Marks {
+    /// The lease epoch of the request's params.
+    pub(crate) epoch: u64,
+    /// The request's blocks.
+    pub(crate) block_ids: Vec<usize>,
 }
 
 impl Held {
@@ -119,6 +132,10 @@ pub(crate) struct Sends {
     released: HashSet<String>,
     released_order: VecDeque<String>,
     done: Vec<String>,
+    /// The marks of the requests in `done`, to raise before the engine hears of them.
+    to_mark: Vec<Marks>,
+    /// The largest epoch marked so far (a new registration's marks start at it).
+    marked_up_to: u64,
     stats: SendStats,
     notes: NotificationStats,
     /// The readers this rank's side channel accepted (native protocol).
@@ -144,6 +161,8 @@ impl Sends {
             released: HashSet::new(),
             released_order: VecDeque::new(),
             done: Vec::new(),
+            to_mark: Vec::new(),
+            marked_up_to: 0,
             stats: SendStats::default(),
             notes: NotificationStats::default(),
         }
@@ -151,14 +170,14 @@ impl Sends {
 
     /// Holds `request_id` until its notifications arrive or its lease ends at `deadline`
     /// (at most [`Lease::max_hold`] from `now`, if capped); in the native protocol only
-    /// notifications and heartbeats tagged under `capability` count. A request already held
-    /// keeps its lease.
+    /// notifications and heartbeats tagged under `capability` count. Its `marks`, if any,
+    /// are raised when it is released. A request already held keeps its lease.
     pub(crate) fn hold(
         &mut self,
         request_id: String,
-        deadline: Instant,
+        (deadline, now): (Instant, Instant),
         capability: Option<Capability>,
-        now: Instant,
+        marks: Option<Marks>,
     ) {
         if self.held.contains_key(&request_id) {
             tracing::warn!(request = %request_id, "request is already held; its lease is kept");
@@ -191,7 +210,7 @@ impl Sends {
             needed = needed.max(early.needed);
         }
         if readers.len() >= needed {
-            self.release(request_id, Released::Notification);
+            self.release(request_id, Released::Notification, marks);
             return;
         }
         let held = Held {
@@ -201,6 +220,7 @@ impl Sends {
             readers,
             needed,
             capability,
+            marks,
         };
         self.held.insert(request_id, held);
         self.series.held(self.held.len());
@@ -351,8 +371,8 @@ impl Sends {
             held.needed = held.needed.max(needed);
             held.claimed = true;
             if held.readers.len() >= held.needed {
-                self.held.remove(request);
-                self.release(request.to_string(), Released::Notification);
+                let marks = self.held.remove(request).and_then(|h| h.marks);
+                self.release(request.to_string(), Released::Notification, marks);
             }
             return;
         }
@@ -404,9 +424,10 @@ impl Sends {
             .collect();
         self.series.expired(expired.len() as u64);
         for id in expired {
-            let readers = self.held.remove(&id).map_or(0, |h| h.readers.len());
+            let held = self.held.remove(&id);
+            let readers = held.as_ref().map_or(0, |h| h.readers.len());
             tracing::warn!(request = %id, readers, "the request's KV lease ended before every decode rank notified; blocks freed");
-            self.release(id, Released::Lease);
+            self.release(id, Released::Lease, held.and_then(|h| h.marks));
         }
         let lease = self.lease.duration();
         let stale: Vec<String> = self
@@ -469,8 +490,8 @@ impl Sends {
     pub(crate) fn evict(&mut self, request_id: &str) -> bool {
         match self.held.get(request_id) {
             Some(held) if !held.claimed => {
-                self.held.remove(request_id);
-                self.release(request_id.to_string(), Released::Eviction);
+                let marks = self.held.remove(request_id).and_then(|h| h.marks);
+                self.release(request_id.to_string(), Released::Eviction, marks);
                 true
             }
             Some(_) => {
@@ -484,7 +505,8 @@ impl Sends {
         }
     }
 
-    fn release(&mut self, request_id: String, by: Released) {
+    /// Releases `request_id`, released `by`, its `marks` to raise before the engine hears.
+    fn release(&mut self, request_id: String, by: Released, marks: Option<Marks>) {
         match by {
             Released::Notification => self.stats.freed_on_notification += 1,
             Released::Lease => self.stats.freed_on_timeout += 1,
@@ -501,10 +523,25 @@ impl Sends {
         self.released.insert(request_id.clone());
         self.released_order.push_back(request_id.clone());
         self.done.push(request_id);
+        if let Some(marks) = marks {
+            self.marked_up_to = self.marked_up_to.max(marks.epoch);
+            self.to_mark.push(marks);
+        }
     }
 
-    pub(crate) fn take_done(&mut self) -> Vec<String> {
-        std::mem::take(&mut self.done)
+    /// The requests released since the last call, and the marks to raise before the engine
+    /// hears of them.
+    pub(crate) fn take_done(&mut self) -> (Vec<String>, Vec<Marks>) {
+        (
+            std::mem::take(&mut self.done),
+            std::mem::take(&mut self.to_mark),
+        )
+    }
+
+    /// The largest lease epoch marked so far: a new registration's marks start at it, so
+    /// that no release before it is forgotten.
+    pub(crate) fn marked_up_to(&self) -> u64 {
+        self.marked_up_to
     }
 
     pub(crate) fn stats(&self) -> SendStats {
@@ -601,16 +638,21 @@ mod tests {
     fn a_heartbeat_extends_the_lease_by_two_thirds_up_to_its_limit() {
         let mut s = sends(1);
         let t0 = Instant::now();
-        s.hold("r".into(), t0 + Duration::from_secs(30), Some(cap()), t0);
+        s.hold(
+            "r".into(),
+            (t0 + Duration::from_secs(30), t0),
+            Some(cap()),
+            None,
+        );
         s.notified(
             b"d",
             &hb_with(&cap(), "d", &["r", "unknown"]),
             t0 + Duration::from_secs(25),
         );
         s.expire(t0 + Duration::from_secs(44));
-        assert!(s.take_done().is_empty(), "extended to 25 + 20 s");
+        assert!(s.take_done().0.is_empty(), "extended to 25 + 20 s");
         s.expire(t0 + Duration::from_secs(45));
-        assert_eq!(s.take_done(), ["r"]);
+        assert_eq!(s.take_done().0, ["r"]);
         let notes = s.notification_stats();
         assert_eq!(
             (
@@ -623,7 +665,12 @@ mod tests {
         assert_eq!(s.stats().freed_on_timeout, 1);
 
         // Heartbeats never keep a request past max_hold.
-        s.hold("q".into(), t0 + Duration::from_secs(30), Some(cap()), t0);
+        s.hold(
+            "q".into(),
+            (t0 + Duration::from_secs(30), t0),
+            Some(cap()),
+            None,
+        );
         for at in (20..200).step_by(10) {
             s.notified(
                 b"d",
@@ -632,7 +679,7 @@ mod tests {
             );
         }
         s.expire(t0 + Duration::from_secs(100));
-        assert_eq!(s.take_done(), ["q"]);
+        assert_eq!(s.take_done().0, ["q"]);
     }
 
     #[test]
@@ -650,15 +697,20 @@ mod tests {
             s.readers.accept(agent, reader);
         }
         let t0 = Instant::now();
-        s.hold("r".into(), t0 + Duration::from_secs(30), Some(cap()), t0);
+        s.hold(
+            "r".into(),
+            (t0 + Duration::from_secs(30), t0),
+            Some(cap()),
+            None,
+        );
         s.notified(b"s0", &fin("s0", "r", 1), t0);
         s.notified(b"s0", &fin("s0", "r", 1), t0);
         assert!(
-            s.take_done().is_empty(),
+            s.take_done().0.is_empty(),
             "stage 1's reader has not notified"
         );
         s.notified(b"s1", &fin("s1", "r", 1), t0);
-        assert_eq!(s.take_done(), ["r"]);
+        assert_eq!(s.take_done().0, ["r"]);
     }
 
     #[test]
@@ -673,14 +725,14 @@ mod tests {
             readers(1),
         );
         let t0 = Instant::now();
-        s.hold("r".into(), t0 + Duration::from_secs(30), None, t0);
+        s.hold("r".into(), (t0 + Duration::from_secs(30), t0), None, None);
         for at in (20..2000).step_by(10) {
             s.notified(b"d", b"HB:r", t0 + Duration::from_secs(at));
             s.expire(t0 + Duration::from_secs(at));
         }
-        assert!(s.take_done().is_empty(), "held while heartbeats came");
+        assert!(s.take_done().0.is_empty(), "held while heartbeats came");
         s.expire(t0 + Duration::from_secs(1990 + 20));
-        assert_eq!(s.take_done(), ["r"], "freed an extension after the last");
+        assert_eq!(s.take_done().0, ["r"], "freed an extension after the last");
     }
 
     #[test]
@@ -694,11 +746,16 @@ mod tests {
         let vllm_messages = [b"r:2".to_vec(), b"r:2".to_vec()];
         let native_messages = [fin("d0", "r", 4), fin("d1", "r", 4)];
         for (s, messages) in [(&mut vllm, vllm_messages), (&mut native, native_messages)] {
-            s.hold("r".into(), t0 + Duration::from_secs(30), Some(cap()), t0);
+            s.hold(
+                "r".into(),
+                (t0 + Duration::from_secs(30), t0),
+                Some(cap()),
+                None,
+            );
             s.notified(b"d0", &messages[0], t0);
-            assert!(s.take_done().is_empty());
+            assert!(s.take_done().0.is_empty());
             s.notified(b"d1", &messages[1], t0);
-            assert_eq!(s.take_done(), ["r"]);
+            assert_eq!(s.take_done().0, ["r"]);
         }
     }
 
@@ -706,18 +763,23 @@ mod tests {
     fn each_reader_counts_once_and_nothing_is_released_twice() {
         let mut s = sends(1);
         let t0 = Instant::now();
-        s.hold("r".into(), t0 + Duration::from_secs(30), Some(cap()), t0);
+        s.hold(
+            "r".into(),
+            (t0 + Duration::from_secs(30), t0),
+            Some(cap()),
+            None,
+        );
         s.notified(b"d0", &fin("d0", "r", 2), t0);
         s.notified(b"d0", &fin("d0", "r", 2), t0);
         assert!(
-            s.take_done().is_empty(),
+            s.take_done().0.is_empty(),
             "a repeat from the same reader counts once"
         );
         s.notified(b"d1", &fin("d1", "r", 2), t0);
-        assert_eq!(s.take_done(), ["r"]);
+        assert_eq!(s.take_done().0, ["r"]);
         s.notified(b"d1", &fin("d1", "r", 2), t0);
         s.expire(t0 + Duration::from_secs(60));
-        assert!(s.take_done().is_empty());
+        assert!(s.take_done().0.is_empty());
         let notes = s.notification_stats();
         assert_eq!(
             (notes.duplicate_notifications, notes.late_notifications),
@@ -726,8 +788,13 @@ mod tests {
 
         // Early notifications release at the hold, and go stale after a lease.
         s.notified(b"solo", &fin("solo", "e", 1), t0);
-        s.hold("e".into(), t0 + Duration::from_secs(30), Some(cap()), t0);
-        assert_eq!(s.take_done(), ["e"]);
+        s.hold(
+            "e".into(),
+            (t0 + Duration::from_secs(30), t0),
+            Some(cap()),
+            None,
+        );
+        assert_eq!(s.take_done().0, ["e"]);
         s.notified(b"solo", &fin("solo", "never", 1), t0);
         s.expire(t0 + Duration::from_secs(31));
         assert!(s.early.is_empty());
@@ -738,27 +805,32 @@ mod tests {
     fn only_readers_count_and_only_with_their_tp() {
         let mut s = sends(1);
         let t0 = Instant::now();
-        s.hold("r".into(), t0 + Duration::from_secs(30), Some(cap()), t0);
+        s.hold(
+            "r".into(),
+            (t0 + Duration::from_secs(30), t0),
+            Some(cap()),
+            None,
+        );
         s.notified(b"third", &fin("third", "r", 1), t0);
         s.notified(b"d0", &fin("d0", "r", 4096), t0);
         s.notified(b"d0", &fin("d0", "r", 1), t0);
         s.notified(b"d", &fin("d", "r", 4294967295), t0);
-        assert!(s.take_done().is_empty(), "the request is still held");
+        assert!(s.take_done().0.is_empty(), "the request is still held");
         let notes = s.notification_stats();
         assert_eq!((notes.refused, notes.malformed), (3, 1));
         s.notified(b"d0", &fin("d0", "r", 2), t0);
         s.notified(b"d1", &fin("d1", "r", 2), t0);
-        assert_eq!(s.take_done(), ["r"]);
+        assert_eq!(s.take_done().0, ["r"]);
 
         // vLLM: a count no decode can have is refused.
         let lease = Lease::default();
         let series = Arc::new(Series::new(rank_labels("t", 0, None), None));
         let mut vllm = Sends::new(2, Protocol::Vllm, lease, series, readers(1));
-        vllm.hold("r".into(), t0 + Duration::from_secs(30), None, t0);
+        vllm.hold("r".into(), (t0 + Duration::from_secs(30), t0), None, None);
         vllm.notified(b"anyone", b"r:4096", t0);
         assert_eq!(vllm.notification_stats().refused, 1);
         vllm.notified(b"anyone", b"r:1", t0);
-        assert_eq!(vllm.take_done(), ["r"]);
+        assert_eq!(vllm.take_done().0, ["r"]);
     }
 
     #[test]
@@ -766,7 +838,12 @@ mod tests {
         let mut s = sends(1);
         let t0 = Instant::now();
         let other = Capability::random().unwrap();
-        s.hold("r".into(), t0 + Duration::from_secs(30), Some(cap()), t0);
+        s.hold(
+            "r".into(),
+            (t0 + Duration::from_secs(30), t0),
+            Some(cap()),
+            None,
+        );
         // A reader that handshook but never got the params: another capability's tags.
         s.notified(b"d", &fin_with(&other, "d", "r", 1), t0);
         // An agent that took a reader's name, replaying a tag made for another reader.
@@ -793,29 +870,65 @@ mod tests {
             (4, 2, 0)
         );
         s.expire(t0 + Duration::from_secs(30));
-        assert_eq!(s.take_done(), ["r"], "freed by its lease, not extended");
+        assert_eq!(s.take_done().0, ["r"], "freed by its lease, not extended");
         assert_eq!(s.stats().freed_on_timeout, 1);
 
         // Early notifications are checked when the request is held.
         s.notified(b"d", &fin_with(&other, "d", "e", 1), t0);
         s.notified(b"solo", &fin("solo", "e", 1), t0);
-        s.hold("e".into(), t0 + Duration::from_secs(30), Some(cap()), t0);
+        s.hold(
+            "e".into(),
+            (t0 + Duration::from_secs(30), t0),
+            Some(cap()),
+            None,
+        );
         assert_eq!(
-            s.take_done(),
+            s.take_done().0,
             ["e"],
             "the reader with the capability frees it"
         );
         assert_eq!(s.notification_stats().refused, 5);
         s.notified(b"d", &fin_with(&other, "d", "f", 1), t0);
-        s.hold("f".into(), t0 + Duration::from_secs(30), Some(cap()), t0);
+        s.hold(
+            "f".into(),
+            (t0 + Duration::from_secs(30), t0),
+            Some(cap()),
+            None,
+        );
         assert!(
-            s.take_done().is_empty(),
+            s.take_done().0.is_empty(),
             "a forged early notification frees nothing"
         );
 
         // Held without a capability: only the lease frees it.
-        s.hold("n".into(), t0 + Duration::from_secs(30), None, t0);
+        s.hold("n".into(), (t0 + Duration::from_secs(30), t0), None, None);
         s.notified(b"d", &fin("d", "n", 1), t0);
-        assert!(s.take_done().is_empty());
+        assert!(s.take_done().0.is_empty());
+    }
+
+    #[test]
+    fn a_release_raises_the_marks_of_the_requests_blocks_once() {
+        let mut s = sends(1);
+        let t0 = Instant::now();
+        let marks = |epoch, block_ids: &[usize]| {
+            Some(Marks {
+                epoch,
+                block_ids: block_ids.to_vec(),
+            })
+        };
+        let lease = (t0 + Duration::from_secs(30), t0);
+        s.hold("by-lease".into(), lease, Some(cap()), marks(7, &[1, 2]));
+        s.hold("read".into(), lease, Some(cap()), marks(9, &[3]));
+        s.hold("unmarked".into(), lease, Some(cap()), None);
+        assert_eq!(s.take_done().1, [], "nothing released, nothing marked");
+        s.notified(b"solo", &fin("solo", "read", 1), t0);
+        let read = (vec!["read".to_string()], vec![marks(9, &[3]).unwrap()]);
+        assert_eq!(s.take_done(), read);
+        s.expire(t0 + Duration::from_secs(30));
+        let (mut done, marked) = s.take_done();
+        done.sort();
+        assert_eq!(done, ["by-lease", "unmarked"]);
+        assert_eq!(marked, [marks(7, &[1, 2]).unwrap()]);
+        assert_eq!(s.marked_up_to(), 9);
     }
 }

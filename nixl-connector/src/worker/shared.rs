@@ -5,10 +5,11 @@
 //!
 //! | part | owns | written by |
 //! | --- | --- | --- |
-//! | [`CurrentCaches`] | the registered caches and what is derived from them | registration (`registration.rs`, `reregister.rs`) |
+//! | [`CurrentCaches`] | the registered caches and what is derived from them, the release marks among them | registration (`registration.rs`, `reregister.rs`); the marks raised by the step (`worker.rs`, `mark_words.rs`) |
 //! | [`Remotes`] | the remote ranks handshaken, their prepared lists, engine TTLs | handshakes (`connect.rs`), loads' failures, eviction (`engines.rs`) |
 //! | [`LoadOutcomes`] | what the loads came to, and the signal that one ended | loads (`load.rs`); taken by the step (`worker.rs`) |
 //! | [`HeldSends`] | the requests held for decodes, and the signal a notification arrived | the step and the decode notifications (`worker.rs`, `sending.rs`) |
+//! | [`ScratchWords`] | registered words for the release marks a load READs, free between loads | loads (`marks_check.rs`) |
 //! | [`Context`] | config, protocol, groups, the NIXL setup, the side channel's guard, etcd, metrics | nobody after creation (the guard, the vLLM worker and the metrics count through atomics and locks of their own) |
 //!
 //! Lock order: no part's lock is held while another part's is taken, or across an await;
@@ -30,6 +31,7 @@ use crate::worker::current_caches::CurrentCaches;
 use crate::worker::held_sends::HeldSends;
 use crate::worker::load_outcomes::LoadOutcomes;
 use crate::worker::remotes::Remotes;
+use crate::worker::scratch_words::ScratchWords;
 
 /// What every part reads and none writes, set when the worker is created.
 pub(crate) struct Context {
@@ -65,6 +67,8 @@ pub(crate) struct Shared {
     pub(crate) outcomes: LoadOutcomes,
     /// The requests held for decodes.
     pub(crate) sends: HeldSends,
+    /// The registered words loads READ release marks into.
+    pub(crate) scratch: ScratchWords,
 }
 
 impl Deref for Shared {

@@ -5,7 +5,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use nixl_connector::{
-    Capability, FinishStatus, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker,
+    Capability, FailureKind, FinishStatus, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker,
     KvTransferParams, LoadOutcome,
 };
 
@@ -16,7 +16,7 @@ use crate::rng::Rng;
 use crate::settings::{ARRIVED_LATE, LONG_WAIT};
 
 /// A decode request: its params, when to allocate it, its request seed and remote blocks,
-/// which prefill process made it, and whether its lease may have ended in a decode stall.
+/// and which prefill process made it.
 pub struct Queued {
     pub id: String,
     pub params: Box<KvTransferParams>,
@@ -27,7 +27,6 @@ pub struct Queued {
     pub seed: u64,
     pub remote_len: usize,
     pub generation: u64,
-    pub past_lease: bool,
     /// Loaded, neither aborted nor a full hit (one of a killed prefill's, which must fail).
     pub plain: bool,
     /// Its lease kept while it waits by the third agent's vLLM heartbeats, not the
@@ -41,7 +40,6 @@ pub struct Loading {
     pub seed: u64,
     pub first_index: usize,
     pub generation: u64,
-    pub past_lease: bool,
     pub plain: bool,
 }
 
@@ -57,13 +55,17 @@ pub struct DecodeEngine {
     pub aborted: HashSet<String>,
     /// The prefill's ids of the requests the third agent heartbeats (as a vLLM decode).
     pub vllm_waiting: HashMap<String, Capability>,
+    /// Requests whose load a rank failed as outlived (its READ may have outlived the lease),
+    /// until their outcome.
+    pub outlived: HashSet<String>,
     pub r: Report,
 }
 
 impl DecodeEngine {
     /// Takes a request of prefill process `generation`, made at `made` (nobody reads some
     /// of them: their leases end); `past_lease` if its lease may end before the decode
-    /// reads it, as it may if it arrives late (the decode starved on a loaded machine).
+    /// reads it, as it may if it arrives late (the decode starved on a loaded machine): it
+    /// then gets no long wait.
     pub fn receive(
         &mut self,
         step: u64,
@@ -111,7 +113,6 @@ impl DecodeEngine {
             seed,
             remote_len: blocks,
             generation,
-            past_lease,
             plain: vllm_heartbeats,
             vllm_heartbeats,
         });
@@ -123,12 +124,6 @@ impl DecodeEngine {
         self.queued
             .iter()
             .any(|q| q.at_step <= step && q.ready_at <= now)
-    }
-
-    /// Marks every request under way as one whose lease may end (a long stall follows).
-    pub fn past_lease(&mut self) {
-        self.queued.iter_mut().for_each(|q| q.past_lease = true);
-        self.loading.values_mut().for_each(|l| l.past_lease = true);
     }
 
     /// One engine step: queued requests get their blocks (a random prefix hit, or an
@@ -200,7 +195,6 @@ impl DecodeEngine {
                     seed: q.seed,
                     first_index: hit,
                     generation: q.generation,
-                    past_lease: q.past_lease,
                     plain: q.plain,
                 },
             );
@@ -231,6 +225,12 @@ impl DecodeEngine {
         // The outcomes: loaded blocks checked, then every block poisoned and freed.
         // Every rank's output, aggregated as vLLM's engine does.
         let outputs: Vec<_> = self.ranks.iter().map(|rank| rank.output()).collect();
+        let outlived = outputs
+            .iter()
+            .flat_map(|output| &output.load_errors)
+            .filter(|failed| failed.kind == FailureKind::LeaseOutlived);
+        self.outlived
+            .extend(outlived.map(|failed| failed.request_id.clone()));
         for rank in &self.ranks {
             self.r.overdue += rank.overdue_loads().len() as u64;
             rank.metrics();
@@ -302,17 +302,17 @@ impl DecodeEngine {
         if loaded && load.generation > 0 {
             self.r.loaded_after_restart += 1;
         }
+        // Every load reported loaded is checked, whatever its lease did: a READ that may have
+        // outlived it fails instead.
         if loaded {
             let (poisoned, mismatched) = self.check(&load);
-            if load.past_lease {
-                // The prefill may have reused them before the READ: counted, not failed.
-                self.r.loaded_past_lease += 1;
-                self.r.reused_past_lease += poisoned + mismatched;
-            } else {
-                self.r.poisoned_blocks += poisoned;
-                self.r.mismatched_blocks += mismatched;
-                self.r.blocks_verified += (load.local.len() * self.ranks.len()) as u64;
-            }
+            self.r.poisoned_blocks += poisoned;
+            self.r.mismatched_blocks += mismatched;
+            self.r.blocks_verified += (load.local.len() * self.ranks.len()) as u64;
+        }
+        if self.outlived.remove(id) {
+            assert!(!loaded, "{id}: failed as outlived on a rank, yet loaded");
+            self.r.lease_outlived += 1;
         }
         if !aborted {
             let done =

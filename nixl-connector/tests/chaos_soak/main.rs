@@ -12,9 +12,10 @@
 //! Both engines keep a block pool. Every block either side frees is overwritten with a
 //! poison pattern, and checked to be still poisoned when it is taken again; every block the
 //! decode is told is loaded is checked, rank by rank (each holds its head's half of the
-//! prefill's block), against its request's pattern, unless the request's
-//! lease may have ended while the decode was stopped or before the request reached it (the
-//! prefill may then have reused the blocks before the READ: the documented cost of a lease). A READ landing in a block after
+//! prefill's block), against its request's pattern, whatever its lease did: a load whose
+//! lease ended while the decode was stopped or before the request reached it (the prefill
+//! may then have reused the blocks before the READ) must fail as outlived (the prefill's
+//! release marks), never be reported loaded. A READ landing in a block after
 //! its load handed it back shows as a late write; a block freed while a READ could still
 //! read it, as a poisoned or mismatched block.
 //!
@@ -147,6 +148,7 @@ async fn soak(faults: bool, ci_target: u64) {
         loading: HashMap::new(),
         aborted: HashSet::new(),
         vllm_waiting: HashMap::new(),
+        outlived: HashSet::new(),
         r: Report::default(),
     };
     let fds_before = open_fds().unwrap();
@@ -236,7 +238,6 @@ async fn soak(faults: bool, ci_target: u64) {
             }
             let past_lease = d.r.decode_stalls % 4 == 0;
             let ms = if past_lease {
-                d.past_lease();
                 d.r.decode_stalls_past_lease += 1;
                 LONG_STALL_MS
             } else {

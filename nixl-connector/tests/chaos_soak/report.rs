@@ -24,14 +24,13 @@ pub struct Report {
     pub prefill_stops: u64,
     pub decode_stalls: u64,
     pub decode_stalls_past_lease: u64,
-    /// Loaded, but not held to its pattern: the request's lease may have ended in a decode
-    /// stall or before it reached the decode; and how many of their blocks (region by rank)
-    /// the prefill had reused.
-    pub loaded_past_lease: u64,
+    /// Loads failed because their READ may have outlived the lease (the prefill's release
+    /// marks showed a release): the lease ended in a decode stall or before the request
+    /// reached the decode. Never reported loaded.
+    pub lease_outlived: u64,
     /// Requests that reached the decode late outside a long stall (their leases may have
     /// ended first).
     pub arrived_late: u64,
-    pub reused_past_lease: u64,
     /// Requests that waited for blocks longer than a lease (heartbeats keeping it).
     pub waited_past_lease: u64,
     /// Of those, kept by the third agent's unsplit (vLLM) heartbeats, over 16 KiB.

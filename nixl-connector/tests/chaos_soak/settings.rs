@@ -64,8 +64,8 @@ pub const ENGINE_TTL_S: f64 = 1.0;
 /// too.
 pub const HOSTILE_ENGINE_TTL_S: f64 = 5.0;
 /// A request that reaches the decode this long after the prefill made it may lose its
-/// 1.5 s lease before the decode's first heartbeat arrives (on a loaded machine): it is
-/// not held to its pattern.
+/// 1.5 s lease before the decode's first heartbeat arrives (on a loaded machine): it gets
+/// no long wait (its load, if the lease ended, fails as outlived).
 pub const ARRIVED_LATE: Duration = Duration::from_millis(750);
 /// How long some requests wait for their blocks: past the 1.5 s lease.
 pub const LONG_WAIT: Duration = Duration::from_secs(2);

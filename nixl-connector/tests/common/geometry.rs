@@ -321,6 +321,7 @@ impl Model {
             blocks_expiry_time: None,
             registration_generation: None,
             capability: Some(super::capability()),
+            lease_epoch: None,
             kept: false,
         }
     }

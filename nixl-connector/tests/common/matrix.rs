@@ -210,6 +210,7 @@ async fn supported(
         for (request, capability) in requests.iter().zip(&capabilities) {
             let from = RemoteBlocks {
                 capability: Some(capability.clone()),
+                lease_epoch: None,
                 ..Model::remote(request, &engine_id, port, prefill.tp)
             };
             worker

@@ -219,6 +219,7 @@ pub fn remote(
         blocks_expiry_time: None,
         registration_generation: None,
         capability: Some(capability()),
+        lease_epoch: None,
         kept: false,
     }
 }

@@ -1,0 +1,164 @@
+//! A load's check of the release marks of each rank it read from, once its data READs have
+//! ended (native protocol; see [`ReleaseMarks`](crate::ReleaseMarks)).
+
+use std::sync::Arc;
+
+use futures::future::try_join_all;
+use nixl::{
+    Backend, LocalDescList, MemType, Registration, RemoteDescList, XferDesc, XferOp, XferOptions,
+    XferRequest, XferStatus,
+};
+
+use crate::config::Protocol;
+use crate::error::{Error, Result};
+use crate::transport::params::RemoteBlocks;
+use crate::transport::release_marks::{first_released, runs, ReleaseMarks, MARK_LEN};
+use crate::worker::remotes::Remote;
+use crate::worker::shared::Shared;
+
+/// Whether a load of `blocks` checks release marks: native protocol, params with a lease
+/// epoch.
+pub(crate) fn applies(shared: &Shared, blocks: &RemoteBlocks) -> bool {
+    shared.protocol == Protocol::Native && blocks.lease_epoch.is_some()
+}
+
+/// Checks, after a load's data READs from `read` (each remote rank with its number) all
+/// ended, that none of those ranks released the blocks of `blocks` first: one READ of each
+/// rank's release marks, compared with the params' lease epoch. Each carries `notification`
+/// to its rank, which is sent on its own if the READ cannot be posted. A load the marks do
+/// not apply to ([`applies`]) is not checked.
+///
+/// # Errors
+/// [`Error::LeaseOutlived`] when a mark is at or past the epoch; [`Error::TransferTimeout`]
+/// when the marks' READs outlive the transfer timeout; [`Error::InvalidArgument`] when a
+/// rank names no marks or a block id has none; NIXL's errors.
+pub(crate) async fn check_after_read(
+    shared: &Shared,
+    blocks: &RemoteBlocks,
+    read: &[(usize, Arc<Remote>)],
+    notification: &[u8],
+) -> Result<()> {
+    let Some(epoch) = blocks.lease_epoch.filter(|_| applies(shared, blocks)) else {
+        return Ok(());
+    };
+    let checks =
+        read.iter()
+            .filter(|(_, remote)| remote.is_read())
+            .map(|(rank, remote)| async move {
+                let posted = match post(shared, blocks, (*rank, remote), notification) {
+                    Ok(posted) => posted,
+                    Err(err) => {
+                        notify_plainly(shared, blocks, remote, notification);
+                        return Err(err);
+                    }
+                };
+                compare(blocks, epoch, *rank, posted).await?;
+                Ok(())
+            });
+    let deadline = shared.config.transfer_timeout;
+    match tokio::time::timeout(deadline, try_join_all(checks)).await {
+        Ok(checked) => checked.map(|_| ()),
+        Err(_) => Err(Error::TransferTimeout {
+            request_id: blocks.request_id.clone(),
+            deadline,
+        }),
+    }
+}
+
+/// The READ of one rank's marks, posted: the words it writes into, the request, whether
+/// NIXL finished it in the post, and how many words it reads.
+struct MarksRead<'a> {
+    shared: &'a Shared,
+    scratch: Registration,
+    request: XferRequest,
+    done: bool,
+    words: usize,
+}
+
+/// Posts the READ of rank `rank`'s marks of the blocks of `blocks` into scratch words,
+/// carrying `notification`.
+fn post<'a>(
+    shared: &'a Shared,
+    blocks: &RemoteBlocks,
+    (rank, remote): (usize, &Remote),
+    notification: &[u8],
+) -> Result<MarksRead<'a>> {
+    const OP: &str = "check the release marks";
+    let engine = &blocks.engine_id;
+    let marks: ReleaseMarks = remote.release_marks.ok_or_else(|| {
+        Error::invalid(
+            OP,
+            format!("engine {engine:?} rank {rank} names no release marks, yet the params carry a lease epoch"),
+        )
+    })?;
+    let (runs, words) = runs(&blocks.block_ids, &marks)
+        .map_err(|why| Error::invalid(OP, format!("engine {engine:?} rank {rank}: {why}")))?;
+    let agent = shared.setup.agent();
+    let backends: Vec<&Backend> = shared.setup.backends().iter().collect();
+    let scratch = shared.scratch.take(agent, &backends, words)?;
+    let mut local = LocalDescList::with_capacity(MemType::Dram, runs.len())?;
+    let mut theirs = RemoteDescList::new(MemType::Dram)?;
+    let mut at = 0;
+    for (first, len) in runs {
+        local.push(&scratch, 0, at * MARK_LEN, len * MARK_LEN)?;
+        // Within the marks: checked at the handshake and by `runs`.
+        let addr = marks.addr + (first * MARK_LEN) as u64;
+        let addr = usize::try_from(addr).map_err(|_| Error::invalid(OP, "a mark's address"))?;
+        theirs.push(XferDesc::new(addr, len * MARK_LEN, 0))?;
+        at += len;
+    }
+    let options = XferOptions::new().notification(notification.to_vec());
+    let mut request =
+        agent.create_xfer_req(XferOp::Read, &local, &theirs, &remote.agent, &options)?;
+    let done = request.post()? == XferStatus::Done;
+    Ok(MarksRead {
+        shared,
+        scratch,
+        request,
+        done,
+        words,
+    })
+}
+
+/// Awaits a posted READ of rank `rank`'s marks, and compares them with `epoch`.
+async fn compare(
+    blocks: &RemoteBlocks,
+    epoch: u64,
+    rank: usize,
+    read: MarksRead<'_>,
+) -> Result<()> {
+    let MarksRead {
+        shared,
+        scratch,
+        request,
+        done,
+        words,
+    } = read;
+    let ended = if done { request } else { request.await? };
+    let mut marks = vec![0u8; words * MARK_LEN];
+    scratch.read(0, 0, &mut marks)?;
+    // The READ ended: nothing writes the words any more.
+    drop(ended);
+    shared.scratch.give(scratch);
+    match first_released(&marks, epoch) {
+        None => Ok(()),
+        Some((_, mark)) => Err(Error::LeaseOutlived {
+            request_id: blocks.request_id.clone(),
+            engine: blocks.engine_id.clone(),
+            detail: format!("rank {rank}: a block's release mark {mark} is at or past the request's lease epoch {epoch}"),
+        }),
+    }
+}
+
+/// Sends `notification` to `remote` on its own, its marks' READ not posted; a failure is
+/// logged and counted (the prefill then frees the blocks when their lease ends).
+fn notify_plainly(shared: &Shared, blocks: &RemoteBlocks, remote: &Remote, notification: &[u8]) {
+    if let Err(err) = shared
+        .setup
+        .agent()
+        .send_notification(&remote.agent, notification)
+    {
+        shared.series.failed_notification();
+        tracing::warn!(request = %blocks.request_id, agent = %remote.agent, %err, "could not tell a prefill rank that its READ ended; it frees the blocks when their lease ends");
+    }
+}
