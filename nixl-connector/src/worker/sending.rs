@@ -616,6 +616,16 @@ mod tests {
         Capability::from_hex("000102030405060708090a0b0c0d0e0f").unwrap()
     }
 
+    /// Holds `request` in `s` from `t0` for 30 s under [`cap`], with no release marks.
+    fn hold_30s(s: &mut Sends, request: &str, t0: Instant) {
+        s.hold(
+            request.into(),
+            (t0 + Duration::from_secs(30), t0),
+            Some(cap()),
+            None,
+        );
+    }
+
     /// A native finish notification of `sender` for `request` saying `count`, tagged
     /// under `capability`.
     fn fin_with(capability: &Capability, sender: &str, request: &str, count: usize) -> Vec<u8> {
@@ -638,12 +648,7 @@ mod tests {
     fn a_heartbeat_extends_the_lease_by_two_thirds_up_to_its_limit() {
         let mut s = sends(1);
         let t0 = Instant::now();
-        s.hold(
-            "r".into(),
-            (t0 + Duration::from_secs(30), t0),
-            Some(cap()),
-            None,
-        );
+        hold_30s(&mut s, "r", t0);
         s.notified(
             b"d",
             &hb_with(&cap(), "d", &["r", "unknown"]),
@@ -665,12 +670,7 @@ mod tests {
         assert_eq!(s.stats().freed_on_timeout, 1);
 
         // Heartbeats never keep a request past max_hold.
-        s.hold(
-            "q".into(),
-            (t0 + Duration::from_secs(30), t0),
-            Some(cap()),
-            None,
-        );
+        hold_30s(&mut s, "q", t0);
         for at in (20..200).step_by(10) {
             s.notified(
                 b"d",
@@ -697,12 +697,7 @@ mod tests {
             s.readers.accept(agent, reader);
         }
         let t0 = Instant::now();
-        s.hold(
-            "r".into(),
-            (t0 + Duration::from_secs(30), t0),
-            Some(cap()),
-            None,
-        );
+        hold_30s(&mut s, "r", t0);
         s.notified(b"s0", &fin("s0", "r", 1), t0);
         s.notified(b"s0", &fin("s0", "r", 1), t0);
         assert!(
@@ -746,12 +741,7 @@ mod tests {
         let vllm_messages = [b"r:2".to_vec(), b"r:2".to_vec()];
         let native_messages = [fin("d0", "r", 4), fin("d1", "r", 4)];
         for (s, messages) in [(&mut vllm, vllm_messages), (&mut native, native_messages)] {
-            s.hold(
-                "r".into(),
-                (t0 + Duration::from_secs(30), t0),
-                Some(cap()),
-                None,
-            );
+            hold_30s(s, "r", t0);
             s.notified(b"d0", &messages[0], t0);
             assert!(s.take_done().0.is_empty());
             s.notified(b"d1", &messages[1], t0);
@@ -763,12 +753,7 @@ mod tests {
     fn each_reader_counts_once_and_nothing_is_released_twice() {
         let mut s = sends(1);
         let t0 = Instant::now();
-        s.hold(
-            "r".into(),
-            (t0 + Duration::from_secs(30), t0),
-            Some(cap()),
-            None,
-        );
+        hold_30s(&mut s, "r", t0);
         s.notified(b"d0", &fin("d0", "r", 2), t0);
         s.notified(b"d0", &fin("d0", "r", 2), t0);
         assert!(
@@ -788,12 +773,7 @@ mod tests {
 
         // Early notifications release at the hold, and go stale after a lease.
         s.notified(b"solo", &fin("solo", "e", 1), t0);
-        s.hold(
-            "e".into(),
-            (t0 + Duration::from_secs(30), t0),
-            Some(cap()),
-            None,
-        );
+        hold_30s(&mut s, "e", t0);
         assert_eq!(s.take_done().0, ["e"]);
         s.notified(b"solo", &fin("solo", "never", 1), t0);
         s.expire(t0 + Duration::from_secs(31));
@@ -805,12 +785,7 @@ mod tests {
     fn only_readers_count_and_only_with_their_tp() {
         let mut s = sends(1);
         let t0 = Instant::now();
-        s.hold(
-            "r".into(),
-            (t0 + Duration::from_secs(30), t0),
-            Some(cap()),
-            None,
-        );
+        hold_30s(&mut s, "r", t0);
         s.notified(b"third", &fin("third", "r", 1), t0);
         s.notified(b"d0", &fin("d0", "r", 4096), t0);
         s.notified(b"d0", &fin("d0", "r", 1), t0);
@@ -838,12 +813,7 @@ mod tests {
         let mut s = sends(1);
         let t0 = Instant::now();
         let other = Capability::random().unwrap();
-        s.hold(
-            "r".into(),
-            (t0 + Duration::from_secs(30), t0),
-            Some(cap()),
-            None,
-        );
+        hold_30s(&mut s, "r", t0);
         // A reader that handshook but never got the params: another capability's tags.
         s.notified(b"d", &fin_with(&other, "d", "r", 1), t0);
         // An agent that took a reader's name, replaying a tag made for another reader.
@@ -876,12 +846,7 @@ mod tests {
         // Early notifications are checked when the request is held.
         s.notified(b"d", &fin_with(&other, "d", "e", 1), t0);
         s.notified(b"solo", &fin("solo", "e", 1), t0);
-        s.hold(
-            "e".into(),
-            (t0 + Duration::from_secs(30), t0),
-            Some(cap()),
-            None,
-        );
+        hold_30s(&mut s, "e", t0);
         assert_eq!(
             s.take_done().0,
             ["e"],
@@ -889,12 +854,7 @@ mod tests {
         );
         assert_eq!(s.notification_stats().refused, 5);
         s.notified(b"d", &fin_with(&other, "d", "f", 1), t0);
-        s.hold(
-            "f".into(),
-            (t0 + Duration::from_secs(30), t0),
-            Some(cap()),
-            None,
-        );
+        hold_30s(&mut s, "f", t0);
         assert!(
             s.take_done().0.is_empty(),
             "a forged early notification frees nothing"
