@@ -36,8 +36,10 @@ pub const MAX_GROWTH_PER_REQUEST_BYTES: u64 = 128;
 
 /// What the heap may grow by after warm-up in a run without faults, in KiB: pools at new
 /// peaks only, no request leaked and no peer evicted (a 240 s run: +134 KiB in its first
-/// third, +47 KiB in its second, +3 KiB in its last; CI's 4,000 requests: about 50 KiB).
-pub const FAULT_FREE_GROWTH_ALLOWANCE_KIB: u64 = 512;
+/// third, +47 KiB in its second, +3 KiB in its last; CI's 4,000 requests: 50 KiB at UCX's
+/// 8 KiB TCP send segment, 169 to 241 KiB at the connector's 64 KiB, whose send pool grows
+/// by several segments at a time: one growth more failed a bound of 512 KiB once).
+pub const FAULT_FREE_GROWTH_ALLOWANCE_KIB: u64 = 1536;
 
 /// What the heap may grow by per request after warm-up in a run without faults, in bytes
 /// (a 240 s run: 5 bytes a request over 39,000, nearly all of it in its first third).
