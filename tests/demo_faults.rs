@@ -67,7 +67,8 @@ fn killed_prefill_is_reported_within_5_seconds() {
 }
 
 /// A prefill that stops (SIGSTOP: its connections stay open, it sends nothing) cannot hold
-/// decode: with nothing announced and no load ending for `--xfer-timeout-s`, decode fails.
+/// decode: with nothing announced and no load ending for `--xfer-timeout-s`, or a load in
+/// flight past it, decode fails.
 #[test]
 fn a_stopped_prefill_fails_decode_after_the_idle_timeout() {
     let mut prefill = Prefill::start(&[]);
@@ -97,8 +98,13 @@ fn a_stopped_prefill_fails_decode_after_the_idle_timeout() {
         .lines()
         .find(|l| l.starts_with("decode: error:"))
         .unwrap_or_else(|| panic!("no error line:\n{out}"));
+    // Which of the two deadlines fires first is a race: a load posted just before the stop
+    // can wait on the stopped peer (where UCX cannot read its memory directly, it emulates a
+    // READ through the peer's progress) while the idle clock runs. Both are the 2 s limit
+    // reporting the stall (CI saw the load's once).
     assert!(
-        error.contains("no announcement from prefill and no load ended for 2s"),
+        error.contains("no announcement from prefill and no load ended for 2s")
+            || error.contains("did not complete within 2s"),
         "{error}"
     );
     prefill.proc.kill();
