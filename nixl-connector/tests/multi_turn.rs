@@ -2,7 +2,8 @@
 //! one process, both protocols: a decode keeps each finished request's KV and the next
 //! turn's prefill reads it back (every byte checked, the prefill's own prefix cache used
 //! first); an expired TTL is declined and recomputed; the recompute threshold both sides;
-//! and the cap on kept blocks evicting under pressure while read-backs run, with every
+//! a hybrid model's read-back, group by group; and the cap on kept blocks evicting under
+//! pressure while read-backs run, with every
 //! block the decode frees poisoned at once, so that a read-back reported loaded from a
 //! freed block would show.
 
@@ -14,8 +15,9 @@ use std::time::{Duration, Instant};
 use common::{pattern, worker_with, TOKEN_BYTES, WAIT};
 use nixl::kv_config::KvTransferConfig;
 use nixl_connector::{
-    FinishStatus, KvAttention, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker, KvLayout,
-    KvTransferParams, LoadOutcome, Protocol, SchedulerConfig,
+    FinishStatus, KvAttention, KvCacheGroupKind, KvCacheGroups, KvCacheSpec, KvConnectorScheduler,
+    KvConnectorWorker, KvLayout, KvTransferParams, LoadOutcome, Protocol, SchedulerConfig,
+    KV_CACHE_GROUPS_KEY,
 };
 
 /// 3 regions of 40 blocks of 4 tokens of 2 KV heads.
@@ -275,6 +277,166 @@ async fn a_three_turn_conversation_reads_each_turn_back_byte_for_byte() {
 #[cfg(feature = "vllm")]
 async fn a_three_turn_conversation_reads_back_in_vllm_mode_too() {
     three_turns(Protocol::Vllm).await;
+}
+
+/// The groups of a hybrid model over the spec's blocks of 4 tokens, every region shared:
+/// full attention, and a sliding window of 6 tokens (a group that needs only its last
+/// blocks).
+fn hybrid_groups() -> KvCacheGroups {
+    let window = KvCacheGroupKind::SlidingWindow { window_tokens: 6 };
+    KvCacheGroups::new(4, vec![KvCacheGroupKind::FullAttention, window]).unwrap()
+}
+
+/// Group `group`'s block ids in `params` (the lists follow one another, of
+/// `remote_block_group_lens`).
+fn group_ids(params: &KvTransferParams, group: usize) -> Vec<usize> {
+    let lens = &params.remote_block_group_lens;
+    let start: usize = lens[..group].iter().sum();
+    params.remote_block_ids[start..start + lens[group]].to_vec()
+}
+
+/// Checks that the last `n` blocks of `local` on `to` hold the last `n` of `remote` on
+/// `from` (a load pairs the tails of the two lists).
+fn tails_equal(
+    to: &Engine,
+    local: &[usize],
+    from: &Engine,
+    remote: &[usize],
+    n: usize,
+    what: &str,
+) {
+    assert!(
+        n <= local.len() && n <= remote.len(),
+        "{what}: {n} of {local:?}, {remote:?}"
+    );
+    for (l, r) in local.iter().rev().zip(remote.iter().rev()).take(n) {
+        assert_eq!(to.block(*l), from.block(*r), "{what}: block {l} from {r}");
+    }
+}
+
+/// A hybrid model's conversation: turn 1 moves each group's blocks to the decode, which
+/// keeps both groups' blocks; turn 2's prefill reads each group back (the full-attention
+/// group every block its prefix cache lacks, the window group its last ones), byte for
+/// byte, and the reader's notification releases the kept blocks.
+async fn hybrid_read_back(protocol: Protocol) {
+    let tag = format!("hy-{}", protocol.as_str());
+    let mut kv = config(protocol, serde_json::json!({"kv_recompute_threshold": 0}));
+    kv.kv_connector_extra_config.insert(
+        KV_CACHE_GROUPS_KEY.into(),
+        serde_json::to_value(hybrid_groups()).unwrap(),
+    );
+    let hybrid = |engine: Engine| Engine {
+        scheduler: engine.scheduler.with_kv_cache_groups(hybrid_groups()),
+        ..engine
+    };
+    let mut p = hybrid(Engine::new(&format!("mt-p-{tag}"), &kv));
+    common::fill(&p.worker, &spec());
+    let mut d = hybrid(Engine::new(&format!("mt-d-{tag}"), &kv));
+
+    // Turn 1: 12 tokens in the prefill's blocks 1-3 (full) and 21-23 (window).
+    let handed = p
+        .scheduler
+        .request_finished_all_groups(
+            "h-1",
+            &[vec![1, 2, 3], vec![21, 22, 23]],
+            12,
+            Some(&for_decode()),
+            FinishStatus::LengthCapped,
+        )
+        .unwrap();
+    assert!(handed.delay_free_blocks);
+    p.step();
+    let handed = handed.kv_transfer_params.unwrap();
+    let turn_one = [vec![4, 5, 6], vec![14, 15, 16]];
+    d.scheduler.on_new_request("h-1", Some(&handed));
+    d.scheduler
+        .update_state_after_alloc_groups("h-1", &turn_one, &handed)
+        .unwrap();
+    let loaded = LoadOutcome::Loaded {
+        request_id: "h-1".into(),
+    };
+    assert_eq!(d.load_ended("h-1").await, loaded);
+    p.until_released("h-1").await;
+    tails_equal(
+        &d,
+        &turn_one[0],
+        &p,
+        &[1, 2, 3],
+        3,
+        "turn 1, full attention",
+    );
+    // The window's last 6 tokens (8-11) lie in the prompt's last two blocks.
+    tails_equal(
+        &d,
+        &turn_one[1],
+        &p,
+        &group_ids(&handed, 1),
+        2,
+        "turn 1, window",
+    );
+
+    // The decode answers 4 tokens in a fourth block of each group and keeps both.
+    d.compute(7, 700);
+    d.compute(17, 1700);
+    let answered = [vec![4, 5, 6, 7], vec![14, 15, 16, 17]];
+    let done = d
+        .scheduler
+        .request_finished_all_groups("h-1", &answered, 16, None, FinishStatus::LengthCapped)
+        .unwrap();
+    assert!(done.delay_free_blocks);
+    d.step();
+    d.kept.insert("h-1".into(), answered.concat());
+    let kept = done.kv_transfer_params.unwrap();
+    assert!(kept.do_remote_decode && !kept.do_remote_prefill);
+    assert_eq!(group_ids(&kept, 0), answered[0]);
+
+    // Turn 2: 20 tokens; the prefill's prefix cache holds the first block, so 12 are read
+    // back, into blocks 9-11 (full) and 29-31 (window).
+    assert_eq!(p.scheduler.read_back_tokens(Some(&kept), 20, 4), 12);
+    let turn_two = [vec![9, 10, 11], vec![29, 30, 31]];
+    p.scheduler.on_new_request("h-2", Some(&kept));
+    p.scheduler
+        .update_state_after_alloc_groups("h-2", &turn_two, &kept)
+        .unwrap();
+    let loaded = LoadOutcome::Loaded {
+        request_id: "h-2".into(),
+    };
+    assert_eq!(p.load_ended("h-2").await, loaded);
+    tails_equal(
+        &p,
+        &turn_two[0],
+        &d,
+        &answered[0],
+        3,
+        "turn 2, full attention",
+    );
+    // The window at turn 2's end (tokens 10-15 of what was read) lies in its last two.
+    tails_equal(
+        &p,
+        &turn_two[1],
+        &d,
+        &group_ids(&kept, 1),
+        2,
+        "turn 2, window",
+    );
+    let turn_two_bytes: Vec<_> = turn_two.concat().into_iter().map(|b| p.block(b)).collect();
+    d.until_released("h-1").await;
+    assert_eq!(d.scheduler.kept_stats().kept_blocks, 0);
+    // Released (and poisoned) only after the read: what was read stays what it held.
+    let after: Vec<_> = turn_two.concat().into_iter().map(|b| p.block(b)).collect();
+    assert_eq!(after, turn_two_bytes);
+    assert_eq!(p.scheduler.kept_stats().read_backs, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hybrid_models_read_back_reads_each_group_byte_for_byte() {
+    hybrid_read_back(Protocol::Native).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg(feature = "vllm")]
+async fn a_hybrid_models_read_back_reads_each_group_in_vllm_mode_too() {
+    hybrid_read_back(Protocol::Vllm).await;
 }
 
 /// A read-back whose kept blocks are gone (TTL `ttl` s, waited out) is not read: the
