@@ -1,7 +1,7 @@
 //! The connector's `vllm:nixl_*` series through the demo's Prometheus endpoint, scraped over
 //! HTTP on loopback: in this process around real loads (the series move: NIXL telemetry of
 //! each READ, one descriptor count, handshake time, loads by outcome, failures by kind,
-//! expired leases, late notifications), and from the prefill and decode examples started
+//! expired leases, late notifications, failed handshakes, evicted engines), and from the prefill and decode examples started
 //! with `--metrics-addr`, each exporting only its own side's series (loads by outcome,
 //! aborts, prefix hits, heartbeats sent and received, releases, gauges back at zero).
 
@@ -15,7 +15,8 @@ use std::time::{Duration, Instant};
 use demo_support::{Prefill, Proc};
 use nixl::kv_config::KvTransferConfig;
 use nixl_connector::{
-    Capability, KvAttention, KvCacheSpec, KvConnectorWorker, KvLayout, RemoteBlocks, WorkerConfig,
+    Capability, ConnectorMetadata, KvAttention, KvCacheSpec, KvConnectorWorker, KvLayout,
+    RemoteBlocks, WorkerConfig,
 };
 
 /// `GET /metrics` on `addr`: the response's body (panics on anything but 200).
@@ -53,6 +54,9 @@ fn worker(engine: &str, spec: KvCacheSpec, lease_s: f64) -> KvConnectorWorker {
     };
     kv.kv_connector_extra_config
         .insert("kv_lease_duration".into(), lease_s.into());
+    // Remote engines idle for a second are evicted (at the next step past it).
+    kv.kv_connector_extra_config
+        .insert("engine_ttl".into(), 1.0.into());
     let mut config = WorkerConfig::new(engine, 0, 1, kv);
     config.platform = Arc::new(nixl::platform::BuiltinPlatform::CPU);
     let worker = KvConnectorWorker::new(config).expect("create worker");
@@ -211,6 +215,18 @@ async fn the_connectors_series_move_in_a_scrape() {
         value(&after, "vllm:nixl_num_notifications_after_expiry", &[pf]),
         3.0
     );
+    // The load from the closed port failed its handshake, counted once as a handshake.
+    assert_eq!(
+        value(&after, "vllm:nixl_num_handshake_failures", &[dc]),
+        1.0
+    );
+    assert_eq!(value(&after, "vllm:nixl_num_evicted_engines", &[dc]), 0.0);
+    // Idle past the engine TTL, the prefill is evicted at the next step.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    decode.start_load_kv(&ConnectorMetadata::default());
+    let evicted = value(&scrape(endpoint), "vllm:nixl_num_evicted_engines", &[dc]);
+    assert!(evicted >= 1.0, "{evicted}");
+    assert_eq!(decode.remote_stats().evicted as f64, evicted);
     // vLLM's buckets: the bytes histogram starts at 2 KiB.
     assert!(
         after.contains(

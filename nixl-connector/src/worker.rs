@@ -561,8 +561,10 @@ impl KvConnectorWorker {
     /// `kv_connector_extra_config.engine_ttl` or replaced at their address, once no load
     /// holds them (see [`RemoteStats::evicted`]).
     pub fn start_load_kv(&self, meta: &ConnectorMetadata) {
+        let evicted = self.shared.remotes.sweep(self.agent(), Instant::now());
+        self.shared.series.engines_evicted(evicted.len());
         #[cfg_attr(not(feature = "vllm"), allow(unused_variables))]
-        for engine in self.shared.remotes.sweep(self.agent(), Instant::now()) {
+        for engine in evicted {
             #[cfg(feature = "vllm")]
             if let Some(vllm) = &self.shared.vllm {
                 vllm.forget(&engine);

@@ -29,7 +29,7 @@
 //! [`NUM_HEARTBEATS`] (received), [`NUM_HEARTBEATS_REFUSED`], [`NUM_REFUSED_NOTIFICATIONS`]
 //! and [`NUM_SIDE_CHANNEL_REFUSALS`] (label `kind`); from the scheduler, for read-backs,
 //! [`NUM_READ_BACKS`] and [`NUM_BELOW_RECOMPUTE_THRESHOLD`]. Decode side also
-//! [`NUM_OVERDUE_TRANSFERS`].
+//! [`NUM_OVERDUE_TRANSFERS`], [`NUM_HANDSHAKE_FAILURES`] and [`NUM_EVICTED_ENGINES`].
 
 use std::time::Duration;
 
@@ -114,6 +114,14 @@ pub const NUM_SIDE_CHANNEL_REFUSALS: &str = "vllm:nixl_num_side_channel_refusals
 /// Counter: loads whose READs were still in flight at the transfer timeout; their blocks
 /// stay with the connector until NIXL ends the READs (decode side; not a vLLM series).
 pub const NUM_OVERDUE_TRANSFERS: &str = "vllm:nixl_num_overdue_transfers";
+/// Counter: handshakes with a remote rank that failed, one per try (the loads waiting on
+/// one fail under [`NUM_FAILED_TRANSFERS`] kind `handshake`; tries an engine's backoff
+/// skips are not counted) (decode side; not a vLLM series).
+pub const NUM_HANDSHAKE_FAILURES: &str = "vllm:nixl_num_handshake_failures";
+/// Counter: remote engines evicted, their agents' metadata invalidated: unused for longer
+/// than `engine_ttl`, or replaced at their side-channel address by another engine (decode
+/// side; not a vLLM series).
+pub const NUM_EVICTED_ENGINES: &str = "vllm:nixl_num_evicted_engines";
 
 /// vLLM's buckets for the post time (seconds).
 const TIME_BUCKETS: [f64; 13] = [
@@ -171,7 +179,7 @@ enum SeriesKind {
 }
 
 /// Every series' kind, name, unit and description, in the order [`describe`] gives them.
-const DESCRIPTIONS: [(SeriesKind, &str, Unit, &str); 27] = [
+const DESCRIPTIONS: [(SeriesKind, &str, Unit, &str); 29] = [
     (
         SeriesKind::Histogram,
         XFER_TIME_SECONDS,
@@ -237,6 +245,18 @@ const DESCRIPTIONS: [(SeriesKind, &str, Unit, &str); 27] = [
         NUM_OVERDUE_TRANSFERS,
         Unit::Count,
         "Loads whose READs were in flight at the transfer timeout; their blocks are held until the READs end.",
+    ),
+    (
+        SeriesKind::Counter,
+        NUM_HANDSHAKE_FAILURES,
+        Unit::Count,
+        "Handshakes with remote ranks that failed, one per try (decode side).",
+    ),
+    (
+        SeriesKind::Counter,
+        NUM_EVICTED_ENGINES,
+        Unit::Count,
+        "Remote engines evicted: unused past engine_ttl, or replaced at their address (decode side).",
     ),
     (
         SeriesKind::Counter,
@@ -390,6 +410,8 @@ pub(crate) struct Series {
     leaked: Gauge,
     refused_notifications: Counter,
     overdue: Counter,
+    handshake_failures: Counter,
+    evicted_engines: Counter,
 }
 
 /// The `outcome` labels of [`NUM_LOADS`], in `Series::loads` order.
@@ -466,6 +488,8 @@ impl Series {
             leaked: gauge(true, LEAKED_REQUESTS),
             refused_notifications: counter(prefill, NUM_REFUSED_NOTIFICATIONS, labels.clone()),
             overdue: counter(decode, NUM_OVERDUE_TRANSFERS, labels.clone()),
+            handshake_failures: counter(decode, NUM_HANDSHAKE_FAILURES, labels.clone()),
+            evicted_engines: counter(decode, NUM_EVICTED_ENGINES, labels.clone()),
         }
     }
 
@@ -541,9 +565,19 @@ impl Series {
         self.failed_notifications_kind.increment(1);
     }
 
-    /// A handshake that succeeded (a failed one is counted with the loads it fails).
+    /// A handshake that succeeded.
     pub(crate) fn handshake(&self, took: Duration) {
         self.handshake_time.record(took.as_secs_f64());
+    }
+
+    /// A handshake that failed (the loads it fails are counted apart, by kind).
+    pub(crate) fn handshake_failed(&self) {
+        self.handshake_failures.increment(1);
+    }
+
+    /// `count` remote engines evicted.
+    pub(crate) fn engines_evicted(&self, count: usize) {
+        self.evicted_engines.increment(count as u64);
     }
 
     /// Held requests freed by their lease's end.

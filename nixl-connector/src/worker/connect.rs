@@ -74,8 +74,9 @@ pub(crate) async fn remote(
             shared.series.handshake_pending(true);
             let remote = connect(&shared, engine, rank, port).await;
             shared.series.handshake_pending(false);
-            if remote.is_ok() {
-                shared.series.handshake(started.elapsed());
+            match &remote {
+                Ok(_) => shared.series.handshake(started.elapsed()),
+                Err(_) => shared.series.handshake_failed(),
             }
             remote
         }
