@@ -319,6 +319,8 @@ pub use transport::pending::{PendingHandshakes, PendingSlot, PendingStats};
 pub use transport::refusals::{Refusal, RefusalCounts};
 pub use transport::release_marks::{ReleaseMarks, MARK_LEN, MAX_MARKS};
 pub use transport::wire::{Channel, ChannelLimits};
-pub use worker::engines::{DEFAULT_ENGINE_TTL, ENGINE_TTL_KEY};
+pub use worker::engines::{
+    DEFAULT_ENGINE_BACKOFF, DEFAULT_ENGINE_TTL, ENGINE_BACKOFF_KEY, ENGINE_TTL_KEY,
+};
 pub use worker::sending::NotificationStats;
 pub use worker::KvConnectorWorker;

@@ -140,7 +140,7 @@ impl KvConnectorWorker {
         let shared = Arc::new(Shared {
             context,
             caches: CurrentCaches::default(),
-            remotes: Remotes::with_engine_ttl(settings.engine_ttl),
+            remotes: Remotes::new(settings.engine_ttl, settings.max_backoff),
             outcomes: LoadOutcomes::default(),
             sends: HeldSends::new(sends),
             scratch: ScratchWords::default(),
@@ -801,17 +801,20 @@ impl KvConnectorWorker {
     }
 
     /// The loads whose READs were still in flight at the
-    /// [`transfer_timeout`](WorkerConfig::transfer_timeout) since the last call, each once.
+    /// [`transfer_timeout`](WorkerConfig::transfer_timeout) since the last call, each once
+    /// (the last 4096 at most; [`NUM_OVERDUE_TRANSFERS`](crate::series::NUM_OVERDUE_TRANSFERS)
+    /// counts every one).
     /// Their blocks are not the engine's yet: NIXL may still write them. Each load's outcome
     /// (in [`finished`](Self::finished) and [`load_errors`](Self::load_errors)) follows once
     /// NIXL has ended its every READ; a READ stuck forever keeps its blocks forever.
     pub fn overdue_loads(&self) -> Vec<OverdueLoad> {
-        std::mem::take(&mut self.shared.outcomes.lock().overdue)
+        self.shared.outcomes.lock().take_overdue()
     }
 
-    /// Metrics of the loads that ended since the last call.
+    /// Metrics of the loads that ended since the last call: of the last 4096 at most (an
+    /// engine that never takes them holds no more; the exported series count every load).
     pub fn metrics(&self) -> Vec<TransferMetrics> {
-        std::mem::take(&mut self.shared.outcomes.lock().metrics)
+        self.shared.outcomes.lock().take_metrics()
     }
 
     /// How held requests were released so far.
@@ -875,6 +878,7 @@ impl Drop for KvConnectorWorker {
 struct Settings {
     lease: Lease,
     engine_ttl: Option<std::time::Duration>,
+    max_backoff: std::time::Duration,
     protocol: Protocol,
     etcd: Option<EtcdSource>,
 }
@@ -907,6 +911,7 @@ impl Settings {
                 None => Lease::from_kv_transfer_config(&config.kv_transfer_config)?,
             },
             engine_ttl: crate::worker::engines::engine_ttl(&config.kv_transfer_config)?,
+            max_backoff: crate::worker::engines::max_backoff(&config.kv_transfer_config)?,
             protocol,
             etcd,
         })

@@ -1,12 +1,20 @@
 //! What a worker's loads came to: the requests done sending and receiving, the failed
 //! blocks, the metrics, and the loads still under way.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
 use crate::failure::FailedBlock;
 use crate::metrics::TransferMetrics;
+
+/// Appends `item` to `kept`, dropping the oldest beyond [`KEPT_REPORTS`].
+fn keep_last<T>(kept: &mut VecDeque<T>, item: T) {
+    if kept.len() == KEPT_REPORTS {
+        kept.pop_front();
+    }
+    kept.push_back(item);
+}
 
 /// Requests that finished transferring on one rank since the last
 /// [`KvConnectorWorker::finished`](crate::KvConnectorWorker::finished); the engine acts on
@@ -39,18 +47,43 @@ pub struct OverdueLoad {
     pub deadline: std::time::Duration,
 }
 
+/// The most load metrics, and overdue loads, kept for an engine that does not take them
+/// ([`KvConnectorWorker::metrics`](crate::KvConnectorWorker::metrics),
+/// [`overdue_loads`](crate::KvConnectorWorker::overdue_loads)): past it the oldest go.
+pub(crate) const KEPT_REPORTS: usize = 4096;
+
 /// Outcomes the background tasks report, and the loads under way.
 #[derive(Debug, Default)]
 pub(crate) struct Outcomes {
     pub(crate) recving: Vec<String>,
-    pub(crate) overdue: Vec<OverdueLoad>,
+    overdue: VecDeque<OverdueLoad>,
     pub(crate) load_errors: Vec<FailedBlock>,
-    pub(crate) metrics: Vec<TransferMetrics>,
+    metrics: VecDeque<TransferMetrics>,
     /// Loads started and not yet ended, by request id: whether their request was aborted.
     active: HashMap<String, bool>,
 }
 
 impl Outcomes {
+    /// Keeps the metrics of a load that ended, the oldest dropped past [`KEPT_REPORTS`].
+    pub(crate) fn add_metrics(&mut self, metrics: TransferMetrics) {
+        keep_last(&mut self.metrics, metrics);
+    }
+
+    /// The metrics kept since the last call.
+    pub(crate) fn take_metrics(&mut self) -> Vec<TransferMetrics> {
+        std::mem::take(&mut self.metrics).into()
+    }
+
+    /// Keeps an overdue load, the oldest dropped past [`KEPT_REPORTS`].
+    pub(crate) fn add_overdue(&mut self, load: OverdueLoad) {
+        keep_last(&mut self.overdue, load);
+    }
+
+    /// The overdue loads kept since the last call.
+    pub(crate) fn take_overdue(&mut self) -> Vec<OverdueLoad> {
+        std::mem::take(&mut self.overdue).into()
+    }
+
     /// Marks a load of `request_id` as under way; `false` if one already is.
     pub(crate) fn start(&mut self, request_id: &str) -> bool {
         if self.active.contains_key(request_id) {
@@ -84,5 +117,38 @@ impl Outcomes {
             }
             None => false,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_engine_that_never_takes_reports_holds_only_the_last_ones() {
+        let mut outcomes = Outcomes::default();
+        for n in 0..KEPT_REPORTS + 10 {
+            outcomes.add_metrics(TransferMetrics {
+                request_id: n.to_string(),
+                remote_engine: "p".into(),
+                duration: std::time::Duration::ZERO,
+                bytes: 0,
+                descriptors: 0,
+                failure: None,
+            });
+            outcomes.add_overdue(OverdueLoad {
+                request_id: n.to_string(),
+                remote_engine: "p".into(),
+                block_ids: vec![n],
+                deadline: std::time::Duration::ZERO,
+            });
+        }
+        let metrics = outcomes.take_metrics();
+        assert_eq!(metrics.len(), KEPT_REPORTS);
+        assert_eq!(metrics[0].request_id, "10", "the oldest went first");
+        let overdue = outcomes.take_overdue();
+        assert_eq!(overdue.len(), KEPT_REPORTS);
+        assert_eq!(overdue.last().unwrap().block_ids, [KEPT_REPORTS + 9]);
+        assert!(outcomes.take_metrics().is_empty() && outcomes.take_overdue().is_empty());
     }
 }

@@ -19,12 +19,39 @@ pub const ENGINE_TTL_KEY: &str = "engine_ttl";
 /// vLLM's default engine TTL: an hour.
 pub const DEFAULT_ENGINE_TTL: Duration = Duration::from_secs(3600);
 
-/// The shortest backoff after a repeated failure (vLLM's `_INVALID_PEER_MIN_BACKOFF_S`).
+/// The `kv_connector_extra_config` key of the longest backoff from a remote engine whose
+/// handshakes or transfers keep failing, in seconds (ours; 0 to 3600, default
+/// [`DEFAULT_ENGINE_BACKOFF`]). It is also how long an engine must stay healthy for its next
+/// failure to start again from none.
+pub const ENGINE_BACKOFF_KEY: &str = "engine_backoff_max_s";
+
+/// The longest backoff by default (vLLM's `_INVALID_PEER_MAX_BACKOFF_S`): a minute.
+pub const DEFAULT_ENGINE_BACKOFF: Duration = Duration::from_secs(60);
+
+/// The shortest backoff after a repeated failure (vLLM's `_INVALID_PEER_MIN_BACKOFF_S`), or
+/// the longest if that is shorter.
 const MIN_BACKOFF: Duration = Duration::from_secs(1);
 
-/// The longest backoff, and how long an engine must stay healthy after one for its next
-/// failure to start again from none (vLLM's `_INVALID_PEER_MAX_BACKOFF_S`).
-pub(crate) const MAX_BACKOFF: Duration = Duration::from_secs(60);
+/// The longest backoff of `config` (`kv_connector_extra_config.engine_backoff_max_s`,
+/// default [`DEFAULT_ENGINE_BACKOFF`]).
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for a value that is not a number from 0 to 3600.
+pub(crate) fn max_backoff(config: &KvTransferConfig) -> Result<Duration> {
+    let Some(value) = config.kv_connector_extra_config.get(ENGINE_BACKOFF_KEY) else {
+        return Ok(DEFAULT_ENGINE_BACKOFF);
+    };
+    value
+        .as_f64()
+        .filter(|s| (0.0..=3600.0).contains(s))
+        .and_then(|s| Duration::try_from_secs_f64(s).ok())
+        .ok_or_else(|| {
+            Error::invalid(
+                "read the engine backoff",
+                format!("kv_connector_extra_config.{ENGINE_BACKOFF_KEY} is {value}; give a number of seconds from 0 to 3600, e.g. 60"),
+            )
+        })
+}
 
 /// The engine TTL of `config` (`kv_connector_extra_config.engine_ttl`, seconds, default
 /// [`DEFAULT_ENGINE_TTL`]); `None` for 0 or less (no eviction of idle engines, as in vLLM).
@@ -48,8 +75,10 @@ pub(crate) fn engine_ttl(config: &KvTransferConfig) -> Result<Option<Duration>> 
 }
 
 /// What a worker knows of remote engines over time.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Engines {
+    /// The longest backoff from a failing engine.
+    max_backoff: Duration,
     /// When each engine was last used by a load or a heartbeat.
     last_active: HashMap<String, Instant>,
     /// The engine each side-channel address (host, port) serves.
@@ -60,7 +89,24 @@ pub(crate) struct Engines {
     backoff: HashMap<String, (Duration, Instant)>,
 }
 
+impl Default for Engines {
+    fn default() -> Self {
+        Engines::with_max_backoff(DEFAULT_ENGINE_BACKOFF)
+    }
+}
+
 impl Engines {
+    /// No engine known yet; backoffs from failing engines of at most `max_backoff`.
+    pub(crate) fn with_max_backoff(max_backoff: Duration) -> Self {
+        Engines {
+            max_backoff,
+            last_active: HashMap::new(),
+            by_address: HashMap::new(),
+            replaced: HashSet::new(),
+            backoff: HashMap::new(),
+        }
+    }
+
     /// Records that `engine` was used at `now`.
     pub(crate) fn touch(&mut self, engine: &str, now: Instant) {
         match self.last_active.get_mut(engine) {
@@ -96,16 +142,17 @@ impl Engines {
 
     /// Records that a handshake with `engine` failed at `now`, or a transfer from it failed
     /// in NIXL (vLLM's `_mark_remote_engine_invalid`): the first failure backs off for
-    /// nothing, each repeat before the engine stayed healthy for [`MAX_BACKOFF`] doubles the
-    /// backoff, from [`MIN_BACKOFF`] up to [`MAX_BACKOFF`]; the backoff it set.
+    /// nothing, each repeat before the engine stayed healthy for the longest backoff doubles
+    /// the backoff, from [`MIN_BACKOFF`] up to the longest; the backoff it set.
     pub(crate) fn failed(&mut self, engine: &str, now: Instant) -> Duration {
+        let max = self.max_backoff;
         self.backoff
-            .retain(|_, &mut (_, until)| now.saturating_duration_since(until) <= MAX_BACKOFF);
+            .retain(|_, &mut (_, until)| now.saturating_duration_since(until) <= max);
         let backoff = self
             .backoff
             .get(engine)
             .map_or(Duration::ZERO, |&(previous, _)| {
-                (2 * previous).clamp(MIN_BACKOFF, MAX_BACKOFF)
+                (2 * previous).clamp(MIN_BACKOFF.min(max), max)
             });
         self.backoff
             .insert(engine.to_string(), (backoff, now + backoff));
@@ -162,6 +209,36 @@ mod tests {
         // Healthy for longer than the longest backoff: the next failure starts again.
         assert_eq!(e.failed("p", at + s(61)), Duration::ZERO);
         assert_eq!(e.backing_off("q", at), None, "others are not backed off");
+    }
+
+    #[test]
+    fn a_shorter_longest_backoff_caps_and_heals_sooner() {
+        let ms = Duration::from_millis;
+        let mut e = Engines::with_max_backoff(ms(500));
+        let t0 = Instant::now();
+        assert_eq!(e.failed("p", t0), Duration::ZERO);
+        assert_eq!(e.failed("p", t0), ms(500), "capped below the 1 s floor");
+        assert_eq!(e.failed("p", t0 + ms(500)), ms(500));
+        assert_eq!(e.failed("p", t0 + ms(1001)), ms(500));
+        assert_eq!(
+            e.failed("p", t0 + ms(2002)),
+            Duration::ZERO,
+            "healthy 0.5 s"
+        );
+        let mut never = Engines::with_max_backoff(Duration::ZERO);
+        assert_eq!(never.failed("p", t0), Duration::ZERO);
+        assert_eq!(never.failed("p", t0), Duration::ZERO);
+        assert_eq!(never.backing_off("p", t0), None);
+        let read = |json: &str| max_backoff(&KvTransferConfig::from_json(json).unwrap());
+        assert_eq!(read("{}").unwrap(), DEFAULT_ENGINE_BACKOFF);
+        let config = r#"{"kv_connector_extra_config": {"engine_backoff_max_s": 0.5}}"#;
+        assert_eq!(read(config).unwrap(), ms(500));
+        for bad in ["-1", "3601", "\"60\""] {
+            let config =
+                format!(r#"{{"kv_connector_extra_config": {{"engine_backoff_max_s": {bad}}}}}"#);
+            let err = read(&config).unwrap_err().to_string();
+            assert!(err.contains("engine_backoff_max_s"), "{err}");
+        }
     }
 
     #[test]

@@ -356,7 +356,7 @@ fn record(
         }
     }
     outcomes.recving.push(load.request_id.clone());
-    outcomes.metrics.push(TransferMetrics {
+    outcomes.add_metrics(TransferMetrics {
         request_id: load.request_id.clone(),
         remote_engine: load.remote.engine_id.clone(),
         duration,
@@ -591,7 +591,7 @@ async fn after_read(shared: &Shared, load: &Load, read: &[(usize, Arc<Remote>)])
 fn report_overdue(shared: &Shared, load: &Load, deadline: Duration) {
     shared.series.overdue();
     tracing::warn!(request = %load.request_id, remote = %load.remote.engine_id, ?deadline, blocks = load.local_block_ids.len(), "a load's READs are still in flight past the transfer timeout; its blocks stay with the connector until NIXL ends them");
-    shared.outcomes.lock().overdue.push(OverdueLoad {
+    shared.outcomes.lock().add_overdue(OverdueLoad {
         request_id: load.request_id.clone(),
         remote_engine: load.remote.engine_id.clone(),
         block_ids: load.local_block_ids.clone(),

@@ -134,19 +134,23 @@ struct LoadedAgent {
 }
 
 impl Remotes {
-    /// No remote rank yet; engines unused for `ttl` are evicted (`None`: never).
-    pub(crate) fn with_engine_ttl(ttl: Option<Duration>) -> Self {
-        Remotes {
+    /// No remote rank yet; engines unused for `ttl` are evicted (`None`: never), and those
+    /// whose handshakes or transfers keep failing backed off for at most `max_backoff`.
+    pub(crate) fn new(ttl: Option<Duration>, max_backoff: Duration) -> Self {
+        let remotes = Remotes {
             ttl,
             ..Remotes::default()
-        }
+        };
+        remotes.book().engines = Engines::with_max_backoff(max_backoff);
+        remotes
     }
 
     /// The remote rank `rank` of `engine`, handshaking first (the future `start` makes) if
     /// no load has yet. Loads that wait for the same handshake share its outcome; a failed
     /// one is forgotten, so a later load tries again, unless the engine's handshakes failed
     /// again and again: then it is backed off from, 1 s after the second failure in a row
-    /// up to 60 s (vLLM's `_mark_remote_engine_invalid`).
+    /// up to 60 s by default (vLLM's `_mark_remote_engine_invalid`; see
+    /// [`ENGINE_BACKOFF_KEY`](crate::ENGINE_BACKOFF_KEY)).
     ///
     /// # Errors
     /// [`Error::Handshake`] with the reason.
