@@ -1,7 +1,9 @@
 //! Two "hosts" for the tests: network namespaces joined by a veth pair, the prefill at
 //! `10.43.<n>.1` and the decode at `10.43.<n>.2`, and the faults the kernel offers between
-//! them. Every namespace, and with it every device, route and rule, is removed when the
-//! [`Hosts`] is dropped, whatever happened.
+//! them; optionally a third, a second prefill host joined to the decode's by a veth pair of
+//! its own (`10.44.<n>.1` and `.2`), which the faults leave alone. Every namespace, and with
+//! it every device, route and rule, is removed when the [`Hosts`] is dropped, whatever
+//! happened.
 
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -23,13 +25,15 @@ fn run(args: &[&str]) -> Output {
     out
 }
 
-/// One side of the pair.
+/// One of the hosts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Side {
-    /// The prefill's host.
+    /// The prefill's host, the one the faults reach.
     Prefill,
     /// The decode's host.
     Decode,
+    /// The second prefill host, where there is one: the faults never reach it.
+    SecondPrefill,
 }
 
 /// A fault between the two hosts, made by [`Hosts::fault`] and undone by [`Hosts::heal`].
@@ -45,6 +49,10 @@ pub enum Fault {
     /// The prefill's host drops the TCP packets from the decode's host to its side channel's
     /// port (the field): NIXL's data path passes, handshakes do not.
     SideChannelCut(u16),
+    /// The prefill's host answers every TCP packet from the decode's host but those to its
+    /// side channel's port (the field) with a reset: NIXL's connections fail at once, and
+    /// handshakes pass.
+    DataPathReset(u16),
 }
 
 impl Fault {
@@ -55,17 +63,27 @@ impl Fault {
             Fault::Blackhole => "blackhole route",
             Fault::DataPathCut(_) => "nft drop of the data path",
             Fault::SideChannelCut(_) => "nft drop of the side channel",
+            Fault::DataPathReset(_) => "nft reset of the data path",
         }
     }
 }
 
-/// Two namespaces joined by a veth pair, removed on drop.
+/// Two namespaces joined by a veth pair (and a third with a pair of its own to the decode's),
+/// removed on drop.
 pub struct Hosts {
     prefill_ns: String,
     decode_ns: String,
     prefill_dev: String,
     decode_dev: String,
     subnet: usize,
+    second: Option<SecondHost>,
+}
+
+/// The second prefill host: its namespace, its end of its veth pair, and the decode's end.
+struct SecondHost {
+    ns: String,
+    dev: String,
+    decode_dev: String,
 }
 
 impl Hosts {
@@ -81,52 +99,95 @@ impl Hosts {
             prefill_dev: format!("nf43p{pid}{n}"),
             decode_dev: format!("nf43d{pid}{n}"),
             subnet: n % 250,
+            second: None,
         };
         run(&["ip", "netns", "add", &hosts.prefill_ns]);
         run(&["ip", "netns", "add", &hosts.decode_ns]);
+        hosts.join(
+            (
+                &hosts.prefill_ns,
+                &hosts.prefill_dev,
+                &hosts.cidr(Side::Prefill),
+            ),
+            (
+                &hosts.decode_ns,
+                &hosts.decode_dev,
+                &hosts.cidr(Side::Decode),
+            ),
+        );
+        hosts
+    }
+
+    /// [`Hosts::new`] and a second prefill host `nf43s<pid>x<n>`, joined to the decode's by a
+    /// veth pair of its own.
+    pub fn with_second_prefill() -> Self {
+        let mut hosts = Hosts::new();
+        let n = MADE.fetch_add(1, Ordering::SeqCst);
+        let pid = std::process::id();
+        let second = SecondHost {
+            ns: format!("nf43s{pid}x{n}"),
+            dev: format!("nf43s{pid}{n}"),
+            decode_dev: format!("nf43e{pid}{n}"),
+        };
+        run(&["ip", "netns", "add", &second.ns]);
+        let decode_cidr = format!("10.44.{}.2/24", hosts.subnet);
+        hosts.join(
+            (
+                &second.ns,
+                &second.dev,
+                &format!("10.44.{}.1/24", hosts.subnet),
+            ),
+            (&hosts.decode_ns, &second.decode_dev, &decode_cidr),
+        );
+        hosts.second = Some(second);
+        hosts
+    }
+
+    /// A veth pair between two namespaces, each end (namespace, device, address) up.
+    fn join(&self, one: (&str, &str, &str), other: (&str, &str, &str)) {
         run(&[
-            "ip",
-            "link",
-            "add",
-            &hosts.prefill_dev,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            &hosts.decode_dev,
+            "ip", "link", "add", one.1, "type", "veth", "peer", "name", other.1,
         ]);
-        for side in [Side::Prefill, Side::Decode] {
-            let (ns, dev) = (hosts.ns(side), hosts.dev(side));
+        for (ns, dev, cidr) in [one, other] {
             run(&["ip", "link", "set", dev, "netns", ns]);
-            run(&["ip", "-n", ns, "addr", "add", &hosts.cidr(side), "dev", dev]);
+            run(&["ip", "-n", ns, "addr", "add", cidr, "dev", dev]);
             run(&["ip", "-n", ns, "link", "set", "lo", "up"]);
             run(&["ip", "-n", ns, "link", "set", dev, "up"]);
         }
-        hosts
+    }
+
+    fn second(&self) -> &SecondHost {
+        self.second
+            .as_ref()
+            .expect("made by Hosts::with_second_prefill")
     }
 
     fn ns(&self, side: Side) -> &str {
         match side {
             Side::Prefill => &self.prefill_ns,
             Side::Decode => &self.decode_ns,
+            Side::SecondPrefill => &self.second().ns,
         }
     }
 
-    /// The veth device of `side`.
-    pub fn dev(&self, side: Side) -> &str {
-        match side {
-            Side::Prefill => &self.prefill_dev,
-            Side::Decode => &self.decode_dev,
+    /// The veth devices of `side`, comma-separated (the decode's host has two where there
+    /// is a second prefill host).
+    pub fn devs(&self, side: Side) -> String {
+        match (side, &self.second) {
+            (Side::Prefill, _) => self.prefill_dev.clone(),
+            (Side::Decode, None) => self.decode_dev.clone(),
+            (Side::Decode, Some(second)) => format!("{},{}", self.decode_dev, second.decode_dev),
+            (Side::SecondPrefill, _) => self.second().dev.clone(),
         }
     }
 
-    /// The address of `side`.
+    /// The address of `side` (the decode's on the first pair).
     pub fn addr(&self, side: Side) -> String {
-        let host = match side {
-            Side::Prefill => 1,
-            Side::Decode => 2,
-        };
-        format!("10.43.{}.{host}", self.subnet)
+        match side {
+            Side::Prefill => format!("10.43.{}.1", self.subnet),
+            Side::Decode => format!("10.43.{}.2", self.subnet),
+            Side::SecondPrefill => format!("10.44.{}.1", self.subnet),
+        }
     }
 
     fn cidr(&self, side: Side) -> String {
@@ -141,7 +202,7 @@ impl Hosts {
             .args(args)
             .envs(env.iter().copied())
             .env("UCX_TLS", "tcp,self")
-            .env("UCX_NET_DEVICES", self.dev(side))
+            .env("UCX_NET_DEVICES", self.devs(side))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -163,8 +224,8 @@ impl Hosts {
         match fault {
             Fault::LinkDown => {
                 let state = if on { "down" } else { "up" };
-                let (ns, dev) = (self.ns(Side::Prefill), self.dev(Side::Prefill));
-                run(&["ip", "-n", ns, "link", "set", dev, state]);
+                let ns = self.ns(Side::Prefill);
+                run(&["ip", "-n", ns, "link", "set", &self.prefill_dev, state]);
             }
             Fault::Blackhole => {
                 let verb = if on { "add" } else { "del" };
@@ -174,14 +235,18 @@ impl Hosts {
                     run(&["ip", "-n", self.ns(side), "route", verb, "blackhole", &to]);
                 }
             }
-            Fault::DataPathCut(port) => self.nft_drop(on, &format!("tcp dport != {port}")),
-            Fault::SideChannelCut(port) => self.nft_drop(on, &format!("tcp dport {port}")),
+            Fault::DataPathCut(port) => self.nft_drop(on, &format!("tcp dport != {port} drop")),
+            Fault::SideChannelCut(port) => self.nft_drop(on, &format!("tcp dport {port} drop")),
+            Fault::DataPathReset(port) => {
+                self.nft_drop(on, &format!("tcp dport != {port} reject with tcp reset"))
+            }
         }
     }
 
-    /// Drops (or stops dropping) the packets coming into the prefill's host from its veth
-    /// device that `matching` selects, with a table of nftables of its own.
-    fn nft_drop(&self, on: bool, matching: &str) {
+    /// Adds (or removes) the rule `verdict` (a match and what to do, e.g. `tcp dport 9 drop`)
+    /// for packets coming into the prefill's host from its veth device, in a table of
+    /// nftables of its own.
+    fn nft_drop(&self, on: bool, verdict: &str) {
         let ns = self.ns(Side::Prefill);
         let nft = |rule: &str| {
             let mut args = vec!["ip", "netns", "exec", ns, "nft"];
@@ -194,17 +259,19 @@ impl Hosts {
         }
         nft("add table inet nf43");
         nft("add chain inet nf43 input { type filter hook input priority 0 ; policy accept ; }");
-        let dev = self.dev(Side::Prefill);
-        nft(&format!(
-            "add rule inet nf43 input iifname {dev} {matching} drop"
-        ));
+        let dev = &self.prefill_dev;
+        nft(&format!("add rule inet nf43 input iifname {dev} {verdict}"));
     }
 }
 
 impl Drop for Hosts {
     fn drop(&mut self) {
         // Deleting a namespace deletes its end of the veth pair, and so the pair.
-        for ns in [&self.prefill_ns, &self.decode_ns] {
+        let second = self.second.as_ref().map(|s| &s.ns);
+        for ns in [&self.prefill_ns, &self.decode_ns]
+            .into_iter()
+            .chain(second)
+        {
             let _ = Command::new("ip").args(["netns", "del", ns]).status();
         }
     }

@@ -1,11 +1,11 @@
-//! The two engines, each run in a child process in its own namespace: a prefill that fills
-//! its cache and serves, and a decode that keeps loads from it in flight and prints when
-//! each starts and ends, on the machine's monotonic clock (the same in every namespace).
+//! The engines, each run in a child process in its own namespace: a prefill that fills its
+//! cache and serves, and a decode that keeps loads from each prefill it knows in flight and
+//! prints when each starts and ends, on the machine's monotonic clock (the same in every
+//! namespace).
 
 use std::collections::HashMap;
 use std::io::BufRead;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::mpsc::{Receiver, TryRecvError};
 use std::time::Duration;
 
 use crate::common::{fill, pattern, worker_with};
@@ -13,13 +13,22 @@ use nixl_connector::{
     FailedBlock, KvAttention, KvCacheSpec, KvConnectorWorker, KvLayout, RemoteBlocks,
 };
 
-/// The variable naming the prefill's side channel (`ip:port`) for the decode role.
+/// The variable naming the prefills the decode role loads from: `ENGINE@ip:port` (the
+/// engine's id and its side channel), comma-separated.
 pub const PREFILL_ADDR: &str = "NF43_PREFILL_ADDR";
 /// The variable giving the address the prefill's side channel binds.
 pub const BIND_ADDR: &str = "NF43_BIND_ADDR";
+/// The variable giving the prefill role's engine id ([`PREFILL`] without it).
+pub const ENGINE: &str = "NF43_ENGINE";
+/// The variable giving how many loads the decode keeps in flight from each prefill
+/// ([`IN_FLIGHT`] without it).
+pub const SLOTS_PER_PREFILL: &str = "NF43_SLOTS_PER_PREFILL";
+/// The variable giving the decode's longest backoff from a failing engine, in seconds
+/// (the connector's `engine_backoff_max_s`; its default without it).
+pub const BACKOFF_S: &str = "NF43_BACKOFF_S";
 /// The prefill's engine id.
 pub const PREFILL: &str = "nf43-prefill";
-/// Loads the decode keeps in flight.
+/// Loads the decode keeps in flight from each prefill, unless told otherwise.
 pub const IN_FLIGHT: usize = 4;
 /// Blocks per load.
 pub const BLOCKS_PER_LOAD: usize = 8;
@@ -51,12 +60,13 @@ pub fn spec() -> KvCacheSpec {
     )
 }
 
-/// The prefill: binds its side channel at `BIND_ADDR`, fills its cache, prints `PORT <port>`
-/// and serves until it is killed.
+/// The prefill: engine `ENGINE`, binds its side channel at `BIND_ADDR`, fills its cache,
+/// prints `PORT <port>` and serves until it is killed.
 pub async fn prefill() {
     let bind = std::env::var(BIND_ADDR).expect("run by the parent test");
+    let engine = std::env::var(ENGINE).unwrap_or_else(|_| PREFILL.to_string());
     let spec = spec();
-    let prefill = worker_with(PREFILL, 0, 1, &spec, |c| {
+    let prefill = worker_with(&engine, 0, 1, &spec, |c| {
         c.side_channel = format!("{bind}:0").parse().unwrap();
     });
     fill(&prefill, &spec);
@@ -70,31 +80,81 @@ struct Slot {
     remote: Vec<usize>,
 }
 
+/// A prefill the decode loads from: its engine id, host and side channel's port.
+struct Source {
+    engine: String,
+    host: String,
+    port: u16,
+}
+
+impl Source {
+    /// `ENGINE@ip:port`.
+    fn parse(entry: &str) -> Source {
+        let (engine, at) = entry.trim().split_once('@').expect("ENGINE@ip:port");
+        let (host, port) = at.rsplit_once(':').expect("ip:port");
+        Source {
+            engine: engine.to_string(),
+            host: host.to_string(),
+            port: port.parse().expect("a port"),
+        }
+    }
+}
+
 /// How long a slot waits after a failed load before it starts the next (as an engine that
 /// recomputes a failed request would not ask for it again at once).
 const AFTER_FAILURE: Duration = Duration::from_millis(100);
 
-/// The decode: until its stdin says `STOP` (or closes), keeps [`IN_FLIGHT`] loads of [`BLOCKS_PER_LOAD`] blocks
-/// from the prefill at `PREFILL_ADDR` in flight, printing `START <request> <ms>`,
+/// The decode: until its stdin says `STOP` (or closes), keeps `SLOTS_PER_PREFILL` loads of
+/// [`BLOCKS_PER_LOAD`] blocks in flight from each prefill of `PREFILL_ADDR`, and of each
+/// its stdin adds (`ADD ENGINE@ip:port`), printing `START <request> <ms>`,
 /// `OVERDUE <request> <ms>` and `END <request> <ms> <outcome>` (`loaded`, a bad byte's
-/// `mismatch`, or the failure's kind and reason); then waits at most [`DRAIN`] for the
-/// loads still in flight, prints `DRAINED <loads left>` and exits at once (a READ NIXL
-/// never ends would keep the worker from shutting down).
+/// `mismatch`, or the failure's kind and reason), where a request from the `i`-th prefill
+/// is named `p<i>r<n>`; then waits at most [`DRAIN`] for the loads still in flight, prints
+/// `DRAINED <loads left>` and exits at once (a READ NIXL never ends would keep the worker
+/// from shutting down).
 pub async fn decode() {
-    let prefill = std::env::var(PREFILL_ADDR).expect("run by the parent test");
-    let stop = stop_on_stdin();
-    let (host, port) = prefill.rsplit_once(':').unwrap();
+    let prefills = std::env::var(PREFILL_ADDR).expect("run by the parent test");
+    let per_prefill = std::env::var(SLOTS_PER_PREFILL)
+        .map_or(IN_FLIGHT, |n| n.parse().expect("a number of slots"));
+    let mut sources: Vec<Source> = prefills.split(',').map(Source::parse).collect();
+    let commands = commands_on_stdin();
     let spec = spec();
+    let backoff: Option<f64> = std::env::var(BACKOFF_S).ok().map(|s| s.parse().unwrap());
     let decode = worker_with("nf43-decode", 0, 1, &spec, |c| {
         c.transfer_timeout = TRANSFER_TIMEOUT;
+        if let Some(seconds) = backoff {
+            c.kv_transfer_config
+                .kv_connector_extra_config
+                .insert(nixl_connector::ENGINE_BACKOFF_KEY.into(), seconds.into());
+        }
     });
-    let mut slots: Vec<Option<Slot>> = (0..IN_FLIGHT).map(|_| None).collect();
-    let mut resume = [tokio::time::Instant::now(); IN_FLIGHT];
+    // Slot k loads from prefill k / per_prefill, into blocks of its own.
+    let slots_for = |sources: usize| sources * per_prefill;
+    assert!(slots_for(sources.len()) * BLOCKS_PER_LOAD <= spec.num_blocks);
+    let mut slots: Vec<Option<Slot>> = (0..slots_for(sources.len())).map(|_| None).collect();
+    let mut resume = vec![tokio::time::Instant::now(); slots.len()];
     let mut failed = HashMap::new();
     let mut next = 0usize;
     let mut stopped_at = None;
     loop {
-        let starting = !stop.load(Ordering::SeqCst);
+        let mut starting = stopped_at.is_none();
+        loop {
+            match commands.try_recv() {
+                Ok(Command::Add(source)) if starting => {
+                    sources.push(source);
+                    assert!(slots_for(sources.len()) * BLOCKS_PER_LOAD <= spec.num_blocks);
+                    slots.resize_with(slots_for(sources.len()), || None);
+                    resume.resize(slots.len(), tokio::time::Instant::now());
+                }
+                Ok(Command::Add(_)) => {}
+                Ok(Command::Stats) => print_stats(&decode),
+                Ok(Command::Stop) | Err(TryRecvError::Disconnected) => starting = false,
+                Err(TryRecvError::Empty) => break,
+            }
+            if !starting {
+                break;
+            }
+        }
         if !starting && stopped_at.is_none() {
             stopped_at = Some(tokio::time::Instant::now());
         }
@@ -102,15 +162,16 @@ pub async fn decode() {
             if held.is_some() || !starting || tokio::time::Instant::now() < resume[slot] {
                 continue;
             }
-            let request = format!("r{next}");
+            let source = &sources[slot / per_prefill];
+            let request = format!("p{}r{next}", slot / per_prefill);
             let remote: Vec<usize> = (0..BLOCKS_PER_LOAD)
                 .map(|i| (next * 7 + i * 5) % spec.num_blocks)
                 .collect();
             next += 1;
             let from = RemoteBlocks {
-                host: host.to_string(),
-                port: port.parse().unwrap(),
-                ..crate::common::remote(&decode, PREFILL, &request, remote.clone(), 1)
+                host: source.host.clone(),
+                port: source.port,
+                ..crate::common::remote(&decode, &source.engine, &request, remote.clone(), 1)
             };
             clear(&decode, &spec, slot);
             println!("START {request} {}", now_ms());
@@ -137,19 +198,61 @@ pub async fn decode() {
     std::process::exit(0);
 }
 
-/// A flag set once stdin says `STOP` or closes.
-fn stop_on_stdin() -> Arc<AtomicBool> {
-    let stop = Arc::new(AtomicBool::new(false));
-    let set = stop.clone();
+/// What the parent test tells the decode on its stdin.
+enum Command {
+    /// `ADD ENGINE@ip:port`: load from that prefill too.
+    Add(Source),
+    /// `STATS`: print what the process holds (see [`print_stats`]).
+    Stats,
+    /// `STOP`: start no more loads.
+    Stop,
+}
+
+/// The commands on stdin, read by a thread: the channel disconnects after `STOP` or when
+/// stdin closes (both mean stop).
+fn commands_on_stdin() -> Receiver<Command> {
+    let (send, commands) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         for line in std::io::stdin().lock().lines().map_while(Result::ok) {
-            if line.trim() == "STOP" {
+            let line = line.trim();
+            if line == "STOP" {
+                let _ = send.send(Command::Stop);
                 break;
             }
+            if line == "STATS" {
+                let _ = send.send(Command::Stats);
+            }
+            if let Some(entry) = line.strip_prefix("ADD ") {
+                let _ = send.send(Command::Add(Source::parse(entry)));
+            }
         }
-        set.store(true, Ordering::SeqCst);
     });
-    stop
+    commands
+}
+
+/// Prints `STATS <fds> <threads> <rss KiB> <remote agents> <remote engines> <metadata
+/// loads> <leaked requests>`: what this process holds now.
+fn print_stats(decode: &KvConnectorWorker) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| -> u64 {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    let remotes = decode.remote_stats();
+    println!(
+        "STATS {} {} {} {} {} {} {}",
+        nixl_connector::open_fds().unwrap_or(0),
+        field("Threads:"),
+        field("VmRSS:"),
+        remotes.agents,
+        remotes.engines,
+        remotes.loaded,
+        decode.agent().leak_stats().requests,
+    );
 }
 
 /// The local blocks of `slot`.

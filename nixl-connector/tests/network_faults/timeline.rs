@@ -21,9 +21,29 @@ pub struct Load {
     pub end: Option<(u64, String)>,
 }
 
+/// What the decode holds, as its `STATS` line says (see `roles::print_stats`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Held {
+    /// Open file descriptors.
+    pub fds: u64,
+    /// Threads.
+    pub threads: u64,
+    /// Resident memory, KiB.
+    pub rss_kib: u64,
+    /// Remote agents loaded.
+    pub agents: u64,
+    /// Remote engines known.
+    pub engines: u64,
+    /// Metadata loads into NIXL so far.
+    pub metadata_loads: u64,
+    /// NIXL requests given up while maybe in flight.
+    pub leaked_requests: u64,
+}
+
 #[derive(Default)]
 struct State {
     loads: BTreeMap<String, Load>,
+    stats: Vec<Held>,
     loaded: usize,
     drained: Option<usize>,
     closed: bool,
@@ -69,6 +89,49 @@ impl Timeline {
             state = changed.wait_timeout(state, left).unwrap().0;
         }
         Ok(())
+    }
+
+    /// Waits until `count` loads of requests named `prefix...` (a prefill's, see
+    /// [`crate::roles::decode`]) were loaded in all; an error naming `what` after `limit` or
+    /// when the decode's output ends.
+    pub fn wait_loaded_from(
+        &self,
+        prefix: &str,
+        count: usize,
+        limit: Duration,
+        what: &str,
+    ) -> Result<(), String> {
+        let (lock, changed) = &*self.state;
+        let mut state = lock.lock().unwrap();
+        let deadline = Instant::now() + limit;
+        while state.loaded_from(prefix, 0, u64::MAX) < count {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() || state.closed {
+                return Err(format!("waited in vain for {what}: {}", state.summary()));
+            }
+            state = changed.wait_timeout(state, left).unwrap().0;
+        }
+        Ok(())
+    }
+
+    /// Waits at most `limit` for the `count`-th `STATS` line of the decode; what it said.
+    pub fn wait_stats(&self, count: usize, limit: Duration) -> Option<Held> {
+        let (lock, changed) = &*self.state;
+        let mut state = lock.lock().unwrap();
+        let deadline = Instant::now() + limit;
+        while state.stats.len() < count && !state.closed {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            state = changed.wait_timeout(state, left).unwrap().0;
+        }
+        state.stats.get(count - 1).copied()
+    }
+
+    /// How many loads of requests named `prefix...` ended loaded from `from` to `to` (ms).
+    pub fn loaded_from(&self, prefix: &str, from: u64, to: u64) -> usize {
+        self.state.0.lock().unwrap().loaded_from(prefix, from, to)
     }
 
     /// Waits at most `limit` for the decode's `DRAINED` line: the loads it left in flight.
@@ -206,6 +269,25 @@ impl State {
     /// Takes one line of the decode's output (libtest may have printed the test's name
     /// before the first one, on the same line).
     fn take(&mut self, line: &str) {
+        if let Some(at) = line.find("STATS ") {
+            let n: Vec<u64> = line[at + 6..]
+                .split_whitespace()
+                .filter_map(|w| w.parse().ok())
+                .collect();
+            if let [fds, threads, rss_kib, agents, engines, metadata_loads, leaked_requests] = n[..]
+            {
+                self.stats.push(Held {
+                    fds,
+                    threads,
+                    rss_kib,
+                    agents,
+                    engines,
+                    metadata_loads,
+                    leaked_requests,
+                });
+            }
+            return;
+        }
         let Some(at) = ["START ", "OVERDUE ", "END ", "DRAINED "]
             .iter()
             .filter_map(|tag| line.find(tag))
@@ -229,6 +311,16 @@ impl State {
             "DRAINED" => self.drained = first.trim().parse().ok(),
             _ => {}
         }
+    }
+
+    /// How many loads of requests named `prefix...` ended loaded from `from` to `to` (ms).
+    fn loaded_from(&self, prefix: &str, from: u64, to: u64) -> usize {
+        self.loads
+            .iter()
+            .filter(|(request, _)| request.starts_with(prefix))
+            .filter_map(|(_, load)| load.end.as_ref())
+            .filter(|(end, how)| how == "loaded" && (from..=to).contains(end))
+            .count()
     }
 
     fn summary(&self) -> String {
