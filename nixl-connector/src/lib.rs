@@ -289,7 +289,7 @@ pub use worker::host_buffer;
 pub use config::{LoadFailurePolicy, MetadataExchange, Protocol, WorkerConfig, PROTOCOL_KEY};
 pub use error::{Error, Result};
 pub use failure::{FailedBlock, FailureKind};
-pub use geometry::dcp::{DcpPair, MAX_DCP_SIZE};
+pub use geometry::dcp::{DcpPair, DcpSizes, MAX_DCP_SIZE};
 pub use geometry::groups::{KvCacheGroupKind, KvCacheGroups, KV_CACHE_GROUPS_KEY, SHARED_REGION};
 pub use geometry::pipeline::{PipelineRank, PipelineStages, StageSource, MAX_PP_SIZE};
 pub use geometry::read_plan::{Piece, ReadPlan, RegionPlan};

@@ -137,6 +137,7 @@ impl VllmWorker {
             // vLLM's metadata does not say the stages: vLLM's even rule over our layers.
             pp_rank: pp_rank as u64,
             pp_partition: peer_partition(&ours.pp_partition, ours.spec.num_regions(), pp_size)?,
+            dcp_size: meta.dcp_size,
             // vLLM's readers do not claim.
             claims: Vec::new(),
             claimed: Vec::new(),
@@ -279,6 +280,7 @@ mod tests {
             request_id: "r".into(),
             tp_size: 1,
             pp_size: 1,
+            dcp_size: 1,
             num_tokens: None,
             blocks_expiry_time: expiry,
             registration_generation: generation,
