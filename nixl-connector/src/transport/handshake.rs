@@ -552,6 +552,48 @@ mod tests {
     }
 
     #[test]
+    fn decode_context_parallelism_pairs_as_vllm_pairs_it_or_is_refused_by_name() {
+        let mla = |tp: (u64, u64), dcp: u64| HandshakeMessage {
+            spec: KvCacheSpec::uniform(2, 8, 16, KvAttention::Mla, KvLayout::Hnd, 16 * 32),
+            dcp_size: dcp,
+            ..message(tp)
+        };
+        // An unsharded reader reads every rank of a sharded source.
+        let plan = check_compatible(&mla((0, 1), 1), &mla((1, 2), 2), None, None).unwrap();
+        assert_eq!(plan.share, Share::Latent);
+        let refused = |reader: &HandshakeMessage, source: &HandshakeMessage, why: &str| {
+            let err = check_compatible(reader, source, None, None)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(why), "{err}");
+        };
+        // DCP rank 0 of 2 holds no position of source rank 1 of DCP 4.
+        refused(
+            &mla((0, 2), 2),
+            &mla((1, 4), 4),
+            "reads from remote ranks [0, 2]",
+        );
+        refused(
+            &mla((0, 2), 2),
+            &mla((0, 3), 3),
+            "DCP sizes must divide one another: local=2, remote=3",
+        );
+        refused(
+            &mla((0, 2), 2),
+            &mla((0, 4), 2),
+            "neither 1 nor its TP size 4",
+        );
+        let mha = HandshakeMessage {
+            dcp_size: 2,
+            ..message((0, 2))
+        };
+        refused(&mha, &message((0, 2)), "MLA caches only");
+        let mut other_blocks = mla((0, 2), 2);
+        other_blocks.spec.block_size = 8;
+        refused(&mla((0, 2), 2), &other_blocks, "need one block size");
+    }
+
+    #[test]
     fn a_pipeline_stage_is_read_in_the_regions_of_the_layers_both_hold() {
         // The reader holds both layers (one stage); the source is stage 1 of [1, 1] and
         // holds the second: one region each, the reader's second.
