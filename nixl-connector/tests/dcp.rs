@@ -1,4 +1,4 @@
-//! Decode context parallelism (DCP) over real NIXL/UCX: engines of MLA caches whose ranks
+//! Decode context parallelism (DCP) over real NIXL/UCX, in both protocols: engines of MLA caches whose ranks
 //! each hold every `size`-th global block position of a request (DCP rank `r` the
 //! positions `r`, `r + size`, ..., its `j`-th block of the request's list position
 //! `j * size + r`), or all of them (DCP 1, the latent replicated over TP). Both engines
@@ -276,6 +276,16 @@ async fn native_every_geometry() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn native_prefix_hits_and_ranks_with_nothing_to_read() {
     prefix_hits_and_ranks_with_nothing_to_read(Protocol::Native).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_every_geometry() {
+    every_geometry(Protocol::Vllm).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_prefix_hits_and_ranks_with_nothing_to_read() {
+    prefix_hits_and_ranks_with_nothing_to_read(Protocol::Vllm).await;
 }
 
 #[tokio::test]

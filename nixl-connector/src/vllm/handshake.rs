@@ -81,6 +81,9 @@ impl VllmWorker {
         let peer = format!("{host}:{port}");
         let meta = self.compat.check(&reply.payload, &peer)?;
         self.clock_sample(&meta.engine_id, reply.rtt(), reply.clock_offset());
+        if let Some(why) = pcp_refusal(ours.dcp_size, (meta.pcp_size, meta.dcp_size)) {
+            return Err(Error::invalid("pair with a vLLM prefill", why));
+        }
         let reader_tp = usize::try_from(ours.tp_size).unwrap_or(usize::MAX);
         let ssm = groups
             .checked_ssm_state()?
@@ -219,6 +222,23 @@ impl VllmWorker {
     }
 }
 
+/// Why a reader of DCP size `local_dcp` (and no prefill context parallelism: a decode, as
+/// vLLM's consumers have none) does not read a vLLM peer of PCP and DCP sizes `remote`, if
+/// it does not: vLLM's reasons (`_validate_remote_parallel_config`) where vLLM refuses the
+/// pair, else this connector's, which reads no PCP peer.
+fn pcp_refusal(local_dcp: u64, (remote_pcp, remote_dcp): (u64, u64)) -> Option<String> {
+    if remote_pcp <= 1 {
+        return None;
+    }
+    if remote_dcp != 1 && remote_dcp != remote_pcp {
+        return Some(format!("Remote NixlConnector PCP+DCP does not span the full PCP group. Remote PCP/DCP={remote_pcp}/{remote_dcp}."));
+    }
+    if remote_dcp == 1 && local_dcp > 1 {
+        return Some(format!("Replicated PCP cannot be paired with a DCP-sharded NIXL peer. Local PCP/DCP=1/{local_dcp}; remote PCP/DCP={remote_pcp}/{remote_dcp}."));
+    }
+    Some(format!("a prefill of prefill context parallelism (PCP/DCP={remote_pcp}/{remote_dcp}) is not read by this connector (vLLM 0.33 reads it; not built here)"))
+}
+
 /// The partition of a peer of `pp_size` stages whose handshake does not say it (vLLM's
 /// `NixlAgentMetadata` has no stages): vLLM's even rule over the reader's layers, those of
 /// its own partition, or one a region (as vLLM registers its layers) when it has none; empty
@@ -259,6 +279,22 @@ mod tests {
         );
         assert!(peer_partition(&[], 32, 1).unwrap().is_empty());
         assert!(peer_partition(&[], 1, 2).is_err());
+    }
+
+    #[test]
+    fn a_pcp_peer_is_refused_with_vllms_reason_where_vllm_refuses_it() {
+        assert_eq!(pcp_refusal(2, (1, 2)), None);
+        let spans = pcp_refusal(1, (4, 2)).unwrap();
+        assert!(
+            spans.contains("does not span the full PCP group. Remote PCP/DCP=4/2"),
+            "{spans}"
+        );
+        let replicated = pcp_refusal(2, (2, 1)).unwrap();
+        assert!(replicated.contains("Replicated PCP cannot be paired with a DCP-sharded NIXL peer. Local PCP/DCP=1/2; remote PCP/DCP=2/1."), "{replicated}");
+        for (local, remote) in [(1, (2, 1)), (2, (2, 2))] {
+            let ours = pcp_refusal(local, remote).unwrap();
+            assert!(ours.contains("not read by this connector"), "{ours}");
+        }
     }
 
     fn worker() -> VllmWorker {

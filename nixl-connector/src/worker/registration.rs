@@ -319,6 +319,7 @@ impl KvConnectorWorker {
                 .unwrap_or_default(),
             region_group_ids: ours.region_groups.clone(),
             blocks_per_logical: ours.blocks_per_id as usize,
+            dcp_size: ours.dcp_size,
         })?;
         // vLLM's `_mamba_ssm_size`: (0, 0) without SSM groups.
         if let Some(state) = &ours.ssm_state {
