@@ -14,7 +14,7 @@ use tokio::task::JoinHandle;
 use crate::config::{MetadataExchange, Protocol, WorkerConfig};
 use crate::error::{Error, Result};
 use crate::failure::{FailedBlock, FailureKind};
-use crate::geometry::dcp::DcpSizes;
+use crate::geometry::dcp::{DcpSizes, MAX_DCP_SIZE};
 use crate::geometry::groups::KvCacheGroups;
 use crate::geometry::pipeline::MAX_PP_SIZE;
 use crate::geometry::tp_mapping::TpMapping;
@@ -983,15 +983,15 @@ fn check_pipeline(config: &WorkerConfig, groups: &KvCacheGroups) -> Result<()> {
 }
 
 /// Refuses a DCP size the connector does not pair (vLLM 0.33's NixlConnector's bounds): 0 or
-/// more than [`MAX_DCP_SIZE`](crate::MAX_DCP_SIZE), neither 1 nor the TP size (vLLM shards
+/// more than [`MAX_DCP_SIZE`], neither 1 nor the TP size (vLLM shards
 /// a cache over every TP rank or none), or several KV cache groups (not supported here).
 fn check_dcp(config: &WorkerConfig, groups: &KvCacheGroups) -> Result<()> {
     const OP: &str = "create the connector worker";
     let (dcp, tp) = (config.dcp_size, config.tp_size);
-    if !(1..=crate::MAX_DCP_SIZE).contains(&dcp) {
+    if !(1..=MAX_DCP_SIZE).contains(&dcp) {
         return Err(Error::invalid(
             OP,
-            format!("dcp_size {dcp}: 1 to {}", crate::MAX_DCP_SIZE),
+            format!("dcp_size {dcp}: 1 to {MAX_DCP_SIZE}"),
         ));
     }
     if dcp > 1 && dcp != tp {

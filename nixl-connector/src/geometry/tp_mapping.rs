@@ -141,7 +141,7 @@ impl TpMapping {
 
     /// [`new`](Self::new) for engines of DCP sizes `dcp` (vLLM's `compute_tp_mapping` with
     /// `remote_dcp_size`): a source sharded over DCP ranks (MLA only) is read from each of
-    /// its ranks holding positions of this rank's ([`source_ranks`]), every one of them a
+    /// its ranks holding positions of this rank's (vLLM's `dcp_source_ranks`), every one of them a
     /// [`Share::Latent`] (those whose blocks this rank's positions do not meet for a
     /// request are only notified, see [`DcpPair`](crate::DcpPair)); an unsharded source is
     /// mapped as without DCP.
