@@ -2,7 +2,10 @@
 //! vLLM 0.33's side channel (tests/py/vllm_peer.py), over real NIXL, MLA caches of DCP =
 //! TP ranks, rank `r` holding the request's global block positions `r`, `r + DCP`, ...:
 //! - a Rust decode of DCP 1 and one of DCP 2 read a Python prefill of DCP 2, every byte
-//!   checked, each prefill rank notified once, saying vLLM's `dcp_consumer_count`;
+//!   checked, each prefill rank notified once, saying vLLM's `dcp_consumer_count`; and as
+//!   vLLM's decode pairs them, prefills of prefill context parallelism (PCP): PCP 2 sharded
+//!   with DCP 2 (its PCP ranks its transfer ranks), and replicated PCP 2 (DCP 1), which a
+//!   decode of DCP 2 is refused with vLLM's reason;
 //! - a Python decode of DCP 1 and one of DCP 2 (its own reading of the DCP slicing, a
 //!   rank at a time) read a Rust prefill of DCP 2, every byte checked, and the prefill
 //!   frees the request on their notifications, long before its lease ends.
@@ -29,10 +32,10 @@ use vllm_peer_support::{
 use vllm_support::factors;
 
 /// The request: 7 global positions (the last block part full), its block list on the
-/// prefill (DCP 2: 4 blocks) and on the decode (7 blocks at DCP 1, 4 at DCP 2).
+/// prefill and on the decode (the first 7 at DCP 1, 4 at DCP 2).
 const TOKENS: usize = 6 * 16 + 11;
 const POSITIONS: usize = 7;
-const REMOTE: [usize; 4] = [3, 9, 14, 6];
+const REMOTE: [usize; 7] = [3, 9, 14, 6, 11, 12, 7];
 const LOCAL: [usize; 7] = [0, 1, 2, 4, 5, 8, 10];
 
 /// The MLA cache both sides register: 2 layers of 16 blocks of 16 tokens (1 KiB blocks).
@@ -73,40 +76,66 @@ fn engine(id: &str, dcp: usize) -> (Vec<KvConnectorWorker>, KvConnectorScheduler
     (workers, KvConnectorScheduler::new(config))
 }
 
-/// A Rust decode of DCP `dcp` reads a Python prefill of DCP 2.
-async fn rust_decode_reads_python_prefill(dcp: usize) {
+/// A Python prefill of `pdcp` transfer ranks of DCP `pdcp` and PCP `pcp` (vLLM's
+/// `transfer_tp_size`, the params' `tp_size`), and a Rust decode's scheduled load of it
+/// into the ranks of DCP `dcp`: the peer, the decode's ranks and scheduler, its block list.
+fn python_prefill_and_rust_decode(
+    (pdcp, pcp): (usize, usize),
+    dcp: usize,
+) -> (
+    VllmPeer,
+    Vec<KvConnectorWorker>,
+    KvConnectorScheduler,
+    &'static [usize],
+) {
     let mut peer = VllmPeer::start();
     let hash = factors().hash();
-    let engine_id = format!("py-dcp-{dcp}");
+    let engine_id = format!("py-dcp-{pdcp}-{pcp}-{dcp}");
     let prefill = peer.json(&format!(
-        "kv_dcp_prefill {hash} {engine_id} 2 {REGIONS} {BLOCKS} {BLOCK_LEN} 16"
+        "kv_dcp_prefill {hash} {engine_id} {pdcp} {REGIONS} {BLOCKS} {BLOCK_LEN} 16 {pcp}"
     ));
     let port = prefill["port"].as_u64().unwrap();
+    let remote = &REMOTE[..POSITIONS.div_ceil(pdcp)];
     let json = serde_json::json!({
         "do_remote_prefill": true, "do_remote_decode": false,
-        "remote_block_ids": [REMOTE], "remote_engine_id": engine_id,
+        "remote_block_ids": [remote], "remote_engine_id": engine_id,
         "remote_host": "127.0.0.1", "remote_port": port, "remote_request_id": "py-dcp-req",
-        "tp_size": 2, "dcp_size": 2, "pp_size": 1, "remote_num_tokens": TOKENS,
+        "tp_size": pdcp, "dcp_size": pdcp, "pp_size": 1, "remote_num_tokens": TOKENS,
         "remote_blocks_expiry_time": null, "transfer_mode": "pull",
     });
     let params = KvTransferParams::from_vllm_json(&json.to_string()).unwrap();
-    let (decodes, mut scheduler) = engine(&format!("rs-decode-dcp-{dcp}"), dcp);
+    let (decodes, mut scheduler) = engine(&format!("rs-decode-{pdcp}-{pcp}-{dcp}"), dcp);
     let list = &LOCAL[..POSITIONS.div_ceil(dcp)];
     scheduler.on_new_request("req", Some(&params));
     scheduler
         .update_state_after_alloc("req", list, &params)
         .unwrap();
+    (peer, decodes, scheduler, list)
+}
+
+/// Steps `scheduler` until its one load ends.
+async fn load_outcome(
+    scheduler: &mut KvConnectorScheduler,
+    decodes: &[KvConnectorWorker],
+) -> LoadOutcome {
     let started = Instant::now();
-    let outcome = loop {
-        if let Some(outcome) = scheduler.step(&decodes).unwrap().load_outcomes.pop() {
-            break outcome;
+    loop {
+        if let Some(outcome) = scheduler.step(decodes).unwrap().load_outcomes.pop() {
+            return outcome;
         }
         assert!(started.elapsed() < Duration::from_secs(10), "no load end");
         tokio::time::sleep(Duration::from_millis(5)).await;
-    };
+    }
+}
+
+/// A Rust decode of DCP `dcp` reads a Python prefill of `pdcp` transfer ranks of DCP
+/// `pdcp` and PCP `pcp`.
+async fn rust_decode_reads_python_prefill((pdcp, pcp): (usize, usize), dcp: usize) {
+    let (mut peer, decodes, mut scheduler, list) = python_prefill_and_rust_decode((pdcp, pcp), dcp);
+    let outcome = load_outcome(&mut scheduler, &decodes).await;
     assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
     // Decode rank k's block at list index i holds position i * dcp + k, from the prefill
-    // rank g % 2's block g / 2.
+    // rank g % pdcp's block g / pdcp.
     for (k, decode) in decodes.iter().enumerate() {
         let cache = decode.kv_caches().unwrap();
         for region in 0..REGIONS {
@@ -118,7 +147,10 @@ async fn rust_decode_reads_python_prefill(dcp: usize) {
                     .filter(|&g| g < POSITIONS);
                 let want: Vec<u8> = match position {
                     Some(g) => (0..BLOCK_LEN)
-                        .map(|o| python_byte_of(g % 2, region, REMOTE[g / 2] * BLOCK_LEN + o))
+                        .map(|o| {
+                            let i = REMOTE[g / pdcp] * BLOCK_LEN + o;
+                            python_byte_of(g % pdcp, region, i)
+                        })
                         .collect(),
                     None => vec![0; BLOCK_LEN],
                 };
@@ -132,10 +164,10 @@ async fn rust_decode_reads_python_prefill(dcp: usize) {
         }
     }
     // Each prefill rank hears once, saying one consumer (vLLM's dcp_consumer_count: an
-    // unsharded reader's TP, or the ratio of equal DCP sizes).
+    // unsharded reader's TP, the ratio of equal DCP sizes, or of TP sizes).
     let mut done = Vec::new();
     let started = Instant::now();
-    while done.len() < 2 && started.elapsed() < Duration::from_secs(10) {
+    while done.len() < pdcp && started.elapsed() < Duration::from_secs(10) {
         for note in peer.json("kv_dcp_notifs 1 1").as_array().unwrap() {
             if note["vllm"].get("hb").is_none() {
                 done.push(note.clone());
@@ -144,7 +176,7 @@ async fn rust_decode_reads_python_prefill(dcp: usize) {
     }
     let mut ranks: Vec<u64> = done.iter().map(|n| n["rank"].as_u64().unwrap()).collect();
     ranks.sort_unstable();
-    assert_eq!(ranks, [0, 1], "{done:?}");
+    assert_eq!(ranks, (0..pdcp as u64).collect::<Vec<_>>(), "{done:?}");
     for note in &done {
         assert_eq!(
             note["vllm"],
@@ -155,12 +187,41 @@ async fn rust_decode_reads_python_prefill(dcp: usize) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rust_decode_of_dcp_1_reads_a_python_prefill_of_dcp_2() {
-    rust_decode_reads_python_prefill(1).await;
+    rust_decode_reads_python_prefill((2, 1), 1).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rust_decode_of_dcp_2_reads_a_python_prefill_of_dcp_2() {
-    rust_decode_reads_python_prefill(2).await;
+    rust_decode_reads_python_prefill((2, 1), 2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rust_decode_reads_a_python_prefill_of_pcp_2_sharded_with_dcp_2() {
+    // vLLM's PCP+DCP prefill (TP 1): its transfer ranks are its 2 PCP ranks, each a DCP rank.
+    rust_decode_reads_python_prefill((2, 2), 1).await;
+    rust_decode_reads_python_prefill((2, 2), 2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rust_decode_reads_a_replicated_pcp_prefill_and_refuses_it_when_sharded() {
+    // vLLM's replicated PCP prefill: PCP rank 0 of its TP rank serves the whole request.
+    rust_decode_reads_python_prefill((1, 2), 1).await;
+    // A decode of DCP 2 is refused it, with vLLM's reason, before any READ.
+    let (_peer, decodes, mut scheduler, list) = python_prefill_and_rust_decode((1, 2), 2);
+    let reason = match load_outcome(&mut scheduler, &decodes).await {
+        LoadOutcome::Failed { reason, .. } | LoadOutcome::Recompute { reason, .. } => reason,
+        other => panic!("{other:?}"),
+    };
+    let vllm = "Replicated PCP cannot be paired with a DCP-sharded NIXL peer. Local PCP/DCP=1/2; remote PCP/DCP=2/1.";
+    assert!(reason.contains(vllm), "{reason}");
+    for decode in &decodes {
+        let cache = decode.kv_caches().unwrap();
+        for &block in list {
+            let mut got = vec![0u8; BLOCK_LEN];
+            cache.read(0, block * BLOCK_LEN, &mut got).unwrap();
+            assert!(got.iter().all(|&b| b == 0), "block {block} untouched");
+        }
+    }
 }
 
 /// A Python decode of DCP `dcp` (each rank in turn) reads a Rust prefill of DCP 2.
@@ -184,7 +245,7 @@ async fn python_decode_reads_rust_prefill(dcp: usize) {
     };
     let done = scheduler.request_finished(
         "rs-req",
-        &REMOTE,
+        &REMOTE[..POSITIONS.div_ceil(2)],
         TOKENS,
         Some(&for_decode),
         FinishStatus::LengthCapped,

@@ -98,11 +98,13 @@ A prefill and a decode with NIXL's Python agent (DRAM, UCX), as vLLM's run them:
 Decode context parallelism (DCP, vLLM 0.33's NixlConnector with an MLA cache): an engine of
 DCP = TP ranks, rank r holding the request's global block positions r, r + DCP, ..., the
 j-th block of the request's list (the same on every rank) holding position j * DCP + r.
-  kv_dcp_prefill HASH ENGINE DCP REGIONS BLOCKS BLOCK_LEN BLOCK_SIZE
+  kv_dcp_prefill HASH ENGINE DCP REGIONS BLOCKS BLOCK_LEN BLOCK_SIZE [PCP]
                                DCP agents, rank r registering REGIONS buffers of BLOCKS
                                blocks (byte i of region g: kv_byte(g, i, SALT=r)), and one
                                ROUTER serving rank (0, r)'s NixlAgentMetadata with dcp_size
-                               DCP -> JSON {port, agents}
+                               DCP and pcp_size PCP (default 1): with PCP = DCP, vLLM's
+                               PCP+DCP prefill (its transfer ranks are its PCP ranks); with
+                               DCP 1, rank 0 of a replicated PCP prefill -> JSON {port, agents}
   kv_dcp_notifs N SECONDS      the DCP prefill's next N notifications to any rank, waiting at
                                most SECONDS -> JSON [{rank, from, vllm}] in arrival order
   kv_dcp_decode HEXPARAMS HASH DCP RANK CONSUMERS
@@ -789,7 +791,7 @@ def kv_load(params, local_hash, consumers):
     return {"data": data.hex(), "handshaken": handshaken, "generation": generation}
 
 
-def kv_dcp_prefill(hash_, engine, dcp, regions, blocks, block_len, block_size):
+def kv_dcp_prefill(hash_, engine, dcp, regions, blocks, block_len, block_size, pcp=1):
     from nixl_cu12 import nixl_agent
 
     payloads, names = {}, []
@@ -815,6 +817,7 @@ def kv_dcp_prefill(hash_, engine, dcp, regions, blocks, block_len, block_size):
             region_names=[f"model.layers.{g}.self_attn.attn" for g in range(regions)],
             region_mem_types=["DRAM"] * regions,
             dcp_size=dcp,
+            pcp_size=pcp,
         )
         payloads[(0, rank)] = encode_payload(hash_, meta, False)
         dcp_prefill["ranks"].append((agent, bufs, reg))
@@ -978,7 +981,7 @@ def main():
             got = kv_heartbeat(int(args[0]), args[1], args[2] == "1", args[3], int(args[4]), args[5])
             answer(json.dumps(got))
         elif cmd == "kv_dcp_prefill":
-            nums = [int(x) for x in args[2:7]]
+            nums = [int(x) for x in args[2:8]]
             answer(json.dumps(kv_dcp_prefill("" if args[0] == "-" else args[0], args[1], *nums)))
         elif cmd == "kv_dcp_notifs":
             answer(json.dumps(kv_dcp_notifs(int(args[0]), float(args[1]))))

@@ -223,9 +223,12 @@ impl VllmWorker {
 }
 
 /// Why a reader of DCP size `local_dcp` (and no prefill context parallelism: a decode, as
-/// vLLM's consumers have none) does not read a vLLM peer of PCP and DCP sizes `remote`, if
-/// it does not: vLLM's reasons (`_validate_remote_parallel_config`) where vLLM refuses the
-/// pair, else this connector's, which reads no PCP peer.
+/// vLLM's consumers have none) does not read a vLLM prefill of PCP and DCP sizes `remote`,
+/// if it does not, with vLLM's reasons (`_validate_remote_parallel_config`): PCP+DCP that
+/// does not span the PCP group, or replicated PCP (DCP 1) against a DCP-sharded reader.
+/// What vLLM pairs is read as the prefill presents it: a PCP+DCP prefill as its PCP ranks,
+/// each a DCP rank (its params' `tp_size` is the PCP size, vLLM's `transfer_tp_size`); a
+/// replicated one as its TP ranks (its PCP rank 0 serves the KV, the others free at once).
 fn pcp_refusal(local_dcp: u64, (remote_pcp, remote_dcp): (u64, u64)) -> Option<String> {
     if remote_pcp <= 1 {
         return None;
@@ -233,10 +236,7 @@ fn pcp_refusal(local_dcp: u64, (remote_pcp, remote_dcp): (u64, u64)) -> Option<S
     if remote_dcp != 1 && remote_dcp != remote_pcp {
         return Some(format!("Remote NixlConnector PCP+DCP does not span the full PCP group. Remote PCP/DCP={remote_pcp}/{remote_dcp}."));
     }
-    if remote_dcp == 1 && local_dcp > 1 {
-        return Some(format!("Replicated PCP cannot be paired with a DCP-sharded NIXL peer. Local PCP/DCP=1/{local_dcp}; remote PCP/DCP={remote_pcp}/{remote_dcp}."));
-    }
-    Some(format!("a prefill of prefill context parallelism (PCP/DCP={remote_pcp}/{remote_dcp}) is not read by this connector (vLLM 0.33 reads it; not built here)"))
+    (remote_dcp == 1 && local_dcp > 1).then(|| format!("Replicated PCP cannot be paired with a DCP-sharded NIXL peer. Local PCP/DCP=1/{local_dcp}; remote PCP/DCP={remote_pcp}/{remote_dcp}."))
 }
 
 /// The partition of a peer of `pp_size` stages whose handshake does not say it (vLLM's
@@ -282,7 +282,7 @@ mod tests {
     }
 
     #[test]
-    fn a_pcp_peer_is_refused_with_vllms_reason_where_vllm_refuses_it() {
+    fn a_pcp_peer_is_read_where_vllm_reads_it_and_refused_with_its_reason_elsewhere() {
         assert_eq!(pcp_refusal(2, (1, 2)), None);
         let spans = pcp_refusal(1, (4, 2)).unwrap();
         assert!(
@@ -291,9 +291,10 @@ mod tests {
         );
         let replicated = pcp_refusal(2, (2, 1)).unwrap();
         assert!(replicated.contains("Replicated PCP cannot be paired with a DCP-sharded NIXL peer. Local PCP/DCP=1/2; remote PCP/DCP=2/1."), "{replicated}");
-        for (local, remote) in [(1, (2, 1)), (2, (2, 2))] {
-            let ours = pcp_refusal(local, remote).unwrap();
-            assert!(ours.contains("not read by this connector"), "{ours}");
+        // What vLLM pairs: replicated PCP with an unsharded reader, PCP+DCP spanning the
+        // group with any reader.
+        for (local, remote) in [(1, (2, 1)), (2, (2, 2)), (1, (4, 4))] {
+            assert_eq!(pcp_refusal(local, remote), None);
         }
     }
 
