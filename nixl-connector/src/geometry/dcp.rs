@@ -97,7 +97,9 @@ impl DcpPair {
             let k = remote_size / local_size;
             let p = (remote_dcp_rank - self.local_rank) / local_size;
             let start_local = (p + k - local_cached % k) % k;
-            let start_remote = (local_cached + start_local - p) / k;
+            // Never below 0 (`start_local` is `p - local_cached` modulo `k`); saturating
+            // for a peer's absurd token count.
+            let start_remote = local_cached.saturating_add(start_local).saturating_sub(p) / k;
             let local = local_ids.iter().skip(start_local).step_by(k).copied();
             let remote = remote_ids.get(start_remote..).unwrap_or_default();
             (local.collect(), remote.to_vec())
@@ -105,7 +107,7 @@ impl DcpPair {
             // The remote rank holds `k` local ranks' positions; this one is the `c`-th.
             let k = local_size / remote_size;
             let c = (self.local_rank - remote_dcp_rank) / remote_size;
-            let start_remote = c + local_cached * k;
+            let start_remote = c.saturating_add(local_cached.saturating_mul(k));
             let remote = remote_ids.iter().skip(start_remote).step_by(k).copied();
             (local_ids.to_vec(), remote.collect())
         };
@@ -468,6 +470,19 @@ mod tests {
         }
         .mismatch()
         .is_none());
+    }
+
+    #[test]
+    fn a_peers_absurd_token_count_is_refused_not_a_panic() {
+        for (local, remote) in [(2, 4), (4, 2), (2, 2)] {
+            let pair = DcpPair::new(local, 1, remote).unwrap();
+            for total in [usize::MAX, usize::MAX / 2, usize::MAX - 1] {
+                for rank in 0..remote {
+                    let got = pair.load_pairs(&[1, 2], &[3, 4], rank, Some(total));
+                    assert!(got.is_err() || got.is_ok_and(|(l, _)| l.is_empty()));
+                }
+            }
+        }
     }
 
     #[test]

@@ -208,11 +208,11 @@ fn dcp_sizes(local: &HandshakeMessage, remote: &HandshakeMessage) -> DcpSizes {
 /// different sizes (vLLM pairs DCP positions block for block).
 fn dcp_mismatch(local: &HandshakeMessage, remote: &HandshakeMessage) -> Option<String> {
     let dcp = dcp_sizes(local, remote);
-    if !dcp.active() {
-        return None;
-    }
     if let Some(why) = dcp.mismatch() {
         return Some(why);
+    }
+    if !dcp.active() {
+        return None;
     }
     for (whose, message, size) in [("reader", local, dcp.local), ("source", remote, dcp.remote)] {
         if size > 1 && message.tp_size != size as u64 {
@@ -583,6 +583,7 @@ mod tests {
             &mla((0, 4), 2),
             "neither 1 nor its TP size 4",
         );
+        refused(&message((0, 1)), &mla((0, 1), 0), "each must be 1 to 256");
         let mha = HandshakeMessage {
             dcp_size: 2,
             ..message((0, 2))
