@@ -349,7 +349,11 @@ impl KvConnectorWorker {
     /// (a smaller decode TP), rank `r` at the side-channel port + `r`; with pipeline stages
     /// ([`RemoteBlocks::pp_size`]), those ranks of every stage (stage `s`'s at the port + `s`
     /// × TP size + `r`), each read for the layers it shares with this rank, or only
-    /// notified when it holds none. The handshake with each
+    /// notified when it holds none; with decode context parallelism on either engine
+    /// ([`RemoteBlocks::dcp_size`], [`WorkerConfig::dcp_size`](crate::WorkerConfig::dcp_size)),
+    /// the ranks holding positions of this rank's, each read for the positions both hold
+    /// past the prefix cache ([`DcpPair`](crate::DcpPair); `local_block_ids` run to the
+    /// request's end, as always), or only notified when they hold none. The handshake with each
     /// (once per remote engine and rank) runs as a task, and so do the READs until every
     /// handshake is done; after that, they are posted within this call (posts that finish
     /// the transfers end the load at once) and only their completion is awaited in a task.
@@ -520,9 +524,10 @@ impl KvConnectorWorker {
     /// `dcp_size` that hold this rank's share of a request: in every stage, the ranks of the
     /// [`TpMapping`](crate::TpMapping) (a stage holding none of this rank's layers is only
     /// notified; with DCP, the ranks holding positions of this rank's, see
-    /// [`TpMapping::with_dcp`](crate::TpMapping::with_dcp)). Each is numbered `pp_rank` × `tp_size` + `tp_rank` (its TP rank with one
-    /// stage), with the port its side channel listens on: rank 0's `port` + that number in
-    /// the native protocol, the engine's `port` in vLLM's.
+    /// [`TpMapping::with_dcp`](crate::TpMapping::with_dcp)). Each is numbered `pp_rank` ×
+    /// `tp_size` + `tp_rank` (its TP rank with one stage), with the port its side channel
+    /// listens on: rank 0's `port` + that number in the native protocol, the engine's
+    /// `port` in vLLM's.
     fn remote_ranks(
         &self,
         operation: &'static str,
