@@ -8,7 +8,10 @@
 //! `_apply_dcp_prefix_caching`), the ranks holding none of them are only notified, every
 //! byte of every decode rank is checked (the blocks read hold the prefill's positions,
 //! every other block stays zero), and the prefill frees the request once every reader
-//! notified (vLLM's `dcp_consumer_count`).
+//! notified (vLLM's `dcp_consumer_count`). Without a prefix hit, then the next turn
+//! (multi-turn read-backs on): the decode keeps the request and the prefill reads it back
+//! from the decode's DCP ranks, every position checked, the decode freeing it on the
+//! readers' notifications.
 //!
 //! Geometries (prefill → decode, `TP/DCP`): 2/2 → 1/1, 1/1 → 2/2, 2/2 → 2/2, 4/4 → 2/2,
 //! 2/2 → 4/4, 2/2 → 2/1, 4/4 → 1/1 and 1/1 → 4/4; prefix hits of 1 to 3 blocks; requests
@@ -40,6 +43,8 @@ const BLOCKS: usize = 16;
 /// the decode's.
 const REMOTE: [usize; 8] = [9, 3, 12, 5, 7, 1, 14, 10];
 const LOCAL: [usize; 8] = [2, 8, 4, 11, 6, 13, 0, 15];
+/// The prefill's blocks the next turn reads the decode's kept ones back into.
+const READ_BACK: [usize; 8] = [0, 2, 4, 6, 8, 11, 13, 15];
 
 /// One engine's parallel layout.
 #[derive(Clone, Copy, Debug)]
@@ -74,7 +79,7 @@ fn position_bytes(region: usize, position: usize) -> Vec<u8> {
 }
 
 /// A DRAM config of `protocol`, its lease (300 s) far past the tests' wait, so that only
-/// the readers' notifications free a request in time.
+/// the readers' notifications free a request in time; multi-turn read-backs on.
 fn kv(protocol: Protocol) -> KvTransferConfig {
     let mut kv = match protocol {
         Protocol::Native => cpu_config(),
@@ -82,6 +87,7 @@ fn kv(protocol: Protocol) -> KvTransferConfig {
     };
     let extra = &mut kv.kv_connector_extra_config;
     extra.insert("kv_lease_duration".into(), 300.into());
+    extra.insert("bidirectional_kv_xfer".into(), true.into());
     kv
 }
 
@@ -181,8 +187,56 @@ async fn pair(prefill: Side, decode: Side, tokens: usize, cached: usize, protoco
     dc.update_state_after_alloc("req", local, &params).unwrap();
     let loaded = transfer(&tag, (&mut dc, &decodes), (&mut pf, &prefills)).await;
     assert_eq!(loaded, "req", "{tag}: the decode's load");
-    // Every byte: each decode rank's block at list index `i` holds position `i * dcp +
-    // dcp_rank` when it is past the cache and in the request, every other block zero.
+    holds_positions(&tag, &decodes, decode, (list, cached), positions);
+    if cached > 0 {
+        return;
+    }
+    // The next turn: the decode keeps the request, and the prefill reads it back from the
+    // decode's DCP ranks into other blocks, which then hold every position again.
+    let kept = dc
+        .request_finished("req", list, tokens, None, FinishStatus::Stopped)
+        .kv_transfer_params
+        .expect("kept for the next turn");
+    let kept = match protocol {
+        Protocol::Native => kept,
+        Protocol::Vllm => KvTransferParams::from_vllm_json(&kept.to_vllm_json()).unwrap(),
+    };
+    let back = &READ_BACK[..positions.div_ceil(prefill.dcp)];
+    pf.on_new_request("turn-2", Some(&kept));
+    pf.update_state_after_alloc("turn-2", back, &kept).unwrap();
+    let loaded = transfer(&tag, (&mut pf, &prefills), (&mut dc, &decodes)).await;
+    assert_eq!(loaded, "turn-2", "{tag}: the read-back");
+    for (rank, worker) in prefills.iter().enumerate() {
+        let caches = worker.kv_caches().unwrap();
+        for (j, &block) in back.iter().enumerate() {
+            let position = j * prefill.dcp + rank % prefill.dcp;
+            if position >= positions {
+                continue;
+            }
+            for region in 0..LAYERS {
+                let len = TOKENS * LATENT;
+                let mut got = vec![0u8; len];
+                caches.read(region, block * len, &mut got).unwrap();
+                let want = position_bytes(region, position);
+                assert!(
+                    got == want,
+                    "{tag}: read back, rank {rank} region {region} block {block}"
+                );
+            }
+        }
+    }
+}
+
+/// Checks that each rank of `decodes` (an engine of `decode`) holds, at list index `i` of
+/// `list` past the `cached` first, position `i * dcp + dcp_rank` when it is in the request
+/// of `positions`, and zero in every other block.
+fn holds_positions(
+    tag: &str,
+    decodes: &[KvConnectorWorker],
+    decode: Side,
+    (list, cached): (&[usize], usize),
+    positions: usize,
+) {
     for (rank, worker) in decodes.iter().enumerate() {
         let dcp_rank = rank % decode.dcp;
         let caches = worker.kv_caches().unwrap();
