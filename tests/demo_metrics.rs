@@ -106,6 +106,7 @@ async fn the_connectors_series_move_in_a_scrape() {
         request_id: request.into(),
         tp_size: 1,
         pp_size: 1,
+        dcp_size: 1,
         num_tokens: None,
         blocks_expiry_time: None,
         registration_generation: None,

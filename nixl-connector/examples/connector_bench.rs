@@ -156,6 +156,7 @@ async fn measure(a: &Args, port: u16) -> nixl_connector::Result<()> {
         request_id: format!("r{i}"),
         tp_size: 1,
         pp_size: 1,
+        dcp_size: 1,
         num_tokens: None,
         blocks_expiry_time: None,
         registration_generation: None,

@@ -146,6 +146,13 @@ pub struct WorkerConfig {
     /// rank, in vLLM's the engine's side channel serves it as `(s, tp_rank)`. A model of
     /// one KV cache group only (as vLLM's pull mode).
     pub pipeline: Option<PipelineRank>,
+    /// The engine's decode context parallel size (vLLM's `decode_context_parallel_size`; 1:
+    /// none): 1 or the TP size, with an MLA cache of one KV cache group, as vLLM 0.33's
+    /// NixlConnector supports it. This rank is DCP rank `tp_rank % dcp_size` and holds the
+    /// request's blocks at global positions `dcp_rank`, `dcp_rank + dcp_size`, ...: block
+    /// `j` of a request's block list holds position `j * dcp_size + dcp_rank` (see
+    /// [`DcpPair`](crate::DcpPair)).
+    pub dcp_size: usize,
     /// vLLM's `kv_transfer_config`: the kv-buffer device and the backends.
     pub kv_transfer_config: KvTransferConfig,
     /// The platform the memory type is resolved for (see [`nixl::platform`]).
@@ -216,6 +223,7 @@ impl WorkerConfig {
             tp_rank,
             tp_size,
             pipeline: None,
+            dcp_size: 1,
             kv_transfer_config: kv,
             platform,
             side_channel: SocketAddr::from(([127, 0, 0, 1], 0)),

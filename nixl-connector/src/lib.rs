@@ -79,6 +79,11 @@
 //!   holding it, TP mapped as above inside each stage, and notifies every stage, so that a
 //!   prefill rank frees once every stage's reader is done (the README's "Pipeline
 //!   parallelism").
+//! - **Decode context parallelism** ([`WorkerConfig::dcp_size`], [`DcpPair`]): an MLA cache
+//!   sharded over the TP ranks, rank `r` holding the request's global block positions `r`,
+//!   `r + dcp_size`, ...; a decode rank reads each position it holds from the prefill rank
+//!   holding it, and ranks meeting none of its positions are only notified (the README's
+//!   "Decode context parallelism").
 //!
 //! The [`ReadPlan`] of each remote rank says which bytes of a local block come from where;
 //! a vLLM handshake's `NixlAgentMetadata` (`block_lens`, `block_size`, `num_blocks`,
@@ -289,7 +294,7 @@ pub use worker::host_buffer;
 pub use config::{LoadFailurePolicy, MetadataExchange, Protocol, WorkerConfig, PROTOCOL_KEY};
 pub use error::{Error, Result};
 pub use failure::{FailedBlock, FailureKind};
-pub use geometry::dcp::{DcpPair, MAX_DCP_SIZE};
+pub use geometry::dcp::{DcpPair, DcpSizes, MAX_DCP_SIZE};
 pub use geometry::groups::{KvCacheGroupKind, KvCacheGroups, KV_CACHE_GROUPS_KEY, SHARED_REGION};
 pub use geometry::pipeline::{PipelineRank, PipelineStages, StageSource, MAX_PP_SIZE};
 pub use geometry::read_plan::{Piece, ReadPlan, RegionPlan};

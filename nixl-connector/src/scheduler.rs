@@ -101,6 +101,10 @@ pub struct SchedulerConfig {
     /// [`update_connector_output`](KvConnectorScheduler::update_connector_output), and the
     /// params a decode gets say it (`pp_size`).
     pub pp_size: usize,
+    /// This engine's decode context parallel size (1: none; see
+    /// [`WorkerConfig::dcp_size`](crate::WorkerConfig::dcp_size)): the params a decode gets
+    /// say it (`dcp_size`).
+    pub dcp_size: usize,
     /// The KV lease of held requests, and the heartbeat interval of waiting loads.
     pub lease: Lease,
     /// What happens to a request whose load failed.
@@ -141,6 +145,7 @@ impl SchedulerConfig {
             port,
             tp_size,
             pp_size: 1,
+            dcp_size: 1,
             lease: Lease::from_kv_transfer_config(kv_transfer_config)?,
             load_failure_policy: LoadFailurePolicy::from_kv_transfer_config(kv_transfer_config)?,
             multi_turn: MultiTurn::from_kv_transfer_config(kv_transfer_config)?,
@@ -620,11 +625,12 @@ impl KvConnectorScheduler {
                 remote_registration_generation: (self.registered_again > 0)
                     .then_some(self.registered_again),
                 remote_pp_size: (config.pp_size > 1).then_some(config.pp_size),
+                remote_dcp_size: (config.dcp_size > 1).then_some(config.dcp_size),
                 ..params
             },
             Protocol::Vllm => KvTransferParams {
                 remote_num_tokens: Some(num_tokens.unwrap_or(0)),
-                remote_dcp_size: Some(1),
+                remote_dcp_size: Some(config.dcp_size),
                 remote_pp_size: Some(config.pp_size),
                 remote_registration_generation: Some(registration_generation(config)),
                 transfer_mode: Some("pull".to_string()),
@@ -709,6 +715,7 @@ impl KvConnectorScheduler {
                     port: remote.port,
                     tp_size: remote.tp_size,
                     pp_size: remote.pp_size,
+                    dcp_size: remote.dcp_size,
                     request_ids: Vec::new(),
                     capabilities: Vec::new(),
                 });
@@ -836,6 +843,7 @@ mod tests {
             port: 5600,
             tp_size: 2,
             pp_size: 1,
+            dcp_size: 1,
             lease: Lease::new(Duration::from_secs(3)).unwrap(),
             load_failure_policy: policy,
             multi_turn: MultiTurn::default(),

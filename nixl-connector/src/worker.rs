@@ -14,6 +14,7 @@ use tokio::task::JoinHandle;
 use crate::config::{MetadataExchange, Protocol, WorkerConfig};
 use crate::error::{Error, Result};
 use crate::failure::{FailedBlock, FailureKind};
+use crate::geometry::dcp::{DcpSizes, MAX_DCP_SIZE};
 use crate::geometry::groups::KvCacheGroups;
 use crate::geometry::pipeline::MAX_PP_SIZE;
 use crate::geometry::tp_mapping::TpMapping;
@@ -136,7 +137,8 @@ impl KvConnectorWorker {
             settings.lease,
             context.series.clone(),
             context.guard.readers.clone(),
-        );
+        )
+        .with_own_dcp(context.config.dcp_size);
         let shared = Arc::new(Shared {
             context,
             caches: CurrentCaches::default(),
@@ -347,7 +349,11 @@ impl KvConnectorWorker {
     /// (a smaller decode TP), rank `r` at the side-channel port + `r`; with pipeline stages
     /// ([`RemoteBlocks::pp_size`]), those ranks of every stage (stage `s`'s at the port + `s`
     /// × TP size + `r`), each read for the layers it shares with this rank, or only
-    /// notified when it holds none. The handshake with each
+    /// notified when it holds none; with decode context parallelism on either engine
+    /// ([`RemoteBlocks::dcp_size`], [`WorkerConfig::dcp_size`](crate::WorkerConfig::dcp_size)),
+    /// the ranks holding positions of this rank's, each read for the positions both hold
+    /// past the prefix cache ([`DcpPair`](crate::DcpPair); `local_block_ids` run to the
+    /// request's end, as always), or only notified when they hold none. The handshake with each
     /// (once per remote engine and rank) runs as a task, and so do the READs until every
     /// handshake is done; after that, they are posted within this call (posts that finish
     /// the transfers end the load at once) and only their completion is awaited in a task.
@@ -389,7 +395,8 @@ impl KvConnectorWorker {
                 format!("request {request_id:?}: local block {bad} of {num_blocks} blocks"),
             ));
         }
-        let ranks = self.remote_ranks(OP, remote.port, (remote.pp_size, remote.tp_size))?;
+        let sizes = (remote.pp_size, remote.tp_size, remote.dcp_size);
+        let ranks = self.remote_ranks(OP, remote.port, sizes)?;
         self.forget_older_registration(remote);
         let load = crate::worker::load::Load {
             request_id: request_id.to_string(),
@@ -497,7 +504,7 @@ impl KvConnectorWorker {
     ) -> Result<()> {
         const OP: &str = "handshake with a remote engine";
         self.caches(OP)?;
-        let ranks = self.remote_ranks(OP, port, (1, tp_size))?;
+        let ranks = self.remote_ranks(OP, port, (1, tp_size, 1))?;
         let engine = Engine {
             id: engine_id,
             host,
@@ -513,21 +520,27 @@ impl KvConnectorWorker {
             .try_for_each(|done| done.map(drop))
     }
 
-    /// The ranks of a remote engine of `pp_size` stages of TP `tp_size` that hold this
-    /// rank's share of a request: in every stage, the ranks of the
+    /// The ranks of a remote engine of `pp_size` stages of TP `tp_size` and DCP size
+    /// `dcp_size` that hold this rank's share of a request: in every stage, the ranks of the
     /// [`TpMapping`](crate::TpMapping) (a stage holding none of this rank's layers is only
-    /// notified). Each is numbered `pp_rank` × `tp_size` + `tp_rank` (its TP rank with one
-    /// stage), with the port its side channel listens on: rank 0's `port` + that number in
-    /// the native protocol, the engine's `port` in vLLM's.
+    /// notified; with DCP, the ranks holding positions of this rank's, see
+    /// [`TpMapping::with_dcp`](crate::TpMapping::with_dcp)). Each is numbered `pp_rank` ×
+    /// `tp_size` + `tp_rank` (its TP rank with one stage), with the port its side channel
+    /// listens on: rank 0's `port` + that number in the native protocol, the engine's
+    /// `port` in vLLM's.
     fn remote_ranks(
         &self,
         operation: &'static str,
         port: u16,
-        (pp_size, tp_size): (usize, usize),
+        (pp_size, tp_size, dcp_size): (usize, usize, usize),
     ) -> Result<Vec<(usize, u16)>> {
         let config = &self.shared.config;
         let attention = self.caches(operation)?.spec.attention;
-        let mapping = TpMapping::new(config.tp_rank, config.tp_size, tp_size, attention)?;
+        let dcp = DcpSizes {
+            local: config.dcp_size,
+            remote: dcp_size,
+        };
+        let mapping = TpMapping::with_dcp(config.tp_rank, config.tp_size, tp_size, attention, dcp)?;
         if !(1..=MAX_PP_SIZE).contains(&pp_size) {
             return Err(Error::invalid(
                 operation,
@@ -625,8 +638,8 @@ impl KvConnectorWorker {
     /// leases its waiting requests are kept by.
     fn send_heartbeat(&self, heartbeat: &HeartbeatSpec) {
         const OP: &str = "send a heartbeat";
-        let stages = (heartbeat.pp_size, heartbeat.tp_size);
-        let ranks = match self.remote_ranks(OP, heartbeat.port, stages) {
+        let sizes = (heartbeat.pp_size, heartbeat.tp_size, heartbeat.dcp_size);
+        let ranks = match self.remote_ranks(OP, heartbeat.port, sizes) {
             Ok(ranks) => ranks,
             Err(err) => {
                 tracing::warn!(engine = %heartbeat.engine_id, %err, "no heartbeat sent");
@@ -927,6 +940,7 @@ fn context(config: WorkerConfig, settings: &Settings) -> Result<Context> {
     let protocol = settings.protocol;
     let groups = KvCacheGroups::from_kv_transfer_config(&config.kv_transfer_config)?;
     check_pipeline(&config, &groups)?;
+    check_dcp(&config, &groups)?;
     #[cfg(feature = "vllm")]
     let vllm = match protocol {
         Protocol::Native => None,
@@ -975,6 +989,33 @@ fn check_pipeline(config: &WorkerConfig, groups: &KvCacheGroups) -> Result<()> {
         return Err(Error::invalid(
             OP,
             "NixlConnector (pull) does not support pipeline_parallel_size > 1 with hybrid KV cache layouts (HMA): vLLM 0.33 refuses it, and so does this connector",
+        ));
+    }
+    Ok(())
+}
+
+/// Refuses a DCP size the connector does not pair (vLLM 0.33's NixlConnector's bounds): 0 or
+/// more than [`MAX_DCP_SIZE`], neither 1 nor the TP size (vLLM shards
+/// a cache over every TP rank or none), or several KV cache groups (not supported here).
+fn check_dcp(config: &WorkerConfig, groups: &KvCacheGroups) -> Result<()> {
+    const OP: &str = "create the connector worker";
+    let (dcp, tp) = (config.dcp_size, config.tp_size);
+    if !(1..=MAX_DCP_SIZE).contains(&dcp) {
+        return Err(Error::invalid(
+            OP,
+            format!("dcp_size {dcp}: 1 to {MAX_DCP_SIZE}"),
+        ));
+    }
+    if dcp > 1 && dcp != tp {
+        return Err(Error::invalid(
+            OP,
+            format!("dcp_size {dcp} with TP size {tp}: vLLM's NixlConnector supports a DCP size of 1 or the TP size (a cache sharded over every TP rank or none)"),
+        ));
+    }
+    if dcp > 1 && groups.len() > 1 {
+        return Err(Error::invalid(
+            OP,
+            format!("dcp_size {dcp} with {} KV cache groups: decode context parallelism is supported for one group only", groups.len()),
         ));
     }
     Ok(())

@@ -414,6 +414,7 @@ async fn a_load_from_no_stage_or_too_many_is_refused() {
     for pp_size in [0, nixl_connector::MAX_PP_SIZE + 1] {
         let remote = RemoteBlocks {
             pp_size,
+            dcp_size: 1,
             ..common::remote(&decode, "pf", "req", vec![1], 1)
         };
         let err = decode.start_load("req", &[1], &remote).unwrap_err();

@@ -133,6 +133,7 @@ async fn heartbeats_still_reach_an_engine_whose_read_passed_the_timeout() {
             port,
             tp_size: 1,
             pp_size: 1,
+            dcp_size: 1,
             request_ids: vec!["p-waiting".into()],
             capabilities: vec![Some(common::capability())],
         }],

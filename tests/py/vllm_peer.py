@@ -1,8 +1,9 @@
 """A peer speaking vLLM 0.33's NixlConnector side-channel protocol with vLLM's own wire
 libraries (pyzmq, msgspec), written from the wire format, driven line by line over stdin.
 
-Used by tests/vllm_protocol.rs and tests/vllm_multi_turn.rs. Each command line gets one
-answer line starting "@@ ". Arguments are hex where they could hold spaces.
+Used by tests/vllm_protocol.rs, tests/vllm_multi_turn.rs, tests/vllm_pipeline.rs and
+tests/vllm_dcp.rs. Each command line gets one answer line starting "@@ ". Arguments are hex
+where they could hold spaces.
 
   serve HASH RANKS EXTRA BIG   a ROUTER answering get_meta_msg as vLLM's listener does,
                                for RANKS ("0:0,0:1"), under HASH ("-" for empty); EXTRA 1
@@ -94,6 +95,29 @@ A prefill and a decode with NIXL's Python agent (DRAM, UCX), as vLLM's run them:
                                a decode (handshake as kv_decode's) waiting for COUNT requests:
                                one vLLM heartbeat naming PREFIX-0 ... PREFIX-(COUNT-1), each
                                left-padded with 'x' to 48 characters -> JSON {bytes}
+
+Decode context parallelism (DCP, vLLM 0.33's NixlConnector with an MLA cache): an engine of
+DCP = TP ranks, rank r holding the request's global block positions r, r + DCP, ..., the
+j-th block of the request's list (the same on every rank) holding position j * DCP + r.
+  kv_dcp_prefill HASH ENGINE DCP REGIONS BLOCKS BLOCK_LEN BLOCK_SIZE [PCP]
+                               DCP agents, rank r registering REGIONS buffers of BLOCKS
+                               blocks (byte i of region g: kv_byte(g, i, SALT=r)), and one
+                               ROUTER serving rank (0, r)'s NixlAgentMetadata with dcp_size
+                               DCP and pcp_size PCP (default 1): with PCP = DCP, vLLM's
+                               PCP+DCP prefill (its transfer ranks are its PCP ranks); with
+                               DCP 1, rank 0 of a replicated PCP prefill -> JSON {port, agents}
+  kv_dcp_notifs N SECONDS      the DCP prefill's next N notifications to any rank, waiting at
+                               most SECONDS -> JSON [{rank, from, vllm}] in arrival order
+  kv_dcp_decode HEXPARAMS HASH DCP RANK CONSUMERS
+                               one rank (RANK of DCP) of a decode reading the request of the
+                               JSON kv_transfer_params HEXPARAMS from a prefill of its tp_size
+                               and dcp_size: a handshake with each remote rank whose positions
+                               may meet its own (its metadata's dcp_size checked against the
+                               params'), one READ of every region of the blocks of the
+                               positions both hold with the notification "REQ:CONSUMERS", or
+                               that notification alone when they hold none in common
+                               -> JSON {positions: {g: HEX of every region's block}, read:
+                               {remote rank: blocks}, notified_only: [remote ranks]}
   quit
 """
 
@@ -159,6 +183,8 @@ heartbeat_agents = []
 # The kv_load decode: its agent, the remote engines it loaded (engine id -> (remote agent
 # name, metadata)) and the registration generation it stored for each.
 puller = {"agent": None, "engines": {}, "generations": {}}
+# The DCP prefill: its ranks' agents, buffers and registrations, and notifications taken.
+dcp_prefill = {"ranks": [], "notifs": []}
 
 
 def answer(value):
@@ -594,15 +620,15 @@ def kv_notifs(count, seconds):
     return out
 
 
-def fetch_meta(port, local_hash, enforce, engine):
-    """vLLM's decode handshake with rank (0, 0) of the ROUTER at PORT: get_meta_msg, the hash
+def fetch_meta(port, local_hash, enforce, engine, tp=0):
+    """vLLM's decode handshake with rank (0, TP) of the ROUTER at PORT: get_meta_msg, the hash
     checked before the metadata is decoded -> (metadata, reply frames, clock offset) or a
     dict saying why not. The clock offset is vLLM's estimate of the remote perf_counter
     less ours: the remote's timestamp less the midpoint of the round trip."""
     sock = req(port, 5000)
     try:
         start = time.perf_counter()
-        sock.send(msgspec.msgpack.encode((GET_META_MSG, 0, 0)))
+        sock.send(msgspec.msgpack.encode((GET_META_MSG, 0, tp)))
         parts = sock.recv_multipart()
         offset = msgspec.msgpack.decode(parts[1]) - (start + time.perf_counter()) / 2
     except zmq.Again:
@@ -766,6 +792,117 @@ def kv_load(params, local_hash, consumers):
     return {"data": data.hex(), "handshaken": handshaken, "generation": generation}
 
 
+def kv_dcp_prefill(hash_, engine, dcp, regions, blocks, block_len, block_size, pcp=1):
+    from nixl_cu12 import nixl_agent
+
+    payloads, names = {}, []
+    for rank in range(dcp):
+        name = f"py-dcp-prefill-{os.getpid()}-{rank}"
+        agent = nixl_agent(name)
+        bufs, reg = register_kv(agent, regions, blocks * block_len, rank)
+        meta = NixlAgentMetadata(
+            engine_id=engine,
+            agent_metadata=agent.get_agent_metadata(),
+            kv_caches_base_addr=[b.ctypes.data for b in bufs],
+            device_id=0,
+            num_blocks=blocks,
+            block_lens=[block_len] * regions,
+            block_strides=[block_len] * regions,
+            kv_cache_layout="LBHNC",
+            block_size=block_size,
+            ssm_sizes=(0, 0),
+            attn_backend_name="FLASH_ATTN",
+            physical_blocks_per_logical_kv_block=1,
+            region_num_blocks=[blocks] * regions,
+            region_group_ids=[0] * regions,
+            region_names=[f"model.layers.{g}.self_attn.attn" for g in range(regions)],
+            region_mem_types=["DRAM"] * regions,
+            dcp_size=dcp,
+            pcp_size=pcp,
+        )
+        payloads[(0, rank)] = encode_payload(hash_, meta, False)
+        dcp_prefill["ranks"].append((agent, bufs, reg))
+        names.append(name)
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+
+    def loop():
+        while True:
+            identity, _, msg = sock.recv_multipart()
+            tag, pp, tp = msgspec.msgpack.decode(msg)
+            assert tag == GET_META_MSG and (pp, tp) in payloads, (tag, pp, tp)
+            ts = msgspec.msgpack.encode(time.perf_counter())
+            sock.send_multipart((identity, b"", payloads[(pp, tp)], ts))
+
+    threading.Thread(target=loop, daemon=True).start()
+    return {"port": port, "agents": names}
+
+
+def kv_dcp_notifs(count, seconds):
+    notifs = dcp_prefill["notifs"]
+    deadline = time.monotonic() + seconds
+    while len(notifs) < count and time.monotonic() < deadline:
+        for rank, (agent, _, _) in enumerate(dcp_prefill["ranks"]):
+            for sender, notes in agent.get_new_notifs().items():
+                notifs.extend((rank, sender, n) for n in notes)
+        time.sleep(0.001)
+    taken, dcp_prefill["notifs"] = notifs[:count], notifs[count:]
+    return [{"rank": r, "from": s, "vllm": parse_notif(n)} for r, s, n in taken]
+
+
+def shared_positions(positions, mine, theirs):
+    """The global positions below POSITIONS that both ranks hold, each rank given as (DCP
+    size, DCP rank): position g lives on DCP rank g % size, as its block g // size."""
+    return [g for g in range(positions)
+            if g % mine[0] == mine[1] and g % theirs[0] == theirs[1]]
+
+
+def kv_dcp_decode(params, local_hash, dcp, rank, consumers):
+    from nixl_cu12 import nixl_agent
+
+    port, engine = params["remote_port"], params["remote_engine_id"]
+    remote_tp, remote_dcp = params["tp_size"], params.get("dcp_size", 1)
+    [remote_ids] = params["remote_block_ids"]
+    notif = f"{params['remote_request_id']}:{consumers}".encode()
+    decodes[0] += 1
+    agent = nixl_agent(f"py-dcp-decode-{os.getpid()}-{decodes[0]}")
+    # The remote ranks whose positions may meet ours: those of our DCP rank modulo the
+    # smaller DCP size (an unsharded side holds every position).
+    smaller = min(dcp, remote_dcp)
+    sources = [r for r in range(remote_tp) if r % smaller == rank % smaller]
+    out = {"positions": {}, "read": {}, "notified_only": []}
+    for r in sources:
+        got = fetch_meta(port, local_hash, True, engine, tp=r)
+        if isinstance(got, dict):
+            return got
+        meta = got[0]
+        if meta.dcp_size != remote_dcp:
+            return {"error": f"rank {r}: metadata dcp_size {meta.dcp_size}, params {remote_dcp}"}
+        remote = agent.add_remote_agent(meta.agent_metadata)
+        remote = remote.decode() if isinstance(remote, bytes) else remote
+        positions = -(-params["remote_num_tokens"] // meta.block_size)
+        shared = shared_positions(positions, (dcp, rank % dcp), (remote_dcp, r % remote_dcp))
+        if not shared:
+            agent.send_notif(remote, notif_msg=notif)
+            out["notified_only"].append(r)
+            continue
+        blocks = [remote_ids[g // remote_dcp] for g in shared]
+        data = read_blocks(agent, remote, meta, blocks, notif)
+        if isinstance(data, dict):
+            return data
+        # read_blocks lays the blocks out region by region.
+        lens = meta.block_lens
+        for i, g in enumerate(shared):
+            parts, at = [], 0
+            for length in lens:
+                parts.append(data[at + i * length: at + (i + 1) * length])
+                at += length * len(shared)
+            out["positions"][g] = b"".join(parts).hex()
+        out["read"][r] = len(shared)
+    return out
+
+
 def main():
     for line in sys.stdin:
         cmd, *args = line.split()
@@ -843,6 +980,15 @@ def main():
             answer(json.dumps(got))
         elif cmd == "kv_heartbeat":
             got = kv_heartbeat(int(args[0]), args[1], args[2] == "1", args[3], int(args[4]), args[5])
+            answer(json.dumps(got))
+        elif cmd == "kv_dcp_prefill":
+            nums = [int(x) for x in args[2:8]]
+            answer(json.dumps(kv_dcp_prefill("" if args[0] == "-" else args[0], args[1], *nums)))
+        elif cmd == "kv_dcp_notifs":
+            answer(json.dumps(kv_dcp_notifs(int(args[0]), float(args[1]))))
+        elif cmd == "kv_dcp_decode":
+            params = json.loads(bytes.fromhex(args[0]))
+            got = kv_dcp_decode(params, args[1], int(args[2]), int(args[3]), int(args[4]))
             answer(json.dumps(got))
         elif cmd == "quit":
             break

@@ -46,6 +46,7 @@ pub fn scheduler_config(
         port: worker.side_channel_addr()?.port(),
         tp_size: 1,
         pp_size: 1,
+        dcp_size: 1,
         // Longer than WAIT: kv_prefill's blocks are freed by the decode's notification.
         lease: Lease::new(2 * WAIT)?,
         load_failure_policy: LoadFailurePolicy::default(),

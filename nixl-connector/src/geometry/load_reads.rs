@@ -355,7 +355,14 @@ mod tests {
     #[test]
     fn blocks_of_one_geometry_pair_in_order_in_every_region() {
         let spec = spec(16);
-        let plan = ReadPlan::new(&spec, (0, 1), &spec, (0, 1)).unwrap();
+        let plan = ReadPlan::new(
+            &spec,
+            (0, 1),
+            &spec,
+            (0, 1),
+            crate::geometry::dcp::DcpSizes::NONE,
+        )
+        .unwrap();
         let groups = KvCacheGroups::default();
         let got = plan_read(&inputs(
             &plan,
@@ -387,7 +394,14 @@ mod tests {
         // Prefill blocks of 16 tokens, decode blocks of 32: remote 5 and 2 fill local 3's
         // halves, remote 7 the first half of local 6.
         let (small, large) = (spec(16), spec(32));
-        let plan = ReadPlan::new(&large, (0, 1), &small, (0, 1)).unwrap();
+        let plan = ReadPlan::new(
+            &large,
+            (0, 1),
+            &small,
+            (0, 1),
+            crate::geometry::dcp::DcpSizes::NONE,
+        )
+        .unwrap();
         let groups = KvCacheGroups::default();
         let got = plan_read(&inputs(
             &plan,
@@ -404,7 +418,14 @@ mod tests {
     #[test]
     fn a_peers_ids_past_either_cache_are_refused() {
         let spec = spec(16);
-        let plan = ReadPlan::new(&spec, (0, 1), &spec, (0, 1)).unwrap();
+        let plan = ReadPlan::new(
+            &spec,
+            (0, 1),
+            &spec,
+            (0, 1),
+            crate::geometry::dcp::DcpSizes::NONE,
+        )
+        .unwrap();
         let groups = KvCacheGroups::default();
         let err = plan_read(&inputs(&plan, &groups, side(&[0], 1), side(&[8], 1), None))
             .unwrap_err()

@@ -14,6 +14,7 @@
 use nixl::XferDesc;
 
 use crate::geometry::block_map::BlockSizes;
+use crate::geometry::dcp::DcpSizes;
 use crate::geometry::spec::{KvAttention, KvCacheSpec, KvLayout};
 use crate::geometry::tp_mapping::{Share, TpMapping};
 
@@ -70,9 +71,10 @@ pub struct ReadPlan {
 
 impl ReadPlan {
     /// The plan for reader rank `reader_tp.0` of TP `reader_tp.1` holding `reader` to read
-    /// from source rank `source_tp.0` of TP `source_tp.1` holding `source`: what must match
-    /// is compared region by region (vLLM's `_validate_remote_agent_handshake`), the first
-    /// difference named; the pieces follow the [`TpMapping`] of the two TP sizes.
+    /// from source rank `source_tp.0` of TP `source_tp.1` holding `source`, the two engines
+    /// of DCP sizes `dcp`: what must match is compared region by region (vLLM's
+    /// `_validate_remote_agent_handshake`), the first difference named; the pieces follow
+    /// the [`TpMapping`] of the two TP and DCP sizes.
     ///
     /// # Errors
     /// Why the two cannot be read from one another.
@@ -81,11 +83,12 @@ impl ReadPlan {
         reader_tp: (usize, usize),
         source: &KvCacheSpec,
         source_tp: (usize, usize),
+        dcp: DcpSizes,
     ) -> std::result::Result<ReadPlan, String> {
         check_same_model(reader, source)?;
         let sizes = checked_block_sizes(reader, source)?;
         check_layouts(reader, source)?;
-        let share = share_of_source(reader, reader_tp, source_tp)?;
+        let share = share_of_source(reader, reader_tp, source_tp, dcp)?;
         let mut regions = (0..reader.regions.len())
             .map(|index| {
                 let region = Region::checked(index, (reader, reader_tp.1), (source, source_tp.1))?;
@@ -295,14 +298,15 @@ fn check_layouts(reader: &KvCacheSpec, source: &KvCacheSpec) -> std::result::Res
 }
 
 /// What reader rank `reader_tp.0` of TP `reader_tp.1` takes from source rank `source_tp.0`
-/// of TP `source_tp.1`, by the [`TpMapping`] of the two TP sizes; refused when the mapping
-/// does not name the source rank.
+/// of TP `source_tp.1`, by the [`TpMapping`] of the two TP and DCP sizes; refused when the
+/// mapping does not name the source rank.
 fn share_of_source(
     reader: &KvCacheSpec,
     reader_tp: (usize, usize),
     source_tp: (usize, usize),
+    dcp: DcpSizes,
 ) -> std::result::Result<Share, String> {
-    let mapping = TpMapping::new(reader_tp.0, reader_tp.1, source_tp.1, reader.attention)
+    let mapping = TpMapping::with_dcp(reader_tp.0, reader_tp.1, source_tp.1, reader.attention, dcp)
         .map_err(|err| err.to_string())?;
     mapping.share_of(source_tp.0).ok_or_else(|| {
         format!(
@@ -506,7 +510,7 @@ mod tests {
     #[test]
     fn homogeneous_geometry_reads_whole_blocks() {
         let spec = hnd(4, 4, 16, KvRegionKind::KvHalves);
-        let plan = ReadPlan::new(&spec, (0, 1), &spec, (0, 1)).unwrap();
+        let plan = ReadPlan::new(&spec, (0, 1), &spec, (0, 1), DcpSizes::NONE).unwrap();
         assert_eq!(plan.regions[0].pieces, [piece(0, 0, 512)]);
         assert!(plan.reads_whole_local_blocks());
     }
@@ -518,7 +522,7 @@ mod tests {
             hnd(4, 4, 16, KvRegionKind::KvHalves),
             hnd(4, 2, 16, KvRegionKind::KvHalves),
         );
-        let plan = ReadPlan::new(&decode, (1, 2), &prefill, (0, 1)).unwrap();
+        let plan = ReadPlan::new(&decode, (1, 2), &prefill, (0, 1), DcpSizes::NONE).unwrap();
         // A half is 2 heads × 64 bytes locally, 4 × 64 remotely.
         assert_eq!(
             plan.regions[0].pieces,
@@ -534,6 +538,7 @@ mod tests {
             (0, 1),
             &hnd(2, 2, 16, KvRegionKind::Tensor),
             (0, 1),
+            DcpSizes::NONE,
         )
         .unwrap();
         let region = &plan.regions[0];
@@ -559,14 +564,14 @@ mod tests {
         });
         let mut reader = source.clone();
         reader.regions[1].block_len = 256;
-        let err = ReadPlan::new(&reader, (0, 1), &source, (0, 1)).unwrap_err();
+        let err = ReadPlan::new(&reader, (0, 1), &source, (0, 1), DcpSizes::NONE).unwrap_err();
         assert!(
             err.starts_with("region 1: block length 256 (reader"),
             "{err}"
         );
         assert!(err.contains("holds 8 vs 4 bytes"), "{err}");
         reader.regions[1].kind = KvRegionKind::KvHalves;
-        let err = ReadPlan::new(&reader, (0, 1), &source, (0, 1)).unwrap_err();
+        let err = ReadPlan::new(&reader, (0, 1), &source, (0, 1), DcpSizes::NONE).unwrap_err();
         assert!(
             err.starts_with("region 1: K and V halves (reader) vs one tensor"),
             "{err}"
@@ -579,7 +584,7 @@ mod tests {
             nhd(hnd(2, 2, 8, KvRegionKind::KvHalves)),
             nhd(hnd(2, 2, 4, KvRegionKind::KvHalves)),
         );
-        let plan = ReadPlan::new(&decode, (0, 1), &prefill, (0, 1)).unwrap();
+        let plan = ReadPlan::new(&decode, (0, 1), &prefill, (0, 1), DcpSizes::NONE).unwrap();
         // A unit is 4 tokens × 2 heads × 4 bytes, once per half.
         let region = &plan.regions[0];
         assert_eq!(region.pieces, [piece(0, 0, 32), piece(32, 64, 32)]);
@@ -595,7 +600,7 @@ mod tests {
             nhd(hnd(4, 4, 16, KvRegionKind::Tensor)),
             nhd(hnd(4, 2, 16, KvRegionKind::Tensor)),
         );
-        let err = ReadPlan::new(&decode, (0, 2), &prefill, (0, 1)).unwrap_err();
+        let err = ReadPlan::new(&decode, (0, 2), &prefill, (0, 1), DcpSizes::NONE).unwrap_err();
         assert!(
             err.contains("NHD blocks keep a head's tokens apart"),
             "{err}"

@@ -56,7 +56,14 @@ struct Geometry {
 
 impl Geometry {
     fn plan(&self) -> ReadPlan {
-        ReadPlan::new(&self.local, self.reader_tp, &self.remote, (0, 1)).unwrap()
+        ReadPlan::new(
+            &self.local,
+            self.reader_tp,
+            &self.remote,
+            (0, 1),
+            crate::geometry::dcp::DcpSizes::NONE,
+        )
+        .unwrap()
     }
 
     fn heads(spec: &KvCacheSpec, region: usize) -> usize {

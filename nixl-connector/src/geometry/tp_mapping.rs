@@ -16,6 +16,7 @@
 use std::ops::Range;
 
 use crate::error::{Error, Result};
+use crate::geometry::dcp::{consumers, source_ranks, DcpSizes};
 use crate::geometry::spec::KvAttention;
 
 /// What a local rank takes from one remote rank.
@@ -138,6 +139,46 @@ impl TpMapping {
         Ok(TpMapping { ranks })
     }
 
+    /// [`new`](Self::new) for engines of DCP sizes `dcp` (vLLM's `compute_tp_mapping` with
+    /// `remote_dcp_size`): a source sharded over DCP ranks (MLA only) is read from each of
+    /// its ranks holding positions of this rank's (vLLM's `dcp_source_ranks`), every one of them a
+    /// [`Share::Latent`] (those whose blocks this rank's positions do not meet for a
+    /// request are only notified, see [`DcpPair`](crate::DcpPair)); an unsharded source is
+    /// mapped as without DCP.
+    ///
+    /// # Errors
+    /// Those of [`new`](Self::new); [`Error::InvalidArgument`] for DCP sizes that do not
+    /// pair ([`DcpSizes::mismatch`]) or a sharded source of a cache that is not MLA.
+    pub fn with_dcp(
+        tp_rank: usize,
+        tp_size: usize,
+        remote_tp_size: usize,
+        attention: KvAttention,
+        dcp: DcpSizes,
+    ) -> Result<Self> {
+        if let Some(why) = dcp.mismatch() {
+            return Err(Error::invalid("map DCP ranks", why));
+        }
+        if dcp.remote <= 1 {
+            return Self::new(tp_rank, tp_size, remote_tp_size, attention);
+        }
+        group(tp_rank, tp_size, remote_tp_size)?;
+        if attention != KvAttention::Mla {
+            return Err(Error::invalid(
+                "map DCP ranks",
+                format!("a source of DCP size {} holding a {attention} cache: decode context parallelism is for MLA caches only", dcp.remote),
+            ));
+        }
+        let ranks = source_ranks(tp_rank, dcp.local, remote_tp_size, dcp.remote)
+            .into_iter()
+            .map(|rank| RankShare {
+                rank,
+                share: Share::Latent,
+            })
+            .collect();
+        Ok(TpMapping { ranks })
+    }
+
     /// The share of remote rank `rank`, if it is in the group.
     pub fn share_of(&self, rank: usize) -> Option<Share> {
         self.ranks.iter().find(|r| r.rank == rank).map(|r| r.share)
@@ -145,9 +186,9 @@ impl TpMapping {
 
     /// How many ranks of an engine of TP `reader_tp_size` notify each rank of an engine of TP
     /// `own_tp_size` about a request they read (vLLM's `dcp_consumer_count` without DCP):
-    /// `max(1, reader / own)`.
+    /// `max(1, reader / own)`; with DCP, vLLM's rule counts DCP ranks (see [`DcpSizes`]).
     pub fn consumers(reader_tp_size: usize, own_tp_size: usize) -> usize {
-        (reader_tp_size / own_tp_size.max(1)).max(1)
+        consumers(reader_tp_size, 1, own_tp_size, 1)
     }
 }
 

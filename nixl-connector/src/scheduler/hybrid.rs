@@ -131,6 +131,7 @@ mod tests {
             port: 5600,
             tp_size: 1,
             pp_size: 1,
+            dcp_size: 1,
             lease: Lease::new(Duration::from_secs(3)).unwrap(),
             load_failure_policy: LoadFailurePolicy::Fail,
             multi_turn: crate::multi_turn::MultiTurn::default(),

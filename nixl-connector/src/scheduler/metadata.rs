@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::Result;
 use crate::transport::capability::Capability;
-use crate::transport::params::{one_stage, RemoteBlocks};
+use crate::transport::params::{no_dcp, one_stage, RemoteBlocks};
 
 /// One load for the workers: read `remote` into `local_block_ids`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -68,6 +68,10 @@ pub struct HeartbeatSpec {
     /// Its pipeline stages (1: none); every stage's ranks get the heartbeat.
     #[serde(default = "one_stage")]
     pub pp_size: usize,
+    /// Its decode context parallel size (1: none): with more, the ranks holding this rank's
+    /// positions get the heartbeat.
+    #[serde(default = "no_dcp")]
+    pub dcp_size: usize,
     /// Its request ids (the remote ones) whose leases to extend.
     pub request_ids: Vec<String>,
     /// The capability of each of `request_ids`, in the same order (native protocol: a
@@ -139,6 +143,7 @@ mod tests {
             request_id: "rp".into(),
             tp_size: 2,
             pp_size: 1,
+            dcp_size: 1,
             num_tokens: Some(30),
             blocks_expiry_time: Some(12.5),
             registration_generation: Some(2),
@@ -176,6 +181,7 @@ mod tests {
                 port: 5600,
                 tp_size: 2,
                 pp_size: 1,
+                dcp_size: 1,
                 request_ids: vec!["rp".into()],
                 capabilities: vec![Some(Capability::random().unwrap())],
             }],

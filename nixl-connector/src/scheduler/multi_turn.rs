@@ -267,6 +267,7 @@ mod tests {
             port: 5600,
             tp_size: 1,
             pp_size: 1,
+            dcp_size: 1,
             lease: Lease::new(Duration::from_secs(30)).unwrap(),
             load_failure_policy: LoadFailurePolicy::Fail,
             multi_turn,

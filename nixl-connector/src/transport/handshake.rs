@@ -4,10 +4,11 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use crate::geometry::dcp::DcpSizes;
 use crate::geometry::groups::KvCacheGroups;
 use crate::geometry::pipeline::{shared_regions, StageOfRank};
 use crate::geometry::read_plan::ReadPlan;
-use crate::geometry::spec::KvCacheSpec;
+use crate::geometry::spec::{KvAttention, KvCacheSpec};
 use crate::geometry::ssm::SsmState;
 use crate::geometry::tp_mapping::Share;
 use crate::transport::release_marks::ReleaseMarks;
@@ -77,6 +78,11 @@ pub struct HandshakeMessage {
     /// A reader reads from each stage the regions of the layers both hold.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub pp_partition: Vec<u64>,
+    /// The sender's engine's decode context parallel size (vLLM's `dcp_size`; 1: none): its
+    /// rank holds the global block positions of DCP rank `tp_rank % dcp_size` (see
+    /// [`DcpPair`](crate::DcpPair)).
+    #[serde(default = "one_dcp_rank")]
+    pub dcp_size: u64,
     /// A reader's claims on requests the sender keeps for a read-back (multi-turn, native
     /// protocol): each must be answered in [`claimed`](Self::claimed) before the reader
     /// reads, so that the sender never releases early a request that may be read. Empty in
@@ -109,6 +115,11 @@ pub struct KeptClaim {
 
 /// [`HandshakeMessage::blocks_per_id`] of a message that does not say it.
 fn one_block_per_id() -> u64 {
+    1
+}
+
+/// [`HandshakeMessage::dcp_size`] of a message that does not say it.
+fn one_dcp_rank() -> u64 {
     1
 }
 
@@ -146,7 +157,8 @@ pub fn check_compatible(
     let mismatch = peer_mismatch(local, remote, expected_engine, expected_rank)
         .or_else(|| message_mismatch(local, remote))
         .or_else(|| ssm_mismatch(local, remote))
-        .or_else(|| groups_mismatch(local, remote));
+        .or_else(|| groups_mismatch(local, remote))
+        .or_else(|| dcp_mismatch(local, remote));
     if let Some(why) = mismatch {
         return Err(refuse(why));
     }
@@ -155,7 +167,8 @@ pub fn check_compatible(
         local.spec.regions_in(&shared.local),
         remote.spec.regions_in(&shared.remote),
     );
-    let mut plan = ReadPlan::new(&ours, tp(local), &theirs, tp(remote)).map_err(refuse)?;
+    let dcp = dcp_sizes(local, remote);
+    let mut plan = ReadPlan::new(&ours, tp(local), &theirs, tp(remote), dcp).map_err(refuse)?;
     if shared.local.is_empty() {
         // No layer in common: the source is only notified.
         plan.share = Share::NotifiedOnly;
@@ -174,6 +187,71 @@ pub fn check_compatible(
         return Err(refuse(why));
     }
     Ok(plan)
+}
+
+/// The DCP sizes of a reader's message and a source's.
+fn dcp_sizes(local: &HandshakeMessage, remote: &HandshakeMessage) -> DcpSizes {
+    let size = |m: &HandshakeMessage| usize::try_from(m.dcp_size).unwrap_or(usize::MAX);
+    DcpSizes {
+        local: size(local),
+        remote: size(remote),
+    }
+}
+
+/// Why the two engines' decode context parallelism cannot pair, if it cannot, before any
+/// READ (vLLM's `_validate_remote_parallel_config` and `_validate_remote_agent_handshake`,
+/// with their reasons): DCP sizes that do not divide one another; with DCP on either side,
+/// a DCP size that is neither 1 nor its engine's TP size (vLLM's `TransferTopology`
+/// requires one or the other), a cache that is not MLA (vLLM's NixlConnector scopes DCP to
+/// MLA), an SSM (Mamba) state (vLLM: hybrid MLA+Mamba needs equal DCP sizes; this
+/// connector reads DCP for caches of one group only), several KV cache groups, or blocks of
+/// different sizes (vLLM pairs DCP positions block for block).
+fn dcp_mismatch(local: &HandshakeMessage, remote: &HandshakeMessage) -> Option<String> {
+    let dcp = dcp_sizes(local, remote);
+    if let Some(why) = dcp.mismatch() {
+        return Some(why);
+    }
+    if !dcp.active() {
+        return None;
+    }
+    for (whose, message, size) in [("reader", local, dcp.local), ("source", remote, dcp.remote)] {
+        if size > 1 && message.tp_size != size as u64 {
+            return Some(format!(
+                "the {whose}'s DCP size {size} is neither 1 nor its TP size {}: vLLM's NixlConnector shards a cache over every TP rank or none",
+                message.tp_size
+            ));
+        }
+    }
+    if local.spec.attention != KvAttention::Mla {
+        return Some(format!(
+            "decode context parallelism (local DCP={}, remote DCP={}) is supported for MLA caches only, as in vLLM's NixlConnector; this cache is {}",
+            dcp.local, dcp.remote, local.spec.attention
+        ));
+    }
+    if local.ssm_state.is_some() || remote.ssm_state.is_some() {
+        if dcp.local != dcp.remote {
+            return Some(format!(
+                "Hybrid MLA+Mamba NIXL transfers require matching DCP sizes, got local={}, remote={}",
+                dcp.local, dcp.remote
+            ));
+        }
+        return Some("decode context parallelism with an SSM (Mamba) state is not supported by this connector".to_string());
+    }
+    let groups = |m: &HandshakeMessage| {
+        let mut ids = m.region_groups.clone();
+        ids.sort_unstable();
+        ids.dedup();
+        ids.len()
+    };
+    if groups(local) > 1 || groups(remote) > 1 {
+        return Some("decode context parallelism with several KV cache groups is not supported by this connector (one group only)".to_string());
+    }
+    (local.spec.block_size != remote.spec.block_size).then(|| {
+        format!(
+            "DCP transfers pair blocks by global position and need one block size: {} (reader) vs {} (source) tokens",
+            local.spec.block_size, remote.spec.block_size
+        )
+    })
 }
 
 /// A message's pipeline stage.
@@ -373,6 +451,7 @@ impl HandshakeMessage {
             blocks_per_id: groups.kernel_blocks_per_id(spec.block_size)? as u64,
             pp_rank: 0,
             pp_partition: Vec::new(),
+            dcp_size: 1,
             claims: Vec::new(),
             claimed: Vec::new(),
             release_marks: None,
@@ -404,6 +483,7 @@ mod tests {
             blocks_per_id: 1,
             pp_rank: 0,
             pp_partition: Vec::new(),
+            dcp_size: 1,
             claims: Vec::new(),
             claimed: Vec::new(),
             release_marks: None,
@@ -469,6 +549,49 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn decode_context_parallelism_pairs_as_vllm_pairs_it_or_is_refused_by_name() {
+        let mla = |tp: (u64, u64), dcp: u64| HandshakeMessage {
+            spec: KvCacheSpec::uniform(2, 8, 16, KvAttention::Mla, KvLayout::Hnd, 16 * 32),
+            dcp_size: dcp,
+            ..message(tp)
+        };
+        // An unsharded reader reads every rank of a sharded source.
+        let plan = check_compatible(&mla((0, 1), 1), &mla((1, 2), 2), None, None).unwrap();
+        assert_eq!(plan.share, Share::Latent);
+        let refused = |reader: &HandshakeMessage, source: &HandshakeMessage, why: &str| {
+            let err = check_compatible(reader, source, None, None)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(why), "{err}");
+        };
+        // DCP rank 0 of 2 holds no position of source rank 1 of DCP 4.
+        refused(
+            &mla((0, 2), 2),
+            &mla((1, 4), 4),
+            "reads from remote ranks [0, 2]",
+        );
+        refused(
+            &mla((0, 2), 2),
+            &mla((0, 3), 3),
+            "DCP sizes must divide one another: local=2, remote=3",
+        );
+        refused(
+            &mla((0, 2), 2),
+            &mla((0, 4), 2),
+            "neither 1 nor its TP size 4",
+        );
+        refused(&message((0, 1)), &mla((0, 1), 0), "each must be 1 to 256");
+        let mha = HandshakeMessage {
+            dcp_size: 2,
+            ..message((0, 2))
+        };
+        refused(&mha, &message((0, 2)), "MLA caches only");
+        let mut other_blocks = mla((0, 2), 2);
+        other_blocks.spec.block_size = 8;
+        refused(&mla((0, 2), 2), &other_blocks, "need one block size");
     }
 
     #[test]

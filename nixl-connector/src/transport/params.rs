@@ -4,6 +4,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use crate::error::{Error, Result};
+use crate::geometry::dcp::MAX_DCP_SIZE;
 use crate::geometry::pipeline::MAX_PP_SIZE;
 use crate::transport::capability::Capability;
 
@@ -54,8 +55,9 @@ pub struct KvTransferParams {
     /// sizes (see [`RemoteBlocks::num_tokens`]).
     #[serde(default)]
     pub remote_num_tokens: Option<usize>,
-    /// The prefill engine's decode context parallel size (vLLM's `dcp_size`; only 1 is
-    /// supported).
+    /// The prefill engine's decode context parallel size (vLLM's `dcp_size`; `None`: 1): a
+    /// decode reads each of its blocks' global positions from the prefill rank holding it
+    /// (see [`DcpPair`](crate::DcpPair)).
     #[serde(default)]
     pub remote_dcp_size: Option<usize>,
     /// The prefill engine's pipeline parallel size (vLLM's `pp_size`; `None`: 1). A decode
@@ -121,6 +123,11 @@ pub struct RemoteBlocks {
     /// [`port`](Self::port) + `pp_rank` × `tp_size` + `tp_rank` (native protocol).
     #[serde(default = "one_stage")]
     pub pp_size: usize,
+    /// Its decode context parallel size (1: none): its rank `r` holds the request's blocks
+    /// at global positions `r % dcp_size`, `r % dcp_size + dcp_size`, ... (see
+    /// [`DcpPair`](crate::DcpPair)), `block_ids[j]` position `j * dcp_size + r % dcp_size`.
+    #[serde(default = "no_dcp")]
+    pub dcp_size: usize,
     /// Tokens it computed, if known. Only a decode whose blocks are smaller than the
     /// prefill's needs it, to know which of the prefill's tokens its blocks start at; without
     /// it, such a load must cover every token of the prefill's blocks. A load of several KV
@@ -160,6 +167,7 @@ impl KvTransferParams {
             request_id: self.remote_request_id.clone()?,
             tp_size: self.remote_tp_size?,
             pp_size: self.remote_pp_size.unwrap_or(1),
+            dcp_size: self.remote_dcp_size.unwrap_or(1),
             num_tokens: self.remote_num_tokens,
             blocks_expiry_time: self.remote_blocks_expiry_time,
             registration_generation: self.remote_registration_generation,
@@ -169,8 +177,8 @@ impl KvTransferParams {
         })
     }
 
-    /// Refuses what the connector cannot read: push mode, decode context parallelism on the
-    /// prefill, and a pipeline of no stage or more than [`MAX_PP_SIZE`].
+    /// Refuses what the connector cannot read: push mode, a DCP size of 0 or more than
+    /// [`MAX_DCP_SIZE`], and a pipeline of no stage or more than [`MAX_PP_SIZE`].
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] naming the key and its value.
@@ -182,10 +190,13 @@ impl KvTransferParams {
                 format!("transfer_mode {mode:?} is not supported: this connector reads (pull mode) only"),
             ));
         }
-        if let Some(size) = self.remote_dcp_size.filter(|&s| s != 1) {
+        if let Some(size) = self
+            .remote_dcp_size
+            .filter(|s| !(1..=MAX_DCP_SIZE).contains(s))
+        {
             return Err(Error::invalid(
                 OP,
-                format!("dcp_size {size} is not supported (only 1)"),
+                format!("dcp_size {size}: 1 to {MAX_DCP_SIZE} ranks"),
             ));
         }
         if let Some(size) = self
@@ -203,6 +214,11 @@ impl KvTransferParams {
 
 /// [`RemoteBlocks::pp_size`] of params that do not say it.
 pub(crate) fn one_stage() -> usize {
+    1
+}
+
+/// [`RemoteBlocks::dcp_size`] of params that do not say it.
+pub(crate) fn no_dcp() -> usize {
     1
 }
 

@@ -1,5 +1,5 @@
 //! The readers a prefill rank's side channel accepted: the agents a handshake named, with
-//! their engine, TP size and pipeline stages, so that a finish notification counts only
+//! their engine, TP size, pipeline stages and DCP size, so that a finish notification counts only
 //! from an agent that reads this engine, and only within that reader's TP (native protocol).
 
 use std::collections::{HashMap, VecDeque};
@@ -18,6 +18,8 @@ pub(crate) struct Reader {
     pub(crate) tp_size: usize,
     /// Its engine's pipeline stages: each stage's ranks read (or notify) this rank.
     pub(crate) pp_size: usize,
+    /// Its engine's DCP size (1: none).
+    pub(crate) dcp_size: usize,
 }
 
 /// The readers accepted by one rank's side channel, by agent name.

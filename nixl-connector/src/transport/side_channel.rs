@@ -375,6 +375,8 @@ fn check(
                 tp_size: usize::try_from(theirs.tp_size).unwrap_or(usize::MAX),
                 // Checked: at most MAX_PP_SIZE.
                 pp_size: theirs.pp_partition.len().max(1),
+                // Checked: 1 to MAX_DCP_SIZE.
+                dcp_size: usize::try_from(theirs.dcp_size).unwrap_or(1),
             };
             guard.readers.accept(&theirs.agent_name, reader);
             Ok(HandshakeMessage {

@@ -106,8 +106,9 @@ impl NixlAgentMetadata {
         }))
     }
 
-    /// Refuses the state and parallelism the connector does not read: PLE state, regions
-    /// packing several layers, decode or prefill context parallelism.
+    /// Refuses the state the connector does not read: PLE state, and regions packing
+    /// several layers. (Context parallelism is checked against the reader's: see
+    /// `pcp_refusal` and the handshake's check.)
     fn check_no_other_state(&self) -> Result<()> {
         if let Some(len) = self.ple_block_len {
             return Err(refuse(format!(
@@ -118,12 +119,6 @@ impl NixlAgentMetadata {
             return Err(refuse(format!(
                 "regions packing several layers ({} packed members) are not supported",
                 self.packed_member_layouts.len()
-            )));
-        }
-        if self.dcp_size != 1 || self.pcp_size != 1 {
-            return Err(refuse(format!(
-                "context parallelism (dcp_size {}, pcp_size {}) is not supported",
-                self.dcp_size, self.pcp_size
             )));
         }
         Ok(())
@@ -232,6 +227,8 @@ pub(crate) struct RankRegistration<'a> {
     /// Kernel blocks (the registered ones) per block id of the engine's scheduler (vLLM's
     /// `physical_blocks_per_logical_kv_block`).
     pub blocks_per_logical: usize,
+    /// The engine's DCP size (vLLM's `dcp_size`; 1: none).
+    pub dcp_size: u64,
 }
 
 impl NixlAgentMetadata {
@@ -242,8 +239,8 @@ impl NixlAgentMetadata {
     /// of several groups use), unpadded
     /// (`block_strides` = `block_lens`), the layout by vLLM's name (`"LBHNC"` for HND,
     /// `"LBNHC"` for NHD), the kernel blocks per block id it gives, no Mamba state (the
-    /// registration adds the `ssm_sizes` of SSM groups), no context
-    /// parallelism, and no region names (a vLLM decode compares them with its layer names
+    /// registration adds the `ssm_sizes` of SSM groups), the DCP size of its handshake
+    /// (vLLM's `dcp_size`), no prefill context parallelism, and no region names (a vLLM decode compares them with its layer names
     /// only when they are given).
     ///
     /// # Errors
@@ -284,6 +281,7 @@ impl NixlAgentMetadata {
             region_group_ids: Some(rank.region_group_ids),
             region_names: None,
             region_mem_types: Some(vec![rank.mem_type; regions]),
+            dcp_size: rank.dcp_size,
             ..NixlAgentMetadata::default()
         })
     }
@@ -338,6 +336,7 @@ mod tests {
                 attn_backend_name: "FLASH_ATTN".into(),
                 region_group_ids: vec![group_id; 3],
                 blocks_per_logical: 1,
+                dcp_size: 1,
             })
             .unwrap();
             assert_eq!(meta.kv_cache_spec(heads).unwrap(), spec);
@@ -361,6 +360,7 @@ mod tests {
             attn_backend_name: String::new(),
             region_group_ids: vec![0],
             blocks_per_logical: 1,
+            dcp_size: 1,
         })
         .unwrap_err();
         assert!(err.to_string().contains("K and V halves"), "{err}");
@@ -461,13 +461,6 @@ mod tests {
                     ..metadata()
                 },
                 "Mamba state",
-            ),
-            (
-                NixlAgentMetadata {
-                    dcp_size: 2,
-                    ..metadata()
-                },
-                "context parallelism",
             ),
             (
                 NixlAgentMetadata {

@@ -81,6 +81,9 @@ impl VllmWorker {
         let peer = format!("{host}:{port}");
         let meta = self.compat.check(&reply.payload, &peer)?;
         self.clock_sample(&meta.engine_id, reply.rtt(), reply.clock_offset());
+        if let Some(why) = pcp_refusal(ours.dcp_size, (meta.pcp_size, meta.dcp_size)) {
+            return Err(Error::invalid("pair with a vLLM prefill", why));
+        }
         let reader_tp = usize::try_from(ours.tp_size).unwrap_or(usize::MAX);
         let ssm = groups
             .checked_ssm_state()?
@@ -137,6 +140,7 @@ impl VllmWorker {
             // vLLM's metadata does not say the stages: vLLM's even rule over our layers.
             pp_rank: pp_rank as u64,
             pp_partition: peer_partition(&ours.pp_partition, ours.spec.num_regions(), pp_size)?,
+            dcp_size: meta.dcp_size,
             // vLLM's readers do not claim.
             claims: Vec::new(),
             claimed: Vec::new(),
@@ -218,6 +222,23 @@ impl VllmWorker {
     }
 }
 
+/// Why a reader of DCP size `local_dcp` (and no prefill context parallelism: a decode, as
+/// vLLM's consumers have none) does not read a vLLM prefill of PCP and DCP sizes `remote`,
+/// if it does not, with vLLM's reasons (`_validate_remote_parallel_config`): PCP+DCP that
+/// does not span the PCP group, or replicated PCP (DCP 1) against a DCP-sharded reader.
+/// What vLLM pairs is read as the prefill presents it: a PCP+DCP prefill as its PCP ranks,
+/// each a DCP rank (its params' `tp_size` is the PCP size, vLLM's `transfer_tp_size`); a
+/// replicated one as its TP ranks (its PCP rank 0 serves the KV, the others free at once).
+fn pcp_refusal(local_dcp: u64, (remote_pcp, remote_dcp): (u64, u64)) -> Option<String> {
+    if remote_pcp <= 1 {
+        return None;
+    }
+    if remote_dcp != 1 && remote_dcp != remote_pcp {
+        return Some(format!("Remote NixlConnector PCP+DCP does not span the full PCP group. Remote PCP/DCP={remote_pcp}/{remote_dcp}."));
+    }
+    (remote_dcp == 1 && local_dcp > 1).then(|| format!("Replicated PCP cannot be paired with a DCP-sharded NIXL peer. Local PCP/DCP=1/{local_dcp}; remote PCP/DCP={remote_pcp}/{remote_dcp}."))
+}
+
 /// The partition of a peer of `pp_size` stages whose handshake does not say it (vLLM's
 /// `NixlAgentMetadata` has no stages): vLLM's even rule over the reader's layers, those of
 /// its own partition, or one a region (as vLLM registers its layers) when it has none; empty
@@ -260,6 +281,23 @@ mod tests {
         assert!(peer_partition(&[], 1, 2).is_err());
     }
 
+    #[test]
+    fn a_pcp_peer_is_read_where_vllm_reads_it_and_refused_with_its_reason_elsewhere() {
+        assert_eq!(pcp_refusal(2, (1, 2)), None);
+        let spans = pcp_refusal(1, (4, 2)).unwrap();
+        assert!(
+            spans.contains("does not span the full PCP group. Remote PCP/DCP=4/2"),
+            "{spans}"
+        );
+        let replicated = pcp_refusal(2, (2, 1)).unwrap();
+        assert!(replicated.contains("Replicated PCP cannot be paired with a DCP-sharded NIXL peer. Local PCP/DCP=1/2; remote PCP/DCP=2/1."), "{replicated}");
+        // What vLLM pairs: replicated PCP with an unsharded reader, PCP+DCP spanning the
+        // group with any reader.
+        for (local, remote) in [(1, (2, 1)), (2, (2, 2)), (1, (4, 4))] {
+            assert_eq!(pcp_refusal(local, remote), None);
+        }
+    }
+
     fn worker() -> VllmWorker {
         let compat = Compatibility {
             hash: String::new(),
@@ -279,6 +317,7 @@ mod tests {
             request_id: "r".into(),
             tp_size: 1,
             pp_size: 1,
+            dcp_size: 1,
             num_tokens: None,
             blocks_expiry_time: expiry,
             registration_generation: generation,

@@ -541,7 +541,8 @@ mod tests {
         for (json, expect) in [
             (r#"{"pp_size": 0}"#, "pp_size 0: 1 to 256 stages"),
             (r#"{"pp_size": 257}"#, "pp_size 257"),
-            (r#"{"dcp_size": 4}"#, "dcp_size 4"),
+            (r#"{"dcp_size": 0}"#, "dcp_size 0: 1 to 256 ranks"),
+            (r#"{"dcp_size": 257}"#, "dcp_size 257"),
             (r#"{"transfer_mode": "push"}"#, "\"push\" is not supported"),
         ] {
             let params = VllmKvTransferParams::from_json(json).unwrap();

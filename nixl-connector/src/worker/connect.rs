@@ -136,6 +136,8 @@ async fn connect(
         ssm,
         lists,
         blocks_per_id,
+        // Checked against ours in `check_compatible`: 1 to MAX_DCP_SIZE.
+        dcp_size: theirs.dcp_size as usize,
         local_generation: caches.generation,
         release_marks: theirs.release_marks,
     }))

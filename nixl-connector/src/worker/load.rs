@@ -17,8 +17,8 @@ use tracing::Instrument;
 use crate::config::Protocol;
 use crate::error::{Error, Result};
 use crate::failure::{FailedBlock, FailureKind};
+use crate::geometry::dcp::{consumers, DcpPair, DcpSizes};
 use crate::geometry::load_reads::{plan_read, ReadInputs, SideBlocks};
-use crate::geometry::tp_mapping::TpMapping;
 use crate::metrics::TransferMetrics;
 use crate::scheduler::outcomes::OverdueLoad;
 use crate::transport::params::RemoteBlocks;
@@ -73,10 +73,9 @@ impl Load {
             Protocol::Vllm => {
                 let stages = shared.config.pipeline.as_ref();
                 let own_pp = stages.map_or(1, |p| p.stages().pp_size());
-                (
-                    TpMapping::consumers(own_tp, self.remote.tp_size) * own_pp,
-                    None,
-                )
+                let (own_dcp, remote) = (shared.config.dcp_size, &self.remote);
+                let consumers = consumers(own_tp, own_dcp, remote.tp_size, remote.dcp_size);
+                (consumers * own_pp, None)
             }
         };
         notification_message(&self.remote.request_id, count, proof)
@@ -389,11 +388,25 @@ fn post(shared: &Shared, load: &Load, remotes: &[Arc<Remote>]) -> Posted {
         posted.failed = Some(err);
         return posted;
     }
+    let mut nothing_to_read = Vec::new();
     for (&(rank, _), remote) in load.ranks.iter().zip(remotes) {
         if !remote.is_read() {
             continue;
         }
-        match post_one(shared, load, remote, &mut posted) {
+        let blocks = match dcp_blocks(shared, load, rank, remote) {
+            Ok(blocks) => blocks,
+            Err(err) => {
+                posted.failed = Some(err);
+                return posted;
+            }
+        };
+        if blocks.as_ref().is_some_and(|(local, _)| local.is_empty()) {
+            // Under DCP its positions and this rank's do not meet past the prefix cache:
+            // it is only notified (vLLM's notification-only path).
+            nothing_to_read.push(remote.clone());
+            continue;
+        }
+        match post_one(shared, load, remote, blocks.as_ref(), &mut posted) {
             Ok((request, done)) => posted.reads.push(PostedRead {
                 rank,
                 remote: remote.clone(),
@@ -408,7 +421,10 @@ fn post(shared: &Shared, load: &Load, remotes: &[Arc<Remote>]) -> Posted {
             }
         }
     }
-    let unread = remotes.iter().filter(|r| !r.is_read());
+    let unread = remotes
+        .iter()
+        .filter(|r| !r.is_read())
+        .chain(&nothing_to_read);
     notify(
         shared,
         load,
@@ -425,6 +441,7 @@ fn post_one(
     shared: &Shared,
     load: &Load,
     remote: &Remote,
+    dcp: Option<&(Vec<usize>, Vec<usize>)>,
     posted: &mut Posted,
 ) -> Result<(nixl::XferRequest, bool)> {
     const OP: &str = "load remote blocks";
@@ -442,21 +459,33 @@ fn post_one(
         .lists
         .as_ref()
         .ok_or(Error::NotRegistered { operation: OP })?;
+    // Under DCP, the blocks of this rank's positions, of one KV cache group; the request's
+    // token count is the whole request's, not the slices'.
+    let (local_ids, remote_ids, local_lens, remote_lens, num_tokens) = match dcp {
+        Some((local, remote)) => (&local[..], &remote[..], &[][..], &[][..], None),
+        None => (
+            &load.local_block_ids[..],
+            &load.remote.block_ids[..],
+            &load.local_group_lens[..],
+            &load.remote.group_lens[..],
+            load.remote.num_tokens,
+        ),
+    };
     let reads = plan_read(&ReadInputs {
         request_id: &load.request_id,
         local: SideBlocks {
-            ids: &load.local_block_ids,
-            group_lens: &load.local_group_lens,
+            ids: local_ids,
+            group_lens: local_lens,
             // Kernel blocks per block id of this engine (vLLM's
             // `physical_blocks_per_logical_kv_block`).
             per_id: shared.groups.kernel_blocks_per_id(caches.spec.block_size)?,
         },
         remote: SideBlocks {
-            ids: &load.remote.block_ids,
-            group_lens: &load.remote.group_lens,
+            ids: remote_ids,
+            group_lens: remote_lens,
             per_id: remote.blocks_per_id,
         },
-        num_tokens: load.remote.num_tokens,
+        num_tokens,
         local_num_blocks: caches.spec.num_blocks,
         plan: &remote.plan,
         groups: &shared.groups,
@@ -481,6 +510,51 @@ fn post_one(
     posted.descriptors += reads.local.len();
     let done = request.post()? == XferStatus::Done;
     Ok((request, done))
+}
+
+/// Under decode context parallelism on either engine, the blocks of a load this rank reads
+/// from `remote` (numbered `rank` as in `KvConnectorWorker::remote_ranks`): the local and
+/// remote blocks of the global positions both hold ([`DcpPair::load_pairs`], vLLM's
+/// `_apply_dcp_prefix_caching`), empty when none (the rank is then only notified); `None`
+/// without DCP (the load's lists are read as they are).
+///
+/// # Errors
+/// [`Error::InvalidArgument`] when the load's params and the remote's handshake disagree
+/// on its DCP size, and those of [`DcpPair::load_pairs`].
+fn dcp_blocks(
+    shared: &Shared,
+    load: &Load,
+    rank: usize,
+    remote: &Remote,
+) -> Result<Option<(Vec<usize>, Vec<usize>)>> {
+    const OP: &str = "load remote blocks";
+    let dcp = DcpSizes {
+        local: shared.config.dcp_size,
+        remote: remote.dcp_size,
+    };
+    if remote.dcp_size != load.remote.dcp_size {
+        return Err(Error::invalid(
+            OP,
+            format!(
+                "request {:?}: its params say dcp_size {}, the remote rank's handshake {}",
+                load.request_id, load.remote.dcp_size, remote.dcp_size
+            ),
+        ));
+    }
+    if !dcp.active() {
+        return Ok(None);
+    }
+    let pair = DcpPair::new(dcp.local, shared.config.tp_rank % dcp.local, dcp.remote)?;
+    let block_size = remote.plan.remote_block_size.max(1);
+    let positions = load.remote.num_tokens.map(|n| n.div_ceil(block_size));
+    let tp_rank = rank % load.remote.tp_size.max(1);
+    pair.load_pairs(
+        &load.local_block_ids,
+        &load.remote.block_ids,
+        tp_rank,
+        positions,
+    )
+    .map(Some)
 }
 
 /// Awaits posted READs, forgets the remotes whose READ failed, and records the outcome:

@@ -9,7 +9,7 @@ use nixl::{RegDesc, RegisterMemory, Registration};
 
 use crate::config::{MetadataExchange, Protocol};
 use crate::error::{Error, Result};
-use crate::geometry::spec::KvCacheSpec;
+use crate::geometry::spec::{KvAttention, KvCacheSpec};
 use crate::transport::handshake::HandshakeMessage;
 use crate::transport::peer_networks::warn_if_open;
 use crate::transport::pending::PendingHandshakes;
@@ -70,13 +70,19 @@ impl KvConnectorWorker {
         self.register_kv_caches(regions, spec)
     }
 
-    /// Checks `spec` on its own, against this rank's TP, and against its pipeline stage's
-    /// layers.
+    /// Checks `spec` on its own, against this rank's TP, against its pipeline stage's
+    /// layers, and that a rank of decode context parallelism holds an MLA cache.
     pub(super) fn check_spec(&self, spec: &KvCacheSpec) -> Result<()> {
         spec.validate()?;
         let config = &self.shared.config;
         if let Some(pipeline) = &config.pipeline {
             pipeline.regions_per_layer(spec.num_regions())?;
+        }
+        if config.dcp_size > 1 && spec.attention != KvAttention::Mla {
+            return Err(Error::invalid(
+                "register the KV caches",
+                format!("dcp_size {} with a {} cache: decode context parallelism is for MLA caches only (vLLM's NixlConnector scopes it to MLA)", config.dcp_size, spec.attention),
+            ));
         }
         spec.check_rank(config.tp_rank, config.tp_size)
     }
@@ -199,9 +205,13 @@ impl KvConnectorWorker {
             Some(pipeline) => HandshakeMessage {
                 pp_rank: pipeline.pp_rank() as u64,
                 pp_partition: pipeline.partition(),
+                dcp_size: config.dcp_size as u64,
                 ..message
             },
-            None => message,
+            None => HandshakeMessage {
+                dcp_size: config.dcp_size as u64,
+                ..message
+            },
         }))
     }
 
@@ -309,6 +319,7 @@ impl KvConnectorWorker {
                 .unwrap_or_default(),
             region_group_ids: ours.region_groups.clone(),
             blocks_per_logical: ours.blocks_per_id as usize,
+            dcp_size: ours.dcp_size,
         })?;
         // vLLM's `_mamba_ssm_size`: (0, 0) without SSM groups.
         if let Some(state) = &ours.ssm_state {

@@ -49,6 +49,8 @@ pub(crate) struct Remote {
     /// Its blocks per block id of the transfer params (vLLM's
     /// `physical_blocks_per_logical_kv_block`, which its handshake says).
     pub(crate) blocks_per_id: usize,
+    /// Its engine's decode context parallel size, as its handshake says (1: none).
+    pub(crate) dcp_size: usize,
     /// The generation of the local registration its lists were prepared over (see
     /// [`Caches::generation`](crate::worker::current_caches::Caches)): a remote of an older one is handshaken
     /// with again.

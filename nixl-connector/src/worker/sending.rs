@@ -13,7 +13,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::config::Protocol;
-use crate::geometry::tp_mapping::{TpMapping, MAX_TP_SIZE};
+use crate::geometry::dcp;
+use crate::geometry::tp_mapping::MAX_TP_SIZE;
 use crate::lease::Lease;
 use crate::metrics::series::Series;
 use crate::metrics::SendStats;
@@ -124,6 +125,8 @@ struct EarlyReader {
 /// Held requests and early notifications of one rank.
 pub(crate) struct Sends {
     own_tp: usize,
+    /// This engine's DCP size (1: none).
+    own_dcp: usize,
     protocol: Protocol,
     lease: Lease,
     series: Arc<Series>,
@@ -143,6 +146,14 @@ pub(crate) struct Sends {
 }
 
 impl Sends {
+    /// These sends for an engine of DCP size `dcp` (see [`dcp::consumers`]).
+    pub(crate) fn with_own_dcp(self, dcp: usize) -> Self {
+        Sends {
+            own_dcp: dcp,
+            ..self
+        }
+    }
+
     pub(crate) fn new(
         own_tp: usize,
         protocol: Protocol,
@@ -153,6 +164,7 @@ impl Sends {
         Sends {
             readers,
             own_tp,
+            own_dcp: 1,
             protocol,
             lease,
             series,
@@ -240,15 +252,17 @@ impl Sends {
                 count,
                 tag,
             }) => {
-                let stages = match self.admit(sender, count) {
-                    Ok(stages) => stages,
+                let (stages, reader_dcp) = match self.admit(sender, count) {
+                    Ok(reader) => reader,
                     Err(why) => {
                         self.refuse(sender, request, why);
                         return;
                     }
                 };
                 let needed = match self.protocol {
-                    Protocol::Native => TpMapping::consumers(count, self.own_tp) * stages,
+                    Protocol::Native => {
+                        dcp::consumers(count, reader_dcp, self.own_tp, self.own_dcp) * stages
+                    }
                     Protocol::Vllm => count,
                 };
                 self.done_reading(sender, request, (count, needed), tag, now);
@@ -265,12 +279,12 @@ impl Sends {
 
     /// Whether a finish notification from `sender` saying `count` may count, and the
     /// pipeline stages of its engine (each stage's ranks notify this rank, vLLM's
-    /// `pp_size` × producers per consumer). Native: only from an agent a handshake with
+    /// `pp_size` × producers per consumer) with its DCP size. Native: only from an agent a handshake with
     /// this rank named as a reader, and only with that reader's TP size. vLLM: the prefill
     /// never learns its readers' agents (they load its metadata, not it theirs), so only
     /// the count is checked: at most as many readers as a decode of the largest TP has per
     /// rank of this engine; one stage.
-    fn admit(&self, sender: &[u8], count: usize) -> Result<usize, &'static str> {
+    fn admit(&self, sender: &[u8], count: usize) -> Result<(usize, usize), &'static str> {
         match self.protocol {
             Protocol::Native => {
                 let reader = self
@@ -280,13 +294,13 @@ impl Sends {
                 if count != reader.tp_size {
                     return Err("the count is not the reader's TP size");
                 }
-                Ok(reader.pp_size)
+                Ok((reader.pp_size, reader.dcp_size))
             }
             Protocol::Vllm => {
                 if count > (MAX_TP_SIZE / self.own_tp.max(1)).max(1) {
                     return Err("more readers than a decode can have per rank of this engine");
                 }
-                Ok(1)
+                Ok((1, 1))
             }
         }
     }
@@ -592,6 +606,7 @@ mod tests {
                     engine_id,
                     tp_size,
                     pp_size: 1,
+                    dcp_size: 1,
                 },
             );
         }
@@ -693,6 +708,7 @@ mod tests {
                 engine_id,
                 tp_size: 1,
                 pp_size: 2,
+                dcp_size: 1,
             };
             s.readers.accept(agent, reader);
         }

@@ -287,6 +287,7 @@ async fn soak(faults: bool, ci_target: u64) {
                     port: prefill.port,
                     tp_size: 1,
                     pp_size: 1,
+                    dcp_size: 1,
                     request_ids: Vec::new(),
                     capabilities: Vec::new(),
                 }],

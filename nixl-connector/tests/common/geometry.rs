@@ -317,6 +317,7 @@ impl Model {
             request_id: request.id.clone(),
             tp_size: tp,
             pp_size: 1,
+            dcp_size: 1,
             num_tokens: request.num_tokens,
             blocks_expiry_time: None,
             registration_generation: None,

@@ -215,6 +215,7 @@ pub fn remote(
         request_id: request.to_string(),
         tp_size: tp,
         pp_size: 1,
+        dcp_size: 1,
         num_tokens: None,
         blocks_expiry_time: None,
         registration_generation: None,
