@@ -53,6 +53,11 @@ pub enum Fault {
     /// side channel's port (the field) with a reset: NIXL's connections fail at once, and
     /// handshakes pass.
     DataPathReset(u16),
+    /// The prefill's host drops the given percentage of the packets from the decode's host,
+    /// at random.
+    Loss(u8),
+    /// The prefill's host sends to the decode's through a token bucket of 20 Mbit/s.
+    SlowLink,
 }
 
 impl Fault {
@@ -64,6 +69,8 @@ impl Fault {
             Fault::DataPathCut(_) => "nft drop of the data path",
             Fault::SideChannelCut(_) => "nft drop of the side channel",
             Fault::DataPathReset(_) => "nft reset of the data path",
+            Fault::Loss(_) => "nft random loss",
+            Fault::SlowLink => "tc tbf at 20 Mbit/s",
         }
     }
 }
@@ -239,6 +246,20 @@ impl Hosts {
             Fault::SideChannelCut(port) => self.nft_drop(on, &format!("tcp dport {port} drop")),
             Fault::DataPathReset(port) => {
                 self.nft_drop(on, &format!("tcp dport != {port} reject with tcp reset"))
+            }
+            Fault::Loss(percent) => {
+                self.nft_drop(on, &format!("numgen random mod 100 < {percent} drop"))
+            }
+            Fault::SlowLink => {
+                let (ns, dev) = (self.ns(Side::Prefill), self.prefill_dev.as_str());
+                let mut tc = vec!["ip", "netns", "exec", ns, "tc", "qdisc"];
+                if on {
+                    tc.extend(["add", "dev", dev, "root", "tbf"]);
+                    tc.extend(["rate", "20mbit", "burst", "32kbit", "latency", "400ms"]);
+                } else {
+                    tc.extend(["del", "dev", dev, "root"]);
+                }
+                run(&tc);
             }
         }
     }
