@@ -81,6 +81,9 @@ struct Held {
     claimed: bool,
     /// The release marks to raise when it is released, if its params carry a lease epoch.
     marks: Option<Marks>,
+    /// Push mode: a WRITE of its blocks is under way, so its lease cannot release it;
+    /// NIXL's end of the WRITE does.
+    writing: bool,
 }
 
 /// The release marks of one held request (see
@@ -221,6 +224,7 @@ impl Sends {
             needed,
             capability,
             marks,
+            writing: false,
         };
         self.held.insert(request_id, held);
         self.series.held(self.held.len());
@@ -419,7 +423,7 @@ impl Sends {
         let expired: Vec<String> = self
             .held
             .iter()
-            .filter(|(_, held)| held.deadline <= now)
+            .filter(|(_, held)| held.deadline <= now && !held.writing)
             .map(|(id, _)| id.clone())
             .collect();
         self.series.expired(expired.len() as u64);
@@ -502,6 +506,36 @@ impl Sends {
                 false
             }
             None => false,
+        }
+    }
+
+    /// Push mode: a WRITE of `request_id`'s blocks is about to be posted; from now on only
+    /// [`written`](Self::written) releases it. False when it is not held (its lease ended)
+    /// or a WRITE of it is already under way: nothing may be posted then.
+    pub(crate) fn start_writing(&mut self, request_id: &str) -> bool {
+        match self.held.get_mut(request_id) {
+            Some(held) if !held.writing => {
+                held.writing = true;
+                held.claimed = true;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Push mode: NIXL ended the WRITE of `request_id`'s blocks (or none was posted after
+    /// [`start_writing`](Self::start_writing)): it is released.
+    pub(crate) fn written(&mut self, request_id: &str) {
+        if let Some(held) = self.held.remove(request_id) {
+            self.release(request_id.to_string(), Released::Notification, held.marks);
+        }
+    }
+
+    /// Push mode: the decode wants nothing written (a proven cancel): `request_id` is
+    /// released now unless a WRITE of it is under way.
+    pub(crate) fn release_unwritten(&mut self, request_id: &str) {
+        if self.held.get(request_id).is_some_and(|h| !h.writing) {
+            self.written(request_id);
         }
     }
 

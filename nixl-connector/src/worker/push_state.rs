@@ -1,0 +1,99 @@
+//! Push mode's part of a worker (see [`Shared`](crate::worker::shared::Shared)): its
+//! settings, the prefill book and decode waits of `push_book.rs` behind their locks, and
+//! what push did so far; `push.rs` drives it.
+
+use std::sync::{Mutex, MutexGuard};
+use std::time::Instant;
+
+use crate::transfer_mode::PushSettings;
+use crate::worker::push_book::{DecodeWaits, PrefillBook};
+
+/// What push mode did on a worker so far (both roles).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PushStats {
+    /// Decode: registrations sent (one per prefill rank and load).
+    pub registrations_sent: u64,
+    /// Decode: loads whose registration timeout passed before every prefill rank ended.
+    pub registration_timeouts: u64,
+    /// Decode: ends refused (an unknown request, an agent not registered with, a bad tag)
+    /// or malformed push messages.
+    pub refused_ends: u64,
+    /// Prefill: registrations matched to a held request.
+    pub registrations_matched: u64,
+    /// Prefill: registrations that waited for their request to be held.
+    pub registrations_waited: u64,
+    /// Prefill: early registrations and cancels dropped unmatched (past the bounds or
+    /// their time).
+    pub registrations_evicted: u64,
+    /// Prefill: registrations and cancels refused (no valid tag, malformed).
+    pub registrations_refused: u64,
+    /// Prefill: registrations that do not fit the request held (more blocks than it has,
+    /// another group count, a geometry it cannot write), answered `refused`.
+    pub registrations_oversized: u64,
+    /// Prefill: WRITEs NIXL ended well, and the bytes they moved.
+    pub writes: u64,
+    /// Prefill: bytes of those WRITEs.
+    pub bytes_written: u64,
+    /// Prefill: WRITEs (or the handshakes before them) that failed.
+    pub failed_writes: u64,
+}
+
+/// A worker's push-mode part (in [`Shared`]): its settings, its prefill book and decode
+/// waits, its counts. Each lock is held only within one call, never across an await or
+/// another part's lock.
+pub(crate) struct Push {
+    pub(crate) settings: PushSettings,
+    book: Mutex<PrefillBook>,
+    waits: Mutex<DecodeWaits>,
+    stats: Mutex<PushStats>,
+}
+
+impl Push {
+    /// The part of a worker whose held requests' leases last `lease`.
+    pub(crate) fn new(settings: PushSettings, lease: std::time::Duration) -> Self {
+        Push {
+            settings,
+            book: Mutex::new(PrefillBook::new(lease)),
+            waits: Mutex::default(),
+            stats: Mutex::default(),
+        }
+    }
+
+    pub(crate) fn book(&self) -> MutexGuard<'_, PrefillBook> {
+        self.book.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn waits(&self) -> MutexGuard<'_, DecodeWaits> {
+        self.waits.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn count(&self, add: impl FnOnce(&mut PushStats)) {
+        add(&mut self.stats.lock().unwrap_or_else(|p| p.into_inner()));
+    }
+
+    /// The counts so far, the prefill book's included.
+    pub(crate) fn stats(&self) -> PushStats {
+        let book = self.book().stats;
+        let mut stats = *self.stats.lock().unwrap_or_else(|p| p.into_inner());
+        stats.registrations_matched = book.matched;
+        stats.registrations_waited = book.waited;
+        stats.registrations_evicted = book.evicted;
+        stats.registrations_refused += book.refused;
+        stats
+    }
+
+    /// The held requests `released` are gone: late messages for them hear `gone`.
+    pub(crate) fn released(&self, released: &[String]) {
+        let mut book = self.book();
+        for id in released {
+            book.released(id);
+        }
+        book.expire(Instant::now());
+    }
+
+    /// Wakes the load of `request_id`, if it waits (it was aborted).
+    pub(crate) fn wake(&self, request_id: &str) {
+        self.waits().wake(request_id);
+    }
+}

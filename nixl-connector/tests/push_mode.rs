@@ -1,0 +1,283 @@
+//! Push mode in the native protocol, over real NIXL and UCX, both engines in this process:
+//! the decode registers its blocks with the prefill ranks, which WRITE the KV into them.
+//! Every byte is checked against the model of `common::geometry` (MHA, 4 KV heads, HND; K
+//! and V regions of different head sizes and a region with K and V halves in each block):
+//! - TP 1 → 1 and prefill TP 2 → decode TP 1 (each prefill rank writes its head slice);
+//! - a prefix hit on the decode (it registers the last blocks only);
+//! - a registration that arrives before the prefill holds the request;
+//! - the registration timeout: the load fails by the policy once the prefill answered the
+//!   cancel, and nothing is written afterwards;
+//! - a registration of more blocks than the prefill holds, refused with a typed error;
+//! - a full prefix hit, which cancels so that the prefill frees at once;
+//! - push and pull engines refuse each other.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use nixl_connector::{
+    Error, FailureKind, KvAttention, KvConnectorWorker, KvLayout, KvRegionKind, KvTransferParams,
+    TransferMode, WorkerConfig,
+};
+
+use common::geometry::{engine_with, Model, Request, Side};
+use common::{capability, poll_until, WAIT};
+
+const BLOCKS: usize = 12;
+
+fn model() -> Model {
+    Model {
+        attention: KvAttention::Mha { total_kv_heads: 4 },
+        layout: KvLayout::Hnd,
+        regions: vec![
+            (KvRegionKind::Tensor, 16),
+            (KvRegionKind::Tensor, 8),
+            (KvRegionKind::KvHalves, 8),
+        ],
+    }
+}
+
+fn side(tp: usize) -> Side {
+    Side {
+        tp,
+        block_size: 4,
+        num_blocks: BLOCKS,
+    }
+}
+
+/// `config` in push mode, with `timeout` as its registration timeout if given.
+fn push(config: &mut WorkerConfig, timeout: Option<f64>) {
+    let extra = &mut config.kv_transfer_config.kv_connector_extra_config;
+    extra.insert("transfer_mode".into(), "push".into());
+    if let Some(timeout) = timeout {
+        extra.insert("push_registration_timeout".into(), timeout.into());
+    }
+}
+
+/// An engine of TP `tp` in push mode.
+fn engine(id: &str, tp: usize, timeout: Option<f64>) -> Vec<KvConnectorWorker> {
+    engine_with(id, &model(), &side(tp), |config| push(config, timeout))
+}
+
+/// A request of `prefill` blocks, of which the decode loads the last `decode` (a prefix
+/// hit when fewer).
+fn request(id: &str, prefill: usize, decode: usize) -> Request {
+    Request {
+        id: id.to_string(),
+        remote: (0..prefill).map(|i| (i * 5 + 3) % BLOCKS).collect(),
+        local: (0..decode).map(|i| (i * 7 + 1) % BLOCKS).collect(),
+        num_tokens: None,
+    }
+}
+
+/// The prefill engine and a decode engine, the prefill's every rank filled and the
+/// decode's blocks sentinels.
+fn pair(
+    prefill_tp: usize,
+    decode_timeout: Option<f64>,
+) -> (Vec<KvConnectorWorker>, KvConnectorWorker) {
+    let prefills = engine("pf-push", prefill_tp, None);
+    for (rank, worker) in prefills.iter().enumerate() {
+        model().fill_prefill(worker, &side(prefill_tp), rank);
+    }
+    let decode = engine("dc-push", 1, decode_timeout).remove(0);
+    model().fill_sentinel(&decode, &side(1));
+    (prefills, decode)
+}
+
+/// Holds `request` for push on every prefill rank, its lease `lease` long.
+fn hold(prefills: &[KvConnectorWorker], request: &Request, lease: Duration) {
+    for worker in prefills {
+        worker
+            .hold_for_push(
+                &request.id,
+                Instant::now() + lease,
+                &capability(),
+                (&request.remote, &[]),
+            )
+            .unwrap();
+    }
+}
+
+/// Starts the decode's push load of `request` from the prefill engine.
+fn start(decode: &KvConnectorWorker, prefills: &[KvConnectorWorker], request: &Request) {
+    let port = prefills[0].side_channel_addr().unwrap().port();
+    let from = Model::remote(request, "pf-push", port, prefills.len());
+    decode
+        .start_load(&request.id, &request.local, &from)
+        .unwrap();
+}
+
+/// Waits until `worker` reports `request` received.
+async fn loaded(worker: &KvConnectorWorker, request: &str) {
+    let done = poll_until(worker, WAIT, |f| f.recving.iter().any(|r| r == request)).await;
+    assert!(
+        done.recving.iter().any(|r| r == request),
+        "no outcome for {request}"
+    );
+}
+
+/// Waits until every prefill rank released `request`.
+async fn released(prefills: &[KvConnectorWorker], request: &str) {
+    for worker in prefills {
+        let done = poll_until(worker, WAIT, |f| f.sending.iter().any(|r| r == request)).await;
+        assert!(
+            done.sending.iter().any(|r| r == request),
+            "{request} not released"
+        );
+    }
+}
+
+/// Checks every byte of the decode after `requests` were written.
+fn check(decode: &KvConnectorWorker, prefill_tp: usize, requests: &[&Request]) {
+    model()
+        .check_decode(decode, &side(prefill_tp), &side(1), 0, requests)
+        .unwrap();
+}
+
+async fn push_and_check(prefill_tp: usize, request: Request) {
+    let (prefills, decode) = pair(prefill_tp, None);
+    hold(&prefills, &request, Duration::from_secs(30));
+    start(&decode, &prefills, &request);
+    loaded(&decode, &request.id).await;
+    assert!(decode.load_errors().is_empty());
+    check(&decode, prefill_tp, &[&request]);
+    released(&prefills, &request.id).await;
+    let written: u64 = prefills.iter().map(|p| p.push_stats().bytes_written).sum();
+    let moved = model().moved_bytes(&side(prefill_tp), &side(1), 0, &request);
+    assert_eq!(written, moved as u64, "each byte written once");
+    for worker in &prefills {
+        let stats = worker.push_stats();
+        assert_eq!(
+            (stats.writes, stats.registrations_matched),
+            (1, 1),
+            "{stats:?}"
+        );
+    }
+    assert_eq!(decode.push_stats().registrations_sent, prefill_tp as u64);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tp1_to_tp1_writes_every_byte() {
+    push_and_check(1, request("req-1", 5, 5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_tp2_writes_each_head_slice_into_decode_tp1() {
+    push_and_check(2, request("req-2", 4, 4)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_hit_writes_the_last_blocks_only() {
+    push_and_check(2, request("req-hit", 5, 2)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registration_before_the_hold_waits_for_it() {
+    let (prefills, decode) = pair(1, None);
+    let request = request("req-early", 3, 3);
+    start(&decode, &prefills, &request);
+    // The registration reaches the prefill first, and waits there.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        decode.finished().recving.is_empty(),
+        "nothing written before the hold"
+    );
+    hold(&prefills, &request, Duration::from_secs(30));
+    loaded(&decode, &request.id).await;
+    assert!(decode.load_errors().is_empty());
+    check(&decode, 1, &[&request]);
+    assert_eq!(prefills[0].push_stats().registrations_waited, 1);
+    released(&prefills, &request.id).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_registration_timeout_fails_the_load_and_nothing_is_written_after() {
+    let (prefills, decode) = pair(1, Some(0.5));
+    let request = request("req-late", 3, 3);
+    let started = Instant::now();
+    start(&decode, &prefills, &request);
+    loaded(&decode, &request.id).await;
+    assert!(started.elapsed() >= Duration::from_millis(500));
+    let failed = decode.load_errors();
+    assert_eq!(failed.len(), request.local.len());
+    assert!(
+        failed.iter().all(|f| f.kind == FailureKind::Timeout),
+        "{failed:?}"
+    );
+    assert_eq!(decode.push_stats().registration_timeouts, 1);
+    assert_eq!(decode.overdue_loads().len(), 1);
+    // The prefill holds the request only now: the cancel dropped the registration.
+    hold(&prefills, &request, Duration::from_millis(300));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    check(&decode, 1, &[]);
+    released(&prefills, &request.id).await;
+    assert_eq!(prefills[0].push_stats().writes, 0);
+    assert_eq!(prefills[0].send_stats().freed_on_timeout, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registration_of_more_blocks_than_held_is_refused() {
+    let (prefills, decode) = pair(1, None);
+    let mut request = request("req-big", 5, 5);
+    hold(&prefills, &request, Duration::from_secs(30));
+    // The decode registers 6 blocks for a request of 5 here.
+    request.local.push(11);
+    start(&decode, &prefills, &request);
+    loaded(&decode, &request.id).await;
+    let failed = decode.load_errors();
+    assert_eq!(failed.len(), 6);
+    assert!(
+        failed.iter().all(|f| f.reason.contains("refused")),
+        "{failed:?}"
+    );
+    assert_eq!(prefills[0].push_stats().registrations_oversized, 1);
+    released(&prefills, &request.id).await;
+    check(&decode, 1, &[]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_prefix_hit_lets_the_prefill_free_at_once() {
+    let (prefills, decode) = pair(1, None);
+    let request = request("req-full-hit", 3, 0);
+    hold(&prefills, &request, Duration::from_secs(30));
+    let started = Instant::now();
+    start(&decode, &prefills, &request);
+    released(&prefills, &request.id).await;
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "not by its lease"
+    );
+    assert_eq!(prefills[0].send_stats().freed_on_timeout, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn push_and_pull_refuse_each_other() {
+    // A pull worker refuses to hold for push.
+    let pull = engine_with("pf-pull", &model(), &side(1), |_| {}).remove(0);
+    let err = pull
+        .hold_for_push("r", Instant::now(), &capability(), (&[1], &[]))
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument { .. }), "{err}");
+    // Params say their mode; a decode of the other one refuses them.
+    let mut params = KvTransferParams {
+        transfer_mode: Some("push".into()),
+        ..Default::default()
+    };
+    assert!(TransferMode::Push.check_params(&params).is_ok());
+    assert!(params.check_supported().is_err(), "a pull engine's check");
+    let err = TransferMode::Pull.check_params(&params).unwrap_err();
+    assert!(err.to_string().contains("\"push\""), "{err}");
+    params.transfer_mode = Some("pull".into());
+    let err = TransferMode::Push.check_params(&params).unwrap_err();
+    assert!(err.to_string().contains("\"pull\""), "{err}");
+    // Push in vLLM's protocol is refused by name for now.
+    let mut config = common::geometry::rank_config("dc", 0, 1, 0);
+    push(&mut config, None);
+    config
+        .kv_transfer_config
+        .kv_connector_extra_config
+        .insert("protocol".into(), "vllm".into());
+    let err = KvConnectorWorker::new(config).unwrap_err();
+    assert!(err.to_string().contains("not built yet"), "{err}");
+}
