@@ -46,6 +46,7 @@ use crate::lease::Lease;
 use crate::multi_turn::MultiTurn;
 use crate::scheduler::aggregate::{KvOutputAggregator, WorkerOutput};
 use crate::scheduler::lease_epochs::LeaseEpochs;
+use crate::transfer_mode::TransferMode;
 use crate::transport::capability::Capability;
 use crate::transport::params::{KvTransferParams, RemoteBlocks};
 #[cfg(feature = "vllm")]
@@ -112,6 +113,9 @@ pub struct SchedulerConfig {
     /// [`request_finished`](KvConnectorScheduler::request_finished) carry every key vLLM's
     /// do.
     pub protocol: Protocol,
+    /// Which way the KV moves ([`TransferMode`]): the params a prefill hands out say it,
+    /// and a decode refuses params of the other mode. The steps are the same in both.
+    pub transfer_mode: TransferMode,
     /// vLLM mode: the engine's side channel, whose registration generation the params of
     /// [`request_finished`](KvConnectorScheduler::request_finished) carry (0 without it).
     #[cfg(feature = "vllm")]
@@ -127,7 +131,9 @@ impl SchedulerConfig {
     /// # Errors
     /// Those of [`Lease::from_kv_transfer_config`],
     /// [`LoadFailurePolicy::from_kv_transfer_config`],
-    /// [`MultiTurn::from_kv_transfer_config`] and [`Protocol::from_kv_transfer_config`].
+    /// [`MultiTurn::from_kv_transfer_config`], [`Protocol::from_kv_transfer_config`] and
+    /// [`TransferMode::from_kv_transfer_config`]; [`Error::InvalidArgument`] for push mode
+    /// in vLLM's protocol (not built yet).
     pub fn new(
         engine_id: &str,
         host: &str,
@@ -135,6 +141,14 @@ impl SchedulerConfig {
         tp_size: usize,
         kv_transfer_config: &KvTransferConfig,
     ) -> Result<Self> {
+        let protocol = Protocol::from_kv_transfer_config(kv_transfer_config)?;
+        let transfer_mode = TransferMode::from_kv_transfer_config(kv_transfer_config)?;
+        if protocol == Protocol::Vllm && transfer_mode == TransferMode::Push {
+            return Err(Error::invalid(
+                "configure the connector scheduler",
+                "push mode in vLLM's protocol is not built yet; use the native protocol for push, or pull mode with vLLM",
+            ));
+        }
         Ok(SchedulerConfig {
             engine_id: engine_id.to_string(),
             host: host.to_string(),
@@ -144,7 +158,8 @@ impl SchedulerConfig {
             lease: Lease::from_kv_transfer_config(kv_transfer_config)?,
             load_failure_policy: LoadFailurePolicy::from_kv_transfer_config(kv_transfer_config)?,
             multi_turn: MultiTurn::from_kv_transfer_config(kv_transfer_config)?,
-            protocol: Protocol::from_kv_transfer_config(kv_transfer_config)?,
+            protocol,
+            transfer_mode,
             #[cfg(feature = "vllm")]
             vllm_side_channel: None,
         })
@@ -332,7 +347,8 @@ impl KvConnectorScheduler {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] when `params` lack a remote field or name what the
-    /// connector cannot read ([`KvTransferParams::check_supported`]), when
+    /// connector cannot use ([`TransferMode::check_params`]: params of the other transfer
+    /// mode among them), when
     /// [`on_new_request`](Self::on_new_request) was not called for the request, when the
     /// request's load was already scheduled (one load per request), or when local blocks
     /// come with an empty `remote_block_ids` (nothing to read them from; vLLM's
@@ -365,7 +381,7 @@ impl KvConnectorScheduler {
         params: &KvTransferParams,
     ) -> Result<()> {
         const OP: &str = "schedule a remote prefill";
-        params.check_supported()?;
+        self.config.transfer_mode.check_params(params)?;
         let remote = params.remote_blocks().ok_or_else(|| {
             Error::invalid(OP, format!("request {request_id:?}: kv_transfer_params lack remote_engine_id, remote_host, remote_port, remote_request_id or remote_tp_size"))
         })?;
@@ -620,6 +636,8 @@ impl KvConnectorScheduler {
                 remote_registration_generation: (self.registered_again > 0)
                     .then_some(self.registered_again),
                 remote_pp_size: (config.pp_size > 1).then_some(config.pp_size),
+                transfer_mode: (config.transfer_mode == TransferMode::Push)
+                    .then(|| TransferMode::Push.to_string()),
                 ..params
             },
             Protocol::Vllm => KvTransferParams {
@@ -840,6 +858,7 @@ mod tests {
             load_failure_policy: policy,
             multi_turn: MultiTurn::default(),
             protocol: Protocol::Native,
+            transfer_mode: TransferMode::Pull,
             #[cfg(feature = "vllm")]
             vllm_side_channel: None,
         }

@@ -9,15 +9,17 @@
 //!   cancel, and nothing is written afterwards;
 //! - a registration of more blocks than the prefill holds, refused with a typed error;
 //! - a full prefix hit, which cancels so that the prefill frees at once;
-//! - push and pull engines refuse each other.
+//! - push and pull engines refuse each other;
+//! - the schedulers' steps drive push as they drive pull.
 
 mod common;
 
 use std::time::{Duration, Instant};
 
 use nixl_connector::{
-    Error, FailureKind, KvAttention, KvConnectorWorker, KvLayout, KvRegionKind, KvTransferParams,
-    TransferMode, WorkerConfig,
+    Error, FailureKind, FinishStatus, KvAttention, KvConnectorScheduler, KvConnectorWorker,
+    KvLayout, KvRegionKind, KvTransferParams, LoadOutcome, SchedulerConfig, TransferMode,
+    WorkerConfig,
 };
 
 use common::geometry::{engine_with, Model, Request, Side};
@@ -280,4 +282,74 @@ async fn push_and_pull_refuse_each_other() {
         .insert("protocol".into(), "vllm".into());
     let err = KvConnectorWorker::new(config).unwrap_err();
     assert!(err.to_string().contains("not built yet"), "{err}");
+}
+
+/// The `kv_transfer_config` of a push engine (host memory).
+fn push_config() -> nixl::kv_config::KvTransferConfig {
+    let mut config = common::cpu_config();
+    config
+        .kv_connector_extra_config
+        .insert("transfer_mode".into(), "push".into());
+    config
+}
+
+/// The engines' schedulers drive both halves as an engine does (the same calls as in pull
+/// mode): the prefill's params say push, the decode's step registers, the prefill's step
+/// holds and writes, the decode's outcome is `Loaded` and the prefill's `finished_sending`
+/// frees; every byte checked, a prefix hit included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_engine_steps_are_those_of_pull_mode() {
+    let (prefills, decode) = pair(1, None);
+    let kv = push_config();
+    let port = prefills[0].side_channel_addr().unwrap().port();
+    let config = SchedulerConfig::new("pf-push", "127.0.0.1", port, 1, &kv).unwrap();
+    assert_eq!(config.transfer_mode, TransferMode::Push);
+    let mut prefill = KvConnectorScheduler::new(config);
+    let decode_port = decode.side_channel_addr().unwrap().port();
+    let mut decode_s = KvConnectorScheduler::new(
+        SchedulerConfig::new("dc-push", "127.0.0.1", decode_port, 1, &kv).unwrap(),
+    );
+    let request = request("req-steps", 5, 3);
+    let done = prefill.request_finished(
+        &request.id,
+        &request.remote,
+        request.remote.len() * 4,
+        Some(&common::for_decode()),
+        FinishStatus::Stopped,
+    );
+    assert!(done.delay_free_blocks);
+    let params = done.kv_transfer_params.unwrap();
+    assert_eq!(params.transfer_mode.as_deref(), Some("push"));
+    decode_s.on_new_request(&request.id, Some(&params));
+    decode_s
+        .update_state_after_alloc(&request.id, &request.local, &params)
+        .unwrap();
+    let (mut loaded, mut freed) = (false, false);
+    let start = Instant::now();
+    while !(loaded && freed) && start.elapsed() < WAIT {
+        let out = prefill.step(&prefills).unwrap();
+        freed |= out.finished_sending.contains(&request.id);
+        let out = decode_s.step(std::slice::from_ref(&decode)).unwrap();
+        for outcome in out.load_outcomes {
+            match outcome {
+                LoadOutcome::Loaded { request_id } if request_id == request.id => loaded = true,
+                other => panic!("unexpected outcome {other:?}"),
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(loaded && freed, "loaded {loaded}, freed {freed}");
+    check(&decode, 1, &[&request]);
+    // A pull decode refuses these params by name.
+    let mut pull = KvConnectorScheduler::new(
+        SchedulerConfig::new("dc-pull", "127.0.0.1", 1, 1, &common::cpu_config()).unwrap(),
+    );
+    pull.on_new_request("r", Some(&params));
+    let err = pull
+        .update_state_after_alloc("r", &[1], &params)
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("push engine and a pull engine"),
+        "{err}"
+    );
 }

@@ -135,6 +135,7 @@ mod tests {
             load_failure_policy: LoadFailurePolicy::Fail,
             multi_turn: crate::multi_turn::MultiTurn::default(),
             protocol,
+            transfer_mode: crate::transfer_mode::TransferMode::Pull,
             #[cfg(feature = "vllm")]
             vllm_side_channel: None,
         };

@@ -901,6 +901,34 @@ mod tests {
     }
 
     #[test]
+    fn a_lease_never_releases_a_request_whose_write_runs() {
+        let t0 = Instant::now();
+        let mut s = sends(1);
+        hold_30s(&mut s, "r", t0);
+        assert!(s.start_writing("r"));
+        assert!(!s.start_writing("r"), "one WRITE at a time");
+        s.expire(t0 + Duration::from_secs(60));
+        assert!(s.take_done().0.is_empty(), "the lease ended mid-WRITE");
+        s.release_unwritten("r");
+        assert!(s.take_done().0.is_empty(), "a cancel does not stop a WRITE");
+        s.written("r");
+        assert_eq!(s.take_done().0, ["r"]);
+        assert_eq!(
+            (s.stats().freed_on_notification, s.stats().freed_on_timeout),
+            (1, 0)
+        );
+        // Released, it cannot be written again.
+        assert!(!s.start_writing("r"));
+        // One not written is released by a cancel at once, or by its lease.
+        hold_30s(&mut s, "c", t0);
+        s.release_unwritten("c");
+        assert_eq!(s.take_done().0, ["c"]);
+        hold_30s(&mut s, "l", t0);
+        s.expire(t0 + Duration::from_secs(60));
+        assert_eq!(s.take_done().0, ["l"]);
+    }
+
+    #[test]
     fn a_release_raises_the_marks_of_the_requests_blocks_once() {
         let mut s = sends(1);
         let t0 = Instant::now();
