@@ -838,7 +838,7 @@ impl KvConnectorWorker {
             sends.take_done()
         };
         if let Some(push) = &self.shared.push {
-            push.released(&sending);
+            push.released(&sending, &self.shared.series);
         }
         // Readers must see a release before the engine can reuse the blocks.
         if !marks.is_empty() {

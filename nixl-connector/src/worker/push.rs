@@ -236,6 +236,12 @@ async fn write(
         Ok(remote) => post_and_await(shared, &registration, &ready, &remote).await,
         Err(err) => Err((PushEnd::Failed, err)),
     };
+    let took = started.elapsed();
+    match &outcome {
+        Ok(_) => shared.series.push_write("written", took),
+        Err((PushEnd::Refused, _)) => shared.series.push_write("refused", took),
+        Err(_) => shared.series.push_write("failed", took),
+    }
     match &outcome {
         Ok(bytes) => {
             push.count(|s| {
@@ -437,6 +443,7 @@ async fn run_load(shared: &Arc<Shared>, load: &Load) -> Result<()> {
     let message = registration_message(&registration, &capability, own.name());
     send_to(shared, &agents, &message, "registration");
     push.count(|s| s.registrations_sent += agents.len() as u64);
+    shared.series.push_registrations(agents.len() as u64);
 
     let timeout = push.settings.registration_timeout;
     let deadline = tokio::time::Instant::now() + timeout;
@@ -451,6 +458,7 @@ async fn run_load(shared: &Arc<Shared>, load: &Load) -> Result<()> {
         if cancelled.is_none() && (aborted || timed_out) {
             if timed_out {
                 push.count(|s| s.registration_timeouts += 1);
+                shared.series.push_timeout();
                 report_overdue(shared, load, timeout);
             }
             let waiting: Vec<String> = ends

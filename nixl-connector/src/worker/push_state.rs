@@ -5,6 +5,7 @@
 use std::sync::{Mutex, MutexGuard};
 use std::time::Instant;
 
+use crate::metrics::series::Series;
 use crate::transfer_mode::PushSettings;
 use crate::worker::push_book::{DecodeWaits, PrefillBook};
 
@@ -47,6 +48,8 @@ pub(crate) struct Push {
     book: Mutex<PrefillBook>,
     waits: Mutex<DecodeWaits>,
     stats: Mutex<PushStats>,
+    /// The book's waits and drops the series have heard of.
+    exported: Mutex<(u64, u64)>,
 }
 
 impl Push {
@@ -57,6 +60,7 @@ impl Push {
             book: Mutex::new(PrefillBook::new(lease)),
             waits: Mutex::default(),
             stats: Mutex::default(),
+            exported: Mutex::default(),
         }
     }
 
@@ -83,13 +87,20 @@ impl Push {
         stats
     }
 
-    /// The held requests `released` are gone: late messages for them hear `gone`.
-    pub(crate) fn released(&self, released: &[String]) {
+    /// The held requests `released` are gone: late messages for them hear `gone`. Early
+    /// registrations past their time are dropped, and `series` hears of the waits and
+    /// drops since the last call.
+    pub(crate) fn released(&self, released: &[String], series: &Series) {
         let mut book = self.book();
         for id in released {
             book.released(id);
         }
         book.expire(Instant::now());
+        let now = (book.stats.waited, book.stats.evicted);
+        drop(book);
+        let mut exported = self.exported.lock().unwrap_or_else(|p| p.into_inner());
+        series.push_waits(now.0 - exported.0, now.1 - exported.1);
+        *exported = now;
     }
 
     /// Wakes the load of `request_id`, if it waits (it was aborted).
