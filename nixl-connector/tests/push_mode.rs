@@ -353,3 +353,26 @@ async fn the_engine_steps_are_those_of_pull_mode() {
         "{err}"
     );
 }
+
+/// The decode aborts a request after registering, before the prefill holds it: its cancel
+/// drops the registration, the prefill answers, and the load ends as aborted with no
+/// failed block; nothing is written when the prefill holds the request later, and a
+/// held request whose decode aborts before registering is released at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abort_after_registering_cancels_and_nothing_is_written() {
+    let (prefills, decode) = pair(1, None);
+    let request = request("req-abort", 3, 3);
+    start(&decode, &prefills, &request);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(decode.abort_load(&request.id));
+    loaded(&decode, &request.id).await;
+    assert!(
+        decode.load_errors().is_empty(),
+        "an aborted load fails no block"
+    );
+    hold(&prefills, &request, Duration::from_millis(300));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    check(&decode, 1, &[]);
+    released(&prefills, &request.id).await;
+    assert_eq!(prefills[0].push_stats().writes, 0);
+}

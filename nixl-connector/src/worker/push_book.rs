@@ -122,6 +122,13 @@ impl PrefillBook {
         capability: Capability,
     ) -> Vec<PrefillAction> {
         let (block_ids, group_lens) = ready;
+        if self.ready.contains_key(request_id) {
+            // Held again while held: the first hold (and any WRITE it started) stands.
+            return Vec::new();
+        }
+        if self.recent.remove(request_id).is_some() {
+            self.recent_order.retain(|id| id != request_id);
+        }
         self.ready.insert(
             request_id.to_string(),
             Ready {
@@ -464,6 +471,10 @@ mod tests {
         );
         assert_eq!(book.waiting(), (0, 0));
         assert_eq!((book.stats.matched, book.stats.waited), (1, 1));
+        // Held again, it keeps its first hold: nothing starts again.
+        assert!(book
+            .ready("r", (vec![5, 6, 7], vec![]), cap.clone())
+            .is_empty());
         // A second registration for it is refused, with an end the decode can prove.
         let again = book.registration(b"d0", signed("r", &cap, "d0"));
         assert!(matches!(
