@@ -376,3 +376,50 @@ async fn an_abort_after_registering_cancels_and_nothing_is_written() {
     released(&prefills, &request.id).await;
     assert_eq!(prefills[0].push_stats().writes, 0);
 }
+
+/// MLA: two layers' latents of different sizes (replicated on every rank).
+fn mla() -> Model {
+    Model {
+        attention: KvAttention::Mla,
+        layout: KvLayout::Hnd,
+        regions: vec![(KvRegionKind::Tensor, 24), (KvRegionKind::Tensor, 8)],
+    }
+}
+
+/// A prefill of TP `prefill_tp` pushes `request` into a decode of TP `decode_tp` of
+/// `model`: every byte of every decode rank checked, every prefill rank released.
+async fn push_between(model: &Model, prefill_tp: usize, decode_tp: usize, request: Request) {
+    let (prefill, decode) = (side(prefill_tp), side(decode_tp));
+    let prefills = engine_with("pf-push", model, &prefill, |c| push(c, None));
+    for (rank, worker) in prefills.iter().enumerate() {
+        model.fill_prefill(worker, &prefill, rank);
+    }
+    let decodes = engine_with("dc-push", model, &decode, |c| push(c, None));
+    for worker in &decodes {
+        model.fill_sentinel(worker, &decode);
+    }
+    hold(&prefills, &request, Duration::from_secs(30));
+    for worker in &decodes {
+        start(worker, &prefills, &request);
+    }
+    for (rank, worker) in decodes.iter().enumerate() {
+        loaded(worker, &request.id).await;
+        assert!(worker.load_errors().is_empty());
+        model
+            .check_decode(worker, &prefill, &decode, rank, &[&request])
+            .unwrap_or_else(|err| panic!("TP {prefill_tp} -> {decode_tp}: {err}"));
+    }
+    released(&prefills, &request.id).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_tp4_writes_into_decode_tp2_and_tp2_into_tp2() {
+    push_between(&model(), 4, 2, request("req-4-2", 4, 3)).await;
+    push_between(&model(), 2, 2, request("req-2-2", 3, 3)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mla_latents_are_written_from_every_prefill_rank() {
+    push_between(&mla(), 2, 1, request("req-mla-2-1", 4, 4)).await;
+    push_between(&mla(), 1, 1, request("req-mla-1-1", 4, 2)).await;
+}
