@@ -160,16 +160,16 @@ impl KvConnectorWorker {
         };
         let claims = ClaimsOf(Arc::downgrade(&shared));
         shared.guard.kept.set(Arc::new(claims));
-        let tasks = push_stream
-            .map(|stream| runtime.spawn(crate::worker::push::take(shared.clone(), stream)))
-            .into_iter()
-            .collect();
+        // Not among `tasks`: it outlives the worker while push loads wait (see `push::take`).
+        if let Some(stream) = push_stream {
+            runtime.spawn(crate::worker::push::take(shared.clone(), stream));
+        }
         Ok(KvConnectorWorker {
             shared,
             registered: OnceLock::new(),
             staging: OnceLock::new(),
             runtime,
-            tasks: Mutex::new(tasks),
+            tasks: Mutex::new(Vec::new()),
             listening: std::sync::Once::new(),
             decode_notes: Arc::default(),
         })
@@ -948,6 +948,9 @@ impl KvConnectorWorker {
 
 impl Drop for KvConnectorWorker {
     fn drop(&mut self) {
+        if let Some(push) = &self.shared.push {
+            push.close();
+        }
         for task in self
             .tasks
             .lock()

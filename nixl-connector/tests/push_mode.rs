@@ -423,3 +423,26 @@ async fn mla_latents_are_written_from_every_prefill_rank() {
     push_between(&mla(), 2, 1, request("req-mla-2-1", 4, 4)).await;
     push_between(&mla(), 1, 1, request("req-mla-1-1", 4, 2)).await;
 }
+
+/// A decode shut down while a push load waits: its ends are still taken (and its side
+/// channel still answers the prefill rank that handshakes to answer), so `shutdown` does
+/// not return while the load waits, and returns once the load timed out, the prefill
+/// answered its cancel, and the prefill (which loaded the decode's agent to answer, in
+/// this process) is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_waits_for_a_registered_load_to_end() {
+    let (prefills, decode) = pair(1, Some(0.5));
+    let request = request("req-shutdown", 3, 3);
+    start(&decode, &prefills, &request);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let shutdown = tokio::spawn(decode.shutdown());
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!shutdown.is_finished(), "shut down while a load waited");
+    // The load times out at 0.5 s and its cancel is answered soon after.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    drop(prefills);
+    tokio::time::timeout(WAIT, shutdown)
+        .await
+        .expect("shutdown ends once the load ended")
+        .unwrap();
+}

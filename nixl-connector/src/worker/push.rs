@@ -48,12 +48,21 @@ pub(crate) fn subscribe(shared: &Shared) -> Result<nixl::NotificationStream> {
     Ok(shared.setup.agent().notification_stream(filter)?)
 }
 
-/// Takes push notifications from `stream` for as long as the worker lives.
+/// Takes push notifications from `stream` while the worker lives, and after it closes until
+/// no load waits for its prefill's ends (a load's blocks go back only once every rank
+/// answered, and its task keeps the registered caches until then).
 pub(crate) async fn take(shared: Arc<Shared>, mut stream: nixl::NotificationStream) {
-    loop {
-        let note = stream.recv().await;
-        route(&shared, note);
+    let Some(push) = part(&shared) else {
+        return;
+    };
+    while !push.closed() {
+        tokio::select! {
+            note = stream.recv() => route(&shared, note),
+            () = push.changed() => {}
+        }
     }
+    push.stop_serving();
+    tracing::debug!("push listener stopped: the worker is gone and no push load waits");
 }
 
 /// One push notification from the network.
@@ -65,6 +74,12 @@ fn route(shared: &Arc<Shared>, note: Notification) {
     let refused = |why: &str| {
         tracing::debug!(sender = %String::from_utf8_lossy(&note.sender), why, "push notification refused");
     };
+    let prefill_side =
+        message.starts_with(REGISTRATION_PREFIX) || message.starts_with(CANCEL_PREFIX);
+    if prefill_side && push.closing() {
+        refused("the worker is closing");
+        return;
+    }
     if message.starts_with(REGISTRATION_PREFIX) {
         match parse_registration(message) {
             Ok(signed) => {
@@ -366,6 +381,7 @@ pub(crate) async fn load(shared: Arc<Shared>, load: Load) {
     let outcome = run_load(&shared, &load).await;
     if let Some(push) = part(&shared) {
         push.waits().done(&load.request_id);
+        push.load_ended();
     }
     record(&shared, &load, None, outcome);
 }

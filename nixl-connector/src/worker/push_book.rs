@@ -423,6 +423,11 @@ impl DecodeWaits {
             .map_or(Vec::new(), |w| w.agents.clone())
     }
 
+    /// Whether no load waits.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.waits.is_empty()
+    }
+
     /// Forgets `request_id`'s wait (its load ended).
     pub(crate) fn done(&mut self, request_id: &str) {
         self.waits.remove(request_id);

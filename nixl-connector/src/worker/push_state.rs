@@ -2,6 +2,7 @@
 //! settings, the prefill book and decode waits of `push_book.rs` behind their locks, and
 //! what push did so far; `push.rs` drives it.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Instant;
 
@@ -50,6 +51,14 @@ pub(crate) struct Push {
     stats: Mutex<PushStats>,
     /// The book's waits and drops the series have heard of.
     exported: Mutex<(u64, u64)>,
+    /// The worker is gone or shutting down: the listener takes the ends of the loads still
+    /// waiting, then stops.
+    closing: AtomicBool,
+    /// Wakes the listener: the worker closes, or a load stopped waiting.
+    changed: tokio::sync::Notify,
+    /// The rank's native side channel: it serves until the listener stops, so that a
+    /// prefill rank can still handshake to answer a load's cancel after the worker closed.
+    side_channels: Mutex<Vec<tokio::task::JoinHandle<()>>>,
 }
 
 impl Push {
@@ -61,7 +70,54 @@ impl Push {
             waits: Mutex::default(),
             stats: Mutex::default(),
             exported: Mutex::default(),
+            closing: AtomicBool::new(false),
+            changed: tokio::sync::Notify::new(),
+            side_channels: Mutex::default(),
         }
+    }
+
+    /// Keeps the rank's side channel `server` serving until [`stop_serving`](Self::stop_serving).
+    pub(crate) fn keep_serving(&self, server: tokio::task::JoinHandle<()>) {
+        self.side_channels
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(server);
+    }
+
+    /// Stops the rank's side channel (the listener stopped: no load waits, the worker is
+    /// gone).
+    pub(crate) fn stop_serving(&self) {
+        let servers =
+            std::mem::take(&mut *self.side_channels.lock().unwrap_or_else(|p| p.into_inner()));
+        for server in servers {
+            server.abort();
+        }
+    }
+
+    /// The worker is gone or shutting down (see [`closed`](Self::closed)).
+    pub(crate) fn close(&self) {
+        self.closing.store(true, Ordering::Release);
+        self.changed.notify_one();
+    }
+
+    /// A load stopped waiting: the listener checks whether it may stop.
+    pub(crate) fn load_ended(&self) {
+        self.changed.notify_one();
+    }
+
+    /// Resolves when the worker closes or a load stops waiting.
+    pub(crate) async fn changed(&self) {
+        self.changed.notified().await;
+    }
+
+    /// Whether the worker is closing, so that the listener takes no new registration.
+    pub(crate) fn closing(&self) -> bool {
+        self.closing.load(Ordering::Acquire)
+    }
+
+    /// Whether the worker is closing and no load waits: the listener may stop.
+    pub(crate) fn closed(&self) -> bool {
+        self.closing() && self.waits().is_empty()
     }
 
     pub(crate) fn book(&self) -> MutexGuard<'_, PrefillBook> {
