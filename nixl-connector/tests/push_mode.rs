@@ -446,3 +446,61 @@ async fn shutdown_waits_for_a_registered_load_to_end() {
         .expect("shutdown ends once the load ended")
         .unwrap();
 }
+
+/// A third agent that handshook with the prefill but never got the request's params sends
+/// push messages: a registration under a made-up tag (naming its own blocks), a cancel, an
+/// end, and bytes that do not parse. Each is refused and counted, nothing is written into
+/// it or released, and the real decode's push then writes every byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_push_messages_are_refused_and_counted() {
+    let (prefills, decode) = pair(1, None);
+    let third = engine("dc-third", 1, None).remove(0);
+    model().fill_sentinel(&third, &side(1));
+    let port = prefills[0].side_channel_addr().unwrap().port();
+    third
+        .handshake_with("pf-push", "127.0.0.1", port, 1)
+        .await
+        .unwrap();
+    let request = request("req-forged", 3, 3);
+    hold(&prefills, &request, Duration::from_secs(30));
+    let to = prefills[0].agent().name().to_string();
+    let third_port = third.side_channel_addr().unwrap().port();
+    let body = rmp_serde::to_vec_named(&serde_json::json!({
+        "request_id": request.id, "decode_request_id": request.id, "engine_id": "dc-third",
+        "host": "127.0.0.1", "port": third_port, "tp_size": 1, "tp_rank": 0,
+        "block_ids": request.local, "group_lens": [],
+    }))
+    .unwrap();
+    let tag = "ab".repeat(32);
+    let forged = [format!("PUSHREG:{tag}:").as_bytes(), &body].concat();
+    let cancel = [format!("PUSHX:{tag}:").as_bytes(), &body].concat();
+    for message in [
+        forged,
+        cancel,
+        format!("PUSHED:{}:written:{tag}", request.id).into_bytes(),
+        b"PUSHREG:not a registration".to_vec(),
+        b"PUSHREG:".to_vec(),
+    ] {
+        third.agent().send_notification(&to, &message).unwrap();
+    }
+    common::wait_for("the forged messages to be refused", WAIT, || {
+        prefills[0].push_stats().registrations_refused >= 4
+    })
+    .await;
+    assert_eq!(prefills[0].push_stats().writes, 0);
+    assert!(
+        prefills[0].finished().sending.is_empty(),
+        "nothing released"
+    );
+    assert_eq!(
+        prefills[0].push_stats().refused_ends,
+        1,
+        "an end the prefill waits for not"
+    );
+    check(&third, 1, &[]);
+    start(&decode, &prefills, &request);
+    loaded(&decode, &request.id).await;
+    assert!(decode.load_errors().is_empty());
+    check(&decode, 1, &[&request]);
+    released(&prefills, &request.id).await;
+}
