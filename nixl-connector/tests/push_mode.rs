@@ -504,3 +504,63 @@ async fn forged_push_messages_are_refused_and_counted() {
     check(&decode, 1, &[&request]);
     released(&prefills, &request.id).await;
 }
+
+/// The decode's request waits for blocks past the prefill's lease (1 s): the decode's
+/// heartbeats, sent from `on_new_request` on as in pull mode, keep the request held, and
+/// the push then writes every byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heartbeats_keep_the_request_held_past_the_lease() {
+    let (prefills, decode) = pair(1, None);
+    let mut kv = push_config();
+    kv.kv_connector_extra_config
+        .insert("kv_lease_duration".into(), 1.into());
+    let port = prefills[0].side_channel_addr().unwrap().port();
+    let mut prefill = KvConnectorScheduler::new(
+        SchedulerConfig::new("pf-push", "127.0.0.1", port, 1, &kv).unwrap(),
+    );
+    let decode_port = decode.side_channel_addr().unwrap().port();
+    let mut decode_s = KvConnectorScheduler::new(
+        SchedulerConfig::new("dc-push", "127.0.0.1", decode_port, 1, &kv).unwrap(),
+    );
+    let request = request("req-heartbeats", 4, 4);
+    let done = prefill.request_finished(
+        &request.id,
+        &request.remote,
+        request.remote.len() * 4,
+        Some(&common::for_decode()),
+        FinishStatus::Stopped,
+    );
+    let params = done.kv_transfer_params.unwrap();
+    decode_s.on_new_request(&request.id, Some(&params));
+    // 2.5 leases of waiting for blocks, both engines stepping.
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_millis(2500) {
+        let out = prefill.step(&prefills).unwrap();
+        assert!(
+            out.finished_sending.is_empty(),
+            "released while the decode waited"
+        );
+        decode_s.step(std::slice::from_ref(&decode)).unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    decode_s
+        .update_state_after_alloc(&request.id, &request.local, &params)
+        .unwrap();
+    let (mut loaded, mut freed) = (false, false);
+    while !(loaded && freed) && start.elapsed() < WAIT {
+        freed |= prefill
+            .step(&prefills)
+            .unwrap()
+            .finished_sending
+            .contains(&request.id);
+        let out = decode_s.step(std::slice::from_ref(&decode)).unwrap();
+        loaded |= out
+            .load_outcomes
+            .iter()
+            .any(|o| matches!(o, LoadOutcome::Loaded { request_id } if *request_id == request.id));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(loaded && freed, "loaded {loaded}, freed {freed}");
+    check(&decode, 1, &[&request]);
+    assert_eq!(prefills[0].send_stats().freed_on_timeout, 0);
+}
