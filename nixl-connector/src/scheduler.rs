@@ -599,6 +599,7 @@ impl KvConnectorScheduler {
                 capability: capability.clone(),
                 block_ids: lease_epoch.map_or(Vec::new(), |_| block_ids.to_vec()),
                 lease_epoch,
+                group_lens: Vec::new(),
             },
         );
         lease_epoch

@@ -656,7 +656,7 @@ impl KvConnectorWorker {
             let capability = send.capability.clone();
             self.hold(&send.request_id, send.deadline, capability.clone(), marks);
             if let (Some(_), Some(capability)) = (&self.shared.push, capability) {
-                let blocks = (send.block_ids.clone(), Vec::new());
+                let blocks = (send.block_ids.clone(), send.group_lens.clone());
                 crate::worker::push::ready(&self.shared, &send.request_id, blocks, capability);
             }
         }

@@ -17,9 +17,9 @@ mod common;
 use std::time::{Duration, Instant};
 
 use nixl_connector::{
-    Error, FailureKind, FinishStatus, KvAttention, KvConnectorScheduler, KvConnectorWorker,
-    KvLayout, KvRegionKind, KvTransferParams, LoadOutcome, SchedulerConfig, TransferMode,
-    WorkerConfig,
+    Error, FailureKind, FinishStatus, KvAttention, KvCacheGroupKind, KvCacheGroups,
+    KvConnectorScheduler, KvConnectorWorker, KvLayout, KvRegionKind, KvTransferParams, LoadOutcome,
+    SchedulerConfig, TransferMode, WorkerConfig, KV_CACHE_GROUPS_KEY,
 };
 
 use common::geometry::{engine_with, Model, Request, Side};
@@ -563,4 +563,91 @@ async fn heartbeats_keep_the_request_held_past_the_lease() {
     assert!(loaded && freed, "loaded {loaded}, freed {freed}");
     check(&decode, 1, &[&request]);
     assert_eq!(prefills[0].send_stats().freed_on_timeout, 0);
+}
+
+/// A hybrid model (full attention and a 6-token sliding window, sharing every region)
+/// through both schedulers: each group's blocks are written into the decode's of the same
+/// group, the window's clipped to its last 3 blocks on both sides, the full-attention
+/// group's with a prefix hit of 2 blocks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hybrid_model_writes_each_group_into_its_own_blocks() {
+    let groups = KvCacheGroups::new(
+        4,
+        vec![
+            KvCacheGroupKind::FullAttention,
+            KvCacheGroupKind::SlidingWindow { window_tokens: 6 },
+        ],
+    )
+    .unwrap();
+    let with_groups = |config: &mut WorkerConfig| {
+        push(config, None);
+        config.kv_transfer_config.kv_connector_extra_config.insert(
+            KV_CACHE_GROUPS_KEY.into(),
+            serde_json::to_value(&groups).unwrap(),
+        );
+    };
+    let prefills = engine_with("pf-push", &model(), &side(1), with_groups);
+    model().fill_prefill(&prefills[0], &side(1), 0);
+    let decode = engine_with("dc-push", &model(), &side(1), with_groups).remove(0);
+    model().fill_sentinel(&decode, &side(1));
+    let kv = push_config();
+    let port = prefills[0].side_channel_addr().unwrap().port();
+    let mut prefill = KvConnectorScheduler::new(
+        SchedulerConfig::new("pf-push", "127.0.0.1", port, 1, &kv).unwrap(),
+    )
+    .with_kv_cache_groups(groups.clone());
+    let decode_port = decode.side_channel_addr().unwrap().port();
+    let mut decode_s = KvConnectorScheduler::new(
+        SchedulerConfig::new("dc-push", "127.0.0.1", decode_port, 1, &kv).unwrap(),
+    )
+    .with_kv_cache_groups(groups.clone());
+    let id = "req-hybrid";
+    let (full, window) = (vec![0, 1, 2, 3, 4], vec![5, 6, 7, 8, 9]);
+    let done = prefill
+        .request_finished_all_groups(
+            id,
+            &[full.clone(), window],
+            20,
+            Some(&common::for_decode()),
+            FinishStatus::Stopped,
+        )
+        .unwrap();
+    let params = done.kv_transfer_params.unwrap();
+    assert_eq!(params.remote_block_group_lens, [5, 3]);
+    decode_s.on_new_request(id, Some(&params));
+    decode_s
+        .update_state_after_alloc_groups(id, &[vec![1, 3, 5], vec![7, 9, 11]], &params)
+        .unwrap();
+    let (mut loaded, mut freed) = (false, false);
+    let start = Instant::now();
+    while !(loaded && freed) && start.elapsed() < WAIT {
+        freed |= prefill
+            .step(&prefills)
+            .unwrap()
+            .finished_sending
+            .iter()
+            .any(|r| r == id);
+        let out = decode_s.step(std::slice::from_ref(&decode)).unwrap();
+        for outcome in out.load_outcomes {
+            match outcome {
+                LoadOutcome::Loaded { request_id } if request_id == id => loaded = true,
+                other => panic!("unexpected outcome {other:?}"),
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(loaded && freed, "loaded {loaded}, freed {freed}");
+    let full = Request {
+        id: id.into(),
+        remote: full,
+        local: vec![1, 3, 5],
+        num_tokens: None,
+    };
+    let window = Request {
+        id: id.into(),
+        remote: vec![7, 8, 9],
+        local: vec![7, 9, 11],
+        num_tokens: None,
+    };
+    check(&decode, 1, &[&full, &window]);
 }
