@@ -8,7 +8,7 @@
 //! counts only from an agent the load registered with, once, with the tag of the load's
 //! capability.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -94,6 +94,11 @@ pub(crate) struct PrefillBook {
     /// Released requests' capabilities, to answer a late registration or cancel `gone`.
     recent: HashMap<String, Capability>,
     recent_order: VecDeque<String>,
+    /// (request, sender) pairs whose cancel was answered while the request was not held
+    /// here, the oldest dropped past [`MAX_WAITING`]: a registration of theirs that comes
+    /// late (NIXL keeping no order between them) is refused.
+    cancelled: HashSet<(String, Vec<u8>)>,
+    cancelled_order: VecDeque<(String, Vec<u8>)>,
     pub(crate) stats: PrefillPushStats,
 }
 
@@ -109,6 +114,8 @@ impl PrefillBook {
             ttl,
             recent: HashMap::new(),
             recent_order: VecDeque::new(),
+            cancelled: HashSet::new(),
+            cancelled_order: VecDeque::new(),
             stats: PrefillPushStats::default(),
         }
     }
@@ -172,6 +179,12 @@ impl PrefillBook {
                 return Vec::new();
             }
             return end(signed, PushEnd::Gone, capability);
+        }
+        let key = (request_id.clone(), sender.to_vec());
+        if signed.kind == RegistrationKind::Register && self.cancelled.contains(&key) {
+            // Its cancel came first and was answered: the decode may reuse the blocks.
+            self.stats.refused += 1;
+            return Vec::new();
         }
         let Some(ready) = self.ready.get_mut(&request_id) else {
             if signed.kind == RegistrationKind::Cancel {
@@ -237,6 +250,16 @@ impl PrefillBook {
         }
         if cancel.registration.block_ids.is_empty() || cancel.registration.nonce.is_empty() {
             return Vec::new();
+        }
+        // A registration of the sender's that comes after its cancel is never written.
+        let key = (request_id, sender.to_vec());
+        if self.cancelled.insert(key.clone()) {
+            if self.cancelled_order.len() >= MAX_WAITING {
+                if let Some(oldest) = self.cancelled_order.pop_front() {
+                    self.cancelled.remove(&oldest);
+                }
+            }
+            self.cancelled_order.push_back(key);
         }
         let nonce = cancel.registration.nonce.clone();
         vec![PrefillAction::End {
@@ -539,9 +562,17 @@ mod tests {
             ..
         }] if *nonce == "n".repeat(64)));
         // Only d1's registration is left to write once the request is held.
-        let actions = book.ready("r", (vec![5, 6], vec![]), cap);
+        let actions = book.ready("r", (vec![5, 6], vec![]), cap.clone());
         assert!(matches!(&actions[..], [PrefillAction::Write { sender, .. }] if sender == b"d1"));
         assert_eq!(book.waiting(), (0, 0));
+        // d0's registration arriving after its cancel is refused, held request or not.
+        assert!(book.registration(b"d0", signed("r", &cap, "d0")).is_empty());
+        book.registration(b"d0", cancel("q", &cap, "d0"));
+        assert!(book.registration(b"d0", signed("q", &cap, "d0")).is_empty());
+        assert!(
+            book.ready("q", (vec![1, 2], vec![]), cap).is_empty(),
+            "nothing to write"
+        );
     }
 
     #[test]
