@@ -10,6 +10,7 @@
 #   scripts/demo.sh                            # metadata inside the connector's handshake
 #   scripts/demo.sh --etcd                     # metadata through a private etcd on loopback
 #   scripts/demo.sh --protocol vllm            # the connectors speak vLLM's NixlConnector protocol
+#   scripts/demo.sh --transfer-mode push       # the prefill WRITEs into blocks the decode registers
 #   scripts/demo.sh --turns 3                  # conversations of 3 turns, answers read back
 #   scripts/demo.sh -- --requests 32 --in-flight 8   # flags after -- go to decode
 #   scripts/demo.sh --model                    # a real model's KV instead of a byte pattern
@@ -45,8 +46,9 @@ use_etcd=0
 model_mode=0
 decode_args=(--requests 256)
 protocol_args=()
+mode_args=()
 turns_args=()
-usage="usage: $0 [--etcd | --model] [--protocol native|vllm] [--turns N] [-- decode flags...]"
+usage="usage: $0 [--etcd | --model] [--protocol native|vllm] [--transfer-mode pull|push] [--turns N] [-- decode flags...]"
 while [[ $# -gt 0 ]]; do
     case $1 in
         --etcd) use_etcd=1 ;;
@@ -54,6 +56,11 @@ while [[ $# -gt 0 ]]; do
         --protocol)
             [[ $# -ge 2 ]] || { echo "$usage" >&2; exit 2; }
             protocol_args=(--protocol "$2")
+            shift
+            ;;
+        --transfer-mode)
+            [[ $# -ge 2 ]] || { echo "$usage" >&2; exit 2; }
+            mode_args=(--transfer-mode "$2")
             shift
             ;;
         --turns)
@@ -69,6 +76,8 @@ done
 
 [[ $use_etcd == 1 && $model_mode == 1 ]] && { echo "$usage" >&2; exit 2; }
 [[ $model_mode == 1 && ${#turns_args[@]} -gt 0 ]] && { echo "$usage" >&2; exit 2; }
+# The model examples move their KV by pull only.
+[[ $model_mode == 1 && ${#mode_args[@]} -gt 0 ]] && { echo "$usage" >&2; exit 2; }
 # Answers of one block fall under prefill's recompute threshold, longer ones are read back.
 prefill_turns_args=()
 [[ ${#turns_args[@]} -gt 0 ]] && prefill_turns_args=(--recompute-threshold 2)
@@ -158,8 +167,8 @@ fi
 # after the first look below.
 : >"$work/prefill.log"
 "${prefill_wrap[@]}" "$bin/prefill" --listen "${NIXL_DEMO_LISTEN:-127.0.0.1:0}" --sessions 1 \
-    "${cache_args[@]}" "${metadata_args[@]}" "${protocol_args[@]}" "${secret_args[@]}" \
-    "${prefill_turns_args[@]}" >"$work/prefill.log" 2>&1 &
+    "${cache_args[@]}" "${metadata_args[@]}" "${protocol_args[@]}" "${mode_args[@]}" \
+    "${secret_args[@]}" "${prefill_turns_args[@]}" >"$work/prefill.log" 2>&1 &
 prefill_pid=$!
 addr=''
 for _ in $(seq 300); do
@@ -177,7 +186,8 @@ fi
 start=$(date +%s.%N)
 decode_rc=0
 "${decode_wrap[@]}" "$bin/decode" --prefill "$addr" "${cache_args[@]}" "${metadata_args[@]}" \
-    "${protocol_args[@]}" "${secret_args[@]}" "${turns_args[@]}" "${decode_args[@]}" || decode_rc=$?
+    "${protocol_args[@]}" "${mode_args[@]}" "${secret_args[@]}" "${turns_args[@]}" \
+    "${decode_args[@]}" || decode_rc=$?
 
 prefill_rc=0
 for _ in $(seq 100); do

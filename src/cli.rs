@@ -55,6 +55,16 @@ pub fn parse_protocol(s: &str) -> Result<nixl_connector::Protocol, String> {
         .map_err(|err: nixl_connector::Error| err.to_string())
 }
 
+/// Parses a transfer mode: `pull` or `push`.
+///
+/// # Errors
+/// The connector's message for any other name.
+pub fn parse_transfer_mode(s: &str) -> Result<nixl_connector::TransferMode, String> {
+    s.trim()
+        .parse()
+        .map_err(|err: nixl_connector::Error| err.to_string())
+}
+
 /// Whether logs written to a stream use ANSI colour: only when it is a terminal and
 /// `NO_COLOR` (the value of the environment variable, if set) is absent or empty.
 pub fn use_colour(is_terminal: bool, no_color: Option<&OsStr>) -> bool {
@@ -96,6 +106,16 @@ mod tests {
             Ok(nixl_connector::Protocol::Native)
         );
         assert!(parse_protocol("zmq").unwrap_err().contains("\"vllm\""));
+    }
+
+    #[test]
+    fn transfer_modes() {
+        use nixl_connector::TransferMode;
+        assert_eq!(parse_transfer_mode("push"), Ok(TransferMode::Push));
+        assert_eq!(parse_transfer_mode(" pull"), Ok(TransferMode::Pull));
+        assert!(parse_transfer_mode("write")
+            .unwrap_err()
+            .contains("\"push\""));
     }
 
     #[test]

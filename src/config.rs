@@ -12,8 +12,9 @@ use nixl::MemType;
 use nixl_connector::etcd::ETCD_ENDPOINTS_ENV;
 use nixl_connector::vllm::compat::{ENFORCE_KEY, FACTORS_KEY};
 use nixl_connector::{
-    KvConnectorWorker, MetadataExchange, MultiTurn, Protocol, SharedSecret,
+    KvConnectorWorker, MetadataExchange, MultiTurn, Protocol, SharedSecret, TransferMode,
     WorkerConfig as ConnectorConfig, BIDIRECTIONAL_KEY, PROTOCOL_KEY, RECOMPUTE_THRESHOLD_KEY,
+    TRANSFER_MODE_KEY,
 };
 
 use crate::error::{Error, Result};
@@ -128,6 +129,9 @@ pub struct WorkerConfig<'a> {
     /// `--protocol`, the connector's protocol (`None`: the `kv_transfer_config`'s, by
     /// default native).
     pub protocol: Option<Protocol>,
+    /// `--transfer-mode`, pull or push (`None`: the `kv_transfer_config`'s, by default
+    /// pull). In push mode the multi-turn read-backs stay off: push refuses them.
+    pub transfer_mode: Option<TransferMode>,
     /// `--secret-file`, the file holding the secret both workers' side channels prove
     /// (native protocol; `None`: the `kv_transfer_config`'s or the environment's, if any).
     pub secret_file: Option<&'a Path>,
@@ -187,7 +191,12 @@ impl WorkerConfig<'_> {
         if let Some(protocol) = self.protocol {
             extra.insert(PROTOCOL_KEY.into(), protocol.as_str().into());
         }
-        if let Some(on) = self.read_backs {
+        if let Some(mode) = self.transfer_mode {
+            extra.insert(TRANSFER_MODE_KEY.into(), mode.as_str().into());
+        }
+        let push = TransferMode::from_kv_transfer_config(&kv_config)? == TransferMode::Push;
+        let extra = &mut kv_config.kv_connector_extra_config;
+        if let Some(on) = self.read_backs.filter(|_| !push) {
             extra.entry(BIDIRECTIONAL_KEY).or_insert(on.into());
         }
         if let Some(threshold) = self.recompute_threshold {

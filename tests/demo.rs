@@ -1,6 +1,7 @@
 //! The prefill/decode demo as real processes on loopback: a full run with every byte
-//! checked, conversations of three turns read back, concurrent decode workers, detected
-//! corruption, refused geometry and configuration, and scripts/demo.sh itself.
+//! checked (in pull and push mode), conversations of three turns read back, concurrent
+//! decode workers, detected corruption, refused geometry and configuration, and
+//! scripts/demo.sh itself.
 
 mod demo_support;
 
@@ -125,6 +126,46 @@ fn prefix_hits_and_aborts_in_a_verified_run() {
     let pout = prefill.proc.output();
     assert!(status.success(), "prefill failed:\n{pout}");
     // Aborted requests were freed on decode's notification, not by their lease.
+    assert!(
+        pout.contains(
+            "2 sessions (0 ended early), 40 requests served (0 freed when their lease ended)"
+        ),
+        "{pout}"
+    );
+}
+
+/// Push mode (`--transfer-mode push` on both sides: the decode registers its blocks, the
+/// prefill WRITEs into them): every byte verified, prefix hits and aborts as in pull mode,
+/// and every request freed by its WRITE's end or the decode's cancel, none by its lease.
+#[test]
+fn push_mode_with_prefix_hits_and_aborts_checks_every_byte() {
+    let push = ["--transfer-mode", "push"];
+    let mut prefill = Prefill::start(&["--sessions", "2", "--transfer-mode", "push"]);
+    let mut args = WORK.to_vec();
+    args.extend(push);
+    args.extend(["--prefix-hit-blocks", "1", "--abort-every", "3"]);
+    let (status, out) = run_decode(prefill.addr, &args);
+    assert!(status.success(), "decode failed:\n{out}");
+    assert!(out.contains("requests:  20/20"), "{out}");
+    assert!(
+        out.contains("aborted:   3 before their load, 3 during it"),
+        "{out}"
+    );
+    assert!(out.contains("blocks:    168 "), "{out}");
+    assert!(
+        out.contains("errors:    none, every byte verified"),
+        "{out}"
+    );
+    // A full prefix hit writes nothing; the decode's cancel frees the prefill's blocks.
+    args.truncate(WORK.len() + push.len());
+    args.extend(["--prefix-hit-blocks", "4"]);
+    let (status, out) = run_decode(prefill.addr, &args);
+    assert!(status.success(), "decode failed:\n{out}");
+    assert!(out.contains("blocks:    0 "), "{out}");
+    assert!(out.contains("every byte verified"), "{out}");
+    let status = prefill.proc.finish();
+    let pout = prefill.proc.output();
+    assert!(status.success(), "prefill failed:\n{pout}");
     assert!(
         pout.contains(
             "2 sessions (0 ended early), 40 requests served (0 freed when their lease ended)"

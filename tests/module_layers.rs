@@ -61,7 +61,7 @@ const CONNECTOR_FLOORS: &[&[&str]] = &[
     &["geometry"],
     &["transport"],
     &["vllm"],
-    &["lease", "multi_turn"],
+    &["lease", "multi_turn", "transfer_mode"],
     &["config"],
     &["scheduler"],
     &["worker"],

@@ -7,8 +7,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use nixl::kv_config::KvRole;
-use nixl_connector::Protocol;
-use nixl_rs::cli::{parse_positive, parse_protocol, parse_size, use_colour};
+use nixl_connector::{Protocol, TransferMode};
+use nixl_rs::cli::{parse_positive, parse_protocol, parse_size, parse_transfer_mode, use_colour};
 use nixl_rs::config::{self, MetadataMode, WorkerConfig};
 use nixl_rs::kv_cache::KvLayout;
 
@@ -37,6 +37,11 @@ pub struct WorkerArgs {
     /// vLLM's JSON kv_transfer_params). Default: the kv_transfer_config's, else native.
     #[arg(long, value_parser = parse_protocol)]
     pub protocol: Option<Protocol>,
+    /// Which way the KV moves: pull (the decode READs) or push (the decode registers its
+    /// blocks and the prefill WRITEs into them; native protocol, no read-backs). Default:
+    /// the kv_transfer_config's, else pull.
+    #[arg(long, value_parser = parse_transfer_mode)]
+    pub transfer_mode: Option<TransferMode>,
     /// How agent metadata is exchanged: side-channel (the connector's handshake) or etcd.
     #[arg(long, default_value_t = MetadataMode::SideChannel)]
     pub metadata: MetadataMode,
@@ -111,6 +116,7 @@ impl WorkerArgs {
             metadata: self.metadata,
             layout: self.layout(),
             protocol: self.protocol,
+            transfer_mode: self.transfer_mode,
             secret_file: self.secret_file.as_deref(),
             read_backs: None,
             recompute_threshold: None,

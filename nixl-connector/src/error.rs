@@ -203,6 +203,20 @@ pub enum Error {
         /// What showed it.
         detail: String,
     },
+    /// Push mode: a prefill rank the decode registered its blocks with ended its part
+    /// without writing them (it refused the registration, its WRITE failed, it no longer
+    /// held the request, or the registration was cancelled); nothing more will be written.
+    #[error("request {request_id:?}: engine {engine:?} (agent {agent:?}) did not write the registered blocks: {end}")]
+    PushNotWritten {
+        /// The decode request.
+        request_id: String,
+        /// The prefill engine.
+        engine: String,
+        /// Its rank's agent.
+        agent: String,
+        /// How that rank's part ended (`refused`, `failed`, `cancelled`, `gone`).
+        end: String,
+    },
     /// A NIXL notification in vLLM's format could not be parsed or made.
     #[error("vLLM notification: {reason}")]
     Notification {

@@ -272,6 +272,7 @@ pub mod vllm;
 
 mod lease;
 mod multi_turn;
+mod transfer_mode;
 
 mod config;
 
@@ -313,6 +314,10 @@ pub use scheduler::{
     ConnectorMetadata, ConnectorOutput, FinishStatus, HeartbeatSpec, KvConnectorScheduler,
     LoadOutcome, LoadSpec, MultiTurnStats, RequestFinished, SchedulerConfig, SendSpec,
 };
+pub use transfer_mode::{
+    PushSettings, TransferMode, MAX_PUSH_REGISTRATION_TIMEOUT, PUSH_CONNECTOR_NAME,
+    PUSH_REGISTRATION_TIMEOUT_KEY, TRANSFER_MODE_KEY,
+};
 pub use transport::auth::SharedSecret;
 pub use transport::capability::Capability;
 pub use transport::handshake::{
@@ -327,5 +332,6 @@ pub use transport::wire::{Channel, ChannelLimits};
 pub use worker::engines::{
     DEFAULT_ENGINE_BACKOFF, DEFAULT_ENGINE_TTL, ENGINE_BACKOFF_KEY, ENGINE_TTL_KEY,
 };
+pub use worker::push_state::PushStats;
 pub use worker::sending::NotificationStats;
 pub use worker::KvConnectorWorker;

@@ -46,6 +46,7 @@ use crate::lease::Lease;
 use crate::multi_turn::MultiTurn;
 use crate::scheduler::aggregate::{KvOutputAggregator, WorkerOutput};
 use crate::scheduler::lease_epochs::LeaseEpochs;
+use crate::transfer_mode::TransferMode;
 use crate::transport::capability::Capability;
 use crate::transport::params::{KvTransferParams, RemoteBlocks};
 #[cfg(feature = "vllm")]
@@ -116,6 +117,9 @@ pub struct SchedulerConfig {
     /// [`request_finished`](KvConnectorScheduler::request_finished) carry every key vLLM's
     /// do.
     pub protocol: Protocol,
+    /// Which way the KV moves ([`TransferMode`]): the params a prefill hands out say it,
+    /// and a decode refuses params of the other mode. The steps are the same in both.
+    pub transfer_mode: TransferMode,
     /// vLLM mode: the engine's side channel, whose registration generation the params of
     /// [`request_finished`](KvConnectorScheduler::request_finished) carry (0 without it).
     #[cfg(feature = "vllm")]
@@ -131,7 +135,9 @@ impl SchedulerConfig {
     /// # Errors
     /// Those of [`Lease::from_kv_transfer_config`],
     /// [`LoadFailurePolicy::from_kv_transfer_config`],
-    /// [`MultiTurn::from_kv_transfer_config`] and [`Protocol::from_kv_transfer_config`].
+    /// [`MultiTurn::from_kv_transfer_config`], [`Protocol::from_kv_transfer_config`] and
+    /// [`TransferMode::from_kv_transfer_config`]; [`Error::InvalidArgument`] for push mode
+    /// in vLLM's protocol (not built yet).
     pub fn new(
         engine_id: &str,
         host: &str,
@@ -139,6 +145,14 @@ impl SchedulerConfig {
         tp_size: usize,
         kv_transfer_config: &KvTransferConfig,
     ) -> Result<Self> {
+        let protocol = Protocol::from_kv_transfer_config(kv_transfer_config)?;
+        let transfer_mode = TransferMode::from_kv_transfer_config(kv_transfer_config)?;
+        if protocol == Protocol::Vllm && transfer_mode == TransferMode::Push {
+            return Err(Error::invalid(
+                "configure the connector scheduler",
+                "push mode in vLLM's protocol is not built yet; use the native protocol for push, or pull mode with vLLM",
+            ));
+        }
         Ok(SchedulerConfig {
             engine_id: engine_id.to_string(),
             host: host.to_string(),
@@ -149,7 +163,8 @@ impl SchedulerConfig {
             lease: Lease::from_kv_transfer_config(kv_transfer_config)?,
             load_failure_policy: LoadFailurePolicy::from_kv_transfer_config(kv_transfer_config)?,
             multi_turn: MultiTurn::from_kv_transfer_config(kv_transfer_config)?,
-            protocol: Protocol::from_kv_transfer_config(kv_transfer_config)?,
+            protocol,
+            transfer_mode,
             #[cfg(feature = "vllm")]
             vllm_side_channel: None,
         })
@@ -337,7 +352,8 @@ impl KvConnectorScheduler {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] when `params` lack a remote field or name what the
-    /// connector cannot read ([`KvTransferParams::check_supported`]), when
+    /// connector cannot use ([`TransferMode::check_params`]: params of the other transfer
+    /// mode among them), when
     /// [`on_new_request`](Self::on_new_request) was not called for the request, when the
     /// request's load was already scheduled (one load per request), or when local blocks
     /// come with an empty `remote_block_ids` (nothing to read them from; vLLM's
@@ -370,7 +386,7 @@ impl KvConnectorScheduler {
         params: &KvTransferParams,
     ) -> Result<()> {
         const OP: &str = "schedule a remote prefill";
-        params.check_supported()?;
+        self.config.transfer_mode.check_params(params)?;
         let remote = params.remote_blocks().ok_or_else(|| {
             Error::invalid(OP, format!("request {request_id:?}: kv_transfer_params lack remote_engine_id, remote_host, remote_port, remote_request_id or remote_tp_size"))
         })?;
@@ -588,6 +604,7 @@ impl KvConnectorScheduler {
                 capability: capability.clone(),
                 block_ids: lease_epoch.map_or(Vec::new(), |_| block_ids.to_vec()),
                 lease_epoch,
+                group_lens: Vec::new(),
             },
         );
         lease_epoch
@@ -626,6 +643,8 @@ impl KvConnectorScheduler {
                     .then_some(self.registered_again),
                 remote_pp_size: (config.pp_size > 1).then_some(config.pp_size),
                 remote_dcp_size: (config.dcp_size > 1).then_some(config.dcp_size),
+                transfer_mode: (config.transfer_mode == TransferMode::Push)
+                    .then(|| TransferMode::Push.to_string()),
                 ..params
             },
             Protocol::Vllm => KvTransferParams {
@@ -848,6 +867,7 @@ mod tests {
             load_failure_policy: policy,
             multi_turn: MultiTurn::default(),
             protocol: Protocol::Native,
+            transfer_mode: TransferMode::Pull,
             #[cfg(feature = "vllm")]
             vllm_side_channel: None,
         }

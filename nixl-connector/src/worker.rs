@@ -24,6 +24,7 @@ use crate::metrics::{RemoteStats, SendStats, TransferMetrics};
 use crate::scheduler::aggregate::WorkerOutput;
 use crate::scheduler::outcomes::{Finished, OverdueLoad};
 use crate::scheduler::{ConnectorMetadata, HeartbeatSpec};
+use crate::transfer_mode::{PushSettings, TransferMode};
 use crate::transport::auth::SharedSecret;
 use crate::transport::capability::Capability;
 use crate::transport::etcd::EtcdSource;
@@ -43,6 +44,7 @@ use crate::worker::host_buffer::Staging;
 use crate::worker::kept_claims::ClaimsOf;
 use crate::worker::load_outcomes::LoadOutcomes;
 use crate::worker::notification_format::{heartbeat_entries, heartbeat_messages};
+use crate::worker::push_state::{Push, PushStats};
 use crate::worker::remotes::Remotes;
 use crate::worker::scratch_words::ScratchWords;
 use crate::worker::sending::{Marks, NotificationStats, Sends};
@@ -61,6 +63,9 @@ pub(crate) mod load_outcomes;
 pub(crate) mod mark_words;
 pub(crate) mod marks_check;
 pub(crate) mod notification_format;
+pub(crate) mod push;
+mod push_book;
+pub(crate) mod push_state;
 mod registration;
 pub(crate) mod remotes;
 mod reregister;
@@ -146,9 +151,21 @@ impl KvConnectorWorker {
             outcomes: LoadOutcomes::default(),
             sends: HeldSends::new(sends),
             scratch: ScratchWords::default(),
+            push: settings
+                .push
+                .map(|push| Push::new(push, settings.lease.duration())),
         });
+        // Subscribed first, so that push messages go to this stream and no other.
+        let push_stream = match shared.push {
+            Some(_) => Some(crate::worker::push::subscribe(&shared)?),
+            None => None,
+        };
         let claims = ClaimsOf(Arc::downgrade(&shared));
         shared.guard.kept.set(Arc::new(claims));
+        // Not among `tasks`: it outlives the worker while push loads wait (see `push::take`).
+        if let Some(stream) = push_stream {
+            runtime.spawn(crate::worker::push::take(shared.clone(), stream));
+        }
         Ok(KvConnectorWorker {
             shared,
             registered: OnceLock::new(),
@@ -411,6 +428,9 @@ impl KvConnectorWorker {
             remote: remote.clone(),
             ranks,
         };
+        if self.shared.push.is_some() {
+            return self.start_push(load);
+        }
         if local_block_ids.is_empty() {
             self.runtime
                 .spawn(crate::worker::load::notify_only(self.shared.clone(), load));
@@ -424,6 +444,37 @@ impl KvConnectorWorker {
         }
         self.shared.series.load_started();
         self.post_or_spawn(load);
+        Ok(())
+    }
+
+    /// Push mode: registers `load`'s blocks with the prefill ranks that write them, in a
+    /// task, or, with no block (a full prefix hit), cancels so that the prefill frees at
+    /// once.
+    fn start_push(&self, load: crate::worker::load::Load) -> Result<()> {
+        const OP: &str = "start a push load";
+        if self.shared.config.tp_size > load.remote.tp_size || load.remote.pp_size != 1 {
+            return Err(Error::invalid(
+                OP,
+                format!("request {:?}: push from a prefill of TP {} and {} stages into a decode of TP {}: push needs one prefill stage and a decode TP at most the prefill's (as vLLM's push)", load.request_id, load.remote.tp_size, load.remote.pp_size, self.shared.config.tp_size),
+            ));
+        }
+        if load.local_block_ids.is_empty() {
+            self.runtime
+                .spawn(crate::worker::push::cancel_only(self.shared.clone(), load));
+            return Ok(());
+        }
+        if !self.shared.outcomes.lock().start(&load.request_id) {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "request {:?}: a load for it is already under way",
+                    load.request_id
+                ),
+            ));
+        }
+        self.shared.series.load_started();
+        self.runtime
+            .spawn(crate::worker::push::load(self.shared.clone(), load));
         Ok(())
     }
 
@@ -480,7 +531,11 @@ impl KvConnectorWorker {
     ///
     /// Returns whether a load of `request_id` was under way.
     pub fn abort_load(&self, request_id: &str) -> bool {
-        self.shared.outcomes.lock().abort(request_id)
+        let under_way = self.shared.outcomes.lock().abort(request_id);
+        if let Some(push) = &self.shared.push {
+            push.wake(request_id);
+        }
+        under_way
     }
 
     /// Runs the handshakes with the ranks of a remote engine this rank reads from (or
@@ -614,7 +669,11 @@ impl KvConnectorWorker {
                 block_ids: send.block_ids.clone(),
             });
             let capability = send.capability.clone();
-            self.hold(&send.request_id, send.deadline, capability, marks);
+            self.hold(&send.request_id, send.deadline, capability.clone(), marks);
+            if let (Some(_), Some(capability)) = (&self.shared.push, capability) {
+                let blocks = (send.block_ids.clone(), send.group_lens.clone());
+                crate::worker::push::ready(&self.shared, &send.request_id, blocks, capability);
+            }
         }
         if !meta.evict.is_empty() {
             let mut sends = self.shared.sends.lock();
@@ -724,6 +783,43 @@ impl KvConnectorWorker {
         self.hold(request_id, deadline, capability.cloned(), None);
     }
 
+    /// Push mode: [`hold_for_decode`](Self::hold_for_decode), and the request's
+    /// `block_ids` (in token order; `group_lens` of them per KV cache group, empty for one)
+    /// are written into the blocks a decode registers for it, proven under `capability`.
+    /// Registrations that came first are matched now. The request is released once NIXL
+    /// has ended the WRITE (its lease cannot release it while the WRITE runs), when the
+    /// decode cancels before registering, or when its lease ends with no WRITE under way.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the worker is not in push mode.
+    pub fn hold_for_push(
+        &self,
+        request_id: &str,
+        deadline: Instant,
+        capability: &Capability,
+        (block_ids, group_lens): (&[usize], &[usize]),
+    ) -> Result<()> {
+        if self.shared.push.is_none() {
+            return Err(Error::invalid(
+                "hold a request for push",
+                "the worker is in pull mode (kv_connector_extra_config.transfer_mode)",
+            ));
+        }
+        self.hold(request_id, deadline, Some(capability.clone()), None);
+        let blocks = (block_ids.to_vec(), group_lens.to_vec());
+        crate::worker::push::ready(&self.shared, request_id, blocks, capability.clone());
+        Ok(())
+    }
+
+    /// What push mode did on this rank so far (all zero in pull mode).
+    pub fn push_stats(&self) -> PushStats {
+        self.shared
+            .push
+            .as_ref()
+            .map(|push| push.stats())
+            .unwrap_or_default()
+    }
+
     /// [`hold_for_decode`](Self::hold_for_decode), raising `marks` at the release.
     fn hold(
         &self,
@@ -756,6 +852,9 @@ impl KvConnectorWorker {
             sends.expire(now);
             sends.take_done()
         };
+        if let Some(push) = &self.shared.push {
+            push.released(&sending, &self.shared.series);
+        }
         // Readers must see a release before the engine can reuse the blocks.
         if !marks.is_empty() {
             match self.shared.caches.get() {
@@ -867,6 +966,9 @@ impl KvConnectorWorker {
 
 impl Drop for KvConnectorWorker {
     fn drop(&mut self) {
+        if let Some(push) = &self.shared.push {
+            push.close();
+        }
         for task in self
             .tasks
             .lock()
@@ -894,6 +996,8 @@ struct Settings {
     max_backoff: std::time::Duration,
     protocol: Protocol,
     etcd: Option<EtcdSource>,
+    /// Push mode's settings (`None`: pull mode).
+    push: Option<PushSettings>,
 }
 
 impl Settings {
@@ -918,7 +1022,30 @@ impl Settings {
             MetadataExchange::Etcd => Some(EtcdSource::from_env()?),
             MetadataExchange::SideChannel => None,
         };
+        let kv = &config.kv_transfer_config;
+        let push = match TransferMode::from_kv_transfer_config(kv)? {
+            TransferMode::Pull => None,
+            TransferMode::Push if protocol == Protocol::Vllm => {
+                return Err(Error::invalid(
+                    OP,
+                    "push mode in vLLM's protocol (NixlPushConnector's PUSH_REG notifications) is not built yet; use the native protocol for push, or pull mode with vLLM",
+                ))
+            }
+            TransferMode::Push => Some(PushSettings::from_kv_transfer_config(kv)?),
+        };
+        if push.is_some()
+            && config
+                .pipeline
+                .as_ref()
+                .is_some_and(|p| p.stages().pp_size() > 1)
+        {
+            return Err(Error::invalid(
+                OP,
+                "push mode with pipeline stages is not built yet (vLLM's push refuses a decode of several stages); use pull mode",
+            ));
+        }
         Ok(Settings {
+            push,
             lease: match config.lease {
                 Some(lease) => lease,
                 None => Lease::from_kv_transfer_config(&config.kv_transfer_config)?,

@@ -52,6 +52,7 @@ pub fn scheduler_config(
         load_failure_policy: LoadFailurePolicy::default(),
         multi_turn: nixl_connector::MultiTurn::default(),
         protocol: Protocol::Native,
+        transfer_mode: nixl_connector::TransferMode::Pull,
         #[cfg(feature = "vllm")]
         vllm_side_channel: None,
     })

@@ -12,6 +12,7 @@ pub(crate) mod dcp;
 pub(crate) mod groups;
 pub(crate) mod load_reads;
 pub(crate) mod pipeline;
+pub(crate) mod push_cut;
 pub(crate) mod read_plan;
 #[cfg(test)]
 mod read_runs_tests;

@@ -122,6 +122,24 @@ pub const NUM_HANDSHAKE_FAILURES: &str = "vllm:nixl_num_handshake_failures";
 /// than `engine_ttl`, or replaced at their side-channel address by another engine (decode
 /// side; not a vLLM series).
 pub const NUM_EVICTED_ENGINES: &str = "vllm:nixl_num_evicted_engines";
+/// Counter: push mode, registrations a decode sent (one per prefill rank and load; decode
+/// side; not a vLLM series).
+pub const NUM_PUSH_REGISTRATIONS: &str = "vllm:nixl_num_push_registrations";
+/// Counter: push mode, loads whose registration timeout passed before every prefill rank
+/// ended its part (decode side; not a vLLM series).
+pub const NUM_PUSH_REGISTRATION_TIMEOUTS: &str = "vllm:nixl_num_push_registration_timeouts";
+/// Counter: push mode, WRITEs a prefill rank ended (label `outcome`: `written`, `failed`,
+/// `refused`; prefill side; not a vLLM series).
+pub const NUM_PUSH_WRITES: &str = "vllm:nixl_num_push_writes";
+/// Histogram: push mode, seconds from a registration's match to the end of its WRITE,
+/// the handshake with the decode rank included (prefill side; not a vLLM series).
+pub const PUSH_WRITE_TIME_SECONDS: &str = "vllm:nixl_push_write_time_seconds";
+/// Counter: push mode, registrations that waited for their request to be held (prefill
+/// side; not a vLLM series).
+pub const NUM_PUSH_REGISTRATION_WAITS: &str = "vllm:nixl_num_push_registration_waits";
+/// Counter: push mode, registrations dropped unmatched, past their time or the bounds
+/// (prefill side; not a vLLM series).
+pub const NUM_PUSH_REGISTRATION_EXPIRIES: &str = "vllm:nixl_num_push_registration_expiries";
 
 /// vLLM's buckets for the post time (seconds).
 const TIME_BUCKETS: [f64; 13] = [
@@ -154,7 +172,7 @@ pub fn buckets(name: &str) -> Option<&'static [f64]> {
     match name {
         // vLLM drops the first time bucket for the transfer time.
         XFER_TIME_SECONDS => Some(&TIME_BUCKETS[1..]),
-        POST_TIME_SECONDS | HANDSHAKE_TIME_SECONDS => Some(&TIME_BUCKETS),
+        POST_TIME_SECONDS | HANDSHAKE_TIME_SECONDS | PUSH_WRITE_TIME_SECONDS => Some(&TIME_BUCKETS),
         BYTES_TRANSFERRED => Some(&BYTES_BUCKETS),
         NUM_DESCRIPTORS => Some(&DESCRIPTOR_BUCKETS),
         _ => None,
@@ -162,12 +180,13 @@ pub fn buckets(name: &str) -> Option<&'static [f64]> {
 }
 
 /// Every histogram this module exports.
-pub const HISTOGRAMS: [&str; 5] = [
+pub const HISTOGRAMS: [&str; 6] = [
     XFER_TIME_SECONDS,
     POST_TIME_SECONDS,
     BYTES_TRANSFERRED,
     NUM_DESCRIPTORS,
     HANDSHAKE_TIME_SECONDS,
+    PUSH_WRITE_TIME_SECONDS,
 ];
 
 /// What kind of series a name is, as the recorder is told it.
@@ -179,7 +198,7 @@ enum SeriesKind {
 }
 
 /// Every series' kind, name, unit and description, in the order [`describe`] gives them.
-const DESCRIPTIONS: [(SeriesKind, &str, Unit, &str); 29] = [
+const DESCRIPTIONS: [(SeriesKind, &str, Unit, &str); 35] = [
     (
         SeriesKind::Histogram,
         XFER_TIME_SECONDS,
@@ -257,6 +276,42 @@ const DESCRIPTIONS: [(SeriesKind, &str, Unit, &str); 29] = [
         NUM_EVICTED_ENGINES,
         Unit::Count,
         "Remote engines evicted: unused past engine_ttl, or replaced at their address (decode side).",
+    ),
+    (
+        SeriesKind::Counter,
+        NUM_PUSH_REGISTRATIONS,
+        Unit::Count,
+        "Push registrations sent, one per prefill rank and load (decode side).",
+    ),
+    (
+        SeriesKind::Counter,
+        NUM_PUSH_REGISTRATION_TIMEOUTS,
+        Unit::Count,
+        "Push loads past push_registration_timeout before every prefill rank ended (decode side).",
+    ),
+    (
+        SeriesKind::Counter,
+        NUM_PUSH_WRITES,
+        Unit::Count,
+        "Push WRITEs ended, by outcome (prefill side).",
+    ),
+    (
+        SeriesKind::Histogram,
+        PUSH_WRITE_TIME_SECONDS,
+        Unit::Seconds,
+        "Seconds from a push registration's match to the end of its WRITE (prefill side).",
+    ),
+    (
+        SeriesKind::Counter,
+        NUM_PUSH_REGISTRATION_WAITS,
+        Unit::Count,
+        "Push registrations that waited for their request to be held (prefill side).",
+    ),
+    (
+        SeriesKind::Counter,
+        NUM_PUSH_REGISTRATION_EXPIRIES,
+        Unit::Count,
+        "Push registrations dropped unmatched, past their time or the bounds (prefill side).",
     ),
     (
         SeriesKind::Counter,
@@ -412,7 +467,22 @@ pub(crate) struct Series {
     overdue: Counter,
     handshake_failures: Counter,
     evicted_engines: Counter,
+    push: PushSeries,
 }
+
+/// Push mode's series of a worker.
+struct PushSeries {
+    registrations: Counter,
+    timeouts: Counter,
+    /// WRITEs ended: written, failed, refused.
+    writes: [Counter; 3],
+    write_time: Histogram,
+    waits: Counter,
+    expiries: Counter,
+}
+
+/// The `outcome` labels of [`NUM_PUSH_WRITES`], in `PushSeries::writes` order.
+const PUSH_OUTCOMES: [&str; 3] = ["written", "failed", "refused"];
 
 /// The `outcome` labels of [`NUM_LOADS`], in `Series::loads` order.
 const OUTCOMES: [&str; 3] = ["loaded", "failed", "aborted"];
@@ -490,7 +560,44 @@ impl Series {
             overdue: counter(decode, NUM_OVERDUE_TRANSFERS, labels.clone()),
             handshake_failures: counter(decode, NUM_HANDSHAKE_FAILURES, labels.clone()),
             evicted_engines: counter(decode, NUM_EVICTED_ENGINES, labels.clone()),
+            push: PushSeries {
+                registrations: counter(decode, NUM_PUSH_REGISTRATIONS, labels.clone()),
+                timeouts: counter(decode, NUM_PUSH_REGISTRATION_TIMEOUTS, labels.clone()),
+                writes: PUSH_OUTCOMES
+                    .map(|o| counter(prefill, NUM_PUSH_WRITES, with(&labels, "outcome", o))),
+                write_time: match prefill {
+                    true => metrics::histogram!(PUSH_WRITE_TIME_SECONDS, labels.clone()),
+                    false => Histogram::noop(),
+                },
+                waits: counter(prefill, NUM_PUSH_REGISTRATION_WAITS, labels.clone()),
+                expiries: counter(prefill, NUM_PUSH_REGISTRATION_EXPIRIES, labels.clone()),
+            },
         }
+    }
+
+    /// Push mode: `count` registrations sent.
+    pub(crate) fn push_registrations(&self, count: u64) {
+        self.push.registrations.increment(count);
+    }
+
+    /// Push mode: a load's registration timeout passed.
+    pub(crate) fn push_timeout(&self) {
+        self.push.timeouts.increment(1);
+    }
+
+    /// Push mode: a WRITE ended with `outcome` (`written`, `failed` or `refused`) `took`
+    /// after its registration matched.
+    pub(crate) fn push_write(&self, outcome: &str, took: Duration) {
+        if let Some(at) = PUSH_OUTCOMES.iter().position(|&o| o == outcome) {
+            self.push.writes[at].increment(1);
+        }
+        self.push.write_time.record(took.as_secs_f64());
+    }
+
+    /// Push mode: registrations that waited for their request, and early ones dropped.
+    pub(crate) fn push_waits(&self, waited: u64, expired: u64) {
+        self.push.waits.increment(waited);
+        self.push.expiries.increment(expired);
     }
 
     /// A load started (its READs or handshakes are under way).

@@ -102,6 +102,11 @@ impl KvConnectorScheduler {
         let (ids, lens) = flatten(&clipped);
         let mut finished =
             self.request_finished(request_id, &ids, num_computed_tokens, params, status);
+        if lens.len() > 1 {
+            if let Some(send) = self.sends.get_mut(request_id) {
+                send.group_lens = lens.clone();
+            }
+        }
         if let Some(params) = finished
             .kv_transfer_params
             .as_mut()
@@ -136,6 +141,7 @@ mod tests {
             load_failure_policy: LoadFailurePolicy::Fail,
             multi_turn: crate::multi_turn::MultiTurn::default(),
             protocol,
+            transfer_mode: crate::transfer_mode::TransferMode::Pull,
             #[cfg(feature = "vllm")]
             vllm_side_channel: None,
         };

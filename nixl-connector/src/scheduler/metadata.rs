@@ -52,6 +52,11 @@ pub struct SendSpec {
     /// The lease epoch of the request's params (native protocol; `None`: no marks raised).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lease_epoch: Option<u64>,
+    /// For a hybrid model, how many of [`block_ids`](Self::block_ids) each KV cache group
+    /// has (push mode writes each group's blocks into the decode's of that group). Empty:
+    /// one group.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub group_lens: Vec<usize>,
 }
 
 /// A heartbeat for one remote engine: its requests that loads here still wait for.
@@ -165,6 +170,7 @@ mod tests {
                     capability: Some(Capability::random().unwrap()),
                     block_ids: vec![3, 4],
                     lease_epoch: Some(7),
+                    group_lens: vec![1, 1],
                 },
                 SendSpec {
                     request_id: "past".into(),
@@ -172,6 +178,7 @@ mod tests {
                     capability: None,
                     block_ids: Vec::new(),
                     lease_epoch: None,
+                    group_lens: Vec::new(),
                 },
             ],
             aborted: vec!["a".into()],

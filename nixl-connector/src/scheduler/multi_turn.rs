@@ -272,6 +272,7 @@ mod tests {
             load_failure_policy: LoadFailurePolicy::Fail,
             multi_turn,
             protocol,
+            transfer_mode: crate::transfer_mode::TransferMode::Pull,
             #[cfg(feature = "vllm")]
             vllm_side_channel: None,
         })

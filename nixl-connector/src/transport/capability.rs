@@ -126,6 +126,25 @@ impl Capability {
         let input = heartbeat_input(sender, request);
         unhex(tag).is_some_and(|tag| hmac::verify(&self.key, &input, &tag).is_ok())
     }
+
+    /// The tag, in hex, of a push-mode message of kind `label` from agent `sender` over
+    /// `fields` (see [`push_wire`](crate::transport::push_wire)).
+    pub(crate) fn push_tag(&self, label: &[u8], sender: &[u8], fields: &[&[u8]]) -> String {
+        hex(hmac::sign(&self.key, &push_input(label, sender, fields)).as_ref())
+    }
+
+    /// Whether `tag` (hex) is [`push_tag`](Self::push_tag)'s for these (compared in constant
+    /// time).
+    pub(crate) fn verify_push(
+        &self,
+        label: &[u8],
+        sender: &[u8],
+        fields: &[&[u8]],
+        tag: &str,
+    ) -> bool {
+        let input = push_input(label, sender, fields);
+        unhex(tag).is_some_and(|tag| hmac::verify(&self.key, &input, &tag).is_ok())
+    }
 }
 
 impl Serialize for Capability {
@@ -154,6 +173,14 @@ fn finish_input(sender: &[u8], request: &str, count: usize) -> Vec<u8> {
 /// What a heartbeat's tag covers: its label, then each field after its length.
 fn heartbeat_input(sender: &[u8], request: &str) -> Vec<u8> {
     framed(&[HEARTBEAT_LABEL, sender, request.as_bytes()])
+}
+
+/// What a push-mode message's tag covers: its label, the sender, then each field, each
+/// after its length.
+fn push_input(label: &[u8], sender: &[u8], fields: &[&[u8]]) -> Vec<u8> {
+    let mut parts = vec![label, sender];
+    parts.extend_from_slice(fields);
+    framed(&parts)
 }
 
 fn framed(parts: &[&[u8]]) -> Vec<u8> {

@@ -14,6 +14,7 @@ pub mod handshake;
 pub(crate) mod params;
 pub mod peer_networks;
 pub mod pending;
+pub(crate) mod push_wire;
 pub(crate) mod readers;
 pub mod refusals;
 pub mod release_marks;

@@ -74,7 +74,9 @@ pub struct KvTransferParams {
     /// decode in vLLM mode that handshook with an older one handshakes again.
     #[serde(default)]
     pub remote_registration_generation: Option<u64>,
-    /// `"pull"` (the decode READs) or `"push"` (not supported).
+    /// `"pull"` (the decode READs; also when absent) or `"push"` (the prefill WRITEs into
+    /// blocks the decode registers: [`TransferMode`](crate::TransferMode)); engines of
+    /// different modes refuse each other's params.
     #[serde(default)]
     pub transfer_mode: Option<String>,
     /// The request's capability (native protocol): the decode's finish notifications and
@@ -177,8 +179,10 @@ impl KvTransferParams {
         })
     }
 
-    /// Refuses what the connector cannot read: push mode, a DCP size of 0 or more than
-    /// [`MAX_DCP_SIZE`], and a pipeline of no stage or more than [`MAX_PP_SIZE`].
+    /// Refuses what the connector cannot read in pull mode: push params (see
+    /// [`TransferMode::check_params`](crate::TransferMode::check_params) for a push engine),
+    /// a DCP size of 0 or more than [`MAX_DCP_SIZE`], and a pipeline of no stage or more
+    /// than [`MAX_PP_SIZE`].
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] naming the key and its value.
@@ -187,9 +191,16 @@ impl KvTransferParams {
         if let Some(mode) = self.transfer_mode.as_deref().filter(|&m| m != "pull") {
             return Err(Error::invalid(
                 OP,
-                format!("transfer_mode {mode:?} is not supported: this connector reads (pull mode) only"),
+                format!("transfer_mode {mode:?} is not supported: this engine reads (pull mode); a push engine and a pull engine do not pair"),
             ));
         }
+        self.check_geometry()
+    }
+
+    /// Refuses a DCP size of 0 or more than [`MAX_DCP_SIZE`], and a pipeline of no stage or
+    /// more than [`MAX_PP_SIZE`].
+    pub(crate) fn check_geometry(&self) -> Result<()> {
+        const OP: &str = "read kv_transfer_params";
         if let Some(size) = self
             .remote_dcp_size
             .filter(|s| !(1..=MAX_DCP_SIZE).contains(s))

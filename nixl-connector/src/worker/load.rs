@@ -316,7 +316,7 @@ fn record_telemetry(shared: &Shared, request: &nixl::XferRequest) -> Option<usiz
 
 /// Records a load's outcome (with when its READs were posted, their bytes and descriptors)
 /// and wakes whoever waits for ended loads.
-fn record(
+pub(crate) fn record(
     shared: &Shared,
     load: &Load,
     posted: Option<(Instant, usize, usize)>,
@@ -662,7 +662,7 @@ async fn after_read(shared: &Shared, load: &Load, read: &[(usize, Arc<Remote>)])
 /// ([`NUM_OVERDUE_TRANSFERS`](crate::series::NUM_OVERDUE_TRANSFERS)) and listed for
 /// [`KvConnectorWorker::overdue_loads`](crate::KvConnectorWorker::overdue_loads). Its blocks
 /// stay with the connector.
-fn report_overdue(shared: &Shared, load: &Load, deadline: Duration) {
+pub(crate) fn report_overdue(shared: &Shared, load: &Load, deadline: Duration) {
     shared.series.overdue();
     tracing::warn!(request = %load.request_id, remote = %load.remote.engine_id, ?deadline, blocks = load.local_block_ids.len(), "a load's READs are still in flight past the transfer timeout; its blocks stay with the connector until NIXL ends them");
     shared.outcomes.lock().add_overdue(OverdueLoad {

@@ -287,10 +287,15 @@ impl KvConnectorWorker {
         );
         let server =
             crate::transport::side_channel::serve(listener, ours, config.limits, pending, guard);
-        self.tasks
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(server);
+        match &self.shared.push {
+            // Push mode: it serves while loads wait for their prefill, the worker gone too.
+            Some(push) => push.keep_serving(server),
+            None => self
+                .tasks
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(server),
+        }
         Ok(side_channel)
     }
 

@@ -82,6 +82,9 @@ struct Held {
     claimed: bool,
     /// The release marks to raise when it is released, if its params carry a lease epoch.
     marks: Option<Marks>,
+    /// Push mode: a WRITE of its blocks is under way, so its lease cannot release it;
+    /// NIXL's end of the WRITE does.
+    writing: bool,
 }
 
 /// The release marks of one held request (see
@@ -233,6 +236,7 @@ impl Sends {
             needed,
             capability,
             marks,
+            writing: false,
         };
         self.held.insert(request_id, held);
         self.series.held(self.held.len());
@@ -433,7 +437,7 @@ impl Sends {
         let expired: Vec<String> = self
             .held
             .iter()
-            .filter(|(_, held)| held.deadline <= now)
+            .filter(|(_, held)| held.deadline <= now && !held.writing)
             .map(|(id, _)| id.clone())
             .collect();
         self.series.expired(expired.len() as u64);
@@ -516,6 +520,36 @@ impl Sends {
                 false
             }
             None => false,
+        }
+    }
+
+    /// Push mode: a WRITE of `request_id`'s blocks is about to be posted; from now on only
+    /// [`written`](Self::written) releases it. False when it is not held (its lease ended)
+    /// or a WRITE of it is already under way: nothing may be posted then.
+    pub(crate) fn start_writing(&mut self, request_id: &str) -> bool {
+        match self.held.get_mut(request_id) {
+            Some(held) if !held.writing => {
+                held.writing = true;
+                held.claimed = true;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Push mode: NIXL ended the WRITE of `request_id`'s blocks (or none was posted after
+    /// [`start_writing`](Self::start_writing)): it is released.
+    pub(crate) fn written(&mut self, request_id: &str) {
+        if let Some(held) = self.held.remove(request_id) {
+            self.release(request_id.to_string(), Released::Notification, held.marks);
+        }
+    }
+
+    /// Push mode: the decode wants nothing written (a proven cancel): `request_id` is
+    /// released now unless a WRITE of it is under way.
+    pub(crate) fn release_unwritten(&mut self, request_id: &str) {
+        if self.held.get(request_id).is_some_and(|h| !h.writing) {
+            self.written(request_id);
         }
     }
 
@@ -880,6 +914,34 @@ mod tests {
         s.hold("n".into(), (t0 + Duration::from_secs(30), t0), None, None);
         s.notified(b"d", &fin("d", "n", 1), t0);
         assert!(s.take_done().0.is_empty());
+    }
+
+    #[test]
+    fn a_lease_never_releases_a_request_whose_write_runs() {
+        let t0 = Instant::now();
+        let mut s = sends(1);
+        hold_30s(&mut s, "r", t0);
+        assert!(s.start_writing("r"));
+        assert!(!s.start_writing("r"), "one WRITE at a time");
+        s.expire(t0 + Duration::from_secs(60));
+        assert!(s.take_done().0.is_empty(), "the lease ended mid-WRITE");
+        s.release_unwritten("r");
+        assert!(s.take_done().0.is_empty(), "a cancel does not stop a WRITE");
+        s.written("r");
+        assert_eq!(s.take_done().0, ["r"]);
+        assert_eq!(
+            (s.stats().freed_on_notification, s.stats().freed_on_timeout),
+            (1, 0)
+        );
+        // Released, it cannot be written again.
+        assert!(!s.start_writing("r"));
+        // One not written is released by a cancel at once, or by its lease.
+        hold_30s(&mut s, "c", t0);
+        s.release_unwritten("c");
+        assert_eq!(s.take_done().0, ["c"]);
+        hold_30s(&mut s, "l", t0);
+        s.expire(t0 + Duration::from_secs(60));
+        assert_eq!(s.take_done().0, ["l"]);
     }
 
     #[test]

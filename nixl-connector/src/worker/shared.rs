@@ -9,6 +9,7 @@
 //! | [`Remotes`] | the remote ranks handshaken, their prepared lists, engine TTLs | handshakes (`connect.rs`), loads' failures, eviction (`engines.rs`) |
 //! | [`LoadOutcomes`] | what the loads came to, and the signal that one ended | loads (`load.rs`); taken by the step (`worker.rs`) |
 //! | [`HeldSends`] | the requests held for decodes, and the signal a notification arrived | the step and the decode notifications (`worker.rs`, `sending.rs`) |
+//! | [`Push`] | push mode's prefill book (requests ready to be written, early registrations) and decode waits | push notifications and loads (`push.rs`, `push_state.rs`); the step (`worker.rs`) |
 //! | [`ScratchWords`] | registered words for the release marks a load READs, free between loads | loads (`marks_check.rs`) |
 //! | [`Context`] | config, protocol, groups, the NIXL setup, the side channel's guard, etcd, metrics | nobody after creation (the guard, the vLLM worker and the metrics count through atomics and locks of their own) |
 //!
@@ -30,6 +31,7 @@ use crate::vllm::VllmWorker;
 use crate::worker::current_caches::CurrentCaches;
 use crate::worker::held_sends::HeldSends;
 use crate::worker::load_outcomes::LoadOutcomes;
+use crate::worker::push_state::Push;
 use crate::worker::remotes::Remotes;
 use crate::worker::scratch_words::ScratchWords;
 
@@ -69,6 +71,8 @@ pub(crate) struct Shared {
     pub(crate) sends: HeldSends,
     /// The registered words loads READ release marks into.
     pub(crate) scratch: ScratchWords,
+    /// Push mode's registrations, waits and counts (`None` in pull mode).
+    pub(crate) push: Option<Push>,
 }
 
 impl Deref for Shared {

@@ -17,6 +17,11 @@ impl KvConnectorWorker {
     /// the agent is then destroyed when the READ ends, or left to the process if it exits
     /// first.
     ///
+    /// A push load whose blocks a prefill may still write waits likewise: its prefill
+    /// ranks' ends are still taken, and the rank's side channel still answers (a prefill
+    /// rank handshakes to answer), until it ends, at the latest once they answer the cancel
+    /// sent past `push_registration_timeout`.
+    ///
     /// Dropping the worker instead destroys the agent later, on a runtime thread, once the
     /// last load has ended; a process that exits meanwhile leaves that agent to the exit
     /// (see the crate's README, "Shutting down").

@@ -433,7 +433,7 @@ pub fn engine(engine: &str, model: &Model, side: &Side) -> Vec<KvConnectorWorker
 }
 
 /// [`engine`], with `adjust` applied to each rank's config.
-fn engine_with(
+pub fn engine_with(
     engine: &str,
     model: &Model,
     side: &Side,

@@ -1,0 +1,535 @@
+//! Push mode on a worker (native protocol): the decode registers its blocks with the
+//! prefill ranks that write them, and the prefill WRITEs the request's KV into them.
+//!
+//! **Decode** (a load, [`load`]): the handshakes with the prefill ranks of the
+//! [`TpMapping`](crate::TpMapping) (as a pull load's), one registration to each, then the
+//! wait for each rank's end, an async wake-up, no polling. Past the registration timeout, or
+//! once the request is aborted, each rank that has not ended gets a cancel; the load's
+//! outcome, which hands its blocks back to the engine, waits for every rank's end, since
+//! only the prefill knows whether a WRITE into them may still run.
+//!
+//! **Prefill** (on its notifications, [`route`]): a registration is matched to a request
+//! held for push by its id and proven by its tag; its blocks are cut to the last as many as
+//! the decode registered (a prefix hit on the decode), the rank handshakes with the decode
+//! rank that registered (its agent must be the registration's sender), and WRITEs over the
+//! same plan a READ of the other direction uses (`geometry::load_reads`, with this rank as
+//! the reader of the decode's geometry, so the TP mapping is the pull mode's). The request
+//! is released once NIXL has ended the WRITE, never by its lease while it runs.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use futures::future::join_all;
+use nixl::{Notification, NotificationFilter, XferOp, XferOptions, XferStatus};
+
+use crate::error::{Error, Result};
+use crate::geometry::load_reads::{plan_read, ReadInputs, SideBlocks};
+use crate::transport::capability::Capability;
+use crate::transport::push_wire::{
+    cancel_message, end_message, fresh_nonce, parse_cancel, parse_end, parse_registration,
+    registration_message, EndProof, PushEnd, Registration, SignedRegistration, CANCEL_PREFIX,
+    END_PREFIX, PUSH_PREFIX, REGISTRATION_PREFIX,
+};
+use crate::worker::connect::{self, Engine};
+use crate::worker::load::{record, report_overdue, Load};
+use crate::worker::push_book::{PrefillAction, Ready};
+use crate::worker::push_state::Push;
+use crate::worker::shared::Shared;
+
+/// The push part of `shared`, which push mode has.
+fn part(shared: &Shared) -> Option<&Push> {
+    shared.push.as_ref()
+}
+
+/// Subscribes the push notifications of `shared`'s agent now, before any other stream, so
+/// that they go to it; [`take`] then takes them.
+pub(crate) fn subscribe(shared: &Shared) -> Result<nixl::NotificationStream> {
+    let filter = NotificationFilter::any().prefix(PUSH_PREFIX);
+    Ok(shared.setup.agent().notification_stream(filter)?)
+}
+
+/// Takes push notifications from `stream` while the worker lives, and after it closes until
+/// no load waits for its prefill's ends (a load's blocks go back only once every rank
+/// answered, and its task keeps the registered caches until then).
+pub(crate) async fn take(shared: Arc<Shared>, mut stream: nixl::NotificationStream) {
+    let Some(push) = part(&shared) else {
+        return;
+    };
+    while !push.closed() {
+        tokio::select! {
+            note = stream.recv() => route(&shared, note),
+            () = push.changed() => {}
+        }
+    }
+    push.stop_serving();
+    tracing::debug!("push listener stopped: the worker is gone and no push load waits");
+}
+
+/// One push notification from the network.
+fn route(shared: &Arc<Shared>, note: Notification) {
+    let Some(push) = part(shared) else {
+        return;
+    };
+    let message = &note.message[..];
+    let refused = |why: &str| {
+        tracing::debug!(sender = %String::from_utf8_lossy(&note.sender), why, "push notification refused");
+    };
+    let prefill_side =
+        message.starts_with(REGISTRATION_PREFIX) || message.starts_with(CANCEL_PREFIX);
+    if prefill_side && push.closing() {
+        refused("the worker is closing");
+        return;
+    }
+    if message.starts_with(REGISTRATION_PREFIX) {
+        match parse_registration(message) {
+            Ok(signed) => {
+                let actions = push.book().registration(&note.sender, signed);
+                act(shared, actions);
+            }
+            Err(why) => {
+                refused(why);
+                push.count(|s| s.registrations_refused += 1);
+            }
+        }
+    } else if message.starts_with(CANCEL_PREFIX) {
+        match parse_cancel(message) {
+            Ok(cancel) => {
+                let actions = push.book().registration(&note.sender, cancel);
+                act(shared, actions);
+            }
+            Err(why) => {
+                refused(why);
+                push.count(|s| s.registrations_refused += 1);
+            }
+        }
+    } else if message.starts_with(END_PREFIX) {
+        let counted = parse_end(message)
+            .map_err(|why| why.to_string())
+            .and_then(|end| {
+                push.waits()
+                    .ended(&note.sender, &end)
+                    .map_err(|why| format!("{why:?}"))
+            });
+        if let Err(why) = counted {
+            refused(&why);
+            push.count(|s| s.refused_ends += 1);
+        }
+    } else {
+        refused("an unknown push message");
+        push.count(|s| s.refused_ends += 1);
+    }
+}
+
+/// Carries out what the prefill book asks for.
+fn act(shared: &Arc<Shared>, actions: Vec<PrefillAction>) {
+    for action in actions {
+        match action {
+            PrefillAction::Write {
+                request_id,
+                sender,
+                registration,
+                ready,
+            } => {
+                let shared = shared.clone();
+                tokio::spawn(async move {
+                    write(&shared, &request_id, &sender, *registration, ready).await;
+                });
+            }
+            PrefillAction::End {
+                sender,
+                registration,
+                end,
+                proof,
+            } => {
+                let shared = shared.clone();
+                tokio::spawn(async move {
+                    send_end(&shared, &sender, &registration, end, &proof).await;
+                });
+            }
+            PrefillAction::Release { request_id } => {
+                shared.sends.lock().release_unwritten(&request_id);
+                shared.sends.notify_arrived();
+            }
+        }
+    }
+}
+
+/// Prefill: `request_id` is held for a push of `block_ids` (`group_lens` per KV cache
+/// group) under `capability`; registrations that came first are matched now.
+pub(crate) fn ready(
+    shared: &Arc<Shared>,
+    request_id: &str,
+    blocks: (Vec<usize>, Vec<usize>),
+    capability: Capability,
+) {
+    let Some(push) = part(shared) else {
+        return;
+    };
+    let actions = push.book().ready(request_id, blocks, capability);
+    act(shared, actions);
+}
+
+/// The decode rank that sent `registration`, handshaken (its agent must be `sender`).
+async fn decode_rank(
+    shared: &Arc<Shared>,
+    registration: &Registration,
+    sender: &[u8],
+) -> Result<Arc<crate::worker::remotes::Remote>> {
+    let tp_size = usize::try_from(registration.tp_size).unwrap_or(usize::MAX);
+    let rank = usize::try_from(registration.tp_rank).unwrap_or(usize::MAX);
+    if tp_size == 0 || rank >= tp_size || tp_size > shared.config.tp_size {
+        return Err(Error::invalid(
+            "write a push registration",
+            format!("decode rank {rank} of TP {tp_size}: push writes a decode of TP at most this prefill's ({}), as vLLM's push", shared.config.tp_size),
+        ));
+    }
+    let engine = Engine {
+        id: &registration.engine_id,
+        host: &registration.host,
+        tp_size,
+        pp_size: 1,
+    };
+    let remote = connect::remote(shared, engine, rank, registration.port).await?;
+    if remote.agent.as_bytes() != sender {
+        return Err(Error::invalid(
+            "write a push registration",
+            format!(
+                "the registration came from agent {:?}, but the decode rank it names is agent {:?}",
+                String::from_utf8_lossy(sender),
+                remote.agent
+            ),
+        ));
+    }
+    Ok(remote)
+}
+
+/// Sends `end` of `registration` to its decode rank `sender`, handshaking first if needed.
+async fn send_end(
+    shared: &Arc<Shared>,
+    sender: &[u8],
+    registration: &Registration,
+    end: PushEnd,
+    proof: &EndProof,
+) {
+    let agent = shared.setup.agent();
+    let sent = match decode_rank(shared, registration, sender).await {
+        Ok(remote) => {
+            let message = end_message(&registration.decode_request_id, end, proof, agent.name());
+            agent
+                .send_notification(&remote.agent, &message)
+                .map_err(Error::from)
+        }
+        Err(err) => Err(err),
+    };
+    if let Err(err) = sent {
+        shared.series.failed_notification();
+        tracing::warn!(request = %registration.request_id, end = end.as_str(), %err, "could not tell a decode how its push registration ended");
+    }
+}
+
+/// Prefill: WRITEs `ready`'s blocks into the decode blocks of `signed`, from decode rank
+/// `sender`, and releases `request_id` once NIXL has ended the WRITE. The decode hears the
+/// end: the WRITE's own notification, or `refused` / `failed` / `gone` alone.
+async fn write(
+    shared: &Arc<Shared>,
+    request_id: &str,
+    sender: &[u8],
+    signed: SignedRegistration,
+    ready: Ready,
+) {
+    let registration = signed.registration;
+    let Some(push) = part(shared) else {
+        return;
+    };
+    let proof = EndProof::Capability(ready.capability.clone());
+    if !shared.sends.lock().start_writing(request_id) {
+        send_end(shared, sender, &registration, PushEnd::Gone, &proof).await;
+        return;
+    }
+    let started = Instant::now();
+    let outcome = match decode_rank(shared, &registration, sender).await {
+        Ok(remote) => post_and_await(shared, &registration, &ready, &remote).await,
+        Err(err) => Err((PushEnd::Failed, err)),
+    };
+    let took = started.elapsed();
+    match &outcome {
+        Ok(_) => shared.series.push_write("written", took),
+        Err((PushEnd::Refused, _)) => shared.series.push_write("refused", took),
+        Err(_) => shared.series.push_write("failed", took),
+    }
+    match &outcome {
+        Ok(bytes) => {
+            push.count(|s| {
+                s.writes += 1;
+                s.bytes_written += *bytes as u64;
+            });
+            tracing::debug!(request = request_id, bytes, took = ?started.elapsed(), "push WRITE ended");
+        }
+        Err((end, err)) => {
+            if *end == PushEnd::Refused {
+                push.count(|s| s.registrations_oversized += 1);
+            } else {
+                push.count(|s| s.failed_writes += 1);
+            }
+            tracing::warn!(request = request_id, decode = %registration.engine_id, end = end.as_str(), %err, "push WRITE not done");
+        }
+    }
+    // NIXL has ended the WRITE (or none was posted): the blocks may go back.
+    shared.sends.lock().written(request_id);
+    shared.sends.notify_arrived();
+    if let Err((end, _)) = outcome {
+        send_end(shared, sender, &registration, end, &proof).await;
+    }
+}
+
+/// Plans, posts and awaits the WRITE of `ready` into `registration`'s blocks of `remote`;
+/// its bytes, or how it ended and why.
+async fn post_and_await(
+    shared: &Shared,
+    registration: &Registration,
+    ready: &Ready,
+    remote: &crate::worker::remotes::Remote,
+) -> std::result::Result<usize, (PushEnd, Error)> {
+    const OP: &str = "write a push registration";
+    let refused = |err: Error| (PushEnd::Refused, err);
+    let caches = shared
+        .caches
+        .get()
+        .ok_or((PushEnd::Failed, Error::NotRegistered { operation: OP }))?;
+    let lists = remote.lists.as_ref().ok_or_else(|| {
+        refused(Error::invalid(
+            OP,
+            "the decode rank's geometry gives this rank nothing to write",
+        ))
+    })?;
+    let decode_ids: Vec<usize> = registration
+        .block_ids
+        .iter()
+        .map(|&b| usize::try_from(b).unwrap_or(usize::MAX))
+        .collect();
+    let decode_lens: Vec<usize> = registration
+        .group_lens
+        .iter()
+        .map(|&n| usize::try_from(n).unwrap_or(usize::MAX))
+        .collect();
+    let per_id = shared
+        .groups
+        .kernel_blocks_per_id(caches.spec.block_size)
+        .map_err(refused)?;
+    if per_id != 1
+        || remote.blocks_per_id != 1
+        || remote.plan.local_block_size != remote.plan.remote_block_size
+    {
+        return Err(refused(Error::invalid(
+            OP,
+            "push between engines of different block sizes, or of several kernel blocks per block id, is not built yet; use pull mode",
+        )));
+    }
+    let (local_ids, local_lens) = crate::geometry::push_cut::cut_to_decode(
+        (&ready.block_ids, &ready.group_lens),
+        (&decode_ids, &decode_lens),
+    )
+    .map_err(|why| refused(Error::invalid(OP, why)))?;
+    let writes = plan_read(&ReadInputs {
+        request_id: &registration.request_id,
+        local: SideBlocks {
+            ids: &local_ids,
+            group_lens: &local_lens,
+            per_id,
+        },
+        remote: SideBlocks {
+            ids: &decode_ids,
+            group_lens: &decode_lens,
+            per_id: remote.blocks_per_id,
+        },
+        num_tokens: None,
+        local_num_blocks: caches.spec.num_blocks,
+        plan: &remote.plan,
+        groups: &shared.groups,
+        ssm: remote.ssm.as_ref(),
+        reads_attention: remote.reads_attention(),
+    })
+    .map_err(refused)?;
+    let agent = shared.setup.agent();
+    let notification = end_message(
+        &registration.decode_request_id,
+        PushEnd::Written,
+        &EndProof::Capability(ready.capability.clone()),
+        agent.name(),
+    );
+    let options = XferOptions::new().notification(notification);
+    let failed = |err: nixl::Error| (PushEnd::Failed, Error::from(err));
+    let mut request = agent
+        .make_xfer_req(
+            XferOp::Write,
+            lists.local.as_ref().unwrap_or(&caches.local),
+            &writes.local,
+            &lists.remote,
+            &writes.remote,
+            &options,
+        )
+        .map_err(failed)?;
+    if request.post().map_err(failed)? != XferStatus::Done {
+        request.await.map_err(failed)?;
+    }
+    Ok(writes.bytes)
+}
+
+/// Decode: registers `load`'s blocks with its prefill ranks and waits for each one's end,
+/// then records the outcome (see the module's docs).
+pub(crate) async fn load(shared: Arc<Shared>, load: Load) {
+    let outcome = run_load(&shared, &load).await;
+    if let Some(push) = part(&shared) {
+        push.waits().done(&load.request_id);
+        push.load_ended();
+    }
+    record(&shared, &load, None, outcome);
+}
+
+/// Decode: `load` has no block (a full prefix hit): a cancel of no block tells the
+/// prefill ranks to release the request now. A failure is logged; the prefill then
+/// releases it when its lease ends.
+pub(crate) async fn cancel_only(shared: Arc<Shared>, load: Load) {
+    if let Err(err) = cancel_nothing(&shared, &load).await {
+        tracing::warn!(request = %load.request_id, %err, "could not tell the prefill that nothing will be written; it frees the blocks when their lease ends");
+    }
+}
+
+async fn cancel_nothing(shared: &Arc<Shared>, load: &Load) -> Result<()> {
+    let (registration, capability, agents) = registration_of(shared, load).await?;
+    let message = cancel_message(&registration, &capability, shared.setup.agent().name());
+    send_to(shared, &agents, &message, "cancel");
+    Ok(())
+}
+
+/// What `load` registers, under which capability, with which agents (its prefill ranks,
+/// handshaken).
+async fn registration_of(
+    shared: &Arc<Shared>,
+    load: &Load,
+) -> Result<(Registration, Capability, Vec<String>)> {
+    const OP: &str = "register blocks for a push";
+    let capability = load.remote.capability.clone().ok_or_else(|| {
+        Error::invalid(OP, "the params carry no remote_capability: a native push needs one to prove the registration")
+    })?;
+    let caches = shared
+        .caches
+        .get()
+        .ok_or(Error::NotRegistered { operation: OP })?;
+    let addr = caches.side_channel;
+    if addr.ip().is_unspecified() {
+        return Err(Error::invalid(OP, format!("this rank's side channel listens on {addr}: set WorkerConfig::side_channel to an address the prefill reaches, which the registration names")));
+    }
+    let remotes = join_all(
+        load.ranks
+            .iter()
+            .map(|&(rank, port)| connect::remote(shared, load.engine(), rank, port)),
+    )
+    .await
+    .into_iter()
+    .collect::<Result<Vec<_>>>()?;
+    let agents = remotes.iter().map(|r| r.agent.clone()).collect();
+    let registration = Registration {
+        request_id: load.remote.request_id.clone(),
+        decode_request_id: load.request_id.clone(),
+        engine_id: shared.config.engine_id.clone(),
+        host: addr.ip().to_string(),
+        port: addr.port(),
+        tp_size: shared.config.tp_size as u64,
+        tp_rank: shared.config.tp_rank as u64,
+        block_ids: load.local_block_ids.iter().map(|&b| b as u64).collect(),
+        group_lens: load.local_group_lens.iter().map(|&n| n as u64).collect(),
+        nonce: String::new(),
+    };
+    Ok((registration, capability, agents))
+}
+
+async fn run_load(shared: &Arc<Shared>, load: &Load) -> Result<()> {
+    let push = part(shared).ok_or(Error::invalid(
+        "register blocks for a push",
+        "the worker is not in push mode",
+    ))?;
+    let (registration, capability, agents) = registration_of(shared, load).await?;
+    // Drawn now: once registered, the load must be able to cancel.
+    let nonce = fresh_nonce()?;
+    let woken = push
+        .waits()
+        .wait(&load.request_id, &agents, capability.clone());
+    let own = shared.setup.agent();
+    let message = registration_message(&registration, &capability, own.name());
+    send_to(shared, &agents, &message, "registration");
+    push.count(|s| s.registrations_sent += agents.len() as u64);
+    shared.series.push_registrations(agents.len() as u64);
+
+    let timeout = push.settings.registration_timeout;
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut cancelled: Option<bool> = None;
+    loop {
+        let ends = push.waits().ends(&load.request_id);
+        if ends.iter().all(|(_, end)| end.is_some()) {
+            return outcome(load, &ends, cancelled.filter(|&t| t).map(|_| timeout));
+        }
+        let aborted = shared.outcomes.lock().is_aborted(&load.request_id);
+        let timed_out = tokio::time::Instant::now() >= deadline;
+        if cancelled.is_none() && (aborted || timed_out) {
+            if timed_out {
+                push.count(|s| s.registration_timeouts += 1);
+                shared.series.push_timeout();
+                report_overdue(shared, load, timeout);
+            }
+            let waiting: Vec<String> = ends
+                .into_iter()
+                .filter(|(_, end)| end.is_none())
+                .map(|(agent, _)| agent)
+                .collect();
+            let mut cancelling = registration.clone();
+            cancelling.nonce = nonce.clone();
+            push.waits().cancelling(&load.request_id, &nonce);
+            let cancel = cancel_message(&cancelling, &capability, own.name());
+            send_to(shared, &waiting, &cancel, "cancel");
+            cancelled = Some(timed_out);
+        }
+        match cancelled {
+            None => {
+                tokio::select! {
+                    () = woken.notified() => {}
+                    () = tokio::time::sleep_until(deadline) => {}
+                }
+            }
+            Some(_) => woken.notified().await,
+        }
+    }
+}
+
+/// Sends `message` (a `what`) to each of `agents`; a failure is logged and counted (the
+/// registration timeout then cancels).
+fn send_to(shared: &Shared, agents: &[String], message: &[u8], what: &str) {
+    for agent in agents {
+        if let Err(err) = shared.setup.agent().send_notification(agent, message) {
+            shared.series.failed_notification();
+            tracing::warn!(%agent, %err, "push {what} not sent");
+        }
+    }
+}
+
+/// A load's outcome from its ranks' `ends`: loaded only when every one was written.
+fn outcome(
+    load: &Load,
+    ends: &[(String, Option<PushEnd>)],
+    timed_out: Option<std::time::Duration>,
+) -> Result<()> {
+    let not_written = ends.iter().find(|(_, end)| *end != Some(PushEnd::Written));
+    match (not_written, timed_out) {
+        (None, _) => Ok(()),
+        (Some(_), Some(deadline)) => Err(Error::TransferTimeout {
+            request_id: load.request_id.clone(),
+            deadline,
+        }),
+        (Some((agent, end)), None) => Err(Error::PushNotWritten {
+            request_id: load.request_id.clone(),
+            engine: load.remote.engine_id.clone(),
+            agent: agent.clone(),
+            end: end.map_or("none", PushEnd::as_str).to_string(),
+        }),
+    }
+}

@@ -1,0 +1,166 @@
+//! Push mode's part of a worker (see [`Shared`](crate::worker::shared::Shared)): its
+//! settings, the prefill book and decode waits of `push_book.rs` behind their locks, and
+//! what push did so far; `push.rs` drives it.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, MutexGuard};
+use std::time::Instant;
+
+use crate::metrics::series::Series;
+use crate::transfer_mode::PushSettings;
+use crate::worker::push_book::{DecodeWaits, PrefillBook};
+
+/// What push mode did on a worker so far (both roles).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PushStats {
+    /// Decode: registrations sent (one per prefill rank and load).
+    pub registrations_sent: u64,
+    /// Decode: loads whose registration timeout passed before every prefill rank ended.
+    pub registration_timeouts: u64,
+    /// Decode: ends refused (an unknown request, an agent not registered with, a bad tag)
+    /// or malformed push messages.
+    pub refused_ends: u64,
+    /// Prefill: registrations matched to a held request.
+    pub registrations_matched: u64,
+    /// Prefill: registrations that waited for their request to be held.
+    pub registrations_waited: u64,
+    /// Prefill: early registrations and cancels dropped unmatched (past the bounds or
+    /// their time).
+    pub registrations_evicted: u64,
+    /// Prefill: registrations and cancels refused (no valid tag, malformed).
+    pub registrations_refused: u64,
+    /// Prefill: registrations that do not fit the request held (more blocks than it has,
+    /// another group count, a geometry it cannot write), answered `refused`.
+    pub registrations_oversized: u64,
+    /// Prefill: WRITEs NIXL ended well, and the bytes they moved.
+    pub writes: u64,
+    /// Prefill: bytes of those WRITEs.
+    pub bytes_written: u64,
+    /// Prefill: WRITEs (or the handshakes before them) that failed.
+    pub failed_writes: u64,
+}
+
+/// A worker's push-mode part (in [`Shared`]): its settings, its prefill book and decode
+/// waits, its counts. Each lock is held only within one call, never across an await or
+/// another part's lock.
+pub(crate) struct Push {
+    pub(crate) settings: PushSettings,
+    book: Mutex<PrefillBook>,
+    waits: Mutex<DecodeWaits>,
+    stats: Mutex<PushStats>,
+    /// The book's waits and drops the series have heard of.
+    exported: Mutex<(u64, u64)>,
+    /// The worker is gone or shutting down: the listener takes the ends of the loads still
+    /// waiting, then stops.
+    closing: AtomicBool,
+    /// Wakes the listener: the worker closes, or a load stopped waiting.
+    changed: tokio::sync::Notify,
+    /// The rank's native side channel: it serves until the listener stops, so that a
+    /// prefill rank can still handshake to answer a load's cancel after the worker closed.
+    side_channels: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+}
+
+impl Push {
+    /// The part of a worker whose held requests' leases last `lease`.
+    pub(crate) fn new(settings: PushSettings, lease: std::time::Duration) -> Self {
+        Push {
+            settings,
+            book: Mutex::new(PrefillBook::new(lease)),
+            waits: Mutex::default(),
+            stats: Mutex::default(),
+            exported: Mutex::default(),
+            closing: AtomicBool::new(false),
+            changed: tokio::sync::Notify::new(),
+            side_channels: Mutex::default(),
+        }
+    }
+
+    /// Keeps the rank's side channel `server` serving until [`stop_serving`](Self::stop_serving).
+    pub(crate) fn keep_serving(&self, server: tokio::task::JoinHandle<()>) {
+        self.side_channels
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(server);
+    }
+
+    /// Stops the rank's side channel (the listener stopped: no load waits, the worker is
+    /// gone).
+    pub(crate) fn stop_serving(&self) {
+        let servers =
+            std::mem::take(&mut *self.side_channels.lock().unwrap_or_else(|p| p.into_inner()));
+        for server in servers {
+            server.abort();
+        }
+    }
+
+    /// The worker is gone or shutting down (see [`closed`](Self::closed)).
+    pub(crate) fn close(&self) {
+        self.closing.store(true, Ordering::Release);
+        self.changed.notify_one();
+    }
+
+    /// A load stopped waiting: the listener checks whether it may stop.
+    pub(crate) fn load_ended(&self) {
+        self.changed.notify_one();
+    }
+
+    /// Resolves when the worker closes or a load stops waiting.
+    pub(crate) async fn changed(&self) {
+        self.changed.notified().await;
+    }
+
+    /// Whether the worker is closing, so that the listener takes no new registration.
+    pub(crate) fn closing(&self) -> bool {
+        self.closing.load(Ordering::Acquire)
+    }
+
+    /// Whether the worker is closing and no load waits: the listener may stop.
+    pub(crate) fn closed(&self) -> bool {
+        self.closing() && self.waits().is_empty()
+    }
+
+    pub(crate) fn book(&self) -> MutexGuard<'_, PrefillBook> {
+        self.book.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn waits(&self) -> MutexGuard<'_, DecodeWaits> {
+        self.waits.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn count(&self, add: impl FnOnce(&mut PushStats)) {
+        add(&mut self.stats.lock().unwrap_or_else(|p| p.into_inner()));
+    }
+
+    /// The counts so far, the prefill book's included.
+    pub(crate) fn stats(&self) -> PushStats {
+        let book = self.book().stats;
+        let mut stats = *self.stats.lock().unwrap_or_else(|p| p.into_inner());
+        stats.registrations_matched = book.matched;
+        stats.registrations_waited = book.waited;
+        stats.registrations_evicted = book.evicted;
+        stats.registrations_refused += book.refused;
+        stats
+    }
+
+    /// The held requests `released` are gone: late messages for them hear `gone`. Early
+    /// registrations past their time are dropped, and `series` hears of the waits and
+    /// drops since the last call.
+    pub(crate) fn released(&self, released: &[String], series: &Series) {
+        let mut book = self.book();
+        for id in released {
+            book.released(id);
+        }
+        book.expire(Instant::now());
+        let now = (book.stats.waited, book.stats.evicted);
+        drop(book);
+        let mut exported = self.exported.lock().unwrap_or_else(|p| p.into_inner());
+        series.push_waits(now.0 - exported.0, now.1 - exported.1);
+        *exported = now;
+    }
+
+    /// Wakes the load of `request_id`, if it waits (it was aborted).
+    pub(crate) fn wake(&self, request_id: &str) {
+        self.waits().wake(request_id);
+    }
+}
