@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use nixl::kv_config::KvRole;
+use nixl_connector::TransferMode;
 use nixl_rs::cli::parse_positive;
 use nixl_rs::decode::{self, DecodeOptions};
 
@@ -96,8 +97,11 @@ async fn run(args: &Args) -> nixl_rs::Result<ExitCode> {
     let worker = worker_config.set_up(|config| {
         config.limits.deadline = connect_timeout;
         config.transfer_timeout = Duration::from_secs(args.xfer_timeout_s);
-        if turns {
-            // Prefill reads the kept answers back through this side channel.
+        let push = TransferMode::from_kv_transfer_config(&config.kv_transfer_config)
+            .is_ok_and(|mode| mode == TransferMode::Push);
+        if turns || push {
+            // Prefill reads the kept answers back, or handshakes to WRITE (push mode),
+            // through this side channel: bound where prefill can reach it.
             config.side_channel = SocketAddr::new(local_ip_towards(args.prefill), 0);
         }
     })?;

@@ -7,7 +7,8 @@
 #               layers x 16 KiB, 4 in flight, every byte verified) with the connector's
 #               defaults, then at the default shape with UCX's own TCP send segment (8 KiB,
 #               UCX_TCP_TX_SEG_SIZE on both sides): what the connector's default buys; and 4
-#               requests one at a time, for the first load of a request alone on the link
+#               requests one at a time, for the first load of a request alone on the link;
+#               and both shapes in push mode (--transfer-mode push: the prefill WRITEs)
 #   UCX alone   bench/tcp_probe/: READs and WRITEs of 256 MiB in 256 KiB descriptors (the
 #               runs the demo's READs merge into), 4 requests in flight, no connector, no
 #               checks, with the connector's send segment and with UCX's own; then 1000
@@ -68,7 +69,9 @@ mkdir -p "$results"
 } >"$log"
 records=$work/records
 
-# One P/D run: `pd LABEL [ENV=VALUE...] -- [decode flags...]`; records GB/s and first-load ms.
+# One P/D run: `pd LABEL [ENV=VALUE...] -- [decode flags...]`, with scripts/demo.sh's own
+# flags from the array `mode` (e.g. --transfer-mode push); records GB/s and first-load ms.
+mode=()
 pd() {
     local label=$1 env=()
     shift
@@ -78,7 +81,8 @@ pd() {
     NIXL_DEMO_BIN_DIR=$bin NIXL_DEMO_LISTEN=$addr_p:7811 \
         NIXL_DEMO_PREFILL_WRAP="ip netns exec $ns_p env UCX_TLS=tcp UCX_NET_DEVICES=$veth_p ${env[*]}" \
         NIXL_DEMO_DECODE_WRAP="ip netns exec $ns_d env UCX_TLS=tcp UCX_NET_DEVICES=$veth_d ${env[*]}" \
-        scripts/demo.sh -- "$@" >"$work/demo.out" 2>&1 || { cat "$work/demo.out" >&2; exit 1; }
+        scripts/demo.sh ${mode[@]+"${mode[@]}"} -- "$@" >"$work/demo.out" 2>&1 ||
+        { cat "$work/demo.out" >&2; exit 1; }
     grep -E '^  (time|latency|first|errors):' "$work/demo.out" >>"$log"
     local gbps first
     gbps=$(sed -n 's/^  time: .*, \([0-9.]*\) GB\/s$/\1/p' "$work/demo.out")
@@ -130,6 +134,10 @@ for ((round = 1; round <= rounds; round++)); do
     pd 32-blocks -- --requests 200 --blocks-per-request 32
     pd ucx-segment UCX_TCP_TX_SEG_SIZE=8k -- --requests 256
     pd one-at-a-time -- --requests 4 --in-flight 1
+    mode=(--transfer-mode push)
+    pd push -- --requests 256
+    pd push-32-blocks -- --requests 200 --blocks-per-request 32
+    mode=()
     probe connector "TCP_TX_SEG_SIZE=64k"
     probe ucx ""
     for workers in 1 2 4; do overlap "$workers"; done
@@ -159,6 +167,8 @@ rows = [
     ("P/D, 200 requests x 32 blocks, connector defaults", "pd-32-blocks"),
     ("P/D, default shape, UCX's own TCP send segment (8 KiB)", "pd-ucx-segment"),
     ("P/D, 4 requests one at a time (a first load alone on the link)", "pd-one-at-a-time"),
+    ("P/D, default shape, push mode (the prefill WRITEs)", "pd-push"),
+    ("P/D, 200 requests x 32 blocks, push mode", "pd-push-32-blocks"),
 ]
 with open(out, "w") as md:
     md.write(f"**Across hosts over TCP** (scripts/bench-tcp.sh, {rounds} rounds: prefill and decode "
