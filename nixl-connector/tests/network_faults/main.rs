@@ -175,11 +175,26 @@ impl Drop for Engine {
     }
 }
 
-/// Holds the other tests of this binary off until dropped: each measures times and rates
-/// that other tests' engines on the same two cores would skew.
-fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+/// Starts test `test`: `None` when it cannot run (see [`hosts_available`]), else a guard
+/// that holds the other tests of this binary off until dropped (each measures times and
+/// rates that other tests' engines on the same two cores would skew).
+fn begin(test: &str) -> Option<std::sync::MutexGuard<'static, ()>> {
     static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    ONE.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    hosts_available(test).then(|| ONE.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
+}
+
+/// Asserts that every load `timeline` reported ended within [`BOUND`] of its start, and
+/// none loaded wrong bytes; `report` goes with any failure.
+fn assert_every_load_bounded(timeline: &Timeline, report: &str) {
+    for (request, load) in timeline.loads() {
+        let (end, how) = load.end.as_ref().expect("every load ended");
+        assert!(
+            end - load.start <= BOUND.as_millis() as u64,
+            "{request} took {} ms ({how})\n{report}",
+            end - load.start
+        );
+        assert_ne!(how, "mismatch", "{request} was loaded with wrong bytes");
+    }
 }
 
 /// Whether the test can run; if not, it is skipped (a failure under CI) with the reason.
@@ -210,10 +225,9 @@ const HEAL_LIMIT: Duration = Duration::from_secs(90);
 /// neither engine restarted.
 #[test]
 fn partitions_end_every_load_in_bounded_time_and_kill_no_engine() {
-    if !hosts_available("partitions_end_every_load_in_bounded_time_and_kill_no_engine") {
+    let Some(_alone) = begin("partitions_end_every_load_in_bounded_time_and_kill_no_engine") else {
         return;
-    }
-    let _alone = one_at_a_time();
+    };
     let hosts = Hosts::new();
     let (mut prefill, at) = Engine::prefill(&hosts);
     let port: u16 = at.rsplit_once(':').unwrap().1.parse().unwrap();
@@ -252,16 +266,7 @@ fn partitions_end_every_load_in_bounded_time_and_kill_no_engine() {
     eprintln!("{report}");
     flowing.unwrap_or_else(|err| panic!("{err}\n{report}"));
     assert_eq!(drained, Some(0), "every load ended\n{report}");
-    let loads = timeline.loads();
-    for (request, load) in &loads {
-        let (end, how) = load.end.as_ref().unwrap();
-        assert!(
-            end - load.start <= BOUND.as_millis() as u64,
-            "{request} took {} ms ({how})\n{report}",
-            end - load.start
-        );
-        assert_ne!(how, "mismatch", "{request} was loaded with wrong bytes");
-    }
+    assert_every_load_bounded(&timeline, &report);
     let status = decode.child.wait().unwrap();
     assert!(
         status.success(),
@@ -278,10 +283,9 @@ fn partitions_end_every_load_in_bounded_time_and_kill_no_engine() {
 /// that no longer reaches it: the prefill lives, and serves a new decode.
 #[test]
 fn a_decode_dying_behind_a_partition_does_not_kill_the_prefill() {
-    if !hosts_available("a_decode_dying_behind_a_partition_does_not_kill_the_prefill") {
+    let Some(_alone) = begin("a_decode_dying_behind_a_partition_does_not_kill_the_prefill") else {
         return;
-    }
-    let _alone = one_at_a_time();
+    };
     let hosts = Hosts::new();
     let (mut prefill, at) = Engine::prefill(&hosts);
     let (decode, timeline) = Engine::decode(&hosts, &at);
@@ -315,10 +319,9 @@ fn a_decode_dying_behind_a_partition_does_not_kill_the_prefill() {
 /// naming the prefill's address, within the handshake's deadline.
 #[test]
 fn a_cut_side_channel_stops_only_new_handshakes() {
-    if !hosts_available("a_cut_side_channel_stops_only_new_handshakes") {
+    let Some(_alone) = begin("a_cut_side_channel_stops_only_new_handshakes") else {
         return;
-    }
-    let _alone = one_at_a_time();
+    };
     let hosts = Hosts::new();
     let (mut prefill, at) = Engine::prefill(&hosts);
     let (mut known, timeline) = Engine::decode(&hosts, &at);
@@ -373,10 +376,9 @@ const RATE_WINDOW: Duration = Duration::from_secs(12);
 /// completes during the partition; and every load ends within [`BOUND`] of its start.
 #[test]
 fn a_partitioned_prefill_host_does_not_stall_a_healthy_one() {
-    if !hosts_available("a_partitioned_prefill_host_does_not_stall_a_healthy_one") {
+    let Some(_alone) = begin("a_partitioned_prefill_host_does_not_stall_a_healthy_one") else {
         return;
-    }
-    let _alone = one_at_a_time();
+    };
     let hosts = Hosts::with_second_prefill();
     let (mut cut_off, cut_off_at) = Engine::prefill_on(&hosts, Side::Prefill, "nf43-cut");
     let (mut healthy, healthy_at) = Engine::prefill_on(&hosts, Side::SecondPrefill, "nf43-ok");
@@ -433,15 +435,7 @@ fn a_partitioned_prefill_host_does_not_stall_a_healthy_one() {
         cut_off_failed > 0,
         "no load from the cut host failed\n{report}"
     );
-    for (request, load) in timeline.loads() {
-        let (end, how) = load.end.as_ref().unwrap();
-        assert!(
-            end - load.start <= BOUND.as_millis() as u64,
-            "{request} took {} ms ({how})\n{report}",
-            end - load.start
-        );
-        assert_ne!(how, "mismatch", "{request} was loaded with wrong bytes");
-    }
+    assert_every_load_bounded(&timeline, &report);
     for (engine, when) in [
         (&mut cut_off, "after its partition"),
         (&mut healthy, "after the other's partition"),
@@ -464,10 +458,9 @@ fn a_partitioned_prefill_host_does_not_stall_a_healthy_one() {
 #[test]
 #[ignore = "by hand: UCX's TCP transport can crash the prefill on a reset connection"]
 fn nothing_grows_through_partition_and_heal_cycles() {
-    if !hosts_available("nothing_grows_through_partition_and_heal_cycles") {
+    let Some(_alone) = begin("nothing_grows_through_partition_and_heal_cycles") else {
         return;
-    }
-    let _alone = one_at_a_time();
+    };
     let cycles: usize = std::env::var("NF43_CYCLES")
         .ok()
         .and_then(|n| n.parse().ok())
@@ -563,10 +556,9 @@ const SOAK: Duration = Duration::from_secs(90);
 /// last heal; neither engine dies; nothing is left in flight.
 #[test]
 fn a_partition_soak_ends_every_load_in_bounded_time() {
-    if !hosts_available("a_partition_soak_ends_every_load_in_bounded_time") {
+    let Some(_alone) = begin("a_partition_soak_ends_every_load_in_bounded_time") else {
         return;
-    }
-    let _alone = one_at_a_time();
+    };
     let soak = std::env::var("NF43_SOAK_S")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -626,15 +618,7 @@ fn a_partition_soak_ends_every_load_in_bounded_time() {
     eprintln!("NF43_SEED={seed}: {} faults\n{report}", faults.len());
     flowing.unwrap_or_else(|err| panic!("{err}\n{report}"));
     assert_eq!(drained, Some(0), "every load ended\n{report}");
-    for (request, load) in &timeline.loads() {
-        let (end, how) = load.end.as_ref().unwrap();
-        assert!(
-            end - load.start <= BOUND.as_millis() as u64,
-            "{request} took {} ms ({how})\n{report}",
-            end - load.start
-        );
-        assert_ne!(how, "mismatch", "{request} was loaded with wrong bytes");
-    }
+    assert_every_load_bounded(&timeline, &report);
 }
 
 /// Measures, per fault, the time from its start to the end of the last load it caught in
