@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use nixl_connector::{
     Error, FailureKind, FinishStatus, KvAttention, KvCacheGroupKind, KvCacheGroups,
     KvConnectorScheduler, KvConnectorWorker, KvLayout, KvRegionKind, KvTransferParams, LoadOutcome,
-    SchedulerConfig, TransferMode, WorkerConfig, KV_CACHE_GROUPS_KEY,
+    RequestFinished, SchedulerConfig, TransferMode, WorkerConfig, KV_CACHE_GROUPS_KEY,
 };
 
 use common::geometry::{engine_with, Model, Request, Side};
@@ -285,6 +285,44 @@ async fn push_and_pull_refuse_each_other() {
 }
 
 /// The `kv_transfer_config` of a push engine (host memory).
+/// The scheduler configs of the prefill engine `pf-push` (reached at its first rank's side
+/// channel) and of the decode `dc-push`, both TP 1 with `kv`.
+fn scheduler_configs(
+    prefills: &[KvConnectorWorker],
+    decode: &KvConnectorWorker,
+    kv: &nixl::kv_config::KvTransferConfig,
+) -> (SchedulerConfig, SchedulerConfig) {
+    let config = |engine: &str, worker: &KvConnectorWorker| {
+        let port = worker.side_channel_addr().unwrap().port();
+        SchedulerConfig::new(engine, "127.0.0.1", port, 1, kv).unwrap()
+    };
+    (config("pf-push", &prefills[0]), config("dc-push", decode))
+}
+
+/// The schedulers of [`scheduler_configs`].
+fn schedulers(
+    prefills: &[KvConnectorWorker],
+    decode: &KvConnectorWorker,
+    kv: &nixl::kv_config::KvTransferConfig,
+) -> (KvConnectorScheduler, KvConnectorScheduler) {
+    let (prefill, decode) = scheduler_configs(prefills, decode, kv);
+    (
+        KvConnectorScheduler::new(prefill),
+        KvConnectorScheduler::new(decode),
+    )
+}
+
+/// The prefill finishes `request` (4 tokens a block), to be handed to a decode.
+fn finish_for_decode(prefill: &mut KvConnectorScheduler, request: &Request) -> RequestFinished {
+    prefill.request_finished(
+        &request.id,
+        &request.remote,
+        request.remote.len() * 4,
+        Some(&common::for_decode()),
+        FinishStatus::Stopped,
+    )
+}
+
 fn push_config() -> nixl::kv_config::KvTransferConfig {
     let mut config = common::cpu_config();
     config
@@ -301,22 +339,11 @@ fn push_config() -> nixl::kv_config::KvTransferConfig {
 async fn the_engine_steps_are_those_of_pull_mode() {
     let (prefills, decode) = pair(1, None);
     let kv = push_config();
-    let port = prefills[0].side_channel_addr().unwrap().port();
-    let config = SchedulerConfig::new("pf-push", "127.0.0.1", port, 1, &kv).unwrap();
+    let (config, _) = scheduler_configs(&prefills, &decode, &kv);
     assert_eq!(config.transfer_mode, TransferMode::Push);
-    let mut prefill = KvConnectorScheduler::new(config);
-    let decode_port = decode.side_channel_addr().unwrap().port();
-    let mut decode_s = KvConnectorScheduler::new(
-        SchedulerConfig::new("dc-push", "127.0.0.1", decode_port, 1, &kv).unwrap(),
-    );
+    let (mut prefill, mut decode_s) = schedulers(&prefills, &decode, &kv);
     let request = request("req-steps", 5, 3);
-    let done = prefill.request_finished(
-        &request.id,
-        &request.remote,
-        request.remote.len() * 4,
-        Some(&common::for_decode()),
-        FinishStatus::Stopped,
-    );
+    let done = finish_for_decode(&mut prefill, &request);
     assert!(done.delay_free_blocks);
     let params = done.kv_transfer_params.unwrap();
     assert_eq!(params.transfer_mode.as_deref(), Some("push"));
@@ -514,22 +541,9 @@ async fn heartbeats_keep_the_request_held_past_the_lease() {
     let mut kv = push_config();
     kv.kv_connector_extra_config
         .insert("kv_lease_duration".into(), 1.into());
-    let port = prefills[0].side_channel_addr().unwrap().port();
-    let mut prefill = KvConnectorScheduler::new(
-        SchedulerConfig::new("pf-push", "127.0.0.1", port, 1, &kv).unwrap(),
-    );
-    let decode_port = decode.side_channel_addr().unwrap().port();
-    let mut decode_s = KvConnectorScheduler::new(
-        SchedulerConfig::new("dc-push", "127.0.0.1", decode_port, 1, &kv).unwrap(),
-    );
+    let (mut prefill, mut decode_s) = schedulers(&prefills, &decode, &kv);
     let request = request("req-heartbeats", 4, 4);
-    let done = prefill.request_finished(
-        &request.id,
-        &request.remote,
-        request.remote.len() * 4,
-        Some(&common::for_decode()),
-        FinishStatus::Stopped,
-    );
+    let done = finish_for_decode(&mut prefill, &request);
     let params = done.kv_transfer_params.unwrap();
     decode_s.on_new_request(&request.id, Some(&params));
     // 2.5 leases of waiting for blocks, both engines stepping.
@@ -591,16 +605,9 @@ async fn a_hybrid_model_writes_each_group_into_its_own_blocks() {
     let decode = engine_with("dc-push", &model(), &side(1), with_groups).remove(0);
     model().fill_sentinel(&decode, &side(1));
     let kv = push_config();
-    let port = prefills[0].side_channel_addr().unwrap().port();
-    let mut prefill = KvConnectorScheduler::new(
-        SchedulerConfig::new("pf-push", "127.0.0.1", port, 1, &kv).unwrap(),
-    )
-    .with_kv_cache_groups(groups.clone());
-    let decode_port = decode.side_channel_addr().unwrap().port();
-    let mut decode_s = KvConnectorScheduler::new(
-        SchedulerConfig::new("dc-push", "127.0.0.1", decode_port, 1, &kv).unwrap(),
-    )
-    .with_kv_cache_groups(groups.clone());
+    let (prefill, decode_s) = schedulers(&prefills, &decode, &kv);
+    let mut prefill = prefill.with_kv_cache_groups(groups.clone());
+    let mut decode_s = decode_s.with_kv_cache_groups(groups.clone());
     let id = "req-hybrid";
     let (full, window) = (vec![0, 1, 2, 3, 4], vec![5, 6, 7, 8, 9]);
     let done = prefill

@@ -311,6 +311,18 @@ mod tests {
     use super::*;
     use crate::geometry::spec::{KvAttention, KvCacheSpec, KvLayout};
 
+    /// The plan of a reader of `local` reading `remote`, both TP 1 and without DCP.
+    fn tp1_plan(local: &KvCacheSpec, remote: &KvCacheSpec) -> ReadPlan {
+        ReadPlan::new(
+            local,
+            (0, 1),
+            remote,
+            (0, 1),
+            crate::geometry::dcp::DcpSizes::NONE,
+        )
+        .unwrap()
+    }
+
     /// A cache of 2 regions of 8 blocks of `block_size` tokens, 2 heads of 4 bytes a token.
     fn spec(block_size: usize) -> KvCacheSpec {
         let heads = KvAttention::Mha { total_kv_heads: 2 };
@@ -355,14 +367,7 @@ mod tests {
     #[test]
     fn blocks_of_one_geometry_pair_in_order_in_every_region() {
         let spec = spec(16);
-        let plan = ReadPlan::new(
-            &spec,
-            (0, 1),
-            &spec,
-            (0, 1),
-            crate::geometry::dcp::DcpSizes::NONE,
-        )
-        .unwrap();
+        let plan = tp1_plan(&spec, &spec);
         let groups = KvCacheGroups::default();
         let got = plan_read(&inputs(
             &plan,
@@ -394,14 +399,7 @@ mod tests {
         // Prefill blocks of 16 tokens, decode blocks of 32: remote 5 and 2 fill local 3's
         // halves, remote 7 the first half of local 6.
         let (small, large) = (spec(16), spec(32));
-        let plan = ReadPlan::new(
-            &large,
-            (0, 1),
-            &small,
-            (0, 1),
-            crate::geometry::dcp::DcpSizes::NONE,
-        )
-        .unwrap();
+        let plan = tp1_plan(&large, &small);
         let groups = KvCacheGroups::default();
         let got = plan_read(&inputs(
             &plan,
@@ -418,14 +416,7 @@ mod tests {
     #[test]
     fn a_peers_ids_past_either_cache_are_refused() {
         let spec = spec(16);
-        let plan = ReadPlan::new(
-            &spec,
-            (0, 1),
-            &spec,
-            (0, 1),
-            crate::geometry::dcp::DcpSizes::NONE,
-        )
-        .unwrap();
+        let plan = tp1_plan(&spec, &spec);
         let groups = KvCacheGroups::default();
         let err = plan_read(&inputs(&plan, &groups, side(&[0], 1), side(&[8], 1), None))
             .unwrap_err()
