@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use nixl_connector::{
     Capability, FailureKind, FinishStatus, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker,
-    KvTransferParams, LoadOutcome,
+    KvTransferParams, LoadOutcome, TransferMode,
 };
 
 use crate::pool::{byte, Pool, POISON};
@@ -47,6 +47,7 @@ pub struct Loading {
 pub struct DecodeEngine {
     pub ranks: Vec<KvConnectorWorker>,
     pub scheduler: KvConnectorScheduler,
+    pub mode: TransferMode,
     pub pool: Pool,
     pub spec: KvCacheSpec,
     pub rng: Rng,
@@ -118,6 +119,16 @@ impl DecodeEngine {
         });
     }
 
+    /// Whether every load still under way is one that only a prefill killed before
+    /// `generation` could end: none in pull mode (each READ ends, by NIXL or the transfer
+    /// timeout); in push mode the loads registered with a killed prefill, which never
+    /// answered, keep their blocks.
+    pub fn held_by_dead(&self, generation: u64) -> bool {
+        self.loading
+            .values()
+            .all(|load| self.mode == TransferMode::Push && load.generation < generation)
+    }
+
     /// Whether a queued request is due to get its blocks, and its load posted, this step.
     pub fn loads_due(&self, step: u64) -> bool {
         let now = Instant::now();
@@ -161,7 +172,10 @@ impl DecodeEngine {
             // Now and then (the first time in a run, then 2 %) the engine passes params without
             // remote blocks: refused, and the request waits for nothing (the engine computes
             // its blocks).
-            let bare = !q.plain
+            // (Pull mode only: a push decode registers its own blocks, and vLLM's clears
+            // the remote ones.)
+            let bare = self.mode == TransferMode::Pull
+                && !q.plain
                 && !local.is_empty()
                 && (self.r.without_remote_blocks == 0 || self.rng.chance(2));
             let mut params = q.params.clone();

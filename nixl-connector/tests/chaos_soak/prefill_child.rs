@@ -3,10 +3,10 @@
 use std::process::Stdio;
 use std::time::Duration;
 
-use nixl_connector::KvTransferParams;
+use nixl_connector::{KvTransferParams, TransferMode};
 
 use crate::common::{self, after_tag, role_process, stdout_lines};
-use crate::settings::{ENGINE_ENV, SECONDS_ENV, TARGET_ENV, TCP_ONLY, UCX_TLS};
+use crate::settings::{ENGINE_ENV, MODE_ENV, SECONDS_ENV, TARGET_ENV, TCP_ONLY, UCX_TLS};
 
 /// What the prefill process printed.
 pub enum Line {
@@ -97,14 +97,24 @@ impl PrefillProcess {
     }
 }
 
-/// Starts a prefill process of engine `engine` that makes `target` requests (or runs for
-/// `seconds`).
-pub fn start_prefill(engine: &str, target: u64, seconds: Option<u64>) -> PrefillProcess {
+/// Starts a prefill process of engine `engine` in `mode` that makes `target` requests (or
+/// runs for `seconds`).
+pub fn start_prefill(
+    engine: &str,
+    mode: TransferMode,
+    target: u64,
+    seconds: Option<u64>,
+) -> PrefillProcess {
     let target = target.to_string();
     let seconds = seconds.map(|s| s.to_string());
+    let mode = match mode {
+        TransferMode::Pull => "pull",
+        TransferMode::Push => "push",
+    };
     let mut env = vec![
         (TARGET_ENV, target.as_str()),
         (ENGINE_ENV, engine),
+        (MODE_ENV, mode),
         (UCX_TLS, TCP_ONLY),
     ];
     if let Some(seconds) = &seconds {

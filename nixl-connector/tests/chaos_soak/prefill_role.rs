@@ -13,7 +13,7 @@ use crate::common::{self, worker_with};
 use crate::pool::Pool;
 use crate::prefill_child::monotonic;
 use crate::rng::Rng;
-use crate::settings::{kv, scheduler, soak_seconds, spec, ENGINE_ENV, TARGET_ENV};
+use crate::settings::{kv, role_mode, scheduler, soak_seconds, spec, ENGINE_ENV, TARGET_ENV};
 
 /// Sends `signal` to this process's parent (the soak's decode).
 fn signal_parent(signal: libc::c_int) {
@@ -61,11 +61,12 @@ pub async fn serve() {
     let engine = std::env::var(ENGINE_ENV).expect("run by the soak");
     let until = soak_seconds().map(|s| Instant::now() + Duration::from_secs(s));
     let spec = spec(1);
-    let kv = kv();
+    let mode = role_mode();
+    let kv = kv(mode);
     let prefill = [worker_with(&engine, 0, 1, &spec, |c| {
         c.kv_transfer_config = kv.clone()
     })];
-    let mut ps = scheduler(&engine, 1, &prefill[0]);
+    let mut ps = scheduler(&engine, 1, &prefill[0], mode);
     let mut pool = Pool::new(&spec);
     let mut rng = Rng(0x5eed_0000_0000_0001 ^ u64::from(std::process::id()));
     let (mut made, mut twice, mut late) = (0u64, 0u64, 0u64);

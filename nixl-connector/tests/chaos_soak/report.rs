@@ -41,4 +41,7 @@ pub struct Report {
     pub dead_failed: u64,
     /// Loaded from a prefill started after a restart.
     pub loaded_after_restart: u64,
+    /// Push mode: loads registered with a killed prefill that never answered, their blocks
+    /// held by the decode at the end.
+    pub held_by_dead: u64,
 }

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use nixl_connector::{
     KvAttention, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker, KvLayout, SchedulerConfig,
+    TransferMode,
 };
 
 use crate::common;
@@ -24,8 +25,15 @@ pub fn spec(tp: usize) -> KvCacheSpec {
     )
 }
 
-/// The decode's TP (the prefill's is 1): each decode rank reads its head from the prefill.
-pub const DECODE_TP: usize = 2;
+/// The decode's TP in `mode` (the prefill's is 1): in pull mode 2, each decode rank reading
+/// its head from the prefill; in push mode 1, as push writes a decode of TP at most the
+/// prefill's.
+pub fn decode_tp(mode: TransferMode) -> usize {
+    match mode {
+        TransferMode::Pull => 2,
+        TransferMode::Push => 1,
+    }
+}
 
 /// The role's environment: how many requests the prefill makes (at most, in a long run).
 pub const TARGET_ENV: &str = "NIXL_CONNECTOR_SOAK_REQUESTS";
@@ -37,6 +45,8 @@ pub const SECONDS_ENV: &str = "NIXL_CONNECTOR_SOAK_SECONDS";
 /// transfer timeout, no engine evicted: no request leaked), to show the decode's memory flat;
 /// unset or `1`, with them.
 pub const FAULTS_ENV: &str = "NIXL_CONNECTOR_SOAK_FAULTS";
+/// The role's environment: the engines' transfer mode, `push` or `pull` (unset).
+pub const MODE_ENV: &str = "NIXL_CONNECTOR_SOAK_MODE";
 /// The first prefill's engine id.
 pub const PREFILL: &str = "pf-soak";
 /// UCX's transport selection, and the soak's: TCP only (with UCX's own self transport).
@@ -91,16 +101,33 @@ pub fn soak_faults() -> bool {
 /// bytes a request to pass the bound of [`crate::memory`].
 pub const FAULT_FREE_REQUESTS: u64 = 4000;
 
-/// The `kv_transfer_config` of both engines: DRAM, a 1.5 s lease.
-pub fn kv() -> nixl::kv_config::KvTransferConfig {
+/// The prefill process's transfer mode, from [`MODE_ENV`].
+pub fn role_mode() -> TransferMode {
+    match std::env::var(MODE_ENV).as_deref() {
+        Ok("push") => TransferMode::Push,
+        _ => TransferMode::Pull,
+    }
+}
+
+/// The `kv_transfer_config` of every engine: DRAM, a 1.5 s lease, `mode`.
+pub fn kv(mode: TransferMode) -> nixl::kv_config::KvTransferConfig {
     let mut kv = common::cpu_config();
-    kv.kv_connector_extra_config
-        .insert("kv_lease_duration".into(), 1.5.into());
+    let extra = &mut kv.kv_connector_extra_config;
+    extra.insert("kv_lease_duration".into(), 1.5.into());
+    if mode == TransferMode::Push {
+        extra.insert("transfer_mode".into(), "push".into());
+    }
     kv
 }
 
-/// The scheduler of engine `engine` of TP `tp`, whose rank 0 is `rank0`.
-pub fn scheduler(engine: &str, tp: usize, rank0: &KvConnectorWorker) -> KvConnectorScheduler {
+/// The scheduler of engine `engine` of TP `tp` in `mode`, whose rank 0 is `rank0`.
+pub fn scheduler(
+    engine: &str,
+    tp: usize,
+    rank0: &KvConnectorWorker,
+    mode: TransferMode,
+) -> KvConnectorScheduler {
     let port = rank0.side_channel_addr().unwrap().port();
-    KvConnectorScheduler::new(SchedulerConfig::new(engine, "127.0.0.1", port, tp, &kv()).unwrap())
+    let config = SchedulerConfig::new(engine, "127.0.0.1", port, tp, &kv(mode)).unwrap();
+    KvConnectorScheduler::new(config)
 }
