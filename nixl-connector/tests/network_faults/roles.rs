@@ -8,9 +8,9 @@ use std::io::BufRead;
 use std::sync::mpsc::{Receiver, TryRecvError};
 use std::time::Duration;
 
-use crate::common::{fill, pattern, worker_with};
+use crate::common::{fill, pattern, vllm_config, vllm_factors, worker_with};
 use nixl_connector::{
-    FailedBlock, KvAttention, KvCacheSpec, KvConnectorWorker, KvLayout, RemoteBlocks,
+    FailedBlock, KvAttention, KvCacheSpec, KvConnectorWorker, KvLayout, RemoteBlocks, WorkerConfig,
 };
 
 /// The variable naming the prefills the decode role loads from: `ENGINE@ip:port` (the
@@ -26,6 +26,11 @@ pub const SLOTS_PER_PREFILL: &str = "NF43_SLOTS_PER_PREFILL";
 /// The variable giving the decode's longest backoff from a failing engine, in seconds
 /// (the connector's `engine_backoff_max_s`; its default without it).
 pub const BACKOFF_S: &str = "NF43_BACKOFF_S";
+/// The variable naming the protocol both engines speak: `vllm` for vLLM's (its side
+/// channel, handshake and notifications), the native one without it.
+pub const PROTOCOL: &str = "NF43_PROTOCOL";
+/// [`PROTOCOL`]'s value for vLLM's protocol.
+pub const VLLM: &str = "vllm";
 /// The prefill's engine id.
 pub const PREFILL: &str = "nf43-prefill";
 /// Loads the decode keeps in flight from each prefill, unless told otherwise.
@@ -36,6 +41,22 @@ pub const BLOCKS_PER_LOAD: usize = 8;
 pub const TRANSFER_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long the decode waits, after its last load started, for every load to end.
 pub const DRAIN: Duration = Duration::from_secs(150);
+/// The byte the decode fills a slot's blocks with when their load ends (see [`Poisoned`]).
+const POISON: u8 = 0xEE;
+/// How many bytes at each end of a block region the poison covers and is checked on.
+const POISON_EDGE: usize = 64;
+
+/// Whether the engines speak vLLM's protocol ([`PROTOCOL`]).
+fn speaks_vllm() -> bool {
+    std::env::var(PROTOCOL).is_ok_and(|p| p == VLLM)
+}
+
+/// Sets `config` to speak vLLM's protocol if [`PROTOCOL`] says so.
+fn protocol(config: &mut WorkerConfig) {
+    if speaks_vllm() {
+        config.kv_transfer_config = vllm_config(vllm_factors());
+    }
+}
 
 /// The machine's monotonic clock in milliseconds (CLOCK_MONOTONIC: namespaces share it).
 pub fn now_ms() -> u64 {
@@ -67,6 +88,7 @@ pub async fn prefill() {
     let engine = std::env::var(ENGINE).unwrap_or_else(|_| PREFILL.to_string());
     let spec = spec();
     let prefill = worker_with(&engine, 0, 1, &spec, |c| {
+        protocol(c);
         c.side_channel = format!("{bind}:0").parse().unwrap();
     });
     fill(&prefill, &spec);
@@ -109,9 +131,12 @@ const AFTER_FAILURE: Duration = Duration::from_millis(100);
 /// its stdin adds (`ADD ENGINE@ip:port`), printing `START <request> <ms>`,
 /// `OVERDUE <request> <ms>` and `END <request> <ms> <outcome>` (`loaded`, a bad byte's
 /// `mismatch`, or the failure's kind and reason), where a request from the `i`-th prefill
-/// is named `p<i>r<n>`; then waits at most [`DRAIN`] for the loads still in flight, prints
-/// `DRAINED <loads left>` and exits at once (a READ NIXL never ends would keep the worker
-/// from shutting down).
+/// is named `p<i>r<n>`; then waits at most [`DRAIN`] for the loads still in flight, checks
+/// the poison of every slot a second later, prints `DRAINED <loads left>` and exits at once
+/// (a READ NIXL never ends would keep the worker from shutting down). A slot's blocks are
+/// poisoned when its load ends, and checked when the slot is taken again: a byte that
+/// landed in between (a READ that went on after its load handed the blocks back) prints
+/// `LATE <slot> <ms> <blocks>`.
 pub async fn decode() {
     let prefills = std::env::var(PREFILL_ADDR).expect("run by the parent test");
     let per_prefill = std::env::var(SLOTS_PER_PREFILL)
@@ -121,6 +146,7 @@ pub async fn decode() {
     let spec = spec();
     let backoff: Option<f64> = std::env::var(BACKOFF_S).ok().map(|s| s.parse().unwrap());
     let decode = worker_with("nf43-decode", 0, 1, &spec, |c| {
+        protocol(c);
         c.transfer_timeout = TRANSFER_TIMEOUT;
         if let Some(seconds) = backoff {
             c.kv_transfer_config
@@ -134,6 +160,7 @@ pub async fn decode() {
     let mut slots: Vec<Option<Slot>> = (0..slots_for(sources.len())).map(|_| None).collect();
     let mut resume = vec![tokio::time::Instant::now(); slots.len()];
     let mut failed = HashMap::new();
+    let mut poisoned = Poisoned::default();
     let mut next = 0usize;
     let mut stopped_at = None;
     loop {
@@ -144,6 +171,7 @@ pub async fn decode() {
                     sources.push(source);
                     assert!(slots_for(sources.len()) * BLOCKS_PER_LOAD <= spec.num_blocks);
                     slots.resize_with(slots_for(sources.len()), || None);
+                    poisoned.slots.resize(slots.len(), false);
                     resume.resize(slots.len(), tokio::time::Instant::now());
                 }
                 Ok(Command::Add(_)) => {}
@@ -168,11 +196,16 @@ pub async fn decode() {
                 .map(|i| (next * 7 + i * 5) % spec.num_blocks)
                 .collect();
             next += 1;
-            let from = RemoteBlocks {
+            let mut from = RemoteBlocks {
                 host: source.host.clone(),
                 port: source.port,
                 ..crate::common::remote(&decode, &source.engine, &request, remote.clone(), 1)
             };
+            if speaks_vllm() {
+                // vLLM's params carry no capability.
+                from.capability = None;
+            }
+            poisoned.check(&decode, &spec, slot);
             clear(&decode, &spec, slot);
             println!("START {request} {}", now_ms());
             decode
@@ -180,18 +213,24 @@ pub async fn decode() {
                 .unwrap();
             *held = Some(Slot { request, remote });
         }
-        if slots.iter().all(Option::is_none) && !starting {
-            println!("DRAINED 0");
-            break;
-        }
-        if stopped_at.is_some_and(|at| at.elapsed() > DRAIN) {
+        let drained = slots.iter().all(Option::is_none) && !starting;
+        if drained || stopped_at.is_some_and(|at| at.elapsed() > DRAIN) {
+            // What lands late lands soon after its load's end (the same connection).
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            for (slot, _) in slots.iter().enumerate().filter(|(_, s)| s.is_none()) {
+                poisoned.check(&decode, &spec, slot);
+            }
             let left = slots.iter().filter(|s| s.is_some()).count();
             println!("DRAINED {left}");
             break;
         }
         let _ = tokio::time::timeout(Duration::from_millis(20), decode.load_ended()).await;
-        for slot in report(&decode, &spec, &mut slots, &mut failed) {
-            resume[slot] = tokio::time::Instant::now() + AFTER_FAILURE;
+        let ended = report(&decode, &spec, &mut slots, &mut failed);
+        for (slot, failed) in ended {
+            poisoned.poison(&decode, &spec, slot);
+            if failed {
+                resume[slot] = tokio::time::Instant::now() + AFTER_FAILURE;
+            }
         }
     }
     // A READ NIXL never ended would hold the worker's shutdown: leave at once.
@@ -255,6 +294,60 @@ fn print_stats(decode: &KvConnectorWorker) {
     );
 }
 
+/// Which slots' blocks were poisoned when their load ended, and not taken since.
+#[derive(Default)]
+struct Poisoned {
+    slots: Vec<bool>,
+}
+
+impl Poisoned {
+    /// Poisons both ends of every block region of `slot` (its load ended: nothing may
+    /// write them any more).
+    fn poison(&mut self, decode: &KvConnectorWorker, spec: &KvCacheSpec, slot: usize) {
+        let caches = decode.kv_caches().unwrap();
+        let len = spec.block_len(0);
+        for local in local_blocks(slot) {
+            for region in 0..spec.num_regions() {
+                for at in [local * len, (local + 1) * len - POISON_EDGE] {
+                    caches.write(region, at, &[POISON; POISON_EDGE]).unwrap();
+                }
+            }
+        }
+        if self.slots.len() <= slot {
+            self.slots.resize(slot + 1, false);
+        }
+        self.slots[slot] = true;
+    }
+
+    /// If `slot` was poisoned, checks that nothing wrote its blocks since (printing `LATE`
+    /// with the blocks written), and forgets it.
+    fn check(&mut self, decode: &KvConnectorWorker, spec: &KvCacheSpec, slot: usize) {
+        if !self.slots.get(slot).copied().unwrap_or(false) {
+            return;
+        }
+        self.slots[slot] = false;
+        let caches = decode.kv_caches().unwrap();
+        let len = spec.block_len(0);
+        let written = local_blocks(slot)
+            .into_iter()
+            .filter(|&local| {
+                (0..spec.num_regions()).any(|region| {
+                    [local * len, (local + 1) * len - POISON_EDGE]
+                        .into_iter()
+                        .any(|at| {
+                            let mut edge = [0u8; POISON_EDGE];
+                            caches.read(region, at, &mut edge).unwrap();
+                            edge.iter().any(|&b| b != POISON)
+                        })
+                })
+            })
+            .count();
+        if written > 0 {
+            println!("LATE {slot} {} {written}", now_ms());
+        }
+    }
+}
+
 /// The local blocks of `slot`.
 fn local_blocks(slot: usize) -> Vec<usize> {
     (slot * BLOCKS_PER_LOAD..(slot + 1) * BLOCKS_PER_LOAD).collect()
@@ -272,20 +365,20 @@ fn clear(decode: &KvConnectorWorker, spec: &KvCacheSpec, slot: usize) {
 }
 
 /// Prints what ended and what is overdue since the last call, and frees the slots of the
-/// loads that ended; returns the slots whose load failed. `failed` keeps the failed blocks
-/// of loads not yet seen to end.
+/// loads that ended; returns those slots, each with whether its load failed. `failed`
+/// keeps the failed blocks of loads not yet seen to end.
 fn report(
     decode: &KvConnectorWorker,
     spec: &KvCacheSpec,
     slots: &mut [Option<Slot>],
     failed: &mut HashMap<String, FailedBlock>,
-) -> Vec<usize> {
+) -> Vec<(usize, bool)> {
     // Failed blocks come with the load's end or after it: take them after `finished`.
     let finished = decode.finished();
     for block in decode.load_errors() {
         failed.entry(block.request_id.clone()).or_insert(block);
     }
-    let mut failed_slots = Vec::new();
+    let mut ended = Vec::new();
     for overdue in decode.overdue_loads() {
         println!("OVERDUE {} {}", overdue.request_id, now_ms());
     }
@@ -297,9 +390,10 @@ fn report(
             continue;
         };
         let held = slots[slot].take().unwrap();
-        let outcome = match failed.remove(&request) {
+        let failure = failed.remove(&request);
+        ended.push((slot, failure.is_some()));
+        let outcome = match failure {
             Some(block) => {
-                failed_slots.push(slot);
                 format!(
                     "{:?} {}",
                     block.kind,
@@ -316,7 +410,7 @@ fn report(
         };
         println!("END {request} {} {outcome}", now_ms());
     }
-    failed_slots
+    ended
 }
 
 /// Whether the first bytes of every block of `slot` hold the prefill's pattern of `remote`.

@@ -45,6 +45,8 @@ struct State {
     loads: BTreeMap<String, Load>,
     stats: Vec<Held>,
     loaded: usize,
+    /// Blocks written after their load handed them back (`LATE` lines).
+    late_blocks: usize,
     drained: Option<usize>,
     closed: bool,
 }
@@ -198,6 +200,11 @@ impl Timeline {
         (failed.len(), last)
     }
 
+    /// How many blocks the decode found written after their load handed them back.
+    pub fn late_blocks(&self) -> usize {
+        self.state.0.lock().unwrap().late_blocks
+    }
+
     /// Every load the decode reported.
     pub fn loads(&self) -> BTreeMap<String, Load> {
         self.state.0.lock().unwrap().loads.clone()
@@ -245,7 +252,11 @@ impl Timeline {
                 });
             *outcomes.entry(how).or_default() += 1;
         }
-        let _ = writeln!(out, "outcomes: {outcomes:?}");
+        let _ = writeln!(
+            out,
+            "outcomes: {outcomes:?}; blocks written after their load ended: {}",
+            self.late_blocks()
+        );
         // Each failure reason (its numbers left out) once, with how often and when first.
         let mut reasons: BTreeMap<String, (usize, u64)> = BTreeMap::new();
         for load in loads.values() {
@@ -288,7 +299,7 @@ impl State {
             }
             return;
         }
-        let Some(at) = ["START ", "OVERDUE ", "END ", "DRAINED "]
+        let Some(at) = ["START ", "OVERDUE ", "END ", "DRAINED ", "LATE "]
             .iter()
             .filter_map(|tag| line.find(tag))
             .min()
@@ -309,6 +320,7 @@ impl State {
                 self.loads.entry(first.to_string()).or_default().end = Some((ms.unwrap_or(0), how));
             }
             "DRAINED" => self.drained = first.trim().parse().ok(),
+            "LATE" => self.late_blocks += how.trim().parse::<usize>().unwrap_or(1),
             _ => {}
         }
     }
