@@ -20,8 +20,8 @@
 //! - By hand, 100 cycles of the data path reset and restored: nothing the engines hold
 //!   grows (UCX's TCP transport can crash the prefill on a reset).
 //! - A partition soak: random faults (flaps, black holes, port drops, loss, a slow
-//!   link; no resets) for 90 s while loads run; every load ends in bounded time, loaded right or
-//!   failed.
+//!   link; no resets) for 90 s while a decode of TP 2 loads from a prefill of TP 1; every
+//!   load ends in bounded time, loaded right or failed.
 //! - Two prefill hosts, one partitioned: the other's loads go on at no less than 80 % of
 //!   their rate, and a handshake with an engine new to the decode completes.
 //! - By hand, a measurement of the time from a fault to the end of the loads it caught.
@@ -323,23 +323,8 @@ fn a_prefill_host_gone_for_good_ends_every_load_in_bounded_time() {
     eprintln!("{report}");
     assert_eq!(drained, Some(0), "every load ended\n{report}");
     assert_every_load_bounded(&timeline, &report);
-    // The loads the fault touched (under way at its start or started after it) that READ
-    // (not those failed at the handshake): each failed, within the bound.
-    let loads = timeline.loads();
-    let ended = loads
-        .values()
-        .filter_map(|load| load.end.as_ref().map(|(end, how)| (load, *end, how)));
-    let mut read = Vec::new();
-    for (load, end, how) in ended.filter(|(_, end, _)| *end > start) {
-        if how == "loaded" {
-            assert!(
-                load.start < start,
-                "{load:?} loaded from a host gone\n{report}"
-            );
-        } else if !how.starts_with("Handshake") {
-            read.push(end - load.start.max(start));
-        }
-    }
+    // The loads that READ from it: each failed, within the bound.
+    let read = timeline.failed_reads(start, roles::now_ms());
     eprintln!("host gone: {} loads READ from it failed, the longest {:?} ms after the fault or their start", read.len(), read.iter().max());
     assert!(!read.is_empty(), "loads were caught\n{report}");
     assert!(decode.child.wait().unwrap().success(), "{report}");
@@ -706,7 +691,7 @@ const SOAK: Duration = Duration::from_secs(90);
 fn a_partition_soak_ends_every_load_in_bounded_time() {
     partition_soak(
         "a_partition_soak_ends_every_load_in_bounded_time",
-        &[],
+        &[(roles::DECODE_TP, "2")],
         SOAK,
         43,
     );
@@ -718,7 +703,7 @@ fn a_partition_soak_ends_every_load_in_bounded_time() {
 fn a_partition_soak_in_vllms_protocol_ends_every_load_in_bounded_time() {
     partition_soak(
         "a_partition_soak_in_vllms_protocol_ends_every_load_in_bounded_time",
-        &[(roles::PROTOCOL, roles::VLLM)],
+        &[(roles::PROTOCOL, roles::VLLM), (roles::DECODE_TP, "2")],
         SOAK / 2,
         44,
     );
@@ -814,7 +799,7 @@ fn measure_fault_to_load_end() {
     let port: u16 = at.rsplit_once(':').unwrap().1.parse().unwrap();
     let scenarios = [Fault::LinkDown, Fault::Blackhole, Fault::DataPathCut(port)];
     let mut table = String::from(
-        "| fault | runs | loads caught and failed | fault to the last one's end, min / median / max (ms) |\n| --- | --- | --- | --- |\n",
+        "| fault | runs with a failed READ | loads whose READ failed | fault (or the load's start) to the last one's end, min / median / max (ms) |\n| --- | --- | --- | --- |\n",
     );
     for fault in scenarios {
         let mut times = Vec::new();
@@ -827,11 +812,11 @@ fn measure_fault_to_load_end() {
             let start = roles::now_ms();
             hosts.fault(fault);
             std::thread::sleep(BOUND + Duration::from_secs(2));
+            let failed = timeline.failed_reads(start, roles::now_ms());
             hosts.heal(fault);
             prefill.assert_alive("in the measurement");
-            let (count, last) = timeline.caught(start);
-            caught += count;
-            times.extend(last);
+            caught += failed.len();
+            times.extend(failed.iter().max());
         }
         times.sort_unstable();
         let pick = |q: usize| {

@@ -23,6 +23,9 @@ pub const ENGINE: &str = "NF43_ENGINE";
 /// The variable giving how many loads the decode keeps in flight from each prefill
 /// ([`IN_FLIGHT`] without it).
 pub const SLOTS_PER_PREFILL: &str = "NF43_SLOTS_PER_PREFILL";
+/// The variable giving the decode's TP (1 without it): each rank reads its head of every
+/// block from the prefill (of TP 1).
+pub const DECODE_TP: &str = "NF43_DECODE_TP";
 /// The variable giving the decode's longest backoff from a failing engine, in seconds
 /// (the connector's `engine_backoff_max_s`; its default without it).
 pub const BACKOFF_S: &str = "NF43_BACKOFF_S";
@@ -69,15 +72,22 @@ pub fn now_ms() -> u64 {
     ts.tv_sec as u64 * 1000 + ts.tv_nsec as u64 / 1_000_000
 }
 
-/// Both engines' cache: 4 regions of 64 blocks of 64 KiB (2 MiB a load, 16 MiB in all).
+/// The prefill's cache: 4 regions of 64 blocks of 64 KiB (2 MiB a load, 16 MiB in all), 2
+/// KV heads.
 pub fn spec() -> KvCacheSpec {
+    spec_of_rank(1)
+}
+
+/// The cache of a rank of TP `tp` (HND: rank `d` of TP 2 holds the `d`th half of each of
+/// the prefill's blocks, its head).
+fn spec_of_rank(tp: usize) -> KvCacheSpec {
     KvCacheSpec::uniform(
         4,
         64,
         16,
         KvAttention::Mha { total_kv_heads: 2 },
         KvLayout::Hnd,
-        64 * 1024,
+        64 * 1024 / tp,
     )
 }
 
@@ -96,10 +106,12 @@ pub async fn prefill() {
     tokio::time::sleep(Duration::from_secs(3600)).await;
 }
 
-/// A load in flight: its request and the remote blocks it reads.
+/// A load in flight: its request, the remote blocks it reads, and the decode's ranks whose
+/// part of it has not ended yet.
 struct Slot {
     request: String,
     remote: Vec<usize>,
+    ranks_left: usize,
 }
 
 /// A prefill the decode loads from: its engine id, host and side channel's port.
@@ -143,17 +155,22 @@ pub async fn decode() {
         .map_or(IN_FLIGHT, |n| n.parse().expect("a number of slots"));
     let mut sources: Vec<Source> = prefills.split(',').map(Source::parse).collect();
     let commands = commands_on_stdin();
-    let spec = spec();
+    let tp: usize = std::env::var(DECODE_TP).map_or(1, |n| n.parse().expect("a TP size"));
+    let spec = spec_of_rank(tp);
     let backoff: Option<f64> = std::env::var(BACKOFF_S).ok().map(|s| s.parse().unwrap());
-    let decode = worker_with("nf43-decode", 0, 1, &spec, |c| {
-        protocol(c);
-        c.transfer_timeout = TRANSFER_TIMEOUT;
-        if let Some(seconds) = backoff {
-            c.kv_transfer_config
-                .kv_connector_extra_config
-                .insert(nixl_connector::ENGINE_BACKOFF_KEY.into(), seconds.into());
-        }
-    });
+    let decode: Vec<KvConnectorWorker> = (0..tp)
+        .map(|rank| {
+            worker_with("nf43-decode", rank, tp, &spec, |c| {
+                protocol(c);
+                c.transfer_timeout = TRANSFER_TIMEOUT;
+                if let Some(seconds) = backoff {
+                    c.kv_transfer_config
+                        .kv_connector_extra_config
+                        .insert(nixl_connector::ENGINE_BACKOFF_KEY.into(), seconds.into());
+                }
+            })
+        })
+        .collect();
     // Slot k loads from prefill k / per_prefill, into blocks of its own.
     let slots_for = |sources: usize| sources * per_prefill;
     assert!(slots_for(sources.len()) * BLOCKS_PER_LOAD <= spec.num_blocks);
@@ -175,7 +192,7 @@ pub async fn decode() {
                     resume.resize(slots.len(), tokio::time::Instant::now());
                 }
                 Ok(Command::Add(_)) => {}
-                Ok(Command::Stats) => print_stats(&decode),
+                Ok(Command::Stats) => print_stats(&decode[0]),
                 Ok(Command::Stop) | Err(TryRecvError::Disconnected) => starting = false,
                 Err(TryRecvError::Empty) => break,
             }
@@ -199,7 +216,7 @@ pub async fn decode() {
             let mut from = RemoteBlocks {
                 host: source.host.clone(),
                 port: source.port,
-                ..crate::common::remote(&decode, &source.engine, &request, remote.clone(), 1)
+                ..crate::common::remote(&decode[0], &source.engine, &request, remote.clone(), 1)
             };
             if speaks_vllm() {
                 // vLLM's params carry no capability.
@@ -208,10 +225,15 @@ pub async fn decode() {
             poisoned.check(&decode, &spec, slot);
             clear(&decode, &spec, slot);
             println!("START {request} {}", now_ms());
-            decode
-                .start_load(&request, &local_blocks(slot), &from)
-                .unwrap();
-            *held = Some(Slot { request, remote });
+            for rank in &decode {
+                rank.start_load(&request, &local_blocks(slot), &from)
+                    .unwrap();
+            }
+            *held = Some(Slot {
+                request,
+                remote,
+                ranks_left: tp,
+            });
         }
         let drained = slots.iter().all(Option::is_none) && !starting;
         if drained || stopped_at.is_some_and(|at| at.elapsed() > DRAIN) {
@@ -224,7 +246,9 @@ pub async fn decode() {
             println!("DRAINED {left}");
             break;
         }
-        let _ = tokio::time::timeout(Duration::from_millis(20), decode.load_ended()).await;
+        let any_ended =
+            futures::future::select_all(decode.iter().map(|rank| Box::pin(rank.load_ended())));
+        let _ = tokio::time::timeout(Duration::from_millis(20), any_ended).await;
         let ended = report(&decode, &spec, &mut slots, &mut failed);
         for (slot, failed) in ended {
             poisoned.poison(&decode, &spec, slot);
@@ -303,13 +327,14 @@ struct Poisoned {
 impl Poisoned {
     /// Poisons both ends of every block region of `slot` (its load ended: nothing may
     /// write them any more).
-    fn poison(&mut self, decode: &KvConnectorWorker, spec: &KvCacheSpec, slot: usize) {
-        let caches = decode.kv_caches().unwrap();
+    fn poison(&mut self, decode: &[KvConnectorWorker], spec: &KvCacheSpec, slot: usize) {
         let len = spec.block_len(0);
-        for local in local_blocks(slot) {
-            for region in 0..spec.num_regions() {
-                for at in [local * len, (local + 1) * len - POISON_EDGE] {
-                    caches.write(region, at, &[POISON; POISON_EDGE]).unwrap();
+        for caches in decode.iter().map(|rank| rank.kv_caches().unwrap()) {
+            for local in local_blocks(slot) {
+                for region in 0..spec.num_regions() {
+                    for at in [local * len, (local + 1) * len - POISON_EDGE] {
+                        caches.write(region, at, &[POISON; POISON_EDGE]).unwrap();
+                    }
                 }
             }
         }
@@ -319,18 +344,22 @@ impl Poisoned {
         self.slots[slot] = true;
     }
 
-    /// If `slot` was poisoned, checks that nothing wrote its blocks since (printing `LATE`
-    /// with the blocks written), and forgets it.
-    fn check(&mut self, decode: &KvConnectorWorker, spec: &KvCacheSpec, slot: usize) {
+    /// If `slot` was poisoned, checks that nothing wrote its blocks on any rank since
+    /// (printing `LATE` with the blocks written), and forgets it.
+    fn check(&mut self, decode: &[KvConnectorWorker], spec: &KvCacheSpec, slot: usize) {
         if !self.slots.get(slot).copied().unwrap_or(false) {
             return;
         }
         self.slots[slot] = false;
-        let caches = decode.kv_caches().unwrap();
         let len = spec.block_len(0);
-        let written = local_blocks(slot)
-            .into_iter()
-            .filter(|&local| {
+        let caches: Vec<_> = decode
+            .iter()
+            .map(|rank| rank.kv_caches().unwrap())
+            .collect();
+        let written = caches
+            .iter()
+            .flat_map(|caches| local_blocks(slot).into_iter().map(move |l| (caches, l)))
+            .filter(|&(caches, local)| {
                 (0..spec.num_regions()).any(|region| {
                     [local * len, (local + 1) * len - POISON_EDGE]
                         .into_iter()
@@ -353,85 +382,94 @@ fn local_blocks(slot: usize) -> Vec<usize> {
     (slot * BLOCKS_PER_LOAD..(slot + 1) * BLOCKS_PER_LOAD).collect()
 }
 
-/// Zeroes the bytes of `slot`'s blocks that [`loaded_right`] checks.
-fn clear(decode: &KvConnectorWorker, spec: &KvCacheSpec, slot: usize) {
-    let caches = decode.kv_caches().unwrap();
+/// Zeroes the bytes of `slot`'s blocks that [`loaded_right`] checks, on every rank.
+fn clear(decode: &[KvConnectorWorker], spec: &KvCacheSpec, slot: usize) {
     let len = spec.block_len(0);
-    for local in local_blocks(slot) {
-        for region in 0..spec.num_regions() {
-            caches.write(region, local * len, &[0u8; 64]).unwrap();
+    for caches in decode.iter().map(|rank| rank.kv_caches().unwrap()) {
+        for local in local_blocks(slot) {
+            for region in 0..spec.num_regions() {
+                caches.write(region, local * len, &[0u8; 64]).unwrap();
+            }
         }
     }
 }
 
 /// Prints what ended and what is overdue since the last call, and frees the slots of the
-/// loads that ended; returns those slots, each with whether its load failed. `failed`
-/// keeps the failed blocks of loads not yet seen to end.
+/// loads that ended on every rank; returns those slots, each with whether its load failed.
+/// `failed` keeps the first failed block of each load not yet seen to end.
 fn report(
-    decode: &KvConnectorWorker,
+    decode: &[KvConnectorWorker],
     spec: &KvCacheSpec,
     slots: &mut [Option<Slot>],
     failed: &mut HashMap<String, FailedBlock>,
 ) -> Vec<(usize, bool)> {
-    // Failed blocks come with the load's end or after it: take them after `finished`.
-    let finished = decode.finished();
-    for block in decode.load_errors() {
-        failed.entry(block.request_id.clone()).or_insert(block);
-    }
     let mut ended = Vec::new();
-    for overdue in decode.overdue_loads() {
-        println!("OVERDUE {} {}", overdue.request_id, now_ms());
-    }
-    for request in finished.recving {
-        let Some(slot) = slots
-            .iter()
-            .position(|s| s.as_ref().is_some_and(|s| s.request == request))
-        else {
-            continue;
-        };
-        let held = slots[slot].take().unwrap();
-        let failure = failed.remove(&request);
-        ended.push((slot, failure.is_some()));
-        let outcome = match failure {
-            Some(block) => {
-                format!(
-                    "{:?} {}",
-                    block.kind,
-                    block
-                        .reason
-                        .replace('\n', " ")
-                        .chars()
-                        .take(160)
-                        .collect::<String>()
-                )
+    for rank in decode {
+        // Failed blocks come with the load's end or after it: take them after `finished`.
+        let finished = rank.finished();
+        for block in rank.load_errors() {
+            failed.entry(block.request_id.clone()).or_insert(block);
+        }
+        for overdue in rank.overdue_loads() {
+            println!("OVERDUE {} {}", overdue.request_id, now_ms());
+        }
+        for request in finished.recving {
+            let Some(slot) = slots
+                .iter()
+                .position(|s| s.as_ref().is_some_and(|s| s.request == request))
+            else {
+                continue;
+            };
+            let held = slots[slot].as_mut().unwrap();
+            held.ranks_left -= 1;
+            if held.ranks_left == 0 {
+                ended.push(slot);
             }
-            None if loaded_right(decode, spec, slot, &held.remote) => "loaded".to_string(),
-            None => "mismatch".to_string(),
-        };
-        println!("END {request} {} {outcome}", now_ms());
+        }
     }
     ended
+        .into_iter()
+        .map(|slot| {
+            let held = slots[slot].take().unwrap();
+            let failure = failed.remove(&held.request);
+            let failed = failure.is_some();
+            let outcome = match failure {
+                Some(block) => {
+                    let reason = block.reason.replace('\n', " ");
+                    let reason: String = reason.chars().take(160).collect();
+                    format!("{:?} {reason}", block.kind)
+                }
+                None if loaded_right(decode, spec, slot, &held.remote) => "loaded".to_string(),
+                None => "mismatch".to_string(),
+            };
+            println!("END {} {} {outcome}", held.request, now_ms());
+            (slot, failed)
+        })
+        .collect()
 }
 
-/// Whether the first bytes of every block of `slot` hold the prefill's pattern of `remote`.
+/// Whether the first bytes of every block of `slot`, on every rank, hold the prefill's
+/// pattern of `remote` (rank `d` of TP `n`: the `d`th `n`th of the prefill's block).
 fn loaded_right(
-    decode: &KvConnectorWorker,
+    decode: &[KvConnectorWorker],
     spec: &KvCacheSpec,
     slot: usize,
     remote: &[usize],
 ) -> bool {
-    let caches = decode.kv_caches().unwrap();
     let len = spec.block_len(0);
-    local_blocks(slot)
-        .iter()
-        .zip(remote)
-        .all(|(&local, &source)| {
-            (0..spec.num_regions()).all(|region| {
-                let mut head = [0u8; 64];
-                caches.read(region, local * len, &mut head).unwrap();
-                head.iter()
-                    .enumerate()
-                    .all(|(o, &b)| b == pattern(region, source, o))
+    decode.iter().enumerate().all(|(d, rank)| {
+        let caches = rank.kv_caches().unwrap();
+        local_blocks(slot)
+            .iter()
+            .zip(remote)
+            .all(|(&local, &source)| {
+                (0..spec.num_regions()).all(|region| {
+                    let mut head = [0u8; 64];
+                    caches.read(region, local * len, &mut head).unwrap();
+                    head.iter()
+                        .enumerate()
+                        .all(|(o, &b)| b == pattern(region, source, d * len + o))
+                })
             })
-        })
+    })
 }

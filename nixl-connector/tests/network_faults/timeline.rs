@@ -178,26 +178,32 @@ impl Timeline {
         }
     }
 
-    /// The loads in flight at `at` (started before, not ended) that then failed and, if
-    /// every load in flight then has ended, the time from `at` to the last failure's end.
-    pub fn caught(&self, at: u64) -> (usize, Option<u64>) {
+    /// The loads that READ through a fault from `at` to `until` and failed of it: those that
+    /// ended in between, neither loaded nor failed at the handshake, each with the time from
+    /// `at` (or its start, if later) to its end, in ms. Also asserts that none started a
+    /// second after `at` or later was loaded in between: nothing gets through a fault.
+    pub fn failed_reads(&self, at: u64, until: u64) -> Vec<u64> {
         let loads = self.loads();
-        let caught: Vec<&Load> = loads
-            .values()
-            .filter(|l| l.start <= at && l.end.as_ref().map_or(true, |(end, _)| *end > at))
-            .collect();
-        let ends = caught
-            .iter()
-            .map(|l| l.end.as_ref())
-            .collect::<Option<Vec<_>>>();
-        let failed: Vec<u64> = ends
-            .iter()
-            .flatten()
-            .filter(|(_, how)| how != "loaded")
-            .map(|(end, _)| end - at)
-            .collect();
-        let last = ends.and(failed.iter().max().copied());
-        (failed.len(), last)
+        let ended = loads.iter().filter_map(|(request, load)| {
+            load.end
+                .as_ref()
+                .map(|(end, how)| (request, load, *end, how))
+        });
+        let mut failed = Vec::new();
+        for (request, load, end, how) in
+            ended.filter(|(_, _, end, _)| (at + 1..=until).contains(end))
+        {
+            if how == "loaded" {
+                // (The fault takes a few ms to apply after `at`.)
+                assert!(
+                    load.start < at + 1_000,
+                    "{request} started in the fault, yet loaded: {load:?}"
+                );
+            } else if !how.starts_with("Handshake") {
+                failed.push(end - load.start.max(at));
+            }
+        }
+        failed
     }
 
     /// How many blocks the decode found written after their load handed them back.
