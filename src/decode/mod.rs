@@ -27,6 +27,7 @@ use crate::error::{Error, Result};
 use crate::kv_cache::{KvCache, KvLayout, Mismatch};
 use crate::metered::Metered;
 use crate::not_a_prefill::{not_a_prefill, Answer};
+use crate::parallel::MAX_RANKS;
 use crate::protocol::{Hello, Message, Welcome, DEFAULT_MAX_FRAME, PROTOCOL_VERSION};
 use crate::stats::{DecodeSummary, FirstLoad, Lifecycle, Progress};
 
@@ -403,6 +404,13 @@ fn check_welcome(welcome: &Welcome, layout: KvLayout, kv_heads: usize) -> Result
     }
     if welcome.blocks == 0 {
         return Err(Error::Protocol("prefill's cache has no blocks".into()));
+    }
+    let ranks = u64::from(welcome.tp) * u64::from(welcome.pp);
+    if welcome.tp == 0 || welcome.pp == 0 || ranks > MAX_RANKS as u64 {
+        return Err(Error::Protocol(format!(
+            "prefill says it runs TP {} x PP {}: a demo prefill runs 1 to {MAX_RANKS} ranks",
+            welcome.tp, welcome.pp
+        )));
     }
     if welcome.kv_heads as usize != kv_heads {
         return Err(Error::Protocol(format!(
@@ -1016,5 +1024,41 @@ impl<'w> RunState<'w> {
             _ => Message::Turn(Box::new(params)),
         });
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_welcome_of_other_heads_or_rank_counts_out_of_bounds_is_refused() {
+        let layout = KvLayout {
+            layers: 4,
+            blocks: 8,
+            block_bytes: 64,
+        };
+        let welcome = Welcome {
+            engine: "p".into(),
+            side_channel_port: 1,
+            layers: 4,
+            block_bytes: 64,
+            blocks: 8,
+            tp: 2,
+            pp: 2,
+            kv_heads: 2,
+        };
+        check_welcome(&welcome, layout, 2).unwrap();
+        let heads = check_welcome(&welcome, layout, 1).unwrap_err().to_string();
+        assert!(heads.contains("same --kv-heads"), "{heads}");
+        for (tp, pp) in [(0, 1), (1, 0), (u32::MAX, u32::MAX), (65, 1)] {
+            let bad = Welcome {
+                tp,
+                pp,
+                ..welcome.clone()
+            };
+            let err = check_welcome(&bad, layout, 2).unwrap_err().to_string();
+            assert!(err.contains("1 to 64 ranks"), "{err}");
+        }
     }
 }
