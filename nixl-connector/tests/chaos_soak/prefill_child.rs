@@ -6,7 +6,7 @@ use std::time::Duration;
 use nixl_connector::KvTransferParams;
 
 use crate::common::{self, after_tag, role_process, stdout_lines};
-use crate::settings::{ENGINE_ENV, SECONDS_ENV, TARGET_ENV, TCP_ONLY, UCX_TLS};
+use crate::settings::{ENGINE_ENV, PREFILL_PP_ENV, SECONDS_ENV, TARGET_ENV, TCP_ONLY, UCX_TLS};
 
 /// What the prefill process printed.
 pub enum Line {
@@ -78,12 +78,15 @@ pub fn read_lines(mut lines: common::ChildLines) -> tokio::sync::mpsc::Unbounded
     rx
 }
 
-/// A prefill process: the child, its agent's name and what it prints.
+/// A prefill process: the child, its stages' agents' names and what it prints.
 pub struct PrefillProcess {
     pub child: std::process::Child,
     pub engine: String,
     pub port: u16,
-    pub agent: String,
+    /// Stage by stage.
+    pub agents: Vec<String>,
+    /// Its pipeline stages.
+    pub pp: usize,
     pub lines: tokio::sync::mpsc::UnboundedReceiver<Line>,
 }
 
@@ -97,15 +100,16 @@ impl PrefillProcess {
     }
 }
 
-/// Starts a prefill process of engine `engine` that makes `target` requests (or runs for
-/// `seconds`).
-pub fn start_prefill(engine: &str, target: u64, seconds: Option<u64>) -> PrefillProcess {
-    let target = target.to_string();
+/// Starts a prefill process of engine `engine` of `pp` stages that makes `target` requests
+/// (or runs for `seconds`).
+pub fn start_prefill(engine: &str, pp: usize, target: u64, seconds: Option<u64>) -> PrefillProcess {
+    let (target, stages) = (target.to_string(), pp.to_string());
     let seconds = seconds.map(|s| s.to_string());
     let mut env = vec![
         (TARGET_ENV, target.as_str()),
         (ENGINE_ENV, engine),
         (UCX_TLS, TCP_ONLY),
+        (PREFILL_PP_ENV, stages.as_str()),
     ];
     if let Some(seconds) = &seconds {
         env.push((SECONDS_ENV, seconds.as_str()));
@@ -113,10 +117,13 @@ pub fn start_prefill(engine: &str, target: u64, seconds: Option<u64>) -> Prefill
     let mut child = role_process("soak_prefill_role", &env, Stdio::inherit());
     let mut lines = stdout_lines(&mut child);
     let printed = after_tag(&mut lines, "PORT ").expect("the prefill prints its port");
-    let (port, agent) = printed.trim().split_once(' ').unwrap();
+    let (port, agents) = printed.trim().split_once(' ').unwrap();
+    let agents: Vec<String> = agents.split(',').map(String::from).collect();
+    assert_eq!(agents.len(), pp, "{printed}");
     PrefillProcess {
         port: port.parse().unwrap(),
-        agent: agent.into(),
+        agents,
+        pp,
         engine: engine.into(),
         lines: read_lines(lines),
         child,
