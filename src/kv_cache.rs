@@ -4,7 +4,7 @@
 //! each request's blocks are filled with and checked against.
 
 use nixl::Registration;
-use nixl_connector::{KvAttention, KvCacheSpec, KvConnectorWorker, PipelineStages};
+use nixl_connector::{KvConnectorWorker, PipelineStages};
 
 use crate::conversation::ANSWER;
 use crate::error::{Error, Result};
@@ -58,19 +58,6 @@ impl KvLayout {
         self.layer_bytes()
             .unwrap_or(usize::MAX)
             .saturating_mul(self.layers)
-    }
-
-    /// The connector's view of this geometry: one region per layer, a block one token of
-    /// one head of `block_bytes` bytes, so block lengths and offsets are the demo's own.
-    pub fn spec(&self) -> KvCacheSpec {
-        KvCacheSpec::uniform(
-            self.layers,
-            self.blocks,
-            1,
-            KvAttention::Mha { total_kv_heads: 1 },
-            nixl_connector::KvLayout::Hnd,
-            self.block_bytes,
-        )
     }
 }
 
@@ -259,8 +246,6 @@ mod tests {
         };
         ok.validate().unwrap();
         assert_eq!(ok.total_bytes(), 24);
-        assert_eq!(ok.spec().block_len(0), 4);
-        assert_eq!(ok.spec().region_len(0), 12);
         assert!(KvLayout { layers: 0, ..ok }.validate().is_err());
         assert!(KvLayout {
             block_bytes: usize::MAX,

@@ -159,13 +159,6 @@ pub fn check_dcp(dcp: usize) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kv_cache::KvLayout;
-
-    const LAYOUT: KvLayout = KvLayout {
-        layers: 5,
-        blocks: 8,
-        block_bytes: 64,
-    };
 
     #[test]
     fn ranks_hold_their_stage_layers_and_their_heads() {
@@ -190,14 +183,24 @@ mod tests {
         let single = Parallel::default();
         assert!(single.is_single());
         let stages = single.stages(5).unwrap();
-        assert_eq!(single.spec(&stages, (8, 64), 0), LAYOUT.spec());
+        // One region a layer, a block one token of one head of the demo's bytes.
+        let whole = KvCacheSpec::uniform(
+            5,
+            8,
+            1,
+            KvAttention::Mha { total_kv_heads: 1 },
+            nixl_connector::KvLayout::Hnd,
+            64,
+        );
+        assert_eq!(single.spec(&stages, (8, 64), 0), whole);
+        assert_eq!(whole.region_len(0), 8 * 64);
     }
 
     #[test]
     fn bad_splits_are_refused_naming_the_flag() {
         let bad = |tp, pp, kv_heads| {
             Parallel { tp, pp, kv_heads }
-                .validate(LAYOUT.layers, LAYOUT.block_bytes)
+                .validate(5, 64)
                 .unwrap_err()
                 .to_string()
         };
