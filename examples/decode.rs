@@ -73,6 +73,10 @@ struct Args {
     /// number is turn 1's request id on prefill).
     #[arg(long, hide = true)]
     corrupt_answer: Option<u64>,
+    /// Decode context parallelism: 1 only, as this demo's KV cache is MHA-like (vLLM 0.33
+    /// runs DCP for MLA caches only); a larger size is refused.
+    #[arg(long, default_value_t = 1, value_parser = parse_positive::<usize>)]
+    dcp: usize,
     /// Seconds to keep serving --metrics-addr after the run, so that Prometheus can take a
     /// last scrape of a run that ended.
     #[arg(long, default_value_t = 0)]
@@ -88,6 +92,7 @@ fn main() -> ExitCode {
 
 /// Runs the decode worker; [`ExitCode::FAILURE`] when bytes mismatched.
 async fn run(args: &Args) -> nixl_rs::Result<ExitCode> {
+    nixl_rs::parallel::check_dcp(args.dcp)?;
     let layout = args.worker.layout();
     let connect_timeout = Duration::from_secs(args.connect_timeout_s);
     args.worker.serve_metrics("decode").await?;
@@ -127,7 +132,7 @@ async fn run(args: &Args) -> nixl_rs::Result<ExitCode> {
     };
     println!(
         "decode: agent {} pulling {} requests{conversations} of {} blocks x {} layers x {} bytes from {} \
-         ({} in flight, metadata via {}, connector protocol {})",
+         ({} in flight, metadata via {}, connector protocol {}{})",
         worker.name,
         args.requests,
         args.blocks_per_request,
@@ -136,7 +141,8 @@ async fn run(args: &Args) -> nixl_rs::Result<ExitCode> {
         args.prefill,
         args.in_flight,
         args.worker.metadata,
-        worker.connector.protocol()
+        worker.connector().protocol(),
+        common::ranks_note(&worker.parallel),
     );
     let summary = decode::run(&worker, &options, |progress| {
         println!("decode: {progress}");

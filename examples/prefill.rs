@@ -76,7 +76,7 @@ async fn run(args: &Args) -> nixl_rs::Result<ExitCode> {
         config.limits.max_sessions = args.max_pending_handshakes;
     })?;
     let backends: Vec<_> = worker
-        .connector
+        .connector()
         .backends()
         .iter()
         .map(|b| b.plugin().to_string())
@@ -85,9 +85,10 @@ async fn run(args: &Args) -> nixl_rs::Result<ExitCode> {
         worker.name.clone(),
         worker.platform.device_type().to_string(),
     );
-    let side_channel = worker.connector.side_channel_addr()?;
-    let protocol = worker.connector.protocol();
-    let authenticated = worker.connector.authenticated();
+    let side_channel = worker.connector().side_channel_addr()?;
+    let protocol = worker.connector().protocol();
+    let authenticated = worker.connector().authenticated();
+    let ranks = common::ranks_note(&worker.parallel);
     let options = PrefillOptions {
         max_frame: args.worker.max_frame,
         handshake_timeout: Duration::from_secs(args.handshake_timeout_s),
@@ -99,7 +100,7 @@ async fn run(args: &Args) -> nixl_rs::Result<ExitCode> {
     let server = PrefillServer::bind(worker, args.listen, options).await?;
     println!(
         "prefill: agent {name} listening on {} ({} layers x {} blocks x {} bytes = {:.1} MiB, \
-         backends {backends:?}, platform {platform}, metadata via {}, connector protocol {protocol}, {}side channel {side_channel})",
+         backends {backends:?}, platform {platform}, metadata via {}, connector protocol {protocol}, {}side channel {side_channel}{ranks})",
         server.local_addr()?,
         layout.layers,
         layout.blocks,

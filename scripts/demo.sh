@@ -12,6 +12,7 @@
 #   scripts/demo.sh --protocol vllm            # the connectors speak vLLM's NixlConnector protocol
 #   scripts/demo.sh --transfer-mode push       # the prefill WRITEs into blocks the decode registers
 #   scripts/demo.sh --turns 3                  # conversations of 3 turns, answers read back
+#   scripts/demo.sh --prefill-pp 2 --prefill-tp 2 --decode-tp 1   # parallel engines
 #   scripts/demo.sh -- --requests 32 --in-flight 8   # flags after -- go to decode
 #   scripts/demo.sh --model                    # a real model's KV instead of a byte pattern
 #   scripts/demo.sh --model -- --layers 16 --prompt-len 2048   # flags after -- go to both
@@ -23,6 +24,13 @@
 # the answer back from decode (answers under its --recompute-threshold of 2 tokens it computes
 # itself) and checks every byte of it, and decode loads only the new blocks, its prefix cache
 # holding the rest. Both sides print the tokens read back, recomputed and loaded.
+#
+# --prefill-tp/--prefill-pp/--decode-tp/--decode-pp N run each engine as TP x PP ranks, one
+# connector worker per rank inside the prefill (decode) process, each stage holding vLLM's even
+# split of the layers and each TP rank its share of every block's KV heads (--kv-heads, by
+# default the least common multiple of both TP sizes); every byte of every rank is checked.
+# --dcp N (decode context parallelism) is refused above 1: it needs an MLA cache, and the
+# demo's cache is MHA-like.
 #
 # --model runs the `model_prefill` and `model_decode` examples: the prefill computes a
 # prompt's KV with a seeded transformer (kv-model) into its registered blocks, the decode
@@ -48,7 +56,8 @@ decode_args=(--requests 256)
 protocol_args=()
 mode_args=()
 turns_args=()
-usage="usage: $0 [--etcd | --model] [--protocol native|vllm] [--transfer-mode pull|push] [--turns N] [-- decode flags...]"
+prefill_tp=1 prefill_pp=1 decode_tp=1 decode_pp=1 dcp=1
+usage="usage: $0 [--etcd | --model] [--protocol native|vllm] [--transfer-mode pull|push] [--turns N] [--prefill-tp N] [--prefill-pp N] [--decode-tp N] [--decode-pp N] [--dcp N] [-- decode flags...]"
 while [[ $# -gt 0 ]]; do
     case $1 in
         --etcd) use_etcd=1 ;;
@@ -68,6 +77,12 @@ while [[ $# -gt 0 ]]; do
             turns_args=(--turns "$2")
             shift
             ;;
+        --prefill-tp | --prefill-pp | --decode-tp | --decode-pp | --dcp)
+            [[ $# -ge 2 && $2 =~ ^[1-9][0-9]*$ ]] || { echo "$1 takes a whole number of at least 1; $usage" >&2; exit 2; }
+            name=${1#--}
+            printf -v "${name//-/_}" '%s' "$2"
+            shift
+            ;;
         --) shift; decode_args+=("$@"); break ;;
         *) echo "$usage" >&2; exit 2 ;;
     esac
@@ -78,6 +93,21 @@ done
 [[ $model_mode == 1 && ${#turns_args[@]} -gt 0 ]] && { echo "$usage" >&2; exit 2; }
 # The model examples move their KV by pull only.
 [[ $model_mode == 1 && ${#mode_args[@]} -gt 0 ]] && { echo "$usage" >&2; exit 2; }
+# The engines' ranks: each side's TP and PP, the KV heads shared by both TP sizes.
+parallel=0
+[[ $prefill_tp$prefill_pp$decode_tp$decode_pp$dcp != 11111 ]] && parallel=1
+[[ $parallel == 1 && $model_mode == 1 ]] && { echo "$usage" >&2; exit 2; }
+if [[ $dcp != 1 ]]; then
+    echo "demo: --dcp $dcp: decode context parallelism shards an MLA cache (vLLM 0.33 runs it for MLA only), and the demo's KV cache is MHA-like; run with --dcp 1" >&2
+    exit 2
+fi
+gcd() { local a=$1 b=$2; while ((b)); do local t=$((a % b)); a=$b b=$t; done; echo "$a"; }
+kv_heads=$((prefill_tp / $(gcd "$prefill_tp" "$decode_tp") * decode_tp))
+prefill_rank_args=() decode_rank_args=()
+if [[ $parallel == 1 ]]; then
+    prefill_rank_args=(--tp "$prefill_tp" --pp "$prefill_pp" --kv-heads "$kv_heads")
+    decode_rank_args=(--tp "$decode_tp" --pp "$decode_pp" --kv-heads "$kv_heads")
+fi
 # Answers of one block fall under prefill's recompute threshold, longer ones are read back.
 prefill_turns_args=()
 [[ ${#turns_args[@]} -gt 0 ]] && prefill_turns_args=(--recompute-threshold 2)
@@ -168,7 +198,7 @@ fi
 : >"$work/prefill.log"
 "${prefill_wrap[@]}" "$bin/prefill" --listen "${NIXL_DEMO_LISTEN:-127.0.0.1:0}" --sessions 1 \
     "${cache_args[@]}" "${metadata_args[@]}" "${protocol_args[@]}" "${mode_args[@]}" \
-    "${secret_args[@]}" "${prefill_turns_args[@]}" >"$work/prefill.log" 2>&1 &
+    "${secret_args[@]}" "${prefill_turns_args[@]}" "${prefill_rank_args[@]}" >"$work/prefill.log" 2>&1 &
 prefill_pid=$!
 addr=''
 for _ in $(seq 300); do
@@ -187,7 +217,7 @@ start=$(date +%s.%N)
 decode_rc=0
 "${decode_wrap[@]}" "$bin/decode" --prefill "$addr" "${cache_args[@]}" "${metadata_args[@]}" \
     "${protocol_args[@]}" "${mode_args[@]}" "${secret_args[@]}" "${turns_args[@]}" \
-    "${decode_args[@]}" || decode_rc=$?
+    "${decode_rank_args[@]}" "${decode_args[@]}" || decode_rc=$?
 
 prefill_rc=0
 for _ in $(seq 100); do

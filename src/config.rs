@@ -12,13 +12,18 @@ use nixl::MemType;
 use nixl_connector::etcd::ETCD_ENDPOINTS_ENV;
 use nixl_connector::vllm::compat::{ENFORCE_KEY, FACTORS_KEY};
 use nixl_connector::{
-    KvConnectorWorker, MetadataExchange, MultiTurn, Protocol, SharedSecret, TransferMode,
-    WorkerConfig as ConnectorConfig, BIDIRECTIONAL_KEY, PROTOCOL_KEY, RECOMPUTE_THRESHOLD_KEY,
-    TRANSFER_MODE_KEY,
+    KvConnectorWorker, MetadataExchange, MultiTurn, PipelineRank, PipelineStages, Protocol,
+    SharedSecret, TransferMode, WorkerConfig as ConnectorConfig, BIDIRECTIONAL_KEY, PROTOCOL_KEY,
+    RECOMPUTE_THRESHOLD_KEY, TRANSFER_MODE_KEY,
 };
 
 use crate::error::{Error, Result};
 use crate::kv_cache::{KvCache, KvLayout};
+use crate::parallel::Parallel;
+
+/// How many runs of free side-channel ports the ranks of a native engine try (rank `i`
+/// listens at rank 0's port + `i`, as the connector's native protocol finds them).
+const PORT_RUNS: usize = 20;
 
 /// The default `--kv-transfer-config` of a worker with `role`: NIXL's connector, KV cache in
 /// host memory, UCX.
@@ -142,19 +147,28 @@ pub struct WorkerConfig<'a> {
     /// `--recompute-threshold`, vLLM's `kv_recompute_threshold` (the fewest tokens worth
     /// reading back; a block is a token in this demo), over the `kv_transfer_config`'s.
     pub recompute_threshold: Option<usize>,
+    /// `--tp`, `--pp` and `--kv-heads`: the engine's ranks, one connector worker each in
+    /// this process (see [`parallel`](crate::parallel)).
+    pub parallel: Parallel,
 }
 
 /// A worker's connector, with its agent and registered KV cache, as set up by
 /// [`WorkerConfig::set_up`].
 pub struct Worker {
-    /// The connector's worker half: the agent with its configured backends, and the KV
-    /// cache registered with them.
-    pub connector: KvConnectorWorker,
-    /// The cache geometry.
+    /// The connector's worker half of each rank, stage by stage (rank `(pp, tp)` at
+    /// `pp × TP + tp`): its agent with the configured backends, and its share of the KV cache
+    /// registered with them.
+    pub ranks: Vec<KvConnectorWorker>,
+    /// The cache geometry (the whole model's, over all ranks).
     pub layout: KvLayout,
+    /// How the cache is split over the ranks.
+    pub parallel: Parallel,
+    /// The layers of each pipeline stage.
+    pub stages: PipelineStages,
     /// The platform the memory type was resolved on.
     pub platform: Arc<dyn Platform>,
-    /// The agent's name, also the engine id.
+    /// The engine id, also the agent's name of a single-rank engine (rank `(pp, tp)` of a
+    /// parallel one is `<name>-pp<pp>-tp<tp>`).
     pub name: String,
     /// The parsed `--kv-transfer-config` (the scheduler's lease, failure policy and
     /// protocol), with `--protocol`, the multi-turn settings and, in vLLM's protocol,
@@ -165,12 +179,41 @@ pub struct Worker {
 }
 
 impl Worker {
-    /// The registered KV cache.
+    /// The first rank's connector worker (the engine's only one by default): where the
+    /// engine's side channel listens, its protocol and settings.
+    pub fn connector(&self) -> &KvConnectorWorker {
+        &self.ranks[0]
+    }
+
+    /// Waits for a notification to reach any rank (see [`KvConnectorWorker::notified`]).
+    pub async fn notified(&self) {
+        match self.ranks.as_slice() {
+            [one] => one.notified().await,
+            ranks => any(ranks.iter().map(|rank| Box::pin(rank.notified()))).await,
+        }
+    }
+
+    /// Waits for a load of any rank to end (see [`KvConnectorWorker::load_ended`]).
+    pub async fn load_ended(&self) {
+        match self.ranks.as_slice() {
+            [one] => one.load_ended().await,
+            ranks => any(ranks.iter().map(|rank| Box::pin(rank.load_ended()))).await,
+        }
+    }
+
+    /// Drops the transfer metrics every rank gathered (the engine's steps read none).
+    pub fn drop_metrics(&self) {
+        for rank in &self.ranks {
+            rank.metrics();
+        }
+    }
+
+    /// The registered KV cache, over every rank.
     ///
     /// # Errors
     /// Never once set up; [`Error::Connector`] otherwise.
     pub fn cache(&self) -> Result<KvCache<'_>> {
-        KvCache::of(&self.connector, self.layout)
+        KvCache::of(&self.ranks, self.layout, self.parallel, &self.stages)
     }
 }
 
@@ -178,14 +221,18 @@ impl WorkerConfig<'_> {
     /// Parses the kv_transfer_config, resolves the platform, creates the connector worker
     /// (its agent with the configured backends; `tune` sets the rest of its config, e.g. the
     /// side-channel address), allocates one zeroed host buffer per layer and registers them
-    /// through the connector. Call it inside a tokio runtime.
+    /// through the connector; with several ranks ([`parallel`](Self::parallel)), one
+    /// connector worker per rank, each registering its share. Call it inside a tokio
+    /// runtime.
     ///
     /// # Errors
     /// Those of [`kv_transfer_config`] and [`resolve_platform`]; [`Error::Config`] for a bad
-    /// layout or a kv-buffer device that is not host memory on this platform; the
-    /// connector's errors.
+    /// layout or split, settings several ranks do not run with (etcd, push mode), or a
+    /// kv-buffer device that is not host memory on this platform; the connector's errors.
     pub fn set_up(&self, tune: impl FnOnce(&mut ConnectorConfig)) -> Result<Worker> {
         self.layout.validate()?;
+        let parallel = self.parallel;
+        parallel.validate(self.layout.layers, self.layout.block_bytes)?;
         let mut kv_config = kv_transfer_config(self.kv_transfer_config, self.role)?;
         let extra = &mut kv_config.kv_connector_extra_config;
         if let Some(protocol) = self.protocol {
@@ -203,18 +250,27 @@ impl WorkerConfig<'_> {
             extra.insert(RECOMPUTE_THRESHOLD_KEY.into(), threshold.into());
         }
         let protocol = Protocol::from_kv_transfer_config(&kv_config)?;
+        if !parallel.is_single() && (push || self.metadata == MetadataMode::Etcd) {
+            return Err(Error::Config(format!(
+                "--tp {} --pp {}: several ranks run in pull mode with the metadata in the side channel; drop --transfer-mode push and --metadata etcd, or run one rank",
+                parallel.tp, parallel.pp
+            )));
+        }
         let multi_turn = MultiTurn::from_kv_transfer_config(&kv_config)?;
         let extra = &mut kv_config.kv_connector_extra_config;
         let given = extra.contains_key(FACTORS_KEY) || extra.contains_key(ENFORCE_KEY);
         if protocol == Protocol::Vllm && !given {
-            extra.insert(FACTORS_KEY.into(), demo_factors(self.layout));
+            extra.insert(
+                FACTORS_KEY.into(),
+                demo_factors(self.layout, self.parallel.kv_heads),
+            );
         }
         let platform = resolve_platform(self.platform)?;
         let name = match self.name {
             Some(name) => name.to_string(),
             None => format!("{}-{}", self.worker, std::process::id()),
         };
-        let mut config = ConnectorConfig::new(&name, 0, 1, kv_config.clone());
+        let mut config = ConnectorConfig::new(&name, 0, parallel.tp, kv_config.clone());
         if let Some(path) = self.secret_file {
             config.secret = Some(SharedSecret::from_file(path)?);
         }
@@ -222,6 +278,31 @@ impl WorkerConfig<'_> {
         config.agent_name = Some(name.clone());
         config.metadata_exchange = self.metadata.exchange();
         tune(&mut config);
+        let stages = parallel.stages(self.layout.layers)?;
+        let ranks = if parallel.is_single() {
+            vec![self.register(config, 0, &stages)?]
+        } else {
+            self.register_ranks(&config, &stages)?
+        };
+        Ok(Worker {
+            ranks,
+            layout: self.layout,
+            parallel,
+            stages,
+            platform,
+            name,
+            kv_transfer_config: kv_config,
+            multi_turn,
+        })
+    }
+
+    /// The connector worker of rank `index` made from `config`, its cache registered.
+    fn register(
+        &self,
+        config: ConnectorConfig,
+        index: usize,
+        stages: &PipelineStages,
+    ) -> Result<KvConnectorWorker> {
         let connector = KvConnectorWorker::new(config)?;
         if connector.mem_type() != MemType::Dram {
             return Err(Error::Config(format!(
@@ -230,29 +311,92 @@ impl WorkerConfig<'_> {
                 connector.mem_type()
             )));
         }
-        connector.register_host_kv_caches(self.layout.spec())?;
-        Ok(Worker {
-            connector,
-            layout: self.layout,
-            platform,
-            name,
-            kv_transfer_config: kv_config,
-            multi_turn,
-        })
+        let geometry = (self.layout.blocks, self.layout.block_bytes);
+        connector.register_host_kv_caches(self.parallel.spec(stages, geometry, index))?;
+        Ok(connector)
+    }
+
+    /// Every rank of a parallel engine, from `base` (rank 0's settings): rank `(pp, tp)`
+    /// named `<engine>-pp<pp>-tp<tp>`, with its stage; in vLLM's protocol every rank
+    /// served by rank 0's side channel, natively rank `i` listening at rank 0's port + `i`
+    /// (another run of ports tried when one is taken).
+    fn register_ranks(
+        &self,
+        base: &ConnectorConfig,
+        stages: &PipelineStages,
+    ) -> Result<Vec<KvConnectorWorker>> {
+        let parallel = self.parallel;
+        let rank_config = |index: usize| -> Result<ConnectorConfig> {
+            let (pp, tp) = parallel.rank_of(index);
+            let mut config = base.clone();
+            config.tp_rank = tp;
+            config.agent_name = Some(format!("{}-pp{pp}-tp{tp}", base.engine_id));
+            config.pipeline = Some(PipelineRank::new(stages.clone(), pp)?);
+            Ok(config)
+        };
+        let mut last = None;
+        for _ in 0..PORT_RUNS {
+            let first = self.register(rank_config(0)?, 0, stages)?;
+            let port = first.side_channel_addr()?.port();
+            let vllm = match first.protocol() {
+                Protocol::Vllm => Some(first.vllm_side_channel()?),
+                Protocol::Native => None,
+            };
+            let mut ranks = vec![first];
+            for index in 1..parallel.ranks() {
+                let mut config = rank_config(index)?;
+                if let Some(server) = &vllm {
+                    config.vllm_side_channel = Some(server.clone());
+                } else {
+                    let Some(at) = port.checked_add(index as u16) else {
+                        break;
+                    };
+                    config.side_channel.set_port(at);
+                }
+                match self.register(config, index, stages) {
+                    Ok(rank) => ranks.push(rank),
+                    Err(err) => {
+                        last = Some(err);
+                        break;
+                    }
+                }
+            }
+            if ranks.len() == parallel.ranks() {
+                return Ok(ranks);
+            }
+            if vllm.is_some() {
+                break;
+            }
+        }
+        Err(last.unwrap_or_else(|| {
+            Error::Config(format!(
+                "no run of {} free side-channel ports for the engine's ranks",
+                parallel.ranks()
+            ))
+        }))
     }
 }
 
+/// Waits for the first of `waits` to end; never, for none.
+async fn any<F: std::future::Future<Output = ()> + Unpin>(waits: impl Iterator<Item = F>) {
+    let waits: Vec<F> = waits.collect();
+    if waits.is_empty() {
+        return std::future::pending().await;
+    }
+    futures_util::future::select_all(waits).await;
+}
+
 /// The factors of vLLM's compatibility hash the demo's workers use in vLLM's protocol: a
-/// model named `nixl-rs-demo` of `layout.layers` layers of one KV head of
+/// model named `nixl-rs-demo` of `layout.layers` layers of `kv_heads` KV heads sharing
 /// `layout.block_bytes` bytes per block, so that workers of different caches have different
 /// hashes.
-pub fn demo_factors(layout: KvLayout) -> serde_json::Value {
+pub fn demo_factors(layout: KvLayout, kv_heads: usize) -> serde_json::Value {
     serde_json::json!({
         "vllm_version": "0.33.0",
         "model": "nixl-rs-demo",
         "dtype": "torch.uint8",
-        "num_kv_heads": 1,
-        "head_size": layout.block_bytes,
+        "num_kv_heads": kv_heads,
+        "head_size": layout.block_bytes / kv_heads.max(1),
         "num_hidden_layers": layout.layers,
         "attn_backend_name": "FLASH_ATTN",
         "cache_dtype": "auto",

@@ -1,12 +1,14 @@
 //! The demo's KV cache: `layers x blocks x block_bytes` of host memory, one region per layer
-//! (as vLLM registers one tensor per layer), registered by the connector; and the pattern
+//! (as vLLM registers one tensor per layer), registered by the connector (split over an
+//! engine's ranks with `--tp`/`--pp`, see [`parallel`](crate::parallel)); and the pattern
 //! each request's blocks are filled with and checked against.
 
 use nixl::Registration;
-use nixl_connector::{KvAttention, KvCacheSpec, KvConnectorWorker};
+use nixl_connector::{KvConnectorWorker, PipelineStages};
 
 use crate::conversation::ANSWER;
 use crate::error::{Error, Result};
+use crate::parallel::{Parallel, RankSlice};
 use crate::pattern;
 
 /// Most layers a cache may have.
@@ -57,43 +59,62 @@ impl KvLayout {
             .unwrap_or(usize::MAX)
             .saturating_mul(self.layers)
     }
-
-    /// The connector's view of this geometry: one region per layer, a block one token of
-    /// one head of `block_bytes` bytes, so block lengths and offsets are the demo's own.
-    pub fn spec(&self) -> KvCacheSpec {
-        KvCacheSpec::uniform(
-            self.layers,
-            self.blocks,
-            1,
-            KvAttention::Mha { total_kv_heads: 1 },
-            nixl_connector::KvLayout::Hnd,
-            self.block_bytes,
-        )
-    }
 }
 
-/// The connector's registered KV cache, seen through the demo's geometry.
+/// The connector's registered KV cache, seen through the demo's geometry: the caches of an
+/// engine's ranks ([`Parallel`]), each holding its stage's layers and its TP share of every
+/// block (one rank holding all of it by default).
 #[derive(Debug, Clone, Copy)]
 pub struct KvCache<'w> {
     layout: KvLayout,
-    registration: &'w Registration,
+    parallel: Parallel,
+    stages: &'w PipelineStages,
+    ranks: &'w [KvConnectorWorker],
 }
 
 impl<'w> KvCache<'w> {
-    /// The cache `worker` registered, with geometry `layout`.
+    /// The caches `ranks` registered (rank `i` as [`Parallel::slice`] says), with geometry
+    /// `layout` split over `stages`.
     ///
     /// # Errors
-    /// [`Error::Connector`] when the worker has no cache registered.
-    pub fn of(worker: &'w KvConnectorWorker, layout: KvLayout) -> Result<Self> {
+    /// [`Error::Connector`] when a rank has no cache registered; [`Error::Config`] when
+    /// there are not as many ranks as `parallel` says.
+    pub fn of(
+        ranks: &'w [KvConnectorWorker],
+        layout: KvLayout,
+        parallel: Parallel,
+        stages: &'w PipelineStages,
+    ) -> Result<Self> {
+        if ranks.len() != parallel.ranks() {
+            return Err(Error::Config(format!(
+                "{} ranks for a cache of TP {} × PP {}",
+                ranks.len(),
+                parallel.tp,
+                parallel.pp
+            )));
+        }
+        for rank in ranks {
+            rank.kv_caches()?;
+        }
         Ok(KvCache {
             layout,
-            registration: worker.kv_caches()?,
+            parallel,
+            stages,
+            ranks,
         })
     }
 
     /// The cache geometry.
     pub fn layout(&self) -> KvLayout {
         self.layout
+    }
+
+    /// Each rank's registration and what it holds.
+    fn ranks(&self) -> impl Iterator<Item = Result<(&'w Registration, RankSlice)>> + '_ {
+        self.ranks.iter().enumerate().map(|(i, rank)| {
+            let slice = self.parallel.slice(self.stages, self.layout.block_bytes, i);
+            Ok((rank.kv_caches()?, slice))
+        })
     }
 
     /// Writes the pattern of `request` into `blocks` of every layer.
@@ -106,10 +127,14 @@ impl<'w> KvCache<'w> {
     /// prefix cache holds, or a local prefill after a failed load).
     pub fn compute_blocks(&self, local: &[u32], remote: &[u32], request: u64) -> Result<()> {
         let mut scratch = vec![0u8; self.layout.block_bytes];
-        for layer in 0..self.layout.layers {
-            for (&lb, &rb) in local.iter().zip(remote) {
-                pattern::fill(&mut scratch, layer as u32, rb, request);
-                self.registration.write(layer, self.offset(lb), &scratch)?;
+        for rank in self.ranks() {
+            let (registration, slice) = rank?;
+            for (region, layer) in slice.layers.clone().enumerate() {
+                for (&lb, &rb) in local.iter().zip(remote) {
+                    pattern::fill(&mut scratch, layer as u32, rb, request);
+                    let at = self.offset(&slice, lb);
+                    registration.write(region, at, &scratch[slice.bytes.clone()])?;
+                }
             }
         }
         Ok(())
@@ -117,42 +142,63 @@ impl<'w> KvCache<'w> {
 
     /// Flips one byte of `block` in layer 0, to show that corruption is caught.
     pub fn corrupt_block(&self, block: u32) -> Result<()> {
+        let Some(rank) = self.ranks().next() else {
+            return Ok(());
+        };
+        let (registration, slice) = rank?;
         let mut byte = [0u8; 1];
-        self.registration.read(0, self.offset(block), &mut byte)?;
+        registration.read(0, self.offset(&slice, block), &mut byte)?;
         byte[0] ^= 0xff;
-        self.registration.write(0, self.offset(block), &byte)?;
+        registration.write(0, self.offset(&slice, block), &byte)?;
         Ok(())
     }
 
     /// Checks local blocks `local[i]` of every layer against the pattern that prefill wrote
-    /// into its block `remote[i]` for `request`; returns every mismatching block.
+    /// into its block `remote[i]` for `request`; returns every mismatching block (a block
+    /// of several ranks once for each rank whose share is wrong).
     pub fn verify_blocks(
         &self,
         local: &[u32],
         remote: &[u32],
         request: u64,
     ) -> Result<Vec<Mismatch>> {
-        let mut scratch = vec![0u8; self.layout.block_bytes];
         let mut bad = Vec::new();
-        for layer in 0..self.layout.layers {
-            for (&lb, &rb) in local.iter().zip(remote) {
-                self.registration
-                    .read(layer, self.offset(lb), &mut scratch)?;
-                if let Some(offset) = pattern::first_mismatch(&scratch, layer as u32, rb, request) {
-                    bad.push(Mismatch {
-                        request,
-                        layer: layer as u32,
-                        remote_block: rb,
-                        offset,
-                    });
+        for rank in self.ranks() {
+            let (registration, slice) = rank?;
+            let mut scratch = vec![0u8; slice.bytes.len()];
+            // A share of a block: its expected bytes, the whole block's pattern cut.
+            let mut whole = vec![0u8; self.layout.block_bytes];
+            let partial = slice.bytes.len() != self.layout.block_bytes;
+            for (region, layer) in slice.layers.clone().enumerate() {
+                for (&lb, &rb) in local.iter().zip(remote) {
+                    registration.read(region, self.offset(&slice, lb), &mut scratch)?;
+                    let wrong = if partial {
+                        pattern::fill(&mut whole, layer as u32, rb, request);
+                        let want = &whole[slice.bytes.clone()];
+                        (scratch != want).then(|| {
+                            let at = scratch.iter().zip(want).position(|(a, b)| a != b);
+                            slice.bytes.start + at.unwrap_or(0)
+                        })
+                    } else {
+                        pattern::first_mismatch(&scratch, layer as u32, rb, request)
+                    };
+                    if let Some(offset) = wrong {
+                        bad.push(Mismatch {
+                            request,
+                            layer: layer as u32,
+                            remote_block: rb,
+                            offset,
+                        });
+                    }
                 }
             }
         }
         Ok(bad)
     }
 
-    fn offset(&self, block: u32) -> usize {
-        block as usize * self.layout.block_bytes
+    /// Where `block` starts in a region of a rank holding `slice` of every block.
+    fn offset(&self, slice: &RankSlice, block: u32) -> usize {
+        block as usize * slice.bytes.len()
     }
 }
 
@@ -200,8 +246,6 @@ mod tests {
         };
         ok.validate().unwrap();
         assert_eq!(ok.total_bytes(), 24);
-        assert_eq!(ok.spec().block_len(0), 4);
-        assert_eq!(ok.spec().region_len(0), 12);
         assert!(KvLayout { layers: 0, ..ok }.validate().is_err());
         assert!(KvLayout {
             block_bytes: usize::MAX,

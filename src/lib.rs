@@ -20,6 +20,8 @@
 //! - with `decode --turns N`, requests are [`conversation`]s of N turns: decode keeps each
 //!   answered turn's blocks, and prefill reads back what its prefix cache lacks of them
 //!   (vLLM 0.33's bidirectional KV transfer), checking every byte;
+//! - with `--tp`/`--pp`, each engine is several ranks in its process, one connector worker
+//!   each holding its stage's layers and its share of every block's heads ([`parallel`]);
 //! - [`stats`] turns the run into a summary (requests, bytes, GB/s, latency percentiles);
 //! - [`prometheus`] serves the connector's `vllm:nixl_*` metrics to Prometheus;
 //! - `model_serving` serves a real model (`kv-model`) prefill → decode through the
@@ -44,6 +46,7 @@ pub mod metered;
 #[cfg(feature = "vllm")]
 pub mod model_serving;
 pub mod not_a_prefill;
+pub mod parallel;
 pub mod pattern;
 pub mod prefill;
 pub mod prometheus;

@@ -70,6 +70,20 @@ pub struct Welcome {
     pub block_bytes: u64,
     /// Blocks per layer.
     pub blocks: u32,
+    /// Its TP ranks per stage (absent from an older prefill's: 1).
+    #[serde(default = "one")]
+    pub tp: u32,
+    /// Its pipeline stages (absent: 1).
+    #[serde(default = "one")]
+    pub pp: u32,
+    /// The KV heads of every block (absent: 1).
+    #[serde(default = "one")]
+    pub kv_heads: u32,
+}
+
+/// The default of a [`Welcome`]'s parallel sizes.
+fn one() -> u32 {
+    1
 }
 
 /// One control-channel message.

@@ -4,6 +4,11 @@
 //!   pairs them (each stage its layers' regions of the prefill's, vLLM's
 //!   `_remote_region_offset`), every byte checked; each stage's rank notifies the prefill,
 //!   saying both (vLLM's `pp_size` × producers per consumer);
+//! - a Rust decode of one stage and one of two read a Python prefill of two stages (5
+//!   layers, vLLM's split 3 + 2, each stage's rank registering its layers and served as
+//!   `(pp_rank, 0)`), every byte checked; every decode rank notifies every prefill stage,
+//!   saying the decode's `pp_size` × producers per consumer, and the Python prefill (counting
+//!   as vLLM's prefill worker counts) frees the request only once every stage's readers did;
 //! - a Python decode asks a Rust prefill of two stages for each rank by `(pp_rank, tp_rank)`
 //!   (vLLM's `_nixl_handshake` over every remote rank) and gets that stage's registration; a
 //!   stage the engine lacks is refused, naming the ranks it serves.
@@ -28,35 +33,66 @@ use serde_json::json;
 use vllm_peer_support::{python_byte_of, vllm_kv, VllmPeer, BLOCKS, BLOCK_LEN, REGIONS};
 use vllm_support::factors;
 
-/// One stage's cache: its one layer of [`vllm_peer_support::kv_spec`]'s two.
-fn stage_spec() -> KvCacheSpec {
+/// The layers of the Python prefill of two stages (vLLM's split: 3 on stage 0, 2 on 1).
+const LAYERS: usize = 5;
+
+/// A stage's cache: `layers` of the model's layers, one region each.
+fn stage_spec(layers: usize) -> KvCacheSpec {
     let attention = KvAttention::Mha { total_kv_heads: 8 };
-    KvCacheSpec::uniform(1, BLOCKS, 16, attention, KvLayout::Hnd, BLOCK_LEN)
+    KvCacheSpec::uniform(layers, BLOCKS, 16, attention, KvLayout::Hnd, BLOCK_LEN)
 }
 
-/// The ranks of an engine of two pipeline stages of TP 1 (one layer each) in vLLM mode,
-/// served by one side channel, and its scheduler.
-fn two_stages(engine: &str) -> (Vec<KvConnectorWorker>, KvConnectorScheduler) {
+/// The ranks of an engine of `pp` pipeline stages of TP 1 splitting `layers` layers as
+/// vLLM does, in vLLM mode, served by one side channel, and its scheduler.
+fn engine_of_stages(
+    engine: &str,
+    layers: usize,
+    pp: usize,
+) -> (Vec<KvConnectorWorker>, KvConnectorScheduler) {
     let kv = vllm_kv(&factors());
     let any = SocketAddr::from(([127, 0, 0, 1], 0));
     let server = Arc::new(MetadataServer::bind_now(any, VllmChannelLimits::default()).unwrap());
-    let stages = PipelineStages::even(REGIONS, 2).unwrap();
-    let workers = (0..2)
+    let stages = PipelineStages::even(layers, pp).unwrap();
+    let workers = (0..pp)
         .map(|stage| {
             let mut config = WorkerConfig::new(engine, 0, 1, kv.clone());
             config.platform = Arc::new(BuiltinPlatform::CPU);
             config.vllm_side_channel = Some(server.clone());
             config.pipeline = Some(PipelineRank::new(stages.clone(), stage).unwrap());
             let worker = KvConnectorWorker::new(config).unwrap();
-            worker.register_host_kv_caches(stage_spec()).unwrap();
+            let spec = stage_spec(stages.layers(stage).len());
+            worker.register_host_kv_caches(spec).unwrap();
             worker
         })
         .collect();
     let port = server.local_addr().port();
     let mut config = SchedulerConfig::new(engine, "127.0.0.1", port, 1, &kv).unwrap();
-    config.pp_size = 2;
+    config.pp_size = pp;
     config.vllm_side_channel = Some(server);
     (workers, KvConnectorScheduler::new(config))
+}
+
+/// An engine of two pipeline stages of TP 1 (one layer each), as [`engine_of_stages`].
+fn two_stages(engine: &str) -> (Vec<KvConnectorWorker>, KvConnectorScheduler) {
+    engine_of_stages(engine, REGIONS, 2)
+}
+
+/// Steps `scheduler` until its one load ends (at most 10 s).
+async fn load_outcome(
+    scheduler: &mut KvConnectorScheduler,
+    decodes: &[KvConnectorWorker],
+) -> LoadOutcome {
+    let started = Instant::now();
+    loop {
+        if let Some(outcome) = scheduler.step(decodes).unwrap().load_outcomes.pop() {
+            return outcome;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the load never ended"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -74,17 +110,7 @@ async fn a_rust_decode_of_two_stages_reads_each_layer_from_a_python_prefill() {
     scheduler
         .update_state_after_alloc("py-pp-req", &local, &params)
         .unwrap();
-    let started = Instant::now();
-    let outcome = loop {
-        if let Some(outcome) = scheduler.step(&decodes).unwrap().load_outcomes.pop() {
-            break outcome;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "the load never ended"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    };
+    let outcome = load_outcome(&mut scheduler, &decodes).await;
     assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
     // Stage s holds the prefill's layer s.
     for (stage, decode) in decodes.iter().enumerate() {
@@ -150,4 +176,100 @@ async fn a_python_decode_asks_a_rust_prefill_for_each_stage_by_pp_rank() {
     let reason = got["raw"]["error"].as_str().unwrap();
     assert!(reason.contains("no pp_rank 2 tp_rank 0"), "{got}");
     assert!(reason.contains("(0, 0), (1, 0)"), "{got}");
+}
+
+/// A Rust decode of `decode_pp` stages reads a Python prefill of two stages of [`LAYERS`]
+/// layers: every block of every layer of every decode stage checked (the blocks read hold
+/// the prefill stage's bytes of that layer, the others stay zero), then the notifications
+/// taken one at a time, the prefill freeing the request with the last.
+async fn rust_decode_reads_python_stages(decode_pp: usize) {
+    let mut peer = VllmPeer::start();
+    let hash = factors().hash();
+    let engine = format!("py-prefill-pp2-{decode_pp}");
+    let prefill = peer.json(&format!(
+        "kv_pp_prefill {hash} {engine} 2 1 {LAYERS} {BLOCKS} {BLOCK_LEN} 16"
+    ));
+    assert_eq!(prefill["stages"], json!([[0, 3], [3, 2]]), "{prefill}");
+    let id = format!("rs-decode-pp{decode_pp}");
+    let (decodes, mut scheduler) = engine_of_stages(&id, LAYERS, decode_pp);
+    let (remote, local) = ([3, 9, 14], [0, 5, 2]);
+    let params = peer.call(&format!("kv_pp_finish {} 3,9,14", hex(b"py-pp2-req")));
+    let params = KvTransferParams::from_vllm_json(&params).unwrap();
+    assert_eq!(params.remote_pp_size, Some(2));
+    scheduler.on_new_request("py-pp2-req", Some(&params));
+    scheduler
+        .update_state_after_alloc("py-pp2-req", &local, &params)
+        .unwrap();
+    let outcome = load_outcome(&mut scheduler, &decodes).await;
+    assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
+    let split = PipelineStages::even(LAYERS, decode_pp).unwrap();
+    for (stage, decode) in decodes.iter().enumerate() {
+        let cache = decode.kv_caches().unwrap();
+        for (region, layer) in split.layers(stage).enumerate() {
+            for block in 0..BLOCKS {
+                let mut got = vec![0u8; BLOCK_LEN];
+                cache.read(region, block * BLOCK_LEN, &mut got).unwrap();
+                let want: Vec<u8> = match local.iter().position(|&l| l == block) {
+                    Some(i) => (0..BLOCK_LEN)
+                        .map(|o| python_byte_of(0, layer, remote[i] * BLOCK_LEN + o))
+                        .collect(),
+                    None => vec![0; BLOCK_LEN],
+                };
+                assert!(
+                    got == want,
+                    "decode stage {stage} layer {layer} block {block}"
+                );
+            }
+        }
+    }
+    // Each prefill stage hears from every decode rank, each saying the decode's stages; no
+    // stage frees the request before its last reader, nor the engine before its last stage.
+    let mut agents: Vec<&str> = decodes.iter().map(|d| d.agent().name()).collect();
+    agents.sort_unstable();
+    let mut heard: [Vec<String>; 2] = Default::default();
+    for taken in 1..=2 * decode_pp {
+        let got = peer.json("kv_pp_notifs 1 10");
+        let note = &got["notes"][0];
+        assert_eq!(
+            note["vllm"],
+            json!({"id": "py-pp2-req", "consumers": decode_pp}),
+            "{got}"
+        );
+        let stage = match note["rank"].as_str() {
+            Some("0:0") => 0,
+            Some("1:0") => 1,
+            _ => panic!("a notification to no prefill rank: {got}"),
+        };
+        heard[stage].push(note["from"].as_str().unwrap().to_string());
+        for (s, senders) in heard.iter().enumerate() {
+            let freed = got["freed"][format!("{s}:0")].as_array().unwrap();
+            assert_eq!(
+                freed.len(),
+                usize::from(senders.len() == decode_pp),
+                "{got}"
+            );
+        }
+        let all = taken == 2 * decode_pp;
+        let engine_freed = got["engine_freed"].as_array().unwrap();
+        assert_eq!(engine_freed.len(), usize::from(all), "{got}");
+    }
+    for senders in &mut heard {
+        senders.sort_unstable();
+        assert_eq!(
+            *senders, agents,
+            "every decode rank notifies each stage once"
+        );
+    }
+    let more = peer.json("kv_pp_notifs 1 0.3");
+    assert_eq!(more["notes"], json!([]), "a notification too many: {more}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rust_decode_of_one_stage_reads_a_python_prefill_of_two() {
+    rust_decode_reads_python_stages(1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rust_decode_of_two_stages_reads_a_python_prefill_of_two() {
+    rust_decode_reads_python_stages(2).await;
 }

@@ -11,6 +11,7 @@ use nixl_connector::{Protocol, TransferMode};
 use nixl_rs::cli::{parse_positive, parse_protocol, parse_size, parse_transfer_mode, use_colour};
 use nixl_rs::config::{self, MetadataMode, WorkerConfig};
 use nixl_rs::kv_cache::KvLayout;
+use nixl_rs::parallel::Parallel;
 
 /// Options of the KV cache and of the worker's NIXL agent.
 #[derive(Debug, clap::Args)]
@@ -64,6 +65,19 @@ pub struct WorkerArgs {
     /// /metrics; port 0: any free port, printed at start). Default: no endpoint.
     #[arg(long)]
     pub metrics_addr: Option<SocketAddr>,
+    /// Tensor-parallel ranks of this engine (per stage), each a connector worker in this
+    /// process holding its share of every block's KV heads (see --kv-heads). Pull mode
+    /// with the metadata in the side channel.
+    #[arg(long, default_value_t = 1, value_parser = parse_positive::<usize>)]
+    pub tp: usize,
+    /// Pipeline stages of this engine, each a TP group of connector workers in this process
+    /// holding vLLM's even split of the layers.
+    #[arg(long, default_value_t = 1, value_parser = parse_positive::<usize>)]
+    pub pp: usize,
+    /// KV heads of every block, the same on both workers, shared by the TP ranks: a multiple
+    /// of both engines' --tp that divides --block-size.
+    #[arg(long, default_value_t = 1, value_parser = parse_positive::<usize>)]
+    pub kv_heads: usize,
 }
 
 impl WorkerArgs {
@@ -120,6 +134,11 @@ impl WorkerArgs {
             secret_file: self.secret_file.as_deref(),
             read_backs: None,
             recompute_threshold: None,
+            parallel: Parallel {
+                tp: self.tp,
+                pp: self.pp,
+                kv_heads: self.kv_heads,
+            },
         }
     }
 }
@@ -150,4 +169,19 @@ pub fn exit_code(worker: &str, result: nixl_rs::Result<ExitCode>) -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// How a worker's startup line names its ranks: nothing for one rank, else its TP × PP and
+/// KV heads.
+pub fn ranks_note(parallel: &Parallel) -> String {
+    if parallel.is_single() {
+        return String::new();
+    }
+    format!(
+        ", {} ranks in this process: TP {} x PP {}, {} KV heads",
+        parallel.ranks(),
+        parallel.tp,
+        parallel.pp,
+        parallel.kv_heads
+    )
 }

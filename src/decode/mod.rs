@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 
 use nixl_connector::side_channel::RetryBackoff;
 use nixl_connector::{
-    Channel, FinishStatus, KvConnectorScheduler, KvConnectorWorker, KvTransferParams, LoadOutcome,
-    Protocol, SchedulerConfig,
+    Channel, FinishStatus, KvConnectorScheduler, KvTransferParams, LoadOutcome, Protocol,
+    SchedulerConfig,
 };
 use tokio::net::TcpStream;
 use tokio::time::Instant as Deadline;
@@ -27,6 +27,7 @@ use crate::error::{Error, Result};
 use crate::kv_cache::{KvCache, KvLayout, Mismatch};
 use crate::metered::Metered;
 use crate::not_a_prefill::{not_a_prefill, Answer};
+use crate::parallel::MAX_RANKS;
 use crate::protocol::{Hello, Message, Welcome, DEFAULT_MAX_FRAME, PROTOCOL_VERSION};
 use crate::stats::{DecodeSummary, FirstLoad, Lifecycle, Progress};
 
@@ -147,6 +148,12 @@ pub async fn run(
     options: &DecodeOptions,
     mut on_progress: impl FnMut(&Progress),
 ) -> Result<DecodeSummary> {
+    if options.turns > 1 && !worker.parallel.is_single() {
+        return Err(Error::Config(format!(
+            "--turns {} with --tp {} --pp {}: conversations of several turns run on one rank (the read-backs of a parallel engine are tested in nixl-connector/tests/pipeline.rs)",
+            options.turns, worker.parallel.tp, worker.parallel.pp
+        )));
+    }
     check_options(options, worker.layout)?;
     let began = Instant::now();
     let (mut channel, welcome) = connect(worker, options).await?;
@@ -250,13 +257,18 @@ async fn connect(worker: &Worker, options: &DecodeOptions) -> Result<(Channel<Me
     };
     // The connector's handshake with prefill (metadata, cache layout), within the same
     // deadline, so that the run's timing starts with both workers connected.
+    // A prefill of several stages is handshaken with by the first load, stage by stage.
     let host = addr.ip().to_string();
-    let handshake =
-        worker
-            .connector
-            .handshake_with(&welcome.engine, &host, welcome.side_channel_port, 1);
-    match tokio::time::timeout_at(deadline, handshake).await {
-        Ok(done) => done?,
+    let (tp, port) = (welcome.tp as usize, welcome.side_channel_port);
+    let handshakes = worker
+        .ranks
+        .iter()
+        .filter(|_| welcome.pp <= 1)
+        .map(|rank| rank.handshake_with(&welcome.engine, &host, port, tp));
+    match tokio::time::timeout_at(deadline, futures_util::future::try_join_all(handshakes)).await {
+        Ok(done) => {
+            done?;
+        }
         Err(_) => {
             return Err(Error::Timeout(format!(
                 "the connector's handshake with prefill {} did not finish within {limit:?}",
@@ -302,7 +314,7 @@ async fn greet(worker: &Worker, options: &DecodeOptions, deadline: Deadline) -> 
         },
         blocks_per_request: options.blocks_per_request,
         in_flight: options.in_flight,
-        connector_protocol: worker.connector.protocol().to_string(),
+        connector_protocol: worker.connector().protocol().to_string(),
     });
     let exchange = async {
         channel.send(&hello).await?;
@@ -352,7 +364,7 @@ async fn greet(worker: &Worker, options: &DecodeOptions, deadline: Deadline) -> 
         }
         Err(err) => return Err(err.into()),
     };
-    check_welcome(&welcome, layout)?;
+    check_welcome(&welcome, layout, worker.parallel.kv_heads)?;
     Ok(Greeting::Welcome(Box::new((channel, welcome))))
 }
 
@@ -382,7 +394,7 @@ async fn reach(addr: SocketAddr, deadline: Deadline, limit: Duration) -> Result<
     }
 }
 
-fn check_welcome(welcome: &Welcome, layout: KvLayout) -> Result<()> {
+fn check_welcome(welcome: &Welcome, layout: KvLayout, kv_heads: usize) -> Result<()> {
     if welcome.layers as usize != layout.layers || welcome.block_bytes != layout.block_bytes as u64
     {
         return Err(Error::Protocol(format!(
@@ -392,6 +404,19 @@ fn check_welcome(welcome: &Welcome, layout: KvLayout) -> Result<()> {
     }
     if welcome.blocks == 0 {
         return Err(Error::Protocol("prefill's cache has no blocks".into()));
+    }
+    let ranks = u64::from(welcome.tp) * u64::from(welcome.pp);
+    if welcome.tp == 0 || welcome.pp == 0 || ranks > MAX_RANKS as u64 {
+        return Err(Error::Protocol(format!(
+            "prefill says it runs TP {} x PP {}: a demo prefill runs 1 to {MAX_RANKS} ranks",
+            welcome.tp, welcome.pp
+        )));
+    }
+    if welcome.kv_heads as usize != kv_heads {
+        return Err(Error::Protocol(format!(
+            "prefill's blocks are {} KV heads, decode's {kv_heads}: give both the same --kv-heads",
+            welcome.kv_heads
+        )));
     }
     Ok(())
 }
@@ -409,21 +434,22 @@ async fn pull_all(
     on_progress: &mut impl FnMut(&Progress),
 ) -> Result<DecodeSummary> {
     // Where a prefill reads back the blocks this engine keeps (with several turns).
-    let side_channel = worker.connector.side_channel_addr()?;
+    let side_channel = worker.connector().side_channel_addr()?;
     let mut scheduler_config = SchedulerConfig::new(
         &worker.name,
         &side_channel.ip().to_string(),
         side_channel.port(),
-        1,
+        worker.parallel.tp,
         &worker.kv_transfer_config,
     )?;
-    if worker.connector.protocol() == Protocol::Vllm {
-        scheduler_config.vllm_side_channel = Some(worker.connector.vllm_side_channel()?);
+    // A load ends once every rank of every stage has read its share.
+    scheduler_config.pp_size = worker.parallel.pp;
+    if worker.connector().protocol() == Protocol::Vllm {
+        scheduler_config.vllm_side_channel = Some(worker.connector().vllm_side_channel()?);
     }
     let heartbeat_interval = scheduler_config.lease.heartbeat_interval();
     let scheduler = KvConnectorScheduler::new(scheduler_config);
     let mut state = RunState::new(worker, options, welcome, scheduler, first)?;
-    let connector = &worker.connector;
     let start = Instant::now();
     let mut report = ticks_every(options.progress_interval);
     // Engine steps without news still carry the scheduler's heartbeats to prefill.
@@ -443,12 +469,12 @@ async fn pull_all(
         // already announced are posted (at the top of the loop) between the checks.
         tokio::select! {
             biased;
-            () = connector.load_ended() => {
+            () = worker.load_ended() => {
                 idle.as_mut().reset(after(options.idle_timeout));
                 state.step_due = true;
             }
             () = std::future::ready(()), if !state.ended.is_empty() => {
-                state.check_one(connector)?;
+                state.check_one(worker)?;
                 // Answered turns go to prefill for their next turn.
                 for message in state.outbox.drain(..) {
                     channel.send(&message).await?;
@@ -538,6 +564,8 @@ struct RunState<'w> {
     remote_blocks: u32,
     /// The prefill this run reads from: engine id, host and side-channel port.
     source: (String, String, u16),
+    /// Its TP ranks per stage and its stages.
+    source_sizes: (usize, usize),
     pool: BlockPool,
     pending: VecDeque<Pending>,
     /// Loads started and not yet checked, by request id.
@@ -580,6 +608,7 @@ impl<'w> RunState<'w> {
             cache: worker.cache()?,
             scheduler,
             remote_blocks: welcome.blocks,
+            source_sizes: (welcome.tp as usize, welcome.pp as usize),
             source: (
                 welcome.engine.clone(),
                 options.prefill.ip().to_string(),
@@ -650,7 +679,7 @@ impl<'w> RunState<'w> {
     ) -> Result<()> {
         self.start_loads(worker)?;
         if self.step_due {
-            self.step(&worker.connector)?;
+            self.step(worker)?;
         }
         let outcomes = std::mem::take(&mut self.outcomes);
         if let Err(failed) = self.loads_ended(outcomes) {
@@ -665,10 +694,10 @@ impl<'w> RunState<'w> {
     /// One engine step of the connector, exactly as the crate runs it
     /// ([`KvConnectorScheduler::step`]: the scheduler's metadata to the worker, the worker's
     /// output aggregated back); the load outcomes wait in `outcomes` for the loop.
-    fn step(&mut self, connector: &KvConnectorWorker) -> Result<()> {
+    fn step(&mut self, worker: &Worker) -> Result<()> {
         self.step_due = false;
-        let output = self.scheduler.step(std::slice::from_ref(connector))?;
-        connector.metrics();
+        let output = self.scheduler.step(&worker.ranks)?;
+        worker.drop_metrics();
         self.outcomes.extend(output.load_outcomes);
         Ok(())
     }
@@ -758,9 +787,11 @@ impl<'w> RunState<'w> {
         let Some(from) = params.remote_blocks() else {
             return bad("the transfer params lack where to read".into());
         };
-        if from.engine_id != self.source.0 || from.tp_size != 1 {
+        let (tp, pp) = self.source_sizes;
+        let from_pp = params.remote_pp_size.unwrap_or(1);
+        if from.engine_id != self.source.0 || from.tp_size != tp || from_pp != pp {
             return bad(format!(
-                "the params name engine {:?} of TP {}; this run reads from {:?} of TP 1",
+                "the params name engine {:?} of TP {} x PP {from_pp}; this run reads from {:?} of TP {tp} x PP {pp}",
                 from.engine_id, from.tp_size, self.source.0
             ));
         }
@@ -868,9 +899,10 @@ impl<'w> RunState<'w> {
                 // started the load and before that step's output is taken (the next step
                 // takes it), so the load is the connector's until it ends. A whole step
                 // here would often see the load end within its post, and nothing to abort.
-                worker
-                    .connector
-                    .start_load_kv(&self.scheduler.build_connector_meta());
+                let meta = self.scheduler.build_connector_meta();
+                for rank in &worker.ranks {
+                    rank.start_load_kv(&meta);
+                }
                 let done = self.scheduler.request_finished(
                     &id,
                     &missing,
@@ -946,7 +978,7 @@ impl<'w> RunState<'w> {
 
     /// Checks the blocks of the oldest ended load and frees them; with several turns, ends
     /// the turn instead ([`answer`](Self::answer)).
-    fn check_one(&mut self, connector: &KvConnectorWorker) -> Result<()> {
+    fn check_one(&mut self, worker: &Worker) -> Result<()> {
         let Some(id) = self.ended.pop_front() else {
             return Ok(());
         };
@@ -966,7 +998,7 @@ impl<'w> RunState<'w> {
         self.progress.blocks += blocks;
         self.progress.bytes += blocks * layout.block_bytes as u64;
         match pull.turn {
-            Some(turn) => self.answer(turn, connector),
+            Some(turn) => self.answer(turn, worker),
             None => {
                 self.pool.free(&pull.local);
                 Ok(())
@@ -977,7 +1009,7 @@ impl<'w> RunState<'w> {
     /// Ends turn `turn`, loaded and checked: the last one frees its conversation; any other
     /// is answered and kept, and a step hands the kept blocks to the worker before the
     /// params that name them go to prefill.
-    fn answer(&mut self, turn: TurnId, connector: &KvConnectorWorker) -> Result<()> {
+    fn answer(&mut self, turn: TurnId, worker: &Worker) -> Result<()> {
         let Some(conversations) = self.conversations.as_mut() else {
             return Ok(());
         };
@@ -986,11 +1018,47 @@ impl<'w> RunState<'w> {
         else {
             return Ok(());
         };
-        self.step(connector)?;
-        self.outbox.push(match connector.protocol() {
+        self.step(worker)?;
+        self.outbox.push(match worker.connector().protocol() {
             Protocol::Vllm => Message::TurnVllm(params.to_vllm_json()),
             _ => Message::Turn(Box::new(params)),
         });
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_welcome_of_other_heads_or_rank_counts_out_of_bounds_is_refused() {
+        let layout = KvLayout {
+            layers: 4,
+            blocks: 8,
+            block_bytes: 64,
+        };
+        let welcome = Welcome {
+            engine: "p".into(),
+            side_channel_port: 1,
+            layers: 4,
+            block_bytes: 64,
+            blocks: 8,
+            tp: 2,
+            pp: 2,
+            kv_heads: 2,
+        };
+        check_welcome(&welcome, layout, 2).unwrap();
+        let heads = check_welcome(&welcome, layout, 1).unwrap_err().to_string();
+        assert!(heads.contains("same --kv-heads"), "{heads}");
+        for (tp, pp) in [(0, 1), (1, 0), (u32::MAX, u32::MAX), (65, 1)] {
+            let bad = Welcome {
+                tp,
+                pp,
+                ..welcome.clone()
+            };
+            let err = check_welcome(&bad, layout, 2).unwrap_err().to_string();
+            assert!(err.contains("1 to 64 ranks"), "{err}");
+        }
     }
 }

@@ -214,12 +214,15 @@ impl PrefillServer {
         let mut config = SchedulerConfig::new(
             &worker.name,
             &addr.ip().to_string(),
-            worker.connector.side_channel_addr()?.port(),
-            1,
+            worker.connector().side_channel_addr()?.port(),
+            worker.parallel.tp,
             &worker.kv_transfer_config,
         )?;
-        if worker.connector.protocol() == Protocol::Vllm {
-            config.vllm_side_channel = Some(worker.connector.vllm_side_channel()?);
+        // Every rank of every stage reports before a request counts as sent (vLLM's
+        // KVOutputAggregator over the world size), and the params say the stages.
+        config.pp_size = worker.parallel.pp;
+        if worker.connector().protocol() == Protocol::Vllm {
+            config.vllm_side_channel = Some(worker.connector().vllm_side_channel()?);
         }
         let scheduler = KvConnectorScheduler::new(config);
         Ok(PrefillServer {
@@ -303,7 +306,7 @@ impl PrefillServer {
             }
         }
         router.abort();
-        stats.freed_on_lease_end = self.shared.worker.connector.send_stats().freed_on_timeout;
+        stats.freed_on_lease_end = self.shared.worker.connector().send_stats().freed_on_timeout;
         stats
     }
 }
@@ -312,12 +315,12 @@ impl PrefillServer {
 /// read-back ends, and now and then for the leases that end, so that every request the
 /// connector released, and every read-back that ended, reaches the session it belongs to.
 async fn route_releases(shared: Arc<Shared>) {
-    let connector = &shared.worker.connector;
+    let worker = &shared.worker;
     let mut expiry = tokio::time::interval(EXPIRY_CHECK);
     loop {
         tokio::select! {
-            () = connector.notified() => {}
-            () = connector.load_ended() => {}
+            () = worker.notified() => {}
+            () = worker.load_ended() => {}
             _ = expiry.tick() => {}
         }
         engine_step(&shared, &mut lock(&shared.scheduler));
@@ -330,7 +333,7 @@ async fn route_releases(shared: Arc<Shared>) {
 /// released (the decode's notification arrived, or its lease ended) to the session that
 /// announced it, and every read-back that ended to the session that started it.
 fn engine_step(shared: &Shared, scheduler: &mut KvConnectorScheduler) {
-    let output = match scheduler.step(std::slice::from_ref(&shared.worker.connector)) {
+    let output = match scheduler.step(&shared.worker.ranks) {
         Ok(output) => output,
         Err(err) => {
             tracing::error!(%err, "the connector's output was refused");
@@ -569,7 +572,10 @@ async fn accept(shared: &Shared, channel: &mut Channel<Metered>) -> Result<Hello
     let layout = shared.worker.layout;
     let welcome = Message::Welcome(Welcome {
         engine: shared.worker.name.clone(),
-        side_channel_port: shared.worker.connector.side_channel_addr()?.port(),
+        side_channel_port: shared.worker.connector().side_channel_addr()?.port(),
+        tp: u32::try_from(shared.worker.parallel.tp).unwrap_or(u32::MAX),
+        pp: u32::try_from(shared.worker.parallel.pp).unwrap_or(u32::MAX),
+        kv_heads: u32::try_from(shared.worker.parallel.kv_heads).unwrap_or(u32::MAX),
         layers: u32::try_from(layout.layers).unwrap_or(u32::MAX),
         block_bytes: layout.block_bytes as u64,
         blocks: u32::try_from(layout.blocks).unwrap_or(u32::MAX),
@@ -602,7 +608,7 @@ fn check_hello(shared: &Shared, hello: &Hello) -> Result<()> {
     if hello.agent.is_empty() || hello.agent == shared.worker.name {
         return refuse(format!("bad decode agent name {:?}", hello.agent));
     }
-    let ours = shared.worker.connector.protocol();
+    let ours = shared.worker.connector().protocol();
     if hello.connector_protocol != ours.as_str() {
         return refuse(format!(
             "decode's connector speaks the {:?} protocol, prefill's {ours}: give both the same --protocol",
@@ -813,7 +819,7 @@ impl Session<'_> {
         }
         .ok_or_else(|| Error::Protocol("the scheduler gave no transfer params".into()))?;
         params.remote_host = Some(self.local_ip.to_string());
-        let announce = match self.shared.worker.connector.protocol() {
+        let announce = match self.shared.worker.connector().protocol() {
             Protocol::Vllm => Message::AnnounceVllm(params.to_vllm_json()),
             _ => Message::Announce(Box::new(params)),
         };

@@ -118,6 +118,26 @@ j-th block of the request's list (the same on every rank) holding position j * D
                                that notification alone when they hold none in common
                                -> JSON {positions: {g: HEX of every region's block}, read:
                                {remote rank: blocks}, notified_only: [remote ranks]}
+
+Pipeline parallelism (vLLM 0.33's NixlConnector, pull mode): an engine of PP stages of TP
+ranks, stage s holding vLLM's even split of the model's layers (each stage layers // PP, the
+rest one each to the stages before the last, from the second-to-last back).
+  kv_pp_prefill HASH ENGINE PP TP LAYERS BLOCKS BLOCK_LEN BLOCK_SIZE
+                               PP x TP agents, rank (s, t) registering a buffer of BLOCKS
+                               blocks for each layer g of stage s (byte i: kv_byte(g, i,
+                               SALT=t)), and one ROUTER serving rank (s, t)'s
+                               NixlAgentMetadata for get_meta_msg (s, t) -> JSON {port,
+                               stages: [[first layer, layers]], agents: {"s:t": name}}
+  kv_pp_finish HEXREQ BLOCKS   vLLM's pull request_finished params of the PP prefill for its
+                               request HEXREQ of BLOCKS ("3,9,14"), saying its pp_size
+                               -> JSON
+  kv_pp_notifs N SECONDS       the PP prefill's next N notifications to any rank (heartbeats
+                               skipped), waiting at most SECONDS, each counted as vLLM's
+                               prefill worker counts them: a rank frees a request once as many
+                               notified as the notification says, the engine once every rank
+                               freed it (vLLM's scheduler waits for every worker) -> JSON
+                               {notes: [{rank: "s:t", from, vllm}], freed: {"s:t": [ids]},
+                               engine_freed: [ids]}
   quit
 """
 
@@ -185,6 +205,10 @@ heartbeat_agents = []
 puller = {"agent": None, "engines": {}, "generations": {}}
 # The DCP prefill: its ranks' agents, buffers and registrations, and notifications taken.
 dcp_prefill = {"ranks": [], "notifs": []}
+# The PP prefill: its ranks ((s, t) -> agent, buffers, registration), the notifications
+# received and not yet taken, each rank's count and expected count per request, and the
+# requests each rank freed.
+pp_prefill = {"ranks": {}, "pending": [], "counts": {}, "freed": {}}
 
 
 def answer(value):
@@ -903,6 +927,119 @@ def kv_dcp_decode(params, local_hash, dcp, rank, consumers):
     return out
 
 
+def pp_stages(layers, pp):
+    """(first layer, layers) of each of PP stages: LAYERS // PP each, the rest added one
+    at a time to the stages before the last, starting from the second-to-last."""
+    sizes = [layers // pp] * pp
+    for extra in range(layers % pp):
+        sizes[pp - 2 - extra] += 1
+    firsts = [sum(sizes[:s]) for s in range(pp)]
+    return list(zip(firsts, sizes))
+
+
+def kv_pp_prefill(hash_, engine, pp, tp, layers, blocks, block_len, block_size):
+    from nixl_cu12 import nixl_agent
+
+    stages = pp_stages(layers, pp)
+    payloads, names = {}, {}
+    for s, (first, count) in enumerate(stages):
+        for t in range(tp):
+            name = f"py-pp-prefill-{os.getpid()}-{s}-{t}"
+            agent = nixl_agent(name)
+            size = blocks * block_len
+            bufs = [kv_byte(first + g, size, t) for g in range(count)]
+            descs = [(b.ctypes.data, size, 0, "") for b in bufs]
+            reg = agent.get_reg_descs(descs, "DRAM")
+            agent.register_memory(reg)
+            meta = NixlAgentMetadata(
+                engine_id=engine,
+                agent_metadata=agent.get_agent_metadata(),
+                kv_caches_base_addr=[b.ctypes.data for b in bufs],
+                device_id=0,
+                num_blocks=blocks,
+                block_lens=[block_len] * count,
+                block_strides=[block_len] * count,
+                kv_cache_layout="LBHNC",
+                block_size=block_size,
+                ssm_sizes=(0, 0),
+                attn_backend_name="FLASH_ATTN",
+                physical_blocks_per_logical_kv_block=1,
+                region_num_blocks=[blocks] * count,
+                region_group_ids=[0] * count,
+                region_names=[f"model.layers.{first + g}.self_attn.attn" for g in range(count)],
+                region_mem_types=["DRAM"] * count,
+            )
+            payloads[(s, t)] = encode_payload(hash_, meta, False)
+            pp_prefill["ranks"][(s, t)] = (agent, bufs, reg)
+            names[f"{s}:{t}"] = name
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+
+    def loop():
+        while True:
+            identity, _, msg = sock.recv_multipart()
+            tag, s, t = msgspec.msgpack.decode(msg)
+            assert tag == GET_META_MSG and (s, t) in payloads, (tag, s, t)
+            ts = msgspec.msgpack.encode(time.perf_counter())
+            sock.send_multipart((identity, b"", payloads[(s, t)], ts))
+
+    threading.Thread(target=loop, daemon=True).start()
+    pp_prefill.update(engine=engine, port=port, pp=pp, tp=tp)
+    return {"port": port, "stages": stages, "agents": names}
+
+
+def kv_pp_finish(req_id, blocks):
+    return dict(
+        do_remote_prefill=True,
+        do_remote_decode=False,
+        remote_block_ids=[blocks],
+        remote_engine_id=pp_prefill["engine"],
+        remote_request_id=req_id,
+        remote_host="127.0.0.1",
+        remote_port=pp_prefill["port"],
+        tp_size=pp_prefill["tp"],
+        dcp_size=1,
+        pp_size=pp_prefill["pp"],
+        remote_num_tokens=len(blocks) * 16,
+        remote_blocks_expiry_time=None,
+        transfer_mode="pull",
+    )
+
+
+def kv_pp_notifs(count, seconds):
+    pending = pp_prefill["pending"]
+    deadline = time.monotonic() + seconds
+    while len(pending) < count and time.monotonic() < deadline:
+        for rank, (agent, _, _) in pp_prefill["ranks"].items():
+            for sender, notes in agent.get_new_notifs().items():
+                for note in notes:
+                    if not note.startswith(b"HB:"):
+                        pending.append((rank, sender, note))
+        time.sleep(0.001)
+    taken, pp_prefill["pending"] = pending[:count], pending[count:]
+    counts, freed = pp_prefill["counts"], pp_prefill["freed"]
+    out = []
+    for rank, sender, note in taken:
+        vllm = parse_notif(note)
+        key = (rank, vllm["id"])
+        seen, _ = counts.get(key, (0, 0))
+        # Every reader says the same count; the rank frees once that many notified.
+        counts[key] = (seen + 1, vllm["consumers"])
+        if seen + 1 == vllm["consumers"]:
+            freed.setdefault(rank, []).append(vllm["id"])
+            del counts[key]
+        out.append({"rank": f"{rank[0]}:{rank[1]}", "from": sender, "vllm": vllm})
+    ranks = list(pp_prefill["ranks"])
+    ids = {i for r in ranks for i in freed.get(r, [])}
+    engine_freed = sorted(i for i in ids if all(i in freed.get(r, []) for r in ranks))
+    return {
+        "notes": out,
+        "freed": {f"{s}:{t}": freed.get((s, t), []) for s, t in ranks},
+        "engine_freed": engine_freed,
+    }
+
+
 def main():
     for line in sys.stdin:
         cmd, *args = line.split()
@@ -990,6 +1127,14 @@ def main():
             params = json.loads(bytes.fromhex(args[0]))
             got = kv_dcp_decode(params, args[1], int(args[2]), int(args[3]), int(args[4]))
             answer(json.dumps(got))
+        elif cmd == "kv_pp_prefill":
+            nums = [int(x) for x in args[2:8]]
+            answer(json.dumps(kv_pp_prefill("" if args[0] == "-" else args[0], args[1], *nums)))
+        elif cmd == "kv_pp_finish":
+            blocks = [int(x) for x in args[1].split(",")]
+            answer(json.dumps(kv_pp_finish(bytes.fromhex(args[0]).decode(), blocks)))
+        elif cmd == "kv_pp_notifs":
+            answer(json.dumps(kv_pp_notifs(int(args[0]), float(args[1]))))
         elif cmd == "quit":
             break
 

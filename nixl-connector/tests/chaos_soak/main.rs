@@ -21,8 +21,10 @@
 //!
 //! The decode process's heap in use must stay under a bound after warm-up (see [`memory`]).
 //!
-//! In CI it runs 300 requests in about 14 s; `NIXL_CONNECTOR_SOAK_SECONDS=600` runs it for
-//! ten minutes, the prefill killed and restarted every 150 requests.
+//! In CI it runs 300 requests in about 14 s, and again against a prefill of two pipeline
+//! stages (two ranks of the prefill process, the 3 layers split 2 + 1, each decode rank
+//! reading every layer from the stage holding it); `NIXL_CONNECTOR_SOAK_SECONDS=600` runs
+//! the first for ten minutes, the prefill killed and restarted every 150 requests.
 //!
 //! The same soak runs in push mode (#41): the prefill WRITEs into the blocks the decode (TP
 //! 1 there) registered, its stops pass the decode's registration timeout mid-WRITE, the
@@ -83,7 +85,7 @@ static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(())
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
     let _one = ONE_AT_A_TIME.lock().await;
-    soak(TransferMode::Pull, soak_faults(), 300).await;
+    soak(TransferMode::Pull, soak_faults(), 300, 1).await;
 }
 
 /// The same soak in push mode (the prefill WRITEs into the blocks the decode registered; a
@@ -96,7 +98,20 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn push_mode_no_block_is_reused_or_reported_loaded_while_a_write_can_touch_it() {
     let _one = ONE_AT_A_TIME.lock().await;
-    soak(TransferMode::Push, soak_faults(), 300).await;
+    soak(TransferMode::Push, soak_faults(), 300, 1).await;
+}
+
+/// The same soak and checks against a prefill of two pipeline stages (its layers 2 + 1, each
+/// stage a rank of the prefill process at its own port): each decode rank reads every layer
+/// from the stage holding it, and the prefill frees a request once both stages' readers
+/// notified (or its lease ended on both).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_of_two_stages_frees_no_block_a_read_can_touch() {
+    if soak_seconds().is_some() {
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().await;
+    soak(TransferMode::Pull, soak_faults(), 300, 2).await;
 }
 
 /// Without faults nothing is leaked or evicted, and the heap stays flat (a long run is the
@@ -107,11 +122,12 @@ async fn the_decode_heap_stays_flat_without_faults() {
         return;
     }
     let _one = ONE_AT_A_TIME.lock().await;
-    soak(TransferMode::Pull, false, FAULT_FREE_REQUESTS).await;
+    soak(TransferMode::Pull, false, FAULT_FREE_REQUESTS, 1).await;
 }
 
-/// The soak in `mode`, with its faults or without, of `ci_target` requests in CI.
-async fn soak(mode: TransferMode, faults: bool, ci_target: u64) {
+/// The soak in `mode`, with its faults or without, of `ci_target` requests in CI, against a
+/// prefill of `prefill_pp` pipeline stages.
+async fn soak(mode: TransferMode, faults: bool, ci_target: u64, prefill_pp: usize) {
     common::init_tracing();
     let seconds = soak_seconds();
     // A long run: requests until its time is up, the prefill restarted again and again.
@@ -130,7 +146,7 @@ async fn soak(mode: TransferMode, faults: bool, ci_target: u64) {
     // this binary's only other test is the prefill role, in its own process.
     std::env::set_var(UCX_TLS, TCP_ONLY);
     let started = Instant::now();
-    let mut prefill = start_prefill(PREFILL, mode, target, seconds);
+    let mut prefill = start_prefill(PREFILL, (prefill_pp, mode), target, seconds);
     let tp = decode_tp(mode);
     let spec = spec(tp);
     let kv = kv(mode);
@@ -170,7 +186,7 @@ async fn soak(mode: TransferMode, faults: bool, ci_target: u64) {
     });
     handshake(&hostile, PREFILL, prefill.port).await;
     let mut d = DecodeEngine {
-        scheduler: scheduler("dc-soak", tp, &ranks[0], mode),
+        scheduler: scheduler("dc-soak", (tp, 1), &ranks[0], mode),
         mode,
         ranks,
         pool: Pool::new(&spec),
@@ -259,7 +275,7 @@ async fn soak(mode: TransferMode, faults: bool, ci_target: u64) {
             d.r.prefill_restarts += 1;
             let engine = format!("{PREFILL}-{generation}");
             let left = target.saturating_sub(d.r.requests);
-            prefill = start_prefill(&engine, mode, left, seconds_left(started));
+            prefill = start_prefill(&engine, (prefill_pp, mode), left, seconds_left(started));
             handshake(&hostile, &engine, prefill.port).await;
             prefill.go();
         }
@@ -318,7 +334,7 @@ async fn soak(mode: TransferMode, faults: bool, ci_target: u64) {
                     host: "127.0.0.1".into(),
                     port: prefill.port,
                     tp_size: 1,
-                    pp_size: 1,
+                    pp_size: prefill.pp,
                     dcp_size: 1,
                     request_ids: Vec::new(),
                     capabilities: Vec::new(),
@@ -334,16 +350,22 @@ async fn soak(mode: TransferMode, faults: bool, ci_target: u64) {
             let padding = (0..5000).map(|i| entry(&format!("{:x>48}", i), &padding_capability));
             let waiting = d.vllm_waiting.iter().map(|(id, cap)| entry(id, cap));
             let ids: Vec<String> = waiting.chain(padding).collect();
-            for message in [
-                format!("HB:{}", ids.join(",")).into_bytes(),
-                b"HB:a,,b".to_vec(),
-                b"p1:0".to_vec(),
-                vec![0xff; 64],
-            ] {
-                hostile
-                    .agent()
-                    .send_notification(&prefill.agent, &message)
-                    .unwrap();
+            // To every stage: the first is handshaken before the run; a later one once
+            // this agent's heartbeats above handshook with it (then every flood).
+            for (stage, agent) in prefill.agents.iter().enumerate() {
+                for message in [
+                    format!("HB:{}", ids.join(",")).into_bytes(),
+                    b"HB:a,,b".to_vec(),
+                    b"p1:0".to_vec(),
+                    vec![0xff; 64],
+                ] {
+                    let sent = hostile.agent().send_notification(agent, &message);
+                    match (stage, sent) {
+                        (0, sent) => sent.unwrap(),
+                        (_, Ok(())) => d.r.floods_to_later_stages += 1,
+                        (_, Err(_)) => {}
+                    }
+                }
             }
         }
         d.step(step, generation);
@@ -418,6 +440,12 @@ async fn soak(mode: TransferMode, faults: bool, ci_target: u64) {
         "{r:?}"
     );
     assert!(r.loaded > 0 && r.blocks_verified > 0, "{r:?}");
+    if prefill_pp > 1 {
+        assert!(
+            r.floods_to_later_stages > 0,
+            "the third agent's heartbeats reached every stage: {r:?}"
+        );
+    }
     // Every block back, but those registered with a killed prefill in push mode (held).
     let held: usize = d.loading.values().map(|load| load.local.len()).sum();
     assert_eq!(d.pool.free.len() + held, BLOCKS, "every block back");

@@ -50,7 +50,8 @@ impl Pool {
         for rank in ranks {
             let cache = rank.kv_caches().unwrap();
             for &b in &blocks {
-                for region in 0..self.spec.num_regions() {
+                // (A pipeline stage's rank holds its layers only.)
+                for region in 0..cache.regions().len() {
                     let len = self.spec.block_len(region);
                     let mut got = vec![0u8; len];
                     cache.read(region, b * len, &mut got).unwrap();
@@ -74,7 +75,7 @@ impl Pool {
             }
             for rank in ranks {
                 let cache = rank.kv_caches().unwrap();
-                for region in 0..self.spec.num_regions() {
+                for region in 0..cache.regions().len() {
                     let len = self.spec.block_len(region);
                     cache.write(region, b * len, &vec![POISON; len]).unwrap();
                 }
@@ -83,13 +84,15 @@ impl Pool {
         }
     }
 
-    /// Writes request `seed`'s pattern into `blocks`.
-    pub fn fill(&self, worker: &KvConnectorWorker, seed: u64, blocks: &[usize]) {
+    /// Writes request `seed`'s pattern into `blocks` of `worker`, whose first region is the
+    /// model's region `first` (a pipeline stage's first layer).
+    pub fn fill(&self, (worker, first): (&KvConnectorWorker, usize), seed: u64, blocks: &[usize]) {
         let cache = worker.kv_caches().unwrap();
         for (index, &b) in blocks.iter().enumerate() {
-            for region in 0..self.spec.num_regions() {
+            for region in 0..cache.regions().len() {
                 let len = self.spec.block_len(region);
-                let data: Vec<u8> = (0..len).map(|o| byte(seed, index, region, o)).collect();
+                let global = first + region;
+                let data: Vec<u8> = (0..len).map(|o| byte(seed, index, global, o)).collect();
                 cache.write(region, b * len, &data).unwrap();
             }
         }

@@ -6,7 +6,9 @@ use std::time::Duration;
 use nixl_connector::{KvTransferParams, TransferMode};
 
 use crate::common::{self, after_tag, role_process, stdout_lines};
-use crate::settings::{ENGINE_ENV, MODE_ENV, SECONDS_ENV, TARGET_ENV, TCP_ONLY, UCX_TLS};
+use crate::settings::{
+    ENGINE_ENV, MODE_ENV, PREFILL_PP_ENV, SECONDS_ENV, TARGET_ENV, TCP_ONLY, UCX_TLS,
+};
 
 /// What the prefill process printed.
 pub enum Line {
@@ -78,12 +80,15 @@ pub fn read_lines(mut lines: common::ChildLines) -> tokio::sync::mpsc::Unbounded
     rx
 }
 
-/// A prefill process: the child, its agent's name and what it prints.
+/// A prefill process: the child, its stages' agents' names and what it prints.
 pub struct PrefillProcess {
     pub child: std::process::Child,
     pub engine: String,
     pub port: u16,
-    pub agent: String,
+    /// Stage by stage.
+    pub agents: Vec<String>,
+    /// Its pipeline stages.
+    pub pp: usize,
     pub lines: tokio::sync::mpsc::UnboundedReceiver<Line>,
 }
 
@@ -97,15 +102,15 @@ impl PrefillProcess {
     }
 }
 
-/// Starts a prefill process of engine `engine` in `mode` that makes `target` requests (or
-/// runs for `seconds`).
+/// Starts a prefill process of engine `engine` of `pp` stages in `mode` that makes `target`
+/// requests (or runs for `seconds`).
 pub fn start_prefill(
     engine: &str,
-    mode: TransferMode,
+    (pp, mode): (usize, TransferMode),
     target: u64,
     seconds: Option<u64>,
 ) -> PrefillProcess {
-    let target = target.to_string();
+    let (target, stages) = (target.to_string(), pp.to_string());
     let seconds = seconds.map(|s| s.to_string());
     let mode = match mode {
         TransferMode::Pull => "pull",
@@ -114,8 +119,9 @@ pub fn start_prefill(
     let mut env = vec![
         (TARGET_ENV, target.as_str()),
         (ENGINE_ENV, engine),
-        (MODE_ENV, mode),
         (UCX_TLS, TCP_ONLY),
+        (PREFILL_PP_ENV, stages.as_str()),
+        (MODE_ENV, mode),
     ];
     if let Some(seconds) = &seconds {
         env.push((SECONDS_ENV, seconds.as_str()));
@@ -123,10 +129,13 @@ pub fn start_prefill(
     let mut child = role_process("soak_prefill_role", &env, Stdio::inherit());
     let mut lines = stdout_lines(&mut child);
     let printed = after_tag(&mut lines, "PORT ").expect("the prefill prints its port");
-    let (port, agent) = printed.trim().split_once(' ').unwrap();
+    let (port, agents) = printed.trim().split_once(' ').unwrap();
+    let agents: Vec<String> = agents.split(',').map(String::from).collect();
+    assert_eq!(agents.len(), pp, "{printed}");
     PrefillProcess {
         port: port.parse().unwrap(),
-        agent: agent.into(),
+        agents,
+        pp,
         engine: engine.into(),
         lines: read_lines(lines),
         child,

@@ -7,13 +7,52 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nixl_connector::FinishStatus;
+use nixl_connector::{FinishStatus, KvConnectorWorker, PipelineRank, WorkerConfig};
 
-use crate::common::{self, worker_with};
+use crate::common::{self, worker_with, SERVER_DEADLINE};
 use crate::pool::Pool;
 use crate::prefill_child::monotonic;
 use crate::rng::Rng;
-use crate::settings::{kv, role_mode, scheduler, soak_seconds, spec, ENGINE_ENV, TARGET_ENV};
+use crate::settings::{
+    kv, prefill_pp, role_mode, scheduler, soak_seconds, spec, stage_spec, stages, ENGINE_ENV,
+    TARGET_ENV,
+};
+
+/// The ranks of engine `engine` of `pp` stages of TP 1, stage by stage: stage `s` holds its
+/// layers and listens at stage 0's port + `s` (another run of ports is tried when one is
+/// taken), as the native protocol finds a stage.
+fn stage_ranks(engine: &str, pp: usize) -> Vec<KvConnectorWorker> {
+    if pp == 1 {
+        return vec![worker_with(engine, 0, 1, &spec(1), |c| {
+            c.kv_transfer_config = kv(role_mode())
+        })];
+    }
+    let stages = stages(pp);
+    'ports: for _ in 0..20 {
+        let mut ranks: Vec<KvConnectorWorker> = Vec::new();
+        for stage in 0..pp {
+            let mut config = WorkerConfig::new(engine, 0, 1, kv(role_mode()));
+            config.platform = std::sync::Arc::new(nixl::platform::BuiltinPlatform::CPU);
+            config.limits.deadline = SERVER_DEADLINE;
+            config.pipeline = Some(PipelineRank::new(stages.clone(), stage).unwrap());
+            if let Some(first) = ranks.first() {
+                let port = first.side_channel_addr().unwrap().port();
+                let Some(port) = port.checked_add(stage as u16) else {
+                    continue 'ports;
+                };
+                config.side_channel.set_port(port);
+            }
+            let rank = KvConnectorWorker::new(config).expect("create a stage's worker");
+            let spec = stage_spec(1, stages.layers(stage).len());
+            if rank.register_host_kv_caches(spec).is_err() {
+                continue 'ports;
+            }
+            ranks.push(rank);
+        }
+        return ranks;
+    }
+    panic!("no run of {pp} free ports for the prefill's stages");
+}
 
 /// Sends `signal` to this process's parent (the soak's decode).
 fn signal_parent(signal: libc::c_int) {
@@ -44,7 +83,8 @@ fn serve_orders(go: &AtomicBool) {
     }
 }
 
-/// The prefill, in a child process: prints `PORT <port> <agent>`, then, once the decode
+/// The prefill, in a child process (of `NIXL_CONNECTOR_SOAK_PREFILL_PP` stages, each a rank
+/// holding its layers): prints `PORT <port> <agents>` (comma-joined, stage by stage), then, once the decode
 /// says `GO` (its engine is up: a request made before would wait unread in the pipe while
 /// its lease runs, and on a loaded machine the decode's agents take seconds to start),
 /// makes requests of 1 to 4 blocks as its pool allows (until it made them all, or a long
@@ -61,12 +101,10 @@ pub async fn serve() {
     let engine = std::env::var(ENGINE_ENV).expect("run by the soak");
     let until = soak_seconds().map(|s| Instant::now() + Duration::from_secs(s));
     let spec = spec(1);
-    let mode = role_mode();
-    let kv = kv(mode);
-    let prefill = [worker_with(&engine, 0, 1, &spec, |c| {
-        c.kv_transfer_config = kv.clone()
-    })];
-    let mut ps = scheduler(&engine, 1, &prefill[0], mode);
+    let pp = prefill_pp();
+    let prefill = stage_ranks(&engine, pp);
+    let firsts: Vec<usize> = (0..pp).map(|s| stages(pp).layers(s).start).collect();
+    let mut ps = scheduler(&engine, (1, pp), &prefill[0], role_mode());
     let mut pool = Pool::new(&spec);
     let mut rng = Rng(0x5eed_0000_0000_0001 ^ u64::from(std::process::id()));
     let (mut made, mut twice, mut late) = (0u64, 0u64, 0u64);
@@ -77,10 +115,11 @@ pub async fn serve() {
         let go = go.clone();
         move || serve_orders(&go)
     });
+    let agents: Vec<&str> = prefill.iter().map(|rank| rank.agent().name()).collect();
     println!(
         "PORT {} {}",
         prefill[0].side_channel_addr().unwrap().port(),
-        prefill[0].agent().name()
+        agents.join(",")
     );
     while made < target || !held.is_empty() {
         let n = 1 + rng.below(4);
@@ -97,7 +136,9 @@ pub async fn serve() {
                 made += 1;
                 let seed = rng.below(usize::MAX) as u64 | 1;
                 let id = format!("p{made}");
-                pool.fill(&prefill[0], seed, &blocks);
+                for (rank, &first) in prefill.iter().zip(&firsts) {
+                    pool.fill((rank, first), seed, &blocks);
+                }
                 let made_at = monotonic();
                 let done = ps.request_finished(
                     &id,
@@ -111,9 +152,15 @@ pub async fn serve() {
                 println!("REQ {seed} {n} {} {params}", made_at.as_micros());
             }
         }
-        prefill[0].start_load_kv(&ps.build_connector_meta());
+        let meta = ps.build_connector_meta();
+        for rank in &prefill {
+            rank.start_load_kv(&meta);
+        }
+        // Every stage's output, aggregated as vLLM's engine does: a request is released
+        // once every stage's readers notified.
+        let outputs: Vec<_> = prefill.iter().map(|rank| rank.output()).collect();
         let released_now = ps
-            .update_connector_output(&[prefill[0].output()])
+            .update_connector_output(&outputs)
             .unwrap()
             .finished_sending;
         for id in released_now {

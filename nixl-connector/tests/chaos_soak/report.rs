@@ -21,6 +21,9 @@ pub struct Report {
     pub late_writes: u64,
     pub freed_twice: u64,
     pub floods: u64,
+    /// Messages of the floods that reached a prefill's stage past the first (one of two
+    /// stages).
+    pub floods_to_later_stages: u64,
     pub prefill_stops: u64,
     pub decode_stalls: u64,
     pub decode_stalls_past_lease: u64,

@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use nixl_connector::{
-    KvAttention, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker, KvLayout, SchedulerConfig,
-    TransferMode,
+    KvAttention, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker, KvLayout, PipelineStages,
+    SchedulerConfig, TransferMode,
 };
 
 use crate::common;
@@ -15,8 +15,16 @@ use crate::pool::BLOCKS;
 /// tokens, head by head, so rank `d` of TP 2 holds the second half of each prefill block
 /// when `d` is 1, the first when 0).
 pub fn spec(tp: usize) -> KvCacheSpec {
+    stage_spec(tp, LAYERS)
+}
+
+/// The model's layers (one region each).
+pub const LAYERS: usize = 3;
+
+/// The cache of a rank of TP `tp` holding `layers` of the model's layers (a pipeline stage's).
+pub fn stage_spec(tp: usize, layers: usize) -> KvCacheSpec {
     KvCacheSpec::uniform(
-        3,
+        layers,
         BLOCKS,
         4,
         KvAttention::Mha { total_kv_heads: 2 },
@@ -35,6 +43,11 @@ pub fn decode_tp(mode: TransferMode) -> usize {
     }
 }
 
+/// The stages of a prefill of `pp` pipeline stages (vLLM's even split: 2 + 1 for PP 2).
+pub fn stages(pp: usize) -> PipelineStages {
+    PipelineStages::even(LAYERS, pp).unwrap()
+}
+
 /// The role's environment: how many requests the prefill makes (at most, in a long run).
 pub const TARGET_ENV: &str = "NIXL_CONNECTOR_SOAK_REQUESTS";
 /// The role's environment: the prefill's engine id (a restarted prefill is a new engine).
@@ -47,6 +60,9 @@ pub const SECONDS_ENV: &str = "NIXL_CONNECTOR_SOAK_SECONDS";
 pub const FAULTS_ENV: &str = "NIXL_CONNECTOR_SOAK_FAULTS";
 /// The role's environment: the engines' transfer mode, `push` or `pull` (unset).
 pub const MODE_ENV: &str = "NIXL_CONNECTOR_SOAK_MODE";
+/// The role's environment: the prefill's pipeline stages (unset: 1), each a rank of its
+/// process holding its layers, the decode reading each layer from the stage holding it.
+pub const PREFILL_PP_ENV: &str = "NIXL_CONNECTOR_SOAK_PREFILL_PP";
 /// The first prefill's engine id.
 pub const PREFILL: &str = "pf-soak";
 /// UCX's transport selection, and the soak's: TCP only (with UCX's own self transport).
@@ -120,14 +136,24 @@ pub fn kv(mode: TransferMode) -> nixl::kv_config::KvTransferConfig {
     kv
 }
 
-/// The scheduler of engine `engine` of TP `tp` in `mode`, whose rank 0 is `rank0`.
+/// The scheduler of engine `engine` of TP `tp` and `pp` stages in `mode`, whose rank 0 is
+/// `rank0`.
 pub fn scheduler(
     engine: &str,
-    tp: usize,
+    (tp, pp): (usize, usize),
     rank0: &KvConnectorWorker,
     mode: TransferMode,
 ) -> KvConnectorScheduler {
     let port = rank0.side_channel_addr().unwrap().port();
-    let config = SchedulerConfig::new(engine, "127.0.0.1", port, tp, &kv(mode)).unwrap();
+    let mut config = SchedulerConfig::new(engine, "127.0.0.1", port, tp, &kv(mode)).unwrap();
+    config.pp_size = pp;
     KvConnectorScheduler::new(config)
+}
+
+/// `NIXL_CONNECTOR_SOAK_PREFILL_PP`: the prefill's stages.
+pub fn prefill_pp() -> usize {
+    std::env::var(PREFILL_PP_ENV).map_or(1, |s| {
+        s.parse()
+            .expect("NIXL_CONNECTOR_SOAK_PREFILL_PP: a number of stages")
+    })
 }
