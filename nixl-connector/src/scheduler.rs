@@ -136,8 +136,7 @@ impl SchedulerConfig {
     /// Those of [`Lease::from_kv_transfer_config`],
     /// [`LoadFailurePolicy::from_kv_transfer_config`],
     /// [`MultiTurn::from_kv_transfer_config`], [`Protocol::from_kv_transfer_config`] and
-    /// [`TransferMode::from_kv_transfer_config`]; [`Error::InvalidArgument`] for push mode
-    /// in vLLM's protocol (not built yet).
+    /// [`TransferMode::from_kv_transfer_config`].
     pub fn new(
         engine_id: &str,
         host: &str,
@@ -147,12 +146,6 @@ impl SchedulerConfig {
     ) -> Result<Self> {
         let protocol = Protocol::from_kv_transfer_config(kv_transfer_config)?;
         let transfer_mode = TransferMode::from_kv_transfer_config(kv_transfer_config)?;
-        if protocol == Protocol::Vllm && transfer_mode == TransferMode::Push {
-            return Err(Error::invalid(
-                "configure the connector scheduler",
-                "push mode in vLLM's protocol is not built yet; use the native protocol for push, or pull mode with vLLM",
-            ));
-        }
         Ok(SchedulerConfig {
             engine_id: engine_id.to_string(),
             host: host.to_string(),
@@ -541,6 +534,11 @@ impl KvConnectorScheduler {
             return keep(false);
         }
         if !params.is_some_and(|p| p.do_remote_decode) || !status.is_complete() {
+            return keep(false);
+        }
+        if self.config.protocol == Protocol::Vllm && self.config.transfer_mode == TransferMode::Push
+        {
+            tracing::error!(request = request_id, "a prefill in vLLM's push protocol is not built yet: the request's blocks are freed and no params are handed out");
             return keep(false);
         }
         let Some(capability) = self.reader_capability(request_id) else {

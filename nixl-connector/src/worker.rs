@@ -65,7 +65,10 @@ pub(crate) mod marks_check;
 pub(crate) mod notification_format;
 pub(crate) mod push;
 mod push_book;
+mod push_outcome;
 pub(crate) mod push_state;
+#[cfg(feature = "vllm")]
+mod push_vllm;
 mod registration;
 pub(crate) mod remotes;
 mod reregister;
@@ -459,6 +462,11 @@ impl KvConnectorWorker {
             ));
         }
         if load.local_block_ids.is_empty() {
+            if self.shared.protocol == Protocol::Vllm {
+                // vLLM's push has no message for it: the prefill frees by its lease.
+                tracing::debug!(request = %load.request_id, "nothing to push; the vLLM prefill frees the request when its lease ends");
+                return Ok(());
+            }
             self.runtime
                 .spawn(crate::worker::push::cancel_only(self.shared.clone(), load));
             return Ok(());
@@ -473,8 +481,18 @@ impl KvConnectorWorker {
             ));
         }
         self.shared.series.load_started();
-        self.runtime
-            .spawn(crate::worker::push::load(self.shared.clone(), load));
+        let shared = self.shared.clone();
+        match self.shared.protocol {
+            Protocol::Native => self.runtime.spawn(crate::worker::push::load(shared, load)),
+            #[cfg(not(feature = "vllm"))]
+            Protocol::Vllm => return Err(vllm_not_built(OP)),
+            #[cfg(feature = "vllm")]
+            Protocol::Vllm => self.runtime.spawn(async move {
+                if let Some(push) = &shared.push {
+                    crate::worker::push_vllm::load(shared.clone(), push, load).await;
+                }
+            }),
+        };
         Ok(())
     }
 
@@ -705,7 +723,22 @@ impl KvConnectorWorker {
                 return;
             }
         };
-        let ids = heartbeat.request_ids.iter().map(String::as_str);
+        // vLLM push: a load that stopped waiting lets the prefill's lease end (vLLM's ids
+        // carry no capability, so none is left out of line with its id).
+        let silenced = |id: &str| {
+            self.shared.protocol == Protocol::Vllm
+                && self.shared.push.as_ref().is_some_and(|p| p.silenced(id))
+        };
+        let ids: Vec<&str> = heartbeat
+            .request_ids
+            .iter()
+            .map(String::as_str)
+            .filter(|id| !silenced(id))
+            .collect();
+        if ids.is_empty() {
+            return;
+        }
+        let ids = ids.into_iter();
         let proofs = match self.shared.protocol {
             Protocol::Native => Some((&heartbeat.capabilities[..], self.agent().name())),
             Protocol::Vllm => None,
@@ -866,6 +899,9 @@ impl KvConnectorWorker {
             }
         }
         let recving = std::mem::take(&mut self.shared.outcomes.lock().recving);
+        if let Some(push) = &self.shared.push {
+            push.loads_taken(&recving);
+        }
         self.shared.series.leaks(&self.agent().leak_stats());
         Finished { sending, recving }
     }
@@ -1025,12 +1061,6 @@ impl Settings {
         let kv = &config.kv_transfer_config;
         let push = match TransferMode::from_kv_transfer_config(kv)? {
             TransferMode::Pull => None,
-            TransferMode::Push if protocol == Protocol::Vllm => {
-                return Err(Error::invalid(
-                    OP,
-                    "push mode in vLLM's protocol (NixlPushConnector's PUSH_REG notifications) is not built yet; use the native protocol for push, or pull mode with vLLM",
-                ))
-            }
             TransferMode::Push => Some(PushSettings::from_kv_transfer_config(kv)?),
         };
         if push.is_some()
@@ -1071,10 +1101,12 @@ fn context(config: WorkerConfig, settings: &Settings) -> Result<Context> {
     #[cfg(feature = "vllm")]
     let vllm = match protocol {
         Protocol::Native => None,
-        Protocol::Vllm => Some(VllmWorker::new(
-            Compatibility::from_kv_transfer_config(&config.kv_transfer_config)?,
-            config.vllm_limits,
-        )),
+        Protocol::Vllm => {
+            let compat = Compatibility::from_kv_transfer_config(&config.kv_transfer_config)?;
+            let mode = TransferMode::from_kv_transfer_config(&config.kv_transfer_config)?;
+            compat.check_transfer_mode(mode.as_str())?;
+            Some(VllmWorker::new(compat, config.vllm_limits))
+        }
     };
     let name = config
         .agent_name

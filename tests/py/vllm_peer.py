@@ -96,6 +96,23 @@ A prefill and a decode with NIXL's Python agent (DRAM, UCX), as vLLM's run them:
                                one vLLM heartbeat naming PREFIX-0 ... PREFIX-(COUNT-1), each
                                left-padded with 'x' to 48 characters -> JSON {bytes}
 
+Push mode (vLLM 0.33's NixlPushConnector), the kv_prefill engine as its prefill:
+  kv_push_finish HEXREQ BLOCKS [TOKENS]
+                               vLLM's push request_finished for request HEXREQ of (one
+                               group's, logical) blocks BLOCKS: they wait for a decode's
+                               registration -> JSON params (transfer_mode "push", no
+                               remote_blocks_expiry_time or remote_registration_generation)
+  kv_push_write HASH SECONDS DELAY
+                               vLLM's push writer: the first PUSH_REG registration whose
+                               request id (exact, else without vLLM's "-" + 8 hex suffix)
+                               is a finished request's, waited for at most SECONDS, held
+                               DELAY seconds, then a handshake with its decode (hash HASH
+                               checked), the finished blocks cut to the last as many as it
+                               registered, and one WRITE of every region into its blocks
+                               notifying "{its request id}:1"; other notifications go to
+                               kv_notifs -> JSON {registration, hex, from, matched, written,
+                               into, agent}, or with mismatch or error
+
 Decode context parallelism (DCP, vLLM 0.33's NixlConnector with an MLA cache): an engine of
 DCP = TP ranks, rank r holding the request's global block positions r, r + DCP, ..., the
 j-th block of the request's list (the same on every rank) holding position j * DCP + r.
@@ -708,11 +725,11 @@ def read_blocks(agent, remote, meta, blocks, notif, ssm=None):
     return failed or buf.tobytes()
 
 
-def post_read(agent, remote, local_descs, remote_descs, notif):
-    """One READ of REMOTE_DESCS into LOCAL_DESCS (DRAM) notifying NOTIF, waited for (at most
-    10 s) -> None once done, or a dict saying why not."""
+def post_read(agent, remote, local_descs, remote_descs, notif, op="READ"):
+    """One READ (or OP) of REMOTE_DESCS into (from) LOCAL_DESCS (DRAM) notifying NOTIF,
+    waited for (at most 10 s) -> None once done, or a dict saying why not."""
     handle = agent.initialize_xfer(
-        "READ",
+        op,
         agent.get_xfer_descs(local_descs, "DRAM"),
         agent.get_xfer_descs(remote_descs, "DRAM"),
         remote,
@@ -725,7 +742,7 @@ def post_read(agent, remote, local_descs, remote_descs, notif):
         state = agent.check_xfer_state(handle)
     agent.release_xfer_handle(handle)
     if state != "DONE":
-        return {"error": f"READ ended {state}"}
+        return {"error": f"{op} ended {state}"}
     return None
 
 
@@ -903,6 +920,104 @@ def kv_dcp_decode(params, local_hash, dcp, rank, consumers):
     return out
 
 
+# The kv_prefill engine in vLLM's push mode: its finished requests' blocks waiting for a
+# decode's registration (request id -> block lists), and the registrations taken that no
+# finished request matched yet (sender, raw notification), in arrival order.
+push = {"finished": {}, "regs": []}
+
+
+def base_id(request_id):
+    """A request id without the random suffix vLLM's input processor appends to it: a dash
+    and 8 hex digits at the very end."""
+    tail = request_id[-8:]
+    if len(request_id) >= 9 and request_id[-9] == "-" and all(c in "0123456789abcdefABCDEF" for c in tail):
+        return request_id[:-9]
+    return request_id
+
+
+def kv_push_finish(req_id, blocks, tokens):
+    """vLLM 0.33's push request_finished on the kv engine for request REQ_ID of (one group's)
+    BLOCKS: they wait for a registration, and the params say push, without the pull-only
+    expiry time and registration generation."""
+    push["finished"][req_id] = [blocks]
+    params = finished_params(req_id, [blocks], tokens or len(blocks) * kv["block_size"], None)
+    del params["remote_blocks_expiry_time"]
+    del params["remote_registration_generation"]
+    params["transfer_mode"] = "push"
+    return params
+
+
+def take_push_notifs():
+    """Drains the kv engine's notifications: registrations to push["regs"], the rest
+    (heartbeats among them) to kv["notifs"] for kv_notifs."""
+    for sender, notes in kv["agent"].get_new_notifs().items():
+        sender = sender.decode() if isinstance(sender, bytes) else sender
+        for note in notes:
+            if note.startswith(b"PUSH_REG:"):
+                push["regs"].append((sender, note))
+            else:
+                kv["notifs"].append((sender, note))
+
+
+def match_registration():
+    """The first registration taken whose request id is a finished request's, or has its
+    base id -> (sender, raw, registration, finished id), both taken out; or None."""
+    for i, (sender, raw) in enumerate(push["regs"]):
+        reg = msgspec.msgpack.decode(raw[len(b"PUSH_REG:"):])
+        rid, finished = reg["request_id"], push["finished"]
+        key = rid if rid in finished else next(
+            (f for f in finished if base_id(f) == base_id(rid)), None)
+        if key is not None:
+            del push["regs"][i]
+            return sender, raw, reg, key
+    return None
+
+
+def kv_push_write(local_hash, seconds, delay):
+    """The kv engine as vLLM's push writer: waits (at most SECONDS) for a registration that
+    matches a finished request, holds DELAY seconds more (notifications still taken), then
+    handshakes with the registering decode (its hash checked against LOCAL_HASH), cuts its
+    blocks to the last as many as the decode registered (a prefix hit) and WRITEs them
+    into the decode's, every region, with the notification "{decode request id}:1" (this
+    engine's TP size) -> JSON of the registration and what was written, or why not."""
+    deadline = time.monotonic() + seconds
+    got = None
+    while got is None:
+        take_push_notifs()
+        got = match_registration()
+        if got is None:
+            if time.monotonic() > deadline:
+                return {"error": "no registration matched", "regs": len(push["regs"])}
+            time.sleep(0.001)
+    sender, raw, reg, key = got
+    blocks = push["finished"].pop(key)
+    until = time.monotonic() + delay
+    while time.monotonic() < until:
+        take_push_notifs()
+        time.sleep(0.005)
+    out = {"registration": reg, "hex": raw.hex(), "from": sender, "matched": key}
+    fetched = fetch_meta(reg["decode_port"], local_hash, True, reg["decode_engine_id"])
+    if isinstance(fetched, dict):
+        return dict(out, **fetched)
+    meta = fetched[0]
+    agent = kv["agent"]
+    remote = agent.add_remote_agent(meta.agent_metadata)
+    remote = remote.decode() if isinstance(remote, bytes) else remote
+    theirs = reg["local_block_ids"][0]
+    mine = blocks[0][-len(theirs):]
+    lens, local_descs, remote_descs = kv["meta"].block_lens, [], []
+    for region, buf in enumerate(kv["bufs"]):
+        for m, t in zip(mine, theirs):
+            at = meta.kv_caches_base_addr[region] + t * meta.block_strides[region]
+            remote_descs.append((at, lens[region], meta.device_id))
+            local_descs.append((buf.ctypes.data + m * lens[region], lens[region], 0))
+    notif = f"{reg['request_id']}:1".encode()
+    failed = post_read(agent, remote, local_descs, remote_descs, notif, "WRITE")
+    if failed:
+        return dict(out, **failed)
+    return dict(out, written=mine, into=theirs, agent=remote)
+
+
 def main():
     for line in sys.stdin:
         cmd, *args = line.split()
@@ -990,6 +1105,12 @@ def main():
             params = json.loads(bytes.fromhex(args[0]))
             got = kv_dcp_decode(params, args[1], int(args[2]), int(args[3]), int(args[4]))
             answer(json.dumps(got))
+        elif cmd == "kv_push_finish":
+            blocks = [int(x) for x in args[1].split(",")]
+            tokens = int(args[2]) if len(args) > 2 else 0
+            answer(json.dumps(kv_push_finish(bytes.fromhex(args[0]).decode(), blocks, tokens)))
+        elif cmd == "kv_push_write":
+            answer(json.dumps(kv_push_write(args[0], float(args[1]), float(args[2]))))
         elif cmd == "quit":
             break
 

@@ -22,6 +22,7 @@ use std::time::Instant;
 use futures::future::join_all;
 use nixl::{Notification, NotificationFilter, XferOp, XferOptions, XferStatus};
 
+use crate::config::Protocol;
 use crate::error::{Error, Result};
 use crate::geometry::load_reads::{plan_read, ReadInputs, SideBlocks};
 use crate::transport::capability::Capability;
@@ -32,7 +33,8 @@ use crate::transport::push_wire::{
 };
 use crate::worker::connect::{self, Engine};
 use crate::worker::load::{record, report_overdue, Load};
-use crate::worker::push_book::{PrefillAction, Ready};
+use crate::worker::push_book::{PrefillAction, Ready, WaitProof};
+use crate::worker::push_outcome::outcome;
 use crate::worker::push_state::Push;
 use crate::worker::shared::Shared;
 
@@ -44,7 +46,11 @@ fn part(shared: &Shared) -> Option<&Push> {
 /// Subscribes the push notifications of `shared`'s agent now, before any other stream, so
 /// that they go to it; [`take`] then takes them.
 pub(crate) fn subscribe(shared: &Shared) -> Result<nixl::NotificationStream> {
-    let filter = NotificationFilter::any().prefix(PUSH_PREFIX);
+    // vLLM's WRITE notifications have no prefix: in its protocol every one comes here.
+    let filter = match shared.protocol {
+        Protocol::Native => NotificationFilter::any().prefix(PUSH_PREFIX),
+        Protocol::Vllm => NotificationFilter::any(),
+    };
     Ok(shared.setup.agent().notification_stream(filter)?)
 }
 
@@ -70,6 +76,11 @@ fn route(shared: &Arc<Shared>, note: Notification) {
     let Some(push) = part(shared) else {
         return;
     };
+    #[cfg(feature = "vllm")]
+    if shared.protocol == Protocol::Vllm {
+        crate::worker::push_vllm::route(shared, push, note);
+        return;
+    }
     let message = &note.message[..];
     let refused = |why: &str| {
         tracing::debug!(sender = %String::from_utf8_lossy(&note.sender), why, "push notification refused");
@@ -452,9 +463,11 @@ async fn run_load(shared: &Arc<Shared>, load: &Load) -> Result<()> {
     let (registration, capability, agents) = registration_of(shared, load).await?;
     // Drawn now: once registered, the load must be able to cancel.
     let nonce = fresh_nonce()?;
-    let woken = push
-        .waits()
-        .wait(&load.request_id, &agents, capability.clone());
+    let woken = push.waits().wait(
+        &load.request_id,
+        &agents,
+        WaitProof::Capability(capability.clone()),
+    );
     let own = shared.setup.agent();
     let message = registration_message(&registration, &capability, own.name());
     send_to(shared, &agents, &message, "registration");
@@ -509,27 +522,5 @@ fn send_to(shared: &Shared, agents: &[String], message: &[u8], what: &str) {
             shared.series.failed_notification();
             tracing::warn!(%agent, %err, "push {what} not sent");
         }
-    }
-}
-
-/// A load's outcome from its ranks' `ends`: loaded only when every one was written.
-fn outcome(
-    load: &Load,
-    ends: &[(String, Option<PushEnd>)],
-    timed_out: Option<std::time::Duration>,
-) -> Result<()> {
-    let not_written = ends.iter().find(|(_, end)| *end != Some(PushEnd::Written));
-    match (not_written, timed_out) {
-        (None, _) => Ok(()),
-        (Some(_), Some(deadline)) => Err(Error::TransferTimeout {
-            request_id: load.request_id.clone(),
-            deadline,
-        }),
-        (Some((agent, end)), None) => Err(Error::PushNotWritten {
-            request_id: load.request_id.clone(),
-            engine: load.remote.engine_id.clone(),
-            agent: agent.clone(),
-            end: end.map_or("none", PushEnd::as_str).to_string(),
-        }),
     }
 }

@@ -46,6 +46,14 @@ pub struct PushStats {
 /// another part's lock.
 pub(crate) struct Push {
     pub(crate) settings: PushSettings,
+    /// The worker's KV lease (vLLM's protocol: how long a load whose registration went
+    /// unwritten keeps its blocks after its heartbeats stop, see `push_vllm.rs`).
+    #[cfg_attr(not(feature = "vllm"), allow(dead_code))]
+    pub(crate) lease: std::time::Duration,
+    /// vLLM's protocol: the prefill request ids whose loads stopped waiting (timed out),
+    /// each with its load's request id: their heartbeats stop, so that the prefill's
+    /// lease ends, until the engine has taken the load's end.
+    silenced: Mutex<std::collections::HashMap<String, String>>,
     book: Mutex<PrefillBook>,
     waits: Mutex<DecodeWaits>,
     stats: Mutex<PushStats>,
@@ -66,6 +74,8 @@ impl Push {
     pub(crate) fn new(settings: PushSettings, lease: std::time::Duration) -> Self {
         Push {
             settings,
+            lease,
+            silenced: Mutex::default(),
             book: Mutex::new(PrefillBook::new(lease)),
             waits: Mutex::default(),
             stats: Mutex::default(),
@@ -157,6 +167,31 @@ impl Push {
         let mut exported = self.exported.lock().unwrap_or_else(|p| p.into_inner());
         series.push_waits(now.0 - exported.0, now.1 - exported.1);
         *exported = now;
+    }
+
+    /// vLLM's protocol: stops the heartbeats of the prefill's `request_id`, for the load
+    /// of `load_id`.
+    #[cfg_attr(not(feature = "vllm"), allow(dead_code))]
+    pub(crate) fn silence(&self, request_id: &str, load_id: &str) {
+        let mut silenced = self.silenced.lock().unwrap_or_else(|p| p.into_inner());
+        silenced.insert(request_id.to_string(), load_id.to_string());
+    }
+
+    /// The engine took the ends of the loads `ended`: their heartbeats, stopped, are the
+    /// scheduler's again (it sends none for an ended load).
+    pub(crate) fn loads_taken(&self, ended: &[String]) {
+        let mut silenced = self.silenced.lock().unwrap_or_else(|p| p.into_inner());
+        if !silenced.is_empty() {
+            silenced.retain(|_, load| !ended.contains(load));
+        }
+    }
+
+    /// Whether the heartbeats of the prefill's `request_id` are stopped.
+    pub(crate) fn silenced(&self, request_id: &str) -> bool {
+        self.silenced
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains_key(request_id)
     }
 
     /// Wakes the load of `request_id`, if it waits (it was aborted).
