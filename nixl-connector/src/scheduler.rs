@@ -536,11 +536,6 @@ impl KvConnectorScheduler {
         if !params.is_some_and(|p| p.do_remote_decode) || !status.is_complete() {
             return keep(false);
         }
-        if self.config.protocol == Protocol::Vllm && self.config.transfer_mode == TransferMode::Push
-        {
-            tracing::error!(request = request_id, "a prefill in vLLM's push protocol is not built yet: the request's blocks are freed and no params are handed out");
-            return keep(false);
-        }
         let Some(capability) = self.reader_capability(request_id) else {
             return keep(false);
         };
@@ -600,7 +595,11 @@ impl KvConnectorScheduler {
                 request_id: request_id.to_string(),
                 deadline,
                 capability: capability.clone(),
-                block_ids: lease_epoch.map_or(Vec::new(), |_| block_ids.to_vec()),
+                // Push mode writes them; the native protocol raises their marks.
+                block_ids: match (lease_epoch, self.config.transfer_mode) {
+                    (None, TransferMode::Pull) => Vec::new(),
+                    _ => block_ids.to_vec(),
+                },
                 lease_epoch,
                 group_lens: Vec::new(),
             },
@@ -643,6 +642,14 @@ impl KvConnectorScheduler {
                 remote_dcp_size: (config.dcp_size > 1).then_some(config.dcp_size),
                 transfer_mode: (config.transfer_mode == TransferMode::Push)
                     .then(|| TransferMode::Push.to_string()),
+                ..params
+            },
+            // vLLM's push prefill hands out neither (its blocks live as long as its lease).
+            Protocol::Vllm if config.transfer_mode == TransferMode::Push => KvTransferParams {
+                remote_num_tokens: Some(num_tokens.unwrap_or(0)),
+                remote_dcp_size: Some(config.dcp_size),
+                remote_pp_size: Some(config.pp_size),
+                transfer_mode: Some(TransferMode::Push.to_string()),
                 ..params
             },
             Protocol::Vllm => KvTransferParams {

@@ -65,10 +65,13 @@ pub(crate) mod marks_check;
 pub(crate) mod notification_format;
 pub(crate) mod push;
 mod push_book;
+#[cfg(feature = "vllm")]
+mod push_book_vllm;
 mod push_outcome;
 pub(crate) mod push_state;
 #[cfg(feature = "vllm")]
 mod push_vllm;
+mod push_write;
 mod registration;
 pub(crate) mod remotes;
 mod reregister;
@@ -688,9 +691,19 @@ impl KvConnectorWorker {
             });
             let capability = send.capability.clone();
             self.hold(&send.request_id, send.deadline, capability.clone(), marks);
-            if let (Some(_), Some(capability)) = (&self.shared.push, capability) {
-                let blocks = (send.block_ids.clone(), send.group_lens.clone());
-                crate::worker::push::ready(&self.shared, &send.request_id, blocks, capability);
+            let Some(push) = &self.shared.push else {
+                continue;
+            };
+            let blocks = (send.block_ids.clone(), send.group_lens.clone());
+            match (push, capability, self.shared.protocol) {
+                (_, Some(capability), Protocol::Native) => {
+                    crate::worker::push::ready(&self.shared, &send.request_id, blocks, capability);
+                }
+                #[cfg(feature = "vllm")]
+                (push, None, Protocol::Vllm) => {
+                    crate::worker::push_vllm::ready(&self.shared, push, &send.request_id, blocks);
+                }
+                _ => {}
             }
         }
         if !meta.evict.is_empty() {

@@ -113,6 +113,19 @@ Push mode (vLLM 0.33's NixlPushConnector), the kv_prefill engine as its prefill:
                                kv_notifs -> JSON {registration, hex, from, matched, written,
                                into, agent}, or with mismatch or error
 
+The kv_prefill engine as vLLM's push decode (its ROUTER serves the prefill's handshake):
+  kv_push_register HEXPARAMS HASH HEXREQ LOCAL HOST
+                               a handshake (hash HASH checked) with the prefill of the JSON
+                               kv_transfer_params HEXPARAMS, once per engine, then one
+                               PUSH_REG notification to it: vLLM's eleven keys for its own
+                               request HEXREQ, its blocks LOCAL ("0,1,2", one group), its side
+                               channel named HOST -> JSON {hex, agent} or the refusal
+  kv_push_hb ENGINE HEXIDS     vLLM's heartbeat to ENGINE's agent naming the comma-joined ids
+  kv_push_wait HEXREQ LOCAL SECONDS
+                               the first notification naming request HEXREQ (the WRITE's),
+                               waited for at most SECONDS -> JSON {from, hex, vllm, data: HEX
+                               of its blocks LOCAL, region by region} or an error
+
 Decode context parallelism (DCP, vLLM 0.33's NixlConnector with an MLA cache): an engine of
 DCP = TP ranks, rank r holding the request's global block positions r, r + DCP, ..., the
 j-th block of the request's list (the same on every rank) holding position j * DCP + r.
@@ -1018,6 +1031,67 @@ def kv_push_write(local_hash, seconds, delay):
     return dict(out, written=mine, into=theirs, agent=remote)
 
 
+def kv_push_register(params, local_hash, req_id, local, host):
+    """The kv engine as vLLM's push decode for the prefill's JSON PARAMS: a handshake (hash
+    checked) once per engine, then one PUSH_REG notification to the prefill's agent, the
+    eleven keys of vLLM's push scheduler in its order, for its own request REQ_ID and its
+    freshly allocated blocks LOCAL (one group), its side channel named HOST
+    -> JSON {hex} or why not."""
+    got = kv_remote(params["remote_engine_id"], params["remote_port"], local_hash)
+    if isinstance(got, dict):
+        return got
+    remote = got[0]
+    reg = {
+        "request_id": req_id,
+        "decode_engine_id": kv["engine"],
+        "decode_host": host,
+        "decode_port": kv["port"],
+        "decode_tp_size": 1,
+        "local_block_ids": [local],
+        "remote_engine_id": params["remote_engine_id"],
+        "remote_host": params["remote_host"],
+        "remote_port": params["remote_port"],
+        "remote_tp_size": params["tp_size"],
+        "remote_pp_size": params.get("pp_size", 1),
+    }
+    msg = b"PUSH_REG:" + msgspec.msgpack.encode(reg)
+    kv["agent"].send_notif(remote, notif_msg=msg)
+    return {"hex": msg.hex(), "agent": remote}
+
+
+def kv_push_hb(engine, ids):
+    """vLLM's heartbeat from the kv engine to ENGINE's agent (handshaken by
+    kv_push_register or kv_pull), naming IDS."""
+    remote = kv["remotes"][engine][0]
+    kv["agent"].send_notif(remote, notif_msg=("HB:" + ",".join(ids)).encode())
+    return "ok"
+
+
+def kv_push_wait(req_id, local, seconds):
+    """vLLM's push decode waiting for its request REQ_ID: the first notification naming it
+    ("REQ_ID:N", the prefill's WRITE), waited for at most SECONDS, and then the bytes of
+    its blocks LOCAL, region by region -> JSON {from, hex, vllm, data} or an error."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        take_push_notifs()
+        for i, (sender, note) in enumerate(kv["notifs"]):
+            try:
+                parsed = parse_notif(note)
+            except (ValueError, UnicodeDecodeError):
+                continue
+            if parsed.get("id") == req_id:
+                del kv["notifs"][i]
+                lens = kv["meta"].block_lens
+                data = b"".join(
+                    buf[b * lens[r] : (b + 1) * lens[r]].tobytes()
+                    for r, buf in enumerate(kv["bufs"])
+                    for b in local
+                )
+                return {"from": sender, "hex": note.hex(), "vllm": parsed, "data": data.hex()}
+        time.sleep(0.001)
+    return {"error": "no WRITE notification", "notifs": [n.hex() for _, n in kv["notifs"]]}
+
+
 def main():
     for line in sys.stdin:
         cmd, *args = line.split()
@@ -1111,6 +1185,16 @@ def main():
             answer(json.dumps(kv_push_finish(bytes.fromhex(args[0]).decode(), blocks, tokens)))
         elif cmd == "kv_push_write":
             answer(json.dumps(kv_push_write(args[0], float(args[1]), float(args[2]))))
+        elif cmd == "kv_push_register":
+            params = json.loads(bytes.fromhex(args[0]))
+            local = [int(x) for x in args[3].split(",")]
+            got = kv_push_register(params, args[1], bytes.fromhex(args[2]).decode(), local, args[4])
+            answer(json.dumps(got))
+        elif cmd == "kv_push_hb":
+            answer(kv_push_hb(args[0], [bytes.fromhex(x).decode() for x in args[1].split(",")]))
+        elif cmd == "kv_push_wait":
+            local = [int(x) for x in args[1].split(",")]
+            answer(json.dumps(kv_push_wait(bytes.fromhex(args[0]).decode(), local, float(args[2]))))
         elif cmd == "quit":
             break
 

@@ -20,11 +20,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use futures::future::join_all;
-use nixl::{Notification, NotificationFilter, XferOp, XferOptions, XferStatus};
+use nixl::{Notification, NotificationFilter};
 
 use crate::config::Protocol;
 use crate::error::{Error, Result};
-use crate::geometry::load_reads::{plan_read, ReadInputs, SideBlocks};
 use crate::transport::capability::Capability;
 use crate::transport::push_wire::{
     cancel_message, end_message, fresh_nonce, parse_cancel, parse_end, parse_registration,
@@ -36,6 +35,7 @@ use crate::worker::load::{record, report_overdue, Load};
 use crate::worker::push_book::{PrefillAction, Ready, WaitProof};
 use crate::worker::push_outcome::outcome;
 use crate::worker::push_state::Push;
+use crate::worker::push_write::{post_and_await, WriteInputs};
 use crate::worker::shared::Shared;
 
 /// The push part of `shared`, which push mode has.
@@ -259,7 +259,31 @@ async fn write(
     }
     let started = Instant::now();
     let outcome = match decode_rank(shared, &registration, sender).await {
-        Ok(remote) => post_and_await(shared, &registration, &ready, &remote).await,
+        Ok(remote) => {
+            let decode_ids: Vec<usize> = registration
+                .block_ids
+                .iter()
+                .map(|&b| usize::try_from(b).unwrap_or(usize::MAX))
+                .collect();
+            let decode_lens: Vec<usize> = registration
+                .group_lens
+                .iter()
+                .map(|&n| usize::try_from(n).unwrap_or(usize::MAX))
+                .collect();
+            let notification = end_message(
+                &registration.decode_request_id,
+                PushEnd::Written,
+                &EndProof::Capability(ready.capability.clone()),
+                shared.setup.agent().name(),
+            );
+            let inputs = WriteInputs {
+                request_id: &registration.request_id,
+                decode: (&decode_ids, &decode_lens),
+                ready: (&ready.block_ids, &ready.group_lens),
+                notification,
+            };
+            post_and_await(shared, inputs, &remote).await
+        }
         Err(err) => Err((PushEnd::Failed, err)),
     };
     let took = started.elapsed();
@@ -291,99 +315,6 @@ async fn write(
     if let Err((end, _)) = outcome {
         send_end(shared, sender, &registration, end, &proof).await;
     }
-}
-
-/// Plans, posts and awaits the WRITE of `ready` into `registration`'s blocks of `remote`;
-/// its bytes, or how it ended and why.
-async fn post_and_await(
-    shared: &Shared,
-    registration: &Registration,
-    ready: &Ready,
-    remote: &crate::worker::remotes::Remote,
-) -> std::result::Result<usize, (PushEnd, Error)> {
-    const OP: &str = "write a push registration";
-    let refused = |err: Error| (PushEnd::Refused, err);
-    let caches = shared
-        .caches
-        .get()
-        .ok_or((PushEnd::Failed, Error::NotRegistered { operation: OP }))?;
-    let lists = remote.lists.as_ref().ok_or_else(|| {
-        refused(Error::invalid(
-            OP,
-            "the decode rank's geometry gives this rank nothing to write",
-        ))
-    })?;
-    let decode_ids: Vec<usize> = registration
-        .block_ids
-        .iter()
-        .map(|&b| usize::try_from(b).unwrap_or(usize::MAX))
-        .collect();
-    let decode_lens: Vec<usize> = registration
-        .group_lens
-        .iter()
-        .map(|&n| usize::try_from(n).unwrap_or(usize::MAX))
-        .collect();
-    let per_id = shared
-        .groups
-        .kernel_blocks_per_id(caches.spec.block_size)
-        .map_err(refused)?;
-    if per_id != 1
-        || remote.blocks_per_id != 1
-        || remote.plan.local_block_size != remote.plan.remote_block_size
-    {
-        return Err(refused(Error::invalid(
-            OP,
-            "push between engines of different block sizes, or of several kernel blocks per block id, is not built yet; use pull mode",
-        )));
-    }
-    let (local_ids, local_lens) = crate::geometry::push_cut::cut_to_decode(
-        (&ready.block_ids, &ready.group_lens),
-        (&decode_ids, &decode_lens),
-    )
-    .map_err(|why| refused(Error::invalid(OP, why)))?;
-    let writes = plan_read(&ReadInputs {
-        request_id: &registration.request_id,
-        local: SideBlocks {
-            ids: &local_ids,
-            group_lens: &local_lens,
-            per_id,
-        },
-        remote: SideBlocks {
-            ids: &decode_ids,
-            group_lens: &decode_lens,
-            per_id: remote.blocks_per_id,
-        },
-        num_tokens: None,
-        local_num_blocks: caches.spec.num_blocks,
-        plan: &remote.plan,
-        groups: &shared.groups,
-        ssm: remote.ssm.as_ref(),
-        reads_attention: remote.reads_attention(),
-    })
-    .map_err(refused)?;
-    let agent = shared.setup.agent();
-    let notification = end_message(
-        &registration.decode_request_id,
-        PushEnd::Written,
-        &EndProof::Capability(ready.capability.clone()),
-        agent.name(),
-    );
-    let options = XferOptions::new().notification(notification);
-    let failed = |err: nixl::Error| (PushEnd::Failed, Error::from(err));
-    let mut request = agent
-        .make_xfer_req(
-            XferOp::Write,
-            lists.local.as_ref().unwrap_or(&caches.local),
-            &writes.local,
-            &lists.remote,
-            &writes.remote,
-            &options,
-        )
-        .map_err(failed)?;
-    if request.post().map_err(failed)? != XferStatus::Done {
-        request.await.map_err(failed)?;
-    }
-    Ok(writes.bytes)
 }
 
 /// Decode: registers `load`'s blocks with its prefill ranks and waits for each one's end,

@@ -9,6 +9,8 @@ use std::time::Instant;
 use crate::metrics::series::Series;
 use crate::transfer_mode::PushSettings;
 use crate::worker::push_book::{DecodeWaits, PrefillBook};
+#[cfg(feature = "vllm")]
+use crate::worker::push_book_vllm::VllmPrefillBook;
 
 /// What push mode did on a worker so far (both roles).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -55,6 +57,9 @@ pub(crate) struct Push {
     /// lease ends, until the engine has taken the load's end.
     silenced: Mutex<std::collections::HashMap<String, String>>,
     book: Mutex<PrefillBook>,
+    /// vLLM's protocol: its prefill book (registrations without proofs).
+    #[cfg(feature = "vllm")]
+    vllm_book: Mutex<VllmPrefillBook>,
     waits: Mutex<DecodeWaits>,
     stats: Mutex<PushStats>,
     /// The book's waits and drops the series have heard of.
@@ -77,6 +82,8 @@ impl Push {
             lease,
             silenced: Mutex::default(),
             book: Mutex::new(PrefillBook::new(lease)),
+            #[cfg(feature = "vllm")]
+            vllm_book: Mutex::new(VllmPrefillBook::new(lease)),
             waits: Mutex::default(),
             stats: Mutex::default(),
             exported: Mutex::default(),
@@ -134,6 +141,11 @@ impl Push {
         self.book.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    #[cfg(feature = "vllm")]
+    pub(crate) fn vllm_book(&self) -> MutexGuard<'_, VllmPrefillBook> {
+        self.vllm_book.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     pub(crate) fn waits(&self) -> MutexGuard<'_, DecodeWaits> {
         self.waits.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -144,7 +156,16 @@ impl Push {
 
     /// The counts so far, the prefill book's included.
     pub(crate) fn stats(&self) -> PushStats {
-        let book = self.book().stats;
+        #[cfg_attr(not(feature = "vllm"), allow(unused_mut))]
+        let mut book = self.book().stats;
+        #[cfg(feature = "vllm")]
+        {
+            let vllm = self.vllm_book().stats;
+            book.matched += vllm.matched;
+            book.waited += vllm.waited;
+            book.evicted += vllm.evicted;
+            book.refused += vllm.refused;
+        }
         let mut stats = *self.stats.lock().unwrap_or_else(|p| p.into_inner());
         stats.registrations_matched = book.matched;
         stats.registrations_waited = book.waited;
@@ -162,8 +183,18 @@ impl Push {
             book.released(id);
         }
         book.expire(Instant::now());
-        let now = (book.stats.waited, book.stats.evicted);
+        #[cfg_attr(not(feature = "vllm"), allow(unused_mut))]
+        let mut now = (book.stats.waited, book.stats.evicted);
         drop(book);
+        #[cfg(feature = "vllm")]
+        {
+            let mut book = self.vllm_book();
+            for id in released {
+                book.released(id);
+            }
+            book.expire(Instant::now());
+            now = (now.0 + book.stats.waited, now.1 + book.stats.evicted);
+        }
         let mut exported = self.exported.lock().unwrap_or_else(|p| p.into_inner());
         series.push_waits(now.0 - exported.0, now.1 - exported.1);
         *exported = now;

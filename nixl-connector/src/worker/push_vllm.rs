@@ -14,24 +14,38 @@
 //! prefill's) for a WRITE that was already under way; then it fails by the failure policy
 //! and hands its blocks back. An aborted load waits the same grace.
 //!
+//! **Prefill** ([`ready`], [`route`]): a registration is matched to a request held for
+//! push by vLLM's rules (`push_book_vllm.rs`); the rank handshakes with the decode rank its
+//! own rank writes (vLLM's TP mapping: decode TP at most this engine's), whose agent must be
+//! the registration's sender, and WRITEs as the native push does (`push_write.rs`) with
+//! vLLM's notification. The request is released once NIXL has ended the WRITE (never by
+//! its lease while it runs), or at once when the registration is refused (it does not fit
+//! the request, another engine's, a TP vLLM cannot pair): vLLM's wire has no refusal, and
+//! the decode's registration times out.
+//!
 //! Every notification of a vLLM push worker comes here ([`route`]): `HB:` heartbeats go to
 //! the held requests as in pull mode, `PUSH_REG:` to the prefill side, the rest are WRITE
 //! notifications parsed strictly (no `:`, a count that is not a number: dropped and
 //! counted).
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use futures::future::join_all;
 use nixl::Notification;
 
 use crate::error::{Error, Result};
+use crate::transport::push_wire::PushEnd;
 use crate::vllm::notify::{self, NotificationLimits, VllmNotification, HEARTBEAT_PREFIX};
 use crate::vllm::push_reg::{PushRegistration, RegisteredBlocks, PUSH_REG_PREFIX};
-use crate::worker::connect;
+use crate::worker::connect::{self, Engine};
 use crate::worker::load::{record, report_overdue, Load};
 use crate::worker::push_book::WaitProof;
+use crate::worker::push_book_vllm::VllmWrite;
 use crate::worker::push_outcome::outcome;
 use crate::worker::push_state::Push;
+use crate::worker::push_write::{post_and_await, WriteInputs};
+use crate::worker::remotes::Remote;
 use crate::worker::shared::Shared;
 
 /// One notification of a vLLM push worker.
@@ -49,8 +63,25 @@ pub(crate) fn route(shared: &Arc<Shared>, push: &Push, note: Notification) {
         tracing::debug!(sender = %String::from_utf8_lossy(&note.sender), why, "vLLM push notification dropped");
     };
     if message.starts_with(PUSH_REG_PREFIX) {
-        refused("a registration: this crate's prefill does not take vLLM's push registrations yet");
-        push.count(|s| s.registrations_refused += 1);
+        if push.closing() {
+            refused("the worker is closing");
+            return;
+        }
+        match PushRegistration::parse(message) {
+            Ok(registration) => {
+                let bytes = message.len() + note.sender.len();
+                let write = push
+                    .vllm_book()
+                    .registration(&note.sender, registration, bytes);
+                if let Some(write) = write {
+                    spawn_write(shared, write);
+                }
+            }
+            Err(err) => {
+                refused(&err.to_string());
+                push.count(|s| s.registrations_refused += 1);
+            }
+        }
         return;
     }
     let written = match notify::parse(message, &NotificationLimits::default()) {
@@ -181,4 +212,155 @@ async fn run_load(shared: &Arc<Shared>, push: &Push, load: &Load) -> Result<()> 
             () = tokio::time::sleep_until(deadline) => {}
         }
     }
+}
+
+/// Prefill: `request_id` is held for a push of `blocks` (ids, and group lengths; empty for
+/// one group); a registration that came first is written now.
+pub(crate) fn ready(
+    shared: &Arc<Shared>,
+    push: &Push,
+    request_id: &str,
+    blocks: (Vec<usize>, Vec<usize>),
+) {
+    if let Some(write) = push.vllm_book().ready(request_id, blocks) {
+        spawn_write(shared, write);
+    }
+}
+
+fn spawn_write(shared: &Arc<Shared>, write: VllmWrite) {
+    let shared = shared.clone();
+    tokio::spawn(async move {
+        if let Some(push) = &shared.push {
+            self::write(&shared, push, write).await;
+        }
+    });
+}
+
+/// The decode rank this rank writes for `registration`, handshaken (its agent must be
+/// `sender`), or why not.
+async fn decode_rank(
+    shared: &Arc<Shared>,
+    registration: &PushRegistration,
+    sender: &[u8],
+) -> std::result::Result<Arc<Remote>, (PushEnd, Error)> {
+    const OP: &str = "write a vLLM push registration";
+    let refused = |why: String| (PushEnd::Refused, Error::invalid(OP, why));
+    let own = &shared.config;
+    if registration.remote_engine_id != own.engine_id {
+        return Err(refused(format!(
+            "it names prefill engine {:?}, this is {:?}",
+            registration.remote_engine_id, own.engine_id
+        )));
+    }
+    if registration.remote_tp_size != own.tp_size as u64 || registration.remote_pp_size != 1 {
+        return Err(refused(format!(
+            "it names a prefill of TP {} and {} stages, this is TP {} of one stage",
+            registration.remote_tp_size, registration.remote_pp_size, own.tp_size
+        )));
+    }
+    let decode_tp = usize::try_from(registration.decode_tp_size).unwrap_or(usize::MAX);
+    if decode_tp == 0 || decode_tp > own.tp_size || own.tp_size % decode_tp != 0 {
+        return Err(refused(format!(
+            "a decode of TP {decode_tp}: push writes a decode whose TP divides this prefill's ({}), as vLLM's push",
+            own.tp_size
+        )));
+    }
+    let rank = own.tp_rank / (own.tp_size / decode_tp);
+    let engine = Engine {
+        id: &registration.decode_engine_id,
+        host: &registration.decode_host,
+        tp_size: decode_tp,
+        pp_size: 1,
+    };
+    let remote = connect::remote(shared, engine, rank, registration.decode_port)
+        .await
+        .map_err(|err| (PushEnd::Failed, err))?;
+    if remote.agent.as_bytes() != sender {
+        return Err(refused(format!(
+            "the registration came from agent {:?}, but decode rank {rank} is agent {:?}",
+            String::from_utf8_lossy(sender),
+            remote.agent
+        )));
+    }
+    Ok(remote)
+}
+
+/// The decode's registered blocks in token order and their count per KV cache group
+/// (empty for one group).
+fn decode_blocks(
+    registration: &PushRegistration,
+) -> std::result::Result<(Vec<usize>, Vec<usize>), (PushEnd, Error)> {
+    let groups = registration.local_block_ids.groups();
+    let mut ids = Vec::new();
+    for &id in groups.iter().flatten() {
+        ids.push(usize::try_from(id).map_err(|_| {
+            (
+                PushEnd::Refused,
+                Error::invalid("write a vLLM push registration", format!("block id {id}")),
+            )
+        })?);
+    }
+    let lens = match groups.len() {
+        1 => Vec::new(),
+        _ => groups.iter().map(Vec::len).collect(),
+    };
+    Ok((ids, lens))
+}
+
+/// Prefill: WRITEs `write`'s held blocks into the decode blocks its registration names,
+/// with vLLM's notification, and releases the request once NIXL has ended the WRITE (or
+/// at once when none was posted).
+async fn write(shared: &Arc<Shared>, push: &Push, write: VllmWrite) {
+    let VllmWrite {
+        request_id,
+        sender,
+        registration,
+        ready,
+    } = write;
+    if !shared.sends.lock().start_writing(&request_id) {
+        tracing::debug!(request = %request_id, "a vLLM push registration for a request no longer held");
+        return;
+    }
+    let started = Instant::now();
+    let outcome = match decode_rank(shared, &registration, &sender).await {
+        Ok(remote) => match decode_blocks(&registration) {
+            Ok((ids, lens)) => {
+                let notification = format!("{}:{}", registration.request_id, shared.config.tp_size);
+                let inputs = WriteInputs {
+                    request_id: &request_id,
+                    decode: (&ids, &lens),
+                    ready: (&ready.0, &ready.1),
+                    notification: notification.into_bytes(),
+                };
+                post_and_await(shared, inputs, &remote).await
+            }
+            Err(refused) => Err(refused),
+        },
+        Err(why) => Err(why),
+    };
+    let took = started.elapsed();
+    match &outcome {
+        Ok(bytes) => {
+            shared.series.push_write("written", took);
+            push.count(|s| {
+                s.writes += 1;
+                s.bytes_written += *bytes as u64;
+            });
+            tracing::debug!(request = %request_id, bytes, ?took, "vLLM push WRITE ended");
+        }
+        Err((end, err)) => {
+            let refused = *end == PushEnd::Refused;
+            shared
+                .series
+                .push_write(if refused { "refused" } else { "failed" }, took);
+            push.count(|s| match refused {
+                true => s.registrations_oversized += 1,
+                false => s.failed_writes += 1,
+            });
+            tracing::warn!(request = %request_id, decode = %registration.decode_engine_id, %err, "vLLM push WRITE not done; the decode's registration times out");
+        }
+    }
+    // NIXL has ended the WRITE (or none was posted): the blocks may go back.
+    shared.sends.lock().written(&request_id);
+    shared.sends.notify_arrived();
 }
