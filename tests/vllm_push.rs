@@ -18,7 +18,7 @@ mod vllm_support;
 
 use std::time::{Duration, Instant};
 
-use nixl_connector::vllm::push_reg::PushRegistration;
+use nixl_connector::vllm::push_reg::{PushRegistration, RegisteredBlocks};
 use nixl_connector::vllm::CompatibilityFactors;
 use nixl_connector::{
     FailedBlock, FailureKind, FinishStatus, KvConnectorScheduler, KvConnectorWorker,
@@ -422,11 +422,13 @@ fn finish_on_rust(
     finished.kv_transfer_params.unwrap().to_vllm_json()
 }
 
-/// The Python engine as a push decode (its cache and side channel serving under `hash`).
-fn python_decode(peer: &mut VllmPeer, hash: &str) {
-    peer.json(&format!(
+/// The Python engine as a push decode (its cache and side channel serving under `hash`);
+/// its side channel's port.
+fn python_decode(peer: &mut VllmPeer, hash: &str) -> u16 {
+    let got = peer.json(&format!(
         "kv_prefill {hash} 0 0 py-push-decode {REGIONS} {BLOCKS} {BLOCK_LEN} 16"
     ));
+    got["port"].as_u64().unwrap() as u16
 }
 
 /// The Python decode registers `local` for its request `request` with the prefill of
@@ -595,11 +597,95 @@ async fn a_rust_push_prefill_and_a_python_pull_engine_refuse_each_other() {
     let refused = register(&mut peer, &params, &pull, "mixed-3", &[2], "127.0.0.1");
     assert_eq!(refused["mismatch"], json!([pull, push]), "{refused}");
     // Its registration checking the push hash goes, but it serves the pull one: the Rust
-    // prefill's handshake refuses it, writes nothing, and frees the request.
+    // prefill's handshake refuses it and writes nothing; the request is freed by its lease.
     register(&mut peer, &params, &push, "mixed-3", &[2], "127.0.0.1");
     released(&prefill, "mixed-3").await;
     let stats = prefill.push_stats();
     assert_eq!((stats.writes, stats.failed_writes), (0, 1), "{stats:?}");
+    assert_eq!(prefill.send_stats().freed_on_timeout, 1);
     let none = peer.json(&format!("kv_push_wait {} 2 0.3", hex(b"mixed-3")));
     assert_eq!(none["error"], "no WRITE notification", "{none}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_third_agents_and_malformed_notifications_are_dropped_and_counted_in_both_roles() {
+    let mut peer = VllmPeer::start();
+    let hash = push_factors().hash();
+
+    // Decode: completions from an agent it did not register with, without a ':', or of a
+    // count that is not a number or not the prefill's TP end nothing.
+    python_prefill(&mut peer, &hash);
+    let (decode, mut scheduler) = push_decode(30.0);
+    let params = finish_on_python(&mut peer, "fg-1", &[1, 2]);
+    start((&decode, &mut scheduler), "fg-1", &[3, 4], &params);
+    let port = decode.side_channel_addr().unwrap().port();
+    for forged in [&b"fg-1:1"[..], b"fg-1", b"fg-1:x", b"fg-1:2", b"\xff\xfe"] {
+        let got = peer.json(&format!(
+            "kv_forge {port} {hash} rs-push-decode {}",
+            hex(forged)
+        ));
+        assert!(got.get("agent").is_some(), "{got}");
+    }
+    let start = Instant::now();
+    while decode.push_stats().refused_ends < 5 {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            decode.push_stats()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        decode.finished().recving.is_empty(),
+        "ended by a forged completion"
+    );
+    peer.json(&format!("kv_push_write {hash} 10 0"));
+    let outcome = outcome((&decode, &mut scheduler), "fg-1", Duration::from_secs(10)).await;
+    assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
+    holds(&decode, &[3, 4], &[1, 2], &[5]);
+
+    // Prefill: a registration that does not parse is refused; one from a third agent naming
+    // the real decode's blocks writes nothing and leaves the request for the decode's own.
+    let mut peer = VllmPeer::start();
+    let decode_port = python_decode(&mut peer, &hash);
+    let (prefill, mut scheduler) = push_prefill();
+    let params = finish_on_rust((&prefill, &mut scheduler), "fg-2", &[6, 7]);
+    let port = prefill.side_channel_addr().unwrap().port();
+    let garbage = b"PUSH_REG:\x92\x01";
+    peer.json(&format!(
+        "kv_forge {port} {hash} rs-push-prefill {}",
+        hex(garbage)
+    ));
+    let real: Value = serde_json::from_str(&params).unwrap();
+    let forged = PushRegistration {
+        request_id: "fg-2".into(),
+        decode_engine_id: "py-push-decode".into(),
+        decode_host: "127.0.0.1".into(),
+        decode_port,
+        decode_tp_size: 1,
+        local_block_ids: RegisteredBlocks::Groups(vec![vec![0, 1]]),
+        remote_engine_id: "rs-push-prefill".into(),
+        remote_host: "127.0.0.1".into(),
+        remote_port: real["remote_port"].as_u64().unwrap() as u16,
+        remote_tp_size: 1,
+        remote_pp_size: 1,
+    };
+    let message = forged.encode().unwrap();
+    peer.json(&format!(
+        "kv_forge {port} {hash} rs-push-prefill {}",
+        hex(&message)
+    ));
+    let start = Instant::now();
+    loop {
+        let stats = prefill.push_stats();
+        if stats.registrations_refused == 1 && stats.registrations_oversized == 1 {
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "{stats:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(prefill.push_stats().writes, 0);
+    register(&mut peer, &params, &hash, "fg-2", &[2, 3], "127.0.0.1");
+    written_into_python(&mut peer, &prefill, "fg-2", &[2, 3], &[6, 7]);
+    released(&prefill, "fg-2").await;
 }

@@ -126,6 +126,11 @@ The kv_prefill engine as vLLM's push decode (its ROUTER serves the prefill's han
                                waited for at most SECONDS -> JSON {from, hex, vllm, data: HEX
                                of its blocks LOCAL, region by region} or an error
 
+A third agent:
+  kv_forge PORT HASH ENGINE HEXMSG
+                               a fresh agent handshakes with ENGINE's ROUTER at PORT (hash
+                               HASH checked) and sends it the notification HEXMSG -> JSON
+
 Decode context parallelism (DCP, vLLM 0.33's NixlConnector with an MLA cache): an engine of
 DCP = TP ranks, rank r holding the request's global block positions r, r + DCP, ..., the
 j-th block of the request's list (the same on every rank) holding position j * DCP + r.
@@ -1092,6 +1097,19 @@ def kv_push_wait(req_id, local, seconds):
     return {"error": "no WRITE notification", "notifs": [n.hex() for _, n in kv["notifs"]]}
 
 
+def kv_forge(port, local_hash, engine, msg):
+    """A third agent, not the kv engine's: it handshakes with ENGINE's ROUTER at PORT (hash
+    LOCAL_HASH checked) and sends its agent the notification MSG -> JSON {agent} or why
+    not."""
+    got = decode_agent(port, local_hash, True, engine)
+    if isinstance(got, dict):
+        return got
+    agent, remote, _, _ = got
+    agent.send_notif(remote, notif_msg=msg)
+    heartbeat_agents.append(agent)
+    return {"agent": agent.name if hasattr(agent, "name") else ""}
+
+
 def main():
     for line in sys.stdin:
         cmd, *args = line.split()
@@ -1195,6 +1213,9 @@ def main():
         elif cmd == "kv_push_wait":
             local = [int(x) for x in args[1].split(",")]
             answer(json.dumps(kv_push_wait(bytes.fromhex(args[0]).decode(), local, float(args[2]))))
+        elif cmd == "kv_forge":
+            got = kv_forge(int(args[0]), args[1], args[2], bytes.fromhex(args[3]))
+            answer(json.dumps(got))
         elif cmd == "quit":
             break
 

@@ -41,6 +41,14 @@ impl RegisteredBlocks {
             RegisteredBlocks::Flat(ids) => vec![ids.clone()],
         }
     }
+
+    /// How many block ids, in every group.
+    pub fn id_count(&self) -> usize {
+        match self {
+            RegisteredBlocks::Groups(groups) => groups.iter().map(Vec::len).sum(),
+            RegisteredBlocks::Flat(ids) => ids.len(),
+        }
+    }
 }
 
 /// vLLM's registration map (its eleven keys, in its order; keys it may add later are
@@ -200,6 +208,7 @@ mod tests {
         message.extend(rmp_serde::to_vec_named(&newer).unwrap());
         let got = PushRegistration::parse(&message).unwrap();
         assert_eq!(got.local_block_ids.groups(), vec![vec![3, 4]]);
+        assert_eq!(got.local_block_ids.id_count(), 2);
     }
 
     #[test]

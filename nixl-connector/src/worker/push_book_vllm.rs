@@ -153,6 +153,15 @@ impl VllmPrefillBook {
         })
     }
 
+    /// The registration matched to `request_id` was not written and nothing was posted (its
+    /// sender is not the decode rank it names, or the handshake failed): a later one may
+    /// match it.
+    pub(crate) fn unstart(&mut self, request_id: &str) {
+        if let Some(held) = self.held.get_mut(request_id) {
+            held.started = false;
+        }
+    }
+
     /// `request_id` was released (written, or its lease ended).
     pub(crate) fn released(&mut self, request_id: &str) {
         self.held.remove(request_id);
@@ -238,6 +247,12 @@ mod tests {
         assert_eq!(book.stats.refused, 1, "one WRITE per request");
         assert!(book.registration(b"d", reg("other"), 10).is_none());
         assert_eq!(book.waiting().0, 1, "no match: it waits");
+        book.unstart("r-1a2b3c4d");
+        let again = book.registration(b"d", reg("r-1a2b3c4d"), 10).unwrap();
+        assert_eq!(
+            again.request_id, "r-1a2b3c4d",
+            "matched again once unstarted"
+        );
         book.released("r-1a2b3c4d");
         assert!(book.registration(b"d", reg("r-1a2b3c4d"), 10).is_none());
         assert_eq!(

@@ -19,9 +19,10 @@
 //! own rank writes (vLLM's TP mapping: decode TP at most this engine's), whose agent must be
 //! the registration's sender, and WRITEs as the native push does (`push_write.rs`) with
 //! vLLM's notification. The request is released once NIXL has ended the WRITE (never by
-//! its lease while it runs), or at once when the registration is refused (it does not fit
-//! the request, another engine's, a TP vLLM cannot pair): vLLM's wire has no refusal, and
-//! the decode's registration times out.
+//! its lease while it runs), or at once when the proven decode's registration does not fit
+//! it (vLLM's wire has no refusal: the decode's registration times out). A registration
+//! that fails before that (another engine's, a TP vLLM cannot pair, a handshake that
+//! fails, a sender that is not the decode rank) leaves the request held for another.
 //!
 //! Every notification of a vLLM push worker comes here ([`route`]): `HB:` heartbeats go to
 //! the held requests as in pull mode, `PUSH_REG:` to the prefill side, the rest are WRITE
@@ -69,7 +70,9 @@ pub(crate) fn route(shared: &Arc<Shared>, push: &Push, note: Notification) {
         }
         match PushRegistration::parse(message) {
             Ok(registration) => {
-                let bytes = message.len() + note.sender.len();
+                // What it holds once decoded: each block id takes 8 bytes, most took 1.
+                let ids = registration.local_block_ids.id_count();
+                let bytes = message.len() + note.sender.len() + 8 * ids;
                 let write = push
                     .vllm_book()
                     .registration(&note.sender, registration, bytes);
@@ -309,7 +312,9 @@ fn decode_blocks(
 
 /// Prefill: WRITEs `write`'s held blocks into the decode blocks its registration names,
 /// with vLLM's notification, and releases the request once NIXL has ended the WRITE (or
-/// at once when none was posted).
+/// at once when it was refused after the decode rank was proven). A registration whose
+/// decode rank cannot be handshaken or is not its sender leaves the request held for a
+/// genuine one (its lease frees it), so that no agent can drop a request by naming it.
 async fn write(shared: &Arc<Shared>, push: &Push, write: VllmWrite) {
     let VllmWrite {
         request_id,
@@ -317,48 +322,52 @@ async fn write(shared: &Arc<Shared>, push: &Push, write: VllmWrite) {
         registration,
         ready,
     } = write;
+    let started = Instant::now();
+    let not_done = |end: PushEnd, err: &Error| {
+        let refused = end == PushEnd::Refused;
+        let outcome = if refused { "refused" } else { "failed" };
+        shared.series.push_write(outcome, started.elapsed());
+        push.count(|s| match refused {
+            true => s.registrations_oversized += 1,
+            false => s.failed_writes += 1,
+        });
+        tracing::warn!(request = %request_id, decode = %registration.decode_engine_id, %err, outcome, "vLLM push WRITE not done; the decode's registration times out");
+    };
+    let remote = match decode_rank(shared, &registration, &sender).await {
+        Ok(remote) => remote,
+        Err((end, err)) => {
+            not_done(end, &err);
+            push.vllm_book().unstart(&request_id);
+            return;
+        }
+    };
     if !shared.sends.lock().start_writing(&request_id) {
         tracing::debug!(request = %request_id, "a vLLM push registration for a request no longer held");
         return;
     }
-    let started = Instant::now();
-    let outcome = match decode_rank(shared, &registration, &sender).await {
-        Ok(remote) => match decode_blocks(&registration) {
-            Ok((ids, lens)) => {
-                let notification = format!("{}:{}", registration.request_id, shared.config.tp_size);
-                let inputs = WriteInputs {
-                    request_id: &request_id,
-                    decode: (&ids, &lens),
-                    ready: (&ready.0, &ready.1),
-                    notification: notification.into_bytes(),
-                };
-                post_and_await(shared, inputs, &remote).await
-            }
-            Err(refused) => Err(refused),
-        },
-        Err(why) => Err(why),
+    let outcome = match decode_blocks(&registration) {
+        Ok((ids, lens)) => {
+            let notification = format!("{}:{}", registration.request_id, shared.config.tp_size);
+            let inputs = WriteInputs {
+                request_id: &request_id,
+                decode: (&ids, &lens),
+                ready: (&ready.0, &ready.1),
+                notification: notification.into_bytes(),
+            };
+            post_and_await(shared, inputs, &remote).await
+        }
+        Err(refused) => Err(refused),
     };
-    let took = started.elapsed();
     match &outcome {
         Ok(bytes) => {
-            shared.series.push_write("written", took);
+            shared.series.push_write("written", started.elapsed());
             push.count(|s| {
                 s.writes += 1;
                 s.bytes_written += *bytes as u64;
             });
-            tracing::debug!(request = %request_id, bytes, ?took, "vLLM push WRITE ended");
+            tracing::debug!(request = %request_id, bytes, took = ?started.elapsed(), "vLLM push WRITE ended");
         }
-        Err((end, err)) => {
-            let refused = *end == PushEnd::Refused;
-            shared
-                .series
-                .push_write(if refused { "refused" } else { "failed" }, took);
-            push.count(|s| match refused {
-                true => s.registrations_oversized += 1,
-                false => s.failed_writes += 1,
-            });
-            tracing::warn!(request = %request_id, decode = %registration.decode_engine_id, %err, "vLLM push WRITE not done; the decode's registration times out");
-        }
+        Err((end, err)) => not_done(*end, err),
     }
     // NIXL has ended the WRITE (or none was posted): the blocks may go back.
     shared.sends.lock().written(&request_id);
