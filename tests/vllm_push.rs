@@ -689,3 +689,62 @@ async fn a_third_agents_and_malformed_notifications_are_dropped_and_counted_in_b
     written_into_python(&mut peer, &prefill, "fg-2", &[2, 3], &[6, 7]);
     released(&prefill, "fg-2").await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_prefix_hit_sends_nothing_and_an_aborted_load_keeps_its_blocks_a_grace() {
+    let mut peer = VllmPeer::start();
+    let hash = push_factors().hash();
+    python_prefill(&mut peer, &hash);
+    let (decode, mut scheduler) = push_decode(30.0);
+    // A full prefix hit: nothing to write, and vLLM's push has no message for it (the
+    // prefill frees by its lease).
+    let params = finish_on_python(&mut peer, "hit-1", &[1, 2]);
+    start((&decode, &mut scheduler), "hit-1", &[], &params);
+    // An abort after the registration went.
+    let params = finish_on_python(&mut peer, "ab-1", &[3, 4]);
+    start((&decode, &mut scheduler), "ab-1", &[5, 6], &params);
+    let start_at = Instant::now();
+    while decode.push_stats().registrations_sent == 0 {
+        assert!(
+            start_at.elapsed() < Duration::from_secs(10),
+            "no registration"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let finished =
+        scheduler.request_finished("ab-1", &[5, 6], 0, Some(&params), FinishStatus::Aborted);
+    assert!(
+        finished.delay_free_blocks,
+        "the blocks stay until the load ends"
+    );
+    let aborted = Instant::now();
+    let (outcome, failed) = ended((&decode, &mut scheduler), "ab-1", Duration::from_secs(10)).await;
+    assert!(
+        matches!(outcome, LoadOutcome::AbortedLoadEnded { .. }),
+        "{outcome:?}"
+    );
+    assert!(failed.is_empty(), "{failed:?}");
+    assert!(
+        aborted.elapsed() >= Duration::from_millis(1200),
+        "two leases: {:?}",
+        aborted.elapsed()
+    );
+    // The prefill got one registration (ab-1's) and nothing for hit-1.
+    let notes = peer.json("kv_notifs 100 0.3");
+    let registrations: Vec<&Value> = notes
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|n| n["hex"].as_str().unwrap().starts_with(&hex(b"PUSH_REG:")))
+        .collect();
+    assert_eq!(registrations.len(), 1, "{notes}");
+    let raw = unhex(registrations[0]["hex"].as_str().unwrap());
+    assert_eq!(PushRegistration::parse(&raw).unwrap().request_id, "ab-1");
+    assert!(
+        notes.as_array().unwrap().iter().all(|n| {
+            let text = String::from_utf8_lossy(&unhex(n["hex"].as_str().unwrap())).to_string();
+            text.starts_with("PUSH_REG:") || text.starts_with("HB:")
+        }),
+        "only registrations and heartbeats: {notes}"
+    );
+}
