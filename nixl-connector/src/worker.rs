@@ -837,7 +837,9 @@ impl KvConnectorWorker {
     /// decode cancels before registering, or when its lease ends with no WRITE under way.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when the worker is not in push mode.
+    /// [`Error::InvalidArgument`] when the worker is not in push mode, or speaks vLLM's
+    /// protocol (which has no capabilities: hold through
+    /// [`start_load_kv`](Self::start_load_kv)'s [`SendSpec`](crate::SendSpec)s, without one).
     pub fn hold_for_push(
         &self,
         request_id: &str,
@@ -849,6 +851,12 @@ impl KvConnectorWorker {
             return Err(Error::invalid(
                 "hold a request for push",
                 "the worker is in pull mode (kv_connector_extra_config.transfer_mode)",
+            ));
+        }
+        if self.shared.protocol == Protocol::Vllm {
+            return Err(Error::invalid(
+                "hold a request for push",
+                "vLLM's protocol has no capabilities: hold it through start_load_kv with a SendSpec of no capability, its block_ids and group_lens",
             ));
         }
         self.hold(request_id, deadline, Some(capability.clone()), None);

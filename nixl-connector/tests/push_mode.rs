@@ -287,11 +287,23 @@ async fn push_and_pull_refuse_each_other() {
             "num_kv_heads": 8, "head_size": 128, "num_hidden_layers": 2,
             "attn_backend_name": "FLASH_ATTN", "cache_dtype": "auto", "is_hma_enabled": true}),
     );
-    let err = KvConnectorWorker::new(config).unwrap_err();
+    let err = KvConnectorWorker::new(config.clone()).unwrap_err();
     assert!(
         err.to_string().contains(
             "transfer_mode is \"pull\" (\"pull\" when left out), but this engine is in push mode"
         ),
+        "{err}"
+    );
+    // With push factors it is built; a hold with a capability is the native protocol's.
+    let extra = &mut config.kv_transfer_config.kv_connector_extra_config;
+    extra["vllm_compat_factors"]["transfer_mode"] = "push".into();
+    let worker = KvConnectorWorker::new(config).unwrap();
+    let err = worker
+        .hold_for_push("r", Instant::now(), &capability(), (&[1], &[]))
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("vLLM's protocol has no capabilities"),
         "{err}"
     );
 }
