@@ -471,7 +471,11 @@ fn written_into_python(
         ids.join(",")
     ));
     let stats = (prefill.push_stats(), prefill.send_stats());
-    assert_eq!(got["from"], prefill.agent().name(), "{request}: {got} {stats:?}");
+    assert_eq!(
+        got["from"],
+        prefill.agent().name(),
+        "{request}: {got} {stats:?}"
+    );
     assert_eq!(got["vllm"], json!({"id": request, "consumers": 1}), "{got}");
     let mut want = Vec::new();
     for region in 0..REGIONS {

@@ -4,8 +4,8 @@
 //!
 //! vLLM's registrations carry no proof: a registration matches a held request by its exact
 //! id, else by the id without vLLM's random suffix on both sides (`base_id`), the first
-//! match winning, as vLLM's prefill matches them. Only the first registration of a request
-//! is written; later ones are refused.
+//! match winning, as vLLM's prefill matches them. One registration of a request is being
+//! written at a time; others wait as early ones do, for the one started to be given up.
 
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -82,6 +82,12 @@ impl VllmPrefillBook {
             started: false,
         };
         self.held.insert(request_id.to_string(), held);
+        self.take_early(request_id)
+    }
+
+    /// Starts held `request_id` for the first early registration that matches it (exact
+    /// id first, then base id, in arrival order), if any.
+    fn take_early(&mut self, request_id: &str) -> Option<VllmWrite> {
         let base = base_id(request_id);
         let at = self
             .early
@@ -99,7 +105,8 @@ impl VllmPrefillBook {
     }
 
     /// A registration from agent `sender`: written if it matches a held request not yet
-    /// written, refused if that request is being written, else kept until one is held.
+    /// started, else kept (bounded) until one is held or the one started is given up (see
+    /// [`unstart`](Self::unstart)).
     pub(crate) fn registration(
         &mut self,
         sender: &[u8],
@@ -123,11 +130,6 @@ impl VllmPrefillBook {
         if let Some(request_id) = matched {
             return self.start(&request_id, sender.to_vec(), registration);
         }
-        if self.held.keys().any(|k| k == id || base_id(k) == base) {
-            // Its request is being written for another registration.
-            self.stats.refused += 1;
-            return None;
-        }
         self.wait(sender, registration, bytes);
         None
     }
@@ -138,11 +140,7 @@ impl VllmPrefillBook {
         sender: Vec<u8>,
         registration: PushRegistration,
     ) -> Option<VllmWrite> {
-        let held = self.held.get_mut(request_id)?;
-        if held.started {
-            self.stats.refused += 1;
-            return None;
-        }
+        let held = self.held.get_mut(request_id).filter(|h| !h.started)?;
         held.started = true;
         self.stats.matched += 1;
         Some(VllmWrite {
@@ -153,13 +151,12 @@ impl VllmPrefillBook {
         })
     }
 
-    /// The registration matched to `request_id` was not written and nothing was posted (its
-    /// sender is not the decode rank it names, or the handshake failed): a later one may
-    /// match it.
-    pub(crate) fn unstart(&mut self, request_id: &str) {
-        if let Some(held) = self.held.get_mut(request_id) {
-            held.started = false;
-        }
+    /// The registration matched to `request_id` was given up before any WRITE was posted
+    /// (its sender is not the decode rank it names, or the handshake failed): the first
+    /// other registration kept for it, if any, is started now; else a later one may match.
+    pub(crate) fn unstart(&mut self, request_id: &str) -> Option<VllmWrite> {
+        self.held.get_mut(request_id)?.started = false;
+        self.take_early(request_id)
     }
 
     /// `request_id` was released (written, or its lease ended).
@@ -243,17 +240,16 @@ mod tests {
         let write = book.registration(b"d", reg("r-0badf00d"), 10).unwrap();
         assert_eq!(write.request_id, "r-1a2b3c4d");
         assert_eq!(write.ready, (vec![3], vec![]));
-        assert!(book.registration(b"d", reg("r-1a2b3c4d"), 10).is_none());
-        assert_eq!(book.stats.refused, 1, "one WRITE per request");
+        // One WRITE at a time: another registration waits while it runs.
+        assert!(book.registration(b"e", reg("r-1a2b3c4d"), 10).is_none());
         assert!(book.registration(b"d", reg("other"), 10).is_none());
-        assert_eq!(book.waiting().0, 1, "no match: it waits");
-        book.unstart("r-1a2b3c4d");
-        let again = book.registration(b"d", reg("r-1a2b3c4d"), 10).unwrap();
-        assert_eq!(
-            again.request_id, "r-1a2b3c4d",
-            "matched again once unstarted"
-        );
+        assert_eq!(book.waiting().0, 2, "no match: they wait");
+        // Given up before its WRITE: the registration kept for it starts.
+        let again = book.unstart("r-1a2b3c4d").unwrap();
+        assert_eq!(again.sender, b"e");
+        assert_eq!(book.waiting().0, 1);
         book.released("r-1a2b3c4d");
+        assert!(book.unstart("r-1a2b3c4d").is_none(), "released");
         assert!(book.registration(b"d", reg("r-1a2b3c4d"), 10).is_none());
         assert_eq!(
             book.waiting().0,

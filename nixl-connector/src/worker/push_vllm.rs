@@ -333,18 +333,26 @@ async fn write(shared: &Arc<Shared>, push: &Push, write: VllmWrite) {
         });
         tracing::warn!(request = %request_id, decode = %registration.decode_engine_id, %err, outcome, "vLLM push WRITE not done; the decode's registration times out");
     };
-    let remote = match decode_rank(shared, &registration, &sender).await {
-        Ok(remote) => remote,
-        Err((end, err)) => {
-            not_done(end, &err);
-            push.vllm_book().unstart(&request_id);
-            return;
-        }
-    };
+    // Pinned from here: its lease cannot end it while the handshake runs.
     if !shared.sends.lock().start_writing(&request_id) {
         tracing::debug!(request = %request_id, "a vLLM push registration for a request no longer held");
         return;
     }
+    let remote = match decode_rank(shared, &registration, &sender).await {
+        Ok(remote) => remote,
+        Err((end, err)) => {
+            not_done(end, &err);
+            // Nothing was posted: the request is the lease's again, and another
+            // registration kept for it may write it.
+            shared.sends.lock().stop_writing(&request_id);
+            shared.sends.notify_arrived();
+            let next = push.vllm_book().unstart(&request_id);
+            if let Some(next) = next {
+                spawn_write(shared, next);
+            }
+            return;
+        }
+    };
     let outcome = match decode_blocks(&registration) {
         Ok((ids, lens)) => {
             let notification = format!("{}:{}", registration.request_id, shared.config.tp_size);
