@@ -1,8 +1,8 @@
 """A peer speaking vLLM 0.33's NixlConnector side-channel protocol with vLLM's own wire
 libraries (pyzmq, msgspec), written from the wire format, driven line by line over stdin.
 
-Used by tests/vllm_protocol.rs, tests/vllm_multi_turn.rs, tests/vllm_pipeline.rs and
-tests/vllm_dcp.rs. Each command line gets one answer line starting "@@ ". Arguments are hex
+Used by tests/vllm_protocol.rs, tests/vllm_multi_turn.rs, tests/vllm_pipeline.rs,
+tests/vllm_dcp.rs and tests/vllm_push.rs (push mode, NixlPushConnector's wire). Each command line gets one answer line starting "@@ ". Arguments are hex
 where they could hold spaces.
 
   serve HASH RANKS EXTRA BIG   a ROUTER answering get_meta_msg as vLLM's listener does,
