@@ -11,6 +11,7 @@
 #   scripts/demo.sh --etcd                     # metadata through a private etcd on loopback
 #   scripts/demo.sh --protocol vllm            # the connectors speak vLLM's NixlConnector protocol
 #   scripts/demo.sh --transfer-mode push       # the prefill WRITEs into blocks the decode registers
+#   scripts/demo.sh --protocol vllm --transfer-mode push   # the same over vLLM's NixlPushConnector wire
 #   scripts/demo.sh --turns 3                  # conversations of 3 turns, answers read back
 #   scripts/demo.sh --prefill-pp 2 --prefill-tp 2 --decode-tp 1   # parallel engines
 #   scripts/demo.sh -- --requests 32 --in-flight 8   # flags after -- go to decode

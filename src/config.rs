@@ -260,10 +260,13 @@ impl WorkerConfig<'_> {
         let extra = &mut kv_config.kv_connector_extra_config;
         let given = extra.contains_key(FACTORS_KEY) || extra.contains_key(ENFORCE_KEY);
         if protocol == Protocol::Vllm && !given {
-            extra.insert(
-                FACTORS_KEY.into(),
-                demo_factors(self.layout, self.parallel.kv_heads),
-            );
+            let mode = if push {
+                TransferMode::Push
+            } else {
+                TransferMode::Pull
+            };
+            let factors = demo_factors(self.layout, self.parallel.kv_heads, mode);
+            extra.insert(FACTORS_KEY.into(), factors);
         }
         let platform = resolve_platform(self.platform)?;
         let name = match self.name {
@@ -389,8 +392,8 @@ async fn any<F: std::future::Future<Output = ()> + Unpin>(waits: impl Iterator<I
 /// The factors of vLLM's compatibility hash the demo's workers use in vLLM's protocol: a
 /// model named `nixl-rs-demo` of `layout.layers` layers of `kv_heads` KV heads sharing
 /// `layout.block_bytes` bytes per block, so that workers of different caches have different
-/// hashes.
-pub fn demo_factors(layout: KvLayout, kv_heads: usize) -> serde_json::Value {
+/// hashes, in transfer mode `mode` (vLLM hashes it: push and pull workers refuse each other).
+pub fn demo_factors(layout: KvLayout, kv_heads: usize, mode: TransferMode) -> serde_json::Value {
     serde_json::json!({
         "vllm_version": "0.33.0",
         "model": "nixl-rs-demo",
@@ -401,6 +404,7 @@ pub fn demo_factors(layout: KvLayout, kv_heads: usize) -> serde_json::Value {
         "attn_backend_name": "FLASH_ATTN",
         "cache_dtype": "auto",
         "is_hma_enabled": false,
+        "transfer_mode": mode.as_str(),
     })
 }
 

@@ -174,6 +174,35 @@ fn push_mode_with_prefix_hits_and_aborts_checks_every_byte() {
     );
 }
 
+/// Push mode in vLLM's protocol (`--protocol vllm --transfer-mode push` on both sides: the
+/// decode's `PUSH_REG:` registrations, the prefill's WRITEs with vLLM's notifications):
+/// every byte verified, every request freed by its WRITE's end, none by its lease.
+#[test]
+fn vllm_push_mode_checks_every_byte() {
+    let flags = ["--protocol", "vllm", "--transfer-mode", "push"];
+    let mut args = vec!["--sessions", "1"];
+    args.extend(flags);
+    let mut prefill = Prefill::start(&args);
+    let mut args = WORK.to_vec();
+    args.extend(flags);
+    let (status, out) = run_decode(prefill.addr, &args);
+    assert!(status.success(), "decode failed:\n{out}");
+    assert!(out.contains("requests:  20/20"), "{out}");
+    assert!(
+        out.contains("errors:    none, every byte verified"),
+        "{out}"
+    );
+    let status = prefill.proc.finish();
+    let pout = prefill.proc.output();
+    assert!(status.success(), "prefill failed:\n{pout}");
+    assert!(
+        pout.contains(
+            "1 sessions (0 ended early), 20 requests served (0 freed when their lease ended)"
+        ),
+        "{pout}"
+    );
+}
+
 #[test]
 fn concurrent_decodes_share_one_prefill() {
     let mut prefill = Prefill::start(&["--sessions", "2"]);

@@ -136,8 +136,7 @@ impl SchedulerConfig {
     /// Those of [`Lease::from_kv_transfer_config`],
     /// [`LoadFailurePolicy::from_kv_transfer_config`],
     /// [`MultiTurn::from_kv_transfer_config`], [`Protocol::from_kv_transfer_config`] and
-    /// [`TransferMode::from_kv_transfer_config`]; [`Error::InvalidArgument`] for push mode
-    /// in vLLM's protocol (not built yet).
+    /// [`TransferMode::from_kv_transfer_config`].
     pub fn new(
         engine_id: &str,
         host: &str,
@@ -147,12 +146,6 @@ impl SchedulerConfig {
     ) -> Result<Self> {
         let protocol = Protocol::from_kv_transfer_config(kv_transfer_config)?;
         let transfer_mode = TransferMode::from_kv_transfer_config(kv_transfer_config)?;
-        if protocol == Protocol::Vllm && transfer_mode == TransferMode::Push {
-            return Err(Error::invalid(
-                "configure the connector scheduler",
-                "push mode in vLLM's protocol is not built yet; use the native protocol for push, or pull mode with vLLM",
-            ));
-        }
         Ok(SchedulerConfig {
             engine_id: engine_id.to_string(),
             host: host.to_string(),
@@ -602,7 +595,11 @@ impl KvConnectorScheduler {
                 request_id: request_id.to_string(),
                 deadline,
                 capability: capability.clone(),
-                block_ids: lease_epoch.map_or(Vec::new(), |_| block_ids.to_vec()),
+                // Push mode writes them; the native protocol raises their marks.
+                block_ids: match (lease_epoch, self.config.transfer_mode) {
+                    (None, TransferMode::Pull) => Vec::new(),
+                    _ => block_ids.to_vec(),
+                },
                 lease_epoch,
                 group_lens: Vec::new(),
             },
@@ -645,6 +642,14 @@ impl KvConnectorScheduler {
                 remote_dcp_size: (config.dcp_size > 1).then_some(config.dcp_size),
                 transfer_mode: (config.transfer_mode == TransferMode::Push)
                     .then(|| TransferMode::Push.to_string()),
+                ..params
+            },
+            // vLLM's push prefill hands out neither (its blocks live as long as its lease).
+            Protocol::Vllm if config.transfer_mode == TransferMode::Push => KvTransferParams {
+                remote_num_tokens: Some(num_tokens.unwrap_or(0)),
+                remote_dcp_size: Some(config.dcp_size),
+                remote_pp_size: Some(config.pp_size),
+                transfer_mode: Some(TransferMode::Push.to_string()),
                 ..params
             },
             Protocol::Vllm => KvTransferParams {

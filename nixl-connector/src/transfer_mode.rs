@@ -33,7 +33,7 @@ pub enum TransferMode {
     #[default]
     Pull,
     /// `"push"`: the decode registers its freshly allocated blocks with the prefill, which
-    /// WRITEs the KV into them (vLLM's `NixlPushConnector`; native protocol only so far).
+    /// WRITEs the KV into them (vLLM's `NixlPushConnector`; in both protocols).
     Push,
 }
 

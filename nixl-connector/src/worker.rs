@@ -65,7 +65,13 @@ pub(crate) mod marks_check;
 pub(crate) mod notification_format;
 pub(crate) mod push;
 mod push_book;
+#[cfg(feature = "vllm")]
+mod push_book_vllm;
+mod push_outcome;
 pub(crate) mod push_state;
+#[cfg(feature = "vllm")]
+mod push_vllm;
+mod push_write;
 mod registration;
 pub(crate) mod remotes;
 mod reregister;
@@ -459,6 +465,11 @@ impl KvConnectorWorker {
             ));
         }
         if load.local_block_ids.is_empty() {
+            if self.shared.protocol == Protocol::Vllm {
+                // vLLM's push has no message for it: the prefill frees by its lease.
+                tracing::debug!(request = %load.request_id, "nothing to push; the vLLM prefill frees the request when its lease ends");
+                return Ok(());
+            }
             self.runtime
                 .spawn(crate::worker::push::cancel_only(self.shared.clone(), load));
             return Ok(());
@@ -473,8 +484,18 @@ impl KvConnectorWorker {
             ));
         }
         self.shared.series.load_started();
-        self.runtime
-            .spawn(crate::worker::push::load(self.shared.clone(), load));
+        let shared = self.shared.clone();
+        match self.shared.protocol {
+            Protocol::Native => self.runtime.spawn(crate::worker::push::load(shared, load)),
+            #[cfg(not(feature = "vllm"))]
+            Protocol::Vllm => return Err(vllm_not_built(OP)),
+            #[cfg(feature = "vllm")]
+            Protocol::Vllm => self.runtime.spawn(async move {
+                if let Some(push) = &shared.push {
+                    crate::worker::push_vllm::load(shared.clone(), push, load).await;
+                }
+            }),
+        };
         Ok(())
     }
 
@@ -670,9 +691,19 @@ impl KvConnectorWorker {
             });
             let capability = send.capability.clone();
             self.hold(&send.request_id, send.deadline, capability.clone(), marks);
-            if let (Some(_), Some(capability)) = (&self.shared.push, capability) {
-                let blocks = (send.block_ids.clone(), send.group_lens.clone());
-                crate::worker::push::ready(&self.shared, &send.request_id, blocks, capability);
+            let Some(push) = &self.shared.push else {
+                continue;
+            };
+            let blocks = (send.block_ids.clone(), send.group_lens.clone());
+            match (push, capability, self.shared.protocol) {
+                (_, Some(capability), Protocol::Native) => {
+                    crate::worker::push::ready(&self.shared, &send.request_id, blocks, capability);
+                }
+                #[cfg(feature = "vllm")]
+                (push, None, Protocol::Vllm) => {
+                    crate::worker::push_vllm::ready(&self.shared, push, &send.request_id, blocks);
+                }
+                _ => {}
             }
         }
         if !meta.evict.is_empty() {
@@ -705,7 +736,22 @@ impl KvConnectorWorker {
                 return;
             }
         };
-        let ids = heartbeat.request_ids.iter().map(String::as_str);
+        // vLLM push: a load that stopped waiting lets the prefill's lease end (vLLM's ids
+        // carry no capability, so none is left out of line with its id).
+        let silenced = |id: &str| {
+            self.shared.protocol == Protocol::Vllm
+                && self.shared.push.as_ref().is_some_and(|p| p.silenced(id))
+        };
+        let ids: Vec<&str> = heartbeat
+            .request_ids
+            .iter()
+            .map(String::as_str)
+            .filter(|id| !silenced(id))
+            .collect();
+        if ids.is_empty() {
+            return;
+        }
+        let ids = ids.into_iter();
         let proofs = match self.shared.protocol {
             Protocol::Native => Some((&heartbeat.capabilities[..], self.agent().name())),
             Protocol::Vllm => None,
@@ -791,7 +837,9 @@ impl KvConnectorWorker {
     /// decode cancels before registering, or when its lease ends with no WRITE under way.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when the worker is not in push mode.
+    /// [`Error::InvalidArgument`] when the worker is not in push mode, or speaks vLLM's
+    /// protocol (which has no capabilities: hold through
+    /// [`start_load_kv`](Self::start_load_kv)'s [`SendSpec`](crate::SendSpec)s, without one).
     pub fn hold_for_push(
         &self,
         request_id: &str,
@@ -803,6 +851,12 @@ impl KvConnectorWorker {
             return Err(Error::invalid(
                 "hold a request for push",
                 "the worker is in pull mode (kv_connector_extra_config.transfer_mode)",
+            ));
+        }
+        if self.shared.protocol == Protocol::Vllm {
+            return Err(Error::invalid(
+                "hold a request for push",
+                "vLLM's protocol has no capabilities: hold it through start_load_kv with a SendSpec of no capability, its block_ids and group_lens",
             ));
         }
         self.hold(request_id, deadline, Some(capability.clone()), None);
@@ -866,6 +920,9 @@ impl KvConnectorWorker {
             }
         }
         let recving = std::mem::take(&mut self.shared.outcomes.lock().recving);
+        if let Some(push) = &self.shared.push {
+            push.loads_taken(&recving);
+        }
         self.shared.series.leaks(&self.agent().leak_stats());
         Finished { sending, recving }
     }
@@ -1025,12 +1082,6 @@ impl Settings {
         let kv = &config.kv_transfer_config;
         let push = match TransferMode::from_kv_transfer_config(kv)? {
             TransferMode::Pull => None,
-            TransferMode::Push if protocol == Protocol::Vllm => {
-                return Err(Error::invalid(
-                    OP,
-                    "push mode in vLLM's protocol (NixlPushConnector's PUSH_REG notifications) is not built yet; use the native protocol for push, or pull mode with vLLM",
-                ))
-            }
             TransferMode::Push => Some(PushSettings::from_kv_transfer_config(kv)?),
         };
         if push.is_some()
@@ -1071,10 +1122,12 @@ fn context(config: WorkerConfig, settings: &Settings) -> Result<Context> {
     #[cfg(feature = "vllm")]
     let vllm = match protocol {
         Protocol::Native => None,
-        Protocol::Vllm => Some(VllmWorker::new(
-            Compatibility::from_kv_transfer_config(&config.kv_transfer_config)?,
-            config.vllm_limits,
-        )),
+        Protocol::Vllm => {
+            let compat = Compatibility::from_kv_transfer_config(&config.kv_transfer_config)?;
+            let mode = TransferMode::from_kv_transfer_config(&config.kv_transfer_config)?;
+            compat.check_transfer_mode(mode.as_str())?;
+            Some(VllmWorker::new(compat, config.vllm_limits))
+        }
     };
     let name = config
         .agent_name

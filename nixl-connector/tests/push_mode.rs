@@ -267,21 +267,45 @@ async fn push_and_pull_refuse_each_other() {
         ..Default::default()
     };
     assert!(TransferMode::Push.check_params(&params).is_ok());
-    assert!(params.check_supported().is_err(), "a pull engine's check");
+    assert!(
+        params.check_supported().is_ok(),
+        "read alike by either mode's engine"
+    );
     let err = TransferMode::Pull.check_params(&params).unwrap_err();
     assert!(err.to_string().contains("\"push\""), "{err}");
     params.transfer_mode = Some("pull".into());
     let err = TransferMode::Push.check_params(&params).unwrap_err();
     assert!(err.to_string().contains("\"pull\""), "{err}");
-    // Push in vLLM's protocol is refused by name for now.
+    // In vLLM's protocol the compatibility factors name the mode too (vLLM hashes it).
     let mut config = common::geometry::rank_config("dc", 0, 1, 0);
     push(&mut config, None);
-    config
-        .kv_transfer_config
-        .kv_connector_extra_config
-        .insert("protocol".into(), "vllm".into());
-    let err = KvConnectorWorker::new(config).unwrap_err();
-    assert!(err.to_string().contains("not built yet"), "{err}");
+    let extra = &mut config.kv_transfer_config.kv_connector_extra_config;
+    extra.insert("protocol".into(), "vllm".into());
+    extra.insert(
+        "vllm_compat_factors".into(),
+        serde_json::json!({"vllm_version": "0.33.0", "model": "m", "dtype": "torch.bfloat16",
+            "num_kv_heads": 8, "head_size": 128, "num_hidden_layers": 2,
+            "attn_backend_name": "FLASH_ATTN", "cache_dtype": "auto", "is_hma_enabled": true}),
+    );
+    let err = KvConnectorWorker::new(config.clone()).unwrap_err();
+    assert!(
+        err.to_string().contains(
+            "transfer_mode is \"pull\" (\"pull\" when left out), but this engine is in push mode"
+        ),
+        "{err}"
+    );
+    // With push factors it is built; a hold with a capability is the native protocol's.
+    let extra = &mut config.kv_transfer_config.kv_connector_extra_config;
+    extra["vllm_compat_factors"]["transfer_mode"] = "push".into();
+    let worker = KvConnectorWorker::new(config).unwrap();
+    let err = worker
+        .hold_for_push("r", Instant::now(), &capability(), (&[1], &[]))
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("vLLM's protocol has no capabilities"),
+        "{err}"
+    );
 }
 
 /// The `kv_transfer_config` of a push engine (host memory).

@@ -1,8 +1,8 @@
 """A peer speaking vLLM 0.33's NixlConnector side-channel protocol with vLLM's own wire
 libraries (pyzmq, msgspec), written from the wire format, driven line by line over stdin.
 
-Used by tests/vllm_protocol.rs, tests/vllm_multi_turn.rs, tests/vllm_pipeline.rs and
-tests/vllm_dcp.rs. Each command line gets one answer line starting "@@ ". Arguments are hex
+Used by tests/vllm_protocol.rs, tests/vllm_multi_turn.rs, tests/vllm_pipeline.rs,
+tests/vllm_dcp.rs and tests/vllm_push.rs (push mode, NixlPushConnector's wire). Each command line gets one answer line starting "@@ ". Arguments are hex
 where they could hold spaces.
 
   serve HASH RANKS EXTRA BIG   a ROUTER answering get_meta_msg as vLLM's listener does,
@@ -95,6 +95,41 @@ A prefill and a decode with NIXL's Python agent (DRAM, UCX), as vLLM's run them:
                                a decode (handshake as kv_decode's) waiting for COUNT requests:
                                one vLLM heartbeat naming PREFIX-0 ... PREFIX-(COUNT-1), each
                                left-padded with 'x' to 48 characters -> JSON {bytes}
+
+Push mode (vLLM 0.33's NixlPushConnector), the kv_prefill engine as its prefill:
+  kv_push_finish HEXREQ BLOCKS [TOKENS]
+                               vLLM's push request_finished for request HEXREQ of (one
+                               group's, logical) blocks BLOCKS: they wait for a decode's
+                               registration -> JSON params (transfer_mode "push", no
+                               remote_blocks_expiry_time or remote_registration_generation)
+  kv_push_write HASH SECONDS DELAY
+                               vLLM's push writer: the first PUSH_REG registration whose
+                               request id (exact, else without vLLM's "-" + 8 hex suffix)
+                               is a finished request's, waited for at most SECONDS, held
+                               DELAY seconds, then a handshake with its decode (hash HASH
+                               checked), the finished blocks cut to the last as many as it
+                               registered, and one WRITE of every region into its blocks
+                               notifying "{its request id}:1"; other notifications go to
+                               kv_notifs -> JSON {registration, hex, from, matched, written,
+                               into, agent}, or with mismatch or error
+
+The kv_prefill engine as vLLM's push decode (its ROUTER serves the prefill's handshake):
+  kv_push_register HEXPARAMS HASH HEXREQ LOCAL HOST
+                               a handshake (hash HASH checked) with the prefill of the JSON
+                               kv_transfer_params HEXPARAMS, once per engine, then one
+                               PUSH_REG notification to it: vLLM's eleven keys for its own
+                               request HEXREQ, its blocks LOCAL ("0,1,2", one group), its side
+                               channel named HOST -> JSON {hex, agent} or the refusal
+  kv_push_hb ENGINE HEXIDS     vLLM's heartbeat to ENGINE's agent naming the comma-joined ids
+  kv_push_wait HEXREQ LOCAL SECONDS
+                               the first notification naming request HEXREQ (the WRITE's),
+                               waited for at most SECONDS -> JSON {from, hex, vllm, data: HEX
+                               of its blocks LOCAL, region by region} or an error
+
+A third agent:
+  kv_forge PORT HASH ENGINE HEXMSG
+                               a fresh agent handshakes with ENGINE's ROUTER at PORT (hash
+                               HASH checked) and sends it the notification HEXMSG -> JSON
 
 Decode context parallelism (DCP, vLLM 0.33's NixlConnector with an MLA cache): an engine of
 DCP = TP ranks, rank r holding the request's global block positions r, r + DCP, ..., the
@@ -732,11 +767,11 @@ def read_blocks(agent, remote, meta, blocks, notif, ssm=None):
     return failed or buf.tobytes()
 
 
-def post_read(agent, remote, local_descs, remote_descs, notif):
-    """One READ of REMOTE_DESCS into LOCAL_DESCS (DRAM) notifying NOTIF, waited for (at most
-    10 s) -> None once done, or a dict saying why not."""
+def post_read(agent, remote, local_descs, remote_descs, notif, op="READ"):
+    """One READ (or OP) of REMOTE_DESCS into (from) LOCAL_DESCS (DRAM) notifying NOTIF,
+    waited for (at most 10 s) -> None once done, or a dict saying why not."""
     handle = agent.initialize_xfer(
-        "READ",
+        op,
         agent.get_xfer_descs(local_descs, "DRAM"),
         agent.get_xfer_descs(remote_descs, "DRAM"),
         remote,
@@ -749,7 +784,7 @@ def post_read(agent, remote, local_descs, remote_descs, notif):
         state = agent.check_xfer_state(handle)
     agent.release_xfer_handle(handle)
     if state != "DONE":
-        return {"error": f"READ ended {state}"}
+        return {"error": f"{op} ended {state}"}
     return None
 
 
@@ -1040,6 +1075,178 @@ def kv_pp_notifs(count, seconds):
     }
 
 
+# The kv_prefill engine in vLLM's push mode: its finished requests' blocks waiting for a
+# decode's registration (request id -> block lists), and the registrations taken that no
+# finished request matched yet (sender, raw notification), in arrival order.
+push = {"finished": {}, "regs": []}
+
+
+def base_id(request_id):
+    """A request id without the random suffix vLLM's input processor appends to it: a dash
+    and 8 hex digits at the very end."""
+    tail = request_id[-8:]
+    if len(request_id) >= 9 and request_id[-9] == "-" and all(c in "0123456789abcdefABCDEF" for c in tail):
+        return request_id[:-9]
+    return request_id
+
+
+def kv_push_finish(req_id, blocks, tokens):
+    """vLLM 0.33's push request_finished on the kv engine for request REQ_ID of (one group's)
+    BLOCKS: they wait for a registration, and the params say push, without the pull-only
+    expiry time and registration generation."""
+    push["finished"][req_id] = [blocks]
+    params = finished_params(req_id, [blocks], tokens or len(blocks) * kv["block_size"], None)
+    del params["remote_blocks_expiry_time"]
+    del params["remote_registration_generation"]
+    params["transfer_mode"] = "push"
+    return params
+
+
+def take_push_notifs():
+    """Drains the kv engine's notifications: registrations to push["regs"], the rest
+    (heartbeats among them) to kv["notifs"] for kv_notifs."""
+    for sender, notes in kv["agent"].get_new_notifs().items():
+        sender = sender.decode() if isinstance(sender, bytes) else sender
+        for note in notes:
+            if note.startswith(b"PUSH_REG:"):
+                push["regs"].append((sender, note))
+            else:
+                kv["notifs"].append((sender, note))
+
+
+def match_registration():
+    """The first registration taken whose request id is a finished request's, or has its
+    base id -> (sender, raw, registration, finished id), both taken out; or None."""
+    for i, (sender, raw) in enumerate(push["regs"]):
+        reg = msgspec.msgpack.decode(raw[len(b"PUSH_REG:"):])
+        rid, finished = reg["request_id"], push["finished"]
+        key = rid if rid in finished else next(
+            (f for f in finished if base_id(f) == base_id(rid)), None)
+        if key is not None:
+            del push["regs"][i]
+            return sender, raw, reg, key
+    return None
+
+
+def kv_push_write(local_hash, seconds, delay):
+    """The kv engine as vLLM's push writer: waits (at most SECONDS) for a registration that
+    matches a finished request, holds DELAY seconds more (notifications still taken), then
+    handshakes with the registering decode (its hash checked against LOCAL_HASH), cuts its
+    blocks to the last as many as the decode registered (a prefix hit) and WRITEs them
+    into the decode's, every region, with the notification "{decode request id}:1" (this
+    engine's TP size) -> JSON of the registration and what was written, or why not."""
+    deadline = time.monotonic() + seconds
+    got = None
+    while got is None:
+        take_push_notifs()
+        got = match_registration()
+        if got is None:
+            if time.monotonic() > deadline:
+                return {"error": "no registration matched", "regs": len(push["regs"])}
+            time.sleep(0.001)
+    sender, raw, reg, key = got
+    blocks = push["finished"].pop(key)
+    until = time.monotonic() + delay
+    while time.monotonic() < until:
+        take_push_notifs()
+        time.sleep(0.005)
+    out = {"registration": reg, "hex": raw.hex(), "from": sender, "matched": key}
+    fetched = fetch_meta(reg["decode_port"], local_hash, True, reg["decode_engine_id"])
+    if isinstance(fetched, dict):
+        return dict(out, **fetched)
+    meta = fetched[0]
+    agent = kv["agent"]
+    remote = agent.add_remote_agent(meta.agent_metadata)
+    remote = remote.decode() if isinstance(remote, bytes) else remote
+    theirs = reg["local_block_ids"][0]
+    mine = blocks[0][-len(theirs):]
+    lens, local_descs, remote_descs = kv["meta"].block_lens, [], []
+    for region, buf in enumerate(kv["bufs"]):
+        for m, t in zip(mine, theirs):
+            at = meta.kv_caches_base_addr[region] + t * meta.block_strides[region]
+            remote_descs.append((at, lens[region], meta.device_id))
+            local_descs.append((buf.ctypes.data + m * lens[region], lens[region], 0))
+    notif = f"{reg['request_id']}:1".encode()
+    failed = post_read(agent, remote, local_descs, remote_descs, notif, "WRITE")
+    if failed:
+        return dict(out, **failed)
+    return dict(out, written=mine, into=theirs, agent=remote)
+
+
+def kv_push_register(params, local_hash, req_id, local, host):
+    """The kv engine as vLLM's push decode for the prefill's JSON PARAMS: a handshake (hash
+    checked) once per engine, then one PUSH_REG notification to the prefill's agent, the
+    eleven keys of vLLM's push scheduler in its order, for its own request REQ_ID and its
+    freshly allocated blocks LOCAL (one group), its side channel named HOST
+    -> JSON {hex} or why not."""
+    got = kv_remote(params["remote_engine_id"], params["remote_port"], local_hash)
+    if isinstance(got, dict):
+        return got
+    remote = got[0]
+    reg = {
+        "request_id": req_id,
+        "decode_engine_id": kv["engine"],
+        "decode_host": host,
+        "decode_port": kv["port"],
+        "decode_tp_size": 1,
+        "local_block_ids": [local],
+        "remote_engine_id": params["remote_engine_id"],
+        "remote_host": params["remote_host"],
+        "remote_port": params["remote_port"],
+        "remote_tp_size": params["tp_size"],
+        "remote_pp_size": params.get("pp_size", 1),
+    }
+    msg = b"PUSH_REG:" + msgspec.msgpack.encode(reg)
+    kv["agent"].send_notif(remote, notif_msg=msg)
+    return {"hex": msg.hex(), "agent": remote}
+
+
+def kv_push_hb(engine, ids):
+    """vLLM's heartbeat from the kv engine to ENGINE's agent (handshaken by
+    kv_push_register or kv_pull), naming IDS."""
+    remote = kv["remotes"][engine][0]
+    kv["agent"].send_notif(remote, notif_msg=("HB:" + ",".join(ids)).encode())
+    return "ok"
+
+
+def kv_push_wait(req_id, local, seconds):
+    """vLLM's push decode waiting for its request REQ_ID: the first notification naming it
+    ("REQ_ID:N", the prefill's WRITE), waited for at most SECONDS, and then the bytes of
+    its blocks LOCAL, region by region -> JSON {from, hex, vllm, data} or an error."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        take_push_notifs()
+        for i, (sender, note) in enumerate(kv["notifs"]):
+            try:
+                parsed = parse_notif(note)
+            except (ValueError, UnicodeDecodeError):
+                continue
+            if parsed.get("id") == req_id:
+                del kv["notifs"][i]
+                lens = kv["meta"].block_lens
+                data = b"".join(
+                    buf[b * lens[r] : (b + 1) * lens[r]].tobytes()
+                    for r, buf in enumerate(kv["bufs"])
+                    for b in local
+                )
+                return {"from": sender, "hex": note.hex(), "vllm": parsed, "data": data.hex()}
+        time.sleep(0.001)
+    return {"error": "no WRITE notification", "notifs": [n.hex() for _, n in kv["notifs"]]}
+
+
+def kv_forge(port, local_hash, engine, msg):
+    """A third agent, not the kv engine's: it handshakes with ENGINE's ROUTER at PORT (hash
+    LOCAL_HASH checked) and sends its agent the notification MSG -> JSON {agent} or why
+    not."""
+    got = decode_agent(port, local_hash, True, engine)
+    if isinstance(got, dict):
+        return got
+    agent, remote, _, _ = got
+    agent.send_notif(remote, notif_msg=msg)
+    heartbeat_agents.append(agent)
+    return {"agent": agent.name if hasattr(agent, "name") else ""}
+
+
 def main():
     for line in sys.stdin:
         cmd, *args = line.split()
@@ -1135,6 +1342,25 @@ def main():
             answer(json.dumps(kv_pp_finish(bytes.fromhex(args[0]).decode(), blocks)))
         elif cmd == "kv_pp_notifs":
             answer(json.dumps(kv_pp_notifs(int(args[0]), float(args[1]))))
+        elif cmd == "kv_push_finish":
+            blocks = [int(x) for x in args[1].split(",")]
+            tokens = int(args[2]) if len(args) > 2 else 0
+            answer(json.dumps(kv_push_finish(bytes.fromhex(args[0]).decode(), blocks, tokens)))
+        elif cmd == "kv_push_write":
+            answer(json.dumps(kv_push_write(args[0], float(args[1]), float(args[2]))))
+        elif cmd == "kv_push_register":
+            params = json.loads(bytes.fromhex(args[0]))
+            local = [int(x) for x in args[3].split(",")]
+            got = kv_push_register(params, args[1], bytes.fromhex(args[2]).decode(), local, args[4])
+            answer(json.dumps(got))
+        elif cmd == "kv_push_hb":
+            answer(kv_push_hb(args[0], [bytes.fromhex(x).decode() for x in args[1].split(",")]))
+        elif cmd == "kv_push_wait":
+            local = [int(x) for x in args[1].split(",")]
+            answer(json.dumps(kv_push_wait(bytes.fromhex(args[0]).decode(), local, float(args[2]))))
+        elif cmd == "kv_forge":
+            got = kv_forge(int(args[0]), args[1], args[2], bytes.fromhex(args[3]))
+            answer(json.dumps(got))
         elif cmd == "quit":
             break
 

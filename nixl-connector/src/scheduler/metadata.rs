@@ -46,7 +46,8 @@ pub struct SendSpec {
     pub capability: Option<Capability>,
     /// The request's blocks (native protocol): when it is released, each rank raises their
     /// release marks to [`lease_epoch`](Self::lease_epoch) before the engine hears of it (see
-    /// [`ReleaseMarks`](crate::ReleaseMarks)). Empty in vLLM's protocol.
+    /// [`ReleaseMarks`](crate::ReleaseMarks)). In push mode (either protocol) the blocks a
+    /// decode's registration is written from. Empty in vLLM's pull mode.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub block_ids: Vec<usize>,
     /// The lease epoch of the request's params (native protocol; `None`: no marks raised).

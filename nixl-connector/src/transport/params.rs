@@ -179,19 +179,23 @@ impl KvTransferParams {
         })
     }
 
-    /// Refuses what the connector cannot read in pull mode: push params (see
-    /// [`TransferMode::check_params`](crate::TransferMode::check_params) for a push engine),
-    /// a DCP size of 0 or more than [`MAX_DCP_SIZE`], and a pipeline of no stage or more
-    /// than [`MAX_PP_SIZE`].
+    /// Refuses what the connector cannot read in either mode: a `transfer_mode` other than
+    /// `"pull"` or `"push"` (an engine refuses the other mode's params in
+    /// [`TransferMode::check_params`](crate::TransferMode::check_params)), a DCP size of 0 or
+    /// more than [`MAX_DCP_SIZE`], and a pipeline of no stage or more than [`MAX_PP_SIZE`].
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] naming the key and its value.
     pub fn check_supported(&self) -> Result<()> {
         const OP: &str = "read kv_transfer_params";
-        if let Some(mode) = self.transfer_mode.as_deref().filter(|&m| m != "pull") {
+        if let Some(mode) = self
+            .transfer_mode
+            .as_deref()
+            .filter(|&m| m != "pull" && m != "push")
+        {
             return Err(Error::invalid(
                 OP,
-                format!("transfer_mode {mode:?} is not supported: this engine reads (pull mode); a push engine and a pull engine do not pair"),
+                format!("transfer_mode {mode:?} is not a transfer mode: \"pull\" or \"push\""),
             ));
         }
         self.check_geometry()

@@ -48,7 +48,8 @@ pub struct CompatibilityFactors {
     /// The EAGLE/MTP draft's factors, `None` without one.
     #[serde(default)]
     pub speculative_config: Option<SpeculativeFactors>,
-    /// `"pull"` (READ) or `"push"` (WRITE); this connector speaks pull.
+    /// `"pull"` (READ) or `"push"` (WRITE): the engine's transfer mode, which must be the
+    /// same (vLLM's push and pull engines refuse each other by this factor).
     #[serde(default = "pull")]
     pub transfer_mode: String,
 }
@@ -247,7 +248,7 @@ impl Compatibility {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for a non-boolean [`ENFORCE_KEY`], missing or malformed
-    /// factors, or a transfer mode other than `"pull"` (push mode is not supported).
+    /// factors, or a transfer mode other than `"pull"` or `"push"`.
     pub fn from_kv_transfer_config(config: &KvTransferConfig) -> Result<Self> {
         const OPERATION: &str = "read the vLLM compatibility settings";
         let extra = &config.kv_connector_extra_config;
@@ -286,16 +287,34 @@ impl Compatibility {
                     format!("kv_connector_extra_config.{FACTORS_KEY}: {err}"),
                 )
             })?;
-        if factors.transfer_mode != "pull" {
+        if !["pull", "push"].contains(&factors.transfer_mode.as_str()) {
             return Err(Error::invalid(
                 OPERATION,
                 format!(
-                    "transfer_mode {:?} is not supported: this connector speaks vLLM's pull mode (the decode READs) only",
+                    "{FACTORS_KEY}.transfer_mode {:?} is not a transfer mode: use \"pull\" or \"push\"",
                     factors.transfer_mode
                 ),
             ));
         }
         Ok(Compatibility::new(&factors, enforce))
+    }
+
+    /// Refuses factors whose `transfer_mode` is not `mode`, the engine's (`"pull"` or
+    /// `"push"`): vLLM hashes it, so a peer of the engine's mode would refuse this hash.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming both.
+    pub fn check_transfer_mode(&self, mode: &str) -> Result<()> {
+        match &self.factors {
+            Some(factors) if factors.transfer_mode != mode => Err(Error::invalid(
+                "read the vLLM compatibility settings",
+                format!(
+                    "{FACTORS_KEY}.transfer_mode is {:?} (\"pull\" when left out), but this engine is in {mode} mode: vLLM hashes the mode, so set it to {mode:?}",
+                    factors.transfer_mode
+                ),
+            )),
+            _ => Ok(()),
+        }
     }
 
     /// Checks a peer's payload, then decodes the metadata it carries. The hash is checked
@@ -402,8 +421,24 @@ mod tests {
         config
             .kv_connector_extra_config
             .insert(FACTORS_KEY.into(), serde_json::to_value(push).unwrap());
+        let compat = Compatibility::from_kv_transfer_config(&config).unwrap();
+        assert_ne!(compat.hash, qwen().hash(), "the mode is hashed");
+        compat.check_transfer_mode("push").unwrap();
+        let err = compat.check_transfer_mode("pull").unwrap_err();
+        assert!(err.to_string().contains("in pull mode"), "{err}");
+        let sideways = CompatibilityFactors {
+            transfer_mode: "sideways".into(),
+            ..qwen()
+        };
+        config
+            .kv_connector_extra_config
+            .insert(FACTORS_KEY.into(), serde_json::to_value(sideways).unwrap());
         let err = Compatibility::from_kv_transfer_config(&config).unwrap_err();
-        assert!(err.to_string().contains("pull mode"), "{err}");
+        assert!(
+            err.to_string()
+                .contains("\"sideways\" is not a transfer mode"),
+            "{err}"
+        );
 
         let mut typo = serde_json::to_value(qwen()).unwrap();
         typo["num_kv_head"] = serde_json::json!(8);

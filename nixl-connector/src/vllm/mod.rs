@@ -26,6 +26,10 @@
 //! [`VllmKvTransferParams`] is vLLM's JSON `kv_transfer_params`, converting to and from the
 //! connector's [`KvTransferParams`](crate::KvTransferParams). After its READ, a decode
 //! notifies the prefill in vLLM's text format ([`notify`]).
+//!
+//! # Push mode
+//! `NixlPushConnector`'s decode registers its blocks with each prefill rank in a NIXL
+//! notification ([`push_reg`]); the prefill WRITEs into them with vLLM's done notification.
 
 mod client;
 pub mod clock;
@@ -37,6 +41,7 @@ mod msgpack;
 pub mod notify;
 mod params;
 pub mod payload;
+pub mod push_reg;
 mod server;
 mod zmtp;
 

@@ -543,7 +543,10 @@ mod tests {
             (r#"{"pp_size": 257}"#, "pp_size 257"),
             (r#"{"dcp_size": 0}"#, "dcp_size 0: 1 to 256 ranks"),
             (r#"{"dcp_size": 257}"#, "dcp_size 257"),
-            (r#"{"transfer_mode": "push"}"#, "\"push\" is not supported"),
+            (
+                r#"{"transfer_mode": "sideways"}"#,
+                "\"sideways\" is not a transfer mode",
+            ),
         ] {
             let params = VllmKvTransferParams::from_json(json).unwrap();
             let err = KvTransferParams::try_from(&params).unwrap_err().to_string();

@@ -20,10 +20,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use futures::future::join_all;
-use nixl::{Notification, NotificationFilter, XferOp, XferOptions, XferStatus};
+use nixl::{Notification, NotificationFilter};
 
+use crate::config::Protocol;
 use crate::error::{Error, Result};
-use crate::geometry::load_reads::{plan_read, ReadInputs, SideBlocks};
 use crate::transport::capability::Capability;
 use crate::transport::push_wire::{
     cancel_message, end_message, fresh_nonce, parse_cancel, parse_end, parse_registration,
@@ -32,8 +32,10 @@ use crate::transport::push_wire::{
 };
 use crate::worker::connect::{self, Engine};
 use crate::worker::load::{record, report_overdue, Load};
-use crate::worker::push_book::{PrefillAction, Ready};
+use crate::worker::push_book::{PrefillAction, Ready, WaitProof};
+use crate::worker::push_outcome::outcome;
 use crate::worker::push_state::Push;
+use crate::worker::push_write::{post_and_await, WriteInputs};
 use crate::worker::shared::Shared;
 
 /// The push part of `shared`, which push mode has.
@@ -44,7 +46,11 @@ fn part(shared: &Shared) -> Option<&Push> {
 /// Subscribes the push notifications of `shared`'s agent now, before any other stream, so
 /// that they go to it; [`take`] then takes them.
 pub(crate) fn subscribe(shared: &Shared) -> Result<nixl::NotificationStream> {
-    let filter = NotificationFilter::any().prefix(PUSH_PREFIX);
+    // vLLM's WRITE notifications have no prefix: in its protocol every one comes here.
+    let filter = match shared.protocol {
+        Protocol::Native => NotificationFilter::any().prefix(PUSH_PREFIX),
+        Protocol::Vllm => NotificationFilter::any(),
+    };
     Ok(shared.setup.agent().notification_stream(filter)?)
 }
 
@@ -70,6 +76,11 @@ fn route(shared: &Arc<Shared>, note: Notification) {
     let Some(push) = part(shared) else {
         return;
     };
+    #[cfg(feature = "vllm")]
+    if shared.protocol == Protocol::Vllm {
+        crate::worker::push_vllm::route(shared, push, note);
+        return;
+    }
     let message = &note.message[..];
     let refused = |why: &str| {
         tracing::debug!(sender = %String::from_utf8_lossy(&note.sender), why, "push notification refused");
@@ -248,7 +259,31 @@ async fn write(
     }
     let started = Instant::now();
     let outcome = match decode_rank(shared, &registration, sender).await {
-        Ok(remote) => post_and_await(shared, &registration, &ready, &remote).await,
+        Ok(remote) => {
+            let decode_ids: Vec<usize> = registration
+                .block_ids
+                .iter()
+                .map(|&b| usize::try_from(b).unwrap_or(usize::MAX))
+                .collect();
+            let decode_lens: Vec<usize> = registration
+                .group_lens
+                .iter()
+                .map(|&n| usize::try_from(n).unwrap_or(usize::MAX))
+                .collect();
+            let notification = end_message(
+                &registration.decode_request_id,
+                PushEnd::Written,
+                &EndProof::Capability(ready.capability.clone()),
+                shared.setup.agent().name(),
+            );
+            let inputs = WriteInputs {
+                request_id: &registration.request_id,
+                decode: (&decode_ids, &decode_lens),
+                ready: (&ready.block_ids, &ready.group_lens),
+                notification,
+            };
+            post_and_await(shared, inputs, &remote).await
+        }
         Err(err) => Err((PushEnd::Failed, err)),
     };
     let took = started.elapsed();
@@ -280,99 +315,6 @@ async fn write(
     if let Err((end, _)) = outcome {
         send_end(shared, sender, &registration, end, &proof).await;
     }
-}
-
-/// Plans, posts and awaits the WRITE of `ready` into `registration`'s blocks of `remote`;
-/// its bytes, or how it ended and why.
-async fn post_and_await(
-    shared: &Shared,
-    registration: &Registration,
-    ready: &Ready,
-    remote: &crate::worker::remotes::Remote,
-) -> std::result::Result<usize, (PushEnd, Error)> {
-    const OP: &str = "write a push registration";
-    let refused = |err: Error| (PushEnd::Refused, err);
-    let caches = shared
-        .caches
-        .get()
-        .ok_or((PushEnd::Failed, Error::NotRegistered { operation: OP }))?;
-    let lists = remote.lists.as_ref().ok_or_else(|| {
-        refused(Error::invalid(
-            OP,
-            "the decode rank's geometry gives this rank nothing to write",
-        ))
-    })?;
-    let decode_ids: Vec<usize> = registration
-        .block_ids
-        .iter()
-        .map(|&b| usize::try_from(b).unwrap_or(usize::MAX))
-        .collect();
-    let decode_lens: Vec<usize> = registration
-        .group_lens
-        .iter()
-        .map(|&n| usize::try_from(n).unwrap_or(usize::MAX))
-        .collect();
-    let per_id = shared
-        .groups
-        .kernel_blocks_per_id(caches.spec.block_size)
-        .map_err(refused)?;
-    if per_id != 1
-        || remote.blocks_per_id != 1
-        || remote.plan.local_block_size != remote.plan.remote_block_size
-    {
-        return Err(refused(Error::invalid(
-            OP,
-            "push between engines of different block sizes, or of several kernel blocks per block id, is not built yet; use pull mode",
-        )));
-    }
-    let (local_ids, local_lens) = crate::geometry::push_cut::cut_to_decode(
-        (&ready.block_ids, &ready.group_lens),
-        (&decode_ids, &decode_lens),
-    )
-    .map_err(|why| refused(Error::invalid(OP, why)))?;
-    let writes = plan_read(&ReadInputs {
-        request_id: &registration.request_id,
-        local: SideBlocks {
-            ids: &local_ids,
-            group_lens: &local_lens,
-            per_id,
-        },
-        remote: SideBlocks {
-            ids: &decode_ids,
-            group_lens: &decode_lens,
-            per_id: remote.blocks_per_id,
-        },
-        num_tokens: None,
-        local_num_blocks: caches.spec.num_blocks,
-        plan: &remote.plan,
-        groups: &shared.groups,
-        ssm: remote.ssm.as_ref(),
-        reads_attention: remote.reads_attention(),
-    })
-    .map_err(refused)?;
-    let agent = shared.setup.agent();
-    let notification = end_message(
-        &registration.decode_request_id,
-        PushEnd::Written,
-        &EndProof::Capability(ready.capability.clone()),
-        agent.name(),
-    );
-    let options = XferOptions::new().notification(notification);
-    let failed = |err: nixl::Error| (PushEnd::Failed, Error::from(err));
-    let mut request = agent
-        .make_xfer_req(
-            XferOp::Write,
-            lists.local.as_ref().unwrap_or(&caches.local),
-            &writes.local,
-            &lists.remote,
-            &writes.remote,
-            &options,
-        )
-        .map_err(failed)?;
-    if request.post().map_err(failed)? != XferStatus::Done {
-        request.await.map_err(failed)?;
-    }
-    Ok(writes.bytes)
 }
 
 /// Decode: registers `load`'s blocks with its prefill ranks and waits for each one's end,
@@ -452,9 +394,11 @@ async fn run_load(shared: &Arc<Shared>, load: &Load) -> Result<()> {
     let (registration, capability, agents) = registration_of(shared, load).await?;
     // Drawn now: once registered, the load must be able to cancel.
     let nonce = fresh_nonce()?;
-    let woken = push
-        .waits()
-        .wait(&load.request_id, &agents, capability.clone());
+    let woken = push.waits().wait(
+        &load.request_id,
+        &agents,
+        WaitProof::Capability(capability.clone()),
+    );
     let own = shared.setup.agent();
     let message = registration_message(&registration, &capability, own.name());
     send_to(shared, &agents, &message, "registration");
@@ -509,27 +453,5 @@ fn send_to(shared: &Shared, agents: &[String], message: &[u8], what: &str) {
             shared.series.failed_notification();
             tracing::warn!(%agent, %err, "push {what} not sent");
         }
-    }
-}
-
-/// A load's outcome from its ranks' `ends`: loaded only when every one was written.
-fn outcome(
-    load: &Load,
-    ends: &[(String, Option<PushEnd>)],
-    timed_out: Option<std::time::Duration>,
-) -> Result<()> {
-    let not_written = ends.iter().find(|(_, end)| *end != Some(PushEnd::Written));
-    match (not_written, timed_out) {
-        (None, _) => Ok(()),
-        (Some(_), Some(deadline)) => Err(Error::TransferTimeout {
-            request_id: load.request_id.clone(),
-            deadline,
-        }),
-        (Some((agent, end)), None) => Err(Error::PushNotWritten {
-            request_id: load.request_id.clone(),
-            engine: load.remote.engine_id.clone(),
-            agent: agent.clone(),
-            end: end.map_or("none", PushEnd::as_str).to_string(),
-        }),
     }
 }

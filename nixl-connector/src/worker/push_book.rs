@@ -361,10 +361,22 @@ impl PrefillBook {
 struct Wait {
     /// The agents registered with, and how each ended.
     agents: Vec<(String, Option<PushEnd>)>,
-    capability: Capability,
+    /// What proves an end: the capability's tag (native protocol), or, in vLLM's, the
+    /// count its WRITE's notification must carry (the prefill's TP size).
+    proof: WaitProof,
     /// The nonce of the load's cancel, once it cancelled.
     nonce: String,
     woken: Arc<tokio::sync::Notify>,
+}
+
+/// What proves a load's ends.
+#[derive(Debug, Clone)]
+pub(crate) enum WaitProof {
+    /// Native protocol: the tag of the load's capability.
+    Capability(Capability),
+    /// vLLM's protocol: the WRITE's notification `id:count` with this count.
+    #[cfg_attr(not(feature = "vllm"), allow(dead_code))]
+    VllmCount(u64),
 }
 
 /// Why an end did not count.
@@ -376,6 +388,9 @@ pub(crate) enum EndRefused {
     WrongPeer,
     /// Its tag is not the load's capability's for its sender.
     BadTag,
+    /// vLLM's protocol: its count is not the prefill's TP size.
+    #[cfg_attr(not(feature = "vllm"), allow(dead_code))]
+    BadCount,
 }
 
 /// A decode rank's loads waiting for their prefill ranks.
@@ -385,19 +400,19 @@ pub(crate) struct DecodeWaits {
 }
 
 impl DecodeWaits {
-    /// Waits for `request_id`'s ends from `agents`, under `capability`; what wakes the load.
+    /// Waits for `request_id`'s ends from `agents`, proven by `proof`; what wakes the load.
     pub(crate) fn wait(
         &mut self,
         request_id: &str,
         agents: &[String],
-        capability: Capability,
+        proof: WaitProof,
     ) -> Arc<tokio::sync::Notify> {
         let woken = Arc::new(tokio::sync::Notify::new());
         self.waits.insert(
             request_id.to_string(),
             Wait {
                 agents: agents.iter().map(|a| (a.clone(), None)).collect(),
-                capability,
+                proof,
                 nonce: String::new(),
                 woken: woken.clone(),
             },
@@ -416,10 +431,39 @@ impl DecodeWaits {
             .iter_mut()
             .find(|(agent, ended)| agent.as_bytes() == sender && ended.is_none())
             .ok_or(EndRefused::WrongPeer)?;
-        if !end.verify(&wait.capability, sender, &wait.nonce) {
+        let WaitProof::Capability(capability) = &wait.proof else {
+            return Err(EndRefused::BadTag);
+        };
+        if !end.verify(capability, sender, &wait.nonce) {
             return Err(EndRefused::BadTag);
         }
         slot.1 = Some(end.end);
+        wait.woken.notify_one();
+        Ok(())
+    }
+
+    /// vLLM's protocol: agent `sender`'s WRITE into `request_id`'s blocks landed, its
+    /// notification counting `count`. It counts once per agent the load registered with.
+    #[cfg_attr(not(feature = "vllm"), allow(dead_code))]
+    pub(crate) fn written(
+        &mut self,
+        sender: &[u8],
+        request_id: &str,
+        count: u64,
+    ) -> Result<(), EndRefused> {
+        let wait = self.waits.get_mut(request_id).ok_or(EndRefused::Unknown)?;
+        let WaitProof::VllmCount(expected) = wait.proof else {
+            return Err(EndRefused::BadTag);
+        };
+        let slot = wait
+            .agents
+            .iter_mut()
+            .find(|(agent, ended)| agent.as_bytes() == sender && ended.is_none())
+            .ok_or(EndRefused::WrongPeer)?;
+        if count != expected {
+            return Err(EndRefused::BadCount);
+        }
+        slot.1 = Some(PushEnd::Written);
         wait.woken.notify_one();
         Ok(())
     }
@@ -603,7 +647,8 @@ mod tests {
     fn an_end_counts_once_from_a_registered_agent_with_the_right_tag() {
         let cap = Capability::random().unwrap();
         let mut waits = DecodeWaits::default();
-        waits.wait("d-r", &["p0".into(), "p1".into()], cap.clone());
+        let agents = ["p0".into(), "p1".into()];
+        waits.wait("d-r", &agents, WaitProof::Capability(cap.clone()));
         let proof = EndProof::Capability(cap.clone());
         let end = end_message("d-r", PushEnd::Written, &proof, "p0");
         let parsed = parse_end(&end).unwrap();
@@ -623,5 +668,28 @@ mod tests {
         let ends = waits.ends("d-r");
         assert_eq!(ends[0].1, Some(PushEnd::Written));
         assert_eq!(ends[1].1, None);
+    }
+
+    #[test]
+    fn a_vllm_write_counts_once_from_a_registered_agent_with_the_prefills_tp() {
+        let mut waits = DecodeWaits::default();
+        waits.wait("d-r", &["p0".into(), "p1".into()], WaitProof::VllmCount(2));
+        assert_eq!(waits.written(b"p9", "d-r", 2), Err(EndRefused::WrongPeer));
+        assert_eq!(waits.written(b"p0", "d-x", 2), Err(EndRefused::Unknown));
+        assert_eq!(waits.written(b"p0", "d-r", 1), Err(EndRefused::BadCount));
+        assert_eq!(waits.written(b"p0", "d-r", 2), Ok(()));
+        assert_eq!(
+            waits.written(b"p0", "d-r", 2),
+            Err(EndRefused::WrongPeer),
+            "once"
+        );
+        assert_eq!(waits.ends("d-r")[1].1, None);
+        assert_eq!(waits.written(b"p1", "d-r", 2), Ok(()));
+        let cap = Capability::random().unwrap();
+        let end = end_message("d-r", PushEnd::Written, &EndProof::Capability(cap), "p1");
+        assert_eq!(
+            waits.ended(b"p1", &parse_end(&end).unwrap()),
+            Err(EndRefused::WrongPeer)
+        );
     }
 }

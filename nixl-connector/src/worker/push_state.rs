@@ -9,6 +9,8 @@ use std::time::Instant;
 use crate::metrics::series::Series;
 use crate::transfer_mode::PushSettings;
 use crate::worker::push_book::{DecodeWaits, PrefillBook};
+#[cfg(feature = "vllm")]
+use crate::worker::push_book_vllm::VllmPrefillBook;
 
 /// What push mode did on a worker so far (both roles).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -46,7 +48,18 @@ pub struct PushStats {
 /// another part's lock.
 pub(crate) struct Push {
     pub(crate) settings: PushSettings,
+    /// The worker's KV lease (vLLM's protocol: how long a load whose registration went
+    /// unwritten keeps its blocks after its heartbeats stop, see `push_vllm.rs`).
+    #[cfg_attr(not(feature = "vllm"), allow(dead_code))]
+    pub(crate) lease: std::time::Duration,
+    /// vLLM's protocol: the prefill request ids whose loads stopped waiting (timed out),
+    /// each with its load's request id: their heartbeats stop, so that the prefill's
+    /// lease ends, until the engine has taken the load's end.
+    silenced: Mutex<std::collections::HashMap<String, String>>,
     book: Mutex<PrefillBook>,
+    /// vLLM's protocol: its prefill book (registrations without proofs).
+    #[cfg(feature = "vllm")]
+    vllm_book: Mutex<VllmPrefillBook>,
     waits: Mutex<DecodeWaits>,
     stats: Mutex<PushStats>,
     /// The book's waits and drops the series have heard of.
@@ -66,7 +79,11 @@ impl Push {
     pub(crate) fn new(settings: PushSettings, lease: std::time::Duration) -> Self {
         Push {
             settings,
+            lease,
+            silenced: Mutex::default(),
             book: Mutex::new(PrefillBook::new(lease)),
+            #[cfg(feature = "vllm")]
+            vllm_book: Mutex::new(VllmPrefillBook::new(lease)),
             waits: Mutex::default(),
             stats: Mutex::default(),
             exported: Mutex::default(),
@@ -124,6 +141,11 @@ impl Push {
         self.book.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    #[cfg(feature = "vllm")]
+    pub(crate) fn vllm_book(&self) -> MutexGuard<'_, VllmPrefillBook> {
+        self.vllm_book.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     pub(crate) fn waits(&self) -> MutexGuard<'_, DecodeWaits> {
         self.waits.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -134,7 +156,16 @@ impl Push {
 
     /// The counts so far, the prefill book's included.
     pub(crate) fn stats(&self) -> PushStats {
-        let book = self.book().stats;
+        #[cfg_attr(not(feature = "vllm"), allow(unused_mut))]
+        let mut book = self.book().stats;
+        #[cfg(feature = "vllm")]
+        {
+            let vllm = self.vllm_book().stats;
+            book.matched += vllm.matched;
+            book.waited += vllm.waited;
+            book.evicted += vllm.evicted;
+            book.refused += vllm.refused;
+        }
         let mut stats = *self.stats.lock().unwrap_or_else(|p| p.into_inner());
         stats.registrations_matched = book.matched;
         stats.registrations_waited = book.waited;
@@ -152,11 +183,46 @@ impl Push {
             book.released(id);
         }
         book.expire(Instant::now());
-        let now = (book.stats.waited, book.stats.evicted);
+        #[cfg_attr(not(feature = "vllm"), allow(unused_mut))]
+        let mut now = (book.stats.waited, book.stats.evicted);
         drop(book);
+        #[cfg(feature = "vllm")]
+        {
+            let mut book = self.vllm_book();
+            for id in released {
+                book.released(id);
+            }
+            book.expire(Instant::now());
+            now = (now.0 + book.stats.waited, now.1 + book.stats.evicted);
+        }
         let mut exported = self.exported.lock().unwrap_or_else(|p| p.into_inner());
         series.push_waits(now.0 - exported.0, now.1 - exported.1);
         *exported = now;
+    }
+
+    /// vLLM's protocol: stops the heartbeats of the prefill's `request_id`, for the load
+    /// of `load_id`.
+    #[cfg_attr(not(feature = "vllm"), allow(dead_code))]
+    pub(crate) fn silence(&self, request_id: &str, load_id: &str) {
+        let mut silenced = self.silenced.lock().unwrap_or_else(|p| p.into_inner());
+        silenced.insert(request_id.to_string(), load_id.to_string());
+    }
+
+    /// The engine took the ends of the loads `ended`: their heartbeats, stopped, are the
+    /// scheduler's again (it sends none for an ended load).
+    pub(crate) fn loads_taken(&self, ended: &[String]) {
+        let mut silenced = self.silenced.lock().unwrap_or_else(|p| p.into_inner());
+        if !silenced.is_empty() {
+            silenced.retain(|_, load| !ended.contains(load));
+        }
+    }
+
+    /// Whether the heartbeats of the prefill's `request_id` are stopped.
+    pub(crate) fn silenced(&self, request_id: &str) -> bool {
+        self.silenced
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains_key(request_id)
     }
 
     /// Wakes the load of `request_id`, if it waits (it was aborted).

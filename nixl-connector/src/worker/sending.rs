@@ -537,6 +537,17 @@ impl Sends {
         }
     }
 
+    /// Push mode: no WRITE of `request_id`'s blocks was posted after
+    /// [`start_writing`](Self::start_writing), and the request stays held for another one:
+    /// its lease applies again (a lease that ended meanwhile releases it at the next
+    /// [`expire`](Self::expire)).
+    #[cfg_attr(not(feature = "vllm"), allow(dead_code))]
+    pub(crate) fn stop_writing(&mut self, request_id: &str) {
+        if let Some(held) = self.held.get_mut(request_id) {
+            held.writing = false;
+        }
+    }
+
     /// Push mode: NIXL ended the WRITE of `request_id`'s blocks (or none was posted after
     /// [`start_writing`](Self::start_writing)): it is released.
     pub(crate) fn written(&mut self, request_id: &str) {
@@ -942,6 +953,16 @@ mod tests {
         hold_30s(&mut s, "l", t0);
         s.expire(t0 + Duration::from_secs(60));
         assert_eq!(s.take_done().0, ["l"]);
+        // One given up before its WRITE is posted is the lease's again.
+        hold_30s(&mut s, "g", t0);
+        assert!(s.start_writing("g"));
+        s.expire(t0 + Duration::from_secs(60));
+        assert!(s.take_done().0.is_empty());
+        s.stop_writing("g");
+        assert!(s.start_writing("g"), "another registration may write it");
+        s.stop_writing("g");
+        s.expire(t0 + Duration::from_secs(60));
+        assert_eq!(s.take_done().0, ["g"]);
     }
 
     #[test]

@@ -9,7 +9,7 @@
 //! | [`Remotes`] | the remote ranks handshaken, their prepared lists, engine TTLs | handshakes (`connect.rs`), loads' failures, eviction (`engines.rs`) |
 //! | [`LoadOutcomes`] | what the loads came to, and the signal that one ended | loads (`load.rs`); taken by the step (`worker.rs`) |
 //! | [`HeldSends`] | the requests held for decodes, and the signal a notification arrived | the step and the decode notifications (`worker.rs`, `sending.rs`) |
-//! | [`Push`] | push mode's prefill book (requests ready to be written, early registrations) and decode waits | push notifications and loads (`push.rs`, `push_state.rs`); the step (`worker.rs`) |
+//! | [`Push`] | push mode's prefill book (requests ready to be written, early registrations) and decode waits | push notifications and loads (`push.rs`, `push_vllm.rs`, `push_state.rs`); the step (`worker.rs`) |
 //! | [`ScratchWords`] | registered words for the release marks a load READs, free between loads | loads (`marks_check.rs`) |
 //! | [`Context`] | config, protocol, groups, the NIXL setup, the side channel's guard, etcd, metrics | nobody after creation (the guard, the vLLM worker and the metrics count through atomics and locks of their own) |
 //!
