@@ -32,7 +32,6 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use futures::future::join_all;
 use nixl::Notification;
 
 use crate::error::{Error, Result};
@@ -41,6 +40,7 @@ use crate::vllm::notify::{self, NotificationLimits, VllmNotification, HEARTBEAT_
 use crate::vllm::push_reg::{PushRegistration, RegisteredBlocks, PUSH_REG_PREFIX};
 use crate::worker::connect::{self, Engine};
 use crate::worker::load::{record, report_overdue, Load};
+use crate::worker::push::prefill_agents;
 use crate::worker::push_book::WaitProof;
 use crate::worker::push_book_vllm::VllmWrite;
 use crate::worker::push_outcome::outcome;
@@ -166,15 +166,7 @@ async fn run_load(shared: &Arc<Shared>, push: &Push, load: &Load) -> Result<()> 
         ));
     }
     let message = registration(shared, load)?.encode()?;
-    let remotes = join_all(
-        load.ranks
-            .iter()
-            .map(|&(rank, port)| connect::remote(shared, load.engine(), rank, port)),
-    )
-    .await
-    .into_iter()
-    .collect::<Result<Vec<_>>>()?;
-    let agents: Vec<String> = remotes.iter().map(|r| r.agent.clone()).collect();
+    let agents = prefill_agents(shared, load).await?;
     let proof = WaitProof::VllmCount(load.remote.tp_size as u64);
     let woken = push.waits().wait(&load.request_id, &agents, proof);
     for agent in &agents {
