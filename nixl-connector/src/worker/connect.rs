@@ -10,6 +10,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use futures::future::join_all;
 use futures::FutureExt;
 use nixl::{LocalDescList, RemoteDescList};
 
@@ -42,6 +43,24 @@ impl Engine<'_> {
         let tp_size = self.tp_size.max(1);
         (rank / tp_size, rank % tp_size)
     }
+}
+
+/// Handshakes with `engine`'s `ranks` (rank, side-channel port) at once, and returns their
+/// agents' names in the same order: the agents a push decode registers its blocks with.
+pub(crate) async fn agents(
+    shared: &Arc<Shared>,
+    engine: Engine<'_>,
+    ranks: &[(usize, u16)],
+) -> Result<Vec<String>> {
+    let remotes = join_all(
+        ranks
+            .iter()
+            .map(|&(rank, port)| remote(shared, engine, rank, port)),
+    )
+    .await
+    .into_iter()
+    .collect::<Result<Vec<_>>>()?;
+    Ok(remotes.iter().map(|r| r.agent.clone()).collect())
 }
 
 /// The remote rank `rank` of `engine`, whose side channel is at `port`, handshaking first

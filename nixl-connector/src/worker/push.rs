@@ -19,7 +19,6 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use futures::future::join_all;
 use nixl::{Notification, NotificationFilter};
 
 use crate::config::Protocol;
@@ -362,7 +361,7 @@ async fn registration_of(
     if addr.ip().is_unspecified() {
         return Err(Error::invalid(OP, format!("this rank's side channel listens on {addr}: set WorkerConfig::side_channel to an address the prefill reaches, which the registration names")));
     }
-    let agents = prefill_agents(shared, load).await?;
+    let agents = connect::agents(shared, load.engine(), &load.ranks).await?;
     let registration = Registration {
         request_id: load.remote.request_id.clone(),
         decode_request_id: load.request_id.clone(),
@@ -376,20 +375,6 @@ async fn registration_of(
         nonce: String::new(),
     };
     Ok((registration, capability, agents))
-}
-
-/// Decode, both protocols: handshakes with every prefill rank `load` registers with (those
-/// its TP mapping names), and returns their agents' names, rank by rank.
-pub(crate) async fn prefill_agents(shared: &Arc<Shared>, load: &Load) -> Result<Vec<String>> {
-    let remotes = join_all(
-        load.ranks
-            .iter()
-            .map(|&(rank, port)| connect::remote(shared, load.engine(), rank, port)),
-    )
-    .await
-    .into_iter()
-    .collect::<Result<Vec<_>>>()?;
-    Ok(remotes.iter().map(|r| r.agent.clone()).collect())
 }
 
 async fn run_load(shared: &Arc<Shared>, load: &Load) -> Result<()> {

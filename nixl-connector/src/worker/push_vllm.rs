@@ -40,7 +40,6 @@ use crate::vllm::notify::{self, NotificationLimits, VllmNotification, HEARTBEAT_
 use crate::vllm::push_reg::{PushRegistration, RegisteredBlocks, PUSH_REG_PREFIX};
 use crate::worker::connect::{self, Engine};
 use crate::worker::load::{record, report_overdue, Load};
-use crate::worker::push::prefill_agents;
 use crate::worker::push_book::WaitProof;
 use crate::worker::push_book_vllm::VllmWrite;
 use crate::worker::push_outcome::outcome;
@@ -166,7 +165,7 @@ async fn run_load(shared: &Arc<Shared>, push: &Push, load: &Load) -> Result<()> 
         ));
     }
     let message = registration(shared, load)?.encode()?;
-    let agents = prefill_agents(shared, load).await?;
+    let agents = connect::agents(shared, load.engine(), &load.ranks).await?;
     let proof = WaitProof::VllmCount(load.remote.tp_size as u64);
     let woken = push.waits().wait(&load.request_id, &agents, proof);
     for agent in &agents {
