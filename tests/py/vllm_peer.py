@@ -289,6 +289,52 @@ def encode_payload(hash_, meta, extra):
     )
 
 
+def dram_metadata(engine, agent, addrs, blocks, block_len, block_size, first_layer=0, **more):
+    """A rank's metadata as a vLLM worker describes host KV caches: one region per layer at
+    `addrs` (layers from `first_layer` on), `blocks` blocks of `block_len` bytes each, one
+    KV cache group; `more` sets other fields."""
+    count = len(addrs)
+    fields = dict(
+        engine_id=engine,
+        agent_metadata=agent.get_agent_metadata(),
+        kv_caches_base_addr=list(addrs),
+        device_id=0,
+        num_blocks=blocks,
+        block_lens=[block_len] * count,
+        block_strides=[block_len] * count,
+        kv_cache_layout="LBHNC",
+        block_size=block_size,
+        ssm_sizes=(0, 0),
+        attn_backend_name="FLASH_ATTN",
+        physical_blocks_per_logical_kv_block=1,
+        region_num_blocks=[blocks] * count,
+        region_group_ids=[0] * count,
+        region_names=[f"model.layers.{first_layer + g}.self_attn.attn" for g in range(count)],
+        region_mem_types=["DRAM"] * count,
+    )
+    fields.update(more)
+    return NixlAgentMetadata(**fields)
+
+
+def serve_ranks(payloads):
+    """A ROUTER on a random port answering GET_META for each (pp rank, tp rank) of
+    `payloads` in a thread; its port."""
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+
+    def loop():
+        while True:
+            identity, _, msg = sock.recv_multipart()
+            tag, pp, tp = msgspec.msgpack.decode(msg)
+            assert tag == GET_META_MSG and (pp, tp) in payloads, (tag, pp, tp)
+            ts = msgspec.msgpack.encode(time.perf_counter())
+            sock.send_multipart((identity, b"", payloads[(pp, tp)], ts))
+
+    threading.Thread(target=loop, daemon=True).start()
+    return port
+
+
 def serve(hash_, ranks, extra, big):
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -457,24 +503,12 @@ def kv_prefill(hash_, extra, lie, engine, regions, blocks, block_len, block_size
     bufs, reg = register_kv(agent, regions, blocks * block_len, 0)
     addrs = [b.ctypes.data for b in bufs]
     shift = (1 << 20) if lie else 0
-    meta = NixlAgentMetadata(
-        engine_id=engine,
-        agent_metadata=agent.get_agent_metadata(),
-        kv_caches_base_addr=[a + shift for a in addrs],
-        device_id=0,
-        num_blocks=blocks,
-        block_lens=[block_len] * regions,
-        block_strides=[block_len] * regions,
-        kv_cache_layout="LBHNC",
-        block_size=block_size,
+    meta = dram_metadata(
+        engine, agent, [a + shift for a in addrs], blocks, block_len, block_size,
         ssm_sizes=(sum(ssm[0]), ssm[1]) if ssm else (0, 0),
-        attn_backend_name="FLASH_ATTN",
         physical_blocks_per_logical_kv_block=ppl,
-        region_num_blocks=[blocks] * regions,
         # A tensor that layers of several groups share is marked -1.
         region_group_ids=region_groups or [0] * regions,
-        region_names=[f"model.layers.{r}.self_attn.attn" for r in range(regions)],
-        region_mem_types=["DRAM"] * regions,
     )
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -859,43 +893,14 @@ def kv_dcp_prefill(hash_, engine, dcp, regions, blocks, block_len, block_size, p
         name = f"py-dcp-prefill-{os.getpid()}-{rank}"
         agent = nixl_agent(name)
         bufs, reg = register_kv(agent, regions, blocks * block_len, rank)
-        meta = NixlAgentMetadata(
-            engine_id=engine,
-            agent_metadata=agent.get_agent_metadata(),
-            kv_caches_base_addr=[b.ctypes.data for b in bufs],
-            device_id=0,
-            num_blocks=blocks,
-            block_lens=[block_len] * regions,
-            block_strides=[block_len] * regions,
-            kv_cache_layout="LBHNC",
-            block_size=block_size,
-            ssm_sizes=(0, 0),
-            attn_backend_name="FLASH_ATTN",
-            physical_blocks_per_logical_kv_block=1,
-            region_num_blocks=[blocks] * regions,
-            region_group_ids=[0] * regions,
-            region_names=[f"model.layers.{g}.self_attn.attn" for g in range(regions)],
-            region_mem_types=["DRAM"] * regions,
-            dcp_size=dcp,
-            pcp_size=pcp,
+        addrs = [b.ctypes.data for b in bufs]
+        meta = dram_metadata(
+            engine, agent, addrs, blocks, block_len, block_size, dcp_size=dcp, pcp_size=pcp
         )
         payloads[(0, rank)] = encode_payload(hash_, meta, False)
         dcp_prefill["ranks"].append((agent, bufs, reg))
         names.append(name)
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
-
-    def loop():
-        while True:
-            identity, _, msg = sock.recv_multipart()
-            tag, pp, tp = msgspec.msgpack.decode(msg)
-            assert tag == GET_META_MSG and (pp, tp) in payloads, (tag, pp, tp)
-            ts = msgspec.msgpack.encode(time.perf_counter())
-            sock.send_multipart((identity, b"", payloads[(pp, tp)], ts))
-
-    threading.Thread(target=loop, daemon=True).start()
-    return {"port": port, "agents": names}
+    return {"port": serve_ranks(payloads), "agents": names}
 
 
 def kv_dcp_notifs(count, seconds):
@@ -986,40 +991,12 @@ def kv_pp_prefill(hash_, engine, pp, tp, layers, blocks, block_len, block_size):
             descs = [(b.ctypes.data, size, 0, "") for b in bufs]
             reg = agent.get_reg_descs(descs, "DRAM")
             agent.register_memory(reg)
-            meta = NixlAgentMetadata(
-                engine_id=engine,
-                agent_metadata=agent.get_agent_metadata(),
-                kv_caches_base_addr=[b.ctypes.data for b in bufs],
-                device_id=0,
-                num_blocks=blocks,
-                block_lens=[block_len] * count,
-                block_strides=[block_len] * count,
-                kv_cache_layout="LBHNC",
-                block_size=block_size,
-                ssm_sizes=(0, 0),
-                attn_backend_name="FLASH_ATTN",
-                physical_blocks_per_logical_kv_block=1,
-                region_num_blocks=[blocks] * count,
-                region_group_ids=[0] * count,
-                region_names=[f"model.layers.{first + g}.self_attn.attn" for g in range(count)],
-                region_mem_types=["DRAM"] * count,
-            )
+            addrs = [b.ctypes.data for b in bufs]
+            meta = dram_metadata(engine, agent, addrs, blocks, block_len, block_size, first)
             payloads[(s, t)] = encode_payload(hash_, meta, False)
             pp_prefill["ranks"][(s, t)] = (agent, bufs, reg)
             names[f"{s}:{t}"] = name
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
-
-    def loop():
-        while True:
-            identity, _, msg = sock.recv_multipart()
-            tag, s, t = msgspec.msgpack.decode(msg)
-            assert tag == GET_META_MSG and (s, t) in payloads, (tag, s, t)
-            ts = msgspec.msgpack.encode(time.perf_counter())
-            sock.send_multipart((identity, b"", payloads[(s, t)], ts))
-
-    threading.Thread(target=loop, daemon=True).start()
+    port = serve_ranks(payloads)
     pp_prefill.update(engine=engine, port=port, pp=pp, tp=tp)
     return {"port": port, "stages": stages, "agents": names}
 
