@@ -748,7 +748,9 @@ impl KvConnectorWorker {
             .map(String::as_str)
             .filter(|id| !silenced(id))
             .collect();
-        if ids.is_empty() {
+        // Every id silenced: nothing to say, and the engine is not in use for them. (A
+        // heartbeat of no id at all still keeps its engine in use and handshaken.)
+        if ids.is_empty() && !heartbeat.request_ids.is_empty() {
             return;
         }
         let ids = ids.into_iter();

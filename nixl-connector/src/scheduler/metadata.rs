@@ -78,7 +78,9 @@ pub struct HeartbeatSpec {
     /// positions get the heartbeat.
     #[serde(default = "no_dcp")]
     pub dcp_size: usize,
-    /// Its request ids (the remote ones) whose leases to extend.
+    /// Its request ids (the remote ones) whose leases to extend. With none, nothing is
+    /// sent, but the engine counts as in use (for `engine_ttl`) and its ranks are
+    /// handshaken with, so that later heartbeats go at once.
     pub request_ids: Vec<String>,
     /// The capability of each of `request_ids`, in the same order (native protocol: a
     /// heartbeat counts only with a tag made under it; an id without one is not sent).
