@@ -93,7 +93,7 @@ fn vllm_protocol_run_at_the_default_shape_checks_every_byte() {
 
 #[test]
 fn prefix_hits_and_aborts_in_a_verified_run() {
-    let mut prefill = Prefill::start(&["--sessions", "2"]);
+    let prefill = Prefill::start(&["--sessions", "2"]);
     let mut args = WORK.to_vec();
     args.extend(["--prefix-hit-blocks", "1", "--abort-every", "3"]);
     let (status, out) = run_decode(prefill.addr, &args);
@@ -122,15 +122,9 @@ fn prefix_hits_and_aborts_in_a_verified_run() {
     assert!(out.contains("prefix:    80 request blocks"), "{out}");
     assert!(out.contains("every byte verified"), "{out}");
 
-    let status = prefill.proc.finish();
-    let pout = prefill.proc.output();
-    assert!(status.success(), "prefill failed:\n{pout}");
     // Aborted requests were freed on decode's notification, not by their lease.
-    assert!(
-        pout.contains(
-            "2 sessions (0 ended early), 40 requests served (0 freed when their lease ended)"
-        ),
-        "{pout}"
+    prefill.finish_with(
+        "2 sessions (0 ended early), 40 requests served (0 freed when their lease ended)",
     );
 }
 
@@ -140,7 +134,7 @@ fn prefix_hits_and_aborts_in_a_verified_run() {
 #[test]
 fn push_mode_with_prefix_hits_and_aborts_checks_every_byte() {
     let push = ["--transfer-mode", "push"];
-    let mut prefill = Prefill::start(&["--sessions", "2", "--transfer-mode", "push"]);
+    let prefill = Prefill::start(&["--sessions", "2", "--transfer-mode", "push"]);
     let mut args = WORK.to_vec();
     args.extend(push);
     args.extend(["--prefix-hit-blocks", "1", "--abort-every", "3"]);
@@ -163,14 +157,8 @@ fn push_mode_with_prefix_hits_and_aborts_checks_every_byte() {
     assert!(status.success(), "decode failed:\n{out}");
     assert!(out.contains("blocks:    0 "), "{out}");
     assert!(out.contains("every byte verified"), "{out}");
-    let status = prefill.proc.finish();
-    let pout = prefill.proc.output();
-    assert!(status.success(), "prefill failed:\n{pout}");
-    assert!(
-        pout.contains(
-            "2 sessions (0 ended early), 40 requests served (0 freed when their lease ended)"
-        ),
-        "{pout}"
+    prefill.finish_with(
+        "2 sessions (0 ended early), 40 requests served (0 freed when their lease ended)",
     );
 }
 
@@ -182,7 +170,7 @@ fn vllm_push_mode_checks_every_byte() {
     let flags = ["--protocol", "vllm", "--transfer-mode", "push"];
     let mut args = vec!["--sessions", "1"];
     args.extend(flags);
-    let mut prefill = Prefill::start(&args);
+    let prefill = Prefill::start(&args);
     let mut args = WORK.to_vec();
     args.extend(flags);
     let (status, out) = run_decode(prefill.addr, &args);
@@ -192,14 +180,8 @@ fn vllm_push_mode_checks_every_byte() {
         out.contains("errors:    none, every byte verified"),
         "{out}"
     );
-    let status = prefill.proc.finish();
-    let pout = prefill.proc.output();
-    assert!(status.success(), "prefill failed:\n{pout}");
-    assert!(
-        pout.contains(
-            "1 sessions (0 ended early), 20 requests served (0 freed when their lease ended)"
-        ),
-        "{pout}"
+    prefill.finish_with(
+        "1 sessions (0 ended early), 20 requests served (0 freed when their lease ended)",
     );
 }
 

@@ -27,7 +27,7 @@ use nixl_connector::{
 };
 use py::{hex, unhex};
 use vllm_peer_support::{
-    python_byte_of, rust_byte_of, vllm_kv, VllmPeer, BLOCKS, BLOCK_LEN, REGIONS,
+    load_outcome, python_byte_of, rust_byte_of, vllm_kv, VllmPeer, BLOCKS, BLOCK_LEN, REGIONS,
 };
 use vllm_support::factors;
 
@@ -111,21 +111,6 @@ fn python_prefill_and_rust_decode(
         .update_state_after_alloc("req", list, &params)
         .unwrap();
     (peer, decodes, scheduler, list)
-}
-
-/// Steps `scheduler` until its one load ends.
-async fn load_outcome(
-    scheduler: &mut KvConnectorScheduler,
-    decodes: &[KvConnectorWorker],
-) -> LoadOutcome {
-    let started = Instant::now();
-    loop {
-        if let Some(outcome) = scheduler.step(decodes).unwrap().load_outcomes.pop() {
-            return outcome;
-        }
-        assert!(started.elapsed() < Duration::from_secs(10), "no load end");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
 }
 
 /// A Rust decode of DCP `dcp` reads a Python prefill of `pdcp` transfer ranks of DCP

@@ -20,7 +20,6 @@ mod vllm_support;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use nixl::platform::BuiltinPlatform;
 use nixl_connector::vllm::{MetadataServer, VllmChannelLimits};
@@ -30,7 +29,9 @@ use nixl_connector::{
 };
 use py::{hex, unhex};
 use serde_json::json;
-use vllm_peer_support::{python_byte_of, vllm_kv, VllmPeer, BLOCKS, BLOCK_LEN, REGIONS};
+use vllm_peer_support::{
+    load_outcome, python_byte_of, vllm_kv, VllmPeer, BLOCKS, BLOCK_LEN, REGIONS,
+};
 use vllm_support::factors;
 
 /// The layers of the Python prefill of two stages (vLLM's split: 3 on stage 0, 2 on 1).
@@ -75,24 +76,6 @@ fn engine_of_stages(
 /// An engine of two pipeline stages of TP 1 (one layer each), as [`engine_of_stages`].
 fn two_stages(engine: &str) -> (Vec<KvConnectorWorker>, KvConnectorScheduler) {
     engine_of_stages(engine, REGIONS, 2)
-}
-
-/// Steps `scheduler` until its one load ends (at most 10 s).
-async fn load_outcome(
-    scheduler: &mut KvConnectorScheduler,
-    decodes: &[KvConnectorWorker],
-) -> LoadOutcome {
-    let started = Instant::now();
-    loop {
-        if let Some(outcome) = scheduler.step(decodes).unwrap().load_outcomes.pop() {
-            return outcome;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "the load never ended"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

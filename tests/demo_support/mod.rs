@@ -265,6 +265,16 @@ impl Prefill {
         Prefill { proc, addr }
     }
 
+    /// Waits for it to exit, and checks it succeeded and printed `served` (e.g. "2 sessions
+    /// (0 ended early), 40 requests served"); its output.
+    pub fn finish_with(mut self, served: &str) -> String {
+        let status = self.proc.finish();
+        let out = self.proc.output();
+        assert!(status.success(), "prefill failed:\n{out}");
+        assert!(out.contains(served), "{out}");
+        out
+    }
+
     /// Its connector's side channel, as its start line names it.
     pub fn side_channel(&self) -> SocketAddr {
         let out = self.proc.output();

@@ -6,13 +6,14 @@ use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use nixl::kv_config::KvTransferConfig;
 use nixl::platform::BuiltinPlatform;
 use nixl_connector::vllm::CompatibilityFactors;
 use nixl_connector::{
     KvAttention, KvCacheGroups, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker, KvLayout,
-    SchedulerConfig, WorkerConfig,
+    LoadOutcome, SchedulerConfig, WorkerConfig,
 };
 use serde_json::Value;
 
@@ -147,5 +148,23 @@ pub fn fill_rust_prefill(prefill: &KvConnectorWorker, salt: usize) {
             .map(|i| rust_byte_of(salt, region, i))
             .collect();
         cache.write(region, 0, &bytes).unwrap();
+    }
+}
+
+/// Steps `scheduler` over `decodes` until its one load ends (at most 10 s).
+pub async fn load_outcome(
+    scheduler: &mut KvConnectorScheduler,
+    decodes: &[KvConnectorWorker],
+) -> LoadOutcome {
+    let started = Instant::now();
+    loop {
+        if let Some(outcome) = scheduler.step(decodes).unwrap().load_outcomes.pop() {
+            return outcome;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the load never ended"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }

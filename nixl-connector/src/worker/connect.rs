@@ -45,6 +45,27 @@ impl Engine<'_> {
     }
 }
 
+/// The address this rank's side channel listens on, for a peer to reach (a push decode
+/// names it in its registrations).
+///
+/// # Errors
+/// [`Error::NotRegistered`] before the caches are; [`Error::InvalidArgument`] when it
+/// listens on an unspecified address (`0.0.0.0`), which names no host.
+pub(crate) fn reachable_side_channel(
+    shared: &Shared,
+    operation: &'static str,
+) -> Result<SocketAddr> {
+    let caches = shared
+        .caches
+        .get()
+        .ok_or(Error::NotRegistered { operation })?;
+    let addr = caches.side_channel;
+    if addr.ip().is_unspecified() {
+        return Err(Error::invalid(operation, format!("this rank's side channel listens on {addr}: set WorkerConfig::side_channel to an address the prefill reaches, which the registration names")));
+    }
+    Ok(addr)
+}
+
 /// Handshakes with `engine`'s `ranks` (rank, side-channel port) at once, and returns their
 /// agents' names in the same order: the agents a push decode registers its blocks with.
 pub(crate) async fn agents(

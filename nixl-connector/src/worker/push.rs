@@ -353,14 +353,7 @@ async fn registration_of(
     let capability = load.remote.capability.clone().ok_or_else(|| {
         Error::invalid(OP, "the params carry no remote_capability: a native push needs one to prove the registration")
     })?;
-    let caches = shared
-        .caches
-        .get()
-        .ok_or(Error::NotRegistered { operation: OP })?;
-    let addr = caches.side_channel;
-    if addr.ip().is_unspecified() {
-        return Err(Error::invalid(OP, format!("this rank's side channel listens on {addr}: set WorkerConfig::side_channel to an address the prefill reaches, which the registration names")));
-    }
+    let addr = connect::reachable_side_channel(shared, OP)?;
     let agents = connect::agents(shared, load.engine(), &load.ranks).await?;
     let registration = Registration {
         request_id: load.remote.request_id.clone(),

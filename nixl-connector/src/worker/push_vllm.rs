@@ -116,14 +116,7 @@ pub(crate) async fn load(shared: Arc<Shared>, push: &Push, load: Load) {
 /// blocks per KV cache group, and the prefill's coordinates from its params.
 fn registration(shared: &Shared, load: &Load) -> Result<PushRegistration> {
     const OP: &str = "register blocks for a vLLM push";
-    let caches = shared
-        .caches
-        .get()
-        .ok_or(Error::NotRegistered { operation: OP })?;
-    let addr = caches.side_channel;
-    if addr.ip().is_unspecified() {
-        return Err(Error::invalid(OP, format!("this rank's vLLM side channel listens on {addr}: set WorkerConfig::side_channel to an address the prefill reaches, which the registration names")));
-    }
+    let addr = connect::reachable_side_channel(shared, OP)?;
     let ids: Vec<u64> = load.local_block_ids.iter().map(|&b| b as u64).collect();
     let mut groups = Vec::with_capacity(load.local_group_lens.len().max(1));
     if load.local_group_lens.is_empty() {
