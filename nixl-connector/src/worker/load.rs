@@ -26,7 +26,7 @@ use crate::transport::params::RemoteBlocks;
 use crate::vllm::clock::perf_counter;
 use crate::worker::claim;
 use crate::worker::connect::{self, Engine};
-use crate::worker::marks_check;
+use crate::worker::marks_check::{self, PostedMarks};
 use crate::worker::notification_format::notification_message;
 use crate::worker::remotes::Remote;
 use crate::worker::shared::Shared;
@@ -120,6 +120,9 @@ pub(crate) struct Posted {
     descriptors: usize,
     /// Why the next READ could not be posted, if one could not.
     failed: Option<Error>,
+    /// The READs of the release marks, posted once the data READs ended within their posts
+    /// (by [`try_now`]) but not ended within their own.
+    marks: Option<PostedMarks>,
 }
 
 /// One READ of a load, posted.
@@ -182,8 +185,9 @@ pub(crate) async fn run(shared: Arc<Shared>, load: Load) {
 }
 
 /// Posts the load at once when the handshakes with its remote ranks are done, and records
-/// it if NIXL finished it within the posts; `None` when it is done, else the load, with its
-/// posted READs if there are some, for a task to finish.
+/// it if NIXL finished it within the posts, the check after its READs too (see
+/// [`checked_now`]); `None` when it is done, else the load, with its posted READs if there
+/// are some, for a task to finish.
 pub(crate) fn try_now(shared: &Arc<Shared>, load: Load) -> Option<(Load, Option<Posted>)> {
     // Kept blocks are claimed first, over the side channel.
     if load.needs_claim(shared) {
@@ -204,30 +208,70 @@ pub(crate) fn try_now(shared: &Arc<Shared>, load: Load) -> Option<(Load, Option<
     let Some(remotes) = remotes else {
         return Some((load, None));
     };
-    let posted = {
+    let mut posted = {
         let _entered = load.span.enter();
         post(shared, &load, &remotes)
     };
-    if posted.done() && !load.checked_after_read() {
-        let counts: Vec<Option<usize>> = posted
-            .reads
-            .iter()
-            .map(|read| record_telemetry(shared, &read.request))
-            .collect();
-        let descriptors = counts.into_iter().sum::<Option<usize>>();
-        let at = Some((
-            posted.at,
-            posted.bytes,
-            descriptors.unwrap_or(posted.descriptors),
-        ));
-        record(shared, &load, at, Ok(()));
-        return None;
+    if !posted.done() {
+        return Some((load, Some(posted)));
     }
-    Some((load, Some(posted)))
+    // Every READ ended within its post (most do between processes of one host): so may
+    // the check after them, which then ends the load here too, without a task.
+    let outcome = match checked_now(shared, &load, &mut posted) {
+        Some(outcome) => outcome,
+        None => return Some((load, Some(posted))),
+    };
+    let counts: Vec<Option<usize>> = posted
+        .reads
+        .iter()
+        .map(|read| record_telemetry(shared, &read.request))
+        .collect();
+    let descriptors = match (&outcome, counts.into_iter().sum::<Option<usize>>()) {
+        (Ok(()), Some(counted)) => counted,
+        _ => posted.descriptors,
+    };
+    record(shared, &load, Some((posted.at, posted.bytes, descriptors)), outcome);
+    None
+}
+
+/// The outcome of the check after a load's READs ([`after_read`]), all of which ended
+/// within their posts, when it can be had without waiting: at once when nothing is
+/// checked or the check failed, else once the release marks' READs ended within their
+/// posts too. `None` when they did not: they are left in `posted`, for a task to await.
+fn checked_now(shared: &Shared, load: &Load, posted: &mut Posted) -> Option<Result<()>> {
+    if !load.checked_after_read() {
+        return Some(Ok(()));
+    }
+    #[cfg(feature = "vllm")]
+    if let Some(err) = shared
+        .vllm
+        .as_ref()
+        .and_then(|vllm| vllm.outlived(&load.remote, perf_counter()))
+    {
+        return Some(Err(err));
+    }
+    let read: Vec<(usize, Arc<Remote>)> = posted
+        .reads
+        .iter()
+        .map(|read| (read.rank, read.remote.clone()))
+        .collect();
+    let notification = load.notification(shared);
+    match marks_check::post_checks(shared, &load.remote, &read, &notification) {
+        Ok(None) => Some(Ok(())),
+        Err(err) => Some(Err(err)),
+        Ok(Some(marks)) => match marks.compare_now(shared, &load.remote) {
+            Ok(compared) => Some(compared),
+            Err(pending) => {
+                posted.marks = Some(pending);
+                None
+            }
+        },
+    }
 }
 
 /// Awaits the READs [`try_now`] posted (those it finished too, when they are checked after
-/// the read), and records the outcome.
+/// the read, and the release marks' READs it posted when those did not end in their posts),
+/// and records the outcome.
 pub(crate) async fn finish(shared: Arc<Shared>, load: Load, posted: Posted) {
     let span = load.span.clone();
     finish_posted(&shared, &load, posted).instrument(span).await;
@@ -378,6 +422,7 @@ fn post(shared: &Shared, load: &Load, remotes: &[Arc<Remote>]) -> Posted {
         bytes: 0,
         descriptors: 0,
         failed: None,
+        marks: None,
     };
     #[cfg(feature = "vllm")]
     if let Some(err) = shared
@@ -572,6 +617,7 @@ async fn finish_posted(shared: &Shared, load: &Load, posted: Posted) {
         bytes,
         descriptors,
         failed,
+        marks,
     } = posted;
     let read: Vec<(usize, Arc<Remote>)> = reads
         .iter()
@@ -631,7 +677,11 @@ async fn finish_posted(shared: &Shared, load: &Load, posted: Posted) {
             }
             failed
         }
-        None => after_read(shared, load, &read).await,
+        None => match marks {
+            // The check's READs were posted already (by `try_now`).
+            Some(marks) => marks.compare(shared, &load.remote).await,
+            None => after_read(shared, load, &read).await,
+        },
     };
     // NIXL's count when every READ completed with telemetry; else the descriptors asked for.
     let descriptors = match (&outcome, counted) {
@@ -655,7 +705,10 @@ async fn after_read(shared: &Shared, load: &Load, read: &[(usize, Arc<Remote>)])
         return Err(err);
     }
     let notification = load.notification(shared);
-    marks_check::check_after_read(shared, &load.remote, read, &notification).await
+    match marks_check::post_checks(shared, &load.remote, read, &notification)? {
+        Some(marks) => marks.compare(shared, &load.remote).await,
+        None => Ok(()),
+    }
 }
 
 /// Reports a load whose READs outlived its transfer timeout: logged, counted

@@ -22,53 +22,107 @@ pub(crate) fn applies(shared: &Shared, blocks: &RemoteBlocks) -> bool {
     shared.protocol == Protocol::Native && blocks.lease_epoch.is_some()
 }
 
-/// Checks, after a load's data READs from `read` (each remote rank with its number) all
-/// ended, that none of those ranks released the blocks of `blocks` first: one READ of each
-/// rank's release marks, compared with the params' lease epoch. Each carries `notification`
-/// to its rank, which is sent on its own if the READ cannot be posted. A load the marks do
-/// not apply to ([`applies`]) is not checked.
+/// Posts, once a load's data READs from `read` (each remote rank with its number) all
+/// ended, one READ of each rank's release marks of the blocks of `blocks`, to be compared
+/// with the params' lease epoch ([`PostedMarks::compare`]). Each carries `notification` to
+/// its rank; a rank whose READ cannot be posted, and those after it, get it on its own.
+/// `None` for a load the marks do not apply to ([`applies`]).
 ///
 /// # Errors
-/// [`Error::LeaseOutlived`] when a mark is at or past the epoch; [`Error::TransferTimeout`]
-/// when the marks' READs outlive the transfer timeout; [`Error::InvalidArgument`] when a
-/// rank names no marks or a block id has none; NIXL's errors.
-pub(crate) async fn check_after_read(
+/// [`Error::InvalidArgument`] when a rank names no marks or a block id has none; NIXL's
+/// errors.
+pub(crate) fn post_checks(
     shared: &Shared,
     blocks: &RemoteBlocks,
     read: &[(usize, Arc<Remote>)],
     notification: &[u8],
-) -> Result<()> {
+) -> Result<Option<PostedMarks>> {
     let Some(epoch) = blocks.lease_epoch.filter(|_| applies(shared, blocks)) else {
-        return Ok(());
+        return Ok(None);
     };
-    let checks =
-        read.iter()
-            .filter(|(_, remote)| remote.is_read())
-            .map(|(rank, remote)| async move {
-                let posted = match post(shared, blocks, (*rank, remote), notification) {
-                    Ok(posted) => posted,
-                    Err(err) => {
-                        notify_plainly(shared, blocks, remote, notification);
-                        return Err(err);
-                    }
-                };
-                compare(blocks, epoch, *rank, posted).await?;
-                Ok(())
-            });
-    let deadline = shared.config.transfer_timeout;
-    match tokio::time::timeout(deadline, try_join_all(checks)).await {
-        Ok(checked) => checked.map(|_| ()),
-        Err(_) => Err(Error::TransferTimeout {
-            request_id: blocks.request_id.clone(),
-            deadline,
-        }),
+    let ranks: Vec<&(usize, Arc<Remote>)> =
+        read.iter().filter(|(_, remote)| remote.is_read()).collect();
+    let mut reads = Vec::with_capacity(ranks.len());
+    for (i, (rank, remote)) in ranks.iter().enumerate() {
+        match post(shared, blocks, (*rank, remote), notification) {
+            Ok(posted) => reads.push(posted),
+            Err(err) => {
+                for (_, unposted) in &ranks[i..] {
+                    notify_plainly(shared, blocks, unposted, notification);
+                }
+                return Err(err);
+            }
+        }
+    }
+    Ok(Some(PostedMarks { epoch, reads }))
+}
+
+/// The READs of a load's release marks, one per rank read, posted.
+pub(crate) struct PostedMarks {
+    /// The params' lease epoch.
+    epoch: u64,
+    reads: Vec<MarksRead>,
+}
+
+impl PostedMarks {
+    /// Whether NIXL finished every READ within its post.
+    pub(crate) fn ended_in_post(&self) -> bool {
+        self.reads.iter().all(|read| read.done)
+    }
+
+    /// Awaits the READs (at most the transfer timeout) and compares the marks with the
+    /// epoch.
+    ///
+    /// # Errors
+    /// [`Error::LeaseOutlived`] when a mark is at or past the epoch;
+    /// [`Error::TransferTimeout`] when the READs outlive the transfer timeout; NIXL's
+    /// errors.
+    pub(crate) async fn compare(self, shared: &Shared, blocks: &RemoteBlocks) -> Result<()> {
+        let epoch = self.epoch;
+        let checks = self.reads.into_iter().map(|read| async move {
+            let words = read.words;
+            let ended = if read.done {
+                read.request
+            } else {
+                read.request.await?
+            };
+            compare_read(shared, blocks, epoch, (read.rank, words), (ended, read.scratch))
+        });
+        let deadline = shared.config.transfer_timeout;
+        match tokio::time::timeout(deadline, try_join_all(checks)).await {
+            Ok(checked) => checked.map(|_| ()),
+            Err(_) => Err(Error::TransferTimeout {
+                request_id: blocks.request_id.clone(),
+                deadline,
+            }),
+        }
+    }
+
+    /// Compares the marks with the epoch here and now, every READ having ended within its
+    /// post ([`ended_in_post`](Self::ended_in_post)): the comparison's outcome (an error as
+    /// [`compare`](Self::compare)'s), or, when a READ did not end in its post, the READs
+    /// back untouched, to [`compare`](Self::compare) once they end.
+    pub(crate) fn compare_now(
+        self,
+        shared: &Shared,
+        blocks: &RemoteBlocks,
+    ) -> std::result::Result<Result<()>, PostedMarks> {
+        if !self.ended_in_post() {
+            return Err(self);
+        }
+        let epoch = self.epoch;
+        let compared = self.reads.into_iter().try_for_each(|read| {
+            let at = (read.rank, read.words);
+            compare_read(shared, blocks, epoch, at, (read.request, read.scratch))
+        });
+        Ok(compared)
     }
 }
 
-/// The READ of one rank's marks, posted: the words it writes into, the request, whether
-/// NIXL finished it in the post, and how many words it reads.
-struct MarksRead<'a> {
-    shared: &'a Shared,
+/// The READ of one rank's marks, posted: the rank, the words it writes into, the request,
+/// whether NIXL finished it in the post, and how many words it reads.
+struct MarksRead {
+    rank: usize,
     scratch: Registration,
     request: XferRequest,
     done: bool,
@@ -77,12 +131,12 @@ struct MarksRead<'a> {
 
 /// Posts the READ of rank `rank`'s marks of the blocks of `blocks` into scratch words,
 /// carrying `notification`.
-fn post<'a>(
-    shared: &'a Shared,
+fn post(
+    shared: &Shared,
     blocks: &RemoteBlocks,
     (rank, remote): (usize, &Remote),
     notification: &[u8],
-) -> Result<MarksRead<'a>> {
+) -> Result<MarksRead> {
     const OP: &str = "check the release marks";
     let engine = &blocks.engine_id;
     let marks: ReleaseMarks = remote.release_marks.ok_or_else(|| {
@@ -112,7 +166,7 @@ fn post<'a>(
         agent.create_xfer_req(XferOp::Read, &local, &theirs, &remote.agent, &options)?;
     let done = request.post()? == XferStatus::Done;
     Ok(MarksRead {
-        shared,
+        rank,
         scratch,
         request,
         done,
@@ -120,21 +174,15 @@ fn post<'a>(
     })
 }
 
-/// Awaits a posted READ of rank `rank`'s marks, and compares them with `epoch`.
-async fn compare(
+/// Compares the `words` marks rank `rank`'s READ (`ended`) wrote into `scratch` with
+/// `epoch`, and keeps `scratch` for a later load.
+fn compare_read(
+    shared: &Shared,
     blocks: &RemoteBlocks,
     epoch: u64,
-    rank: usize,
-    read: MarksRead<'_>,
+    (rank, words): (usize, usize),
+    (ended, scratch): (XferRequest, Registration),
 ) -> Result<()> {
-    let MarksRead {
-        shared,
-        scratch,
-        request,
-        done,
-        words,
-    } = read;
-    let ended = if done { request } else { request.await? };
     let mut marks = vec![0u8; words * MARK_LEN];
     scratch.read(0, 0, &mut marks)?;
     // The READ ended: nothing writes the words any more.
