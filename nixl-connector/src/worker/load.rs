@@ -230,7 +230,12 @@ pub(crate) fn try_now(shared: &Arc<Shared>, load: Load) -> Option<(Load, Option<
         (Ok(()), Some(counted)) => counted,
         _ => posted.descriptors,
     };
-    record(shared, &load, Some((posted.at, posted.bytes, descriptors)), outcome);
+    record(
+        shared,
+        &load,
+        Some((posted.at, posted.bytes, descriptors)),
+        outcome,
+    );
     None
 }
 

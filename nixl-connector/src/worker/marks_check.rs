@@ -86,7 +86,13 @@ impl PostedMarks {
             } else {
                 read.request.await?
             };
-            compare_read(shared, blocks, epoch, (read.rank, words), (ended, read.scratch))
+            compare_read(
+                shared,
+                blocks,
+                epoch,
+                (read.rank, words),
+                (ended, read.scratch),
+            )
         });
         let deadline = shared.config.transfer_timeout;
         match tokio::time::timeout(deadline, try_join_all(checks)).await {
