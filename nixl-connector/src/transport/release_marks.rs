@@ -27,9 +27,9 @@ pub const MAX_MARKS: u64 = 1 << 24;
 ///   its lease ended, or an eviction) it raises the word of each of the request's blocks
 ///   to the request's epoch, before the engine learns that they are free;
 /// - the reader, once its data READs from a rank have all ended, READs the words of the
-///   blocks it read from that rank and fails the load if any is at or past the epoch. That
-///   READ, not the data READ, carries its finish notification, so that its own release
-///   never fails its check.
+///   blocks it read from that rank and fails the load if any is at or past the epoch. Its
+///   finish notification goes to the rank once that READ ended (not with the data READ),
+///   so that its own release never fails its check.
 ///
 /// A block given to the request was released by its earlier holders before the request
 /// finished, so their epochs are smaller, and every later holder's epoch is larger: a word

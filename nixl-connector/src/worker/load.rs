@@ -87,8 +87,8 @@ impl Load {
         self.remote.lease_epoch.is_some() || self.remote.blocks_expiry_time.is_some()
     }
 
-    /// Whether the ranks it reads are notified by the READs of their release marks rather
-    /// than by the data READs (see [`marks_check::applies`]).
+    /// Whether the ranks it reads are notified once the READs of their release marks ended
+    /// rather than by the data READs (see [`marks_check::applies`]).
     fn notifies_after_marks(&self, shared: &Shared) -> bool {
         marks_check::applies(shared, &self.remote)
     }
@@ -542,8 +542,9 @@ fn post_one(
         ssm: remote.ssm.as_ref(),
         reads_attention: remote.reads_attention(),
     })?;
-    // With release marks, the READ of the marks notifies, after the check: a rank released
-    // on every reader's notification raises its marks too, which must not fail the check.
+    // With release marks, the rank is notified once the READ of its marks ended: a rank
+    // released on every reader's notification raises its marks too, which must not fail
+    // the check.
     let options = match load.notifies_after_marks(shared) {
         true => XferOptions::new(),
         false => XferOptions::new().notification(load.notification(shared)),
