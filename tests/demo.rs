@@ -18,7 +18,7 @@ const WORK: [&str; 6] = [
 
 #[test]
 fn loopback_run_checks_every_byte() {
-    let mut prefill = Prefill::start(&["--sessions", "1"]);
+    let prefill = Prefill::start(&["--sessions", "1"]);
     let (status, out) = run_decode(prefill.addr, &WORK);
     assert!(status.success(), "decode failed:\n{out}");
     assert!(out.contains("requests:  20/20"), "{out}");
@@ -31,14 +31,8 @@ fn loopback_run_checks_every_byte() {
         out.contains("errors:    none, every byte verified"),
         "{out}"
     );
-    let status = prefill.proc.finish();
-    let pout = prefill.proc.output();
-    assert!(status.success(), "prefill failed:\n{pout}");
+    let pout = prefill.finish_with("1 sessions (0 ended early), 20 requests served");
     assert!(pout.contains("done: 20/20 requests"), "{pout}");
-    assert!(
-        pout.contains("1 sessions (0 ended early), 20 requests served"),
-        "{pout}"
-    );
 }
 
 /// The connectors speak vLLM's protocol (a ZMQ ROUTER per engine, the compatibility hash,
@@ -187,7 +181,7 @@ fn vllm_push_mode_checks_every_byte() {
 
 #[test]
 fn concurrent_decodes_share_one_prefill() {
-    let mut prefill = Prefill::start(&["--sessions", "2"]);
+    let prefill = Prefill::start(&["--sessions", "2"]);
     let mut a = decode(prefill.addr, &WORK);
     let mut b = decode(prefill.addr, &WORK);
     for d in [&mut a, &mut b] {
@@ -195,13 +189,7 @@ fn concurrent_decodes_share_one_prefill() {
         assert!(status.success(), "decode failed:\n{}", d.output());
         assert!(d.output().contains("every byte verified"), "{}", d.output());
     }
-    let status = prefill.proc.finish();
-    let pout = prefill.proc.output();
-    assert!(status.success(), "{pout}");
-    assert!(
-        pout.contains("2 sessions (0 ended early), 40 requests served"),
-        "{pout}"
-    );
+    prefill.finish_with("2 sessions (0 ended early), 40 requests served");
 }
 
 #[test]

@@ -587,13 +587,9 @@ impl KvConnectorWorker {
             tp_size,
             pp_size: 1,
         };
-        let handshakes = ranks
-            .iter()
-            .map(|&(rank, port)| connect::remote(&self.shared, engine, rank, port));
-        futures::future::join_all(handshakes)
+        connect::remotes(&self.shared, engine, &ranks)
             .await
-            .into_iter()
-            .try_for_each(|done| done.map(drop))
+            .map(drop)
     }
 
     /// The ranks of a remote engine of `pp_size` stages of TP `tp_size` and DCP size

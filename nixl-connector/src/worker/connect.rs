@@ -66,22 +66,24 @@ pub(crate) fn reachable_side_channel(
     Ok(addr)
 }
 
-/// Handshakes with `engine`'s `ranks` (rank, side-channel port) at once, and returns their
-/// agents' names in the same order: the agents a push decode registers its blocks with.
-pub(crate) async fn agents(
+/// [`remote`] for each of `engine`'s `ranks` (rank, side-channel port), run together: the
+/// remote ranks in the same order.
+///
+/// # Errors
+/// The first failed handshake's, in rank order.
+pub(crate) async fn remotes(
     shared: &Arc<Shared>,
     engine: Engine<'_>,
     ranks: &[(usize, u16)],
-) -> Result<Vec<String>> {
-    let remotes = join_all(
+) -> Result<Vec<Arc<Remote>>> {
+    join_all(
         ranks
             .iter()
             .map(|&(rank, port)| remote(shared, engine, rank, port)),
     )
     .await
     .into_iter()
-    .collect::<Result<Vec<_>>>()?;
-    Ok(remotes.iter().map(|r| r.agent.clone()).collect())
+    .collect()
 }
 
 /// The remote rank `rank` of `engine`, whose side channel is at `port`, handshaking first

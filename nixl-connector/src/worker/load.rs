@@ -147,7 +147,7 @@ impl Posted {
 pub(crate) async fn run(shared: Arc<Shared>, load: Load) {
     let span = load.span.clone();
     async move {
-        match handshakes(&shared, &load).await {
+        match connect::remotes(&shared, load.engine(), &load.ranks).await {
             Err(err) => record(&shared, &load, None, Err(err)),
             Ok(remotes) if shared.outcomes.lock().is_aborted(&load.request_id) => {
                 notify(
@@ -247,21 +247,12 @@ fn checked_now(shared: &Shared, load: &Load, posted: &mut Posted) -> Option<Resu
     if !load.checked_after_read() {
         return Some(Ok(()));
     }
-    #[cfg(feature = "vllm")]
-    if let Some(err) = shared
-        .vllm
-        .as_ref()
-        .and_then(|vllm| vllm.outlived(&load.remote, perf_counter()))
-    {
-        return Some(Err(err));
-    }
     let read: Vec<(usize, Arc<Remote>)> = posted
         .reads
         .iter()
         .map(|read| (read.rank, read.remote.clone()))
         .collect();
-    let notification = load.notification(shared);
-    match marks_check::post_checks(shared, &load.remote, &read, &notification) {
+    match start_check(shared, load, &read) {
         Ok(None) => Some(Ok(())),
         Err(err) => Some(Err(err)),
         Ok(Some(marks)) => match marks.compare_now(shared, &load.remote) {
@@ -311,18 +302,6 @@ pub(crate) async fn notify_only(shared: Arc<Shared>, load: Load) {
     }
     .instrument(span)
     .await;
-}
-
-/// The handshakes with every remote rank of the load, run together.
-async fn handshakes(shared: &Arc<Shared>, load: &Load) -> Result<Vec<Arc<Remote>>> {
-    join_all(
-        load.ranks
-            .iter()
-            .map(|&(rank, port)| connect::remote(shared, load.engine(), rank, port)),
-    )
-    .await
-    .into_iter()
-    .collect()
 }
 
 /// Sends the load's notification to each of `remotes`; `why` says what it tells them, for
@@ -702,6 +681,19 @@ async fn finish_posted(shared: &Shared, load: &Load, posted: Posted) {
 /// mode the blocks' expiry time, read again on this clock; in the native protocol the
 /// release marks of every rank read.
 async fn after_read(shared: &Shared, load: &Load, read: &[(usize, Arc<Remote>)]) -> Result<()> {
+    match start_check(shared, load, read)? {
+        Some(marks) => marks.compare(shared, &load.remote).await,
+        None => Ok(()),
+    }
+}
+
+/// The part of [`after_read`] that does not wait: the vLLM-mode expiry check, then the
+/// release marks' READs posted (`None` without marks).
+fn start_check(
+    shared: &Shared,
+    load: &Load,
+    read: &[(usize, Arc<Remote>)],
+) -> Result<Option<PostedMarks>> {
     #[cfg(feature = "vllm")]
     if let Some(err) = shared
         .vllm
@@ -711,10 +703,7 @@ async fn after_read(shared: &Shared, load: &Load, read: &[(usize, Arc<Remote>)])
         return Err(err);
     }
     let notification = load.notification(shared);
-    match marks_check::post_checks(shared, &load.remote, read, &notification)? {
-        Some(marks) => marks.compare(shared, &load.remote).await,
-        None => Ok(()),
-    }
+    marks_check::post_checks(shared, &load.remote, read, &notification)
 }
 
 /// Reports a load whose READs outlived its transfer timeout: logged, counted

@@ -76,7 +76,7 @@ pub(crate) struct PostedMarks {
 
 impl PostedMarks {
     /// Whether NIXL finished every READ within its post.
-    pub(crate) fn ended_in_post(&self) -> bool {
+    fn ended_in_post(&self) -> bool {
         self.reads.iter().all(|read| read.done)
     }
 

@@ -354,7 +354,8 @@ async fn registration_of(
         Error::invalid(OP, "the params carry no remote_capability: a native push needs one to prove the registration")
     })?;
     let addr = connect::reachable_side_channel(shared, OP)?;
-    let agents = connect::agents(shared, load.engine(), &load.ranks).await?;
+    let remotes = connect::remotes(shared, load.engine(), &load.ranks).await?;
+    let agents = remotes.iter().map(|r| r.agent.clone()).collect();
     let registration = Registration {
         request_id: load.remote.request_id.clone(),
         decode_request_id: load.request_id.clone(),

@@ -158,7 +158,8 @@ async fn run_load(shared: &Arc<Shared>, push: &Push, load: &Load) -> Result<()> 
         ));
     }
     let message = registration(shared, load)?.encode()?;
-    let agents = connect::agents(shared, load.engine(), &load.ranks).await?;
+    let remotes = connect::remotes(shared, load.engine(), &load.ranks).await?;
+    let agents: Vec<String> = remotes.iter().map(|r| r.agent.clone()).collect();
     let proof = WaitProof::VllmCount(load.remote.tp_size as u64);
     let woken = push.waits().wait(&load.request_id, &agents, proof);
     for agent in &agents {
