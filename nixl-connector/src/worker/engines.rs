@@ -85,8 +85,9 @@ pub(crate) struct Engines {
     by_address: HashMap<(String, u16), String>,
     /// Engines whose address now serves another engine.
     replaced: HashSet<String>,
-    /// Engines whose handshake failed: their backoff and when it ends.
-    backoff: HashMap<String, (Duration, Instant)>,
+    /// Engines whose handshake or transfer failed: their backoff, when it ends, and why
+    /// the last failure was.
+    backoff: HashMap<String, (Duration, Instant, String)>,
 }
 
 impl Default for Engines {
@@ -132,30 +133,34 @@ impl Engines {
         self.replaced.remove(engine);
     }
 
-    /// How long `engine` is still backed off from at `now`, if it is.
-    pub(crate) fn backing_off(&self, engine: &str, now: Instant) -> Option<Duration> {
+    /// How long `engine` is still backed off from at `now`, if it is, and the reason of the
+    /// failure that set the backoff.
+    pub(crate) fn backing_off(&self, engine: &str, now: Instant) -> Option<(Duration, &str)> {
         self.backoff
             .get(engine)
-            .map(|&(_, until)| until.saturating_duration_since(now))
-            .filter(|left| !left.is_zero())
+            .map(|(_, until, reason)| (until.saturating_duration_since(now), reason.as_str()))
+            .filter(|(left, _)| !left.is_zero())
     }
 
     /// Records that a handshake with `engine` failed at `now`, or a transfer from it failed
     /// in NIXL (vLLM's `_mark_remote_engine_invalid`): the first failure backs off for
     /// nothing, each repeat before the engine stayed healthy for the longest backoff doubles
-    /// the backoff, from [`MIN_BACKOFF`] up to the longest; the backoff it set.
-    pub(crate) fn failed(&mut self, engine: &str, now: Instant) -> Duration {
+    /// the backoff, from [`MIN_BACKOFF`] up to the longest; the backoff it set. `reason`
+    /// (the failure's) is what loads refused during the backoff are told.
+    pub(crate) fn failed(&mut self, engine: &str, now: Instant, reason: &str) -> Duration {
         let max = self.max_backoff;
         self.backoff
-            .retain(|_, &mut (_, until)| now.saturating_duration_since(until) <= max);
+            .retain(|_, (_, until, _)| now.saturating_duration_since(*until) <= max);
         let backoff = self
             .backoff
             .get(engine)
-            .map_or(Duration::ZERO, |&(previous, _)| {
+            .map_or(Duration::ZERO, |&(previous, _, _)| {
                 (2 * previous).clamp(MIN_BACKOFF.min(max), max)
             });
-        self.backoff
-            .insert(engine.to_string(), (backoff, now + backoff));
+        self.backoff.insert(
+            engine.to_string(),
+            (backoff, now + backoff, reason.to_string()),
+        );
         backoff
     }
 
@@ -197,18 +202,26 @@ mod tests {
         let mut e = Engines::default();
         let t0 = Instant::now();
         let s = Duration::from_secs;
-        assert_eq!(e.failed("p", t0), Duration::ZERO, "the first failure");
+        assert_eq!(
+            e.failed("p", t0, "refused"),
+            Duration::ZERO,
+            "the first failure"
+        );
         assert_eq!(e.backing_off("p", t0), None);
         let mut at = t0;
         for want in [1, 2, 4, 8, 16, 32, 60, 60] {
-            assert_eq!(e.failed("p", at), s(want));
-            assert_eq!(e.backing_off("p", at), Some(s(want)));
+            assert_eq!(e.failed("p", at, "refused"), s(want));
+            assert_eq!(e.backing_off("p", at), Some((s(want), "refused")));
             at += s(want);
             assert_eq!(e.backing_off("p", at), None, "over after {want} s");
         }
         // Healthy for longer than the longest backoff: the next failure starts again.
-        assert_eq!(e.failed("p", at + s(61)), Duration::ZERO);
+        assert_eq!(e.failed("p", at + s(61), "refused"), Duration::ZERO);
         assert_eq!(e.backing_off("q", at), None, "others are not backed off");
+        // A refused load is told the latest failure's reason.
+        e.failed("p", at + s(61), "unreachable");
+        e.failed("p", at + s(61), "reset");
+        assert_eq!(e.backing_off("p", at + s(61)), Some((s(2), "reset")));
     }
 
     #[test]
@@ -216,18 +229,22 @@ mod tests {
         let ms = Duration::from_millis;
         let mut e = Engines::with_max_backoff(ms(500));
         let t0 = Instant::now();
-        assert_eq!(e.failed("p", t0), Duration::ZERO);
-        assert_eq!(e.failed("p", t0), ms(500), "capped below the 1 s floor");
-        assert_eq!(e.failed("p", t0 + ms(500)), ms(500));
-        assert_eq!(e.failed("p", t0 + ms(1001)), ms(500));
+        assert_eq!(e.failed("p", t0, "refused"), Duration::ZERO);
         assert_eq!(
-            e.failed("p", t0 + ms(2002)),
+            e.failed("p", t0, "refused"),
+            ms(500),
+            "capped below the 1 s floor"
+        );
+        assert_eq!(e.failed("p", t0 + ms(500), "refused"), ms(500));
+        assert_eq!(e.failed("p", t0 + ms(1001), "refused"), ms(500));
+        assert_eq!(
+            e.failed("p", t0 + ms(2002), "refused"),
             Duration::ZERO,
             "healthy 0.5 s"
         );
         let mut never = Engines::with_max_backoff(Duration::ZERO);
-        assert_eq!(never.failed("p", t0), Duration::ZERO);
-        assert_eq!(never.failed("p", t0), Duration::ZERO);
+        assert_eq!(never.failed("p", t0, "refused"), Duration::ZERO);
+        assert_eq!(never.failed("p", t0, "refused"), Duration::ZERO);
         assert_eq!(never.backing_off("p", t0), None);
         let read = |json: &str| max_backoff(&KvTransferConfig::from_json(json).unwrap());
         assert_eq!(read("{}").unwrap(), DEFAULT_ENGINE_BACKOFF);

@@ -166,12 +166,12 @@ impl Remotes {
             let now = Instant::now();
             let mut book = self.book();
             book.engines.touch(engine, now);
-            if let Some(left) = book.engines.backing_off(engine, now) {
+            if let Some((left, last)) = book.engines.backing_off(engine, now) {
                 return Err(Error::Handshake {
                     engine: engine.to_string(),
                     rank,
                     reason: format!(
-                        "its handshakes failed again and again; not tried for another {left:.1?}"
+                        "not tried for another {left:.1?}: it failed again and again, the last time: {last}"
                     ),
                 });
             }
@@ -205,7 +205,7 @@ impl Remotes {
                 if map.get(&key).is_some_and(|h| h.ptr_eq(&handshake)) {
                     map.remove(&key);
                     drop(map);
-                    let backoff = self.book().engines.failed(engine, Instant::now());
+                    let backoff = self.book().engines.failed(engine, Instant::now(), &reason);
                     if !backoff.is_zero() {
                         tracing::warn!(engine, rank, ?backoff, %reason, "the remote engine's handshakes keep failing; backing off");
                     }
@@ -389,7 +389,9 @@ impl Remotes {
         if !book.marked.insert(engine.to_string()) {
             return;
         }
-        let backoff = book.engines.failed(engine, Instant::now());
+        let backoff = book
+            .engines
+            .failed(engine, Instant::now(), &error.to_string());
         drop(book);
         tracing::warn!(engine, rank, remote = %remote.agent, ?backoff, %error, "a transfer from the remote engine failed in NIXL; it is handshaken again after the backoff");
     }
