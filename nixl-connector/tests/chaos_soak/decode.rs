@@ -6,14 +6,14 @@ use std::time::{Duration, Instant};
 
 use nixl_connector::{
     Capability, FailureKind, FinishStatus, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker,
-    KvTransferParams, LoadOutcome, TransferMode,
+    KvTransferParams, LoadOutcome, Protocol, TransferMode,
 };
 
 use crate::pool::{byte, Pool, POISON};
 use crate::prefill_child::monotonic;
 use crate::report::Report;
 use crate::rng::Rng;
-use crate::settings::{ARRIVED_LATE, LONG_WAIT};
+use crate::settings::{Wire, ARRIVED_LATE, LONG_WAIT};
 
 /// A decode request: its params, when to allocate it, its request seed and remote blocks,
 /// and which prefill process made it.
@@ -47,15 +47,16 @@ pub struct Loading {
 pub struct DecodeEngine {
     pub ranks: Vec<KvConnectorWorker>,
     pub scheduler: KvConnectorScheduler,
-    pub mode: TransferMode,
+    pub wire: Wire,
     pub pool: Pool,
     pub spec: KvCacheSpec,
     pub rng: Rng,
     pub queued: Vec<Queued>,
     pub loading: HashMap<String, Loading>,
     pub aborted: HashSet<String>,
-    /// The prefill's ids of the requests the third agent heartbeats (as a vLLM decode).
-    pub vllm_waiting: HashMap<String, Capability>,
+    /// The prefill's ids of the requests the third agent heartbeats (as a vLLM decode), and
+    /// their capabilities (none in vLLM's protocol).
+    pub vllm_waiting: HashMap<String, Option<Capability>>,
     /// Requests whose load a rank failed as outlived (its READ may have outlived the lease),
     /// until their outcome.
     pub outlived: HashSet<String>,
@@ -79,11 +80,25 @@ impl DecodeEngine {
             self.r.arrived_late += 1;
             past_lease = true;
         }
+        // Nothing would tell the READ of a lease that ended before it: not read.
+        if past_lease && !self.wire.lease_checked() {
+            self.r.never_read += 1;
+            return;
+        }
         if self.rng.chance(8) {
             self.r.never_read += 1;
             return;
         }
-        let id = format!("d{}", self.r.requests);
+        // In vLLM's protocol the prefill's id's base and a suffix of its own, as vLLM's
+        // proxy and engines name them (its push matches a registration by the base).
+        let id = match self.wire.protocol {
+            Protocol::Vllm => {
+                let remote = params.remote_request_id.as_deref().unwrap();
+                let base = remote.rsplit_once('-').map_or(remote, |(base, _)| base);
+                format!("{base}-{:08x}", self.r.requests)
+            }
+            _ => format!("d{}", self.r.requests),
+        };
         // Long waits come between long decode stalls (which would end their leases too):
         // after the first of every four stalls (the long one), before the third.
         let mut ready_at = Instant::now();
@@ -101,7 +116,7 @@ impl DecodeEngine {
         if vllm_heartbeats {
             self.r.waited_on_vllm_heartbeats += 1;
             let remote = params.remote_request_id.clone().unwrap();
-            let capability = params.remote_capability.clone().unwrap();
+            let capability = params.remote_capability.clone();
             self.vllm_waiting.insert(remote, capability);
         } else {
             self.scheduler.on_new_request(&id, Some(&params));
@@ -121,12 +136,13 @@ impl DecodeEngine {
 
     /// Whether every load still under way is one that only a prefill killed before
     /// `generation` could end: none in pull mode (each READ ends, by NIXL or the transfer
-    /// timeout); in push mode the loads registered with a killed prefill, which never
-    /// answered, keep their blocks.
+    /// timeout) or in vLLM's push protocol (its blocks go back two leases after the
+    /// registration timeout); in native push mode the loads registered with a killed
+    /// prefill, which never answered, keep their blocks.
     pub fn held_by_dead(&self, generation: u64) -> bool {
         self.loading
             .values()
-            .all(|load| self.mode == TransferMode::Push && load.generation < generation)
+            .all(|load| self.wire.holds_for_the_dead() && load.generation < generation)
     }
 
     /// Whether a queued request is due to get its blocks, and its load posted, this step.
@@ -174,7 +190,7 @@ impl DecodeEngine {
             // its blocks).
             // (Pull mode only: a push decode registers its own blocks, and vLLM's clears
             // the remote ones.)
-            let bare = self.mode == TransferMode::Pull
+            let bare = self.wire.mode == TransferMode::Pull
                 && !q.plain
                 && !local.is_empty()
                 && (self.r.without_remote_blocks == 0 || self.rng.chance(2));

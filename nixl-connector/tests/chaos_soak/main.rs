@@ -35,6 +35,16 @@
 //! (the decode handing its blocks back at the registration timeout, without the prefill's
 //! answer) fails it with 60-70 late writes.
 //!
+//! Both soaks run in vLLM 0.33's protocol too (#41: vLLM's side channel, handshake,
+//! heartbeats, finish notifications, and in push mode `PUSH_REG:` registrations and `id:world`
+//! completions, between two Rust engines), request ids named as vLLM's (a base shared by
+//! both engines, a suffix of each's own: its push matches registrations by the base). Two
+//! differences, both vLLM's: pulling, the decode never stalls past a lease and does not read
+//! a request that arrives late, since neither vLLM's wire (no release marks) nor a Rust
+//! prefill's params (no expiry time) could tell a READ that its lease ended; pushing, the
+//! blocks of a load registered with a killed prefill go back two leases after the
+//! registration timeout, vLLM's prefill having no answer to wait for.
+//!
 //! Without faults (`NIXL_CONNECTOR_SOAK_FAULTS=0` for a long run, and a second test in CI of
 //! 4,000 requests, about 30 s) the same engines run with no prefill killed or stopped, no
 //! decode stalled, no transfer timeout and no engine evicted (prefix hits, aborts, floods
@@ -57,7 +67,8 @@ use std::time::{Duration, Instant};
 
 use common::{handshake, worker_with};
 use nixl_connector::{
-    open_fds, Capability, ConnectorMetadata, HeartbeatSpec, KvConnectorWorker, TransferMode,
+    open_fds, Capability, ConnectorMetadata, HeartbeatSpec, KvConnectorWorker, Protocol,
+    TransferMode,
 };
 
 use decode::DecodeEngine;
@@ -67,7 +78,7 @@ use prefill_child::{start_prefill, Line};
 use report::Report;
 use rng::Rng;
 use settings::{
-    decode_tp, kv, scheduler, soak_faults, soak_seconds, spec, ENGINE_TTL_S, FAULT_FREE_REQUESTS,
+    kv, scheduler, soak_faults, soak_seconds, spec, Wire, ENGINE_TTL_S, FAULT_FREE_REQUESTS,
     FLOOD_EVERY, HOSTILE_ENGINE_TTL_S, KILL_AFTER, LONG_STALL_MS, PREFILL, SHORT_STALL_MS,
     STALL_EVERY, TCP_ONLY, UCX_TLS,
 };
@@ -85,7 +96,7 @@ static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(())
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
     let _one = ONE_AT_A_TIME.lock().await;
-    soak(TransferMode::Pull, soak_faults(), 300, 1).await;
+    soak(Wire::NATIVE_PULL, soak_faults(), 300, 1).await;
 }
 
 /// The same soak in push mode (the prefill WRITEs into the blocks the decode registered; a
@@ -98,7 +109,44 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn push_mode_no_block_is_reused_or_reported_loaded_while_a_write_can_touch_it() {
     let _one = ONE_AT_A_TIME.lock().await;
-    soak(TransferMode::Push, soak_faults(), 300, 1).await;
+    let wire = Wire {
+        mode: TransferMode::Push,
+        protocol: Protocol::Native,
+    };
+    soak(wire, soak_faults(), 300, 1).await;
+}
+
+/// The same soak in vLLM 0.33's protocol, pulling (vLLM's side channel, handshake,
+/// heartbeats and finish notifications between the two Rust engines): but that no READ
+/// may outlive a lease (vLLM's wire could not tell the reader; see [`Wire::lease_checked`]),
+/// the same faults and checks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_vllms_protocol_no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
+    if soak_seconds().is_some() {
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().await;
+    let wire = Wire {
+        mode: TransferMode::Pull,
+        protocol: Protocol::Vllm,
+    };
+    soak(wire, soak_faults(), 300, 1).await;
+}
+
+/// The push soak in vLLM 0.33's push protocol (`PUSH_REG:` registrations, `id:world`
+/// completions): the same faults and checks, and the blocks of a load registered with a
+/// killed prefill go back, two leases after the registration timeout, unwritten.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_vllms_push_protocol_no_block_is_reused_or_reported_loaded_while_a_write_can_touch_it() {
+    if soak_seconds().is_some() {
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().await;
+    let wire = Wire {
+        mode: TransferMode::Push,
+        protocol: Protocol::Vllm,
+    };
+    soak(wire, soak_faults(), 300, 1).await;
 }
 
 /// The same soak and checks against a prefill of two pipeline stages (its layers 2 + 1, each
@@ -111,7 +159,7 @@ async fn a_prefill_of_two_stages_frees_no_block_a_read_can_touch() {
         return;
     }
     let _one = ONE_AT_A_TIME.lock().await;
-    soak(TransferMode::Pull, soak_faults(), 300, 2).await;
+    soak(Wire::NATIVE_PULL, soak_faults(), 300, 2).await;
 }
 
 /// Without faults nothing is leaked or evicted, and the heap stays flat (a long run is the
@@ -122,12 +170,12 @@ async fn the_decode_heap_stays_flat_without_faults() {
         return;
     }
     let _one = ONE_AT_A_TIME.lock().await;
-    soak(TransferMode::Pull, false, FAULT_FREE_REQUESTS, 1).await;
+    soak(Wire::NATIVE_PULL, false, FAULT_FREE_REQUESTS, 1).await;
 }
 
-/// The soak in `mode`, with its faults or without, of `ci_target` requests in CI, against a
+/// The soak on `wire`, with its faults or without, of `ci_target` requests in CI, against a
 /// prefill of `prefill_pp` pipeline stages.
-async fn soak(mode: TransferMode, faults: bool, ci_target: u64, prefill_pp: usize) {
+async fn soak(wire: Wire, faults: bool, ci_target: u64, prefill_pp: usize) {
     common::init_tracing();
     let seconds = soak_seconds();
     // A long run: requests until its time is up, the prefill restarted again and again.
@@ -146,10 +194,10 @@ async fn soak(mode: TransferMode, faults: bool, ci_target: u64, prefill_pp: usiz
     // this binary's only other test is the prefill role, in its own process.
     std::env::set_var(UCX_TLS, TCP_ONLY);
     let started = Instant::now();
-    let mut prefill = start_prefill(PREFILL, (prefill_pp, mode), target, seconds);
-    let tp = decode_tp(mode);
+    let mut prefill = start_prefill(PREFILL, (prefill_pp, wire), target, seconds);
+    let tp = wire.decode_tp();
     let spec = spec(tp);
-    let kv = kv(mode);
+    let kv = kv(wire);
     let ranks: Vec<KvConnectorWorker> = (0..tp)
         .map(|rank| {
             worker_with("dc-soak", rank, tp, &spec, |c| {
@@ -165,7 +213,7 @@ async fn soak(mode: TransferMode, faults: bool, ci_target: u64, prefill_pp: usiz
                 // Shorter than the prefill's stops, so that READs (or in push mode, the
                 // prefill's WRITEs) pass it.
                 c.transfer_timeout = Duration::from_millis(100);
-                if mode == TransferMode::Push {
+                if wire.mode == TransferMode::Push {
                     c.kv_transfer_config
                         .kv_connector_extra_config
                         .insert("push_registration_timeout".into(), 0.15.into());
@@ -186,8 +234,8 @@ async fn soak(mode: TransferMode, faults: bool, ci_target: u64, prefill_pp: usiz
     });
     handshake(&hostile, PREFILL, prefill.port).await;
     let mut d = DecodeEngine {
-        scheduler: scheduler("dc-soak", (tp, 1), &ranks[0], mode),
-        mode,
+        scheduler: scheduler("dc-soak", (tp, 1), &ranks[0], wire),
+        wire,
         ranks,
         pool: Pool::new(&spec),
         spec: spec.clone(),
@@ -275,7 +323,7 @@ async fn soak(mode: TransferMode, faults: bool, ci_target: u64, prefill_pp: usiz
             d.r.prefill_restarts += 1;
             let engine = format!("{PREFILL}-{generation}");
             let left = target.saturating_sub(d.r.requests);
-            prefill = start_prefill(&engine, (prefill_pp, mode), left, seconds_left(started));
+            prefill = start_prefill(&engine, (prefill_pp, wire), left, seconds_left(started));
             handshake(&hostile, &engine, prefill.port).await;
             prefill.go();
         }
@@ -284,7 +332,7 @@ async fn soak(mode: TransferMode, faults: bool, ci_target: u64, prefill_pp: usiz
             if stopped_until.take().is_some() {
                 common::signal(&prefill.child, libc::SIGCONT);
             }
-            let past_lease = d.r.decode_stalls % 4 == 0;
+            let past_lease = d.r.decode_stalls % 4 == 0 && wire.lease_checked();
             let ms = if past_lease {
                 d.r.decode_stalls_past_lease += 1;
                 LONG_STALL_MS
@@ -343,12 +391,22 @@ async fn soak(mode: TransferMode, faults: bool, ci_target: u64, prefill_pp: usiz
             });
             // Native heartbeats carry each request's capability tag: the waiting requests'
             // from their params (this agent stands for the decode that got them), the
-            // padding's under another capability (they name no held request).
+            // padding's under another capability (they name no held request). vLLM's carry
+            // bare ids.
             let sender = hostile.agent().name().as_bytes();
-            let entry =
-                |id: &str, cap: &Capability| format!("{id}#{}", cap.heartbeat_tag(sender, id));
-            let padding = (0..5000).map(|i| entry(&format!("{:x>48}", i), &padding_capability));
-            let waiting = d.vllm_waiting.iter().map(|(id, cap)| entry(id, cap));
+            let entry = |id: &str, cap: Option<&Capability>| match cap {
+                Some(cap) => format!("{id}#{}", cap.heartbeat_tag(sender, id)),
+                None => id.to_string(),
+            };
+            let padding_capability = match wire.protocol {
+                Protocol::Vllm => None,
+                _ => Some(&padding_capability),
+            };
+            let padding = (0..5000).map(|i| entry(&format!("{:x>48}", i), padding_capability));
+            let waiting = d
+                .vllm_waiting
+                .iter()
+                .map(|(id, cap)| entry(id, cap.as_ref()));
             let ids: Vec<String> = waiting.chain(padding).collect();
             // To every stage: the first is handshaken before the run; a later one once
             // this agent's heartbeats above handshook with it (then every flood).
@@ -421,7 +479,7 @@ async fn soak(mode: TransferMode, faults: bool, ci_target: u64, prefill_pp: usiz
     d.r.held_by_dead = d.loading.len() as u64;
     let r = &d.r;
     eprintln!(
-        "soak ({mode:?}): {:.1} s, {step} steps, {r:?}; last prefill {}: freed twice {prefill_freed_twice}, \
+        "soak ({wire:?}): {:.1} s, {step} steps, {r:?}; last prefill {}: freed twice {prefill_freed_twice}, \
          late writes {prefill_late_writes}; decode fds {fds_before} -> {fds_after}, RSS \
          {rss_before} -> {rss_after} KiB, heap in use {heap_before} -> {heap_after} KiB",
         started.elapsed().as_secs_f64(),
@@ -465,8 +523,9 @@ async fn soak(mode: TransferMode, faults: bool, ci_target: u64, prefill_pp: usiz
     }
     assert!(r.overdue > 0, "some READs passed the timeout: {r:?}");
     assert!(
-        r.decode_stalls_past_lease > 0 && r.decode_stalls > r.decode_stalls_past_lease,
-        "the decode stalled, past a lease and not: {r:?}"
+        (r.decode_stalls_past_lease > 0 || !wire.lease_checked())
+            && r.decode_stalls > r.decode_stalls_past_lease,
+        "the decode stalled, past a lease (where a READ past it is caught) and not: {r:?}"
     );
     assert!(
         r.waited_on_vllm_heartbeats > 0,

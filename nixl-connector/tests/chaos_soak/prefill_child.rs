@@ -3,11 +3,12 @@
 use std::process::Stdio;
 use std::time::Duration;
 
-use nixl_connector::{KvTransferParams, TransferMode};
+use nixl_connector::{KvTransferParams, Protocol, TransferMode};
 
 use crate::common::{self, after_tag, role_process, stdout_lines};
 use crate::settings::{
-    ENGINE_ENV, MODE_ENV, PREFILL_PP_ENV, SECONDS_ENV, TARGET_ENV, TCP_ONLY, UCX_TLS,
+    Wire, ENGINE_ENV, MODE_ENV, PREFILL_PP_ENV, PROTOCOL_ENV, SECONDS_ENV, TARGET_ENV, TCP_ONLY,
+    UCX_TLS,
 };
 
 /// What the prefill process printed.
@@ -102,19 +103,23 @@ impl PrefillProcess {
     }
 }
 
-/// Starts a prefill process of engine `engine` of `pp` stages in `mode` that makes `target`
+/// Starts a prefill process of engine `engine` of `pp` stages on `wire` that makes `target`
 /// requests (or runs for `seconds`).
 pub fn start_prefill(
     engine: &str,
-    (pp, mode): (usize, TransferMode),
+    (pp, wire): (usize, Wire),
     target: u64,
     seconds: Option<u64>,
 ) -> PrefillProcess {
     let (target, stages) = (target.to_string(), pp.to_string());
     let seconds = seconds.map(|s| s.to_string());
-    let mode = match mode {
+    let mode = match wire.mode {
         TransferMode::Pull => "pull",
         TransferMode::Push => "push",
+    };
+    let protocol = match wire.protocol {
+        Protocol::Vllm => "vllm",
+        _ => "native",
     };
     let mut env = vec![
         (TARGET_ENV, target.as_str()),
@@ -122,6 +127,7 @@ pub fn start_prefill(
         (UCX_TLS, TCP_ONLY),
         (PREFILL_PP_ENV, stages.as_str()),
         (MODE_ENV, mode),
+        (PROTOCOL_ENV, protocol),
     ];
     if let Some(seconds) = &seconds {
         env.push((SECONDS_ENV, seconds.as_str()));

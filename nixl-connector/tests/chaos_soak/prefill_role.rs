@@ -14,7 +14,7 @@ use crate::pool::Pool;
 use crate::prefill_child::monotonic;
 use crate::rng::Rng;
 use crate::settings::{
-    kv, prefill_pp, role_mode, scheduler, soak_seconds, spec, stage_spec, stages, ENGINE_ENV,
+    kv, prefill_pp, role_wire, scheduler, soak_seconds, spec, stage_spec, stages, ENGINE_ENV,
     TARGET_ENV,
 };
 
@@ -24,14 +24,14 @@ use crate::settings::{
 fn stage_ranks(engine: &str, pp: usize) -> Vec<KvConnectorWorker> {
     if pp == 1 {
         return vec![worker_with(engine, 0, 1, &spec(1), |c| {
-            c.kv_transfer_config = kv(role_mode())
+            c.kv_transfer_config = kv(role_wire())
         })];
     }
     let stages = stages(pp);
     'ports: for _ in 0..20 {
         let mut ranks: Vec<KvConnectorWorker> = Vec::new();
         for stage in 0..pp {
-            let mut config = WorkerConfig::new(engine, 0, 1, kv(role_mode()));
+            let mut config = WorkerConfig::new(engine, 0, 1, kv(role_wire()));
             config.platform = std::sync::Arc::new(nixl::platform::BuiltinPlatform::CPU);
             config.limits.deadline = SERVER_DEADLINE;
             config.pipeline = Some(PipelineRank::new(stages.clone(), stage).unwrap());
@@ -104,7 +104,7 @@ pub async fn serve() {
     let pp = prefill_pp();
     let prefill = stage_ranks(&engine, pp);
     let firsts: Vec<usize> = (0..pp).map(|s| stages(pp).layers(s).start).collect();
-    let mut ps = scheduler(&engine, (1, pp), &prefill[0], role_mode());
+    let mut ps = scheduler(&engine, (1, pp), &prefill[0], role_wire());
     let mut pool = Pool::new(&spec);
     let mut rng = Rng(0x5eed_0000_0000_0001 ^ u64::from(std::process::id()));
     let (mut made, mut twice, mut late) = (0u64, 0u64, 0u64);
@@ -135,15 +135,18 @@ pub async fn serve() {
             if let Some(blocks) = pool.take(&prefill, n, &mut late) {
                 made += 1;
                 let seed = rng.below(usize::MAX) as u64 | 1;
-                let id = format!("p{made}");
+                // As vLLM's request ids: a base the decode's id shares, and a suffix of
+                // its own (vLLM's push matches registrations by the base).
+                let id = format!("p{made}-{:08x}", rng.below(1 << 32));
                 for (rank, &first) in prefill.iter().zip(&firsts) {
                     pool.fill((rank, first), seed, &blocks);
                 }
                 let made_at = monotonic();
+                // Its prompt fills its blocks (vLLM's params need the tokens).
                 let done = ps.request_finished(
                     &id,
                     &blocks,
-                    0,
+                    n * spec.block_size,
                     Some(&common::for_decode()),
                     FinishStatus::LengthCapped,
                 );

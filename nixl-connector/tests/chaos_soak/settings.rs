@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use nixl_connector::{
     KvAttention, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker, KvLayout, PipelineStages,
-    SchedulerConfig, TransferMode,
+    Protocol, SchedulerConfig, TransferMode,
 };
 
 use crate::common;
@@ -33,13 +33,48 @@ pub fn stage_spec(tp: usize, layers: usize) -> KvCacheSpec {
     )
 }
 
-/// The decode's TP in `mode` (the prefill's is 1): in pull mode 2, each decode rank reading
-/// its head from the prefill; in push mode 1, as push writes a decode of TP at most the
-/// prefill's.
-pub fn decode_tp(mode: TransferMode) -> usize {
-    match mode {
-        TransferMode::Pull => 2,
-        TransferMode::Push => 1,
+/// How the soak's engines move the KV: pulled or pushed, in which protocol.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Wire {
+    pub mode: TransferMode,
+    pub protocol: Protocol,
+}
+
+impl Wire {
+    /// Pulled, in the native protocol.
+    pub const NATIVE_PULL: Wire = Wire {
+        mode: TransferMode::Pull,
+        protocol: Protocol::Native,
+    };
+
+    /// The decode's TP (the prefill's is 1): in pull mode 2, each decode rank reading its
+    /// head from the prefill; in push mode 1, as push writes a decode of TP at most the
+    /// prefill's.
+    pub fn decode_tp(self) -> usize {
+        match self.mode {
+            TransferMode::Pull => 2,
+            TransferMode::Push => 1,
+        }
+    }
+
+    /// Whether a reader can tell that a lease ended before its READ did: yes but in vLLM's
+    /// protocol when pulling, where a Rust prefill's params carry no expiry time and vLLM's
+    /// wire no release marks (the connector README's "vLLM mode" under the lease checks).
+    /// Without, the soak makes no READ that may outlive a lease: no decode stall past one,
+    /// and a request that arrives late is not read.
+    pub fn lease_checked(self) -> bool {
+        self != Wire {
+            mode: TransferMode::Pull,
+            protocol: Protocol::Vllm,
+        }
+    }
+
+    /// Whether the decode keeps, for as long as it runs, the blocks of a load registered
+    /// with a prefill that died before answering: in native push mode (the connector
+    /// README's known limit); in vLLM's push protocol it hands them back two leases after
+    /// the registration timeout.
+    pub fn holds_for_the_dead(self) -> bool {
+        self.mode == TransferMode::Push && self.protocol == Protocol::Native
     }
 }
 
@@ -60,6 +95,8 @@ pub const SECONDS_ENV: &str = "NIXL_CONNECTOR_SOAK_SECONDS";
 pub const FAULTS_ENV: &str = "NIXL_CONNECTOR_SOAK_FAULTS";
 /// The role's environment: the engines' transfer mode, `push` or `pull` (unset).
 pub const MODE_ENV: &str = "NIXL_CONNECTOR_SOAK_MODE";
+/// The role's environment: the engines' protocol, `vllm` or `native` (unset).
+pub const PROTOCOL_ENV: &str = "NIXL_CONNECTOR_SOAK_PROTOCOL";
 /// The role's environment: the prefill's pipeline stages (unset: 1), each a rank of its
 /// process holding its layers, the decode reading each layer from the stage holding it.
 pub const PREFILL_PP_ENV: &str = "NIXL_CONNECTOR_SOAK_PREFILL_PP";
@@ -117,35 +154,50 @@ pub fn soak_faults() -> bool {
 /// bytes a request to pass the bound of [`crate::memory`].
 pub const FAULT_FREE_REQUESTS: u64 = 4000;
 
-/// The prefill process's transfer mode, from [`MODE_ENV`].
-pub fn role_mode() -> TransferMode {
-    match std::env::var(MODE_ENV).as_deref() {
+/// The prefill process's wire, from [`MODE_ENV`] and [`PROTOCOL_ENV`].
+pub fn role_wire() -> Wire {
+    let mode = match std::env::var(MODE_ENV).as_deref() {
         Ok("push") => TransferMode::Push,
         _ => TransferMode::Pull,
-    }
+    };
+    let protocol = match std::env::var(PROTOCOL_ENV).as_deref() {
+        Ok("vllm") => Protocol::Vllm,
+        _ => Protocol::Native,
+    };
+    Wire { mode, protocol }
 }
 
-/// The `kv_transfer_config` of every engine: DRAM, a 1.5 s lease, `mode`.
-pub fn kv(mode: TransferMode) -> nixl::kv_config::KvTransferConfig {
-    let mut kv = common::cpu_config();
+/// The `kv_transfer_config` of every engine: DRAM, a 1.5 s lease, `wire`'s mode and
+/// protocol.
+pub fn kv(wire: Wire) -> nixl::kv_config::KvTransferConfig {
+    let mut kv = match wire.protocol {
+        Protocol::Vllm => {
+            let mut factors = common::vllm_factors();
+            if wire.mode == TransferMode::Push {
+                factors["transfer_mode"] = "push".into();
+            }
+            common::vllm_config(factors)
+        }
+        _ => common::cpu_config(),
+    };
     let extra = &mut kv.kv_connector_extra_config;
     extra.insert("kv_lease_duration".into(), 1.5.into());
-    if mode == TransferMode::Push {
+    if wire.mode == TransferMode::Push {
         extra.insert("transfer_mode".into(), "push".into());
     }
     kv
 }
 
-/// The scheduler of engine `engine` of TP `tp` and `pp` stages in `mode`, whose rank 0 is
+/// The scheduler of engine `engine` of TP `tp` and `pp` stages on `wire`, whose rank 0 is
 /// `rank0`.
 pub fn scheduler(
     engine: &str,
     (tp, pp): (usize, usize),
     rank0: &KvConnectorWorker,
-    mode: TransferMode,
+    wire: Wire,
 ) -> KvConnectorScheduler {
     let port = rank0.side_channel_addr().unwrap().port();
-    let mut config = SchedulerConfig::new(engine, "127.0.0.1", port, tp, &kv(mode)).unwrap();
+    let mut config = SchedulerConfig::new(engine, "127.0.0.1", port, tp, &kv(wire)).unwrap();
     config.pp_size = pp;
     KvConnectorScheduler::new(config)
 }
