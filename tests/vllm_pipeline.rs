@@ -11,7 +11,13 @@
 //!   as vLLM's prefill worker counts) frees the request only once every stage's readers did;
 //! - a Python decode asks a Rust prefill of two stages for each rank by `(pp_rank, tp_rank)`
 //!   (vLLM's `_nixl_handshake` over every remote rank) and gets that stage's registration; a
-//!   stage the engine lacks is refused, naming the ranks it serves.
+//!   stage the engine lacks is refused, naming the ranks it serves;
+//! - a Python reader on vLLM's wire (NIXL's Python API) of one stage reads a Rust prefill
+//!   of two stages end to end (every layer from the stage holding it, every byte checked),
+//!   and the Rust engine frees the request only once both stages heard their reader's
+//!   notification. vLLM 0.33's own pull decode does not read so: it handshakes with every
+//!   stage but reads from `pp_rank` 0 alone (its `_read_blocks`), so it pairs with a
+//!   prefill of one stage (the connector README's pipeline section).
 
 mod py;
 mod vllm_peer_support;
@@ -20,17 +26,19 @@ mod vllm_support;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
+use nixl::kv_config::KvTransferConfig;
 use nixl::platform::BuiltinPlatform;
 use nixl_connector::vllm::{MetadataServer, VllmChannelLimits};
 use nixl_connector::{
-    KvAttention, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker, KvLayout, KvTransferParams,
-    LoadOutcome, PipelineRank, PipelineStages, SchedulerConfig, WorkerConfig,
+    FinishStatus, KvAttention, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker, KvLayout,
+    KvTransferParams, LoadOutcome, PipelineRank, PipelineStages, SchedulerConfig, WorkerConfig,
 };
 use py::{hex, unhex};
-use serde_json::json;
+use serde_json::{json, Value};
 use vllm_peer_support::{
-    load_outcome, python_byte_of, vllm_kv, VllmPeer, BLOCKS, BLOCK_LEN, REGIONS,
+    load_outcome, python_byte_of, rust_byte_of, vllm_kv, VllmPeer, BLOCKS, BLOCK_LEN, REGIONS,
 };
 use vllm_support::factors;
 
@@ -50,7 +58,16 @@ fn engine_of_stages(
     layers: usize,
     pp: usize,
 ) -> (Vec<KvConnectorWorker>, KvConnectorScheduler) {
-    let kv = vllm_kv(&factors());
+    engine_of_stages_with(engine, layers, pp, vllm_kv(&factors()))
+}
+
+/// As [`engine_of_stages`], with `kv`.
+fn engine_of_stages_with(
+    engine: &str,
+    layers: usize,
+    pp: usize,
+    kv: KvTransferConfig,
+) -> (Vec<KvConnectorWorker>, KvConnectorScheduler) {
     let any = SocketAddr::from(([127, 0, 0, 1], 0));
     let server = Arc::new(MetadataServer::bind_now(any, VllmChannelLimits::default()).unwrap());
     let stages = PipelineStages::even(layers, pp).unwrap();
@@ -159,6 +176,96 @@ async fn a_python_decode_asks_a_rust_prefill_for_each_stage_by_pp_rank() {
     let reason = got["raw"]["error"].as_str().unwrap();
     assert!(reason.contains("no pp_rank 2 tp_rank 0"), "{got}");
     assert!(reason.contains("(0, 0), (1, 0)"), "{got}");
+}
+
+/// A Python reader of one stage on vLLM's wire (a handshake with every remote
+/// `(pp_rank, 0)` as vLLM's decode makes, each stage's layers read from it, each stage
+/// notified `id:1`; not vLLM 0.33's pull decode, which reads `pp_rank` 0 alone) reads a
+/// Rust prefill of two stages of [`LAYERS`] layers (3 + 2) end to end: every byte of every
+/// layer as the stage holding it has it, and the engine frees the request by the
+/// notifications, only once both stages heard theirs (after stage 0's alone: not yet).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_python_decode_reads_a_rust_prefill_of_two_stages() {
+    let mut peer = VllmPeer::start();
+    let hash = factors().hash();
+    // A lease far longer than the test: only the notifications free the request.
+    let mut kv = vllm_kv(&factors());
+    let extra = &mut kv.kv_connector_extra_config;
+    extra.insert("kv_lease_duration".into(), 60.0.into());
+    let engine = "rs-prefill-pp2";
+    let (prefills, mut scheduler) = engine_of_stages_with(engine, LAYERS, 2, kv);
+    let split = PipelineStages::even(LAYERS, 2).unwrap();
+    for (stage, prefill) in prefills.iter().enumerate() {
+        let cache = prefill.kv_caches().unwrap();
+        for (region, layer) in split.layers(stage).enumerate() {
+            let bytes: Vec<u8> = (0..BLOCKS * BLOCK_LEN)
+                .map(|i| rust_byte_of(0, layer, i))
+                .collect();
+            cache.write(region, 0, &bytes).unwrap();
+        }
+    }
+    let (id, remote) = ("rs-pp2-req", [5, 2, 11]);
+    let for_decode = KvTransferParams {
+        do_remote_decode: true,
+        ..Default::default()
+    };
+    let finished = scheduler.request_finished(
+        id,
+        &remote,
+        48,
+        Some(&for_decode),
+        FinishStatus::LengthCapped,
+    );
+    let params: Value =
+        serde_json::from_str(&finished.kv_transfer_params.unwrap().to_vllm_json()).unwrap();
+    assert_eq!(params["pp_size"], 2, "{params}");
+    let port = params["remote_port"].as_u64().unwrap();
+    let released = |scheduler: &mut KvConnectorScheduler| {
+        let meta = scheduler.build_connector_meta();
+        for prefill in &prefills {
+            prefill.start_load_kv(&meta);
+        }
+        let outputs: Vec<_> = prefills.iter().map(|p| p.output()).collect();
+        let output = scheduler.update_connector_output(&outputs).unwrap();
+        output.finished_sending.iter().any(|r| r == id)
+    };
+    assert!(!released(&mut scheduler), "held from its first step");
+    for (stage, prefill) in prefills.iter().enumerate() {
+        let got = peer.json(&format!(
+            "kv_pp_decode {port} {hash} {engine} {LAYERS} 2 {stage} 5,2,11 {} 1",
+            hex(id.as_bytes())
+        ));
+        let layers = split.layers(stage);
+        assert_eq!(got["first_layer"], layers.start, "{got}");
+        assert_eq!(got["agent"], prefill.agent().name(), "{got}");
+        let data = unhex(got["data"].as_str().expect("the blocks read"));
+        let want: Vec<u8> = layers
+            .flat_map(|layer| {
+                remote.iter().flat_map(move |&b| {
+                    (0..BLOCK_LEN).map(move |o| rust_byte_of(0, layer, b * BLOCK_LEN + o))
+                })
+            })
+            .collect();
+        assert!(
+            data == want,
+            "stage {stage}: the Python decode read other bytes"
+        );
+        // Stage 0 notified alone frees nothing; both notified, the engine frees it.
+        let started = Instant::now();
+        let mut freed = false;
+        while !freed
+            && started.elapsed() < Duration::from_millis(if stage == 0 { 300 } else { 10_000 })
+        {
+            freed = released(&mut scheduler);
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(freed, stage == 1, "after stage {stage}'s notification");
+        assert_eq!(
+            prefill.send_stats().freed_on_notification,
+            1,
+            "stage {stage}"
+        );
+    }
 }
 
 /// A Rust decode of `decode_pp` stages reads a Python prefill of two stages of [`LAYERS`]

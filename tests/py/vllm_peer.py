@@ -173,6 +173,14 @@ rest one each to the stages before the last, from the second-to-last back).
                                freed it (vLLM's scheduler waits for every worker) -> JSON
                                {notes: [{rank: "s:t", from, vllm}], freed: {"s:t": [ids]},
                                engine_freed: [ids]}
+  kv_pp_decode PORT HASH ENGINE LAYERS PP STAGE BLOCKS HEXREQ CONSUMERS
+                               one stage's part of a decode of one stage (TP 1) reading a
+                               prefill of PP stages of LAYERS layers (not vLLM 0.33's pull
+                               decode, which reads pp_rank 0 alone): get_meta_msg for
+                               rank (STAGE, 0) (hash checked as kv_decode's), its regions
+                               counted against vLLM's split, BLOCKS READ from each with the
+                               notification "REQ:CONSUMERS", one agent for every stage
+                               -> JSON {first_layer, layers, agent, data: HEX} or the refusal
   quit
 """
 
@@ -244,6 +252,8 @@ dcp_prefill = {"ranks": [], "notifs": []}
 # received and not yet taken, each rank's count and expected count per request, and the
 # requests each rank freed.
 pp_prefill = {"ranks": {}, "pending": [], "counts": {}, "freed": {}}
+# The kv_pp_decode decode rank's agent.
+pp_decoder = {"agent": None}
 
 
 def answer(value):
@@ -713,15 +723,15 @@ def kv_notifs(count, seconds):
     return out
 
 
-def fetch_meta(port, local_hash, enforce, engine, tp=0):
-    """vLLM's decode handshake with rank (0, TP) of the ROUTER at PORT: get_meta_msg, the hash
+def fetch_meta(port, local_hash, enforce, engine, tp=0, pp=0):
+    """vLLM's decode handshake with rank (PP, TP) of the ROUTER at PORT: get_meta_msg, the hash
     checked before the metadata is decoded -> (metadata, reply frames, clock offset) or a
     dict saying why not. The clock offset is vLLM's estimate of the remote perf_counter
     less ours: the remote's timestamp less the midpoint of the round trip."""
     sock = req(port, 5000)
     try:
         start = time.perf_counter()
-        sock.send(msgspec.msgpack.encode((GET_META_MSG, 0, tp)))
+        sock.send(msgspec.msgpack.encode((GET_META_MSG, pp, tp)))
         parts = sock.recv_multipart()
         offset = msgspec.msgpack.decode(parts[1]) - (start + time.perf_counter()) / 2
     except zmq.Again:
@@ -999,6 +1009,36 @@ def kv_pp_prefill(hash_, engine, pp, tp, layers, blocks, block_len, block_size):
     port = serve_ranks(payloads)
     pp_prefill.update(engine=engine, port=port, pp=pp, tp=tp)
     return {"port": port, "stages": stages, "agents": names}
+
+
+def kv_pp_decode(port, local_hash, engine, layers, pp, stage, blocks, req_id, consumers):
+    """One stage's part of a decode of one stage and TP 1 reading a prefill of PP stages of
+    TP 1 over LAYERS layers, on vLLM's wire: the handshake with remote rank (STAGE, 0) (as
+    vLLM's _nixl_handshake asks every remote (pp_rank, tp_rank)), the stage's regions
+    counted against vLLM's layer split and read, and the stage notified
+    "REQ_ID:CONSUMERS". One agent reads every stage, as one decode rank would. Not vLLM
+    0.33's own pull decode, which handshakes with every stage but reads from pp_rank 0
+    alone (pull_worker.py's _read_blocks): a reader of every stage, for a prefill's stages
+    -> JSON {first_layer, layers, agent, data hex (region by region, block by block)} or a
+    dict saying why not."""
+    from nixl_cu12 import nixl_agent
+
+    if pp_decoder["agent"] is None:
+        pp_decoder["agent"] = nixl_agent(f"py-pp-decode-{os.getpid()}")
+    agent = pp_decoder["agent"]
+    got = fetch_meta(port, local_hash, True, engine, tp=0, pp=stage)
+    if isinstance(got, dict):
+        return got
+    meta = got[0]
+    first, count = pp_stages(layers, pp)[stage]
+    if len(meta.kv_caches_base_addr) != count:
+        return {"error": f"stage {stage}: {len(meta.kv_caches_base_addr)} regions, vLLM's split gives {count}"}
+    remote = agent.add_remote_agent(meta.agent_metadata)
+    remote = remote.decode() if isinstance(remote, bytes) else remote
+    data = read_blocks(agent, remote, meta, blocks, f"{req_id}:{consumers}".encode())
+    if isinstance(data, dict):
+        return data
+    return {"first_layer": first, "layers": count, "agent": remote, "data": data.hex()}
 
 
 def kv_pp_finish(req_id, blocks):
@@ -1317,6 +1357,12 @@ def main():
         elif cmd == "kv_pp_finish":
             blocks = [int(x) for x in args[1].split(",")]
             answer(json.dumps(kv_pp_finish(bytes.fromhex(args[0]).decode(), blocks)))
+        elif cmd == "kv_pp_decode":
+            nums = [int(x) for x in args[3:6]]
+            blocks = [int(x) for x in args[6].split(",")]
+            req_id = bytes.fromhex(args[7]).decode()
+            got = kv_pp_decode(int(args[0]), args[1], args[2], *nums, blocks, req_id, int(args[8]))
+            answer(json.dumps(got))
         elif cmd == "kv_pp_notifs":
             answer(json.dumps(kv_pp_notifs(int(args[0]), float(args[1]))))
         elif cmd == "kv_push_finish":
