@@ -9,6 +9,8 @@
 //!   `(pp_rank, 0)`), every byte checked; every decode rank notifies every prefill stage,
 //!   saying the decode's `pp_size` × producers per consumer, and the Python prefill (counting
 //!   as vLLM's prefill worker counts) frees the request only once every stage's readers did;
+//!   and the same against a Python prefill of two stages of TP 2 (each rank's KV heads in
+//!   their place, each rank notified by its readers);
 //! - a Python decode asks a Rust prefill of two stages for each rank by `(pp_rank, tp_rank)`
 //!   (vLLM's `_nixl_handshake` over every remote rank) and gets that stage's registration; a
 //!   stage the engine lacks is refused, naming the ranks it serves;
@@ -268,16 +270,19 @@ async fn a_python_decode_reads_a_rust_prefill_of_two_stages() {
     }
 }
 
-/// A Rust decode of `decode_pp` stages reads a Python prefill of two stages of [`LAYERS`]
-/// layers: every block of every layer of every decode stage checked (the blocks read hold
-/// the prefill stage's bytes of that layer, the others stay zero), then the notifications
-/// taken one at a time, the prefill freeing the request with the last.
-async fn rust_decode_reads_python_stages(decode_pp: usize) {
+/// A Rust decode of `decode_pp` stages (TP 1) reads a Python prefill of two stages of
+/// [`LAYERS`] layers and TP `prefill_tp` (each rank a `prefill_tp`-th of the KV heads):
+/// every block of every layer of every decode stage checked (the blocks read hold the
+/// prefill stage's bytes of that layer, each prefill rank's heads in their place; the
+/// others stay zero), then the notifications taken one at a time, each prefill rank freeing
+/// the request with its last reader's and the engine with its last rank's.
+async fn rust_decode_reads_python_stages(decode_pp: usize, prefill_tp: usize) {
     let mut peer = VllmPeer::start();
     let hash = factors().hash();
-    let engine = format!("py-prefill-pp2-{decode_pp}");
+    let engine = format!("py-prefill-pp2-tp{prefill_tp}-{decode_pp}");
+    let rank_len = BLOCK_LEN / prefill_tp;
     let prefill = peer.json(&format!(
-        "kv_pp_prefill {hash} {engine} 2 1 {LAYERS} {BLOCKS} {BLOCK_LEN} 16"
+        "kv_pp_prefill {hash} {engine} 2 {prefill_tp} {LAYERS} {BLOCKS} {rank_len} 16"
     ));
     assert_eq!(prefill["stages"], json!([[0, 3], [3, 2]]), "{prefill}");
     let id = format!("rs-decode-pp{decode_pp}");
@@ -293,6 +298,11 @@ async fn rust_decode_reads_python_stages(decode_pp: usize) {
     let outcome = load_outcome(&mut scheduler, &decodes).await;
     assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
     let split = PipelineStages::even(LAYERS, decode_pp).unwrap();
+    // Byte `o` of a decode block read from remote block `r` of `layer`: HND, so prefill
+    // rank `o / rank_len`'s heads, at its own offset.
+    let want_byte = |layer: usize, r: usize, o: usize| {
+        python_byte_of(o / rank_len, layer, r * rank_len + o % rank_len)
+    };
     for (stage, decode) in decodes.iter().enumerate() {
         let cache = decode.kv_caches().unwrap();
         for (region, layer) in split.layers(stage).enumerate() {
@@ -301,7 +311,7 @@ async fn rust_decode_reads_python_stages(decode_pp: usize) {
                 cache.read(region, block * BLOCK_LEN, &mut got).unwrap();
                 let want: Vec<u8> = match local.iter().position(|&l| l == block) {
                     Some(i) => (0..BLOCK_LEN)
-                        .map(|o| python_byte_of(0, layer, remote[i] * BLOCK_LEN + o))
+                        .map(|o| want_byte(layer, remote[i], o))
                         .collect(),
                     None => vec![0; BLOCK_LEN],
                 };
@@ -312,12 +322,16 @@ async fn rust_decode_reads_python_stages(decode_pp: usize) {
             }
         }
     }
-    // Each prefill stage hears from every decode rank, each saying the decode's stages; no
-    // stage frees the request before its last reader, nor the engine before its last stage.
+    // Each prefill rank hears from every decode rank, each saying the decode's stages; no
+    // rank frees the request before its last reader, nor the engine before its last rank.
     let mut agents: Vec<&str> = decodes.iter().map(|d| d.agent().name()).collect();
     agents.sort_unstable();
-    let mut heard: [Vec<String>; 2] = Default::default();
-    for taken in 1..=2 * decode_pp {
+    let ranks: Vec<String> = (0..2)
+        .flat_map(|s| (0..prefill_tp).map(move |t| format!("{s}:{t}")))
+        .collect();
+    let mut heard: Vec<Vec<String>> = vec![Vec::new(); ranks.len()];
+    let notes = ranks.len() * decode_pp;
+    for taken in 1..=notes {
         let got = peer.json("kv_pp_notifs 1 10");
         let note = &got["notes"][0];
         assert_eq!(
@@ -325,29 +339,27 @@ async fn rust_decode_reads_python_stages(decode_pp: usize) {
             json!({"id": "py-pp2-req", "consumers": decode_pp}),
             "{got}"
         );
-        let stage = match note["rank"].as_str() {
-            Some("0:0") => 0,
-            Some("1:0") => 1,
-            _ => panic!("a notification to no prefill rank: {got}"),
+        let rank = note["rank"].as_str().unwrap_or_default();
+        let Some(at) = ranks.iter().position(|r| r == rank) else {
+            panic!("a notification to no prefill rank: {got}");
         };
-        heard[stage].push(note["from"].as_str().unwrap().to_string());
-        for (s, senders) in heard.iter().enumerate() {
-            let freed = got["freed"][format!("{s}:0")].as_array().unwrap();
+        heard[at].push(note["from"].as_str().unwrap().to_string());
+        for (rank, senders) in ranks.iter().zip(&heard) {
+            let freed = got["freed"][rank].as_array().unwrap();
             assert_eq!(
                 freed.len(),
                 usize::from(senders.len() == decode_pp),
                 "{got}"
             );
         }
-        let all = taken == 2 * decode_pp;
         let engine_freed = got["engine_freed"].as_array().unwrap();
-        assert_eq!(engine_freed.len(), usize::from(all), "{got}");
+        assert_eq!(engine_freed.len(), usize::from(taken == notes), "{got}");
     }
     for senders in &mut heard {
         senders.sort_unstable();
         assert_eq!(
             *senders, agents,
-            "every decode rank notifies each stage once"
+            "every decode rank notifies each prefill rank once"
         );
     }
     let more = peer.json("kv_pp_notifs 1 0.3");
@@ -356,10 +368,20 @@ async fn rust_decode_reads_python_stages(decode_pp: usize) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rust_decode_of_one_stage_reads_a_python_prefill_of_two() {
-    rust_decode_reads_python_stages(1).await;
+    rust_decode_reads_python_stages(1, 1).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rust_decode_of_two_stages_reads_a_python_prefill_of_two() {
-    rust_decode_reads_python_stages(2).await;
+    rust_decode_reads_python_stages(2, 1).await;
+}
+
+/// PP and TP mixed against vLLM's wire: a Python prefill of two stages of TP 2 read by a
+/// Rust decode of one stage of TP 1 (each stage's two ranks read, each rank's KV heads
+/// placed in the decode's blocks, each rank notified and freeing on its own reader's), and
+/// by a Rust decode of two stages.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rust_decodes_read_a_python_prefill_of_two_stages_of_tp_2() {
+    rust_decode_reads_python_stages(1, 2).await;
+    rust_decode_reads_python_stages(2, 2).await;
 }
