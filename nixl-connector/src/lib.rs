@@ -296,6 +296,7 @@ pub use config::{LoadFailurePolicy, MetadataExchange, Protocol, WorkerConfig, PR
 pub use error::{Error, Result};
 pub use failure::{FailedBlock, FailureKind};
 pub use geometry::dcp::{DcpPair, DcpSizes, MAX_DCP_SIZE};
+pub use geometry::engine_layout::EngineLayout;
 pub use geometry::groups::{KvCacheGroupKind, KvCacheGroups, KV_CACHE_GROUPS_KEY, SHARED_REGION};
 pub use geometry::pipeline::{PipelineRank, PipelineStages, StageSource, MAX_PP_SIZE};
 pub use geometry::read_plan::{Piece, ReadPlan, RegionPlan};

@@ -15,6 +15,7 @@ use crate::config::{MetadataExchange, Protocol, WorkerConfig};
 use crate::error::{Error, Result};
 use crate::failure::{FailedBlock, FailureKind};
 use crate::geometry::dcp::{DcpSizes, MAX_DCP_SIZE};
+use crate::geometry::engine_layout::EngineLayout;
 use crate::geometry::groups::KvCacheGroups;
 use crate::geometry::pipeline::MAX_PP_SIZE;
 use crate::geometry::tp_mapping::TpMapping;
@@ -559,18 +560,12 @@ impl KvConnectorWorker {
         under_way
     }
 
-    /// Runs the handshakes with the ranks of a remote engine this rank reads from (or
-    /// notifies; see [`start_load`](Self::start_load)), now rather than at the first load
-    /// (e.g. when a decode learns of a prefill, so that the first load does not wait for
-    /// them, and a peer that cannot be read from is known early). Loads reuse their
-    /// outcome; a failed handshake is forgotten, so a later one tries again. The remote
-    /// engine is taken to have one pipeline stage: the loads from a prefill of several
-    /// handshake with its stages themselves.
+    /// Runs the handshakes with the ranks of a remote engine of TP `tp_size` (one pipeline
+    /// stage, no DCP) this rank reads from: [`handshake_with_layout`](Self::handshake_with_layout)
+    /// with [`EngineLayout::tp`].
     ///
     /// # Errors
-    /// [`Error::NotRegistered`]; [`Error::InvalidArgument`] for a remote TP this rank cannot
-    /// read from; [`Error::Handshake`] with why a handshake failed (the first, in rank
-    /// order).
+    /// As [`handshake_with_layout`](Self::handshake_with_layout)'s.
     pub async fn handshake_with(
         &self,
         engine_id: &str,
@@ -578,14 +573,39 @@ impl KvConnectorWorker {
         port: u16,
         tp_size: usize,
     ) -> Result<()> {
+        self.handshake_with_layout(engine_id, host, port, EngineLayout::tp(tp_size))
+            .await
+    }
+
+    /// Runs the handshakes with the ranks of a remote engine of `layout` this rank reads
+    /// from or notifies (in every pipeline stage; with DCP, those holding this rank's
+    /// positions; see [`start_load`](Self::start_load)), now rather than at the first load
+    /// (e.g. when a decode learns of a prefill, so that the first load does not wait for
+    /// them, and a peer that cannot be read from is known early). Loads from the engine
+    /// with the same layout reuse their outcome; a failed handshake is forgotten, so a
+    /// later one tries again.
+    ///
+    /// # Errors
+    /// [`Error::NotRegistered`]; [`Error::InvalidArgument`] for a layout this rank cannot
+    /// read from (a TP or DCP size it cannot pair with, stages outside 1 to
+    /// [`MAX_PP_SIZE`]); [`Error::Handshake`] with why a handshake failed (the first, in
+    /// rank order).
+    pub async fn handshake_with_layout(
+        &self,
+        engine_id: &str,
+        host: &str,
+        port: u16,
+        layout: EngineLayout,
+    ) -> Result<()> {
         const OP: &str = "handshake with a remote engine";
         self.caches(OP)?;
-        let ranks = self.remote_ranks(OP, port, (1, tp_size, 1))?;
+        let sizes = (layout.pp_size, layout.tp_size, layout.dcp_size);
+        let ranks = self.remote_ranks(OP, port, sizes)?;
         let engine = Engine {
             id: engine_id,
             host,
-            tp_size,
-            pp_size: 1,
+            tp_size: layout.tp_size,
+            pp_size: layout.pp_size,
         };
         connect::remotes(&self.shared, engine, &ranks)
             .await

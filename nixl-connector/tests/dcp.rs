@@ -17,7 +17,9 @@
 //! 2/2 → 4/4, 2/2 → 2/1, 4/4 → 1/1 and 1/1 → 4/4; prefix hits of 1 to 3 blocks; requests
 //! short enough that some ranks read nothing (only notified). What vLLM refuses is refused
 //! by name before any READ: a DCP size that is neither 1 nor the TP size, DCP with a cache
-//! that is not MLA, params whose `dcp_size` is not the prefill's.
+//! that is not MLA, params whose `dcp_size` is not the prefill's. Each decode rank
+//! handshakes with the prefill first (`handshake_with_layout`, its TP and DCP sizes), and
+//! the load makes no handshake of its own.
 
 mod common;
 
@@ -27,8 +29,8 @@ use std::time::Instant;
 
 use nixl_connector::vllm::{MetadataServer, VllmChannelLimits};
 use nixl_connector::{
-    FinishStatus, KvAttention, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker, KvLayout,
-    KvTransferParams, LoadOutcome, Protocol, SchedulerConfig, WorkerConfig,
+    EngineLayout, FinishStatus, KvAttention, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker,
+    KvLayout, KvTransferParams, LoadOutcome, Protocol, SchedulerConfig, WorkerConfig,
 };
 
 use common::{cpu_config, for_decode, vllm_config, vllm_factors, WAIT};
@@ -183,10 +185,31 @@ async fn pair(prefill: Side, decode: Side, tokens: usize, cached: usize, protoco
     };
     let list = &LOCAL[..positions.div_ceil(decode.dcp)];
     let local = &list[cached..];
+    // Each decode rank handshakes with the prefill ranks holding its positions before the
+    // request, as a decode that learns of a prefill does; the load then handshakes no more.
+    let layout = EngineLayout::tp(prefill.tp).with_dcp(prefill.dcp);
+    for rank in &decodes {
+        rank.handshake_with_layout(&pf_id, "127.0.0.1", pf_port, layout)
+            .await
+            .unwrap_or_else(|err| panic!("{tag}: handshake with the prefill: {err}"));
+    }
+    let handshaken: Vec<u64> = decodes
+        .iter()
+        .map(|r| r.remote_stats().handshakes)
+        .collect();
+    assert!(handshaken.iter().all(|&n| n > 0), "{tag}: {handshaken:?}");
     dc.on_new_request("req", Some(&params));
     dc.update_state_after_alloc("req", local, &params).unwrap();
     let loaded = transfer(&tag, (&mut dc, &decodes), (&mut pf, &prefills)).await;
     assert_eq!(loaded, "req", "{tag}: the decode's load");
+    let after: Vec<u64> = decodes
+        .iter()
+        .map(|r| r.remote_stats().handshakes)
+        .collect();
+    assert_eq!(
+        after, handshaken,
+        "{tag}: the load reused the handshakes made before it"
+    );
     holds_positions(&tag, &decodes, decode, (list, cached), positions);
     if cached > 0 {
         return;

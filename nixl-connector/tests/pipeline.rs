@@ -9,7 +9,9 @@
 //! the prefill's, the others stay zero), and the prefill frees the request once every
 //! stage's reader has notified. Then the next turn (multi-turn read-backs on): the decode
 //! keeps the request and the prefill reads it back from the decode's stages, every byte
-//! checked, every decode stage releasing it on the readers' notifications.
+//! checked, every decode stage releasing it on the readers' notifications. Each decode rank
+//! handshakes with the prefill's stages first (`handshake_with_layout`), and the load makes
+//! no handshake of its own.
 //!
 //! Geometries (prefill → decode, `PP × TP`): 2×1 → 1×1, 1×1 → 2×1, 2×1 → 2×1, 2×2 → 1×1,
 //! 1×1 → 2×2 and 5 layers split unevenly, 2×1 → 1×2; natively also an explicit partition
@@ -26,8 +28,8 @@ use std::time::Instant;
 
 use nixl_connector::vllm::{MetadataServer, VllmChannelLimits};
 use nixl_connector::{
-    FinishStatus, KvAttention, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker, KvLayout,
-    KvTransferParams, LoadOutcome, PipelineRank, PipelineStages, Protocol, RemoteBlocks,
+    EngineLayout, FinishStatus, KvAttention, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker,
+    KvLayout, KvTransferParams, LoadOutcome, PipelineRank, PipelineStages, Protocol, RemoteBlocks,
     SchedulerConfig, WorkerConfig,
 };
 
@@ -184,11 +186,35 @@ async fn pair(tag: &str, prefill: Layout, decode: Layout, protocol: Protocol) {
         Protocol::Native => params,
         Protocol::Vllm => KvTransferParams::from_vllm_json(&params.to_vllm_json()).unwrap(),
     };
+    // Each decode rank handshakes with the prefill's stages before the request, as a decode
+    // that learns of a prefill does; the load then handshakes no more.
+    let layout = EngineLayout::tp(prefill.tp).with_pp(pp);
+    for rank in &decodes {
+        rank.handshake_with_layout(&pf_id, "127.0.0.1", pf_port, layout)
+            .await
+            .unwrap_or_else(|err| panic!("{tag}: handshake with the prefill's stages: {err}"));
+    }
+    let handshaken: Vec<u64> = decodes
+        .iter()
+        .map(|r| r.remote_stats().handshakes)
+        .collect();
+    assert!(
+        handshaken.iter().all(|&n| n >= pp as u64),
+        "{tag}: each decode rank handshook with every stage: {handshaken:?}"
+    );
     dc.on_new_request("req", Some(&params));
     dc.update_state_after_alloc("req", &LOCAL, &params).unwrap();
     let reader = (&mut dc, &decodes[..]);
     let loaded = transfer(&tag, reader, (&mut pf, &prefills[..]), "req").await;
     assert_eq!(loaded, "req", "{tag}: the decode's load");
+    let after: Vec<u64> = decodes
+        .iter()
+        .map(|r| r.remote_stats().handshakes)
+        .collect();
+    assert_eq!(
+        after, handshaken,
+        "{tag}: the load reused the handshakes made before it"
+    );
     // Every byte: the blocks read hold the prefill's, the others are untouched (zero).
     let read: Vec<(usize, usize)> = LOCAL.into_iter().zip(REMOTE).collect();
     holds(&tag, &decodes, &decode, &read, true);

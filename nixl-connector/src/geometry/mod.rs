@@ -4,11 +4,13 @@
 //! how a block takes its bytes from one remote rank (`read_plan`), which remote blocks a
 //! load reads into which local ones (`block_map`), and, from all of these, the descriptors
 //! of one load's READ from one remote rank (`load_reads`, the planner the worker posts
-//! from); and, for engines split further, the layers of each pipeline stage (`pipeline`)
-//! and the blocks of each decode-context-parallel rank (`dcp`).
+//! from); and, for engines split further, the layers of each pipeline stage (`pipeline`),
+//! the blocks of each decode-context-parallel rank (`dcp`), and a remote engine's sizes of
+//! both and of TP (`engine_layout`).
 
 pub(crate) mod block_map;
 pub(crate) mod dcp;
+pub(crate) mod engine_layout;
 pub(crate) mod groups;
 pub(crate) mod load_reads;
 pub(crate) mod pipeline;
