@@ -14,7 +14,10 @@
 //! readers' notifications.
 //!
 //! Geometries (prefill → decode, `TP/DCP`): 2/2 → 1/1, 1/1 → 2/2, 2/2 → 2/2, 4/4 → 2/2,
-//! 2/2 → 4/4, 2/2 → 2/1, 4/4 → 1/1 and 1/1 → 4/4; prefix hits of 1 to 3 blocks; requests
+//! 2/2 → 4/4, 2/2 → 2/1, 4/4 → 1/1 and 1/1 → 4/4; with pipeline stages (`PP × TP/DCP`,
+//! each stage vLLM's even split of the layers, each layer read from the stage holding it):
+//! 2 × 2/2 → 1 × 1/1, 1 × 2/2 → 2 × 2/2, 2 × 2/2 → 2 × 2/2, 2 × 2/2 → 1 × 4/4 past a
+//! prefix hit; prefix hits of 1 to 3 blocks; requests
 //! short enough that some ranks read nothing (only notified). What vLLM refuses is refused
 //! by name before any READ: a DCP size that is neither 1 nor the TP size, DCP with a cache
 //! that is not MLA, params whose `dcp_size` is not the prefill's. Each decode rank
@@ -30,7 +33,8 @@ use std::time::Instant;
 use nixl_connector::vllm::{MetadataServer, VllmChannelLimits};
 use nixl_connector::{
     EngineLayout, FinishStatus, KvAttention, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker,
-    KvLayout, KvTransferParams, LoadOutcome, Protocol, SchedulerConfig, WorkerConfig,
+    KvLayout, KvTransferParams, LoadOutcome, PipelineRank, PipelineStages, Protocol,
+    SchedulerConfig, WorkerConfig,
 };
 
 use common::{cpu_config, for_decode, vllm_config, vllm_factors, WAIT};
@@ -48,22 +52,41 @@ const LOCAL: [usize; 8] = [2, 8, 4, 11, 6, 13, 0, 15];
 /// The prefill's blocks the next turn reads the decode's kept ones back into.
 const READ_BACK: [usize; 8] = [0, 2, 4, 6, 8, 11, 13, 15];
 
-/// One engine's parallel layout.
+/// One engine's parallel layout: TP and DCP in each of its pipeline stages.
 #[derive(Clone, Copy, Debug)]
 struct Side {
     tp: usize,
     dcp: usize,
+    pp: usize,
 }
 
+/// One stage of TP `tp` and DCP `dcp`.
 const fn side(tp: usize, dcp: usize) -> Side {
-    Side { tp, dcp }
+    Side { tp, dcp, pp: 1 }
 }
 
-/// An MLA cache: one latent per token, the same size on every rank.
-fn spec() -> KvCacheSpec {
+impl Side {
+    /// This side in `pp` stages.
+    const fn staged(self, pp: usize) -> Side {
+        Side { pp, ..self }
+    }
+
+    /// Its stages: vLLM's even split of the [`LAYERS`].
+    fn stages(&self) -> PipelineStages {
+        PipelineStages::even(LAYERS, self.pp).unwrap()
+    }
+
+    /// Rank `n` of the engine (in `(stage, tp_rank)` order) as `(stage, tp_rank)`.
+    fn rank(&self, n: usize) -> (usize, usize) {
+        (n / self.tp, n % self.tp)
+    }
+}
+
+/// An MLA cache of `layers` layers: one latent per token, the same size on every rank.
+fn spec(layers: usize) -> KvCacheSpec {
     let block_len = TOKENS * LATENT;
     KvCacheSpec::uniform(
-        LAYERS,
+        layers,
         BLOCKS,
         TOKENS,
         KvAttention::Mla,
@@ -110,23 +133,29 @@ fn engine(
     'ports: for _ in 0..20 {
         let mut workers: Vec<KvConnectorWorker> = Vec::new();
         let mut base = server.as_ref().map_or(0, |s| s.local_addr().port());
-        for rank in 0..side.tp {
+        let stages = side.stages();
+        for n in 0..side.pp * side.tp {
+            let (stage, rank) = side.rank(n);
             let mut config = WorkerConfig::new(id, rank, side.tp, kv(protocol));
             config.platform = Arc::new(nixl::platform::BuiltinPlatform::CPU);
             config.dcp_size = side.dcp;
+            if side.pp > 1 {
+                config.pipeline = Some(PipelineRank::new(stages.clone(), stage).unwrap());
+            }
             if let Some(server) = &server {
                 config.vllm_side_channel = Some(server.clone());
-            } else if rank > 0 {
-                let Some(port) = base.checked_add(rank as u16) else {
+            } else if n > 0 {
+                let Some(port) = base.checked_add(n as u16) else {
                     continue 'ports;
                 };
                 config.side_channel.set_port(port);
             }
             let worker = KvConnectorWorker::new(config).unwrap();
-            if worker.register_host_kv_caches(spec()).is_err() {
+            let layers = stages.layers(stage);
+            if worker.register_host_kv_caches(spec(layers.len())).is_err() {
                 continue 'ports;
             }
-            if rank == 0 && server.is_none() {
+            if n == 0 && server.is_none() {
                 base = worker.side_channel_addr().unwrap().port();
             }
             if let Some(positions) = filled {
@@ -134,8 +163,8 @@ fn engine(
                 let dcp_rank = rank % side.dcp;
                 let held = (dcp_rank..positions).step_by(side.dcp);
                 for (j, position) in held.enumerate() {
-                    for region in 0..LAYERS {
-                        let data = position_bytes(region, position);
+                    for (region, layer) in layers.clone().enumerate() {
+                        let data = position_bytes(layer, position);
                         caches.write(region, REMOTE[j] * data.len(), &data).unwrap();
                     }
                 }
@@ -151,6 +180,7 @@ fn scheduler(id: &str, port: u16, side: Side, protocol: Protocol) -> KvConnector
     let kv = kv(protocol);
     let mut config = SchedulerConfig::new(id, "127.0.0.1", port, side.tp, &kv).unwrap();
     config.dcp_size = side.dcp;
+    config.pp_size = side.pp;
     KvConnectorScheduler::new(config)
 }
 
@@ -159,8 +189,8 @@ fn scheduler(id: &str, port: u16, side: Side, protocol: Protocol) -> KvConnector
 /// schedulers, both engines speaking `protocol`; checks every byte of every decode rank.
 async fn pair(prefill: Side, decode: Side, tokens: usize, cached: usize, protocol: Protocol) {
     let tag = format!(
-        "{protocol}-p{}x{}-d{}x{}-t{tokens}-c{cached}",
-        prefill.tp, prefill.dcp, decode.tp, decode.dcp
+        "{protocol}-p{}x{}x{}-d{}x{}x{}-t{tokens}-c{cached}",
+        prefill.pp, prefill.tp, prefill.dcp, decode.pp, decode.tp, decode.dcp
     );
     let positions = tokens.div_ceil(TOKENS);
     let (pf_id, dc_id) = (format!("pf-{tag}"), format!("dc-{tag}"));
@@ -187,7 +217,9 @@ async fn pair(prefill: Side, decode: Side, tokens: usize, cached: usize, protoco
     let local = &list[cached..];
     // Each decode rank handshakes with the prefill ranks holding its positions before the
     // request, as a decode that learns of a prefill does; the load then handshakes no more.
-    let layout = EngineLayout::tp(prefill.tp).with_dcp(prefill.dcp);
+    let layout = EngineLayout::tp(prefill.tp)
+        .with_dcp(prefill.dcp)
+        .with_pp(prefill.pp);
     for rank in &decodes {
         rank.handshake_with_layout(&pf_id, "127.0.0.1", pf_port, layout)
             .await
@@ -229,18 +261,19 @@ async fn pair(prefill: Side, decode: Side, tokens: usize, cached: usize, protoco
     pf.update_state_after_alloc("turn-2", back, &kept).unwrap();
     let loaded = transfer(&tag, (&mut pf, &prefills), (&mut dc, &decodes)).await;
     assert_eq!(loaded, "turn-2", "{tag}: the read-back");
-    for (rank, worker) in prefills.iter().enumerate() {
+    for (n, worker) in prefills.iter().enumerate() {
+        let (stage, rank) = prefill.rank(n);
         let caches = worker.kv_caches().unwrap();
         for (j, &block) in back.iter().enumerate() {
             let position = j * prefill.dcp + rank % prefill.dcp;
             if position >= positions {
                 continue;
             }
-            for region in 0..LAYERS {
+            for (region, layer) in prefill.stages().layers(stage).enumerate() {
                 let len = TOKENS * LATENT;
                 let mut got = vec![0u8; len];
                 caches.read(region, block * len, &mut got).unwrap();
-                let want = position_bytes(region, position);
+                let want = position_bytes(layer, position);
                 assert!(
                     got == want,
                     "{tag}: read back, rank {rank} region {region} block {block}"
@@ -260,10 +293,11 @@ fn holds_positions(
     (list, cached): (&[usize], usize),
     positions: usize,
 ) {
-    for (rank, worker) in decodes.iter().enumerate() {
+    for (n, worker) in decodes.iter().enumerate() {
+        let (stage, rank) = decode.rank(n);
         let dcp_rank = rank % decode.dcp;
         let caches = worker.kv_caches().unwrap();
-        for region in 0..LAYERS {
+        for (region, layer) in decode.stages().layers(stage).enumerate() {
             for block in 0..BLOCKS {
                 let len = TOKENS * LATENT;
                 let position = list
@@ -273,7 +307,7 @@ fn holds_positions(
                     .map(|i| i * decode.dcp + dcp_rank)
                     .filter(|&p| p < positions);
                 let want = match position {
-                    Some(p) => position_bytes(region, p),
+                    Some(p) => position_bytes(layer, p),
                     None => vec![0; len],
                 };
                 let mut got = vec![0u8; len];
@@ -343,6 +377,31 @@ async fn prefix_hits_and_ranks_with_nothing_to_read(protocol: Protocol) {
     ] {
         pair(prefill, decode, tokens, cached, protocol).await;
     }
+}
+
+/// DCP and pipeline stages together: each decode rank reads every layer it holds from the
+/// prefill stage holding it, and in that stage every position it holds from the DCP rank
+/// holding it (a prefix hit too); the prefill frees the request once every stage's readers
+/// notified, and reads it back from the decode's stages and DCP ranks.
+async fn dcp_with_pipeline_stages(protocol: Protocol) {
+    for (prefill, decode, tokens, cached) in [
+        (side(2, 2).staged(2), side(1, 1), 26, 0),
+        (side(2, 2), side(2, 2).staged(2), 26, 0),
+        (side(2, 2).staged(2), side(2, 2).staged(2), 26, 0),
+        (side(2, 2).staged(2), side(4, 4), 28, 1),
+    ] {
+        pair(prefill, decode, tokens, cached, protocol).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn native_dcp_with_pipeline_stages() {
+    dcp_with_pipeline_stages(Protocol::Native).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_dcp_with_pipeline_stages() {
+    dcp_with_pipeline_stages(Protocol::Vllm).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
