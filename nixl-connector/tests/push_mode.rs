@@ -1,5 +1,6 @@
-//! Push mode in the native protocol, over real NIXL and UCX, both engines in this process:
-//! the decode registers its blocks with the prefill ranks, which WRITE the KV into them.
+//! Push mode in the native protocol (and vLLM's at TP above 1), over real NIXL and UCX,
+//! both engines in this process: the decode registers its blocks with the prefill ranks,
+//! which WRITE the KV into them.
 //! Every byte is checked against the model of `common::geometry` (MHA, 4 KV heads, HND; K
 //! and V regions of different head sizes and a region with K and V halves in each block):
 //! - TP 1 → 1 and prefill TP 2 → decode TP 1 (each prefill rank writes its head slice);
@@ -10,19 +11,22 @@
 //! - a registration of more blocks than the prefill holds, refused with a typed error;
 //! - a full prefix hit, which cancels so that the prefill frees at once;
 //! - push and pull engines refuse each other;
-//! - the schedulers' steps drive push as they drive pull.
+//! - the schedulers' steps drive push as they drive pull;
+//! - vLLM's push protocol between the two engines at TP above 1 (2 → 1, 4 → 2, 2 → 2, MLA
+//!   2 → 1).
 
 mod common;
 
 use std::time::{Duration, Instant};
 
 use nixl_connector::{
-    Error, FailureKind, FinishStatus, KvAttention, KvCacheGroupKind, KvCacheGroups,
-    KvConnectorScheduler, KvConnectorWorker, KvLayout, KvRegionKind, KvTransferParams, LoadOutcome,
-    RequestFinished, SchedulerConfig, TransferMode, WorkerConfig, KV_CACHE_GROUPS_KEY,
+    ConnectorMetadata, Error, FailureKind, FinishStatus, KvAttention, KvCacheGroupKind,
+    KvCacheGroups, KvConnectorScheduler, KvConnectorWorker, KvLayout, KvRegionKind,
+    KvTransferParams, LoadOutcome, RequestFinished, SchedulerConfig, SendSpec, TransferMode,
+    WorkerConfig, KV_CACHE_GROUPS_KEY,
 };
 
-use common::geometry::{engine_with, Model, Request, Side};
+use common::geometry::{engine_speaking_vllm_with, engine_with, Model, Request, Side};
 use common::{capability, poll_until, WAIT};
 
 const BLOCKS: usize = 12;
@@ -467,6 +471,93 @@ async fn push_between(model: &Model, prefill_tp: usize, decode_tp: usize, reques
 async fn prefill_tp4_writes_into_decode_tp2_and_tp2_into_tp2() {
     push_between(&model(), 4, 2, request("req-4-2", 4, 3)).await;
     push_between(&model(), 2, 2, request("req-2-2", 3, 3)).await;
+}
+
+/// [`model`] as vLLM registers it: each layer one region (no K and V halves in a block).
+fn vllm_model() -> Model {
+    Model {
+        regions: vec![(KvRegionKind::Tensor, 16), (KvRegionKind::Tensor, 8)],
+        ..model()
+    }
+}
+
+/// `config` speaking vLLM's push protocol (its compatibility factors saying push).
+fn vllm_push(config: &mut WorkerConfig) {
+    push(config, None);
+    let extra = &mut config.kv_transfer_config.kv_connector_extra_config;
+    extra["vllm_compat_factors"]["transfer_mode"] = "push".into();
+}
+
+/// As [`push_between`], both engines speaking vLLM 0.33's push protocol (`PUSH_REG:`
+/// registrations by request id, `id:world` completions, the prefill holding through its
+/// step's send, without a capability): each decode rank registers with the prefill ranks
+/// of its TP mapping and counts one WRITE from each.
+async fn vllm_push_between(model: &Model, prefill_tp: usize, decode_tp: usize, request: Request) {
+    let (prefill, decode) = (side(prefill_tp), side(decode_tp));
+    let prefills = engine_speaking_vllm_with("pf-vpush", model, &prefill, None, vllm_push);
+    for (rank, worker) in prefills.iter().enumerate() {
+        model.fill_prefill(worker, &prefill, rank);
+    }
+    let decodes = engine_speaking_vllm_with("dc-vpush", model, &decode, None, vllm_push);
+    for worker in &decodes {
+        model.fill_sentinel(worker, &decode);
+    }
+    let send = SendSpec {
+        request_id: request.id.clone(),
+        deadline: Instant::now() + Duration::from_secs(30),
+        capability: None,
+        block_ids: request.remote.clone(),
+        lease_epoch: None,
+        group_lens: Vec::new(),
+    };
+    let meta = ConnectorMetadata {
+        sends: vec![send],
+        ..ConnectorMetadata::default()
+    };
+    for worker in &prefills {
+        worker.start_load_kv(&meta);
+    }
+    let port = prefills[0].vllm_side_channel().unwrap().local_addr().port();
+    let mut from = Model::remote(&request, "pf-vpush", port, prefill_tp);
+    from.capability = None;
+    for worker in &decodes {
+        worker
+            .start_load(&request.id, &request.local, &from)
+            .unwrap();
+    }
+    for (rank, worker) in decodes.iter().enumerate() {
+        loaded(worker, &request.id).await;
+        assert!(
+            worker.load_errors().is_empty(),
+            "{:?}",
+            worker.load_errors()
+        );
+        model
+            .check_decode(worker, &prefill, &decode, rank, &[&request])
+            .unwrap_or_else(|err| panic!("vLLM push TP {prefill_tp} -> {decode_tp}: {err}"));
+        let stats = worker.push_stats();
+        let per_rank = (prefill_tp / decode_tp) as u64;
+        assert_eq!(stats.registrations_sent, per_rank, "{stats:?}");
+    }
+    released(&prefills, &request.id).await;
+    for worker in &prefills {
+        assert_eq!(
+            worker.push_stats().writes,
+            1,
+            "each prefill rank writes once"
+        );
+    }
+}
+
+/// vLLM's push protocol at TP above 1: prefill TP 2 into decode TP 1 (each prefill rank its
+/// head slice), TP 4 into TP 2 and TP 2 into TP 2, and MLA's replicated latent from TP 2
+/// into TP 1; every byte of every decode rank.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_vllms_push_protocol_prefill_ranks_write_their_slices_at_any_tp() {
+    vllm_push_between(&vllm_model(), 2, 1, request("vreq-2-1", 4, 3)).await;
+    vllm_push_between(&vllm_model(), 4, 2, request("vreq-4-2", 4, 4)).await;
+    vllm_push_between(&vllm_model(), 2, 2, request("vreq-2-2", 3, 2)).await;
+    vllm_push_between(&mla(), 2, 1, request("vreq-mla-2-1", 4, 4)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -148,13 +148,13 @@ fn registration(shared: &Shared, load: &Load) -> Result<PushRegistration> {
 async fn run_load(shared: &Arc<Shared>, push: &Push, load: &Load) -> Result<()> {
     const OP: &str = "register blocks for a vLLM push";
     // vLLM's decode waits for pp_size × max(1, prefill TP / decode TP) WRITEs: one from each
-    // prefill rank of its TP mapping. An MLA cache, where fewer ranks are read, is not
-    // built.
+    // prefill rank of its TP mapping (with MLA too: a rank only notified in pull writes its
+    // cut in push). A mapping of another count could not be told apart by vLLM's wire.
     let per_rank = (load.remote.tp_size / shared.config.tp_size.max(1)).max(1);
     if load.ranks.len() != per_rank * load.remote.pp_size {
         return Err(Error::invalid(
             OP,
-            format!("request {:?}: {} prefill ranks to register with where vLLM's push counts {} WRITEs (an MLA cache across TP sizes is not built in vLLM's push protocol); use pull mode", load.request_id, load.ranks.len(), per_rank * load.remote.pp_size),
+            format!("request {:?}: {} prefill ranks to register with where vLLM's push counts {} WRITEs (vLLM's push protocol cannot count them); use pull mode", load.request_id, load.ranks.len(), per_rank * load.remote.pp_size),
         ));
     }
     let message = registration(shared, load)?.encode()?;

@@ -403,6 +403,17 @@ pub fn engine_speaking_vllm(
     side: &Side,
     groups: Option<&KvCacheGroups>,
 ) -> Vec<KvConnectorWorker> {
+    engine_speaking_vllm_with(engine_id, model, side, groups, |_| {})
+}
+
+/// As [`engine_speaking_vllm`], with `adjust` applied to each rank's config last.
+pub fn engine_speaking_vllm_with(
+    engine_id: &str,
+    model: &Model,
+    side: &Side,
+    groups: Option<&KvCacheGroups>,
+    adjust: impl Fn(&mut WorkerConfig),
+) -> Vec<KvConnectorWorker> {
     let spec = model.spec(side);
     let server = Arc::new(
         MetadataServer::bind_now(
@@ -419,6 +430,7 @@ pub fn engine_speaking_vllm(
                 with_groups(&mut config, groups);
             }
             config.vllm_side_channel = Some(server.clone());
+            adjust(&mut config);
             let worker = KvConnectorWorker::new(config).unwrap();
             worker.register_host_kv_caches(spec.clone()).unwrap();
             worker
