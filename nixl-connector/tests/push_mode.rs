@@ -13,7 +13,7 @@
 //! - push and pull engines refuse each other;
 //! - the schedulers' steps drive push as they drive pull;
 //! - vLLM's push protocol between the two engines at TP above 1 (2 → 1, 4 → 2, 2 → 2, MLA
-//!   2 → 1).
+//!   2 → 1), and with the hybrid model (the params crossing as vLLM's JSON).
 
 mod common;
 
@@ -694,20 +694,26 @@ async fn heartbeats_keep_the_request_held_past_the_lease() {
     assert_eq!(prefills[0].send_stats().freed_on_timeout, 0);
 }
 
-/// A hybrid model (full attention and a 6-token sliding window, sharing every region)
-/// through both schedulers: each group's blocks are written into the decode's of the same
-/// group, the window's clipped to its last 3 blocks on both sides, the full-attention
-/// group's with a prefix hit of 2 blocks.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_hybrid_model_writes_each_group_into_its_own_blocks() {
-    let groups = KvCacheGroups::new(
+/// The hybrid model of the push tests: full attention and a 6-token sliding window,
+/// sharing every region.
+fn hybrid_groups() -> KvCacheGroups {
+    KvCacheGroups::new(
         4,
         vec![
             KvCacheGroupKind::FullAttention,
             KvCacheGroupKind::SlidingWindow { window_tokens: 6 },
         ],
     )
-    .unwrap();
+    .unwrap()
+}
+
+/// A hybrid model (full attention and a 6-token sliding window, sharing every region)
+/// through both schedulers: each group's blocks are written into the decode's of the same
+/// group, the window's clipped to its last 3 blocks on both sides, the full-attention
+/// group's with a prefix hit of 2 blocks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hybrid_model_writes_each_group_into_its_own_blocks() {
+    let groups = hybrid_groups();
     let with_groups = |config: &mut WorkerConfig| {
         push(config, None);
         config.kv_transfer_config.kv_connector_extra_config.insert(
@@ -721,6 +727,48 @@ async fn a_hybrid_model_writes_each_group_into_its_own_blocks() {
     model().fill_sentinel(&decode, &side(1));
     let kv = push_config();
     let (prefill, decode_s) = schedulers(&prefills, &decode, &kv);
+    let engines = (&prefills[..], &decode);
+    push_hybrid(&model(), engines, (prefill, decode_s), &groups, |p| p).await;
+}
+
+/// The same in vLLM's push protocol (its registration names each group's blocks).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_vllms_push_protocol_a_hybrid_model_writes_each_group_into_its_own_blocks() {
+    let (groups, model) = (hybrid_groups(), vllm_model());
+    let engine = |id| engine_speaking_vllm_with(id, &model, &side(1), Some(&groups), vllm_push);
+    let prefills = engine("pf-vpush");
+    model.fill_prefill(&prefills[0], &side(1), 0);
+    let decode = engine("dc-vpush").remove(0);
+    model.fill_sentinel(&decode, &side(1));
+    let mut config = common::geometry::rank_config("any", 0, 1, 0);
+    config.kv_transfer_config = common::vllm_config(common::vllm_factors());
+    vllm_push(&mut config);
+    let scheduler = |id: &str, worker: &KvConnectorWorker| {
+        let server = worker.vllm_side_channel().unwrap();
+        let port = server.local_addr().port();
+        let kv = &config.kv_transfer_config;
+        let mut config = SchedulerConfig::new(id, "127.0.0.1", port, 1, kv).unwrap();
+        config.vllm_side_channel = Some(server);
+        KvConnectorScheduler::new(config)
+    };
+    let schedulers = (
+        scheduler("pf-vpush", &prefills[0]),
+        scheduler("dc-vpush", &decode),
+    );
+    // The params cross as vLLM's JSON.
+    let json = |p: KvTransferParams| KvTransferParams::from_vllm_json(&p.to_vllm_json()).unwrap();
+    push_hybrid(&model, (&prefills, &decode), schedulers, &groups, json).await;
+}
+
+/// Pushes a request of the hybrid model `groups` from `prefills` into `decode` through
+/// their schedulers, its params crossing through `wire`, and checks each group's blocks.
+async fn push_hybrid(
+    model: &Model,
+    (prefills, decode): (&[KvConnectorWorker], &KvConnectorWorker),
+    (prefill, decode_s): (KvConnectorScheduler, KvConnectorScheduler),
+    groups: &KvCacheGroups,
+    wire: impl Fn(KvTransferParams) -> KvTransferParams,
+) {
     let mut prefill = prefill.with_kv_cache_groups(groups.clone());
     let mut decode_s = decode_s.with_kv_cache_groups(groups.clone());
     let id = "req-hybrid";
@@ -734,7 +782,7 @@ async fn a_hybrid_model_writes_each_group_into_its_own_blocks() {
             FinishStatus::Stopped,
         )
         .unwrap();
-    let params = done.kv_transfer_params.unwrap();
+    let params = wire(done.kv_transfer_params.unwrap());
     assert_eq!(params.remote_block_group_lens, [5, 3]);
     decode_s.on_new_request(id, Some(&params));
     decode_s
@@ -744,12 +792,12 @@ async fn a_hybrid_model_writes_each_group_into_its_own_blocks() {
     let start = Instant::now();
     while !(loaded && freed) && start.elapsed() < WAIT {
         freed |= prefill
-            .step(&prefills)
+            .step(prefills)
             .unwrap()
             .finished_sending
             .iter()
             .any(|r| r == id);
-        let out = decode_s.step(std::slice::from_ref(&decode)).unwrap();
+        let out = decode_s.step(std::slice::from_ref(decode)).unwrap();
         for outcome in out.load_outcomes {
             match outcome {
                 LoadOutcome::Loaded { request_id } if request_id == id => loaded = true,
@@ -771,5 +819,7 @@ async fn a_hybrid_model_writes_each_group_into_its_own_blocks() {
         local: vec![7, 9, 11],
         num_tokens: None,
     };
-    check(&decode, 1, &[&full, &window]);
+    model
+        .check_decode(decode, &side(1), &side(1), 0, &[&full, &window])
+        .unwrap();
 }
