@@ -8,7 +8,9 @@
 //!   decode of DCP 2 is refused with vLLM's reason;
 //! - a Python decode of DCP 1 and one of DCP 2 (its own reading of the DCP slicing, a
 //!   rank at a time) read a Rust prefill of DCP 2, every byte checked, and the prefill
-//!   frees the request on their notifications, long before its lease ends.
+//!   frees the request on their notifications, long before its lease ends; and so a Rust
+//!   prefill of PCP 2 sharded with DCP 2, its metadata saying both, while a Python decode of
+//!   DCP 2 refuses a Rust prefill of replicated PCP 2 with vLLM's reason.
 
 mod py;
 mod vllm_peer_support;
@@ -53,6 +55,16 @@ fn mla_spec() -> KvCacheSpec {
 /// The ranks of an engine of TP = DCP `dcp` in vLLM mode (lease 30 s), served by one side
 /// channel, and its scheduler.
 fn engine(id: &str, dcp: usize) -> (Vec<KvConnectorWorker>, KvConnectorScheduler) {
+    engine_of_pcp(id, dcp, 1)
+}
+
+/// As [`engine`], of PCP `pcp` (replicated with DCP 1, or sharded with DCP = `pcp`: then
+/// the ranks are its PCP ranks).
+fn engine_of_pcp(
+    id: &str,
+    dcp: usize,
+    pcp: usize,
+) -> (Vec<KvConnectorWorker>, KvConnectorScheduler) {
     let mut kv = vllm_kv(&factors());
     let extra = &mut kv.kv_connector_extra_config;
     extra.insert("kv_lease_duration".into(), 30.into());
@@ -64,6 +76,7 @@ fn engine(id: &str, dcp: usize) -> (Vec<KvConnectorWorker>, KvConnectorScheduler
             config.platform = Arc::new(BuiltinPlatform::CPU);
             config.vllm_side_channel = Some(server.clone());
             config.dcp_size = dcp;
+            config.pcp_size = pcp;
             let worker = KvConnectorWorker::new(config).unwrap();
             worker.register_host_kv_caches(mla_spec()).unwrap();
             worker
@@ -209,12 +222,13 @@ async fn a_rust_decode_reads_a_replicated_pcp_prefill_and_refuses_it_when_sharde
     }
 }
 
-/// A Python decode of DCP `dcp` (each rank in turn) reads a Rust prefill of DCP 2.
-async fn python_decode_reads_rust_prefill(dcp: usize) {
+/// A Python decode of DCP `dcp` (each rank in turn) reads a Rust prefill of DCP 2 and PCP
+/// `pcp` (1, or 2 sharded with the DCP: its ranks its PCP ranks).
+async fn python_decode_reads_rust_prefill(dcp: usize, pcp: usize) {
     let mut peer = VllmPeer::start();
     let hash = factors().hash();
-    let id = format!("rs-prefill-dcp-{dcp}");
-    let (prefills, mut scheduler) = engine(&id, 2);
+    let id = format!("rs-prefill-dcp-{dcp}-{pcp}");
+    let (prefills, mut scheduler) = engine_of_pcp(&id, 2, pcp);
     for (rank, prefill) in prefills.iter().enumerate() {
         let cache = prefill.kv_caches().unwrap();
         for region in 0..REGIONS {
@@ -279,10 +293,46 @@ async fn python_decode_reads_rust_prefill(dcp: usize) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_python_decode_of_dcp_1_reads_a_rust_prefill_of_dcp_2() {
-    python_decode_reads_rust_prefill(1).await;
+    python_decode_reads_rust_prefill(1, 1).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_python_decode_of_dcp_2_reads_a_rust_prefill_of_dcp_2() {
-    python_decode_reads_rust_prefill(2).await;
+    python_decode_reads_rust_prefill(2, 1).await;
+}
+
+/// A Rust prefill of PCP 2 sharded with DCP 2 (its ranks its PCP ranks), its metadata
+/// saying both, read by Python decodes of DCP 1 and 2 that check them as vLLM's decode does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_decodes_read_a_rust_prefill_of_pcp_2_sharded_with_dcp_2() {
+    python_decode_reads_rust_prefill(1, 2).await;
+    python_decode_reads_rust_prefill(2, 2).await;
+}
+
+/// A Rust prefill of replicated PCP 2 (TP 1, DCP 1): a Python decode of DCP 2 refuses it
+/// with vLLM's reason (`_validate_remote_parallel_config`), before any READ.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_python_decode_of_dcp_2_refuses_a_rust_prefill_of_replicated_pcp() {
+    let mut peer = VllmPeer::start();
+    let hash = factors().hash();
+    let (prefills, mut scheduler) = engine_of_pcp("rs-prefill-pcp-replicated", 1, 2);
+    let for_decode = KvTransferParams {
+        do_remote_decode: true,
+        ..Default::default()
+    };
+    let done = scheduler.request_finished(
+        "rs-req",
+        &REMOTE[..POSITIONS],
+        TOKENS,
+        Some(&for_decode),
+        FinishStatus::LengthCapped,
+    );
+    let params = done.kv_transfer_params.unwrap().to_vllm_json();
+    scheduler.step(&prefills).unwrap();
+    let got = peer.json(&format!(
+        "kv_dcp_decode {} {hash} 2 0 1",
+        hex(params.as_bytes())
+    ));
+    let vllm = "Replicated PCP cannot be paired with a DCP-sharded NIXL peer. Local PCP/DCP=1/2; remote PCP/DCP=2/1.";
+    assert_eq!(got["refused"], vllm, "{got}");
 }

@@ -153,6 +153,17 @@ pub struct WorkerConfig {
     /// `j` of a request's block list holds position `j * dcp_size + dcp_rank` (see
     /// [`DcpPair`](crate::DcpPair)).
     pub dcp_size: usize,
+    /// The engine's prefill context parallel size (vLLM's `prefill_context_parallel_size`;
+    /// 1: none), as vLLM 0.33's NixlConnector pairs it: replicated (`dcp_size` 1: each TP
+    /// rank's PCP rank 0 holds whole requests and is this engine's worker for it), or
+    /// sharded with DCP (`dcp_size` equal to it: the transfer ranks are the PCP ranks, each
+    /// a DCP rank, so `tp_size` and `dcp_size` are the PCP size). The workers move KV as
+    /// those sizes say; PCP is published in vLLM's `NixlAgentMetadata` (`pcp_size`), where
+    /// vLLM's readers check it, and checked against each vLLM peer's as vLLM does (a
+    /// replicated PCP engine and a DCP-sharded one do not pair, whichever reads: a prefill
+    /// reads a decode's KV back in multi-turn). Above 1 only in a producer, as vLLM's
+    /// connector allows it (`kv_role` `kv_consumer` or `kv_both` is refused).
+    pub pcp_size: usize,
     /// vLLM's `kv_transfer_config`: the kv-buffer device and the backends.
     pub kv_transfer_config: KvTransferConfig,
     /// The platform the memory type is resolved for (see [`nixl::platform`]).
@@ -224,6 +235,7 @@ impl WorkerConfig {
             tp_size,
             pipeline: None,
             dcp_size: 1,
+            pcp_size: 1,
             kv_transfer_config: kv,
             platform,
             side_channel: SocketAddr::from(([127, 0, 0, 1], 0)),

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
-use nixl::kv_config::NixlSetup;
+use nixl::kv_config::{KvRole, NixlSetup};
 use nixl::{Agent, NotificationFilter, Registration, XferOp};
 use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
@@ -1136,7 +1136,7 @@ fn context(config: WorkerConfig, settings: &Settings) -> Result<Context> {
     let protocol = settings.protocol;
     let groups = KvCacheGroups::from_kv_transfer_config(&config.kv_transfer_config)?;
     check_pipeline(&config, &groups)?;
-    check_dcp(&config, &groups)?;
+    check_context_parallel(&config, &groups)?;
     #[cfg(feature = "vllm")]
     let vllm = match protocol {
         Protocol::Native => None,
@@ -1194,14 +1194,36 @@ fn check_pipeline(config: &WorkerConfig, groups: &KvCacheGroups) -> Result<()> {
 
 /// Refuses a DCP size the connector does not pair (vLLM 0.33's NixlConnector's bounds): 0 or
 /// more than [`MAX_DCP_SIZE`], neither 1 nor the TP size (vLLM shards
-/// a cache over every TP rank or none), or several KV cache groups (not supported here).
-fn check_dcp(config: &WorkerConfig, groups: &KvCacheGroups) -> Result<()> {
+/// a cache over every TP rank or none), or several KV cache groups (not supported here);
+/// and a PCP size of 0 or more than [`MAX_DCP_SIZE`], whose DCP neither is 1 nor spans
+/// it (vLLM's "PCP+DCP does not span the full PCP group"), or above 1 in an engine whose
+/// `kv_role` is `kv_consumer` or `kv_both` (vLLM's connector refuses it).
+fn check_context_parallel(config: &WorkerConfig, groups: &KvCacheGroups) -> Result<()> {
     const OP: &str = "create the connector worker";
-    let (dcp, tp) = (config.dcp_size, config.tp_size);
+    let (dcp, tp, pcp) = (config.dcp_size, config.tp_size, config.pcp_size);
     if !(1..=MAX_DCP_SIZE).contains(&dcp) {
         return Err(Error::invalid(
             OP,
             format!("dcp_size {dcp}: 1 to {MAX_DCP_SIZE}"),
+        ));
+    }
+    if !(1..=MAX_DCP_SIZE).contains(&pcp) {
+        return Err(Error::invalid(
+            OP,
+            format!("pcp_size {pcp}: 1 to {MAX_DCP_SIZE}"),
+        ));
+    }
+    let role = config.kv_transfer_config.kv_role;
+    if pcp > 1 && matches!(role, Some(KvRole::Consumer | KvRole::Both)) {
+        return Err(Error::invalid(
+            OP,
+            format!("pcp_size {pcp} with kv_role {role:?}: NixlConnector PCP currently supports kv_producer only (vLLM's rule); consumers and kv_both need pcp_size 1"),
+        ));
+    }
+    if pcp > 1 && dcp != 1 && dcp != pcp {
+        return Err(Error::invalid(
+            OP,
+            format!("pcp_size {pcp} with dcp_size {dcp}: vLLM's NixlConnector PCP+DCP must span the full PCP group (dcp_size 1 for replicated PCP, or {pcp})"),
         ));
     }
     if dcp > 1 && dcp != tp {

@@ -38,7 +38,7 @@ use nixl_connector::{
 };
 
 use common::{cpu_config, for_decode, vllm_config, vllm_factors, WAIT};
-use nixl::kv_config::KvTransferConfig;
+use nixl::kv_config::{KvRole, KvTransferConfig};
 
 /// Layers (one region each), tokens per block, bytes of a token's latent, blocks per region.
 const LAYERS: usize = 2;
@@ -52,23 +52,36 @@ const LOCAL: [usize; 8] = [2, 8, 4, 11, 6, 13, 0, 15];
 /// The prefill's blocks the next turn reads the decode's kept ones back into.
 const READ_BACK: [usize; 8] = [0, 2, 4, 6, 8, 11, 13, 15];
 
-/// One engine's parallel layout: TP and DCP in each of its pipeline stages.
+/// One engine's parallel layout: TP and DCP in each of its pipeline stages, and its PCP
+/// size (its transfer ranks are the TP ones either way: replicated PCP's rank 0 of each TP
+/// rank, or PCP+DCP's PCP ranks).
 #[derive(Clone, Copy, Debug)]
 struct Side {
     tp: usize,
     dcp: usize,
     pp: usize,
+    pcp: usize,
 }
 
 /// One stage of TP `tp` and DCP `dcp`.
 const fn side(tp: usize, dcp: usize) -> Side {
-    Side { tp, dcp, pp: 1 }
+    Side {
+        tp,
+        dcp,
+        pp: 1,
+        pcp: 1,
+    }
 }
 
 impl Side {
     /// This side in `pp` stages.
     const fn staged(self, pp: usize) -> Side {
         Side { pp, ..self }
+    }
+
+    /// This side with PCP `pcp`.
+    const fn pcp(self, pcp: usize) -> Side {
+        Side { pcp, ..self }
     }
 
     /// Its stages: vLLM's even split of the [`LAYERS`].
@@ -139,6 +152,7 @@ fn engine(
             let mut config = WorkerConfig::new(id, rank, side.tp, kv(protocol));
             config.platform = Arc::new(nixl::platform::BuiltinPlatform::CPU);
             config.dcp_size = side.dcp;
+            config.pcp_size = side.pcp;
             if side.pp > 1 {
                 config.pipeline = Some(PipelineRank::new(stages.clone(), stage).unwrap());
             }
@@ -189,8 +203,15 @@ fn scheduler(id: &str, port: u16, side: Side, protocol: Protocol) -> KvConnector
 /// schedulers, both engines speaking `protocol`; checks every byte of every decode rank.
 async fn pair(prefill: Side, decode: Side, tokens: usize, cached: usize, protocol: Protocol) {
     let tag = format!(
-        "{protocol}-p{}x{}x{}-d{}x{}x{}-t{tokens}-c{cached}",
-        prefill.pp, prefill.tp, prefill.dcp, decode.pp, decode.tp, decode.dcp
+        "{protocol}-p{}x{}x{}x{}-d{}x{}x{}x{}-t{tokens}-c{cached}",
+        prefill.pp,
+        prefill.tp,
+        prefill.dcp,
+        prefill.pcp,
+        decode.pp,
+        decode.tp,
+        decode.dcp,
+        decode.pcp
     );
     let positions = tokens.div_ceil(TOKENS);
     let (pf_id, dc_id) = (format!("pf-{tag}"), format!("dc-{tag}"));
@@ -392,6 +413,94 @@ async fn dcp_with_pipeline_stages(protocol: Protocol) {
     ] {
         pair(prefill, decode, tokens, cached, protocol).await;
     }
+}
+
+/// Prefill context parallelism on Rust prefills, in vLLM's protocol (its metadata carries
+/// `pcp_size`): a prefill of PCP 2 sharded with DCP 2 (its transfer ranks its PCP ranks) is
+/// read by decodes of DCP 1 and 2 and reads their KV back the next turn, and a replicated
+/// PCP 2 prefill likewise with a decode of DCP 1; a replicated PCP 2 prefill and a decode of
+/// DCP 2 refuse each other with vLLM's reason before any READ, whichever reads (the decode,
+/// or the prefill reading back the decode's kept KV).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_prefill_context_parallelism_pairs_as_vllm_pairs_it() {
+    let protocol = Protocol::Vllm;
+    pair(side(2, 2).pcp(2), side(1, 1), 26, 0, protocol).await;
+    pair(side(2, 2).pcp(2), side(2, 2), 26, 0, protocol).await;
+    pair(side(1, 1).pcp(2), side(1, 1), 26, 0, protocol).await;
+    let replicated = "Replicated PCP cannot be paired with a DCP-sharded NIXL peer.";
+    let got = refused(side(1, 1).pcp(2), side(2, 2), protocol).await;
+    let sizes = "Local PCP/DCP=1/2; remote PCP/DCP=2/1.";
+    assert!(got.contains(replicated) && got.contains(sizes), "{got}");
+    // The turn back: the replicated PCP prefill reads the DCP-sharded decode's kept KV.
+    let got = refused(side(2, 2), side(1, 1).pcp(2), protocol).await;
+    let sizes = "Local PCP/DCP=2/1; remote PCP/DCP=1/2.";
+    assert!(got.contains(replicated) && got.contains(sizes), "{got}");
+}
+
+/// A PCP size whose DCP neither is 1 nor spans it, or in a consumer, is refused at the
+/// worker's creation, with vLLM's rules.
+#[tokio::test]
+async fn a_pcp_group_that_dcp_does_not_span_or_a_pcp_consumer_is_refused() {
+    let config = |(dcp, pcp), role| {
+        let mut config = WorkerConfig::new("pf-pcp", 0, 2, kv(Protocol::Vllm));
+        config.platform = Arc::new(nixl::platform::BuiltinPlatform::CPU);
+        (config.dcp_size, config.pcp_size) = (dcp, pcp);
+        config.kv_transfer_config.kv_role = role;
+        KvConnectorWorker::new(config).map(drop)
+    };
+    let err = config((2, 4), None).unwrap_err().to_string();
+    assert!(
+        err.contains("PCP+DCP must span the full PCP group"),
+        "{err}"
+    );
+    for role in [KvRole::Consumer, KvRole::Both] {
+        let err = config((2, 2), Some(role)).unwrap_err().to_string();
+        assert!(
+            err.contains("PCP currently supports kv_producer only"),
+            "{err}"
+        );
+    }
+    config((2, 2), Some(KvRole::Producer)).unwrap();
+}
+
+/// A request from a prefill of `prefill` to a decode of `decode`, both speaking `protocol`,
+/// whose load is refused: the reason, every block of the decode still zero.
+async fn refused(prefill: Side, decode: Side, protocol: Protocol) -> String {
+    let tag = format!(
+        "refused-{}x{}-{}x{}",
+        prefill.tp, prefill.pcp, decode.tp, decode.pcp
+    );
+    let (pf_id, dc_id) = (format!("pf-{tag}"), format!("dc-{tag}"));
+    let (_prefills, pf_port) = engine(&pf_id, prefill, Some(7), protocol);
+    let (decodes, dc_port) = engine(&dc_id, decode, None, protocol);
+    let mut pf = scheduler(&pf_id, pf_port, prefill, protocol);
+    let mut dc = scheduler(&dc_id, dc_port, decode, protocol);
+    let remote = &REMOTE[..7usize.div_ceil(prefill.dcp)];
+    let done = pf.request_finished(
+        "req",
+        remote,
+        26,
+        Some(&for_decode()),
+        FinishStatus::LengthCapped,
+    );
+    let params =
+        KvTransferParams::from_vllm_json(&done.kv_transfer_params.unwrap().to_vllm_json()).unwrap();
+    let list = &LOCAL[..7usize.div_ceil(decode.dcp)];
+    dc.on_new_request("req", Some(&params));
+    dc.update_state_after_alloc("req", list, &params).unwrap();
+    let started = Instant::now();
+    let reason = loop {
+        assert!(started.elapsed() < WAIT, "{tag}: no outcome");
+        match dc.step(&decodes).unwrap().load_outcomes.pop() {
+            Some(LoadOutcome::Failed { reason, .. } | LoadOutcome::Recompute { reason, .. }) => {
+                break reason
+            }
+            Some(other) => panic!("{tag}: {other:?}"),
+            None => tokio::time::sleep(std::time::Duration::from_millis(5)).await,
+        }
+    };
+    holds_positions(&tag, &decodes, decode, (list, list.len()), 7);
+    reason
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -147,12 +147,14 @@ j-th block of the request's list (the same on every rank) holding position j * D
                                one rank (RANK of DCP) of a decode reading the request of the
                                JSON kv_transfer_params HEXPARAMS from a prefill of its tp_size
                                and dcp_size: a handshake with each remote rank whose positions
-                               may meet its own (its metadata's dcp_size checked against the
-                               params'), one READ of every region of the blocks of the
+                               may meet its own (its metadata's pcp_size and dcp_size
+                               checked as vLLM's decode checks them, refused with its reason,
+                               and its dcp_size against the params'), one READ of every region of the blocks of the
                                positions both hold with the notification "REQ:CONSUMERS", or
                                that notification alone when they hold none in common
                                -> JSON {positions: {g: HEX of every region's block}, read:
-                               {remote rank: blocks}, notified_only: [remote ranks]}
+                               {remote rank: blocks}, notified_only: [remote ranks]}, or
+                               {refused: vLLM's reason}
 
 Pipeline parallelism (vLLM 0.33's NixlConnector, pull mode): an engine of PP stages of TP
 ranks, stage s holding vLLM's even split of the model's layers (each stage layers // PP, the
@@ -932,6 +934,19 @@ def shared_positions(positions, mine, theirs):
             if g % mine[0] == mine[1] and g % theirs[0] == theirs[1]]
 
 
+def pcp_refusal(local_dcp, remote_pcp, remote_dcp):
+    """What vLLM 0.33's decode (PCP 1, DCP LOCAL_DCP) says of a remote engine whose metadata
+    gives REMOTE_PCP and REMOTE_DCP (its _validate_remote_parallel_config): its refusal, or
+    None where it pairs them."""
+    if remote_pcp > 1 and remote_dcp not in (1, remote_pcp):
+        return ("Remote NixlConnector PCP+DCP does not span the full PCP group. "
+                f"Remote PCP/DCP={remote_pcp}/{remote_dcp}.")
+    if remote_pcp > 1 and remote_dcp == 1 and local_dcp > 1:
+        return ("Replicated PCP cannot be paired with a DCP-sharded NIXL peer. "
+                f"Local PCP/DCP=1/{local_dcp}; remote PCP/DCP={remote_pcp}/{remote_dcp}.")
+    return None
+
+
 def kv_dcp_decode(params, local_hash, dcp, rank, consumers):
     from nixl_cu12 import nixl_agent
 
@@ -951,6 +966,9 @@ def kv_dcp_decode(params, local_hash, dcp, rank, consumers):
         if isinstance(got, dict):
             return got
         meta = got[0]
+        refusal = pcp_refusal(dcp, meta.pcp_size, meta.dcp_size)
+        if refusal:
+            return {"refused": refusal}
         if meta.dcp_size != remote_dcp:
             return {"error": f"rank {r}: metadata dcp_size {meta.dcp_size}, params {remote_dcp}"}
         remote = agent.add_remote_agent(meta.agent_metadata)

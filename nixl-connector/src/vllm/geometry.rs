@@ -229,6 +229,8 @@ pub(crate) struct RankRegistration<'a> {
     pub blocks_per_logical: usize,
     /// The engine's DCP size (vLLM's `dcp_size`; 1: none).
     pub dcp_size: u64,
+    /// The engine's PCP size (vLLM's `pcp_size`; 1: none).
+    pub pcp_size: u64,
 }
 
 impl NixlAgentMetadata {
@@ -240,8 +242,8 @@ impl NixlAgentMetadata {
     /// (`block_strides` = `block_lens`), the layout by vLLM's name (`"LBHNC"` for HND,
     /// `"LBNHC"` for NHD), the kernel blocks per block id it gives, no Mamba state (the
     /// registration adds the `ssm_sizes` of SSM groups), the DCP size of its handshake
-    /// (vLLM's `dcp_size`), no prefill context parallelism, and no region names (a vLLM decode compares them with its layer names
-    /// only when they are given).
+    /// (vLLM's `dcp_size`), its PCP size (`pcp_size`), and no region names (a vLLM decode
+    /// compares them with its layer names only when they are given).
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for regions holding K and V halves
@@ -282,6 +284,7 @@ impl NixlAgentMetadata {
             region_names: None,
             region_mem_types: Some(vec![rank.mem_type; regions]),
             dcp_size: rank.dcp_size,
+            pcp_size: rank.pcp_size,
             ..NixlAgentMetadata::default()
         })
     }
@@ -337,6 +340,7 @@ mod tests {
                 region_group_ids: vec![group_id; 3],
                 blocks_per_logical: 1,
                 dcp_size: 1,
+                pcp_size: 1,
             })
             .unwrap();
             assert_eq!(meta.kv_cache_spec(heads).unwrap(), spec);
@@ -361,6 +365,7 @@ mod tests {
             region_group_ids: vec![0],
             blocks_per_logical: 1,
             dcp_size: 1,
+            pcp_size: 1,
         })
         .unwrap_err();
         assert!(err.to_string().contains("K and V halves"), "{err}");

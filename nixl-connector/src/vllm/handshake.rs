@@ -68,7 +68,7 @@ impl VllmWorker {
     /// or agent metadata that is not NIXL's.
     pub(crate) async fn fetch(
         &self,
-        (ours, groups): (&HandshakeMessage, &KvCacheGroups),
+        (ours, groups, pcp): (&HandshakeMessage, &KvCacheGroups, u64),
         (pp_rank, rank): (usize, usize),
         (pp_size, tp_size): (usize, usize),
         (host, port): (&str, u16),
@@ -81,7 +81,7 @@ impl VllmWorker {
         let peer = format!("{host}:{port}");
         let meta = self.compat.check(&reply.payload, &peer)?;
         self.clock_sample(&meta.engine_id, reply.rtt(), reply.clock_offset());
-        if let Some(why) = pcp_refusal(ours.dcp_size, (meta.pcp_size, meta.dcp_size)) {
+        if let Some(why) = pcp_refusal((pcp, ours.dcp_size), (meta.pcp_size, meta.dcp_size)) {
             return Err(Error::invalid("pair with a vLLM prefill", why));
         }
         let reader_tp = usize::try_from(ours.tp_size).unwrap_or(usize::MAX);
@@ -222,21 +222,23 @@ impl VllmWorker {
     }
 }
 
-/// Why a reader of DCP size `local_dcp` (and no prefill context parallelism: a decode, as
-/// vLLM's consumers have none) does not read a vLLM prefill of PCP and DCP sizes `remote`,
-/// if it does not, with vLLM's reasons (`_validate_remote_parallel_config`): PCP+DCP that
-/// does not span the PCP group, or replicated PCP (DCP 1) against a DCP-sharded reader.
-/// What vLLM pairs is read as the prefill presents it: a PCP+DCP prefill as its PCP ranks,
-/// each a DCP rank (its params' `tp_size` is the PCP size, vLLM's `transfer_tp_size`); a
-/// replicated one as its TP ranks (its PCP rank 0 serves the KV, the others free at once).
-fn pcp_refusal(local_dcp: u64, (remote_pcp, remote_dcp): (u64, u64)) -> Option<String> {
-    if remote_pcp <= 1 {
-        return None;
-    }
-    if remote_dcp != 1 && remote_dcp != remote_pcp {
+/// Why a reader of PCP and DCP sizes `local` does not read a vLLM engine of PCP and DCP
+/// sizes `remote`, if it does not, with vLLM's reasons (`_validate_remote_parallel_config`):
+/// a remote PCP+DCP that does not span its PCP group, or replicated PCP (DCP 1) on one side
+/// against a DCP-sharded engine on the other. What vLLM pairs is read as the source
+/// presents it: a PCP+DCP engine as its PCP ranks, each a DCP rank (its params' `tp_size`
+/// is the PCP size, vLLM's `transfer_tp_size`); a replicated one as its TP ranks (its PCP
+/// rank 0 serves the KV, the others free at once).
+fn pcp_refusal(
+    (local_pcp, local_dcp): (u64, u64),
+    (remote_pcp, remote_dcp): (u64, u64),
+) -> Option<String> {
+    if remote_pcp > 1 && remote_dcp != 1 && remote_dcp != remote_pcp {
         return Some(format!("Remote NixlConnector PCP+DCP does not span the full PCP group. Remote PCP/DCP={remote_pcp}/{remote_dcp}."));
     }
-    (remote_dcp == 1 && local_dcp > 1).then(|| format!("Replicated PCP cannot be paired with a DCP-sharded NIXL peer. Local PCP/DCP=1/{local_dcp}; remote PCP/DCP={remote_pcp}/{remote_dcp}."))
+    let replicated_here = local_pcp > 1 && local_dcp == 1 && remote_dcp > 1;
+    let replicated_there = remote_pcp > 1 && remote_dcp == 1 && local_dcp > 1;
+    (replicated_here || replicated_there).then(|| format!("Replicated PCP cannot be paired with a DCP-sharded NIXL peer. Local PCP/DCP={local_pcp}/{local_dcp}; remote PCP/DCP={remote_pcp}/{remote_dcp}."))
 }
 
 /// The partition of a peer of `pp_size` stages whose handshake does not say it (vLLM's
@@ -283,18 +285,31 @@ mod tests {
 
     #[test]
     fn a_pcp_peer_is_read_where_vllm_reads_it_and_refused_with_its_reason_elsewhere() {
-        assert_eq!(pcp_refusal(2, (1, 2)), None);
-        let spans = pcp_refusal(1, (4, 2)).unwrap();
+        assert_eq!(pcp_refusal((1, 2), (1, 2)), None);
+        let spans = pcp_refusal((1, 1), (4, 2)).unwrap();
         assert!(
             spans.contains("does not span the full PCP group. Remote PCP/DCP=4/2"),
             "{spans}"
         );
-        let replicated = pcp_refusal(2, (2, 1)).unwrap();
+        let replicated = pcp_refusal((1, 2), (2, 1)).unwrap();
         assert!(replicated.contains("Replicated PCP cannot be paired with a DCP-sharded NIXL peer. Local PCP/DCP=1/2; remote PCP/DCP=2/1."), "{replicated}");
-        // What vLLM pairs: replicated PCP with an unsharded reader, PCP+DCP spanning the
-        // group with any reader.
-        for (local, remote) in [(1, (2, 1)), (2, (2, 2)), (1, (4, 4))] {
-            assert_eq!(pcp_refusal(local, remote), None);
+        // The reader replicated, the source sharded: refused the same way.
+        let here = pcp_refusal((2, 1), (1, 2)).unwrap();
+        assert!(
+            here.contains("Local PCP/DCP=2/1; remote PCP/DCP=1/2."),
+            "{here}"
+        );
+        // What vLLM pairs: replicated PCP with an unsharded engine on the other side,
+        // PCP+DCP spanning the group with any reader, either way.
+        for (local, remote) in [
+            ((1, 1), (2, 1)),
+            ((1, 2), (2, 2)),
+            ((1, 1), (4, 4)),
+            ((2, 1), (1, 1)),
+            ((2, 2), (1, 2)),
+            ((2, 2), (2, 2)),
+        ] {
+            assert_eq!(pcp_refusal(local, remote), None, "{local:?} {remote:?}");
         }
     }
 

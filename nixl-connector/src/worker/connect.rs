@@ -202,7 +202,12 @@ pub(crate) async fn fetch(
         let sizes = (engine.pp_size, engine.tp_size);
         let at = (engine.host, port);
         return vllm
-            .fetch((ours, groups), engine.rank(rank), sizes, at)
+            .fetch(
+                (ours, groups, shared.config.pcp_size as u64),
+                engine.rank(rank),
+                sizes,
+                at,
+            )
             .await;
     }
     let addr = resolve(engine.host, port).await?;

@@ -325,6 +325,7 @@ impl KvConnectorWorker {
             region_group_ids: ours.region_groups.clone(),
             blocks_per_logical: ours.blocks_per_id as usize,
             dcp_size: ours.dcp_size,
+            pcp_size: config.pcp_size as u64,
         })?;
         // vLLM's `_mamba_ssm_size`: (0, 0) without SSM groups.
         if let Some(state) = &ours.ssm_state {
