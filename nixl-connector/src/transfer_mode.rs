@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use nixl::kv_config::KvTransferConfig;
+use nixl::kv_config::{KvRole, KvTransferConfig};
 use serde_json::Value;
 
 use crate::error::{Error, Result};
@@ -153,11 +153,11 @@ fn refuse_for_push(config: &KvTransferConfig) -> Result<()> {
     if let Some(size) = extra
         .get("pipeline_parallel_size")
         .and_then(Value::as_u64)
-        .filter(|&s| s > 1)
+        .filter(|&s| s > 1 && config.kv_role != Some(KvRole::Producer))
     {
         return Err(Error::invalid(
             OP,
-            format!("pipeline_parallel_size is {size}: push mode writes into one pipeline stage of the decode only (as in vLLM's NixlPushConnector), and this crate's push into stages of a prefill is not built yet"),
+            format!("pipeline_parallel_size is {size}: push mode writes into one pipeline stage of the decode only (as in vLLM's NixlPushConnector); a prefill of stages says kv_role kv_producer"),
         ));
     }
     Ok(())

@@ -459,10 +459,10 @@ impl KvConnectorWorker {
     /// once.
     fn start_push(&self, load: crate::worker::load::Load) -> Result<()> {
         const OP: &str = "start a push load";
-        if self.shared.config.tp_size > load.remote.tp_size || load.remote.pp_size != 1 {
+        if self.shared.config.tp_size > load.remote.tp_size {
             return Err(Error::invalid(
                 OP,
-                format!("request {:?}: push from a prefill of TP {} and {} stages into a decode of TP {}: push needs one prefill stage and a decode TP at most the prefill's (as vLLM's push)", load.request_id, load.remote.tp_size, load.remote.pp_size, self.shared.config.tp_size),
+                format!("request {:?}: push from a prefill of TP {} into a decode of TP {}: push needs a decode TP at most the prefill's (as vLLM's push)", load.request_id, load.remote.tp_size, self.shared.config.tp_size),
             ));
         }
         if load.local_block_ids.is_empty() {
@@ -1103,6 +1103,7 @@ impl Settings {
             TransferMode::Push => Some(PushSettings::from_kv_transfer_config(kv)?),
         };
         if push.is_some()
+            && kv.kv_role != Some(KvRole::Producer)
             && config
                 .pipeline
                 .as_ref()
@@ -1110,7 +1111,7 @@ impl Settings {
         {
             return Err(Error::invalid(
                 OP,
-                "push mode with pipeline stages is not built yet (vLLM's push refuses a decode of several stages); use pull mode",
+                "push mode with pipeline stages is a prefill's only (vLLM's push refuses a decode of several stages): set kv_role to kv_producer on a prefill of stages, or use pull mode",
             ));
         }
         Ok(Settings {

@@ -30,11 +30,11 @@ use nixl_connector::vllm::{MetadataServer, VllmChannelLimits};
 use nixl_connector::{
     EngineLayout, FinishStatus, KvAttention, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker,
     KvLayout, KvTransferParams, LoadOutcome, PipelineRank, PipelineStages, Protocol, RemoteBlocks,
-    SchedulerConfig, WorkerConfig,
+    SchedulerConfig, TransferMode, WorkerConfig,
 };
 
 use common::{cpu_config, finished_for_decode, vllm_config, vllm_factors, WAIT};
-use nixl::kv_config::KvTransferConfig;
+use nixl::kv_config::{KvRole, KvTransferConfig};
 
 /// KV heads of the model, tokens per block, bytes of a head's token, blocks per region.
 const HEADS: usize = 2;
@@ -108,7 +108,7 @@ fn engine(
     id: &str,
     layout: &Layout,
     filled: bool,
-    protocol: Protocol,
+    (protocol, mode): (Protocol, TransferMode),
 ) -> (Vec<KvConnectorWorker>, u16) {
     let ranks: Vec<(usize, usize)> = (0..layout.pp())
         .flat_map(|s| (0..layout.tp).map(move |r| (s, r)))
@@ -121,7 +121,7 @@ fn engine(
         let mut workers: Vec<KvConnectorWorker> = Vec::new();
         let mut base = server.as_ref().map_or(0, |s| s.local_addr().port());
         for (n, &(stage, tp_rank)) in ranks.iter().enumerate() {
-            let mut config = WorkerConfig::new(id, tp_rank, layout.tp, kv(protocol));
+            let mut config = WorkerConfig::new(id, tp_rank, layout.tp, kv(protocol, mode, filled));
             config.platform = Arc::new(nixl::platform::BuiltinPlatform::CPU);
             if let Some(server) = &server {
                 config.vllm_side_channel = Some(server.clone());
@@ -158,9 +158,8 @@ fn engine(
     panic!("no run of free ports for engine {id}");
 }
 
-fn scheduler(id: &str, port: u16, layout: &Layout, protocol: Protocol) -> KvConnectorScheduler {
-    let kv = kv(protocol);
-    let mut config = SchedulerConfig::new(id, "127.0.0.1", port, layout.tp, &kv).unwrap();
+fn scheduler(id: &str, port: u16, layout: &Layout, kv: &KvTransferConfig) -> KvConnectorScheduler {
+    let mut config = SchedulerConfig::new(id, "127.0.0.1", port, layout.tp, kv).unwrap();
     config.pp_size = layout.pp();
     KvConnectorScheduler::new(config)
 }
@@ -170,10 +169,12 @@ fn scheduler(id: &str, port: u16, layout: &Layout, protocol: Protocol) -> KvConn
 async fn pair(tag: &str, prefill: Layout, decode: Layout, protocol: Protocol) {
     let tag = format!("{protocol}-{tag}");
     let (pf_id, dc_id) = (format!("pf-{tag}"), format!("dc-{tag}"));
-    let (prefills, pf_port) = engine(&pf_id, &prefill, true, protocol);
-    let (decodes, dc_port) = engine(&dc_id, &decode, false, protocol);
-    let mut pf = scheduler(&pf_id, pf_port, &prefill, protocol);
-    let mut dc = scheduler(&dc_id, dc_port, &decode, protocol);
+    let pull = (protocol, TransferMode::Pull);
+    let (prefills, pf_port) = engine(&pf_id, &prefill, true, pull);
+    let (decodes, dc_port) = engine(&dc_id, &decode, false, pull);
+    let kv = kv(protocol, TransferMode::Pull, false);
+    let mut pf = scheduler(&pf_id, pf_port, &prefill, &kv);
+    let mut dc = scheduler(&dc_id, dc_port, &decode, &kv);
     let params = finished_for_decode(&mut pf, "req", &REMOTE);
     let pp = prefill.pp();
     let expect_pp = (pp > 1 || protocol == Protocol::Vllm).then_some(pp);
@@ -298,15 +299,96 @@ fn holds(
     }
 }
 
-/// A DRAM config of `protocol`, multi-turn read-backs on.
-fn kv(protocol: Protocol) -> KvTransferConfig {
+/// A DRAM config of `protocol` in `mode`: pulling, multi-turn read-backs on; pushing, the
+/// prefill (`producer`) says it is one (vLLM's push writes from a prefill of stages only).
+fn kv(protocol: Protocol, mode: TransferMode, producer: bool) -> KvTransferConfig {
+    let mut factors = vllm_factors();
+    if mode == TransferMode::Push {
+        factors["transfer_mode"] = "push".into();
+    }
     let mut kv = match protocol {
         Protocol::Native => cpu_config(),
-        Protocol::Vllm => vllm_config(vllm_factors()),
+        Protocol::Vllm => vllm_config(factors),
     };
     let extra = &mut kv.kv_connector_extra_config;
-    extra.insert("bidirectional_kv_xfer".into(), true.into());
+    match mode {
+        TransferMode::Push => {
+            extra.insert("transfer_mode".into(), "push".into());
+            kv.kv_role = Some(if producer {
+                KvRole::Producer
+            } else {
+                KvRole::Consumer
+            });
+        }
+        _ => {
+            extra.insert("bidirectional_kv_xfer".into(), true.into());
+        }
+    }
     kv
+}
+
+/// Runs one request pushed from a prefill of `prefill` (several stages) into a decode of one
+/// stage of `decode`, both engines speaking `protocol` through their schedulers: the decode
+/// registers with every prefill rank of its mapping in every stage, each stage WRITEs its
+/// layers into the decode's, every byte of every decode rank is checked, and the prefill
+/// frees the request once every stage's WRITE ended.
+async fn push_from_stages(tag: &str, prefill: Layout, decode: Layout, protocol: Protocol) {
+    let tag = format!("{protocol}-push-{tag}");
+    let (pf_id, dc_id) = (format!("pf-{tag}"), format!("dc-{tag}"));
+    let push = (protocol, TransferMode::Push);
+    let (prefills, pf_port) = engine(&pf_id, &prefill, true, push);
+    let (decodes, dc_port) = engine(&dc_id, &decode, false, push);
+    let pf_kv = kv(protocol, TransferMode::Push, true);
+    let dc_kv = kv(protocol, TransferMode::Push, false);
+    let mut pf = scheduler(&pf_id, pf_port, &prefill, &pf_kv);
+    let mut dc = scheduler(&dc_id, dc_port, &decode, &dc_kv);
+    let params = finished_for_decode(&mut pf, "req", &REMOTE);
+    assert_eq!(params.transfer_mode.as_deref(), Some("push"), "{tag}");
+    let params = match protocol {
+        Protocol::Native => params,
+        Protocol::Vllm => KvTransferParams::from_vllm_json(&params.to_vllm_json()).unwrap(),
+    };
+    dc.on_new_request("req", Some(&params));
+    dc.update_state_after_alloc("req", &LOCAL, &params).unwrap();
+    let reader = (&mut dc, &decodes[..]);
+    let loaded = transfer(&tag, reader, (&mut pf, &prefills[..]), "req").await;
+    assert_eq!(loaded, "req", "{tag}: the decode's load");
+    let read: Vec<(usize, usize)> = LOCAL.into_iter().zip(REMOTE).collect();
+    holds(&tag, &decodes, &decode, &read, true);
+    let writes: u64 = prefills.iter().map(|p| p.push_stats().writes).sum();
+    assert_eq!(
+        writes,
+        prefills.len() as u64,
+        "{tag}: every prefill rank wrote once"
+    );
+}
+
+/// Push from a prefill of several stages (vLLM's push writes from one; its decode has one
+/// stage), both protocols: PP 2 → 1, PP 2 × TP 2 → 1 × 1 and 5 layers split unevenly
+/// (PP 2 × TP 2 → TP 2).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_of_stages_pushes_each_layer_into_the_decode() {
+    for protocol in [Protocol::Native, Protocol::Vllm] {
+        for (tag, prefill, decode) in [
+            ("p2-d1", Layout::even(4, 2, 1), Layout::even(4, 1, 1)),
+            ("p2x2-d1", Layout::even(4, 2, 2), Layout::even(4, 1, 1)),
+            ("uneven", Layout::even(5, 2, 2), Layout::even(5, 1, 2)),
+        ] {
+            let per_layer = match protocol {
+                Protocol::Native => prefill.per_layer,
+                Protocol::Vllm => 1,
+            };
+            let prefill = Layout {
+                per_layer,
+                ..prefill
+            };
+            let decode = Layout {
+                per_layer,
+                ..decode
+            };
+            push_from_stages(tag, prefill, decode, protocol).await;
+        }
+    }
 }
 
 /// The geometries of both protocols: equal PP, 2 → 1, 1 → 2, PP and TP mixed both ways,
@@ -369,10 +451,12 @@ async fn an_explicit_partition_pairs_with_an_even_split() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engines_of_different_layer_counts_are_refused_before_any_read() {
     let native = Protocol::Native;
+    let native = (native, TransferMode::Pull);
     let (prefills, port) = engine("pf-layers", &Layout::even(4, 2, 1), true, native);
     let (decodes, dc_port) = engine("dc-layers", &Layout::even(6, 2, 1), false, native);
-    let mut pf = scheduler("pf-layers", port, &Layout::even(4, 2, 1), native);
-    let mut dc = scheduler("dc-layers", dc_port, &Layout::even(6, 2, 1), native);
+    let kv = kv(Protocol::Native, TransferMode::Pull, false);
+    let mut pf = scheduler("pf-layers", port, &Layout::even(4, 2, 1), &kv);
+    let mut dc = scheduler("dc-layers", dc_port, &Layout::even(6, 2, 1), &kv);
     let params = finished_for_decode(&mut pf, "req", &REMOTE);
     pf.step(&prefills).unwrap();
     dc.on_new_request("req", Some(&params));

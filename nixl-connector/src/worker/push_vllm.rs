@@ -240,9 +240,12 @@ async fn decode_rank(
             registration.remote_engine_id, own.engine_id
         )));
     }
-    if registration.remote_tp_size != own.tp_size as u64 || registration.remote_pp_size != 1 {
+    let stages = own.pipeline.as_ref().map_or(1, |p| p.stages().pp_size());
+    if registration.remote_tp_size != own.tp_size as u64
+        || registration.remote_pp_size != stages as u64
+    {
         return Err(refused(format!(
-            "it names a prefill of TP {} and {} stages, this is TP {} of one stage",
+            "it names a prefill of TP {} and {} stages, this is TP {} of {stages}",
             registration.remote_tp_size, registration.remote_pp_size, own.tp_size
         )));
     }
