@@ -9,6 +9,8 @@
 //! - a Python push decode registers with a Rust prefill, which WRITEs every byte: a prefix
 //!   hit, a suffixed id, a `localhost` side channel, a registration before the request is
 //!   held, heartbeats keeping the request past its lease (freed only by the WRITE's end);
+//! - Python push prefills of TP 2, of two stages, and of both (each rank writing its
+//!   layers' slice of the heads) into a Rust decode of TP 1;
 //! - the push/pull compatibility hash refused both ways, in both roles.
 
 mod py;
@@ -215,6 +217,59 @@ async fn a_python_push_prefill_writes_every_byte_into_a_rust_decodes_registered_
     let stats = decode.push_stats();
     assert_eq!(stats.registrations_sent, 1);
     assert_eq!(stats.refused_ends, 0);
+}
+
+/// A Python push prefill of `pp` stages of TP `tp` (each rank its stage's layers and a
+/// `tp`-th of the KV heads) WRITEs into a Rust decode of TP 1: the decode registers with
+/// every rank, each writes its slice of each of its layers' blocks, and the decode counts
+/// vLLM's `pp_size` × producers per consumer WRITEs; every byte checked.
+async fn python_ranks_push_into_a_rust_decode(pp: usize, tp: usize) {
+    let mut peer = VllmPeer::start();
+    let hash = push_factors().hash();
+    let rank_len = BLOCK_LEN / tp;
+    let engine = format!("py-push-pp{pp}-tp{tp}");
+    let prefill = peer.json(&format!(
+        "kv_pp_prefill {hash} {engine} {pp} {tp} {REGIONS} {BLOCKS} {rank_len} 16"
+    ));
+    assert!(prefill["port"].is_u64(), "{prefill}");
+    let (decode, mut scheduler) = push_decode(30.0);
+    let json = peer.call(&format!("kv_pp_push_finish {} 3,9,14", hex(b"cmpl-pp-1")));
+    let params = KvTransferParams::from_vllm_json(&json).unwrap();
+    start((&decode, &mut scheduler), "cmpl-pp-1", &[0, 1, 2], &params);
+    let written = peer.json(&format!("kv_pp_push_write {hash} 10"));
+    let ranks = written["ranks"]
+        .as_object()
+        .unwrap_or_else(|| panic!("{written}"));
+    assert_eq!(ranks.len(), pp * tp, "{written}");
+    let outcome = outcome(
+        (&decode, &mut scheduler),
+        "cmpl-pp-1",
+        Duration::from_secs(10),
+    )
+    .await;
+    assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
+    let cache = decode.kv_caches().unwrap();
+    for layer in 0..REGIONS {
+        for (&l, &r) in [0, 1, 2].iter().zip(&[3, 9, 14]) {
+            let mut got = vec![0u8; BLOCK_LEN];
+            cache.read(layer, l * BLOCK_LEN, &mut got).unwrap();
+            // HND: byte `o` is prefill rank `o / rank_len`'s, at its own offset.
+            let want: Vec<u8> = (0..BLOCK_LEN)
+                .map(|o| python_byte_of(o / rank_len, layer, r * rank_len + o % rank_len))
+                .collect();
+            assert!(got == want, "PP {pp} TP {tp}: layer {layer} block {l}");
+        }
+    }
+    assert_eq!(decode.push_stats().registrations_sent, (pp * tp) as u64);
+}
+
+/// vLLM's push from Python prefills of TP 2, of two stages, and of both, into a Rust
+/// decode of TP 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_prefills_of_tp_2_and_of_stages_push_into_a_rust_decode() {
+    python_ranks_push_into_a_rust_decode(1, 2).await;
+    python_ranks_push_into_a_rust_decode(2, 1).await;
+    python_ranks_push_into_a_rust_decode(2, 2).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -175,6 +175,18 @@ rest one each to the stages before the last, from the second-to-last back).
                                freed it (vLLM's scheduler waits for every worker) -> JSON
                                {notes: [{rank: "s:t", from, vllm}], freed: {"s:t": [ids]},
                                engine_freed: [ids]}
+  kv_pp_push_finish HEXREQ BLOCKS
+                               vLLM's push request_finished of the PP prefill for request
+                               HEXREQ of BLOCKS: every rank holds them -> JSON params
+                               (transfer_mode "push", no expiry time)
+  kv_pp_push_write HASH SECONDS
+                               every rank of the PP prefill as vLLM's push writer for the
+                               first registration its agent gets that names a held request
+                               (exact or base id): a handshake with the decode rank it writes
+                               (HASH checked), its stage's layers' blocks cut to the decode's
+                               WRITTEN at its heads' slice of the decode's blocks, notified
+                               "REQ:TP" -> JSON {ranks: {"s:t": {written, into, agent,
+                               slot}}} or why not
   kv_pp_decode PORT HASH ENGINE LAYERS PP STAGE BLOCKS HEXREQ CONSUMERS
                                one stage's part of a decode of one stage (TP 1) reading a
                                prefill of PP stages of LAYERS layers (not vLLM 0.33's pull
@@ -1025,7 +1037,7 @@ def kv_pp_prefill(hash_, engine, pp, tp, layers, blocks, block_len, block_size):
             pp_prefill["ranks"][(s, t)] = (agent, bufs, reg)
             names[f"{s}:{t}"] = name
     port = serve_ranks(payloads)
-    pp_prefill.update(engine=engine, port=port, pp=pp, tp=tp)
+    pp_prefill.update(engine=engine, port=port, pp=pp, tp=tp, block_len=block_len, layers=layers)
     return {"port": port, "stages": stages, "agents": names}
 
 
@@ -1075,6 +1087,73 @@ def kv_pp_finish(req_id, blocks):
         remote_blocks_expiry_time=None,
         transfer_mode="pull",
     )
+
+
+def kv_pp_push_finish(req_id, blocks):
+    """vLLM's push request_finished on the PP prefill for REQ_ID of (one group's) BLOCKS:
+    every rank holds them for a registration -> the push params (no expiry time)."""
+    pp_prefill.setdefault("push", {})[req_id] = blocks
+    params = kv_pp_finish(req_id, blocks)
+    del params["remote_blocks_expiry_time"]
+    params["transfer_mode"] = "push"
+    return params
+
+
+def kv_pp_push_write(local_hash, seconds):
+    """Every rank of the PP prefill as vLLM's push writer, for the first registration its
+    own agent gets (at most SECONDS in all) whose request id, or base id, it holds: the
+    handshake with the decode rank it writes (hash LOCAL_HASH checked), its stage's layers'
+    blocks cut to the last as many as the decode registered, each WRITTEN into the
+    decode's region of the same layer, at its heads' place in the decode's block (HND:
+    rank t of a prefill of TP times the decode's writes the t-th slice of a decode rank's
+    block), with the notification "{decode request id}:{prefill TP}" (vLLM's world size)
+    -> JSON {ranks: {"s:t": {written, into, agent, slot}}} or why not."""
+    deadline = time.monotonic() + seconds
+    held, tp = pp_prefill.get("push", {}), pp_prefill["tp"]
+    stages = pp_stages(pp_prefill["layers"], pp_prefill["pp"])
+    size = pp_prefill["block_len"]
+    regs, out = {}, {}
+    while len(regs) < len(pp_prefill["ranks"]):
+        if time.monotonic() > deadline:
+            return {"error": "no registration on every rank", "ranks": sorted(f"{s}:{t}" for s, t in regs)}
+        for rank, (agent, _, _) in pp_prefill["ranks"].items():
+            for sender, notes in agent.get_new_notifs().items():
+                for note in notes:
+                    if rank in regs or not note.startswith(b"PUSH_REG:"):
+                        continue
+                    reg = msgspec.msgpack.decode(note[len(b"PUSH_REG:"):])
+                    rid = reg["request_id"]
+                    key = rid if rid in held else next(
+                        (h for h in held if base_id(h) == base_id(rid)), None)
+                    if key is not None:
+                        regs[rank] = (reg, key)
+        time.sleep(0.001)
+    for (s, t), (reg, key) in regs.items():
+        agent, bufs, _ = pp_prefill["ranks"][(s, t)]
+        writers = max(1, tp // reg["decode_tp_size"])
+        decode_rank, slot = t // writers, t % writers
+        fetched = fetch_meta(reg["decode_port"], local_hash, True, reg["decode_engine_id"], tp=decode_rank)
+        if isinstance(fetched, dict):
+            return dict(rank=f"{s}:{t}", **fetched)
+        meta = fetched[0]
+        remote = agent.add_remote_agent(meta.agent_metadata)
+        remote = remote.decode() if isinstance(remote, bytes) else remote
+        theirs = reg["local_block_ids"][0]
+        mine = held[key][-len(theirs):]
+        first, count = stages[s]
+        local_descs, remote_descs = [], []
+        for g in range(count):
+            layer = first + g
+            for m, d in zip(mine, theirs):
+                at = meta.kv_caches_base_addr[layer] + d * meta.block_strides[layer] + slot * size
+                remote_descs.append((at, size, meta.device_id))
+                local_descs.append((bufs[g].ctypes.data + m * size, size, 0))
+        notif = f"{reg['request_id']}:{tp}".encode()
+        failed = post_read(agent, remote, local_descs, remote_descs, notif, "WRITE")
+        if failed:
+            return dict(rank=f"{s}:{t}", **failed)
+        out[f"{s}:{t}"] = {"written": mine, "into": theirs, "agent": remote, "slot": slot}
+    return {"ranks": out}
 
 
 def kv_pp_notifs(count, seconds):
@@ -1381,6 +1460,11 @@ def main():
             req_id = bytes.fromhex(args[7]).decode()
             got = kv_pp_decode(int(args[0]), args[1], args[2], *nums, blocks, req_id, int(args[8]))
             answer(json.dumps(got))
+        elif cmd == "kv_pp_push_finish":
+            blocks = [int(x) for x in args[1].split(",")]
+            answer(json.dumps(kv_pp_push_finish(bytes.fromhex(args[0]).decode(), blocks)))
+        elif cmd == "kv_pp_push_write":
+            answer(json.dumps(kv_pp_push_write(args[0], float(args[1]))))
         elif cmd == "kv_pp_notifs":
             answer(json.dumps(kv_pp_notifs(int(args[0]), float(args[1]))))
         elif cmd == "kv_push_finish":
