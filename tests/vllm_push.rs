@@ -10,7 +10,8 @@
 //!   hit, a suffixed id, a `localhost` side channel, a registration before the request is
 //!   held, heartbeats keeping the request past its lease (freed only by the WRITE's end);
 //! - Python push prefills of TP 2, of two stages, and of both (each rank writing its
-//!   layers' slice of the heads) into a Rust decode of TP 1;
+//!   layers' slice of the heads) into a Rust decode of TP 1, and a Rust push prefill of TP
+//!   2 into a Python decode of TP 1 (registering with both ranks, waiting for both WRITEs);
 //! - the push/pull compatibility hash refused both ways, in both roles.
 
 mod py;
@@ -18,13 +19,17 @@ mod vllm_peer_support;
 #[path = "../nixl-connector/tests/vllm_support/mod.rs"]
 mod vllm_support;
 
+use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use nixl::platform::BuiltinPlatform;
 use nixl_connector::vllm::push_reg::{PushRegistration, RegisteredBlocks};
-use nixl_connector::vllm::CompatibilityFactors;
+use nixl_connector::vllm::{CompatibilityFactors, MetadataServer, VllmChannelLimits};
 use nixl_connector::{
-    FailedBlock, FailureKind, FinishStatus, KvConnectorScheduler, KvConnectorWorker,
-    KvTransferParams, LoadOutcome, WorkerOutput,
+    FailedBlock, FailureKind, FinishStatus, KvAttention, KvCacheSpec, KvConnectorScheduler,
+    KvConnectorWorker, KvLayout, KvTransferParams, LoadOutcome, SchedulerConfig, WorkerConfig,
+    WorkerOutput,
 };
 use py::{hex, unhex};
 use serde_json::{json, Value};
@@ -556,6 +561,111 @@ async fn released(prefill: &KvConnectorWorker, request: &str) {
             "{request} never released"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A Rust vLLM-mode push prefill of TP `tp` (lease 1.5 s), its ranks served by one side
+/// channel, each a `tp`-th of the KV heads, rank `t`'s bytes [`rust_byte_of`] `t`; and its
+/// scheduler.
+fn push_prefill_of_tp(tp: usize) -> (Vec<KvConnectorWorker>, KvConnectorScheduler) {
+    let mut kv = vllm_kv(&push_factors());
+    let extra = &mut kv.kv_connector_extra_config;
+    extra.insert("transfer_mode".into(), "push".into());
+    extra.insert("kv_lease_duration".into(), 1.5.into());
+    let any = SocketAddr::from(([127, 0, 0, 1], 0));
+    let server = Arc::new(MetadataServer::bind_now(any, VllmChannelLimits::default()).unwrap());
+    let rank_len = BLOCK_LEN / tp;
+    let spec = KvCacheSpec::uniform(
+        REGIONS,
+        BLOCKS,
+        16,
+        KvAttention::Mha { total_kv_heads: 8 },
+        KvLayout::Hnd,
+        rank_len,
+    );
+    let ranks: Vec<KvConnectorWorker> = (0..tp)
+        .map(|rank| {
+            let mut config = WorkerConfig::new("rs-push-prefill-tp", rank, tp, kv.clone());
+            config.platform = Arc::new(BuiltinPlatform::CPU);
+            config.vllm_side_channel = Some(server.clone());
+            let worker = KvConnectorWorker::new(config).unwrap();
+            worker.register_host_kv_caches(spec.clone()).unwrap();
+            let cache = worker.kv_caches().unwrap();
+            for region in 0..REGIONS {
+                let bytes: Vec<u8> = (0..BLOCKS * rank_len)
+                    .map(|i| rust_byte_of(rank, region, i))
+                    .collect();
+                cache.write(region, 0, &bytes).unwrap();
+            }
+            worker
+        })
+        .collect();
+    let port = server.local_addr().port();
+    let mut config =
+        SchedulerConfig::new("rs-push-prefill-tp", "127.0.0.1", port, tp, &kv).unwrap();
+    config.vllm_side_channel = Some(server);
+    (ranks, KvConnectorScheduler::new(config))
+}
+
+/// A Rust push prefill of TP 2 WRITEs into a Python push decode of TP 1, which registers
+/// with both ranks (vLLM's decode registers with every rank it handshook with) and waits
+/// for both WRITEs (`id:2`): each rank's heads land at their place in every block, and each
+/// rank frees the request once its WRITE ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rust_push_prefill_of_tp_2_writes_each_ranks_heads_into_a_python_decode() {
+    let mut peer = VllmPeer::start();
+    let hash = push_factors().hash();
+    python_decode(&mut peer, &hash);
+    let (prefills, mut scheduler) = push_prefill_of_tp(2);
+    let for_decode = KvTransferParams {
+        do_remote_decode: true,
+        ..Default::default()
+    };
+    let (request, remote, local) = ("chat-tp2-1a2b3c4d", [5, 2, 11], [0, 1, 2]);
+    let finished = scheduler.request_finished(
+        request,
+        &remote,
+        remote.len() * 16,
+        Some(&for_decode),
+        FinishStatus::LengthCapped,
+    );
+    let meta = scheduler.build_connector_meta();
+    for rank in &prefills {
+        rank.start_load_kv(&meta);
+    }
+    let params = finished.kv_transfer_params.unwrap().to_vllm_json();
+    let got = register(&mut peer, &params, &hash, request, &local, "127.0.0.1");
+    assert_eq!(got["agents"].as_array().map(Vec::len), Some(2), "{got}");
+    let ids: Vec<String> = local.iter().map(usize::to_string).collect();
+    let got = peer.json(&format!(
+        "kv_push_wait {} {} 10 2",
+        hex(request.as_bytes()),
+        ids.join(",")
+    ));
+    assert_eq!(got["vllm"], json!({"id": request, "consumers": 2}), "{got}");
+    let mut senders: Vec<String> = serde_json::from_value(got["senders"].clone()).unwrap();
+    senders.sort_unstable();
+    let mut agents: Vec<String> = prefills
+        .iter()
+        .map(|p| p.agent().name().to_string())
+        .collect();
+    agents.sort_unstable();
+    assert_eq!(senders, agents, "one WRITE from each rank");
+    let half = BLOCK_LEN / 2;
+    let mut want = Vec::new();
+    for region in 0..REGIONS {
+        for &block in &remote {
+            want.extend(
+                (0..BLOCK_LEN).map(|o| rust_byte_of(o / half, region, block * half + o % half)),
+            );
+        }
+    }
+    assert!(
+        unhex(got["data"].as_str().unwrap()) == want,
+        "other bytes landed"
+    );
+    for rank in &prefills {
+        released(rank, request).await;
     }
 }
 

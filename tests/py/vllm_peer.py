@@ -116,15 +116,17 @@ Push mode (vLLM 0.33's NixlPushConnector), the kv_prefill engine as its prefill:
 The kv_prefill engine as vLLM's push decode (its ROUTER serves the prefill's handshake):
   kv_push_register HEXPARAMS HASH HEXREQ LOCAL HOST
                                a handshake (hash HASH checked) with the prefill of the JSON
-                               kv_transfer_params HEXPARAMS, once per engine, then one
-                               PUSH_REG notification to it: vLLM's eleven keys for its own
-                               request HEXREQ, its blocks LOCAL ("0,1,2", one group), its side
-                               channel named HOST -> JSON {hex, agent} or the refusal
+                               kv_transfer_params HEXPARAMS, once per engine (and with each
+                               of its other TP ranks), then one PUSH_REG notification to each
+                               rank: vLLM's eleven keys for its own request HEXREQ, its
+                               blocks LOCAL ("0,1,2", one group), its side channel named
+                               HOST -> JSON {hex, agent, agents} or the refusal
   kv_push_hb ENGINE HEXIDS     vLLM's heartbeat to ENGINE's agent naming the comma-joined ids
-  kv_push_wait HEXREQ LOCAL SECONDS
-                               the first notification naming request HEXREQ (the WRITE's),
-                               waited for at most SECONDS -> JSON {from, hex, vllm, data: HEX
-                               of its blocks LOCAL, region by region} or an error
+  kv_push_wait HEXREQ LOCAL SECONDS [COUNT]
+                               COUNT (default 1) notifications naming request HEXREQ (the
+                               prefill ranks' WRITEs), waited for at most SECONDS -> JSON
+                               {from, senders, hex, vllm, data: HEX of its blocks LOCAL,
+                               region by region} or an error
 
 A third agent:
   kv_forge PORT HASH ENGINE HEXMSG
@@ -1288,8 +1290,9 @@ def kv_push_write(local_hash, seconds, delay):
 
 
 def kv_push_register(params, local_hash, req_id, local, host):
-    """The kv engine as vLLM's push decode for the prefill's JSON PARAMS: a handshake (hash
-    checked) once per engine, then one PUSH_REG notification to the prefill's agent, the
+    """The kv engine as vLLM's push decode (TP 1) for the prefill's JSON PARAMS: a handshake
+    (hash checked) once per engine (and with each of its other TP ranks), then one PUSH_REG
+    notification to each rank's agent, the
     eleven keys of vLLM's push scheduler in its order, for its own request REQ_ID and its
     freshly allocated blocks LOCAL (one group), its side channel named HOST
     -> JSON {hex} or why not."""
@@ -1297,6 +1300,15 @@ def kv_push_register(params, local_hash, req_id, local, host):
     if isinstance(got, dict):
         return got
     remote = got[0]
+    # vLLM's decode (TP 1) registers with every prefill rank it handshook with: all of its
+    # TP ranks.
+    agents = [remote]
+    for rank in range(1, params["tp_size"]):
+        fetched = fetch_meta(params["remote_port"], local_hash, True, params["remote_engine_id"], tp=rank)
+        if isinstance(fetched, dict):
+            return fetched
+        other = kv["agent"].add_remote_agent(fetched[0].agent_metadata)
+        agents.append(other.decode() if isinstance(other, bytes) else other)
     reg = {
         "request_id": req_id,
         "decode_engine_id": kv["engine"],
@@ -1311,8 +1323,9 @@ def kv_push_register(params, local_hash, req_id, local, host):
         "remote_pp_size": params.get("pp_size", 1),
     }
     msg = b"PUSH_REG:" + msgspec.msgpack.encode(reg)
-    kv["agent"].send_notif(remote, notif_msg=msg)
-    return {"hex": msg.hex(), "agent": remote}
+    for agent in agents:
+        kv["agent"].send_notif(agent, notif_msg=msg)
+    return {"hex": msg.hex(), "agent": remote, "agents": agents}
 
 
 def kv_push_hb(engine, ids):
@@ -1323,11 +1336,14 @@ def kv_push_hb(engine, ids):
     return "ok"
 
 
-def kv_push_wait(req_id, local, seconds):
-    """vLLM's push decode waiting for its request REQ_ID: the first notification naming it
-    ("REQ_ID:N", the prefill's WRITE), waited for at most SECONDS, and then the bytes of
-    its blocks LOCAL, region by region -> JSON {from, hex, vllm, data} or an error."""
+def kv_push_wait(req_id, local, seconds, count=1):
+    """vLLM's push decode waiting for its request REQ_ID: COUNT notifications naming it
+    ("REQ_ID:N", the prefill ranks' WRITEs: vLLM's decode waits for pp_size x max(1, N / its
+    TP) of them), waited for at most SECONDS in all, and then the bytes of its blocks LOCAL,
+    region by region -> JSON {from (the first's sender), senders, hex, vllm, data} or an
+    error."""
     deadline = time.monotonic() + seconds
+    seen = []
     while time.monotonic() < deadline:
         take_push_notifs()
         for i, (sender, note) in enumerate(kv["notifs"]):
@@ -1337,15 +1353,20 @@ def kv_push_wait(req_id, local, seconds):
                 continue
             if parsed.get("id") == req_id:
                 del kv["notifs"][i]
-                lens = kv["meta"].block_lens
-                data = b"".join(
-                    buf[b * lens[r] : (b + 1) * lens[r]].tobytes()
-                    for r, buf in enumerate(kv["bufs"])
-                    for b in local
-                )
-                return {"from": sender, "hex": note.hex(), "vllm": parsed, "data": data.hex()}
+                seen.append((sender, note, parsed))
+                break
+        if len(seen) == count:
+            lens = kv["meta"].block_lens
+            data = b"".join(
+                buf[b * lens[r] : (b + 1) * lens[r]].tobytes()
+                for r, buf in enumerate(kv["bufs"])
+                for b in local
+            )
+            sender, note, parsed = seen[0]
+            return {"from": sender, "senders": [x[0] for x in seen], "hex": note.hex(),
+                    "vllm": parsed, "data": data.hex()}
         time.sleep(0.001)
-    return {"error": "no WRITE notification", "notifs": [n.hex() for _, n in kv["notifs"]]}
+    return {"error": "no WRITE notification", "seen": len(seen), "notifs": [n.hex() for _, n in kv["notifs"]]}
 
 
 def kv_forge(port, local_hash, engine, msg):
@@ -1482,7 +1503,8 @@ def main():
             answer(kv_push_hb(args[0], [bytes.fromhex(x).decode() for x in args[1].split(",")]))
         elif cmd == "kv_push_wait":
             local = [int(x) for x in args[1].split(",")]
-            answer(json.dumps(kv_push_wait(bytes.fromhex(args[0]).decode(), local, float(args[2]))))
+            count = int(args[3]) if len(args) > 3 else 1
+            answer(json.dumps(kv_push_wait(bytes.fromhex(args[0]).decode(), local, float(args[2]), count)))
         elif cmd == "kv_forge":
             got = kv_forge(int(args[0]), args[1], args[2], bytes.fromhex(args[3]))
             answer(json.dumps(got))
