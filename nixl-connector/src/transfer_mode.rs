@@ -276,6 +276,16 @@ mod tests {
             json!({"transfer_mode": "push", "pipeline_parallel_size": 2}),
             "pipeline_parallel_size is 2",
         );
+        // A prefill of stages pushes (vLLM's push writes from stages).
+        let mut prefill = config(
+            None,
+            json!({"transfer_mode": "push", "pipeline_parallel_size": 2}),
+        );
+        prefill.kv_role = Some(KvRole::Producer);
+        assert_eq!(
+            TransferMode::from_kv_transfer_config(&prefill).unwrap(),
+            TransferMode::Push
+        );
         // Pull mode is left as it was.
         assert_eq!(
             mode(None, json!({"bidirectional_kv_xfer": true})).unwrap(),
