@@ -18,7 +18,9 @@
 //! (vLLM's `VLLM_PP_LAYER_PARTITION` "2,3") against vLLM's even split of 5 layers ([3, 2])
 //! across TP 1 → 2. Engines of different layer counts, a hybrid model's stages, a stage of
 //! regions that are not whole layers and a load from no stage or too many are refused by
-//! name.
+//! name. Push mode from a prefill of stages into a decode of one, in both protocols (PP 2 →
+//! 1, 2 × 2 → 1 × 1, 5 layers over 2 × 2 → 1 × 2), every byte; a push decode of stages is
+//! refused.
 
 mod common;
 
@@ -388,6 +390,25 @@ async fn a_prefill_of_stages_pushes_each_layer_into_the_decode() {
             };
             push_from_stages(tag, prefill, decode, protocol).await;
         }
+    }
+}
+
+/// A push worker of several stages that is not a producer (a decode of stages, which
+/// vLLM's push refuses) is refused at creation, by name.
+#[tokio::test]
+async fn a_push_decode_of_stages_is_refused() {
+    for role in [None, Some(KvRole::Consumer), Some(KvRole::Both)] {
+        let mut kv = kv(Protocol::Native, TransferMode::Push, false);
+        kv.kv_role = role;
+        let mut config = WorkerConfig::new("dc-push-stages", 0, 1, kv);
+        config.platform = Arc::new(nixl::platform::BuiltinPlatform::CPU);
+        let stages = PipelineStages::even(4, 2).unwrap();
+        config.pipeline = Some(PipelineRank::new(stages, 1).unwrap());
+        let err = KvConnectorWorker::new(config)
+            .map(drop)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("kv_producer"), "{role:?}: {err}");
     }
 }
 
