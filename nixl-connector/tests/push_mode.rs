@@ -493,12 +493,24 @@ fn vllm_push(config: &mut WorkerConfig) {
 /// step's send, without a capability): each decode rank registers with the prefill ranks
 /// of its TP mapping and counts one WRITE from each.
 async fn vllm_push_between(model: &Model, prefill_tp: usize, decode_tp: usize, request: Request) {
+    vllm_push_of_groups(model, (prefill_tp, decode_tp), &request, None, &request).await;
+}
+
+/// [`vllm_push_between`] of engines whose config names `groups`, the decode checked to
+/// hold `written` (in kernel blocks).
+async fn vllm_push_of_groups(
+    model: &Model,
+    (prefill_tp, decode_tp): (usize, usize),
+    request: &Request,
+    groups: Option<&KvCacheGroups>,
+    written: &Request,
+) {
     let (prefill, decode) = (side(prefill_tp), side(decode_tp));
-    let prefills = engine_speaking_vllm_with("pf-vpush", model, &prefill, None, vllm_push);
+    let prefills = engine_speaking_vllm_with("pf-vpush", model, &prefill, groups, vllm_push);
     for (rank, worker) in prefills.iter().enumerate() {
         model.fill_prefill(worker, &prefill, rank);
     }
-    let decodes = engine_speaking_vllm_with("dc-vpush", model, &decode, None, vllm_push);
+    let decodes = engine_speaking_vllm_with("dc-vpush", model, &decode, groups, vllm_push);
     for worker in &decodes {
         model.fill_sentinel(worker, &decode);
     }
@@ -518,7 +530,7 @@ async fn vllm_push_between(model: &Model, prefill_tp: usize, decode_tp: usize, r
         worker.start_load_kv(&meta);
     }
     let port = prefills[0].vllm_side_channel().unwrap().local_addr().port();
-    let mut from = Model::remote(&request, "pf-vpush", port, prefill_tp);
+    let mut from = Model::remote(request, "pf-vpush", port, prefill_tp);
     from.capability = None;
     for worker in &decodes {
         worker
@@ -527,13 +539,10 @@ async fn vllm_push_between(model: &Model, prefill_tp: usize, decode_tp: usize, r
     }
     for (rank, worker) in decodes.iter().enumerate() {
         loaded(worker, &request.id).await;
-        assert!(
-            worker.load_errors().is_empty(),
-            "{:?}",
-            worker.load_errors()
-        );
+        let errors = worker.load_errors();
+        assert!(errors.is_empty(), "{errors:?}");
         model
-            .check_decode(worker, &prefill, &decode, rank, &[&request])
+            .check_decode(worker, &prefill, &decode, rank, &[written])
             .unwrap_or_else(|err| panic!("vLLM push TP {prefill_tp} -> {decode_tp}: {err}"));
         let stats = worker.push_stats();
         let per_rank = (prefill_tp / decode_tp) as u64;
@@ -692,6 +701,49 @@ async fn heartbeats_keep_the_request_held_past_the_lease() {
     assert!(loaded && freed, "loaded {loaded}, freed {freed}");
     check(&decode, 1, &[&request]);
     assert_eq!(prefills[0].send_stats().freed_on_timeout, 0);
+}
+
+/// Block ids of two kernel blocks each on both engines (vLLM's
+/// `physical_blocks_per_logical_kv_block`), a prefix hit of one id on the decode: the
+/// prefill writes the kernel blocks of its last two ids into the decode's, every byte, in
+/// both protocols.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn block_ids_of_two_kernel_blocks_are_written_whole() {
+    let groups = KvCacheGroups::new(8, vec![KvCacheGroupKind::FullAttention]).unwrap();
+    let with_groups = |config: &mut WorkerConfig| {
+        push(config, None);
+        config.kv_transfer_config.kv_connector_extra_config.insert(
+            KV_CACHE_GROUPS_KEY.into(),
+            serde_json::to_value(&groups).unwrap(),
+        );
+    };
+    let prefills = engine_with("pf-push", &model(), &side(1), with_groups);
+    model().fill_prefill(&prefills[0], &side(1), 0);
+    let decode = engine_with("dc-push", &model(), &side(1), with_groups).remove(0);
+    model().fill_sentinel(&decode, &side(1));
+    // Block ids (of 8 tokens): the prefill's 0, 2 and 5; the decode lacks the last two.
+    let ids = Request {
+        id: "req-kernel".into(),
+        remote: vec![0, 2, 5],
+        local: vec![1, 3],
+        num_tokens: None,
+    };
+    hold(&prefills, &ids, Duration::from_secs(30));
+    start(&decode, &prefills, &ids);
+    loaded(&decode, &ids.id).await;
+    let errors = decode.load_errors();
+    assert!(errors.is_empty(), "{errors:?}");
+    // In kernel blocks (of 4 tokens): ids 2 and 5 into ids 1 and 3.
+    let kernel = Request {
+        remote: vec![4, 5, 10, 11],
+        local: vec![2, 3, 6, 7],
+        ..ids.clone()
+    };
+    check(&decode, 1, &[&kernel]);
+    released(&prefills, &ids.id).await;
+    // The same in vLLM's push protocol.
+    let groups = Some(&groups);
+    vllm_push_of_groups(&vllm_model(), (1, 1), &ids, groups, &kernel).await;
 }
 
 /// The hybrid model of the push tests: full attention and a 6-token sliding window,

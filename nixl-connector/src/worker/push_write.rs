@@ -1,5 +1,6 @@
 //! A prefill rank's push WRITE, in either protocol: the prefill's blocks cut to the
-//! decode's (a prefix hit on the decode), planned with `plan_read` as the reader of the
+//! decode's (a prefix hit on the decode), as kernel blocks when a block id is several of
+//! them on both engines, planned with `plan_read` as the reader of the
 //! decode's geometry (the pull mode's TP mapping and read plan, data going the other way),
 //! posted with the protocol's notification, and awaited with the `nixl` crate's async
 //! completion.
@@ -49,18 +50,36 @@ pub(crate) async fn post_and_await(
         .groups
         .kernel_blocks_per_id(caches.spec.block_size)
         .map_err(refused)?;
-    if per_id != 1
-        || remote.blocks_per_id != 1
+    // Both engines' block ids of as many kernel blocks of one size: the cut by block id is
+    // then the cut by kernel block too (vLLM cuts kernel ids).
+    if per_id != remote.blocks_per_id
         || remote.plan.local_block_size != remote.plan.remote_block_size
     {
         return Err(refused(Error::invalid(
             OP,
-            "push between engines of different block sizes, or of several kernel blocks per block id, is not built yet; use pull mode",
+            "push between engines of different block sizes, or of other kernel blocks per block id, is not built yet; use pull mode",
         )));
     }
-    let (local_ids, local_lens) =
+    let (mut local_ids, mut local_lens) =
         crate::geometry::push_cut::cut_to_decode(inputs.ready, inputs.decode)
             .map_err(|why| refused(Error::invalid(OP, why)))?;
+    let (mut decode_ids, mut decode_lens) = (decode_ids.to_vec(), decode_lens.to_vec());
+    if per_id > 1 {
+        if remote.ssm.is_some() {
+            return Err(refused(Error::invalid(
+                OP,
+                "push of SSM state with several kernel blocks per block id is not built yet; use pull mode",
+            )));
+        }
+        let kernel = |side: (&[usize], &[usize])| {
+            crate::geometry::push_cut::to_kernel_blocks(side, per_id)
+                .map_err(|why| refused(Error::invalid(OP, why)))
+        };
+        (local_ids, local_lens) = kernel((&local_ids, &local_lens))?;
+        (decode_ids, decode_lens) = kernel((&decode_ids, &decode_lens))?;
+    }
+    // Kernel blocks from here on.
+    let per_id = 1;
     let writes = plan_read(&ReadInputs {
         request_id: inputs.request_id,
         local: SideBlocks {
@@ -69,9 +88,9 @@ pub(crate) async fn post_and_await(
             per_id,
         },
         remote: SideBlocks {
-            ids: decode_ids,
-            group_lens: decode_lens,
-            per_id: remote.blocks_per_id,
+            ids: &decode_ids,
+            group_lens: &decode_lens,
+            per_id,
         },
         num_tokens: None,
         local_num_blocks: caches.spec.num_blocks,
