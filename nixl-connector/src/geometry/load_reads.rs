@@ -256,6 +256,25 @@ pub(crate) fn kernel_blocks<'a>(
     Ok(Cow::Owned(blocks))
 }
 
+/// `side`'s ids and group counts (empty: one group, as given) as kernel blocks, every
+/// group's ids expanded (no SSM group): a push between engines of as many kernel blocks per
+/// id, cut by id, then pairs kernel block by kernel block, as vLLM's push pairs kernel ids.
+///
+/// # Errors
+/// Those of [`kernel_blocks`] and [`kernel_group_lens`].
+pub(crate) fn all_kernel_blocks(
+    side: SideBlocks<'_>,
+    max_blocks: usize,
+    what: &str,
+) -> Result<(Vec<usize>, Vec<usize>)> {
+    let blocks = kernel_blocks(side, |_| false, max_blocks, what)?.into_owned();
+    let lens = match side.group_lens.is_empty() {
+        true => Vec::new(),
+        false => kernel_group_lens(side, |_| false)?,
+    };
+    Ok((blocks, lens))
+}
+
 /// `side`'s group counts, or one group of every id.
 fn group_lens_or_one(side: SideBlocks<'_>) -> Cow<'_, [usize]> {
     if side.group_lens.is_empty() {
@@ -483,5 +502,31 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("group counts [2, 2] for 3 block ids"), "{err}");
+    }
+
+    #[test]
+    fn every_group_of_a_push_becomes_its_kernel_blocks() {
+        let one = SideBlocks {
+            ids: &[2, 5],
+            group_lens: &[],
+            per_id: 2,
+        };
+        assert_eq!(
+            all_kernel_blocks(one, 12, "ids").unwrap(),
+            (vec![4, 5, 10, 11], vec![])
+        );
+        let two = SideBlocks {
+            ids: &[1, 0, 3],
+            group_lens: &[2, 1],
+            per_id: 3,
+        };
+        let expanded = (vec![3, 4, 5, 0, 1, 2, 9, 10, 11], vec![6, 3]);
+        assert_eq!(all_kernel_blocks(two, 24, "ids").unwrap(), expanded);
+        assert!(all_kernel_blocks(two, 8, "ids").is_err(), "past the bound");
+        let overflow = SideBlocks {
+            ids: &[usize::MAX],
+            ..one
+        };
+        assert!(all_kernel_blocks(overflow, usize::MAX, "ids").is_err());
     }
 }

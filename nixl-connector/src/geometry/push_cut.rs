@@ -2,8 +2,7 @@
 //! the decode registered (the decode's prefix cache holds the first ones, as vLLM's push
 //! cuts its list to the last `len(decode blocks)`), checked against what the prefill holds.
 //! The pairing of the blocks left is then a READ's ([`load_reads`](crate::geometry::load_reads)),
-//! with the prefill as the reader of the decode's geometry, in kernel blocks when a block id
-//! is several of them on both sides.
+//! with the prefill as the reader of the decode's geometry.
 
 /// The prefill's blocks a push of the decode's `(ids, group_lens)` writes, with their
 /// group lengths (the decode's; empty for one group, as given).
@@ -47,33 +46,6 @@ pub(crate) fn cut_to_decode(
     Ok((cut, decode_lens.to_vec()))
 }
 
-/// `(ids, group_lens)` as kernel blocks when each block id is `per_id` of them (vLLM's
-/// `_logical_to_kernel_block_ids`: id `b` is kernel blocks `b * per_id .. (b + 1) *
-/// per_id`), each group `per_id` times as long. A push between engines of the same kernel
-/// block size and the same `per_id` cuts by block id, then pairs kernel block by kernel
-/// block, as vLLM's push pairs kernel ids.
-///
-/// # Errors
-/// Why not: an id or a length whose kernel blocks overflow.
-pub(crate) fn to_kernel_blocks(
-    (ids, group_lens): (&[usize], &[usize]),
-    per_id: usize,
-) -> Result<(Vec<usize>, Vec<usize>), String> {
-    let overflow =
-        |what: usize| format!("block id or count {what} of {per_id} kernel blocks each overflows");
-    let mut blocks = Vec::with_capacity(ids.len().saturating_mul(per_id));
-    for &id in ids {
-        let first = id.checked_mul(per_id).ok_or_else(|| overflow(id))?;
-        let end = first.checked_add(per_id).ok_or_else(|| overflow(id))?;
-        blocks.extend(first..end);
-    }
-    let lens = group_lens
-        .iter()
-        .map(|&n| n.checked_mul(per_id).ok_or_else(|| overflow(n)))
-        .collect::<Result<_, _>>()?;
-    Ok((blocks, lens))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -86,19 +58,6 @@ mod tests {
         assert_eq!(whole.0, [7, 8]);
         let groups = cut_to_decode((&[1, 2, 3, 4, 5], &[3, 2]), (&[9, 8], &[1, 1])).unwrap();
         assert_eq!(groups, (vec![3, 5], vec![1, 1]));
-    }
-
-    #[test]
-    fn block_ids_become_their_kernel_blocks() {
-        assert_eq!(
-            to_kernel_blocks((&[2, 5], &[]), 2).unwrap(),
-            (vec![4, 5, 10, 11], vec![])
-        );
-        assert_eq!(
-            to_kernel_blocks((&[1, 0, 3], &[2, 1]), 3).unwrap(),
-            (vec![3, 4, 5, 0, 1, 2, 9, 10, 11], vec![6, 3])
-        );
-        assert!(to_kernel_blocks((&[usize::MAX], &[]), 2).is_err());
     }
 
     #[test]

@@ -8,7 +8,7 @@
 use nixl::{XferOp, XferOptions, XferStatus};
 
 use crate::error::Error;
-use crate::geometry::load_reads::{plan_read, ReadInputs, SideBlocks};
+use crate::geometry::load_reads::{all_kernel_blocks, plan_read, ReadInputs, SideBlocks};
 use crate::transport::push_wire::PushEnd;
 use crate::worker::remotes::Remote;
 use crate::worker::shared::Shared;
@@ -71,12 +71,27 @@ pub(crate) async fn post_and_await(
                 "push of SSM state with several kernel blocks per block id is not built yet; use pull mode",
             )));
         }
-        let kernel = |side: (&[usize], &[usize])| {
-            crate::geometry::push_cut::to_kernel_blocks(side, per_id)
-                .map_err(|why| refused(Error::invalid(OP, why)))
+        let kernel = |(ids, group_lens): (&[usize], &[usize]), num_blocks: usize, what| {
+            let side = SideBlocks {
+                ids,
+                group_lens,
+                per_id,
+            };
+            // Each group's list names a block once.
+            let most = num_blocks.saturating_mul(group_lens.len().max(1));
+            all_kernel_blocks(side, most, what).map_err(refused)
         };
-        (local_ids, local_lens) = kernel((&local_ids, &local_lens))?;
-        (decode_ids, decode_lens) = kernel((&decode_ids, &decode_lens))?;
+        let decode_blocks = remote.plan.remote_num_blocks;
+        (local_ids, local_lens) = kernel(
+            (&local_ids, &local_lens),
+            caches.spec.num_blocks,
+            "held blocks",
+        )?;
+        (decode_ids, decode_lens) = kernel(
+            (&decode_ids, &decode_lens),
+            decode_blocks,
+            "registered blocks",
+        )?;
     }
     // Kernel blocks from here on.
     let per_id = 1;
