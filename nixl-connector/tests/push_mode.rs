@@ -23,10 +23,10 @@ use nixl_connector::{
     ConnectorMetadata, Error, FailureKind, FinishStatus, KvAttention, KvCacheGroupKind,
     KvCacheGroups, KvConnectorScheduler, KvConnectorWorker, KvLayout, KvRegionKind,
     KvTransferParams, LoadOutcome, RequestFinished, SchedulerConfig, SendSpec, TransferMode,
-    WorkerConfig, KV_CACHE_GROUPS_KEY,
+    WorkerConfig,
 };
 
-use common::geometry::{engine_speaking_vllm_with, engine_with, Model, Request, Side};
+use common::geometry::{engine_speaking_vllm_with, engine_with, with_groups, Model, Request, Side};
 use common::{capability, poll_until, WAIT};
 
 const BLOCKS: usize = 12;
@@ -87,6 +87,19 @@ fn pair(
         model().fill_prefill(worker, &side(prefill_tp), rank);
     }
     let decode = engine("dc-push", 1, decode_timeout).remove(0);
+    model().fill_sentinel(&decode, &side(1));
+    (prefills, decode)
+}
+
+/// As [`pair`] (TP 1 on both sides), the engines' config naming `groups`.
+fn pair_of_groups(groups: &KvCacheGroups) -> (Vec<KvConnectorWorker>, KvConnectorWorker) {
+    let config = |config: &mut WorkerConfig| {
+        push(config, None);
+        with_groups(config, groups);
+    };
+    let prefills = engine_with("pf-push", &model(), &side(1), config);
+    model().fill_prefill(&prefills[0], &side(1), 0);
+    let decode = engine_with("dc-push", &model(), &side(1), config).remove(0);
     model().fill_sentinel(&decode, &side(1));
     (prefills, decode)
 }
@@ -710,17 +723,7 @@ async fn heartbeats_keep_the_request_held_past_the_lease() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn block_ids_of_two_kernel_blocks_are_written_whole() {
     let groups = KvCacheGroups::new(8, vec![KvCacheGroupKind::FullAttention]).unwrap();
-    let with_groups = |config: &mut WorkerConfig| {
-        push(config, None);
-        config.kv_transfer_config.kv_connector_extra_config.insert(
-            KV_CACHE_GROUPS_KEY.into(),
-            serde_json::to_value(&groups).unwrap(),
-        );
-    };
-    let prefills = engine_with("pf-push", &model(), &side(1), with_groups);
-    model().fill_prefill(&prefills[0], &side(1), 0);
-    let decode = engine_with("dc-push", &model(), &side(1), with_groups).remove(0);
-    model().fill_sentinel(&decode, &side(1));
+    let (prefills, decode) = pair_of_groups(&groups);
     // Block ids (of 8 tokens): the prefill's 0, 2 and 5; the decode lacks the last two.
     let ids = Request {
         id: "req-kernel".into(),
@@ -766,17 +769,7 @@ fn hybrid_groups() -> KvCacheGroups {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hybrid_model_writes_each_group_into_its_own_blocks() {
     let groups = hybrid_groups();
-    let with_groups = |config: &mut WorkerConfig| {
-        push(config, None);
-        config.kv_transfer_config.kv_connector_extra_config.insert(
-            KV_CACHE_GROUPS_KEY.into(),
-            serde_json::to_value(&groups).unwrap(),
-        );
-    };
-    let prefills = engine_with("pf-push", &model(), &side(1), with_groups);
-    model().fill_prefill(&prefills[0], &side(1), 0);
-    let decode = engine_with("dc-push", &model(), &side(1), with_groups).remove(0);
-    model().fill_sentinel(&decode, &side(1));
+    let (prefills, decode) = pair_of_groups(&groups);
     let kv = push_config();
     let (prefill, decode_s) = schedulers(&prefills, &decode, &kv);
     let engines = (&prefills[..], &decode);

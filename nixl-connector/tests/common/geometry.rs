@@ -387,7 +387,7 @@ pub fn engine_speaking(
 }
 
 /// `config` naming `groups` in its `kv_connector_extra_config`.
-fn with_groups(config: &mut WorkerConfig, groups: &KvCacheGroups) {
+pub fn with_groups(config: &mut WorkerConfig, groups: &KvCacheGroups) {
     config.kv_transfer_config.kv_connector_extra_config.insert(
         KV_CACHE_GROUPS_KEY.into(),
         serde_json::to_value(groups).unwrap(),
