@@ -241,26 +241,15 @@ async fn pair(prefill: Side, decode: Side, tokens: usize, cached: usize, protoco
     let layout = EngineLayout::tp(prefill.tp)
         .with_dcp(prefill.dcp)
         .with_pp(prefill.pp);
-    for rank in &decodes {
-        rank.handshake_with_layout(&pf_id, "127.0.0.1", pf_port, layout)
-            .await
-            .unwrap_or_else(|err| panic!("{tag}: handshake with the prefill: {err}"));
-    }
-    let handshaken: Vec<u64> = decodes
-        .iter()
-        .map(|r| r.remote_stats().handshakes)
-        .collect();
+    let handshaken = common::handshake_first(&tag, &decodes, (&pf_id, pf_port), layout).await;
     assert!(handshaken.iter().all(|&n| n > 0), "{tag}: {handshaken:?}");
     dc.on_new_request("req", Some(&params));
     dc.update_state_after_alloc("req", local, &params).unwrap();
     let loaded = transfer(&tag, (&mut dc, &decodes), (&mut pf, &prefills)).await;
     assert_eq!(loaded, "req", "{tag}: the decode's load");
-    let after: Vec<u64> = decodes
-        .iter()
-        .map(|r| r.remote_stats().handshakes)
-        .collect();
     assert_eq!(
-        after, handshaken,
+        common::handshakes(&decodes),
+        handshaken,
         "{tag}: the load reused the handshakes made before it"
     );
     holds_positions(&tag, &decodes, decode, (list, cached), positions);

@@ -192,15 +192,7 @@ async fn pair(tag: &str, prefill: Layout, decode: Layout, protocol: Protocol) {
     // Each decode rank handshakes with the prefill's stages before the request, as a decode
     // that learns of a prefill does; the load then handshakes no more.
     let layout = EngineLayout::tp(prefill.tp).with_pp(pp);
-    for rank in &decodes {
-        rank.handshake_with_layout(&pf_id, "127.0.0.1", pf_port, layout)
-            .await
-            .unwrap_or_else(|err| panic!("{tag}: handshake with the prefill's stages: {err}"));
-    }
-    let handshaken: Vec<u64> = decodes
-        .iter()
-        .map(|r| r.remote_stats().handshakes)
-        .collect();
+    let handshaken = common::handshake_first(&tag, &decodes, (&pf_id, pf_port), layout).await;
     assert!(
         handshaken.iter().all(|&n| n >= pp as u64),
         "{tag}: each decode rank handshook with every stage: {handshaken:?}"
@@ -210,12 +202,9 @@ async fn pair(tag: &str, prefill: Layout, decode: Layout, protocol: Protocol) {
     let reader = (&mut dc, &decodes[..]);
     let loaded = transfer(&tag, reader, (&mut pf, &prefills[..]), "req").await;
     assert_eq!(loaded, "req", "{tag}: the decode's load");
-    let after: Vec<u64> = decodes
-        .iter()
-        .map(|r| r.remote_stats().handshakes)
-        .collect();
     assert_eq!(
-        after, handshaken,
+        common::handshakes(&decodes),
+        handshaken,
         "{tag}: the load reused the handshakes made before it"
     );
     // Every byte: the blocks read hold the prefill's, the others are untouched (zero).

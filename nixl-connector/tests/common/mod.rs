@@ -43,8 +43,9 @@ use std::time::{Duration, Instant};
 
 use nixl::kv_config::KvTransferConfig;
 use nixl_connector::{
-    Capability, FinishStatus, Finished, KvAttention, KvCacheSpec, KvConnectorScheduler,
-    KvConnectorWorker, KvLayout, KvTransferParams, RemoteBlocks, WorkerConfig,
+    Capability, EngineLayout, FinishStatus, Finished, KvAttention, KvCacheSpec,
+    KvConnectorScheduler, KvConnectorWorker, KvLayout, KvTransferParams, RemoteBlocks,
+    WorkerConfig,
 };
 
 /// The total deadline of the test workers' side channels.
@@ -162,6 +163,28 @@ pub async fn handshake(decode: &KvConnectorWorker, engine: &str, port: u16) {
         .handshake_with(engine, "127.0.0.1", port, 1)
         .await
         .unwrap_or_else(|err| panic!("handshake with {engine}: {err}"));
+}
+
+/// Each of `decodes` handshakes with engine `engine` of `layout` at 127.0.0.1:`port` before
+/// any request, as a decode that learns of a prefill does (panics if one fails): each
+/// rank's handshakes so far ([`handshakes`]).
+pub async fn handshake_first(
+    tag: &str,
+    decodes: &[KvConnectorWorker],
+    (engine, port): (&str, u16),
+    layout: EngineLayout,
+) -> Vec<u64> {
+    for rank in decodes {
+        rank.handshake_with_layout(engine, "127.0.0.1", port, layout)
+            .await
+            .unwrap_or_else(|err| panic!("{tag}: handshake with {engine} ({layout:?}): {err}"));
+    }
+    handshakes(decodes)
+}
+
+/// How many handshakes each of `ranks` made so far.
+pub fn handshakes(ranks: &[KvConnectorWorker]) -> Vec<u64> {
+    ranks.iter().map(|r| r.remote_stats().handshakes).collect()
 }
 
 /// The byte at `offset` of block `block`, region `layer`, of a prefill cache.
