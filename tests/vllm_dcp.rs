@@ -29,7 +29,8 @@ use nixl_connector::{
 };
 use py::{hex, unhex};
 use vllm_peer_support::{
-    load_outcome, python_byte_of, rust_byte_of, vllm_kv, VllmPeer, BLOCKS, BLOCK_LEN, REGIONS,
+    fill_rust_prefill, load_outcome, python_byte_of, rust_byte_of, vllm_kv, VllmPeer, BLOCKS,
+    BLOCK_LEN, REGIONS,
 };
 use vllm_support::factors;
 
@@ -230,13 +231,7 @@ async fn python_decode_reads_rust_prefill(dcp: usize, pcp: usize) {
     let id = format!("rs-prefill-dcp-{dcp}-{pcp}");
     let (prefills, mut scheduler) = engine_of_pcp(&id, 2, pcp);
     for (rank, prefill) in prefills.iter().enumerate() {
-        let cache = prefill.kv_caches().unwrap();
-        for region in 0..REGIONS {
-            let bytes: Vec<u8> = (0..BLOCKS * BLOCK_LEN)
-                .map(|i| rust_byte_of(rank, region, i))
-                .collect();
-            cache.write(region, 0, &bytes).unwrap();
-        }
+        fill_rust_prefill(prefill, rank);
     }
     let for_decode = KvTransferParams {
         do_remote_decode: true,

@@ -590,13 +590,7 @@ fn push_prefill_of_tp(tp: usize) -> (Vec<KvConnectorWorker>, KvConnectorSchedule
             config.vllm_side_channel = Some(server.clone());
             let worker = KvConnectorWorker::new(config).unwrap();
             worker.register_host_kv_caches(spec.clone()).unwrap();
-            let cache = worker.kv_caches().unwrap();
-            for region in 0..REGIONS {
-                let bytes: Vec<u8> = (0..BLOCKS * rank_len)
-                    .map(|i| rust_byte_of(rank, region, i))
-                    .collect();
-                cache.write(region, 0, &bytes).unwrap();
-            }
+            fill_rust_prefill(&worker, rank);
             worker
         })
         .collect();

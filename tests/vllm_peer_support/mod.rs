@@ -140,11 +140,11 @@ pub fn vllm_engine_with(
     )
 }
 
-/// Fills every region of a Rust prefill's cache with [`rust_byte_of`] `salt`.
+/// Fills every region of a Rust prefill's cache, whole, with [`rust_byte_of`] `salt`.
 pub fn fill_rust_prefill(prefill: &KvConnectorWorker, salt: usize) {
     let cache = prefill.kv_caches().unwrap();
-    for region in 0..REGIONS {
-        let bytes: Vec<u8> = (0..BLOCKS * BLOCK_LEN)
+    for (region, registered) in cache.regions().iter().enumerate() {
+        let bytes: Vec<u8> = (0..registered.len)
             .map(|i| rust_byte_of(salt, region, i))
             .collect();
         cache.write(region, 0, &bytes).unwrap();
