@@ -109,11 +109,7 @@ async fn no_block_is_reused_or_reported_loaded_while_a_read_can_touch_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn push_mode_no_block_is_reused_or_reported_loaded_while_a_write_can_touch_it() {
     let _one = ONE_AT_A_TIME.lock().await;
-    let wire = Wire {
-        mode: TransferMode::Push,
-        protocol: Protocol::Native,
-    };
-    soak(wire, soak_faults(), 300, 1).await;
+    soak(Wire::NATIVE_PUSH, soak_faults(), 300, 1).await;
 }
 
 /// The same soak in vLLM 0.33's protocol, pulling (vLLM's side channel, handshake,
@@ -126,11 +122,7 @@ async fn in_vllms_protocol_no_block_is_reused_or_reported_loaded_while_a_read_ca
         return;
     }
     let _one = ONE_AT_A_TIME.lock().await;
-    let wire = Wire {
-        mode: TransferMode::Pull,
-        protocol: Protocol::Vllm,
-    };
-    soak(wire, soak_faults(), 300, 1).await;
+    soak(Wire::VLLM_PULL, soak_faults(), 300, 1).await;
 }
 
 /// The push soak in vLLM 0.33's push protocol (`PUSH_REG:` registrations, `id:world`
@@ -142,11 +134,7 @@ async fn in_vllms_push_protocol_no_block_is_reused_or_reported_loaded_while_a_wr
         return;
     }
     let _one = ONE_AT_A_TIME.lock().await;
-    let wire = Wire {
-        mode: TransferMode::Push,
-        protocol: Protocol::Vllm,
-    };
-    soak(wire, soak_faults(), 300, 1).await;
+    soak(Wire::VLLM_PUSH, soak_faults(), 300, 1).await;
 }
 
 /// The same soak and checks against a prefill of two pipeline stages (its layers 2 + 1, each

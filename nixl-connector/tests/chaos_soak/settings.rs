@@ -42,10 +42,18 @@ pub struct Wire {
 
 impl Wire {
     /// Pulled, in the native protocol.
-    pub const NATIVE_PULL: Wire = Wire {
-        mode: TransferMode::Pull,
-        protocol: Protocol::Native,
-    };
+    pub const NATIVE_PULL: Wire = Wire::of(TransferMode::Pull, Protocol::Native);
+    /// Pushed, in the native protocol.
+    pub const NATIVE_PUSH: Wire = Wire::of(TransferMode::Push, Protocol::Native);
+    /// Pulled, in vLLM's protocol.
+    pub const VLLM_PULL: Wire = Wire::of(TransferMode::Pull, Protocol::Vllm);
+    /// Pushed, in vLLM's protocol.
+    pub const VLLM_PUSH: Wire = Wire::of(TransferMode::Push, Protocol::Vllm);
+
+    /// `mode` in `protocol`.
+    const fn of(mode: TransferMode, protocol: Protocol) -> Wire {
+        Wire { mode, protocol }
+    }
 
     /// The decode's TP (the prefill's is 1): in pull mode 2, each decode rank reading its
     /// head from the prefill; in push mode 1, as push writes a decode of TP at most the
@@ -63,10 +71,7 @@ impl Wire {
     /// Without, the soak makes no READ that may outlive a lease: no decode stall past one,
     /// and a request that arrives late is not read.
     pub fn lease_checked(self) -> bool {
-        self != Wire {
-            mode: TransferMode::Pull,
-            protocol: Protocol::Vllm,
-        }
+        self != Wire::VLLM_PULL
     }
 
     /// Whether the decode keeps, for as long as it runs, the blocks of a load registered
@@ -164,7 +169,7 @@ pub fn role_wire() -> Wire {
         Ok("vllm") => Protocol::Vllm,
         _ => Protocol::Native,
     };
-    Wire { mode, protocol }
+    Wire::of(mode, protocol)
 }
 
 /// The `kv_transfer_config` of every engine: DRAM, a 1.5 s lease, `wire`'s mode and
