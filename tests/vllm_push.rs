@@ -146,13 +146,24 @@ async fn ended(
 /// Checks that `local` blocks of `decode` hold the Python prefill's `remote` blocks, and
 /// that `untouched` ones still hold 0xEE.
 fn holds(decode: &KvConnectorWorker, local: &[usize], remote: &[usize], untouched: &[usize]) {
+    holds_slices(decode, (local, remote, BLOCK_LEN), untouched);
+}
+
+/// As [`holds`], of a Python prefill whose ranks each hold `rank_len` bytes of a block (a
+/// TP-th of the heads): byte `o` of a decode block is rank `o / rank_len`'s (HND), at its
+/// own offset.
+fn holds_slices(
+    decode: &KvConnectorWorker,
+    (local, remote, rank_len): (&[usize], &[usize], usize),
+    untouched: &[usize],
+) {
     let cache = decode.kv_caches().unwrap();
     for region in 0..REGIONS {
         for (&l, &r) in local.iter().zip(remote) {
             let mut got = vec![0u8; BLOCK_LEN];
             cache.read(region, l * BLOCK_LEN, &mut got).unwrap();
             let want: Vec<u8> = (0..BLOCK_LEN)
-                .map(|o| python_byte_of(0, region, r * BLOCK_LEN + o))
+                .map(|o| python_byte_of(o / rank_len, region, r * rank_len + o % rank_len))
                 .collect();
             assert!(got == want, "region {region} local block {l} (remote {r})");
         }
@@ -253,18 +264,7 @@ async fn python_ranks_push_into_a_rust_decode(pp: usize, tp: usize) {
     )
     .await;
     assert!(matches!(outcome, LoadOutcome::Loaded { .. }), "{outcome:?}");
-    let cache = decode.kv_caches().unwrap();
-    for layer in 0..REGIONS {
-        for (&l, &r) in [0, 1, 2].iter().zip(&[3, 9, 14]) {
-            let mut got = vec![0u8; BLOCK_LEN];
-            cache.read(layer, l * BLOCK_LEN, &mut got).unwrap();
-            // HND: byte `o` is prefill rank `o / rank_len`'s, at its own offset.
-            let want: Vec<u8> = (0..BLOCK_LEN)
-                .map(|o| python_byte_of(o / rank_len, layer, r * rank_len + o % rank_len))
-                .collect();
-            assert!(got == want, "PP {pp} TP {tp}: layer {layer} block {l}");
-        }
-    }
+    holds_slices(&decode, (&[0, 1, 2], &[3, 9, 14], rank_len), &[3, 4, 5]);
     assert_eq!(decode.push_stats().registrations_sent, (pp * tp) as u64);
 }
 
