@@ -230,10 +230,7 @@ async fn pair(prefill: Side, decode: Side, tokens: usize, cached: usize, protoco
     let params = done.kv_transfer_params.unwrap();
     let expect_dcp = (prefill.dcp > 1 || protocol == Protocol::Vllm).then_some(prefill.dcp);
     assert_eq!(params.remote_dcp_size, expect_dcp, "{tag}: dcp_size");
-    let params = match protocol {
-        Protocol::Native => params,
-        Protocol::Vllm => KvTransferParams::from_vllm_json(&params.to_vllm_json()).unwrap(),
-    };
+    let params = common::as_sent(protocol, params);
     let list = &LOCAL[..positions.div_ceil(decode.dcp)];
     let local = &list[cached..];
     // Each decode rank handshakes with the prefill ranks holding its positions before the
@@ -262,10 +259,7 @@ async fn pair(prefill: Side, decode: Side, tokens: usize, cached: usize, protoco
         .request_finished("req", list, tokens, None, FinishStatus::Stopped)
         .kv_transfer_params
         .expect("kept for the next turn");
-    let kept = match protocol {
-        Protocol::Native => kept,
-        Protocol::Vllm => KvTransferParams::from_vllm_json(&kept.to_vllm_json()).unwrap(),
-    };
+    let kept = common::as_sent(protocol, kept);
     let back = &READ_BACK[..positions.div_ceil(prefill.dcp)];
     pf.on_new_request("turn-2", Some(&kept));
     pf.update_state_after_alloc("turn-2", back, &kept).unwrap();

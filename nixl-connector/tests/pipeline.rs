@@ -31,8 +31,8 @@ use std::time::Instant;
 use nixl_connector::vllm::{MetadataServer, VllmChannelLimits};
 use nixl_connector::{
     EngineLayout, FinishStatus, KvAttention, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker,
-    KvLayout, KvTransferParams, LoadOutcome, PipelineRank, PipelineStages, Protocol, RemoteBlocks,
-    SchedulerConfig, TransferMode, WorkerConfig,
+    KvLayout, LoadOutcome, PipelineRank, PipelineStages, Protocol, RemoteBlocks, SchedulerConfig,
+    TransferMode, WorkerConfig,
 };
 
 use common::{cpu_config, finished_for_decode, vllm_config, vllm_factors, WAIT};
@@ -185,10 +185,7 @@ async fn pair(tag: &str, prefill: Layout, decode: Layout, protocol: Protocol) {
         "{tag}: the params say the prefill's stages"
     );
     // In vLLM's protocol the params cross as vLLM's JSON.
-    let params = match protocol {
-        Protocol::Native => params,
-        Protocol::Vllm => KvTransferParams::from_vllm_json(&params.to_vllm_json()).unwrap(),
-    };
+    let params = common::as_sent(protocol, params);
     // Each decode rank handshakes with the prefill's stages before the request, as a decode
     // that learns of a prefill does; the load then handshakes no more.
     let layout = EngineLayout::tp(prefill.tp).with_pp(pp);
@@ -217,10 +214,7 @@ async fn pair(tag: &str, prefill: Layout, decode: Layout, protocol: Protocol) {
         .request_finished("req", &LOCAL, tokens, None, FinishStatus::Stopped)
         .kv_transfer_params
         .expect("kept for the next turn");
-    let kept = match protocol {
-        Protocol::Native => kept,
-        Protocol::Vllm => KvTransferParams::from_vllm_json(&kept.to_vllm_json()).unwrap(),
-    };
+    let kept = common::as_sent(protocol, kept);
     pf.on_new_request("turn-2", Some(&kept));
     pf.update_state_after_alloc("turn-2", &READ_BACK, &kept)
         .unwrap();
@@ -335,10 +329,7 @@ async fn push_from_stages(tag: &str, prefill: Layout, decode: Layout, protocol: 
     let mut dc = scheduler(&dc_id, dc_port, &decode, &dc_kv);
     let params = finished_for_decode(&mut pf, "req", &REMOTE);
     assert_eq!(params.transfer_mode.as_deref(), Some("push"), "{tag}");
-    let params = match protocol {
-        Protocol::Native => params,
-        Protocol::Vllm => KvTransferParams::from_vllm_json(&params.to_vllm_json()).unwrap(),
-    };
+    let params = common::as_sent(protocol, params);
     dc.on_new_request("req", Some(&params));
     dc.update_state_after_alloc("req", &LOCAL, &params).unwrap();
     let reader = (&mut dc, &decodes[..]);

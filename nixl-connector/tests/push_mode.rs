@@ -22,8 +22,8 @@ use std::time::{Duration, Instant};
 use nixl_connector::{
     ConnectorMetadata, Error, FailureKind, FinishStatus, KvAttention, KvCacheGroupKind,
     KvCacheGroups, KvConnectorScheduler, KvConnectorWorker, KvLayout, KvRegionKind,
-    KvTransferParams, LoadOutcome, RequestFinished, SchedulerConfig, SendSpec, TransferMode,
-    WorkerConfig,
+    KvTransferParams, LoadOutcome, Protocol, RequestFinished, SchedulerConfig, SendSpec,
+    TransferMode, WorkerConfig,
 };
 
 use common::geometry::{engine_speaking_vllm_with, engine_with, with_groups, Model, Request, Side};
@@ -773,7 +773,8 @@ async fn a_hybrid_model_writes_each_group_into_its_own_blocks() {
     let kv = push_config();
     let (prefill, decode_s) = schedulers(&prefills, &decode, &kv);
     let engines = (&prefills[..], &decode);
-    push_hybrid(&model(), engines, (prefill, decode_s), &groups, |p| p).await;
+    let schedulers = (prefill, decode_s);
+    push_hybrid(&model(), engines, schedulers, &groups, Protocol::Native).await;
 }
 
 /// The same in vLLM's push protocol (its registration names each group's blocks).
@@ -801,18 +802,25 @@ async fn in_vllms_push_protocol_a_hybrid_model_writes_each_group_into_its_own_bl
         scheduler("dc-vpush", &decode),
     );
     // The params cross as vLLM's JSON.
-    let json = |p: KvTransferParams| KvTransferParams::from_vllm_json(&p.to_vllm_json()).unwrap();
-    push_hybrid(&model, (&prefills, &decode), schedulers, &groups, json).await;
+    push_hybrid(
+        &model,
+        (&prefills, &decode),
+        schedulers,
+        &groups,
+        Protocol::Vllm,
+    )
+    .await;
 }
 
 /// Pushes a request of the hybrid model `groups` from `prefills` into `decode` through
-/// their schedulers, its params crossing through `wire`, and checks each group's blocks.
+/// their schedulers, its params crossing as `protocol` sends them, and checks each group's
+/// blocks.
 async fn push_hybrid(
     model: &Model,
     (prefills, decode): (&[KvConnectorWorker], &KvConnectorWorker),
     (prefill, decode_s): (KvConnectorScheduler, KvConnectorScheduler),
     groups: &KvCacheGroups,
-    wire: impl Fn(KvTransferParams) -> KvTransferParams,
+    protocol: Protocol,
 ) {
     let mut prefill = prefill.with_kv_cache_groups(groups.clone());
     let mut decode_s = decode_s.with_kv_cache_groups(groups.clone());
@@ -827,7 +835,7 @@ async fn push_hybrid(
             FinishStatus::Stopped,
         )
         .unwrap();
-    let params = wire(done.kv_transfer_params.unwrap());
+    let params = common::as_sent(protocol, done.kv_transfer_params.unwrap());
     assert_eq!(params.remote_block_group_lens, [5, 3]);
     decode_s.on_new_request(id, Some(&params));
     decode_s

@@ -44,7 +44,7 @@ use std::time::{Duration, Instant};
 use nixl::kv_config::KvTransferConfig;
 use nixl_connector::{
     Capability, EngineLayout, FinishStatus, Finished, KvAttention, KvCacheSpec,
-    KvConnectorScheduler, KvConnectorWorker, KvLayout, KvTransferParams, RemoteBlocks,
+    KvConnectorScheduler, KvConnectorWorker, KvLayout, KvTransferParams, Protocol, RemoteBlocks,
     WorkerConfig,
 };
 
@@ -180,6 +180,15 @@ pub async fn handshake_first(
             .unwrap_or_else(|err| panic!("{tag}: handshake with {engine} ({layout:?}): {err}"));
     }
     handshakes(decodes)
+}
+
+/// `params` as the other engine gets them in `protocol`: through vLLM's JSON in vLLM's,
+/// as they are in the native one.
+pub fn as_sent(protocol: Protocol, params: KvTransferParams) -> KvTransferParams {
+    match protocol {
+        Protocol::Vllm => KvTransferParams::from_vllm_json(&params.to_vllm_json()).unwrap(),
+        _ => params,
+    }
 }
 
 /// How many handshakes each of `ranks` made so far.
