@@ -44,7 +44,7 @@ use std::time::{Duration, Instant};
 use nixl::kv_config::KvTransferConfig;
 use nixl_connector::{
     Capability, EngineLayout, FinishStatus, Finished, KvAttention, KvCacheSpec,
-    KvConnectorScheduler, KvConnectorWorker, KvLayout, KvTransferParams, Protocol, RemoteBlocks,
+    KvConnectorScheduler, KvConnectorWorker, KvLayout, KvTransferParams, RemoteBlocks,
     WorkerConfig,
 };
 
@@ -184,9 +184,12 @@ pub async fn handshake_first(
 
 /// `params` as the other engine gets them in `protocol`: through vLLM's JSON in vLLM's,
 /// as they are in the native one.
-pub fn as_sent(protocol: Protocol, params: KvTransferParams) -> KvTransferParams {
+#[cfg(feature = "vllm")]
+pub fn as_sent(protocol: nixl_connector::Protocol, params: KvTransferParams) -> KvTransferParams {
     match protocol {
-        Protocol::Vllm => KvTransferParams::from_vllm_json(&params.to_vllm_json()).unwrap(),
+        nixl_connector::Protocol::Vllm => {
+            KvTransferParams::from_vllm_json(&params.to_vllm_json()).unwrap()
+        }
         _ => params,
     }
 }
