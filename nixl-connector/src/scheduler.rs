@@ -543,7 +543,8 @@ impl KvConnectorScheduler {
         let lease_epoch = delay_free_blocks
             .then(|| {
                 let deadline = Instant::now() + self.config.lease.duration();
-                self.hold_for_readers(request_id, block_ids, deadline, &capability)
+                let held = (block_ids, num_computed_tokens);
+                self.hold_for_readers(request_id, held, deadline, &capability)
             })
             .flatten();
         let num_tokens = delay_free_blocks.then_some(num_computed_tokens);
@@ -574,14 +575,15 @@ impl KvConnectorScheduler {
         }
     }
 
-    /// Has the workers hold `request_id`'s blocks `block_ids` for its readers until
-    /// `deadline` (from the next metadata on), their notifications and heartbeats counted
-    /// under `capability`; in the native protocol the hold's lease epoch, for the params
-    /// (the workers raise the blocks' release marks to it when they release the request).
+    /// Has the workers hold `request_id`'s blocks `block_ids`, of `num_tokens` computed
+    /// tokens, for its readers until `deadline` (from the next metadata on), their
+    /// notifications and heartbeats counted under `capability`; in the native protocol the
+    /// hold's lease epoch, for the params (the workers raise the blocks' release marks to
+    /// it when they release the request).
     fn hold_for_readers(
         &mut self,
         request_id: &str,
-        block_ids: &[usize],
+        (block_ids, num_tokens): (&[usize], usize),
         deadline: Instant,
         capability: &Option<Capability>,
     ) -> Option<u64> {
@@ -602,6 +604,7 @@ impl KvConnectorScheduler {
                 },
                 lease_epoch,
                 group_lens: Vec::new(),
+                num_tokens: Some(num_tokens).filter(|&n| n > 0),
             },
         );
         lease_epoch
@@ -999,6 +1002,7 @@ mod tests {
         let meta = s.build_connector_meta();
         assert_eq!(meta.sends.len(), 1);
         assert!(meta.sends[0].deadline >= before + Duration::from_secs(3));
+        assert_eq!(meta.sends[0].num_tokens, Some(7), "for a push's WRITE");
         assert!(
             s.build_connector_meta().sends.is_empty(),
             "handed over once"

@@ -46,6 +46,7 @@ use crate::worker::kept_claims::ClaimsOf;
 use crate::worker::load_outcomes::LoadOutcomes;
 use crate::worker::notification_format::{heartbeat_entries, heartbeat_messages};
 use crate::worker::push_state::{Push, PushStats};
+use crate::worker::push_write::HeldBlocks;
 use crate::worker::remotes::Remotes;
 use crate::worker::scratch_words::ScratchWords;
 use crate::worker::sending::{Marks, NotificationStats, Sends};
@@ -710,7 +711,11 @@ impl KvConnectorWorker {
             let Some(push) = &self.shared.push else {
                 continue;
             };
-            let blocks = (send.block_ids.clone(), send.group_lens.clone());
+            let blocks = HeldBlocks {
+                block_ids: send.block_ids.clone(),
+                group_lens: send.group_lens.clone(),
+                num_tokens: send.num_tokens,
+            };
             match (push, capability, self.shared.protocol) {
                 (_, Some(capability), Protocol::Native) => {
                     crate::worker::push::ready(&self.shared, &send.request_id, blocks, capability);
@@ -850,7 +855,11 @@ impl KvConnectorWorker {
     /// Push mode: [`hold_for_decode`](Self::hold_for_decode), and the request's
     /// `block_ids` (in token order; `group_lens` of them per KV cache group, empty for one)
     /// are written into the blocks a decode registers for it, proven under `capability`.
-    /// Registrations that came first are matched now. The request is released once NIXL
+    /// `num_tokens`, the prompt's tokens it computed (a [`SendSpec`](crate::SendSpec)'s),
+    /// tells where a decode's blocks start in the prompt when the two engines' blocks hold
+    /// different numbers of tokens, or a block id is another number of kernel blocks on
+    /// each; a WRITE between such engines is refused without it. Registrations that came
+    /// first are matched now. The request is released once NIXL
     /// has ended the WRITE (its lease cannot release it while the WRITE runs), when the
     /// decode cancels before registering, or when its lease ends with no WRITE under way.
     ///
@@ -864,6 +873,7 @@ impl KvConnectorWorker {
         deadline: Instant,
         capability: &Capability,
         (block_ids, group_lens): (&[usize], &[usize]),
+        num_tokens: Option<usize>,
     ) -> Result<()> {
         if self.shared.push.is_none() {
             return Err(Error::invalid(
@@ -878,7 +888,11 @@ impl KvConnectorWorker {
             ));
         }
         self.hold(request_id, deadline, Some(capability.clone()), None);
-        let blocks = (block_ids.to_vec(), group_lens.to_vec());
+        let blocks = HeldBlocks {
+            block_ids: block_ids.to_vec(),
+            group_lens: group_lens.to_vec(),
+            num_tokens,
+        };
         crate::worker::push::ready(&self.shared, request_id, blocks, capability.clone());
         Ok(())
     }

@@ -20,10 +20,10 @@ mod common;
 use std::time::{Duration, Instant};
 
 use nixl_connector::{
-    ConnectorMetadata, Error, FailureKind, FinishStatus, KvAttention, KvCacheGroupKind,
-    KvCacheGroups, KvConnectorScheduler, KvConnectorWorker, KvLayout, KvRegionKind,
-    KvTransferParams, LoadOutcome, Protocol, RequestFinished, SchedulerConfig, SendSpec,
-    TransferMode, WorkerConfig,
+    ConnectorMetadata, Error, FailedBlock, FailureKind, FinishStatus, KvAttention,
+    KvCacheGroupKind, KvCacheGroups, KvConnectorScheduler, KvConnectorWorker, KvLayout,
+    KvRegionKind, KvTransferParams, LoadOutcome, Protocol, RequestFinished, SchedulerConfig,
+    SendSpec, TransferMode, WorkerConfig,
 };
 
 use common::geometry::{engine_speaking_vllm_with, engine_with, with_groups, Model, Request, Side};
@@ -113,6 +113,7 @@ fn hold(prefills: &[KvConnectorWorker], request: &Request, lease: Duration) {
                 Instant::now() + lease,
                 &capability(),
                 (&request.remote, &[]),
+                request.num_tokens,
             )
             .unwrap();
     }
@@ -275,7 +276,7 @@ async fn push_and_pull_refuse_each_other() {
     // A pull worker refuses to hold for push.
     let pull = engine_with("pf-pull", &model(), &side(1), |_| {}).remove(0);
     let err = pull
-        .hold_for_push("r", Instant::now(), &capability(), (&[1], &[]))
+        .hold_for_push("r", Instant::now(), &capability(), (&[1], &[]), None)
         .unwrap_err();
     assert!(matches!(err, Error::InvalidArgument { .. }), "{err}");
     // Params say their mode; a decode of the other one refuses them.
@@ -316,7 +317,7 @@ async fn push_and_pull_refuse_each_other() {
     extra["vllm_compat_factors"]["transfer_mode"] = "push".into();
     let worker = KvConnectorWorker::new(config).unwrap();
     let err = worker
-        .hold_for_push("r", Instant::now(), &capability(), (&[1], &[]))
+        .hold_for_push("r", Instant::now(), &capability(), (&[1], &[]), None)
         .unwrap_err();
     assert!(
         err.to_string()
@@ -506,24 +507,26 @@ fn vllm_push(config: &mut WorkerConfig) {
 /// step's send, without a capability): each decode rank registers with the prefill ranks
 /// of its TP mapping and counts one WRITE from each.
 async fn vllm_push_between(model: &Model, prefill_tp: usize, decode_tp: usize, request: Request) {
-    vllm_push_of_groups(model, (prefill_tp, decode_tp), &request, None, &request).await;
+    let sides = (side(prefill_tp), side(decode_tp));
+    vllm_push_of_groups(model, sides, &request, (None, None), &request).await;
 }
 
-/// [`vllm_push_between`] of engines whose config names `groups`, the decode checked to
-/// hold `written` (in kernel blocks).
+/// [`vllm_push_between`] of engines of `sides` (prefill, decode) whose configs name
+/// `groups` where given (prefill's, decode's), the decode checked to hold `written` (in
+/// kernel blocks).
 async fn vllm_push_of_groups(
     model: &Model,
-    (prefill_tp, decode_tp): (usize, usize),
+    (prefill, decode): (Side, Side),
     request: &Request,
-    groups: Option<&KvCacheGroups>,
+    groups: (Option<&KvCacheGroups>, Option<&KvCacheGroups>),
     written: &Request,
 ) {
-    let (prefill, decode) = (side(prefill_tp), side(decode_tp));
-    let prefills = engine_speaking_vllm_with("pf-vpush", model, &prefill, groups, vllm_push);
+    let (prefill_tp, decode_tp) = (prefill.tp, decode.tp);
+    let prefills = engine_speaking_vllm_with("pf-vpush", model, &prefill, groups.0, vllm_push);
     for (rank, worker) in prefills.iter().enumerate() {
         model.fill_prefill(worker, &prefill, rank);
     }
-    let decodes = engine_speaking_vllm_with("dc-vpush", model, &decode, groups, vllm_push);
+    let decodes = engine_speaking_vllm_with("dc-vpush", model, &decode, groups.1, vllm_push);
     for worker in &decodes {
         model.fill_sentinel(worker, &decode);
     }
@@ -534,6 +537,7 @@ async fn vllm_push_of_groups(
         block_ids: request.remote.clone(),
         lease_epoch: None,
         group_lens: Vec::new(),
+        num_tokens: request.num_tokens,
     };
     let meta = ConnectorMetadata {
         sends: vec![send],
@@ -745,8 +749,142 @@ async fn block_ids_of_two_kernel_blocks_are_written_whole() {
     check(&decode, 1, &[&kernel]);
     released(&prefills, &ids.id).await;
     // The same in vLLM's push protocol.
-    let groups = Some(&groups);
-    vllm_push_of_groups(&vllm_model(), (1, 1), &ids, groups, &kernel).await;
+    let groups = (Some(&groups), Some(&groups));
+    vllm_push_of_groups(&vllm_model(), (side(1), side(1)), &ids, groups, &kernel).await;
+}
+
+/// `config` in push mode, naming `groups` if given.
+fn push_of(config: &mut WorkerConfig, groups: Option<&KvCacheGroups>) {
+    push(config, None);
+    if let Some(groups) = groups {
+        with_groups(config, groups);
+    }
+}
+
+/// A prefill whose blocks hold `sizes.0` tokens pushes `request` (its `num_tokens` given
+/// or not) into a decode of blocks of `sizes.1`, both of TP 1 and of `groups` (in kernel
+/// blocks) where given; the decode's bytes checked against `written` once loaded, and
+/// its failed blocks returned.
+async fn push_across_block_sizes(
+    sizes: (usize, usize),
+    request: &Request,
+    groups: (Option<&KvCacheGroups>, Option<&KvCacheGroups>),
+    written: &Request,
+) -> Vec<FailedBlock> {
+    let (prefill, decode) = (
+        Side {
+            block_size: sizes.0,
+            ..side(1)
+        },
+        Side {
+            block_size: sizes.1,
+            ..side(1)
+        },
+    );
+    let prefills = engine_with("pf-sizes", &model(), &prefill, |c| push_of(c, groups.0));
+    model().fill_prefill(&prefills[0], &prefill, 0);
+    let decode_worker =
+        engine_with("dc-sizes", &model(), &decode, |c| push_of(c, groups.1)).remove(0);
+    model().fill_sentinel(&decode_worker, &decode);
+    hold(&prefills, request, Duration::from_secs(30));
+    let port = prefills[0].side_channel_addr().unwrap().port();
+    let from = Model::remote(request, "pf-sizes", port, 1);
+    decode_worker
+        .start_load(&request.id, &request.local, &from)
+        .unwrap();
+    loaded(&decode_worker, &request.id).await;
+    model()
+        .check_decode(&decode_worker, &prefill, &decode, 0, &[written])
+        .unwrap_or_else(|err| panic!("blocks of {sizes:?} tokens: {err}"));
+    released(&prefills, &request.id).await;
+    decode_worker.load_errors()
+}
+
+/// Engines whose blocks hold different numbers of tokens, both ways, with a prefix hit on
+/// the decode: the prefill writes the prompt's tokens where the decode's blocks hold them
+/// (by the prompt's tokens its hold gives), every byte; without those tokens the WRITE is
+/// refused by name, and nothing is written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engines_of_different_block_sizes_push_at_the_prompts_tokens() {
+    // Prefill blocks of 8 tokens, decode blocks of 4: 30 tokens are 4 prefill blocks and 8
+    // decode blocks, of which the decode's prefix cache holds the first 3.
+    let larger = Request {
+        id: "req-8-4".into(),
+        remote: vec![3, 9, 1, 6],
+        local: vec![2, 11, 5, 0, 7],
+        num_tokens: Some(30),
+    };
+    let failed = push_across_block_sizes((8, 4), &larger, (None, None), &larger).await;
+    assert!(failed.is_empty(), "{failed:?}");
+    // Prefill blocks of 4, decode blocks of 8: 26 tokens are 7 prefill blocks and 4 decode
+    // blocks, the first of them cached; the last decode block's second half is no token.
+    let smaller = Request {
+        id: "req-4-8".into(),
+        remote: vec![0, 4, 8, 1, 5, 9, 2],
+        local: vec![10, 3, 6],
+        num_tokens: Some(26),
+    };
+    let failed = push_across_block_sizes((4, 8), &smaller, (None, None), &smaller).await;
+    assert!(failed.is_empty(), "{failed:?}");
+    // Both in vLLM's push protocol (between Rust engines: vLLM 0.33's own push decode
+    // cannot complete a push of other block sizes).
+    let sized = |block_size| Side {
+        block_size,
+        ..side(1)
+    };
+    let model = vllm_model();
+    vllm_push_of_groups(&model, (sized(8), sized(4)), &larger, (None, None), &larger).await;
+    vllm_push_of_groups(
+        &model,
+        (sized(4), sized(8)),
+        &smaller,
+        (None, None),
+        &smaller,
+    )
+    .await;
+    // Without the prompt's tokens, where the decode's blocks start is unknown: refused.
+    let untold = Request {
+        id: "req-untold".into(),
+        num_tokens: None,
+        ..larger.clone()
+    };
+    let nothing = Request {
+        local: Vec::new(),
+        ..untold.clone()
+    };
+    let failed = push_across_block_sizes((8, 4), &untold, (None, None), &nothing).await;
+    assert_eq!(failed.len(), untold.local.len(), "{failed:?}");
+    assert!(
+        failed.iter().all(|f| f.reason.contains("refused")),
+        "{failed:?}"
+    );
+}
+
+/// Block ids of 8 tokens on the prefill, of two kernel blocks of 4 each, and of 4 tokens
+/// (one kernel block) on the decode: 18 tokens are 3 prefill ids (6 kernel blocks, the
+/// last holding no token) and 5 decode ids, of which the decode's prefix cache holds the
+/// first 2. The prefill's third to fifth kernel blocks land in the decode's 3 (vLLM 0.33
+/// cuts the last 3 of the 6 instead, one block late).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn block_ids_of_other_kernel_blocks_on_each_side_are_written_at_the_prompts_tokens() {
+    let prefill_groups = KvCacheGroups::new(8, vec![KvCacheGroupKind::FullAttention]).unwrap();
+    let ids = Request {
+        id: "req-kernels".into(),
+        remote: vec![1, 4, 0],
+        local: vec![7, 2, 9],
+        num_tokens: Some(18),
+    };
+    // In kernel blocks of 4 tokens on both sides.
+    let kernel = Request {
+        remote: vec![2, 3, 8, 9, 0, 1],
+        ..ids.clone()
+    };
+    let groups = (Some(&prefill_groups), None);
+    let failed = push_across_block_sizes((4, 4), &ids, groups, &kernel).await;
+    assert!(failed.is_empty(), "{failed:?}");
+    // The same in vLLM's push protocol, the prefill's step giving the prompt's tokens.
+    let sides = (side(1), side(1));
+    vllm_push_of_groups(&vllm_model(), sides, &ids, groups, &kernel).await;
 }
 
 /// The hybrid model of the push tests: full attention and a 6-token sliding window,

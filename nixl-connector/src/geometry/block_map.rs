@@ -110,8 +110,9 @@ pub(crate) fn pair_units(
     let remote_units = remote
         .iter()
         .flat_map(|&b| (0..ru).map(move |s| b * ru + s));
+    // No local block (a registration of none, in a push): `first` is past the tokens.
     Ok(local_units
-        .zip(remote_units.skip(first).take(filled - first))
+        .zip(remote_units.skip(first).take(filled.saturating_sub(first)))
         .collect())
 }
 

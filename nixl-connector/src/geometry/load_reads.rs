@@ -27,7 +27,7 @@
 use std::borrow::Cow;
 
 use crate::error::{Error, Result};
-use crate::geometry::block_map::{pair_groups, pair_units, GroupBlocks, GroupPairs};
+use crate::geometry::block_map::{pair_groups, pair_units, BlockSizes, GroupBlocks, GroupPairs};
 use crate::geometry::groups::{pairs_by_region, KvCacheGroups};
 use crate::geometry::read_plan::ReadPlan;
 use crate::geometry::ssm::{split_state_pairs, SsmReads};
@@ -87,47 +87,100 @@ pub(crate) struct ReadDescriptors {
 /// overflow, group counts that do not add up to the ids, lists that cannot pair, or SSM
 /// state blocks past either cache.
 pub(crate) fn plan_read(inputs: &ReadInputs<'_>) -> Result<ReadDescriptors> {
-    let (pairs, group_lens) = pair_blocks(inputs)?;
+    let (pairs, group_lens) = pair_blocks(&Pairing::of_read(inputs))?;
     descriptors(inputs, &pairs, &group_lens)
+}
+
+/// The descriptors of a push WRITE: `inputs` as [`plan_read`]'s, this side (`local`) the
+/// prefill, whose blocks hold the prompt from its first token, and `remote` the decode,
+/// whose registered blocks are the tail it lacks. The blocks pair as the decode's READ of
+/// the same blocks would pair them (by the prompt's `num_tokens` where the engines' blocks
+/// differ in tokens or in kernel blocks per id), each pair then turned to (prefill block,
+/// decode block); the bytes move as [`plan_read`]'s, the other way.
+///
+/// # Errors
+/// Those of [`plan_read`], the decode named the local side in them.
+pub(crate) fn plan_write(inputs: &ReadInputs<'_>) -> Result<ReadDescriptors> {
+    let read = Pairing::of_read(inputs);
+    let sizes = read.sizes;
+    let mirrored = Pairing {
+        local: read.remote,
+        remote: read.local,
+        local_num_blocks: read.remote_num_blocks,
+        remote_num_blocks: read.local_num_blocks,
+        sizes: BlockSizes {
+            local: sizes.remote,
+            remote: sizes.local,
+        },
+        ..read
+    };
+    let (pairs, group_lens) = pair_blocks(&mirrored).map_err(|err| {
+        Error::invalid(
+            "write a push registration",
+            format!("the decode's blocks (local) against the prefill's (remote): {err}"),
+        )
+    })?;
+    let pairs: Vec<(usize, usize)> = pairs.into_iter().map(|(d, p)| (p, d)).collect();
+    descriptors(inputs, &pairs, &group_lens)
+}
+
+/// What pairs a load's blocks: both sides' ids and caches, and the prompt's tokens.
+#[derive(Debug, Clone, Copy)]
+struct Pairing<'a> {
+    request_id: &'a str,
+    /// The side whose blocks are the tail of the prompt it lacks.
+    local: SideBlocks<'a>,
+    /// The side whose blocks hold the prompt from its first token.
+    remote: SideBlocks<'a>,
+    num_tokens: Option<usize>,
+    local_num_blocks: usize,
+    remote_num_blocks: usize,
+    sizes: BlockSizes,
+    /// The engine's KV cache groups (as many on both sides).
+    groups: &'a KvCacheGroups,
+}
+
+impl<'a> Pairing<'a> {
+    /// The pairing of a READ: the reader's blocks the tail.
+    fn of_read(inputs: &ReadInputs<'a>) -> Self {
+        Pairing {
+            request_id: inputs.request_id,
+            local: inputs.local,
+            remote: inputs.remote,
+            num_tokens: inputs.num_tokens,
+            local_num_blocks: inputs.local_num_blocks,
+            remote_num_blocks: inputs.plan.remote_num_blocks,
+            sizes: inputs.plan.block_sizes(),
+            groups: inputs.groups,
+        }
+    }
 }
 
 /// Which local block each remote block of `inputs` lands in, and, for several groups (or
 /// block ids of several kernel blocks), how many pairs each group has.
-fn pair_blocks(inputs: &ReadInputs<'_>) -> Result<GroupPairs> {
+fn pair_blocks(inputs: &Pairing<'_>) -> Result<GroupPairs> {
     let is_state = |g| inputs.groups.is_ssm(g);
-    let plan = inputs.plan;
     let remote = inputs.remote;
     // Each group names a block once: at most the remote rank's blocks per group.
-    let most = plan
+    let most = inputs
         .remote_num_blocks
         .saturating_mul(remote.group_lens.len().max(1));
     let remote_ids = kernel_blocks(remote, is_state, most, "remote_block_ids")?;
-    if let Some(bad) = remote_ids.iter().find(|&&b| b >= plan.remote_num_blocks) {
+    if let Some(bad) = remote_ids.iter().find(|&&b| b >= inputs.remote_num_blocks) {
         return Err(Error::invalid(
             OP,
-            format!("remote block {bad} of {} blocks", plan.remote_num_blocks),
+            format!("remote block {bad} of {} blocks", inputs.remote_num_blocks),
         ));
     }
     // One group pairs unit by unit from the prompt's first token, but not when a block id
     // is several kernel blocks (the last of which may hold no token): then as a group, at
     // the units' tokens of the prompt.
-    let sizes = plan.block_sizes();
+    let sizes = inputs.sizes;
     let local = inputs.local;
-    let kernel_ids = local.per_id > 1 || (remote.per_id > 1 && sizes.remote <= sizes.local);
-    if local.group_lens.is_empty() && !kernel_ids {
-        let pairs = pair_units(
-            inputs.request_id,
-            local.ids,
-            &remote_ids,
-            sizes,
-            inputs.num_tokens,
-        )?;
-        return Ok((pairs, Vec::new()));
-    }
-    let remote_lens = kernel_group_lens(remote, is_state)?;
     let local_lens = kernel_group_lens(local, is_state)?;
     let most = inputs.local_num_blocks.saturating_mul(local_lens.len());
     let local_ids = kernel_blocks(local, is_state, most, "local block ids")?;
+    // In a push the local side is the decode's registration: a peer's claim too.
     if let Some(bad) = local_ids.iter().find(|&&b| b >= inputs.local_num_blocks) {
         return Err(Error::invalid(
             OP,
@@ -137,6 +190,18 @@ fn pair_blocks(inputs: &ReadInputs<'_>) -> Result<GroupPairs> {
             ),
         ));
     }
+    let kernel_ids = local.per_id > 1 || (remote.per_id > 1 && sizes.remote <= sizes.local);
+    if local.group_lens.is_empty() && !kernel_ids {
+        let pairs = pair_units(
+            inputs.request_id,
+            &local_ids,
+            &remote_ids,
+            sizes,
+            inputs.num_tokens,
+        )?;
+        return Ok((pairs, Vec::new()));
+    }
+    let remote_lens = kernel_group_lens(remote, is_state)?;
     pair_groups(
         inputs.request_id,
         GroupBlocks {
@@ -430,6 +495,101 @@ mod tests {
         .unwrap();
         let units = plan.descriptor_ids(8, &[(6, 5), (7, 2), (12, 7)]);
         assert_eq!((got.local, got.remote, got.bytes), units);
+    }
+
+    #[test]
+    fn a_push_pairs_the_decodes_tail_at_the_prompts_tokens() {
+        // The prefill (this side) of blocks of 8 tokens holds 3 and 6 for a prompt of 14
+        // tokens; the decode, of blocks of 4, lacks the last 2 of its 4: tokens 8 to 15,
+        // the halves of prefill block 6.
+        let (large, small) = (spec(8), spec(4));
+        let plan = tp1_plan(&large, &small);
+        let groups = KvCacheGroups::default();
+        let write = inputs(&plan, &groups, side(&[3, 6], 1), side(&[5, 1], 1), Some(14));
+        let got = plan_write(&write).unwrap();
+        let units = plan.descriptor_ids(8, &[(12, 5), (13, 1)]);
+        assert_eq!((got.local, got.remote, got.bytes), units);
+        // A decode block past the cache is refused, named as the decode's.
+        let past = inputs(&plan, &groups, side(&[3, 6], 1), side(&[5, 8], 1), Some(14));
+        let err = plan_write(&past).unwrap_err().to_string();
+        assert!(
+            err.contains("the decode's blocks (local)") && err.contains("local kernel block 8"),
+            "{err}"
+        );
+    }
+
+    /// A decode's registration is a peer's claim: any ids, group counts, kernel blocks per id
+    /// and prompt lengths either plan a WRITE whose every descriptor is in both lists, or
+    /// are refused; never a panic.
+    #[test]
+    fn any_registration_plans_a_write_in_bounds_or_is_refused() {
+        let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut below = |n: usize| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % n as u64) as usize
+        };
+        let window = crate::geometry::groups::KvCacheGroupKind::SlidingWindow { window_tokens: 8 };
+        let two = vec![
+            crate::geometry::groups::KvCacheGroupKind::FullAttention,
+            window,
+        ];
+        let hybrid = KvCacheGroups::new(4, two).unwrap();
+        let (mut planned, mut refused) = (0, 0);
+        let cases = [(8, 4), (4, 8), (4, 4), (16, 4)];
+        for (groups, (prefill, decode)) in [KvCacheGroups::default(), hybrid]
+            .iter()
+            .flat_map(|g| cases.iter().map(move |&c| (g, c)))
+        {
+            let (ours, theirs) = (spec(prefill), spec(decode));
+            let plan = tp1_plan(&ours, &theirs);
+            for _ in 0..3000 {
+                let held: Vec<usize> = (0..1 + below(4)).map(|_| below(8)).collect();
+                let held_lens: Vec<usize> = match groups.len() {
+                    1 => Vec::new(),
+                    _ => {
+                        let first = below(held.len() + 1);
+                        vec![first, held.len() - first]
+                    }
+                };
+                let ids: Vec<usize> = (0..below(12))
+                    .map(|_| match below(12) {
+                        0 => usize::MAX - below(3),
+                        _ => below(10),
+                    })
+                    .collect();
+                let lens: Vec<usize> = match below(4) {
+                    0 => vec![below(6), below(6)],
+                    _ => Vec::new(),
+                };
+                let decode = SideBlocks {
+                    ids: &ids,
+                    group_lens: &lens,
+                    per_id: 1 + below(3),
+                };
+                let tokens = (below(8) > 0).then(|| below(70));
+                let ours = SideBlocks {
+                    ids: &held,
+                    group_lens: &held_lens,
+                    per_id: 1 + below(2),
+                };
+                let write = inputs(&plan, groups, ours, decode, tokens);
+                match plan_write(&write) {
+                    Ok(got) => {
+                        planned += 1;
+                        assert!(got.local.iter().all(|&i| i < plan.local_descriptors(8)));
+                        assert!(got.remote.iter().all(|&i| i < plan.remote_descriptors()));
+                        assert_eq!(got.local.len(), got.remote.len());
+                    }
+                    Err(_) => refused += 1,
+                }
+            }
+        }
+        assert!(
+            planned > 100 && refused > 100,
+            "{planned} planned, {refused} refused"
+        );
     }
 
     #[test]

@@ -58,6 +58,12 @@ pub struct SendSpec {
     /// one group.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub group_lens: Vec<usize>,
+    /// The prompt's tokens the request computed (its `num_computed_tokens`), if known: in
+    /// push mode, where a decode's blocks start in the prompt when the two engines' blocks
+    /// hold different numbers of tokens (or a block id is another number of kernel blocks
+    /// on each).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_tokens: Option<usize>,
 }
 
 /// A heartbeat for one remote engine: its requests that loads here still wait for.
@@ -174,6 +180,7 @@ mod tests {
                     block_ids: vec![3, 4],
                     lease_epoch: Some(7),
                     group_lens: vec![1, 1],
+                    num_tokens: Some(30),
                 },
                 SendSpec {
                     request_id: "past".into(),
@@ -182,6 +189,7 @@ mod tests {
                     block_ids: Vec::new(),
                     lease_epoch: None,
                     group_lens: Vec::new(),
+                    num_tokens: None,
                 },
             ],
             aborted: vec!["a".into()],

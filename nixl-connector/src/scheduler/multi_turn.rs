@@ -187,8 +187,9 @@ impl KvConnectorScheduler {
         let capability = self.reader_capability(request_id)?;
         // At most a day, as the config's key allows: a TTL set in code cannot overflow.
         let ttl = settings.kept_ttl.min(MAX_LEASE);
+        let held = (block_ids, num_computed_tokens);
         let lease_epoch =
-            self.hold_for_readers(request_id, block_ids, Instant::now() + ttl, &capability);
+            self.hold_for_readers(request_id, held, Instant::now() + ttl, &capability);
         self.kept.keep(request_id, block_ids.len());
         self.multi_turn.kept_total += 1;
         crate::metrics::series::kept_blocks(&self.config.engine_id, self.kept.blocks);

@@ -34,7 +34,7 @@ use crate::worker::load::{record, report_overdue, Load};
 use crate::worker::push_book::{PrefillAction, Ready, WaitProof};
 use crate::worker::push_outcome::outcome;
 use crate::worker::push_state::Push;
-use crate::worker::push_write::{post_and_await, WriteInputs};
+use crate::worker::push_write::{post_and_await, HeldBlocks, WriteInputs};
 use crate::worker::shared::Shared;
 
 /// The push part of `shared`, which push mode has.
@@ -164,12 +164,12 @@ fn act(shared: &Arc<Shared>, actions: Vec<PrefillAction>) {
     }
 }
 
-/// Prefill: `request_id` is held for a push of `block_ids` (`group_lens` per KV cache
-/// group) under `capability`; registrations that came first are matched now.
+/// Prefill: `request_id` is held for a push of `blocks` under `capability`; registrations
+/// that came first are matched now.
 pub(crate) fn ready(
     shared: &Arc<Shared>,
     request_id: &str,
-    blocks: (Vec<usize>, Vec<usize>),
+    blocks: HeldBlocks,
     capability: Capability,
 ) {
     let Some(push) = part(shared) else {
@@ -278,7 +278,7 @@ async fn write(
             let inputs = WriteInputs {
                 request_id: &registration.request_id,
                 decode: (&decode_ids, &decode_lens),
-                ready: (&ready.block_ids, &ready.group_lens),
+                ready: &ready.blocks,
                 notification,
             };
             post_and_await(shared, inputs, &remote).await

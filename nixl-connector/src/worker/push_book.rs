@@ -16,6 +16,7 @@ use crate::transport::capability::Capability;
 use crate::transport::push_wire::{
     EndProof, PushEnd, Registration, RegistrationKind, SignedEnd, SignedRegistration,
 };
+use crate::worker::push_write::HeldBlocks;
 
 /// Most registrations and cancels a prefill rank keeps for requests it does not hold yet.
 pub(crate) const MAX_WAITING: usize = 4096;
@@ -27,10 +28,8 @@ const MAX_RECENT: usize = 4096;
 /// A prefill request whose blocks may be written.
 #[derive(Debug, Clone)]
 pub(crate) struct Ready {
-    /// Its blocks, in token order (each group's in turn).
-    pub(crate) block_ids: Vec<usize>,
-    /// How many of them each KV cache group has; empty: one group.
-    pub(crate) group_lens: Vec<usize>,
+    /// Its blocks.
+    pub(crate) blocks: HeldBlocks,
     /// The capability of its params.
     pub(crate) capability: Capability,
     /// Whether a registration was matched (a WRITE is or was under way): later ones are
@@ -125,10 +124,9 @@ impl PrefillBook {
     pub(crate) fn ready(
         &mut self,
         request_id: &str,
-        ready: (Vec<usize>, Vec<usize>),
+        blocks: HeldBlocks,
         capability: Capability,
     ) -> Vec<PrefillAction> {
-        let (block_ids, group_lens) = ready;
         if self.ready.contains_key(request_id) {
             // Held again while held: the first hold (and any WRITE it started) stands.
             return Vec::new();
@@ -139,8 +137,7 @@ impl PrefillBook {
         self.ready.insert(
             request_id.to_string(),
             Ready {
-                block_ids,
-                group_lens,
+                blocks,
                 capability,
                 started: false,
             },
@@ -537,7 +534,7 @@ mod tests {
         let mut book = PrefillBook::new(Duration::from_secs(30));
         assert!(book.registration(b"d0", signed("r", &cap, "d0")).is_empty());
         assert_eq!(book.waiting().0, 1);
-        let actions = book.ready("r", (vec![5, 6, 7], vec![]), cap.clone());
+        let actions = book.ready("r", HeldBlocks::of(&[5, 6, 7]), cap.clone());
         assert!(
             matches!(&actions[..], [PrefillAction::Write { request_id, .. }] if request_id == "r")
         );
@@ -545,7 +542,7 @@ mod tests {
         assert_eq!((book.stats.matched, book.stats.waited), (1, 1));
         // Held again, it keeps its first hold: nothing starts again.
         assert!(book
-            .ready("r", (vec![5, 6, 7], vec![]), cap.clone())
+            .ready("r", HeldBlocks::of(&[5, 6, 7]), cap.clone())
             .is_empty());
         // A second registration for it is refused, with an end the decode can prove.
         let again = book.registration(b"d0", signed("r", &cap, "d0"));
@@ -573,7 +570,7 @@ mod tests {
         let cap = Capability::random().unwrap();
         let forger = Capability::random().unwrap();
         let mut book = PrefillBook::new(Duration::from_secs(30));
-        book.ready("r", (vec![5], vec![]), cap.clone());
+        book.ready("r", HeldBlocks::of(&[5]), cap.clone());
         assert!(book
             .registration(b"d0", signed("r", &forger, "d0"))
             .is_empty());
@@ -606,7 +603,7 @@ mod tests {
             ..
         }] if *nonce == "n".repeat(64)));
         // Only d1's registration is left to write once the request is held.
-        let actions = book.ready("r", (vec![5, 6], vec![]), cap.clone());
+        let actions = book.ready("r", HeldBlocks::of(&[5, 6]), cap.clone());
         assert!(matches!(&actions[..], [PrefillAction::Write { sender, .. }] if sender == b"d1"));
         assert_eq!(book.waiting(), (0, 0));
         // d0's registration arriving after its cancel is refused, held request or not.
@@ -614,7 +611,7 @@ mod tests {
         book.registration(b"d0", cancel("q", &cap, "d0"));
         assert!(book.registration(b"d0", signed("q", &cap, "d0")).is_empty());
         assert!(
-            book.ready("q", (vec![1, 2], vec![]), cap).is_empty(),
+            book.ready("q", HeldBlocks::of(&[1, 2]), cap).is_empty(),
             "nothing to write"
         );
     }
@@ -631,10 +628,16 @@ mod tests {
         assert!(bytes <= MAX_WAITING_BYTES);
         assert_eq!(book.stats.evicted, 10);
         // The oldest went first: r0 is gone, the last is kept.
-        assert!(book.ready("r0", (vec![1], vec![]), cap.clone()).is_empty());
+        assert!(book
+            .ready("r0", HeldBlocks::of(&[1]), cap.clone())
+            .is_empty());
         assert_eq!(
-            book.ready(&format!("r{}", MAX_WAITING + 9), (vec![1, 2], vec![]), cap)
-                .len(),
+            book.ready(
+                &format!("r{}", MAX_WAITING + 9),
+                HeldBlocks::of(&[1, 2]),
+                cap
+            )
+            .len(),
             1
         );
         std::thread::sleep(Duration::from_millis(60));

@@ -12,13 +12,13 @@ use std::time::{Duration, Instant};
 
 use crate::vllm::push_reg::{base_id, PushRegistration};
 use crate::worker::push_book::{PrefillPushStats, MAX_WAITING, MAX_WAITING_BYTES};
+use crate::worker::push_write::HeldBlocks;
 
 /// A request held for push: its blocks in token order, and how many each KV cache group
 /// has (empty: one group).
 #[derive(Debug, Clone)]
 struct Held {
-    block_ids: Vec<usize>,
-    group_lens: Vec<usize>,
+    blocks: HeldBlocks,
     /// A registration was matched: a WRITE is or was under way.
     started: bool,
 }
@@ -39,8 +39,8 @@ pub(crate) struct VllmWrite {
     pub(crate) request_id: String,
     pub(crate) sender: Vec<u8>,
     pub(crate) registration: Box<PushRegistration>,
-    /// The held request's blocks and group lengths.
-    pub(crate) ready: (Vec<usize>, Vec<usize>),
+    /// The held request's blocks.
+    pub(crate) ready: HeldBlocks,
 }
 
 /// A prefill rank's vLLM push book.
@@ -68,17 +68,12 @@ impl VllmPrefillBook {
 
     /// `request_id`'s blocks are held for push; the first early registration that matches
     /// it (exact id first, then base id, in arrival order) is written.
-    pub(crate) fn ready(
-        &mut self,
-        request_id: &str,
-        (block_ids, group_lens): (Vec<usize>, Vec<usize>),
-    ) -> Option<VllmWrite> {
+    pub(crate) fn ready(&mut self, request_id: &str, blocks: HeldBlocks) -> Option<VllmWrite> {
         if self.held.contains_key(request_id) {
             return None;
         }
         let held = Held {
-            block_ids,
-            group_lens,
+            blocks,
             started: false,
         };
         self.held.insert(request_id.to_string(), held);
@@ -147,7 +142,7 @@ impl VllmPrefillBook {
             request_id: request_id.to_string(),
             sender,
             registration: Box::new(registration),
-            ready: (held.block_ids.clone(), held.group_lens.clone()),
+            ready: held.blocks.clone(),
         })
     }
 
@@ -236,10 +231,10 @@ mod tests {
     #[test]
     fn a_registration_matches_by_exact_id_else_by_base_id_once() {
         let mut book = VllmPrefillBook::new(Duration::from_secs(30));
-        assert!(book.ready("r-1a2b3c4d", (vec![3], vec![])).is_none());
+        assert!(book.ready("r-1a2b3c4d", HeldBlocks::of(&[3])).is_none());
         let write = book.registration(b"d", reg("r-0badf00d"), 10).unwrap();
         assert_eq!(write.request_id, "r-1a2b3c4d");
-        assert_eq!(write.ready, (vec![3], vec![]));
+        assert_eq!(write.ready, HeldBlocks::of(&[3]));
         // One WRITE at a time: another registration waits while it runs.
         assert!(book.registration(b"e", reg("r-1a2b3c4d"), 10).is_none());
         assert!(book.registration(b"d", reg("other"), 10).is_none());
@@ -264,7 +259,7 @@ mod tests {
         assert!(book.registration(b"d", reg("early-1a2b3c4d"), 10).is_none());
         assert!(book.registration(b"d", reg("early"), 10).is_none());
         // The exact id is preferred to an earlier base-id match.
-        let write = book.ready("early", (vec![1, 2], vec![])).unwrap();
+        let write = book.ready("early", HeldBlocks::of(&[1, 2])).unwrap();
         assert_eq!(write.registration.request_id, "early");
         assert_eq!(book.stats.waited, 1);
         for i in 0..MAX_WAITING + 10 {

@@ -44,7 +44,7 @@ use crate::worker::push_book::WaitProof;
 use crate::worker::push_book_vllm::VllmWrite;
 use crate::worker::push_outcome::outcome;
 use crate::worker::push_state::Push;
-use crate::worker::push_write::{post_and_await, WriteInputs};
+use crate::worker::push_write::{post_and_await, HeldBlocks, WriteInputs};
 use crate::worker::remotes::Remote;
 use crate::worker::shared::Shared;
 
@@ -202,14 +202,9 @@ async fn run_load(shared: &Arc<Shared>, push: &Push, load: &Load) -> Result<()> 
     }
 }
 
-/// Prefill: `request_id` is held for a push of `blocks` (ids, and group lengths; empty for
-/// one group); a registration that came first is written now.
-pub(crate) fn ready(
-    shared: &Arc<Shared>,
-    push: &Push,
-    request_id: &str,
-    blocks: (Vec<usize>, Vec<usize>),
-) {
+/// Prefill: `request_id` is held for a push of `blocks`; a registration that came first is
+/// written now.
+pub(crate) fn ready(shared: &Arc<Shared>, push: &Push, request_id: &str, blocks: HeldBlocks) {
     if let Some(write) = push.vllm_book().ready(request_id, blocks) {
         spawn_write(shared, write);
     }
@@ -347,7 +342,7 @@ async fn write(shared: &Arc<Shared>, push: &Push, write: VllmWrite) {
             let inputs = WriteInputs {
                 request_id: &request_id,
                 decode: (&ids, &lens),
-                ready: (&ready.0, &ready.1),
+                ready: &ready,
                 notification: notification.into_bytes(),
             };
             post_and_await(shared, inputs, &remote).await
