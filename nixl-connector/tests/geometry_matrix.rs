@@ -16,7 +16,8 @@
 //! region) runs through the same model, each group's blocks as the model's own reading of
 //! the window says, with blocks of as many tokens on both engines or decode blocks of a
 //! multiple of the prefill's; so does one of full attention and an SSM (Mamba) group, its
-//! state blocks checked against the test's own reading of vLLM's state page.
+//! state blocks checked against the test's own reading of vLLM's state page, pulled and
+//! pushed (the prefill ranks WRITE it, in push mode).
 //!
 //! The ranks of both engines run in this process, on one runtime (the two-process cases
 //! are in hetero_tp.rs); the caches are small, so the whole matrix runs in seconds.
@@ -34,7 +35,7 @@ use common::matrix::{run_cases_speaking, BLOCKS, WAIT};
 use common::poll_until;
 use common::ssm::{
     another_state_is_refused, run_ssm_cases, run_ssm_cases_per_id,
-    run_ssm_cases_with_region_groups, SSM_BLOCKS,
+    run_ssm_cases_with_region_groups, run_ssm_push_cases, SSM_BLOCKS,
 };
 
 /// MHA, 4 KV heads, HND: K with 16-byte head tokens, V with 8-byte ones (separate regions
@@ -267,6 +268,55 @@ async fn an_attention_and_ssm_model_moves_every_byte_where_the_model_says() {
             run_ssm_cases_per_id(&model, &two, protocol, ids).await;
             run_ssm_cases_per_id(&mla, &two[..1], protocol, ids).await;
         }
+    }
+}
+
+/// The attention and SSM model in push mode, in both protocols: prefill TP 1 → 1, 2 → 2,
+/// 2 → 1 and 4 → 2 (each prefill rank WRITEs its share of the state into the decode rank's
+/// page and its heads into its blocks), MLA's latent beside the state, KV heads replicated
+/// over the prefill's ranks, and regions of their own; every byte of every decode rank, each
+/// written once, past a prefix hit on the decode too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attention_and_ssm_model_is_pushed_where_the_model_says() {
+    common::init_tracing();
+    let side = |tp, block_size| Side {
+        tp,
+        block_size,
+        num_blocks: SSM_BLOCKS,
+    };
+    let model = Model {
+        attention: KvAttention::Mha { total_kv_heads: 4 },
+        layout: KvLayout::Hnd,
+        regions: vec![(KvRegionKind::Tensor, 16), (KvRegionKind::Tensor, 8)],
+    };
+    let cases = [
+        (side(1, 4), side(1, 4)),
+        (side(2, 4), side(2, 4)),
+        (side(2, 4), side(1, 4)),
+        (side(4, 4), side(2, 4)),
+    ];
+    let mla = Model {
+        attention: KvAttention::Mla,
+        layout: KvLayout::Hnd,
+        regions: vec![(KvRegionKind::Tensor, 24), (KvRegionKind::Tensor, 16)],
+    };
+    let replicated = Model {
+        attention: KvAttention::Mha { total_kv_heads: 2 },
+        ..model.clone()
+    };
+    let three = Model {
+        regions: vec![
+            (KvRegionKind::Tensor, 16),
+            (KvRegionKind::Tensor, 8),
+            (KvRegionKind::Tensor, 12),
+        ],
+        ..model.clone()
+    };
+    for protocol in [Protocol::Vllm, Protocol::Native] {
+        run_ssm_push_cases(&model, &cases, protocol, &[]).await;
+        run_ssm_push_cases(&mla, &cases[..3], protocol, &[]).await;
+        run_ssm_push_cases(&replicated, &[(side(4, 4), side(1, 4))], protocol, &[]).await;
+        run_ssm_push_cases(&three, &cases[..3], protocol, &[-1, 1, 0]).await;
     }
 }
 

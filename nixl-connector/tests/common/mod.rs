@@ -119,6 +119,16 @@ pub fn vllm_config(factors: serde_json::Value) -> KvTransferConfig {
     config
 }
 
+/// `config` in push mode (`transfer_mode: "push"`), its vLLM compatibility factors (if it
+/// speaks vLLM's protocol) saying so too, as vLLM's push engines' do.
+pub fn in_push_mode(config: &mut KvTransferConfig) {
+    let extra = &mut config.kv_connector_extra_config;
+    extra.insert("transfer_mode".into(), "push".into());
+    if let Some(factors) = extra.get_mut("vllm_compat_factors") {
+        factors["transfer_mode"] = "push".into();
+    }
+}
+
 /// A worker with a registered zeroed DRAM cache of `spec`.
 pub fn worker(engine: &str, rank: usize, tp: usize, spec: &KvCacheSpec) -> KvConnectorWorker {
     worker_with(engine, rank, tp, spec, |_| {})

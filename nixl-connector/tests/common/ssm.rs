@@ -8,16 +8,19 @@
 //! per rank) are the prefill's, its padding keeps what it held.
 
 use nixl_connector::{
-    KvCacheGroups, KvConnectorScheduler, KvConnectorWorker, Protocol, SchedulerConfig,
-    KV_CACHE_GROUPS_KEY,
+    KvAttention, KvCacheGroups, KvConnectorScheduler, KvConnectorWorker, Protocol, SchedulerConfig,
+    WorkerConfig, KV_CACHE_GROUPS_KEY,
 };
 
-use super::geometry::{compare_region, engine_speaking, Model, Request, Side};
+use super::geometry::{
+    compare_region, engine_speaking, engine_speaking_vllm_with, engine_with, with_groups, Model,
+    Request, Side,
+};
 use super::hybrid::{kernel_blocks, PerId};
 use super::matrix::{
     attention_label, await_freed, fill, hand_over, run_each, GroupsHandover, RankEnd,
 };
-use super::{cpu_config, vllm_config, vllm_factors};
+use super::{cpu_config, in_push_mode, vllm_config, vllm_factors};
 
 /// Blocks per region: room for both groups of two requests.
 pub const SSM_BLOCKS: usize = 40;
@@ -58,8 +61,14 @@ fn refusal(prefill: &Side, decode: &Side) -> Option<&'static str> {
 }
 
 /// The config of an engine of TP `tp` over blocks of `block_size` tokens speaking
-/// `protocol`: its groups and their state in `kv_connector_extra_config`.
-fn config(tp: usize, block_size: usize, protocol: Protocol) -> nixl::kv_config::KvTransferConfig {
+/// `protocol`, in push mode if `push`: its groups and their state in
+/// `kv_connector_extra_config`.
+fn config(
+    tp: usize,
+    block_size: usize,
+    protocol: Protocol,
+    push: bool,
+) -> nixl::kv_config::KvTransferConfig {
     let (conv, temporal) = rank_state(tp);
     let mut kv = match protocol {
         Protocol::Vllm => vllm_config(vllm_factors()),
@@ -69,6 +78,9 @@ fn config(tp: usize, block_size: usize, protocol: Protocol) -> nixl::kv_config::
         KV_CACHE_GROUPS_KEY.into(),
         groups_json(block_size, (&conv, temporal)),
     );
+    if push {
+        in_push_mode(&mut kv);
+    }
     kv
 }
 
@@ -85,7 +97,7 @@ fn groups_json(block_size: usize, (conv, temporal): (&[usize], usize)) -> serde_
 /// The model's groups at TP `tp` over blocks of `block_size` tokens, as [`config`] names
 /// them, each region's group `region_groups` (none: every region shared).
 fn groups(tp: usize, block_size: usize, region_groups: &[i64]) -> KvCacheGroups {
-    KvCacheGroups::from_kv_transfer_config(&config(tp, block_size, Protocol::Native))
+    KvCacheGroups::from_kv_transfer_config(&config(tp, block_size, Protocol::Native, false))
         .unwrap()
         .with_region_groups(region_groups.to_vec())
         .unwrap()
@@ -108,17 +120,19 @@ struct Setting {
     protocol: Protocol,
     /// Each region's KV cache group (vLLM's `region_group_ids`); empty: every region shared.
     region_groups: &'static [i64],
+    /// Whether the prefill WRITEs (push mode) rather than the decode READs.
+    push: bool,
 }
 
-/// A scheduler of an engine of TP `tp` reached at `port` speaking `protocol`, with the
-/// model's groups.
+/// A scheduler of an engine of TP `tp` reached at `port` speaking `protocol`, in push mode
+/// if `push`, with the model's groups.
 fn scheduler(
     engine: &str,
     port: u16,
     (tp, block_size): (usize, usize),
-    protocol: Protocol,
+    (protocol, push): (Protocol, bool),
 ) -> KvConnectorScheduler {
-    let kv = config(tp, block_size, protocol);
+    let kv = config(tp, block_size, protocol, push);
     let config = SchedulerConfig::new(engine, "127.0.0.1", port, tp, &kv).unwrap();
     KvConnectorScheduler::new(config).with_kv_cache_groups(groups(tp, block_size, &[]))
 }
@@ -193,15 +207,16 @@ fn attention_load(
 /// byte of the rank's share of the SSM state in each of `ssm_regions` the prefill's (from the
 /// prefill rank holding it, see [`state_byte`]), the state page (a block id's `per_id`
 /// kernel blocks) past the state and every other byte as it was; and the bytes read, each
-/// once.
+/// once (`None`: a push, whose decode reads nothing). The bytes the model moves into it:
+/// the attention's, and the state's.
 fn check_rank(
     model: &Model,
     worker: &KvConnectorWorker,
     (prefill, decode): (&Side, &Side),
     (rank, per_id): (usize, PerId),
     (requests, ssm_regions): (&[SsmRequest], &[usize]),
-    read: u64,
-) -> Result<(), String> {
+    read: Option<u64>,
+) -> Result<(usize, usize), String> {
     let (conv, temporal) = rank_state(decode.tp);
     let state: usize = conv.iter().sum::<usize>() + temporal;
     let loads: Vec<Request> = requests
@@ -244,17 +259,18 @@ fn check_rank(
         }
         compare_region(worker, rank, region, len, &want)?;
     }
-    let moved: usize = loads
+    let attention: usize = loads
         .iter()
         .map(|r| model.moved_bytes(prefill, decode, rank, r))
-        .sum::<usize>()
-        + requests.len() * ssm_regions.len() * state;
-    if read != moved as u64 {
+        .sum();
+    let state = requests.len() * ssm_regions.len() * state;
+    let moved = attention + state;
+    if let Some(read) = read.filter(|&read| read != moved as u64) {
         return Err(format!(
             "decode rank {rank} read {read} bytes, the model moves {moved} (each byte once)"
         ));
     }
-    Ok(())
+    Ok((attention, state))
 }
 
 /// A case's prefill ranks, decode ranks and requests, their loads started.
@@ -264,30 +280,47 @@ type Started = (
     [SsmRequest; 2],
 );
 
-/// The engines of case `tag` speaking `protocol`, prefill and decode `sides` of `model`,
-/// their KV cache groups `groups` over block ids of `sizes` tokens (prefill, decode): both
-/// requests handed over by the prefill's scheduler to the decode's, and every rank's loads
-/// started. The prefill's ranks, the decode's, and the requests.
+/// The ranks of engine `engine_id` of `side` of `model` speaking `protocol` with `groups`,
+/// in push mode if `push`.
+fn engine(
+    engine_id: &str,
+    (model, side): (&Model, &Side),
+    groups: &KvCacheGroups,
+    (protocol, push): (Protocol, bool),
+) -> Vec<KvConnectorWorker> {
+    let push_mode = |config: &mut WorkerConfig| {
+        with_groups(config, groups);
+        in_push_mode(&mut config.kv_transfer_config);
+    };
+    match (push, protocol) {
+        (false, _) => engine_speaking(engine_id, model, side, protocol, Some(groups)),
+        (true, Protocol::Vllm) => {
+            engine_speaking_vllm_with(engine_id, model, side, Some(groups), push_mode)
+        }
+        (true, _) => engine_with(engine_id, model, side, push_mode),
+    }
+}
+
+/// The engines of case `tag` speaking `protocol`, in push mode if `push`, prefill and
+/// decode `sides` of `model`, their KV cache groups `groups` over block ids of `sizes`
+/// tokens (prefill, decode): both requests handed over by the prefill's scheduler to the
+/// decode's, and every rank's loads started. The prefill's ranks, the decode's, and the
+/// requests.
 fn start(
     tag: &str,
     model: &Model,
     (prefill, decode): (&Side, &Side),
     (groups, sizes): (&(KvCacheGroups, KvCacheGroups), (usize, usize)),
-    protocol: Protocol,
+    (protocol, push): (Protocol, bool),
 ) -> Result<Started, String> {
     let engine_id = format!("pf-{tag}");
-    let prefills = engine_speaking(&engine_id, model, prefill, protocol, Some(&groups.0));
-    let decodes = engine_speaking(
-        &format!("dc-{tag}"),
-        model,
-        decode,
-        protocol,
-        Some(&groups.1),
-    );
+    let mode = (protocol, push);
+    let prefills = engine(&engine_id, (model, prefill), &groups.0, mode);
+    let decodes = engine(&format!("dc-{tag}"), (model, decode), &groups.1, mode);
     fill(model, (prefill, &prefills), (decode, &decodes));
     let port = prefills[0].side_channel_addr().unwrap().port();
-    let mut prefill_scheduler = scheduler(&engine_id, port, (prefill.tp, sizes.0), protocol);
-    let mut decode_scheduler = scheduler("dc", 0, (decode.tp, sizes.1), protocol);
+    let mut prefill_scheduler = scheduler(&engine_id, port, (prefill.tp, sizes.0), mode);
+    let mut decode_scheduler = scheduler("dc", 0, (decode.tp, sizes.1), mode);
     let requests = requests(tag, prompt_tokens(sizes.0).div_ceil(sizes.1));
     let handovers = requests.iter().map(|r| GroupsHandover {
         id: &r.id,
@@ -305,10 +338,24 @@ fn start(
     Ok((prefills, decodes, requests))
 }
 
+/// How many prefill ranks WRITE each byte of a decode rank's attention in push mode: every
+/// prefill rank holding its head (as vLLM's push: the decode counts one WRITE from each
+/// rank of its group, and each writes what it holds of the decode rank's heads), so for
+/// MLA's latent and for KV heads replicated over the prefill's ranks, each rank holding a
+/// copy, less the decode's own replication.
+fn attention_writers(model: &Model, (prefill, decode): (&Side, &Side)) -> usize {
+    let heads = match model.attention {
+        KvAttention::Mla => 1,
+        KvAttention::Mha { total_kv_heads } => total_kv_heads,
+    };
+    let holders = |tp: usize| (tp / heads).max(1);
+    (holders(prefill.tp) / holders(decode.tp)).max(1)
+}
+
 /// One case: both requests handed over by the prefill's scheduler and loaded through the
 /// decode's by every decode rank, every byte checked, every prefill rank freeing both; with
 /// a case whose state is not read (see [`refusal`]), refused by name before any
-/// READ.
+/// READ. In push mode the prefill ranks WRITE the same bytes (see [`attention_writers`]).
 async fn ssm_case(
     model: &Model,
     (prefill, decode): (Side, Side),
@@ -318,9 +365,11 @@ async fn ssm_case(
         per_id,
         protocol,
         region_groups,
+        push,
     } = setting;
+    let mode = if push { "push" } else { "pull" };
     let tag = format!(
-        "ssm-{protocol:?}-{}-p{}b{}x{}-d{}b{}x{}-rg{region_groups:?}",
+        "ssm-{protocol:?}-{mode}-{}-p{}b{}x{}-d{}b{}x{}-rg{region_groups:?}",
         attention_label(model),
         prefill.tp,
         prefill.block_size,
@@ -338,9 +387,15 @@ async fn ssm_case(
         groups(prefill.tp, sizes.0, region_groups),
         groups(decode.tp, sizes.1, region_groups),
     );
-    let (prefills, decodes, requests) =
-        start(&tag, model, (&prefill, &decode), (&groups, sizes), protocol)?;
+    let (prefills, decodes, requests) = start(
+        &tag,
+        model,
+        (&prefill, &decode),
+        (&groups, sizes),
+        (protocol, push),
+    )?;
     let ssm_regions = ssm_regions(region_groups, model.regions.len());
+    let mut moved = 0;
     for (rank, worker) in decodes.iter().enumerate() {
         let end = RankEnd::of(worker, rank, requests.len()).await;
         if let Some(reason) = refusal(&prefill, &decode) {
@@ -361,8 +416,8 @@ async fn ssm_case(
                 "{tag}: decode rank {rank} ended {recving:?}; errors {errors:?}; {metrics:?}"
             ));
         }
-        let read = metrics.iter().map(|m| m.bytes).sum();
-        check_rank(
+        let read = (!push).then(|| metrics.iter().map(|m| m.bytes).sum());
+        let (attention, state) = check_rank(
             model,
             worker,
             (&prefill, &decode),
@@ -371,13 +426,21 @@ async fn ssm_case(
             read,
         )
         .map_err(|err| format!("{tag}: {err}"))?;
+        moved += attention * attention_writers(model, (&prefill, &decode)) + state;
     }
     if refusal(&prefill, &decode).is_some() {
         // Nothing read, nothing notified: the prefill's lease frees the blocks.
         return Ok(());
     }
     let ids: Vec<&str> = requests.iter().map(|r| r.id.as_str()).collect();
-    await_freed(&prefills, &ids, &tag).await
+    await_freed(&prefills, &ids, &tag).await?;
+    let written: u64 = prefills.iter().map(|p| p.push_stats().bytes_written).sum();
+    if push && written != moved as u64 {
+        return Err(format!(
+            "{tag}: the prefill ranks wrote {written} bytes, the model moves {moved}"
+        ));
+    }
+    Ok(())
 }
 
 /// Runs every case of `cases` (prefill and decode sides) for `model` as a hybrid model of a
@@ -393,6 +456,7 @@ pub async fn run_ssm_cases(model: &Model, cases: &[(Side, Side)], protocol: Prot
         per_id: whole,
         protocol,
         region_groups: &[],
+        push: false,
     };
     run_ssm_cases_speaking(model, cases, setting).await
 }
@@ -414,6 +478,7 @@ pub async fn run_ssm_cases_with_region_groups(
         },
         protocol,
         region_groups,
+        push: false,
     };
     run_ssm_cases_speaking(model, cases, setting).await
 }
@@ -430,6 +495,34 @@ pub async fn run_ssm_cases_per_id(
         per_id,
         protocol,
         region_groups: &[],
+        push: false,
+    };
+    run_ssm_cases_speaking(model, cases, setting).await
+}
+
+/// [`run_ssm_cases`] in push mode, regions of their own as `region_groups` says (empty:
+/// every region shared): the prefill ranks WRITE into the blocks the decode's scheduler
+/// registered, the attention group's past the decode's prefix hit and the SSM group's state
+/// block whole (vLLM's push pairs a state slot with a state slot), every byte the models
+/// say, each byte written once. Push writes a decode of at most the prefill's TP, of the
+/// same block size (the cases must be such).
+pub async fn run_ssm_push_cases(
+    model: &Model,
+    cases: &[(Side, Side)],
+    protocol: Protocol,
+    region_groups: &'static [i64],
+) {
+    assert!(cases
+        .iter()
+        .all(|(p, d)| p.tp >= d.tp && p.block_size == d.block_size));
+    let setting = Setting {
+        per_id: PerId {
+            prefill: 1,
+            decode: 1,
+        },
+        protocol,
+        region_groups,
+        push: true,
     };
     run_ssm_cases_speaking(model, cases, setting).await
 }
@@ -440,9 +533,11 @@ async fn run_ssm_cases_speaking(model: &Model, cases: &[(Side, Side)], setting: 
         per_id,
         protocol,
         region_groups,
+        push,
     } = setting;
+    let mode = if push { "push" } else { "pull" };
     let what = format!(
-        ", full attention and SSM groups, {} and {} kernel blocks per id, {protocol:?} protocol, region groups {region_groups:?}",
+        ", full attention and SSM groups, {} and {} kernel blocks per id, {protocol:?} protocol, {mode} mode, region groups {region_groups:?}",
         per_id.prefill, per_id.decode
     );
     run_each(cases, &what, |prefill, decode| {
@@ -473,8 +568,13 @@ pub async fn another_state_is_refused(
     let tag = format!("ssm-other-{protocol:?}-{state:?}");
     let theirs: KvCacheGroups = serde_json::from_value(groups_json(4, state)).unwrap();
     let groups = (groups(1, 4, &[]), theirs);
-    let (_prefills, decodes, requests) =
-        start(&tag, model, (&side, &side), (&groups, (4, 4)), protocol)?;
+    let (_prefills, decodes, requests) = start(
+        &tag,
+        model,
+        (&side, &side),
+        (&groups, (4, 4)),
+        (protocol, false),
+    )?;
     let end = RankEnd::of(&decodes[0], 0, requests.len()).await;
     let named = end.recving.len() == requests.len()
         && !end.errors.is_empty()
