@@ -479,6 +479,14 @@ async fn push_between(model: &Model, prefill_tp: usize, decode_tp: usize, reques
             .unwrap_or_else(|err| panic!("TP {prefill_tp} -> {decode_tp}: {err}"));
     }
     released(&prefills, &request.id).await;
+    // Each byte written once: of the prefill ranks holding a copy of a decode rank's heads
+    // (MLA's latent), one writes it; each rank ends.
+    let written: u64 = prefills.iter().map(|p| p.push_stats().bytes_written).sum();
+    let moved: usize = (0..decode_tp)
+        .map(|rank| model.moved_bytes(&prefill, &decode, rank, &request))
+        .sum();
+    assert_eq!(written, moved as u64, "TP {prefill_tp} -> {decode_tp}");
+    assert!(prefills.iter().all(|p| p.push_stats().writes == 1));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -573,6 +581,12 @@ async fn vllm_push_of_groups(
             "each prefill rank writes once"
         );
     }
+    // Each byte once: of the ranks holding a copy of a decode rank's heads, one writes it.
+    let bytes: u64 = prefills.iter().map(|p| p.push_stats().bytes_written).sum();
+    let moved: usize = (0..decode_tp)
+        .map(|rank| model.moved_bytes(&prefill, &decode, rank, written))
+        .sum();
+    assert_eq!(bytes, moved as u64, "TP {prefill_tp} -> {decode_tp}");
 }
 
 /// vLLM's push protocol at TP above 1: prefill TP 2 into decode TP 1 (each prefill rank its
@@ -586,9 +600,12 @@ async fn in_vllms_push_protocol_prefill_ranks_write_their_slices_at_any_tp() {
     vllm_push_between(&mla(), 2, 1, request("vreq-mla-2-1", 4, 4)).await;
 }
 
+/// MLA's latent, replicated on every rank: of the prefill ranks of a decode rank's group,
+/// one writes it and the others only notify (vLLM's push has each write the same bytes).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn mla_latents_are_written_from_every_prefill_rank() {
+async fn mla_latents_are_written_once_and_every_prefill_rank_ends() {
     push_between(&mla(), 2, 1, request("req-mla-2-1", 4, 4)).await;
+    push_between(&mla(), 4, 2, request("req-mla-4-2", 4, 3)).await;
     push_between(&mla(), 1, 1, request("req-mla-1-1", 4, 2)).await;
 }
 

@@ -31,10 +31,10 @@ use crate::transport::push_wire::{
 };
 use crate::worker::connect::{self, Engine};
 use crate::worker::load::{record, report_overdue, Load};
-use crate::worker::push_book::{PrefillAction, Ready, WaitProof};
+use crate::worker::push_book::{HeldBlocks, PrefillAction, Ready, WaitProof};
 use crate::worker::push_outcome::outcome;
 use crate::worker::push_state::Push;
-use crate::worker::push_write::{post_and_await, HeldBlocks, WriteInputs};
+use crate::worker::push_write::{post_and_await, WriteInputs};
 use crate::worker::shared::Shared;
 
 /// The push part of `shared`, which push mode has.
@@ -278,6 +278,7 @@ async fn write(
             let inputs = WriteInputs {
                 request_id: &registration.request_id,
                 decode: (&decode_ids, &decode_lens),
+                decode_tp: usize::try_from(registration.tp_size).unwrap_or(usize::MAX),
                 ready: &ready.blocks,
                 notification,
             };

@@ -16,7 +16,6 @@ use crate::transport::capability::Capability;
 use crate::transport::push_wire::{
     EndProof, PushEnd, Registration, RegistrationKind, SignedEnd, SignedRegistration,
 };
-use crate::worker::push_write::HeldBlocks;
 
 /// Most registrations and cancels a prefill rank keeps for requests it does not hold yet.
 pub(crate) const MAX_WAITING: usize = 4096;
@@ -35,6 +34,29 @@ pub(crate) struct Ready {
     /// Whether a registration was matched (a WRITE is or was under way): later ones are
     /// refused.
     started: bool,
+}
+
+/// A held request's blocks, which a push writes from.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct HeldBlocks {
+    /// Its blocks, in token order (each KV cache group's in turn).
+    pub(crate) block_ids: Vec<usize>,
+    /// How many of them each group has; empty: one group.
+    pub(crate) group_lens: Vec<usize>,
+    /// The prompt's tokens it computed, if known: where a decode's blocks start in the
+    /// prompt when the engines' blocks differ in tokens or in kernel blocks per id.
+    pub(crate) num_tokens: Option<usize>,
+}
+
+#[cfg(test)]
+impl HeldBlocks {
+    /// One group's `block_ids`, of tokens not given.
+    pub(crate) fn of(block_ids: &[usize]) -> Self {
+        HeldBlocks {
+            block_ids: block_ids.to_vec(),
+            ..HeldBlocks::default()
+        }
+    }
 }
 
 /// A registration or cancel that came before its request was ready.

@@ -11,8 +11,7 @@ use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use crate::vllm::push_reg::{base_id, PushRegistration};
-use crate::worker::push_book::{PrefillPushStats, MAX_WAITING, MAX_WAITING_BYTES};
-use crate::worker::push_write::HeldBlocks;
+use crate::worker::push_book::{HeldBlocks, PrefillPushStats, MAX_WAITING, MAX_WAITING_BYTES};
 
 /// A request held for push: its blocks in token order, and how many each KV cache group
 /// has (empty: one group).

@@ -35,7 +35,8 @@ pub struct PushStats {
     /// Prefill: registrations that do not fit the request held (more blocks than it has,
     /// another group count, a geometry it cannot write), answered `refused`.
     pub registrations_oversized: u64,
-    /// Prefill: WRITEs NIXL ended well, and the bytes they moved.
+    /// Prefill: WRITEs NIXL ended well (a rank whose copy of a decode rank's heads another
+    /// rank writes ends with its notification alone, counted here with no bytes).
     pub writes: u64,
     /// Prefill: bytes of those WRITEs.
     pub bytes_written: u64,

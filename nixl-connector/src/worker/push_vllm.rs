@@ -40,11 +40,11 @@ use crate::vllm::notify::{self, NotificationLimits, VllmNotification, HEARTBEAT_
 use crate::vllm::push_reg::{PushRegistration, RegisteredBlocks, PUSH_REG_PREFIX};
 use crate::worker::connect::{self, Engine};
 use crate::worker::load::{record, report_overdue, Load};
-use crate::worker::push_book::WaitProof;
+use crate::worker::push_book::{HeldBlocks, WaitProof};
 use crate::worker::push_book_vllm::VllmWrite;
 use crate::worker::push_outcome::outcome;
 use crate::worker::push_state::Push;
-use crate::worker::push_write::{post_and_await, HeldBlocks, WriteInputs};
+use crate::worker::push_write::{post_and_await, WriteInputs};
 use crate::worker::remotes::Remote;
 use crate::worker::shared::Shared;
 
@@ -342,6 +342,7 @@ async fn write(shared: &Arc<Shared>, push: &Push, write: VllmWrite) {
             let inputs = WriteInputs {
                 request_id: &request_id,
                 decode: (&ids, &lens),
+                decode_tp: usize::try_from(registration.decode_tp_size).unwrap_or(usize::MAX),
                 ready: &ready,
                 notification: notification.into_bytes(),
             };

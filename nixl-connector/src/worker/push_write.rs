@@ -11,35 +11,14 @@ use crate::error::Error;
 use crate::geometry::load_reads::{
     all_kernel_blocks, plan_read, plan_write, ReadDescriptors, ReadInputs, SideBlocks,
 };
+use crate::geometry::spec::KvAttention;
 use crate::transport::push_wire::PushEnd;
+use crate::worker::push_book::HeldBlocks;
 use crate::worker::remotes::Remote;
 use crate::worker::shared::Shared;
 
 /// The operation errors name.
 const OP: &str = "write a push registration";
-
-/// A held request's blocks, which a push writes from.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub(crate) struct HeldBlocks {
-    /// Its blocks, in token order (each KV cache group's in turn).
-    pub(crate) block_ids: Vec<usize>,
-    /// How many of them each group has; empty: one group.
-    pub(crate) group_lens: Vec<usize>,
-    /// The prompt's tokens it computed, if known: where a decode's blocks start in the
-    /// prompt when the engines' blocks differ in tokens or in kernel blocks per id.
-    pub(crate) num_tokens: Option<usize>,
-}
-
-#[cfg(test)]
-impl HeldBlocks {
-    /// One group's `block_ids`, of tokens not given.
-    pub(crate) fn of(block_ids: &[usize]) -> Self {
-        HeldBlocks {
-            block_ids: block_ids.to_vec(),
-            ..HeldBlocks::default()
-        }
-    }
-}
 
 /// What one WRITE moves.
 pub(crate) struct WriteInputs<'a> {
@@ -47,6 +26,8 @@ pub(crate) struct WriteInputs<'a> {
     pub(crate) request_id: &'a str,
     /// The decode's registered blocks and their count per KV cache group (empty: one).
     pub(crate) decode: (&'a [usize], &'a [usize]),
+    /// The decode's TP size.
+    pub(crate) decode_tp: usize,
     /// The prefill's held blocks.
     pub(crate) ready: &'a HeldBlocks,
     /// NIXL's notification of the WRITE, which the decode gets once its bytes are in place.
@@ -76,12 +57,36 @@ pub(crate) async fn post_and_await(
         .groups
         .kernel_blocks_per_id(caches.spec.block_size)
         .map_err(refused)?;
+    let ours = (shared.config.tp_rank, shared.config.tp_size);
+    let writes_attention = remote.reads_attention()
+        && writes_decode_heads(&caches.spec.attention, ours, inputs.decode_tp);
+    if !writes_attention && remote.ssm.is_none() {
+        // Another rank of the group writes the same bytes: the decode counts this rank's
+        // notification alone (0 bytes).
+        let agent = shared.setup.agent();
+        agent
+            .send_notification(&remote.agent, &inputs.notification)
+            .map_err(|err| (PushEnd::Failed, Error::from(err)))?;
+        return Ok(0);
+    }
     let writes = if per_id == remote.blocks_per_id
         && remote.plan.local_block_size == remote.plan.remote_block_size
     {
-        by_block_ids(shared, &inputs, remote, (caches.spec.num_blocks, per_id))
+        by_block_ids(
+            shared,
+            &inputs,
+            remote,
+            (caches.spec.num_blocks, per_id),
+            writes_attention,
+        )
     } else {
-        by_tokens(shared, &inputs, remote, (caches.spec.num_blocks, per_id))
+        by_tokens(
+            shared,
+            &inputs,
+            remote,
+            (caches.spec.num_blocks, per_id),
+            writes_attention,
+        )
     }
     .map_err(refused)?;
     let agent = shared.setup.agent();
@@ -111,6 +116,7 @@ fn by_block_ids(
     inputs: &WriteInputs<'_>,
     remote: &Remote,
     (num_blocks, per_id): (usize, usize),
+    writes_attention: bool,
 ) -> Result<ReadDescriptors, Error> {
     let held = inputs.ready;
     let (mut local_ids, mut local_lens) = crate::geometry::push_cut::cut_to_decode(
@@ -164,7 +170,7 @@ fn by_block_ids(
         plan: &remote.plan,
         groups: &shared.groups,
         ssm: remote.ssm.as_ref(),
-        reads_attention: remote.reads_attention(),
+        reads_attention: writes_attention,
     })
 }
 
@@ -178,6 +184,7 @@ fn by_tokens(
     inputs: &WriteInputs<'_>,
     remote: &Remote,
     (num_blocks, per_id): (usize, usize),
+    writes_attention: bool,
 ) -> Result<ReadDescriptors, Error> {
     let held = inputs.ready;
     let sizes = format!(
@@ -217,6 +224,54 @@ fn by_tokens(
         plan: &remote.plan,
         groups: &shared.groups,
         ssm: None,
-        reads_attention: remote.reads_attention(),
+        reads_attention: writes_attention,
     })
+}
+
+/// Whether prefill rank `rank` of TP `tp` writes a decode rank's attention (of a decode of
+/// TP `decode_tp`, the model's `attention`), of the prefill ranks that hold the same copy of
+/// its heads (MLA's latent, on every rank; KV heads replicated over ranks, when TP is above
+/// their count): the first of them does, the others only notify (vLLM's push has each write
+/// its copy, the same bytes landing again).
+fn writes_decode_heads(
+    attention: &KvAttention,
+    (rank, tp): (usize, usize),
+    decode_tp: usize,
+) -> bool {
+    let heads = match attention {
+        KvAttention::Mla => 1,
+        KvAttention::Mha { total_kv_heads } => (*total_kv_heads).max(1),
+    };
+    // Ranks holding each head on each side; the prefill's holders of a decode rank's head
+    // are consecutive ranks, as many as the prefill has per decode holder.
+    let per_head = |tp: usize| (tp / heads).max(1);
+    let holders = (per_head(tp) / per_head(decode_tp.max(1))).max(1);
+    rank % holders == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_prefill_rank_of_each_copy_writes_it() {
+        let writers = |attention: KvAttention, tp: usize, decode_tp: usize| -> Vec<usize> {
+            (0..tp)
+                .filter(|&rank| writes_decode_heads(&attention, (rank, tp), decode_tp))
+                .collect()
+        };
+        let mha = |total_kv_heads| KvAttention::Mha { total_kv_heads };
+        // MLA's latent: one rank of each decode rank's group.
+        assert_eq!(writers(KvAttention::Mla, 4, 1), [0]);
+        assert_eq!(writers(KvAttention::Mla, 4, 2), [0, 2]);
+        assert_eq!(writers(KvAttention::Mla, 2, 2), [0, 1]);
+        // Heads split over both sides: every rank writes its own.
+        assert_eq!(writers(mha(4), 4, 2), [0, 1, 2, 3]);
+        // Two heads over 4 prefill ranks (each held twice): one of each pair writes.
+        assert_eq!(writers(mha(2), 4, 1), [0, 2]);
+        assert_eq!(writers(mha(2), 4, 2), [0, 2]);
+        // Replicated on the decode too: 8 ranks over 2 heads into 4 (each held twice).
+        assert_eq!(writers(mha(2), 8, 4), [0, 2, 4, 6]);
+        assert_eq!(writers(mha(2), 4, 4), [0, 1, 2, 3]);
+    }
 }

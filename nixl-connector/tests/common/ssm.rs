@@ -8,7 +8,7 @@
 //! per rank) are the prefill's, its padding keeps what it held.
 
 use nixl_connector::{
-    KvAttention, KvCacheGroups, KvConnectorScheduler, KvConnectorWorker, Protocol, SchedulerConfig,
+    KvCacheGroups, KvConnectorScheduler, KvConnectorWorker, Protocol, SchedulerConfig,
     WorkerConfig, KV_CACHE_GROUPS_KEY,
 };
 
@@ -338,24 +338,11 @@ fn start(
     Ok((prefills, decodes, requests))
 }
 
-/// How many prefill ranks WRITE each byte of a decode rank's attention in push mode: every
-/// prefill rank holding its head (as vLLM's push: the decode counts one WRITE from each
-/// rank of its group, and each writes what it holds of the decode rank's heads), so for
-/// MLA's latent and for KV heads replicated over the prefill's ranks, each rank holding a
-/// copy, less the decode's own replication.
-fn attention_writers(model: &Model, (prefill, decode): (&Side, &Side)) -> usize {
-    let heads = match model.attention {
-        KvAttention::Mla => 1,
-        KvAttention::Mha { total_kv_heads } => total_kv_heads,
-    };
-    let holders = |tp: usize| (tp / heads).max(1);
-    (holders(prefill.tp) / holders(decode.tp)).max(1)
-}
-
 /// One case: both requests handed over by the prefill's scheduler and loaded through the
 /// decode's by every decode rank, every byte checked, every prefill rank freeing both; with
 /// a case whose state is not read (see [`refusal`]), refused by name before any
-/// READ. In push mode the prefill ranks WRITE the same bytes (see [`attention_writers`]).
+/// READ. In push mode the prefill ranks WRITE the same bytes, each once (of the ranks
+/// holding a copy of a decode rank's heads, one writes it).
 async fn ssm_case(
     model: &Model,
     (prefill, decode): (Side, Side),
@@ -426,7 +413,7 @@ async fn ssm_case(
             read,
         )
         .map_err(|err| format!("{tag}: {err}"))?;
-        moved += attention * attention_writers(model, (&prefill, &decode)) + state;
+        moved += attention + state;
     }
     if refusal(&prefill, &decode).is_some() {
         // Nothing read, nothing notified: the prefill's lease frees the blocks.
