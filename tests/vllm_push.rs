@@ -11,7 +11,8 @@
 //!   held, heartbeats keeping the request past its lease (freed only by the WRITE's end);
 //! - Python push prefills of TP 2, of two stages, and of both (each rank writing its
 //!   layers' slice of the heads) into a Rust decode of TP 1, and a Rust push prefill of TP
-//!   2 into a Python decode of TP 1 (registering with both ranks, waiting for both WRITEs);
+//!   2 into a Python decode of TP 1 (registering with both ranks, waiting for both WRITEs),
+//!   and an MLA one whose latent rank 0 writes once while rank 1 only notifies;
 //! - the push/pull compatibility hash refused both ways, in both roles.
 
 mod py;
@@ -568,21 +569,25 @@ async fn released(prefill: &KvConnectorWorker, request: &str) {
 /// channel, each a `tp`-th of the KV heads, rank `t`'s bytes [`rust_byte_of`] `t`; and its
 /// scheduler.
 fn push_prefill_of_tp(tp: usize) -> (Vec<KvConnectorWorker>, KvConnectorScheduler) {
+    push_prefill_of(tp, KvAttention::Mha { total_kv_heads: 8 })
+}
+
+/// [`push_prefill_of_tp`] of a model of `attention` (MLA: each rank holds the whole latent).
+fn push_prefill_of(
+    tp: usize,
+    attention: KvAttention,
+) -> (Vec<KvConnectorWorker>, KvConnectorScheduler) {
     let mut kv = vllm_kv(&push_factors());
     let extra = &mut kv.kv_connector_extra_config;
     extra.insert("transfer_mode".into(), "push".into());
     extra.insert("kv_lease_duration".into(), 1.5.into());
     let any = SocketAddr::from(([127, 0, 0, 1], 0));
     let server = Arc::new(MetadataServer::bind_now(any, VllmChannelLimits::default()).unwrap());
-    let rank_len = BLOCK_LEN / tp;
-    let spec = KvCacheSpec::uniform(
-        REGIONS,
-        BLOCKS,
-        16,
-        KvAttention::Mha { total_kv_heads: 8 },
-        KvLayout::Hnd,
-        rank_len,
-    );
+    let rank_len = match attention {
+        KvAttention::Mla => BLOCK_LEN,
+        _ => BLOCK_LEN / tp,
+    };
+    let spec = KvCacheSpec::uniform(REGIONS, BLOCKS, 16, attention, KvLayout::Hnd, rank_len);
     let ranks: Vec<KvConnectorWorker> = (0..tp)
         .map(|rank| {
             let mut config = WorkerConfig::new("rs-push-prefill-tp", rank, tp, kv.clone());
@@ -661,6 +666,63 @@ async fn a_rust_push_prefill_of_tp_2_writes_each_ranks_heads_into_a_python_decod
     for rank in &prefills {
         released(rank, request).await;
     }
+}
+
+/// An MLA push prefill of TP 2 into a Python push decode of TP 1: the latent, replicated on
+/// both ranks, is written once (by rank 0: its bytes land, and rank 1 writes none), and rank
+/// 1 sends its `id:2` notification alone; the decode, counting notifications as vLLM's does,
+/// takes both, and each rank frees the request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_mla_push_prefill_of_tp_2_writes_the_latent_once_into_a_python_decode() {
+    let mut peer = VllmPeer::start();
+    let hash = push_factors().hash();
+    python_decode(&mut peer, &hash);
+    let (prefills, mut scheduler) = push_prefill_of(2, KvAttention::Mla);
+    let for_decode = KvTransferParams {
+        do_remote_decode: true,
+        ..Default::default()
+    };
+    let (request, remote, local) = ("chat-mla-1a2b3c4d", [4, 9, 1], [3, 6, 7]);
+    let finished = scheduler.request_finished(
+        request,
+        &remote,
+        remote.len() * 16,
+        Some(&for_decode),
+        FinishStatus::LengthCapped,
+    );
+    let meta = scheduler.build_connector_meta();
+    for rank in &prefills {
+        rank.start_load_kv(&meta);
+    }
+    let params = finished.kv_transfer_params.unwrap().to_vllm_json();
+    register(&mut peer, &params, &hash, request, &local, "127.0.0.1");
+    let ids: Vec<String> = local.iter().map(usize::to_string).collect();
+    let got = peer.json(&format!(
+        "kv_push_wait {} {} 10 2",
+        hex(request.as_bytes()),
+        ids.join(",")
+    ));
+    let senders = got["senders"].as_array().map(Vec::len);
+    assert_eq!(senders, Some(2), "{got}");
+    let want: Vec<u8> = (0..REGIONS)
+        .flat_map(|region| {
+            remote.iter().flat_map(move |&block| {
+                (0..BLOCK_LEN).map(move |o| rust_byte_of(0, region, block * BLOCK_LEN + o))
+            })
+        })
+        .collect();
+    assert!(
+        unhex(got["data"].as_str().unwrap()) == want,
+        "rank 0's latent, and no other bytes"
+    );
+    for rank in &prefills {
+        released(rank, request).await;
+    }
+    let bytes: Vec<u64> = prefills
+        .iter()
+        .map(|p| p.push_stats().bytes_written)
+        .collect();
+    assert_eq!(bytes, [(REGIONS * remote.len() * BLOCK_LEN) as u64, 0]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
