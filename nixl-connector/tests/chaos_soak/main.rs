@@ -519,8 +519,15 @@ async fn soak(wire: Wire, faults: bool, ci_target: u64, prefill_pp: usize) {
         r.waited_on_vllm_heartbeats > 0,
         "some requests waited for blocks past a lease, kept by vLLM heartbeats: {r:?}"
     );
+    // A load from the killed prefill failed, or, in native push mode, registered with it
+    // and is held (which of the two depends on where the kill met it).
+    let held = if wire.holds_for_the_dead() {
+        r.held_by_dead
+    } else {
+        0
+    };
     assert!(
-        r.prefill_restarts > 0 && r.dead_failed > 0 && r.loaded_after_restart > 0,
+        r.prefill_restarts > 0 && r.dead_failed + held > 0 && r.loaded_after_restart > 0,
         "a prefill died with loads from it, and its successor served: {r:?}"
     );
 }
