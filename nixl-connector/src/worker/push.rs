@@ -225,9 +225,17 @@ async fn send_end(
     let sent = match decode_rank(shared, registration, sender).await {
         Ok(remote) => {
             let message = end_message(&registration.decode_request_id, end, proof, agent.name());
-            agent
+            let sent = agent
                 .send_notification(&remote.agent, &message)
-                .map_err(Error::from)
+                .map_err(Error::from);
+            if let Err(err) = &sent {
+                // Its connection may be dead: the decode's cancel, sent again, finds a new one.
+                let rank = usize::try_from(registration.tp_rank).unwrap_or(usize::MAX);
+                shared
+                    .remotes
+                    .transfer_failed(&registration.engine_id, rank, &remote, err);
+            }
+            sent
         }
         Err(err) => Err(err),
     };
@@ -338,9 +346,9 @@ pub(crate) async fn cancel_only(shared: Arc<Shared>, load: Load) {
 }
 
 async fn cancel_nothing(shared: &Arc<Shared>, load: &Load) -> Result<()> {
-    let (registration, capability, agents) = registration_of(shared, load).await?;
+    let (registration, capability, ranks) = registration_of(shared, load).await?;
     let message = cancel_message(&registration, &capability, shared.setup.agent().name());
-    send_to(shared, &agents, &message, "cancel");
+    send_to(shared, load, &ranks, &message, "cancel");
     Ok(())
 }
 
@@ -349,14 +357,15 @@ async fn cancel_nothing(shared: &Arc<Shared>, load: &Load) -> Result<()> {
 async fn registration_of(
     shared: &Arc<Shared>,
     load: &Load,
-) -> Result<(Registration, Capability, Vec<String>)> {
+) -> Result<(Registration, Capability, Vec<Ranked>)> {
     const OP: &str = "register blocks for a push";
     let capability = load.remote.capability.clone().ok_or_else(|| {
         Error::invalid(OP, "the params carry no remote_capability: a native push needs one to prove the registration")
     })?;
     let addr = connect::reachable_side_channel(shared, OP)?;
     let remotes = connect::remotes(shared, load.engine(), &load.ranks).await?;
-    let agents = remotes.iter().map(|r| r.agent.clone()).collect();
+    let ranks = load.ranks.iter().map(|&(rank, _)| rank);
+    let agents = ranks.zip(remotes).collect();
     let registration = Registration {
         request_id: load.remote.request_id.clone(),
         decode_request_id: load.request_id.clone(),
@@ -377,7 +386,8 @@ async fn run_load(shared: &Arc<Shared>, load: &Load) -> Result<()> {
         "register blocks for a push",
         "the worker is not in push mode",
     ))?;
-    let (registration, capability, agents) = registration_of(shared, load).await?;
+    let (registration, capability, ranks) = registration_of(shared, load).await?;
+    let agents: Vec<String> = ranks.iter().map(|(_, r)| r.agent.clone()).collect();
     // Drawn now: once registered, the load must be able to cancel.
     let nonce = fresh_nonce()?;
     let woken = push.waits().wait(
@@ -387,9 +397,13 @@ async fn run_load(shared: &Arc<Shared>, load: &Load) -> Result<()> {
     );
     let own = shared.setup.agent();
     let message = registration_message(&registration, &capability, own.name());
-    send_to(shared, &agents, &message, "registration");
+    send_to(shared, load, &ranks, &message, "registration");
     push.count(|s| s.registrations_sent += agents.len() as u64);
     shared.series.push_registrations(agents.len() as u64);
+    // After a cancel, sent again this often to the ranks that have not answered (a send
+    // lost with a connection, or its answer, would otherwise hold the blocks for good).
+    let resend = push.settings.registration_timeout.min(CANCEL_RESEND);
+    let mut cancel: Option<Vec<u8>> = None;
 
     let timeout = push.settings.registration_timeout;
     let deadline = tokio::time::Instant::now() + timeout;
@@ -415,29 +429,84 @@ async fn run_load(shared: &Arc<Shared>, load: &Load) -> Result<()> {
             let mut cancelling = registration.clone();
             cancelling.nonce = nonce.clone();
             push.waits().cancelling(&load.request_id, &nonce);
-            let cancel = cancel_message(&cancelling, &capability, own.name());
-            send_to(shared, &waiting, &cancel, "cancel");
+            let message = cancel_message(&cancelling, &capability, own.name());
+            let waiting: Vec<Ranked> = ranks
+                .iter()
+                .filter(|(_, r)| waiting.contains(&r.agent))
+                .cloned()
+                .collect();
+            send_to(shared, load, &waiting, &message, "cancel");
+            cancel = Some(message);
             cancelled = Some(timed_out);
         }
-        match cancelled {
-            None => {
-                tokio::select! {
-                    () = woken.notified() => {}
-                    () = tokio::time::sleep_until(deadline) => {}
-                }
-            }
-            Some(_) => woken.notified().await,
+        let wait_until = match &cancelled {
+            None => deadline,
+            Some(_) => tokio::time::Instant::now() + resend,
+        };
+        tokio::select! {
+            () = woken.notified() => continue,
+            () = tokio::time::sleep_until(wait_until) => {}
+        }
+        if let Some(message) = &cancel {
+            resend_cancel(shared, load, message).await;
         }
     }
 }
 
-/// Sends `message` (a `what`) to each of `agents`; a failure is logged and counted (the
-/// registration timeout then cancels).
-fn send_to(shared: &Shared, agents: &[String], message: &[u8], what: &str) {
-    for agent in agents {
-        if let Err(err) = shared.setup.agent().send_notification(agent, message) {
+/// How often a cancel is sent again, at most, to the prefill ranks that have not answered.
+const CANCEL_RESEND: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// A prefill rank of a load: its rank (the key of its handshake) and the handshake.
+type Ranked = (usize, Arc<crate::worker::remotes::Remote>);
+
+/// Sends the cancel `message` of `load` again to its prefill ranks that have not answered,
+/// handshaking again with those whose connection failed (a cancel the prefill already
+/// answered is answered again, from its record of the requests it released).
+async fn resend_cancel(shared: &Arc<Shared>, load: &Load, message: &[u8]) {
+    let Some(push) = part(shared) else {
+        return;
+    };
+    let waiting: Vec<String> = push
+        .waits()
+        .ends(&load.request_id)
+        .into_iter()
+        .filter(|(_, end)| end.is_none())
+        .map(|(agent, _)| agent)
+        .collect();
+    if waiting.is_empty() {
+        return;
+    }
+    let remotes = match connect::remotes(shared, load.engine(), &load.ranks).await {
+        Ok(remotes) => remotes,
+        Err(err) => {
+            tracing::debug!(request = %load.request_id, %err, "a cancel waits to be sent again");
+            return;
+        }
+    };
+    let ranks = load.ranks.iter().map(|&(rank, _)| rank);
+    let again: Vec<Ranked> = ranks
+        .zip(remotes)
+        .filter(|(_, r)| waiting.contains(&r.agent))
+        .collect();
+    send_to(shared, load, &again, message, "cancel (again)");
+}
+
+/// Sends `message` (a `what`) to each of `ranks` of `load`'s prefill; a failure is logged
+/// and counted (the registration timeout then cancels), and the rank forgotten, so that the
+/// next send handshakes with it again (a connection a reset ended stays dead in UCX).
+fn send_to(shared: &Shared, load: &Load, ranks: &[Ranked], message: &[u8], what: &str) {
+    for (rank, remote) in ranks {
+        if let Err(err) = shared
+            .setup
+            .agent()
+            .send_notification(&remote.agent, message)
+        {
             shared.series.failed_notification();
-            tracing::warn!(%agent, %err, "push {what} not sent");
+            tracing::warn!(agent = %remote.agent, %err, "push {what} not sent");
+            let err = Error::from(err);
+            shared
+                .remotes
+                .transfer_failed(&load.remote.engine_id, *rank, remote, &err);
         }
     }
 }
