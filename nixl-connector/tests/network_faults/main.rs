@@ -17,8 +17,9 @@
 //! - A READ UCX does not end (its timeouts raised past a partition) holds its blocks until
 //!   it ends after the heal; no byte lands in a block after its load ended (every test:
 //!   the decode poisons what it hands back and checks it when taken again).
-//! - By hand, 100 cycles of the data path reset and restored: nothing the engines hold
-//!   grows (UCX's TCP transport can crash the prefill on a reset).
+//! - By hand, 100 cycles of the data path reset and restored, pulling and pushing: nothing
+//!   the engines hold grows (UCX's TCP transport can crash a pulled-from prefill on a
+//!   reset; pushing, a connection made anew once kept failing).
 //! - A partition soak: random faults (flaps, black holes, port drops, loss, a slow
 //!   link; no resets) for 90 s while a decode of TP 2 loads from a prefill of TP 1; every
 //!   load ends in bounded time, loaded right or failed.
@@ -131,9 +132,11 @@ impl Engine {
         more: &[(&str, &str)],
     ) -> (Self, Timeline) {
         let (sources, per_prefill) = (sources.join(","), per_prefill.to_string());
+        let bind = hosts.addr(Side::Decode);
         let mut env = vec![
             (roles::PREFILL_ADDR, sources.as_str()),
             (roles::SLOTS_PER_PREFILL, per_prefill.as_str()),
+            (roles::BIND_ADDR, bind.as_str()),
         ];
         env.extend_from_slice(more);
         let mut decode = Self::start(hosts, Side::Decode, "decode", &env);
@@ -588,16 +591,44 @@ fn a_partitioned_prefill_host_does_not_stall_a_healthy_one() {
 /// connections fail at once, handshakes pass), then restored and loads flowing again (the
 /// decode backs off from the prefill for at most 0.5 s). From the 10th cycle to the last,
 /// what each engine holds stays flat: the decode's file descriptors, threads, memory,
-/// remote agents and engines, and the prefill's descriptors and threads.
+/// remote agents and engines, and the prefill's descriptors and threads; no byte lands in
+/// a block after its load ended.
 ///
 /// By hand (`cargo test -p nixl-connector --test network_faults -- --ignored --exact
 /// nothing_grows_through_partition_and_heal_cycles --nocapture`): in 5 of 10 runs the
 /// prefill died, of a segmentation fault inside UCX's TCP transport where its end was
-/// recorded (see the connector README's "Network failures"), so it cannot gate CI.
+/// recorded (see the connector README's "Network failures"), so it cannot gate CI. In push
+/// mode (the variant below) the prefill answers no software GET.
 #[test]
 #[ignore = "by hand: UCX's TCP transport can crash the prefill on a reset connection"]
 fn nothing_grows_through_partition_and_heal_cycles() {
-    let Some(_alone) = begin("nothing_grows_through_partition_and_heal_cycles") else {
+    partition_and_heal_cycles("nothing_grows_through_partition_and_heal_cycles", &[]);
+}
+
+/// [`nothing_grows_through_partition_and_heal_cycles`] in push mode (native protocol): the
+/// prefill WRITEs into the blocks the decode registers, and a registration, cancel or end
+/// lost with a reset connection is sent again over a new one (the decode sends its cancel
+/// again until each prefill rank answers; a rank whose send failed is handshaken anew).
+///
+/// By hand (`... -- --ignored --exact
+/// nothing_grows_through_partition_and_heal_cycles_in_push_mode --nocapture`): no engine
+/// died in 4 runs (30, 100, 100 and 82 cycles), but in the last the connection between them,
+/// made anew after a reset, kept failing (`NIXL_ERR_REMOTE_DISCONNECT` on every
+/// notification, both ways) past the test's 90 s, so that four loads stayed held; not
+/// understood yet, so it cannot gate CI either.
+#[test]
+#[ignore = "by hand: a connection made anew after a reset can keep failing (see above)"]
+fn nothing_grows_through_partition_and_heal_cycles_in_push_mode() {
+    partition_and_heal_cycles(
+        "nothing_grows_through_partition_and_heal_cycles_in_push_mode",
+        &[(roles::TRANSFER_MODE, roles::PUSH)],
+    );
+}
+
+/// The partition and heal cycles of test `test`, both engines run with the variables
+/// `more` too.
+fn partition_and_heal_cycles(test: &str, more: &[(&str, &str)]) {
+    let Some(_alone) = begin(test) else {
         return;
     };
     let cycles: usize = std::env::var("NF43_CYCLES")
@@ -606,13 +637,15 @@ fn nothing_grows_through_partition_and_heal_cycles() {
         .unwrap_or(100)
         .max(11);
     let hosts = Hosts::new();
-    let (mut prefill, at) = Engine::prefill(&hosts);
+    // Backed off from the prefill (and, pushing, the prefill from the decode) for at most
+    // half a second after a failure (a minute by default), so that each cycle's loads flow
+    // again at once.
+    let mut env = vec![(roles::BACKOFF_S, "0.5")];
+    env.extend_from_slice(more);
+    let (mut prefill, at) = Engine::prefill_with(&hosts, &env);
     let port: u16 = at.rsplit_once(':').unwrap().1.parse().unwrap();
-    // Backed off from the prefill for at most half a second after a failure (a minute by
-    // default), so that each cycle's loads flow again at once.
     let source = [format!("{}@{at}", roles::PREFILL)];
-    let backoff = [(roles::BACKOFF_S, "0.5")];
-    let (mut decode, timeline) = Engine::decode_from(&hosts, &source, roles::IN_FLIGHT, &backoff);
+    let (mut decode, timeline) = Engine::decode_from(&hosts, &source, roles::IN_FLIGHT, &env);
     timeline
         .wait_loaded(3, HEAL_LIMIT, "loads flowing")
         .unwrap();
@@ -649,6 +682,7 @@ fn nothing_grows_through_partition_and_heal_cycles() {
         .count();
     eprintln!("{cycles} cycles, {failed} loads failed; held after cycles {held:?}\n{report}");
     assert_eq!(drained, Some(0), "every load ended\n{report}");
+    assert_eq!(timeline.late_blocks(), 0, "no late byte\n{report}");
     assert!(
         failed >= cycles / 2,
         "the resets failed {failed} loads in {cycles} cycles"

@@ -1,5 +1,5 @@
 //! The engines, each run in a child process in its own namespace: a prefill that fills its
-//! cache and serves, and a decode that keeps loads from each prefill it knows in flight and
+//! cache and serves (pushing, it holds the decode's next requests ahead), and a decode that keeps loads from each prefill it knows in flight and
 //! prints when each starts and ends, on the machine's monotonic clock (the same in every
 //! namespace).
 
@@ -8,7 +8,7 @@ use std::io::BufRead;
 use std::sync::mpsc::{Receiver, TryRecvError};
 use std::time::Duration;
 
-use crate::common::{fill, pattern, vllm_config, vllm_factors, worker_with};
+use crate::common::{capability, fill, pattern, vllm_config, vllm_factors, worker_with};
 use nixl_connector::{
     FailedBlock, KvAttention, KvCacheSpec, KvConnectorWorker, KvLayout, RemoteBlocks, WorkerConfig,
 };
@@ -34,6 +34,14 @@ pub const BACKOFF_S: &str = "NF43_BACKOFF_S";
 pub const PROTOCOL: &str = "NF43_PROTOCOL";
 /// [`PROTOCOL`]'s value for vLLM's protocol.
 pub const VLLM: &str = "vllm";
+/// The variable naming the transfer mode both engines use (native protocol): `push` for
+/// push mode (the prefill WRITEs into the blocks the decode registers), pull without it.
+pub const TRANSFER_MODE: &str = "NF43_TRANSFER_MODE";
+/// [`TRANSFER_MODE`]'s value for push mode.
+pub const PUSH: &str = "push";
+/// How many requests a push prefill holds ahead of the decode's (it cannot learn them
+/// sooner: a registration for a request not held waits, bounded).
+const HELD_AHEAD: usize = 64;
 /// The prefill's engine id.
 pub const PREFILL: &str = "nf43-prefill";
 /// Loads the decode keeps in flight from each prefill, unless told otherwise.
@@ -54,11 +62,31 @@ fn speaks_vllm() -> bool {
     std::env::var(PROTOCOL).is_ok_and(|p| p == VLLM)
 }
 
-/// Sets `config` to speak vLLM's protocol if [`PROTOCOL`] says so.
+/// Whether the engines push ([`TRANSFER_MODE`]).
+fn pushes() -> bool {
+    std::env::var(TRANSFER_MODE).is_ok_and(|m| m == PUSH)
+}
+
+/// Sets `config` to speak vLLM's protocol if [`PROTOCOL`] says so, and to push if
+/// [`TRANSFER_MODE`] does (a decode then waits at most [`TRANSFER_TIMEOUT`] for the WRITE).
 fn protocol(config: &mut WorkerConfig) {
     if speaks_vllm() {
         config.kv_transfer_config = vllm_config(vllm_factors());
     }
+    if pushes() {
+        let extra = &mut config.kv_transfer_config.kv_connector_extra_config;
+        extra.insert("transfer_mode".into(), PUSH.into());
+        let timeout = TRANSFER_TIMEOUT.as_secs_f64();
+        extra.insert("push_registration_timeout".into(), timeout.into());
+    }
+}
+
+/// The prefill's blocks of request `p<i>r<n>`: the decode reads (or a push prefill writes)
+/// these for its `n`th load.
+fn remote_blocks(n: usize, num_blocks: usize) -> Vec<usize> {
+    (0..BLOCKS_PER_LOAD)
+        .map(|i| (n * 7 + i * 5) % num_blocks)
+        .collect()
 }
 
 /// The machine's monotonic clock in milliseconds (CLOCK_MONOTONIC: namespaces share it).
@@ -97,13 +125,39 @@ pub async fn prefill() {
     let bind = std::env::var(BIND_ADDR).expect("run by the parent test");
     let engine = std::env::var(ENGINE).unwrap_or_else(|_| PREFILL.to_string());
     let spec = spec();
+    let backoff: Option<f64> = std::env::var(BACKOFF_S).ok().map(|s| s.parse().unwrap());
     let prefill = worker_with(&engine, 0, 1, &spec, |c| {
         protocol(c);
         c.side_channel = format!("{bind}:0").parse().unwrap();
+        // A push prefill hands its ends to the decode: it backs off from it too.
+        if let Some(seconds) = backoff {
+            c.kv_transfer_config
+                .kv_connector_extra_config
+                .insert(nixl_connector::ENGINE_BACKOFF_KEY.into(), seconds.into());
+        }
     });
     fill(&prefill, &spec);
     println!("PORT {}", prefill.side_channel_addr().unwrap().port());
-    tokio::time::sleep(Duration::from_secs(3600)).await;
+    if !pushes() {
+        tokio::time::sleep(Duration::from_secs(3600)).await;
+        return;
+    }
+    // Push: hold the decode's next requests (`p0r<n>`, in order) ahead of it, one more for
+    // each that ends (written, cancelled or given up by its lease).
+    let (mut held, mut ended) = (0usize, 0usize);
+    loop {
+        while held < ended + HELD_AHEAD {
+            let request = format!("p0r{held}");
+            let blocks = remote_blocks(held, spec.num_blocks);
+            let deadline = std::time::Instant::now() + Duration::from_secs(3600);
+            prefill
+                .hold_for_push(&request, deadline, &capability(), (&blocks, &[]), None)
+                .unwrap();
+            held += 1;
+        }
+        ended += prefill.finished().sending.len();
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
 
 /// A load in flight: its request, the remote blocks it reads, and the decode's ranks whose
@@ -162,6 +216,12 @@ pub async fn decode() {
         .map(|rank| {
             worker_with("nf43-decode", rank, tp, &spec, |c| {
                 protocol(c);
+                if pushes() {
+                    // A push prefill handshakes with the decode: its side channel on the
+                    // decode host's address.
+                    let bind = std::env::var(BIND_ADDR).expect("run by the parent test");
+                    c.side_channel = format!("{bind}:0").parse().unwrap();
+                }
                 c.transfer_timeout = TRANSFER_TIMEOUT;
                 if let Some(seconds) = backoff {
                     c.kv_transfer_config
@@ -209,9 +269,7 @@ pub async fn decode() {
             }
             let source = &sources[slot / per_prefill];
             let request = format!("p{}r{next}", slot / per_prefill);
-            let remote: Vec<usize> = (0..BLOCKS_PER_LOAD)
-                .map(|i| (next * 7 + i * 5) % spec.num_blocks)
-                .collect();
+            let remote = remote_blocks(next, spec.num_blocks);
             next += 1;
             let mut from = RemoteBlocks {
                 host: source.host.clone(),
