@@ -465,10 +465,10 @@ fn push_prefill() -> (KvConnectorWorker, KvConnectorScheduler) {
     (prefill, scheduler)
 }
 
-/// Finishes `request` in `blocks` on the Rust prefill for a decode and holds it (the next
-/// step): vLLM's JSON params.
+/// Finishes `request` in `blocks` on the Rust prefill's scheduler for a decode and holds it
+/// on every rank of `prefills` (the next step): vLLM's JSON params.
 fn finish_on_rust(
-    (prefill, scheduler): (&KvConnectorWorker, &mut KvConnectorScheduler),
+    (prefills, scheduler): (&[KvConnectorWorker], &mut KvConnectorScheduler),
     request: &str,
     blocks: &[usize],
 ) -> String {
@@ -484,7 +484,10 @@ fn finish_on_rust(
         FinishStatus::LengthCapped,
     );
     assert!(finished.delay_free_blocks);
-    prefill.start_load_kv(&scheduler.build_connector_meta());
+    let meta = scheduler.build_connector_meta();
+    for rank in prefills {
+        rank.start_load_kv(&meta);
+    }
     finished.kv_transfer_params.unwrap().to_vllm_json()
 }
 
@@ -616,23 +619,8 @@ async fn a_rust_push_prefill_of_tp_2_writes_each_ranks_heads_into_a_python_decod
     let hash = push_factors().hash();
     python_decode(&mut peer, &hash);
     let (prefills, mut scheduler) = push_prefill_of_tp(2);
-    let for_decode = KvTransferParams {
-        do_remote_decode: true,
-        ..Default::default()
-    };
     let (request, remote, local) = ("chat-tp2-1a2b3c4d", [5, 2, 11], [0, 1, 2]);
-    let finished = scheduler.request_finished(
-        request,
-        &remote,
-        remote.len() * 16,
-        Some(&for_decode),
-        FinishStatus::LengthCapped,
-    );
-    let meta = scheduler.build_connector_meta();
-    for rank in &prefills {
-        rank.start_load_kv(&meta);
-    }
-    let params = finished.kv_transfer_params.unwrap().to_vllm_json();
+    let params = finish_on_rust((&prefills, &mut scheduler), request, &remote);
     let got = register(&mut peer, &params, &hash, request, &local, "127.0.0.1");
     assert_eq!(got["agents"].as_array().map(Vec::len), Some(2), "{got}");
     let ids: Vec<String> = local.iter().map(usize::to_string).collect();
@@ -678,23 +666,8 @@ async fn an_mla_push_prefill_of_tp_2_writes_the_latent_once_into_a_python_decode
     let hash = push_factors().hash();
     python_decode(&mut peer, &hash);
     let (prefills, mut scheduler) = push_prefill_of(2, KvAttention::Mla);
-    let for_decode = KvTransferParams {
-        do_remote_decode: true,
-        ..Default::default()
-    };
     let (request, remote, local) = ("chat-mla-1a2b3c4d", [4, 9, 1], [3, 6, 7]);
-    let finished = scheduler.request_finished(
-        request,
-        &remote,
-        remote.len() * 16,
-        Some(&for_decode),
-        FinishStatus::LengthCapped,
-    );
-    let meta = scheduler.build_connector_meta();
-    for rank in &prefills {
-        rank.start_load_kv(&meta);
-    }
-    let params = finished.kv_transfer_params.unwrap().to_vllm_json();
+    let params = finish_on_rust((&prefills, &mut scheduler), request, &remote);
     register(&mut peer, &params, &hash, request, &local, "127.0.0.1");
     let ids: Vec<String> = local.iter().map(usize::to_string).collect();
     let got = peer.json(&format!(
@@ -732,7 +705,7 @@ async fn a_rust_push_prefill_writes_every_byte_a_python_decode_registered_and_th
     python_decode(&mut peer, &hash);
     let (prefill, mut scheduler) = push_prefill();
     let params = finish_on_rust(
-        (&prefill, &mut scheduler),
+        (std::slice::from_ref(&prefill), &mut scheduler),
         "chat-9-1a2b3c4d",
         &[5, 2, 11, 7],
     );
@@ -794,14 +767,22 @@ async fn an_early_registration_waits_and_heartbeats_keep_a_request_past_its_leas
     let hash = push_factors().hash();
     python_decode(&mut peer, &hash);
     let (prefill, mut scheduler) = push_prefill();
-    let params = finish_on_rust((&prefill, &mut scheduler), "hb-1", &[1, 2]);
+    let params = finish_on_rust(
+        (std::slice::from_ref(&prefill), &mut scheduler),
+        "hb-1",
+        &[1, 2],
+    );
     // A registration for a request the prefill does not hold yet waits there (at most a
     // lease) until it is held.
     let early = params.replace("\"hb-1\"", "\"early-1\"");
     register(&mut peer, &early, &hash, "early-1", &[3, 4], "127.0.0.1");
     // Sent once register returns; taken within this (well inside the 1.5 s it may wait).
     tokio::time::sleep(Duration::from_millis(700)).await;
-    finish_on_rust((&prefill, &mut scheduler), "early-1", &[8, 9]);
+    finish_on_rust(
+        (std::slice::from_ref(&prefill), &mut scheduler),
+        "early-1",
+        &[8, 9],
+    );
     written_into_python(&mut peer, &prefill, "early-1", &[3, 4], &[8, 9]);
     released(&prefill, "early-1").await;
     assert_eq!(prefill.push_stats().registrations_waited, 1);
@@ -825,7 +806,11 @@ async fn a_rust_push_prefill_and_a_python_pull_engine_refuse_each_other() {
     // The Python decode checks with the pull hash: it refuses the Rust prefill.
     python_decode(&mut peer, &pull);
     let (prefill, mut scheduler) = push_prefill();
-    let params = finish_on_rust((&prefill, &mut scheduler), "mixed-3", &[1]);
+    let params = finish_on_rust(
+        (std::slice::from_ref(&prefill), &mut scheduler),
+        "mixed-3",
+        &[1],
+    );
     let refused = register(&mut peer, &params, &pull, "mixed-3", &[2], "127.0.0.1");
     assert_eq!(refused["mismatch"], json!([pull, push]), "{refused}");
     // Its registration checking the push hash goes, but it serves the pull one: the Rust
@@ -881,7 +866,11 @@ async fn a_third_agents_and_malformed_notifications_are_dropped_and_counted_in_b
     let mut peer = VllmPeer::start();
     let decode_port = python_decode(&mut peer, &hash);
     let (prefill, mut scheduler) = push_prefill();
-    let params = finish_on_rust((&prefill, &mut scheduler), "fg-2", &[6, 7]);
+    let params = finish_on_rust(
+        (std::slice::from_ref(&prefill), &mut scheduler),
+        "fg-2",
+        &[6, 7],
+    );
     let port = prefill.side_channel_addr().unwrap().port();
     let garbage = b"PUSH_REG:\x92\x01";
     peer.json(&format!(

@@ -171,6 +171,45 @@ async fn two_kv_cache_groups_move_every_byte_where_the_model_says() {
     }
 }
 
+/// A side of the attention and SSM model's cases: TP `tp`, blocks of `block_size` tokens.
+fn ssm_side(tp: usize, block_size: usize) -> Side {
+    Side {
+        tp,
+        block_size,
+        num_blocks: SSM_BLOCKS,
+    }
+}
+
+/// The attention of the attention and SSM model: MHA of 4 KV heads, two regions.
+fn ssm_model() -> Model {
+    Model {
+        attention: KvAttention::Mha { total_kv_heads: 4 },
+        layout: KvLayout::Hnd,
+        regions: vec![(KvRegionKind::Tensor, 16), (KvRegionKind::Tensor, 8)],
+    }
+}
+
+/// MLA's replicated latent beside the state.
+fn ssm_mla() -> Model {
+    Model {
+        attention: KvAttention::Mla,
+        layout: KvLayout::Hnd,
+        regions: vec![(KvRegionKind::Tensor, 24), (KvRegionKind::Tensor, 16)],
+    }
+}
+
+/// [`ssm_model`] of three regions, for regions of their own.
+fn ssm_three_regions() -> Model {
+    Model {
+        regions: vec![
+            (KvRegionKind::Tensor, 16),
+            (KvRegionKind::Tensor, 8),
+            (KvRegionKind::Tensor, 12),
+        ],
+        ..ssm_model()
+    }
+}
+
 /// A hybrid model of a full-attention group and an SSM (Mamba) group sharing every region,
 /// in both protocols (vLLM 0.33's Mamba2-style models: three conv sub-projections and a
 /// temporal state, padded to the attention page): the SSM group reads only its
@@ -188,16 +227,8 @@ async fn two_kv_cache_groups_move_every_byte_where_the_model_says() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_attention_and_ssm_model_moves_every_byte_where_the_model_says() {
     common::init_tracing();
-    let side = |tp, block_size| Side {
-        tp,
-        block_size,
-        num_blocks: SSM_BLOCKS,
-    };
-    let model = Model {
-        attention: KvAttention::Mha { total_kv_heads: 4 },
-        layout: KvLayout::Hnd,
-        regions: vec![(KvRegionKind::Tensor, 16), (KvRegionKind::Tensor, 8)],
-    };
+    let side = ssm_side;
+    let model = ssm_model();
     let cases = [
         (side(1, 4), side(1, 4)),
         (side(2, 4), side(2, 4)),
@@ -215,11 +246,7 @@ async fn an_attention_and_ssm_model_moves_every_byte_where_the_model_says() {
         run_ssm_cases(&model, &cases, protocol).await;
     }
     // MLA's replicated latent beside the state split across the ranks.
-    let mla = Model {
-        attention: KvAttention::Mla,
-        layout: KvLayout::Hnd,
-        regions: vec![(KvRegionKind::Tensor, 24), (KvRegionKind::Tensor, 16)],
-    };
+    let mla = ssm_mla();
     let mla_cases: Vec<(Side, Side)> = cases[..6].iter().chain(&cases[7..8]).copied().collect();
     for protocol in [Protocol::Vllm, Protocol::Native] {
         run_ssm_cases(&mla, &mla_cases, protocol).await;
@@ -237,14 +264,7 @@ async fn an_attention_and_ssm_model_moves_every_byte_where_the_model_says() {
     // Regions of their own (each handshake says each region's group): one shared, one the
     // SSM group's, one the attention's; the state only where Mamba layers are, the
     // attention in every region.
-    let three = Model {
-        regions: vec![
-            (KvRegionKind::Tensor, 16),
-            (KvRegionKind::Tensor, 8),
-            (KvRegionKind::Tensor, 12),
-        ],
-        ..model.clone()
-    };
+    let three = ssm_three_regions();
     for protocol in [Protocol::Vllm, Protocol::Native] {
         run_ssm_cases_with_region_groups(&three, &cases[..6], protocol, &[-1, 1, 0]).await;
     }
@@ -279,39 +299,20 @@ async fn an_attention_and_ssm_model_moves_every_byte_where_the_model_says() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_attention_and_ssm_model_is_pushed_where_the_model_says() {
     common::init_tracing();
-    let side = |tp, block_size| Side {
-        tp,
-        block_size,
-        num_blocks: SSM_BLOCKS,
-    };
-    let model = Model {
-        attention: KvAttention::Mha { total_kv_heads: 4 },
-        layout: KvLayout::Hnd,
-        regions: vec![(KvRegionKind::Tensor, 16), (KvRegionKind::Tensor, 8)],
-    };
+    let side = ssm_side;
+    let model = ssm_model();
     let cases = [
         (side(1, 4), side(1, 4)),
         (side(2, 4), side(2, 4)),
         (side(2, 4), side(1, 4)),
         (side(4, 4), side(2, 4)),
     ];
-    let mla = Model {
-        attention: KvAttention::Mla,
-        layout: KvLayout::Hnd,
-        regions: vec![(KvRegionKind::Tensor, 24), (KvRegionKind::Tensor, 16)],
-    };
+    let mla = ssm_mla();
     let replicated = Model {
         attention: KvAttention::Mha { total_kv_heads: 2 },
         ..model.clone()
     };
-    let three = Model {
-        regions: vec![
-            (KvRegionKind::Tensor, 16),
-            (KvRegionKind::Tensor, 8),
-            (KvRegionKind::Tensor, 12),
-        ],
-        ..model.clone()
-    };
+    let three = ssm_three_regions();
     for protocol in [Protocol::Vllm, Protocol::Native] {
         run_ssm_push_cases(&model, &cases, protocol, &[]).await;
         run_ssm_push_cases(&mla, &cases[..3], protocol, &[]).await;
@@ -326,11 +327,7 @@ async fn an_attention_and_ssm_model_is_pushed_where_the_model_says() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decode_of_another_ssm_state_is_refused_by_name() {
     common::init_tracing();
-    let model = Model {
-        attention: KvAttention::Mha { total_kv_heads: 4 },
-        layout: KvLayout::Hnd,
-        regions: vec![(KvRegionKind::Tensor, 16), (KvRegionKind::Tensor, 8)],
-    };
+    let model = ssm_model();
     let other = |protocol, state, reason| another_state_is_refused(&model, protocol, state, reason);
     other(
         Protocol::Vllm,

@@ -172,9 +172,6 @@ fn pair_blocks(inputs: &Pairing<'_>) -> Result<GroupPairs> {
             format!("remote block {bad} of {} blocks", inputs.remote_num_blocks),
         ));
     }
-    // One group pairs unit by unit from the prompt's first token, but not when a block id
-    // is several kernel blocks (the last of which may hold no token): then as a group, at
-    // the units' tokens of the prompt.
     let sizes = inputs.sizes;
     let local = inputs.local;
     let local_lens = kernel_group_lens(local, is_state)?;
@@ -190,6 +187,9 @@ fn pair_blocks(inputs: &Pairing<'_>) -> Result<GroupPairs> {
             ),
         ));
     }
+    // One group pairs unit by unit from the prompt's first token, but not when a block id
+    // is several kernel blocks (the last of which may hold no token): then as a group, at
+    // the units' tokens of the prompt.
     let kernel_ids = local.per_id > 1 || (remote.per_id > 1 && sizes.remote <= sizes.local);
     if local.group_lens.is_empty() && !kernel_ids {
         let pairs = pair_units(

@@ -89,7 +89,7 @@ pub struct PerId {
 }
 
 /// One kernel block per block id on both engines.
-const WHOLE: PerId = PerId {
+pub const WHOLE: PerId = PerId {
     prefill: 1,
     decode: 1,
 };

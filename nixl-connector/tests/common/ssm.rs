@@ -16,7 +16,7 @@ use super::geometry::{
     compare_region, engine_speaking, engine_speaking_vllm_with, engine_with, with_groups, Model,
     Request, Side,
 };
-use super::hybrid::{kernel_blocks, PerId};
+use super::hybrid::{kernel_blocks, PerId, WHOLE};
 use super::matrix::{
     attention_label, await_freed, fill, hand_over, run_each, GroupsHandover, RankEnd,
 };
@@ -435,12 +435,8 @@ async fn ssm_case(
 /// read (no [`refusal`]) move every byte the models say; others are refused by name and
 /// move nothing.
 pub async fn run_ssm_cases(model: &Model, cases: &[(Side, Side)], protocol: Protocol) {
-    let whole = PerId {
-        prefill: 1,
-        decode: 1,
-    };
     let setting = Setting {
-        per_id: whole,
+        per_id: WHOLE,
         protocol,
         region_groups: &[],
         push: false,
@@ -459,10 +455,7 @@ pub async fn run_ssm_cases_with_region_groups(
     region_groups: &'static [i64],
 ) {
     let setting = Setting {
-        per_id: PerId {
-            prefill: 1,
-            decode: 1,
-        },
+        per_id: WHOLE,
         protocol,
         region_groups,
         push: false,
@@ -503,10 +496,7 @@ pub async fn run_ssm_push_cases(
         .iter()
         .all(|(p, d)| p.tp >= d.tp && p.block_size == d.block_size));
     let setting = Setting {
-        per_id: PerId {
-            prefill: 1,
-            decode: 1,
-        },
+        per_id: WHOLE,
         protocol,
         region_groups,
         push: true,
