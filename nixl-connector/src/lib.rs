@@ -300,6 +300,7 @@ pub use geometry::engine_layout::EngineLayout;
 pub use geometry::groups::{KvCacheGroupKind, KvCacheGroups, KV_CACHE_GROUPS_KEY, SHARED_REGION};
 pub use geometry::pipeline::{PipelineRank, PipelineStages, StageSource, MAX_PP_SIZE};
 pub use geometry::read_plan::{Piece, ReadPlan, RegionPlan};
+pub use geometry::region_layers::{LayerRoute, RegionLayer, MAX_LAYER_NAMES, MAX_LAYER_NAME_LEN};
 pub use geometry::spec::{KvAttention, KvCacheSpec, KvLayout, KvRegion, KvRegionKind};
 pub use geometry::ssm::SsmState;
 pub use geometry::tp_mapping::{RankShare, Share, TpMapping, MAX_TP_SIZE};

@@ -1150,7 +1150,7 @@ impl Settings {
 fn context(config: WorkerConfig, settings: &Settings) -> Result<Context> {
     let protocol = settings.protocol;
     let groups = KvCacheGroups::from_kv_transfer_config(&config.kv_transfer_config)?;
-    check_pipeline(&config, &groups)?;
+    check_pipeline(&config, &groups, settings.push.is_some())?;
     check_context_parallel(&config, &groups)?;
     #[cfg(feature = "vllm")]
     let vllm = match protocol {
@@ -1194,14 +1194,40 @@ fn context(config: WorkerConfig, settings: &Settings) -> Result<Context> {
 }
 
 /// Refuses a pipeline of more than one stage with several KV cache groups, as vLLM's
-/// pull-mode `NixlConnector` worker refuses hybrid models under pipeline parallelism.
-fn check_pipeline(config: &WorkerConfig, groups: &KvCacheGroups) -> Result<()> {
+/// pull-mode `NixlConnector` worker refuses hybrid models under pipeline parallelism, but
+/// for a push prefill whose regions name their layers (vLLM's `NixlPushConnector` routes
+/// them by name into the decode's): without SSM groups (vLLM's push refuses them under
+/// pipeline parallelism too), and naming the stage's layers.
+fn check_pipeline(config: &WorkerConfig, groups: &KvCacheGroups, push: bool) -> Result<()> {
     const OP: &str = "create the connector worker";
-    let stages = config.pipeline.as_ref().map(|p| p.stages().pp_size());
-    if stages.is_some_and(|pp| pp > 1) && groups.len() > 1 {
+    let Some(pipeline) = config
+        .pipeline
+        .as_ref()
+        .filter(|p| p.stages().pp_size() > 1)
+    else {
+        return Ok(());
+    };
+    if groups.len() <= 1 {
+        return Ok(());
+    }
+    if !push {
         return Err(Error::invalid(
             OP,
-            "NixlConnector (pull) does not support pipeline_parallel_size > 1 with hybrid KV cache layouts (HMA): vLLM 0.33 refuses it, and so does this connector",
+            "NixlConnector (pull) does not support pipeline_parallel_size > 1 with hybrid KV cache layouts (HMA): vLLM 0.33 refuses it, and so does this connector; use push mode (NixlPushConnector), whose prefill writes each layer by name",
+        ));
+    }
+    if groups.has_ssm_groups() {
+        return Err(Error::invalid(
+            OP,
+            "push mode with pipeline stages and SSM (Mamba) groups is not supported: vLLM 0.33's push refuses Mamba/SSM hybrids under pipeline parallelism too",
+        ));
+    }
+    let named: usize = groups.region_layers().iter().map(Vec::len).sum();
+    let layers = pipeline.stages().layers(pipeline.pp_rank()).len();
+    if named != layers {
+        return Err(Error::invalid(
+            OP,
+            format!("a push prefill of pipeline stages with several KV cache groups writes each layer by name: kv_cache_groups.region_layers names {named} layers, stage {} holds {layers}", pipeline.pp_rank()),
         ));
     }
     Ok(())

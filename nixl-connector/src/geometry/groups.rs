@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 use nixl::kv_config::KvTransferConfig;
 
 use crate::error::{Error, Result};
+use crate::geometry::region_layers::{check_region_layers, RegionLayer};
 use crate::geometry::ssm::{state_block, SsmState};
 
 /// The `kv_connector_extra_config` key holding an engine's [`KvCacheGroups`] as JSON, e.g.
@@ -129,6 +130,8 @@ pub struct KvCacheGroups {
     kinds: Vec<KvCacheGroupKind>,
     /// Each region's group, or [`SHARED_REGION`]; empty: every region shared.
     region_groups: Vec<i64>,
+    /// Each region's layers by name, with their groups; empty: not named.
+    region_layers: Vec<Vec<RegionLayer>>,
     /// What a block of the SSM groups holds; `None` without SSM groups.
     pub(super) ssm_state: Option<SsmState>,
 }
@@ -145,6 +148,8 @@ struct GroupsJson {
     groups: Vec<KvCacheGroupKind>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     region_groups: Vec<i64>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    region_layers: Vec<Vec<RegionLayer>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     ssm_state: Option<SsmState>,
 }
@@ -154,7 +159,8 @@ impl TryFrom<GroupsJson> for KvCacheGroups {
 
     fn try_from(json: GroupsJson) -> Result<Self> {
         let groups = KvCacheGroups::new(json.block_size, json.groups)?
-            .with_region_groups(json.region_groups)?;
+            .with_region_groups(json.region_groups)?
+            .with_region_layers(json.region_layers)?;
         match json.ssm_state {
             Some(state) => groups.with_ssm_state(state),
             None => {
@@ -171,6 +177,7 @@ impl From<KvCacheGroups> for GroupsJson {
             block_size: groups.block_size,
             groups: groups.kinds,
             region_groups: groups.region_groups,
+            region_layers: groups.region_layers,
             ssm_state: groups.ssm_state,
         }
     }
@@ -182,6 +189,7 @@ impl Default for KvCacheGroups {
             block_size: 1,
             kinds: vec![KvCacheGroupKind::FullAttention],
             region_groups: Vec::new(),
+            region_layers: Vec::new(),
             ssm_state: None,
         }
     }
@@ -223,6 +231,7 @@ impl KvCacheGroups {
             block_size,
             kinds,
             region_groups: Vec::new(),
+            region_layers: Vec::new(),
             ssm_state: None,
         })
     }
@@ -261,6 +270,62 @@ impl KvCacheGroups {
     /// every region shared.
     pub fn region_groups(&self) -> &[i64] {
         &self.region_groups
+    }
+
+    /// The groups with the layers of each registered region by name, in registration order,
+    /// each with its group (vLLM's `region_members`, and its `transfer_group_index_by_layer`),
+    /// e.g. `[[{"layer": "model.layers.0.attn", "group": 0}, {"layer":
+    /// "model.layers.1.attn", "group": 1}], ...]`. A prefill of pipeline stages of a model of
+    /// several groups needs them in push mode: each of its layers is written into the
+    /// decode's region of the same name, with its group's blocks (see
+    /// [`RegionLayer`]). Engines publish them in their handshake (vLLM's `region_members`).
+    /// Empty: not named.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a group that is not one of these, a name twice, an
+    /// empty region or name, or more than [`MAX_LAYER_NAMES`](crate::MAX_LAYER_NAMES).
+    pub fn with_region_layers(mut self, region_layers: Vec<Vec<RegionLayer>>) -> Result<Self> {
+        check_region_layers(&region_layers, self.len())?;
+        self.region_layers = region_layers;
+        Ok(self)
+    }
+
+    /// Each region's layers (see [`with_region_layers`](Self::with_region_layers)); empty:
+    /// not named.
+    pub fn region_layers(&self) -> &[Vec<RegionLayer>] {
+        &self.region_layers
+    }
+
+    /// The layers' names of a rank of `regions` regions, as its handshake says them (vLLM's
+    /// `region_members`): empty when not named.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when they are named for another number of regions.
+    pub(crate) fn region_layer_names(&self, regions: usize) -> Result<Vec<Vec<String>>> {
+        if !self.region_layers.is_empty() && self.region_layers.len() != regions {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "region_layers names the layers of {} regions, {regions} are registered",
+                    self.region_layers.len()
+                ),
+            ));
+        }
+        Ok(self
+            .region_layers
+            .iter()
+            .map(|region| region.iter().map(|l| l.layer.clone()).collect())
+            .collect())
+    }
+
+    /// The group of each named layer, region by region (as
+    /// [`LayerRoute::local_layer`](crate::LayerRoute::local_layer) counts them).
+    pub(crate) fn layer_groups(&self) -> Vec<i64> {
+        self.region_layers
+            .iter()
+            .flatten()
+            .map(|l| l.group as i64)
+            .collect()
     }
 
     /// Whether some region belongs to one group only (its blocks are not read there for the

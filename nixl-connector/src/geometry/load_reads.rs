@@ -221,8 +221,9 @@ fn pair_blocks(inputs: &Pairing<'_>) -> Result<GroupPairs> {
 
 /// The descriptors of `pairs` (`group_lens` of them per group, or one group): with SSM
 /// groups, vLLM's `[descs_fa | descs_ssm]` (the attention groups' blocks in every region,
-/// then the SSM groups' state); with groups of regions of their own, each region the pairs
-/// of its group; else every region all of them.
+/// then the SSM groups' state); with groups of regions of their own, or regions paired by
+/// layer name, each region the pairs of its group (of its layer); else every region all of
+/// them.
 fn descriptors(
     inputs: &ReadInputs<'_>,
     pairs: &[(usize, usize)],
@@ -230,7 +231,10 @@ fn descriptors(
 ) -> Result<ReadDescriptors> {
     let plan = inputs.plan;
     let blocks = inputs.local_num_blocks;
-    let own = inputs.groups.own_region_groups();
+    let routed = layer_groups(inputs)?;
+    let own = routed
+        .as_deref()
+        .unwrap_or_else(|| inputs.groups.own_region_groups());
     let (local, remote, bytes) = if let Some(ssm) = inputs.ssm {
         let (attention, state) = split_state_pairs(pairs, group_lens, |g| inputs.groups.is_ssm(g))?;
         let (mut local, mut remote, bytes) = if inputs.reads_attention {
@@ -258,6 +262,35 @@ fn descriptors(
         remote,
         bytes,
     })
+}
+
+/// The group of each of the plan's regions where they pair by layer name (its local layer's
+/// group, vLLM's `_transfer_layer_group_ids`); `None` where they do not.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for a layer this engine's groups do not name.
+fn layer_groups(inputs: &ReadInputs<'_>) -> Result<Option<Vec<i64>>> {
+    let routes = &inputs.plan.layer_routes;
+    if routes.is_empty() {
+        return Ok(None);
+    }
+    let groups = inputs.groups.layer_groups();
+    routes
+        .iter()
+        .map(|r| {
+            groups.get(r.local_layer).copied().ok_or_else(|| {
+                Error::invalid(
+                    OP,
+                    format!(
+                        "layer {} of {} named in kv_cache_groups.region_layers",
+                        r.local_layer,
+                        groups.len()
+                    ),
+                )
+            })
+        })
+        .collect::<Result<Vec<_>>>()
+        .map(Some)
 }
 
 /// The registered (kernel) blocks of `side`'s block ids, `per_id` blocks each (vLLM's

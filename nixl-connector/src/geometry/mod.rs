@@ -5,6 +5,8 @@
 //! load reads into which local ones (`block_map`), and, from all of these, the descriptors
 //! of one load's READ from one remote rank (`load_reads`, the planner the worker posts
 //! from); and, for engines split further, the layers of each pipeline stage (`pipeline`),
+//! the layers each region holds by name and two ranks' regions paired by them
+//! (`region_layers`),
 //! the blocks of each decode-context-parallel rank (`dcp`), and a remote engine's sizes of
 //! both and of TP (`engine_layout`).
 
@@ -18,6 +20,7 @@ pub(crate) mod push_cut;
 pub(crate) mod read_plan;
 #[cfg(test)]
 mod read_runs_tests;
+pub(crate) mod region_layers;
 pub(crate) mod spec;
 pub(crate) mod ssm;
 pub(crate) mod ssm_groups;

@@ -15,6 +15,7 @@ use nixl::XferDesc;
 
 use crate::geometry::block_map::BlockSizes;
 use crate::geometry::dcp::DcpSizes;
+use crate::geometry::region_layers::LayerRoute;
 use crate::geometry::spec::{KvAttention, KvCacheSpec, KvLayout};
 use crate::geometry::tp_mapping::{Share, TpMapping};
 
@@ -67,6 +68,10 @@ pub struct ReadPlan {
     /// The source's region that `regions[0]` is (not 0 when the source's pipeline stage
     /// holds layers before those the reader holds).
     pub remote_first_region: usize,
+    /// When the two ranks' regions pair by layer name (a pipeline stage of a hybrid model):
+    /// `regions[k]` is layer `layer_routes[k]`, between the regions it names (and the two
+    /// first regions above are not used). Empty: regions pair in order from the first ones.
+    pub layer_routes: Vec<LayerRoute>,
 }
 
 impl ReadPlan {
@@ -106,7 +111,22 @@ impl ReadPlan {
             regions,
             local_first_region: 0,
             remote_first_region: 0,
+            layer_routes: Vec::new(),
         })
+    }
+
+    /// The local region that `regions[k]` is.
+    fn local_region(&self, k: usize) -> usize {
+        self.layer_routes
+            .get(k)
+            .map_or(self.local_first_region + k, |r| r.local_region)
+    }
+
+    /// The source's region that `regions[k]` is.
+    fn remote_region(&self, k: usize) -> usize {
+        self.layer_routes
+            .get(k)
+            .map_or(self.remote_first_region + k, |r| r.remote_region)
     }
 
     /// The two sides' block sizes.
@@ -121,6 +141,7 @@ impl ReadPlan {
     /// list is the registration's own (descriptor `region * num_blocks + block`).
     pub(crate) fn reads_whole_local_blocks(&self) -> bool {
         self.local_first_region == 0
+            && self.layer_routes.is_empty()
             && self.block_sizes().local_units() == 1
             && self.regions.iter().all(|r| {
                 r.pieces
@@ -134,11 +155,11 @@ impl ReadPlan {
 
     /// Descriptors of the remote list: region by region, block by block, unit by unit, piece
     /// by piece, from the source's region base addresses (every region's; those of the
-    /// plan's regions are read from `remote_first_region` on).
+    /// plan's regions are read from `remote_first_region` on, or where `layer_routes` say).
     pub(crate) fn remote_descs(&self, bases: &[u64], device_id: u64) -> Vec<XferDesc> {
         let units = self.block_sizes().remote_units();
         let mut descs = Vec::with_capacity(self.remote_descriptors());
-        let bases = bases.get(self.remote_first_region..).unwrap_or_default();
+        let bases = (0..self.regions.len()).map_while(|k| bases.get(self.remote_region(k)));
         for (region, &base) in self.regions.iter().zip(bases) {
             for block in 0..self.remote_num_blocks {
                 for unit in 0..units {
@@ -159,13 +180,12 @@ impl ReadPlan {
 
     /// Descriptors of the local list, as (local region, offset in the region, length):
     /// region by region, block by block, unit by unit, piece by piece, over `num_blocks`
-    /// local blocks, from `local_first_region` on.
+    /// local blocks, from `local_first_region` on (or where `layer_routes` say).
     pub(crate) fn local_descs(
         &self,
         num_blocks: usize,
     ) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
         let units = self.block_sizes().local_units();
-        let first = self.local_first_region;
         self.regions
             .iter()
             .enumerate()
@@ -176,7 +196,7 @@ impl ReadPlan {
                     region
                         .pieces
                         .iter()
-                        .map(move |p| (first + index, start + p.local_offset, p.len))
+                        .map(move |p| (self.local_region(index), start + p.local_offset, p.len))
                 })
             })
     }

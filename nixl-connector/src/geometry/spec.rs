@@ -209,6 +209,17 @@ impl KvCacheSpec {
         }
     }
 
+    /// This spec with regions `regions` only, in that order (a region may come twice; an
+    /// index past the last is left out).
+    pub(crate) fn regions_at(&self, regions: impl Iterator<Item = usize>) -> KvCacheSpec {
+        KvCacheSpec {
+            regions: regions
+                .filter_map(|r| self.regions.get(r).cloned())
+                .collect(),
+            ..self.clone()
+        }
+    }
+
     /// vLLM 0.33's non-MLA cache (`kv_cache_layout` `"LBHNC"`, what its NixlConnector
     /// asks attention backends for in `get_required_kvcache_layout`): one region per layer,
     /// each block `[heads, tokens, 2 × head_size]` (HND, K and V packed per head and token),

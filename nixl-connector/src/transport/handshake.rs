@@ -8,6 +8,7 @@ use crate::geometry::dcp::DcpSizes;
 use crate::geometry::groups::KvCacheGroups;
 use crate::geometry::pipeline::{shared_regions, StageOfRank};
 use crate::geometry::read_plan::ReadPlan;
+use crate::geometry::region_layers::{route_by_layer_name, LayerRoute};
 use crate::geometry::spec::{KvAttention, KvCacheSpec};
 use crate::geometry::ssm::SsmState;
 use crate::geometry::tp_mapping::Share;
@@ -65,6 +66,12 @@ pub struct HandshakeMessage {
     /// differ between regions, both sides' must be the same.
     #[serde(default)]
     pub region_groups: Vec<i64>,
+    /// Each region's layers by name (vLLM's `region_members`;
+    /// [`KvCacheGroups::region_layers`](crate::KvCacheGroups::region_layers)); empty: not
+    /// named. Where a side has several pipeline stages and both name their layers, regions
+    /// pair by layer name ([`LayerRoute`](crate::LayerRoute)).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub region_layers: Vec<Vec<String>>,
     /// Registered (kernel) blocks per block id of the sender's transfer params (vLLM's
     /// `physical_blocks_per_logical_kv_block`: its KV cache groups' block size over its
     /// registered blocks'), 1 to [`MAX_BLOCKS_PER_ID`].
@@ -162,20 +169,40 @@ pub fn check_compatible(
     if let Some(why) = mismatch {
         return Err(refuse(why));
     }
-    let shared = shared_regions(stage_of(local), stage_of(remote)).map_err(refuse)?;
-    let (ours, theirs) = (
-        local.spec.regions_in(&shared.local),
-        remote.spec.regions_in(&shared.remote),
-    );
     let dcp = dcp_sizes(local, remote);
-    let mut plan = ReadPlan::new(&ours, tp(local), &theirs, tp(remote), dcp).map_err(refuse)?;
-    if shared.local.is_empty() {
-        // No layer in common: the source is only notified.
-        plan.share = Share::NotifiedOnly;
-        plan.regions.clear();
-    }
-    plan.local_first_region = shared.local.start;
-    plan.remote_first_region = shared.remote.start;
+    let (ours, theirs, plan) = match layer_routes(local, remote).map_err(refuse)? {
+        Some(routes) => {
+            let ours = local.spec.regions_at(routes.iter().map(|r| r.local_region));
+            let theirs = remote
+                .spec
+                .regions_at(routes.iter().map(|r| r.remote_region));
+            let mut plan =
+                ReadPlan::new(&ours, tp(local), &theirs, tp(remote), dcp).map_err(refuse)?;
+            if routes.is_empty() {
+                plan.share = Share::NotifiedOnly;
+                plan.regions.clear();
+            }
+            plan.layer_routes = routes;
+            (ours, theirs, plan)
+        }
+        None => {
+            let shared = shared_regions(stage_of(local), stage_of(remote)).map_err(refuse)?;
+            let (ours, theirs) = (
+                local.spec.regions_in(&shared.local),
+                remote.spec.regions_in(&shared.remote),
+            );
+            let mut plan =
+                ReadPlan::new(&ours, tp(local), &theirs, tp(remote), dcp).map_err(refuse)?;
+            if shared.local.is_empty() {
+                // No layer in common: the source is only notified.
+                plan.share = Share::NotifiedOnly;
+                plan.regions.clear();
+            }
+            plan.local_first_region = shared.local.start;
+            plan.remote_first_region = shared.remote.start;
+            (ours, theirs, plan)
+        }
+    };
     let marks = remote
         .release_marks
         .as_ref()
@@ -187,6 +214,51 @@ pub fn check_compatible(
         return Err(refuse(why));
     }
     Ok(plan)
+}
+
+/// The layers of `local` and `remote` paired by name, where their regions pair that way: a
+/// side of several pipeline stages, and both sides naming their layers (a hybrid model's
+/// stages, whose regions do not follow the model's layer order; vLLM's push aligns them by
+/// `region_members`). Then the region groups are the layers' own, and the engines' blocks
+/// must hold as many tokens (vLLM: "Attention-HMA push requires identical P/D block
+/// sizes"). `None`: regions pair by stage offsets ([`shared_regions`]).
+fn layer_routes(
+    local: &HandshakeMessage,
+    remote: &HandshakeMessage,
+) -> std::result::Result<Option<Vec<LayerRoute>>, String> {
+    let one_stage = |m: &HandshakeMessage| m.pp_partition.len() <= 1;
+    if one_stage(local) && one_stage(remote) {
+        return Ok(None);
+    }
+    let stages_named = |m: &HandshakeMessage| !one_stage(m) && !m.region_layers.is_empty();
+    if !stages_named(local) && !stages_named(remote) {
+        return Ok(None);
+    }
+    for (whose, message) in [("reader", local), ("source", remote)] {
+        if !message.region_layers.is_empty()
+            && message.region_layers.len() != message.spec.regions.len()
+        {
+            return Err(format!(
+                "the {whose} names the layers of {} regions for {} regions",
+                message.region_layers.len(),
+                message.spec.regions.len()
+            ));
+        }
+    }
+    if local.spec.block_size != remote.spec.block_size {
+        return Err(format!(
+            "blocks of {} tokens (reader) vs {} (source): a hybrid model's pipeline stages pair by layer name with blocks of one size only (vLLM: Attention-HMA push requires identical P/D block sizes)",
+            local.spec.block_size, remote.spec.block_size
+        ));
+    }
+    if local.region_layers.is_empty() {
+        return Err("the reader names no layer of its regions (kv_cache_groups.region_layers), the source's stage does: a hybrid model's pipeline stages pair by layer name".to_string());
+    }
+    let routes = route_by_layer_name(
+        (&local.region_layers, one_stage(local)),
+        (&remote.region_layers, one_stage(remote)),
+    )?;
+    Ok(Some(routes))
 }
 
 /// The DCP sizes of a reader's message and a source's.
@@ -448,6 +520,7 @@ impl HandshakeMessage {
             tp_size: tp.1 as u64,
             ssm_state: groups.checked_ssm_state()?.cloned(),
             region_groups: groups.region_group_ids(spec.regions.len())?,
+            region_layers: groups.region_layer_names(spec.regions.len())?,
             blocks_per_id: groups.kernel_blocks_per_id(spec.block_size)? as u64,
             pp_rank: 0,
             pp_partition: Vec::new(),
@@ -480,6 +553,7 @@ mod tests {
             tp_size: tp.1,
             ssm_state: None,
             region_groups: Vec::new(),
+            region_layers: Vec::new(),
             blocks_per_id: 1,
             pp_rank: 0,
             pp_partition: Vec::new(),
@@ -504,7 +578,7 @@ mod tests {
     fn hostile_geometry_claims_are_refused_or_planned_without_a_panic() {
         const EXTREMES: [usize; 6] = [0, 1, 3, 1 << 20, 1 << 40, usize::MAX];
         type Mutation = fn(&mut HandshakeMessage, usize);
-        let mutations: [Mutation; 11] = [
+        let mutations: [Mutation; 13] = [
             |m, v| m.spec.num_blocks = v,
             |m, v| m.spec.block_size = v,
             |m, v| m.spec.regions[0].block_len = v,
@@ -523,6 +597,15 @@ mod tests {
             },
             |m, v| m.blocks_per_id = v as u64,
             |m, v| m.region_groups = vec![v as i64; v.min(3)],
+            // A stage naming its layers (routed by name), in any number and repetition.
+            |m, v| {
+                (m.pp_partition, m.pp_rank) = (vec![1, 1], (v % 3) as u64);
+                m.region_layers = vec![vec![format!("l{}", v % 5); v.min(3)]; v.min(4)];
+            },
+            |m, v| {
+                (m.pp_partition, m.pp_rank) = (vec![1, 1], 1);
+                m.region_layers = vec![vec!["x".repeat(v.min(1 << 10))], vec!["l1".into()]];
+            },
             |m, v| {
                 m.spec.attention = if v % 2 == 0 {
                     KvAttention::Mla
@@ -531,7 +614,10 @@ mod tests {
                 }
             },
         ];
-        let good = (message((0, 1)), message((1, 2)));
+        let mut good = (message((0, 1)), message((1, 2)));
+        for m in [&mut good.0, &mut good.1] {
+            m.region_layers = vec![vec!["l0".into()], vec!["l1".into()]];
+        }
         assert!(check_compatible(&good.1, &good.0, None, None).is_ok());
         for mutate in mutations {
             for value in EXTREMES {
@@ -659,6 +745,63 @@ mod tests {
             &reader,
             &source,
             "the source's KV cache groups have SSM (Mamba) state, the reader's none",
+        );
+    }
+
+    #[test]
+    fn a_hybrid_models_stage_pairs_its_regions_by_layer_name() {
+        let names = |regions: &[&[&str]]| -> Vec<Vec<String>> {
+            regions
+                .iter()
+                .map(|r| r.iter().map(|n| n.to_string()).collect())
+                .collect()
+        };
+        let mut decode = message((0, 1));
+        decode.region_layers = names(&[&["l0", "l1"], &["l2", "l3"]]);
+        // Stage 1 of 2 holds l2 and l3, in regions of its own order.
+        let mut stage = message((0, 1));
+        (stage.pp_rank, stage.pp_partition) = (1, vec![2, 2]);
+        stage.region_layers = names(&[&["l3"], &["l2"]]);
+        let routes = |plan: &ReadPlan| -> Vec<(usize, usize, usize)> {
+            plan.layer_routes
+                .iter()
+                .map(|r| (r.local_layer, r.local_region, r.remote_region))
+                .collect()
+        };
+        let plan = check_compatible(&stage, &decode, None, None).unwrap();
+        assert_eq!(routes(&plan), [(0, 0, 1), (1, 1, 1)]);
+        assert_eq!(plan.regions.len(), 2);
+        // Each layer's descriptors start at its region of the peer.
+        let descs = plan.remote_descs(&decode.region_base_addrs, 0);
+        let per_region = descs.len() / 2;
+        assert_eq!(descs[0].addr, decode.region_base_addrs[1] as usize);
+        assert_eq!(descs[per_region].addr, decode.region_base_addrs[1] as usize);
+        let local: Vec<usize> = plan.local_descs(1).map(|(region, ..)| region).collect();
+        assert_eq!(local, [0, 1]);
+        // The decode's view: the layers both hold, in its order.
+        let plan = check_compatible(&decode, &stage, None, None).unwrap();
+        assert_eq!(routes(&plan), [(2, 1, 1), (3, 1, 0)]);
+        // A stage and a peer naming no layer, other layers, or blocks of another size.
+        let mut unnamed = decode.clone();
+        unnamed.region_layers.clear();
+        assert_refused(&stage, &unnamed, "the peer names no layer of its regions");
+        assert_refused(&unnamed, &stage, "the reader names no layer of its regions");
+        let mut other = decode.clone();
+        other.region_layers = names(&[&["l0", "l1"], &["l2", "x3"]]);
+        assert_refused(&stage, &other, "the peer lacks this rank's layers [\"l3\"]");
+        let mut short = decode.clone();
+        short.region_layers.pop();
+        assert_refused(
+            &stage,
+            &short,
+            "names the layers of 1 regions for 2 regions",
+        );
+        let mut larger = decode.clone();
+        larger.spec.block_size *= 2;
+        assert_refused(
+            &stage,
+            &larger,
+            "pair by layer name with blocks of one size only",
         );
     }
 

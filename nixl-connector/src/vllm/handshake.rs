@@ -135,11 +135,13 @@ impl VllmWorker {
             ssm_state,
             // Checked against ours in the conversion: one per region.
             region_groups: meta.region_group_ids.unwrap_or_default(),
+            // Bounded by the payload's limits; checked where regions pair by them.
+            region_layers: meta.region_members,
             // The block ids of its transfer params are logical.
             blocks_per_id,
             // vLLM's metadata does not say the stages: vLLM's even rule over our layers.
             pp_rank: pp_rank as u64,
-            pp_partition: peer_partition(&ours.pp_partition, ours.spec.num_regions(), pp_size)?,
+            pp_partition: peer_partition(&ours.pp_partition, layers_of(ours), pp_size)?,
             dcp_size: meta.dcp_size,
             // vLLM's readers do not claim.
             claims: Vec::new(),
@@ -241,23 +243,31 @@ fn pcp_refusal(
     (replicated_here || replicated_there).then(|| format!("Replicated PCP cannot be paired with a DCP-sharded NIXL peer. Local PCP/DCP={local_pcp}/{local_dcp}; remote PCP/DCP={remote_pcp}/{remote_dcp}."))
 }
 
+/// The reader's layers in `ours`: its named layers, else one a region (as vLLM registers
+/// its layers without a hybrid model's shared tensors).
+fn layers_of(ours: &HandshakeMessage) -> usize {
+    match ours.region_layers.iter().map(Vec::len).sum() {
+        0 => ours.spec.num_regions(),
+        named => named,
+    }
+}
+
 /// The partition of a peer of `pp_size` stages whose handshake does not say it (vLLM's
 /// `NixlAgentMetadata` has no stages): vLLM's even rule over the reader's layers, those of
-/// its own partition, or one a region (as vLLM registers its layers) when it has none; empty
-/// for one stage.
+/// its own partition, or `reader_layers` when it has none; empty for one stage.
 ///
 /// # Errors
 /// [`Error::InvalidArgument`] when the layers cannot be split over `pp_size` stages.
 fn peer_partition(
     reader_partition: &[u64],
-    reader_regions: usize,
+    reader_layers: usize,
     pp_size: usize,
 ) -> Result<Vec<u64>> {
     if pp_size <= 1 {
         return Ok(Vec::new());
     }
     let layers = match reader_partition {
-        [] | [_] => reader_regions,
+        [] | [_] => reader_layers,
         partition => partition.iter().map(|&n| n as usize).sum(),
     };
     Ok(PipelineRank::new(PipelineStages::even(layers, pp_size)?, 0)?.partition())

@@ -75,9 +75,13 @@ impl KvConnectorWorker {
     pub(super) fn check_spec(&self, spec: &KvCacheSpec) -> Result<()> {
         spec.validate()?;
         let config = &self.shared.config;
-        if let Some(pipeline) = &config.pipeline {
+        // A stage whose regions name their layers pairs them by name (its tensors need not
+        // follow the layers' order); else each layer has as many regions.
+        let named = !self.shared.groups.region_layers().is_empty();
+        if let Some(pipeline) = config.pipeline.as_ref().filter(|_| !named) {
             pipeline.regions_per_layer(spec.num_regions())?;
         }
+        self.shared.groups.region_layer_names(spec.num_regions())?;
         if config.dcp_size > 1 && spec.attention != KvAttention::Mla {
             return Err(Error::invalid(
                 "register the KV caches",
@@ -327,6 +331,8 @@ impl KvConnectorWorker {
             dcp_size: ours.dcp_size,
             pcp_size: config.pcp_size as u64,
         })?;
+        // vLLM's `region_members`: a prefill of stages aligns its layers with them.
+        metadata.region_members = ours.region_layers.clone();
         // vLLM's `_mamba_ssm_size`: (0, 0) without SSM groups.
         if let Some(state) = &ours.ssm_state {
             let (conv, temporal) = state.ssm_sizes();

@@ -1,0 +1,369 @@
+//! A hybrid model (full attention at the even layers, a sliding window at the odd ones:
+//! vLLM's HMA) pushed from a prefill of pipeline stages into a decode of one, over real
+//! NIXL/UCX, in both protocols: vLLM's `NixlPushConnector` matches such regions by layer
+//! name (`region_members`, `_align_remote_regions_by_layer`).
+//!
+//! Each rank lays its tensors out as vLLM does from its own layers: tensor `i` holds layer
+//! `i` of each group. The decode's 6 layers give `{l0, l1} {l2, l3} {l4, l5}`; stage 0 of 2
+//! (layers 0 to 2) `{l0, l1} {l2}`, stage 1 (3 to 5) `{l4, l3} {l5}`. So stage 1's first
+//! region holds layers the decode keeps in two regions, and pairing regions by index from a
+//! stage's offset would write other layers' KV. Every byte of every decode region is
+//! checked: each layer's blocks of its group hold the prefill's bytes of that layer, the
+//! rest stays zero. A prefill of stages whose regions do not name their layers, and a pull
+//! prefill of such stages, are refused by name.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use nixl::kv_config::{KvRole, KvTransferConfig};
+use nixl_connector::vllm::{MetadataServer, VllmChannelLimits};
+use nixl_connector::{
+    FinishStatus, KvAttention, KvCacheGroups, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker,
+    KvLayout, LoadOutcome, PipelineRank, PipelineStages, Protocol, RegionLayer, SchedulerConfig,
+    KV_CACHE_GROUPS_KEY,
+};
+
+use common::{cpu_config, vllm_config, vllm_factors, WAIT};
+
+/// Layers of the model, KV heads, tokens per block, bytes of a head's token, blocks per
+/// region.
+const LAYERS: usize = 6;
+const HEADS: usize = 2;
+const TOKENS: usize = 4;
+const TOKEN_BYTES: usize = 8;
+const BLOCKS: usize = 16;
+/// The request's blocks of each group (full attention, sliding window) on the prefill, and
+/// the decode's they land in: one pool, so no id is in both groups.
+const PREFILL: [[usize; 3]; 2] = [[5, 2, 7], [1, 6, 3]];
+const DECODE: [[usize; 3]; 2] = [[2, 0, 5], [7, 4, 1]];
+
+fn name(layer: usize) -> String {
+    format!("model.layers.{layer}.attn")
+}
+
+/// The regions vLLM registers for `layers` (one stage's): tensor `i` shared by layer `i`
+/// of each group among them, full attention (group 0) at the even layers.
+fn regions_of(layers: Range<usize>) -> Vec<Vec<RegionLayer>> {
+    let group = |g: usize| {
+        layers
+            .clone()
+            .filter(move |l| l % 2 == g)
+            .collect::<Vec<_>>()
+    };
+    let (full, window) = (group(0), group(1));
+    (0..full.len().max(window.len()))
+        .map(|i| {
+            [(full.get(i), 0), (window.get(i), 1)]
+                .into_iter()
+                .filter_map(|(layer, group)| {
+                    layer.map(|&l| RegionLayer {
+                        layer: name(l),
+                        group,
+                    })
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// The model's groups with the region layers of `layers`.
+fn groups(layers: Range<usize>) -> KvCacheGroups {
+    serde_json::from_value(serde_json::json!({
+        "block_size": TOKENS,
+        "groups": ["full_attention", {"sliding_window": {"window_tokens": 2 * TOKENS}}],
+        "region_layers": regions_of(layers),
+    }))
+    .unwrap()
+}
+
+/// One engine: its stages and TP size.
+#[derive(Clone)]
+struct Layout {
+    stages: PipelineStages,
+    tp: usize,
+}
+
+impl Layout {
+    fn new(pp: usize, tp: usize) -> Layout {
+        Layout {
+            stages: PipelineStages::even(LAYERS, pp).unwrap(),
+            tp,
+        }
+    }
+
+    fn spec(&self, stage: usize) -> KvCacheSpec {
+        let regions = regions_of(self.stages.layers(stage)).len();
+        let attention = KvAttention::Mha {
+            total_kv_heads: HEADS,
+        };
+        let block_len = TOKENS * HEADS / self.tp * TOKEN_BYTES;
+        KvCacheSpec::uniform(regions, BLOCKS, TOKENS, attention, KvLayout::Hnd, block_len)
+    }
+}
+
+/// Block `block` of region `region` of prefill rank `(stage, tp_rank)` of TP `tp`: each
+/// byte a function of the stage, the region, the block, the model's head, the token and the
+/// byte.
+fn prefill_block(
+    (stage, tp_rank, tp): (usize, usize, usize),
+    region: usize,
+    block: usize,
+) -> Vec<u8> {
+    let heads = HEADS / tp;
+    let mut out = Vec::with_capacity(TOKENS * heads * TOKEN_BYTES);
+    for head in tp_rank * heads..(tp_rank + 1) * heads {
+        for token in 0..TOKENS {
+            out.extend((0..TOKEN_BYTES).map(|byte| {
+                ((stage * 7919 + region * 1009 + block * 101 + head * 31 + token * 7 + byte) % 251
+                    + 1) as u8
+            }));
+        }
+    }
+    out
+}
+
+/// The config of a rank of `protocol`, pushing, a producer or not, of the model's groups
+/// with the region layers of `layers`.
+fn kv(protocol: Protocol, producer: bool, layers: Range<usize>) -> KvTransferConfig {
+    let mut factors = vllm_factors();
+    factors["transfer_mode"] = "push".into();
+    let mut kv = match protocol {
+        Protocol::Native => cpu_config(),
+        Protocol::Vllm => vllm_config(factors),
+    };
+    let extra = &mut kv.kv_connector_extra_config;
+    extra.insert("transfer_mode".into(), "push".into());
+    extra.insert(
+        KV_CACHE_GROUPS_KEY.into(),
+        serde_json::to_value(groups(layers)).unwrap(),
+    );
+    kv.kv_role = Some(if producer {
+        KvRole::Producer
+    } else {
+        KvRole::Consumer
+    });
+    kv
+}
+
+/// The ranks of an engine of `layout` speaking `protocol` (in `(stage, tp_rank)` order; the
+/// prefill's, `producer`, filled), and its port.
+fn engine(
+    id: &str,
+    layout: &Layout,
+    producer: bool,
+    protocol: Protocol,
+) -> (Vec<KvConnectorWorker>, u16) {
+    let server = (protocol == Protocol::Vllm).then(|| {
+        let any = SocketAddr::from(([127, 0, 0, 1], 0));
+        Arc::new(MetadataServer::bind_now(any, VllmChannelLimits::default()).unwrap())
+    });
+    let ranks: Vec<(usize, usize)> = (0..layout.stages.pp_size())
+        .flat_map(|s| (0..layout.tp).map(move |r| (s, r)))
+        .collect();
+    'ports: for _ in 0..20 {
+        let mut workers: Vec<KvConnectorWorker> = Vec::new();
+        let mut base = server.as_ref().map_or(0, |s| s.local_addr().port());
+        for (n, &(stage, tp_rank)) in ranks.iter().enumerate() {
+            let layers = layout.stages.layers(stage);
+            let kv = kv(protocol, producer, layers);
+            let mut config = nixl_connector::WorkerConfig::new(id, tp_rank, layout.tp, kv);
+            config.platform = Arc::new(nixl::platform::BuiltinPlatform::CPU);
+            if let Some(server) = &server {
+                config.vllm_side_channel = Some(server.clone());
+            } else if n > 0 {
+                let Some(port) = base.checked_add(n as u16) else {
+                    continue 'ports;
+                };
+                config.side_channel.set_port(port);
+            }
+            if layout.stages.pp_size() > 1 {
+                config.pipeline = Some(PipelineRank::new(layout.stages.clone(), stage).unwrap());
+            }
+            let worker = KvConnectorWorker::new(config).unwrap();
+            let spec = layout.spec(stage);
+            if worker.register_host_kv_caches(spec.clone()).is_err() {
+                continue 'ports;
+            }
+            if n == 0 && server.is_none() {
+                base = worker.side_channel_addr().unwrap().port();
+            }
+            if producer {
+                let caches = worker.kv_caches().unwrap();
+                for region in 0..spec.num_regions() {
+                    for block in 0..BLOCKS {
+                        let data = prefill_block((stage, tp_rank, layout.tp), region, block);
+                        caches.write(region, block * data.len(), &data).unwrap();
+                    }
+                }
+            }
+            workers.push(worker);
+        }
+        return (workers, base);
+    }
+    panic!("no run of free ports for engine {id}");
+}
+
+fn scheduler(id: &str, port: u16, layout: &Layout, protocol: Protocol) -> KvConnectorScheduler {
+    let kv = kv(protocol, false, 0..LAYERS);
+    let mut config = SchedulerConfig::new(id, "127.0.0.1", port, layout.tp, &kv).unwrap();
+    config.pp_size = layout.stages.pp_size();
+    KvConnectorScheduler::new(config).with_kv_cache_groups(groups(0..LAYERS))
+}
+
+/// Pushes one request of the hybrid model from a prefill of `prefill` into a decode of
+/// `decode` (one stage), both speaking `protocol`, and checks every byte of every decode
+/// rank.
+async fn push(tag: &str, prefill: Layout, decode: Layout, protocol: Protocol) {
+    let tag = format!("{protocol}-{tag}");
+    let (pf_id, dc_id) = (format!("pf-hma-{tag}"), format!("dc-hma-{tag}"));
+    let (prefills, pf_port) = engine(&pf_id, &prefill, true, protocol);
+    let (decodes, dc_port) = engine(&dc_id, &decode, false, protocol);
+    let mut pf = scheduler(&pf_id, pf_port, &prefill, protocol);
+    let mut dc = scheduler(&dc_id, dc_port, &decode, protocol);
+    let id = "req";
+    let done = pf
+        .request_finished_all_groups(
+            id,
+            &PREFILL.map(Vec::from),
+            3 * TOKENS,
+            Some(&common::for_decode()),
+            FinishStatus::Stopped,
+        )
+        .unwrap();
+    let params = common::as_sent(protocol, done.kv_transfer_params.unwrap());
+    dc.on_new_request(id, Some(&params));
+    dc.update_state_after_alloc_groups(id, &DECODE.map(Vec::from), &params)
+        .unwrap();
+    let (mut loaded, mut freed) = (false, false);
+    let started = Instant::now();
+    while !(loaded && freed) && started.elapsed() < WAIT {
+        freed |= pf
+            .step(&prefills)
+            .unwrap()
+            .finished_sending
+            .iter()
+            .any(|r| r == id);
+        for outcome in dc.step(&decodes).unwrap().load_outcomes {
+            match outcome {
+                LoadOutcome::Loaded { request_id } if request_id == id => loaded = true,
+                other => panic!("{tag}: the load ended {other:?}"),
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(loaded && freed, "{tag}: loaded {loaded}, freed {freed}");
+    let writes: u64 = prefills.iter().map(|p| p.push_stats().writes).sum();
+    assert_eq!(
+        writes,
+        prefills.len() as u64,
+        "{tag}: every prefill rank wrote once"
+    );
+    check_decode(&tag, &decodes, &prefill, &decode);
+}
+
+/// Where layer `layer` sits on an engine of `layout`: its stage and its region there.
+fn region_of(layout: &Layout, layer: usize) -> (usize, usize) {
+    let stage = layout.stages.stage_of(layer).unwrap();
+    let region = regions_of(layout.stages.layers(stage))
+        .iter()
+        .position(|r| r.iter().any(|l| l.layer == name(layer)))
+        .unwrap();
+    (stage, region)
+}
+
+/// Checks each decode rank: in each region, each block of a group's request holds what the
+/// prefill's paired block holds in the region of that group's layer; every other block is
+/// zero.
+fn check_decode(tag: &str, decodes: &[KvConnectorWorker], prefill: &Layout, decode: &Layout) {
+    for (tp_rank, worker) in decodes.iter().enumerate() {
+        let spec = decode.spec(0);
+        let caches = worker.kv_caches().unwrap();
+        for (region, layers) in regions_of(0..LAYERS).iter().enumerate() {
+            let len = spec.block_len(region);
+            for block in 0..BLOCKS {
+                let from = layers.iter().find_map(|l| {
+                    let i = DECODE[l.group].iter().position(|&b| b == block)?;
+                    let layer: usize = l.layer.split('.').nth(2)?.parse().ok()?;
+                    Some((layer, PREFILL[l.group][i]))
+                });
+                let want = match from {
+                    None => vec![0; len],
+                    Some((layer, pf_block)) => {
+                        let (stage, pf_region) = region_of(prefill, layer);
+                        // The decode rank's heads, from the prefill ranks holding them.
+                        let per_pf = HEADS / prefill.tp;
+                        let per_dc = HEADS / decode.tp;
+                        (tp_rank * per_dc..(tp_rank + 1) * per_dc)
+                            .step_by(per_pf.min(per_dc))
+                            .flat_map(|head| {
+                                let pf_rank = head / per_pf;
+                                let whole = prefill_block(
+                                    (stage, pf_rank, prefill.tp),
+                                    pf_region,
+                                    pf_block,
+                                );
+                                let first = head % per_pf;
+                                let take = per_pf.min(per_dc);
+                                let head_len = TOKENS * TOKEN_BYTES;
+                                whole[first * head_len..(first + take) * head_len].to_vec()
+                            })
+                            .collect()
+                    }
+                };
+                let mut got = vec![0u8; len];
+                caches.read(region, block * len, &mut got).unwrap();
+                assert!(
+                    got == want,
+                    "{tag}: decode rank {tp_rank} region {region} block {block} (from {from:?})"
+                );
+            }
+        }
+    }
+}
+
+/// PP 2 → 1 and PP 2 × TP 2 → 1 × 1, both protocols: each layer lands in the decode's region
+/// of its name, with its group's blocks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hybrid_models_stages_push_each_layer_into_the_decodes_region_of_its_name() {
+    for protocol in [Protocol::Native, Protocol::Vllm] {
+        push("p2-d1", Layout::new(2, 1), Layout::new(1, 1), protocol).await;
+        push("p2x2-d1", Layout::new(2, 2), Layout::new(1, 1), protocol).await;
+    }
+}
+
+/// A prefill of stages of a hybrid model whose regions name no layer, or that pulls, is
+/// refused at creation, by name.
+#[tokio::test]
+async fn stages_of_a_hybrid_model_without_layer_names_or_pulling_are_refused() {
+    let stages = PipelineStages::even(LAYERS, 2).unwrap();
+    let config = |kv: KvTransferConfig| {
+        let mut config = nixl_connector::WorkerConfig::new("pp-hma", 0, 1, kv);
+        config.pipeline = Some(PipelineRank::new(stages.clone(), 1).unwrap());
+        config
+    };
+    let mut unnamed = kv(Protocol::Native, true, 3..LAYERS);
+    unnamed.kv_connector_extra_config.insert(
+        KV_CACHE_GROUPS_KEY.into(),
+        serde_json::json!({"block_size": TOKENS, "groups": ["full_attention", {"sliding_window": {"window_tokens": 8}}]}),
+    );
+    let err = KvConnectorWorker::new(config(unnamed))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("region_layers names 0 layers, stage 1 holds 3"),
+        "{err}"
+    );
+    let mut pulling = kv(Protocol::Native, true, 3..LAYERS);
+    pulling.kv_connector_extra_config.remove("transfer_mode");
+    let err = KvConnectorWorker::new(config(pulling))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("NixlConnector (pull) does not support"),
+        "{err}"
+    );
+}
