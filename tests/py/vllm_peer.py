@@ -189,6 +189,28 @@ rest one each to the stages before the last, from the second-to-last back).
                                WRITTEN at its heads' slice of the decode's blocks, notified
                                "REQ:TP" -> JSON {ranks: {"s:t": {written, into, agent,
                                slot}}} or why not
+  kv_hma_pp_prefill HASH ENGINE PP LAYERS BLOCKS BLOCK_LEN BLOCK_SIZE
+                               a push prefill of PP stages (TP 1) of a hybrid model (full
+                               attention at the even layers, a sliding window at the odd),
+                               each stage's tensors laid out from its own layers as vLLM lays
+                               them and named in region_members -> JSON {port, regions}
+  kv_hma_pp_push_finish HEXREQ FULL;WINDOW
+                               its push request_finished for request HEXREQ of each group's
+                               blocks ("3,9,14;1,6,2") -> JSON params
+  kv_hma_pp_push_write HASH SECONDS
+                               every stage as vLLM's push writer: its regions aligned with
+                               the decode's by layer name (_align_remote_regions_by_layer),
+                               each layer WRITTEN with its group's blocks, notified "REQ:1"
+                               -> JSON {ranks: {"s:0": {layers, descs}}} or why not
+  kv_hma_decode HASH ENGINE LAYERS BLOCKS BLOCK_LEN BLOCK_SIZE
+                               a push decode (TP 1) of that hybrid model, its tensors named
+                               in region_members (zero) -> JSON {port, regions}
+  kv_hma_push_register HEXPARAMS HASH HEXREQ FULL;WINDOW
+                               its handshake with every (pp_rank, tp_rank) of the prefill and
+                               a PUSH_REG of its blocks per group to each -> JSON {stages}
+  kv_hma_push_wait HEXREQ COUNT SECONDS
+                               COUNT notifications "REQ:N" waited for, then every region's
+                               bytes -> JSON {vllm, senders, data: HEX} or why not
   kv_pp_decode PORT HASH ENGINE LAYERS PP STAGE BLOCKS HEXREQ CONSUMERS
                                one stage's part of a decode of one stage (TP 1) reading a
                                prefill of PP stages of LAYERS layers (not vLLM 0.33's pull
@@ -270,6 +292,12 @@ dcp_prefill = {"ranks": [], "notifs": []}
 pp_prefill = {"ranks": {}, "pending": [], "counts": {}, "freed": {}}
 # The kv_pp_decode decode rank's agent.
 pp_decoder = {"agent": None}
+# The hybrid PP prefill: its ranks ((s, 0) -> agent, buffers, registration, regions as
+# hma_regions gives them) and its requests held for a push registration (id -> groups).
+hma_pp = {"ranks": {}, "push": {}}
+# The hybrid push decode: its agent, buffers, registration, port, engine id and the
+# notifications it took that no wait asked for.
+hma_decode = {}
 
 
 def answer(value):
@@ -1110,26 +1138,13 @@ def kv_pp_push_write(local_hash, seconds):
     rank t of a prefill of TP times the decode's writes the t-th slice of a decode rank's
     block), with the notification "{decode request id}:{prefill TP}" (vLLM's world size)
     -> JSON {ranks: {"s:t": {written, into, agent, slot}}} or why not."""
-    deadline = time.monotonic() + seconds
     held, tp = pp_prefill.get("push", {}), pp_prefill["tp"]
     stages = pp_stages(pp_prefill["layers"], pp_prefill["pp"])
     size = pp_prefill["block_len"]
-    regs, out = {}, {}
-    while len(regs) < len(pp_prefill["ranks"]):
-        if time.monotonic() > deadline:
-            return {"error": "no registration on every rank", "ranks": sorted(f"{s}:{t}" for s, t in regs)}
-        for rank, (agent, _, _) in pp_prefill["ranks"].items():
-            for sender, notes in agent.get_new_notifs().items():
-                for note in notes:
-                    if rank in regs or not note.startswith(b"PUSH_REG:"):
-                        continue
-                    reg = msgspec.msgpack.decode(note[len(b"PUSH_REG:"):])
-                    rid = reg["request_id"]
-                    key = rid if rid in held else next(
-                        (h for h in held if base_id(h) == base_id(rid)), None)
-                    if key is not None:
-                        regs[rank] = (reg, key)
-        time.sleep(0.001)
+    agents = {rank: agent for rank, (agent, _, _) in pp_prefill["ranks"].items()}
+    regs, out = take_registrations(agents, held, seconds), {}
+    if "error" in regs:
+        return regs
     for (s, t), (reg, key) in regs.items():
         agent, bufs, _ = pp_prefill["ranks"][(s, t)]
         writers = max(1, tp // reg["decode_tp_size"])
@@ -1156,6 +1171,222 @@ def kv_pp_push_write(local_hash, seconds):
             return dict(rank=f"{s}:{t}", **failed)
         out[f"{s}:{t}"] = {"written": mine, "into": theirs, "agent": remote, "slot": slot}
     return {"ranks": out}
+
+
+def take_registrations(agents, held, seconds):
+    """The first PUSH_REG registration each rank's agent of AGENTS ((s, t) -> agent) gets,
+    at most SECONDS in all, whose request id, or base id, HELD holds (vLLM's push matching)
+    -> {(s, t): (registration, held request id)} or why not."""
+    deadline = time.monotonic() + seconds
+    regs = {}
+    while len(regs) < len(agents):
+        if time.monotonic() > deadline:
+            return {"error": "no registration on every rank", "ranks": sorted(f"{s}:{t}" for s, t in regs)}
+        for rank, agent in agents.items():
+            for sender, notes in agent.get_new_notifs().items():
+                for note in notes:
+                    if rank in regs or not note.startswith(b"PUSH_REG:"):
+                        continue
+                    reg = msgspec.msgpack.decode(note[len(b"PUSH_REG:"):])
+                    rid = reg["request_id"]
+                    key = rid if rid in held else next(
+                        (h for h in held if base_id(h) == base_id(rid)), None)
+                    if key is not None:
+                        regs[rank] = (reg, key)
+        time.sleep(0.001)
+    return regs
+
+
+def hma_regions(layers):
+    """vLLM's KV tensors of a rank holding LAYERS (layer numbers) of a hybrid model of two
+    groups, full attention (0) at the even layers and a sliding window (1) at the odd ones:
+    tensor i shared by the i-th of the rank's layers of each group (vLLM's
+    get_kv_cache_config_from_groups) -> [[(layer name, group), ...], ...]."""
+    groups = [[l for l in layers if l % 2 == g] for g in (0, 1)]
+    return [[(f"model.layers.{members[i]}.attn", g) for g, members in enumerate(groups) if i < len(members)]
+            for i in range(max(len(m) for m in groups))]
+
+
+def kv_hma_pp_prefill(hash_, engine, pp, layers, blocks, block_len, block_size):
+    """A prefill of PP stages of TP 1 of the hybrid model of hma_regions over LAYERS layers,
+    vLLM's push connector's layout: each stage's tensors from its own layers, named in its
+    metadata's region_members, region_group_ids -1 (shared); stage s's region r holds
+    kv_byte(100 s + r) -> JSON {port, regions (each stage's names)}."""
+    from nixl_cu12 import nixl_agent
+
+    payloads, out = {}, []
+    for s, (first, count) in enumerate(pp_stages(layers, pp)):
+        regions = hma_regions(range(first, first + count))
+        agent = nixl_agent(f"py-hma-prefill-{os.getpid()}-{s}")
+        size = blocks * block_len
+        bufs = [kv_byte(100 * s + r, size) for r in range(len(regions))]
+        reg = agent.get_reg_descs([(b.ctypes.data, size, 0, "") for b in bufs], "DRAM")
+        agent.register_memory(reg)
+        members = [[name for name, _ in region] for region in regions]
+        meta = dram_metadata(
+            engine, agent, [b.ctypes.data for b in bufs], blocks, block_len, block_size,
+            region_group_ids=[-1] * len(regions),
+            region_names=[m[0] for m in members],
+            region_members=members,
+        )
+        payloads[(s, 0)] = encode_payload(hash_, meta, False)
+        hma_pp["ranks"][(s, 0)] = (agent, bufs, reg, regions)
+        out.append(members)
+    port = serve_ranks(payloads)
+    hma_pp.update(engine=engine, port=port, pp=pp, block_len=block_len, block_size=block_size)
+    return {"port": port, "regions": out}
+
+
+def kv_hma_pp_push_finish(req_id, groups):
+    """vLLM's push request_finished on the hybrid prefill for REQ_ID of GROUPS (its block ids
+    per group, the window's not clipped): held on every rank -> the push params."""
+    hma_pp["push"][req_id] = groups
+    return dict(
+        do_remote_prefill=True,
+        do_remote_decode=False,
+        remote_block_ids=groups,
+        remote_engine_id=hma_pp["engine"],
+        remote_request_id=req_id,
+        remote_host="127.0.0.1",
+        remote_port=hma_pp["port"],
+        tp_size=1,
+        dcp_size=1,
+        pp_size=hma_pp["pp"],
+        remote_num_tokens=len(groups[0]) * hma_pp["block_size"],
+        transfer_mode="push",
+    )
+
+
+def kv_hma_pp_push_write(local_hash, seconds):
+    """Every stage of the hybrid prefill as vLLM's push writer, for the first registration
+    it gets (at most SECONDS): the handshake with the decode (TP 1, hash LOCAL_HASH checked),
+    its regions aligned by layer name as vLLM's _align_remote_regions_by_layer aligns them
+    (each local layer, region by region, in the decode's region of region_members naming
+    it: every one there, none twice), and its descriptors as vLLM's _compute_desc_ids with
+    layer-name routing lays them out: layer by layer, each with its own group's blocks, the
+    held ones cut to the last as many as the decode registered for the group; WRITTEN with
+    "{decode request id}:1" -> JSON {ranks: {"s:0": {layers: [[name, decode region]],
+    descs}}} or why not."""
+    held, size = hma_pp["push"], hma_pp["block_len"]
+    agents = {rank: agent for rank, (agent, _, _, _) in hma_pp["ranks"].items()}
+    regs, out = take_registrations(agents, held, seconds), {}
+    if "error" in regs:
+        return regs
+    for (s, t), (reg, key) in regs.items():
+        agent, bufs, _, regions = hma_pp["ranks"][(s, t)]
+        fetched = fetch_meta(reg["decode_port"], local_hash, True, reg["decode_engine_id"])
+        if isinstance(fetched, dict):
+            return dict(rank=f"{s}:{t}", **fetched)
+        meta = fetched[0]
+        if not meta.region_members:
+            return {"rank": f"{s}:{t}", "error": "Remote advertised no region_members"}
+        region_of = {}
+        for r, names in enumerate(meta.region_members):
+            for name in names:
+                if name in region_of:
+                    return {"rank": f"{s}:{t}", "error": f"Remote advertised layer {name!r} in multiple regions"}
+                region_of[name] = r
+        missing = [n for region in regions for n, _ in region if n not in region_of]
+        if missing:
+            return {"rank": f"{s}:{t}", "error": f"Remote is missing locally owned layers: {missing}"}
+        remote = agent.add_remote_agent(meta.agent_metadata)
+        remote = remote.decode() if isinstance(remote, bytes) else remote
+        local_descs, remote_descs, routed = [], [], []
+        for r, region in enumerate(regions):
+            for name, g in region:
+                into = region_of[name]
+                routed.append([name, into])
+                theirs = reg["local_block_ids"][g]
+                mine = held[key][g][-len(theirs):] if theirs else []
+                for m, d in zip(mine, theirs):
+                    at = meta.kv_caches_base_addr[into] + d * meta.block_strides[into]
+                    remote_descs.append((at, size, meta.device_id))
+                    local_descs.append((bufs[r].ctypes.data + m * size, size, 0))
+        failed = post_read(agent, remote, local_descs, remote_descs, f"{reg['request_id']}:1".encode(), "WRITE")
+        if failed:
+            return dict(rank=f"{s}:{t}", **failed)
+        out[f"{s}:{t}"] = {"layers": routed, "descs": len(local_descs)}
+    return {"ranks": out}
+
+
+def kv_hma_decode(hash_, engine, layers, blocks, block_len, block_size):
+    """A push decode (one stage, TP 1) of the hybrid model of hma_regions over LAYERS
+    layers: its tensors registered (zero) and named in its metadata's region_members, served
+    at (0, 0) under HASH -> JSON {port, regions}."""
+    from nixl_cu12 import nixl_agent
+
+    regions = hma_regions(range(layers))
+    agent = nixl_agent(f"py-hma-decode-{os.getpid()}")
+    size = blocks * block_len
+    bufs = [np.zeros(size, dtype=np.uint8) for _ in regions]
+    reg = agent.get_reg_descs([(b.ctypes.data, size, 0, "") for b in bufs], "DRAM")
+    agent.register_memory(reg)
+    members = [[name for name, _ in region] for region in regions]
+    meta = dram_metadata(
+        engine, agent, [b.ctypes.data for b in bufs], blocks, block_len, block_size,
+        region_group_ids=[-1] * len(regions),
+        region_names=[m[0] for m in members],
+        region_members=members,
+    )
+    port = serve_ranks({(0, 0): encode_payload(hash_, meta, False)})
+    hma_decode.update(agent=agent, bufs=bufs, reg=reg, port=port, engine=engine, notifs=[])
+    return {"port": port, "regions": members}
+
+
+def kv_hma_push_register(params, local_hash, req_id, groups):
+    """The hybrid decode as vLLM's push decode for the prefill's JSON PARAMS: a handshake
+    (hash checked) with every (pp_rank, tp_rank) of the prefill, then one PUSH_REG to each,
+    vLLM's eleven keys, its blocks GROUPS one list per group -> JSON {stages, agents} or why
+    not."""
+    agents = []
+    for pp in range(params.get("pp_size", 1)):
+        for tp in range(params["tp_size"]):
+            got = fetch_meta(params["remote_port"], local_hash, True, params["remote_engine_id"], tp=tp, pp=pp)
+            if isinstance(got, dict):
+                return dict(pp=pp, tp=tp, **got)
+            remote = hma_decode["agent"].add_remote_agent(got[0].agent_metadata)
+            agents.append(remote.decode() if isinstance(remote, bytes) else remote)
+    reg = {
+        "request_id": req_id,
+        "decode_engine_id": hma_decode["engine"],
+        "decode_host": "127.0.0.1",
+        "decode_port": hma_decode["port"],
+        "decode_tp_size": 1,
+        "local_block_ids": groups,
+        "remote_engine_id": params["remote_engine_id"],
+        "remote_host": params["remote_host"],
+        "remote_port": params["remote_port"],
+        "remote_tp_size": params["tp_size"],
+        "remote_pp_size": params.get("pp_size", 1),
+    }
+    msg = b"PUSH_REG:" + msgspec.msgpack.encode(reg)
+    for agent in agents:
+        hma_decode["agent"].send_notif(agent, notif_msg=msg)
+    return {"stages": params.get("pp_size", 1), "agents": agents}
+
+
+def kv_hma_push_wait(req_id, count, seconds):
+    """The hybrid decode waiting, at most SECONDS, for COUNT notifications "REQ_ID:N" (vLLM's
+    push decode waits for pp_size x max(1, N / its TP)), others kept; then every region's
+    bytes, whole, region by region -> JSON {vllm (the first's), senders, data} or why not."""
+    deadline = time.monotonic() + seconds
+    seen = []
+    while len(seen) < count and time.monotonic() < deadline:
+        for sender, notes in hma_decode["agent"].get_new_notifs().items():
+            for note in notes:
+                try:
+                    parsed = parse_notif(note)
+                except (ValueError, UnicodeDecodeError):
+                    continue
+                if parsed.get("id") == req_id:
+                    seen.append((sender, parsed))
+                else:
+                    hma_decode["notifs"].append((sender, note))
+        time.sleep(0.001)
+    if len(seen) < count:
+        return {"error": "no WRITE notification", "seen": len(seen)}
+    data = b"".join(buf.tobytes() for buf in hma_decode["bufs"])
+    return {"vllm": seen[0][1], "senders": [s for s, _ in seen], "data": data.hex()}
 
 
 def kv_pp_notifs(count, seconds):
@@ -1486,6 +1717,25 @@ def main():
             answer(json.dumps(kv_pp_push_finish(bytes.fromhex(args[0]).decode(), blocks)))
         elif cmd == "kv_pp_push_write":
             answer(json.dumps(kv_pp_push_write(args[0], float(args[1]))))
+        elif cmd == "kv_hma_pp_prefill":
+            nums = [int(x) for x in args[2:7]]
+            answer(json.dumps(kv_hma_pp_prefill(args[0], args[1], *nums)))
+        elif cmd == "kv_hma_pp_push_finish":
+            groups = [[int(x) for x in g.split(",")] for g in args[1].split(";")]
+            answer(json.dumps(kv_hma_pp_push_finish(bytes.fromhex(args[0]).decode(), groups)))
+        elif cmd == "kv_hma_pp_push_write":
+            answer(json.dumps(kv_hma_pp_push_write(args[0], float(args[1]))))
+        elif cmd == "kv_hma_decode":
+            nums = [int(x) for x in args[2:6]]
+            answer(json.dumps(kv_hma_decode(args[0], args[1], *nums)))
+        elif cmd == "kv_hma_push_register":
+            params = json.loads(bytes.fromhex(args[0]))
+            groups = [[int(x) for x in g.split(",")] for g in args[3].split(";")]
+            got = kv_hma_push_register(params, args[1], bytes.fromhex(args[2]).decode(), groups)
+            answer(json.dumps(got))
+        elif cmd == "kv_hma_push_wait":
+            got = kv_hma_push_wait(bytes.fromhex(args[0]).decode(), int(args[1]), float(args[2]))
+            answer(json.dumps(got))
         elif cmd == "kv_pp_notifs":
             answer(json.dumps(kv_pp_notifs(int(args[0]), float(args[1]))))
         elif cmd == "kv_push_finish":
