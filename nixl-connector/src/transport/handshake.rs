@@ -68,8 +68,9 @@ pub struct HandshakeMessage {
     pub region_groups: Vec<i64>,
     /// Each region's layers by name (vLLM's `region_members`;
     /// [`KvCacheGroups::region_layers`](crate::KvCacheGroups::region_layers)); empty: not
-    /// named. Where a side has several pipeline stages and both name their layers, regions
-    /// pair by layer name ([`LayerRoute`](crate::LayerRoute)).
+    /// named. Where a side has several pipeline stages of a model of several KV cache groups
+    /// (or both sides name their layers), regions pair by layer name
+    /// ([`LayerRoute`](crate::LayerRoute)), and both sides must name them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub region_layers: Vec<Vec<String>>,
     /// Registered (kernel) blocks per block id of the sender's transfer params (vLLM's
@@ -217,11 +218,13 @@ pub fn check_compatible(
 }
 
 /// The layers of `local` and `remote` paired by name, where their regions pair that way: a
-/// side of several pipeline stages, and both sides naming their layers (a hybrid model's
-/// stages, whose regions do not follow the model's layer order; vLLM's push aligns them by
-/// `region_members`). Then the region groups are the layers' own, and the engines' blocks
-/// must hold as many tokens (vLLM: "Attention-HMA push requires identical P/D block
-/// sizes"). `None`: regions pair by stage offsets ([`shared_regions`]).
+/// side of several pipeline stages, and either a model of several KV cache groups (a region
+/// group other than 0 on either side: a hybrid model's stages, whose regions do not follow
+/// the model's layer order, which vLLM's push aligns by `region_members`) or both sides
+/// naming their layers. Then each layer's group is its own, and the engines' blocks must
+/// hold as many tokens (vLLM: "Attention-HMA push requires identical P/D block sizes").
+/// `None`: regions pair by stage offsets ([`shared_regions`]), as vLLM pairs the stages of a
+/// model of one group, whatever names its metadata carries.
 fn layer_routes(
     local: &HandshakeMessage,
     remote: &HandshakeMessage,
@@ -230,8 +233,9 @@ fn layer_routes(
     if one_stage(local) && one_stage(remote) {
         return Ok(None);
     }
-    let stages_named = |m: &HandshakeMessage| !one_stage(m) && !m.region_layers.is_empty();
-    if !stages_named(local) && !stages_named(remote) {
+    let named = |m: &HandshakeMessage| !m.region_layers.is_empty();
+    let hybrid = |m: &HandshakeMessage| m.region_groups.iter().any(|&g| g != 0);
+    if !(named(local) && named(remote)) && !hybrid(local) && !hybrid(remote) {
         return Ok(None);
     }
     for (whose, message) in [("reader", local), ("source", remote)] {
@@ -252,7 +256,7 @@ fn layer_routes(
         ));
     }
     if local.region_layers.is_empty() {
-        return Err("the reader names no layer of its regions (kv_cache_groups.region_layers), the source's stage does: a hybrid model's pipeline stages pair by layer name".to_string());
+        return Err("the reader names no layer of its regions (kv_cache_groups.region_layers): a hybrid model's pipeline stages pair by layer name".to_string());
     }
     let routes = route_by_layer_name(
         (&local.region_layers, one_stage(local)),
@@ -756,12 +760,15 @@ mod tests {
                 .map(|r| r.iter().map(|n| n.to_string()).collect())
                 .collect()
         };
+        // A model of two groups (vLLM's shared regions, -1).
         let mut decode = message((0, 1));
         decode.region_layers = names(&[&["l0", "l1"], &["l2", "l3"]]);
+        decode.region_groups = vec![-1, -1];
         // Stage 1 of 2 holds l2 and l3, in regions of its own order.
         let mut stage = message((0, 1));
         (stage.pp_rank, stage.pp_partition) = (1, vec![2, 2]);
         stage.region_layers = names(&[&["l3"], &["l2"]]);
+        stage.region_groups = vec![-1, -1];
         let routes = |plan: &ReadPlan| -> Vec<(usize, usize, usize)> {
             plan.layer_routes
                 .iter()
@@ -803,6 +810,18 @@ mod tests {
             &larger,
             "pair by layer name with blocks of one size only",
         );
+        // A model of one group pairs its stages by offset, named on one side or not (vLLM's
+        // metadata names every region): stage 1's regions are the decode's from 2 on.
+        let mut one_group = message((0, 1));
+        let attention = one_group.spec.attention;
+        one_group.spec = KvCacheSpec::uniform(4, 8, 16, attention, KvLayout::Hnd, 16 * 4 * 32);
+        one_group.region_base_addrs = vec![1 << 20, 1 << 21, 1 << 22, 1 << 23];
+        let mut named_stage = message((0, 1));
+        (named_stage.pp_rank, named_stage.pp_partition) = (1, vec![2, 2]);
+        named_stage.region_layers = names(&[&["l2"], &["l3"]]);
+        let plan = check_compatible(&one_group, &named_stage, None, None).unwrap();
+        assert!(plan.layer_routes.is_empty());
+        assert_eq!((plan.local_first_region, plan.remote_first_region), (2, 0));
     }
 
     #[test]
