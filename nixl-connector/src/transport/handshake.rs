@@ -235,7 +235,8 @@ fn layer_routes(
     }
     let named = |m: &HandshakeMessage| !m.region_layers.is_empty();
     let hybrid = |m: &HandshakeMessage| m.region_groups.iter().any(|&g| g != 0);
-    if !(named(local) && named(remote)) && !hybrid(local) && !hybrid(remote) {
+    let by_name = hybrid(local) || hybrid(remote) || (named(local) && named(remote));
+    if !by_name {
         return Ok(None);
     }
     for (whose, message) in [("reader", local), ("source", remote)] {
