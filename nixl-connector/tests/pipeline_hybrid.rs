@@ -9,8 +9,9 @@
 //! region holds layers the decode keeps in two regions, and pairing regions by index from a
 //! stage's offset would write other layers' KV. Every byte of every decode region is
 //! checked: each layer's blocks of its group hold the prefill's bytes of that layer, the
-//! rest stays zero. A prefill of stages whose regions do not name their layers, and a pull
-//! prefill of such stages, are refused by name.
+//! rest stays zero. A prefill of stages whose regions do not name their layers, a pull
+//! prefill of such stages, and a registration of another number of regions than named, are
+//! refused by name.
 
 mod common;
 
@@ -336,7 +337,8 @@ async fn a_hybrid_models_stages_push_each_layer_into_the_decodes_region_of_its_n
 }
 
 /// A prefill of stages of a hybrid model whose regions name no layer, or that pulls, is
-/// refused at creation, by name.
+/// refused at creation, and one registering another number of regions than it names at
+/// registration, by name.
 #[tokio::test]
 async fn stages_of_a_hybrid_model_without_layer_names_or_pulling_are_refused() {
     let stages = PipelineStages::even(LAYERS, 2).unwrap();
@@ -355,6 +357,18 @@ async fn stages_of_a_hybrid_model_without_layer_names_or_pulling_are_refused() {
         .to_string();
     assert!(
         err.contains("region_layers names 0 layers, stage 1 holds 3"),
+        "{err}"
+    );
+    // Names for another number of regions than registered: refused at registration.
+    let mut named = config(kv(Protocol::Native, true, 3..LAYERS));
+    named.platform = Arc::new(nixl::platform::BuiltinPlatform::CPU);
+    let worker = KvConnectorWorker::new(named).unwrap();
+    let err = worker
+        .register_host_kv_caches(Layout::new(1, 1).spec(0))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("region_layers names the layers of 2 regions, 3 are registered"),
         "{err}"
     );
     let mut pulling = kv(Protocol::Native, true, 3..LAYERS);

@@ -75,13 +75,14 @@ impl KvConnectorWorker {
     pub(super) fn check_spec(&self, spec: &KvCacheSpec) -> Result<()> {
         spec.validate()?;
         let config = &self.shared.config;
-        // A stage whose regions name their layers pairs them by name (its tensors need not
-        // follow the layers' order); else each layer has as many regions.
-        let named = !self.shared.groups.region_layers().is_empty();
-        if let Some(pipeline) = config.pipeline.as_ref().filter(|_| !named) {
+        // A stage of a hybrid model whose regions name their layers pairs them by name (its
+        // tensors need not follow the layers' order); else each layer has as many regions.
+        let groups = &self.shared.groups;
+        let by_name = groups.len() > 1 && !groups.region_layers().is_empty();
+        if let Some(pipeline) = config.pipeline.as_ref().filter(|_| !by_name) {
             pipeline.regions_per_layer(spec.num_regions())?;
         }
-        self.shared.groups.region_layer_names(spec.num_regions())?;
+        groups.region_layer_names(spec.num_regions())?;
         if config.dcp_size > 1 && spec.attention != KvAttention::Mla {
             return Err(Error::invalid(
                 "register the KV caches",
