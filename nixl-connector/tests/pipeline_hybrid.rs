@@ -9,9 +9,10 @@
 //! region holds layers the decode keeps in two regions, and pairing regions by index from a
 //! stage's offset would write other layers' KV. Every byte of every decode region is
 //! checked: each layer's blocks of its group hold the prefill's bytes of that layer, the
-//! rest stays zero. A prefill of stages whose regions do not name their layers, a pull
-//! prefill of such stages, and a registration of another number of regions than named, are
-//! refused by name.
+//! rest stays zero; also past the prefill's clipped window and a prefix hit on the decode.
+//! A prefill of stages whose regions do not name their layers, a pull prefill of such
+//! stages, and a registration of another number of regions than named, are refused by
+//! name.
 
 mod common;
 
@@ -37,10 +38,41 @@ const HEADS: usize = 2;
 const TOKENS: usize = 4;
 const TOKEN_BYTES: usize = 8;
 const BLOCKS: usize = 16;
-/// The request's blocks of each group (full attention, sliding window) on the prefill, and
-/// the decode's they land in: one pool, so no id is in both groups.
-const PREFILL: [[usize; 3]; 2] = [[5, 2, 7], [1, 6, 3]];
-const DECODE: [[usize; 3]; 2] = [[2, 0, 5], [7, 4, 1]];
+/// Blocks the sliding window keeps of a request (vLLM's `blocks_per_sw` of a window of
+/// `2 × TOKENS`: `ceil(8 / 4) + 1`).
+const WINDOW_BLOCKS: usize = 3;
+
+/// A request's blocks of each group (full attention, sliding window) on the prefill, and
+/// the decode's they land in (the tail of the prompt it lacks): one pool per engine, so no
+/// id is in both groups.
+struct Request {
+    prefill: [&'static [usize]; 2],
+    decode: [&'static [usize]; 2],
+}
+
+/// 3 blocks each, every one moved.
+const WHOLE: Request = Request {
+    prefill: [&[5, 2, 7], &[1, 6, 3]],
+    decode: [&[2, 0, 5], &[7, 4, 1]],
+};
+
+/// 4 blocks each: the prefill clips its window to its last 3, and the decode holds the
+/// first 2 blocks of the prompt already (a prefix hit), so it takes the last 2 of each.
+const CLIPPED_AND_HIT: Request = Request {
+    prefill: [&[5, 2, 7, 11], &[1, 6, 3, 13]],
+    decode: [&[0, 4], &[10, 12]],
+};
+
+impl Request {
+    /// The prefill block decode block `block` of group `group` takes, if the decode's
+    /// request names it: its place from the end of the decode's list, in the prefill's.
+    fn source(&self, group: usize, block: usize) -> Option<usize> {
+        let decode = self.decode[group];
+        let from_end = decode.len() - decode.iter().position(|&b| b == block)?;
+        let prefill = self.prefill[group];
+        Some(prefill[prefill.len() - from_end])
+    }
+}
 
 fn name(layer: usize) -> String {
     format!("model.layers.{layer}.attn")
@@ -218,7 +250,12 @@ fn scheduler(id: &str, port: u16, layout: &Layout, protocol: Protocol) -> KvConn
 /// Pushes one request of the hybrid model from a prefill of `prefill` into a decode of
 /// `decode` (one stage), both speaking `protocol`, and checks every byte of every decode
 /// rank.
-async fn push(tag: &str, prefill: Layout, decode: Layout, protocol: Protocol) {
+async fn push(
+    tag: &str,
+    (prefill, decode): (Layout, Layout),
+    request: &Request,
+    protocol: Protocol,
+) {
     let tag = format!("{protocol}-{tag}");
     let (pf_id, dc_id) = (format!("pf-hma-{tag}"), format!("dc-hma-{tag}"));
     let (prefills, pf_port) = engine(&pf_id, &prefill, true, protocol);
@@ -229,15 +266,17 @@ async fn push(tag: &str, prefill: Layout, decode: Layout, protocol: Protocol) {
     let done = pf
         .request_finished_all_groups(
             id,
-            &PREFILL.map(Vec::from),
-            3 * TOKENS,
+            &request.prefill.map(Vec::from),
+            request.prefill[0].len() * TOKENS,
             Some(&common::for_decode()),
             FinishStatus::Stopped,
         )
         .unwrap();
     let params = common::as_sent(protocol, done.kv_transfer_params.unwrap());
+    let window = params.remote_block_group_lens.get(1).copied();
+    assert_eq!(window, Some(WINDOW_BLOCKS), "{tag}: the window's blocks");
     dc.on_new_request(id, Some(&params));
-    dc.update_state_after_alloc_groups(id, &DECODE.map(Vec::from), &params)
+    dc.update_state_after_alloc_groups(id, &request.decode.map(Vec::from), &params)
         .unwrap();
     let (mut loaded, mut freed) = (false, false);
     let started = Instant::now();
@@ -263,7 +302,7 @@ async fn push(tag: &str, prefill: Layout, decode: Layout, protocol: Protocol) {
         prefills.len() as u64,
         "{tag}: every prefill rank wrote once"
     );
-    check_decode(&tag, &decodes, &prefill, &decode);
+    check_decode(&tag, &decodes, (&prefill, &decode), request);
 }
 
 /// Where layer `layer` sits on an engine of `layout`: its stage and its region there.
@@ -279,7 +318,12 @@ fn region_of(layout: &Layout, layer: usize) -> (usize, usize) {
 /// Checks each decode rank: in each region, each block of a group's request holds what the
 /// prefill's paired block holds in the region of that group's layer; every other block is
 /// zero.
-fn check_decode(tag: &str, decodes: &[KvConnectorWorker], prefill: &Layout, decode: &Layout) {
+fn check_decode(
+    tag: &str,
+    decodes: &[KvConnectorWorker],
+    (prefill, decode): (&Layout, &Layout),
+    request: &Request,
+) {
     for (tp_rank, worker) in decodes.iter().enumerate() {
         let spec = decode.spec(0);
         let caches = worker.kv_caches().unwrap();
@@ -287,9 +331,9 @@ fn check_decode(tag: &str, decodes: &[KvConnectorWorker], prefill: &Layout, deco
             let len = spec.block_len(region);
             for block in 0..BLOCKS {
                 let from = layers.iter().find_map(|l| {
-                    let i = DECODE[l.group].iter().position(|&b| b == block)?;
+                    let pf_block = request.source(l.group, block)?;
                     let layer: usize = l.layer.split('.').nth(2)?.parse().ok()?;
-                    Some((layer, PREFILL[l.group][i]))
+                    Some((layer, pf_block))
                 });
                 let want = match from {
                     None => vec![0; len],
@@ -326,13 +370,18 @@ fn check_decode(tag: &str, decodes: &[KvConnectorWorker], prefill: &Layout, deco
     }
 }
 
-/// PP 2 → 1 and PP 2 × TP 2 → 1 × 1, both protocols: each layer lands in the decode's region
-/// of its name, with its group's blocks.
+/// PP 2 → 1, PP 2 × TP 2 → 1 × 1 and PP 2 × TP 2 → 1 × 2, both protocols: each layer lands
+/// in the decode's region of its name, with its group's blocks; and past a clipped window
+/// and a prefix hit on the decode.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hybrid_models_stages_push_each_layer_into_the_decodes_region_of_its_name() {
     for protocol in [Protocol::Native, Protocol::Vllm] {
-        push("p2-d1", Layout::new(2, 1), Layout::new(1, 1), protocol).await;
-        push("p2x2-d1", Layout::new(2, 2), Layout::new(1, 1), protocol).await;
+        let layouts = (Layout::new(2, 1), Layout::new(1, 1));
+        push("p2-d1", layouts, &WHOLE, protocol).await;
+        let layouts = (Layout::new(2, 2), Layout::new(1, 1));
+        push("p2x2-d1", layouts, &WHOLE, protocol).await;
+        let layouts = (Layout::new(2, 2), Layout::new(1, 2));
+        push("p2x2-d1x2-hit", layouts, &CLIPPED_AND_HIT, protocol).await;
     }
 }
 
