@@ -249,6 +249,70 @@ mod tests {
         assert!(err.contains("16385 layer names"), "{err}");
     }
 
+    /// Any names on either side, one of several stages: a refusal, or one route per layer
+    /// both hold, in the local layer order, each between the regions naming it.
+    #[test]
+    fn any_names_route_within_both_sides_or_are_refused() {
+        let mut state = 0x2545_f491_4f6c_dd1d_u64;
+        let mut below = |n: usize| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % n as u64) as usize
+        };
+        let (mut routed, mut refused) = (0, 0);
+        for _ in 0..20_000 {
+            // Each side some of a model's layers in regions of 1 to 3, now and then with a
+            // name twice, an empty region or a layer of another model.
+            let layers = 1 + below(8);
+            let mut sides: [Names; 2] = Default::default();
+            for side in &mut sides {
+                let mut names: Vec<String> = (0..layers)
+                    .filter(|_| below(4) > 0)
+                    .map(|l| format!("l{l}"))
+                    .collect();
+                match below(12) {
+                    0 if !names.is_empty() => names.push(names[0].clone()),
+                    1 => names.push("other".into()),
+                    _ => {}
+                }
+                while !names.is_empty() {
+                    let take = (1 + below(3)).min(names.len());
+                    side.push(names.drain(..take).collect());
+                }
+                if below(12) == 0 {
+                    side.push(Vec::new());
+                }
+            }
+            let [local, remote] = sides;
+            let stages = below(3);
+            let (local_one, remote_one) = (stages != 1, stages != 2);
+            let Ok(routes) = route_by_layer_name((&local, local_one), (&remote, remote_one)) else {
+                refused += 1;
+                continue;
+            };
+            routed += 1;
+            let flat: Vec<(usize, &String)> = local
+                .iter()
+                .enumerate()
+                .flat_map(|(r, names)| names.iter().map(move |n| (r, n)))
+                .collect();
+            let held = |name: &String| remote.iter().any(|r| r.contains(name));
+            let both: Vec<usize> = (0..flat.len()).filter(|&k| held(flat[k].1)).collect();
+            let layers: Vec<usize> = routes.iter().map(|r| r.local_layer).collect();
+            assert_eq!(layers, both, "{local:?} {remote:?}");
+            for route in &routes {
+                let (region, name) = flat[route.local_layer];
+                assert_eq!(route.local_region, region);
+                assert!(remote[route.remote_region].contains(name));
+            }
+        }
+        assert!(
+            routed > 1000 && refused > 1000,
+            "{routed} routed, {refused} refused"
+        );
+    }
+
     #[test]
     fn an_engines_region_layers_name_its_groups() {
         let layer = |name: &str, group| RegionLayer {
