@@ -1207,29 +1207,39 @@ def hma_regions(layers):
             for i in range(max(len(m) for m in groups))]
 
 
+def hma_rank(agent_name, hash_engine, regions, bufs, block_len, block_size):
+    """One rank of the hybrid model holding REGIONS (as hma_regions gives them) in BUFS (one
+    per region, whole blocks of BLOCK_LEN): an agent named AGENT_NAME registering them, and
+    its payload for ENGINE under HASH naming each region's layers in region_members
+    (region_group_ids -1: shared) -> (agent, registration, names, payload)."""
+    from nixl_cu12 import nixl_agent
+
+    hash_, engine = hash_engine
+    agent = nixl_agent(agent_name)
+    size = len(bufs[0])
+    reg = agent.get_reg_descs([(b.ctypes.data, size, 0, "") for b in bufs], "DRAM")
+    agent.register_memory(reg)
+    members = [[name for name, _ in region] for region in regions]
+    meta = dram_metadata(
+        engine, agent, [b.ctypes.data for b in bufs], size // block_len, block_len, block_size,
+        region_group_ids=[-1] * len(regions),
+        region_names=[m[0] for m in members],
+        region_members=members,
+    )
+    return agent, reg, members, encode_payload(hash_, meta, False)
+
+
 def kv_hma_pp_prefill(hash_, engine, pp, layers, blocks, block_len, block_size):
     """A prefill of PP stages of TP 1 of the hybrid model of hma_regions over LAYERS layers,
     vLLM's push connector's layout: each stage's tensors from its own layers, named in its
     metadata's region_members, region_group_ids -1 (shared); stage s's region r holds
     kv_byte(100 s + r) -> JSON {port, regions (each stage's names)}."""
-    from nixl_cu12 import nixl_agent
-
     payloads, out = {}, []
     for s, (first, count) in enumerate(pp_stages(layers, pp)):
         regions = hma_regions(range(first, first + count))
-        agent = nixl_agent(f"py-hma-prefill-{os.getpid()}-{s}")
-        size = blocks * block_len
-        bufs = [kv_byte(100 * s + r, size) for r in range(len(regions))]
-        reg = agent.get_reg_descs([(b.ctypes.data, size, 0, "") for b in bufs], "DRAM")
-        agent.register_memory(reg)
-        members = [[name for name, _ in region] for region in regions]
-        meta = dram_metadata(
-            engine, agent, [b.ctypes.data for b in bufs], blocks, block_len, block_size,
-            region_group_ids=[-1] * len(regions),
-            region_names=[m[0] for m in members],
-            region_members=members,
-        )
-        payloads[(s, 0)] = encode_payload(hash_, meta, False)
+        bufs = [kv_byte(100 * s + r, blocks * block_len) for r in range(len(regions))]
+        agent, reg, members, payloads[(s, 0)] = hma_rank(
+            f"py-hma-prefill-{os.getpid()}-{s}", (hash_, engine), regions, bufs, block_len, block_size)
         hma_pp["ranks"][(s, 0)] = (agent, bufs, reg, regions)
         out.append(members)
     port = serve_ranks(payloads)
@@ -1313,22 +1323,11 @@ def kv_hma_decode(hash_, engine, layers, blocks, block_len, block_size):
     """A push decode (one stage, TP 1) of the hybrid model of hma_regions over LAYERS
     layers: its tensors registered (zero) and named in its metadata's region_members, served
     at (0, 0) under HASH -> JSON {port, regions}."""
-    from nixl_cu12 import nixl_agent
-
     regions = hma_regions(range(layers))
-    agent = nixl_agent(f"py-hma-decode-{os.getpid()}")
-    size = blocks * block_len
-    bufs = [np.zeros(size, dtype=np.uint8) for _ in regions]
-    reg = agent.get_reg_descs([(b.ctypes.data, size, 0, "") for b in bufs], "DRAM")
-    agent.register_memory(reg)
-    members = [[name for name, _ in region] for region in regions]
-    meta = dram_metadata(
-        engine, agent, [b.ctypes.data for b in bufs], blocks, block_len, block_size,
-        region_group_ids=[-1] * len(regions),
-        region_names=[m[0] for m in members],
-        region_members=members,
-    )
-    port = serve_ranks({(0, 0): encode_payload(hash_, meta, False)})
+    bufs = [np.zeros(blocks * block_len, dtype=np.uint8) for _ in regions]
+    agent, reg, members, payload = hma_rank(
+        f"py-hma-decode-{os.getpid()}", (hash_, engine), regions, bufs, block_len, block_size)
+    port = serve_ranks({(0, 0): payload})
     hma_decode.update(agent=agent, bufs=bufs, reg=reg, port=port, engine=engine, notifs=[])
     return {"port": port, "regions": members}
 
@@ -1346,20 +1345,7 @@ def kv_hma_push_register(params, local_hash, req_id, groups):
                 return dict(pp=pp, tp=tp, **got)
             remote = hma_decode["agent"].add_remote_agent(got[0].agent_metadata)
             agents.append(remote.decode() if isinstance(remote, bytes) else remote)
-    reg = {
-        "request_id": req_id,
-        "decode_engine_id": hma_decode["engine"],
-        "decode_host": "127.0.0.1",
-        "decode_port": hma_decode["port"],
-        "decode_tp_size": 1,
-        "local_block_ids": groups,
-        "remote_engine_id": params["remote_engine_id"],
-        "remote_host": params["remote_host"],
-        "remote_port": params["remote_port"],
-        "remote_tp_size": params["tp_size"],
-        "remote_pp_size": params.get("pp_size", 1),
-    }
-    msg = b"PUSH_REG:" + msgspec.msgpack.encode(reg)
+    msg = push_registration(req_id, (hma_decode["engine"], "127.0.0.1", hma_decode["port"]), groups, params)
     for agent in agents:
         hma_decode["agent"].send_notif(agent, notif_msg=msg)
     return {"stages": params.get("pp_size", 1), "agents": agents}
@@ -1520,6 +1506,28 @@ def kv_push_write(local_hash, seconds, delay):
     return dict(out, written=mine, into=theirs, agent=remote)
 
 
+def push_registration(req_id, decode, groups, params):
+    """vLLM's push decode's registration (TP 1) of its request REQ_ID and its blocks GROUPS
+    (one list per group) with the prefill of the JSON PARAMS, DECODE its (engine id, side
+    channel host, port): PUSH_REG and the eleven keys of vLLM's push scheduler in its
+    order."""
+    engine, host, port = decode
+    reg = {
+        "request_id": req_id,
+        "decode_engine_id": engine,
+        "decode_host": host,
+        "decode_port": port,
+        "decode_tp_size": 1,
+        "local_block_ids": groups,
+        "remote_engine_id": params["remote_engine_id"],
+        "remote_host": params["remote_host"],
+        "remote_port": params["remote_port"],
+        "remote_tp_size": params["tp_size"],
+        "remote_pp_size": params.get("pp_size", 1),
+    }
+    return b"PUSH_REG:" + msgspec.msgpack.encode(reg)
+
+
 def kv_push_register(params, local_hash, req_id, local, host):
     """The kv engine as vLLM's push decode (TP 1) for the prefill's JSON PARAMS: a handshake
     (hash checked) once per engine (and with each of its other TP ranks), then one PUSH_REG
@@ -1540,20 +1548,7 @@ def kv_push_register(params, local_hash, req_id, local, host):
             return fetched
         other = kv["agent"].add_remote_agent(fetched[0].agent_metadata)
         agents.append(other.decode() if isinstance(other, bytes) else other)
-    reg = {
-        "request_id": req_id,
-        "decode_engine_id": kv["engine"],
-        "decode_host": host,
-        "decode_port": kv["port"],
-        "decode_tp_size": 1,
-        "local_block_ids": [local],
-        "remote_engine_id": params["remote_engine_id"],
-        "remote_host": params["remote_host"],
-        "remote_port": params["remote_port"],
-        "remote_tp_size": params["tp_size"],
-        "remote_pp_size": params.get("pp_size", 1),
-    }
-    msg = b"PUSH_REG:" + msgspec.msgpack.encode(reg)
+    msg = push_registration(req_id, (kv["engine"], host, kv["port"]), [local], params)
     for agent in agents:
         kv["agent"].send_notif(agent, notif_msg=msg)
     return {"hex": msg.hex(), "agent": remote, "agents": agents}
