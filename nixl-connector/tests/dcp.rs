@@ -26,17 +26,16 @@
 
 mod common;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
-use nixl_connector::vllm::{MetadataServer, VllmChannelLimits};
 use nixl_connector::{
     EngineLayout, FinishStatus, KvAttention, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker,
     KvLayout, KvTransferParams, LoadOutcome, PipelineRank, PipelineStages, Protocol,
     SchedulerConfig, WorkerConfig,
 };
 
+use common::ranks::engine_ranks;
 use common::{cpu_config, for_decode, vllm_config, vllm_factors, WAIT};
 use nixl::kv_config::{KvRole, KvTransferConfig};
 
@@ -129,65 +128,41 @@ fn kv(protocol: Protocol) -> KvTransferConfig {
     kv
 }
 
-/// The ranks of an engine of `side` speaking `protocol` (native: each at rank 0's port +
-/// its rank, tried again on other ports when one is taken; vLLM's: all served by one side
-/// channel), each holding `positions` positions of the request in `REMOTE` when `filled`.
-/// Its port.
+/// The ranks of an engine of `side` speaking `protocol` ([`common::ranks::engine_ranks`]),
+/// each holding `positions` positions of the request in `REMOTE` when `filled`. Its port.
 fn engine(
     id: &str,
     side: Side,
     filled: Option<usize>,
     protocol: Protocol,
 ) -> (Vec<KvConnectorWorker>, u16) {
-    let server = (protocol == Protocol::Vllm).then(|| {
-        let any = SocketAddr::from(([127, 0, 0, 1], 0));
-        Arc::new(MetadataServer::bind_now(any, VllmChannelLimits::default()).unwrap())
+    let stages = side.stages();
+    let (workers, port) = engine_ranks(id, protocol, side.pp * side.tp, |n| {
+        let (stage, rank) = side.rank(n);
+        let mut config = WorkerConfig::new(id, rank, side.tp, kv(protocol));
+        config.platform = Arc::new(nixl::platform::BuiltinPlatform::CPU);
+        config.dcp_size = side.dcp;
+        config.pcp_size = side.pcp;
+        if side.pp > 1 {
+            config.pipeline = Some(PipelineRank::new(stages.clone(), stage).unwrap());
+        }
+        (config, spec(stages.layers(stage).len()))
     });
-    'ports: for _ in 0..20 {
-        let mut workers: Vec<KvConnectorWorker> = Vec::new();
-        let mut base = server.as_ref().map_or(0, |s| s.local_addr().port());
-        let stages = side.stages();
-        for n in 0..side.pp * side.tp {
+    if let Some(positions) = filled {
+        for (n, worker) in workers.iter().enumerate() {
             let (stage, rank) = side.rank(n);
-            let mut config = WorkerConfig::new(id, rank, side.tp, kv(protocol));
-            config.platform = Arc::new(nixl::platform::BuiltinPlatform::CPU);
-            config.dcp_size = side.dcp;
-            config.pcp_size = side.pcp;
-            if side.pp > 1 {
-                config.pipeline = Some(PipelineRank::new(stages.clone(), stage).unwrap());
-            }
-            if let Some(server) = &server {
-                config.vllm_side_channel = Some(server.clone());
-            } else if n > 0 {
-                let Some(port) = base.checked_add(n as u16) else {
-                    continue 'ports;
-                };
-                config.side_channel.set_port(port);
-            }
-            let worker = KvConnectorWorker::new(config).unwrap();
-            let layers = stages.layers(stage);
-            if worker.register_host_kv_caches(spec(layers.len())).is_err() {
-                continue 'ports;
-            }
-            if n == 0 && server.is_none() {
-                base = worker.side_channel_addr().unwrap().port();
-            }
-            if let Some(positions) = filled {
-                let caches = worker.kv_caches().unwrap();
-                let dcp_rank = rank % side.dcp;
-                let held = (dcp_rank..positions).step_by(side.dcp);
-                for (j, position) in held.enumerate() {
-                    for (region, layer) in layers.clone().enumerate() {
-                        let data = position_bytes(layer, position);
-                        caches.write(region, REMOTE[j] * data.len(), &data).unwrap();
-                    }
+            let caches = worker.kv_caches().unwrap();
+            let dcp_rank = rank % side.dcp;
+            let held = (dcp_rank..positions).step_by(side.dcp);
+            for (j, position) in held.enumerate() {
+                for (region, layer) in stages.layers(stage).enumerate() {
+                    let data = position_bytes(layer, position);
+                    caches.write(region, REMOTE[j] * data.len(), &data).unwrap();
                 }
             }
-            workers.push(worker);
         }
-        return (workers, base);
     }
-    panic!("no run of free ports for engine {id}");
+    (workers, port)
 }
 
 fn scheduler(id: &str, port: u16, side: Side, protocol: Protocol) -> KvConnectorScheduler {

@@ -24,17 +24,16 @@
 
 mod common;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
-use nixl_connector::vllm::{MetadataServer, VllmChannelLimits};
 use nixl_connector::{
     EngineLayout, FinishStatus, KvAttention, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker,
     KvLayout, LoadOutcome, PipelineRank, PipelineStages, Protocol, RemoteBlocks, SchedulerConfig,
     TransferMode, WorkerConfig,
 };
 
+use common::ranks::engine_ranks;
 use common::{cpu_config, finished_for_decode, vllm_config, vllm_factors, WAIT};
 use nixl::kv_config::{KvRole, KvTransferConfig};
 
@@ -103,61 +102,36 @@ impl Layout {
     }
 }
 
-/// The ranks of an engine of `layout` (in `(stage, tp_rank)` order) speaking `protocol`:
-/// native, each at rank 0's port + its number (tried again on other ports when one is
-/// taken); vLLM's, all served by one side channel. The prefill's filled. Its port.
+/// The ranks of an engine of `layout` (in `(stage, tp_rank)` order) speaking `protocol`
+/// ([`common::ranks::engine_ranks`]). The prefill's filled. Its port.
 fn engine(
     id: &str,
     layout: &Layout,
     filled: bool,
     (protocol, mode): (Protocol, TransferMode),
 ) -> (Vec<KvConnectorWorker>, u16) {
-    let ranks: Vec<(usize, usize)> = (0..layout.pp())
-        .flat_map(|s| (0..layout.tp).map(move |r| (s, r)))
-        .collect();
-    let server = (protocol == Protocol::Vllm).then(|| {
-        let any = SocketAddr::from(([127, 0, 0, 1], 0));
-        Arc::new(MetadataServer::bind_now(any, VllmChannelLimits::default()).unwrap())
+    let rank = |n: usize| (n / layout.tp, n % layout.tp);
+    let (workers, port) = engine_ranks(id, protocol, layout.pp() * layout.tp, |n| {
+        let (stage, tp_rank) = rank(n);
+        let mut config = WorkerConfig::new(id, tp_rank, layout.tp, kv(protocol, mode, filled));
+        config.platform = Arc::new(nixl::platform::BuiltinPlatform::CPU);
+        if layout.pp() > 1 {
+            config.pipeline = Some(PipelineRank::new(layout.stages.clone(), stage).unwrap());
+        }
+        (config, layout.spec(stage))
     });
-    'ports: for _ in 0..20 {
-        let mut workers: Vec<KvConnectorWorker> = Vec::new();
-        let mut base = server.as_ref().map_or(0, |s| s.local_addr().port());
-        for (n, &(stage, tp_rank)) in ranks.iter().enumerate() {
-            let mut config = WorkerConfig::new(id, tp_rank, layout.tp, kv(protocol, mode, filled));
-            config.platform = Arc::new(nixl::platform::BuiltinPlatform::CPU);
-            if let Some(server) = &server {
-                config.vllm_side_channel = Some(server.clone());
-            } else if n > 0 {
-                let Some(port) = base.checked_add(n as u16) else {
-                    continue 'ports;
-                };
-                config.side_channel.set_port(port);
-            }
-            if layout.pp() > 1 {
-                config.pipeline = Some(PipelineRank::new(layout.stages.clone(), stage).unwrap());
-            }
-            let worker = KvConnectorWorker::new(config).unwrap();
-            let spec = layout.spec(stage);
-            if worker.register_host_kv_caches(spec.clone()).is_err() {
-                continue 'ports;
-            }
-            if n == 0 && server.is_none() {
-                base = worker.side_channel_addr().unwrap().port();
-            }
-            if filled {
-                let caches = worker.kv_caches().unwrap();
-                for region in 0..spec.num_regions() {
-                    for block in 0..BLOCKS {
-                        let data = layout.block((stage, tp_rank), region, block);
-                        caches.write(region, block * data.len(), &data).unwrap();
-                    }
+    if filled {
+        for (n, worker) in workers.iter().enumerate() {
+            let caches = worker.kv_caches().unwrap();
+            for region in 0..layout.spec(rank(n).0).num_regions() {
+                for block in 0..BLOCKS {
+                    let data = layout.block(rank(n), region, block);
+                    caches.write(region, block * data.len(), &data).unwrap();
                 }
             }
-            workers.push(worker);
         }
-        return (workers, base);
     }
-    panic!("no run of free ports for engine {id}");
+    (workers, port)
 }
 
 fn scheduler(id: &str, port: u16, layout: &Layout, kv: &KvTransferConfig) -> KvConnectorScheduler {

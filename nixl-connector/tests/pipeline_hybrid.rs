@@ -16,19 +16,18 @@
 
 mod common;
 
-use std::net::SocketAddr;
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nixl::kv_config::{KvRole, KvTransferConfig};
-use nixl_connector::vllm::{MetadataServer, VllmChannelLimits};
 use nixl_connector::{
     FinishStatus, KvAttention, KvCacheGroups, KvCacheSpec, KvConnectorScheduler, KvConnectorWorker,
     KvLayout, LoadOutcome, PipelineRank, PipelineStages, Protocol, RegionLayer, SchedulerConfig,
     KV_CACHE_GROUPS_KEY,
 };
 
+use common::ranks::engine_ranks;
 use common::{cpu_config, vllm_config, vllm_factors, WAIT};
 
 /// Layers of the model, KV heads, tokens per block, bytes of a head's token, blocks per
@@ -182,62 +181,39 @@ fn kv(protocol: Protocol, producer: bool, layers: Range<usize>) -> KvTransferCon
     kv
 }
 
-/// The ranks of an engine of `layout` speaking `protocol` (in `(stage, tp_rank)` order; the
-/// prefill's, `producer`, filled), and its port.
+/// The ranks of an engine of `layout` speaking `protocol` (in `(stage, tp_rank)` order,
+/// [`common::ranks::engine_ranks`]; the prefill's, `producer`, filled), and its port.
 fn engine(
     id: &str,
     layout: &Layout,
     producer: bool,
     protocol: Protocol,
 ) -> (Vec<KvConnectorWorker>, u16) {
-    let server = (protocol == Protocol::Vllm).then(|| {
-        let any = SocketAddr::from(([127, 0, 0, 1], 0));
-        Arc::new(MetadataServer::bind_now(any, VllmChannelLimits::default()).unwrap())
+    let rank = |n: usize| (n / layout.tp, n % layout.tp);
+    let count = layout.stages.pp_size() * layout.tp;
+    let (workers, port) = engine_ranks(id, protocol, count, |n| {
+        let (stage, tp_rank) = rank(n);
+        let kv = kv(protocol, producer, layout.stages.layers(stage));
+        let mut config = nixl_connector::WorkerConfig::new(id, tp_rank, layout.tp, kv);
+        config.platform = Arc::new(nixl::platform::BuiltinPlatform::CPU);
+        if layout.stages.pp_size() > 1 {
+            config.pipeline = Some(PipelineRank::new(layout.stages.clone(), stage).unwrap());
+        }
+        (config, layout.spec(stage))
     });
-    let ranks: Vec<(usize, usize)> = (0..layout.stages.pp_size())
-        .flat_map(|s| (0..layout.tp).map(move |r| (s, r)))
-        .collect();
-    'ports: for _ in 0..20 {
-        let mut workers: Vec<KvConnectorWorker> = Vec::new();
-        let mut base = server.as_ref().map_or(0, |s| s.local_addr().port());
-        for (n, &(stage, tp_rank)) in ranks.iter().enumerate() {
-            let layers = layout.stages.layers(stage);
-            let kv = kv(protocol, producer, layers);
-            let mut config = nixl_connector::WorkerConfig::new(id, tp_rank, layout.tp, kv);
-            config.platform = Arc::new(nixl::platform::BuiltinPlatform::CPU);
-            if let Some(server) = &server {
-                config.vllm_side_channel = Some(server.clone());
-            } else if n > 0 {
-                let Some(port) = base.checked_add(n as u16) else {
-                    continue 'ports;
-                };
-                config.side_channel.set_port(port);
-            }
-            if layout.stages.pp_size() > 1 {
-                config.pipeline = Some(PipelineRank::new(layout.stages.clone(), stage).unwrap());
-            }
-            let worker = KvConnectorWorker::new(config).unwrap();
-            let spec = layout.spec(stage);
-            if worker.register_host_kv_caches(spec.clone()).is_err() {
-                continue 'ports;
-            }
-            if n == 0 && server.is_none() {
-                base = worker.side_channel_addr().unwrap().port();
-            }
-            if producer {
-                let caches = worker.kv_caches().unwrap();
-                for region in 0..spec.num_regions() {
-                    for block in 0..BLOCKS {
-                        let data = prefill_block((stage, tp_rank, layout.tp), region, block);
-                        caches.write(region, block * data.len(), &data).unwrap();
-                    }
+    if producer {
+        for (n, worker) in workers.iter().enumerate() {
+            let (stage, tp_rank) = rank(n);
+            let caches = worker.kv_caches().unwrap();
+            for region in 0..layout.spec(stage).num_regions() {
+                for block in 0..BLOCKS {
+                    let data = prefill_block((stage, tp_rank, layout.tp), region, block);
+                    caches.write(region, block * data.len(), &data).unwrap();
                 }
             }
-            workers.push(worker);
         }
-        return (workers, base);
     }
-    panic!("no run of free ports for engine {id}");
+    (workers, port)
 }
 
 fn scheduler(id: &str, port: u16, layout: &Layout, protocol: Protocol) -> KvConnectorScheduler {

@@ -12,6 +12,8 @@ pub mod loads;
 #[cfg(feature = "vllm")]
 pub mod matrix;
 #[cfg(feature = "vllm")]
+pub mod ranks;
+#[cfg(feature = "vllm")]
 pub mod ssm;
 
 use std::process::Child;
