@@ -34,7 +34,7 @@ use serde_json::{json, Value};
 use vllm_peer_support::{
     load_outcome, python_byte_of, rust_byte_of, vllm_kv, VllmPeer, BLOCKS, BLOCK_LEN,
 };
-use vllm_support::factors;
+use vllm_support::{factors, hma_regions};
 
 /// Layers of the model.
 const LAYERS: usize = 6;
@@ -51,30 +51,10 @@ fn push_factors() -> CompatibilityFactors {
     }
 }
 
-/// vLLM's tensors of a rank holding `layers` (tests/py/vllm_peer.py's `hma_regions`): tensor
-/// `i` shared by the rank's layer `i` of each group; (layer, group) each.
-fn regions(layers: Range<usize>) -> Vec<Vec<(usize, usize)>> {
-    let group = |g: usize| {
-        layers
-            .clone()
-            .filter(move |l| l % 2 == g)
-            .collect::<Vec<_>>()
-    };
-    let (full, window) = (group(0), group(1));
-    (0..full.len().max(window.len()))
-        .map(|i| {
-            [(full.get(i), 0), (window.get(i), 1)]
-                .into_iter()
-                .filter_map(|(layer, g)| layer.map(|&l| (l, g)))
-                .collect()
-        })
-        .collect()
-}
-
 /// The push config of a rank holding `layers`, its KV cache groups naming them.
 fn kv(layers: Range<usize>, role: KvRole) -> KvTransferConfig {
     let mut kv = vllm_kv(&push_factors());
-    let named: Vec<Vec<Value>> = regions(layers)
+    let named: Vec<Vec<Value>> = hma_regions(layers)
         .iter()
         .map(|r| {
             r.iter()
@@ -101,7 +81,7 @@ fn kv(layers: Range<usize>, role: KvRole) -> KvTransferConfig {
 /// The cache of a rank holding `layers`: one region per tensor.
 fn spec(layers: Range<usize>) -> KvCacheSpec {
     let attention = KvAttention::Mha { total_kv_heads: 8 };
-    let regions = regions(layers).len();
+    let regions = hma_regions(layers).len();
     KvCacheSpec::uniform(regions, BLOCKS, 16, attention, KvLayout::Hnd, BLOCK_LEN)
 }
 
@@ -136,7 +116,7 @@ fn rust_decode() -> (KvConnectorWorker, KvConnectorScheduler) {
 fn prefill_region(layer: usize) -> (usize, usize) {
     let stages = PipelineStages::even(LAYERS, 2).unwrap();
     let stage = stages.stage_of(layer).unwrap();
-    let region = regions(stages.layers(stage))
+    let region = hma_regions(stages.layers(stage))
         .iter()
         .position(|r| r.iter().any(|&(l, _)| l == layer))
         .unwrap();
@@ -151,16 +131,18 @@ fn expected(
     block: usize,
     byte: impl Fn(usize, usize, usize) -> u8,
 ) -> Option<Vec<u8>> {
-    regions(0..LAYERS)[region].iter().find_map(|&(layer, g)| {
-        let i = DECODE[g].iter().position(|&b| b == block)?;
-        let (stage, pf_region) = prefill_region(layer);
-        let from = PREFILL[g][i] * BLOCK_LEN;
-        Some(
-            (0..BLOCK_LEN)
-                .map(|o| byte(stage, pf_region, from + o))
-                .collect(),
-        )
-    })
+    hma_regions(0..LAYERS)[region]
+        .iter()
+        .find_map(|&(layer, g)| {
+            let i = DECODE[g].iter().position(|&b| b == block)?;
+            let (stage, pf_region) = prefill_region(layer);
+            let from = PREFILL[g][i] * BLOCK_LEN;
+            Some(
+                (0..BLOCK_LEN)
+                    .map(|o| byte(stage, pf_region, from + o))
+                    .collect(),
+            )
+        })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -15,6 +15,7 @@
 //! name.
 
 mod common;
+mod vllm_support;
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -29,6 +30,7 @@ use nixl_connector::{
 
 use common::ranks::engine_ranks;
 use common::{cpu_config, vllm_config, vllm_factors, WAIT};
+use vllm_support::hma_regions;
 
 /// Layers of the model, KV heads, tokens per block, bytes of a head's token, blocks per
 /// region.
@@ -77,27 +79,17 @@ fn name(layer: usize) -> String {
     format!("model.layers.{layer}.attn")
 }
 
-/// The regions vLLM registers for `layers` (one stage's): tensor `i` shared by layer `i`
-/// of each group among them, full attention (group 0) at the even layers.
+/// The regions vLLM registers for `layers` (one stage's, [`hma_regions`]), each layer
+/// named with its group.
 fn regions_of(layers: Range<usize>) -> Vec<Vec<RegionLayer>> {
-    let group = |g: usize| {
-        layers
-            .clone()
-            .filter(move |l| l % 2 == g)
-            .collect::<Vec<_>>()
-    };
-    let (full, window) = (group(0), group(1));
-    (0..full.len().max(window.len()))
-        .map(|i| {
-            [(full.get(i), 0), (window.get(i), 1)]
-                .into_iter()
-                .filter_map(|(layer, group)| {
-                    layer.map(|&l| RegionLayer {
-                        layer: name(l),
-                        group,
-                    })
-                })
-                .collect()
+    hma_regions(layers)
+        .into_iter()
+        .map(|region| {
+            let layer = |(l, group)| RegionLayer {
+                layer: name(l),
+                group,
+            };
+            region.into_iter().map(layer).collect()
         })
         .collect()
 }

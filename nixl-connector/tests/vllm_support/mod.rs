@@ -1,10 +1,11 @@
-//! Shared by the vLLM protocol tests: compatibility factors, a rank's metadata, and raw
-//! ZMTP bytes written from the spec (not with the code under test) for peers that
-//! misbehave.
+//! Shared by the vLLM protocol tests: compatibility factors, a rank's metadata, vLLM's
+//! tensors of a hybrid model's rank, and raw ZMTP bytes written from the spec (not with the
+//! code under test) for peers that misbehave.
 
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
+use std::ops::Range;
 
 use nixl_connector::vllm::{CompatibilityFactors, NixlAgentMetadata};
 use tokio::io::AsyncReadExt;
@@ -18,6 +19,29 @@ pub fn factors() -> CompatibilityFactors {
             "attn_backend_name": "FLASH_ATTN", "cache_dtype": "auto", "is_hma_enabled": true}"#,
     )
     .unwrap()
+}
+
+/// vLLM's KV tensors of a rank holding `layers` of a hybrid model of two groups, full
+/// attention (group 0) at the even layers and a sliding window (group 1) at the odd ones:
+/// tensor `i` shared by the rank's layer `i` of each group (vLLM's
+/// `get_kv_cache_config_from_groups`; tests/py/vllm_peer.py's `hma_regions`), each region's
+/// (layer, group) in group order.
+pub fn hma_regions(layers: Range<usize>) -> Vec<Vec<(usize, usize)>> {
+    let group = |g: usize| {
+        layers
+            .clone()
+            .filter(move |l| l % 2 == g)
+            .collect::<Vec<_>>()
+    };
+    let (full, window) = (group(0), group(1));
+    (0..full.len().max(window.len()))
+        .map(|i| {
+            [(full.get(i), 0), (window.get(i), 1)]
+                .into_iter()
+                .filter_map(|(layer, g)| layer.map(|&l| (l, g)))
+                .collect()
+        })
+        .collect()
 }
 
 /// Rank `rank` of `engine`: two DRAM regions, every optional field set.
