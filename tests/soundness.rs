@@ -326,6 +326,34 @@ fn huge_host_buffers_are_aligned_and_advised_for_huge_pages() {
     assert!(!vm_flags(small.as_ptr() as usize).iter().any(|f| f == "hg"));
 }
 
+/// How many of the pages of `buf` are backed by memory now (`mincore`).
+fn resident_pages(buf: &[u8]) -> usize {
+    let page = 4096;
+    let start = buf.as_ptr() as usize / page * page;
+    let len = buf.as_ptr() as usize + buf.len() - start;
+    let mut vec = vec![0u8; len.div_ceil(page)];
+    // SAFETY: `start..start + len` lies in the buffer's mapping (page-aligned down to its
+    // own first page); `vec` holds one byte per page of it.
+    let rc = unsafe { libc::mincore(start as *mut libc::c_void, len, vec.as_mut_ptr()) };
+    assert_eq!(rc, 0, "mincore: {}", std::io::Error::last_os_error());
+    vec.iter().filter(|&&v| v & 1 == 1).count()
+}
+
+/// `populate` backs every page now (a KV cache's first loads then take no page faults), and
+/// the bytes stay zero; a buffer not populated is backed only where it was touched.
+#[test]
+fn populated_host_buffers_are_backed_and_still_zero() {
+    for len in [3 * 4096 + 1, 5usize << 20] {
+        let pages = len.div_ceil(4096);
+        let fresh = HostBuffer::zeroed(len).unwrap();
+        assert!(resident_pages(&fresh) < pages, "{len} bytes, fresh");
+        let mut buf = HostBuffer::zeroed(len).unwrap();
+        buf.populate().unwrap();
+        assert_eq!(resident_pages(&buf), pages, "{len} bytes, populated");
+        assert!(buf.iter().all(|&b| b == 0), "{len} bytes");
+    }
+}
+
 #[test]
 fn descriptors_ending_past_the_address_space_are_refused() {
     let agent = Agent::new(&unique_name("overflow")).unwrap();

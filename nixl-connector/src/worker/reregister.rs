@@ -13,6 +13,7 @@ use std::sync::Arc;
 
 use nixl::RegisterMemory;
 
+use super::registration::resident_region;
 use super::KvConnectorWorker;
 use crate::error::{Error, Result};
 use crate::geometry::spec::KvCacheSpec;
@@ -97,7 +98,7 @@ impl KvConnectorWorker {
     pub fn register_host_kv_caches_again(&mut self, spec: KvCacheSpec) -> Result<()> {
         self.check_spec(&spec)?;
         let regions = (0..spec.num_regions())
-            .map(|r| nixl::HostBuffer::zeroed(spec.region_len(r)))
+            .map(|r| resident_region(spec.region_len(r)))
             .collect::<nixl::Result<Vec<_>>>()?;
         self.register_kv_caches_again(regions, spec)
     }

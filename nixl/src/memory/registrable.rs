@@ -176,6 +176,44 @@ impl HostBuffer {
         Ok(HostBuffer { ptr, len, map })
     }
 
+    /// Backs every page of the buffer with memory now, so that the first transfers into it
+    /// do not stop on page faults. The bytes stay zero. Call it before registering a buffer
+    /// that will be used whole, such as a KV cache: a fresh mapping is backed page by page
+    /// at first touch, and a first READ into it pays each fault inside the transfer.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when the kernel cannot back the buffer (out of memory).
+    pub fn populate(&mut self) -> Result<()> {
+        // SAFETY: advisory call on our own mapping, exclusively borrowed; it keeps the
+        // contents and only faults the pages in.
+        let rc = unsafe {
+            libc::madvise(
+                self.ptr.as_ptr().cast(),
+                self.len,
+                libc::MADV_POPULATE_WRITE,
+            )
+        };
+        if rc == 0 {
+            return Ok(());
+        }
+        let err = std::io::Error::last_os_error();
+        if err.raw_os_error() != Some(libc::EINVAL) {
+            return Err(Error::Io {
+                operation: "back a host buffer with memory",
+                source: err,
+            });
+        }
+        // A kernel before 5.14 has no MADV_POPULATE_WRITE: write each page's first byte,
+        // which is zero already.
+        const PAGE: usize = 4096;
+        let bytes: &mut [u8] = self;
+        for offset in (0..bytes.len()).step_by(PAGE) {
+            // SAFETY: `offset < len`, inside the buffer; volatile so the store is kept.
+            unsafe { std::ptr::write_volatile(bytes.as_mut_ptr().add(offset), 0) };
+        }
+        Ok(())
+    }
+
     /// Number of bytes.
     pub fn len(&self) -> usize {
         self.len
