@@ -4,7 +4,8 @@
 //! ids) with scattered ids; NIXL 1.5.1 merges a run's consecutive descriptors into one
 //! (its `makeXferReq` over prepared lists), which the loads' descriptor counts (NIXL's
 //! telemetry) show: one per run and region, or fewer where a run crosses from one region into
-//! the next in contiguous memory.
+//! the next in contiguous memory. A run listed last first on both sides merges too: the
+//! connector lists a load's blocks by local block.
 
 mod common;
 
@@ -32,8 +33,17 @@ impl Rng {
     }
 
     /// `n` distinct ids of `0..blocks`: a run at a random start, random ids, or random ids
-    /// sorted.
+    /// sorted; the run and the sorted ids half the time last first, as an engine that frees
+    /// a request's blocks last first (vLLM) hands them out again.
     fn table(&mut self, n: usize, blocks: usize) -> Vec<usize> {
+        let mut table = self.ascending(n, blocks);
+        if self.below(2) == 0 {
+            table.reverse();
+        }
+        table
+    }
+
+    fn ascending(&mut self, n: usize, blocks: usize) -> Vec<usize> {
         if self.below(3) == 0 {
             let start = self.below(blocks - n + 1);
             return (start..start + n).collect();
@@ -50,12 +60,14 @@ impl Rng {
     }
 }
 
-/// Runs of table positions whose blocks are consecutive on both sides.
+/// Runs of blocks consecutive on both sides, the block pairs (`local[i]`, `far[i]`) taken
+/// in the order of their local blocks, as the connector lists them.
 fn runs(local: &[usize], far: &[usize]) -> usize {
-    1 + local
+    let mut pairs: Vec<_> = local.iter().copied().zip(far.iter().copied()).collect();
+    pairs.sort_unstable();
+    1 + pairs
         .windows(2)
-        .zip(far.windows(2))
-        .filter(|(l, f)| !(l[1] == l[0] + 1 && f[1] == f[0] + 1))
+        .filter(|p| !(p[1].0 == p[0].0 + 1 && p[1].1 == p[0].1 + 1))
         .count()
 }
 

@@ -16,7 +16,8 @@
 //! merges consecutive indices whose descriptors are contiguous on both sides into one, so a
 //! READ of 148 blocks contiguous on both sides in 128 regions posts 128 descriptors, not
 //! 18,944 (`benches/descriptor_heavy.rs` records the count). The order above (region by
-//! region, the pairs in token order) keeps a run's indices consecutive so that it can;
+//! region, each group's pairs by local block) keeps a run's indices consecutive so that it
+//! can, also a run the engine listed last first;
 //! `read_runs_tests` checks the merged descriptors byte by byte, `tests/block_runs.rs` the
 //! real NIXL's.
 //!
@@ -229,6 +230,8 @@ fn descriptors(
     pairs: &[(usize, usize)],
     group_lens: &[usize],
 ) -> Result<ReadDescriptors> {
+    let sorted = sorted_by_local_unit(pairs, group_lens);
+    let pairs = &sorted;
     let plan = inputs.plan;
     let blocks = inputs.local_num_blocks;
     let routed = layer_groups(inputs)?;
@@ -262,6 +265,33 @@ fn descriptors(
         remote,
         bytes,
     })
+}
+
+/// `pairs` with each group's pairs (`group_lens` of them per group, or one group) sorted
+/// by local unit. Each pair moves its own unit, so the order changes nothing but the
+/// descriptors' order: NIXL joins consecutive descriptors contiguous on both sides, and a
+/// run of blocks contiguous on both sides that the engine listed last first (vLLM frees a
+/// request's blocks last first, so a run it hands out again comes back descending) is
+/// consecutive only once sorted. Counts that do not add up leave `pairs` as they are, for
+/// the checks after to refuse.
+fn sorted_by_local_unit(pairs: &[(usize, usize)], group_lens: &[usize]) -> Vec<(usize, usize)> {
+    let mut sorted = pairs.to_vec();
+    let total = group_lens
+        .iter()
+        .try_fold(0usize, |sum, &n| sum.checked_add(n));
+    if total != Some(pairs.len()) {
+        if group_lens.is_empty() {
+            sorted.sort_unstable();
+        }
+        return sorted;
+    }
+    let mut rest = sorted.as_mut_slice();
+    for &n in group_lens {
+        let (group, tail) = rest.split_at_mut(n);
+        group.sort_unstable();
+        rest = tail;
+    }
+    sorted
 }
 
 /// The group of each of the plan's regions where they pair by layer name (its local layer's

@@ -114,8 +114,17 @@ impl Rng {
     }
 
     /// `n` distinct block ids: a run at a random start, random ids, or random ids sorted
-    /// (sorted tables hold runs).
+    /// (sorted tables hold runs); or either of the first and third last first, as an
+    /// engine that frees a request's blocks last first hands them out again.
     fn table(&mut self, n: usize) -> Vec<usize> {
+        let mut table = self.table_ascending(n);
+        if self.below(2) == 1 {
+            table.reverse();
+        }
+        table
+    }
+
+    fn table_ascending(&mut self, n: usize) -> Vec<usize> {
         match self.below(3) {
             0 => {
                 let start = self.below(BLOCKS - n + 1);
@@ -231,12 +240,14 @@ fn expected(
     cache
 }
 
-/// Runs of consecutive table positions whose blocks are consecutive on both sides.
+/// Runs of blocks consecutive on both sides, the block pairs (`local[i]`, `remote[i]`)
+/// taken in the order of their local blocks, as the planner lists them.
 fn block_runs(local: &[usize], remote: &[usize]) -> usize {
-    1 + local
+    let mut pairs: Vec<_> = local.iter().copied().zip(remote.iter().copied()).collect();
+    pairs.sort_unstable();
+    1 + pairs
         .windows(2)
-        .zip(remote.windows(2))
-        .filter(|(l, r)| !(l[1] == l[0] + 1 && r[1] == r[0] + 1))
+        .filter(|p| !(p[1].0 == p[0].0 + 1 && p[1].1 == p[0].1 + 1))
         .count()
 }
 
@@ -244,6 +255,7 @@ fn block_runs(local: &[usize], remote: &[usize]) -> usize {
 fn random_block_tables_move_every_byte_right_and_runs_merge_into_one_descriptor_per_region() {
     let mut rng = Rng(45);
     let groups = KvCacheGroups::default();
+    let mut reversed_runs = 0;
     for (g, geometry) in geometries().iter().enumerate() {
         let plan = geometry.plan();
         let (ls, rs) = (geometry.local.block_size, geometry.remote.block_size);
@@ -297,7 +309,18 @@ fn random_block_tables_move_every_byte_right_and_runs_merge_into_one_descriptor_
             if plan.reads_whole_local_blocks() {
                 let runs = block_runs(&local, &remote);
                 assert_eq!(merged.len(), runs * plan.regions.len(), "{what}");
+                let reversed = local.windows(2).all(|w| w[1] + 1 == w[0])
+                    && remote.windows(2).all(|w| w[1] + 1 == w[0]);
+                if reversed {
+                    // A run listed last first on both sides is one descriptor per region.
+                    assert_eq!(merged.len(), plan.regions.len(), "{what}");
+                    reversed_runs += 1;
+                }
             }
         }
     }
+    assert!(
+        reversed_runs > 0,
+        "no case listed a run last first on both sides"
+    );
 }
