@@ -339,8 +339,8 @@ fn resident_pages(buf: &[u8]) -> usize {
     vec.iter().filter(|&&v| v & 1 == 1).count()
 }
 
-/// `populate` backs every page now (a KV cache's first loads then take no page faults), and
-/// the bytes stay zero; a buffer not populated is backed only where it was touched.
+/// `populate` (and `backed`) back every page now (a KV cache's first loads then take no page
+/// faults), and the bytes stay zero; a buffer not populated is backed only where touched.
 #[test]
 fn populated_host_buffers_are_backed_and_still_zero() {
     for len in [3 * 4096 + 1, 5usize << 20] {
@@ -351,6 +351,8 @@ fn populated_host_buffers_are_backed_and_still_zero() {
         buf.populate().unwrap();
         assert_eq!(resident_pages(&buf), pages, "{len} bytes, populated");
         assert!(buf.iter().all(|&b| b == 0), "{len} bytes");
+        let backed = HostBuffer::backed(len).unwrap();
+        assert_eq!(resident_pages(&backed), pages, "{len} bytes, backed");
     }
 }
 

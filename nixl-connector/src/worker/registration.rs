@@ -65,7 +65,7 @@ impl KvConnectorWorker {
     pub fn register_host_kv_caches(&self, spec: KvCacheSpec) -> Result<()> {
         self.check_spec(&spec)?;
         let regions = (0..spec.num_regions())
-            .map(|r| resident_region(spec.region_len(r)))
+            .map(|r| nixl::HostBuffer::backed(spec.region_len(r)))
             .collect::<nixl::Result<Vec<_>>>()?;
         self.register_kv_caches(regions, spec)
     }
@@ -388,15 +388,6 @@ impl KvConnectorWorker {
         }
         Ok(())
     }
-}
-
-/// One region of a host KV cache: `len` zeroed bytes, every page backed now
-/// ([`HostBuffer::populate`](nixl::HostBuffer::populate)), so that the first loads into the
-/// cache (or the first blocks an engine computes) do not stop on page faults.
-pub(super) fn resident_region(len: usize) -> nixl::Result<nixl::HostBuffer> {
-    let mut region = nixl::HostBuffer::zeroed(len)?;
-    region.populate()?;
-    Ok(region)
 }
 
 /// The side channel a registration answers from.

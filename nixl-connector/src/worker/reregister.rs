@@ -13,7 +13,6 @@ use std::sync::Arc;
 
 use nixl::RegisterMemory;
 
-use super::registration::resident_region;
 use super::KvConnectorWorker;
 use crate::error::{Error, Result};
 use crate::geometry::spec::KvCacheSpec;
@@ -98,7 +97,7 @@ impl KvConnectorWorker {
     pub fn register_host_kv_caches_again(&mut self, spec: KvCacheSpec) -> Result<()> {
         self.check_spec(&spec)?;
         let regions = (0..spec.num_regions())
-            .map(|r| resident_region(spec.region_len(r)))
+            .map(|r| nixl::HostBuffer::backed(spec.region_len(r)))
             .collect::<nixl::Result<Vec<_>>>()?;
         self.register_kv_caches_again(regions, spec)
     }

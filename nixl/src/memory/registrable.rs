@@ -176,6 +176,17 @@ impl HostBuffer {
         Ok(HostBuffer { ptr, len, map })
     }
 
+    /// [`zeroed`](Self::zeroed), with every page backed now ([`populate`](Self::populate)):
+    /// for memory that will be used whole, such as a KV cache.
+    ///
+    /// # Errors
+    /// Those of [`zeroed`](Self::zeroed) and [`populate`](Self::populate).
+    pub fn backed(len: usize) -> Result<Self> {
+        let mut buffer = Self::zeroed(len)?;
+        buffer.populate()?;
+        Ok(buffer)
+    }
+
     /// Backs every page of the buffer with memory now, so that the first transfers into it
     /// do not stop on page faults. The bytes stay zero. Call it before registering a buffer
     /// that will be used whole, such as a KV cache: a fresh mapping is backed page by page
