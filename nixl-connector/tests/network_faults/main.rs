@@ -48,6 +48,7 @@ use timeline::Timeline;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "the prefill of the tests here, which start it"]
 async fn prefill_role() {
+    roles::log_to_stderr();
     roles::prefill().await;
 }
 
@@ -55,6 +56,7 @@ async fn prefill_role() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "the decode of the tests here, which start it"]
 async fn decode_role() {
+    roles::log_to_stderr();
     roles::decode().await;
 }
 

@@ -119,6 +119,15 @@ fn spec_of_rank(tp: usize) -> KvCacheSpec {
     )
 }
 
+/// Logs the connector's events to stderr (inherited: the test's output), filtered by
+/// `RUST_LOG` (errors only without it); stdout carries the role's tagged lines.
+pub fn log_to_stderr() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
 /// The prefill: engine `ENGINE`, binds its side channel at `BIND_ADDR`, fills its cache,
 /// prints `PORT <port>` and serves until it is killed.
 pub async fn prefill() {
@@ -363,6 +372,9 @@ fn print_stats(decode: &KvConnectorWorker) {
             .and_then(|v| v.parse().ok())
             .unwrap_or(0)
     };
+    if std::env::var_os("NF43_FD_KINDS").is_some() {
+        eprintln!("decode fds by kind: {:?}", fd_kinds());
+    }
     let remotes = decode.remote_stats();
     println!(
         "STATS {} {} {} {} {} {} {}",
@@ -374,6 +386,52 @@ fn print_stats(decode: &KvConnectorWorker) {
         remotes.loaded,
         decode.agent().leak_stats().requests,
     );
+}
+
+/// This process's open file descriptors counted by what they are (`socket`,
+/// `anon_inode:[eventfd]`, a path), for finding what grows (`NF43_FD_KINDS`, by hand).
+fn fd_kinds() -> std::collections::BTreeMap<String, usize> {
+    let mut kinds = std::collections::BTreeMap::new();
+    for entry in std::fs::read_dir("/proc/self/fd")
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let target = std::fs::read_link(entry.path())
+            .map(|t| t.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let kind = match target.split_once(":[") {
+            Some(("socket", inode)) => socket_kind(inode.trim_end_matches(']')),
+            Some(("pipe", _)) => "pipe".to_string(),
+            _ => target,
+        };
+        *kinds.entry(kind).or_default() += 1;
+    }
+    kinds
+}
+
+/// `socket tcp STATE local-port`, or `socket other`: socket `inode` found in this
+/// namespace's TCP tables (the state as the kernel numbers it: 01 established, 08 close
+/// wait, 0A listen).
+fn socket_kind(inode: &str) -> String {
+    for table in ["/proc/self/net/tcp", "/proc/self/net/tcp6"] {
+        let text = std::fs::read_to_string(table).unwrap_or_default();
+        for line in text.lines().skip(1) {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            if fields.get(9) == Some(&inode) {
+                let local_port = fields[1].rsplit(':').next().unwrap_or("");
+                let remote_port = fields[2].rsplit(':').next().unwrap_or("");
+                let port = |hex: &str| u16::from_str_radix(hex, 16).unwrap_or(0);
+                return format!(
+                    "socket tcp {} {}->{}",
+                    fields[3],
+                    port(local_port),
+                    port(remote_port)
+                );
+            }
+        }
+    }
+    "socket other".to_string()
 }
 
 /// Which slots' blocks were poisoned when their load ended, and not taken since.
