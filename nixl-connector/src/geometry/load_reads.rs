@@ -89,7 +89,7 @@ pub(crate) struct ReadDescriptors {
 /// state blocks past either cache.
 pub(crate) fn plan_read(inputs: &ReadInputs<'_>) -> Result<ReadDescriptors> {
     let (pairs, group_lens) = pair_blocks(&Pairing::of_read(inputs))?;
-    descriptors(inputs, &pairs, &group_lens)
+    descriptors(inputs, pairs, &group_lens)
 }
 
 /// The descriptors of a push WRITE: `inputs` as [`plan_read`]'s, this side (`local`) the
@@ -122,7 +122,7 @@ pub(crate) fn plan_write(inputs: &ReadInputs<'_>) -> Result<ReadDescriptors> {
         )
     })?;
     let pairs: Vec<(usize, usize)> = pairs.into_iter().map(|(d, p)| (p, d)).collect();
-    descriptors(inputs, &pairs, &group_lens)
+    descriptors(inputs, pairs, &group_lens)
 }
 
 /// What pairs a load's blocks: both sides' ids and caches, and the prompt's tokens.
@@ -227,11 +227,11 @@ fn pair_blocks(inputs: &Pairing<'_>) -> Result<GroupPairs> {
 /// them.
 fn descriptors(
     inputs: &ReadInputs<'_>,
-    pairs: &[(usize, usize)],
+    mut pairs: Vec<(usize, usize)>,
     group_lens: &[usize],
 ) -> Result<ReadDescriptors> {
-    let sorted = sorted_by_local_unit(pairs, group_lens);
-    let pairs = &sorted;
+    sort_by_local_unit(&mut pairs, group_lens);
+    let pairs = pairs.as_slice();
     let plan = inputs.plan;
     let blocks = inputs.local_num_blocks;
     let routed = layer_groups(inputs)?;
@@ -267,31 +267,28 @@ fn descriptors(
     })
 }
 
-/// `pairs` with each group's pairs (`group_lens` of them per group, or one group) sorted
-/// by local unit. Each pair moves its own unit, so the order changes nothing but the
+/// Sorts each group's pairs (`group_lens` of them per group, or one group) by local unit. Each pair moves its own unit, so the order changes nothing but the
 /// descriptors' order: NIXL joins consecutive descriptors contiguous on both sides, and a
 /// run of blocks contiguous on both sides that the engine listed last first (vLLM frees a
 /// request's blocks last first, so a run it hands out again comes back descending) is
 /// consecutive only once sorted. Counts that do not add up leave `pairs` as they are, for
 /// the checks after to refuse.
-fn sorted_by_local_unit(pairs: &[(usize, usize)], group_lens: &[usize]) -> Vec<(usize, usize)> {
-    let mut sorted = pairs.to_vec();
+fn sort_by_local_unit(pairs: &mut [(usize, usize)], group_lens: &[usize]) {
     let total = group_lens
         .iter()
         .try_fold(0usize, |sum, &n| sum.checked_add(n));
     if total != Some(pairs.len()) {
         if group_lens.is_empty() {
-            sorted.sort_unstable();
+            pairs.sort_unstable();
         }
-        return sorted;
+        return;
     }
-    let mut rest = sorted.as_mut_slice();
+    let mut rest = pairs;
     for &n in group_lens {
         let (group, tail) = rest.split_at_mut(n);
         group.sort_unstable();
         rest = tail;
     }
-    sorted
 }
 
 /// The group of each of the plan's regions where they pair by layer name (its local layer's
