@@ -1101,32 +1101,38 @@ def kv_pp_decode(port, local_hash, engine, layers, pp, stage, blocks, req_id, co
     return {"first_layer": first, "layers": count, "agent": remote, "data": data.hex()}
 
 
-def kv_pp_finish(req_id, blocks):
-    return dict(
+def prefill_finished_params(req_id, groups, side, tokens, mode):
+    """The params vLLM 0.33's request_finished returns on a prefill of stages (SIDE: its
+    engine, port, pp and, if not 1, tp) for REQ_ID of block lists GROUPS and TOKENS computed
+    tokens, in transfer MODE: pull's with no expiry time (a lease decides), push's without."""
+    params = dict(
         do_remote_prefill=True,
         do_remote_decode=False,
-        remote_block_ids=[blocks],
-        remote_engine_id=pp_prefill["engine"],
+        remote_block_ids=groups,
+        remote_engine_id=side["engine"],
         remote_request_id=req_id,
         remote_host="127.0.0.1",
-        remote_port=pp_prefill["port"],
-        tp_size=pp_prefill["tp"],
+        remote_port=side["port"],
+        tp_size=side.get("tp", 1),
         dcp_size=1,
-        pp_size=pp_prefill["pp"],
-        remote_num_tokens=len(blocks) * 16,
-        remote_blocks_expiry_time=None,
-        transfer_mode="pull",
+        pp_size=side["pp"],
+        remote_num_tokens=tokens,
+        transfer_mode=mode,
     )
+    if mode == "pull":
+        params["remote_blocks_expiry_time"] = None
+    return params
+
+
+def kv_pp_finish(req_id, blocks):
+    return prefill_finished_params(req_id, [blocks], pp_prefill, len(blocks) * 16, "pull")
 
 
 def kv_pp_push_finish(req_id, blocks):
     """vLLM's push request_finished on the PP prefill for REQ_ID of (one group's) BLOCKS:
     every rank holds them for a registration -> the push params (no expiry time)."""
     pp_prefill.setdefault("push", {})[req_id] = blocks
-    params = kv_pp_finish(req_id, blocks)
-    del params["remote_blocks_expiry_time"]
-    params["transfer_mode"] = "push"
-    return params
+    return prefill_finished_params(req_id, [blocks], pp_prefill, len(blocks) * 16, "push")
 
 
 def kv_pp_push_write(local_hash, seconds):
@@ -1251,20 +1257,8 @@ def kv_hma_pp_push_finish(req_id, groups):
     """vLLM's push request_finished on the hybrid prefill for REQ_ID of GROUPS (its block ids
     per group, the window's not clipped): held on every rank -> the push params."""
     hma_pp["push"][req_id] = groups
-    return dict(
-        do_remote_prefill=True,
-        do_remote_decode=False,
-        remote_block_ids=groups,
-        remote_engine_id=hma_pp["engine"],
-        remote_request_id=req_id,
-        remote_host="127.0.0.1",
-        remote_port=hma_pp["port"],
-        tp_size=1,
-        dcp_size=1,
-        pp_size=hma_pp["pp"],
-        remote_num_tokens=len(groups[0]) * hma_pp["block_size"],
-        transfer_mode="push",
-    )
+    tokens = len(groups[0]) * hma_pp["block_size"]
+    return prefill_finished_params(req_id, groups, hma_pp, tokens, "push")
 
 
 def kv_hma_pp_push_write(local_hash, seconds):
