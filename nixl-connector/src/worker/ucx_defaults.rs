@@ -9,7 +9,7 @@
 //!   before it gives up, and UCX's keepalive only adds data to retransmit;
 //! - a decode that dies while the link is down can make the prefill abort when the link
 //!   comes back: the dead decode's kernel still delivers its last GET requests and then
-//!   resets the connection, and UCX 1.22's software GET over TCP (`ucp_get_req_handler`),
+//!   resets the connection, and UCX 1.23's software GET over TCP (`ucp_get_req_handler`),
 //!   failing to send the reply, calls `ucs_fatal` ("Endpoint timeout").
 //!
 //! TCP's user timeout makes each kernel drop a connection whose data stays unacknowledged

@@ -17,9 +17,10 @@
 //! - A READ UCX does not end (its timeouts raised past a partition) holds its blocks until
 //!   it ends after the heal; no byte lands in a block after its load ended (every test:
 //!   the decode poisons what it hands back and checks it when taken again).
-//! - By hand, 100 cycles of the data path reset and restored, pulling and pushing: nothing
-//!   the engines hold grows (UCX's TCP transport can crash a pulled-from prefill on a
-//!   reset; pushing, a connection made anew once kept failing).
+//! - 100 cycles of the data path dropped past a 1 s user timeout and restored, pushing:
+//!   nothing the engines hold grows but UCX's half-open sockets. By hand, the same pulling (UCX's TCP transport can
+//!   crash a pulled-from prefill on a failed connection), and with resets, pulling and
+//!   pushing (pushing, NIXL 1.5.1 keeps reset sockets open).
 //! - A partition soak: random faults (flaps, black holes, port drops, loss, a slow
 //!   link; no resets) for 90 s while a decode of TP 2 loads from a prefill of TP 1; every
 //!   load ends in bounded time, loaded right or failed.
@@ -38,10 +39,11 @@ mod rng;
 mod roles;
 mod timeline;
 
+use std::collections::HashSet;
 use std::process::Child;
 use std::time::Duration;
 
-use hosts::{Fault, Hosts, Side};
+use hosts::{tcp_table, Fault, Hosts, Side};
 use timeline::Timeline;
 
 /// The prefill, run in a child process in its namespace.
@@ -165,6 +167,42 @@ impl Engine {
             .and_then(|v| v.trim().parse().ok())
             .unwrap_or(0);
         (fds, threads)
+    }
+
+    /// The TCP connections this process holds open in the state ESTABLISHED, as (local,
+    /// remote) addresses in `/proc/net/tcp`'s notation.
+    fn established(&self) -> Vec<(String, String)> {
+        let pid = self.child.id();
+        let inodes: HashSet<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|fd| std::fs::read_link(fd.path()).ok())
+            .filter_map(|target| {
+                let target = target.to_string_lossy().into_owned();
+                let inode = target.strip_prefix("socket:[")?.strip_suffix(']')?;
+                Some(inode.to_string())
+            })
+            .collect();
+        tcp_table(pid)
+            .into_iter()
+            .filter(|row| row.state == "01" && inodes.contains(&row.inode))
+            .map(|row| (row.local, row.remote))
+            .collect()
+    }
+
+    /// How many of this process's established connections `peer`'s namespace no longer
+    /// lists in any state: half open, their other end gone without a reset reaching this
+    /// one.
+    fn half_open_to(&self, peer: &Engine) -> usize {
+        let peers: HashSet<(String, String)> = tcp_table(peer.child.id())
+            .into_iter()
+            .map(|row| (row.local, row.remote))
+            .collect();
+        self.established()
+            .into_iter()
+            .filter(|(local, remote)| !peers.contains(&(remote.clone(), local.clone())))
+            .count()
     }
 
     /// Tells a decode to load from the prefill `source` (`ENGINE@ip:port`) too.
@@ -589,6 +627,17 @@ fn a_partitioned_prefill_host_does_not_stall_a_healthy_one() {
     }
 }
 
+/// How a cycle of [`partition_and_heal_cycles`] ends NIXL's connections.
+#[derive(Clone, Copy)]
+enum CycleFault {
+    /// The data path reset for 0.3 s: the connections fail at once.
+    Reset,
+    /// The data path dropped for 2.5 s, with UCX's TCP user timeout and keepalive interval
+    /// at 1 s: each connection with data in flight, or a keepalive, times out silently (no
+    /// reset reaches the other end), as across a partition that outlasts the user timeout.
+    TimedOut,
+}
+
 /// Partition and heal cycles (`NF43_CYCLES`, default 100): the data path reset (NIXL's
 /// connections fail at once, handshakes pass), then restored and loads flowing again (the
 /// decode backs off from the prefill for at most 0.5 s). From the 10th cycle to the last,
@@ -600,36 +649,74 @@ fn a_partitioned_prefill_host_does_not_stall_a_healthy_one() {
 /// nothing_grows_through_partition_and_heal_cycles --nocapture`): in 5 of 10 runs the
 /// prefill died, of a segmentation fault inside UCX's TCP transport where its end was
 /// recorded (see the connector README's "Network failures"), so it cannot gate CI. In push
-/// mode (the variant below) the prefill answers no software GET.
+/// mode (the variants below) the prefill answers no software GET.
 #[test]
 #[ignore = "by hand: UCX's TCP transport can crash the prefill on a reset connection"]
 fn nothing_grows_through_partition_and_heal_cycles() {
-    partition_and_heal_cycles("nothing_grows_through_partition_and_heal_cycles", &[]);
+    partition_and_heal_cycles(
+        "nothing_grows_through_partition_and_heal_cycles",
+        CycleFault::Reset,
+        &[],
+    );
 }
 
-/// [`nothing_grows_through_partition_and_heal_cycles`] in push mode (native protocol): the
-/// prefill WRITEs into the blocks the decode registers, and a registration, cancel or end
-/// lost with a reset connection is sent again over a new one (the decode sends its cancel
-/// again until each prefill rank answers; a rank whose send failed is handshaken anew).
-///
-/// By hand (`... -- --ignored --exact
-/// nothing_grows_through_partition_and_heal_cycles_in_push_mode --nocapture`): no engine
-/// died in 4 runs (30, 100, 100 and 82 cycles), but in the last the connection between them,
-/// made anew after a reset, kept failing (`NIXL_ERR_REMOTE_DISCONNECT` on every
-/// notification, both ways) past the test's 90 s, so that four loads stayed held; not
-/// understood yet, so it cannot gate CI either.
+/// [`nothing_grows_through_partition_and_heal_cycles`] with partitions that end the
+/// connections by timeout ([`CycleFault::TimedOut`]). By hand: the prefill died in UCX's
+/// TCP transport in 2 of 2 runs (cycles 9 and 22), with the same stack as on a reset: a
+/// failed connection's queued software GET replies are what crashes, however it failed.
 #[test]
-#[ignore = "by hand: a connection made anew after a reset can keep failing (see above)"]
-fn nothing_grows_through_partition_and_heal_cycles_in_push_mode() {
+#[ignore = "by hand: UCX's TCP transport can crash the prefill on a failed connection"]
+fn nothing_grows_through_partitions_that_time_out() {
     partition_and_heal_cycles(
-        "nothing_grows_through_partition_and_heal_cycles_in_push_mode",
+        "nothing_grows_through_partitions_that_time_out",
+        CycleFault::TimedOut,
+        &[],
+    );
+}
+
+/// The cycles in push mode (native protocol), the connections ended by timeout
+/// ([`CycleFault::TimedOut`]): the prefill WRITEs into the blocks the decode registers, and
+/// a registration, cancel or end lost with a connection is sent again over a new one (the
+/// decode sends its cancel again until each prefill rank answers; a rank whose send failed
+/// is handshaken anew). About 6 minutes.
+///
+/// In 3 of 8 runs the decode's file descriptors grew by about one a cycle, from some cycle
+/// on: sockets UCX accepted from the prefill and keeps though they are half open (the
+/// prefill's end timed out, and no reset reached the decode's; see the connector README's
+/// "Network failures"). The test counts them apart, by the prefill's namespace no longer
+/// listing their connection.
+#[test]
+fn nothing_grows_through_partitions_that_time_out_in_push_mode() {
+    partition_and_heal_cycles(
+        "nothing_grows_through_partitions_that_time_out_in_push_mode",
+        CycleFault::TimedOut,
         &[(roles::TRANSFER_MODE, roles::PUSH)],
     );
 }
 
-/// The partition and heal cycles of test `test`, both engines run with the variables
-/// `more` too.
-fn partition_and_heal_cycles(test: &str, more: &[(&str, &str)]) {
+/// [`nothing_grows_through_partitions_that_time_out_in_push_mode`] with resets
+/// ([`CycleFault::Reset`]).
+///
+/// By hand (`... -- --ignored --exact
+/// nothing_grows_through_partition_and_heal_cycles_in_push_mode --nocapture`): no engine
+/// died in 20 runs, but the decode's file descriptors grew by up to 28 in 100 cycles
+/// (sockets a reset closed, kept open by the endpoints NIXL 1.5.1 closes gracefully), and in
+/// one run of those the connection between them, made anew after a reset, kept failing
+/// (`NIXL_ERR_REMOTE_DISCONNECT` on every notification, both ways) past the test's 90 s, so
+/// that four loads stayed held; so it cannot gate CI.
+#[test]
+#[ignore = "by hand: resets keep sockets open in NIXL 1.5.1 (see above)"]
+fn nothing_grows_through_partition_and_heal_cycles_in_push_mode() {
+    partition_and_heal_cycles(
+        "nothing_grows_through_partition_and_heal_cycles_in_push_mode",
+        CycleFault::Reset,
+        &[(roles::TRANSFER_MODE, roles::PUSH)],
+    );
+}
+
+/// The partition and heal cycles of test `test`, each cycle's connections ended by `fault`,
+/// both engines run with the variables `more` too.
+fn partition_and_heal_cycles(test: &str, fault: CycleFault, more: &[(&str, &str)]) {
     let Some(_alone) = begin(test) else {
         return;
     };
@@ -643,9 +730,19 @@ fn partition_and_heal_cycles(test: &str, more: &[(&str, &str)]) {
     // half a second after a failure (a minute by default), so that each cycle's loads flow
     // again at once.
     let mut env = vec![(roles::BACKOFF_S, "0.5")];
+    if let CycleFault::TimedOut = fault {
+        env.extend([
+            ("UCX_TCP_USER_TIMEOUT", "1s"),
+            ("UCX_KEEPALIVE_INTERVAL", "1s"),
+        ]);
+    }
     env.extend_from_slice(more);
     let (mut prefill, at) = Engine::prefill_with(&hosts, &env);
     let port: u16 = at.rsplit_once(':').unwrap().1.parse().unwrap();
+    let (fault, held_for) = match fault {
+        CycleFault::Reset => (Fault::DataPathReset(port), Duration::from_millis(300)),
+        CycleFault::TimedOut => (Fault::DataPathCut(port), Duration::from_millis(2500)),
+    };
     let source = [format!("{}@{at}", roles::PREFILL)];
     let (mut decode, timeline) = Engine::decode_from(&hosts, &source, roles::IN_FLIGHT, &env);
     timeline
@@ -653,9 +750,9 @@ fn partition_and_heal_cycles(test: &str, more: &[(&str, &str)]) {
         .unwrap();
     let mut held = Vec::new();
     for cycle in 1..=cycles {
-        hosts.fault(Fault::DataPathReset(port));
-        std::thread::sleep(Duration::from_millis(300));
-        hosts.heal(Fault::DataPathReset(port));
+        hosts.fault(fault);
+        std::thread::sleep(held_for);
+        hosts.heal(fault);
         prefill.assert_alive(&format!("in cycle {cycle}"));
         let flowing =
             timeline.wait_loaded(3, HEAL_LIMIT, &format!("loads flowing after cycle {cycle}"));
@@ -666,12 +763,17 @@ fn partition_and_heal_cycles(test: &str, more: &[(&str, &str)]) {
                 timeline.report(&[])
             );
         }
-        if cycle == 10 || cycle == cycles {
+        if cycle % 10 == 0 || cycle == cycles {
             decode.ask_stats();
             let decode_holds = timeline
                 .wait_stats(held.len() + 1, Duration::from_secs(10))
                 .expect("the decode's stats");
-            held.push((cycle, decode_holds, prefill.fds_and_threads()));
+            held.push((
+                cycle,
+                decode_holds,
+                prefill.fds_and_threads(),
+                decode.half_open_to(&prefill),
+            ));
         }
     }
     decode.stop();
@@ -682,15 +784,29 @@ fn partition_and_heal_cycles(test: &str, more: &[(&str, &str)]) {
         .values()
         .filter(|l| l.end.as_ref().is_some_and(|(_, how)| how != "loaded"))
         .count();
-    eprintln!("{cycles} cycles, {failed} loads failed; held after cycles {held:?}\n{report}");
+    let points: Vec<String> = held
+        .iter()
+        .map(|(cycle, decode, (fds, threads), half_open)| {
+            format!(
+                "after cycle {cycle}: the decode {decode:?}, {half_open} of its sockets half \
+                 open; the prefill {fds} fds, {threads} threads"
+            )
+        })
+        .collect();
+    eprintln!(
+        "{cycles} cycles, {failed} loads failed\n{}\n{report}",
+        points.join("\n")
+    );
     assert_eq!(drained, Some(0), "every load ended\n{report}");
     assert_eq!(timeline.late_blocks(), 0, "no late byte\n{report}");
     assert!(
         failed >= cycles / 2,
-        "the resets failed {failed} loads in {cycles} cycles"
+        "the faults failed {failed} loads in {cycles} cycles"
     );
-    let [(_, first, (prefill_fds, prefill_threads)), (_, last, (prefill_fds_after, prefill_threads_after))] =
-        held[..]
+    let (
+        Some(&(_, first, (prefill_fds, prefill_threads), half_open)),
+        Some(&(_, last, (prefill_fds_after, prefill_threads_after), half_open_after)),
+    ) = (held.first(), held.last())
     else {
         panic!("{held:?}")
     };
@@ -703,9 +819,10 @@ fn partition_and_heal_cycles(test: &str, more: &[(&str, &str)]) {
         prefill_threads_after <= prefill_threads + 2,
         "prefill threads {prefill_threads} -> {prefill_threads_after}"
     );
+    // UCX's half-open sockets (see the connector README's "Network failures") apart.
     assert!(
-        last.fds <= first.fds + 24,
-        "decode fds: {first:?} -> {last:?}"
+        last.fds - half_open_after as u64 <= first.fds - half_open as u64 + 24,
+        "decode fds: {first:?} -> {last:?}, {half_open} -> {half_open_after} half open"
     );
     assert!(
         prefill_fds_after <= prefill_fds + 24,

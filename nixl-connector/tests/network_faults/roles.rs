@@ -9,6 +9,7 @@ use std::sync::mpsc::{Receiver, TryRecvError};
 use std::time::Duration;
 
 use crate::common::{capability, fill, pattern, vllm_config, vllm_factors, worker_with};
+use crate::hosts::tcp_table;
 use nixl_connector::{
     FailedBlock, KvAttention, KvCacheSpec, KvConnectorWorker, KvLayout, RemoteBlocks, WorkerConfig,
 };
@@ -410,28 +411,24 @@ fn fd_kinds() -> std::collections::BTreeMap<String, usize> {
     kinds
 }
 
-/// `socket tcp STATE local-port`, or `socket other`: socket `inode` found in this
-/// namespace's TCP tables (the state as the kernel numbers it: 01 established, 08 close
-/// wait, 0A listen).
+/// `socket tcp STATE local-port->remote-port`, or `socket other`: socket `inode` found in
+/// this namespace's TCP tables (the state as `hosts::TcpRow` has it).
 fn socket_kind(inode: &str) -> String {
-    for table in ["/proc/self/net/tcp", "/proc/self/net/tcp6"] {
-        let text = std::fs::read_to_string(table).unwrap_or_default();
-        for line in text.lines().skip(1) {
-            let fields: Vec<&str> = line.split_whitespace().collect();
-            if fields.get(9) == Some(&inode) {
-                let local_port = fields[1].rsplit(':').next().unwrap_or("");
-                let remote_port = fields[2].rsplit(':').next().unwrap_or("");
-                let port = |hex: &str| u16::from_str_radix(hex, 16).unwrap_or(0);
-                return format!(
-                    "socket tcp {} {}->{}",
-                    fields[3],
-                    port(local_port),
-                    port(remote_port)
-                );
-            }
-        }
-    }
-    "socket other".to_string()
+    let port = |address: &str| {
+        let hex = address.rsplit(':').next().unwrap_or("");
+        u16::from_str_radix(hex, 16).unwrap_or(0)
+    };
+    tcp_table(std::process::id())
+        .into_iter()
+        .find(|row| row.inode == inode)
+        .map_or("socket other".to_string(), |row| {
+            format!(
+                "socket tcp {} {}->{}",
+                row.state,
+                port(&row.local),
+                port(&row.remote)
+            )
+        })
 }
 
 /// Which slots' blocks were poisoned when their load ended, and not taken since.
