@@ -47,7 +47,10 @@ pub(crate) const TCP_USER_TIMEOUT: &str = "10s";
 
 /// UCX's keepalive interval: how often UCX sends on each endpoint's connection, so that
 /// an idle connection to a vanished peer has unacknowledged data for the user timeout to
-/// end (UCX's default is 20 s).
+/// end (UCX's default is 20 s). Over TCP, UCX also turns on the kernel's keepalive (idle
+/// 10 s by default, UCX's `TCP_KEEPIDLE`) on the sockets it connects, but not on those it
+/// accepts: an accepted socket whose peer timed out stays half open (see the README's
+/// "Network failures").
 pub(crate) const KEEPALIVE_INTERVAL: &str = "5s";
 
 /// The TCP transport's send segment: the largest piece of a READ's data one message
