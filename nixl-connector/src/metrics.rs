@@ -59,6 +59,8 @@ pub struct RemoteStats {
     pub engines: u64,
     /// Remote agents loaded now (one per remote rank handshaken with).
     pub agents: u64,
+    /// Handshakes started and not yet ended (loads waiting on them share each one).
+    pub handshakes_pending: u64,
     /// Remote engines evicted so far, their agents invalidated: unused for longer than
     /// `kv_connector_extra_config.engine_ttl` (default 3600 s), or replaced at their
     /// side-channel address by another engine.

@@ -35,6 +35,7 @@ async fn start_load_does_not_wait_for_a_silent_prefill() {
     let returned = start.elapsed();
     assert!(decode.finished().recving.is_empty(), "no load ended yet");
     assert!(returned < DEADLINE, "start_load took {returned:?}");
+    assert_eq!(decode.remote_stats().handshakes_pending, 1, "one shared");
 
     let done = poll_until(&decode, WAIT, |f| f.recving.len() == 4).await;
     assert_eq!(done.recving.len(), 4);
@@ -43,6 +44,7 @@ async fn start_load_does_not_wait_for_a_silent_prefill() {
         "failed by the deadline, not before"
     );
     assert_eq!(silent.accepted(), 1, "the four loads shared one handshake");
+    assert_eq!(decode.remote_stats().handshakes_pending, 0, "ended");
     assert_eq!(decode.load_errors(), (0..8).collect::<Vec<_>>());
     for metrics in decode.metrics() {
         let failure = metrics.failure.unwrap();

@@ -524,10 +524,16 @@ impl Remotes {
             let book = self.book();
             (book.engines.known() as u64, book.evicted)
         };
+        let handshakes_pending = self
+            .lock()
+            .values()
+            .filter(|handshake| handshake.peek().is_none())
+            .count() as u64;
         let loaded = self.loaded();
         RemoteStats {
             engines,
             evicted,
+            handshakes_pending,
             agents: loaded.by_name.len() as u64,
             open_fds: crate::metrics::open_fds(),
             ..loaded.stats

@@ -811,7 +811,10 @@ fn partition_and_heal_cycles(test: &str, fault: CycleFault, more: &[(&str, &str)
     else {
         panic!("{held:?}")
     };
-    assert!(last.agents <= 1 && last.engines <= 1, "{last:?}");
+    assert!(
+        last.agents <= 1 && last.engines <= 1 && last.handshakes_pending <= 1,
+        "{last:?}"
+    );
     assert!(
         last.threads <= first.threads + 2,
         "decode threads: {first:?} -> {last:?}"

@@ -378,7 +378,7 @@ fn print_stats(decode: &KvConnectorWorker) {
     }
     let remotes = decode.remote_stats();
     println!(
-        "STATS {} {} {} {} {} {} {}",
+        "STATS {} {} {} {} {} {} {} {}",
         nixl_connector::open_fds().unwrap_or(0),
         field("Threads:"),
         field("VmRSS:"),
@@ -386,6 +386,7 @@ fn print_stats(decode: &KvConnectorWorker) {
         remotes.engines,
         remotes.loaded,
         decode.agent().leak_stats().requests,
+        remotes.handshakes_pending,
     );
 }
 

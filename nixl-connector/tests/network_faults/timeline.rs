@@ -38,6 +38,8 @@ pub struct Held {
     pub metadata_loads: u64,
     /// NIXL requests given up while maybe in flight.
     pub leaked_requests: u64,
+    /// Handshakes started and not yet ended.
+    pub handshakes_pending: u64,
 }
 
 #[derive(Default)]
@@ -277,7 +279,8 @@ impl State {
                 .split_whitespace()
                 .filter_map(|w| w.parse().ok())
                 .collect();
-            if let [fds, threads, rss_kib, agents, engines, metadata_loads, leaked_requests] = n[..]
+            if let [fds, threads, rss_kib, agents, engines, metadata_loads, leaked_requests, handshakes_pending] =
+                n[..]
             {
                 self.stats.push(Held {
                     fds,
@@ -287,6 +290,7 @@ impl State {
                     engines,
                     metadata_loads,
                     leaked_requests,
+                    handshakes_pending,
                 });
             }
             return;
