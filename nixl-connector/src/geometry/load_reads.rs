@@ -267,12 +267,13 @@ fn descriptors(
     })
 }
 
-/// Sorts each group's pairs (`group_lens` of them per group, or one group) by local unit. Each pair moves its own unit, so the order changes nothing but the
-/// descriptors' order: NIXL joins consecutive descriptors contiguous on both sides, and a
-/// run of blocks contiguous on both sides that the engine listed last first (vLLM frees a
-/// request's blocks last first, so a run it hands out again comes back descending) is
-/// consecutive only once sorted. Counts that do not add up leave `pairs` as they are, for
-/// the checks after to refuse.
+/// Sorts each group's pairs (`group_lens` of them per group, or one group) by local unit.
+/// Each pair moves its own unit, so the order changes nothing but the descriptors' order:
+/// NIXL joins consecutive descriptors contiguous on both sides, and a run of blocks
+/// contiguous on both sides that the engine listed last first (vLLM frees a request's
+/// blocks last first, so a run it hands out again comes back descending) is consecutive
+/// only once sorted. Counts that do not add up leave `pairs` as they are, for the checks
+/// after to refuse.
 fn sort_by_local_unit(pairs: &mut [(usize, usize)], group_lens: &[usize]) {
     let total = group_lens
         .iter()
